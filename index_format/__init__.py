@@ -1,0 +1,1 @@
+"""strata.index_format: the shared contract (file specs, GGML type table, geometry). numpy at most."""
