@@ -69,7 +69,7 @@ def test_truncated_file_names_the_tensor(tmp_path):
     _reference_file(p)
     data = p.read_bytes()
     (tmp_path / "cut.gguf").write_bytes(data[:-40])
-    with pytest.raises(GGUFError, match=r"cut.gguf: tensor q.weight needs bytes .* truncated"):
+    with pytest.raises(GGUFError, match=r"cut.gguf: tensor q.weight needs bytes .* \(truncated\?\)"):
         read_gguf(tmp_path / "cut.gguf")
     (tmp_path / "head.gguf").write_bytes(data[:40])
     with pytest.raises(GGUFError, match=r"head.gguf: at byte \d+: truncated"):
