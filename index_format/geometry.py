@@ -1,0 +1,374 @@
+"""ModelGeometry: one contract of the numbers the kernels depend on (S2).
+
+The weight table answers "where are the bytes"; this answers "is this the tensor I think it is",
+which is where a pack and a kernel disagree - the failure the seed kept paying for. Every field
+is a number some kernel depends on, so a change is a change to a kernel contract, not a knob.
+
+Two rules from the seed:
+- Layer kinds are DERIVED (`layer % interval == interval - 1` is full attention), never a second
+  list kept in parallel; the GGUF's own per-layer array (attention.compress_ratios) is CHECKED
+  against the derived kinds, not trusted.
+- Check semantics, not totals. Round 194 sized the indexer key store from indexer.head_count = 4,
+  which counts QUERY heads; the cached key is ONE shared head (indexer.k_proj is [n_embd, key_dim]),
+  so the term was 4x too big and survived because it TIGHTENED the budget. `tensor_specs()` gives
+  the exact shape of every tensor role, and loaders check each tensor against it at LOAD time.
+
+Shapes are in GGUF order: shape[0] (ne0) is the contiguous row length, so a torch [out, in]
+weight is [in, out] here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import MISSING, asdict, dataclass, fields
+from typing import Iterable, Mapping
+
+ARCHS = ("qwen4exp", "qwen35moe")
+
+# Budget categories (strata-budget groups dense weights by these).
+ATTENTION = "attention"
+LINEAR_ATTENTION = "linear_attention"
+INDEXER = "indexer"
+HYPER_CONNECTION = "hyper_connection"
+SHARED_EXPERT = "shared_expert"
+ROUTER = "router"
+NORM = "norm"
+HEAD = "head"
+EMBEDDING = "embedding"  # stays in host memory
+PLE = "ple"  # the PLE projection weights (dense, per PLE layer)
+PLE_TABLE = "ple_table"  # the huge n-gram table: host memory, read through the page cache (S16)
+EXPERT = "expert"  # routed experts: referenced in place in the GGUF, never copied into the pool
+
+
+class GeometryError(ValueError):
+    """A geometry that cannot be right, or a tensor whose shape disagrees with it."""
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    name: str
+    shape: tuple[int, ...]  # GGUF order
+    category: str
+    layer: int | None = None
+
+    @property
+    def in_pool(self) -> bool:
+        """Dense tensors are copied into pool.bin; experts and the PLE table stay in the GGUF."""
+        return self.category not in (EXPERT, PLE_TABLE)
+
+
+@dataclass(frozen=True)
+class ModelGeometry:
+    arch: str
+    n_vocab: int
+    n_embd: int
+    n_layer: int
+    full_attention_interval: int
+    rms_eps: float
+    # full (gated) attention: attn_q holds [q | gate] per head
+    n_head: int
+    n_head_kv: int
+    head_dim: int
+    n_rot: int  # rotary dims per head (partial rotary)
+    rope_freq_base: float
+    rope_sections: tuple[int, ...]  # interleaved mrope sections (text uses only the first)
+    # Gated DeltaNet (linear attention)
+    ssm_d_conv: int
+    ssm_d_state: int  # key head dim
+    ssm_n_k_heads: int
+    ssm_n_v_heads: int
+    ssm_d_inner: int  # value dim = n_v_heads * value head dim
+    # MoE
+    n_expert: int
+    n_expert_used: int
+    n_ff_exp: int
+    n_ff_shexp: int
+    # qwen4exp only (0 / empty for qwen35moe)
+    hc: int = 0
+    hc_lowrank: int = 0
+    idx_n_heads: int = 0  # indexer QUERY heads; the key is ONE shared head
+    idx_head_dim: int = 0
+    idx_top_k: int = 0  # indexer budget in tokens
+    idx_compress_ratio: int = 0  # tokens averaged into one index block
+    compress_ratios: tuple[int, ...] = ()  # the GGUF's per-layer array, checked not trusted
+    ple_layers: tuple[int, ...] = ()  # 0-based
+    ple_ngram_size: int = 0
+    ple_heads_per_ngram: int = 0
+    ple_conv_kernel: int = 0
+    ple_eos_token_id: int = 0
+    ple_row_dim: int = 0
+    ple_table_rows: int = 0
+    ple_multipliers: tuple[int, ...] = ()  # uint64: exceed 2^53, never floats
+    ple_head_offsets: tuple[int, ...] = ()
+    ple_head_vocab_sizes: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        _validate(self)
+
+    # --- derived, never stored -------------------------------------------------------------
+
+    def is_full_attention(self, layer: int) -> bool:
+        i = self.full_attention_interval
+        return layer % i == i - 1
+
+    @property
+    def full_attention_layers(self) -> tuple[int, ...]:
+        return tuple(l for l in range(self.n_layer) if self.is_full_attention(l))
+
+    @property
+    def linear_attention_layers(self) -> tuple[int, ...]:
+        return tuple(l for l in range(self.n_layer) if not self.is_full_attention(l))
+
+    @property
+    def has_qsa(self) -> bool:
+        return self.idx_n_heads > 0
+
+    @property
+    def ssm_head_v_dim(self) -> int:
+        return self.ssm_d_inner // self.ssm_n_v_heads
+
+    @property
+    def ssm_conv_channels(self) -> int:
+        return 2 * self.ssm_d_state * self.ssm_n_k_heads + self.ssm_d_inner
+
+    @property
+    def ple_n_heads(self) -> int:
+        return (self.ple_ngram_size - 1) * self.ple_heads_per_ngram
+
+    @property
+    def ple_embed_dim(self) -> int:
+        return self.ple_row_dim * self.ple_n_heads
+
+    @property
+    def idx_key_store_dim(self) -> int:
+        """Per cached token of a QSA layer's indexer: ONE shared key head (not idx_n_heads of them)."""
+        return self.idx_head_dim
+
+    # --- serialisation (geometry.txt holds exactly these fields) --------------------------
+
+    def to_values(self) -> dict[str, object]:
+        return asdict(self)
+
+    @classmethod
+    def from_values(cls, values: Mapping[str, object], *, source: str = "geometry") -> "ModelGeometry":
+        names = {f.name: f for f in fields(cls)}
+        unknown = sorted(set(values) - set(names))
+        if unknown:
+            raise GeometryError(f"{source}: unknown geometry field(s) {unknown}; this Strata knows {sorted(names)}")
+        missing = [n for n, f in names.items() if n not in values and f.default is MISSING]
+        if missing:
+            raise GeometryError(f"{source}: missing geometry field(s) {missing}")
+        kw = {}
+        for n, v in values.items():
+            want = names[n].type
+            kw[n] = tuple(int(x) for x in v) if "tuple" in str(want) else v
+        return cls(**kw)
+
+
+def _require(cond: bool, what: str) -> None:
+    if not cond:
+        raise GeometryError(what)
+
+
+def _validate(g: ModelGeometry) -> None:
+    _require(g.arch in ARCHS, f"architecture {g.arch!r} is not supported (expected one of {ARCHS})")
+    for f in fields(g):
+        v = getattr(g, f.name)
+        if isinstance(v, int) and not isinstance(v, bool):
+            _require(v >= 0, f"geometry field {f.name} is {v}, expected >= 0")
+    for name in ("n_vocab", "n_embd", "n_layer", "full_attention_interval", "n_head", "n_head_kv",
+                 "head_dim", "ssm_d_conv", "ssm_d_state", "ssm_n_k_heads", "ssm_n_v_heads",
+                 "ssm_d_inner", "n_expert", "n_expert_used", "n_ff_exp"):
+        _require(getattr(g, name) > 0, f"geometry field {name} is {getattr(g, name)}, expected > 0")
+    _require(g.n_head % g.n_head_kv == 0, f"n_head {g.n_head} is not a multiple of n_head_kv {g.n_head_kv}")
+    _require(0 < g.n_rot <= g.head_dim and g.n_rot % 2 == 0, f"n_rot {g.n_rot} must be even and in 1..head_dim {g.head_dim}")
+    _require(g.ssm_n_v_heads % g.ssm_n_k_heads == 0,
+             f"ssm_n_v_heads {g.ssm_n_v_heads} is not a multiple of ssm_n_k_heads {g.ssm_n_k_heads}")
+    _require(g.ssm_d_inner % g.ssm_n_v_heads == 0,
+             f"ssm_d_inner {g.ssm_d_inner} is not a multiple of ssm_n_v_heads {g.ssm_n_v_heads}")
+    _require(g.n_expert_used <= g.n_expert, f"n_expert_used {g.n_expert_used} > n_expert {g.n_expert}")
+    _require(g.rms_eps > 0, f"rms_eps {g.rms_eps} must be > 0")
+    if g.arch == "qwen35moe":
+        _require(g.hc == 0 and not g.has_qsa and not g.ple_layers,
+                 "qwen35moe has no hyper-connections, QSA indexer or PLE fields")
+        return
+    _require(g.hc > 1 and g.hc_lowrank > 0, f"qwen4exp needs hc > 1 and hc_lowrank > 0 (got {g.hc}, {g.hc_lowrank})")
+    if g.compress_ratios:
+        _require(len(g.compress_ratios) == g.n_layer,
+                 f"compress_ratios has {len(g.compress_ratios)} entries, expected n_layer = {g.n_layer}")
+    if g.has_qsa:
+        _require(g.idx_head_dim > 0 and g.idx_top_k > 0 and g.idx_compress_ratio > 0,
+                 "QSA needs idx_head_dim, idx_top_k and idx_compress_ratio > 0")
+        _require(g.idx_top_k % g.idx_compress_ratio == 0,
+                 f"idx_top_k {g.idx_top_k} is not a multiple of idx_compress_ratio {g.idx_compress_ratio}")
+        _require(g.n_rot <= g.idx_head_dim, f"n_rot {g.n_rot} does not fit the indexer head dim {g.idx_head_dim}")
+    if g.ple_layers:
+        _require(all(0 <= l < g.n_layer and not g.is_full_attention(l) for l in g.ple_layers),
+                 f"PLE layers {list(g.ple_layers)} must be linear-attention layers in 0..{g.n_layer - 1}")
+        n = g.ple_n_heads
+        _require(n > 0 and g.ple_row_dim > 0, "PLE needs ngram_size > 1, heads_per_ngram > 0 and a row dim")
+        _require(len(g.ple_multipliers) == g.ple_ngram_size * len(g.ple_layers) or len(g.ple_multipliers) == g.ple_ngram_size,
+                 f"ple_multipliers has {len(g.ple_multipliers)} entries, expected ngram_size = {g.ple_ngram_size} per PLE layer")
+        _require(len(g.ple_head_offsets) == len(g.ple_head_vocab_sizes) and len(g.ple_head_offsets) % n == 0,
+                 f"PLE head offsets/vocab sizes: {len(g.ple_head_offsets)}/{len(g.ple_head_vocab_sizes)} entries, expected a multiple of {n}")
+        _require(all(x < 2**64 for x in g.ple_multipliers), "PLE multipliers must fit in uint64")
+        end = max(o + s for o, s in zip(g.ple_head_offsets, g.ple_head_vocab_sizes))
+        _require(end <= g.ple_table_rows, f"PLE heads reach row {end}, the table has {g.ple_table_rows}")
+
+
+def check_compress_ratios(g: ModelGeometry) -> list[str]:
+    """Compare the GGUF's per-layer compress-ratio array with the DERIVED layer kinds.
+
+    Returns the disagreements as sentences (empty when they agree). An all-zero array on a model
+    whose full-attention layers carry indexer tensors is a known converter bug (transformers
+    renames "full_attention" to "indexed_attention", so the converter's test never matches):
+    callers report it; nobody silently runs dense attention.
+    """
+    if not g.compress_ratios:
+        return []
+    expect = [g.idx_compress_ratio if g.has_qsa and g.is_full_attention(l) else 0 for l in range(g.n_layer)]
+    if list(g.compress_ratios) == expect:
+        return []
+    if g.has_qsa and not any(g.compress_ratios):
+        return [
+            f"attention.compress_ratios is all zeros, but layers {list(g.full_attention_layers)} are "
+            f"full attention (every {g.full_attention_interval}th) and carry QSA indexer tensors; "
+            f"using the derived kinds with compress ratio {g.idx_compress_ratio} (a known converter "
+            "bug: transformers renames full_attention to indexed_attention)"
+        ]
+    bad = [l for l in range(g.n_layer) if g.compress_ratios[l] != expect[l]]
+    return [f"attention.compress_ratios disagrees with the derived layer kinds at layers {bad}: "
+            f"found {[g.compress_ratios[l] for l in bad]}, derived {[expect[l] for l in bad]}"]
+
+
+def tensor_specs(g: ModelGeometry) -> list[TensorSpec]:
+    """The exact name, shape (GGUF order) and category of every tensor the model has."""
+    E, V = g.n_embd, g.n_vocab
+    out = [TensorSpec("token_embd.weight", (E, V), EMBEDDING), TensorSpec("output.weight", (E, V), HEAD)]
+    if g.arch == "qwen4exp":
+        out += _hc_specs("output_hc", g, None, inject=False)
+    else:
+        out.append(TensorSpec("output_norm.weight", (E,), NORM))
+    for l in range(g.n_layer):
+        out += _layer_specs(g, l)
+    if g.ple_layers:
+        out.append(TensorSpec("per_layer_token_embd.weight", (g.ple_row_dim, g.ple_table_rows), PLE_TABLE))
+    return out
+
+
+def _hc_specs(prefix: str, g: ModelGeometry, layer: int | None, inject: bool) -> list[TensorSpec]:
+    HE, R = g.hc * g.n_embd, g.hc_lowrank
+    s = [
+        TensorSpec(f"{prefix}_norm.weight", (HE,), NORM, layer),
+        TensorSpec(f"{prefix}_down.weight", (HE, R), HYPER_CONNECTION, layer),
+        TensorSpec(f"{prefix}_up.weight", (R, HE), HYPER_CONNECTION, layer),
+    ]
+    if inject:
+        s.append(TensorSpec(f"{prefix}_inject.weight", (HE, g.hc), HYPER_CONNECTION, layer))
+    return s
+
+
+def _layer_specs(g: ModelGeometry, l: int) -> list[TensorSpec]:
+    E, b = g.n_embd, f"blk.{l}"
+    s: list[TensorSpec] = []
+    if g.arch == "qwen4exp":
+        s += _hc_specs(f"{b}.hc_attn", g, l, inject=True) + _hc_specs(f"{b}.hc_ffn", g, l, inject=True)
+    else:
+        s += [TensorSpec(f"{b}.attn_norm.weight", (E,), NORM, l),
+              TensorSpec(f"{b}.post_attention_norm.weight", (E,), NORM, l)]
+    s += _full_attention_specs(g, l) if g.is_full_attention(l) else _linear_attention_specs(g, l)
+    if l in g.ple_layers:
+        s += _ple_specs(g, l)
+    s += _moe_specs(g, l)
+    return s
+
+
+def _full_attention_specs(g: ModelGeometry, l: int) -> list[TensorSpec]:
+    E, D, b = g.n_embd, g.head_dim, f"blk.{l}"
+    s = [
+        TensorSpec(f"{b}.attn_q.weight", (E, 2 * g.n_head * D), ATTENTION, l),  # [q | gate] per head
+        TensorSpec(f"{b}.attn_k.weight", (E, g.n_head_kv * D), ATTENTION, l),
+        TensorSpec(f"{b}.attn_v.weight", (E, g.n_head_kv * D), ATTENTION, l),
+        TensorSpec(f"{b}.attn_output.weight", (g.n_head * D, E), ATTENTION, l),
+        TensorSpec(f"{b}.attn_q_norm.weight", (D,), NORM, l),
+        TensorSpec(f"{b}.attn_k_norm.weight", (D,), NORM, l),
+    ]
+    if g.has_qsa:
+        K = g.idx_head_dim
+        s += [
+            TensorSpec(f"{b}.indexer.q_proj.weight", (E, g.idx_n_heads * K), INDEXER, l),
+            # ONE shared key head: [n_embd, key_dim], not idx_n_heads of them (round 194).
+            TensorSpec(f"{b}.indexer.k_proj.weight", (E, K), INDEXER, l),
+            TensorSpec(f"{b}.indexer.q_norm.weight", (K,), NORM, l),
+            TensorSpec(f"{b}.indexer.k_norm.weight", (K,), NORM, l),
+        ]
+    return s
+
+
+def _linear_attention_specs(g: ModelGeometry, l: int) -> list[TensorSpec]:
+    E, b, nv = g.n_embd, f"blk.{l}", g.ssm_n_v_heads
+    return [
+        TensorSpec(f"{b}.attn_qkv.weight", (E, g.ssm_conv_channels), LINEAR_ATTENTION, l),
+        TensorSpec(f"{b}.attn_gate.weight", (E, g.ssm_d_inner), LINEAR_ATTENTION, l),
+        TensorSpec(f"{b}.ssm_beta.weight", (E, nv), LINEAR_ATTENTION, l),
+        TensorSpec(f"{b}.ssm_alpha.weight", (E, nv), LINEAR_ATTENTION, l),
+        TensorSpec(f"{b}.ssm_a", (nv,), LINEAR_ATTENTION, l),  # -exp(A_log), folded by the converter
+        TensorSpec(f"{b}.ssm_dt.bias", (nv,), LINEAR_ATTENTION, l),
+        TensorSpec(f"{b}.ssm_conv1d.weight", (g.ssm_d_conv, g.ssm_conv_channels), LINEAR_ATTENTION, l),
+        TensorSpec(f"{b}.ssm_norm.weight", (g.ssm_head_v_dim,), NORM, l),  # gated norm: stored as is
+        TensorSpec(f"{b}.ssm_out.weight", (g.ssm_d_inner, E), LINEAR_ATTENTION, l),
+    ]
+
+
+def _ple_specs(g: ModelGeometry, l: int) -> list[TensorSpec]:
+    E, HE, P, b = g.n_embd, g.hc * g.n_embd, g.ple_embed_dim, f"blk.{l}"
+    return [
+        TensorSpec(f"{b}.ple_key.weight", (P, HE), PLE, l),
+        TensorSpec(f"{b}.ple_value.weight", (P, E), PLE, l),
+        TensorSpec(f"{b}.ple_norm_key.weight", (HE,), NORM, l),
+        TensorSpec(f"{b}.ple_norm_query.weight", (HE,), NORM, l),
+        TensorSpec(f"{b}.ple_norm_conv.weight", (HE,), NORM, l),
+        TensorSpec(f"{b}.ple_conv1d.weight", (g.ple_conv_kernel, HE), PLE, l),
+    ]
+
+
+def _moe_specs(g: ModelGeometry, l: int) -> list[TensorSpec]:
+    E, F, X, b = g.n_embd, g.n_ff_exp, g.n_expert, f"blk.{l}"
+    s = [
+        TensorSpec(f"{b}.ffn_gate_inp.weight", (E, X), ROUTER, l),
+        TensorSpec(f"{b}.ffn_gate_exps.weight", (E, F, X), EXPERT, l),
+        TensorSpec(f"{b}.ffn_up_exps.weight", (E, F, X), EXPERT, l),
+        TensorSpec(f"{b}.ffn_down_exps.weight", (F, E, X), EXPERT, l),
+    ]
+    if g.n_ff_shexp:
+        S = g.n_ff_shexp
+        s += [
+            TensorSpec(f"{b}.ffn_gate_inp_shexp.weight", (E,), ROUTER, l),
+            TensorSpec(f"{b}.ffn_gate_shexp.weight", (E, S), SHARED_EXPERT, l),
+            TensorSpec(f"{b}.ffn_up_shexp.weight", (E, S), SHARED_EXPERT, l),
+            TensorSpec(f"{b}.ffn_down_shexp.weight", (S, E), SHARED_EXPERT, l),
+        ]
+    return s
+
+
+def check_tensor_shapes(g: ModelGeometry, found: Mapping[str, tuple[int, ...]], *, source: str,
+                        ignore: Iterable[str] = ()) -> None:
+    """Every tensor the contract names must exist with exactly its shape; no unknown tensor either.
+
+    A mismatch names the tensor, the shape found and the shape required, at LOAD time - not as a
+    wrong number inside a GEMV at token 4000.
+    """
+    specs = {s.name: s for s in tensor_specs(g)}
+    ignore = set(ignore)
+    for name, spec in specs.items():
+        if name in ignore:
+            continue
+        if name not in found:
+            raise GeometryError(f"{source}: tensor {name} is missing (required shape {list(spec.shape)})")
+        if tuple(found[name]) != spec.shape:
+            raise GeometryError(
+                f"{source}: tensor {name} has shape {list(found[name])}, the geometry requires {list(spec.shape)}"
+            )
+    extra = sorted(set(found) - set(specs) - ignore)
+    if extra:
+        raise GeometryError(f"{source}: tensor(s) the {g.arch} geometry does not know: {extra[:8]}"
+                            + (f" and {len(extra) - 8} more" if len(extra) > 8 else ""))
