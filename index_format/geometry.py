@@ -82,6 +82,7 @@ class ModelGeometry:
     n_expert_used: int
     n_ff_exp: int
     n_ff_shexp: int
+    recurrent_layers: tuple[int, ...] = ()  # the GGUF's per-layer bool array (1 = GDN), checked not trusted
     # qwen4exp only (0 / empty for qwen35moe)
     hc: int = 0
     hc_lowrank: int = 0
@@ -187,6 +188,9 @@ def _validate(g: ModelGeometry) -> None:
              f"ssm_d_inner {g.ssm_d_inner} is not a multiple of ssm_n_v_heads {g.ssm_n_v_heads}")
     _require(g.n_expert_used <= g.n_expert, f"n_expert_used {g.n_expert_used} > n_expert {g.n_expert}")
     _require(g.rms_eps > 0, f"rms_eps {g.rms_eps} must be > 0")
+    if g.recurrent_layers:
+        _require(len(g.recurrent_layers) == g.n_layer,
+                 f"recurrent_layers has {len(g.recurrent_layers)} entries, expected n_layer = {g.n_layer}")
     if g.arch == "qwen35moe":
         _require(g.hc == 0 and not g.has_qsa and not g.ple_layers,
                  "qwen35moe has no hyper-connections, QSA indexer or PLE fields")
@@ -213,6 +217,23 @@ def _validate(g: ModelGeometry) -> None:
         _require(all(x < 2**64 for x in g.ple_multipliers), "PLE multipliers must fit in uint64")
         end = max(o + s for o, s in zip(g.ple_head_offsets, g.ple_head_vocab_sizes))
         _require(end <= g.ple_table_rows, f"PLE heads reach row {end}, the table has {g.ple_table_rows}")
+
+
+def check_layer_arrays(g: ModelGeometry) -> list[str]:
+    """Compare every per-layer array the GGUF carries with the DERIVED layer kinds.
+
+    A recurrent_layers array that disagrees is an error (the file describes another model); the
+    compress-ratio array has a known benign disagreement, returned as a warning (see below).
+    """
+    if g.recurrent_layers:
+        derived = [0 if g.is_full_attention(l) else 1 for l in range(g.n_layer)]
+        bad = [l for l in range(g.n_layer) if g.recurrent_layers[l] != derived[l]]
+        if bad:
+            raise GeometryError(
+                f"attention.recurrent_layers disagrees with full_attention_interval {g.full_attention_interval} "
+                f"at layers {bad}: the file says {[g.recurrent_layers[l] for l in bad]}, derived {[derived[l] for l in bad]}"
+            )
+    return check_compress_ratios(g)
 
 
 def check_compress_ratios(g: ModelGeometry) -> list[str]:
@@ -342,7 +363,8 @@ def _moe_specs(g: ModelGeometry, l: int) -> list[TensorSpec]:
     if g.n_ff_shexp:
         S = g.n_ff_shexp
         s += [
-            TensorSpec(f"{b}.ffn_gate_inp_shexp.weight", (E,), ROUTER, l),
+            # the converter keeps torch's [1, n_embd] as a 2-D [n_embd, 1]
+            TensorSpec(f"{b}.ffn_gate_inp_shexp.weight", (E, 1), ROUTER, l),
             TensorSpec(f"{b}.ffn_gate_shexp.weight", (E, S), SHARED_EXPERT, l),
             TensorSpec(f"{b}.ffn_up_shexp.weight", (E, S), SHARED_EXPERT, l),
             TensorSpec(f"{b}.ffn_down_shexp.weight", (S, E), SHARED_EXPERT, l),

@@ -97,3 +97,13 @@ def test_values_round_trip_and_unknown_fields_are_refused():
     with pytest.raises(GeometryError, match=r"missing geometry field\(s\) \['n_embd'\]"):
         ModelGeometry.from_values(v)
     assert dataclasses.is_dataclass(g)
+
+
+def test_recurrent_layers_array_must_match_derived_kinds():
+    from strata.index_format.geometry import check_layer_arrays
+
+    ok = production(recurrent_layers=tuple(0 if l % 4 == 3 else 1 for l in range(48)))
+    assert check_layer_arrays(ok) == []
+    bad = production(recurrent_layers=(1,) * 48)
+    with pytest.raises(GeometryError, match=r"recurrent_layers disagrees .* at layers \[3, 7,"):
+        check_layer_arrays(bad)

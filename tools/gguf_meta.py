@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Mapping
 
-from strata.index_format.geometry import ARCHS, GeometryError, ModelGeometry, check_compress_ratios
+from strata.index_format.geometry import ARCHS, GeometryError, ModelGeometry, check_layer_arrays
 from strata.tools.gguf_io import GGUFFile, TensorInfo
 
 # Not in the GGUF, fixed by the released models (BRIEF section 2): the GDN output-gate activation
@@ -79,6 +79,7 @@ def geometry_from_gguf(
         n_expert_used=_u(main, k("expert_used_count")),
         n_ff_exp=_u(main, k("expert_feed_forward_length")),
         n_ff_shexp=int(main.get(k("expert_shared_feed_forward_length"), 0)),
+        recurrent_layers=tuple(int(bool(x)) for x in main.get(k("attention.recurrent_layers"), ())),
     )
     warnings: list[str] = []
     value_len = main.get(k("attention.value_length"))
@@ -90,7 +91,7 @@ def geometry_from_gguf(
     if arch == "qwen4exp":
         values.update(_qwen4exp_values(main, tensors, k, values, compress_ratio, warnings))
     g = ModelGeometry.from_values(values, source=main.path.name)
-    warnings += check_compress_ratios(g)
+    warnings += check_layer_arrays(g)
     return GeometryReading(g, tuple(warnings))
 
 
