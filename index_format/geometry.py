@@ -22,6 +22,8 @@ from __future__ import annotations
 from dataclasses import MISSING, asdict, dataclass, fields
 from typing import Iterable, Mapping
 
+from .hparams import HParam, read_hparams, write_hparams
+
 ARCHS = ("qwen4exp", "qwen35moe")
 
 # Budget categories (strata-budget groups dense weights by these).
@@ -394,3 +396,34 @@ def check_tensor_shapes(g: ModelGeometry, found: Mapping[str, tuple[int, ...]], 
     if extra:
         raise GeometryError(f"{source}: tensor(s) the {g.arch} geometry does not know: {extra[:8]}"
                             + (f" and {len(extra) - 8} more" if len(extra) > 8 else ""))
+
+
+# --- geometry.txt: the pack's copy of this contract (format: index_format/hparams.py) ------------
+
+_TUPLE_FIELDS = {f.name for f in fields(ModelGeometry) if "tuple" in str(f.type)}
+
+
+def _kind(name: str, annotation: str) -> str:
+    if name in _TUPLE_FIELDS:
+        # the PLE hash multipliers exceed 2^53: u64, never a float
+        return "u64" if name == "ple_multipliers" else "i64"
+    return {"int": "i64", "float": "f64", "str": "str"}[annotation]
+
+
+_KINDS = {f.name: _kind(f.name, str(f.type)) for f in fields(ModelGeometry)}
+
+
+def write_geometry(path, g: ModelGeometry) -> None:
+    """geometry.txt holds exactly ModelGeometry's fields, each with its kind."""
+    write_hparams(path, {n: HParam(_KINDS[n], tuple(v) if n in _TUPLE_FIELDS else (v,))
+                         for n, v in g.to_values().items()})
+
+
+def read_geometry(path) -> ModelGeometry:
+    """geometry.txt -> ModelGeometry; each field must have its kind (an int is never an f64)."""
+    params = read_hparams(path)
+    for k, p in params.items():
+        if k in _KINDS and p.kind != _KINDS[k]:
+            raise GeometryError(f"{path}: field {k} is {p.kind}, expected {_KINDS[k]}")
+    values = {k: (p.array() if k in _TUPLE_FIELDS else p.scalar()) for k, p in params.items()}
+    return ModelGeometry.from_values(values, source=str(path))

@@ -1,0 +1,225 @@
+"""`strata-pack`: GGUF -> pack conversion, pack verification, synthetic models, and the demo.
+
+Thin on purpose: every command parses its flags, calls tools/pack.py (or tools/synth.py) and
+formats the result. The summary and the verify table go to stdout (parseable); progress,
+warnings and errors go to stderr.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from strata.engine.cli import run_app
+
+app = typer.Typer(
+    add_completion=False,
+    no_args_is_help=True,
+    help="Convert a qwen4exp / qwen35moe GGUF into a Strata pack (dense weights copied, experts referenced in place).",
+)
+
+# What the user can fix; anything else is a bug and keeps its traceback.
+_INPUT_ERRORS = (ValueError, OSError)
+
+
+def _fail(command: str, message: str, code: int = 1) -> typer.Exit:
+    for line in str(message).splitlines() or [""]:
+        typer.echo(f"strata-pack {command}: {line}", err=True)
+    return typer.Exit(code)
+
+
+def _interrupted(command: str) -> typer.Exit:
+    return _fail(command, "interrupted; the partial output was removed, nothing that looks like a pack was left", 130)
+
+
+def _progress_factory(desc: str):
+    from tqdm import tqdm
+
+    bars = []
+
+    def factory(total: int):
+        bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=desc, file=sys.stderr,
+                   disable=None, leave=False)
+        bars.append(bar)
+        return bar.update
+
+    return factory, bars
+
+
+def _convert(ggufs, out, ple_gguf, force, compress_ratio, command: str) -> None:
+    from strata.tools import pack
+
+    factory, bars = _progress_factory("pool.bin")
+    try:
+        pack.convert(ggufs, out, ple_gguf=ple_gguf, force=force, compress_ratio=compress_ratio,
+                     on_warning=lambda w: typer.echo(f"strata-pack {command}: warning: {w}", err=True),
+                     progress_factory=factory)
+    finally:
+        for bar in bars:
+            bar.close()
+    typer.echo(f"strata-pack {command}: wrote {out}", err=True)
+
+
+@app.command()
+def convert(
+    ggufs: list[Path] = typer.Argument(..., metavar="GGUF", help="the model's GGUF (any shard of a split one finds the rest)"),
+    out: Path = typer.Option(..., "-o", "--out", help="the pack directory to create"),
+    ple_gguf: Optional[Path] = typer.Option(None, "--ple-gguf", help="the PLE shard (qwen4exp), when not a split shard"),
+    force: bool = typer.Option(False, "--force", help="replace an existing pack (kept until the new one is complete)"),
+    compress_ratio: Optional[int] = typer.Option(
+        None, "--compress-ratio", min=1, help="the QSA block size, when the GGUF's attention.compress_ratios is all zeros"
+    ),
+) -> None:
+    """Pack a GGUF: dense tensors into pool.bin, experts and the PLE table referenced in place."""
+    try:
+        _convert(ggufs, out, ple_gguf, force, compress_ratio, "convert")
+        _print_summary(out)
+    except KeyboardInterrupt:
+        raise _interrupted("convert") from None
+    except _INPUT_ERRORS as e:
+        raise _fail("convert", str(e)) from None
+
+
+@app.command()
+def verify(
+    pack_dir: Path = typer.Argument(..., metavar="PACK", help="the pack directory"),
+    gguf_dir: Optional[Path] = typer.Option(
+        None, "--gguf-dir", help="where the source GGUFs are now (default: where they were at pack time, sources.txt)"
+    ),
+    full: bool = typer.Option(False, "--full", help="also hash all of pool.bin against the manifest's sha256"),
+) -> None:
+    """Check a pack against itself and its GGUFs: sizes, fingerprints, every index line, expert offsets."""
+    from strata.tools.pack import verify_pack
+
+    try:
+        report = verify_pack(pack_dir, gguf_dir=gguf_dir, full=full)
+    except KeyboardInterrupt:
+        raise _interrupted("verify") from None
+    if not report.ok:
+        raise _fail("verify", "\n".join(report.problems + [f"{pack_dir}: NOT OK ({len(report.problems)} problem(s))"]))
+    typer.echo(_table(report.checks, ["check", "result"]))
+    typer.echo(f"{pack_dir}: OK")
+
+
+@app.command()
+def synth(
+    arch: str = typer.Argument(..., help="qwen4exp or qwen35moe"),
+    out: Path = typer.Option(..., "-o", "--out", help="the GGUF to write (NAME.gguf; split ones become NAME-0000i-of-0000n.gguf)"),
+    preset: str = typer.Option("tiny", "--preset", help="tiny (tests), demo (the README's default) or seed-4l (production widths)"),
+    seed: int = typer.Option(0, "--seed", help="random seed (same seed, same bytes)"),
+    force: bool = typer.Option(False, "--force", help="overwrite existing files"),
+) -> None:
+    """Write a synthetic random model as GGUF (no download): the demo's and the tests' source."""
+    from strata.tools.synth import get_preset, synth_command
+
+    try:
+        paths = synth_command(arch, preset, out, seed, force)
+    except KeyboardInterrupt:
+        raise _interrupted("synth") from None
+    except _INPUT_ERRORS as e:
+        raise _fail("synth", str(e)) from None
+    for path in paths:
+        typer.echo(str(path))
+    if arch == "qwen4exp":
+        # The file, like the real converter's, does not hold the QSA block size (compress_ratios are zeros).
+        ratio = get_preset(preset).compress_ratio
+        typer.echo(f"strata-pack synth: pack with: strata-pack convert {paths[0]} -o PACK --compress-ratio {ratio}", err=True)
+
+
+DEMO_ARCH, DEMO_PRESET, DEMO_SEED = "qwen4exp", "demo", 0
+
+
+@app.command()
+def demo(
+    out: Path = typer.Option(Path("packs/demo"), "-o", "--out", help="the pack directory (its sources go beside it, in <out>-src)"),
+    force: bool = typer.Option(False, "--force", help="rebuild the sources and the pack"),
+) -> None:
+    """Synthesize the `demo` model (qwen4exp), pack it, print the summary. No GPU, no download."""
+    try:
+        _demo(out, force)
+    except KeyboardInterrupt:
+        raise _interrupted("demo") from None
+    except _INPUT_ERRORS as e:
+        raise _fail("demo", str(e)) from None
+
+
+def _demo(out: Path, force: bool) -> None:
+    from strata.tools.pack import MANIFEST, verify_pack
+    from strata.tools.synth import get_preset, output_paths, plan_model, synth_command
+
+    if (out / MANIFEST).is_file() and not force:
+        report = verify_pack(out)
+        if not report.ok:
+            raise _fail("demo", "\n".join(report.problems + [f"{out} exists but does not verify; rerun with --force to rebuild it"]))
+        typer.echo(f"strata-pack demo: {out} exists and verifies; reusing it (--force rebuilds it)", err=True)
+    else:
+        src = out.with_name(out.name + "-src")
+        name = src / f"{DEMO_ARCH}-{DEMO_PRESET}.gguf"
+        ggufs = output_paths(name, len(plan_model(DEMO_ARCH, DEMO_PRESET).shards))
+        if force or not all(p.is_file() for p in ggufs):
+            src.mkdir(parents=True, exist_ok=True)
+            synth_command(DEMO_ARCH, DEMO_PRESET, name, DEMO_SEED, True)  # only our own demo files are replaced
+        else:
+            typer.echo(f"strata-pack demo: reusing the synthetic model in {src}", err=True)
+        _convert([ggufs[0]], out, None, force, get_preset(DEMO_PRESET).compress_ratio, "demo")
+    _print_summary(out)
+
+
+# --- output ---------------------------------------------------------------------------------------
+
+
+def _human(n: int) -> str:
+    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= size:
+            return f"{n / size:.3f} {unit}"
+    return f"{n} B"
+
+
+def _table(rows, headers) -> str:
+    from tabulate import tabulate
+
+    return tabulate(rows, headers=headers, tablefmt="simple", disable_numparse=True)
+
+
+def _print_summary(pack_dir: Path) -> None:
+    from strata.tools.pack import read_pack, summarize
+
+    typer.echo(format_summary(summarize(read_pack(pack_dir)), pack_dir))
+
+
+def format_summary(s, pack_dir: Path) -> str:
+    """The pack summary: dense tensors by type and by budget category, pool forms, experts, PLE."""
+    parts = [f"# pack {pack_dir}", "", "## dense tensors by source type (pool.bin)"]
+    parts.append(_table(s.by_type, ["src_type", "tensors", "pack_type", "pack_bytes", "engine_bytes"]))
+    parts += ["", "## dense tensors by budget category"]
+    parts.append(_table(s.by_category, ["category", "tensors", "pack_bytes", "engine_bytes", "f32_scale_bytes"]))
+    parts += ["", "## bytes: the pool in pack form and engine form, the experts in place"]
+    rows = [
+        ("pool.bin (pack form)", s.pool_bytes, _human(s.pool_bytes)),
+        ("engine form", s.engine_bytes, _human(s.engine_bytes)),
+        ("engine form: f32 scale planes", s.scale_plane_bytes, _human(s.scale_plane_bytes)),
+        ("engine form: widening fp16 -> f32 adds", s.widened_bytes, _human(s.widened_bytes)),
+        ("BF16 sources, F32 in the pack", s.bf16_pack_bytes, _human(s.bf16_pack_bytes)),
+        ("BF16 sources, re-rounded in the engine", s.bf16_engine_bytes, _human(s.bf16_engine_bytes)),
+        ("experts, in the GGUF (not in the pool)", s.expert_bytes, _human(s.expert_bytes)),
+    ]
+    parts.append(_table(rows, ["what", "bytes", "size"]))
+    parts += ["", "## experts (referenced in place in the GGUF, never copied)"]
+    parts.append(_table(s.expert_layers, ["layer", "gate_up_type", "down_type", "blob_bytes", "layer_bytes", "file"]))
+    if s.ple is not None:
+        p = s.ple
+        parts += ["", "## PLE table (referenced in place, read through the page cache)"]
+        parts.append(_table([(p.name, p.type.name, f"{p.row_dim}x{p.rows}", p.nbytes, p.offset, p.file)],
+                            ["tensor", "type", "shape", "bytes", "offset", "file"]))
+    return "\n".join(parts)
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_app(app, argv, "strata-pack")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
