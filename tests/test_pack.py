@@ -640,7 +640,7 @@ def test_synth_tiny_packs_and_verifies(tmp_path, arch, capsys):
     from strata.tools.gguf_io import read_gguf
     from strata.tools.synth import get_preset
 
-    assert main(["synth", arch, "--preset", "tiny", "-o", str(tmp_path / "m.gguf")]) == 0
+    assert main(["synth", "--arch", arch, "--preset", "tiny", "-o", str(tmp_path / "m.gguf")]) == 0
     shards = [Path(p) for p in capsys.readouterr().out.split()]
     out = tmp_path / "pack"
     args = ["convert", str(shards[-1]), "-o", str(out)]  # the last shard finds the first

@@ -106,7 +106,7 @@ def verify(
 
 @app.command()
 def synth(
-    arch: str = typer.Argument(..., help="qwen4exp or qwen35moe"),
+    arch: str = typer.Option(..., "--arch", help="qwen4exp or qwen35moe"),
     out: Path = typer.Option(..., "-o", "--out", help="the GGUF to write (NAME.gguf; split ones become NAME-0000i-of-0000n.gguf)"),
     preset: str = typer.Option("tiny", "--preset", help="tiny (tests), demo (the README's default) or seed-4l (production widths)"),
     seed: int = typer.Option(0, "--seed", help="random seed (same seed, same bytes)"),
