@@ -1,0 +1,214 @@
+"""qwen4exp PLE: hashed n-gram embeddings injected into the hc streams of one layer, one token at a time.
+
+transformers' `Qwen4ExpTextNGramEmbedding` + `Qwen4ExpTextPLELayer` (ground truth), with the weights as
+llama.cpp's converter stores them (docs/gguf-layout.md, docs/qwen4exp.md). For token t_p:
+
+    context   c_s = t_{p-s}, s = 0..N-1 (N = ngram_size), except that walking back from p, an EOS at
+              p-s or later (p-s <= e < p) turns c_s and every older one into EOS (a new document starts
+              after an EOS); before the first token the history is EOS too
+    hash      for order n = 2..N: h_n = XOR_{s<n} (c_s * m_s) in wrapping int64 (two's complement, as
+              torch multiplies int64); head i of order n: row_i = off_i + (h_n mod P_i), mod with the
+              sign of the divisor (torch.remainder), P_i the head's prime. Never through floats: the
+              products exceed 2^53, and a negative h_n is NOT h_n mod 2^64 modulo P_i
+    embed     e = concat_i table[row_i]                          [Pe] = Pn rows of Pd
+    gate      K = gnorm(ple_key e), Q = gnorm(S)                 [hc, E] (gnorm: per E group, gain 1+w)
+              g_c = K_c . Q_c / sqrt(E);  g_c = sign(g_c) sqrt(max(|g_c|, 1e-6))
+              G_c = sigmoid(g_c) * ple_value e                   [hc, E]
+    conv      X = gnorm(G); y = silu(sum_j w[:, j] X_{p - (Pk-1-j)*N})  depthwise, dilation N, zeros before 0
+    output    S += G + y                                         (before the layer's attention hyper-connection)
+
+Shapes: E = n_embd, hc = streams, HE = hc*E, Pe = ple embed dim, Pn = heads, Pd = row dim, Pk = conv kernel,
+N = ngram_size, L = (Pk-1)*N conv history, T = tokens.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, Mapping, Sequence
+
+import numpy as np
+
+from strata.index_format.ggml_types import ggml_type
+
+from .hyper import ComponentError, as_f32, as_linear, grouped_rmsnorm, sigmoid, silu, take
+
+F32 = np.float32
+MASK64 = (1 << 64) - 1
+
+
+# ---------------------------------------------------------------------------------------------
+# the table
+
+
+class TableRows:
+    """Rows of the PLE table from its raw bytes (a mapped GGUF shard slice): F32, F16 or BF16 -> f32, exactly."""
+
+    def __init__(self, raw: np.ndarray, type_id: int, row_dim: int, n_rows: int, *, where: str = "PLE table"):
+        t = ggml_type(type_id, where=where)
+        if t.name not in ("F32", "F16", "BF16"):
+            raise ComponentError(f"{where}: type {t.name} is not supported for the PLE table (F32, F16 or BF16)")
+        need = n_rows * t.row_bytes(row_dim)
+        if raw.dtype != np.uint8 or raw.ndim != 1 or raw.size != need:
+            raise ComponentError(f"{where}: raw buffer {raw.dtype}[{raw.size}], expected uint8[{need}] "
+                                 f"({n_rows} rows of {row_dim} {t.name})")
+        self.where, self.kind, self.n_rows, self.row_dim = where, t.name, n_rows, row_dim
+        elem = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16}[t.name]
+        self._rows = raw.view(elem).reshape(n_rows, row_dim)
+
+    def __call__(self, row_ids: np.ndarray) -> np.ndarray:
+        if row_ids.size and (row_ids.min() < 0 or row_ids.max() >= self.n_rows):
+            raise ComponentError(f"{self.where}: row id outside 0..{self.n_rows - 1}: {row_ids.min()}..{row_ids.max()}")
+        r = self._rows[row_ids]
+        if self.kind == "BF16":  # bf16 is the top half of an f32
+            return (r.astype(np.uint32) << 16).view(F32)
+        return r.astype(F32)
+
+
+# ---------------------------------------------------------------------------------------------
+# the hash
+
+
+class NGramHash:
+    """Row ids of the Pn n-gram heads for a token and its N-1 predecessors (transformers' int64 semantics)."""
+
+    def __init__(self, multipliers: Sequence[int], head_offsets: Sequence[int], head_vocab_sizes: Sequence[int],
+                 *, ngram_size: int, heads_per_ngram: int, eos_token_id: int, n_rows: int):
+        N, Pn = ngram_size, (ngram_size - 1) * heads_per_ngram
+        if len(multipliers) != N:
+            raise ComponentError(f"PLE: {len(multipliers)} hash multipliers, expected ngram_size = {N}")
+        if len(head_offsets) != Pn or len(head_vocab_sizes) != Pn:
+            raise ComponentError(f"PLE: {len(head_offsets)} head offsets / {len(head_vocab_sizes)} head sizes, "
+                                 f"expected (ngram_size - 1) * heads_per_ngram = {Pn}")
+        for name, vals in (("multiplier", multipliers), ("head offset", head_offsets), ("head size", head_vocab_sizes)):
+            bad = [int(v) for v in vals if not 0 <= int(v) <= MASK64 or isinstance(v, float)]
+            if bad:
+                raise ComponentError(f"PLE: {name} {bad[0]!r} is not a uint64 integer (read it as UINT64, never as a float)")
+        if any(s <= 0 for s in head_vocab_sizes) or max(o + s for o, s in zip(head_offsets, head_vocab_sizes)) > n_rows:
+            raise ComponentError(f"PLE: heads reach row {max(o + s for o, s in zip(head_offsets, head_vocab_sizes))}, "
+                                 f"the table has {n_rows}")
+        self.ngram_size, self.n_heads, self.eos = N, Pn, int(eos_token_id)
+        # the checkpoint's int64 buffers, as their uint64 bits; multiplying wraps mod 2^64 like torch
+        self.mult = np.array([int(m) for m in multipliers], dtype=np.uint64).view(np.int64)
+        self.offsets = np.array([int(o) for o in head_offsets], dtype=np.int64)
+        self.sizes = np.array([int(s) for s in head_vocab_sizes], dtype=np.int64)
+        self.order = 1 + np.arange(Pn) // heads_per_ngram  # index into the prefix XORs: order n -> n - 1
+
+    def context(self, window: np.ndarray, token: int) -> np.ndarray:
+        """[t_p, t_{p-1}, ..] (N entries) with the EOS rule; window = the N-1 previous raw tokens, oldest first."""
+        c = np.empty(self.ngram_size, np.int64)
+        c[0] = token
+        reset = False
+        for s in range(1, self.ngram_size):
+            reset = reset or window[-s] == self.eos
+            c[s] = self.eos if reset else window[-s]
+        return c
+
+    def rows(self, ctx: np.ndarray) -> np.ndarray:
+        """ctx int64[..., N] -> row ids int64[..., Pn]."""
+        prods = ctx * self.mult  # numpy int64 arrays wrap mod 2^64 (two's complement), as torch's product
+        h = np.bitwise_xor.accumulate(prods, axis=-1)[..., self.order]
+        return np.remainder(h, self.sizes) + self.offsets  # sign of the divisor, like torch.remainder
+
+
+# ---------------------------------------------------------------------------------------------
+# state and layer
+
+
+class PLEState:
+    """A PLE layer's state across tokens, allocated once (S12): the last N-1 raw tokens (EOS at start) and
+    the last L = (Pk-1)*N conv inputs in a ring (zeros at start)."""
+
+    def __init__(self, *, ngram_size: int, eos_token_id: int, conv_kernel: int, channels: int):
+        self.window = np.full(ngram_size - 1, eos_token_id, np.int64)
+        self.ring = np.zeros(((conv_kernel - 1) * ngram_size, channels), F32)
+        self.t = 0  # tokens seen; the conv input of token t sits in ring[t % L]
+        self._eos = eos_token_id
+
+    @classmethod
+    def for_geometry(cls, g: Any) -> "PLEState":
+        return cls(ngram_size=g.ple_ngram_size, eos_token_id=g.ple_eos_token_id, conv_kernel=g.ple_conv_kernel,
+                   channels=g.hc * g.n_embd)
+
+    @property
+    def nbytes(self) -> int:
+        return self.window.nbytes + self.ring.nbytes
+
+    def reset(self) -> None:
+        self.window[:] = self._eos
+        self.ring[:] = 0
+        self.t = 0
+
+
+class PLELayer:
+    """The PLE of layer `layer`: `step` adds its output to the hc streams of one token, `forward_many` of T."""
+
+    def __init__(self, layer: int, t: Mapping[str, Any], g: Any, table_rows: Callable[[np.ndarray], np.ndarray]):
+        if layer not in g.ple_layers:
+            raise ComponentError(f"layer {layer} is not a PLE layer (PLE layers: {list(g.ple_layers)})")
+        b, E, HE, Pe = f"blk.{layer}", g.n_embd, g.hc * g.n_embd, g.ple_embed_dim
+        k = list(g.ple_layers).index(layer)
+        N = g.ple_ngram_size
+        # one multiplier set per PLE layer when the file carries several, else the one set
+        mult = g.ple_multipliers[k * N:(k + 1) * N] if len(g.ple_multipliers) > N else g.ple_multipliers
+        Pn = g.ple_n_heads
+        offs = g.ple_head_offsets[k * Pn:(k + 1) * Pn] if len(g.ple_head_offsets) > Pn else g.ple_head_offsets
+        sizes = g.ple_head_vocab_sizes[k * Pn:(k + 1) * Pn] if len(g.ple_head_vocab_sizes) > Pn else g.ple_head_vocab_sizes
+        self.hash = NGramHash(mult, offs, sizes, ngram_size=N, heads_per_ngram=g.ple_heads_per_ngram,
+                              eos_token_id=g.ple_eos_token_id, n_rows=g.ple_table_rows)
+        self.layer, self.E, self.hc, self.Pe, self.eps = layer, E, g.hc, Pe, g.rms_eps
+        self.Pd, self.Pk, self.dil = g.ple_row_dim, g.ple_conv_kernel, N  # dilation = ngram_size (not stored)
+        self.key = as_linear(take(t, f"{b}.ple_key.weight"), f"{b}.ple_key.weight", Pe, HE)
+        self.value = as_linear(take(t, f"{b}.ple_value.weight"), f"{b}.ple_value.weight", Pe, E)
+        self.norm_key = as_f32(take(t, f"{b}.ple_norm_key.weight"), f"{b}.ple_norm_key.weight", (HE,))
+        self.norm_query = as_f32(take(t, f"{b}.ple_norm_query.weight"), f"{b}.ple_norm_query.weight", (HE,))
+        self.norm_conv = as_f32(take(t, f"{b}.ple_norm_conv.weight"), f"{b}.ple_norm_conv.weight", (HE,))
+        self.conv = as_f32(take(t, f"{b}.ple_conv1d.weight"), f"{b}.ple_conv1d.weight", (HE, self.Pk))
+        self.table_rows = table_rows
+
+    def _embed(self, rows: np.ndarray) -> np.ndarray:
+        """rows int64[T, Pn] -> e f32[T, Pe] (the heads' rows side by side, head order)."""
+        e = self.table_rows(rows.reshape(-1))
+        if e.shape != (rows.size, self.Pd):
+            raise ComponentError(f"layer {self.layer}: table_rows gave {e.shape}, expected ({rows.size}, {self.Pd})")
+        return e.reshape(rows.shape[0], self.Pe)
+
+    def _gated(self, streams: np.ndarray, e: np.ndarray) -> np.ndarray:
+        """streams [T, HE], e [T, Pe] -> G [T, HE]."""
+        T, hc, E = streams.shape[0], self.hc, self.E
+        K = grouped_rmsnorm(self.key.matmul(e), self.norm_key, E, self.eps).reshape(T, hc, E)
+        Q = grouped_rmsnorm(streams, self.norm_query, E, self.eps).reshape(T, hc, E)
+        g = (K * Q).sum(axis=-1, dtype=F32) / F32(math.sqrt(E))
+        g = np.sign(g) * np.sqrt(np.maximum(np.abs(g), F32(1e-6)))
+        return (sigmoid(g)[:, :, None] * self.value.matmul(e)[:, None, :]).reshape(T, hc * E)
+
+    def step(self, streams: np.ndarray, token: int, state: PLEState) -> None:
+        """In place: streams f32[HE] += PLE output for `token`; advances `state` by one token."""
+        self.forward_many(streams.reshape(1, -1), np.array([token], np.int64), state)
+
+    def forward_many(self, streams: np.ndarray, tokens: np.ndarray, state: PLEState) -> None:
+        """In place: streams f32[T, HE] += PLE outputs for tokens int64[T]; advances `state` by T tokens."""
+        T, HE = streams.shape
+        if HE != self.hc * self.E or tokens.shape != (T,):
+            raise ComponentError(f"layer {self.layer}: PLE got streams {streams.shape} and tokens {tokens.shape}, "
+                                 f"expected [T, {self.hc * self.E}] and [T]")
+        ctx = np.empty((T, self.hash.ngram_size), np.int64)
+        for i, tok in enumerate(tokens):
+            ctx[i] = self.hash.context(state.window, int(tok))
+            state.window[:-1] = state.window[1:]
+            state.window[-1] = tok
+        G = self._gated(streams, self._embed(self.hash.rows(ctx)))
+        X = grouped_rmsnorm(G, self.norm_conv, self.E, self.eps)
+        streams += G + silu(self._conv(X, state))
+
+    def _conv(self, X: np.ndarray, state: PLEState) -> np.ndarray:
+        """Depthwise causal conv of X [T, HE], dilation N, over the ring's history; advances the ring."""
+        L, T = state.ring.shape[0], X.shape[0]
+        hist = np.concatenate([state.ring[(state.t + np.arange(L)) % L], X])  # oldest first, [L + T, HE]
+        y = np.zeros_like(X)
+        for j in range(self.Pk):  # tap j reads the input (Pk-1-j)*N tokens back
+            y += self.conv[:, j] * hist[L - (self.Pk - 1 - j) * self.dil : L - (self.Pk - 1 - j) * self.dil + T]
+        keep = min(T, L)
+        slots = (state.t + T - keep + np.arange(keep)) % L
+        state.ring[slots] = X[T - keep:]
+        state.t += T
+        return y

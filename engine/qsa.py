@@ -1,0 +1,356 @@
+"""qwen4exp QSA: gated full attention over the tokens a block indexer selects, one query token at a time.
+
+transformers' `Qwen4ExpTextQSAIndexer` + `Qwen4ExpTextAttention` (ground truth), with the weights as
+llama.cpp's converter stores them (docs/gguf-layout.md, docs/qwen4exp.md). For the token at position p:
+
+    indexer   iq = rope_p(rmsnorm_h(indexer.q_proj x))          [Ih, Id], per-head norm (gain stored 1+w)
+              ik = indexer.k_proj x                             [Id]: ONE key head, cached raw per token
+    blocks    block b = tokens [b*r, (b+1)*r), complete once p >= (b+1)*r - 1;
+              kb = rope_{b*r}(rmsnorm(mean of its r raw keys))  [Id], computed once when it completes
+    score     s_b = sum_h relu(iq_h . kb) / sqrt(Id)            over the n = (p+1)//r complete blocks
+    select    the top min(budget/r, n) blocks by s (ties exactly as torch.topk on CPU), their r tokens
+              each, plus the incomplete tail [n*r, p]: transformers' rule, NOT llama.cpp's
+              "top_k + r - 1 key cells" (they differ once the prompt is longer than the budget)
+    attention q|gate = attn_q x, per head h rows [h*2D, h*2D+D) = q, the next D = gate
+              q, k = rope_p(rmsnorm_h(.)), v = attn_v x; GQA head h reads kv head h // (H/Hkv)
+              o = softmax(q.K_sel / sqrt(D)) V_sel * sigmoid(gate); out = attn_output o
+
+Rotary: NeoX halves on the first n_rot dims of each head, cos/sin computed in f32 as transformers does
+(for text positions t = h = w its M-RoPE is plain RoPE). Positions are cache indices (text only).
+
+Shapes: E = n_embd, H/Hkv/D = attention heads/kv heads/head dim, Ih/Id = indexer query heads/head dim,
+r = compress ratio, C = max context, T = tokens.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Mapping
+
+import numpy as np
+from numba import njit
+
+from .hyper import ComponentError, as_f32, as_linear, grouped_rmsnorm, sigmoid, take
+from .kernels.jit import JIT
+
+F32 = np.float32
+
+
+# ---------------------------------------------------------------------------------------------
+# rotary
+
+
+class Rope:
+    """NeoX rotary on the first n_rot dims, cos/sin in f32 the way transformers computes them."""
+
+    def __init__(self, n_rot: int, base: float):
+        if n_rot <= 0 or n_rot % 2:
+            raise ComponentError(f"rope: n_rot {n_rot} must be even and > 0")
+        self.n_rot, self.half = n_rot, n_rot // 2
+        # torch computes base ** (arange/n) in f32, correctly rounded: pow in f64 then round matches it
+        e = np.arange(0, n_rot, 2, dtype=F32) / F32(n_rot)
+        self.inv_freq = F32(1.0) / (np.float64(base) ** e.astype(np.float64)).astype(F32)
+
+    def cos_sin(self, pos: int) -> tuple[np.ndarray, np.ndarray]:
+        ang = F32(pos) * self.inv_freq
+        return np.cos(ang), np.sin(ang)
+
+    def apply(self, x: np.ndarray, pos: int) -> None:
+        """In place on x[..., d], d >= n_rot."""
+        c, s = self.cos_sin(pos)
+        x1 = x[..., : self.half].copy()
+        x2 = x[..., self.half : self.n_rot]
+        x[..., : self.half] = x1 * c - x2 * s
+        x[..., self.half : self.n_rot] = x2 * c + x1 * s
+
+
+# ---------------------------------------------------------------------------------------------
+# torch.topk's choice among ties
+#
+# torch's CPU topk (aten TopKImpl.h) fills (value, index) pairs and runs libstdc++'s
+# std::partial_sort when k * 64 <= n, else std::nth_element, with comp(x, y) = x > y; the first k
+# pairs are the selection. Which of several EQUAL scores it keeps depends on those algorithms' exact
+# swaps, and equal scores are common here: relu makes every block whose heads all point away score
+# exactly 0. So the algorithms are reproduced step for step (libstdc++ bits/stl_algo.h,
+# bits/stl_heap.h); tests check the chosen set against torch.topk on tie-heavy inputs.
+
+
+@njit(inline="always", **JIT)
+def _swap(v, ix, a, b):
+    v[a], v[b] = v[b], v[a]
+    ix[a], ix[b] = ix[b], ix[a]
+
+
+@njit(**JIT)
+def _adjust_heap(v, ix, first, hole, n, val, vi):
+    top = hole
+    child = hole
+    while child < (n - 1) // 2:
+        child = 2 * (child + 1)
+        if v[first + child] > v[first + child - 1]:
+            child -= 1
+        v[first + hole] = v[first + child]
+        ix[first + hole] = ix[first + child]
+        hole = child
+    if (n & 1) == 0 and child == (n - 2) // 2:
+        child = 2 * (child + 1)
+        v[first + hole] = v[first + child - 1]
+        ix[first + hole] = ix[first + child - 1]
+        hole = child - 1
+    parent = (hole - 1) // 2  # __push_heap
+    while hole > top and v[first + parent] > val:
+        v[first + hole] = v[first + parent]
+        ix[first + hole] = ix[first + parent]
+        hole = parent
+        parent = (hole - 1) // 2
+    v[first + hole] = val
+    ix[first + hole] = vi
+
+
+@njit(**JIT)
+def _heap_select(v, ix, first, middle, last):
+    n = middle - first
+    if n >= 2:  # __make_heap
+        parent = (n - 2) // 2
+        while True:
+            _adjust_heap(v, ix, first, parent, n, v[first + parent], ix[first + parent])
+            if parent == 0:
+                break
+            parent -= 1
+    for i in range(middle, last):
+        if v[i] > v[first]:  # __pop_heap(first, middle, i)
+            val, vi = v[i], ix[i]
+            v[i], ix[i] = v[first], ix[first]
+            _adjust_heap(v, ix, first, 0, n, val, vi)
+
+
+@njit(**JIT)
+def _insertion_sort(v, ix, first, last):
+    for i in range(first + 1, last):
+        val, vi = v[i], ix[i]
+        if val > v[first]:
+            for j in range(i, first, -1):
+                v[j], ix[j] = v[j - 1], ix[j - 1]
+            v[first], ix[first] = val, vi
+        else:
+            j = i
+            while val > v[j - 1]:
+                v[j], ix[j] = v[j - 1], ix[j - 1]
+                j -= 1
+            v[j], ix[j] = val, vi
+
+
+@njit(**JIT)
+def _median_to_first(v, ix, r, a, b, c):
+    if v[a] > v[b]:
+        if v[b] > v[c]:
+            _swap(v, ix, r, b)
+        elif v[a] > v[c]:
+            _swap(v, ix, r, c)
+        else:
+            _swap(v, ix, r, a)
+    elif v[a] > v[c]:
+        _swap(v, ix, r, a)
+    elif v[b] > v[c]:
+        _swap(v, ix, r, c)
+    else:
+        _swap(v, ix, r, b)
+
+
+@njit(**JIT)
+def _introselect(v, ix, first, nth, last, depth):
+    while last - first > 3:
+        if depth == 0:
+            _heap_select(v, ix, first, nth + 1, last)
+            _swap(v, ix, first, nth)
+            return
+        depth -= 1
+        _median_to_first(v, ix, first, first + 1, first + (last - first) // 2, last - 1)
+        lo, hi = first + 1, last  # __unguarded_partition around v[first]
+        while True:
+            while v[lo] > v[first]:
+                lo += 1
+            hi -= 1
+            while v[first] > v[hi]:
+                hi -= 1
+            if not lo < hi:
+                break
+            _swap(v, ix, lo, hi)
+            lo += 1
+        if lo <= nth:
+            first = lo
+        else:
+            last = lo
+    _insertion_sort(v, ix, first, last)
+
+
+@njit(**JIT)
+def _topk_inplace(v, ix, n, k):
+    for i in range(n):
+        ix[i] = i
+    if k * 64 <= n:
+        _heap_select(v, ix, 0, k, n)
+    else:
+        depth = 0
+        m = n
+        while m > 1:  # 2 * floor(log2(n)), libstdc++'s __lg
+            m >>= 1
+            depth += 1
+        _introselect(v, ix, 0, k - 1, n, 2 * depth)
+
+
+def torch_topk_set(scores: np.ndarray, k: int, vbuf: np.ndarray, ibuf: np.ndarray) -> np.ndarray:
+    """The indices torch.topk(scores, k) returns on CPU, as a set (ascending). Uses vbuf/ibuf as scratch."""
+    n = scores.shape[0]
+    if not 0 < k <= n:
+        raise ComponentError(f"topk: k {k} outside 1..{n}")
+    if np.isnan(scores).any():
+        raise ComponentError("QSA block scores contain NaN (the indexer input is not finite)")
+    vbuf[:n] = scores
+    _topk_inplace(vbuf, ibuf, n, k)
+    return np.sort(ibuf[:k])
+
+
+# ---------------------------------------------------------------------------------------------
+# the per-layer cache
+
+
+def qsa_cache_bytes(g: Any, max_ctx: int) -> int:
+    """Bytes of one QSA layer's QSACache: K and V, ONE raw indexer key head per token, pooled blocks, scratch."""
+    nb = max_ctx // g.idx_compress_ratio
+    return 4 * (2 * max_ctx * g.n_head_kv * g.head_dim + max_ctx * g.idx_head_dim + nb * g.idx_head_dim) + 12 * nb
+
+
+class QSACache:
+    """One QSA layer's state, allocated once for max_ctx tokens (S12); `n` tokens are cached.
+
+    The indexer stores ONE key head per token (indexer.k_proj is [E, Id]); sizing it by the 4 query
+    heads made a store 4x too big that survived every total-based check (seed, round 194).
+    """
+
+    def __init__(self, max_ctx: int, *, n_head_kv: int, head_dim: int, idx_head_dim: int, compress_ratio: int):
+        if max_ctx <= 0 or compress_ratio <= 0:
+            raise ComponentError(f"QSACache: max_ctx {max_ctx} and compress ratio {compress_ratio} must be > 0")
+        nb = max_ctx // compress_ratio
+        self.max_ctx, self.ratio = max_ctx, compress_ratio
+        self.k = np.zeros((max_ctx, n_head_kv, head_dim), F32)  # normed, roped
+        self.v = np.zeros((max_ctx, n_head_kv, head_dim), F32)
+        self.idx_keys = np.zeros((max_ctx, idx_head_dim), F32)  # raw (unnormed, unroped), one head
+        self.idx_blocks = np.zeros((nb, idx_head_dim), F32)  # block b valid iff (b+1)*r <= n
+        self._vbuf = np.zeros(nb, F32)
+        self._ibuf = np.zeros(nb, np.int64)
+        self.n = 0
+
+    @classmethod
+    def for_geometry(cls, g: Any, max_ctx: int) -> "QSACache":
+        return cls(max_ctx, n_head_kv=g.n_head_kv, head_dim=g.head_dim, idx_head_dim=g.idx_head_dim,
+                   compress_ratio=g.idx_compress_ratio)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in (self.k, self.v, self.idx_keys, self.idx_blocks, self._vbuf, self._ibuf))
+
+    def truncate(self, n: int) -> None:
+        """Forget tokens n.. (a rejected draft); pooled blocks below n stay valid, the rest are rebuilt on append."""
+        if not 0 <= n <= self.n:
+            raise ComponentError(f"QSACache.truncate: {n} outside 0..{self.n}")
+        self.n = n
+
+
+# ---------------------------------------------------------------------------------------------
+# the layer
+
+
+class QSALayer:
+    """A qwen4exp full-attention layer with its QSA indexer. `step` does one token; `forward_many` T tokens."""
+
+    def __init__(self, layer: int, t: Mapping[str, Any], g: Any):
+        b = f"blk.{layer}"
+        if not g.has_qsa or g.idx_compress_ratio <= 0 or g.idx_top_k <= 0:
+            raise ComponentError(
+                f"layer {layer}: QSA needs indexer heads, a token budget and a compress ratio (geometry has "
+                f"idx_n_heads {g.idx_n_heads}, idx_top_k {g.idx_top_k}, idx_compress_ratio {g.idx_compress_ratio}); "
+                "refusing to run dense attention in place of QSA")
+        missing = [n for n in ("q_proj", "k_proj", "q_norm", "k_norm") if f"{b}.indexer.{n}.weight" not in t]
+        if missing:
+            raise ComponentError(f"layer {layer}: indexer tensors {[f'{b}.indexer.{n}.weight' for n in missing]} are "
+                                 "missing; this layer is QSA, refusing to run it as dense attention")
+        E, H, Hkv, D = g.n_embd, g.n_head, g.n_head_kv, g.head_dim
+        Ih, Id = g.idx_n_heads, g.idx_head_dim
+        self.layer, self.E, self.H, self.Hkv, self.D, self.Ih, self.Id = layer, E, H, Hkv, D, Ih, Id
+        self.ratio, self.block_topk, self.eps = g.idx_compress_ratio, g.idx_top_k // g.idx_compress_ratio, g.rms_eps
+        self.attn_q = as_linear(take(t, f"{b}.attn_q.weight"), f"{b}.attn_q.weight", E, 2 * H * D)
+        self.attn_k = as_linear(take(t, f"{b}.attn_k.weight"), f"{b}.attn_k.weight", E, Hkv * D)
+        self.attn_v = as_linear(take(t, f"{b}.attn_v.weight"), f"{b}.attn_v.weight", E, Hkv * D)
+        self.attn_out = as_linear(take(t, f"{b}.attn_output.weight"), f"{b}.attn_output.weight", H * D, E)
+        self.q_norm = as_f32(take(t, f"{b}.attn_q_norm.weight"), f"{b}.attn_q_norm.weight", (D,))
+        self.k_norm = as_f32(take(t, f"{b}.attn_k_norm.weight"), f"{b}.attn_k_norm.weight", (D,))
+        self.idx_q = as_linear(t[f"{b}.indexer.q_proj.weight"], f"{b}.indexer.q_proj.weight", E, Ih * Id)
+        self.idx_k = as_linear(t[f"{b}.indexer.k_proj.weight"], f"{b}.indexer.k_proj.weight", E, Id)
+        self.idx_q_norm = as_f32(t[f"{b}.indexer.q_norm.weight"], f"{b}.indexer.q_norm.weight", (Id,))
+        self.idx_k_norm = as_f32(t[f"{b}.indexer.k_norm.weight"], f"{b}.indexer.k_norm.weight", (Id,))
+        self.rope = Rope(g.n_rot, g.rope_freq_base)
+        self.selected = np.zeros(0, np.int64)  # the token ids the last step attended (diagnostics, tests)
+
+    # --- one token -----------------------------------------------------------------------------
+
+    def step(self, x: np.ndarray, cache: QSACache) -> np.ndarray:
+        """x f32[E] at position cache.n -> f32[E]; appends the token to the cache."""
+        return self._token(self.attn_q.matvec(x), self.attn_k.matvec(x), self.attn_v.matvec(x),
+                           self.idx_q.matvec(x), self.idx_k.matvec(x), cache)
+
+    def forward_many(self, x: np.ndarray, cache: QSACache) -> np.ndarray:
+        """x f32[T, E] at positions cache.n.. -> f32[T, E]: projections batched, then token by token."""
+        qg, k, v = self.attn_q.matmul(x), self.attn_k.matmul(x), self.attn_v.matmul(x)
+        iq, ik = self.idx_q.matmul(x), self.idx_k.matmul(x)
+        return np.stack([self._token(qg[i], k[i], v[i], iq[i], ik[i], cache) for i in range(x.shape[0])])
+
+    def _token(self, qg, k, v, iq, ik, cache: QSACache) -> np.ndarray:
+        p = cache.n
+        if p >= cache.max_ctx:
+            raise ComponentError(f"layer {self.layer}: context full ({cache.max_ctx} tokens); raise --max-context")
+        H, Hkv, D = self.H, self.Hkv, self.D
+        qg = qg.reshape(H, 2 * D)
+        q = grouped_rmsnorm(qg[:, :D], self.q_norm, D, self.eps)
+        gate = qg[:, D:].reshape(H * D)
+        k = grouped_rmsnorm(k.reshape(Hkv, D), self.k_norm, D, self.eps)
+        self.rope.apply(q, p)
+        self.rope.apply(k, p)
+        iq = grouped_rmsnorm(iq.reshape(self.Ih, self.Id), self.idx_q_norm, self.Id, self.eps)
+        self.rope.apply(iq, p)
+        self._append(cache, k, v.reshape(Hkv, D), ik)
+        sel = self.select(iq, cache)
+        self.selected = sel
+        return self.attn_out.matvec(self._attend(q, sel, cache) * sigmoid(gate))
+
+    def _append(self, cache: QSACache, k, v, ik) -> None:
+        p, r = cache.n, self.ratio
+        cache.k[p], cache.v[p], cache.idx_keys[p] = k, v, ik
+        cache.n = p + 1
+        if (p + 1) % r == 0:  # block p // r just completed: pool it once, it never changes again
+            b = p // r
+            kb = grouped_rmsnorm(cache.idx_keys[b * r : p + 1].mean(axis=0, dtype=F32), self.idx_k_norm, self.Id, self.eps)
+            self.rope.apply(kb, b * r)
+            cache.idx_blocks[b] = kb
+
+    def select(self, iq: np.ndarray, cache: QSACache) -> np.ndarray:
+        """Token ids (ascending) the query attends: the top complete blocks by indexer score + the incomplete tail."""
+        r, n = self.ratio, cache.n
+        nb = n // r
+        tail = np.arange(nb * r, n, dtype=np.int64)
+        if nb == 0:
+            return tail
+        s = np.maximum(iq @ cache.idx_blocks[:nb].T, F32(0)).sum(axis=0, dtype=F32) / F32(math.sqrt(self.Id))
+        blocks = torch_topk_set(s, min(self.block_topk, nb), cache._vbuf, cache._ibuf)
+        toks = (blocks[:, None] * r + np.arange(r, dtype=np.int64)[None, :]).reshape(-1)
+        return np.concatenate([toks, tail])
+
+    def _attend(self, q: np.ndarray, sel: np.ndarray, cache: QSACache) -> np.ndarray:
+        """Softmax attention of q [H, D] over the cached tokens `sel`; GQA head h reads kv head h // (H/Hkv)."""
+        Hkv, D = self.Hkv, self.D
+        K = cache.k[sel].transpose(1, 2, 0)  # [Hkv, D, S]
+        V = cache.v[sel].transpose(1, 0, 2)  # [Hkv, S, D]
+        sc = (q.reshape(Hkv, -1, D) @ K) * F32(D**-0.5)  # [Hkv, rep, S]
+        sc = np.exp(sc - sc.max(axis=-1, keepdims=True))
+        sc /= sc.sum(axis=-1, keepdims=True, dtype=F32)
+        return (sc @ V).reshape(-1)
