@@ -63,3 +63,33 @@ class FormatError(ValueError):
     def __reduce__(self):
         # Exceptions pickle through their args; ours has keyword-rich construction (multiprocessing).
         return (FormatError, (self.path, self.line, self.field, self.found, self.expected, self.hint))
+
+
+class BinaryFormatError(FormatError):
+    """Bad content in a Strata binary file (expert-profile.bin, a routing trace).
+
+    A binary file has no lines, so the place is the byte `offset` where the bad field starts:
+    ``data/expert-profile.bin at byte 108, field count: found 0, expected at least 1``.
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        offset: int,
+        field: str | None,
+        found: object,
+        expected: object,
+        hint: str | None = None,
+    ):
+        self.offset = offset
+        super().__init__(path, None, field, found, expected, hint)
+
+    def _message(self) -> str:
+        where = f"{self.path} at byte {self.offset}"
+        if self.field is not None:
+            where += f", field {self.field}"
+        text = f"{where}: found {_show(self.found)}, expected {self.expected}"
+        return f"{text} ({self.hint})" if self.hint else text
+
+    def __reduce__(self):
+        return (BinaryFormatError, (self.path, self.offset, self.field, self.found, self.expected, self.hint))

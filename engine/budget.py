@@ -1,0 +1,511 @@
+"""The GPU engine's memory plan, from the pack alone: every buffer, its bytes, and the startup stage
+that allocates it (S6), plus the expert slots that fit beside them (S8).
+
+THE PLAN IS THE ALLOCATION. The GPU engine allocates every device and pinned-host buffer FROM these
+items (`Budget.item(key)`: one allocation of `bytes`, or `count` equal ones), never from its own
+arithmetic, so `strata-budget`'s prediction equals what the engine allocates by construction (B3)
+and mem_mark can print the plan's figure beside the measured one at every stage. A kernel that needs
+a buffer not listed here, or a larger one, changes this module first; the engine refuses to
+allocate what the plan does not name. (Seed round 194: a term sized from the 4 indexer QUERY heads
+instead of the ONE shared key head made a store 4x too big, which no total-based check caught
+because it TIGHTENED the budget; so each term here is written from the geometry's meaning, and the
+tests compare terms, not totals.)
+
+Stages, in startup order (S6, seed 6.4), and what each allocates:
+
+ 1. the weights, the session and the drafter: dense weights in engine form (S3: fp16 block scales
+    widened to f32 planes, BF16 re-rounded to 16 bits), the LM head included (S7: THE HEAD BEFORE
+    THE CACHE: loaded after it, it ate the reserve and a request stalled), the drafter's weights,
+    and the session: KV cache, Gated DeltaNet recurrent and conv states, the QSA indexer key store
+    and pooled blocks, PLE state, the residual stream.
+ 2. opening the expert cache: the slot storage, sized from the free memory measured NOW (S7: after
+    the weights and the session, so it is what this process really has left).
+ 3. the profile fill: a pinned staging buffer of one slot (host).
+ 4. the hit path: the GPU hits' buffers for one token and layer, and their pinned exchange buffers.
+ 5. the expert cache and the graphs: the slot table and the token-path scratch arena.
+ 6. the head and the prompt path: the logits and the prompt path's chunk buffers.
+ 7. the verifier and the drafter's binding: the draft head's binding and the verifier's logits.
+
+Stages 3..7 come out of the reserve (S8), which therefore names the chunk buffers and the draft
+head's binding on top of --vram-reserve-mib. Host items (the embedding table and the PLE table,
+mapped from pool.bin and the GGUF; the routed experts, mapped from the GGUF; pinned buffers) are
+listed with where="host" and never counted against the card.
+
+Legend: E = n_embd, C = max context (tokens), H/Hkv/D = attention heads/KV heads/head dim,
+Ih/Id = indexer query heads/key dim (ONE key head is cached), r = indexer compress ratio,
+nk/nv/dk/dv = GDN key heads/value heads/key dim/value dim, Ch = GDN conv channels, K = d_conv,
+X = experts, k = experts per token, F/Fs = expert/shared-expert n_ff, hc = hyper-connection streams.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from strata.index_format import geometry as G
+from strata.index_format.ggml_types import BY_ID, GGMLType
+from strata.index_format.geometry import ModelGeometry, tensor_specs
+from strata.index_format.native_experts import NativeExperts
+from strata.index_format.pack_index import PackIndex, TensorEntry
+
+from .expert_plan import MiB, auto_line, auto_slots, prefill_mib
+
+STAGES = (
+    "the weights, the session and the drafter",
+    "opening the expert cache",
+    "the profile fill",
+    "the hit path",
+    "the expert cache and the graphs",
+    "the head and the prompt path",
+    "the verifier and the drafter's binding",
+)
+WEIGHTS, OPEN_CACHE, FILL, HIT_PATH, CACHE_GRAPHS, HEAD_PROMPT, VERIFIER = STAGES
+DEVICE, HOST = "device", "host"
+
+KV_TYPES = ("f16", "int8")
+KV_BLOCK = 32  # int8 KV: one f32 scale per 32 elements of one head of one token
+F32, F16, I32 = 4, 2, 4
+IDX_KEY_BYTES = F32  # indexer keys stay f32, as the CPU path keeps them: block selection is discrete
+DEFAULT_RESERVE_MIB = 700
+PREFILL_AUTO_CHUNK = 256  # `--prefill auto`: the 256-token chunk the seed lends the prompt path (#496)
+LOW_MIB = 256  # the serve check's LOW line (S7)
+
+# Dense categories in the order the report lists them; EMBEDDING and PLE_TABLE stay on the host.
+_CATEGORIES = (
+    (G.ATTENTION, "attention weights"),
+    (G.LINEAR_ATTENTION, "linear attention weights"),
+    (G.INDEXER, "QSA indexer weights"),
+    (G.HYPER_CONNECTION, "hyper-connection weights"),
+    (G.SHARED_EXPERT, "shared expert weights"),
+    (G.ROUTER, "router weights"),
+    (G.NORM, "norm weights"),
+    (G.PLE, "PLE projection weights"),
+    (G.HEAD, "LM head (loaded before the cache is sized, S7)"),
+)
+
+
+class BudgetError(ValueError):
+    """Options the plan cannot be made for (an int8 KV head dim that is not whole blocks, ...)."""
+
+
+class ExpertCacheTooBig(ValueError):
+    """An explicit --expert-cache N that does not fit: refused with both numbers, never shrunk (S7)."""
+
+
+@dataclass(frozen=True)
+class Item:
+    """One allocation (or `count` equal ones of bytes // count each), the stage that makes it, and where."""
+
+    key: str
+    name: str
+    bytes: int
+    stage: str
+    where: str = DEVICE
+    count: int = 1
+
+    @property
+    def each(self) -> int:
+        return self.bytes // self.count if self.count else 0
+
+
+@dataclass(frozen=True)
+class BudgetOptions:
+    max_context: int
+    kv: str = "f16"
+    vram_reserve_mib: int = DEFAULT_RESERVE_MIB
+    prefill_chunk: int = PREFILL_AUTO_CHUNK  # 0: no batched prompt path
+    prefill_borrowed: bool = False  # the prompt path borrows its buffers from the cache: nothing reserved
+    expert_cache: int | None = None  # None: auto (S8)
+    profile_pairs: int | None = None  # the profile's routed pairs: auto never exceeds them
+    drafter_bytes: int = 0  # the MTP draft head's weights (0 without --mtp)
+    draft_bind_bytes: int = 0  # its binding to the head, after the cache (0 without --mtp)
+    spec: int = 0  # draft tokens verified at once (0: no verifier)
+
+    def __post_init__(self) -> None:
+        if self.max_context < 1:
+            raise BudgetError(f"--max-context {self.max_context}: expected at least 1")
+        if self.kv not in KV_TYPES:
+            raise BudgetError(f"--kv {self.kv!r}: expected one of {', '.join(KV_TYPES)}")
+        for name in ("vram_reserve_mib", "prefill_chunk", "drafter_bytes", "draft_bind_bytes", "spec"):
+            if getattr(self, name) < 0:
+                raise BudgetError(f"{name} {getattr(self, name)}: expected >= 0")
+        if self.expert_cache is not None and self.expert_cache < 0:
+            raise BudgetError(f"--expert-cache {self.expert_cache}: expected auto or >= 0")
+
+
+# --- the terms, one function each ----------------------------------------------------------------
+
+
+def kv_bytes_per_token(g: ModelGeometry, kv: str) -> int:
+    """K and V of one token in one full-attention layer: f16, or int8 with an f32 scale per 32 elements
+    of each head (blocks never straddle heads, so a head dequantizes alone)."""
+    if kv == "f16":
+        return 2 * g.n_head_kv * g.head_dim * F16
+    if g.head_dim % KV_BLOCK:
+        raise BudgetError(f"--kv int8: head_dim {g.head_dim} is not a multiple of the {KV_BLOCK}-element KV block; use --kv f16")
+    return 2 * g.n_head_kv * (g.head_dim + g.head_dim // KV_BLOCK * F32)
+
+
+def gdn_state_bytes(g: ModelGeometry) -> int:
+    """One linear-attention layer's recurrent state S, f32 [nv, dv, dk]."""
+    return g.ssm_n_v_heads * g.ssm_head_v_dim * g.ssm_d_state * F32
+
+
+def conv_state_bytes(g: ModelGeometry) -> int:
+    """One linear-attention layer's conv state: the last K - 1 inputs, f32 [K - 1, Ch]."""
+    return (g.ssm_d_conv - 1) * g.ssm_conv_channels * F32
+
+
+def indexer_key_bytes(g: ModelGeometry, max_context: int) -> int:
+    """One QSA layer's indexer key store: ONE shared key head per token, f32 [C, Id].
+
+    indexer.k_proj is [E, Id]: idx_n_heads counts QUERY heads and has no place in this term
+    (round 194 sized it by them: 4x too big, and unnoticed because it tightened the budget)."""
+    return max_context * g.idx_key_store_dim * IDX_KEY_BYTES
+
+
+def pooled_block_bytes(g: ModelGeometry, max_context: int) -> int:
+    """One QSA layer's mean-pooled block keys, f32 [C // r, Id], and their scores, f32 [C // r]."""
+    nb = max_context // g.idx_compress_ratio
+    return nb * g.idx_head_dim * F32 + nb * F32
+
+
+def ple_state_bytes(g: ModelGeometry) -> int:
+    """One PLE layer's conv ring, f32 [(kernel - 1) * ngram, hc * E]; the token window stays on the
+    host beside the hash, which runs there (the table is read from RAM, S16)."""
+    return (g.ple_conv_kernel - 1) * g.ple_ngram_size * g.hc * g.n_embd * F32
+
+
+def stream_elems(g: ModelGeometry) -> int:
+    return g.hc * g.n_embd if g.hc else g.n_embd
+
+
+def actq_bytes(n: int) -> int:
+    """An ActQ of n activations (engine/kernels/actq.py): int8 q [n], f32 d [n/32], int32 s16 [n/16]."""
+    return n + n // 32 * F32 + n // 16 * I32
+
+
+def scratch_bytes(g: ModelGeometry, max_context: int) -> int:
+    """The token-path scratch arena: buffers of one layer at a time, reused by every layer (S12).
+
+    f32 vectors: common (embedding row, normed input, mixer output, FFN output: 4E; hc mixing: hc*E
+    + hc_lowrank + hc), plus the larger of a full-attention layer (q|gate 2HD, k v 2HkvD, o HD,
+    scores H*C; QSA: iq Ih*Id, ik Id, block scores C // r) and a linear one (in-proj Ch, conv out Ch,
+    gate dv*nv, alpha beta 2nv, out dv*nv; PLE: rows P, key/query/conv 3*hc*E), plus the MoE
+    block's (router X, shared gate/up/h 3Fs, routed out E); and one ActQ of the widest matmul input.
+    """
+    E, H, Hkv, D, C = g.n_embd, g.n_head, g.n_head_kv, g.head_dim, max_context
+    common = 4 * E + (g.hc * E + g.hc_lowrank + g.hc if g.hc else 0)
+    attn = 2 * H * D + 2 * Hkv * D + H * D + H * C
+    if g.has_qsa:
+        attn += g.idx_n_heads * g.idx_head_dim + g.idx_head_dim + C // g.idx_compress_ratio
+    linear = 2 * g.ssm_conv_channels + 2 * g.ssm_d_inner + 2 * g.ssm_n_v_heads
+    if g.ple_layers:
+        linear += g.ple_embed_dim + 3 * g.hc * E
+    moe = g.n_expert + 3 * g.n_ff_shexp + E
+    widest = max(stream_elems(g), H * D, g.ssm_d_inner, g.n_ff_shexp, g.ple_embed_dim if g.ple_layers else 0)
+    return (common + max(attn, linear) + moe) * F32 + actq_bytes(_round_up(widest, 32))
+
+
+def hit_path_bytes(g: ModelGeometry) -> int:
+    """The GPU hits of one token and layer: ActQ of x [E], ids i32 and weights f32 [k], gate and up
+    f32 [k, F], ActQ of h [k, F], outputs f32 [k, E]."""
+    E, F, k = g.n_embd, g.n_ff_exp, g.n_expert_used
+    return actq_bytes(E) + k * (I32 + F32) + 2 * k * F * F32 + actq_bytes(k * F) + k * E * F32
+
+
+def hit_exchange_bytes(g: ModelGeometry) -> int:
+    """Pinned host buffers the hits exchange with the CPU misses: ids and weights in, outputs f32 [k, E] out."""
+    k = g.n_expert_used
+    return k * (I32 + F32) + k * g.n_embd * F32
+
+
+def _round_up(n: int, m: int) -> int:
+    return -(-n // m) * m
+
+
+# --- weights in engine form -----------------------------------------------------------------------
+
+
+def widening_bytes(t: TensorEntry) -> int:
+    """Bytes the engine form adds to a tensor: 2 per fp16 block scale widened to f32 (S3)."""
+    if t.engine_type != t.pack_type:  # BF16 stored as F32: re-rounded, no block scales
+        return 0
+    return t.nbytes // t.pack.type_size * t.pack.n_scales * 2
+
+
+def _engine_bytes(t: GGMLType, n_elements: int) -> int:
+    return n_elements // t.block_size * t.engine_block_bytes
+
+
+def expert_slot_bytes(experts: NativeExperts, g: ModelGeometry) -> tuple[int, int]:
+    """(largest expert in engine form, largest in the GGUF): a slot holds any layer's expert, with
+    its fp16 scales widened like every weight the kernels read, so every slot is the largest."""
+    engine = native = 0
+    for e in experts.layers:
+        gu, d = BY_ID[e.gu_type], BY_ID[e.d_type]
+        n = g.n_embd * g.n_ff_exp
+        engine = max(engine, 2 * _engine_bytes(gu, n) + _engine_bytes(d, n))
+        native = max(native, e.blob_bytes)
+    return engine, native
+
+
+def _weight_items(index: PackIndex, experts: NativeExperts, g: ModelGeometry, ple_table_bytes: int | None) -> list[Item]:
+    cats = {s.name: s.category for s in tensor_specs(g)}
+    by_cat: dict[str, int] = {}
+    widened = host_embd = 0
+    for t in index.tensors:
+        c = cats.get(t.name)
+        if c is None:
+            raise BudgetError(f"index.txt: tensor {t.name} is not in the {g.arch} geometry (read the pack with read_pack)")
+        if c == G.EMBEDDING:
+            host_embd += t.nbytes  # rows dequantized on the host from the mapped pool: pack form
+            continue
+        w = widening_bytes(t)
+        by_cat[c] = by_cat.get(c, 0) + t.engine_nbytes - w
+        widened += w
+    items = [Item(f"weights.{c}", label, by_cat[c], WEIGHTS)
+             for c, label in _CATEGORIES if c in by_cat]
+    items.append(Item("weights.widened_scales", "widened scales (fp16 -> f32 planes)", widened, WEIGHTS))
+    items.append(Item("host.embedding", "embedding table (mapped pool.bin)", host_embd, WEIGHTS, HOST))
+    if g.ple_layers:
+        items.append(Item("host.ple_table", "PLE table (read through the page cache, S16)",
+                          ple_table_bytes or 0, WEIGHTS, HOST))
+    # the CPU misses read the experts in place from the GGUF, never copied (S5)
+    items.append(Item("host.experts", f"routed experts ({len(experts.layers)} layers x {experts.n_expert}, mapped GGUF)",
+                      experts.total, WEIGHTS, HOST))
+    return items
+
+
+def _session_items(g: ModelGeometry, o: BudgetOptions) -> list[Item]:
+    C, nf, nl = o.max_context, len(g.full_attention_layers), len(g.linear_attention_layers)
+    items = [Item("session.kv", f"KV cache ({o.kv}, {C} tokens)", nf * C * kv_bytes_per_token(g, o.kv), WEIGHTS, count=nf),
+             Item("session.gdn_state", "GDN recurrent state (f32)", nl * gdn_state_bytes(g), WEIGHTS, count=nl),
+             Item("session.conv_state", "GDN conv state (f32)", nl * conv_state_bytes(g), WEIGHTS, count=nl)]
+    if g.has_qsa:
+        items += [Item("session.indexer_keys", "QSA indexer key store (one key head, f32)",
+                       nf * indexer_key_bytes(g, C), WEIGHTS, count=nf),
+                  Item("session.indexer_blocks", "QSA pooled block keys (f32)", nf * pooled_block_bytes(g, C), WEIGHTS, count=nf)]
+    if g.ple_layers:
+        n = len(g.ple_layers)
+        items.append(Item("session.ple_state", "PLE conv state (f32)", n * ple_state_bytes(g), WEIGHTS, count=n))
+    items.append(Item("session.stream", "residual stream (f32)", stream_elems(g) * F32, WEIGHTS))
+    return items
+
+
+# --- the reserve and the slots -------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Reserve:
+    """S8's reserve as used: `headroom_mib` (--vram-reserve-mib, or less on a small card) + the
+    prompt path's chunk buffers + the draft head's binding."""
+
+    asked_mib: int
+    headroom_mib: int
+    prefill_mib: int
+    draft_bind_bytes: int
+
+    @property
+    def bytes(self) -> int:
+        return (self.headroom_mib + self.prefill_mib) * MiB + self.draft_bind_bytes
+
+    @property
+    def adapted(self) -> bool:
+        return self.headroom_mib != self.asked_mib
+
+
+def adapt_reserve(free_at_open: int, o: BudgetOptions, slot_bytes: int, after_cache_bytes: int, max_slots: int) -> Reserve:
+    """The reserve adapts on small cards (S7, seed #496).
+
+    Seed: a cache too small to lend the prompt path a 256-token chunk's buffers made it allocate its
+    own on top, more than the reserve, so on a small card the reserve shrinks to what leaves exactly
+    that cache. Here: when the asked reserve would leave fewer slots than that cache (whole slots,
+    and never more than `max_slots`, the pairs there are to hold), the headroom shrinks to what
+    leaves exactly that many, but never below what the allocations after the cache need beyond the
+    chunk buffers and the draft binding, so the prompt path keeps its chunk buffers. Below ~550 MiB
+    free the card then ends under the LOW line, and `low_memory_warning` says so plainly.
+    """
+    pf = prefill_mib(o.prefill_chunk, borrowed=o.prefill_borrowed)
+    asked = Reserve(o.vram_reserve_mib, o.vram_reserve_mib, pf, o.draft_bind_bytes)
+    want = min(-(-prefill_mib(PREFILL_AUTO_CHUNK) * MiB // slot_bytes), max_slots)
+    if o.prefill_chunk == 0 or (free_at_open - asked.bytes) // slot_bytes >= want:
+        return asked  # no prompt path to lend to, or a card large enough
+    floor_mib = -(-max(after_cache_bytes - pf * MiB - o.draft_bind_bytes, 0) // MiB)
+    fit_mib = (free_at_open - want * slot_bytes - pf * MiB - o.draft_bind_bytes) // MiB
+    return Reserve(o.vram_reserve_mib, max(floor_mib, min(o.vram_reserve_mib, fit_mib)), pf, o.draft_bind_bytes)
+
+
+def low_memory_warning(final_free: int) -> str | None:
+    """The serve check's line when less than 256 MiB is left after startup (S7), else None."""
+    if final_free >= LOW_MIB * MiB:
+        return None
+    fix = "lower --max-context or --expert-cache, or use --kv int8"
+    if final_free < 0:
+        return f"LOW: the plan needs {-final_free / MiB:.1f} MiB more device memory than there is: {fix}"
+    return (f"LOW: {final_free // MiB} MiB of device memory free after startup (below {LOW_MIB} MiB): "
+            f"the driver may page and a request stall; {fix}")
+
+
+def check_explicit_slots(n: int, free_at_open: int, reserve: int, slot_bytes: int) -> None:
+    """--expert-cache N that does not fit is refused with both numbers, never handed back smaller (S7)."""
+    room = free_at_open - reserve
+    if n * slot_bytes > room:
+        raise ExpertCacheTooBig(
+            f"--expert-cache {n}: {n} slots of {slot_bytes} B need {n * slot_bytes / MiB:.1f} MiB, but "
+            f"{room / MiB:.1f} MiB are free beside the reserve ({free_at_open / MiB:.1f} MiB free at the cache, "
+            f"{reserve / MiB:.1f} MiB reserved): at most {max(room // slot_bytes, 0)} slots fit")
+
+
+# --- the plan -------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Budget:
+    items: tuple[Item, ...]
+    options: BudgetOptions
+    slot_bytes: int  # one slot: the largest expert in engine form
+    max_blob: int  # the largest expert as the GGUF stores it
+    n_pairs: int  # (layer, expert) pairs: more slots than this hold nothing
+    free_bytes: int | None  # free device memory before the engine allocates (None: slots not planned)
+    reserve: Reserve | None
+    slots: int | None
+    auto_line: str | None  # S8's log line (auto only)
+    warnings: tuple[str, ...] = ()
+    problems: tuple[str, ...] = ()  # what makes the engine refuse to start
+    _by_key: dict = field(default=None, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_by_key", {i.key: i for i in self.items})
+
+    def item(self, key: str) -> Item:
+        """The allocation the engine makes for `key`; a buffer the plan does not name is a bug."""
+        try:
+            return self._by_key[key]
+        except KeyError:
+            raise KeyError(f"the budget has no item {key!r} (known: {', '.join(self._by_key)}); "
+                           "add it to engine/budget.py before allocating it") from None
+
+    def device_bytes(self, stage: str | None = None) -> int:
+        return sum(i.bytes for i in self.items if i.where == DEVICE and (stage is None or i.stage == stage))
+
+    def host_bytes(self) -> int:
+        return sum(i.bytes for i in self.items if i.where == HOST)
+
+    def used_after(self, stage: str) -> int:
+        """Device bytes the engine holds once `stage` is done: what mem_mark prints as predicted."""
+        upto = STAGES[: STAGES.index(stage) + 1]
+        return sum(self.device_bytes(s) for s in upto)
+
+    def after_cache_bytes(self) -> int:
+        """Device bytes allocated after the cache opens (stages 3..7): they come out of the reserve."""
+        return sum(self.device_bytes(s) for s in STAGES[STAGES.index(FILL):])
+
+    def slots_for(self, measured_free_at_open: int) -> SlotPlan:
+        """S8 at the free memory the engine MEASURES once stage 1 is allocated (S7: the cache is
+        sized from what this process really has left, not from the prediction)."""
+        return plan_slots(measured_free_at_open, self.options, self.slot_bytes, self.n_pairs, self.after_cache_bytes())
+
+    @property
+    def free_at_open(self) -> int | None:
+        return None if self.free_bytes is None else self.free_bytes - self.device_bytes(WEIGHTS)
+
+    @property
+    def final_free(self) -> int | None:
+        return None if self.free_bytes is None else self.free_bytes - self.device_bytes()
+
+
+def plan_budget(index: PackIndex, experts: NativeExperts, g: ModelGeometry, options: BudgetOptions, *,
+                free_bytes: int | None = None, ple_table_bytes: int | None = None) -> Budget:
+    """Everything the GPU engine will allocate for this pack and these options, stage by stage.
+
+    `free_bytes`: device memory free before the engine allocates anything (cudaMemGetInfo at start,
+    or a card of N MiB as --vram-budget-mib counts it); without it the slots are not planned.
+    """
+    o = options
+    slot, blob = expert_slot_bytes(experts, g)
+    n_pairs = len(experts.layers) * experts.n_expert
+    before = _weight_items(index, experts, g, ple_table_bytes)
+    if o.drafter_bytes:
+        before.append(Item("weights.drafter", "drafter (MTP head) weights", o.drafter_bytes, WEIGHTS))
+    before += _session_items(g, o)
+    after = _after_cache_items(g, o, slot)
+    after_bytes = sum(i.bytes for i in after if i.where == DEVICE)
+    if free_bytes is None:
+        items = before + [Item("cache.slots", "expert slots (give the free memory to plan them)", 0, OPEN_CACHE, count=0)] + after
+        return Budget(tuple(items), o, slot, blob, n_pairs, None, None, None, None)
+    free_at_open = free_bytes - sum(i.bytes for i in before if i.where == DEVICE)
+    sp = plan_slots(free_at_open, o, slot, n_pairs, after_bytes)
+    items = before + [Item("cache.slots", f"expert slots ({sp.slots} x {slot} B, engine form)", sp.slots * slot,
+                           OPEN_CACHE, count=sp.slots)] + after
+    warnings = _warnings(free_at_open, sp.reserve, after_bytes, sp.slots * slot)
+    return Budget(tuple(items), o, slot, blob, n_pairs, free_bytes, sp.reserve, sp.slots, sp.auto_line,
+                  tuple(warnings), sp.problems)
+
+
+@dataclass(frozen=True)
+class SlotPlan:
+    reserve: Reserve
+    slots: int
+    auto_line: str | None  # S8's log line (auto only)
+    problems: tuple[str, ...]  # why the engine must refuse to start
+
+
+def plan_slots(free_at_open: int, o: BudgetOptions, slot_bytes: int, n_pairs: int, after_cache_bytes: int) -> SlotPlan:
+    """S8 (and S7's refusals) at `free_at_open`, the device memory free once stage 1 is allocated.
+
+    The engine calls this (through `Budget.slots_for`) with what cudaMemGetInfo says at that moment;
+    `plan_budget` with its prediction of it. Without a profile, slots still stop at one per pair."""
+    problems = []
+    if free_at_open < 0:
+        problems.append(f"the weights and the session need {-free_at_open / MiB:.1f} MiB more than the card has free: "
+                        "lower --max-context, use --kv int8, or use a larger card")
+    pf = prefill_mib(o.prefill_chunk, borrowed=o.prefill_borrowed)
+    if o.expert_cache is not None:
+        # an explicit N is checked against the reserve as asked; adapting is for auto only
+        reserve = Reserve(o.vram_reserve_mib, o.vram_reserve_mib, pf, o.draft_bind_bytes)
+        try:
+            check_explicit_slots(o.expert_cache, free_at_open, reserve.bytes, slot_bytes)
+        except ExpertCacheTooBig as e:
+            problems.append(str(e))
+        return SlotPlan(reserve, o.expert_cache, None, tuple(problems))
+    pairs = n_pairs if o.profile_pairs is None else min(o.profile_pairs, n_pairs)
+    reserve = adapt_reserve(free_at_open, o, slot_bytes, after_cache_bytes, pairs)
+    slots = auto_slots(free_at_open, reserve.headroom_mib, o.prefill_chunk, o.draft_bind_bytes, slot_bytes, pairs,
+                       prefill_borrowed=o.prefill_borrowed)
+    line = auto_line(max(free_at_open, 0), reserve.headroom_mib, o.prefill_chunk, o.draft_bind_bytes, slots,
+                     prefill_borrowed=o.prefill_borrowed)
+    return SlotPlan(reserve, slots, line, tuple(problems))
+
+
+def _warnings(free_at_open: int, reserve: Reserve, after_bytes: int, cache_bytes: int) -> list[str]:
+    out = []
+    if reserve.adapted:
+        out.append(f"small card: the reserve shrinks from {reserve.asked_mib} to {reserve.headroom_mib} MiB of headroom "
+                   "so the cache still gets the slots a 256-token prompt chunk's buffers take, or every pair (S7)")
+    if after_bytes > reserve.bytes:
+        out.append(f"the allocations after the cache ({after_bytes / MiB:.1f} MiB) exceed the reserve "
+                   f"({reserve.bytes / MiB:.1f} MiB): raise --vram-reserve-mib")
+    low = low_memory_warning(free_at_open - cache_bytes - after_bytes)
+    if low:
+        out.append(low)
+    return out
+
+
+def _after_cache_items(g: ModelGeometry, o: BudgetOptions, slot: int) -> list[Item]:
+    pf = prefill_mib(o.prefill_chunk, borrowed=o.prefill_borrowed)
+    chunk = (f"prompt path chunk buffers ({o.prefill_chunk}-token chunk)" if pf else
+             "prompt path chunk buffers (borrowed from the cache)" if o.prefill_chunk else "prompt path chunk buffers (no --prefill chunk)")
+    return [
+        Item("fill.staging", "profile fill staging (one slot, pinned)", slot, FILL, HOST),
+        Item("hits.buffers", "GPU hit buffers (one token and layer)", hit_path_bytes(g), HIT_PATH),
+        Item("hits.exchange", "hit/miss exchange (pinned)", hit_exchange_bytes(g), HIT_PATH, HOST),
+        Item("cache.table", "slot table (i32 [layers, experts])", g.n_layer * g.n_expert * I32, CACHE_GRAPHS),
+        Item("graphs.scratch", "token-path scratch arena", scratch_bytes(g, o.max_context), CACHE_GRAPHS),
+        Item("head.logits", "logits (f32)", g.n_vocab * F32, HEAD_PROMPT),
+        Item("head.logits_host", "logits download (pinned)", g.n_vocab * F32, HEAD_PROMPT, HOST),
+        Item("prompt.chunk", chunk, pf * MiB, HEAD_PROMPT),
+        Item("draft.bind", "draft head binding" + ("" if o.draft_bind_bytes else " (no --mtp)"), o.draft_bind_bytes, VERIFIER),
+        Item("verify.logits", f"verifier logits ({o.spec + 1} positions)" if o.spec else "verifier logits (no --spec)",
+             (o.spec + 1) * g.n_vocab * F32 if o.spec else 0, VERIFIER),
+    ]
+

@@ -1,0 +1,334 @@
+"""The GPU engine's memory plan (engine/budget.py) and strata-budget.
+
+Numbers are checked against arithmetic written out here from the block layouts (bytes per block over
+elements per block, as ggml-common.h defines them) and the geometry, on a seed-4l plan (the
+production widths, 4 layers) built from tools/synth.py's type plan without writing any file, and
+against the seed's figures where it gives them. Terms are compared one by one, not as totals: an
+error that tightens a budget passes every total-based check (seed round 194).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from strata.engine import budget as B
+from strata.engine.budget import Budget, BudgetError, BudgetOptions, plan_budget
+from strata.index_format.geometry import tensor_specs
+from strata.index_format.native_experts import NativeExperts, blob_bytes_for
+from strata.index_format.pack_index import PackIndex
+
+MIB, GIB = 1 << 20, 1 << 30
+
+
+# --- a seed-4l plan, no files ----------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def seed4l():
+    from strata.tools.synth import plan_model
+
+    plan = plan_model("qwen4exp", "seed-4l")
+    g = plan.geometry
+    types = {t.name: t.ggml for t in plan.tensors}
+    index = PackIndex.build("m.gguf", [(s.name, types[s.name].id, s.shape) for s in tensor_specs(g) if s.in_pool])
+    rows, off = [], 0
+    for l in range(g.n_layer):
+        gu, d = types[f"blk.{l}.ffn_gate_exps.weight"], types[f"blk.{l}.ffn_down_exps.weight"]
+        size = blob_bytes_for(gu.id, d.id, g.n_embd, g.n_ff_exp) * g.n_expert
+        rows.append((l, gu.id, d.id, size // g.n_expert, off, off + size, off + 2 * size, None))
+        off += 3 * size
+    return index, NativeExperts.build("m.gguf", g.n_expert, rows), g
+
+
+def plan(seed4l, free=None, **opts) -> Budget:
+    index, experts, g = seed4l
+    return plan_budget(index, experts, g, BudgetOptions(**{"max_context": 32768, **opts}), free_bytes=free)
+
+
+def test_dense_weights_by_category_by_hand(seed4l):
+    b = plan(seed4l)
+    # the one QSA layer (3): attn_q IQ4_NL [2560, 2*24*256], attn_k/attn_v Q8_0 [2560, 2*256], attn_output Q5_0 [6144, 2560]
+    q, kv, o = 2560 * 12288, 2560 * 512, 6144 * 2560
+    assert b.item("weights.attention").bytes == q // 32 * 18 + 2 * (kv // 32 * 34) + o // 32 * 22 == 31_293_440
+    # the indexer's q_proj [2560, 4*128] and k_proj [2560, 128] are BF16: 2 bytes in the engine (F32 in the pack)
+    assert b.item("weights.indexer").bytes == (2560 * 512 + 2560 * 128) * 2
+    # LM head Q8_0 [2560, 248320]: 34 bytes per 32 as the GGUF holds it, plus a 2-byte wider scale per block
+    head_blocks = 2560 * 248320 // 32
+    assert b.item("weights.head").bytes == head_blocks * 34 == 675_430_400
+    assert b.item("weights.head").stage == B.WEIGHTS  # S7: THE HEAD BEFORE THE CACHE is sized
+    # routers: BF16 ffn_gate_inp [2560, 512] + ffn_gate_inp_shexp [2560, 1], per layer
+    assert b.item("weights.router").bytes == 4 * (2560 * 512 + 2560) * 2
+    # the embedding stays on the host, rows read from the mapped pool in pack form: Q5_0, 22 bytes per 32
+    assert b.item("host.embedding").bytes == 2560 * 248320 // 32 * 22 and b.item("host.embedding").where == B.HOST
+    # ... which widened (24 per 32) is the seed's 0.444 GiB embedding (seed 6.3)
+    assert round(2560 * 248320 // 32 * 24 / GIB, 3) == 0.444
+
+
+def test_widened_scales_are_two_bytes_per_fp16_scale(seed4l):
+    index, _, g = seed4l
+    b = plan(seed4l)
+    # every fp16-scaled block in the pool gets 2 more bytes; the BF16 sources (F32 in the pack) none; the
+    # embedding stays on the host unwidened. Counted from the tensors' types and shapes here:
+    per_block_scales = {"Q4_0": 1, "Q5_0": 1, "Q8_0": 1, "IQ4_NL": 1, "IQ4_XS": 1, "Q2_0": 1, "IQ3_XXS": 1,
+                        "IQ2_XS": 1, "IQ2_XXS": 1, "F32": 0, "F16": 0, "BF16": 0}
+    elems_per_block = {"Q2_0": 64, "IQ4_XS": 256, "IQ3_XXS": 256, "IQ2_XS": 256, "IQ2_XXS": 256}
+    want = 0
+    for t in index.tensors:
+        if t.name == "token_embd.weight" or t.src.name == "BF16":
+            continue
+        want += int(np.prod(t.shape)) // elems_per_block.get(t.src.name, 32 if per_block_scales[t.src.name] else 1) \
+            * per_block_scales[t.src.name] * 2
+    assert b.item("weights.widened_scales").bytes == want
+    # and the engine form the index records (engine_nbytes) is exactly the dense items plus the widening
+    dense = sum(i.bytes for i in b.items if i.key.startswith("weights."))
+    assert dense == sum(t.engine_nbytes for t in index.tensors if t.name != "token_embd.weight")
+
+
+def test_expert_slot_is_the_largest_expert_in_engine_form(seed4l):
+    _, experts, g = seed4l
+    # the seed's two layers: IQ2_XS + IQ4_NL = 1,868,800 B, IQ2_XXS + Q2_0 = 1,305,600 B
+    assert [e.blob_bytes for e in experts.layers[:2]] == [1_868_800, 1_305_600]
+    # layer 2: IQ3_XXS gate/up (98 B per 256 -> 100 widened) + IQ4_NL down (18 per 32 -> 20)
+    native = 2 * 2560 * 640 // 256 * 98 + 640 * 2560 // 32 * 18
+    engine = 2 * 2560 * 640 // 256 * 100 + 640 * 2560 // 32 * 20
+    b = plan(seed4l)
+    assert (b.slot_bytes, b.max_blob) == (engine, native) == (2_304_000, 2_176_000)
+
+
+def production_geometry(seed4l):
+    _, _, g = seed4l
+    return dataclasses.replace(g, n_layer=48)  # 12 QSA layers at 3, 7, ..., 47 (BRIEF section 2)
+
+
+def test_kv_cache_at_the_seeds_production_settings(seed4l):
+    g = production_geometry(seed4l)
+    assert len(g.full_attention_layers) == 12
+    C = 262144
+    # f16: K and V, 2 KV heads x 256, 2 bytes; int8: 1 byte + an f32 scale per 32 elements of a head
+    assert 12 * C * B.kv_bytes_per_token(g, "f16") == 12 * C * 2 * 2 * 256 * 2 == 6 * GIB
+    assert 12 * C * B.kv_bytes_per_token(g, "int8") == 12 * C * 2 * 2 * (256 + 8 * 4) == 3_623_878_656
+    with pytest.raises(BudgetError, match="head_dim 48 is not a multiple"):
+        B.kv_bytes_per_token(dataclasses.replace(g, head_dim=48, n_rot=16), "int8")
+
+
+def test_indexer_key_store_is_one_key_head_round_194(seed4l):
+    index, experts, g4 = seed4l
+    C = 32768
+    b = plan(seed4l, max_context=C)
+    one_head = C * 128 * 4  # indexer.k_proj is [2560, 128]: ONE shared key head per token, f32
+    four_heads = C * g4.idx_n_heads * 128 * 4  # round 194: sized from the 4 QUERY heads
+    assert g4.idx_n_heads == 4 and b.item("session.indexer_keys").bytes == one_head != four_heads
+    # the term follows the key dim, never the query head count
+    for heads in (1, 8):
+        g = dataclasses.replace(g4, idx_n_heads=heads)
+        assert B.indexer_key_bytes(g, C) == one_head
+    # the CPU engine's cache (engine/qsa.py) holds the same single head
+    from strata.engine.qsa import QSACache
+
+    cpu = QSACache.for_geometry(g4, C)
+    assert cpu.idx_keys.nbytes == B.indexer_key_bytes(g4, C)
+    assert cpu.k.nbytes + cpu.v.nbytes == 2 * C * B.kv_bytes_per_token(g4, "f16")  # f32 on the CPU, f16 here
+    assert cpu.idx_blocks.nbytes + C // 64 * 4 == B.pooled_block_bytes(g4, C)  # + one f32 score per block
+
+
+def test_session_states_match_the_cpu_engines(seed4l):
+    _, _, g = seed4l
+    from strata.engine.ple import PLEState
+
+    assert PLEState.for_geometry(g).ring.nbytes == B.ple_state_bytes(g)
+    assert B.gdn_state_bytes(g) == 48 * 128 * 128 * 4  # S [nv, dv, dk] f32
+    assert B.conv_state_bytes(g) == 3 * 10240 * 4  # the last d_conv - 1 inputs of 2*128*16 + 128*48 channels
+
+
+def test_stages_and_slots_by_hand(seed4l):
+    free = 4 * GIB
+    b = plan(seed4l, free=free, kv="int8")
+    stage1 = sum(i.bytes for i in b.items if i.stage == B.WEIGHTS and i.where == B.DEVICE)
+    assert b.free_at_open == free - stage1
+    want = (free - stage1 - (700 + 330) * MIB) // 2_304_000  # S8: (free - reserve) / max_blob
+    assert 0 < want < 2048 and b.slots == want
+    assert b.item("cache.slots").bytes == want * 2_304_000 and b.item("cache.slots").count == want
+    assert b.auto_line == (f"expert cache auto: {(free - stage1) / GIB:.2f} GiB free, 1030 MiB reserved "
+                           f"(+0 MiB for the draft head) -> {want} slots")
+    used = [b.used_after(s) for s in B.STAGES]
+    assert used == sorted(used) and used[-1] == b.device_bytes() and used[0] == stage1
+    assert b.final_free == free - b.device_bytes() and not b.problems
+    # everything after the cache comes out of the reserve
+    after = sum(i.bytes for i in b.items if i.where == B.DEVICE and B.STAGES.index(i.stage) >= 2)
+    assert after <= b.reserve.bytes
+    # the engine sizes the cache from what it MEASURES at that point, through the same arithmetic
+    assert b.slots_for(b.free_at_open).slots == want
+    assert b.slots_for(b.free_at_open - 10 * 2_304_000).slots == want - 10
+    assert b.item("session.kv").each == 32768 * 2 * 2 * (256 + 32)  # one QSA layer, int8
+    # a big card holds every pair, and a profile caps the slots at its pairs (S8)
+    assert plan(seed4l, free=64 * GIB).slots == 4 * 512
+    assert plan(seed4l, free=64 * GIB, profile_pairs=77).slots == 77
+
+
+def test_prompt_chunk_and_draft_head_in_the_reserve(seed4l):
+    b = plan(seed4l, free=64 * GIB, prefill_chunk=512, draft_bind_bytes=150 * MIB, spec=4)
+    assert b.item("prompt.chunk").bytes == (160 + 512 * 680 // 1024) * MIB
+    assert b.reserve.bytes == (700 + 500) * MIB + 150 * MIB
+    assert b.item("draft.bind").bytes == 150 * MIB and b.item("verify.logits").bytes == 5 * 248320 * 4
+    none = plan(seed4l, free=64 * GIB, prefill_chunk=0)
+    assert none.item("prompt.chunk").bytes == 0 and none.item("draft.bind").bytes == 0
+    assert none.item("verify.logits").bytes == 0 and none.reserve.bytes == 700 * MIB
+
+
+def test_explicit_slots_that_do_not_fit_are_refused_with_both_numbers(seed4l):
+    ok = plan(seed4l, free=8 * GIB, expert_cache=100)
+    assert ok.slots == 100 and not ok.problems
+    big = plan(seed4l, free=4 * GIB, expert_cache=2000)
+    assert big.slots == 2000 and len(big.problems) == 1
+    room = big.free_at_open - 1030 * MIB
+    text = big.problems[0]
+    assert f"{2000 * 2_304_000 / MIB:.1f} MiB" in text and f"{room / MIB:.1f} MiB" in text
+    assert f"at most {room // 2_304_000} slots fit" in text
+    with pytest.raises(B.ExpertCacheTooBig):
+        B.check_explicit_slots(2000, big.free_at_open, 1030 * MIB, 2_304_000)
+
+
+def test_reserve_adapts_on_a_small_card():
+    o = BudgetOptions(max_context=4096)
+    slot, after = 2 * MIB, 360 * MIB  # after the cache: the 330 MiB chunk buffers and 30 MiB more
+    lend = 165  # slots a 256-token chunk's 330 MiB of buffers take
+    big = B.adapt_reserve(4 * GIB, o, slot, after, 10_000)
+    assert not big.adapted and big.bytes == 1030 * MIB
+    # 1.2 GiB at the cache: 700 + 330 MiB leave 98 slots, fewer than the 165 the prompt path would borrow
+    free = 1229 * MIB
+    r = B.adapt_reserve(free, o, slot, after, 10_000)
+    assert r.adapted and r.headroom_mib == 1229 - 330 - 330 and (free - r.bytes) // slot == lend
+    # never below what the allocations after the cache need beyond the chunk buffers (30 MiB)
+    tiny = B.adapt_reserve(500 * MIB, o, slot, after, 10_000)
+    assert tiny.headroom_mib == 30 and tiny.prefill_mib == 330
+    # a model with fewer pairs than that: the cache only needs to hold them all
+    assert not B.adapt_reserve(free, o, slot, after, 50).adapted  # 99 slots fit already
+    few = B.adapt_reserve(1060 * MIB, o, slot, after, 50)  # 15 fit: cut the headroom to hold 50
+    assert few.headroom_mib == 1060 - 100 - 330 and (1060 * MIB - few.bytes) // slot == 50
+    # no prompt path: nothing to lend to
+    assert not B.adapt_reserve(free, dataclasses.replace(o, prefill_chunk=0), slot, after, 10_000).adapted
+
+
+def test_low_warning_below_256_mib():
+    assert B.low_memory_warning(256 * MIB) is None
+    assert B.low_memory_warning(256 * MIB - 1).startswith("LOW: 255 MiB of device memory free")
+    assert B.low_memory_warning(5 * MIB).startswith("LOW: 5 MiB")
+    assert B.low_memory_warning(-3 * MIB).startswith("LOW: the plan needs 3.0 MiB more")
+
+
+def test_small_card_plan_warns(seed4l):
+    b0 = plan(seed4l, free=0)
+    stage1 = -b0.free_at_open
+    b = plan(seed4l, free=stage1 + 900 * MIB)
+    assert b.reserve.adapted and b.slots == -(-330 * MIB // 2_304_000)
+    assert any("small card" in w for w in b.warnings) and any(w.startswith("LOW") for w in b.warnings)
+    assert plan(seed4l, free=stage1 - MIB).problems  # the weights and session alone do not fit
+
+
+def test_qwen35moe_has_no_qsa_hc_or_ple_terms(seed4l):
+    from strata.tools.synth import plan_model
+
+    p = plan_model("qwen35moe", "tiny")
+    g = p.geometry
+    types = {t.name: t.ggml for t in p.tensors}
+    index = PackIndex.build("m.gguf", [(s.name, types[s.name].id, s.shape) for s in tensor_specs(g) if s.in_pool])
+    rows = [(l, types[f"blk.{l}.ffn_gate_exps.weight"].id, types[f"blk.{l}.ffn_down_exps.weight"].id,
+             blob_bytes_for(types[f"blk.{l}.ffn_gate_exps.weight"].id, types[f"blk.{l}.ffn_down_exps.weight"].id,
+                            g.n_embd, g.n_ff_exp), 8 * 10**9 * l, 8 * 10**9 * l + 10**9, 8 * 10**9 * l + 2 * 10**9, None)
+            for l in range(g.n_layer)]
+    b = plan_budget(index, NativeExperts.build("m.gguf", g.n_expert, rows), g, BudgetOptions(max_context=64))
+    keys = {i.key for i in b.items}
+    assert not keys & {"session.indexer_keys", "session.ple_state", "weights.hyper_connection", "host.ple_table"}
+    assert b.item("session.stream").bytes == g.n_embd * 4 and b.slots is None
+
+
+# --- strata-budget on a real (tiny) pack ---------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny_pack(tmp_path_factory):
+    from strata.tools.pack import convert
+    from strata.tools.synth import get_preset, synth
+
+    d = tmp_path_factory.mktemp("tiny")
+    shards = synth("qwen4exp", "tiny", d / "m.gguf", seed=1)
+    convert([shards[0]], d / "pack", compress_ratio=get_preset("tiny").compress_ratio)
+    return d / "pack"
+
+
+def make_profile(pack: Path, path: Path, fingerprint: str | None = None) -> None:
+    from strata.index_format.expert_profile import write_expert_profile
+    from strata.index_format.manifest import pack_fingerprint
+    from strata.index_format.routing_trace import RoutingTrace
+
+    rng = np.random.default_rng(4)
+    ids = np.array([rng.choice(16, 4, replace=False, p=np.arange(16, 0, -1) / 136) for _ in range(50 * 8)]).reshape(50, 8, 4)
+    write_expert_profile(path, RoutingTrace(fingerprint or pack_fingerprint(pack), 16, ids).to_profile())
+
+
+def test_cli_reports_the_plan_with_a_profile_and_plots(tiny_pack, tmp_path, capsys):
+    pytest.importorskip("matplotlib", reason="--plot needs the plot extra (pip install 'strata[plot]')")
+    from strata.engine.expert_plan import expected_hit_rate
+    from strata.index_format.expert_profile import read_expert_profile
+    from strata.tools.budget_cli import main
+
+    prof = tmp_path / "expert-profile.bin"
+    make_profile(tiny_pack, prof)
+    png = tmp_path / "hit.png"
+    code = main([str(tiny_pack), "--free-mib", "1100", "--max-context", "512", "--kv", "int8",
+                 "--expert-profile", str(prof), "--plot", str(png)])
+    out = capsys.readouterr()
+    assert code == 0, out.err
+    p = read_expert_profile(prof)
+    assert "PROFILE, ranked by routing frequency, no eviction." in out.out
+    line = next(l for l in out.out.splitlines() if l.startswith("expert cache auto:"))
+    slots = int(line.split("-> ")[1].split()[0])
+    assert line.endswith(f"-> {slots} slots") and slots == min(p.pairs, 128)
+    assert f"expected hit rate at {slots} slots: {100 * expected_hit_rate(p, slots):.1f}%" in out.out
+    for name in ("QSA indexer key store", "KV cache (int8, 512 tokens)", "embedding table", "widened scales"):
+        assert name in out.out
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 1000
+    assert not list(tmp_path.glob("*.tmp-*"))
+
+
+def test_cli_refuses_a_profile_of_another_pack(tiny_pack, tmp_path, capsys):
+    from strata.index_format.manifest import pack_fingerprint
+    from strata.tools.budget_cli import main
+
+    other = "pk1-" + "0" * 64
+    make_profile(tiny_pack, tmp_path / "p.bin", fingerprint=other)
+    assert main([str(tiny_pack), "--expert-profile", str(tmp_path / "p.bin")]) == 1
+    err = capsys.readouterr().err
+    assert other in err and pack_fingerprint(tiny_pack) in err
+
+
+def test_cli_refusals(tiny_pack, tmp_path, capsys, monkeypatch):
+    from strata.tools.budget_cli import main
+
+    assert main([str(tiny_pack), "--free-mib", "400", "--expert-cache", "100000"]) == 1
+    err = capsys.readouterr().err
+    assert "--expert-cache 100000" in err and "would refuse to start" in err
+    assert main([str(tiny_pack), "--vram-gib", "1", "--free-mib", "5"]) == 2
+    assert main([str(tiny_pack), "--kv", "int4"]) == 1
+    assert "--kv 'int4'" in capsys.readouterr().err
+    prof = tmp_path / "p.bin"
+    make_profile(tiny_pack, prof)
+    import builtins
+
+    real = builtins.__import__
+    monkeypatch.setattr(builtins, "__import__",
+                        lambda name, *a, **k: (_ for _ in ()).throw(ImportError(name)) if name == "matplotlib" else real(name, *a, **k))
+    assert main([str(tiny_pack), "--expert-profile", str(prof), "--plot", str(tmp_path / "x.png")]) == 2
+    assert "pip install 'strata[plot]'" in capsys.readouterr().err and not (tmp_path / "x.png").exists()
+
+
+def test_cli_without_free_memory_lists_the_fixed_items(tiny_pack, capsys):
+    from strata.tools.budget_cli import main
+
+    assert main([str(tiny_pack)]) == 0
+    out = capsys.readouterr().out
+    assert "slots: not planned (give --vram-gib or --free-mib)" in out and "compulsory-miss" not in out
