@@ -90,6 +90,7 @@ def _run(pack, prompt, prompt_file, prompt_ids, n, temp, top_k, top_p, min_p, re
     for w in p.warnings:
         typer.echo(f"strata generate: warning: {w}", err=True)
     model = Model(p)
+    model.warm_up()
     tok = Tokenizer.load(p.tokenizer_path)
     load_s = time.perf_counter() - t0
     ids = _prompt_ids(tok, prompt, prompt_file, prompt_ids, chat, p.geometry.n_vocab)
@@ -170,7 +171,7 @@ def format_stats(pack, load_s: float, result, routing, seed: int, threads: int, 
 
     g = pack.geometry
     lines = [
-        f"load     {load_s:.3f} s  ({g.arch}, {g.n_layer} layers; pool {pack.pool_bytes} B in pack form, "
+        f"load     {load_s:.3f} s  (kernels compiled; {g.arch}, {g.n_layer} layers; pool {pack.pool_bytes} B in pack form, "
         f"{pack.engine_bytes} B in engine form; f32 scale planes on the GPU tier would add {pack.widened_bytes} B)",
         f"prefill  {len(result.prompt)} tokens in {result.prefill_s:.3f} s -> {result.prefill_tps:.2f} tok/s",
         f"decode   {len(result.tokens)} tokens in {result.decode_s:.3f} s -> {result.decode_tps:.2f} tok/s "

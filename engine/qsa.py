@@ -291,6 +291,7 @@ class QSALayer:
         self.idx_k_norm = as_f32(t[f"{b}.indexer.k_norm.weight"], f"{b}.indexer.k_norm.weight", (Id,))
         self.rope = Rope(g.n_rot, g.rope_freq_base)
         self.selected = np.zeros(0, np.int64)  # the token ids the last step attended (diagnostics, tests)
+        self.block_scores = np.zeros(0, F32)  # the last step's score of each complete block (diagnostics, tests)
 
     # --- one token -----------------------------------------------------------------------------
 
@@ -341,6 +342,7 @@ class QSALayer:
         if nb == 0:
             return tail
         s = np.maximum(iq @ cache.idx_blocks[:nb].T, F32(0)).sum(axis=0, dtype=F32) / F32(math.sqrt(self.Id))
+        self.block_scores = s
         blocks = torch_topk_set(s, min(self.block_topk, nb), cache._vbuf, cache._ibuf)
         toks = (blocks[:, None] * r + np.arange(r, dtype=np.int64)[None, :]).reshape(-1)
         return np.concatenate([toks, tail])

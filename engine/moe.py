@@ -1,0 +1,96 @@
+"""The MoE block of one token: softmax router, top-k with renormalised weights (norm_topk_prob, true
+for both architectures and not stored in the GGUF), routed experts read in place from the mapped
+GGUF, and the sigmoid-gated shared expert (transformers' Qwen3_5MoeSparseMoeBlock).
+
+Legend: E = n_embd, X = experts, k = experts per token, F = expert n_ff, Fs = shared expert n_ff.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .kernels import cpu
+from .ops import sigmoid, silu_
+from .pack import Pack
+from .weights import Input
+
+F32 = np.float32
+
+
+class MoE:
+    """One layer's experts. `step(x, counts)` -> f32 [E] (a view of this block's scratch)."""
+
+    def __init__(self, pack: Pack, layer: int):
+        g = pack.geometry
+        b = f"blk.{layer}"
+        self.pack, self.layer = pack, layer
+        self.E, self.F, self.k = g.n_embd, g.n_ff_exp, g.n_expert_used
+        self.router = pack.weight(f"{b}.ffn_gate_inp.weight")  # (E, X), F32 always
+        self.gu, self.d = pack.expert_types(layer)
+        self.shared = None
+        if g.n_ff_shexp:
+            self.shared = (
+                pack.weight(f"{b}.ffn_gate_inp_shexp.weight"),  # (E, 1): the sigmoid gate
+                pack.weight(f"{b}.ffn_gate_shexp.weight"),
+                pack.weight(f"{b}.ffn_up_shexp.weight"),
+                pack.weight(f"{b}.ffn_down_shexp.weight"),
+            )
+        # scratch, made once (S12)
+        self.logits = np.empty(g.n_expert, F32)
+        self.gate = np.empty(self.F, F32)
+        self.up = np.empty(self.F, F32)
+        self.h = Input(np.empty(self.F, F32))
+        self.part = np.empty(self.E, F32)
+        self.out = np.empty(self.E, F32)
+        self.top = np.empty(self.k, np.int64)
+        self.weights = np.empty(self.k, np.float64)
+        if self.shared:
+            Fs = g.n_ff_shexp
+            self.sh_gate = np.empty(Fs, F32)
+            self.sh_up = np.empty(Fs, F32)
+            self.sh_h = Input(np.empty(Fs, F32))
+            self.sh_g = np.empty(1, F32)
+
+    def route(self, x: Input) -> tuple[np.ndarray, np.ndarray]:
+        """(expert ids [k], weights [k]) ranked by router probability, weights summing to 1."""
+        logits = self.router.matvec(x, out=self.logits)
+        # softmax in float64: the ranking and weights come from the same probabilities transformers has
+        p = np.exp(logits - logits.max(), dtype=np.float64)
+        p /= p.sum()
+        top = np.argpartition(-p, self.k - 1)[: self.k]
+        order = np.argsort(-p[top], kind="stable")
+        self.top[:] = top[order]
+        self.weights[:] = p[self.top]
+        self.weights /= self.weights.sum()
+        return self.top, self.weights
+
+    def step(self, x: Input, counts: np.ndarray | None = None) -> np.ndarray:
+        """y = sum_e w_e down_e(silu(gate_e x) * up_e x) + sigmoid(s . x) shared(x); counts[e] += 1 per routed e."""
+        top, weights = self.route(x)
+        if counts is not None:
+            counts[top] += 1
+        out = self.out
+        out[:] = 0
+        for e, w in zip(top, weights):
+            out += F32(w) * self._expert(x, int(e))
+        if self.shared:
+            s_gate, gate, up, down = self.shared
+            s_gate.matvec(x, out=self.sh_g)
+            gate.matvec(x, out=self.sh_gate)
+            up.matvec(x, out=self.sh_up)
+            self.sh_h.set(silu_(self.sh_gate) * self.sh_up)
+            down.matvec(self.sh_h, out=self.part)
+            out += sigmoid(self.sh_g)[0] * self.part
+        return out
+
+    def _expert(self, x: Input, e: int) -> np.ndarray:
+        gate_raw, up_raw, down_raw = self.pack.expert(self.layer, e)
+        E, F = self.E, self.F
+        act = x.form(self.gu)
+        cpu.matvec(gate_raw, self.gu.id, E, F, act, out=self.gate)
+        cpu.matvec(up_raw, self.gu.id, E, F, act, out=self.up)
+        silu_(self.gate)
+        self.gate *= self.up
+        self.h.set(self.gate)
+        return cpu.matvec(down_raw, self.d.id, F, E, self.h.form(self.d), out=self.part)
+

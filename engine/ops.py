@@ -1,0 +1,184 @@
+"""The small operations of one token's forward pass, in float32, following transformers 5.23.0's
+modeling_qwen3_5_moe.py (the ground truth for every number; BRIEF section 2).
+
+Legend: E = n_embd, D = attention head dim, n_rot = rotary dims per head, nk / nv = GDN key / value
+heads, dk / dv = their dims, K = conv kernel, C = conv channels = 2 nk dk + nv dv.
+
+The GGUF has already folded what it can: zero-centred RMSNorm gains are stored as (1 + w), so
+`rmsnorm` multiplies by the stored gain; ssm_a is -exp(A_log); conv weights are squeezed; the GDN
+value heads are TILED (GGUF v-head p is served by key head p % nk; docs/gguf-layout.md section 4),
+and this module computes in that order, so ssm_out's tiled input columns match without reordering.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from numba import njit, prange
+
+from .kernels import cpu
+from .kernels.jit import JIT
+
+F32 = np.float32
+L2NORM_EPS = 1e-6  # transformers' l2norm default, NOT rms_norm_eps
+
+
+def rmsnorm(x: np.ndarray, gain: np.ndarray, eps: float, out: np.ndarray) -> np.ndarray:
+    """out = x / sqrt(mean(x^2) + eps) * gain, over the last axis (x [..., n], gain [n] as stored)."""
+    ms = np.einsum("...i,...i->...", x, x, dtype=np.float64) / x.shape[-1]
+    np.multiply(x, (1.0 / np.sqrt(ms + eps)).astype(F32)[..., None], out=out)
+    out *= gain
+    return out
+
+
+def l2norm_(x: np.ndarray) -> np.ndarray:
+    """In place over the last axis: x / sqrt(sum(x^2) + 1e-6) (transformers' l2norm of GDN q and k)."""
+    ss = np.einsum("...i,...i->...", x, x, dtype=np.float64)
+    x *= (1.0 / np.sqrt(ss + L2NORM_EPS)).astype(F32)[..., None]
+    return x
+
+
+def silu_(x: np.ndarray) -> np.ndarray:
+    """In place: x * sigmoid(x)."""
+    x *= sigmoid(x)
+    return x
+
+
+def sigmoid(x: np.ndarray) -> np.ndarray:
+    # 0.5 * (1 + tanh(x / 2)) is sigmoid without exp overflow for large |x|
+    return (0.5 * (1.0 + np.tanh(0.5 * x))).astype(x.dtype, copy=False)
+
+
+def softplus(x: np.ndarray) -> np.ndarray:
+    """log(1 + exp(x)), stable for large |x|."""
+    return np.logaddexp(0, x).astype(x.dtype, copy=False)
+
+
+# --- rotary embedding -------------------------------------------------------------------------------
+
+
+class Rope:
+    """NeoX-style rotary embedding on the first n_rot dims of each head (partial rotary).
+
+    Qwen3.5's M-RoPE gives each frequency a temporal, height or width position (interleaved
+    sections); for text the three positions are equal, so it is plain RoPE. Angles are computed
+    in float64 per position (position * inv_freq loses nothing), then rounded once to f32."""
+
+    def __init__(self, n_rot: int, base: float):
+        self.half = n_rot // 2
+        self.inv_freq = 1.0 / (float(base) ** (np.arange(0, n_rot, 2, dtype=np.float64) / n_rot))
+        self.cos = np.empty(self.half, F32)
+        self.sin = np.empty(self.half, F32)
+        self._pos = -1
+
+    def at(self, pos: int) -> None:
+        if pos != self._pos:
+            angle = pos * self.inv_freq
+            self.cos[:] = np.cos(angle)
+            self.sin[:] = np.sin(angle)
+            self._pos = pos
+
+    def apply_(self, x: np.ndarray) -> None:
+        """x [heads, D] in place: dims [0, half) and [half, n_rot) rotate as pairs (i, i + half)."""
+        h, c, s = self.half, self.cos, self.sin
+        x1 = x[:, :h].copy()
+        x2 = x[:, h : 2 * h]
+        x[:, :h] = x1 * c - x2 * s
+        x[:, h : 2 * h] = x2 * c + x1 * s
+
+
+# --- Gated DeltaNet ---------------------------------------------------------------------------------
+
+
+def conv_step(state: np.ndarray, w: np.ndarray, x: np.ndarray, out: np.ndarray) -> np.ndarray:
+    """Causal depthwise conv over the last K inputs, then SiLU.
+
+    state f32 [K, C]: rows 0..K-2 the previous inputs (oldest first), row K-1 scratch; w f32 [K, C]
+    (the GGUF's (K, C) ssm_conv1d, as stored); x f32 [C]. torch's conv1d is a cross-correlation with
+    K-1 zeros of left padding, so tap j multiplies the input j - (K-1) steps back."""
+    state[-1] = x
+    np.einsum("kc,kc->c", w, state, out=out)
+    state[:-1] = state[1:]
+    return silu_(out)
+
+
+def _delta_rule(S, q, k, v, g, beta, out):
+    """One token of the gated delta rule, in place on the state; v heads in GGUF (tiled) order.
+
+    S f32 [nv, dv, dk] (the transpose of transformers' [dk, dv] per head, so each value row is
+    contiguous); q, k f32 [nk, dk], l2-normalised, q already scaled by dk^-0.5; v f32 [nv, dv];
+    g f32 [nv] (log decay); beta f32 [nv]; out f32 [nv, dv]. Per v-head h, key head h % nk:
+        S <- S * exp(g);  kv = S^T k;  S <- S + k (beta (v - kv))^T;  out = S^T q
+    computed one value row at a time (each row of S is independent), in one pass over S."""
+    nv, dv, dk = S.shape
+    nk = q.shape[0]
+    for h in prange(nv):
+        kh = h % nk
+        decay = np.float32(math.exp(g[h]))
+        for j in range(dv):
+            kv = np.float32(0.0)
+            for i in range(dk):
+                S[h, j, i] = S[h, j, i] * decay
+                kv += S[h, j, i] * k[kh, i]
+            delta = (v[h, j] - kv) * beta[h]
+            o = np.float32(0.0)
+            for i in range(dk):
+                S[h, j, i] = S[h, j, i] + k[kh, i] * delta
+                o += S[h, j, i] * q[kh, i]
+            out[h, j] = o
+
+
+# A parallel launch costs tens of microseconds (far more on a loaded machine); a small state
+# (the tiny test models) is done before the threads would wake.
+_delta_rule_serial = njit(cache=True, **JIT)(_delta_rule)
+_delta_rule_parallel = njit(parallel=True, cache=True, **JIT)(_delta_rule)
+PARALLEL_MIN_STATE = 1 << 18  # f32 elements of S per layer (production: 48 * 128 * 128 = 786,432)
+
+
+def delta_rule_step(S, q, k, v, g, beta, out) -> None:
+    """One token of the gated delta rule (see _delta_rule), threaded when the state is large."""
+    kernel = _delta_rule_parallel if S.size >= PARALLEL_MIN_STATE and cpu.get_threads() > 1 else _delta_rule_serial
+    kernel(S, q, k, v, g, beta, out)
+
+
+def gated_rmsnorm_(o: np.ndarray, gain: np.ndarray, z: np.ndarray, eps: float, act) -> np.ndarray:
+    """In place per head: o / sqrt(mean(o^2) + eps) * gain * act(z); o, z [nv, dv], gain [dv] stored as is."""
+    rmsnorm(o, gain, eps, out=o)
+    o *= act(z.copy())
+    return o
+
+
+def gate_silu(z: np.ndarray) -> np.ndarray:
+    return silu_(z)
+
+
+def gate_sigmoid(z: np.ndarray) -> np.ndarray:
+    return sigmoid(z)
+
+
+# --- attention --------------------------------------------------------------------------------------
+
+
+def softmax_(x: np.ndarray) -> np.ndarray:
+    """In place over the last axis."""
+    x -= x.max(axis=-1, keepdims=True)
+    np.exp(x, out=x)
+    x /= x.sum(axis=-1, keepdims=True)
+    return x
+
+
+def attend(q: np.ndarray, K: np.ndarray, V: np.ndarray, n: int, scale: float, out: np.ndarray) -> np.ndarray:
+    """Causal attention of one query token over the first n cached positions, grouped by KV head.
+
+    q f32 [H, D]; K, V f32 [Hkv, max_ctx, D]; out f32 [H, D]. Query head h reads KV head
+    h // (H / Hkv) (transformers' repeat_kv)."""
+    H, D = q.shape
+    Hkv = K.shape[0]
+    G = H // Hkv
+    qg = q.reshape(Hkv, G, D)
+    scores = np.matmul(qg, K[:, :n].transpose(0, 2, 1))  # [Hkv, G, n]
+    scores *= F32(scale)
+    softmax_(scores)
+    np.matmul(scores, V[:, :n], out=out.reshape(Hkv, G, D))
+    return out

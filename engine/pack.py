@@ -1,0 +1,280 @@
+"""The weight table (S3): a pack opened, checked against its geometry, and served in engine form.
+
+WeightTable answers "where are the bytes"; ModelGeometry answers "is this the tensor I think it is".
+`Pack.open` reads every index with the strict readers (index_format/), builds the geometry from
+geometry.txt, checks every pool tensor's name and shape against `tensor_specs` at LOAD time, maps
+pool.bin read-only, and maps the GGUF files the experts (and the PLE table) are read from IN PLACE,
+each refused unless its size and fingerprint are the ones the manifest recorded: a GGUF changed
+after packing would decode, through the recorded offsets, to plausible garbage.
+
+Engine form: a BF16 source stored as F32 in the pack is re-rounded to 16 bits (exact: the value came
+from 16 bits; anything else is refused). Block scales stay fp16 on the CPU tier (the kernels read
+them through an exact table); `widened_bytes` is what the GPU tier's f32 scale planes add.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from strata.index_format.geometry import ModelGeometry, check_layer_arrays, check_tensor_shapes, read_geometry, tensor_specs
+from strata.index_format.ggml_types import BY_ID, GGMLType
+from strata.index_format.manifest import Manifest, SourceFile, fingerprint_file, full_sha256, read_manifest
+from strata.index_format.native_experts import ExpertLayer, NativeExperts, expert_bytes, read_native_experts
+from strata.index_format.pack_index import PackIndex, TensorEntry, read_index
+from strata.index_format.pack_sources import read_sources
+from strata.index_format.ple_table import PleTable, read_ple_table
+
+from .kernels.engine_form import rebf16, widened_bytes
+from .weights import Weight
+
+POOL, INDEX, EXPERTS, PLE, GEOMETRY, TOKENIZER, SOURCES, MANIFEST = (
+    "pool.bin", "index.txt", "native_experts.txt", "ple_table.txt", "geometry.txt", "tokenizer.txt",
+    "sources.txt", "manifest.txt",
+)  # fmt: skip
+_BF16 = 30
+
+
+class PackError(ValueError):
+    """A pack, or a GGUF it reads from, that the engine refuses; the message says what to do."""
+
+
+@dataclass(frozen=True)
+class _ExpertLayer:
+    """One layer's experts in a mapped file: per-expert byte strides of gate, up and down."""
+
+    data: np.ndarray  # the whole mapped file, uint8
+    gate_off: int
+    up_off: int
+    down_off: int
+    gu: GGMLType
+    d: GGMLType
+    gate_bytes: int  # = up bytes
+    down_bytes: int
+
+
+class Pack:
+    """An opened pack. Build with `Pack.open(pack_dir, native=None, ple_gguf=None)`."""
+
+    def __init__(self, d: Path, manifest: Manifest, geometry: ModelGeometry, warnings: list[str], index: PackIndex,
+                 experts: NativeExperts, ple: PleTable | None, pool: np.ndarray, files: dict[str, tuple[Path, np.ndarray]]):
+        self.dir = d
+        self.manifest = manifest
+        self.geometry = geometry
+        self.warnings = warnings  # disagreements the geometry reports and the engine tolerates (compress ratios)
+        self.index = index
+        self.experts = experts
+        self.ple = ple
+        self.tokenizer_path = d / TOKENIZER
+        self.source_paths = {name: path for name, (path, _) in files.items()}
+        self.weights = {t.name: _engine_weight(t, pool) for t in index.tensors}
+        g = geometry
+        self._layers = {e.layer: _expert_layer(e, experts.gguf, files, g) for e in experts.layers}
+        self._ple_data = _ple_data(ple, files) if ple is not None else None
+
+    # --- opening ---------------------------------------------------------------------------------
+
+    @classmethod
+    def open(cls, pack_dir: str | os.PathLike, native: str | os.PathLike | None = None,
+             ple_gguf: str | os.PathLike | None = None) -> Pack:
+        """Read and check everything, map pool.bin and the GGUF files the experts live in.
+
+        native: the main GGUF where it is now, when it moved since packing (other shards are looked
+        for beside it); ple_gguf: the PLE shard where it is now."""
+        d = Path(pack_dir)
+        if not (d / MANIFEST).is_file():
+            raise PackError(f"{d}: no {MANIFEST}, so not a pack (a conversion that did not finish leaves none: "
+                            "run strata-pack convert again)")
+        manifest = read_manifest(d / MANIFEST)
+        _check_pack_files(d, manifest)
+        g = read_geometry(d / GEOMETRY)
+        warnings = check_layer_arrays(g)
+        pool_size = (d / POOL).stat().st_size
+        index = read_index(d / INDEX, pool_size=pool_size)
+        in_gguf = {s.name for s in tensor_specs(g) if not s.in_pool}  # experts, PLE table: read in place
+        check_tensor_shapes(g, {t.name: t.shape for t in index.tensors}, source=str(d / INDEX), ignore=in_gguf)
+        experts = read_native_experts(d / EXPERTS, n_embd=g.n_embd, n_ff=g.n_ff_exp, n_expert=g.n_expert,
+                                      layers=list(range(g.n_layer)))
+        ple = read_ple_table(d / PLE, row_dim=g.ple_row_dim, rows=g.ple_table_rows) if g.ple_layers else None
+        if ple is None and (d / PLE).exists():
+            raise PackError(f"{d / PLE}: present, but {GEOMETRY} has no PLE layers (a pack mixed from two models?)")
+        pool = np.memmap(d / POOL, dtype=np.uint8, mode="r").view(np.ndarray) if pool_size else np.zeros(0, np.uint8)
+        needed = {e.shard or experts.gguf for e in experts.layers} | ({ple.file} if ple else set())
+        recorded = read_sources(d / SOURCES) if (d / SOURCES).is_file() else {}
+        paths = _locate_sources(manifest, recorded, needed, experts.gguf, native, ple_gguf)
+        files = {name: (path, _map(path)) for name, path in paths.items()}
+        return cls(d, manifest, g, warnings, index, experts, ple, pool, files)
+
+    # --- what the model reads --------------------------------------------------------------------
+
+    def weight(self, name: str) -> Weight:
+        try:
+            return self.weights[name]
+        except KeyError:
+            raise PackError(f"{self.dir / INDEX}: no tensor {name}") from None
+
+    def expert(self, layer: int, e: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Expert e of `layer`: (gate, up, down) raw bytes, uint8 views of the mapped GGUF (never copies).
+
+        gate, up: n_ff rows of n_embd elements; down: n_embd rows of n_ff elements."""
+        x = self._layers[layer]
+        if not 0 <= e < self.geometry.n_expert:
+            raise IndexError(f"expert {e} of layer {layer}: the model has {self.geometry.n_expert}")
+        gb, db = x.gate_bytes, x.down_bytes
+        return (x.data[x.gate_off + e * gb : x.gate_off + (e + 1) * gb],
+                x.data[x.up_off + e * gb : x.up_off + (e + 1) * gb],
+                x.data[x.down_off + e * db : x.down_off + (e + 1) * db])
+
+    def expert_types(self, layer: int) -> tuple[GGMLType, GGMLType]:
+        """(gate/up type, down type) of `layer`'s experts: they vary by layer."""
+        x = self._layers[layer]
+        return x.gu, x.d
+
+    def ple_table(self) -> np.ndarray:
+        """The whole PLE n-gram table's raw bytes (rows of ple.row_bytes), a view of the mapped shard."""
+        if self.ple is None:
+            raise PackError(f"{self.dir}: this model has no PLE table")
+        return self._ple_data[self.ple.offset : self.ple.offset + self.ple.nbytes]
+
+    def ple_row(self, row: int) -> np.ndarray:
+        """Row `row` of the PLE n-gram table: raw bytes (ple.type, ple.row_dim elements), a view."""
+        if self.ple is None:
+            raise PackError(f"{self.dir}: this model has no PLE table")
+        if not 0 <= row < self.ple.rows:
+            raise IndexError(f"PLE row {row}: the table has {self.ple.rows}")
+        rb = self.ple.row_bytes
+        start = self.ple.offset + row * rb
+        return self._ple_data[start : start + rb]
+
+    # --- sizes (S3: budgets read the real widths) ------------------------------------------------
+
+    @property
+    def pool_bytes(self) -> int:
+        return self.index.pool_bytes
+
+    @property
+    def engine_bytes(self) -> int:
+        """The dense tensors as the CPU tier holds them (BF16 re-rounded; fp16 scales as stored)."""
+        return sum(w.raw.nbytes for w in self.weights.values())
+
+    @property
+    def widened_bytes(self) -> int:
+        """What widening every fp16 block scale to f32 adds (the GPU tier's engine form)."""
+        return sum(widened_bytes(t.engine_type, t.shape) for t in self.index.tensors)
+
+
+# --- helpers ---------------------------------------------------------------------------------------
+
+
+def _check_pack_files(d: Path, manifest: Manifest) -> None:
+    """The pack's own files against the manifest: all present, sizes equal, small files hashed whole.
+
+    pool.bin is checked by size only (its full sha256 would read gigabytes at every start;
+    `strata-pack verify --full` hashes it)."""
+    listed = {f.name: f for f in manifest.files}
+    for name in (POOL, INDEX, EXPERTS, GEOMETRY, TOKENIZER):
+        if name not in listed:
+            raise PackError(f"{d / MANIFEST}: pack file {name} is not listed (not a complete pack: rebuild it)")
+    for f in manifest.files:
+        path = d / f.name
+        if not path.is_file():
+            raise PackError(f"{path}: missing (listed in {MANIFEST}); rebuild the pack")
+        size = path.stat().st_size
+        if size != f.size:
+            raise PackError(f"{path}: size recorded {f.size}, found {size} (changed since packing; rebuild the pack)")
+        if f.name != POOL:
+            found = _fingerprint(path, f.fingerprint)
+            if found != f.fingerprint:
+                raise PackError(f"{path}: fingerprint recorded {f.fingerprint}, found {found} "
+                                "(edited since packing; rebuild the pack)")
+
+
+def _fingerprint(path: Path, like: str) -> str:
+    return full_sha256(path) if like.startswith("sha256-") else fingerprint_file(path)
+
+
+def _locate_sources(manifest: Manifest, recorded: dict[str, str], needed: set[str], main_name: str,
+                    native, ple_gguf) -> dict[str, Path]:
+    """name -> path of every source file the engine reads from, each checked against the manifest."""
+    by_name = {s.name: s for s in manifest.sources}
+    main = manifest.source("main")[0]
+    if main.name != main_name:
+        raise PackError(f"{MANIFEST} names the main GGUF {main.name}, {EXPERTS} names {main_name}: "
+                        "the pack's files disagree (rebuild the pack)")
+    out = {}
+    for name in sorted(needed):
+        if name not in by_name:
+            raise PackError(f"{EXPERTS} / {PLE} read from {name}, which {MANIFEST} does not list (rebuild the pack)")
+        s = by_name[name]
+        out[name] = _check_source(s, _candidates(s, recorded, main, native, ple_gguf))
+    return out
+
+
+def _candidates(s: SourceFile, recorded: dict[str, str], main: SourceFile, native, ple_gguf) -> list[Path]:
+    # An explicit override is the only place looked at; otherwise beside the main file, then sources.txt.
+    if s.role == "main" and native is not None:
+        return [Path(native)]
+    if s.role == "ple" and ple_gguf is not None:
+        return [Path(ple_gguf)]
+    out = []
+    if native is not None:
+        out.append(Path(native).parent / s.name)
+    if s.name in recorded:
+        out.append(Path(recorded[s.name]))
+    if main.name in recorded:
+        out.append(Path(recorded[main.name]).parent / s.name)
+    return list(dict.fromkeys(out))
+
+
+_FLAG = {"main": "--native PATH", "ple": "--ple-gguf PATH", "shard": "--native PATH (shards are looked for beside it)"}
+
+
+def _check_source(s: SourceFile, candidates: list[Path]) -> Path:
+    what = f"{s.role} GGUF {s.name}"
+    path = next((p for p in candidates if p.is_file()), None)
+    if path is None:
+        looked = ", ".join(str(p) for p in candidates) or "nowhere (sources.txt does not record it)"
+        raise PackError(f"{what}: not found (looked at {looked}); pass {_FLAG[s.role]} where it is now")
+    size = path.stat().st_size
+    if size != s.size:
+        raise PackError(f"{what} at {path} is not the file this pack was made from: size recorded {s.size}, "
+                        f"found {size}")
+    found = _fingerprint(path, s.fingerprint)
+    if found != s.fingerprint:
+        raise PackError(f"{what} at {path} is not the file this pack was made from: fingerprint recorded "
+                        f"{s.fingerprint}, found {found}")
+    return path
+
+
+def _map(path: Path) -> np.ndarray:
+    return np.memmap(path, dtype=np.uint8, mode="r").view(np.ndarray)
+
+
+def _engine_weight(t: TensorEntry, pool: np.ndarray) -> Weight:
+    raw = pool[t.offset : t.offset + t.nbytes]
+    if t.src_type == _BF16:
+        # S3: stored as F32 (lossless); held as the 16 bits it came from, exactly (rebf16 refuses otherwise).
+        raw = rebf16(raw.view(np.float32), name=t.name).view(np.uint8)
+    return Weight(t.name, t.shape, t.engine_type, raw)
+
+
+def _expert_layer(e: ExpertLayer, main: str, files: dict[str, tuple[Path, np.ndarray]], g: ModelGeometry) -> _ExpertLayer:
+    path, data = files[e.shard or main]
+    gu, d = BY_ID[e.gu_type], BY_ID[e.d_type]
+    gate_bytes, _, down_bytes = expert_bytes(gu, d, g.n_embd, g.n_ff_exp)
+    for role, end in e.ranges(g.n_expert, g.n_embd, g.n_ff_exp).items():
+        if end[1] > data.size:
+            raise PackError(f"{path}: layer {e.layer} {role} ends at byte {end[1]}, the file has {data.size} "
+                            "(truncated, or not the file the pack was made from)")
+    return _ExpertLayer(data, e.gate_off, e.up_off, e.down_off, gu, d, gate_bytes, down_bytes)
+
+
+def _ple_data(ple: PleTable, files: dict[str, tuple[Path, np.ndarray]]) -> np.ndarray:
+    path, data = files[ple.file]
+    if ple.offset + ple.nbytes > data.size:
+        raise PackError(f"{path}: the PLE table ends at byte {ple.offset + ple.nbytes}, the file has {data.size} "
+                        "(truncated, or not the file the pack was made from)")
+    return data

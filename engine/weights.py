@@ -1,0 +1,109 @@
+"""A weight in engine form, and the one activation object that feeds many weights.
+
+`Weight` is a named GGML tensor the kernels read in place: `raw` is a uint8 view (of pool.bin, of
+the mapped GGUF, or of the BF16 bits re-rounded at load), `shape` is in GGUF order (shape[0] = ne0,
+the contiguous row length), so `W x` maps n_in = shape[0] features to n_out = prod(shape[1:]).
+
+`Input` is QUANTIZE ONCE, MULTIPLY MANY: block-type weights read activations as ActQ (S10: one
+quantizer, CPU and GPU alike), and every weight that reads the same vector (q/k/v, gate/up of all
+routed experts and the shared expert) must read the same ActQ; making it once per vector is both
+the speed and the guarantee.
+"""
+
+from __future__ import annotations
+
+from math import prod
+
+import numpy as np
+
+from strata.index_format.ggml_types import GGMLType, ggml_type
+
+from .kernels import cpu
+from .kernels.actq import ActQ, quantize_act
+from .kernels.reference import dequantize
+
+F32 = np.float32
+
+
+class Input:
+    """One f32 activation vector [n] (or rows [T, n]) and, made on first need, its ActQ.
+
+    Call `set(x)` (or write into `.x` and call `changed()`) for each new vector; the f32 buffer is
+    the caller's scratch, kept, and the ActQ is dropped so it is remade from the new values."""
+
+    __slots__ = ("x", "_q")
+
+    def __init__(self, x: np.ndarray):
+        if x.dtype != F32:
+            raise TypeError(f"Input: activations must be float32, got {x.dtype}")
+        self.x = x
+        self._q: ActQ | None = None
+
+    def set(self, x: np.ndarray) -> Input:
+        self.x[...] = x
+        self._q = None
+        return self
+
+    def changed(self) -> Input:
+        self._q = None
+        return self
+
+    def form(self, t: GGMLType):
+        """What a weight of type `t` multiplies: the ActQ for block types, the f32 values otherwise."""
+        if not t.quantized:
+            return self.x
+        if self._q is None:
+            self._q = quantize_act(self.x, where="Input")
+        return self._q
+
+
+class Weight:
+    """A tensor the kernels multiply: name, shape (GGUF order), GGML type id, raw bytes."""
+
+    __slots__ = ("name", "shape", "type", "raw", "n_in", "n_out")
+
+    def __init__(self, name: str, shape: tuple[int, ...], type_id: int, raw: np.ndarray):
+        self.name = name
+        self.shape = tuple(int(d) for d in shape)
+        self.type = ggml_type(type_id, where=f"weight {name}")
+        need = self.type.nbytes(self.shape)
+        if raw.dtype != np.uint8 or raw.ndim != 1 or raw.size != need:
+            raise ValueError(f"weight {name}: {self.type.name} {list(self.shape)} is {need} bytes, "
+                             f"got {raw.dtype}[{raw.size}]")
+        self.raw = raw
+        self.n_in = self.shape[0]
+        self.n_out = prod(self.shape[1:])
+
+    @property
+    def type_id(self) -> int:
+        return self.type.id
+
+    def _act(self, x):
+        return x.form(self.type) if isinstance(x, Input) else x
+
+    def matvec(self, x, out: np.ndarray | None = None) -> np.ndarray:
+        """y = W x -> f32 [n_out]; x: an Input, an ActQ (block types) or f32 [n_in] (float types)."""
+        act = self._act(x)
+        if self.type.quantized and not isinstance(act, ActQ):
+            act = quantize_act(act, where=f"weight {self.name}")
+        return cpu.matvec(self.raw, self.type.id, self.n_in, self.n_out, act, out)
+
+    def matmul(self, X, out: np.ndarray | None = None) -> np.ndarray:
+        """Y = X W^T -> f32 [T, n_out] for X f32 [T, n_in] (or an Input / ActQ of T rows)."""
+        act = self._act(X)
+        if self.type.quantized and not isinstance(act, ActQ):
+            act = quantize_act(act, where=f"weight {self.name}")
+        return cpu.matmul(self.raw, self.type.id, self.n_in, self.n_out, act, out)
+
+    def f32(self) -> np.ndarray:
+        """A dequantized copy in numpy order ([ne1, ne0] for 2-D): for small tensors, made once at load."""
+        values = dequantize(self.raw, self.type.id, prod(self.shape))
+        return values.reshape(self.shape[::-1])
+
+    def rows(self, start: int, stop: int) -> np.ndarray:
+        """The raw bytes of rows [start, stop) (a view): an embedding lookup reads one row."""
+        row = self.type.row_bytes(self.n_in)
+        return self.raw[start * row : stop * row]
+
+    def __repr__(self) -> str:
+        return f"Weight({self.name}, {self.type.name} {list(self.shape)})"

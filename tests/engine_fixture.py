@@ -1,0 +1,143 @@
+"""A small synthetic qwen35moe model for the engine tests: GGUF written here, packed by strata-pack.
+
+Self-contained (no torch, no converter): weights are drawn with unit-gain scales so every layer
+moves the logits, stored in the GGML types a test asks for (F32 / F16 / BF16 / Q8_0 ...), and the
+tokenizer is byte-level (256 byte tokens + the Qwen specials), so any text encodes.
+The agreement with transformers is tests/test_forward_reference.py's job; these models test the
+engine's plumbing: the pack checks, expert serving by offset, the decode loop, the CLI, S12.
+"""
+
+from __future__ import annotations
+
+from math import prod
+from pathlib import Path
+
+import numpy as np
+
+from strata.index_format.geometry import ModelGeometry, tensor_specs
+from strata.index_format.ggml_types import BY_NAME
+from strata.tools import pack
+from strata.tools.gguf_io import VT, GGUFWriter
+from strata.tools.synth_blocks import quantize_rows
+
+SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+EOS = 2
+CHAT_TEMPLATE = (
+    "{%- for message in messages %}{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+
+def geometry(**over) -> ModelGeometry:
+    """4 layers (3 Gated DeltaNet, 1 attention); rows are whole 32-blocks so Q8_0 experts fit."""
+    v = dict(
+        arch="qwen35moe", n_vocab=320, n_embd=64, n_layer=4, full_attention_interval=4, rms_eps=1e-6,
+        n_head=4, n_head_kv=2, head_dim=32, n_rot=16, rope_freq_base=1e7, rope_sections=(4, 2, 2, 0),
+        ssm_d_conv=4, ssm_d_state=16, ssm_n_k_heads=2, ssm_n_v_heads=4, ssm_d_inner=64,
+        n_expert=8, n_expert_used=2, n_ff_exp=32, n_ff_shexp=64, recurrent_layers=(1, 1, 1, 0),
+    )  # fmt: skip
+    v.update(over)
+    return ModelGeometry(**v)
+
+
+def _bf16_round(x: np.ndarray) -> np.ndarray:
+    # bf16-representable values: a BF16 and an F32 file of the same seed hold the same model
+    u = x.astype(np.float32).view(np.uint32).astype(np.uint64)
+    return ((((u + 0x7FFF + ((u >> 16) & 1)) >> 16) << 16).astype(np.uint32)).view(np.float32)
+
+
+def values(name: str, shape: tuple[int, ...], rng: np.random.Generator) -> np.ndarray:
+    """f32 values in GGUF order (shape[0] contiguous); scales per role keep every component alive."""
+    n = prod(shape)
+    if name.endswith("ssm_a"):
+        x = -(0.05 + 0.95 * rng.random(n))  # -exp(A_log), A in [0.05, 1]: a state that remembers
+    elif name.endswith("norm.weight"):
+        x = 1.0 + 0.1 * rng.standard_normal(n)  # gains near 1 (the folded 1 + w, and ssm_norm as is)
+    elif name.endswith(("ssm_dt.bias", "ssm_conv1d.weight")):
+        x = 0.5 * rng.standard_normal(n)
+    elif name == "token_embd.weight":
+        x = rng.standard_normal(n)
+    else:
+        gain = 3.0 if name.endswith("ffn_gate_inp.weight") else 2.0 if name == "output.weight" else 1.0
+        x = rng.standard_normal(n) * (gain / np.sqrt(shape[0]))  # fan-in = ne0
+    return _bf16_round(x.reshape(shape[::-1]))
+
+
+def _metadata(w: GGUFWriter, g: ModelGeometry) -> None:
+    a = g.arch
+    for key, v in [("embedding_length", g.n_embd), ("block_count", g.n_layer),
+                   ("full_attention_interval", g.full_attention_interval), ("attention.head_count", g.n_head),
+                   ("attention.head_count_kv", g.n_head_kv), ("attention.key_length", g.head_dim),
+                   ("attention.value_length", g.head_dim), ("rope.dimension_count", g.n_rot),
+                   ("ssm.conv_kernel", g.ssm_d_conv), ("ssm.state_size", g.ssm_d_state),
+                   ("ssm.group_count", g.ssm_n_k_heads), ("ssm.time_step_rank", g.ssm_n_v_heads),
+                   ("ssm.inner_size", g.ssm_d_inner), ("expert_count", g.n_expert),
+                   ("expert_used_count", g.n_expert_used), ("expert_feed_forward_length", g.n_ff_exp),
+                   ("expert_shared_feed_forward_length", g.n_ff_shexp)]:
+        w.add(f"{a}.{key}", v, VT.UINT32)
+    w.add(f"{a}.attention.layer_norm_rms_epsilon", g.rms_eps, VT.FLOAT32)
+    w.add(f"{a}.rope.freq_base", g.rope_freq_base, VT.FLOAT32)
+    w.add(f"{a}.rope.dimension_sections", list(g.rope_sections), VT.ARRAY, VT.INT32)
+    w.add(f"{a}.attention.recurrent_layers", [bool(x) for x in g.recurrent_layers], VT.ARRAY, VT.BOOL)
+    w.add("general.architecture", a, VT.STRING)
+    _tokenizer(w, g.n_vocab)
+
+
+def _byte_chars() -> list[str]:
+    # GPT-2's printable stand-in for each byte (the byte-level BPE alphabet)
+    keep = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAD)) + list(range(0xAE, 0x100))
+    out, extra = {}, 0
+    for b in range(256):
+        if b in keep:
+            out[b] = chr(b)
+        else:
+            out[b] = chr(256 + extra)
+            extra += 1
+    return [out[b] for b in range(256)]
+
+
+def _tokenizer(w: GGUFWriter, n_vocab: int) -> None:
+    tokens = list(SPECIALS) + _byte_chars()
+    types = [3] * len(SPECIALS) + [1] * 256
+    tokens += [f"[PAD{i}]" for i in range(len(tokens), n_vocab)]
+    types += [5] * (n_vocab - len(types))
+    w.add("tokenizer.ggml.model", "gpt2", VT.STRING)
+    w.add("tokenizer.ggml.pre", "qwen35", VT.STRING)
+    w.add("tokenizer.ggml.tokens", tokens, VT.ARRAY, VT.STRING)
+    w.add("tokenizer.ggml.token_type", types, VT.ARRAY, VT.INT32)
+    w.add("tokenizer.ggml.merges", [], VT.ARRAY, VT.STRING)
+    w.add("tokenizer.ggml.eos_token_id", EOS, VT.UINT32)
+    w.add("tokenizer.ggml.padding_token_id", 0, VT.UINT32)
+    w.add("tokenizer.chat_template", CHAT_TEMPLATE, VT.STRING)
+
+
+def type_for(name: str, shape: tuple[int, ...], types: dict[str, str]) -> str:
+    """The GGML type of a tensor: 1-D tensors, norms, router and conv stay F32 (as the converter
+    writes them); `types` maps a role ('experts', 'dense') or a full name to a type name."""
+    if name in types:
+        return types[name]
+    if len(shape) == 1 or name.endswith(("_norm.weight", "ffn_gate_inp.weight", "ffn_gate_inp_shexp.weight",
+                                         "ssm_conv1d.weight")):
+        return "F32"
+    if "_exps" in name:
+        return types.get("experts", "F32")
+    return types.get("dense", "F32")
+
+
+def write_gguf(path: Path, g: ModelGeometry, *, seed: int = 0, types: dict[str, str] | None = None) -> Path:
+    rng = np.random.default_rng(seed)
+    w = GGUFWriter(path)
+    _metadata(w, g)
+    for s in tensor_specs(g):
+        t = BY_NAME[type_for(s.name, s.shape, types or {})]
+        raw = quantize_rows(t, values(s.name, s.shape, rng))
+        w.add_tensor(s.name, s.shape, t.id, lambda raw=raw: raw)
+    return w.write()
+
+
+def make_pack(tmp: Path, name: str = "model", *, seed: int = 0, types: dict[str, str] | None = None, **geo) -> Path:
+    """GGUF at tmp/<name>.gguf and its pack at tmp/<name>-pack; returns the pack directory."""
+    gguf = write_gguf(tmp / f"{name}.gguf", geometry(**geo), seed=seed, types=types)
+    out = tmp / f"{name}-pack"
+    pack.convert([gguf], out)
+    return out
