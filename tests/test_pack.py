@@ -673,21 +673,24 @@ def test_synth_tiny_packs_and_verifies(tmp_path, arch, capsys):
 @pytest.mark.slow
 def test_demo_builds_reuses_and_rebuilds(tmp_path, capsys):
     out = tmp_path / "packs" / "demo"
-    assert main(["demo", "-o", str(out)]) == 0
+    assert main(["demo", "-o", str(out), "--no-generate"]) == 0
     first = capsys.readouterr()
     assert "## experts" in first.out and "warning: attention.compress_ratios is all zeros" in first.err
     assert sorted(p.name for p in (tmp_path / "packs" / "demo-src").iterdir()) == [
         "qwen4exp-demo-00001-of-00002.gguf", "qwen4exp-demo-00002-of-00002.gguf"]
     manifest = (out / "manifest.txt").read_bytes()
-    assert main(["demo", "-o", str(out)]) == 0  # idempotent: the verified pack is reused
+    assert main(["demo", "-o", str(out), "--no-generate"]) == 0  # idempotent: the verified pack is reused
     again = capsys.readouterr()
     assert "reusing it" in again.err and again.out == first.out
     assert (out / "manifest.txt").read_bytes() == manifest
     with open(tmp_path / "packs" / "demo-src" / "qwen4exp-demo-00002-of-00002.gguf", "ab") as f:
         f.write(b"\0" * 32)  # a source that changed: the pack no longer verifies
-    assert main(["demo", "-o", str(out)]) == 1
+    assert main(["demo", "-o", str(out), "--no-generate"]) == 1
     err = capsys.readouterr().err
     assert "source ple qwen4exp-demo-00002-of-00002.gguf changed since packing" in err and "--force" in err
+    # the README's main job: the rebuilt pack generates on the CPU (32 greedy tokens, with --stats)
     assert main(["demo", "-o", str(out), "--force"]) == 0
     assert pack.verify_pack(out).ok
+    captured = capsys.readouterr()  # generated text on stdout, --stats on stderr
+    assert "## strata generate (CPU)" in captured.out and "decode   32 tokens" in captured.err
     no_leftovers(out)

@@ -130,23 +130,29 @@ def synth(
 
 
 DEMO_ARCH, DEMO_PRESET, DEMO_SEED = "qwen4exp", "demo", 0
+# The demo's generation step: the engine on the CPU, greedy, with --stats. The model is random, so
+# the text is noise; what the step shows is the whole path (pack -> engine -> tokens) working.
+DEMO_GENERATE = ["--prompt", "Strata runs huge mixture-of-experts models on one machine.", "-n", "32",
+                 "--temp", "0", "--device", "cpu", "--stats"]
 
 
 @app.command()
 def demo(
     out: Path = typer.Option(Path("packs/demo"), "-o", "--out", help="the pack directory (its sources go beside it, in <out>-src)"),
     force: bool = typer.Option(False, "--force", help="rebuild the sources and the pack"),
+    generate: bool = typer.Option(True, "--generate/--no-generate", help="then generate from it with the engine on the CPU"),
 ) -> None:
-    """Synthesize the `demo` model (qwen4exp), pack it, print the summary. No GPU, no download."""
+    """Synthesize the `demo` model (qwen4exp), pack it, print the summary, generate from it on the CPU.
+    No GPU, no download."""
     try:
-        _demo(out, force)
+        _demo(out, force, generate)
     except KeyboardInterrupt:
         raise _interrupted("demo") from None
     except _INPUT_ERRORS as e:
         raise _fail("demo", str(e)) from None
 
 
-def _demo(out: Path, force: bool) -> None:
+def _demo(out: Path, force: bool, generate: bool) -> None:
     from strata.tools.pack import MANIFEST, verify_pack
     from strata.tools.synth import get_preset, output_paths, plan_model, synth_command
 
@@ -166,6 +172,13 @@ def _demo(out: Path, force: bool) -> None:
             typer.echo(f"strata-pack demo: reusing the synthetic model in {src}", err=True)
         _convert([ggufs[0]], out, None, force, get_preset(DEMO_PRESET).compress_ratio, "demo")
     _print_summary(out)
+    if generate:
+        from strata.engine.cli import main as engine_main
+
+        typer.echo("\n## strata generate (CPU)")
+        rc = engine_main(["generate", "--pack", str(out), *DEMO_GENERATE])
+        if rc:
+            raise _fail("demo", f"strata generate exited with {rc}")
 
 
 # --- output ---------------------------------------------------------------------------------------
