@@ -1,0 +1,119 @@
+"""ActQ: the ONE activation quantizer of every quantized matmul, CPU and GPU alike (S10).
+
+GPU hits and CPU misses must see the same integer activations: a 4.761e-04 relative disagreement
+(fp16 activation scales on one side, f32 on the other) was enough to change the generated tokens.
+So the quantizer is specified to the bit here and in docs/kernels.md, and a GPU port is checked
+against `quantize_act_reference`.
+
+Per 32-element block x[0..31] (f32), in f32 IEEE arithmetic, no fast-math, no flush-to-zero:
+
+    amax = max_j |x[j]|
+    d    = amax / 127                        (correctly rounded division)
+    q[j] = 0                                 if d == 0
+         = clip(rint(x[j] / d), -127, 127)   otherwise; rint = round half to EVEN (IEEE default),
+                                             x / d a correctly rounded division
+    s16[h] = sum of q[16h .. 16h + 15]       (int32; the "mins" of Q4_1/Q5_1/Q2_K/Q4_K/Q5_K need it)
+
+Why these choices: division rather than a reciprocal (`x * (1/d)`), because 1/d overflows to inf for
+a subnormal d and 0 * inf is NaN; half-to-even because it is the hardware default on both sides
+(`cvtps2dq`, CUDA `__float2int_rn` / `rintf`), so neither side emulates the other. The clip never
+fires for finite input (|x| <= amax gives |x / d| <= 127 * (1 + 2^-23)); it is there so the
+specification is total.
+
+Non-finite activations are refused (ValueError): an inf or NaN would quantize to plausible
+integers and the layer would go on with garbage.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+from numba import njit
+
+from .jit import JIT
+
+F32 = np.float32
+QA = 32  # elements per activation block; every weight block size is a multiple of it
+
+
+@dataclass(frozen=True)
+class ActQ:
+    """Quantized activations. T = tokens (absent for a single vector), n = features."""
+
+    q: np.ndarray  # int8  [T, n] or [n]
+    d: np.ndarray  # f32   [T, n/32] or [n/32]   scale of each 32-block
+    s16: np.ndarray  # int32 [T, n/16] or [n/16] sum of q over each 16-element half block:
+    # an invariant the kernels rely on (min terms; the VNNI integer dot subtracts 128 * s16)
+
+    @property
+    def n(self) -> int:
+        return self.q.shape[-1]
+
+    def values(self) -> np.ndarray:
+        """The activations this ActQ denotes, in float64 (exact)."""
+        return (self.q.reshape(self.d.shape + (QA,)) * self.d[..., None].astype(np.float64)).reshape(self.q.shape)
+
+
+def _check(x: np.ndarray, where: str) -> np.ndarray:
+    x = np.asarray(x)
+    if x.dtype != F32:
+        raise TypeError(f"{where}: activations must be float32, got {x.dtype}")
+    if x.ndim not in (1, 2) or x.shape[-1] % QA:
+        raise ValueError(f"{where}: activations must be [n] or [T, n] with n a multiple of {QA}, got shape {x.shape}")
+    if not np.isfinite(x).all():
+        bad = np.argwhere(~np.isfinite(x))[0]
+        raise ValueError(f"{where}: non-finite activation {x[tuple(bad)]} at index {tuple(int(i) for i in bad)}")
+    return np.ascontiguousarray(x)
+
+
+def quantize_act_reference(x: np.ndarray, where: str = "quantize_act_reference") -> ActQ:
+    """The numpy statement of the specification (module docstring)."""
+    x = _check(x, where)
+    blocks = x.reshape(x.shape[:-1] + (-1, QA))
+    amax = np.abs(blocks).max(axis=-1)
+    d = amax / F32(127)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        r = np.rint(blocks / d[..., None])
+    q = np.where(d[..., None] == 0, F32(0), np.clip(r, -127, 127)).astype(np.int8).reshape(x.shape)
+    s16 = q.reshape(x.shape[:-1] + (-1, 16)).sum(axis=-1, dtype=np.int32)
+    return ActQ(q, d.astype(F32), s16)
+
+
+@njit(cache=True, **JIT)
+def _quantize_rows(x, q, d, s16):
+    # x f32 [T, n] -> q int8 [T, n], d f32 [T, n/32], s16 int32 [T, n/16]
+    T, n = x.shape
+    for t in range(T):
+        for b in range(n // QA):
+            amax = F32(0)
+            for j in range(QA):
+                a = abs(x[t, b * QA + j])
+                if a > amax:
+                    amax = a
+            db = amax / F32(127)
+            d[t, b] = db
+            for h in range(2):
+                s = 0
+                for j in range(16):
+                    i = b * QA + 16 * h + j
+                    v = 0
+                    if db != F32(0):
+                        v = int(min(max(np.rint(x[t, i] / db), F32(-127)), F32(127)))
+                    q[t, i] = v
+                    s += v
+                s16[t, 2 * b + h] = s
+
+
+def quantize_act(x: np.ndarray, where: str = "quantize_act") -> ActQ:
+    """Quantize f32 activations [n] or [T, n] (Numba; bit-identical to quantize_act_reference)."""
+    x = _check(x, where)
+    x2 = x.reshape(-1, x.shape[-1])
+    T, n = x2.shape
+    q = np.empty((T, n), np.int8)
+    d = np.empty((T, n // QA), F32)
+    s16 = np.empty((T, n // 16), np.int32)
+    _quantize_rows(x2, q, d, s16)
+    if x.ndim == 1:
+        return ActQ(q[0], d[0], s16[0])
+    return ActQ(q, d, s16)

@@ -1,0 +1,557 @@
+"""Numba CPU kernels: W x straight from raw GGML block bytes (experts are read in place from the
+mapped GGUF, never copied or widened).
+
+The arithmetic is the one docs/kernels.md specifies to the bit, so a CUDA kernel can reproduce it:
+per 32-element act-block an exact integer sum, ONE f32 expression with the float factors, lanes
+l = block % 32 accumulated in block order, then a fixed fold over the 32 lanes. reference.py's
+`dot_reference` is the same arithmetic in numpy; tests/test_kernels_cpu.py holds the two equal.
+
+Shapes: n_in = row length (GGUF ne0), n_out = rows, T = tokens; raw = n_out rows of n_in elements;
+nb = n_in / 32 act-blocks per row.
+
+How it is fast (each step measured; simd.py says why it is written with LLVM intrinsics):
+- each row is decoded whole into int8 values + integer scales (one vector op per act-block for
+  the simple types), then every token runs the integer half sums over the row 8 act-blocks at a
+  time (VNNI or vpmaddwd, no per-block horizontal reduction), then one vectorized epilogue does
+  the f32 terms, the lanes and the fold;
+- rows go to threads in chunks, so scratch is allocated per chunk, not per row;
+- fp16 scales convert in hardware (F16C) where the host has it, else through a 65536-entry table;
+  both are exact.
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+from numba import njit, prange
+
+from strata.index_format.ggml_types import ggml_type
+
+from . import iq_tables as T
+from . import simd
+from .actq import QA, ActQ
+from .engine_form import F16_TO_F32
+from .jit import JIT
+
+F32 = np.float32
+BF16_TO_F32 = (np.arange(1 << 16, dtype=np.uint32) << 16).view(F32)
+BF16_TO_F32.setflags(write=False)
+
+# Grids as int64 words (8 int8 values, or 4 for the IQ3 grids widened to int64) so the decoders
+# stay in int64 arithmetic: numba turns uint64-with-int64 arithmetic into float64.
+_G2XXS = T.IQ2XXS_GRID.view(np.int64)
+_G2XS = T.IQ2XS_GRID.view(np.int64)
+_G2S = T.IQ2S_GRID.view(np.int64)
+_G3XXS = T.IQ3XXS_GRID.astype(np.int64)
+_G3S = T.IQ3S_GRID.astype(np.int64)
+_G1S = T.IQ1S_GRID.view(np.int64)
+# byte b -> 8 bytes, byte j = 0xff where bit j of b is set: the sign masks of simd.signed_bytes
+_SMASK = (np.unpackbits(np.arange(256, dtype=np.uint8)[:, None], axis=1, bitorder="little") * np.uint8(255)).view(np.int64).reshape(256)
+_KMASK = _SMASK[T.KSIGNS_IQ2XS]  # ksigns index (7 bits) -> mask (ggml's ksigns64)
+_KV = T.KVALUES_IQ4NL.copy()
+_PLUS1 = np.int64(0x0101010101010101)  # +1 in every byte
+_MINUS1 = np.int64(-1)  # -1 (0xff) in every byte
+
+_inline = dict(inline="always", **JIT)
+
+# ---------------------------------------------------------------------------------------------
+# Block decoders: the weight block at byte p of raw, whose first act-block is b of the row ->
+# the row scratch: wq[32b ..] (int8 values) and, per act-block b + k, the integer form
+# (reference.IntForm): sc[:, b + k] = ws0, ws1, mn0, mn1 (int32), fl[:, b + k] = wf, wm (f32).
+# A type whose sc is constant leaves it as the driver preset it (_DECODERS). Loops over the 8
+# act-blocks of a 256-block have literal bounds on purpose: LLVM unrolls them, so every shift
+# below becomes a constant. Layout diagrams: reference.py, beside the numpy unpacking.
+
+
+@njit(**_inline)
+def _h(raw, p, lut):
+    return simd.f16_to_f32(raw, p, lut)
+
+
+@njit(**_inline)
+def _dec_q8_0(raw, p, wq, b, sc, fl, lut):
+    simd.copy32(raw, p + 2, wq, QA * b)
+    fl[0, b] = _h(raw, p, lut)
+
+
+@njit(**_inline)
+def _dec_q4_0(raw, p, wq, b, sc, fl, lut):
+    simd.nibbles(raw, p + 2, wq, QA * b, 8)
+    fl[0, b] = _h(raw, p, lut)
+
+
+@njit(**_inline)
+def _dec_q4_1(raw, p, wq, b, sc, fl, lut):
+    simd.nibbles(raw, p + 4, wq, QA * b, 0)
+    fl[0, b], fl[1, b] = _h(raw, p, lut), _h(raw, p + 2, lut)
+
+
+@njit(**_inline)
+def _dec_q5_0(raw, p, wq, b, sc, fl, lut):
+    simd.nibbles(raw, p + 6, wq, QA * b, 0)
+    simd.or_word_bits(simd.load_u32(raw, p + 2), wq, QA * b, 4, 16)
+    fl[0, b] = _h(raw, p, lut)
+
+
+@njit(**_inline)
+def _dec_q5_1(raw, p, wq, b, sc, fl, lut):
+    simd.nibbles(raw, p + 8, wq, QA * b, 0)
+    simd.or_word_bits(simd.load_u32(raw, p + 4), wq, QA * b, 4, 0)
+    fl[0, b], fl[1, b] = _h(raw, p, lut), _h(raw, p + 2, lut)
+
+
+@njit(**_inline)
+def _dec_q2_0(raw, p, wq, b, sc, fl, lut):
+    simd.crumbs64(raw, p + 2, wq, QA * b, 1)
+    fl[0, b] = fl[0, b + 1] = _h(raw, p, lut)
+
+
+@njit(**_inline)
+def _dec_q2_k(raw, p, wq, b, sc, fl, lut):
+    d, dmin = _h(raw, p + 80, lut), -_h(raw, p + 82, lut)
+    for k in range(8):
+        simd.bits(raw, p + 16 + 32 * (k >> 2), wq, QA * (b + k), 2 * (k & 3), 3, 0)
+        s0, s1 = simd.load_u8(raw, p + 2 * k), simd.load_u8(raw, p + 2 * k + 1)
+        sc[0, b + k], sc[1, b + k], sc[2, b + k], sc[3, b + k] = s0 & 15, s1 & 15, s0 >> 4, s1 >> 4
+        fl[0, b + k], fl[1, b + k] = d, dmin
+
+
+@njit(**_inline)
+def _q3k_scale(raw, p, s):
+    lo = (simd.load_u8(raw, p + 96 + (s & 7)) >> (4 * (s >> 3))) & 15
+    hi = (simd.load_u8(raw, p + 104 + (s & 3)) >> (2 * (s >> 2))) & 3
+    return np.int64(lo | (hi << 4)) - 32
+
+
+@njit(**_inline)
+def _dec_q3_k(raw, p, wq, b, sc, fl, lut):
+    d = _h(raw, p + 108, lut)
+    for k in range(8):
+        # q = low 2 bits - (hmask bit k of byte j ? 0 : 4) = (low | hbit << 2) - 4
+        simd.bits(raw, p + 32 + 32 * (k >> 2), wq, QA * (b + k), 2 * (k & 3), 3, 0)
+        simd.or_bits(raw, p, wq, QA * (b + k), k, 1, 2, 4)
+        sc[0, b + k], sc[1, b + k] = _q3k_scale(raw, p, 2 * k), _q3k_scale(raw, p, 2 * k + 1)
+        fl[0, b + k] = d
+
+
+@njit(**_inline)
+def _k4_scale_min(raw, p, s):
+    if s < 4:
+        return simd.load_u8(raw, p + 4 + s) & 63, simd.load_u8(raw, p + 8 + s) & 63
+    sc = (simd.load_u8(raw, p + 8 + s) & 15) | ((simd.load_u8(raw, p + s) >> 6) << 4)
+    mn = (simd.load_u8(raw, p + 8 + s) >> 4) | ((simd.load_u8(raw, p + 4 + s) >> 6) << 4)
+    return sc, mn
+
+
+@njit(**_inline)
+def _dec_q45_k(raw, p, wq, b, sc, fl, lut, qs, qh):
+    d, dmin = _h(raw, p, lut), -_h(raw, p + 2, lut)
+    for k in range(8):
+        simd.bits(raw, p + qs + 32 * (k >> 1), wq, QA * (b + k), 4 * (k & 1), 15, 0)
+        if qh:
+            simd.or_bits(raw, p + qh, wq, QA * (b + k), k, 1, 4, 0)
+        s, m = _k4_scale_min(raw, p, k)
+        sc[0, b + k], sc[1, b + k], sc[2, b + k], sc[3, b + k] = s, s, m, m
+        fl[0, b + k], fl[1, b + k] = d, dmin
+
+
+@njit(**_inline)
+def _dec_q4_k(raw, p, wq, b, sc, fl, lut):
+    _dec_q45_k(raw, p, wq, b, sc, fl, lut, 16, 0)
+
+
+@njit(**_inline)
+def _dec_q5_k(raw, p, wq, b, sc, fl, lut):
+    _dec_q45_k(raw, p, wq, b, sc, fl, lut, 48, 16)
+
+
+@njit(**_inline)
+def _dec_q6_k(raw, p, wq, b, sc, fl, lut):
+    d = _h(raw, p + 208, lut)
+    for k in range(8):
+        n, j = k >> 2, k & 3
+        simd.bits(raw, p + 64 * n + 32 * (j & 1), wq, QA * (b + k), 4 * (j >> 1), 15, 0)
+        simd.or_bits(raw, p + 128 + 32 * n, wq, QA * (b + k), 2 * j, 3, 4, 32)
+        sc[0, b + k] = np.int8(simd.load_u8(raw, p + 192 + 2 * k))
+        sc[1, b + k] = np.int8(simd.load_u8(raw, p + 193 + 2 * k))
+        fl[0, b + k] = d
+
+
+@njit(**_inline)
+def _b(w, i):
+    """Byte i of the int64 word w."""
+    return (w >> (8 * i)) & 255
+
+
+@njit(**_inline)
+def _dec_iq2_xxs(raw, p, wq, b, sc, fl, lut):
+    d = _h(raw, p, lut) * F32(0.125)
+    for k in range(8):
+        w = simd.load_u64(raw, p + 2 + 8 * k)  # 4 grid indices, then the signs/scale word
+        aux = (w >> 32) & 0xFFFFFFFF
+        simd.signed_bytes(
+            _G2XXS[_b(w, 0)], _G2XXS[_b(w, 1)], _G2XXS[_b(w, 2)], _G2XXS[_b(w, 3)],
+            _KMASK[aux & 127], _KMASK[(aux >> 7) & 127], _KMASK[(aux >> 14) & 127], _KMASK[(aux >> 21) & 127],
+            wq, QA * (b + k),
+        )  # fmt: skip
+        sc[0, b + k] = sc[1, b + k] = 2 * (aux >> 28) + 1
+        fl[0, b + k] = d
+
+
+@njit(**_inline)
+def _dec_iq2_xs(raw, p, wq, b, sc, fl, lut):
+    d = _h(raw, p, lut) * F32(0.125)
+    for k in range(8):
+        w = simd.load_u64(raw, p + 2 + 8 * k)  # 4 x (9-bit grid index | 7-bit ksigns index << 9)
+        w0, w1, w2, w3 = w & 0xFFFF, (w >> 16) & 0xFFFF, (w >> 32) & 0xFFFF, (w >> 48) & 0xFFFF
+        simd.signed_bytes(
+            _G2XS[w0 & 511], _G2XS[w1 & 511], _G2XS[w2 & 511], _G2XS[w3 & 511],
+            _KMASK[w0 >> 9], _KMASK[w1 >> 9], _KMASK[w2 >> 9], _KMASK[w3 >> 9], wq, QA * (b + k),
+        )  # fmt: skip
+        s = simd.load_u8(raw, p + 66 + k)
+        sc[0, b + k], sc[1, b + k] = 2 * (s & 15) + 1, 2 * (s >> 4) + 1
+        fl[0, b + k] = d
+
+
+@njit(**_inline)
+def _dec_iq2_s(raw, p, wq, b, sc, fl, lut):
+    d = _h(raw, p, lut) * F32(0.125)
+    for k in range(8):
+        q = simd.load_u32(raw, p + 2 + 4 * k)
+        sg = simd.load_u32(raw, p + 34 + 4 * k)
+        qh = simd.load_u8(raw, p + 66 + k)
+        simd.signed_bytes(
+            _G2S[_b(q, 0) | ((qh & 3) << 8)], _G2S[_b(q, 1) | ((qh & 12) << 6)],
+            _G2S[_b(q, 2) | ((qh & 48) << 4)], _G2S[_b(q, 3) | ((qh & 192) << 2)],
+            _SMASK[_b(sg, 0)], _SMASK[_b(sg, 1)], _SMASK[_b(sg, 2)], _SMASK[_b(sg, 3)], wq, QA * (b + k),
+        )  # fmt: skip
+        s = simd.load_u8(raw, p + 74 + k)
+        sc[0, b + k], sc[1, b + k] = 2 * (s & 15) + 1, 2 * (s >> 4) + 1
+        fl[0, b + k] = d
+
+
+@njit(**_inline)
+def _pair(grid, w, i):
+    """Grid entries at bytes i and i + 1 of w, as one 8-byte word."""
+    return grid[_b(w, i)] | (grid[_b(w, i + 1)] << 32)
+
+
+@njit(**_inline)
+def _dec_iq3_xxs(raw, p, wq, b, sc, fl, lut):
+    d = _h(raw, p, lut) * F32(0.25)
+    for k in range(8):
+        q = simd.load_u64(raw, p + 2 + 8 * k)
+        aux = simd.load_u32(raw, p + 66 + 4 * k)
+        simd.signed_bytes(
+            _pair(_G3XXS, q, 0), _pair(_G3XXS, q, 2), _pair(_G3XXS, q, 4), _pair(_G3XXS, q, 6),
+            _KMASK[aux & 127], _KMASK[(aux >> 7) & 127], _KMASK[(aux >> 14) & 127], _KMASK[(aux >> 21) & 127],
+            wq, QA * (b + k),
+        )  # fmt: skip
+        sc[0, b + k] = sc[1, b + k] = 2 * (aux >> 28) + 1
+        fl[0, b + k] = d
+
+
+@njit(**_inline)
+def _g3s(q, qh, m):
+    # grid value m of the act-block: index byte m of q | bit m of qh << 8
+    return _G3S[_b(q, m) | (((qh >> m) & 1) << 8)]
+
+
+@njit(**_inline)
+def _dec_iq3_s(raw, p, wq, b, sc, fl, lut):
+    d = _h(raw, p, lut)
+    for k in range(8):
+        q = simd.load_u64(raw, p + 2 + 8 * k)
+        qh = simd.load_u8(raw, p + 66 + k)
+        sg = simd.load_u32(raw, p + 74 + 4 * k)
+        simd.signed_bytes(
+            _g3s(q, qh, 0) | (_g3s(q, qh, 1) << 32), _g3s(q, qh, 2) | (_g3s(q, qh, 3) << 32),
+            _g3s(q, qh, 4) | (_g3s(q, qh, 5) << 32), _g3s(q, qh, 6) | (_g3s(q, qh, 7) << 32),
+            _SMASK[_b(sg, 0)], _SMASK[_b(sg, 1)], _SMASK[_b(sg, 2)], _SMASK[_b(sg, 3)], wq, QA * (b + k),
+        )  # fmt: skip
+        sc[0, b + k] = sc[1, b + k] = 2 * ((simd.load_u8(raw, p + 106 + (k >> 1)) >> (4 * (k & 1))) & 15) + 1
+        fl[0, b + k] = d
+
+
+@njit(**_inline)
+def _dec_iq1_s(raw, p, wq, b, sc, fl, lut):
+    d = _h(raw, p, lut) * F32(0.125)
+    for k in range(8):
+        h = simd.load_u16(raw, p + 34 + 2 * k)
+        q = simd.load_u32(raw, p + 2 + 4 * k)
+        e = _MINUS1 if h & 0x8000 else _PLUS1
+        simd.iq1_bytes(
+            _G1S[_b(q, 0) | ((h & 7) << 8)], _G1S[_b(q, 1) | ((h & 56) << 5)],
+            _G1S[_b(q, 2) | ((h & 448) << 2)], _G1S[_b(q, 3) | ((h & 3584) >> 1)], e, e, e, e, wq, QA * (b + k),
+        )  # fmt: skip
+        sc[0, b + k] = sc[1, b + k] = 2 * ((h >> 12) & 7) + 1
+        fl[0, b + k] = d
+
+
+@njit(**_inline)
+def _iq1m_group(q, qh, l):
+    nib = (qh >> (4 * l)) & 15
+    return _G1S[_b(q, l) | ((nib & 7) << 8)], (_MINUS1 if nib & 8 else _PLUS1)
+
+
+@njit(**_inline)
+def _dec_iq1_m(raw, p, wq, b, sc, fl, lut):
+    w = simd.load_u64(raw, p + 48)  # four scale words; their top nibbles are the fp16 d
+    dbits = ((w >> 12) & 0x000F) | ((w >> 24) & 0x00F0) | ((w >> 36) & 0x0F00) | ((w >> 48) & 0xF000)
+    d = lut[dbits] * F32(0.125)
+    for k in range(8):
+        q = simd.load_u32(raw, p + 4 * k)
+        qh = simd.load_u16(raw, p + 32 + 2 * k)
+        g0, e0 = _iq1m_group(q, qh, 0)
+        g1, e1 = _iq1m_group(q, qh, 1)
+        g2, e2 = _iq1m_group(q, qh, 2)
+        g3, e3 = _iq1m_group(q, qh, 3)
+        simd.iq1_bytes(g0, g1, g2, g3, e0, e1, e2, e3, wq, QA * (b + k))
+        sh = 16 * (k >> 1) + 6 * (k & 1)
+        sc[0, b + k], sc[1, b + k] = 2 * ((w >> sh) & 7) + 1, 2 * ((w >> (sh + 3)) & 7) + 1
+        fl[0, b + k] = d
+
+
+@njit(**_inline)
+def _dec_iq4_nl(raw, p, wq, b, sc, fl, lut):
+    simd.nibbles(raw, p + 2, wq, QA * b, 0)
+    simd.lookup16(wq, QA * b, _KV)
+    fl[0, b] = _h(raw, p, lut)
+
+
+@njit(**_inline)
+def _dec_iq4_xs(raw, p, wq, b, sc, fl, lut):
+    d = _h(raw, p, lut)
+    sh = simd.load_u16(raw, p + 2)
+    for k in range(8):
+        simd.nibbles(raw, p + 8 + 16 * k, wq, QA * (b + k), 0)
+        simd.lookup16(wq, QA * (b + k), _KV)
+        ls = ((simd.load_u8(raw, p + 4 + (k >> 1)) >> (4 * (k & 1))) & 15) | (((sh >> (2 * k)) & 3) << 4)
+        sc[0, b + k] = sc[1, b + k] = ls - 32
+        fl[0, b + k] = d
+
+
+_UNIT, _UNIT_MIN, _OWN = (1, 1, 0, 0), (1, 1, 1, 1), (0, 0, 0, 0)
+
+# name: (decoder, act-blocks per weight block, has a min term, sc preset (ws0, ws1, mn0, mn1))
+_DECODERS = {
+    "Q8_0": (_dec_q8_0, 1, False, _UNIT), "Q4_0": (_dec_q4_0, 1, False, _UNIT),
+    "Q4_1": (_dec_q4_1, 1, True, _UNIT_MIN), "Q5_0": (_dec_q5_0, 1, False, _UNIT),
+    "Q5_1": (_dec_q5_1, 1, True, _UNIT_MIN), "Q2_0": (_dec_q2_0, 2, False, _UNIT),
+    "Q2_K": (_dec_q2_k, 8, True, _OWN), "Q3_K": (_dec_q3_k, 8, False, _OWN),
+    "Q4_K": (_dec_q4_k, 8, True, _OWN), "Q5_K": (_dec_q5_k, 8, True, _OWN),
+    "Q6_K": (_dec_q6_k, 8, False, _OWN), "IQ2_XXS": (_dec_iq2_xxs, 8, False, _OWN),
+    "IQ2_XS": (_dec_iq2_xs, 8, False, _OWN), "IQ2_S": (_dec_iq2_s, 8, False, _OWN),
+    "IQ3_XXS": (_dec_iq3_xxs, 8, False, _OWN), "IQ3_S": (_dec_iq3_s, 8, False, _OWN),
+    "IQ1_S": (_dec_iq1_s, 8, False, _OWN), "IQ1_M": (_dec_iq1_m, 8, False, _OWN),
+    "IQ4_NL": (_dec_iq4_nl, 1, False, _UNIT), "IQ4_XS": (_dec_iq4_xs, 8, False, _OWN),
+}  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------------------
+# drivers
+
+
+def _quant_kernel(dec, per, has_min, preset):
+    """The driver for one block type. Rows go to threads in chunks. Each row is first decoded
+    whole into the integer form (int8 values, integer scales, f32 factors per act-block); then
+    each token walks it: exact integer half sums, one f32 term per act-block, lanes, fold.
+
+    Decoding the whole row before any dot is not only for reuse across tokens: a dot reloading a
+    32-byte vector stored a few instructions earlier stalls when the store went out in two halves
+    (store-forwarding failure: IQ4_NL ran 4x slower); a row later the stores are in L1."""
+
+    epilogue = simd.row_epilogue_min if has_min else simd.row_epilogue
+
+    @njit(parallel=True, **JIT)
+    def kernel(raw, type_size, row_bytes, xq, xd, xs, lut, out, n_chunks):
+        # raw u8 [n_out * row_bytes]; xq i8 [T * n_in] (flat); xd f32 [T, nb]; xs i32 [T, 2 nb]
+        # out f32 [T, n_out]; nb = n_in / 32 act-blocks per row, P = nb rounded up to 32
+        n_tok, n_out = out.shape
+        nb = xd.shape[1]
+        n_in = nb * QA
+        P = (nb + 31) // 32 * 32
+        for c in prange(n_chunks):
+            wq = np.empty(n_in, np.int8)  # the row's integer weights
+            sc = np.empty((4, P), np.int32)  # ws0, ws1, mn0, mn1 per act-block
+            for i in range(4):
+                sc[i, :] = preset[i]
+            fl = np.zeros((2, P), F32)  # wf, wm per act-block
+            lo = np.zeros(P, np.int32)  # integer half sums of one token
+            hi = np.zeros(P, np.int32)
+            xdp = np.zeros(n_tok * P, F32)  # the activations' scales and half sums, padded to P
+            xs0 = np.zeros(n_tok * P, np.int32)
+            xs1 = np.zeros(n_tok * P, np.int32)
+            for t in range(n_tok):
+                for b in range(nb):
+                    xdp[t * P + b], xs0[t * P + b], xs1[t * P + b] = xd[t, b], xs[t, 2 * b], xs[t, 2 * b + 1]
+            for o in range(c * n_out // n_chunks, (c + 1) * n_out // n_chunks):
+                base = o * row_bytes
+                for w in range(nb // per):
+                    dec(raw, base + w * type_size, wq, per * w, sc, fl, lut)
+                for t in range(n_tok):
+                    x0 = t * n_in
+                    b = 0
+                    while b + 8 <= nb:
+                        simd.half_sums8(wq, QA * b, xq, x0 + QA * b, xs, 2 * (t * nb + b), lo, hi, b)
+                        b += 8
+                    if b + 4 <= nb:
+                        simd.half_sums4(wq, QA * b, xq, x0 + QA * b, xs, 2 * (t * nb + b), lo, hi, b)
+                        b += 4
+                    while b < nb:
+                        simd.half_sums1(wq, QA * b, xq, x0 + QA * b, lo, hi, b)
+                        b += 1
+                    out[t, o] = epilogue(sc, fl, lo, hi, xdp, xs0, xs1, t * P, nb)
+
+    return kernel
+
+
+@njit(**_inline)
+def _load_f32(w, i, lut):
+    return w[i]
+
+
+@njit(**_inline)
+def _load_16(w, i, lut):
+    return lut[w[i]]
+
+
+def _float_kernel(step16, load):
+    """F32/F16/BF16 weights against f32 activations: lane l takes elements i = l (mod 32) in
+    order, product rounded then added (docs/kernels.md); 16 lanes per vector step."""
+
+    @njit(parallel=True, **JIT)
+    def kernel(w, x, lut, out, n_chunks):
+        # w [n_out * n_in] (f32, or fp16/bf16 bits as uint16); x f32 [T, n_in]; out f32 [T, n_out]
+        n_tok, n_in = x.shape
+        n_out = out.shape[1]
+        for c in prange(n_chunks):
+            acc = np.empty(32, F32)
+            for o in range(c * n_out // n_chunks, (c + 1) * n_out // n_chunks):
+                base = o * n_in
+                for t in range(n_tok):
+                    acc[:] = F32(0)
+                    i = 0
+                    while i + 16 <= n_in:
+                        step16(acc, i & 31, w, base + i, x[t], i, lut)
+                        i += 16
+                    for j in range(i, n_in):
+                        acc[j & 31] = acc[j & 31] + load(w, base + j, lut) * x[t, j]
+                    out[t, o] = simd.fold32(acc)
+
+    return kernel
+
+
+_FLOAT = {"F32": (simd.dense16_f32, _load_f32), "F16": (simd.dense16_f16, _load_16), "BF16": (simd.dense16_bf16, _load_16)}
+
+
+_KERNELS: dict[str, object] = {}
+
+
+def _kernel(name: str):
+    """Compiled on first use: a process that only meets three types compiles three kernels."""
+    if name not in _KERNELS:
+        if name in _DECODERS:
+            _KERNELS[name] = _quant_kernel(*_DECODERS[name])
+        else:
+            _KERNELS[name] = _float_kernel(*_FLOAT[name])
+    return _KERNELS[name]
+
+
+# ---------------------------------------------------------------------------------------------
+# public API
+
+_threads = numba.config.NUMBA_NUM_THREADS
+
+
+def set_threads(n: int) -> None:
+    """Cap the kernels' CPU threads (the engine's --pool-workers). Applies to every calling thread:
+    numba's own setting is per thread, so each call re-applies it where it runs."""
+    global _threads
+    hi = numba.config.NUMBA_NUM_THREADS
+    if not 1 <= int(n) <= hi:
+        raise ValueError(f"set_threads: {n} threads asked for, this process has 1..{hi} (NUMBA_NUM_THREADS)")
+    _threads = int(n)
+    numba.set_num_threads(_threads)
+
+
+def get_threads() -> int:
+    return _threads
+
+
+def _chunks(n_out: int) -> int:
+    if numba.get_num_threads() != _threads:
+        numba.set_num_threads(_threads)
+    return max(1, min(n_out, 4 * _threads))
+
+
+def _check_raw(raw: np.ndarray, t, n_in: int, n_out: int, where: str) -> np.ndarray:
+    if not isinstance(raw, np.ndarray) or raw.dtype != np.uint8:
+        raise TypeError(f"{where}: weight bytes must be a uint8 numpy array, got {getattr(raw, 'dtype', type(raw))}")
+    need = t.nbytes((n_in, n_out))
+    if raw.size != need:
+        raise ValueError(f"{where}: {t.name} [{n_in} x {n_out}] is {need} bytes, got {raw.size}")
+    if not raw.flags.c_contiguous:
+        raise ValueError(f"{where}: weight bytes must be contiguous (they are read in place)")
+    return raw.reshape(-1)
+
+
+def _check_actq(act, n_in: int, where: str) -> None:
+    """Shapes and dtypes only; that s16 are the sums of q is ActQ's invariant (quantize_act)."""
+    ok = isinstance(act, ActQ) and act.q.ndim == 2 and act.n == n_in
+    if ok:
+        T = act.q.shape[0]
+        want = ((act.q, np.int8, (T, n_in)), (act.d, F32, (T, n_in // 32)), (act.s16, np.int32, (T, n_in // 16)))
+        ok = all(a.dtype == dt and a.shape == shp and a.flags.c_contiguous for a, dt, shp in want)
+    if not ok:
+        raise TypeError(f"{where}: activations must be an ActQ [T, {n_in}] (int8 q, f32 d, int32 s16, contiguous), got {_describe(act)}")
+
+
+def matmul(raw: np.ndarray, type_id: int, n_in: int, n_out: int, act, out: np.ndarray | None = None) -> np.ndarray:
+    """Y[t] = W X[t] for T tokens -> f32 [T, n_out].
+
+    raw: the weight's GGML bytes (n_out rows of n_in elements), e.g. a slice of the mapped GGUF.
+    act: ActQ [T, n_in] for block types (quantize_act), f32 [T, n_in] for F32/F16/BF16 weights."""
+    t = ggml_type(type_id, where="matmul")
+    where = f"matmul({t.name})"
+    raw = _check_raw(raw, t, n_in, n_out, where)
+    if t.quantized:
+        _check_actq(act, n_in, where)
+        n_tok = act.q.shape[0]
+    else:
+        if isinstance(act, ActQ) or getattr(act, "dtype", None) != F32 or act.ndim != 2 or act.shape[1] != n_in:
+            raise TypeError(f"{where}: {t.name} weights take f32 activations [T, {n_in}], got {_describe(act)}")
+        n_tok = act.shape[0]
+    if out is None:
+        out = np.empty((n_tok, n_out), F32)
+    elif out.shape != (n_tok, n_out) or out.dtype != F32 or not out.flags.c_contiguous:
+        raise ValueError(f"{where}: out must be contiguous f32 [{n_tok}, {n_out}], got {out.dtype}{list(out.shape)}")
+    if t.quantized:
+        xq = act.q.reshape(-1)
+        _kernel(t.name)(raw, t.type_size, t.row_bytes(n_in), xq, act.d, act.s16, F16_TO_F32, out, _chunks(n_out))
+    else:
+        w = raw.view(F32) if t.name == "F32" else raw.view(np.uint16)
+        lut = BF16_TO_F32 if t.name == "BF16" else F16_TO_F32
+        _kernel(t.name)(w, np.ascontiguousarray(act), lut, out, _chunks(n_out))
+    return out
+
+
+def matvec(raw: np.ndarray, type_id: int, n_in: int, n_out: int, act, out: np.ndarray | None = None) -> np.ndarray:
+    """y = W x -> f32 [n_out]; act: ActQ [n_in] (block types) or f32 [n_in] (F32/F16/BF16)."""
+    if isinstance(act, ActQ):
+        if act.q.ndim != 1:
+            raise TypeError(f"matvec: activations must be a single vector, got ActQ {list(act.q.shape)} (use matmul)")
+        act2 = ActQ(act.q.reshape(1, -1), act.d.reshape(1, -1), act.s16.reshape(1, -1))
+    else:
+        act = np.asarray(act)
+        if act.ndim != 1:
+            raise TypeError(f"matvec: activations must be a single vector, got shape {list(act.shape)} (use matmul)")
+        act2 = act.reshape(1, -1)
+    out2 = None if out is None else out.reshape(1, -1)
+    return matmul(raw, type_id, n_in, n_out, act2, out2)[0]
+
+
+def _describe(act) -> str:
+    if isinstance(act, ActQ):
+        return f"ActQ {list(act.q.shape)}"
+    return f"{type(act).__name__} {getattr(act, 'dtype', '')}{list(getattr(act, 'shape', []))}"

@@ -1,0 +1,102 @@
+"""Pack form -> engine form (S3): exact widenings the loader applies before any kernel sees a tensor.
+
+1. Block types whose scales are fp16 are WIDENED: the fp16 run of every block (the table's
+   `fp16_fields`) moves to an f32 plane [n_blocks, n_scales]; the other bytes stay as they are, in
+   order, in `rest` [n_blocks, rest_bytes]. fp16 -> f32 is exact, so `narrow` gives the pack bytes
+   back bit for bit. IQ1_M has no plain fp16 field (its scale is spread over four nibbles) and
+   F32/F16/BF16 have no block scales: for those nothing is widened (n_scales = 0).
+2. A BF16 source tensor is stored in the pack as F32 (lossless, keeps the pack decoder simple);
+   `rebf16` takes it back to 16 bits. That is exact only because the value came from 16 bits; a
+   value with nonzero low bits means the pack is not what it claims, and is refused.
+
+Budgets read `widened_bytes` (what widening adds), never an assumed 4 bytes per scale.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from strata.index_format.ggml_types import GGMLType, ggml_type
+
+F16_TO_F32 = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16).view(np.float16).astype(np.float32)
+F16_TO_F32.setflags(write=False)
+
+
+def _fp16_columns(t: GGMLType) -> np.ndarray:
+    """Byte columns of a block that hold its fp16 run(s), in field order."""
+    cols = [np.arange(off, off + 2 * n) for off, n in t.fp16_fields]
+    return np.concatenate(cols) if cols else np.zeros(0, np.int64)
+
+
+def _rest_columns(t: GGMLType) -> np.ndarray:
+    return np.setdiff1d(np.arange(t.type_size), _fp16_columns(t))  # sorted: original byte order
+
+
+def _label(t: GGMLType, name: str | None) -> str:
+    return f"{name} ({t.name})" if name else t.name
+
+
+def widen(raw: np.ndarray, type_id: int, name: str | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Raw blocks -> (scales f32 [n_blocks, n_scales], rest uint8 [n_blocks, rest_bytes]).
+
+    A non-finite fp16 scale is refused: no quantizer writes one, so the bytes are not a tensor."""
+    t = ggml_type(type_id, where=f"widen {name or ''}".strip())
+    if raw.dtype != np.uint8 or raw.size % t.type_size:
+        raise ValueError(f"widen {_label(t, name)}: {raw.size} bytes of {raw.dtype} are not whole {t.type_size}-byte blocks")
+    blocks = raw.reshape(-1, t.type_size)
+    halves = np.ascontiguousarray(blocks[:, _fp16_columns(t)]).view(np.uint16)
+    scales = F16_TO_F32[halves]
+    bad = ~np.isfinite(scales)
+    if bad.any():
+        blk, k = np.argwhere(bad)[0]
+        raise ValueError(f"widen {_label(t, name)}: block {blk} fp16 scale {k} is {scales[blk, k]} (expected a finite scale)")
+    return scales, np.ascontiguousarray(blocks[:, _rest_columns(t)])
+
+
+def narrow(scales: np.ndarray, rest: np.ndarray, type_id: int, name: str | None = None) -> np.ndarray:
+    """The exact inverse of `widen`: -> raw uint8 [n_blocks * type_size]. A scale that is not
+    exactly an fp16 value is refused (it did not come from `widen`)."""
+    t = ggml_type(type_id, where=f"narrow {name or ''}".strip())
+    n_blocks = rest.shape[0] if rest.ndim == 2 else -1
+    if scales.shape != (n_blocks, t.n_scales) or rest.shape != (n_blocks, t.rest_bytes) or scales.dtype != np.float32:
+        raise ValueError(
+            f"narrow {_label(t, name)}: scales {scales.dtype}{list(scales.shape)} and rest {rest.dtype}{list(rest.shape)} "
+            f"do not match f32[n, {t.n_scales}] and uint8[n, {t.rest_bytes}]"
+        )
+    halves = scales.astype(np.float16)
+    back = F16_TO_F32[halves.view(np.uint16)]
+    inexact = back.view(np.uint32) != scales.view(np.uint32)
+    if inexact.any():
+        blk, k = np.argwhere(inexact)[0]
+        raise ValueError(f"narrow {_label(t, name)}: block {blk} scale {k} = {scales[blk, k]!r} is not an fp16 value")
+    out = np.empty((n_blocks, t.type_size), np.uint8)
+    out[:, _fp16_columns(t)] = halves.view(np.uint8).reshape(n_blocks, -1)
+    out[:, _rest_columns(t)] = rest
+    return out.reshape(-1)
+
+
+def widened_bytes(type_id: int, shape: tuple[int, ...]) -> int:
+    """Bytes that widening adds to a tensor of `shape` (GGUF order): 2 per fp16 scale."""
+    t = ggml_type(type_id, where="widened_bytes")
+    return t.nbytes(tuple(shape)) // t.type_size * (t.engine_block_bytes - t.type_size)
+
+
+def rebf16(x: np.ndarray, name: str | None = None) -> np.ndarray:
+    """F32 values that came from BF16 -> their uint16 BF16 bits, exactly.
+
+    Refuses any value whose low 16 bits are not zero: it is not a BF16 value, so the pack is not
+    what it claims (rounding it would hide that)."""
+    x = np.asarray(x)
+    if x.dtype != np.float32:
+        raise TypeError(f"rebf16 {name or '<unnamed tensor>'}: expected float32 values, got {x.dtype}")
+    bits = np.ascontiguousarray(x).view(np.uint32)
+    low = (bits & 0xFFFF) != 0
+    if low.any():
+        where = np.argwhere(low)
+        first = tuple(int(i) for i in where[0])
+        raise ValueError(
+            f"rebf16 {name or '<unnamed tensor>'}: {len(where)} of {x.size} values are not BF16 values "
+            f"(first at index {first}: {x[first]!r}, bits 0x{int(bits[first]):08x}); the pack says BF16-as-F32, "
+            "so it is not what it claims -- rebuild it"
+        )
+    return (bits >> 16).astype(np.uint16)

@@ -1,0 +1,197 @@
+"""The Numba kernels against the numpy statement of the same arithmetic (reference.dot_reference),
+bit for bit, and against float64, within the rounding the specification allows (docs/kernels.md).
+
+Each block type compiles its own kernel (1-3 s each), so shapes stay small except the two expert
+shapes on a few types."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from kernel_blocks import random_weights
+
+from strata.engine.kernels import cpu
+from strata.engine.kernels import reference as R
+from strata.engine.kernels.actq import ActQ, quantize_act
+from strata.index_format.ggml_types import BY_NAME, TYPES
+
+EPS = float(np.finfo(np.float32).eps)
+BLOCK_TYPES = [t for t in TYPES if t.quantized]
+FLOAT_TYPES = [t for t in TYPES if not t.quantized]
+
+
+def _shape(t) -> tuple[int, int]:
+    """A row length whose act-block count is not a multiple of 8 where the type allows it (the
+    kernel's 8-block steps then meet its 4- and 1-block tails), and an odd row count (uneven chunks)."""
+    n_in = {32: 32 * 15, 64: 64 * 7, 256: 256 * 3, 1: 488}[t.block_size]  # 15 = 8 + 4 + 3 act-blocks; 488 % 16 = 8
+    return n_in, 9
+
+
+def _acts(n_in: int, n_tok: int, seed: int) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    x = (rng.standard_normal((n_tok, n_in)) * rng.uniform(0.1, 10, (n_tok, 1))).astype(np.float32)
+    x[:, 32:64] *= 1e-3  # blocks of very different scales
+    return x
+
+
+def _same(got: np.ndarray, ref: np.ndarray, what: str) -> None:
+    g, r = got.view(np.uint32), np.ascontiguousarray(ref, np.float32).view(np.uint32)
+    bad = np.argwhere(g != r)
+    assert bad.size == 0, f"{what}: {len(bad)} outputs differ, first {tuple(bad[0])}: {got[tuple(bad[0])]!r} vs reference {ref[tuple(bad[0])]!r}"
+
+
+@pytest.mark.parametrize("t", TYPES, ids=lambda t: t.name)
+def test_matvec_and_matmul_equal_the_reference_bit_for_bit(t):
+    n_in, n_out = _shape(t)
+    raw = random_weights(t, n_in * n_out, np.random.default_rng(t.id))
+    x = _acts(n_in, 5, t.id)
+    act = quantize_act(x) if t.quantized else x
+    y = cpu.matmul(raw, t.id, n_in, n_out, act)
+    _same(y, R.dot_reference(raw, t.id, n_in, n_out, act), f"{t.name} matmul")
+    for b in range(5):  # a batch row is the single-token product, to the bit
+        one = ActQ(act.q[b], act.d[b], act.s16[b]) if t.quantized else x[b]
+        _same(cpu.matvec(raw, t.id, n_in, n_out, one), y[b], f"{t.name} matvec token {b}")
+
+
+@pytest.mark.parametrize("name,n_in,n_out", [("Q8_0", 2560, 640), ("IQ2_XXS", 2560, 640), ("Q2_0", 640, 2560), ("IQ4_NL", 640, 2560)])
+def test_expert_shapes_equal_the_reference(name, n_in, n_out):
+    t = BY_NAME[name]
+    raw = random_weights(t, n_in * n_out, np.random.default_rng(1))
+    act = quantize_act(_acts(n_in, 2, 2))
+    y = cpu.matmul(raw, t.id, n_in, n_out, act)
+    _same(y, R.dot_reference(raw, t.id, n_in, n_out, act), f"{name} [{n_in} x {n_out}]")
+
+
+def _accuracy(t, n_in, n_out, seed):
+    """Kernel error relative to sum |w_i a_i| (scale-free), against float64 on the same inputs:
+    the dequantized weights times the dequantized ActQ activations (or the f32 activations)."""
+    raw = random_weights(t, n_in * n_out, np.random.default_rng(seed))
+    x = _acts(n_in, 2, seed)
+    act = quantize_act(x) if t.quantized else x
+    y = cpu.matmul(raw, t.id, n_in, n_out, act).astype(np.float64)
+    w = R.dequantize(raw, t.id, n_in * n_out).astype(np.float64).reshape(n_out, n_in)
+    a = act.values() if t.quantized else x.astype(np.float64)
+    exact = a @ w.T
+    w_mag = np.abs(w)
+    if t.quantized:  # with a min term, |w| can cancel: measure against |d sc q| + |dmin m|
+        f = R.decompose(raw, t.id, n_in * n_out)
+        w_mag = np.abs(f.wf[:, None, None] * f.ws[:, :, None].astype(np.float64) * f.q.reshape(-1, 2, 16))
+        if f.mn is not None:
+            w_mag = w_mag + np.abs(f.wm[:, None] * f.mn.astype(np.float64))[:, :, None]
+        w_mag = w_mag.reshape(n_out, n_in)
+    mag = np.abs(a) @ w_mag.T + 1e-300
+    return np.abs(y - exact) / mag, y, exact
+
+
+@pytest.mark.parametrize("t", TYPES, ids=lambda t: t.name)
+def test_accuracy_against_float64(t):
+    # Budget in units of eps * sum|w a|: the dequantizer's own f32 roundings (<= 3), each term's
+    # (<= 3: two products and the conversion is exact), the lane chain (n_in/32/32 adds at most)
+    # and the fold (5); doubled for margin. A wrong scale or a lost block is off by >> 1e-3.
+    n_in, n_out = _shape(t)
+    err, y, exact = _accuracy(t, n_in, n_out, 100 + t.id)
+    tol = 2 * (3 + 3 + 1 + n_in // 1024 + 5) * EPS
+    if not t.quantized:  # f32 products of f32 values: one rounding each, n_in/32 adds per lane
+        tol = 2 * (1 + n_in // 32 + 5) * EPS
+    worst = np.unravel_index(np.argmax(err), err.shape)
+    assert err[worst] <= tol, f"{t.name}: worst row {worst}: {y[worst]!r} vs float64 {exact[worst]!r} (rel {err[worst]:.3g} > {tol:.3g})"
+
+
+def test_results_do_not_depend_on_the_thread_count():
+    t = BY_NAME["Q4_K"]
+    raw = random_weights(t, 1024 * 37, np.random.default_rng(3))
+    act = quantize_act(_acts(1024, 3, 3))
+    before = cpu.get_threads()
+    try:
+        cpu.set_threads(1)
+        one = cpu.matmul(raw, t.id, 1024, 37, act)
+        cpu.set_threads(cpu.numba.config.NUMBA_NUM_THREADS)
+        many = cpu.matmul(raw, t.id, 1024, 37, act)
+    finally:
+        cpu.set_threads(before)
+    _same(many, one, "threads")
+
+
+def test_set_threads_refuses_an_impossible_count():
+    with pytest.raises(ValueError, match="threads asked for"):
+        cpu.set_threads(0)
+    with pytest.raises(ValueError, match="NUMBA_NUM_THREADS"):
+        cpu.set_threads(cpu.numba.config.NUMBA_NUM_THREADS + 1)
+
+
+def test_no_fused_multiply_add_in_the_compiled_kernels():
+    # The specification rounds every product before the add; an FMA (fastmath, or a compiler
+    # contracting a*b+c) would change the bits and the GPU could no longer match them.
+    for name in ("Q4_K", "Q8_0", "F16"):
+        t = BY_NAME[name]
+        n_in, n_out = _shape(t)
+        raw = random_weights(t, n_in * n_out, np.random.default_rng(0))
+        act = quantize_act(_acts(n_in, 1, 0)) if t.quantized else _acts(n_in, 1, 0)
+        cpu.matmul(raw, t.id, n_in, n_out, act)
+        asm = "\n".join(cpu._kernel(name).inspect_asm().values())
+        assert "vmulss" in asm or "vmulps" in asm, "no f32 multiply found: the check itself is broken"
+        assert not re.search(r"\bv?f(n)?m(add|sub)\d", asm), f"{name}: FMA instruction in the kernel"
+
+
+def test_bad_inputs_are_refused_with_the_reason():
+    t = BY_NAME["Q8_0"]
+    raw = random_weights(t, 256 * 4, np.random.default_rng(0))
+    act = quantize_act(_acts(256, 1, 0)[0])
+    with pytest.raises(ValueError, match=r"Q8_0 \[256 x 5\] is 1360 bytes, got 1088"):
+        cpu.matvec(raw, t.id, 256, 5, act)
+    with pytest.raises(TypeError, match="ActQ"):
+        cpu.matvec(raw, t.id, 256, 4, _acts(256, 1, 0)[0])
+    with pytest.raises(TypeError, match="ActQ"):
+        cpu.matvec(raw, t.id, 512, 2, quantize_act(_acts(256, 1, 0)[0]))  # 512 != 256 activations
+    with pytest.raises(TypeError, match="f32 activations"):
+        cpu.matvec(random_weights(BY_NAME["F16"], 256 * 4, np.random.default_rng(0)), BY_NAME["F16"].id, 256, 4, act)
+    with pytest.raises(ValueError, match="contiguous"):
+        cpu.matvec(np.repeat(raw, 2)[::2], t.id, 256, 4, act)
+    with pytest.raises(ValueError, match="unknown GGML type 99"):
+        cpu.matvec(raw, 99, 256, 4, act)
+
+
+def test_out_buffer_is_filled_in_place():
+    t = BY_NAME["IQ4_NL"]
+    raw = random_weights(t, 256 * 6, np.random.default_rng(0))
+    act = quantize_act(_acts(256, 1, 0)[0])
+    out = np.full(6, np.nan, np.float32)
+    assert cpu.matvec(raw, t.id, 256, 6, act, out=out) is not None
+    _same(out, R.dot_reference(raw, t.id, 256, 6, act), "out=")
+
+
+_FALLBACK_CHECK = """
+import numpy as np, sys
+sys.path.insert(0, {tests!r})
+from kernel_blocks import random_weights
+from strata.engine.kernels import cpu, reference as R, simd
+from strata.engine.kernels.actq import quantize_act
+from strata.index_format.ggml_types import BY_NAME
+print("features:", sorted(simd._X86))
+for name in ("Q2_K", "IQ4_NL", "Q2_0"):
+    t = BY_NAME[name]
+    n_in = 448 if name == "Q2_0" else (480 if t.block_size == 32 else 768)
+    raw = random_weights(t, n_in * 5, np.random.default_rng(t.id))
+    act = quantize_act(np.random.default_rng(1).standard_normal((2, n_in)).astype(np.float32))
+    y = cpu.matmul(raw, t.id, n_in, 5, act)
+    ok = np.array_equal(y.view(np.uint32), R.dot_reference(raw, t.id, n_in, 5, act).view(np.uint32))
+    print(name, "same" if ok else "DIFFERENT")
+"""
+
+
+@pytest.mark.parametrize("features", ["", "ssse3,avx2", "ssse3,avx2,avx512bw,f16c"], ids=["portable", "avx2", "avx512bw-no-vnni"])
+def test_fallback_simd_paths_give_the_same_bits(features):
+    # Each host compiles one path per primitive (VNNI, vpmaddwd, pshufb, F16C ...); the others
+    # would first run on someone else's machine. Narrow the features and check them here.
+    env = dict(os.environ, STRATA_SIMD_FEATURES=features)
+    code = _FALLBACK_CHECK.format(tests=str(Path(__file__).resolve().parent))
+    # -P: the installed package, whatever the working directory holds
+    res = subprocess.run([sys.executable, "-P", "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert res.stdout.count("same") == 3, res.stdout
