@@ -1,0 +1,202 @@
+"""GPU kernel benchmark: weight bytes per second of `gpu.matvec`, per block type, against the
+device's streaming-read bandwidth measured in the same run.
+
+    python benchmarks/kernels_gpu.py [--types all|Q8_0,Q6_K,...] [--md FILE]
+
+Reference bandwidth: a pure read kernel (16-byte loads, XOR-reduced so they are not dropped)
+over a 4 GiB buffer, best of 5; a device-to-device copy is printed beside it (read + write
+bytes). Bytes per matvec are the engine-form planes the kernel reads (GpuWeight.nbytes: the
+widened f32 scales included).
+
+Shapes: the head (248320 rows of 2560) is one matrix larger than the L2. The expert shapes (640
+rows of 2560: gate/up; 2560 rows of 640: down, not for 256-element block types, which never hold
+a down projection) are a few MB each, so they are timed over a pool of distinct experts larger
+than 3x the L2, as the engine meets them. Launches are captured in a CUDA graph and replayed,
+timed with CUDA events: a Python launch takes longer than a small matvec runs. Issue target: every type >= 60% of the read bandwidth on the
+head shape. Weights are random bytes and scales (timing does not depend on the values).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+import numpy as np
+
+HEAD = (2560, 248320)  # (n_in, n_out)
+EXPERTS = {"gate/up": (2560, 640), "down": (640, 2560)}
+TARGET = 0.60
+
+_BENCH_SRC = r"""
+extern "C" __global__ void read_xor(const uint4* __restrict__ p, unsigned long long n, unsigned* out) {
+    unsigned acc = 0;
+    const unsigned long long stride = (unsigned long long)gridDim.x * blockDim.x;
+    for (unsigned long long i = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) {
+        const uint4 v = __ldg(p + i);
+        acc ^= v.x ^ v.y ^ v.z ^ v.w;
+    }
+    if (acc == 0x9e3779b9u) out[0] = acc;  // practically never: keeps the loads
+}
+
+extern "C" __global__ void fill_hash(unsigned* p, unsigned long long n, unsigned seed) {
+    const unsigned long long stride = (unsigned long long)gridDim.x * blockDim.x;
+    for (unsigned long long i = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) {
+        unsigned x = (unsigned)i * 0x9e3779b9u ^ seed ^ (unsigned)(i >> 32);
+        x ^= x >> 16; x *= 0x85ebca6bu; x ^= x >> 13; x *= 0xc2b2ae35u; x ^= x >> 16;
+        p[i] = x;
+    }
+}
+"""
+
+
+class Bench:
+    def __init__(self) -> None:
+        import cupy as cp
+
+        from strata.engine.kernels import gpu
+
+        self.cp, self.gpu = cp, gpu
+        self.mod = cp.RawModule(code=_BENCH_SRC)
+        dev = cp.cuda.Device()
+        self.n_sm = dev.attributes["MultiProcessorCount"]
+        self.l2 = dev.attributes["L2CacheSize"]
+        self.name = gpu.available()[1]
+
+    def random_bytes(self, n: int, seed: int):
+        cp = self.cp
+        words = cp.empty(-(-n // 4), cp.uint32)
+        self.mod.get_function("fill_hash")((self.n_sm * 8,), (256,), (words, np.uint64(words.size), np.uint32(seed)))
+        return words.view(cp.uint8)[:n]
+
+    def elapsed(self, fn, reps: int) -> float:
+        """Seconds per call, from CUDA events around `reps` back-to-back calls (after a warm-up)."""
+        cp = self.cp
+        fn()
+        start, stop = cp.cuda.Event(), cp.cuda.Event()
+        start.record()
+        for _ in range(reps):
+            fn()
+        stop.record()
+        stop.synchronize()
+        return cp.cuda.get_elapsed_time(start, stop) / 1e3 / reps
+
+    def read_bandwidth(self, nbytes: int = 4 << 30) -> float:
+        buf = self.random_bytes(nbytes, 1).view(self.cp.uint32)
+        out = self.cp.zeros(1, self.cp.uint32)
+        n = np.uint64(nbytes // 16)
+        fn = lambda: self.mod.get_function("read_xor")((self.n_sm * 16,), (512,), (buf, n, out))
+        return nbytes / min(self.elapsed(fn, 3) for _ in range(5))
+
+    def copy_bandwidth(self, nbytes: int = 2 << 30) -> float:
+        src, dst = self.random_bytes(nbytes, 2), self.cp.empty(nbytes, self.cp.uint8)
+        fn = lambda: dst.data.copy_from_device(src.data, nbytes)
+        return 2 * nbytes / min(self.elapsed(fn, 3) for _ in range(3))
+
+    def weight(self, t, n_in: int, n_out: int, seed: int):
+        """A GpuWeight of random bytes built on the device (scales: finite, moderate)."""
+        cp, gpu = self.cp, self.gpu
+        blocks = t.nbytes((n_in, n_out)) // t.type_size
+        if not t.quantized:
+            vals = self.random_bytes(n_in * n_out * t.type_size, seed).view(cp.float32 if t.name == "F32" else cp.uint16)
+            return gpu.GpuWeight(t.id, n_in, n_out, values=vals)
+        scales = cp.full(blocks * t.n_scales, 0.01, cp.float32) if t.n_scales else None
+        return gpu.GpuWeight(t.id, n_in, n_out, rest=self.random_bytes(blocks * t.rest_bytes, seed), scales=scales)
+
+    def activation(self, t, n_in: int):
+        x = self.cp.asarray(np.random.default_rng(0).standard_normal(n_in).astype(np.float32))
+        return self.gpu.quantize_act_gpu(x) if t.quantized else x
+
+    def per_call(self, calls: list) -> tuple[float, bool]:
+        """(seconds per call, graph used): the calls captured once in a CUDA graph and replayed.
+        A Python launch (~20 us) takes longer than a small matvec runs; the graph measures the GPU."""
+        cp = self.cp
+        for c in calls:  # compiles and loads the modules before any capture
+            c()
+        try:
+            stream = cp.cuda.Stream(non_blocking=True)
+            with stream:
+                stream.begin_capture()
+                for c in calls:
+                    c()
+                graph = stream.end_capture()
+            run, graphed = (lambda: graph.launch(stream)), True
+        except Exception:  # no graph capture in this CuPy: plain launches, overhead included
+            stream, graphed = cp.cuda.get_current_stream(), False
+            run = lambda: [c() for c in calls]
+        with stream:
+            sec = min(self.elapsed(run, 3) for _ in range(3))
+        return sec / len(calls), graphed
+
+    def matvec_rate(self, t, n_in: int, n_out: int) -> tuple[float, int, bool]:
+        """(seconds per matvec, bytes per matvec, graph used), cycling through enough distinct
+        matrices to exceed 3x the L2 (one, for the head) and at least 8 launches."""
+        one = t.nbytes((n_in, n_out))
+        ws = [self.weight(t, n_in, n_out, 100 + i) for i in range(max(1, -(-3 * self.l2 // one)))]
+        a, out = self.activation(t, n_in), self.cp.empty(n_out, self.cp.float32)
+        calls = [(lambda w=w: self.gpu.matvec(w, a, out)) for w in ws] * max(1, -(-8 // len(ws)))
+        sec, graphed = self.per_call(calls)
+        return sec, ws[0].nbytes, graphed
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--types", default="all", help="comma-separated GGML type names, or 'all'")
+    ap.add_argument("--md", help="also write the table (markdown) and the summary to this file")
+    args = ap.parse_args(argv)
+
+    from tabulate import tabulate
+
+    from strata.engine.kernels import gpu
+    from strata.index_format.ggml_types import TYPES, ggml_type
+
+    ok, why = gpu.available()
+    if not ok:
+        print(f"kernels_gpu: not run: {why}", file=sys.stderr)
+        return 2
+    names = [t.name for t in TYPES] if args.types == "all" else [ggml_type(n.strip(), where="--types").name for n in args.types.split(",")]
+    t0 = time.perf_counter()
+    b = Bench()
+    bw, copy_bw = b.read_bandwidth(), b.copy_bandwidth()
+    head_line = f"{b.name}, {b.n_sm} SMs, L2 {b.l2 >> 20} MiB: streaming read {bw / 1e9:.0f} GB/s (read kernel, 4 GiB); d2d copy {copy_bw / 1e9:.0f} GB/s (read + write bytes)"
+    print(head_line, flush=True)
+
+    rows, misses, graphed_all = [], [], True
+    for name in names:
+        t = ggml_type(name)
+        sec, nbytes, graphed = b.matvec_rate(t, *HEAD)
+        graphed_all &= graphed
+        ratio = nbytes / sec / bw
+        row = [name, f"{nbytes / 2**20:.0f}", f"{sec * 1e6:.0f}", f"{nbytes / sec / 1e9:.0f}", f"{100 * ratio:.0f}%"]
+        if ratio < TARGET:
+            misses.append(f"{name} {100 * ratio:.0f}%")
+        for n_in, n_out in EXPERTS.values():
+            if n_in % t.block_size:
+                row += ["-", "-"]
+                continue
+            esec, ebytes, graphed = b.matvec_rate(t, n_in, n_out)
+            graphed_all &= graphed
+            row += [f"{esec * 1e6:.1f}", f"{100 * ebytes / esec / bw:.0f}%"]
+        rows.append(row)
+        print(" | ".join(row), flush=True)
+        b.cp.get_default_memory_pool().free_all_blocks()
+
+    headers = ["type", "head MiB", "head us", "head GB/s", "head % read", "gate/up us", "% read", "down us", "% read"]
+    table = tabulate(rows, headers=headers)
+    summary = (
+        f"summary: head {HEAD[1]}x{HEAD[0]} matvec: {len(rows) - len(misses)}/{len(rows)} types >= {TARGET:.0%} of the "
+        f"{bw / 1e9:.0f} GB/s streaming read" + (f"; below: {', '.join(misses)}" if misses else "")
+        + ("" if graphed_all else " (times include Python launch overhead: no CUDA graph capture)")
+        + f" [{time.perf_counter() - t0:.0f} s]"
+    )  # fmt: skip
+    print()
+    print(table)
+    print(summary)
+    if args.md:
+        with open(args.md, "w") as f:
+            f.write(f"{head_line}\n\n{tabulate(rows, headers=headers, tablefmt='github')}\n\n{summary}\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

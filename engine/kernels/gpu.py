@@ -1,0 +1,453 @@
+"""CuPy GPU kernels: W x on device-resident ENGINE FORM planes, bit-identical to the CPU (S3, S10).
+
+A GPU hit and a CPU miss of the same expert must give the same bits (B2), so the kernels in
+gpu_kernels.cu do exactly the arithmetic of reference.dot_reference (docs/kernels.md): per act-block
+an exact integer sum and one f32 expression, lane l of a warp adding act-blocks l, l + 32, ... in
+order, then the fixed fold of the 32 lanes. ActQ is computed on the device to the bit of
+actq.quantize_act.
+
+    w = upload(raw, type_id, n_in, n_out)      # pack bytes -> engine form on the device, once
+    a = quantize_act_gpu(x_dev)                # f32 [T, n_in] or [n_in] on the device -> GpuActQ
+    y = matmul(w, a)                           # f32 [T, n_out] on the device (matvec: [n_out])
+
+F32/F16/BF16 weights take the f32 activations themselves (no ActQ), as on the CPU.
+
+Device work goes through a small runtime object (CuPy by default); `use_runtime` swaps it, which
+the tests do to run this module and the CUDA source on the host (tests/gpu_emu.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from strata.index_format.ggml_types import GGMLType, ggml_type
+
+from . import iq_tables as T
+from .actq import QA, ActQ
+from .engine_form import narrow, widen
+
+SOURCE = Path(__file__).with_name("gpu_kernels.cu")
+# --fmad=false: no FMA contraction (a fused a*b+c rounds differently). The kernels' f32 operations
+# are inline PTX anyway, which no flag changes: CuPy appends -ftz=true to every compile.
+OPTIONS = ("--std=c++17", "--fmad=false")
+KPLS = (1, 2, 3, 4, 6, 8)  # act-blocks per lane the matvec kernel holds: rows up to 8192 elements
+MAX_TOKENS = 64  # tokens per matmul pass (shared-memory accumulators); more are done in groups
+SMEM_LIMIT = 48 * 1024  # dynamic shared memory a block may take without an opt-in
+SHARED_TABLE_ROWS = 64  # rows per thread block from which an IQ grid is copied to shared memory
+NO_BAD = np.uint64(0xFFFFFFFFFFFFFFFF)
+_FLOAT_KIND = {"F32": 0, "F16": 1, "BF16": 2}
+_HAS_MIN = {"Q4_1", "Q5_1", "Q2_K", "Q4_K", "Q5_K"}  # docs/kernels.md: the types with a min term
+
+
+class GpuUnavailable(RuntimeError):
+    """No usable CUDA device or no CuPy: the engine runs on the CPU instead (B5)."""
+
+
+def available() -> tuple[bool, str]:
+    """(True, device name) when CuPy imports and sees a CUDA device, else (False, why not)."""
+    try:
+        import cupy
+    except Exception as e:  # ImportError, or a CUDA library that fails to load
+        return False, f"CuPy is not importable ({type(e).__name__}: {e})"
+    try:
+        n = cupy.cuda.runtime.getDeviceCount()
+        if n == 0:
+            return False, "CuPy sees no CUDA device"
+        name = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)["name"]
+    except Exception as e:
+        return False, f"no usable CUDA device ({type(e).__name__}: {e})"
+    return True, name.decode() if isinstance(name, bytes) else str(name)
+
+
+# ---------------------------------------------------------------------------------------------
+# runtimes: where arrays live and how kernels are compiled and launched
+
+
+class CupyRuntime:
+    """Arrays are CuPy arrays on the current device; kernels run on the current stream."""
+
+    def __init__(self) -> None:
+        ok, why = available()
+        if not ok:
+            raise GpuUnavailable(why)
+        import cupy
+
+        self.cp = cupy
+        self.n_sm = cupy.cuda.Device().attributes["MultiProcessorCount"]
+
+    def to_device(self, a: np.ndarray):
+        return self.cp.asarray(np.ascontiguousarray(a))
+
+    def empty(self, shape, dtype):
+        return self.cp.empty(shape, dtype)
+
+    def to_host(self, a) -> np.ndarray:
+        return self.cp.asnumpy(a)
+
+    def is_array(self, a) -> bool:
+        return isinstance(a, self.cp.ndarray)
+
+    def ptr(self, a) -> int:
+        return a.data.ptr
+
+    def compile(self, names: list[str]):
+        mod = self.cp.RawModule(code=SOURCE.read_text(), options=OPTIONS, name_expressions=names)
+        mod.compile()
+        return mod
+
+    def launch(self, mod, name: str, grid: int, block: int, args: tuple, smem: int = 0) -> None:
+        mod.get_function(name)((grid,), (block,), args, shared_mem=smem)
+
+    def set_global(self, mod, name: str, host: np.ndarray) -> None:
+        dev = self.cp.ndarray(host.shape, host.dtype, memptr=mod.get_global(name))
+        dev.set(np.ascontiguousarray(host))
+
+
+_runtime: Any = None
+_modules: dict[str, "_Module"] = {}
+
+
+def runtime():
+    """The runtime in use; the CuPy one is created on first use (GpuUnavailable says why not)."""
+    global _runtime
+    if _runtime is None:
+        _runtime = CupyRuntime()
+    return _runtime
+
+
+def use_runtime(rt) -> Any:
+    """Swap the runtime (tests: the host emulation); returns the previous one. Compiled modules
+    belong to a runtime, so they are dropped."""
+    global _runtime
+    before, _runtime = _runtime, rt
+    _modules.clear()
+    return before
+
+
+# ---------------------------------------------------------------------------------------------
+# compiled modules, one per block type (a process compiles only the types it meets)
+
+
+def _check_tables() -> None:
+    """What gpu_kernels.cu assumes of the tables, held to them (they stay the one source)."""
+    i = np.arange(128)
+    parity = np.array([bin(v).count("1") & 1 for v in i])
+    if not np.array_equal(T.KSIGNS_IQ2XS, (i | (parity << 7)).astype(np.uint8)):
+        raise RuntimeError("iq_tables.KSIGNS_IQ2XS is not i | parity(i) << 7: gpu_kernels.cu's ksigns() must read the table")
+    for name in ("IQ2XXS_GRID", "IQ2XS_GRID", "IQ2S_GRID", "IQ3XXS_GRID", "IQ3S_GRID"):
+        b = getattr(T, name).view(np.uint8)
+        if b.min() < 1 or b.max() > 127:  # apply_signs negates a byte as (g ^ 0xff) + 1, carry-free only then
+            raise RuntimeError(f"iq_tables.{name} has a byte outside 1..127 ({b.min()}..{b.max()}): gpu_kernels.cu's apply_signs() needs 1..127")
+
+
+_TABLES = {  # __device__ symbol: table (exact bit patterns)
+    "g_iq2xxs": T.IQ2XXS_GRID, "g_iq2xs": T.IQ2XS_GRID, "g_iq2s": T.IQ2S_GRID,
+    "g_iq3xxs": T.IQ3XXS_GRID, "g_iq3s": T.IQ3S_GRID, "g_iq1s": T.IQ1S_GRID,
+    "c_kv": T.KVALUES_IQ4NL.view(np.uint32),
+}  # fmt: skip
+
+
+@dataclass
+class _Module:
+    mod: Any
+    apb: int = 0  # block types: act-blocks per block
+    tab: int = 0  # shared-memory bytes of the grid copy (IQ grid types)
+    mm_buf: int = 0  # bytes of one mm staging buffer
+    mv_rows: tuple[int, ...] = ()  # most rows per mv warp step, for KPL = 1 .. 8
+    mv_buf: tuple[int, ...] = ()  # bytes of one mv staging buffer, for KPL = 1 .. 8
+
+
+def _names(t: GGMLType) -> list[str]:
+    if t.quantized:
+        return [f"mv<{t.id}, {k}>" for k in KPLS] + [f"mm<{t.id}>", f"traits<{t.id}>"]
+    return [f"fmv<{_FLOAT_KIND[t.name]}>", f"fmm<{_FLOAT_KIND[t.name]}>"]
+
+
+def _module(key: str) -> _Module:
+    """The compiled module of a type name, or of "actq"; compiled and checked on first use."""
+    if key in _modules:
+        return _modules[key]
+    rt = runtime()
+    if key == "actq":
+        m = _Module(rt.compile(["actq"]))
+    else:
+        t = ggml_type(key, where="gpu kernels")
+        m = _Module(rt.compile(_names(t)))
+        if t.quantized:
+            _check_tables()
+            for sym, table in _TABLES.items():
+                rt.set_global(m.mod, sym, table)
+            m.apb, m.tab, m.mm_buf, m.mv_rows, m.mv_buf = _traits(rt, m.mod, t)
+    _modules[key] = m
+    return m
+
+
+def _traits(rt, mod, t: GGMLType) -> tuple:
+    """The kernel's own layout constants, held to the GGML type table (a drift is refused here,
+    not discovered as wrong outputs), and its shared-memory sizes."""
+    out = rt.empty(22, np.int32)
+    rt.launch(mod, f"traits<{t.id}>", 1, 32, (out,))
+    v = [int(x) for x in rt.to_host(out)]
+    want = (t.block_size // QA, t.rest_bytes, t.n_scales, t.name in _HAS_MIN)
+    if tuple(v[:3]) + (bool(v[3]),) != want:
+        raise RuntimeError(
+            f"gpu_kernels.cu: {t.name} has (act-blocks, rest bytes, scales, min term) per block = "
+            f"{tuple(v[:3]) + (bool(v[3]),)}, the GGML type table and reference.py say {want}"
+        )
+    return v[0], v[4], v[5], tuple(v[6::2]), tuple(v[7::2])
+
+
+# ---------------------------------------------------------------------------------------------
+# device-resident weights and activations
+
+
+@dataclass(frozen=True)
+class GpuWeight:
+    """A weight of n_out rows of n_in elements in engine form on the device.
+
+    Block types: `scales` f32 [n_blocks * n_scales] (None for IQ1_M, which has no fp16 field) and
+    `rest` u8 [n_blocks * rest_bytes], exactly engine_form.widen's planes, flattened.
+    F32/F16/BF16: `values` as stored, f32 or uint16 [n_out * n_in] (BF16 as its 16 bits)."""
+
+    type_id: int
+    n_in: int
+    n_out: int
+    rest: Any = None
+    scales: Any = None
+    values: Any = None
+    name: str | None = None
+
+    def __post_init__(self) -> None:
+        t = ggml_type(self.type_id, where=f"GpuWeight {self.name or ''}".strip())
+        blocks = t.nbytes((self.n_in, self.n_out)) // t.type_size  # refuses a partial block
+        if t.quantized:
+            want = {"rest": (self.rest, np.uint8, blocks * t.rest_bytes), "scales": (self.scales, np.float32, blocks * t.n_scales)}
+            if t.n_scales == 0:
+                want.pop("scales")
+        else:
+            want = {"values": (self.values, np.float32 if t.name == "F32" else np.uint16, self.n_in * self.n_out)}
+        rt = runtime()
+        for field, (arr, dtype, size) in want.items():
+            if not rt.is_array(arr) or arr.dtype != dtype or arr.ndim != 1 or arr.size != size or not arr.flags.c_contiguous:
+                raise ValueError(
+                    f"GpuWeight {self.label}: {field} must be a contiguous device {np.dtype(dtype).name}[{size}], got {_describe(arr)}"
+                )
+            if rt.ptr(arr) % 16:  # the kernels read the planes in 16-byte vectors
+                raise ValueError(f"GpuWeight {self.label}: {field} starts at device address {rt.ptr(arr):#x}, not 16-byte aligned")
+
+    @property
+    def type(self) -> GGMLType:
+        return ggml_type(self.type_id)
+
+    @property
+    def label(self) -> str:
+        return f"{self.name or '<unnamed>'} ({self.type.name} [{self.n_in} x {self.n_out}])"
+
+    @property
+    def nbytes(self) -> int:
+        """Device bytes of the planes (what a budget must count: the widened scales included)."""
+        return sum(a.nbytes for a in (self.rest, self.scales, self.values) if a is not None)
+
+    def to_raw(self) -> np.ndarray:
+        """Back to the pack bytes (engine_form.narrow, exact): the round trip's second half."""
+        t, rt = self.type, runtime()
+        if not t.quantized:
+            return rt.to_host(self.values).view(np.uint8)
+        blocks = t.nbytes((self.n_in, self.n_out)) // t.type_size
+        scales = rt.to_host(self.scales) if self.scales is not None else np.zeros(0, np.float32)
+        return narrow(scales.reshape(blocks, t.n_scales), rt.to_host(self.rest).reshape(blocks, t.rest_bytes), t.id, self.name)
+
+
+def upload(raw: np.ndarray, type_id: int, n_in: int, n_out: int, name: str | None = None) -> GpuWeight:
+    """Pack-form GGML bytes (n_out rows of n_in elements) -> engine form on the device, copied once."""
+    t = ggml_type(type_id, where=f"upload {name or ''}".strip())
+    label = f"{name or '<unnamed>'} ({t.name} [{n_in} x {n_out}])"
+    if not isinstance(raw, np.ndarray) or raw.dtype != np.uint8:
+        raise TypeError(f"upload {label}: weight bytes must be a uint8 numpy array, got {_describe(raw)}")
+    need = t.nbytes((n_in, n_out))
+    if raw.size != need:
+        raise ValueError(f"upload {label}: {t.name} [{n_in} x {n_out}] is {need} bytes, got {raw.size}")
+    rt = runtime()
+    raw = np.ascontiguousarray(raw).reshape(-1)
+    if not t.quantized:
+        values = raw.view(np.float32 if t.name == "F32" else np.uint16)
+        return GpuWeight(type_id, n_in, n_out, values=rt.to_device(values), name=name)
+    scales, rest = widen(raw, type_id, name)
+    dev_scales = rt.to_device(scales.reshape(-1)) if t.n_scales else None
+    return GpuWeight(type_id, n_in, n_out, rest=rt.to_device(rest.reshape(-1)), scales=dev_scales, name=name)
+
+
+@dataclass(frozen=True)
+class GpuActQ:
+    """ActQ on the device (actq.ActQ's planes), plus `bad`: u64 [1], the lowest index of a
+    non-finite input of the last quantization (all ones: none)."""
+
+    q: Any  # int8  [T, n] or [n]
+    d: Any  # f32   [T, n/32] or [n/32]
+    s16: Any  # int32 [T, n/16] or [n/16]
+    bad: Any
+
+    @property
+    def n(self) -> int:
+        return self.q.shape[-1]
+
+    def to_host(self) -> ActQ:
+        rt = runtime()
+        return ActQ(rt.to_host(self.q), rt.to_host(self.d), rt.to_host(self.s16))
+
+
+def empty_act(shape: tuple[int, ...]) -> GpuActQ:
+    """Buffers for quantize_act_gpu(out=...): [n] or [T, n] features (allocated once, reused)."""
+    shape = tuple(int(s) for s in shape)
+    if len(shape) not in (1, 2) or shape[-1] % QA:
+        raise ValueError(f"empty_act: shape must be [n] or [T, n] with n a multiple of {QA}, got {list(shape)}")
+    rt, lead = runtime(), shape[:-1]
+    n = shape[-1]
+    return GpuActQ(rt.empty(shape, np.int8), rt.empty(lead + (n // QA,), np.float32), rt.empty(lead + (n // 16,), np.int32), rt.empty(1, np.uint64))
+
+
+def quantize_act_gpu(x, out: GpuActQ | None = None, check: bool = True) -> GpuActQ:
+    """ActQ of device f32 activations [n] or [T, n], bit for bit actq.quantize_act.
+
+    check=True reads back whether an input was non-finite and raises ValueError naming it (one
+    device synchronisation); with check=False the caller may look at `out.bad` later."""
+    rt = runtime()
+    where = "quantize_act_gpu"
+    if not rt.is_array(x) or x.dtype != np.float32 or x.ndim not in (1, 2) or x.shape[-1] % QA or not x.flags.c_contiguous:
+        raise TypeError(f"{where}: activations must be a contiguous device f32 [n] or [T, n] with n a multiple of {QA}, got {_describe(x)}")
+    if out is None:
+        out = empty_act(x.shape)
+    elif out.q.shape != x.shape:
+        raise ValueError(f"{where}: out holds {list(out.q.shape)} activations, x is {list(x.shape)}")
+    nblocks = x.size // QA
+    if nblocks:
+        out.bad.fill(NO_BAD)
+        rt.launch(_module("actq").mod, "actq", _grid(rt, nblocks, 8), 256, (x, out.q, out.d, out.s16, np.int64(nblocks), out.bad))
+    if check:
+        bad = int(rt.to_host(out.bad)[0]) if nblocks else int(NO_BAD)
+        if bad != int(NO_BAD):
+            index = np.unravel_index(bad, x.shape)
+            value = rt.to_host(x.reshape(-1)[bad : bad + 1])[0]
+            raise ValueError(f"{where}: non-finite activation {value} at index {tuple(int(i) for i in index)}")
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# the products
+
+
+def _grid(rt, n_items: int, per_block: int, per_sm: int = 32) -> int:
+    # Warps take rows grid-stride; a few blocks per multiprocessor is enough to fill it (a block
+    # that first copies an IQ grid to shared memory should be reused: fewer per multiprocessor).
+    return max(1, min(-(-n_items // per_block), per_sm * rt.n_sm))
+
+
+def _warps(per_warp_smem: int, n_rows: int, n_sm: int, most: int = 8, fixed_smem: int = 0) -> int:
+    """Warps per block: as many as shared memory allows, fewer when the rows are too few to give
+    every multiprocessor two blocks (expert-shaped matrices)."""
+    w = most
+    while w > 1 and (fixed_smem + w * per_warp_smem > SMEM_LIMIT or -(-n_rows // w) < 2 * n_sm):
+        w //= 2
+    return w
+
+
+def _out(rt, out, shape: tuple[int, ...], where: str):
+    if out is None:
+        return rt.empty(shape, np.float32)
+    if not rt.is_array(out) or out.dtype != np.float32 or tuple(out.shape) != shape or not out.flags.c_contiguous:
+        raise ValueError(f"{where}: out must be a contiguous device f32 {list(shape)}, got {_describe(out)}")
+    return out
+
+
+def _quant(w: GpuWeight, q, d, s16, out) -> None:
+    """One launch for up to MAX_TOKENS tokens: q [T, n_in], d [T, nb], s16 [T, 2 nb], out [T, n_out]."""
+    rt, m = runtime(), _module(w.type.name)
+    n_tok, nb = q.shape[0], w.n_in // QA
+    scales = w.scales if w.scales is not None else w.rest  # IQ1_M: never read
+    args = (w.rest, scales, q, d, s16, out, np.int32(w.n_out), np.int32(nb))
+    # An IQ grid goes to shared memory only when every block has enough rows to repay the copy.
+    tab = m.tab if m.tab and w.n_out >= SHARED_TABLE_ROWS * 8 * rt.n_sm else 0
+    per_sm = 8 if tab else 32
+    if n_tok == 1 and nb <= 32 * KPLS[-1]:
+        kpl = next(k for k in KPLS if 32 * k >= nb)
+        per_warp = 2 * m.mv_buf[kpl - 1]  # two staging buffers: this step's rows and the next's
+        rows = m.mv_rows[kpl - 1]
+        nw = _warps(per_warp, -(-w.n_out // rows), rt.n_sm, fixed_smem=tab)
+        while rows > 1 and -(-w.n_out // (nw * rows)) < 2 * rt.n_sm:  # few rows: spread them out
+            rows -= 1
+        grid = _grid(rt, w.n_out, nw * rows, per_sm)
+        extra = (np.int32(rows), np.int32(tab > 0))
+        rt.launch(m.mod, f"mv<{w.type_id}, {kpl}>", grid, 32 * nw, args + extra, tab + nw * per_warp)
+    else:
+        per_warp = 2 * m.mm_buf + 4 * 32 * n_tok
+        nw = _warps(per_warp, w.n_out, rt.n_sm, most=4, fixed_smem=tab)
+        grid = _grid(rt, w.n_out, nw, per_sm)
+        extra = (np.int32(n_tok), np.int32(tab > 0))
+        rt.launch(m.mod, f"mm<{w.type_id}>", grid, 32 * nw, args + extra, tab + nw * per_warp)
+
+
+def _float(w: GpuWeight, x, out) -> None:
+    """x f32 [T, n_in] (T <= MAX_TOKENS), out [T, n_out]."""
+    rt, m = runtime(), _module(w.type.name)
+    kind, n_tok = _FLOAT_KIND[w.type.name], x.shape[0]
+    if n_tok == 1:
+        nw = _warps(0, w.n_out, rt.n_sm)
+        rt.launch(m.mod, f"fmv<{kind}>", _grid(rt, w.n_out, nw), 32 * nw, (w.values, x, out, np.int32(w.n_out), np.int32(w.n_in)))
+    else:
+        per_warp = 4 * 32 * n_tok
+        nw = _warps(per_warp, w.n_out, rt.n_sm, most=4)
+        args = (w.values, x, out, np.int32(w.n_out), np.int32(w.n_in), np.int32(n_tok))
+        rt.launch(m.mod, f"fmm<{kind}>", _grid(rt, w.n_out, nw), 32 * nw, args, nw * per_warp)
+
+
+def matmul(w: GpuWeight, act, out=None):
+    """Y[t] = W X[t] for T tokens -> device f32 [T, n_out].
+
+    act: GpuActQ [T, n_in] for block types (quantize_act_gpu); device f32 [T, n_in] for F32/F16/BF16."""
+    rt, t = runtime(), w.type
+    where = f"matmul {w.label}"
+    if t.quantized:
+        if not isinstance(act, GpuActQ) or act.q.ndim != 2 or act.n != w.n_in:
+            raise TypeError(f"{where}: activations must be a GpuActQ of shape [T, {w.n_in}], got {_describe(act)}")
+        if rt.ptr(act.q) % 16 or not all(a.flags.c_contiguous for a in (act.q, act.d, act.s16)):
+            raise ValueError(f"{where}: the GpuActQ planes must be contiguous, q 16-byte aligned (as empty_act makes them)")
+    elif isinstance(act, GpuActQ) or not rt.is_array(act) or act.dtype != np.float32 or act.ndim != 2 or act.shape[1] != w.n_in or not act.flags.c_contiguous:
+        raise TypeError(f"{where}: {t.name} weights take contiguous device f32 activations [T, {w.n_in}], got {_describe(act)}")
+    n_tok = act.q.shape[0] if t.quantized else act.shape[0]
+    out = _out(rt, out, (n_tok, w.n_out), where)
+    for a in range(0, n_tok, MAX_TOKENS):
+        b = min(n_tok, a + MAX_TOKENS)
+        if t.quantized:
+            _quant(w, act.q[a:b], act.d[a:b], act.s16[a:b], out[a:b])
+        else:
+            _float(w, act[a:b], out[a:b])
+    return out
+
+
+def matvec(w: GpuWeight, act, out=None):
+    """y = W x -> device f32 [n_out]; act: GpuActQ [n_in] (block types) or device f32 [n_in]."""
+    rt = runtime()
+    if isinstance(act, GpuActQ):
+        if act.q.ndim != 1:
+            raise TypeError(f"matvec {w.label}: activations must be a single vector, got {_describe(act)} (use matmul)")
+        act2 = GpuActQ(act.q.reshape(1, -1), act.d.reshape(1, -1), act.s16.reshape(1, -1), act.bad)
+    else:
+        if not rt.is_array(act) or act.ndim != 1:
+            raise TypeError(f"matvec {w.label}: activations must be a single device vector, got {_describe(act)} (use matmul)")
+        act2 = act.reshape(1, -1)
+    out2 = None if out is None else _out(rt, out, (w.n_out,), f"matvec {w.label}").reshape(1, -1)
+    return matmul(w, act2, out2)[0]
+
+
+def _describe(a) -> str:
+    if isinstance(a, GpuActQ):
+        return f"GpuActQ {list(a.q.shape)}"
+    if isinstance(a, ActQ):
+        return f"host ActQ {list(a.q.shape)} (quantize on the device: quantize_act_gpu)"
+    if a is None:
+        return "None"
+    return f"{type(a).__module__}.{type(a).__name__} {getattr(a, 'dtype', '')}{list(getattr(a, 'shape', []))}"

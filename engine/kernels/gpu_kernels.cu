@@ -1,0 +1,959 @@
+// Strata GPU kernels: W x from device-resident ENGINE FORM planes (engine_form.widen), for every
+// GGML block type, bit-identical to reference.dot_reference and the Numba kernels (cpu.py).
+// Loaded by gpu.py as a CuPy RawModule; the same source compiles on the host against
+// tests/gpu_emu.h (STRATA_EMU) so the tests check it without a GPU: no #include, only dynamic
+// shared memory, every warp-collective reached by all 32 lanes.
+//
+// The arithmetic (docs/kernels.md, reference.py): every 32-element act-block k of a row is
+//     w[16h + j] = wf * ws[h] * q[16h + j]  (+ wm * mn[h])        h = 0, 1;  j < 16
+// term c_k = (wf * ad) * f32(ws0 * lo + ws1 * hi)  [+ (wm * ad) * f32(mn0 * s0 + mn1 * s1)]
+//   lo, hi: exact int32 sums of q * xq over the two halves; ad, s0, s1: ActQ's d and s16.
+// Lane l of the row's warp adds c_l, c_{l+32}, ... in that order to +0.0f; then the fold
+// lane[l] += lane[l + w], w = 16, 8, 4, 2, 1 (__shfl_down_sync), and lane 0 has the result.
+// Integer sums fit int32 for every type (largest: Q6_K, |ws * 16 * 32 * 127| * 2 < 2^25).
+//
+// FLOATING POINT. CuPy appends -ftz=true to every compile (cupy/cuda/compiler.py), which makes
+// __fmul_rn and friends flush subnormals: ActQ of a subnormal block came out all zeros on an
+// H200. So every f32 operation of the specification is inline PTX without .ftz (mul.rn.f32,
+// add.rn.f32, div.rn.f32, cvt.rni): IEEE with subnormals, never contracted into an FMA, whatever
+// the flags. Float comparisons are avoided (an ftz compare sees a subnormal as zero).
+//
+// MEMORY. A warp stages its row's bytes (rest plane, then scale plane) in shared memory with
+// 16-byte cp.async copies of the aligned cover of the row, issued one row AHEAD: the next row's
+// bytes are in flight while this row is computed (one row at a time left the H200 idle: the
+// low-bit types ran at 16-40% of the read bandwidth). Lane l then decodes act-block l + 32 r.
+
+typedef unsigned char u8;
+typedef signed char i8;
+typedef unsigned short u16;
+typedef unsigned int u32;
+typedef int i32;
+typedef unsigned long long u64;
+typedef long long i64;
+
+#ifndef STRATA_SMEM
+#define STRATA_SMEM(name) extern __shared__ __align__(16) u8 name[]
+#endif
+// Vector accesses need their natural alignment on the device; the host emulation checks it here.
+#ifndef STRATA_ALIGNED
+#define STRATA_ALIGNED(p, n) (p)
+#endif
+
+#define FULL 0xffffffffu
+
+// ---------------------------------------------------------------------------------------------
+// f32 operations, IEEE with subnormals whatever -ftz says; async copies (the host emulation
+// provides the same operations as plain IEEE float arithmetic and memcpy)
+
+#ifndef STRATA_EMU
+__device__ __forceinline__ float f32_mul(float a, float b) {
+    float r;
+    asm("mul.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+    return r;
+}
+__device__ __forceinline__ float f32_add(float a, float b) {
+    float r;
+    asm("add.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+    return r;
+}
+__device__ __forceinline__ float f32_div(float a, float b) {
+    float r;
+    asm("div.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+    return r;
+}
+__device__ __forceinline__ int f32_rint(float a) {  // round half to even; saturates; NaN -> 0
+    int r;
+    asm("cvt.rni.s32.f32 %0, %1;" : "=r"(r) : "f"(a));
+    return r;
+}
+__device__ __forceinline__ float i32_f32(int a) {
+    float r;
+    asm("cvt.rn.f32.s32 %0, %1;" : "=f"(r) : "r"(a));
+    return r;
+}
+__device__ __forceinline__ float f16_f32(u32 h) {  // exact (an f16 subnormal is an f32 normal)
+    float r;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(r) : "h"((unsigned short)h));
+    return r;
+}
+// copy n (<= 16) bytes of src to dst and zero the rest of the 16: both 16-byte aligned
+__device__ __forceinline__ void cp_async16(void* dst, const void* src, u32 n) {
+    u64 d;
+    asm("cvta.to.shared.u64 %0, %1;" : "=l"(d) : "l"(dst));
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"((u32)d), "l"(src), "r"(n));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
+#endif
+
+// ---------------------------------------------------------------------------------------------
+// tables, filled by gpu.py from iq_tables.py (the one source) when the module is loaded
+
+__device__ u64 g_iq2xxs[256];
+__device__ u64 g_iq2xs[512];
+__device__ u64 g_iq2s[1024];
+__device__ u32 g_iq3xxs[256];
+__device__ u32 g_iq3s[512];
+__device__ u64 g_iq1s[2048];
+__constant__ u32 c_kv[4];  // kvalues_iq4nl, 16 int8 in 4 words (read uniformly: constant memory)
+
+// ---------------------------------------------------------------------------------------------
+// reads from a staged image: A = the alignment the address is known to have
+
+template <int A>
+__device__ __forceinline__ u32 rd32(const u8* p) {
+    if (A >= 4) return *reinterpret_cast<const u32*>(STRATA_ALIGNED(p, 4));
+    const u32* w = reinterpret_cast<const u32*>(STRATA_ALIGNED(p - ((size_t)p & 3), 4));
+    return __funnelshift_r(w[0], w[1], 8 * ((u32)(size_t)p & 3));
+}
+__device__ __forceinline__ u32 rd16(const u8* p) { return *reinterpret_cast<const u16*>(STRATA_ALIGNED(p, 2)); }
+template <int A>
+__device__ __forceinline__ uint2 rd64(const u8* p) {
+    if (A >= 8) return *reinterpret_cast<const uint2*>(STRATA_ALIGNED(p, 8));
+    return make_uint2(rd32<A>(p), rd32<A>(p + 4));
+}
+template <int A>
+__device__ __forceinline__ void rd128(const u8* p, u32* q) {  // 16 bytes -> q[0..3]
+    if (A >= 16) {
+        const uint4 v = *reinterpret_cast<const uint4*>(STRATA_ALIGNED(p, 16));
+        q[0] = v.x, q[1] = v.y, q[2] = v.z, q[3] = v.w;
+    } else if (A >= 4) {
+#pragma unroll
+        for (int i = 0; i < 4; i++) q[i] = rd32<4>(p + 4 * i);
+    } else {  // 2-byte aligned (IQ4_XS): five words and funnel shifts
+        const u32* w = reinterpret_cast<const u32*>(STRATA_ALIGNED(p - ((size_t)p & 3), 4));
+        const u32 sh = 8 * ((u32)(size_t)p & 3);
+#pragma unroll
+        for (int i = 0; i < 4; i++) q[i] = __funnelshift_r(w[i], w[i + 1], sh);
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// byte tricks (all carry-free: no byte of a word ever carries into its neighbour)
+
+// bits 0..3 of x -> bytes 0..3 holding 0 or 1 (the four shifted copies of x never overlap)
+__device__ __forceinline__ u32 spread4(u32 x) { return ((x & 15u) * 0x00204081u) & 0x01010101u; }
+
+// bytes of g negated where bits 0..3 of s are set. Grid bytes are in 1..127 (gpu.py checks), so
+// (g ^ 0xff) + 1 = -g never carries: no per-byte subtraction (__vsub4 is emulated on sm_90).
+__device__ __forceinline__ u32 apply_signs(u32 g, u32 s) {
+    const u32 b = spread4(s);
+    return (g ^ (b * 0xffu)) + b;
+}
+
+// ksigns_iq2xs[i] = i | parity(i) << 7 (gpu.py checks this against iq_tables at load)
+__device__ __forceinline__ u32 ksigns(u32 i) { return i | ((__popc(i) & 1u) << 7); }
+
+// four nibble values (one per byte) -> kvalues_iq4nl of each, as int8 bytes
+__device__ __forceinline__ u32 kv4(u32 x) {
+    const u32 l3 = x & 0x07070707u;
+    const u32 sel = (l3 & 0x7u) | ((l3 >> 4) & 0x70u) | ((l3 >> 8) & 0x700u) | ((l3 >> 12) & 0x7000u);
+    const u32 lo = __byte_perm(c_kv[0], c_kv[1], sel), hi = __byte_perm(c_kv[2], c_kv[3], sel);
+    const u32 m = ((x >> 3) & 0x01010101u) * 0xffu;
+    return (lo & ~m) | (hi & m);
+}
+
+// IQ1 grid word (bytes -1, 0, 1) -> bytes 8 g + 1, or 8 g - 1 when neg
+__device__ __forceinline__ u32 iq1_word(u32 g, bool neg) {
+    const u32 v = (g << 3) & 0xf8f8f8f8u;  // 8 g per byte: f8, 00, 08
+    if (!neg) return v + 0x01010101u;     // f9, 01, 09
+    const u32 zero = ((g | (g >> 1)) & 0x01010101u) ^ 0x01010101u;
+    return (v ^ 0x0f0f0f0fu) | (zero * 0xf0u);  // f7, ff, 07
+}
+
+// ---------------------------------------------------------------------------------------------
+// The integer form of one act-block (reference.IntForm): q[0..3] = elements 0..15, q[4..7] =
+// 16..31, four int8 per word in element order; for a type with an OFF, q holds the value + OFF
+// (unsigned fields) and the half sums subtract OFF * s16, which is exact.
+
+struct Blk {
+    u32 q[8];
+    int ws0, ws1, mn0, mn1;
+    float wf, wm;
+};
+
+__device__ __forceinline__ Blk blk_init(float wf) {
+    Blk b;
+    b.ws0 = b.ws1 = 1;
+    b.mn0 = b.mn1 = 0;
+    b.wf = wf;
+    b.wm = 0.0f;
+    return b;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Block types. Ty<id>: APB act-blocks per block, REST bytes per block in the rest plane, NS f32
+// scales per block in the scale plane, OFF (above), HAS_MIN, AL: the alignment of a block in the
+// staged image (the largest power of two up to 16 dividing REST); the IQ grid types also name
+// their grid (Tab, TAB_N entries, gtab()), which each thread block copies to shared memory: 32
+// lanes looking up 32 random grid entries through L1 cost one L1 pass per distinct line.
+// dec(B, j, S, tab): act-block j of the block whose rest bytes start at B; S its NS scales; tab
+// the shared copy of the grid. Offsets are rest offsets (the block without its fp16 fields).
+// Layouts: reference.py.
+
+struct NoTab {
+    typedef u32 Tab;
+    static constexpr int TAB_N = 0;
+    static __device__ __forceinline__ const Tab* gtab() { return nullptr; }
+};
+struct TabIQ2XXS {
+    typedef u64 Tab;
+    static constexpr int TAB_N = 256;
+    static __device__ __forceinline__ const Tab* gtab() { return g_iq2xxs; }
+};
+struct TabIQ2XS {
+    typedef u64 Tab;
+    static constexpr int TAB_N = 512;
+    static __device__ __forceinline__ const Tab* gtab() { return g_iq2xs; }
+};
+struct TabIQ2S {
+    typedef u64 Tab;
+    static constexpr int TAB_N = 1024;
+    static __device__ __forceinline__ const Tab* gtab() { return g_iq2s; }
+};
+struct TabIQ3XXS {
+    typedef u32 Tab;
+    static constexpr int TAB_N = 256;
+    static __device__ __forceinline__ const Tab* gtab() { return g_iq3xxs; }
+};
+struct TabIQ3S {
+    typedef u32 Tab;
+    static constexpr int TAB_N = 512;
+    static __device__ __forceinline__ const Tab* gtab() { return g_iq3s; }
+};
+struct TabIQ1S {
+    typedef u64 Tab;
+    static constexpr int TAB_N = 2048;
+    static __device__ __forceinline__ const Tab* gtab() { return g_iq1s; }
+};
+
+template <int T> struct Ty;
+
+template <> struct Ty<8> : NoTab {  // Q8_0  rest: qs i8 x32
+    static constexpr int APB = 1, REST = 32, NS = 1, OFF = 0, AL = 16;
+    static constexpr bool HAS_MIN = false;
+    static __device__ __forceinline__ Blk dec(const u8* B, int, const float* S, const Tab*) {
+        Blk b = blk_init(S[0]);
+        rd128<AL>(B, b.q);
+        rd128<AL>(B + 16, b.q + 4);
+        return b;
+    }
+};
+
+// 16 bytes -> 32 nibbles: element j < 16 low nibble of byte j, element 16 + j its high nibble
+template <int A>
+__device__ __forceinline__ void nibbles16(const u8* p, u32* q) {
+    rd128<A>(p, q);
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        q[4 + i] = (q[i] >> 4) & 0x0f0f0f0fu;
+        q[i] &= 0x0f0f0f0fu;
+    }
+}
+
+template <> struct Ty<2> : NoTab {  // Q4_0  rest: qs x16;  q = nibble - 8
+    static constexpr int APB = 1, REST = 16, NS = 1, OFF = 8, AL = 16;
+    static constexpr bool HAS_MIN = false;
+    static __device__ __forceinline__ Blk dec(const u8* B, int, const float* S, const Tab*) {
+        Blk b = blk_init(S[0]);
+        nibbles16<AL>(B, b.q);
+        return b;
+    }
+};
+
+template <> struct Ty<3> : NoTab {  // Q4_1  scales d, m;  rest: qs x16;  w = d * nibble + m
+    static constexpr int APB = 1, REST = 16, NS = 2, OFF = 0, AL = 16;
+    static constexpr bool HAS_MIN = true;
+    static __device__ __forceinline__ Blk dec(const u8* B, int, const float* S, const Tab*) {
+        Blk b = blk_init(S[0]);
+        nibbles16<AL>(B, b.q);
+        b.mn0 = b.mn1 = 1;
+        b.wm = S[1];
+        return b;
+    }
+};
+
+template <> struct Ty<20> : NoTab {  // IQ4_NL  rest: qs x16;  q = kvalues[nibble]
+    static constexpr int APB = 1, REST = 16, NS = 1, OFF = 0, AL = 16;
+    static constexpr bool HAS_MIN = false;
+    static __device__ __forceinline__ Blk dec(const u8* B, int, const float* S, const Tab*) {
+        Blk b = blk_init(S[0]);
+        nibbles16<AL>(B, b.q);
+#pragma unroll
+        for (int i = 0; i < 8; i++) b.q[i] = kv4(b.q[i]);
+        return b;
+    }
+};
+
+// Q5_0 / Q5_1  rest: | qh u32 | qs x16 @4 |;  5th bit of element j = bit j of qh
+template <int A>
+__device__ __forceinline__ void five_bits(const u8* B, u32* q) {
+    const u32 qh = rd32<A>(B);
+    nibbles16<A>(B + 4, q);
+#pragma unroll
+    for (int i = 0; i < 8; i++) q[i] |= spread4(qh >> (4 * i)) << 4;
+}
+
+template <> struct Ty<6> : NoTab {  // Q5_0  q = q5 - 16
+    static constexpr int APB = 1, REST = 20, NS = 1, OFF = 16, AL = 4;
+    static constexpr bool HAS_MIN = false;
+    static __device__ __forceinline__ Blk dec(const u8* B, int, const float* S, const Tab*) {
+        Blk b = blk_init(S[0]);
+        five_bits<AL>(B, b.q);
+        return b;
+    }
+};
+
+template <> struct Ty<7> : NoTab {  // Q5_1  w = d * q5 + m
+    static constexpr int APB = 1, REST = 20, NS = 2, OFF = 0, AL = 4;
+    static constexpr bool HAS_MIN = true;
+    static __device__ __forceinline__ Blk dec(const u8* B, int, const float* S, const Tab*) {
+        Blk b = blk_init(S[0]);
+        five_bits<AL>(B, b.q);
+        b.mn0 = b.mn1 = 1;
+        b.wm = S[1];
+        return b;
+    }
+};
+
+template <> struct Ty<42> : NoTab {  // Q2_0  rest: qs x16, element i = bits 2(i%4) of qs[i/4]; q = field - 1
+    static constexpr int APB = 2, REST = 16, NS = 1, OFF = 1, AL = 16;
+    static constexpr bool HAS_MIN = false;
+    static __device__ __forceinline__ Blk dec(const u8* B, int j, const float* S, const Tab*) {
+        Blk b = blk_init(S[0]);
+        const uint2 u = rd64<8>(B + 8 * j);
+#pragma unroll
+        for (int i = 0; i < 8; i++) {  // byte i: elements 4i .. 4i + 3
+            const u32 v = ((i < 4 ? u.x : u.y) >> (8 * (i & 3))) & 0xffu;
+            b.q[i] = (v | (v << 6) | (v << 12) | (v << 18)) & 0x03030303u;
+        }
+        return b;
+    }
+};
+
+// K types: 256-element blocks, act-block j = elements 32j .. 32j + 31.
+
+template <> struct Ty<10> : NoTab {  // Q2_K  scales d, dmin;  rest: | scales x16 | qs x64 @16 |
+    static constexpr int APB = 8, REST = 80, NS = 2, OFF = 0, AL = 16;
+    static constexpr bool HAS_MIN = true;
+    static __device__ __forceinline__ Blk dec(const u8* B, int j, const float* S, const Tab*) {
+        Blk b = blk_init(S[0]);
+        const int n = j >> 2, m = j & 3;  // q = (qs[32n + l] >> 2m) & 3
+        rd128<AL>(B + 16 + 32 * n, b.q);
+        rd128<AL>(B + 32 + 32 * n, b.q + 4);
+#pragma unroll
+        for (int i = 0; i < 8; i++) b.q[i] = (b.q[i] >> (2 * m)) & 0x03030303u;
+        const u32 sa = B[2 * j], sb = B[2 * j + 1];  // sub-blocks 2j, 2j+1: scale | min << 4
+        b.ws0 = sa & 15u;
+        b.ws1 = sb & 15u;
+        b.mn0 = sa >> 4;
+        b.mn1 = sb >> 4;
+        b.wm = -S[1];
+        return b;
+    }
+};
+
+template <> struct Ty<11> : NoTab {  // Q3_K  scale d;  rest: | hmask x32 | qs x64 @32 | scales x12 @96 |
+    static constexpr int APB = 8, REST = 108, NS = 1, OFF = 4, AL = 4;
+    static constexpr bool HAS_MIN = false;
+    static __device__ __forceinline__ int scale6(const u8* B, int s) {
+        const u32 lo = (B[96 + (s & 7)] >> (4 * (s >> 3))) & 15u;
+        const u32 hi = (B[104 + (s & 3)] >> (2 * (s >> 2))) & 3u;
+        return (int)(lo | (hi << 4)) - 32;
+    }
+    static __device__ __forceinline__ Blk dec(const u8* B, int j, const float* S, const Tab*) {
+        Blk b = blk_init(S[0]);
+        const int n = j >> 2, m = j & 3;  // q = ((qs[32n + l] >> 2m) & 3 | hmask bit j of byte l << 2) - 4
+        u32 h[8];
+        rd128<AL>(B, h);
+        rd128<AL>(B + 16, h + 4);
+        rd128<AL>(B + 32 + 32 * n, b.q);
+        rd128<AL>(B + 48 + 32 * n, b.q + 4);
+#pragma unroll
+        for (int i = 0; i < 8; i++) b.q[i] = ((b.q[i] >> (2 * m)) & 0x03030303u) | (((h[i] >> j) & 0x01010101u) << 2);
+        b.ws0 = scale6(B, 2 * j);
+        b.ws1 = scale6(B, 2 * j + 1);
+        return b;
+    }
+};
+
+// Q4_K / Q5_K 6-bit scale and min of sub-block j; K = the 12 scale bytes
+__device__ __forceinline__ void k4_scale_min(const u8* K, int j, int& sc, int& mn) {
+    if (j < 4) {
+        sc = K[j] & 63;
+        mn = K[j + 4] & 63;
+    } else {
+        sc = (K[j + 4] & 15) | ((K[j - 4] >> 6) << 4);
+        mn = (K[j + 4] >> 4) | ((K[j] >> 6) << 4);
+    }
+}
+
+template <> struct Ty<12> : NoTab {  // Q4_K  scales d, dmin;  rest: | scales x12 | qs x128 @12 |
+    static constexpr int APB = 8, REST = 140, NS = 2, OFF = 0, AL = 4;
+    static constexpr bool HAS_MIN = true;
+    static __device__ __forceinline__ Blk dec(const u8* B, int j, const float* S, const Tab*) {
+        Blk b = blk_init(S[0]);
+        const int p = 12 + 32 * (j >> 1), sh = 4 * (j & 1);  // nibble j & 1 of qs[32 (j >> 1) + l]
+        rd128<AL>(B + p, b.q);
+        rd128<AL>(B + p + 16, b.q + 4);
+#pragma unroll
+        for (int i = 0; i < 8; i++) b.q[i] = (b.q[i] >> sh) & 0x0f0f0f0fu;
+        int sc, mn;
+        k4_scale_min(B, j, sc, mn);
+        b.ws0 = b.ws1 = sc;
+        b.mn0 = b.mn1 = mn;
+        b.wm = -S[1];
+        return b;
+    }
+};
+
+template <> struct Ty<13> : NoTab {  // Q5_K  rest: | scales x12 | qh x32 @12 | qs x128 @44 |
+    static constexpr int APB = 8, REST = 172, NS = 2, OFF = 0, AL = 4;
+    static constexpr bool HAS_MIN = true;
+    static __device__ __forceinline__ Blk dec(const u8* B, int j, const float* S, const Tab*) {
+        Blk b = blk_init(S[0]);
+        const int p = 44 + 32 * (j >> 1), sh = 4 * (j & 1);  // 5th bit: bit j of qh[l]
+        u32 h[8];
+        rd128<AL>(B + 12, h);
+        rd128<AL>(B + 28, h + 4);
+        rd128<AL>(B + p, b.q);
+        rd128<AL>(B + p + 16, b.q + 4);
+#pragma unroll
+        for (int i = 0; i < 8; i++) b.q[i] = ((b.q[i] >> sh) & 0x0f0f0f0fu) | (((h[i] >> j) & 0x01010101u) << 4);
+        int sc, mn;
+        k4_scale_min(B, j, sc, mn);
+        b.ws0 = b.ws1 = sc;
+        b.mn0 = b.mn1 = mn;
+        b.wm = -S[1];
+        return b;
+    }
+};
+
+template <> struct Ty<14> : NoTab {  // Q6_K  scale d;  rest: | ql x128 | qh x64 @128 | scales i8 x16 @192 |
+    static constexpr int APB = 8, REST = 208, NS = 1, OFF = 32, AL = 16;
+    static constexpr bool HAS_MIN = false;
+    static __device__ __forceinline__ Blk dec(const u8* B, int j, const float* S, const Tab*) {
+        Blk b = blk_init(S[0]);
+        const int n = j >> 2, m = j & 3;  // low: nibble m/2 of ql[64n + 32(m%2) + l]; high: bits 2m of qh[32n + l]
+        const int pl = 64 * n + 32 * (m & 1), ph = 128 + 32 * n, sl = 4 * (m >> 1);
+        u32 h[8];
+        rd128<AL>(B + pl, b.q);
+        rd128<AL>(B + pl + 16, b.q + 4);
+        rd128<AL>(B + ph, h);
+        rd128<AL>(B + ph + 16, h + 4);
+#pragma unroll
+        for (int i = 0; i < 8; i++) b.q[i] = ((b.q[i] >> sl) & 0x0f0f0f0fu) | (((h[i] >> (2 * m)) & 0x03030303u) << 4);
+        b.ws0 = (int)(i8)B[192 + 2 * j];
+        b.ws1 = (int)(i8)B[193 + 2 * j];
+        return b;
+    }
+};
+
+// IQ types: wf = d times the power of two the grid scale carries (exact), ws = 2 ls + 1.
+
+template <> struct Ty<16> : TabIQ2XXS {  // IQ2_XXS  rest: 8 x (u32 4 grid indices, u32 4 x 7-bit signs | ls << 28)
+    static constexpr int APB = 8, REST = 64, NS = 1, OFF = 0, AL = 16;
+    static constexpr bool HAS_MIN = false;
+    static __device__ __forceinline__ Blk dec(const u8* B, int j, const float* S, const Tab* tab) {
+        Blk b = blk_init(f32_mul(S[0], 0.125f));
+        const uint2 u = rd64<8>(B + 8 * j);
+#pragma unroll
+        for (int g = 0; g < 4; g++) {
+            const u64 gv = tab[(u.x >> (8 * g)) & 255u];
+            const u32 s = ksigns((u.y >> (7 * g)) & 127u);
+            b.q[2 * g] = apply_signs((u32)gv, s);
+            b.q[2 * g + 1] = apply_signs((u32)(gv >> 32), s >> 4);
+        }
+        b.ws0 = b.ws1 = 2 * (int)(u.y >> 28) + 1;
+        return b;
+    }
+};
+
+template <> struct Ty<17> : TabIQ2XS {  // IQ2_XS  rest: | u16 x32 (9-bit grid index | 7-bit signs << 9) | scales x8 @64 |
+    static constexpr int APB = 8, REST = 72, NS = 1, OFF = 0, AL = 8;
+    static constexpr bool HAS_MIN = false;
+    static __device__ __forceinline__ Blk dec(const u8* B, int j, const float* S, const Tab* tab) {
+        Blk b = blk_init(f32_mul(S[0], 0.125f));
+        const uint2 u = rd64<AL>(B + 8 * j);
+#pragma unroll
+        for (int g = 0; g < 4; g++) {
+            const u32 w = ((g < 2 ? u.x : u.y) >> (16 * (g & 1))) & 0xffffu;
+            const u64 gv = tab[w & 511u];
+            const u32 s = ksigns(w >> 9);
+            b.q[2 * g] = apply_signs((u32)gv, s);
+            b.q[2 * g + 1] = apply_signs((u32)(gv >> 32), s >> 4);
+        }
+        const u32 sc = B[64 + j];  // nibble h serves half h
+        b.ws0 = 2 * (int)(sc & 15u) + 1;
+        b.ws1 = 2 * (int)(sc >> 4) + 1;
+        return b;
+    }
+};
+
+template <> struct Ty<22> : TabIQ2S {  // IQ2_S  rest: | qs x32 | signs x32 @32 | qh x8 @64 | scales x8 @72 |
+    static constexpr int APB = 8, REST = 80, NS = 1, OFF = 0, AL = 16;
+    static constexpr bool HAS_MIN = false;
+    static __device__ __forceinline__ Blk dec(const u8* B, int j, const float* S, const Tab* tab) {
+        Blk b = blk_init(f32_mul(S[0], 0.125f));
+        const u32 qs = rd32<4>(B + 4 * j), sg = rd32<4>(B + 32 + 4 * j), qh = B[64 + j];
+#pragma unroll
+        for (int g = 0; g < 4; g++) {  // group g: index qs byte g | 2 bits of qh << 8, sign byte g
+            const u64 gv = tab[((qs >> (8 * g)) & 255u) | (((qh >> (2 * g)) & 3u) << 8)];
+            const u32 s = (sg >> (8 * g)) & 255u;
+            b.q[2 * g] = apply_signs((u32)gv, s);
+            b.q[2 * g + 1] = apply_signs((u32)(gv >> 32), s >> 4);
+        }
+        const u32 sc = B[72 + j];
+        b.ws0 = 2 * (int)(sc & 15u) + 1;
+        b.ws1 = 2 * (int)(sc >> 4) + 1;
+        return b;
+    }
+};
+
+template <> struct Ty<18> : TabIQ3XXS {  // IQ3_XXS  rest: | qs x64 (grid indices) | u32 x8 @64 (4 x 7-bit signs | ls << 28) |
+    static constexpr int APB = 8, REST = 96, NS = 1, OFF = 0, AL = 16;
+    static constexpr bool HAS_MIN = false;
+    static __device__ __forceinline__ Blk dec(const u8* B, int j, const float* S, const Tab* tab) {
+        Blk b = blk_init(f32_mul(S[0], 0.25f));
+        const uint2 u = rd64<8>(B + 8 * j);
+        const u32 aux = rd32<4>(B + 64 + 4 * j);
+#pragma unroll
+        for (int g = 0; g < 4; g++) {  // group g: grid entries of index bytes 2g, 2g + 1
+            const u32 w = g < 2 ? u.x : u.y;
+            const u32 s = ksigns((aux >> (7 * g)) & 127u);
+            b.q[2 * g] = apply_signs(tab[(w >> (16 * (g & 1))) & 255u], s);
+            b.q[2 * g + 1] = apply_signs(tab[(w >> (16 * (g & 1) + 8)) & 255u], s >> 4);
+        }
+        b.ws0 = b.ws1 = 2 * (int)(aux >> 28) + 1;
+        return b;
+    }
+};
+
+template <> struct Ty<21> : TabIQ3S {  // IQ3_S  rest: | qs x64 | qh x8 @64 | signs x32 @72 | scales x4 @104 |
+    static constexpr int APB = 8, REST = 108, NS = 1, OFF = 0, AL = 4;
+    static constexpr bool HAS_MIN = false;
+    static __device__ __forceinline__ Blk dec(const u8* B, int j, const float* S, const Tab* tab) {
+        Blk b = blk_init(S[0]);
+        const uint2 u = rd64<AL>(B + 8 * j);
+        const u32 qh = B[64 + j], sg = rd32<AL>(B + 72 + 4 * j);
+#pragma unroll
+        for (int m = 0; m < 8; m++) {  // value m: index byte m | bit m of qh << 8; sign bits 4m..4m+3
+            const u32 idx = (((m < 4 ? u.x : u.y) >> (8 * (m & 3))) & 255u) | (((qh >> m) & 1u) << 8);
+            b.q[m] = apply_signs(tab[idx], (sg >> (4 * m)) & 15u);
+        }
+        const u32 s = (B[104 + (j >> 1)] >> (4 * (j & 1))) & 15u;
+        b.ws0 = b.ws1 = 2 * (int)s + 1;
+        return b;
+    }
+};
+
+template <> struct Ty<19> : TabIQ1S {  // IQ1_S  rest: | qs x32 | qh u16 x8 @32 |
+    static constexpr int APB = 8, REST = 48, NS = 1, OFF = 0, AL = 16;
+    static constexpr bool HAS_MIN = false;
+    static __device__ __forceinline__ Blk dec(const u8* B, int j, const float* S, const Tab* tab) {
+        Blk b = blk_init(f32_mul(S[0], 0.125f));
+        const u32 qs = rd32<4>(B + 4 * j), h = rd16(B + 32 + 2 * j);
+        const bool neg = (h & 0x8000u) != 0;  // delta -1/8 or +1/8: times 8, -1 or +1
+#pragma unroll
+        for (int l = 0; l < 4; l++) {
+            const u64 gv = tab[((qs >> (8 * l)) & 255u) | (((h >> (3 * l)) & 7u) << 8)];
+            b.q[2 * l] = iq1_word((u32)gv, neg);
+            b.q[2 * l + 1] = iq1_word((u32)(gv >> 32), neg);
+        }
+        b.ws0 = b.ws1 = 2 * (int)((h >> 12) & 7u) + 1;
+        return b;
+    }
+};
+
+template <> struct Ty<29> : TabIQ1S {  // IQ1_M  no scale plane;  rest: | qs x32 | qh x16 @32 | scales u16 x4 @48 |
+    static constexpr int APB = 8, REST = 56, NS = 0, OFF = 0, AL = 8;
+    static constexpr bool HAS_MIN = false;
+    static __device__ __forceinline__ Blk dec(const u8* B, int j, const float*, const Tab* tab) {
+        const uint2 u = rd64<AL>(B + 48);
+        const u64 sw = (u64)u.x | ((u64)u.y << 32);  // the fp16 d is the top nibble of each word
+        const u32 dbits = (u32)(((sw >> 12) & 0xfu) | ((sw >> 24) & 0xf0u) | ((sw >> 36) & 0xf00u) | ((sw >> 48) & 0xf000u));
+        Blk b = blk_init(f32_mul(f16_f32(dbits), 0.125f));
+        const u32 qs = rd32<4>(B + 4 * j), qh = rd16(B + 32 + 2 * j);
+#pragma unroll
+        for (int l = 0; l < 4; l++) {  // group l: nibble l of qh = 3 index bits | delta sign << 3
+            const u32 nib = (qh >> (4 * l)) & 15u;
+            const u64 gv = tab[((qs >> (8 * l)) & 255u) | ((nib & 7u) << 8)];
+            b.q[2 * l] = iq1_word((u32)gv, nib & 8u);
+            b.q[2 * l + 1] = iq1_word((u32)(gv >> 32), nib & 8u);
+        }
+        const int sh = 16 * (j >> 1) + 6 * (j & 1);  // 3-bit scales of the two halves
+        b.ws0 = 2 * (int)((sw >> sh) & 7u) + 1;
+        b.ws1 = 2 * (int)((sw >> (sh + 3)) & 7u) + 1;
+        return b;
+    }
+};
+
+template <> struct Ty<23> : NoTab {  // IQ4_XS  rest: | scales_h u16 | scales_l x4 @2 | qs x128 @6 |
+    static constexpr int APB = 8, REST = 134, NS = 1, OFF = 0, AL = 2;
+    static constexpr bool HAS_MIN = false;
+    static __device__ __forceinline__ Blk dec(const u8* B, int j, const float* S, const Tab*) {
+        Blk b = blk_init(S[0]);
+        nibbles16<AL>(B + 6 + 16 * j, b.q);
+#pragma unroll
+        for (int i = 0; i < 8; i++) b.q[i] = kv4(b.q[i]);
+        const u32 ls = ((B[2 + (j >> 1)] >> (4 * (j & 1))) & 15u) | (((rd16(B) >> (2 * j)) & 3u) << 4);
+        b.ws0 = b.ws1 = (int)ls - 32;
+        return b;
+    }
+};
+
+// ---------------------------------------------------------------------------------------------
+// the specified f32 arithmetic
+
+template <int T>
+__device__ __forceinline__ float term(const Blk& b, const u32* x, float ad, int xs0, int xs1) {
+    typedef Ty<T> L;
+    int lo = 0, hi = 0;
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        lo = __dp4a((int)b.q[i], (int)x[i], lo);
+        hi = __dp4a((int)b.q[4 + i], (int)x[4 + i], hi);
+    }
+    if (L::OFF) {
+        lo -= L::OFF * xs0;
+        hi -= L::OFF * xs1;
+    }
+    float c = f32_mul(f32_mul(b.wf, ad), i32_f32(b.ws0 * lo + b.ws1 * hi));
+    if (L::HAS_MIN) c = f32_add(c, f32_mul(f32_mul(b.wm, ad), i32_f32(b.mn0 * xs0 + b.mn1 * xs1)));
+    return c;
+}
+
+// lane[l] += lane[l + w], w = 16, 8, 4, 2, 1; lane 0 holds reference.fold_lanes' result
+__device__ __forceinline__ float fold(float v) {
+#pragma unroll
+    for (int w = 16; w; w >>= 1) v = f32_add(v, __shfl_down_sync(FULL, v, w));
+    return v;
+}
+
+__device__ __forceinline__ void load_act(const i8* __restrict__ xq, i64 at, u32* x) {
+    const uint4* p = reinterpret_cast<const uint4*>(STRATA_ALIGNED(xq + at, 16));
+    const uint4 a = __ldg(p), b = __ldg(p + 1);
+    x[0] = a.x, x[1] = a.y, x[2] = a.z, x[3] = a.w;
+    x[4] = b.x, x[5] = b.y, x[6] = b.z, x[7] = b.w;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Staging. The warp copies bytes [start, start + n) of a plane of `total` bytes into dst as
+// their 16-byte aligned cover (dst[i] = plane[start - start % 16 + i]); returns start % 16.
+// The last vector of the plane copies only what exists (cp.async's source size) and zero-fills.
+
+__device__ __forceinline__ int stage(u8* dst, const u8* __restrict__ plane, i64 start, i64 n, i64 total, int lane) {
+    const i64 a0 = start & ~(i64)15;
+    const int nv = (int)((start + n - a0 + 15) >> 4);
+    for (int i = lane; i < nv; i += 32) {
+        const i64 at = a0 + 16 * (i64)i;
+        const i64 left = total - at;
+        cp_async16(STRATA_ALIGNED(dst + 16 * i, 16), STRATA_ALIGNED(plane + at, 16), (u32)(left < 16 ? left : 16));
+    }
+    return (int)(start - a0);
+}
+
+// Bytes of one staging buffer: a rest image of up to `blocks` blocks and its scale image.
+template <int T>
+struct Buf {
+    typedef Ty<T> L;
+    static __host__ __device__ constexpr int rest(int blocks) { return (blocks * L::REST + 15) / 16 * 16 + 16; }
+    static __host__ __device__ constexpr int scales(int blocks) { return L::NS ? (blocks * L::NS * 4 + 15) / 16 * 16 + 16 : 0; }
+    static __host__ __device__ constexpr int bytes(int blocks) { return rest(blocks) + scales(blocks); }
+    static __host__ __device__ constexpr int tab() { return (L::TAB_N * (int)sizeof(typename L::Tab) + 15) / 16 * 16; }
+};
+
+// The type's grid: the block's copy at the start of shared memory when `shared` (the launch
+// says so when each block has many rows to amortise the copy over; on an expert-shaped matrix
+// the copy cost more than it saved), else the global table.
+template <int T>
+__device__ __forceinline__ const typename Ty<T>::Tab* load_tab(u8* smem, int shared) {
+    typedef Ty<T> L;
+    if (!L::TAB_N || !shared) return L::gtab();
+    typename L::Tab* tab = reinterpret_cast<typename L::Tab*>(smem);
+    for (int i = threadIdx.x; i < L::TAB_N; i += blockDim.x) tab[i] = __ldg(L::gtab() + i);
+    __syncthreads();
+    return tab;
+}
+
+// Rows of the longest row matvec<KPL> takes that one warp step handles: up to 4 rows of 4 KiB
+// of blocks in all, so that short rows (IQ1_S: 480 bytes at 2560 elements) do not leave the
+// warp's fixed per-row costs (wait, fold) exposed.
+template <int T, int KPL>
+struct MvRows {
+    static constexpr int BLOCKS = (32 * KPL + Ty<T>::APB - 1) / Ty<T>::APB;  // of one row
+    static constexpr int N = 4096 / (BLOCKS * Ty<T>::REST) < 1 ? 1 : (4096 / (BLOCKS * Ty<T>::REST) > 4 ? 4 : 4096 / (BLOCKS * Ty<T>::REST));
+};
+
+// ---------------------------------------------------------------------------------------------
+// Matrix-vector: a warp takes `nrows` (<= MvRows::N) consecutive rows per step, steps grid-stride,
+// and stages the next step's rows while it computes this step's (two buffers per warp). Lane l
+// keeps the activation of its act-blocks l + 32 r (r < KPL) in registers for every row: read
+// once per warp, not once per row.
+//   rest u8 [n_out * nblk * REST]; scales f32 [n_out * nblk * NS]; xq i8 [nb * 32];
+//   xd f32 [nb]; xs i32 [2 nb]; out f32 [n_out];  nblk = nb / APB <= 32 KPL / APB
+
+template <int T, int KPL>
+__global__ void __launch_bounds__(256) mv(const u8* __restrict__ rest, const float* __restrict__ scales,
+                                          const i8* __restrict__ xq, const float* __restrict__ xd,
+                                          const i32* __restrict__ xs, float* __restrict__ out, int n_out, int nb,
+                                          int nrows, int shared_tab) {
+    typedef Ty<T> L;
+    typedef Buf<T> F;
+    constexpr int RM = MvRows<T, KPL>::N, BLOCKS = RM * MvRows<T, KPL>::BLOCKS;
+    constexpr bool S16 = L::HAS_MIN || L::OFF != 0;
+    STRATA_SMEM(smem);
+    const typename L::Tab* tab = load_tab<T>(smem, shared_tab);
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    u8* bufs = smem + (shared_tab ? F::tab() : 0) + warp * 2 * F::bytes(BLOCKS);
+    const int nblk = nb / L::APB;
+    const i64 row_rest = (i64)nblk * L::REST, row_sc = (i64)nblk * L::NS * 4;
+    const u8* sc_plane = reinterpret_cast<const u8*>(scales);
+
+    u32 x[KPL][8];
+    float ad[KPL];
+    int xs0[KPL], xs1[KPL];
+#pragma unroll
+    for (int r = 0; r < KPL; r++) {
+        const int k = lane + 32 * r;
+        ad[r] = 0.0f;
+        xs0[r] = xs1[r] = 0;
+        if (k < nb) {
+            load_act(xq, 32 * (i64)k, x[r]);
+            ad[r] = __ldg(xd + k);
+            if (S16) {
+                xs0[r] = __ldg(xs + 2 * k);
+                xs1[r] = __ldg(xs + 2 * k + 1);
+            }
+        }
+    }
+    auto issue = [&](u8* buf, i64 o) {  // rows o .. o + nrows - 1 (those that exist)
+        const i64 n = min((i64)nrows, n_out - o);
+        stage(buf, rest, o * row_rest, n * row_rest, n_out * row_rest, lane);
+        if (L::NS) stage(buf + F::rest(BLOCKS), sc_plane, o * row_sc, n * row_sc, n_out * row_sc, lane);
+    };
+    const i64 step = (i64)gridDim.x * nw * nrows;
+    i64 o = ((i64)blockIdx.x * nw + warp) * nrows;
+    if (o < n_out) issue(bufs, o);
+    cp_async_commit();
+    for (int cur = 0; o < n_out; o += step, cur ^= 1) {
+        if (o + step < n_out) issue(bufs + (cur ^ 1) * F::bytes(BLOCKS), o + step);
+        cp_async_commit();
+        cp_async_wait<1>();  // this step's copies (the group before the one just issued) are done
+        __syncwarp();
+        const u8* R = bufs + cur * F::bytes(BLOCKS);
+        const u8* Rb = R + ((o * row_rest) & 15);
+        const float* Sb = reinterpret_cast<const float*>(R + F::rest(BLOCKS) + ((o * row_sc) & 15));
+#pragma unroll
+        for (int i = 0; i < RM; i++) {
+            if (i < nrows && o + i < n_out) {  // the same for every lane of the warp
+                float acc = 0.0f;
+#pragma unroll
+                for (int r = 0; r < KPL; r++) {
+                    const int k = lane + 32 * r;
+                    if (k < nb) {
+                        const int blk = i * nblk + k / L::APB;
+                        const Blk b = L::dec(Rb + blk * L::REST, k % L::APB, Sb + blk * L::NS, tab);
+                        acc = f32_add(acc, term<T>(b, x[r], ad[r], xs0[r], xs1[r]));
+                    }
+                }
+                acc = fold(acc);
+                if (lane == 0) out[o + i] = acc;
+            }
+        }
+        __syncwarp();  // every lane is done with this buffer before the next step refills it
+    }
+    cp_async_wait<0>();
+}
+
+// ---------------------------------------------------------------------------------------------
+// Small-batch matrix: T tokens in one pass over the weight. One warp per row (grid-stride); the
+// row is taken MM_ROUNDS x 32 act-blocks (a chunk) at a time, the next chunk (of this row or the
+// next) staged while this one is computed. Each act-block is decoded once and applied to every
+// token; lane l's running sums of the T tokens live in shared memory (acc[t][l]).
+//   xq i8 [T, nb * 32]; xd f32 [T, nb]; xs i32 [T, 2 nb]; out f32 [T, n_out]
+
+#define MM_ROUNDS 2
+
+template <int T>
+__global__ void __launch_bounds__(256) mm(const u8* __restrict__ rest, const float* __restrict__ scales,
+                                          const i8* __restrict__ xq, const float* __restrict__ xd,
+                                          const i32* __restrict__ xs, float* __restrict__ out, int n_out, int nb,
+                                          int ntok, int shared_tab) {
+    typedef Ty<T> L;
+    typedef Buf<T> F;
+    constexpr int CA = 32 * MM_ROUNDS, BLOCKS = CA / L::APB;  // act-blocks and blocks per chunk
+    constexpr bool S16 = L::HAS_MIN || L::OFF != 0;
+    STRATA_SMEM(smem);
+    const typename L::Tab* tab = load_tab<T>(smem, shared_tab);
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    u8* const base = smem + (shared_tab ? F::tab() : 0);
+    u8* bufs = base + warp * 2 * F::bytes(BLOCKS);
+    float* acc = reinterpret_cast<float*>(base + nw * 2 * F::bytes(BLOCKS)) + warp * ntok * 32 + lane;
+    const int nblk = nb / L::APB, nchunk = (nb + CA - 1) / CA;
+    const i64 n_in = 32 * (i64)nb, all_rest = (i64)n_out * nblk * L::REST, all_sc = (i64)n_out * nblk * L::NS * 4;
+    const u8* sc_plane = reinterpret_cast<const u8*>(scales);
+    const i64 step = (i64)gridDim.x * nw;
+
+    // work item = (row o, chunk c); the chunk's first block b0 and block count
+    auto issue = [&](u8* buf, i64 o, int c) {
+        const int b0 = c * BLOCKS, n = min(BLOCKS, nblk - b0);
+        stage(buf, rest, (o * nblk + b0) * L::REST, (i64)n * L::REST, all_rest, lane);
+        if (L::NS) stage(buf + F::rest(BLOCKS), sc_plane, (o * nblk + b0) * L::NS * 4, (i64)n * L::NS * 4, all_sc, lane);
+    };
+    i64 o = (i64)blockIdx.x * nw + warp;
+    int c = 0;
+    if (o < n_out) issue(bufs, o, 0);
+    cp_async_commit();
+    for (int cur = 0; o < n_out; cur ^= 1) {
+        const bool last = c + 1 == nchunk;
+        const i64 on = last ? o + step : o;
+        const int cn = last ? 0 : c + 1;
+        if (on < n_out) issue(bufs + (cur ^ 1) * F::bytes(BLOCKS), on, cn);
+        cp_async_commit();
+        cp_async_wait<1>();
+        __syncwarp();
+        if (c == 0)
+            for (int t = 0; t < ntok; t++) acc[32 * t] = 0.0f;
+        const u8* R = bufs + cur * F::bytes(BLOCKS);
+        const i64 first = o * nblk + c * BLOCKS;
+        const u8* Rb = R + ((first * L::REST) & 15);
+        const float* Sb = reinterpret_cast<const float*>(R + F::rest(BLOCKS) + ((first * L::NS * 4) & 15));
+#pragma unroll
+        for (int r = 0; r < MM_ROUNDS; r++) {
+            const int k = c * CA + lane + 32 * r;
+            if (k < nb) {
+                const int blk = k / L::APB - c * BLOCKS;
+                const Blk b = L::dec(Rb + blk * L::REST, k % L::APB, Sb + blk * L::NS, tab);
+                for (int t = 0; t < ntok; t++) {
+                    u32 x[8];
+                    load_act(xq, t * n_in + 32 * (i64)k, x);
+                    int xs0 = 0, xs1 = 0;
+                    if (S16) {
+                        xs0 = __ldg(xs + 2 * (t * (i64)nb + k));
+                        xs1 = __ldg(xs + 2 * (t * (i64)nb + k) + 1);
+                    }
+                    acc[32 * t] = f32_add(acc[32 * t], term<T>(b, x, __ldg(xd + t * (i64)nb + k), xs0, xs1));
+                }
+            }
+        }
+        if (last)
+            for (int t = 0; t < ntok; t++) {
+                const float v = fold(acc[32 * t]);
+                if (lane == 0) out[t * (i64)n_out + o] = v;
+            }
+        __syncwarp();
+        o = on;
+        c = cn;
+    }
+    cp_async_wait<0>();
+}
+
+// What gpu.py checks against index_format.ggml_types (the one table) and sizes launches by:
+// [APB, REST, NS, HAS_MIN, table bytes, mm buffer bytes, then for KPL = 1 .. 8: rows per mv
+// step, mv buffer bytes].
+template <int KPL, int T>
+__device__ void mv_traits(int* out) {
+    out[4 + 2 * KPL] = MvRows<T, KPL>::N;
+    out[5 + 2 * KPL] = Buf<T>::bytes(MvRows<T, KPL>::N * MvRows<T, KPL>::BLOCKS);
+}
+
+template <int T>
+__global__ void traits(int* out) {
+    typedef Ty<T> L;
+    if (threadIdx.x == 0) {
+        out[0] = L::APB;
+        out[1] = L::REST;
+        out[2] = L::NS;
+        out[3] = L::HAS_MIN;
+        out[4] = Buf<T>::tab();
+        out[5] = Buf<T>::bytes(32 * MM_ROUNDS / L::APB);
+        mv_traits<1, T>(out);
+        mv_traits<2, T>(out);
+        mv_traits<3, T>(out);
+        mv_traits<4, T>(out);
+        mv_traits<5, T>(out);
+        mv_traits<6, T>(out);
+        mv_traits<7, T>(out);
+        mv_traits<8, T>(out);
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// F32 / F16 / BF16 weights against f32 activations: lane j adds w * x of elements j, j + 32, ...
+// (each product rounded to f32) in element order to +0.0f, then the same fold.
+//   w [n_out * n_in] (f32, or 16-bit halves / bfloat16 bits); x f32 [T, n_in]; out f32 [T, n_out]
+
+template <int WT>
+__device__ __forceinline__ float load_w(const void* w, i64 i) {
+    if (WT == 0) return __ldg(reinterpret_cast<const float*>(w) + i);
+    const u32 h = __ldg(reinterpret_cast<const u16*>(w) + i);
+    return WT == 1 ? f16_f32(h) : __uint_as_float(h << 16);
+}
+
+template <int WT>
+__global__ void __launch_bounds__(256) fmv(const void* __restrict__ w, const float* __restrict__ x,
+                                           float* __restrict__ out, int n_out, int n_in) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    for (i64 o = (i64)blockIdx.x * nw + warp; o < n_out; o += (i64)gridDim.x * nw) {
+        const i64 base = o * n_in;
+        float acc = 0.0f;
+#pragma unroll 4
+        for (int k = lane; k < n_in; k += 32) acc = f32_add(acc, f32_mul(load_w<WT>(w, base + k), __ldg(x + k)));
+        acc = fold(acc);
+        if (lane == 0) out[o] = acc;
+    }
+}
+
+template <int WT>
+__global__ void __launch_bounds__(256) fmm(const void* __restrict__ w, const float* __restrict__ x,
+                                           float* __restrict__ out, int n_out, int n_in, int ntok) {
+    STRATA_SMEM(smem);
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    float* acc = reinterpret_cast<float*>(smem) + warp * ntok * 32 + lane;
+    for (i64 o = (i64)blockIdx.x * nw + warp; o < n_out; o += (i64)gridDim.x * nw) {
+        const i64 base = o * n_in;
+        for (int t = 0; t < ntok; t++) acc[32 * t] = 0.0f;
+        for (int k = lane; k < n_in; k += 32) {
+            const float wv = load_w<WT>(w, base + k);
+            for (int t = 0; t < ntok; t++) acc[32 * t] = f32_add(acc[32 * t], f32_mul(wv, __ldg(x + t * (i64)n_in + k)));
+        }
+        for (int t = 0; t < ntok; t++) {
+            const float v = fold(acc[32 * t]);
+            if (lane == 0) out[t * (i64)n_out + o] = v;
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// ActQ (actq.py, bit for bit): one warp per 32-element block, lane j holds x[j].
+//   amax = max |x|;  d = amax / 127 (correctly rounded);  q = d == 0 ? 0 : clamp(rint(x / d), +-127)
+//   s16[h] = sum of q over half h.
+// The max is taken on the bit patterns of |x| (ordered like the values for non-negative floats,
+// and blind to -ftz); d == 0 is a bit test. A non-finite x is not quantized silently: the lowest
+// such index goes to *bad (preset to ~0).
+//   x f32 [nblocks * 32]; q i8 [nblocks * 32]; d f32 [nblocks]; s16 i32 [2 nblocks]
+
+__global__ void __launch_bounds__(256) actq(const float* __restrict__ x, i8* __restrict__ q, float* __restrict__ d,
+                                            i32* __restrict__ s16, i64 nblocks, u64* __restrict__ bad) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    for (i64 b = (i64)blockIdx.x * nw + warp; b < nblocks; b += (i64)gridDim.x * nw) {
+        const i64 i = 32 * b + lane;
+        const float v = x[i];
+        const u32 a = __float_as_uint(v) & 0x7fffffffu;
+        if (a >= 0x7f800000u) atomicMin(bad, (u64)i);  // inf or NaN
+        u32 amax = a;
+#pragma unroll
+        for (int w = 16; w; w >>= 1) amax = max(amax, __shfl_xor_sync(FULL, amax, w));
+        const float db = f32_div(__uint_as_float(amax), 127.0f);
+        int qi = 0;
+        if (__float_as_uint(db) != 0u) qi = min(max(f32_rint(f32_div(v, db)), -127), 127);
+        q[i] = (i8)qi;
+        int s = qi;
+#pragma unroll
+        for (int w = 8; w; w >>= 1) s += __shfl_xor_sync(FULL, s, w);  // stays inside each 16-lane half
+        if (lane == 0) d[b] = db;
+        if ((lane & 15) == 0) s16[2 * b + (lane >> 4)] = s;
+    }
+}

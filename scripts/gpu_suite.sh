@@ -1,0 +1,40 @@
+if ls .whl/*.whl >/dev/null 2>&1; then python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD; fi
+# Every GPU test and GPU benchmark in one call, on a machine with a CUDA GPU and CuPy, from the
+# repository root, with no pip install of the project (no package index needed):
+#
+#     bash scripts/gpu_suite.sh
+#
+# Logs go to $OUT when set (else ./gpu_suite_logs): gpu_env.log, gpu_tests.log, gpu_tests.xml,
+# bench_kernels_gpu.log, bench_kernels_gpu.md. The last thing printed is the summary table.
+# Exit status: 0 when the GPU tests ran (not all skipped) and passed, else 1; the benchmark never fails it.
+set -u
+cd "$(dirname "$0")/.." || exit 2
+LOG=${OUT:-$PWD/gpu_suite_logs}
+mkdir -p "$LOG"
+export PYTHONUNBUFFERED=1
+
+# The import names are namespaced (strata.engine -> engine/, ...): map them onto this checkout.
+BOOT=$(mktemp -d)
+python3 scripts/_dev_path.py "$BOOT" >/dev/null || { echo "gpu_suite: could not write the import bootstrap"; exit 2; }
+export PYTHONPATH="$BOOT${PYTHONPATH:+:$PYTHONPATH}"
+
+{
+    echo "== environment"
+    nvidia-smi -L 2>&1
+    python3 -c "import sys, numpy, numba; print('python', sys.version.split()[0], '| numpy', numpy.__version__, '| numba', numba.__version__)"
+    python3 -c "import cupy; print('cupy', cupy.__version__)" 2>&1 | tail -1
+    python3 -c "from strata.engine.kernels import gpu; print('gpu.available():', gpu.available())" 2>&1 | tail -1
+} 2>&1 | tee "$LOG/gpu_env.log"
+
+# Only the files that hold GPU tests are collected: other test files need packages (torch,
+# transformers, gguf) this machine may not have, and a collection error would mask the result.
+FILES=$(grep -l "pytest.mark.gpu" tests/test_*.py)
+echo "== GPU tests: $(echo $FILES)"
+timeout 420 python3 -m pytest -m gpu -q -p no:cacheprovider --junitxml="$LOG/gpu_tests.xml" $FILES 2>&1 | tee "$LOG/gpu_tests.log"
+TEST_RC=${PIPESTATUS[0]}
+
+echo "== GPU benchmark: benchmarks/kernels_gpu.py"
+timeout 150 python3 benchmarks/kernels_gpu.py --md "$LOG/bench_kernels_gpu.md" 2>&1 | tee "$LOG/bench_kernels_gpu.log"
+BENCH_RC=${PIPESTATUS[0]}
+
+python3 scripts/gpu_suite_summary.py "$LOG" "$TEST_RC" "$BENCH_RC"

@@ -1,0 +1,64 @@
+"""The table scripts/gpu_suite.sh prints last: GPU test counts (each failure's first line), the
+benchmark's device and summary lines, where the logs are, PASS or FAIL.
+
+    python3 scripts/gpu_suite_summary.py LOG_DIR PYTEST_EXIT BENCH_EXIT    (exit 0 = PASS)
+
+PASS needs pytest's exit 0 and at least one test that ran: all-skipped (no GPU seen) is a FAIL.
+"""
+
+from __future__ import annotations
+
+import sys
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+
+def test_rows(log: Path, test_rc: int) -> tuple[list[tuple[str, str]], bool]:
+    try:
+        root = ET.parse(log / "gpu_tests.xml").getroot()
+    except (OSError, ET.ParseError) as e:
+        why = " (timed out)" if test_rc == 124 else ""
+        return [("GPU tests", f"no result file ({e}); pytest exit {test_rc}{why} -- see gpu_tests.log")], False
+    suites = [root] if root.tag == "testsuite" else list(root)
+    n = {k: sum(int(s.get(k, 0)) for s in suites) for k in ("tests", "failures", "errors", "skipped")}
+    passed = n["tests"] - n["failures"] - n["errors"] - n["skipped"]
+    rows = [("GPU tests", f"{passed} passed, {n['failures']} failed, {n['errors']} errors, {n['skipped']} skipped (pytest exit {test_rc})")]
+    cases = [c for s in suites for c in s.iter("testcase")]
+    for case in cases:
+        for bad in case.findall("failure") + case.findall("error"):
+            first = (bad.get("message") or "").strip().splitlines()[:1]
+            rows.append(("  FAILED", f"{case.get('name')}: {first[0][:200] if first else '(no message)'}"))
+    skips = [(c.get("name"), s.get("message") or "") for c in cases for s in c.findall("skipped")]
+    for name, why in skips[:3]:
+        rows.append(("  skipped", f"{name}: {why[:200]}"))
+    if len(skips) > 3:
+        rows.append(("  skipped", f"... and {len(skips) - 3} more"))
+    return rows, test_rc == 0 and passed > 0
+
+
+def bench_rows(log: Path, bench_rc: int) -> list[tuple[str, str]]:
+    path = log / "bench_kernels_gpu.log"
+    lines = path.read_text(errors="replace").splitlines() if path.exists() else []
+    device = [l for l in lines if "streaming read" in l and not l.startswith("summary:")]
+    summary = [l for l in lines if l.startswith("summary:")]
+    last = next((l for l in reversed(lines) if l.strip()), "empty log")[:200]
+    return [
+        ("bench device", device[0] if device else "-"),
+        ("bench summary", summary[-1] if summary else f"none (exit {bench_rc}{', timed out' if bench_rc == 124 else ''}): {last}"),
+    ]
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    log, test_rc, bench_rc = Path(argv[0]), int(argv[1]), int(argv[2])
+    rows, ok = test_rows(log, test_rc)
+    rows += bench_rows(log, bench_rc) + [("logs", str(log)), ("result", "PASS" if ok else "FAIL")]
+    width = max(len(k) for k, _ in rows)
+    print("\n== gpu_suite summary")
+    for k, v in rows:
+        print(f"{k:<{width}}  {v}")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

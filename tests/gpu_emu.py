@@ -1,0 +1,125 @@
+"""A host runtime for strata.engine.kernels.gpu: gpu_kernels.cu compiled by the host C++ compiler
+against tests/gpu_emu.h and run thread by thread, so the kernels are checked bit for bit on a
+machine without a GPU. Device arrays are numpy arrays; a launch runs every thread of every block.
+
+    rt = EmuRuntime.create()          # None when there is no C++ compiler or the host is not x86-64
+    before = gpu.use_runtime(rt)
+
+Builds are cached by content hash under $STRATA_EMU_CACHE (default: the system temp folder).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+from strata.engine.kernels import gpu
+
+HEADER = Path(__file__).with_name("gpu_emu.h")
+# -ffp-contract=off: no FMA; x86-64 float arithmetic is SSE, rounded per operation like the GPU's
+FLAGS = ["-std=c++17", "-O1", "-ffp-contract=off", "-fno-fast-math", "-fPIC", "-shared", "-w"]
+
+
+def _compiler() -> str | None:
+    return shutil.which(os.environ.get("CXX", "g++")) or shutil.which("c++")
+
+
+def unavailable_reason() -> str | None:
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return f"the emulation's float arithmetic is checked on x86-64 only (this is {platform.machine()})"
+    if _compiler() is None:
+        return "no C++ compiler (g++ or $CXX) to build the GPU emulation"
+    return None
+
+
+class _Lib:
+    def __init__(self, path: Path):
+        self.lib = ctypes.CDLL(str(path))
+        self.lib.emu_launch.restype = ctypes.c_int
+        self.lib.emu_launch.argtypes = [ctypes.c_char_p, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_char_p, ctypes.c_int]
+
+
+class EmuRuntime:
+    """gpu.CupyRuntime's interface on the host (see that class)."""
+
+    def __init__(self, n_sm: int = 1):
+        self.n_sm = n_sm
+        self.cache = Path(os.environ.get("STRATA_EMU_CACHE", Path(tempfile.gettempdir()) / "strata_gpu_emu"))
+
+    @classmethod
+    def create(cls) -> "EmuRuntime | None":
+        return None if unavailable_reason() else cls()
+
+    # arrays: 64-byte aligned numpy buffers, as a device allocation would be
+    def empty(self, shape, dtype):
+        shape = (shape,) if np.isscalar(shape) else tuple(shape)
+        dt = np.dtype(dtype)
+        n = int(np.prod(shape, dtype=np.int64)) * dt.itemsize
+        buf = np.empty(n + 64, np.uint8)
+        off = -buf.ctypes.data % 64
+        return buf[off : off + n].view(dt).reshape(shape)
+
+    def to_device(self, a):
+        a = np.ascontiguousarray(a)
+        out = self.empty(a.shape, a.dtype)
+        out[...] = a
+        return out
+
+    def to_host(self, a) -> np.ndarray:
+        return np.array(a, copy=True)
+
+    def is_array(self, a) -> bool:
+        return isinstance(a, np.ndarray)
+
+    def ptr(self, a) -> int:
+        return a.ctypes.data
+
+    def compile(self, names: list[str]) -> _Lib:
+        table = ",\n".join(f'    emu_entry("{n}", &{n.replace(" ", "")})' for n in names)
+        unit = (
+            f'#include "{HEADER}"\n#include "{gpu.SOURCE}"\n'
+            f"static const EmuEntry k_table[] = {{\n{table}\n}};\n"
+            "const EmuEntry* emu_table(int* n) { *n = sizeof(k_table) / sizeof(k_table[0]); return k_table; }\n"
+        )
+        key = hashlib.sha256((unit + HEADER.read_text() + gpu.SOURCE.read_text() + " ".join(FLAGS)).encode()).hexdigest()[:20]
+        so = self.cache / f"emu_{key}.so"
+        if not so.exists():
+            self.cache.mkdir(parents=True, exist_ok=True)
+            src = self.cache / f"emu_{key}.cpp"
+            src.write_text(unit)
+            tmp = so.with_suffix(f".{os.getpid()}.tmp")
+            r = subprocess.run([_compiler(), *FLAGS, "-o", str(tmp), str(src)], capture_output=True, text=True)
+            if r.returncode:
+                raise RuntimeError(f"building the GPU emulation failed ({' '.join(names)}):\n{r.stderr[-4000:]}")
+            os.replace(tmp, so)
+        return _Lib(so)
+
+    def launch(self, mod: _Lib, name: str, grid: int, block: int, args: tuple, smem: int = 0) -> None:
+        held = [_arg(a) for a in args]
+        params = (ctypes.c_void_p * len(held))(*[ctypes.cast(ctypes.pointer(h), ctypes.c_void_p) for h in held])
+        err = ctypes.create_string_buffer(512)
+        rc = mod.lib.emu_launch(name.encode(), grid, block, smem, params, err, len(err))
+        if rc:
+            raise RuntimeError(f"emulated launch of {name} (grid {grid}, block {block}, {smem} B shared): {err.value.decode()}")
+
+    def set_global(self, mod: _Lib, name: str, host: np.ndarray) -> None:
+        host = np.ascontiguousarray(host)
+        addr = ctypes.addressof(ctypes.c_char.in_dll(mod.lib, name))
+        ctypes.memmove(addr, host.ctypes.data, host.nbytes)
+
+
+def _arg(a):
+    if isinstance(a, np.ndarray):
+        return ctypes.c_void_p(a.ctypes.data)
+    for np_t, c_t in ((np.int32, ctypes.c_int32), (np.int64, ctypes.c_int64), (np.uint64, ctypes.c_uint64)):
+        if isinstance(a, np_t):
+            return c_t(int(a))
+    raise TypeError(f"emulated launch: unsupported argument {a!r} ({type(a).__name__}); pass numpy scalars of the kernel's type")

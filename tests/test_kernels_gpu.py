@@ -1,0 +1,270 @@
+"""The GPU kernels (engine/kernels/gpu.py, gpu_kernels.cu) against the specification, bit for bit:
+
+    quantize_act_gpu            ==  actq.quantize_act
+    gpu.matvec / gpu.matmul     ==  reference.dot_reference  (==  cpu.matvec / cpu.matmul on the device run)
+    upload -> GpuWeight.to_raw  ==  the pack bytes (engine form round trip)
+
+Each test runs on two runtimes:
+- "cuda" (@pytest.mark.gpu): CuPy on a CUDA device, every type at the expert shapes (640 x 2560 and
+  2560 x 640), rows long enough for each register variant and one longer than the matvec kernel
+  holds; skipped with the reason when CuPy or a device is missing. scripts/gpu_suite.sh runs these.
+- "emu": the same CUDA source compiled for the host (tests/gpu_emu.py) on small shapes, so the
+  kernels' logic is checked on every machine with a C++ compiler. What it cannot check: the
+  asynchronous copies (emulated as synchronous), and the device's own float and integer
+  instructions (emulated by their IEEE / C definitions).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from gpu_emu import EmuRuntime, unavailable_reason
+from kernel_blocks import random_weights
+
+from strata.engine.kernels import gpu
+from strata.engine.kernels import reference as R
+from strata.engine.kernels.actq import ActQ, quantize_act
+from strata.index_format.ggml_types import BY_NAME, TYPES
+
+_CUDA_OK, _CUDA_WHY = gpu.available()
+_EMU_WHY = unavailable_reason()
+_RUNTIMES: dict[str, object] = {}
+
+RUNTIMES = [
+    pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not _CUDA_OK, reason=f"no GPU: {_CUDA_WHY}")]),
+    pytest.param("emu", marks=pytest.mark.skipif(_EMU_WHY is not None, reason=f"no GPU emulation: {_EMU_WHY}")),
+]
+
+
+@pytest.fixture(params=RUNTIMES)
+def rt(request):
+    """The runtime under test, installed in gpu for the test's duration."""
+    name = request.param
+    if name not in _RUNTIMES:
+        _RUNTIMES[name] = gpu.CupyRuntime() if name == "cuda" else EmuRuntime()
+    before = gpu.use_runtime(_RUNTIMES[name])
+    yield _RUNTIMES[name]
+    gpu.use_runtime(before)
+
+
+def _on_device(rt) -> bool:
+    return isinstance(rt, gpu.CupyRuntime)
+
+
+def _acts(n_in: int, n_tok: int, seed: int) -> np.ndarray:
+    """Activations whose 32-blocks differ in scale by orders of magnitude, with an all-zero block
+    (d == 0), a subnormal one, and exact ties (x / d = k + 1/2: round half to even decides)."""
+    rng = np.random.default_rng(seed)
+    x = (rng.standard_normal((n_tok, n_in)) * rng.uniform(0.1, 10, (n_tok, 1))).astype(np.float32)
+    if n_in >= 160:
+        x[:, 32:64] *= np.float32(1e-3)
+        x[:, 64:96] = 0
+        x[:, 96:128] = rng.standard_normal((n_tok, 32)).astype(np.float32) * np.float32(1e-40)
+        x[:, 128:160] = np.float32(2.5) * (np.arange(32) % 5 - 2)
+        x[:, 159] = np.float32(127)  # amax 127: d = 1 exactly, so +-2.5 are ties (-> +-2)
+    return x
+
+
+def _bits_equal(got: np.ndarray, ref: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(got, np.float32).view(np.uint32) == np.ascontiguousarray(ref, np.float32).view(np.uint32)
+
+
+def _assert_same(got: np.ndarray, ref: np.ndarray, what: str, cpu: np.ndarray | None = None) -> None:
+    """Bit equality; on failure name the first differing (token, row), both values and their bits."""
+    same = _bits_equal(got, ref)
+    if same.all():
+        return
+    bad = np.argwhere(~same)
+    i = tuple(int(v) for v in bad[0])
+    g, r = np.float32(got[i]), np.float32(ref[i])
+    msg = (
+        f"{what}: {len(bad)} of {same.size} outputs differ; first at {'(token, row)' if len(i) == 2 else 'row'} {i}: "
+        f"GPU {g!r} (0x{g.view(np.uint32):08x}) vs reference {r!r} (0x{r.view(np.uint32):08x})"
+    )
+    if cpu is not None:
+        msg += f", CPU kernel {np.float32(cpu[i])!r}"
+    pytest.fail(msg)
+
+
+# ---------------------------------------------------------------------------------------------
+# ActQ
+
+
+@pytest.mark.parametrize("shape", [(5, 2560), (1, 640), (3, 96), (160,)], ids=str)
+def test_actq_on_the_device_is_bit_identical(rt, shape):
+    n = shape[-1]
+    x = _acts(n, 1 if len(shape) == 1 else shape[0], 7).reshape(shape)
+    got = gpu.quantize_act_gpu(rt.to_device(x)).to_host()
+    want = quantize_act(x)
+    assert got.q.shape == want.q.shape and got.d.shape == want.d.shape and got.s16.shape == want.s16.shape
+    for field in ("q", "d", "s16"):
+        g, w = getattr(got, field), getattr(want, field)
+        same = g.view(np.uint8) == w.view(np.uint8) if field == "q" else g.view(np.uint32) == w.view(np.uint32)
+        if not same.all():
+            i = tuple(int(v) for v in np.argwhere(~same)[0])
+            pytest.fail(f"ActQ {field}{list(shape)}: {int((~same).sum())} differ, first at {i}: device {g[i]!r} vs actq.quantize_act {w[i]!r}")
+
+
+def test_actq_refuses_a_non_finite_activation(rt):
+    x = _acts(256, 3, 1)
+    x[1, 37] = np.inf
+    x[2, 5] = np.nan
+    with pytest.raises(ValueError, match=r"non-finite activation inf at index \(1, 37\)"):
+        gpu.quantize_act_gpu(rt.to_device(x))
+
+
+def test_actq_out_buffers_are_reused(rt):
+    x = _acts(256, 2, 2)
+    out = gpu.empty_act((2, 256))
+    assert gpu.quantize_act_gpu(rt.to_device(x), out=out) is out
+    assert np.array_equal(out.to_host().q, quantize_act(x).q)
+    with pytest.raises(ValueError, match=r"out holds \[2, 256\] activations, x is \[3, 256\]"):
+        gpu.quantize_act_gpu(rt.to_device(_acts(256, 3, 2)), out=out)
+
+
+# ---------------------------------------------------------------------------------------------
+# engine form on the device
+
+
+@pytest.mark.parametrize("t", TYPES, ids=lambda t: t.name)
+def test_engine_form_round_trip_on_the_device(rt, t):
+    n_in, n_out = (256 * 3, 5) if t.quantized else (352, 5)
+    raw = random_weights(t, n_in * n_out, np.random.default_rng(t.id))
+    w = gpu.upload(raw, t.id, n_in, n_out, name="blk.0.test")
+    assert np.array_equal(w.to_raw(), raw), f"{t.name}: upload -> to_raw changed the bytes"
+    blocks = n_in * n_out // t.block_size
+    assert w.nbytes == blocks * t.engine_block_bytes, f"{t.name}: {w.nbytes} device bytes, the table says {blocks} x {t.engine_block_bytes}"
+    if t.quantized and t.n_scales:  # the scale plane holds the widened fp16 values themselves
+        halves = np.concatenate([raw.reshape(blocks, t.type_size)[:, off : off + 2 * n] for off, n in t.fp16_fields], axis=1)
+        assert np.array_equal(rt.to_host(w.scales), halves.copy().view(np.float16).astype(np.float32).reshape(-1))
+
+
+# ---------------------------------------------------------------------------------------------
+# the products
+
+
+def _small_shape(t) -> tuple[int, int]:
+    """An act-block count that is not a multiple of 32 (lanes with fewer blocks), odd row count."""
+    return {32: 32 * 11, 64: 64 * 5, 256: 256 * 3, 1: 352}[t.block_size], 9
+
+
+# (n_in, n_out, tokens): expert shapes, rows for each matvec register variant (nb = n_in / 32 up to
+# 32, 64, 96, 128, 192, 256) and one row longer than matvec holds (the batched kernel, 1 token)
+CUDA_SHAPES = [(2560, 640, (1, 5)), (640, 2560, (1, 5)), (2048, 16, (1,)), (4096, 16, (1,)), (6144, 16, (1,)), (8192, 16, (1, 3)), (16384, 24, (1, 3))]
+EMU_LONG = {"Q4_K", "IQ4_XS", "Q5_0", "Q2_0", "IQ1_M", "F16"}  # the emulation's longer rows: one type per copy path
+
+
+def _cases(rt, t):
+    n_in, n_out = _small_shape(t)
+    yield n_in, n_out, (1, 5, 70)  # 70 tokens: two passes of the batched kernel
+    if _on_device(rt):
+        for n_in, n_out, tokens in CUDA_SHAPES:  # 640 is not whole 256-blocks: 768 for those types
+            yield -(-n_in // t.block_size) * t.block_size, n_out, tokens
+        return
+    yield 2560, 37, (1, 3)  # on one emulated multiprocessor: several rows per warp step, a ragged last step
+    if t.name in EMU_LONG:
+        yield 4096, 3, (1,)
+        yield 8192 + 1024, 3, (1, 2)
+
+
+def _check_products(rt, t, n_in, n_out, tokens, seed):
+    raw = random_weights(t, n_in * n_out, np.random.default_rng(seed))
+    w = gpu.upload(raw, t.id, n_in, n_out)
+    n_tok = max(tokens)
+    x = _acts(n_in, n_tok, seed + 1)
+    x_dev = rt.to_device(x)
+    if t.quantized:  # the device's own ActQ, while the reference quantizes on the host
+        act_dev, act = gpu.quantize_act_gpu(x_dev), quantize_act(x)
+    else:
+        act_dev, act = x_dev, x
+    ref = R.dot_reference(raw, t.id, n_in, n_out, act)
+    cpu_y = None
+    if _on_device(rt):  # the triple equality (issue item 6) where the device is real
+        from strata.engine.kernels import cpu
+
+        cpu_y = cpu.matmul(raw, t.id, n_in, n_out, act)
+    what = f"{t.name} [{n_in} x {n_out}]"
+    for n in tokens:
+        if n == 1:
+            for b in (0, n_tok - 1):
+                one = gpu.quantize_act_gpu(rt.to_device(x[b])) if t.quantized else rt.to_device(x[b])
+                got = rt.to_host(gpu.matvec(w, one))
+                _assert_same(got, ref[b], f"{what} matvec token {b}", None if cpu_y is None else cpu_y[b])
+        else:
+            sub = gpu.GpuActQ(act_dev.q[:n], act_dev.d[:n], act_dev.s16[:n], act_dev.bad) if t.quantized else act_dev[:n]
+            got = rt.to_host(gpu.matmul(w, sub))
+            _assert_same(got, ref[:n], f"{what} matmul T={n}", None if cpu_y is None else cpu_y[:n])
+    if cpu_y is not None:
+        _assert_same(cpu_y, ref, f"{what} CPU kernel (not the GPU) vs reference")
+
+
+@pytest.mark.parametrize("t", TYPES, ids=lambda t: t.name)
+def test_products_are_bit_identical_to_the_reference(rt, t):
+    for n_in, n_out, tokens in _cases(rt, t):
+        _check_products(rt, t, n_in, n_out, tokens, seed=t.id * 1000 + n_in)
+
+
+@pytest.mark.parametrize("t", [t for t in TYPES if t.name.startswith(("IQ1", "IQ2", "IQ3"))], ids=lambda t: t.name)
+def test_grid_types_with_the_grid_in_shared_memory(rt, t, monkeypatch):
+    # Head-sized matrices read the IQ grid from a per-block shared copy; force it on a small one.
+    monkeypatch.setattr(gpu, "SHARED_TABLE_ROWS", 0)
+    _check_products(rt, t, 2048, 33, (1, 3), seed=t.id)
+
+
+def test_out_buffer_is_filled_in_place(rt):
+    t = BY_NAME["Q6_K"]
+    raw = random_weights(t, 512 * 6, np.random.default_rng(0))
+    w = gpu.upload(raw, t.id, 512, 6)
+    x = _acts(512, 2, 0)
+    out = rt.to_device(np.full((2, 6), np.nan, np.float32))
+    assert gpu.matmul(w, gpu.quantize_act_gpu(rt.to_device(x)), out=out) is out
+    _assert_same(rt.to_host(out), R.dot_reference(raw, t.id, 512, 6, quantize_act(x)), "out=")
+
+
+# ---------------------------------------------------------------------------------------------
+# refusals
+
+
+def test_bad_inputs_are_refused_with_the_reason(rt):
+    t = BY_NAME["Q8_0"]
+    raw = random_weights(t, 256 * 4, np.random.default_rng(0))
+    with pytest.raises(ValueError, match=r"Q8_0 \[256 x 5\] is 1360 bytes, got 1088"):
+        gpu.upload(raw, t.id, 256, 5)
+    with pytest.raises(ValueError, match="unknown GGML type 99"):
+        gpu.upload(raw, 99, 256, 4)
+    w = gpu.upload(raw, t.id, 256, 4, name="blk.3.ffn_up")
+    x = _acts(256, 1, 0)[0]
+    with pytest.raises(TypeError, match=r"host ActQ \[256\] \(quantize on the device"):
+        gpu.matvec(w, quantize_act(x))
+    with pytest.raises(TypeError, match=r"blk\.3\.ffn_up .*GpuActQ of shape \[T, 256\]"):
+        gpu.matmul(w, gpu.quantize_act_gpu(rt.to_device(_acts(512, 2, 0))))
+    with pytest.raises(TypeError, match="single vector"):
+        gpu.matvec(w, gpu.quantize_act_gpu(rt.to_device(_acts(256, 2, 0))))
+    f16 = BY_NAME["F16"]
+    wf = gpu.upload(random_weights(f16, 256 * 4, np.random.default_rng(0)), f16.id, 256, 4)
+    with pytest.raises(TypeError, match="F16 weights take contiguous device f32 activations"):
+        gpu.matmul(wf, gpu.quantize_act_gpu(rt.to_device(_acts(256, 2, 0))))
+    with pytest.raises(ValueError, match=r"out must be a contiguous device f32 \[4\]"):
+        gpu.matvec(w, gpu.quantize_act_gpu(rt.to_device(x)), out=rt.to_device(np.zeros(5, np.float32)))
+    with pytest.raises(ValueError, match="rest must be a contiguous device uint8"):
+        gpu.GpuWeight(t.id, 256, 4, rest=w.rest[:-1], scales=w.scales)
+
+
+def test_the_emulation_reports_a_misaligned_access():
+    # The emulation is only worth its bits if it catches what would fault on the device.
+    if _EMU_WHY:
+        pytest.skip(f"no GPU emulation: {_EMU_WHY}")
+    rt = EmuRuntime()
+    before = gpu.use_runtime(rt)
+    try:
+        t = BY_NAME["Q8_0"]
+        w = gpu.upload(random_weights(t, 256 * 4, np.random.default_rng(0)), t.id, 256, 4)
+        a = gpu.quantize_act_gpu(rt.to_device(_acts(256, 1, 0)[0]))
+        rt.ptr = lambda arr: 0  # let a misaligned plane past gpu.py's own check
+        buf = rt.empty(w.rest.size + 4, np.uint8)
+        buf[4:] = w.rest
+        bad = gpu.GpuWeight(t.id, 256, 4, rest=buf[4:], scales=w.scales)
+        with pytest.raises(RuntimeError, match="16-byte access at .* not aligned"):
+            gpu.matvec(bad, a)
+    finally:
+        gpu.use_runtime(before)
