@@ -1,4 +1,4 @@
-if ls .whl/*.whl >/dev/null 2>&1; then python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD; fi
+#!/usr/bin/env bash
 # Every GPU test and GPU benchmark in one call, on a machine with a CUDA GPU and CuPy, from the
 # repository root, with no pip install of the project (no package index needed):
 #
@@ -9,6 +9,8 @@ if ls .whl/*.whl >/dev/null 2>&1; then python3 -m pip install -q --no-index --no
 # Exit status: 0 when the GPU tests ran (not all skipped) and passed, else 1; the benchmark never fails it.
 set -u
 cd "$(dirname "$0")/.." || exit 2
+# The machine reaches no package index: gguf (pure Python) travels as a wheel in .whl/ (device README).
+if ls .whl/*.whl >/dev/null 2>&1; then python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD; fi
 LOG=${OUT:-$PWD/gpu_suite_logs}
 mkdir -p "$LOG"
 export PYTHONUNBUFFERED=1
