@@ -61,12 +61,14 @@ STAGES = (
 WEIGHTS, OPEN_CACHE, FILL, HIT_PATH, CACHE_GRAPHS, HEAD_PROMPT, VERIFIER = STAGES
 DEVICE, HOST = "device", "host"
 
-KV_TYPES = ("f16", "int8")
+KV_TYPES = ("f16", "int8", "f32")  # f32: the exact cache the CPU engine's reference tests run with
 KV_BLOCK = 32  # int8 KV: one f32 scale per 32 elements of one head of one token
-F32, F16, I32 = 4, 2, 4
+F32, F16, I32, F64 = 4, 2, 4, 8
 IDX_KEY_BYTES = F32  # indexer keys stay f32, as the CPU path keeps them: block selection is discrete
 DEFAULT_RESERVE_MIB = 700
 PREFILL_AUTO_CHUNK = 256  # `--prefill auto`: the 256-token chunk the seed lends the prompt path (#496)
+PREFILL_MEMORY_SHARE = 4  # auto: the CPU prompt path's buffers take at most 1/4 of the available memory
+ATTN_TILE_BYTES = 64 << 20  # the prompt path's attention scores are computed in query tiles of at most this
 LOW_MIB = 256  # the serve check's LOW line (S7)
 
 # Dense categories in the order the report lists them; EMBEDDING and PLE_TABLE stay on the host.
@@ -138,8 +140,8 @@ class BudgetOptions:
 def kv_bytes_per_token(g: ModelGeometry, kv: str) -> int:
     """K and V of one token in one full-attention layer: f16, or int8 with an f32 scale per 32 elements
     of each head (blocks never straddle heads, so a head dequantizes alone)."""
-    if kv == "f16":
-        return 2 * g.n_head_kv * g.head_dim * F16
+    if kv in ("f16", "f32"):
+        return 2 * g.n_head_kv * g.head_dim * (F16 if kv == "f16" else F32)
     if g.head_dim % KV_BLOCK:
         raise BudgetError(f"--kv int8: head_dim {g.head_dim} is not a multiple of the {KV_BLOCK}-element KV block; use --kv f16")
     return 2 * g.n_head_kv * (g.head_dim + g.head_dim // KV_BLOCK * F32)
@@ -204,6 +206,69 @@ def scratch_bytes(g: ModelGeometry, max_context: int) -> int:
     moe = g.n_expert + 3 * g.n_ff_shexp + E
     widest = max(stream_elems(g), H * D, g.ssm_d_inner, g.n_ff_shexp, g.ple_embed_dim if g.ple_layers else 0)
     return (common + max(attn, linear) + moe) * F32 + actq_bytes(_round_up(widest, 32))
+
+
+def parse_prefill(text: str) -> int | None:
+    """`--prefill auto|CHUNK|off` -> None (auto), a chunk of CHUNK >= 1 tokens, or 0 (off: token by token)."""
+    if text == "auto":
+        return None
+    if text == "off":
+        return 0
+    if not text.isdigit():
+        raise BudgetError(f"--prefill {text!r}: expected auto, off or a chunk size in tokens")
+    return int(text)
+
+
+def prefill_host_bytes(g: ModelGeometry, chunk: int, max_context: int) -> int:
+    """The CPU prompt path's working set for one chunk of T tokens (host memory, at its peak), logits
+    of every position included: the layer that needs most, plus what lives across layers.
+
+    across layers  streams [T, hc*E], embeddings and block input [T, E] + its ActQ, PLE [T, Pe + 4 hc*E]
+                   and hyper-connection mixing [T, 2 hc*E + R]; the logits [T, V]
+    GDN            projections [T, Ch + 2 nv dv + 2 nv], conv [T, 2 Ch], q/k per value head [T, 2 nv dk],
+                   v, out, gated norm [T, 3 nv dv] + ActQ; one 64-token sub-chunk's [nv, 64, 3*64 + 2(dk+dv)]
+    attention      q|gate, q, o, gate [T, 5 H D], k, v [T, 2 Hkv D], the prefix read back as f32
+                   [2, Hkv, C, D], a tile of scores (<= ATTN_TILE_BYTES, twice: scores and their exp);
+                   QSA: indexer queries and keys [T, Ih Id + Id], the selection mask [T, C] (bytes)
+    MoE            router logits [T, X] f32 and probabilities f64 (twice), routed outputs [T, k, E],
+                   the sum [T, E], shared expert [T, 3 Fs] + ActQ, one expert's gate/up [T, 2 F] + ActQ
+    """
+    T, C, E, X = chunk, max_context, g.n_embd, g.n_expert
+    S = stream_elems(g)
+    nv, dk, dv, Ch = g.ssm_n_v_heads, g.ssm_d_state, g.ssm_head_v_dim, g.ssm_conv_channels
+    across = T * (S + 2 * E + g.n_vocab) * F32 + actq_bytes(T * E)
+    if g.ple_layers:
+        across += T * (g.ple_embed_dim + 4 * S) * F32
+    if g.hc:
+        across += T * (2 * S + g.hc_lowrank) * F32
+    gdn = 0
+    if g.linear_attention_layers:
+        gdn = (T * (Ch + 2 * nv * dv + 2 * nv + 2 * Ch + 2 * nv * dk + 3 * nv * dv) * F32 + actq_bytes(T * nv * dv)
+               + nv * 64 * (3 * 64 + 2 * (dk + dv)) * F32)
+    H, Hkv, D = g.n_head, g.n_head_kv, g.head_dim
+    scores = min(T * H * C * F32, ATTN_TILE_BYTES)
+    attn = T * (5 * H * D + 2 * Hkv * D) * F32 + 2 * Hkv * C * D * F32 + 2 * scores + actq_bytes(T * H * D)
+    if g.has_qsa:
+        attn += T * (g.idx_n_heads * g.idx_head_dim + g.idx_head_dim) * F32 + T * C
+    F, Fs, k = g.n_ff_exp, g.n_ff_shexp, g.n_expert_used
+    moe = (T * X * (F32 + 2 * F64) + T * (k + 1) * E * F32 + T * 3 * Fs * F32 + actq_bytes(T * _round_up(Fs, 32))
+           + T * 2 * F * F32 + actq_bytes(T * F))
+    return across + max(gdn, attn) + moe
+
+
+def auto_prefill_chunk(available_bytes: int | None = None, *, g: ModelGeometry | None = None, max_context: int = 1) -> int:
+    """`--prefill auto`, the one rule both the engine and strata-budget use: PREFILL_AUTO_CHUNK, halved
+    while the CPU prompt path's working set for it (`prefill_host_bytes`, logits of every position
+    included) would exceed 1/PREFILL_MEMORY_SHARE of `available_bytes`; down to 1 (token by token).
+    Without `available_bytes` (strata-budget plans the device, not the host): PREFILL_AUTO_CHUNK."""
+    chunk = PREFILL_AUTO_CHUNK
+    if available_bytes is None:
+        return chunk
+    if g is None:
+        raise BudgetError("auto_prefill_chunk: the geometry is needed to size the chunk from the available memory")
+    while chunk > 1 and prefill_host_bytes(g, chunk, max_context) * PREFILL_MEMORY_SHARE > available_bytes:
+        chunk //= 2
+    return chunk
 
 
 def hit_path_bytes(g: ModelGeometry) -> int:

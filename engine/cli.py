@@ -26,8 +26,8 @@ _INPUT_ERRORS = (ValueError, OSError, NotImplementedError)
 DEVICES = ("cpu", "gpu", "auto")
 
 
-def _fail(message: str, code: int = 1) -> typer.Exit:
-    typer.echo(f"strata generate: error: {message}", err=True)
+def _fail(message: str, code: int = 1, who: str = "strata generate") -> typer.Exit:
+    typer.echo(f"{who}: error: {message}", err=True)
     return typer.Exit(code)
 
 
@@ -45,13 +45,18 @@ def generate(
     repeat_penalty: float = typer.Option(1.0, "--repeat-penalty", help="penalise the last 64 tokens; 1 is off"),
     seed: Optional[int] = typer.Option(None, "--seed", help="sampling seed (printed by --stats when not given)"),
     chat: bool = typer.Option(False, "--chat", help="wrap the prompt in the model's chat template (one user turn)"),
-    max_context: Optional[int] = typer.Option(None, "--max-context", help="KV cache size in tokens (default: prompt + n)"),
+    max_context: Optional[int] = typer.Option(None, "--max-context", help="KV cache size in tokens (default: prompt + n); "
+                                              "a prompt + n beyond it is refused"),
+    kv: str = typer.Option("f16", "--kv", help="KV cache type: f16, int8 (an f32 scale per 32 values) or f32 (exact)"),
+    prefill: str = typer.Option("auto", "--prefill", help="the prompt in chunks of CHUNK tokens (the batched prompt "
+                                "path), auto (256, less when memory is short) or off (token by token)"),
     pool_workers: Optional[int] = typer.Option(None, "--pool-workers", help="hard cap on CPU threads"),
     device: str = typer.Option("auto", "--device", help="cpu, gpu or auto (auto: the GPU tier when there is one)"),
     native: Optional[Path] = typer.Option(None, "--native", help="the main GGUF, when it moved since packing"),
     ple_gguf: Optional[Path] = typer.Option(None, "--ple-gguf", help="the PLE GGUF shard, when it moved since packing"),
     dump_logits: Optional[Path] = typer.Option(None, "--dump-logits", help="write float32 logits of every position to OUT.npy"),
-    stats: bool = typer.Option(False, "--stats", help="print load time, tokens/s and expert routing counts to stderr"),
+    stats: bool = typer.Option(False, "--stats", help="print load time, tokens/s, session memory and expert routing "
+                               "counts to stderr"),
 ) -> None:
     """Generate text from a pack, streaming it to stdout."""
     if sum(s is not None for s in (prompt, prompt_file, prompt_ids)) != 1:
@@ -64,6 +69,7 @@ def generate(
     if n < 0:
         raise _fail(f"-n {n}: expected >= 0", 2)
     try:
+        engine_options(kv, prefill)
         _run(**locals())
     except KeyboardInterrupt:
         typer.echo("\nstrata generate: interrupted", err=True)
@@ -72,32 +78,75 @@ def generate(
         raise _fail(str(e)) from None
 
 
-def _run(pack, prompt, prompt_file, prompt_ids, n, temp, top_k, top_p, min_p, repeat_penalty, seed, chat,
-         max_context, pool_workers, device, native, ple_gguf, dump_logits, stats) -> None:
-    from strata.engine.generate import generate as run_generation
+def engine_options(kv: str, prefill: str) -> int | None:
+    """Checks --kv and parses --prefill (budget.py's rule: None = auto, 0 = off) before anything loads."""
+    from strata.engine.budget import KV_TYPES, parse_prefill
+
+    if kv not in KV_TYPES:
+        raise ValueError(f"--kv {kv!r}: expected one of {', '.join(KV_TYPES)}")
+    return parse_prefill(prefill)
+
+
+def prefill_chunk(option: int | None, geometry, max_context: int) -> int:
+    """The chunk --prefill asked for; auto: budget.auto_prefill_chunk from the memory available now."""
+    from strata.engine.budget import auto_prefill_chunk
+
+    if option is not None:
+        return option
+    return auto_prefill_chunk(available_host_bytes(), g=geometry, max_context=max_context)
+
+
+def available_host_bytes() -> int | None:
+    """MemAvailable from /proc/meminfo (Linux); None where there is none (auto then takes 256)."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def load_model(pack, native, ple_gguf, pool_workers, who: str):
+    """Open the pack (warnings to stderr), build the model and compile its kernels; (pack, model, seconds)."""
     from strata.engine.kernels import cpu
     from strata.engine.model import Model
+    from strata.engine.ops import single_blas_thread
     from strata.engine.pack import Pack
+
+    if pool_workers is not None:
+        cpu.set_threads(pool_workers)
+    single_blas_thread()
+    t0 = time.perf_counter()
+    p = Pack.open(pack, native=native, ple_gguf=ple_gguf)
+    for w in p.warnings:
+        typer.echo(f"{who}: warning: {w}", err=True)
+    model = Model(p)
+    model.warm_up()
+    return p, model, time.perf_counter() - t0
+
+
+def _run(pack, prompt, prompt_file, prompt_ids, n, temp, top_k, top_p, min_p, repeat_penalty, seed, chat,
+         max_context, kv, prefill, pool_workers, device, native, ple_gguf, dump_logits, stats) -> None:
+    from strata.engine.generate import generate as run_generation
+    from strata.engine.kernels import cpu
     from strata.engine.sampling import Sampler, SamplerParams
     from strata.engine.tokenizer import Tokenizer
 
     params = SamplerParams(temperature=temp, top_k=top_k, top_p=top_p, min_p=min_p,
                            repeat_penalty=repeat_penalty, seed=seed)  # bad values refused before loading
-    if pool_workers is not None:
-        cpu.set_threads(pool_workers)
-    t0 = time.perf_counter()
-    p = Pack.open(pack, native=native, ple_gguf=ple_gguf)
-    for w in p.warnings:
-        typer.echo(f"strata generate: warning: {w}", err=True)
-    model = Model(p)
-    model.warm_up()
+    p, model, load_s = load_model(pack, native, ple_gguf, pool_workers, "strata generate")
     tok = Tokenizer.load(p.tokenizer_path)
-    load_s = time.perf_counter() - t0
     ids = _prompt_ids(tok, prompt, prompt_file, prompt_ids, chat, p.geometry.n_vocab)
     ctx = max_context if max_context is not None else len(ids) + n
     if ctx < len(ids):
         raise ValueError(f"--max-context {ctx} is shorter than the prompt ({len(ids)} tokens)")
-    session = model.new_session(ctx)
+    if len(ids) + n > ctx:
+        raise ValueError(f"the prompt ({len(ids)} tokens) + -n {n} = {len(ids) + n} tokens do not fit in "
+                         f"--max-context {ctx}: raise --max-context or lower -n")
+    chunk = prefill_chunk(engine_options(kv, prefill), p.geometry, ctx)
+    session = model.new_session(ctx, kv)
     sampler = Sampler(p.geometry.n_vocab, params)
     stream = tok.stream()
     logits = _LogitsRecorder(len(ids) + n, p.geometry.n_vocab) if dump_logits else None
@@ -107,13 +156,13 @@ def _run(pack, prompt, prompt_file, prompt_ids, n, temp, top_k, top_p, min_p, re
         sys.stdout.flush()
 
     result = run_generation(model, session, ids, sampler, n, stop_ids=tok.stop_ids, on_token=emit,
-                            on_logits=logits.record if logits else None)
+                            on_logits=logits.record if logits else None, prefill=chunk)
     sys.stdout.write(stream.flush() + "\n")
     sys.stdout.flush()
     if logits:
         logits.save(dump_logits, result.positions)
     if stats:
-        typer.echo(format_stats(p, load_s, result, session.routing, sampler.seed, cpu.get_threads(), device), err=True)
+        typer.echo(format_stats(p, load_s, result, session, sampler.seed, cpu.get_threads(), device, chunk), err=True)
 
 
 def _prompt_ids(tok, prompt, prompt_file, prompt_ids, chat, n_vocab) -> list[int]:
@@ -166,26 +215,125 @@ class _LogitsRecorder:
             tmp.unlink(missing_ok=True)
 
 
-def format_stats(pack, load_s: float, result, routing, seed: int, threads: int, device: str) -> str:
+def format_stats(pack, load_s: float, result, session, seed: int, threads: int, device: str, chunk: int) -> str:
     from tabulate import tabulate
 
     g = pack.geometry
+    how = f"chunks of {chunk}" if chunk > 1 else "token by token"
     lines = [
         f"load     {load_s:.3f} s  (kernels compiled; {g.arch}, {g.n_layer} layers; pool {pack.pool_bytes} B in pack form, "
         f"{pack.engine_bytes} B in engine form; f32 scale planes on the GPU tier would add {pack.widened_bytes} B)",
-        f"prefill  {len(result.prompt)} tokens in {result.prefill_s:.3f} s -> {result.prefill_tps:.2f} tok/s",
+        f"prefill  {len(result.prompt)} tokens in {result.prefill_s:.3f} s -> {result.prefill_tps:.2f} tok/s ({how})",
         f"decode   {len(result.tokens)} tokens in {result.decode_s:.3f} s -> {result.decode_tps:.2f} tok/s "
         f"(stop: {result.stop})",
         f"device   cpu ({device}), {threads} threads; sampling seed {seed}",
+        memory_table(pack, session),
         "expert routing counts per layer (token-expert pairs over all fed positions):",
     ]
     rows = []
-    for layer, counts in enumerate(routing):
+    for layer, counts in enumerate(session.routing):
         top = counts.argsort(kind="stable")[::-1][:8]
         rows.append((layer, int(counts.sum()), int((counts > 0).sum()),
                      " ".join(f"{int(e)}:{int(counts[e])}" for e in top if counts[e])))
     lines.append(tabulate(rows, headers=["layer", "pairs", "experts used", "most routed (expert:count)"],
                           tablefmt="simple", disable_numparse=True))
+    return "\n".join(lines)
+
+
+def memory_table(pack, session) -> str:
+    """The session's state as measured, beside what strata-budget predicts for the same options (B3)."""
+    from tabulate import tabulate
+
+    from strata.engine.budget import BudgetOptions, plan_budget
+
+    plan = plan_budget(pack.index, pack.experts, pack.geometry, BudgetOptions(max_context=session.max_context, kv=session.kv))
+    measured = session.memory()
+    rows = [(i.name, measured.get(i.key, 0), i.bytes) for i in plan.items if i.key.startswith("session.")]
+    rows.append(("scratch (QSA top-k indices, PLE token windows)", measured["scratch"], "not planned"))
+    title = f"session memory (--kv {session.kv}, --max-context {session.max_context}), bytes:"
+    return title + "\n" + tabulate(rows, headers=["item", "engine", "strata-budget"], tablefmt="simple",
+                                    disable_numparse=True, colalign=("left", "right", "right"))
+
+
+@app.command()
+def perplexity(
+    pack: Path = typer.Option(..., "--pack", help="the pack directory (strata-pack convert)"),
+    file: Path = typer.Option(..., "--file", "-f", help="the text to score (UTF-8)"),
+    ctx: int = typer.Option(512, "--ctx", help="window length in tokens; the second half of each window is scored"),
+    max_windows: Optional[int] = typer.Option(None, "--windows", help="score at most this many windows (default: all)"),
+    save_logits: Optional[Path] = typer.Option(None, "--save-logits", help="save this model's distributions to BASE.bin "
+                                               "(the base for --kl-base)"),
+    kl_base: Optional[Path] = typer.Option(None, "--kl-base", help="report KL divergence and top-1 agreement against "
+                                           "BASE.bin (saved with --save-logits from the same text and --ctx)"),
+    kv: str = typer.Option("f16", "--kv", help="KV cache type: f16, int8 or f32"),
+    prefill: str = typer.Option("auto", "--prefill", help="chunk of the batched prompt path: auto, CHUNK or off"),
+    pool_workers: Optional[int] = typer.Option(None, "--pool-workers", help="hard cap on CPU threads"),
+    native: Optional[Path] = typer.Option(None, "--native", help="the main GGUF, when it moved since packing"),
+    ple_gguf: Optional[Path] = typer.Option(None, "--ple-gguf", help="the PLE GGUF shard, when it moved since packing"),
+) -> None:
+    """Perplexity of a pack over a text file (llama.cpp's windows), and KL divergence against a base model."""
+    who = "strata perplexity"
+    if max_windows is not None and max_windows < 1:
+        raise _fail(f"--windows {max_windows}: expected >= 1", 2, who)
+    try:
+        option = engine_options(kv, prefill)
+        _perplexity(pack, file, ctx, max_windows, save_logits, kl_base, kv, option, pool_workers, native, ple_gguf, who)
+    except KeyboardInterrupt:
+        typer.echo(f"\n{who}: interrupted", err=True)
+        raise typer.Exit(130) from None
+    except _INPUT_ERRORS as e:
+        raise _fail(str(e), 1, who) from None
+
+
+def _perplexity(pack, file, ctx, max_windows, save_logits, kl_base, kv, option, pool_workers, native, ple_gguf, who):
+    from tqdm import tqdm
+
+    from strata.engine import perplexity as P
+    from strata.engine.tokenizer import Tokenizer
+    from strata.index_format.kl_base import KLBaseWriter, read_kl_base
+    from strata.index_format.manifest import pack_fingerprint
+
+    base = read_kl_base(kl_base) if kl_base is not None else None  # a bad base file fails before the load
+    p, model, _ = load_model(pack, native, ple_gguf, pool_workers, who)
+    ids = Tokenizer.load(p.tokenizer_path).encode(Path(file).read_text(encoding="utf-8"))
+    wins = P.windows(ids, ctx)[:max_windows]
+    chunk = prefill_chunk(option, p.geometry, ctx)
+    first = P.first_scored(ctx)
+    total = len(wins) * (ctx - 1 - first)
+    typer.echo(f"{who}: {len(ids)} tokens -> {len(wins)} windows of {ctx}, scoring positions {first + 1}..{ctx - 1} "
+               f"of each ({total} tokens); --kv {kv}, {f'chunks of {chunk}' if chunk > 1 else 'token by token'}", err=True)
+    writer = None
+    if save_logits is not None:
+        writer = KLBaseWriter(save_logits, tokens=wins, first=first, n_vocab=p.geometry.n_vocab,
+                              pack_fingerprint=pack_fingerprint(p.dir))
+    try:
+        with tqdm(total=total, unit="tok", desc="perplexity", file=sys.stderr, disable=None) as bar:
+            scores = P.score(model, wins, kv=kv, chunk=chunk, base=base, save=writer.append if writer else None,
+                             progress=bar.update)
+    except BaseException:
+        if writer is not None:
+            writer.abort()
+        raise
+    if writer is not None:
+        writer.close()
+        typer.echo(f"{who}: saved the distributions of {total} positions to {save_logits}", err=True)
+    typer.echo(format_perplexity(P.summarize(scores), kl_base))
+
+
+def format_perplexity(s, kl_base) -> str:
+    lines = [f"PPL = {s.ppl:.4f} +/- {s.ppl_err:.4f}  ({s.n} tokens scored)"]
+    k = s.kl
+    if k is not None:
+        e = lambda x: f"{x:.4e}"  # KL values span 1e-8 (a KV type) to 1 (a broken quantization)
+        lines += [
+            f"KL divergence against {kl_base} (base PPL = {k['base_ppl']:.4f} +/- {k['base_ppl_err']:.4f}):",
+            f"  mean ln(PPL/PPL_base)  {e(k['ln_ratio'])} +/- {e(k['ln_ratio_err'])}",
+            f"  mean KLD               {e(k['mean'])} +/- {e(k['err'])}",
+            f"  median KLD             {e(k['median'])}",
+            f"  90% / 95% / 99% KLD    {e(k['p90'])} / {e(k['p95'])} / {e(k['p99'])}",
+            f"  maximum KLD            {e(k['max'])}",
+            f"  same top-1 token       {100 * k['same_top1']:.3f} +/- {100 * k['same_top1_err']:.3f} %",
+        ]
     return "\n".join(lines)
 
 

@@ -4,7 +4,12 @@ The prompt is TEACHER-FORCED through the same loop: at every position the next t
 prompt's when there is one, and the sampler's otherwise, so the first generated token comes from
 the last prompt position with no special case. (The seed's first version sampled only on decode
 positions and read an empty `produced` vector at the first one; one loop removes the distinction
-that needed the special case.) Prefill is therefore the decode path one token at a time (seed 6.9).
+that needed the special case.)
+
+Prefill (B1) is only HOW the loop feeds positions whose next token is already known: with a chunk
+of C > 1 tokens, each turn feeds up to C of them in one batch (`Model.forward`, the prompt path),
+with C = 1 (--prefill off) one at a time, the seed's decode path (6.9). A generated token is always
+fed alone: its successor is not known until it has been sampled.
 
 S12: the loop allocates nothing per token that it keeps: the token history is an array sized once
 for the session's context, the session owns the logits and state, the sampler its scratch.
@@ -50,31 +55,43 @@ class Generation:
 
 def generate(model: Model, session: Session, prompt: Sequence[int], sampler: Sampler, max_new_tokens: int, *,
              stop_ids: Collection[int] = (), on_token: Callable[[int], None] | None = None,
-             on_logits: Callable[[int, np.ndarray], None] | None = None) -> Generation:
+             on_logits: Callable[[int, np.ndarray], None] | None = None, prefill: int = 1) -> Generation:
     """Run `prompt` then up to `max_new_tokens` sampled tokens through `session` (from its position 0).
 
     on_token(id) is called for each sampled token as it is chosen (streaming); on_logits(pos, logits)
-    for each fed position with the f32 logits it produced (a view, valid until the next step)."""
+    for each fed position with the f32 logits it produced (a view, valid until the next step).
+    `prefill`: the prompt path's chunk in tokens (1 or 0: token by token)."""
     n_prompt = len(prompt)
     if n_prompt == 0:
         raise ValueError("generate: the prompt is empty; at least one token is needed to predict the next")
     if max_new_tokens < 0:
         raise ValueError(f"generate: max_new_tokens {max_new_tokens}, expected >= 0")
+    if prefill < 0:
+        raise ValueError(f"generate: prefill chunk {prefill}, expected >= 0 (0 or 1: token by token)")
     if session.pos != 0:
         raise ValueError(f"generate: the session is at position {session.pos}; start from a new session")
     if n_prompt > session.max_context:
         raise ValueError(f"generate: the prompt has {n_prompt} tokens, the context holds {session.max_context} "
                          "(raise --max-context)")
+    chunk = max(prefill, 1)
     history = np.empty(n_prompt + max_new_tokens, np.int64)
     history[:n_prompt] = prompt
     n_tokens, fed, stop = n_prompt, 0, "length"
     start = time.perf_counter()
     prefilled = None
     while True:
-        logits = model.step(session, int(history[fed]))
-        if on_logits is not None:
-            on_logits(fed, logits)
-        fed += 1
+        n = min(chunk, n_tokens - fed)  # positions whose next token is known (teacher forcing)
+        if n == 1:  # the decode path: the session's logits buffer, nothing allocated (S12)
+            logits = model.step(session, int(history[fed]))
+            if on_logits is not None:
+                on_logits(fed, logits)
+        else:
+            rows = model.forward(session, history[fed : fed + n], n if on_logits is not None else 1)
+            logits = rows[-1]
+            if on_logits is not None:
+                for i in range(n):
+                    on_logits(fed + i, rows[i])
+        fed += n
         if fed < n_tokens:
             continue  # teacher forcing: the prompt says what comes next
         if prefilled is None:

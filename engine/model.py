@@ -12,6 +12,12 @@ both architectures and only the residual (and qwen4exp's extra components) diffe
 
 S12: a Session makes its state and scratch once (the KV cache is sized for max_context up front);
 a step writes into them and returns a view of the session's logits buffer.
+
+Two ways through the same weights and state: `step` (one token: the decode path, and the prompt
+with --prefill off) and `forward` (T tokens at once: the prompt path, B1). In `forward` every
+matrix multiplies all T tokens at once (ActQ made per token row, exactly as for one token), the MoE
+runs expert by expert over the tokens routed to it, Gated DeltaNet uses the chunked delta rule, and
+attention takes the T queries together. The two agree to float32 rounding (tests/test_prefill.py).
 """
 
 from __future__ import annotations
@@ -20,10 +26,13 @@ import numpy as np
 
 from strata.index_format.geometry import ModelGeometry
 
+from .budget import ATTN_TILE_BYTES
 from .hyper import HyperConnection
 from .kernels.reference import dequantize
+from .kvcache import KVCache
 from .moe import MoE
-from .ops import Rope, attend, conv_step, delta_rule_step, gate_sigmoid, gate_silu, gated_rmsnorm_, l2norm_, rmsnorm, sigmoid, softplus
+from .ops import (Rope, attend, attend_many, causal_mask, chunk_delta_rule, conv_many, delta_rule_step, gate_sigmoid,
+                  gate_silu, gated_rmsnorm_, l2norm_, rmsnorm, sigmoid, softplus)
 from .pack import Pack
 from .ple import PLELayer, PLEState, TableRows
 from .qsa import QSACache, QSALayer
@@ -42,7 +51,7 @@ class ContextFull(RuntimeError):
 class GatedDeltaNet:
     """A linear-attention layer: in_proj -> causal conv + SiLU -> gated delta rule -> gated RMSNorm -> out.
 
-    State per session: conv f32 [K, C] (last K-1 inputs), S f32 [nv, dv, dk]. `gate_act` is the
+    State per session: conv f32 [K-1, C] (the last K-1 inputs), S f32 [nv, dv, dk]. `gate_act` is the
     output-gate activation, not stored in the GGUF: SiLU for qwen35moe, sigmoid for qwen4exp."""
 
     def __init__(self, pack: Pack, layer: int, gate_act):
@@ -59,41 +68,54 @@ class GatedDeltaNet:
         self.dt_bias = pack.weight(f"{b}.ssm_dt.bias").f32()
         self.norm = pack.weight(f"{b}.ssm_norm.weight").f32()
         # scratch shared by every session (one token at a time)
-        self.mixed = np.empty(self.C, F32)
-        self.conv_out = np.empty(self.C, F32)
+        self.mixed = np.empty((1, self.C), F32)
         self.zv = np.empty((self.nv, self.dv), F32)
         self.bv = np.empty(self.nv, F32)
         self.av = np.empty(self.nv, F32)
         self.o = Input(np.empty(self.nv * self.dv, F32))
         self.y = np.empty(g.n_embd, F32)
 
-    def new_state(self, max_context: int) -> dict[str, np.ndarray]:
-        return {"conv": np.zeros((self.K, self.C), F32), "S": np.zeros((self.nv, self.dv, self.dk), F32)}
+    def new_state(self, max_context: int, kv: str) -> dict[str, np.ndarray]:
+        return {"conv": np.zeros((self.K - 1, self.C), F32), "S": np.zeros((self.nv, self.dv, self.dk), F32)}
+
+    def _qkv(self, c: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Conv output [T, C] -> q, k [T, nk, dk] (l2-normalised, q scaled by dk^-1/2), v [T, nv, dv]."""
+        nk, dk, T = self.nk, self.dk, c.shape[0]
+        q = l2norm_(c[:, : nk * dk].reshape(T, nk, dk))
+        q *= F32(dk**-0.5)
+        k = l2norm_(c[:, nk * dk : 2 * nk * dk].reshape(T, nk, dk))
+        return q, k, c[:, 2 * nk * dk :].reshape(T, self.nv, self.dv)
 
     def step(self, state: dict[str, np.ndarray], x: Input, pos: int) -> np.ndarray:
-        nk, dk = self.nk, self.dk
-        self.qkv.matvec(x, out=self.mixed)
+        self.qkv.matvec(x, out=self.mixed[0])
         self.z.matvec(x, out=self.zv.reshape(-1))
         self.beta.matvec(x, out=self.bv)
         self.alpha.matvec(x, out=self.av)
-        c = conv_step(state["conv"], self.conv_w, self.mixed, out=self.conv_out)
-        q = l2norm_(c[: nk * dk].reshape(nk, dk))
-        q *= F32(dk**-0.5)
-        k = l2norm_(c[nk * dk : 2 * nk * dk].reshape(nk, dk))
-        v = c[2 * nk * dk :].reshape(self.nv, self.dv)
+        q, k, v = self._qkv(conv_many(state["conv"], self.conv_w, self.mixed))
         beta = sigmoid(self.bv)
         decay = self.a * softplus(self.av + self.dt_bias)
         o = self.o.x.reshape(self.nv, self.dv)
-        delta_rule_step(state["S"], q, k, v, decay, beta, o)
+        delta_rule_step(state["S"], q[0], k[0], v[0], decay, beta, o)
         gated_rmsnorm_(o, self.norm, self.zv, self.eps, self.gate_act)
         return self.out.matvec(self.o.changed(), out=self.y)
+
+    def forward_many(self, state: dict[str, np.ndarray], x: Input, pos: int) -> np.ndarray:
+        """T tokens: the same projections as matrix products, the chunked delta rule -> f32 [T, E]."""
+        T = x.x.shape[0]
+        q, k, v = self._qkv(conv_many(state["conv"], self.conv_w, self.qkv.matmul(x)))
+        z = self.z.matmul(x).reshape(T, self.nv, self.dv)
+        beta = sigmoid(self.beta.matmul(x))
+        decay = self.a * softplus(self.alpha.matmul(x) + self.dt_bias)
+        o = chunk_delta_rule(state["S"], q, k, v, decay, beta)
+        gated_rmsnorm_(o, self.norm, z, self.eps, self.gate_act)
+        return self.out.matmul(Input(o.reshape(T, -1)))
 
 
 class GatedAttention:
     """Full attention with q/k RMSNorm, partial NeoX RoPE, a KV cache, and a sigmoid output gate.
 
     attn_q holds, per head h, rows [h*2D, h*2D + D) = query and [h*2D + D, (h+1)*2D) = gate.
-    State per session: K, V f32 [Hkv, max_context, D] (f32 for now; --kv int8 comes later)."""
+    State per session: a KVCache (engine/kvcache.py: f32, f16 or int8) for max_context tokens."""
 
     def __init__(self, pack: Pack, layer: int, rope: Rope):
         g, b = pack.geometry, f"blk.{layer}"
@@ -106,30 +128,45 @@ class GatedAttention:
         self.k_norm = pack.weight(f"{b}.attn_k_norm.weight").f32()
         self.qg = np.empty((self.H, 2 * self.D), F32)
         self.q = np.empty((self.H, self.D), F32)
-        self.k = np.empty((self.Hkv, self.D), F32)
-        self.v = np.empty((self.Hkv, self.D), F32)
+        self.k = np.empty((1, self.Hkv, self.D), F32)
+        self.v = np.empty((1, self.Hkv, self.D), F32)
         self.att = Input(np.empty(self.H * self.D, F32))
         self.y = np.empty(g.n_embd, F32)
 
-    def new_state(self, max_context: int) -> dict[str, np.ndarray]:
-        shape = (self.Hkv, max_context, self.D)
-        return {"K": np.zeros(shape, F32), "V": np.zeros(shape, F32)}
+    def new_state(self, max_context: int, kv: str) -> KVCache:
+        return KVCache(kv, max_context, self.Hkv, self.D)
 
-    def step(self, state: dict[str, np.ndarray], x: Input, pos: int) -> np.ndarray:
-        K, V = state["K"], state["V"]
+    def step(self, cache: KVCache, x: Input, pos: int) -> np.ndarray:
         self.wq.matvec(x, out=self.qg.reshape(-1))
         self.wk.matvec(x, out=self.k.reshape(-1))
         self.wv.matvec(x, out=self.v.reshape(-1))
         rmsnorm(self.qg[:, : self.D], self.q_norm, self.eps, out=self.q)
-        rmsnorm(self.k, self.k_norm, self.eps, out=K[:, pos])
+        rmsnorm(self.k, self.k_norm, self.eps, out=self.k)
         self.rope.at(pos)
         self.rope.apply_(self.q)
-        self.rope.apply_(K[:, pos])
-        V[:, pos] = self.v
+        self.rope.apply_(self.k[0])
+        cache.write(pos, self.k, self.v)
+        K, V = cache.read(slice(0, pos + 1))
         out = self.att.x.reshape(self.H, self.D)
-        attend(self.q, K, V, pos + 1, self.D**-0.5, out=out)
+        attend(self.q, K, V, self.D**-0.5, out=out)
         out *= sigmoid(self.qg[:, self.D :])
         return self.wo.matvec(self.att.changed(), out=self.y)
+
+    def forward_many(self, cache: KVCache, x: Input, pos: int) -> np.ndarray:
+        """T tokens at positions pos..: projections as matrix products, the T queries attend together."""
+        H, Hkv, D, T = self.H, self.Hkv, self.D, x.x.shape[0]
+        positions = pos + np.arange(T)
+        qg = self.wq.matmul(x).reshape(T, H, 2 * D)
+        q = rmsnorm(qg[:, :, :D], self.q_norm, self.eps, out=np.empty((T, H, D), F32))
+        k = self.wk.matmul(x).reshape(T, Hkv, D)
+        rmsnorm(k, self.k_norm, self.eps, out=k)
+        self.rope.apply_many_(q, positions)
+        self.rope.apply_many_(k, positions)
+        cache.write(pos, k, self.wv.matmul(x).reshape(T, Hkv, D))
+        K, V = cache.read(slice(0, pos + T))
+        o = attend_many(q, K, V, D**-0.5, causal_mask(pos, T, pos + T), ATTN_TILE_BYTES)
+        o *= sigmoid(qg[:, :, D:])
+        return self.wo.matmul(Input(o.reshape(T, H * D)))
 
 
 class QSAAttention:
@@ -140,12 +177,15 @@ class QSAAttention:
         self.geometry = pack.geometry
         self.qsa = QSALayer(layer, pack.weights, pack.geometry)
 
-    def new_state(self, max_context: int) -> QSACache:
-        return QSACache.for_geometry(self.geometry, max_context)
+    def new_state(self, max_context: int, kv: str) -> QSACache:
+        return QSACache.for_geometry(self.geometry, max_context, kv)
 
     def step(self, state: QSACache, x: Input, pos: int) -> np.ndarray:
         # the Input goes to the Weights as is: the five projections of x share one ActQ
         return self.qsa.step(x, state)
+
+    def forward_many(self, state: QSACache, x: Input, pos: int) -> np.ndarray:
+        return self.qsa.forward_many(x, state)
 
 
 # --- residual schemes --------------------------------------------------------------------------------
@@ -169,6 +209,9 @@ class PreNormResidual:
     def embed(self, h: np.ndarray, e: np.ndarray) -> None:
         h[:] = e
 
+    def embed_many(self, e: np.ndarray) -> np.ndarray:
+        return e.copy()
+
     def enter(self, h: np.ndarray, layer: int, ffn: bool) -> Input:
         gain = (self.ffn_norm if ffn else self.attn_norm)[layer]
         rmsnorm(h, gain, self.eps, out=self.xin.x)
@@ -179,6 +222,17 @@ class PreNormResidual:
 
     def final(self, h: np.ndarray) -> np.ndarray:
         return rmsnorm(h, self.out_norm, self.eps, out=self.head_in)
+
+    # T tokens at once (the prompt path): rows [T, E]; `ctx` carries nothing here
+    def enter_many(self, H: np.ndarray, layer: int, ffn: bool) -> tuple[Input, None]:
+        gain = (self.ffn_norm if ffn else self.attn_norm)[layer]
+        return Input(rmsnorm(H, gain, self.eps, out=np.empty_like(H))), None
+
+    def leave_many(self, H: np.ndarray, layer: int, ffn: bool, Y: np.ndarray, ctx: None) -> None:
+        H += Y
+
+    def final_many(self, H: np.ndarray) -> np.ndarray:
+        return rmsnorm(H, self.out_norm, self.eps, out=np.empty_like(H))
 
 
 class HyperResidual:
@@ -201,6 +255,9 @@ class HyperResidual:
     def embed(self, h: np.ndarray, e: np.ndarray) -> None:
         h.reshape(self.hc, self.E)[:] = e  # transformers: embedding.repeat(1, 1, hc)
 
+    def embed_many(self, e: np.ndarray) -> np.ndarray:
+        return np.tile(e, self.hc)  # [T, hc*E]: every stream starts as the token's embedding
+
     def enter(self, h: np.ndarray, layer: int, ffn: bool) -> Input:
         x, self.inject_w = (self.ffn if ffn else self.attn)[layer].mix(h)
         return self.xin.set(x)
@@ -211,30 +268,65 @@ class HyperResidual:
     def final(self, h: np.ndarray) -> np.ndarray:
         return self.out.mix(h)[0]
 
+    # T tokens at once (the prompt path): streams [T, hc*E]; `ctx` is the mix's injection weights [T, hc]
+    def enter_many(self, H: np.ndarray, layer: int, ffn: bool) -> tuple[Input, np.ndarray]:
+        x, w = (self.ffn if ffn else self.attn)[layer].mix_many(H)
+        return Input(x), w
+
+    def leave_many(self, H: np.ndarray, layer: int, ffn: bool, Y: np.ndarray, w: np.ndarray) -> None:
+        (self.ffn if ffn else self.attn)[layer].inject_many(H, Y, w)
+
+    def final_many(self, H: np.ndarray) -> np.ndarray:
+        return self.out.mix_many(H)[0]
+
 
 # --- the model ---------------------------------------------------------------------------------------
 
 
 class Session:
     """Everything one sequence owns: position, per-layer state, the residual stream, the logits
-    buffer, and per-layer expert routing counts ([n_layer, n_expert], for --stats)."""
+    buffer, and per-layer expert routing counts ([n_layer, n_expert], for --stats).
 
-    def __init__(self, model: Model, max_context: int):
+    `kv` is the KV cache kind (engine/kvcache.py): f32 (exact), f16 or int8. The Gated DeltaNet,
+    conv, QSA indexer and PLE states are f32 whatever it is."""
+
+    def __init__(self, model: Model, max_context: int, kv: str = "f32"):
         if max_context < 1:
             raise ValueError(f"max_context {max_context}: expected at least 1")
         g = model.geometry
-        self.max_context = max_context
+        self.max_context, self.kv = max_context, kv
         self.pos = 0
-        self.states = [m.new_state(max_context) for m in model.mixers]
+        self.states = [m.new_state(max_context, kv) for m in model.mixers]
         self.ple_states = {l: PLEState.for_geometry(g) for l in model.ple}
         self.stream = model.residual.new_stream()
         self.embedding = np.empty(g.n_embd, F32)
         self.logits = np.empty(g.n_vocab, F32)
         self.routing = np.zeros((g.n_layer, g.n_expert), np.int64)
 
+    def memory(self) -> dict[str, int]:
+        """Bytes of the session's state, measured from its arrays, under the keys of strata-budget's
+        session items (engine/budget.py), which predict them; `scratch` (QSA top-k indices, PLE token
+        windows) is in no plan item."""
+        m = dict.fromkeys(("session.kv", "session.gdn_state", "session.conv_state"), 0)
+        m["scratch"] = sum(p.window.nbytes for p in self.ple_states.values())
+        for st in self.states:
+            if isinstance(st, QSACache):
+                for key, n in st.memory().items():
+                    m[key] = m.get(key, 0) + n
+            elif isinstance(st, KVCache):
+                m["session.kv"] += st.nbytes
+            else:
+                m["session.gdn_state"] += st["S"].nbytes
+                m["session.conv_state"] += st["conv"].nbytes
+        if self.ple_states:
+            m["session.ple_state"] = sum(p.ring.nbytes for p in self.ple_states.values())
+        m["session.stream"] = self.stream.nbytes
+        return m
+
 
 class Model:
-    """Weights and per-layer blocks of one pack; `step(session, token)` -> logits f32 [n_vocab]."""
+    """Weights and per-layer blocks of one pack; `step(session, token)` -> logits f32 [n_vocab],
+    `forward(session, tokens)` -> the logits of the last positions of a batch of tokens."""
 
     def __init__(self, pack: Pack):
         g: ModelGeometry = pack.geometry
@@ -254,8 +346,8 @@ class Model:
         self.embd = pack.weight("token_embd.weight")
         self.head = pack.weight("output.weight")
 
-    def new_session(self, max_context: int) -> Session:
-        return Session(self, max_context)
+    def new_session(self, max_context: int, kv: str = "f32") -> Session:
+        return Session(self, max_context, kv)
 
     def warm_up(self) -> None:
         """A few throwaway steps in a scratch session, so the kernels compile (Numba, on first call)
@@ -265,13 +357,18 @@ class Model:
         for _ in range(n):
             self.step(s, 0)
 
+    def _check(self, s: Session, tokens) -> None:
+        if s.pos + len(tokens) > s.max_context:
+            raise ContextFull(f"position {s.pos + len(tokens) - 1}: the session's context is {s.max_context} tokens "
+                              "(--max-context)")
+        bad = [t for t in tokens if not 0 <= t < self.geometry.n_vocab]
+        if bad:
+            raise ValueError(f"token id {bad[0]} outside the vocabulary 0..{self.geometry.n_vocab - 1}")
+
     def step(self, s: Session, token: int) -> np.ndarray:
         """Feed `token` at position s.pos; returns the logits for the next position (s.logits)."""
-        if s.pos >= s.max_context:
-            raise ContextFull(f"position {s.pos}: the session's context is {s.max_context} tokens (--max-context)")
+        self._check(s, (token,))
         g, r, h = self.geometry, self.residual, s.stream
-        if not 0 <= token < g.n_vocab:
-            raise ValueError(f"token id {token} outside the vocabulary 0..{g.n_vocab - 1}")
         s.embedding[:] = dequantize(self.embd.rows(token, token + 1), self.embd.type_id, g.n_embd)
         r.embed(h, s.embedding)
         for l in range(g.n_layer):
@@ -284,6 +381,32 @@ class Model:
         self.head.matvec(r.final(h), out=s.logits)
         s.pos += 1
         return s.logits
+
+    def forward(self, s: Session, tokens, n_logits: int = 1) -> np.ndarray:
+        """Feed T tokens at positions s.pos.. in one batch; returns the logits of the last `n_logits`
+        positions, f32 [n_logits, n_vocab] (0 <= n_logits <= T: the LM head runs only for those).
+
+        The prompt path; `step` is the decode path (S12: it allocates nothing), this one makes its
+        chunk's buffers as it goes."""
+        tokens = np.asarray(tokens, np.int64).reshape(-1)
+        T = tokens.size
+        if not 0 <= n_logits <= T:
+            raise ValueError(f"forward: n_logits {n_logits} outside 0..{T} (the tokens fed)")
+        self._check(s, tokens.tolist())
+        g, r = self.geometry, self.residual
+        emb = np.stack([dequantize(self.embd.rows(t, t + 1), self.embd.type_id, g.n_embd) for t in tokens.tolist()])
+        H = r.embed_many(emb)
+        for l in range(g.n_layer):
+            if l in self.ple:
+                self.ple[l].forward_many(H, tokens, s.ple_states[l])
+            x, ctx = r.enter_many(H, l, ffn=False)
+            r.leave_many(H, l, False, self.mixers[l].forward_many(s.states[l], x, s.pos), ctx)
+            x, ctx = r.enter_many(H, l, ffn=True)
+            r.leave_many(H, l, True, self.moes[l].forward_many(x, s.routing[l]), ctx)
+        s.pos += T
+        if n_logits == 0:
+            return np.empty((0, g.n_vocab), F32)
+        return self.head.matmul(np.ascontiguousarray(r.final_many(H[T - n_logits :])))
 
 
 def _ple_layers(pack: Pack) -> dict[int, PLELayer]:

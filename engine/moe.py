@@ -1,8 +1,9 @@
-"""The MoE block of one token: softmax router, top-k with renormalised weights (norm_topk_prob, true
+"""The MoE block of one token (or of a chunk of T tokens, expert by expert): softmax router, top-k with renormalised weights (norm_topk_prob, true
 for both architectures and not stored in the GGUF), routed experts read in place from the mapped
 GGUF, and the sigmoid-gated shared expert (transformers' Qwen3_5MoeSparseMoeBlock).
 
-Legend: E = n_embd, X = experts, k = experts per token, F = expert n_ff, Fs = shared expert n_ff.
+Legend: E = n_embd, X = experts, k = experts per token, F = expert n_ff, Fs = shared expert n_ff,
+T = tokens of a chunk.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from .kernels import cpu
+from .kernels.actq import ActQ
 from .ops import sigmoid, silu_
 from .pack import Pack
 from .weights import Input
@@ -94,3 +96,52 @@ class MoE:
         self.h.set(self.gate)
         return cpu.matvec(down_raw, self.d.id, F, E, self.h.form(self.d), out=self.part)
 
+
+    # --- T tokens at once (the prompt path) -------------------------------------------------------
+
+    def route_many(self, x: Input) -> tuple[np.ndarray, np.ndarray]:
+        """(expert ids [T, k], weights [T, k]): `route` row by row (the same argpartition and stable
+        argsort on the same float64 probabilities, so the same experts in the same order)."""
+        logits = self.router.matmul(x)
+        p = np.exp(logits - logits.max(axis=1, keepdims=True), dtype=np.float64)
+        p /= p.sum(axis=1, keepdims=True)
+        top = np.argpartition(-p, self.k - 1, axis=1)[:, : self.k]
+        order = np.argsort(-np.take_along_axis(p, top, axis=1), axis=1, kind="stable")
+        top = np.take_along_axis(top, order, axis=1)
+        weights = np.take_along_axis(p, top, axis=1)
+        weights /= weights.sum(axis=1, keepdims=True)
+        return top, weights
+
+    def forward_many(self, x: Input, counts: np.ndarray | None = None) -> np.ndarray:
+        """`step` for T tokens -> f32 [T, E]. Expert by expert: each routed expert's weights are read
+        once for all the tokens routed to it. Each (token, rank) output is kept apart and the sum is
+        made rank by rank, as `step` makes it, so a token's result does not depend on its chunk."""
+        top, weights = self.route_many(x)
+        T = top.shape[0]
+        if counts is not None:
+            counts += np.bincount(top.reshape(-1), minlength=counts.size)
+        routed = np.empty((T, self.k, self.E), F32)
+        flat = top.reshape(-1)
+        order = np.argsort(flat, kind="stable")
+        bounds = np.flatnonzero(np.diff(flat[order])) + 1
+        for group in np.split(order, bounds):
+            rows, ranks = np.divmod(group, self.k)
+            routed[rows, ranks] = self._expert_many(x, int(flat[group[0]]), rows)
+        out = np.zeros((T, self.E), F32)
+        for j in range(self.k):
+            out += weights[:, j : j + 1].astype(F32) * routed[:, j]
+        if self.shared:
+            s_gate, gate, up, down = self.shared
+            h = silu_(gate.matmul(x)) * up.matmul(x)
+            out += sigmoid(s_gate.matmul(x)) * down.matmul(Input(h))
+        return out
+
+    def _expert_many(self, x: Input, e: int, rows: np.ndarray) -> np.ndarray:
+        """Expert e on the tokens `rows` of x -> f32 [len(rows), E]."""
+        gate_raw, up_raw, down_raw = self.pack.expert(self.layer, e)
+        E, F = self.E, self.F
+        act = x.form(self.gu)
+        act = ActQ(act.q[rows], act.d[rows], act.s16[rows]) if isinstance(act, ActQ) else act[rows]
+        gate = cpu.matmul(gate_raw, self.gu.id, E, F, act)
+        h = silu_(gate) * cpu.matmul(up_raw, self.gu.id, E, F, act)
+        return cpu.matmul(down_raw, self.d.id, F, E, Input(h).form(self.d))

@@ -87,19 +87,33 @@ class Rope:
         x[:, :h] = x1 * c - x2 * s
         x[:, h : 2 * h] = x2 * c + x1 * s
 
+    def apply_many_(self, x: np.ndarray, positions: np.ndarray) -> None:
+        """x [T, heads, D] in place, row t at positions[t]: the same angles, rounded the same way, as `at`."""
+        angle = positions.astype(np.float64)[:, None] * self.inv_freq
+        c, s = np.cos(angle).astype(F32)[:, None, :], np.sin(angle).astype(F32)[:, None, :]
+        h = self.half
+        x1 = x[..., :h].copy()
+        x2 = x[..., h : 2 * h]
+        x[..., :h] = x1 * c - x2 * s
+        x[..., h : 2 * h] = x2 * c + x1 * s
+
 
 # --- Gated DeltaNet ---------------------------------------------------------------------------------
 
 
-def conv_step(state: np.ndarray, w: np.ndarray, x: np.ndarray, out: np.ndarray) -> np.ndarray:
-    """Causal depthwise conv over the last K inputs, then SiLU.
+def conv_many(state: np.ndarray, w: np.ndarray, x: np.ndarray) -> np.ndarray:
+    """Causal depthwise conv of T inputs over the last K - 1 before them, then SiLU -> f32 [T, C].
 
-    state f32 [K, C]: rows 0..K-2 the previous inputs (oldest first), row K-1 scratch; w f32 [K, C]
-    (the GGUF's (K, C) ssm_conv1d, as stored); x f32 [C]. torch's conv1d is a cross-correlation with
-    K-1 zeros of left padding, so tap j multiplies the input j - (K-1) steps back."""
-    state[-1] = x
-    np.einsum("kc,kc->c", w, state, out=out)
-    state[:-1] = state[1:]
+    state f32 [K-1, C]: the previous inputs, oldest first (zeros at the start), advanced by T; w f32
+    [K, C] (the GGUF's (K, C) ssm_conv1d, as stored); x f32 [T, C]. torch's conv1d is a
+    cross-correlation with K-1 zeros of left padding, so tap j multiplies the input K-1-j steps back.
+    The token path is T = 1 of the same code, so both paths compute the conv identically."""
+    K, T = w.shape[0], x.shape[0]
+    hist = np.concatenate([state, x])  # [K-1+T, C]
+    out = w[0] * hist[:T]
+    for j in range(1, K):
+        out += w[j] * hist[j : j + T]
+    state[:] = hist[T:]
     return silu_(out)
 
 
@@ -142,6 +156,60 @@ def delta_rule_step(S, q, k, v, g, beta, out) -> None:
     kernel(S, q, k, v, g, beta, out)
 
 
+GDN_CHUNK = 64  # transformers' chunk_size for chunk_gated_delta_rule
+
+
+def single_blas_thread() -> None:
+    """Run numpy's BLAS (the prompt path's delta rule and attention) on one thread, for the process.
+
+    OpenBLAS's threads spin-wait on each other: beside the kernels' Numba threads and another busy
+    process on 2 cores, one 256-token chunk of the delta rule took 18 s instead of 0.05 s. The BLAS
+    work is small beside the kernels', which keep the --pool-workers threads."""
+    from threadpoolctl import threadpool_limits
+
+    threadpool_limits(1, user_api="blas")
+
+
+def chunk_delta_rule(S: np.ndarray, q: np.ndarray, k: np.ndarray, v: np.ndarray, g: np.ndarray, beta: np.ndarray) -> np.ndarray:
+    """T tokens of the gated delta rule in chunked form (transformers' torch_chunk_gated_delta_rule), f32.
+
+    The same recurrence as `delta_rule_step` token by token, regrouped into matrix products over
+    GDN_CHUNK-token sub-chunks (the WY / UT transform), so it differs from it only by float rounding.
+    S f32 [nv, dv, dk] in place; q, k f32 [T, nk, dk] (l2-normalised, q scaled by dk^-1/2); v f32
+    [T, nv, dv]; g, beta f32 [T, nv]; v-head h reads key head h % nk (GGUF tiling). Returns [T, nv, dv].
+    Per sub-chunk, c_i = cumulative log decay, A_ij = exp(c_i - c_j) for j <= i (0 above):
+        (I + strictly_lower(beta_i k_i.k_j A_ij)) [u | w] = [beta v | beta k exp(c)]     forward substitution
+        v_new = u - w S;   o = (q exp(c)) S + tril(q_i.k_j A_ij) v_new
+        S     = S exp(c_last) + (k exp(c_last - c))^T v_new          (S here [dk, dv], transformers' orientation)
+    """
+    T, nv, dv = v.shape
+    nk, dk = q.shape[1:]
+    heads = np.arange(nv) % nk
+    Q = np.ascontiguousarray(q[:, heads].transpose(1, 0, 2))  # [nv, T, dk]
+    K = np.ascontiguousarray(k[:, heads].transpose(1, 0, 2))
+    V = v.transpose(1, 0, 2)  # [nv, T, dv]
+    B = beta.T[:, :, None]  # [nv, T, 1]
+    St = np.ascontiguousarray(S.transpose(0, 2, 1))  # [nv, dk, dv]
+    out = np.empty((nv, T, dv), F32)
+    for a in range(0, T, GDN_CHUNK):
+        b = min(a + GDN_CHUNK, T)
+        n = b - a
+        q_, k_, kb = Q[:, a:b], K[:, a:b], K[:, a:b] * B[:, a:b]
+        c = np.cumsum(g[a:b].T, axis=1, dtype=F32)  # [nv, n]
+        lower = np.tril(np.ones((n, n), bool))
+        A = np.exp(np.where(lower, c[:, :, None] - c[:, None, :], -np.inf)).astype(F32)  # [nv, n, n]
+        L = np.tril(kb @ k_.transpose(0, 2, 1) * A, -1)
+        X = np.concatenate([V[:, a:b] * B[:, a:b], kb * np.exp(c)[:, :, None]], axis=-1)  # [nv, n, dv + dk]
+        for i in range(1, n):
+            X[:, i] -= (L[:, i : i + 1, :i] @ X[:, :i])[:, 0]
+        v_new = X[..., :dv] - X[..., dv:] @ St
+        out[:, a:b] = (q_ * np.exp(c)[:, :, None]) @ St + (q_ @ k_.transpose(0, 2, 1) * A) @ v_new
+        last = c[:, -1:]
+        St = St * np.exp(last)[:, :, None] + (k_ * np.exp(last - c)[:, :, None]).transpose(0, 2, 1) @ v_new
+    S[...] = St.transpose(0, 2, 1)
+    return out.transpose(1, 0, 2)
+
+
 def gated_rmsnorm_(o: np.ndarray, gain: np.ndarray, z: np.ndarray, eps: float, act) -> np.ndarray:
     """In place per head: o / sqrt(mean(o^2) + eps) * gain * act(z); o, z [nv, dv], gain [dv] stored as is."""
     rmsnorm(o, gain, eps, out=o)
@@ -168,17 +236,43 @@ def softmax_(x: np.ndarray) -> np.ndarray:
     return x
 
 
-def attend(q: np.ndarray, K: np.ndarray, V: np.ndarray, n: int, scale: float, out: np.ndarray) -> np.ndarray:
-    """Causal attention of one query token over the first n cached positions, grouped by KV head.
+def attend(q: np.ndarray, K: np.ndarray, V: np.ndarray, scale: float, out: np.ndarray) -> np.ndarray:
+    """Attention of one query token over the n cached positions in K, V f32 [Hkv, n, D], grouped by KV head.
 
-    q f32 [H, D]; K, V f32 [Hkv, max_ctx, D]; out f32 [H, D]. Query head h reads KV head
-    h // (H / Hkv) (transformers' repeat_kv)."""
+    q f32 [H, D]; out f32 [H, D]. Query head h reads KV head h // (H / Hkv) (transformers' repeat_kv)."""
     H, D = q.shape
     Hkv = K.shape[0]
-    G = H // Hkv
-    qg = q.reshape(Hkv, G, D)
-    scores = np.matmul(qg, K[:, :n].transpose(0, 2, 1))  # [Hkv, G, n]
+    qg = q.reshape(Hkv, H // Hkv, D)
+    scores = np.matmul(qg, K.transpose(0, 2, 1))  # [Hkv, G, n]
     scores *= F32(scale)
     softmax_(scores)
-    np.matmul(scores, V[:, :n], out=out.reshape(Hkv, G, D))
+    np.matmul(scores, V, out=out.reshape(Hkv, H // Hkv, D))
     return out
+
+
+def attend_many(q: np.ndarray, K: np.ndarray, V: np.ndarray, scale: float, visible: np.ndarray,
+                tile_bytes: int) -> np.ndarray:
+    """Attention of T query tokens together -> f32 [T, H, D].
+
+    q f32 [T, H, D]; K, V f32 [Hkv, n, D]; visible bool [T, n]: which keys each query attends (the
+    causal mask, or QSA's selection). Queries go in tiles whose scores fit in `tile_bytes`, so a long
+    context never makes a [T, H, n] matrix at once."""
+    T, H, D = q.shape
+    Hkv, n = K.shape[:2]
+    G = H // Hkv
+    tile = max(1, tile_bytes // (G * n * 4))
+    out = np.empty((T, H, D), F32)
+    for j in range(Hkv):
+        for a in range(0, T, tile):
+            b = min(a + tile, T)
+            sc = (q[a:b, j * G : (j + 1) * G].reshape(-1, D) @ K[j].T).reshape(b - a, G, n)
+            sc *= F32(scale)
+            sc[~np.broadcast_to(visible[a:b, None, :], sc.shape)] = -np.inf
+            softmax_(sc)
+            out[a:b, j * G : (j + 1) * G] = (sc.reshape(-1, n) @ V[j]).reshape(b - a, G, D)
+    return out
+
+
+def causal_mask(pos0: int, T: int, n: int) -> np.ndarray:
+    """bool [T, n]: query t (at position pos0 + t) sees keys 0 .. pos0 + t."""
+    return np.arange(n)[None, :] <= (pos0 + np.arange(T))[:, None]

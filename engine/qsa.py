@@ -1,4 +1,4 @@
-"""qwen4exp QSA: gated full attention over the tokens a block indexer selects, one query token at a time.
+"""qwen4exp QSA: gated full attention over the tokens a block indexer selects (one query, or a chunk of them).
 
 transformers' `Qwen4ExpTextQSAIndexer` + `Qwen4ExpTextAttention` (ground truth), with the weights as
 llama.cpp's converter stores them (docs/gguf-layout.md, docs/qwen4exp.md). For the token at position p:
@@ -30,8 +30,11 @@ from typing import Any, Mapping
 import numpy as np
 from numba import njit
 
+from .budget import ATTN_TILE_BYTES, kv_bytes_per_token
 from .hyper import ComponentError, as_f32, as_linear, grouped_rmsnorm, sigmoid, take
 from .kernels.jit import JIT
+from .kvcache import KVCache
+from .ops import attend_many
 
 F32 = np.float32
 
@@ -58,6 +61,14 @@ class Rope:
     def apply(self, x: np.ndarray, pos: int) -> None:
         """In place on x[..., d], d >= n_rot."""
         c, s = self.cos_sin(pos)
+        self._rotate(x, c, s)
+
+    def apply_many(self, x: np.ndarray, positions: np.ndarray) -> None:
+        """In place on x[T, heads, d], row t at positions[t]: the angles `apply` computes, row by row."""
+        ang = positions.astype(F32)[:, None] * self.inv_freq
+        self._rotate(x, np.cos(ang)[:, None, :], np.sin(ang)[:, None, :])
+
+    def _rotate(self, x: np.ndarray, c: np.ndarray, s: np.ndarray) -> None:
         x1 = x[..., : self.half].copy()
         x2 = x[..., self.half : self.n_rot]
         x[..., : self.half] = x1 * c - x2 * s
@@ -215,40 +226,48 @@ def torch_topk_set(scores: np.ndarray, k: int, vbuf: np.ndarray, ibuf: np.ndarra
 # the per-layer cache
 
 
-def qsa_cache_bytes(g: Any, max_ctx: int) -> int:
-    """Bytes of one QSA layer's QSACache: K and V, ONE raw indexer key head per token, pooled blocks, scratch."""
+def qsa_cache_bytes(g: Any, max_ctx: int, kv: str = "f32") -> int:
+    """Bytes of one QSA layer's QSACache: the KV cache (engine/kvcache.py, `kv` kind), ONE raw indexer
+    key head per token (f32), pooled blocks and their scores (f32), the top-k index scratch (int64)."""
     nb = max_ctx // g.idx_compress_ratio
-    return 4 * (2 * max_ctx * g.n_head_kv * g.head_dim + max_ctx * g.idx_head_dim + nb * g.idx_head_dim) + 12 * nb
+    return max_ctx * kv_bytes_per_token(g, kv) + 4 * (max_ctx * g.idx_head_dim + nb * g.idx_head_dim) + 12 * nb
 
 
 class QSACache:
     """One QSA layer's state, allocated once for max_ctx tokens (S12); `n` tokens are cached.
 
     The indexer stores ONE key head per token (indexer.k_proj is [E, Id]); sizing it by the 4 query
-    heads made a store 4x too big that survived every total-based check (seed, round 194).
+    heads made a store 4x too big that survived every total-based check (seed, round 194). K and V
+    are a KVCache of the session's kind (f32, f16 or int8); the indexer keys stay f32, because block
+    selection is discrete and a rounded key could flip it.
     """
 
-    def __init__(self, max_ctx: int, *, n_head_kv: int, head_dim: int, idx_head_dim: int, compress_ratio: int):
+    def __init__(self, max_ctx: int, *, n_head_kv: int, head_dim: int, idx_head_dim: int, compress_ratio: int,
+                 kv: str = "f32"):
         if max_ctx <= 0 or compress_ratio <= 0:
             raise ComponentError(f"QSACache: max_ctx {max_ctx} and compress ratio {compress_ratio} must be > 0")
         nb = max_ctx // compress_ratio
         self.max_ctx, self.ratio = max_ctx, compress_ratio
-        self.k = np.zeros((max_ctx, n_head_kv, head_dim), F32)  # normed, roped
-        self.v = np.zeros((max_ctx, n_head_kv, head_dim), F32)
+        self.kv = KVCache(kv, max_ctx, n_head_kv, head_dim)  # normed, roped
         self.idx_keys = np.zeros((max_ctx, idx_head_dim), F32)  # raw (unnormed, unroped), one head
         self.idx_blocks = np.zeros((nb, idx_head_dim), F32)  # block b valid iff (b+1)*r <= n
-        self._vbuf = np.zeros(nb, F32)
+        self._vbuf = np.zeros(nb, F32)  # the block scores, as top-k permutes them
         self._ibuf = np.zeros(nb, np.int64)
         self.n = 0
 
     @classmethod
-    def for_geometry(cls, g: Any, max_ctx: int) -> "QSACache":
+    def for_geometry(cls, g: Any, max_ctx: int, kv: str = "f32") -> "QSACache":
         return cls(max_ctx, n_head_kv=g.n_head_kv, head_dim=g.head_dim, idx_head_dim=g.idx_head_dim,
-                   compress_ratio=g.idx_compress_ratio)
+                   compress_ratio=g.idx_compress_ratio, kv=kv)
 
     @property
     def nbytes(self) -> int:
-        return sum(a.nbytes for a in (self.k, self.v, self.idx_keys, self.idx_blocks, self._vbuf, self._ibuf))
+        return sum(self.memory().values())
+
+    def memory(self) -> dict[str, int]:
+        """Bytes by strata-budget's session items (engine/budget.py); `scratch`: the top-k indices."""
+        return {"session.kv": self.kv.nbytes, "session.indexer_keys": self.idx_keys.nbytes,
+                "session.indexer_blocks": self.idx_blocks.nbytes + self._vbuf.nbytes, "scratch": self._ibuf.nbytes}
 
     def truncate(self, n: int) -> None:
         """Forget tokens n.. (a rejected draft); pooled blocks below n stay valid, the rest are rebuilt on append."""
@@ -300,11 +319,34 @@ class QSALayer:
         return self._token(self.attn_q.matvec(x), self.attn_k.matvec(x), self.attn_v.matvec(x),
                            self.idx_q.matvec(x), self.idx_k.matvec(x), cache)
 
-    def forward_many(self, x: np.ndarray, cache: QSACache) -> np.ndarray:
-        """x f32[T, E] at positions cache.n.. -> f32[T, E]: projections batched, then token by token."""
+    def forward_many(self, x, cache: QSACache) -> np.ndarray:
+        """x f32[T, E] (or an Input of T rows) at positions cache.n.. -> f32[T, E], the T queries together.
+
+        The chunk's keys are appended first (a query still attends only keys at or before it: its
+        selection is made from the blocks complete at its position, by `select`, the token path's
+        own code); attention runs once over the union of the queries' selections, masked per query."""
         qg, k, v = self.attn_q.matmul(x), self.attn_k.matmul(x), self.attn_v.matmul(x)
         iq, ik = self.idx_q.matmul(x), self.idx_k.matmul(x)
-        return np.stack([self._token(qg[i], k[i], v[i], iq[i], ik[i], cache) for i in range(x.shape[0])])
+        T, p0 = qg.shape[0], cache.n
+        if p0 + T > cache.max_ctx:
+            raise ComponentError(f"layer {self.layer}: context full ({cache.max_ctx} tokens); raise --max-context")
+        H, Hkv, D, pos = self.H, self.Hkv, self.D, p0 + np.arange(T)
+        qg = qg.reshape(T, H, 2 * D)
+        q = grouped_rmsnorm(qg[:, :, :D], self.q_norm, D, self.eps)
+        k = grouped_rmsnorm(k.reshape(T, Hkv, D), self.k_norm, D, self.eps)
+        iq = grouped_rmsnorm(iq.reshape(T, self.Ih, self.Id), self.idx_q_norm, self.Id, self.eps)
+        for a in (q, k, iq):
+            self.rope.apply_many(a, pos)
+        self._append(cache, k, v.reshape(T, Hkv, D), ik)
+        sels = [self.select(iq[i], cache, p0 + i + 1) for i in range(T)]
+        keys = np.unique(np.concatenate(sels))
+        visible = np.zeros((T, keys.size), bool)
+        for i, sel in enumerate(sels):
+            visible[i, np.searchsorted(keys, sel)] = True
+        self.selected = sels[-1]
+        K, V = cache.kv.read(keys)
+        o = attend_many(q, K, V, D**-0.5, visible, ATTN_TILE_BYTES).reshape(T, H * D)
+        return self.attn_out.matmul(o * sigmoid(qg[:, :, D:].reshape(T, H * D)))
 
     def _token(self, qg, k, v, iq, ik, cache: QSACache) -> np.ndarray:
         p = cache.n
@@ -319,24 +361,28 @@ class QSALayer:
         self.rope.apply(k, p)
         iq = grouped_rmsnorm(iq.reshape(self.Ih, self.Id), self.idx_q_norm, self.Id, self.eps)
         self.rope.apply(iq, p)
-        self._append(cache, k, v.reshape(Hkv, D), ik)
+        self._append(cache, k[None], v.reshape(1, Hkv, D), ik[None])
         sel = self.select(iq, cache)
         self.selected = sel
         return self.attn_out.matvec(self._attend(q, sel, cache) * sigmoid(gate))
 
     def _append(self, cache: QSACache, k, v, ik) -> None:
-        p, r = cache.n, self.ratio
-        cache.k[p], cache.v[p], cache.idx_keys[p] = k, v, ik
-        cache.n = p + 1
-        if (p + 1) % r == 0:  # block p // r just completed: pool it once, it never changes again
-            b = p // r
-            kb = grouped_rmsnorm(cache.idx_keys[b * r : p + 1].mean(axis=0, dtype=F32), self.idx_k_norm, self.Id, self.eps)
+        """k, v [T, Hkv, D], ik [T, Id] at positions cache.n..; pools every block they complete, once."""
+        p, T, r = cache.n, k.shape[0], self.ratio
+        cache.kv.write(p, k, v)
+        cache.idx_keys[p : p + T] = ik
+        cache.n = p + T
+        for b in range(p // r, (p + T) // r):  # blocks completed by these tokens never change again
+            keys = cache.idx_keys[b * r : (b + 1) * r]
+            kb = grouped_rmsnorm(keys.mean(axis=0, dtype=F32), self.idx_k_norm, self.Id, self.eps)
             self.rope.apply(kb, b * r)
             cache.idx_blocks[b] = kb
 
-    def select(self, iq: np.ndarray, cache: QSACache) -> np.ndarray:
-        """Token ids (ascending) the query attends: the top complete blocks by indexer score + the incomplete tail."""
-        r, n = self.ratio, cache.n
+    def select(self, iq: np.ndarray, cache: QSACache, n: int | None = None) -> np.ndarray:
+        """Token ids (ascending) a query attends when n tokens are cached (default: all of them): the top
+        complete blocks by indexer score + the incomplete tail."""
+        r = self.ratio
+        n = cache.n if n is None else n
         nb = n // r
         tail = np.arange(nb * r, n, dtype=np.int64)
         if nb == 0:
@@ -350,9 +396,8 @@ class QSALayer:
     def _attend(self, q: np.ndarray, sel: np.ndarray, cache: QSACache) -> np.ndarray:
         """Softmax attention of q [H, D] over the cached tokens `sel`; GQA head h reads kv head h // (H/Hkv)."""
         Hkv, D = self.Hkv, self.D
-        K = cache.k[sel].transpose(1, 2, 0)  # [Hkv, D, S]
-        V = cache.v[sel].transpose(1, 0, 2)  # [Hkv, S, D]
-        sc = (q.reshape(Hkv, -1, D) @ K) * F32(D**-0.5)  # [Hkv, rep, S]
+        K, V = cache.kv.read(sel)  # [Hkv, S, D]
+        sc = (q.reshape(Hkv, -1, D) @ K.transpose(0, 2, 1)) * F32(D**-0.5)  # [Hkv, rep, S]
         sc = np.exp(sc - sc.max(axis=-1, keepdims=True))
         sc /= sc.sum(axis=-1, keepdims=True, dtype=F32)
         return (sc @ V).reshape(-1)

@@ -131,7 +131,8 @@ def test_indexer_key_store_is_one_key_head_round_194(seed4l):
 
     cpu = QSACache.for_geometry(g4, C)
     assert cpu.idx_keys.nbytes == B.indexer_key_bytes(g4, C)
-    assert cpu.k.nbytes + cpu.v.nbytes == 2 * C * B.kv_bytes_per_token(g4, "f16")  # f32 on the CPU, f16 here
+    for kv in B.KV_TYPES:  # the CPU KV cache is the plan's, kind by kind (engine/kvcache.py)
+        assert QSACache.for_geometry(g4, C, kv).kv.nbytes == C * B.kv_bytes_per_token(g4, kv)
     assert cpu.idx_blocks.nbytes + C // 64 * 4 == B.pooled_block_bytes(g4, C)  # + one f32 score per block
 
 

@@ -31,6 +31,9 @@ def gen(pack_dir, *args):
     return main(["generate", "--pack", str(pack_dir), "--pool-workers", "1", *args])
 
 
+EXACT = ("--kv", "f32", "--prefill", "off")  # the path greedy_by_hand takes: token by token, f32 KV
+
+
 def greedy_by_hand(pack_dir, prompt: list[int], n: int) -> tuple[list[int], np.ndarray]:
     model = Model(Pack.open(pack_dir))
     s = model.new_session(len(prompt) + n)
@@ -44,7 +47,7 @@ def greedy_by_hand(pack_dir, prompt: list[int], n: int) -> tuple[list[int], np.n
 
 def test_greedy_text_and_logits_of_every_position(pack_dir, tmp_path, capsys):
     out = tmp_path / "logits.npy"
-    assert gen(pack_dir, "--prompt-ids", "5 77 140 3", "-n", "6", "--temp", "0", "--dump-logits", str(out)) == 0
+    assert gen(pack_dir, "--prompt-ids", "5 77 140 3", "-n", "6", "--temp", "0", "--dump-logits", str(out), *EXACT) == 0
     tokens, rows = greedy_by_hand(pack_dir, [5, 77, 140, 3], 6)
     tok = Tokenizer.load(pack_dir / "tokenizer.txt")
     assert capsys.readouterr().out == tok.decode(tokens) + "\n"
@@ -70,7 +73,7 @@ def test_text_prompt_chat_and_stats(pack_dir, capsys):
 def test_prompt_file(pack_dir, tmp_path, capsys):
     p = tmp_path / "prompt.txt"
     p.write_text("abc", encoding="utf-8")
-    assert gen(pack_dir, "--prompt-file", str(p), "-n", "2", "--temp", "0") == 0
+    assert gen(pack_dir, "--prompt-file", str(p), "-n", "2", "--temp", "0", *EXACT) == 0
     tokens, _ = greedy_by_hand(pack_dir, Tokenizer.load(pack_dir / "tokenizer.txt").encode("abc"), 2)
     assert capsys.readouterr().out == Tokenizer.load(pack_dir / "tokenizer.txt").decode(tokens) + "\n"
 

@@ -1,8 +1,8 @@
 """The Numba kernels against the numpy statement of the same arithmetic (reference.dot_reference),
 bit for bit, and against float64, within the rounding the specification allows (docs/kernels.md).
 
-Each block type compiles its own kernel (1-3 s each), so shapes stay small except the two expert
-shapes on a few types."""
+Each block type compiles its own kernels (1-3 s each, serial and parallel, then kept in the disk
+cache), so shapes stay small except the two expert shapes on a few types."""
 
 from __future__ import annotations
 
@@ -10,6 +10,8 @@ import os
 import re
 import subprocess
 import sys
+import tracemalloc
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -18,7 +20,7 @@ from kernel_blocks import random_weights
 
 from strata.engine.kernels import cpu
 from strata.engine.kernels import reference as R
-from strata.engine.kernels.actq import ActQ, quantize_act
+from strata.engine.kernels.actq import ActQ, quantize_act, quantize_act_reference
 from strata.index_format.ggml_types import BY_NAME, TYPES
 
 EPS = float(np.finfo(np.float32).eps)
@@ -44,6 +46,19 @@ def _same(got: np.ndarray, ref: np.ndarray, what: str) -> None:
     g, r = got.view(np.uint32), np.ascontiguousarray(ref, np.float32).view(np.uint32)
     bad = np.argwhere(g != r)
     assert bad.size == 0, f"{what}: {len(bad)} outputs differ, first {tuple(bad[0])}: {got[tuple(bad[0])]!r} vs reference {ref[tuple(bad[0])]!r}"
+
+
+@contextmanager
+def _path(parallel: bool, threads: int | None = None):
+    """Force the parallel kernel (on 2 threads unless told) or the serial one, whatever the size."""
+    below, before = cpu.SERIAL_BELOW, cpu.get_threads()
+    cpu.SERIAL_BELOW = 0 if parallel else 1 << 62
+    cpu.set_threads(min(threads or 2, cpu.numba.config.NUMBA_NUM_THREADS))
+    try:
+        yield
+    finally:
+        cpu.SERIAL_BELOW = below
+        cpu.set_threads(before)
 
 
 @pytest.mark.parametrize("t", TYPES, ids=lambda t: t.name)
@@ -107,15 +122,31 @@ def test_results_do_not_depend_on_the_thread_count():
     t = BY_NAME["Q4_K"]
     raw = random_weights(t, 1024 * 37, np.random.default_rng(3))
     act = quantize_act(_acts(1024, 3, 3))
-    before = cpu.get_threads()
-    try:
-        cpu.set_threads(1)
+    with _path(False, threads=1):
         one = cpu.matmul(raw, t.id, 1024, 37, act)
-        cpu.set_threads(cpu.numba.config.NUMBA_NUM_THREADS)
+    with _path(True, threads=cpu.numba.config.NUMBA_NUM_THREADS):
         many = cpu.matmul(raw, t.id, 1024, 37, act)
-    finally:
-        cpu.set_threads(before)
     _same(many, one, "threads")
+
+
+@pytest.mark.parametrize("name", ["Q4_K", "IQ2_XS", "Q5_1", "BF16"])
+def test_serial_and_parallel_paths_give_the_same_bits(name):
+    # Small calls run on the calling thread, large ones over the pool (cpu.SERIAL_BELOW): two
+    # compiled kernels, one arithmetic. 37 rows: uneven chunks for the parallel one.
+    if cpu.numba.config.NUMBA_NUM_THREADS < 2:
+        pytest.skip("one CPU thread (NUMBA_NUM_THREADS=1): every call takes the serial path")
+    t = BY_NAME[name]
+    n_in = _shape(t)[0]
+    raw = random_weights(t, n_in * 37, np.random.default_rng(5))
+    x = _acts(n_in, 3, 5)
+    act = quantize_act(x) if t.quantized else x
+    with _path(False):
+        one = cpu.matmul(raw, t.id, n_in, 37, act)
+    with _path(True):
+        many = cpu.matmul(raw, t.id, n_in, 37, act)
+    assert cpu._kernel(name, False).signatures and cpu._kernel(name, True).signatures, "a path was not taken"
+    _same(many, one, f"{name} parallel vs serial")
+    _same(one, R.dot_reference(raw, t.id, n_in, 37, act), f"{name} serial")
 
 
 def test_set_threads_refuses_an_impossible_count():
@@ -125,7 +156,7 @@ def test_set_threads_refuses_an_impossible_count():
         cpu.set_threads(cpu.numba.config.NUMBA_NUM_THREADS + 1)
 
 
-def test_no_fused_multiply_add_in_the_compiled_kernels():
+def test_no_fused_multiply_add_in_the_compiled_kernels(monkeypatch):
     # The specification rounds every product before the add; an FMA (fastmath, or a compiler
     # contracting a*b+c) would change the bits and the GPU could no longer match them.
     for name in ("Q4_K", "Q8_0", "F16"):
@@ -133,10 +164,15 @@ def test_no_fused_multiply_add_in_the_compiled_kernels():
         n_in, n_out = _shape(t)
         raw = random_weights(t, n_in * n_out, np.random.default_rng(0))
         act = quantize_act(_acts(n_in, 1, 0)) if t.quantized else _acts(n_in, 1, 0)
-        cpu.matmul(raw, t.id, n_in, n_out, act)
-        asm = "\n".join(cpu._kernel(name).inspect_asm().values())
-        assert "vmulss" in asm or "vmulps" in asm, "no f32 multiply found: the check itself is broken"
-        assert not re.search(r"\bv?f(n)?m(add|sub)\d", asm), f"{name}: FMA instruction in the kernel"
+        for parallel in (False, True):
+            kernel = cpu._build(name, parallel)
+            kernel._cache.disable()  # compile here: numba shows no machine code for a disk-cache load
+            monkeypatch.setitem(cpu._KERNELS, (name, parallel), kernel)
+            with _path(parallel):
+                cpu.matmul(raw, t.id, n_in, n_out, act)
+            asm = "\n".join(kernel.inspect_asm().values())
+            assert "vmulss" in asm or "vmulps" in asm, "no f32 multiply found: the check itself is broken"
+            assert not re.search(r"\bv?f(n)?m(add|sub)\d", asm), f"{name}: FMA instruction in the kernel"
 
 
 def test_bad_inputs_are_refused_with_the_reason():
@@ -153,6 +189,8 @@ def test_bad_inputs_are_refused_with_the_reason():
         cpu.matvec(random_weights(BY_NAME["F16"], 256 * 4, np.random.default_rng(0)), BY_NAME["F16"].id, 256, 4, act)
     with pytest.raises(ValueError, match="contiguous"):
         cpu.matvec(np.repeat(raw, 2)[::2], t.id, 256, 4, act)
+    with pytest.raises(ValueError, match="out must be contiguous"):  # a reshaped copy would be filled instead
+        cpu.matvec(raw, t.id, 256, 4, act, out=np.empty(8, np.float32)[::2])
     with pytest.raises(ValueError, match="unknown GGML type 99"):
         cpu.matvec(raw, 99, 256, 4, act)
 
@@ -195,3 +233,75 @@ def test_fallback_simd_paths_give_the_same_bits(features):
     res = subprocess.run([sys.executable, "-P", "-c", code], env=env, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]
     assert res.stdout.count("same") == 3, res.stdout
+
+
+def test_quantize_act_fills_out_in_place_and_allocates_nothing():
+    x = _acts(4096, 3, 7)
+    ref = quantize_act_reference(x)
+    out = ActQ.empty(x.shape)
+    assert quantize_act(x, out=out) is out
+    one = ActQ.empty((4096,))
+    assert quantize_act(x[1], out=one) is one
+    for k in ("q", "d", "s16"):
+        assert np.array_equal(getattr(out, k), getattr(ref, k)), f"out.{k} differs from the reference"
+        assert np.array_equal(getattr(one, k), getattr(ref, k)[1]), f"out.{k} of one vector differs from the reference"
+    # numpy reports its buffers to tracemalloc: the old path made q, d, s16 and an isfinite mask
+    big = _acts(1 << 16, 1, 8)[0]
+    buf = ActQ.empty(big.shape)
+    quantize_act(big, out=buf)
+    tracemalloc.start()
+    try:
+        quantize_act(big, out=buf)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 4096, f"quantize_act(out=) allocated {peak} bytes for {big.nbytes} bytes of activations"
+
+
+def test_quantize_act_refuses_a_wrong_out_and_non_finite_input():
+    x = _acts(256, 2, 9)
+    with pytest.raises(ValueError, match=r"out.q must be .* shape \[2, 256\]"):
+        quantize_act(x, out=ActQ.empty((256,)))
+    bad = ActQ.empty((2, 256))
+    with pytest.raises(ValueError, match=r"out.s16 must be .*int32"):
+        quantize_act(x, out=ActQ(bad.q, bad.d, bad.s16.astype(np.int64)))
+    with pytest.raises(TypeError, match="out must be an ActQ"):
+        quantize_act(x, out=np.empty(256, np.int8))
+    x[1, 77] = np.inf
+    with pytest.raises(ValueError, match=r"non-finite activation inf at index \(1, 77\)"):
+        quantize_act(x, out=bad)
+
+
+_CACHE_CHECK = """
+import numpy as np, sys
+sys.path.insert(0, {tests!r})
+from kernel_blocks import random_weights
+from strata.engine.kernels import cpu
+from strata.engine.kernels.actq import quantize_act
+from strata.index_format.ggml_types import BY_NAME
+t = BY_NAME["Q4_0"]
+raw = random_weights(t, 256 * 8, np.random.default_rng(0))
+y = cpu.matvec(raw, t.id, 256, 8, quantize_act(np.linspace(-1, 1, 256, dtype=np.float32)))
+k = cpu._kernel("Q4_0", False)
+print(sum(k.stats.cache_hits.values()), sum(k.stats.cache_misses.values()), y.view(np.uint32).tolist())
+"""
+
+
+def test_kernels_load_from_the_disk_cache_in_a_new_process(tmp_path):
+    # Compiling took 20-30 s at every start of the demo model; a second process must load the
+    # machine code. A narrowed feature set compiles other code for the same CPU: it must not
+    # load the full set's entry (the fallback test above would then test nothing).
+    env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path))
+    env.pop("STRATA_SIMD_FEATURES", None)
+    code = _CACHE_CHECK.format(tests=str(Path(__file__).resolve().parent))
+    runs = []
+    for e in (env, env, dict(env, STRATA_SIMD_FEATURES="")):
+        res = subprocess.run([sys.executable, "-P", "-c", code], env=e, capture_output=True, text=True, timeout=600)
+        assert res.returncode == 0, res.stderr[-3000:]
+        runs.append(res.stdout.split(maxsplit=2))
+    (hit0, miss0, y0), (hit1, miss1, y1), (hit2, miss2, y2) = runs
+    assert (hit0, miss0) == ("0", "1"), f"first process: {hit0} cache hits, {miss0} compilations"
+    assert (hit1, miss1) == ("1", "0"), f"second process: {hit1} cache hits, {miss1} compilations (expected a load)"
+    assert (hit2, miss2) == ("0", "1"), "narrowed SIMD features loaded the full feature set's machine code"
+    assert y0 == y1 == y2
+    assert list(tmp_path.rglob("strata-Q4_0-serial-*.nbc")), sorted(p.name for p in tmp_path.rglob("*"))

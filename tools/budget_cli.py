@@ -49,9 +49,9 @@ def budget(
     free_mib: Optional[int] = typer.Option(None, "--free-mib", min=0,
                                            help="device memory free before the engine starts (nvidia-smi's free)"),
     vram_reserve_mib: int = typer.Option(700, "--vram-reserve-mib", min=0, help="headroom kept free beside the cache (S8)"),
-    prefill: str = typer.Option("auto", "--prefill", help="the prompt path's chunk: auto (256), a token count, or 0 for none"),
+    prefill: str = typer.Option("auto", "--prefill", help="the prompt path's chunk: auto (256), a token count, or off (0) for none"),
     max_context: int = typer.Option(4096, "--max-context", min=1, help="KV cache size in tokens"),
-    kv: str = typer.Option("f16", "--kv", help="KV cache type: f16 or int8 (f32 scale per 32 elements)"),
+    kv: str = typer.Option("f16", "--kv", help="KV cache type: f16, int8 (f32 scale per 32 elements) or f32"),
     expert_cache: str = typer.Option("auto", "--expert-cache", help="auto (S8) or a slot count to check"),
     expert_profile: Optional[Path] = typer.Option(None, "--expert-profile", help="expert-profile.bin (strata-profile)"),
     plot: Optional[Path] = typer.Option(None, "--plot", help="write a PNG of expected hit rate against slots"),
@@ -79,9 +79,10 @@ def budget(
 
 
 def _options(prefill: str, max_context: int, kv: str, expert_cache: str, reserve: int):
-    from strata.engine.budget import PREFILL_AUTO_CHUNK, BudgetOptions
+    from strata.engine.budget import BudgetOptions, auto_prefill_chunk, parse_prefill
 
-    chunk = PREFILL_AUTO_CHUNK if prefill == "auto" else _count("--prefill", prefill)
+    chunk = parse_prefill(prefill)
+    chunk = auto_prefill_chunk() if chunk is None else chunk  # the device plan: the 256-token chunk
     slots = None if expert_cache == "auto" else _count("--expert-cache", expert_cache)
     return BudgetOptions(max_context=max_context, kv=kv, vram_reserve_mib=reserve, prefill_chunk=chunk, expert_cache=slots)
 

@@ -29,9 +29,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-from numba import njit
 
-from .jit import JIT
+from . import simd
+from .jit import cached_njit
 
 F32 = np.float32
 QA = 32  # elements per activation block; every weight block size is a multiple of it
@@ -50,17 +50,31 @@ class ActQ:
     def n(self) -> int:
         return self.q.shape[-1]
 
+    @staticmethod
+    def empty(shape: tuple[int, ...]) -> ActQ:
+        """Buffers for activations of `shape` ([n] or [T, n]), e.g. quantize_act's `out`."""
+        shape = tuple(int(s) for s in shape)
+        if len(shape) not in (1, 2) or shape[-1] % QA:
+            raise ValueError(f"ActQ.empty: shape must be [n] or [T, n] with n a multiple of {QA}, got {list(shape)}")
+        lead = shape[:-1]
+        return ActQ(np.empty(shape, np.int8), np.empty(lead + (shape[-1] // QA,), F32), np.empty(lead + (shape[-1] // 16,), np.int32))
+
     def values(self) -> np.ndarray:
         """The activations this ActQ denotes, in float64 (exact)."""
         return (self.q.reshape(self.d.shape + (QA,)) * self.d[..., None].astype(np.float64)).reshape(self.q.shape)
 
 
-def _check(x: np.ndarray, where: str) -> np.ndarray:
+def _check_shape(x: np.ndarray, where: str) -> np.ndarray:
     x = np.asarray(x)
     if x.dtype != F32:
         raise TypeError(f"{where}: activations must be float32, got {x.dtype}")
     if x.ndim not in (1, 2) or x.shape[-1] % QA:
         raise ValueError(f"{where}: activations must be [n] or [T, n] with n a multiple of {QA}, got shape {x.shape}")
+    return x
+
+
+def _check(x: np.ndarray, where: str) -> np.ndarray:
+    x = _check_shape(x, where)
     if not np.isfinite(x).all():
         bad = np.argwhere(~np.isfinite(x))[0]
         raise ValueError(f"{where}: non-finite activation {x[tuple(bad)]} at index {tuple(int(i) for i in bad)}")
@@ -80,40 +94,65 @@ def quantize_act_reference(x: np.ndarray, where: str = "quantize_act_reference")
     return ActQ(q, d.astype(F32), s16)
 
 
-@njit(cache=True, **JIT)
+_ABS = np.int32(0x7FFFFFFF)  # f32 bits without the sign
+_INF = np.int32(0x7F800000)  # bits of +inf: |x|'s bits at or above it are inf or NaN
+
+
+@cached_njit("quantize_rows")
 def _quantize_rows(x, q, d, s16):
-    # x f32 [T, n] -> q int8 [T, n], d f32 [T, n/32], s16 int32 [T, n/16]
+    # x f32 [T, n] -> q int8 [T, n], d f32 [T, n/32], s16 int32 [T, n/16]. Returns the flat index
+    # of the first non-finite x, or -1: checked here, in the same pass, so that the token path
+    # allocates nothing (np.isfinite would make a temporary the size of x).
     T, n = x.shape
+    xb = x.view(np.int32)
     for t in range(T):
         for b in range(n // QA):
-            amax = F32(0)
+            # amax on the bit patterns: for finite values |x| orders as its bits do, and an
+            # integer max vectorizes where a float max does not (NaN rules): 3x faster
+            m = np.int32(0)
             for j in range(QA):
-                a = abs(x[t, b * QA + j])
-                if a > amax:
-                    amax = a
-            db = amax / F32(127)
+                m = max(m, xb[t, b * QA + j] & _ABS)
+            if m >= _INF:
+                for j in range(QA):
+                    if xb[t, b * QA + j] & _ABS >= _INF:
+                        return t * n + b * QA + j
+            db = simd.f32_from_bits(m) / F32(127)
             d[t, b] = db
             for h in range(2):
-                s = 0
+                s = np.int32(0)
                 for j in range(16):
                     i = b * QA + 16 * h + j
-                    v = 0
+                    v = np.int32(0)
                     if db != F32(0):
-                        v = int(min(max(np.rint(x[t, i] / db), F32(-127)), F32(127)))
+                        v = np.int32(min(max(np.rint(x[t, i] / db), F32(-127)), F32(127)))
                     q[t, i] = v
                     s += v
                 s16[t, 2 * b + h] = s
+    return -1
 
 
-def quantize_act(x: np.ndarray, where: str = "quantize_act") -> ActQ:
-    """Quantize f32 activations [n] or [T, n] (Numba; bit-identical to quantize_act_reference)."""
-    x = _check(x, where)
-    x2 = x.reshape(-1, x.shape[-1])
+def _check_out(out, shape: tuple[int, ...], where: str) -> ActQ:
+    if not isinstance(out, ActQ):
+        raise TypeError(f"{where}: out must be an ActQ (ActQ.empty({list(shape)})), got {type(out).__name__}")
+    want = ((out.q, np.int8, shape), (out.d, F32, shape[:-1] + (shape[-1] // QA,)), (out.s16, np.int32, shape[:-1] + (shape[-1] // 16,)))
+    for name, (a, dt, shp) in zip(("q", "d", "s16"), want):
+        if not (isinstance(a, np.ndarray) and a.dtype == dt and a.shape == shp and a.flags.c_contiguous and a.flags.writeable):
+            raise ValueError(f"{where}: out.{name} must be a writable contiguous {np.dtype(dt).name} array of shape {list(shp)} "
+                             f"for activations of shape {list(shape)}, got {getattr(a, 'dtype', type(a))}{list(getattr(a, 'shape', []))}")
+    return out
+
+
+def quantize_act(x: np.ndarray, where: str = "quantize_act", out: ActQ | None = None) -> ActQ:
+    """Quantize f32 activations [n] or [T, n] (Numba; bit-identical to quantize_act_reference).
+
+    out: an ActQ of the same shape (ActQ.empty) to fill in place and return; with it, and x
+    contiguous, the call allocates no array (the token path, S12)."""
+    x = _check_shape(x, where)
+    res = ActQ.empty(x.shape) if out is None else _check_out(out, x.shape, where)
+    x2 = np.ascontiguousarray(x).reshape(-1, x.shape[-1])
     T, n = x2.shape
-    q = np.empty((T, n), np.int8)
-    d = np.empty((T, n // QA), F32)
-    s16 = np.empty((T, n // 16), np.int32)
-    _quantize_rows(x2, q, d, s16)
-    if x.ndim == 1:
-        return ActQ(q[0], d[0], s16[0])
-    return ActQ(q, d, s16)
+    bad = _quantize_rows(x2, res.q.reshape(T, n), res.d.reshape(T, -1), res.s16.reshape(T, -1))
+    if bad >= 0:
+        at = np.unravel_index(bad, x.shape)
+        raise ValueError(f"{where}: non-finite activation {x[at]} at index {tuple(int(i) for i in at)}")
+    return res

@@ -14,9 +14,13 @@ How it is fast (each step measured; simd.py says why it is written with LLVM int
   the simple types), then every token runs the integer half sums over the row 8 act-blocks at a
   time (VNNI or vpmaddwd, no per-block horizontal reduction), then one vectorized epilogue does
   the f32 terms, the lanes and the fold;
-- rows go to threads in chunks, so scratch is allocated per chunk, not per row;
+- rows go to threads in chunks, so scratch is allocated per chunk, not per row; a small call
+  (SERIAL_BELOW) runs the same loop on the calling thread, without waking the pool;
 - fp16 scales convert in hardware (F16C) where the host has it, else through a 65536-entry table;
   both are exact.
+
+Each type has two kernels (parallel, serial), built on first use and kept in a disk cache
+(jit.cached): a second process loads them in milliseconds instead of compiling for seconds.
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ from . import iq_tables as T
 from . import simd
 from .actq import QA, ActQ
 from .engine_form import F16_TO_F32
-from .jit import JIT
+from .jit import JIT, cached
 
 F32 = np.float32
 BF16_TO_F32 = (np.arange(1 << 16, dtype=np.uint32) << 16).view(F32)
@@ -331,6 +335,10 @@ def _dec_iq4_xs(raw, p, wq, b, sc, fl, lut):
         fl[0, b + k] = d
 
 
+# Masking an index with this lets LLVM prove it non-negative, which drops numba's negative-index
+# wrap-around code from every sc[i, b] / fl[i, b] store of the decoders (it cost 10-20%).
+_NONNEG = (1 << 40) - 1
+
 _UNIT, _UNIT_MIN, _OWN = (1, 1, 0, 0), (1, 1, 1, 1), (0, 0, 0, 0)
 
 # name: (decoder, act-blocks per weight block, has a min term, sc preset (ws0, ws1, mn0, mn1))
@@ -352,18 +360,24 @@ _DECODERS = {
 # drivers
 
 
-def _quant_kernel(dec, per, has_min, preset):
-    """The driver for one block type. Rows go to threads in chunks. Each row is first decoded
-    whole into the integer form (int8 values, integer scales, f32 factors per act-block); then
-    each token walks it: exact integer half sums, one f32 term per act-block, lanes, fold.
+def _quant_kernel(name, dec, per, has_min, preset, parallel):
+    """The driver for one block type, parallel (prange over row chunks) or serial (the same
+    loop on the calling thread: for small matrices the thread hand-off costs more than it saves).
+    Each row is decoded whole into the integer form (int8 values, integer scales, f32 factors per
+    act-block); then each token walks it: exact integer half sums, one f32 term per act-block,
+    lanes, fold. A row's arithmetic does not depend on the chunking: both variants give the same
+    bits.
 
-    Decoding the whole row before any dot is not only for reuse across tokens: a dot reloading a
-    32-byte vector stored a few instructions earlier stalls when the store went out in two halves
-    (store-forwarding failure: IQ4_NL ran 4x slower); a row later the stores are in L1."""
+    Loads that meet a store made just before them stall (a 32-byte vector stored in two halves
+    and reloaded whole made IQ4_NL 4x slower), so the dots never read a row decoded just before:
+    rows alternate between two halves of the scratch, and row o + 1 is decoded after row o's
+    dots. For short rows (fewer than 32 act-blocks: the 640-element down projection) it goes
+    before row o's epilogue, whose loads of the scales and half sums would otherwise meet the
+    stores just made (measured: -15-20% time from memory, -20-27% in cache); for long rows after
+    it (before, it cost them 10-20% in cache)."""
 
     epilogue = simd.row_epilogue_min if has_min else simd.row_epilogue
 
-    @njit(parallel=True, **JIT)
     def kernel(raw, type_size, row_bytes, xq, xd, xs, lut, out, n_chunks):
         # raw u8 [n_out * row_bytes]; xq i8 [T * n_in] (flat); xd f32 [T, nb]; xs i32 [T, 2 nb]
         # out f32 [T, n_out]; nb = n_in / 32 act-blocks per row, P = nb rounded up to 32
@@ -372,38 +386,51 @@ def _quant_kernel(dec, per, has_min, preset):
         n_in = nb * QA
         P = (nb + 31) // 32 * 32
         for c in prange(n_chunks):
-            wq = np.empty(n_in, np.int8)  # the row's integer weights
-            sc = np.empty((4, P), np.int32)  # ws0, ws1, mn0, mn1 per act-block
+            # Two rows' integer form: row o in act-blocks c0 .. c0 + nb, c0 = P * ((o - o0) & 1).
+            # Offsets, not views: a view made in the row loop costs atomic reference counts.
+            wq = np.empty(2 * P * QA, np.int8)  # int8 values
+            sc = np.empty((4, 2 * P), np.int32)  # ws0, ws1, mn0, mn1 per act-block
             for i in range(4):
                 sc[i, :] = preset[i]
-            fl = np.zeros((2, P), F32)  # wf, wm per act-block
-            lo = np.zeros(P, np.int32)  # integer half sums of one token
-            hi = np.zeros(P, np.int32)
+            fl = np.zeros((2, 2 * P), F32)  # wf, wm per act-block
+            lo = np.zeros(n_tok * P, np.int32)  # integer half sums, token t at t * P
+            hi = np.zeros(n_tok * P, np.int32)
             xdp = np.zeros(n_tok * P, F32)  # the activations' scales and half sums, padded to P
             xs0 = np.zeros(n_tok * P, np.int32)
             xs1 = np.zeros(n_tok * P, np.int32)
             for t in range(n_tok):
                 for b in range(nb):
                     xdp[t * P + b], xs0[t * P + b], xs1[t * P + b] = xd[t, b], xs[t, 2 * b], xs[t, 2 * b + 1]
-            for o in range(c * n_out // n_chunks, (c + 1) * n_out // n_chunks):
-                base = o * row_bytes
+            o0, o1 = c * n_out // n_chunks, (c + 1) * n_out // n_chunks
+            short = nb < 32
+            if o0 < o1:
                 for w in range(nb // per):
-                    dec(raw, base + w * type_size, wq, per * w, sc, fl, lut)
+                    dec(raw, o0 * row_bytes + w * type_size, wq, per * w, sc, fl, lut)
+            for o in range(o0, o1):
+                c0 = P * ((o - o0) & 1)
                 for t in range(n_tok):
-                    x0 = t * n_in
+                    x0, s0, l0 = t * n_in, 2 * t * nb, t * P
                     b = 0
                     while b + 8 <= nb:
-                        simd.half_sums8(wq, QA * b, xq, x0 + QA * b, xs, 2 * (t * nb + b), lo, hi, b)
+                        simd.half_sums8(wq, QA * (c0 + b), xq, x0 + QA * b, xs, s0 + 2 * b, lo, hi, l0 + b)
                         b += 8
                     if b + 4 <= nb:
-                        simd.half_sums4(wq, QA * b, xq, x0 + QA * b, xs, 2 * (t * nb + b), lo, hi, b)
+                        simd.half_sums4(wq, QA * (c0 + b), xq, x0 + QA * b, xs, s0 + 2 * b, lo, hi, l0 + b)
                         b += 4
                     while b < nb:
-                        simd.half_sums1(wq, QA * b, xq, x0 + QA * b, lo, hi, b)
+                        simd.half_sums1(wq, QA * (c0 + b), xq, x0 + QA * b, lo, hi, l0 + b)
                         b += 1
-                    out[t, o] = epilogue(sc, fl, lo, hi, xdp, xs0, xs1, t * P, nb)
+                cn = (P - c0) & _NONNEG  # the other half
+                if o + 1 < o1 and short:
+                    for w in range(nb // per):
+                        dec(raw, (o + 1) * row_bytes + w * type_size, wq, cn + per * w, sc, fl, lut)
+                for t in range(n_tok):
+                    out[t, o] = epilogue(sc, fl, c0, 2 * P, lo, hi, t * P, xdp, xs0, xs1, t * P, nb)
+                if o + 1 < o1 and not short:
+                    for w in range(nb // per):
+                        dec(raw, (o + 1) * row_bytes + w * type_size, wq, cn + per * w, sc, fl, lut)
 
-    return kernel
+    return cached(njit(parallel=parallel, **JIT)(kernel), f"{name}-{'par' if parallel else 'serial'}")
 
 
 @njit(**_inline)
@@ -416,11 +443,10 @@ def _load_16(w, i, lut):
     return lut[w[i]]
 
 
-def _float_kernel(step16, load):
+def _float_kernel(name, step16, load, parallel):
     """F32/F16/BF16 weights against f32 activations: lane l takes elements i = l (mod 32) in
     order, product rounded then added (docs/kernels.md); 16 lanes per vector step."""
 
-    @njit(parallel=True, **JIT)
     def kernel(w, x, lut, out, n_chunks):
         # w [n_out * n_in] (f32, or fp16/bf16 bits as uint16); x f32 [T, n_in]; out f32 [T, n_out]
         n_tok, n_in = x.shape
@@ -439,23 +465,27 @@ def _float_kernel(step16, load):
                         acc[j & 31] = acc[j & 31] + load(w, base + j, lut) * x[t, j]
                     out[t, o] = simd.fold32(acc)
 
-    return kernel
+    return cached(njit(parallel=parallel, **JIT)(kernel), f"{name}-{'par' if parallel else 'serial'}")
 
 
 _FLOAT = {"F32": (simd.dense16_f32, _load_f32), "F16": (simd.dense16_f16, _load_16), "BF16": (simd.dense16_bf16, _load_16)}
 
 
-_KERNELS: dict[str, object] = {}
+_KERNELS: dict[tuple[str, bool], object] = {}
 
 
-def _kernel(name: str):
-    """Compiled on first use: a process that only meets three types compiles three kernels."""
-    if name not in _KERNELS:
-        if name in _DECODERS:
-            _KERNELS[name] = _quant_kernel(*_DECODERS[name])
-        else:
-            _KERNELS[name] = _float_kernel(*_FLOAT[name])
-    return _KERNELS[name]
+def _build(name: str, parallel: bool):
+    if name in _DECODERS:
+        return _quant_kernel(name, *_DECODERS[name], parallel)
+    return _float_kernel(name, *_FLOAT[name], parallel)
+
+
+def _kernel(name: str, parallel: bool):
+    """Built on first use and compiled on first call, or loaded from the disk cache (jit.py)."""
+    key = (name, parallel)
+    if key not in _KERNELS:
+        _KERNELS[key] = _build(name, parallel)
+    return _KERNELS[key]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -479,10 +509,21 @@ def get_threads() -> int:
     return _threads
 
 
-def _chunks(n_out: int) -> int:
+# Below this much work (weight elements x tokens: multiply-adds) a call runs on the calling
+# thread alone. Waking the pool costs 3-4 us on an idle machine and 3-8 ms when its cores are
+# busy with other processes (a tiny model: 34 ms/token at 2 threads, 2.6 ms at 1). Idle, 2
+# threads beat 1 from ~2^18 multiply-adds for Q4_0 and ~2^17 for IQ2_XXS (benchmarks/kernels.py
+# --serial-sweep, docs/kernels.md); the larger crossover is kept, busy machines favour serial.
+SERIAL_BELOW = 1 << 18
+
+
+def _launch(n_out: int, work: int) -> tuple[bool, int]:
+    """(parallel, chunks) for a call of `work` multiply-adds over n_out rows."""
+    if _threads == 1 or work < SERIAL_BELOW or n_out == 1:
+        return False, 1
     if numba.get_num_threads() != _threads:
         numba.set_num_threads(_threads)
-    return max(1, min(n_out, 4 * _threads))
+    return True, min(n_out, 4 * _threads)
 
 
 def _check_raw(raw: np.ndarray, t, n_in: int, n_out: int, where: str) -> np.ndarray:
@@ -496,59 +537,72 @@ def _check_raw(raw: np.ndarray, t, n_in: int, n_out: int, where: str) -> np.ndar
     return raw.reshape(-1)
 
 
-def _check_actq(act, n_in: int, where: str) -> None:
-    """Shapes and dtypes only; that s16 are the sums of q is ActQ's invariant (quantize_act)."""
-    ok = isinstance(act, ActQ) and act.q.ndim == 2 and act.n == n_in
+def _planes(act, n_in: int, one: bool, where: str):
+    """q, d, s16 of an ActQ ([n_in] if `one`, else [T, n_in]) as 2-D planes [T, ...]. Shapes
+    and dtypes only: that s16 are the sums of q is ActQ's invariant (quantize_act)."""
+    if one and isinstance(act, ActQ) and act.q.ndim != 1:
+        raise TypeError(f"{where}: activations must be a single vector, got ActQ {list(act.q.shape)} (use matmul)")
+    ok = isinstance(act, ActQ) and act.q.ndim == (1 if one else 2) and act.q.shape[-1] == n_in
     if ok:
-        T = act.q.shape[0]
-        want = ((act.q, np.int8, (T, n_in)), (act.d, F32, (T, n_in // 32)), (act.s16, np.int32, (T, n_in // 16)))
-        ok = all(a.dtype == dt and a.shape == shp and a.flags.c_contiguous for a, dt, shp in want)
+        q, d, s16 = act.q, act.d, act.s16
+        lead = q.shape[:-1]
+        ok = (q.dtype == np.int8 and d.dtype == F32 and s16.dtype == np.int32 and d.shape == lead + (n_in // QA,)
+              and s16.shape == lead + (n_in // 16,) and q.flags.c_contiguous and d.flags.c_contiguous and s16.flags.c_contiguous)  # fmt: skip
     if not ok:
-        raise TypeError(f"{where}: activations must be an ActQ [T, {n_in}] (int8 q, f32 d, int32 s16, contiguous), got {_describe(act)}")
+        shape = f"[{n_in}]" if one else f"[T, {n_in}]"
+        raise TypeError(f"{where}: activations must be an ActQ {shape} (int8 q, f32 d, int32 s16, contiguous), got {_describe(act)}")
+    if one:
+        return q.reshape(1, -1), d.reshape(1, -1), s16.reshape(1, -1)
+    return q, d, s16
+
+
+def _floats(act, n_in: int, one: bool, t, where: str) -> np.ndarray:
+    """f32 activations ([n_in] if `one`, else [T, n_in]) of F32/F16/BF16 weights, as [T, n_in]."""
+    if one and not isinstance(act, ActQ) and getattr(act, "ndim", 1) != 1:
+        raise TypeError(f"{where}: activations must be a single vector, got shape {list(act.shape)} (use matmul)")
+    if isinstance(act, ActQ) or getattr(act, "dtype", None) != F32 or act.ndim != (1 if one else 2) or act.shape[-1] != n_in:
+        shape = f"[{n_in}]" if one else f"[T, {n_in}]"
+        raise TypeError(f"{where}: {t.name} weights take f32 activations {shape}, got {_describe(act)}")
+    return np.ascontiguousarray(act).reshape(-1, n_in)
+
+
+def _multiply(name: str, raw, type_id: int, n_in: int, n_out: int, act, out, one: bool) -> np.ndarray:
+    t = ggml_type(type_id, where=name)
+    where = f"{name}({t.name})"
+    raw = _check_raw(raw, t, n_in, n_out, where)
+    if t.quantized:
+        q, d, s16 = _planes(act, n_in, one, where)
+    else:
+        x = _floats(act, n_in, one, t, where)
+    n_tok = q.shape[0] if t.quantized else x.shape[0]
+    shape = (n_out,) if one else (n_tok, n_out)
+    if out is None:
+        out = np.empty(shape, F32)
+    elif not (isinstance(out, np.ndarray) and out.shape == shape and out.dtype == F32 and out.flags.c_contiguous):
+        raise ValueError(f"{where}: out must be contiguous f32 {list(shape)}, got {getattr(out, 'dtype', type(out))}{list(getattr(out, 'shape', []))}")
+    out2 = out.reshape(n_tok, n_out)  # a view: out is contiguous
+    parallel, chunks = _launch(n_out, n_in * n_out * n_tok)
+    kernel = _kernel(t.name, parallel)
+    if t.quantized:
+        kernel(raw, t.type_size, t.row_bytes(n_in), q.reshape(-1), d, s16, F16_TO_F32, out2, chunks)
+    else:
+        w = raw.view(F32) if t.name == "F32" else raw.view(np.uint16)
+        kernel(w, x, BF16_TO_F32 if t.name == "BF16" else F16_TO_F32, out2, chunks)
+    return out
 
 
 def matmul(raw: np.ndarray, type_id: int, n_in: int, n_out: int, act, out: np.ndarray | None = None) -> np.ndarray:
-    """Y[t] = W X[t] for T tokens -> f32 [T, n_out].
+    """Y[t] = W X[t] for T tokens -> f32 [T, n_out] (into `out` if given).
 
     raw: the weight's GGML bytes (n_out rows of n_in elements), e.g. a slice of the mapped GGUF.
-    act: ActQ [T, n_in] for block types (quantize_act), f32 [T, n_in] for F32/F16/BF16 weights."""
-    t = ggml_type(type_id, where="matmul")
-    where = f"matmul({t.name})"
-    raw = _check_raw(raw, t, n_in, n_out, where)
-    if t.quantized:
-        _check_actq(act, n_in, where)
-        n_tok = act.q.shape[0]
-    else:
-        if isinstance(act, ActQ) or getattr(act, "dtype", None) != F32 or act.ndim != 2 or act.shape[1] != n_in:
-            raise TypeError(f"{where}: {t.name} weights take f32 activations [T, {n_in}], got {_describe(act)}")
-        n_tok = act.shape[0]
-    if out is None:
-        out = np.empty((n_tok, n_out), F32)
-    elif out.shape != (n_tok, n_out) or out.dtype != F32 or not out.flags.c_contiguous:
-        raise ValueError(f"{where}: out must be contiguous f32 [{n_tok}, {n_out}], got {out.dtype}{list(out.shape)}")
-    if t.quantized:
-        xq = act.q.reshape(-1)
-        _kernel(t.name)(raw, t.type_size, t.row_bytes(n_in), xq, act.d, act.s16, F16_TO_F32, out, _chunks(n_out))
-    else:
-        w = raw.view(F32) if t.name == "F32" else raw.view(np.uint16)
-        lut = BF16_TO_F32 if t.name == "BF16" else F16_TO_F32
-        _kernel(t.name)(w, np.ascontiguousarray(act), lut, out, _chunks(n_out))
-    return out
+    act: ActQ [T, n_in] for block types (quantize_act), f32 [T, n_in] for F32/F16/BF16 weights.
+    Small products (work under SERIAL_BELOW) run on the calling thread, the rest on the pool."""
+    return _multiply("matmul", raw, type_id, n_in, n_out, act, out, one=False)
 
 
 def matvec(raw: np.ndarray, type_id: int, n_in: int, n_out: int, act, out: np.ndarray | None = None) -> np.ndarray:
     """y = W x -> f32 [n_out]; act: ActQ [n_in] (block types) or f32 [n_in] (F32/F16/BF16)."""
-    if isinstance(act, ActQ):
-        if act.q.ndim != 1:
-            raise TypeError(f"matvec: activations must be a single vector, got ActQ {list(act.q.shape)} (use matmul)")
-        act2 = ActQ(act.q.reshape(1, -1), act.d.reshape(1, -1), act.s16.reshape(1, -1))
-    else:
-        act = np.asarray(act)
-        if act.ndim != 1:
-            raise TypeError(f"matvec: activations must be a single vector, got shape {list(act.shape)} (use matmul)")
-        act2 = act.reshape(1, -1)
-    out2 = None if out is None else out.reshape(1, -1)
-    return matmul(raw, type_id, n_in, n_out, act2, out2)[0]
+    return _multiply("matvec", raw, type_id, n_in, n_out, act, out, one=True)
 
 
 def _describe(act) -> str:

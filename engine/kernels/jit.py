@@ -1,9 +1,83 @@
-"""The Numba flags of every kernel, in one place (STUMPY's habit).
+"""The Numba flags of every kernel, in one place (STUMPY's habit), and their disk cache.
 
 fastmath stays False: it would let LLVM contract a*b+c into an FMA and reassociate sums, and the
 specified arithmetic (docs/kernels.md) would no longer be what runs -- the GPU could not match it.
 error_model="numpy" drops Python's ZeroDivisionError checks from the inner loops (every divisor in
 the kernels is checked or a nonzero constant). boundscheck stays off: the wrappers validate sizes.
+
+The disk cache (`cached`): compiling the kernels took 20-30 s at every start of the demo model.
+Numba's `cache=True` does not fit them: it checks only the cached function's source file, but the
+kernels also compile simd.py's intrinsics and the iq_tables arrays into their code, and simd.py
+picks instructions by STRATA_SIMD_FEATURES, so it would hand an edited simd.py, or a narrowed
+feature set, yesterday's machine code (the fallback-path test would then test nothing); its key
+pickles closure cells, which for our kernels (closures over dispatchers) differ in every process;
+and it refuses to import at all where no cache directory is writable. `cached` keeps numba's
+choice of directory (NUMBA_CACHE_DIR, else __pycache__ beside the source, else the user's cache
+directory when the install is read-only) and its file format, and changes what an entry is tied to:
+- stamp: the content of the files the kernels compile in (_SOURCES) and of the function's own
+  file: any edit there invalidates the entry;
+- file name: the kernel's tag and the SIMD features it was compiled for (feature sets coexist);
+- key: the argument types and numba's target description (CPU name and features).
+It relies on numba internals (FunctionCache, its _index_key, a dispatcher's _cache; numba 0.68):
+tests/test_kernels_cpu.py checks that a second process loads instead of compiling.
 """
 
+from __future__ import annotations
+
+import hashlib
+import inspect
+import sys
+import warnings
+from pathlib import Path
+
+from numba import njit
+from numba.core.caching import FunctionCache, IndexDataCacheFile
+
+from .simd import FEATURES
+
 JIT = dict(nogil=True, fastmath=False, boundscheck=False, error_model="numpy")
+
+
+# The files whose code or constants the compiled kernels contain (not gpu.py or reference.py:
+# the GPU side changes often and must not cost the CPU kernels a recompilation).
+_SOURCES = ("cpu.py", "simd.py", "actq.py", "jit.py", "iq_tables.py")
+
+
+def _stamp(paths) -> str:
+    h = hashlib.sha256()
+    for p in paths:
+        h.update(p.name.encode() + b"\0" + p.read_bytes() + b"\0")
+    return h.hexdigest()
+
+
+_KERNEL_STAMP = _stamp(Path(__file__).parent / name for name in _SOURCES)
+
+
+class _KernelCache(FunctionCache):
+    def __init__(self, py_func, name: str):
+        super().__init__(py_func)  # raises RuntimeError when no directory is writable
+        base = f"strata-{name}.py{sys.version_info[0]}{sys.version_info[1]}"
+        # the function's own file too: a user outside this package (engine/ops.py) is covered
+        stamp = _KERNEL_STAMP + _stamp([Path(inspect.getfile(py_func))])
+        self._cache_file = IndexDataCacheFile(self._cache_path, base, stamp)
+
+    def _index_key(self, sig, codegen):
+        # numba's key adds a pickle of the closure's cells: our kernels close over dispatchers,
+        # whose pickle holds a per-process id, so that key would never match in a new process.
+        return (sig, codegen.magic_tuple())
+
+
+def cached(dispatcher, tag: str):
+    """Give a Numba dispatcher the disk cache described above; `tag` names the kernel uniquely
+    (type, variant). Without a writable cache directory it compiles at every start, as numba's
+    `cache=True` would refuse to import there at all."""
+    try:
+        dispatcher._cache = _KernelCache(dispatcher.py_func, f"{tag}-{FEATURES}")
+    except RuntimeError as e:  # numba found no writable directory
+        warnings.warn(f"{e}: the kernels compile at every start (set NUMBA_CACHE_DIR to a writable directory)", RuntimeWarning, stacklevel=2)
+    return dispatcher
+
+
+def cached_njit(tag: str, **flags):
+    """@njit(**JIT, **flags) with `cached(..., tag)`: the decorator of module-level kernels."""
+    return lambda fn: cached(njit(**JIT, **flags)(fn), tag)

@@ -17,6 +17,7 @@ byte shift); every caller's mask clears the bits that crossed from the neighbour
 
 from __future__ import annotations
 
+import hashlib
 import os
 
 import llvmlite.binding as llvm
@@ -35,6 +36,9 @@ _X86 = {k: v for k, v in llvm.get_host_cpu_features().items() if v} if llvm.get_
 if "STRATA_SIMD_FEATURES" in os.environ:
     _allowed = {f.strip() for f in os.environ["STRATA_SIMD_FEATURES"].split(",") if f.strip()}
     _X86 = {k: v for k, v in _X86.items() if k in _allowed}
+# Names the compiled code's feature set in the kernel cache (jit.py): narrowed features compile
+# different code for the same CPU, so they must not share cache entries with the full set.
+FEATURES = hashlib.sha256(",".join(sorted(_X86)).encode()).hexdigest()[:12]
 
 
 def _ptr(context, builder, arrty, arr, idx, idxty, elt):
@@ -403,6 +407,16 @@ load_u64.__doc__ = "The 8 bytes at src[si .. si + 7] as a little-endian int64 bi
 
 
 @intrinsic
+def f32_from_bits(typingctx, bits):
+    """The f32 whose IEEE bit pattern is the int32 `bits` (a register move, no conversion)."""
+
+    def codegen(context, builder, sig, args):
+        return builder.bitcast(_scalar(context, builder, sig, args, 0, I32), ir.FloatType())
+
+    return types.float32(bits), codegen
+
+
+@intrinsic
 def fold32(typingctx, acc):
     """The fold of docs/kernels.md on 32 f32 lanes: lane[l] += lane[l + w] for w = 16, 8, 4, 2, 1;
     returns lane 0. Element-wise fadds on shrinking vectors: the same additions, in the same order."""
@@ -419,30 +433,33 @@ def fold32(typingctx, acc):
 
 
 def _row_epilogue(has_min):
-    def impl(typingctx, sc, fl, lo, hi, xd, xs0, xs1, t0, nb):
+    def impl(typingctx, sc, fl, c0, stride, lo, hi, l0, xd, xs0, xs1, t0, nb):
         """One row x one token, from the integer half sums to the f32 result (docs/kernels.md):
 
             term[b] = (wf[b] * xd[b]) * f32(ws0[b] * lo[b] + ws1[b] * hi[b])
                       [+ (wm[b] * xd[b]) * f32(mn0[b] * xs0[b] + mn1[b] * xs1[b])]   (has_min)
             lane l = ((+0 + term[l]) + term[l + 32]) + ...,  then the fold of the 32 lanes.
 
-        sc int32 [4, P] (ws0, ws1, mn0, mn1), fl f32 [2, P] (wf, wm), lo/hi int32 [P]; xd f32,
-        xs0/xs1 int32 (the token's half sums of q) at index t0 of [T * P] arrays; P = nb rounded
-        up to 32, the padding readable. Every f32 operation is a separate IEEE op, element-wise
-        over 16 act-blocks at a time; lanes past nb add -0.0, which leaves any sum unchanged."""
+        Flat arrays and offsets (views would cost atomic reference counts in the row loop):
+        ws0, ws1, mn0, mn1 of act-block b at sc[c0 + i * stride + b] (i = 0..3, int32), wf, wm at
+        fl[c0 + i * stride + b] (i = 0, 1, f32); lo, hi at l0 + b (int32); the token's xd (f32),
+        xs0, xs1 (int32, its half sums of q) at t0 + b. All readable up to b < P = nb rounded up
+        to 32. Every f32 operation is a separate IEEE op, element-wise over 16 act-blocks at a
+        time; lanes past nb add -0.0, which leaves any sum unchanged."""
 
         def codegen(context, builder, sig, args):
             f16v, i16v = ir.VectorType(ir.FloatType(), 16), ir.VectorType(I32, 16)
-            nb = context.cast(builder, args[8], sig.args[8], types.intp)
-            t0 = context.cast(builder, args[7], sig.args[7], types.intp)
+            c0, stride, l0, t0, nb = (context.cast(builder, args[k], sig.args[k], types.intp) for k in (2, 3, 6, 10, 11))
             base = {}
-            for k, name in ((0, "sc"), (1, "fl"), (2, "lo"), (3, "hi"), (4, "xd"), (5, "xs0"), (6, "xs1")):
+            for k, name in ((0, "sc"), (1, "fl"), (4, "lo"), (5, "hi"), (7, "xd"), (8, "xs0"), (9, "xs1")):
                 base[name] = context.make_array(sig.args[k])(context, builder, args[k]).data
             p = builder.udiv(builder.add(nb, ir.Constant(I64, 31)), ir.Constant(I64, 32))
-            pad = builder.mul(p, ir.Constant(I64, 32))  # P: the row stride of sc and fl
 
             def load(name, idx, vt):
                 return builder.load(builder.bitcast(builder.gep(base[name], [idx]), vt.as_pointer()), align=4)
+
+            def field(name, i, b, vt):  # row i, act-blocks b .. b + 15 of sc or fl
+                return load(name, builder.add(builder.add(c0, builder.mul(stride, ir.Constant(I64, i))), b), vt)
 
             neg0 = ir.Constant(f16v, [-0.0] * 16)
             acc = [cgutils.alloca_once_value(builder, ir.Constant(f16v, [0.0] * 16)) for _ in range(2)]
@@ -450,16 +467,13 @@ def _row_epilogue(has_min):
             with cgutils.for_range(builder, p) as loop:
                 for h in range(2):
                     b = builder.add(builder.mul(loop.index, ir.Constant(I64, 32)), ir.Constant(I64, 16 * h))
-                    tb = builder.add(t0, b)
-                    isum = builder.add(builder.mul(load("sc", b, i16v), load("lo", b, i16v)), builder.mul(load("sc", builder.add(b, pad), i16v), load("hi", b, i16v)))
+                    lb, tb = builder.add(l0, b), builder.add(t0, b)
+                    isum = builder.add(builder.mul(field("sc", 0, b, i16v), load("lo", lb, i16v)), builder.mul(field("sc", 1, b, i16v), load("hi", lb, i16v)))
                     ad = load("xd", tb, f16v)
-                    term = builder.fmul(builder.fmul(load("fl", b, f16v), ad), builder.sitofp(isum, f16v))
+                    term = builder.fmul(builder.fmul(field("fl", 0, b, f16v), ad), builder.sitofp(isum, f16v))
                     if has_min:
-                        imin = builder.add(
-                            builder.mul(load("sc", builder.add(b, builder.mul(pad, ir.Constant(I64, 2))), i16v), load("xs0", tb, i16v)),
-                            builder.mul(load("sc", builder.add(b, builder.mul(pad, ir.Constant(I64, 3))), i16v), load("xs1", tb, i16v)),
-                        )
-                        term = builder.fadd(term, builder.fmul(builder.fmul(load("fl", builder.add(b, pad), f16v), ad), builder.sitofp(imin, f16v)))
+                        imin = builder.add(builder.mul(field("sc", 2, b, i16v), load("xs0", tb, i16v)), builder.mul(field("sc", 3, b, i16v), load("xs1", tb, i16v)))
+                        term = builder.fadd(term, builder.fmul(builder.fmul(field("fl", 1, b, f16v), ad), builder.sitofp(imin, f16v)))
                     live = builder.icmp_unsigned("<", builder.add(_splat(builder, b, ir.VectorType(I64, 16)), iota), _splat(builder, nb, ir.VectorType(I64, 16)))
                     term = builder.select(live, term, neg0)
                     builder.store(builder.fadd(builder.load(acc[h]), term), acc[h])
@@ -470,7 +484,7 @@ def _row_epilogue(has_min):
                 w //= 2
             return builder.extract_element(v, ir.Constant(I32, 0))
 
-        return types.float32(sc, fl, lo, hi, xd, xs0, xs1, t0, nb), codegen
+        return types.float32(sc, fl, c0, stride, lo, hi, l0, xd, xs0, xs1, t0, nb), codegen
 
     return impl
 

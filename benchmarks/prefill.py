@@ -1,0 +1,134 @@
+"""Prefill benchmark: prompt tokens per second of the batched prompt path (--prefill CHUNK) against
+the token-by-token path (--prefill off), side by side, on the `seed-4l` synthetic model (production
+widths, 4 layers: 3 Gated DeltaNet + 1 QSA, 512 experts, qwen4exp, its IQ3_XXS-style type mix).
+
+    python benchmarks/prefill.py [--threads 2] [--lengths 512,4096] [--chunk 256] [--sample 16]
+                                 [--cache .cache/bench] [--arch qwen4exp] [--prepare-only]
+
+The model is made once with tools/synth.py and packed into --cache (outside git), then reused.
+Each length L gets a random prompt of L tokens and two sessions, fed chunk by chunk IN TURN, so a
+busy host slows both paths alike: session A takes each chunk through the batched path (timed; the
+LM head for the last position only, as `strata generate` does), session B takes the same tokens
+one at a time through `Model.step` (timed; the decode path computes every position's logits, as
+--prefill off does). Up to 1024 tokens B feeds every token so; beyond, each chunk's first
+--sample tokens are fed one at a time (timed) and the rest batched (not timed), and the chunk's
+token-by-token time is its sampled time per token times its length: a token's cost grows slowly
+with its position (attention), so this slightly underestimates the token-by-token time and the
+speed-up. The table says which rows are sampled.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def ensure_pack(cache: Path, arch: str) -> Path:
+    """The seed-4l pack in `cache`, made (synth + strata-pack convert) only when absent."""
+    from strata.tools import pack as tools_pack
+    from strata.tools.synth import PRESETS, synth_command
+
+    pack_dir = cache / f"seed-4l-{arch}-pack"
+    if (pack_dir / "manifest.txt").is_file():
+        return pack_dir
+    cache.mkdir(parents=True, exist_ok=True)
+    gguf = cache / f"seed-4l-{arch}.gguf"
+    paths = sorted(cache.glob(f"seed-4l-{arch}*.gguf"))
+    if not paths:
+        paths = synth_command(arch, "seed-4l", gguf)
+    print(f"packing {paths[0].name} ...", file=sys.stderr)
+    ratio = PRESETS["seed-4l"].compress_ratio if arch == "qwen4exp" else None
+    tools_pack.convert(paths[:1], pack_dir, compress_ratio=ratio)
+    return pack_dir
+
+
+def timed(fn) -> float:
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
+
+
+def side_by_side(model, prompt, chunk: int, kv: str, sample: int | None) -> tuple[float, float]:
+    """(seconds of the batched path, seconds of the token-by-token path, measured or sampled)."""
+    L = len(prompt)
+    a_s, b_s = model.new_session(L, kv), model.new_session(L, kv)
+    batched = one_by_one = 0.0
+    for a in range(0, L, chunk):
+        piece = prompt[a : a + chunk]
+        batched += timed(lambda: model.forward(a_s, piece, 1 if a + chunk >= L else 0))
+        k = len(piece) if sample is None else min(sample, len(piece))
+        one_by_one += timed(lambda: [model.step(b_s, int(t)) for t in piece[:k]]) * len(piece) / k
+        if k < len(piece):
+            model.forward(b_s, piece[k:], 0)
+    return batched, one_by_one
+
+
+def machine() -> str:
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return f"{cpu}, {os.cpu_count()} logical CPUs visible"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--lengths", default="512,4096")
+    ap.add_argument("--chunk", type=int, default=256)
+    ap.add_argument("--sample", type=int, default=16, help="beyond 1024 tokens: tokens of each chunk fed one by one")
+    ap.add_argument("--kv", default="f16")
+    ap.add_argument("--arch", default="qwen4exp")
+    ap.add_argument("--cache", type=Path, default=REPO / ".cache" / "bench")
+    ap.add_argument("--prepare-only", action="store_true", help="make the model and stop")
+    a = ap.parse_args(argv)
+    pack_dir = ensure_pack(a.cache, a.arch)
+    if a.prepare_only:
+        return 0
+    from tabulate import tabulate
+
+    from strata.engine.kernels import cpu
+    from strata.engine.model import Model
+    from strata.engine.ops import single_blas_thread
+    from strata.engine.pack import Pack
+
+    cpu.set_threads(a.threads)
+    single_blas_thread()  # as `strata generate` does
+    t0 = time.perf_counter()
+    model = Model(Pack.open(pack_dir))
+    model.warm_up()
+    s = model.new_session(a.chunk + 1, a.kv)
+    model.forward(s, np.zeros(a.chunk, np.int64), 1)  # the prompt path's first call (BLAS, numba) out of the timing
+    print(f"loaded and warmed up in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
+    rng = np.random.default_rng(0)
+    load = os.getloadavg()[0]
+    rows = []
+    for L in (int(x) for x in a.lengths.split(",")):
+        prompt = rng.integers(0, model.geometry.n_vocab, L)
+        sample = None if L <= 1024 else a.sample
+        tb, tt = side_by_side(model, prompt, a.chunk, a.kv, sample)
+        how = f"all {L}" if sample is None else f"the first {sample} of each chunk"
+        print(f"{L}: batched {L / tb:.2f} tok/s, token by token {L / tt:.2f} tok/s ({how})", file=sys.stderr)
+        rows.append((L, f"{L / tb:.2f}", f"{tb:.1f}", f"{L / tt:.2f}", f"{tt:.1f}", f"{tt / tb:.1f}x", how))
+    commit = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    print(f"prefill, seed-4l {a.arch}, {a.threads} threads, --kv {a.kv}, chunk {a.chunk}; {machine()}; "
+          f"{time.strftime('%Y-%m-%d %H:%M %Z')}; git {commit} + working tree; "
+          f"1-minute load average {load:.2f} at the start, {os.getloadavg()[0]:.2f} at the end")
+    print(tabulate(rows, headers=["tokens", "batched tok/s", "batched s", "token-by-token tok/s", "token-by-token s",
+                                  "speed-up", "token-by-token measured on"], tablefmt="github", disable_numparse=True))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
