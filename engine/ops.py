@@ -18,7 +18,7 @@ import numpy as np
 from numba import njit, prange
 
 from .kernels import cpu
-from .kernels.jit import JIT
+from .kernels.jit import JIT, cached
 
 F32 = np.float32
 L2NORM_EPS = 1e-6  # transformers' l2norm default, NOT rms_norm_eps
@@ -145,8 +145,10 @@ def _delta_rule(S, q, k, v, g, beta, out):
 
 # A parallel launch costs tens of microseconds (far more on a loaded machine); a small state
 # (the tiny test models) is done before the threads would wake.
-_delta_rule_serial = njit(cache=True, **JIT)(_delta_rule)
-_delta_rule_parallel = njit(parallel=True, cache=True, **JIT)(_delta_rule)
+# Two dispatchers of one function: numba's own cache=True would give them ONE cache entry (whichever
+# compiled first is loaded by both), so each gets its own tag through jit.cached.
+_delta_rule_serial = cached(njit(**JIT)(_delta_rule), "delta-rule-serial")
+_delta_rule_parallel = cached(njit(parallel=True, **JIT)(_delta_rule), "delta-rule-parallel")
 PARALLEL_MIN_STATE = 1 << 18  # f32 elements of S per layer (production: 48 * 128 * 128 = 786,432)
 
 

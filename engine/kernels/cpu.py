@@ -336,7 +336,8 @@ def _dec_iq4_xs(raw, p, wq, b, sc, fl, lut):
 
 
 # Masking an index with this lets LLVM prove it non-negative, which drops numba's negative-index
-# wrap-around code from every sc[i, b] / fl[i, b] store of the decoders (it cost 10-20%).
+# wrap-around code (3 instructions) from every sc[i, b] / fl[i, b] store of the decoders: with
+# the second half's runtime offset unmasked, IQ2_XXS decoded 8% slower.
 _NONNEG = (1 << 40) - 1
 
 _UNIT, _UNIT_MIN, _OWN = (1, 1, 0, 0), (1, 1, 1, 1), (0, 0, 0, 0)
@@ -373,8 +374,8 @@ def _quant_kernel(name, dec, per, has_min, preset, parallel):
     rows alternate between two halves of the scratch, and row o + 1 is decoded after row o's
     dots. For short rows (fewer than 32 act-blocks: the 640-element down projection) it goes
     before row o's epilogue, whose loads of the scales and half sums would otherwise meet the
-    stores just made (measured: -15-20% time from memory, -20-27% in cache); for long rows after
-    it (before, it cost them 10-20% in cache)."""
+    stores just made (the down projection took 15-25% less time, docs/kernels.md); for long rows
+    after it (decoding it before the epilogue cost them 10-20% in cache)."""
 
     epilogue = simd.row_epilogue_min if has_min else simd.row_epilogue
 
