@@ -148,3 +148,37 @@ def write_atomic(path: str | os.PathLike, parts: Iterable[bytes]) -> None:
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
+
+
+class StreamingFile:
+    """A binary file written in a stream to `<path>.tmp-<pid>` and renamed into place only when
+    complete (close), or removed (abort, or an exception inside `with`): a reader never sees half a
+    file. Subclasses write through `self._f` and finish their own close() with `_commit()`."""
+
+    def _open_temp(self, path: str | os.PathLike) -> None:
+        self.path = os.fspath(path)
+        self._tmp = f"{self.path}.tmp-{os.getpid()}"
+        self._f = open(self._tmp, "wb")
+
+    def _commit(self) -> None:
+        self._f.flush()
+        os.fsync(self._f.fileno())
+        self._f.close()
+        os.replace(self._tmp, self.path)
+
+    def abort(self) -> None:
+        self._f.close()
+        if os.path.exists(self._tmp):
+            os.unlink(self._tmp)
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, kind, value, tb) -> None:
+        if kind is None:
+            self.close()
+        else:
+            self.abort()

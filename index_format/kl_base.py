@@ -188,7 +188,7 @@ def _check_crc(r: B.Reader, data, end: int) -> None:
                       "the file changed after it was written (a corrupted byte?)")
 
 
-class KLBaseWriter:
+class KLBaseWriter(B.StreamingFile):
     """Writes `<path>.tmp-<pid>`: the header and all tokens at once, then each window's records as
     they are scored; `close()` adds the CRC and renames the file into place. Leaving a `with` block
     by an exception removes the temp file: a base file on disk is always whole."""
@@ -206,8 +206,7 @@ class KLBaseWriter:
         _check_tokens(r, self._h, self._tokens.reshape(-1))
         self._dtype = record_dtype(n_vocab)
         self._written = 0
-        self._tmp = f"{self.path}.tmp-{os.getpid()}"
-        self._f = open(self._tmp, "wb")
+        self._open_temp(self.path)
         header = B.pack_header(HEADER, MAGIC, dict(self._h, version=VERSION))
         self._header = header
         data = self._tokens.tobytes()
@@ -239,24 +238,8 @@ class KLBaseWriter:
             self.abort()
             raise ValueError(f"{self.path}: {self._written} records written, the header promises {total}")
         self._f.write(zlib.crc32(self._header, self._crc).to_bytes(4, "little"))
-        self._f.flush()
-        os.fsync(self._f.fileno())
-        self._f.close()
-        os.replace(self._tmp, self.path)
+        self._commit()
 
-    def abort(self) -> None:
-        self._f.close()
-        if os.path.exists(self._tmp):
-            os.unlink(self._tmp)
-
-    def __enter__(self) -> "KLBaseWriter":
-        return self
-
-    def __exit__(self, kind, value, tb) -> None:
-        if kind is None:
-            self.close()
-        else:
-            self.abort()
 
 
 __all__ = ["KLBase", "KLBaseWriter", "read_kl_base", "quantize_logprobs", "dequantize_logprobs", "record_dtype",

@@ -165,7 +165,7 @@ def write_trace(path: str | os.PathLike, trace: RoutingTrace) -> None:
         w.append(trace.ids)
 
 
-class TraceWriter:
+class TraceWriter(B.StreamingFile):
     """Streams (token, layer, top_k) rows to `<path>.tmp-<pid>`; `close()` writes the header's
     token count and the CRC and renames the file into place. Leaving a `with` block by an exception
     removes the temp file: a trace on disk is always whole."""
@@ -175,8 +175,7 @@ class TraceWriter:
         self._h = {"n_layer": n_layer, "n_expert": n_expert, "top_k": top_k, "n_tokens": 0,
                    "pack_fingerprint": pack_fingerprint}
         _check_header(B.Reader(self.path, b"", "a routing trace"), self._h)
-        self._tmp = f"{self.path}.tmp-{os.getpid()}"
-        self._f = open(self._tmp, "wb")
+        self._open_temp(self.path)
         self._f.write(b"\0" * HEADER_BYTES)  # the real header is known at close
         self._crc = 0
 
@@ -198,21 +197,5 @@ class TraceWriter:
         self._f.write(zlib.crc32(header, self._crc).to_bytes(4, "little"))
         self._f.seek(0)
         self._f.write(header)
-        self._f.flush()
-        os.fsync(self._f.fileno())
-        self._f.close()
-        os.replace(self._tmp, self.path)
+        self._commit()
 
-    def abort(self) -> None:
-        self._f.close()
-        if os.path.exists(self._tmp):
-            os.unlink(self._tmp)
-
-    def __enter__(self) -> "TraceWriter":
-        return self
-
-    def __exit__(self, kind, value, tb) -> None:
-        if kind is None:
-            self.close()
-        else:
-            self.abort()
