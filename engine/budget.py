@@ -13,16 +13,18 @@ tests compare terms, not totals.)
 
 Stages, in startup order (S6, seed 6.4), and what each allocates:
 
- 1. the weights, the session and the drafter: dense weights in engine form (S3: fp16 block scales
-    widened to f32 planes, BF16 re-rounded to 16 bits), the LM head included (S7: THE HEAD BEFORE
-    THE CACHE: loaded after it, it ate the reserve and a request stalled), the drafter's weights,
-    and the session: KV cache, Gated DeltaNet recurrent and conv states, the QSA indexer key store
-    and pooled blocks, PLE state, the residual stream.
+ 1. the weights, the session and the drafter: the dense matrices in engine form (S3: fp16 block
+    scales widened to f32 planes, BF16 re-rounded to 16 bits), the LM head included (S7: THE HEAD
+    BEFORE THE CACHE: loaded after it, it ate the reserve and a request stalled), the drafter's
+    weights; the session (KV cache, Gated DeltaNet recurrent and conv states, the QSA indexer key
+    store and pooled blocks, PLE state, the residual stream) is listed as host memory: this GPU tier
+    runs the mixers' elementwise work, attention and the delta rule on the host, where it keeps
+    their state, and gives the card the matrices and the expert hits (docs/gpu-tier.md).
  2. opening the expert cache: the slot storage, sized from the free memory measured NOW (S7: after
     the weights and the session, so it is what this process really has left).
  3. the profile fill: a pinned staging buffer of one slot (host).
  4. the hit path: the GPU hits' buffers for one token and layer, and their pinned exchange buffers.
- 5. the expert cache and the graphs: the slot table and the token-path scratch arena.
+ 5. the expert cache and the graphs: the slot table (host) and the dense path's staging.
  6. the head and the prompt path: the logits and the prompt path's chunk buffers.
  7. the verifier and the drafter's binding: the draft head's binding and the verifier's logits.
 
@@ -42,12 +44,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from strata.index_format import geometry as G
-from strata.index_format.ggml_types import BY_ID, GGMLType
 from strata.index_format.geometry import ModelGeometry, tensor_specs
 from strata.index_format.native_experts import NativeExperts
 from strata.index_format.pack_index import PackIndex, TensorEntry
 
 from .expert_plan import MiB, auto_line, auto_slots, prefill_mib
+from .kernels.engine_form import PLANE_ALIGN, align, placed_bytes
 
 STAGES = (
     "the weights, the session and the drafter",
@@ -70,6 +72,7 @@ PREFILL_AUTO_CHUNK = 256  # `--prefill auto`: the 256-token chunk the seed lends
 PREFILL_MEMORY_SHARE = 4  # auto: the CPU prompt path's buffers take at most 1/4 of the available memory
 ATTN_TILE_BYTES = 64 << 20  # the prompt path's attention scores are computed in query tiles of at most this
 LOW_MIB = 256  # the serve check's LOW line (S7)
+
 
 # Dense categories in the order the report lists them; EMBEDDING and PLE_TABLE stay on the host.
 _CATEGORIES = (
@@ -186,26 +189,34 @@ def actq_bytes(n: int) -> int:
     return n + n // 32 * F32 + n // 16 * I32
 
 
-def scratch_bytes(g: ModelGeometry, max_context: int) -> int:
-    """The token-path scratch arena: buffers of one layer at a time, reused by every layer (S12).
+def actq_placed_bytes(n: int, rows: int = 1) -> int:
+    """An ActQ of `rows` x n activations placed in an arena: q int8, d f32 [n/32], s16 i32 [n/16],
+    each plane on its own PLANE_ALIGN boundary (engine/gpu_tier.py carves them so)."""
+    return align(rows * n) + align(rows * n // 32 * F32) + align(rows * n // 16 * I32)
 
-    f32 vectors: common (embedding row, normed input, mixer output, FFN output: 4E; hc mixing: hc*E
-    + hc_lowrank + hc), plus the larger of a full-attention layer (q|gate 2HD, k v 2HkvD, o HD,
-    scores H*C; QSA: iq Ih*Id, ik Id, block scores C // r) and a linear one (in-proj Ch, conv out Ch,
-    gate dv*nv, alpha beta 2nv, out dv*nv; PLE: rows P, key/query/conv 3*hc*E), plus the MoE
-    block's (router X, shared gate/up/h 3Fs, routed out E); and one ActQ of the widest matmul input.
-    """
-    E, H, Hkv, D, C = g.n_embd, g.n_head, g.n_head_kv, g.head_dim, max_context
-    common = 4 * E + (g.hc * E + g.hc_lowrank + g.hc if g.hc else 0)
-    attn = 2 * H * D + 2 * Hkv * D + H * D + H * C
-    if g.has_qsa:
-        attn += g.idx_n_heads * g.idx_head_dim + g.idx_head_dim + C // g.idx_compress_ratio
-    linear = 2 * g.ssm_conv_channels + 2 * g.ssm_d_inner + 2 * g.ssm_n_v_heads
-    if g.ple_layers:
-        linear += g.ple_embed_dim + 3 * g.hc * E
-    moe = g.n_expert + 3 * g.n_ff_shexp + E
-    widest = max(stream_elems(g), H * D, g.ssm_d_inner, g.n_ff_shexp, g.ple_embed_dim if g.ple_layers else 0)
-    return (common + max(attn, linear) + moe) * F32 + actq_bytes(_round_up(widest, 32))
+
+def dense_dims(g: ModelGeometry) -> tuple[int, int]:
+    """(widest input, widest output but the LM head's) of the matrices the GPU tier multiplies."""
+    mats = [s for s in tensor_specs(g) if s.multiplied]
+    widest_in = max(_round_up(s.shape[0], 32) for s in mats)
+    widest_out = max(prod_(s.shape[1:]) for s in mats if s.category != G.HEAD)
+    return widest_in, widest_out
+
+
+def dense_staging_bytes(g: ModelGeometry) -> int:
+    """The token path's device staging for the dense matrices, reused by every one of them (S12):
+    one input as f32 and as ActQ [widest input], one output f32 [widest output]; the LM head
+    writes into head.logits."""
+    n_in, n_out = dense_dims(g)
+    return align(n_in * F32) + actq_placed_bytes(n_in) + align(n_out * F32)
+
+
+def prompt_row_bytes(g: ModelGeometry) -> int:
+    """One token row of the prompt path's device buffers (carved from prompt.chunk): its input as
+    f32 and ActQ, its output (the LM head's included); a chunk's matrices go through in as many rows
+    at a time as the planned chunk buffers hold."""
+    n_in, n_out = dense_dims(g)
+    return n_in * F32 + actq_bytes(n_in) + max(n_out, g.n_vocab) * F32
 
 
 def parse_prefill(text: str) -> int | None:
@@ -272,20 +283,30 @@ def auto_prefill_chunk(available_bytes: int | None = None, *, g: ModelGeometry |
 
 
 def hit_path_bytes(g: ModelGeometry) -> int:
-    """The GPU hits of one token and layer: ActQ of x [E], ids i32 and weights f32 [k], gate and up
-    f32 [k, F], ActQ of h [k, F], outputs f32 [k, E]."""
-    E, F, k = g.n_embd, g.n_ff_exp, g.n_expert_used
-    return actq_bytes(E) + k * (I32 + F32) + 2 * k * F * F32 + actq_bytes(k * F) + k * E * F32
+    """The GPU hits of one token and layer, each buffer on its own PLANE_ALIGN boundary: x as ActQ
+    and as f32 [E] (experts of a float type), gate and up f32 [k, F], ActQ of h [k, F] (one row per
+    hit), outputs f32 [k, E]."""
+    E, F, k = g.n_embd, _round_up(g.n_ff_exp, 32), g.n_expert_used
+    return (actq_placed_bytes(E) + align(E * F32) + 2 * align(k * F * F32) + actq_placed_bytes(F, k)
+            + align(k * E * F32))
 
 
 def hit_exchange_bytes(g: ModelGeometry) -> int:
-    """Pinned host buffers the hits exchange with the CPU misses: ids and weights in, outputs f32 [k, E] out."""
+    """Pinned host buffers the hits' results land in: gate and up f32 [k, F] (the host makes
+    silu(gate) * up and its ActQ, as the CPU misses do: B2), outputs f32 [k, E]."""
     k = g.n_expert_used
-    return k * (I32 + F32) + k * g.n_embd * F32
+    return k * (2 * g.n_ff_exp + g.n_embd) * F32
 
 
 def _round_up(n: int, m: int) -> int:
     return -(-n // m) * m
+
+
+def prod_(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= int(d)
+    return n
 
 
 # --- weights in engine form -----------------------------------------------------------------------
@@ -298,40 +319,47 @@ def widening_bytes(t: TensorEntry) -> int:
     return t.nbytes // t.pack.type_size * t.pack.n_scales * 2
 
 
-def _engine_bytes(t: GGMLType, n_elements: int) -> int:
-    return n_elements // t.block_size * t.engine_block_bytes
-
-
 def expert_slot_bytes(experts: NativeExperts, g: ModelGeometry) -> tuple[int, int]:
     """(largest expert in engine form, largest in the GGUF): a slot holds any layer's expert, with
-    its fp16 scales widened like every weight the kernels read, so every slot is the largest."""
+    its fp16 scales widened like every weight the kernels read, so every slot is the largest. Each
+    of its six planes starts on a PLANE_ALIGN boundary (no padding at production widths)."""
     engine = native = 0
+    E, F = g.n_embd, g.n_ff_exp
     for e in experts.layers:
-        gu, d = BY_ID[e.gu_type], BY_ID[e.d_type]
-        n = g.n_embd * g.n_ff_exp
-        engine = max(engine, 2 * _engine_bytes(gu, n) + _engine_bytes(d, n))
+        engine = max(engine, 2 * placed_bytes(e.gu_type, E, F) + placed_bytes(e.d_type, F, E))
         native = max(native, e.blob_bytes)
     return engine, native
 
 
+def dense_padding_bytes(t: TensorEntry) -> int:
+    """What placing a matrix's planes on PLANE_ALIGN boundaries adds to its engine form."""
+    return placed_bytes(t.engine_type, t.shape[0], prod_(t.shape[1:])) - t.engine_nbytes
+
+
 def _weight_items(index: PackIndex, experts: NativeExperts, g: ModelGeometry, ple_table_bytes: int | None) -> list[Item]:
-    cats = {s.name: s.category for s in tensor_specs(g)}
+    specs = {s.name: s for s in tensor_specs(g)}
     by_cat: dict[str, int] = {}
-    widened = host_embd = 0
+    widened = padding = host_embd = host_small = 0
     for t in index.tensors:
-        c = cats.get(t.name)
-        if c is None:
+        spec = specs.get(t.name)
+        if spec is None:
             raise BudgetError(f"index.txt: tensor {t.name} is not in the {g.arch} geometry (read the pack with read_pack)")
-        if c == G.EMBEDDING:
+        if spec.category == G.EMBEDDING:
             host_embd += t.nbytes  # rows dequantized on the host from the mapped pool: pack form
             continue
+        if not spec.multiplied:
+            host_small += t.engine_nbytes  # read as f32 by the host's elementwise work
+            continue
         w = widening_bytes(t)
-        by_cat[c] = by_cat.get(c, 0) + t.engine_nbytes - w
+        by_cat[spec.category] = by_cat.get(spec.category, 0) + t.engine_nbytes - w
         widened += w
+        padding += dense_padding_bytes(t)
     items = [Item(f"weights.{c}", label, by_cat[c], WEIGHTS)
              for c, label in _CATEGORIES if c in by_cat]
     items.append(Item("weights.widened_scales", "widened scales (fp16 -> f32 planes)", widened, WEIGHTS))
+    items.append(Item("weights.alignment", f"plane alignment (each plane on a {PLANE_ALIGN}-byte boundary)", padding, WEIGHTS))
     items.append(Item("host.embedding", "embedding table (mapped pool.bin)", host_embd, WEIGHTS, HOST))
+    items.append(Item("host.small", "norm gains, conv kernels, ssm_a/dt (f32 on the host)", host_small, WEIGHTS, HOST))
     if g.ple_layers:
         items.append(Item("host.ple_table", "PLE table (read through the page cache, S16)",
                           ple_table_bytes or 0, WEIGHTS, HOST))
@@ -342,18 +370,22 @@ def _weight_items(index: PackIndex, experts: NativeExperts, g: ModelGeometry, pl
 
 
 def _session_items(g: ModelGeometry, o: BudgetOptions) -> list[Item]:
+    """The session lives where its mixers compute: on the host (attention, the delta rule, QSA's
+    selection and PLE run there; the GPU tier takes the matrices and the expert hits), so these
+    are host items, listed for the memory the run takes, never counted against the card."""
     C, nf, nl = o.max_context, len(g.full_attention_layers), len(g.linear_attention_layers)
-    items = [Item("session.kv", f"KV cache ({o.kv}, {C} tokens)", nf * C * kv_bytes_per_token(g, o.kv), WEIGHTS, count=nf),
-             Item("session.gdn_state", "GDN recurrent state (f32)", nl * gdn_state_bytes(g), WEIGHTS, count=nl),
-             Item("session.conv_state", "GDN conv state (f32)", nl * conv_state_bytes(g), WEIGHTS, count=nl)]
+    items = [Item("session.kv", f"KV cache ({o.kv}, {C} tokens)", nf * C * kv_bytes_per_token(g, o.kv), WEIGHTS, HOST, count=nf),
+             Item("session.gdn_state", "GDN recurrent state (f32)", nl * gdn_state_bytes(g), WEIGHTS, HOST, count=nl),
+             Item("session.conv_state", "GDN conv state (f32)", nl * conv_state_bytes(g), WEIGHTS, HOST, count=nl)]
     if g.has_qsa:
         items += [Item("session.indexer_keys", "QSA indexer key store (one key head, f32)",
-                       nf * indexer_key_bytes(g, C), WEIGHTS, count=nf),
-                  Item("session.indexer_blocks", "QSA pooled block keys (f32)", nf * pooled_block_bytes(g, C), WEIGHTS, count=nf)]
+                       nf * indexer_key_bytes(g, C), WEIGHTS, HOST, count=nf),
+                  Item("session.indexer_blocks", "QSA pooled block keys (f32)", nf * pooled_block_bytes(g, C), WEIGHTS, HOST,
+                       count=nf)]
     if g.ple_layers:
         n = len(g.ple_layers)
-        items.append(Item("session.ple_state", "PLE conv state (f32)", n * ple_state_bytes(g), WEIGHTS, count=n))
-    items.append(Item("session.stream", "residual stream (f32)", stream_elems(g) * F32, WEIGHTS))
+        items.append(Item("session.ple_state", "PLE conv state (f32)", n * ple_state_bytes(g), WEIGHTS, HOST, count=n))
+    items.append(Item("session.stream", "residual stream (f32)", stream_elems(g) * F32, WEIGHTS, HOST))
     return items
 
 
@@ -564,8 +596,8 @@ def _after_cache_items(g: ModelGeometry, o: BudgetOptions, slot: int) -> list[It
         Item("fill.staging", "profile fill staging (one slot, pinned)", slot, FILL, HOST),
         Item("hits.buffers", "GPU hit buffers (one token and layer)", hit_path_bytes(g), HIT_PATH),
         Item("hits.exchange", "hit/miss exchange (pinned)", hit_exchange_bytes(g), HIT_PATH, HOST),
-        Item("cache.table", "slot table (i32 [layers, experts])", g.n_layer * g.n_expert * I32, CACHE_GRAPHS),
-        Item("graphs.scratch", "token-path scratch arena", scratch_bytes(g, o.max_context), CACHE_GRAPHS),
+        Item("cache.table", "slot table (i32 [layers, experts], read by the host)", g.n_layer * g.n_expert * I32, CACHE_GRAPHS, HOST),
+        Item("dense.staging", "dense-path staging (an input as f32 and ActQ, an output)", dense_staging_bytes(g), CACHE_GRAPHS),
         Item("head.logits", "logits (f32)", g.n_vocab * F32, HEAD_PROMPT),
         Item("head.logits_host", "logits download (pinned)", g.n_vocab * F32, HEAD_PROMPT, HOST),
         Item("prompt.chunk", chunk, pf * MiB, HEAD_PROMPT),

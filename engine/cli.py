@@ -51,7 +51,13 @@ def generate(
     prefill: str = typer.Option("auto", "--prefill", help="the prompt in chunks of CHUNK tokens (the batched prompt "
                                 "path), auto (256, less when memory is short) or off (token by token)"),
     pool_workers: Optional[int] = typer.Option(None, "--pool-workers", help="hard cap on CPU threads"),
-    device: str = typer.Option("auto", "--device", help="cpu, gpu or auto (auto: the GPU tier when there is one)"),
+    device: str = typer.Option("auto", "--device", help="cpu, gpu or auto (auto: the GPU tier when CuPy sees a GPU)"),
+    expert_cache: str = typer.Option("auto", "--expert-cache", help="GPU expert slots: auto (S8: what fits beside "
+                                     "the reserve) or N (refused when it does not fit)"),
+    expert_profile: Optional[Path] = typer.Option(None, "--expert-profile", help="expert-profile.bin (strata-profile): "
+                                                  "which experts the slots hold"),
+    vram_budget_mib: Optional[int] = typer.Option(None, "--vram-budget-mib", help="behave as on a card of N MiB"),
+    vram_reserve_mib: int = typer.Option(700, "--vram-reserve-mib", help="device memory kept free beside the slots"),
     native: Optional[Path] = typer.Option(None, "--native", help="the main GGUF, when it moved since packing"),
     ple_gguf: Optional[Path] = typer.Option(None, "--ple-gguf", help="the PLE GGUF shard, when it moved since packing"),
     dump_logits: Optional[Path] = typer.Option(None, "--dump-logits", help="write float32 logits of every position to OUT.npy"),
@@ -63,13 +69,11 @@ def generate(
         raise _fail("give exactly one of --prompt, --prompt-file, --prompt-ids", 2)
     if device not in DEVICES:
         raise _fail(f"--device {device!r}: expected one of {', '.join(DEVICES)}", 2)
-    if device == "gpu":
-        raise _fail("--device gpu: the GPU expert tier is not built yet; run with --device cpu (or auto, which "
-                    "uses the CPU until it exists)", 2)
     if n < 0:
         raise _fail(f"-n {n}: expected >= 0", 2)
     try:
         engine_options(kv, prefill)
+        gpu_options(device, expert_cache, vram_budget_mib, vram_reserve_mib)
         _run(**locals())
     except KeyboardInterrupt:
         typer.echo("\nstrata generate: interrupted", err=True)
@@ -85,6 +89,47 @@ def engine_options(kv: str, prefill: str) -> int | None:
     if kv not in KV_TYPES:
         raise ValueError(f"--kv {kv!r}: expected one of {', '.join(KV_TYPES)}")
     return parse_prefill(prefill)
+
+
+def gpu_options(device: str, expert_cache: str, vram_budget_mib: int | None, vram_reserve_mib: int) -> int | None:
+    """Checks the GPU tier's flags before anything loads; --expert-cache -> None (auto) or N."""
+    if device not in DEVICES:
+        raise ValueError(f"--device {device!r}: expected one of {', '.join(DEVICES)}")
+    if vram_budget_mib is not None and vram_budget_mib < 1:
+        raise ValueError(f"--vram-budget-mib {vram_budget_mib}: expected a card size in MiB, >= 1")
+    if vram_reserve_mib < 0:
+        raise ValueError(f"--vram-reserve-mib {vram_reserve_mib}: expected >= 0")
+    if expert_cache == "auto":
+        return None
+    if not expert_cache.isdigit():
+        raise ValueError(f"--expert-cache {expert_cache!r}: expected auto or a number of slots")
+    return int(expert_cache)
+
+
+def start_tier(model, device: str, *, max_context: int, kv: str, chunk: int, expert_cache: str, expert_profile,
+               vram_budget_mib, vram_reserve_mib, who: str):
+    """The GPU tier for --device gpu, or auto when CuPy sees a GPU (B5: without one, auto is the
+    CPU, not an error); None on the CPU. Its startup lines (S6's mem_marks) go to stderr."""
+    from strata.engine.gpu_tier import GpuTier, TierOptions
+    from strata.engine.kernels import gpu
+
+    ok, why = (False, "--device cpu") if device == "cpu" else gpu.available()
+    if not ok:
+        if device == "gpu":
+            raise ValueError(f"--device gpu: {why}; run with --device cpu (or auto)")
+        if expert_profile is not None or expert_cache != "auto" or vram_budget_mib is not None:
+            typer.echo(f"{who}: note: no GPU tier ({why}): --expert-cache, --expert-profile and --vram-budget-mib "
+                       "have nothing to size; every expert runs on the CPU", err=True)
+        return None
+    profile = None
+    if expert_profile is not None:
+        from strata.index_format.expert_profile import read_expert_profile
+
+        profile = read_expert_profile(expert_profile)
+    o = TierOptions(max_context=max_context, kv=kv, prefill_chunk=chunk,
+                    expert_cache=gpu_options(device, expert_cache, vram_budget_mib, vram_reserve_mib), profile=profile,
+                    vram_budget_mib=vram_budget_mib, vram_reserve_mib=vram_reserve_mib)
+    return GpuTier.start(model, o, log=lambda line: typer.echo(f"{who}: {line}", err=True))
 
 
 def prefill_chunk(option: int | None, geometry, max_context: int) -> int:
@@ -128,7 +173,8 @@ def load_model(pack, native, ple_gguf, pool_workers, who: str):
 
 
 def _run(pack, prompt, prompt_file, prompt_ids, n, temp, top_k, top_p, min_p, repeat_penalty, seed, chat,
-         max_context, kv, prefill, pool_workers, device, native, ple_gguf, dump_logits, stats) -> None:
+         max_context, kv, prefill, pool_workers, device, expert_cache, expert_profile, vram_budget_mib, vram_reserve_mib,
+         native, ple_gguf, dump_logits, stats) -> None:
     from strata.engine.generate import generate as run_generation
     from strata.engine.kernels import cpu
     from strata.engine.sampling import Sampler, SamplerParams
@@ -146,6 +192,9 @@ def _run(pack, prompt, prompt_file, prompt_ids, n, temp, top_k, top_p, min_p, re
         raise ValueError(f"the prompt ({len(ids)} tokens) + -n {n} = {len(ids) + n} tokens do not fit in "
                          f"--max-context {ctx}: raise --max-context or lower -n")
     chunk = prefill_chunk(engine_options(kv, prefill), p.geometry, ctx)
+    tier = start_tier(model, device, max_context=ctx, kv=kv, chunk=chunk, expert_cache=expert_cache,
+                      expert_profile=expert_profile, vram_budget_mib=vram_budget_mib, vram_reserve_mib=vram_reserve_mib,
+                      who="strata generate")
     session = model.new_session(ctx, kv)
     sampler = Sampler(p.geometry.n_vocab, params)
     stream = tok.stream()
@@ -162,7 +211,7 @@ def _run(pack, prompt, prompt_file, prompt_ids, n, temp, top_k, top_p, min_p, re
     if logits:
         logits.save(dump_logits, result.positions)
     if stats:
-        typer.echo(format_stats(p, load_s, result, session, sampler.seed, cpu.get_threads(), device, chunk), err=True)
+        typer.echo(format_stats(p, load_s, result, session, sampler.seed, cpu.get_threads(), device, chunk, tier), err=True)
 
 
 def _prompt_ids(tok, prompt, prompt_file, prompt_ids, chat, n_vocab) -> list[int]:
@@ -215,7 +264,7 @@ class _LogitsRecorder:
             tmp.unlink(missing_ok=True)
 
 
-def format_stats(pack, load_s: float, result, session, seed: int, threads: int, device: str, chunk: int) -> str:
+def format_stats(pack, load_s: float, result, session, seed: int, threads: int, device: str, chunk: int, tier=None) -> str:
     from tabulate import tabulate
 
     g = pack.geometry
@@ -226,7 +275,7 @@ def format_stats(pack, load_s: float, result, session, seed: int, threads: int, 
         f"prefill  {len(result.prompt)} tokens in {result.prefill_s:.3f} s -> {result.prefill_tps:.2f} tok/s ({how})",
         f"decode   {len(result.tokens)} tokens in {result.decode_s:.3f} s -> {result.decode_tps:.2f} tok/s "
         f"(stop: {result.stop})",
-        f"device   cpu ({device}), {threads} threads; sampling seed {seed}",
+        f"device   {'gpu tier' if tier else 'cpu'} (--device {device}), {threads} CPU threads; sampling seed {seed}",
         memory_table(pack, session),
         "expert routing counts per layer (token-expert pairs over all fed positions):",
     ]
@@ -237,7 +286,23 @@ def format_stats(pack, load_s: float, result, session, seed: int, threads: int, 
                      " ".join(f"{int(e)}:{int(counts[e])}" for e in top if counts[e])))
     lines.append(tabulate(rows, headers=["layer", "pairs", "experts used", "most routed (expert:count)"],
                           tablefmt="simple", disable_numparse=True))
+    if tier is not None:
+        lines.append(hit_table(tier))
     return "\n".join(lines)
+
+
+def hit_table(tier) -> str:
+    """--stats on the GPU tier: the token path's hits and misses per layer, and where its MoE time went."""
+    from tabulate import tabulate
+
+    st = tier.stats
+    rows = [(l, int(h), int(m), f"{h / (h + m):.1%}" if h + m else "-") for l, (h, m) in enumerate(zip(st.hits, st.misses))]
+    h, m = int(st.hits.sum()), int(st.misses.sum())
+    rows.append(("total", h, m, f"{st.hit_rate:.1%}" if h + m else "-"))
+    gpu_s = f"{st.gpu_s:.3f} s" if st.events else "not measured (no CUDA events)"
+    return (f"expert cache: {tier.slots.slots} slots, {tier.slots.map.used} filled; token-path hits (GPU) and misses (CPU):\n"
+            + tabulate(rows, headers=["layer", "hits", "misses", "hit rate"], tablefmt="simple", disable_numparse=True)
+            + f"\nMoE time split: GPU work {gpu_s}, CPU misses {st.cpu_s:.3f} s, waiting for the GPU {st.wait_s:.3f} s")
 
 
 def memory_table(pack, session) -> str:

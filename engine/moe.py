@@ -43,7 +43,10 @@ class MoE:
         self.up = np.empty(self.F, F32)
         self.h = Input(np.empty(self.F, F32))
         self.part = np.empty(self.E, F32)
+        self.parts = np.empty((self.k, self.E), F32)  # the routed experts' outputs, in the router's order
         self.out = np.empty(self.E, F32)
+        # the GPU tier's hit path (engine/gpu_tier.py) when it is ready, else None: every expert a CPU miss
+        self.hits = None
         self.top = np.empty(self.k, np.int64)
         self.weights = np.empty(self.k, np.float64)
         if self.shared:
@@ -71,10 +74,16 @@ class MoE:
         top, weights = self.route(x)
         if counts is not None:
             counts[top] += 1
+        parts = self.parts
+        if self.hits is not None:
+            self.hits.run(self, x, top, parts)  # GPU hits beside CPU misses, each part the same bits (B2)
+        else:
+            for j, e in enumerate(top):
+                self._expert(x, int(e), parts[j])
         out = self.out
         out[:] = 0
-        for e, w in zip(top, weights):
-            out += F32(w) * self._expert(x, int(e))
+        for j, w in enumerate(weights):
+            out += F32(w) * parts[j]
         if self.shared:
             s_gate, gate, up, down = self.shared
             s_gate.matvec(x, out=self.sh_g)
@@ -85,16 +94,21 @@ class MoE:
             out += sigmoid(self.sh_g)[0] * self.part
         return out
 
-    def _expert(self, x: Input, e: int) -> np.ndarray:
+    def _expert(self, x: Input, e: int, out: np.ndarray) -> np.ndarray:
+        """Expert e on one token, on the CPU (a miss) -> `out` f32 [E]."""
         gate_raw, up_raw, down_raw = self.pack.expert(self.layer, e)
         E, F = self.E, self.F
         act = x.form(self.gu)
         cpu.matvec(gate_raw, self.gu.id, E, F, act, out=self.gate)
         cpu.matvec(up_raw, self.gu.id, E, F, act, out=self.up)
-        silu_(self.gate)
-        self.gate *= self.up
-        self.h.set(self.gate)
-        return cpu.matvec(down_raw, self.d.id, F, E, self.h.form(self.d), out=self.part)
+        return cpu.matvec(down_raw, self.d.id, F, E, self.hidden(self.gate, self.up).form(self.d), out=out)
+
+    def hidden(self, gate: np.ndarray, up: np.ndarray) -> Input:
+        """silu(gate) * up as the down projection's input (gate is overwritten). A GPU hit makes its
+        h here too, on the host, from its downloaded gate and up: one function, so the same bits."""
+        silu_(gate)
+        gate *= up
+        return self.h.set(gate)
 
 
     # --- T tokens at once (the prompt path) -------------------------------------------------------

@@ -31,21 +31,22 @@ class Input:
     Call `set(x)` (or write into `.x` and call `changed()`) for each new vector; the f32 buffer is
     the caller's scratch, kept, and the ActQ is dropped so it is remade from the new values."""
 
-    __slots__ = ("x", "_q")
+    __slots__ = ("x", "_q", "version")
 
     def __init__(self, x: np.ndarray):
         if x.dtype != F32:
             raise TypeError(f"Input: activations must be float32, got {x.dtype}")
         self.x = x
         self._q: ActQ | None = None
+        self.version = 0  # counts new values: the GPU tier uploads a vector once per version
 
     def set(self, x: np.ndarray) -> Input:
         self.x[...] = x
-        self._q = None
-        return self
+        return self.changed()
 
     def changed(self) -> Input:
         self._q = None
+        self.version += 1
         return self
 
     def form(self, t: GGMLType):
@@ -60,7 +61,7 @@ class Input:
 class Weight:
     """A tensor the kernels multiply: name, shape (GGUF order), GGML type id, raw bytes."""
 
-    __slots__ = ("name", "shape", "type", "raw", "n_in", "n_out")
+    __slots__ = ("name", "shape", "type", "raw", "n_in", "n_out", "device")
 
     def __init__(self, name: str, shape: tuple[int, ...], type_id: int, raw: np.ndarray):
         self.name = name
@@ -73,6 +74,9 @@ class Weight:
         self.raw = raw
         self.n_in = self.shape[0]
         self.n_out = prod(self.shape[1:])
+        # (the GPU tier's dense path, this weight's GpuWeight) once placed on the device: then W x
+        # runs there, bit for bit the CPU kernels' result (engine/gpu_tier.py)
+        self.device = None
 
     @property
     def type_id(self) -> int:
@@ -83,6 +87,8 @@ class Weight:
 
     def matvec(self, x, out: np.ndarray | None = None) -> np.ndarray:
         """y = W x -> f32 [n_out]; x: an Input, an ActQ (block types) or f32 [n_in] (float types)."""
+        if self.device is not None:
+            return self.device[0].matvec(self, x, out)
         act = self._act(x)
         if self.type.quantized and not isinstance(act, ActQ):
             act = quantize_act(act, where=f"weight {self.name}")
@@ -90,6 +96,8 @@ class Weight:
 
     def matmul(self, X, out: np.ndarray | None = None) -> np.ndarray:
         """Y = X W^T -> f32 [T, n_out] for X f32 [T, n_in] (or an Input / ActQ of T rows)."""
+        if self.device is not None:
+            return self.device[0].matmul(self, X, out)
         act = self._act(X)
         if self.type.quantized and not isinstance(act, ActQ):
             act = quantize_act(act, where=f"weight {self.name}")

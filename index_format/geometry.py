@@ -57,6 +57,14 @@ class TensorSpec:
         """Dense tensors are copied into pool.bin; experts and the PLE table stay in the GGUF."""
         return self.category not in (EXPERT, PLE_TABLE)
 
+    @property
+    def multiplied(self) -> bool:
+        """A dense matrix the kernels multiply (W x): what the GPU tier puts on the device. Vectors
+        (norm gains, ssm_a, ssm_dt) and the depthwise conv kernels are read as f32 by the host's
+        elementwise work, the embedding and PLE tables row by row on the host (S16)."""
+        return (self.in_pool and len(self.shape) == 2 and self.category != EMBEDDING
+                and not self.name.endswith("conv1d.weight"))
+
 
 @dataclass(frozen=True)
 class ModelGeometry:

@@ -52,6 +52,7 @@ class EmuRuntime:
 
     def __init__(self, n_sm: int = 1):
         self.n_sm = n_sm
+        self.allocations = self.pinned_allocations = self.allocated = 0
         self.cache = Path(os.environ.get("STRATA_EMU_CACHE", Path(tempfile.gettempdir()) / "strata_gpu_emu"))
 
     @classmethod
@@ -63,6 +64,8 @@ class EmuRuntime:
         shape = (shape,) if np.isscalar(shape) else tuple(shape)
         dt = np.dtype(dtype)
         n = int(np.prod(shape, dtype=np.int64)) * dt.itemsize
+        self.allocations += 1
+        self.allocated += n
         buf = np.empty(n + 64, np.uint8)
         off = -buf.ctypes.data % 64
         return buf[off : off + n].view(dt).reshape(shape)
@@ -109,6 +112,38 @@ class EmuRuntime:
         rc = mod.lib.emu_launch(name.encode(), grid, block, smem, params, err, len(err))
         if rc:
             raise RuntimeError(f"emulated launch of {name} (grid {grid}, block {block}, {smem} B shared): {err.value.decode()}")
+
+    # what the GPU tier needs (gpu.CupyRuntime's second part): device memory is host memory here,
+    # so copies are assignments; allocations are counted (the S12 test) and free memory is a card
+    # of `total` bytes less what was allocated
+    total = 80 << 30
+
+    def copy_in(self, dev, host: np.ndarray) -> None:
+        if dev.shape != host.shape or dev.dtype != host.dtype:
+            raise ValueError(f"emulated copy_in: {host.dtype}{list(host.shape)} into {dev.dtype}{list(dev.shape)}")
+        dev[...] = host
+
+    def copy_out(self, host: np.ndarray, dev) -> None:
+        if dev.shape != host.shape or dev.dtype != host.dtype:
+            raise ValueError(f"emulated copy_out: {dev.dtype}{list(dev.shape)} into {host.dtype}{list(host.shape)}")
+        host[...] = dev
+
+    def view(self, arena, offset: int, shape, dtype):
+        n = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+        return arena[offset : offset + n].view(dtype).reshape(shape)
+
+    def pinned(self, nbytes: int) -> np.ndarray:
+        self.pinned_allocations += 1
+        return np.zeros(nbytes, np.uint8)
+
+    def mem_info(self) -> tuple[int, int]:
+        return self.total - self.allocated, self.total
+
+    def synchronize(self) -> None:
+        pass
+
+    def use_stream(self):
+        return None
 
     def set_global(self, mod: _Lib, name: str, host: np.ndarray) -> None:
         host = np.ascontiguousarray(host)

@@ -84,8 +84,13 @@ def test_widened_scales_are_two_bytes_per_fp16_scale(seed4l):
             * per_block_scales[t.src.name] * 2
     assert b.item("weights.widened_scales").bytes == want
     # and the engine form the index records (engine_nbytes) is exactly the dense items plus the widening
-    dense = sum(i.bytes for i in b.items if i.key.startswith("weights."))
-    assert dense == sum(t.engine_nbytes for t in index.tensors if t.name != "token_embd.weight")
+    # plus the alignment of the placed planes; the vectors and conv kernels stay on the host
+    dense = sum(i.bytes for i in b.items if i.key.startswith("weights.") and i.key != "weights.alignment")
+    small = [t for t in index.tensors if len(t.shape) == 1 or t.name.endswith("conv1d.weight")]
+    assert small and b.item("host.small").bytes == sum(t.engine_nbytes for t in small)
+    assert b.item("host.small").where == B.HOST
+    assert dense + b.item("host.small").bytes == sum(t.engine_nbytes for t in index.tensors if t.name != "token_embd.weight")
+    assert 0 <= b.item("weights.alignment").bytes < 256 * 2 * (len(index.tensors) - len(small))
 
 
 def test_expert_slot_is_the_largest_expert_in_engine_form(seed4l):

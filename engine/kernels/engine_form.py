@@ -100,3 +100,28 @@ def rebf16(x: np.ndarray, name: str | None = None) -> np.ndarray:
             "so it is not what it claims -- rebuild it"
         )
     return (bits >> 16).astype(np.uint16)
+
+
+# --- the planes as the GPU tier places them in its arenas (engine/budget.py counts the same) ---
+
+PLANE_ALIGN = 256  # each plane of a weight placed in an arena starts on a 256-byte boundary
+
+
+def align(n: int) -> int:
+    """n rounded up to a whole number of PLANE_ALIGN bytes."""
+    return -(-n // PLANE_ALIGN) * PLANE_ALIGN
+
+
+def planes(type_id: int, n_in: int, n_out: int) -> tuple[int, int]:
+    """(first plane's bytes, second plane's bytes) of a weight in engine form: block types (rest,
+    f32 scales), float types (values, 0). `placed_bytes` is what `place` takes of an arena."""
+    t = ggml_type(type_id)
+    blocks = t.nbytes((n_in, n_out)) // t.type_size
+    if not t.quantized:
+        return n_in * n_out * (4 if t.name == "F32" else 2), 0
+    return blocks * t.rest_bytes, blocks * t.n_scales * 4
+
+
+def placed_bytes(type_id: int, n_in: int, n_out: int) -> int:
+    a, b = planes(type_id, n_in, n_out)
+    return align(a) + align(b)

@@ -28,7 +28,7 @@ from strata.index_format.ggml_types import GGMLType, ggml_type
 
 from . import iq_tables as T
 from .actq import QA, ActQ
-from .engine_form import narrow, widen
+from .engine_form import align, narrow, planes, widen
 
 SOURCE = Path(__file__).with_name("gpu_kernels.cu")
 # --fmad=false: no FMA contraction (a fused a*b+c rounds differently). The kernels' f32 operations
@@ -106,6 +106,50 @@ class CupyRuntime:
         dev = self.cp.ndarray(host.shape, host.dtype, memptr=mod.get_global(name))
         dev.set(np.ascontiguousarray(host))
 
+    # --- what the GPU tier needs beyond the kernels (engine/gpu_tier.py) ---
+
+    def copy_in(self, dev, host: np.ndarray) -> None:
+        """host -> a device array of the same shape and dtype, ordered on the current stream."""
+        dev.set(host, stream=self.cp.cuda.get_current_stream())
+
+    def copy_out(self, host: np.ndarray, dev) -> None:
+        """device -> host, and wait for it (so for everything queued before it on the stream)."""
+        stream = self.cp.cuda.get_current_stream()
+        dev.get(out=host, stream=stream)
+        stream.synchronize()
+
+    def view(self, arena, offset: int, shape, dtype):
+        """A typed device array over arena bytes [offset, offset + nbytes) (no allocation)."""
+        return arena[offset : offset + int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize].view(dtype).reshape(shape)
+
+    def pinned(self, nbytes: int) -> np.ndarray:
+        """Page-locked host bytes (the D2H copies of the token path land here without staging)."""
+        mem = self.cp.cuda.alloc_pinned_memory(max(nbytes, 1))
+        return np.frombuffer(mem, np.uint8, nbytes)
+
+    def mem_info(self) -> tuple[int, int]:
+        """(free, total) bytes of the device, as cudaMemGetInfo reports them."""
+        return self.cp.cuda.runtime.memGetInfo()
+
+    def synchronize(self) -> None:
+        self.cp.cuda.get_current_stream().synchronize()
+
+    def events(self, n: int) -> list:
+        """CUDA events (made once: the token path times the hits with them, allocating nothing)."""
+        return [self.cp.cuda.Event() for _ in range(n)]
+
+    def elapsed(self, start, stop) -> float:
+        """Seconds between two recorded events (waits for `stop`)."""
+        stop.synchronize()
+        return self.cp.cuda.get_elapsed_time(start, stop) / 1000.0
+
+    def use_stream(self):
+        """A stream of its own for the GPU tier, made current (the hits queue on it while the CPU
+        computes the misses). A blocking stream: synchronous copies elsewhere still order with it."""
+        stream = self.cp.cuda.Stream(non_blocking=False)
+        stream.use()
+        return stream
+
 
 _runtime: Any = None
 _modules: dict[str, "_Module"] = {}
@@ -165,6 +209,11 @@ def _names(t: GGMLType) -> list[str]:
     if t.quantized:
         return [f"mv<{t.id}, {k}>" for k in KPLS] + [f"mm<{t.id}>", f"traits<{t.id}>"]
     return [f"fmv<{_FLOAT_KIND[t.name]}>", f"fmm<{_FLOAT_KIND[t.name]}>"]
+
+
+def compile_module(key: str) -> None:
+    """Compile (or load) the kernels of a type name, or "actq", ahead of their first launch."""
+    _module(key)
 
 
 def _module(key: str) -> _Module:
@@ -279,6 +328,42 @@ def upload(raw: np.ndarray, type_id: int, n_in: int, n_out: int, name: str | Non
     scales, rest = widen(raw, type_id, name)
     dev_scales = rt.to_device(scales.reshape(-1)) if t.n_scales else None
     return GpuWeight(type_id, n_in, n_out, rest=rt.to_device(rest.reshape(-1)), scales=dev_scales, name=name)
+
+
+def place(raw: np.ndarray, type_id: int, n_in: int, n_out: int, arena, offset: int, name: str | None = None,
+          staging: np.ndarray | None = None) -> GpuWeight:
+    """`upload`, into arena bytes at `offset` (placed_bytes of them) instead of new allocations:
+    the GPU tier allocates what engine/budget.py plans, in one piece per item, and carves weights
+    out of it. `staging`: pinned host bytes (at least placed_bytes) to copy through, else the
+    widened planes are copied from pageable memory."""
+    t, rt = ggml_type(type_id, where=f"place {name or ''}".strip()), runtime()
+    if raw.dtype != np.uint8 or raw.size != t.nbytes((n_in, n_out)):
+        raise ValueError(f"place {name}: {t.name} [{n_in} x {n_out}] is {t.nbytes((n_in, n_out))} bytes, got {raw.dtype}[{raw.size}]")
+    a, b = planes(type_id, n_in, n_out)
+    if t.quantized:
+        scales, rest = widen(np.ascontiguousarray(raw).reshape(-1), type_id, name)
+        host = [(rest.reshape(-1), np.uint8, a), (scales.reshape(-1), np.float32, b)]
+    else:
+        host = [(np.ascontiguousarray(raw).reshape(-1).view(np.float32 if t.name == "F32" else np.uint16), None, a)]
+    dev, at = [], 0
+    for values, dtype, nbytes in host:
+        dtype = dtype or values.dtype
+        if nbytes == 0:
+            dev.append(None)
+            continue
+        view = rt.view(arena, offset + at, (nbytes // np.dtype(dtype).itemsize,), dtype)
+        if staging is not None:  # each plane its own part of the staging: the copies are in flight together
+            stage = staging[at : at + nbytes].view(dtype)
+            stage[...] = values
+            values = stage
+        rt.copy_in(view, values)
+        dev.append(view)
+        at += align(nbytes)
+    if staging is not None:
+        rt.synchronize()  # the staging buffer is reused by the next call
+    if t.quantized:
+        return GpuWeight(type_id, n_in, n_out, rest=dev[0], scales=dev[1], name=name)
+    return GpuWeight(type_id, n_in, n_out, values=dev[0], name=name)
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,281 @@
+"""The GPU tier (engine/gpu_tier.py): B2 bit-identical logits whatever the split, the budget as the
+allocation (B3), S7's refusals and small-card behaviour, S12's allocation-free token path.
+
+Each test runs on two runtimes: CUDA (marked gpu: the device, via scripts/gpu_suite.sh) and the
+host emulation of the same kernels (tests/gpu_emu.py), which runs everywhere a C++ compiler is. The
+emulation's memory is exact (allocated bytes), so there the plan must equal the measurement to the
+byte; on a card, within 1% of its used memory (B3's tolerance: cudaMalloc granularity).
+
+Models: engine_fixture's qwen35moe with Q8_0 dense and experts (fast under the emulation), and
+synth's `tiny` qwen4exp (hyper-connections, QSA, PLE; its quantized type mix).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import engine_fixture as F
+import numpy as np
+import pytest
+from gpu_emu import EmuRuntime, unavailable_reason
+
+from strata.engine import budget as B
+from strata.engine.budget import ExpertCacheTooBig
+from strata.engine.cli import hit_table
+from strata.engine.expert_plan import MiB, ProfileMismatch
+from strata.engine.gpu_tier import GpuTier, TierOptions
+from strata.engine.kernels import cpu, gpu
+from strata.engine.model import Model
+from strata.engine.pack import Pack
+from strata.engine.weights import Weight
+from strata.index_format.expert_profile import ExpertProfile
+from strata.index_format.geometry import tensor_specs
+from strata.index_format.manifest import pack_fingerprint
+
+_CUDA_OK, _CUDA_WHY = gpu.available()
+_EMU_WHY = unavailable_reason()
+_RUNTIMES: dict[str, object] = {}
+RUNTIMES = [
+    pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not _CUDA_OK, reason=f"no GPU: {_CUDA_WHY}")]),
+    pytest.param("emu", marks=pytest.mark.skipif(_EMU_WHY is not None, reason=f"no GPU emulation: {_EMU_WHY}")),
+]
+CTX = 48
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    before = cpu.get_threads()
+    cpu.set_threads(1)
+    yield
+    cpu.set_threads(before)
+
+
+@pytest.fixture(params=RUNTIMES)
+def rt(request):
+    name = request.param
+    if name not in _RUNTIMES:
+        _RUNTIMES[name] = gpu.CupyRuntime() if name == "cuda" else EmuRuntime()
+    before = gpu.use_runtime(_RUNTIMES[name])
+    yield _RUNTIMES[name]
+    gpu.use_runtime(before)
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    from strata.tools import pack as tools_pack
+    from strata.tools.synth import PRESETS, synth
+
+    tmp = tmp_path_factory.mktemp("tier")
+    q35 = F.make_pack(tmp, types={"experts": "Q8_0", "dense": "Q8_0"})
+    (tmp / "src").mkdir()
+    shards = synth("qwen4exp", "tiny", tmp / "src" / "tiny.gguf")
+    tools_pack.convert(shards[:1], tmp / "q4-pack", compress_ratio=PRESETS["tiny"].compress_ratio)
+    return {"qwen35moe": Model(Pack.open(q35)), "qwen4exp": Model(Pack.open(tmp / "q4-pack"))}
+
+
+def tokens(model, n, seed=5):
+    return np.random.default_rng(seed).integers(3, model.geometry.n_vocab, n).tolist()
+
+
+def run(model, toks, n_prompt):
+    """Every position's logits: the prompt through the batched path (chunks of 16), then token by token."""
+    s = model.new_session(CTX, "f32")
+    rows = [model.forward(s, toks[:n_prompt], n_logits=n_prompt).copy()] if n_prompt else []
+    rows += [model.step(s, t).copy()[None] for t in toks[n_prompt:]]
+    return np.concatenate(rows), s
+
+
+def profile_of(model, toks) -> ExpertProfile:
+    s = model.new_session(CTX, "f32")
+    for t in toks:
+        model.step(s, t)
+    g = model.geometry
+    return ExpertProfile.from_counts(pack_fingerprint(model.pack.dir), s.routing, tokens=len(toks), top_k=g.n_expert_used)
+
+
+@contextlib.contextmanager
+def tier_of(model, **opts):
+    o = {"max_context": CTX, "kv": "f32", "prefill_chunk": 16, **opts}
+    tier = GpuTier.start(model, TierOptions(**o))
+    try:
+        yield tier
+    finally:
+        tier.stop()
+
+
+def cache_options(model, config: str) -> dict:
+    g = model.geometry
+    pairs = g.n_layer * g.n_expert
+    if config == "none":
+        return {"expert_cache": 0}
+    if config == "third":  # compulsory misses: the first routes fill a third of the pairs
+        return {"expert_cache": pairs // 3}
+    if config == "profile":  # a profile from other text fills a quarter of the pairs
+        return {"expert_cache": pairs // 4, "profile": profile_of(model, tokens(model, 24, seed=11))}
+    return {"expert_cache": None}  # auto: every pair fits beside the reserve on these models
+
+
+# --- B2 ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("config", ["none", "third", "profile", "auto"])
+def test_logits_are_bit_identical_whatever_the_split_qwen35moe(models, rt, config):
+    model = models["qwen35moe"]
+    toks = tokens(model, 20)
+    want, _ = run(model, toks, 8)  # the all-CPU engine
+    with tier_of(model, **cache_options(model, config)) as tier:
+        got, s = run(model, toks, 8)
+        hits, misses = int(tier.stats.hits.sum()), int(tier.stats.misses.sum())
+    assert np.array_equal(got, want), f"{config}: max |diff| {np.abs(got - want).max()}"
+    assert hits + misses == 12 * model.geometry.n_layer * model.geometry.n_expert_used  # the token path's uses
+    if config == "none":
+        assert hits == 0
+    elif config == "auto":
+        assert misses == 0
+    else:
+        assert hits > 0 and misses > 0, (hits, misses)  # both paths really ran
+
+
+def test_logits_are_bit_identical_whatever_the_split_qwen4exp(models, rt):
+    model = models["qwen4exp"]
+    toks = tokens(model, 12)
+    want, _ = run(model, toks, 6)
+    configs = ["profile"] if isinstance(rt, EmuRuntime) else ["none", "third", "profile", "auto"]  # the emulation is slow
+    for config in configs:
+        with tier_of(model, **cache_options(model, config)) as tier:
+            got, _ = run(model, toks, 6)
+            split = (int(tier.stats.hits.sum()), int(tier.stats.misses.sum()))
+        assert np.array_equal(got, want), f"{config}: max |diff| {np.abs(got - want).max()}, hits/misses {split}"
+
+
+# --- B3: the plan is the allocation --------------------------------------------------------------------
+
+
+def test_every_stage_uses_what_the_budget_predicts(models, rt):
+    model = models["qwen35moe"]
+    with tier_of(model, expert_cache=None) as tier:
+        marks = tier.marks
+    assert [m.stage for m in marks] == list(B.STAGES)
+    for m in marks:
+        if isinstance(rt, EmuRuntime):
+            assert m.used == m.predicted, m.line(0)  # exact bytes
+        else:
+            assert m.error < 0.01, m.line(0)
+    assert marks[-1].predicted == tier.plan.device_bytes() - tier.plan.device_bytes(B.OPEN_CACHE) \
+        + tier.slots.slots * tier.plan.slot_bytes
+
+
+def test_the_budget_places_exactly_the_matrices_the_engine_multiplies(models, monkeypatch):
+    """What strata-budget counts on the device (TensorSpec.multiplied) is what a step and a forward
+    multiply: a matrix missed here would be computed on the CPU; a vector counted, memory wasted."""
+    for model in models.values():
+        seen = set()
+        for method in ("matvec", "matmul"):
+            real = getattr(Weight, method)
+            monkeypatch.setattr(Weight, method, lambda self, *a, _real=real, **k: (seen.add(self.name), _real(self, *a, **k))[1])
+        s = model.new_session(CTX, "f32")
+        model.forward(s, tokens(model, 5), n_logits=1)
+        model.step(s, 3)
+        monkeypatch.undo()
+        g = model.geometry
+        assert seen == {sp.name for sp in tensor_specs(g) if sp.multiplied}, g.arch
+
+
+# --- S7: refusals and small cards -----------------------------------------------------------------------
+
+
+def test_an_expert_cache_that_does_not_fit_is_refused_with_both_numbers(models, rt):
+    model = models["qwen35moe"]
+    with pytest.raises(ExpertCacheTooBig, match=r"--expert-cache 32: 32 slots of \d+ B need .* at most \d+ slots fit"):
+        with tier_of(model, expert_cache=32, vram_budget_mib=870, vram_reserve_mib=700):  # 870 MiB: the reserve with a 16-token chunk
+            pass
+    with pytest.raises(ExpertCacheTooBig, match="32 \\(layer, expert\\) pairs"):
+        with tier_of(model, expert_cache=33):
+            pass
+
+
+def test_a_profile_of_another_pack_is_refused(models, rt):
+    model = models["qwen35moe"]
+    other = profile_of(model, tokens(model, 4))
+    other = ExpertProfile("pk1-" + "0" * 64, other.n_layer, other.n_expert, other.top_k, other.tokens, other.records)
+    with pytest.raises(ProfileMismatch, match="made for pack pk1-0+, but this pack is pk1-"):
+        with tier_of(model, profile=other, expert_cache=4):
+            pass
+
+
+def test_a_small_card_adapts_the_reserve_and_warns_low(models, rt):
+    model = models["qwen35moe"]
+    with tier_of(model, vram_budget_mib=400) as tier:  # the 256-token chunk's 330 MiB barely fit
+        text = "\n".join(tier.lines)
+    assert "small card: the reserve shrinks from 700" in text
+    assert "LOW:" in text and "MiB of device memory free after startup" in text
+    assert tier.slots.slots == 32  # every pair: the chunk's buffers were kept AND the cache filled
+
+
+# --- S12 and --stats ------------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def counting(rt):
+    """Device and pinned allocations made inside the block: [device, pinned]."""
+    counts = [0, 0]
+    if isinstance(rt, EmuRuntime):
+        before = (rt.allocations, rt.pinned_allocations)
+        yield counts
+        counts[:] = [rt.allocations - before[0], rt.pinned_allocations - before[1]]
+        return
+    import cupy
+
+    pool, pinned = cupy.get_default_memory_pool(), cupy.get_default_pinned_memory_pool()
+
+    def alloc(n):
+        counts[0] += 1
+        return pool.malloc(n)
+
+    def alloc_pinned(n):
+        counts[1] += 1
+        return pinned.malloc(n)
+
+    cupy.cuda.set_allocator(alloc)
+    cupy.cuda.set_pinned_memory_allocator(alloc_pinned)
+    try:
+        yield counts
+    finally:
+        cupy.cuda.set_allocator(pool.malloc)
+        cupy.cuda.set_pinned_memory_allocator(pinned.malloc)
+
+
+def test_the_token_path_allocates_nothing_on_the_device(models, rt):
+    model = models["qwen35moe"]
+    toks = tokens(model, 40)
+    with tier_of(model, expert_cache=10) as tier:  # compulsory misses: slots are filled while decoding
+        s = model.new_session(CTX, "f32")
+        for t in toks[:2]:
+            model.step(s, t)  # warm-up
+        with counting(rt) as counts:
+            for t in toks[2:34]:
+                model.step(s, t)
+        assert tier.slots.map.used == 10 and tier.stats.hits.sum() > 0
+    assert counts == [0, 0], f"32 decode steps allocated {counts[0]} device and {counts[1]} pinned buffers"
+
+
+def test_stats_report_hits_misses_and_the_time_split(models, rt):
+    model = models["qwen35moe"]
+    with tier_of(model, expert_cache=12) as tier:
+        run(model, tokens(model, 10), 0)
+        text = hit_table(tier)
+    st = tier.stats
+    assert st.hits.sum() > 0 and st.misses.sum() > 0
+    total = [line for line in text.splitlines() if line.startswith("total")][0].split()
+    assert total[1:] == [str(st.hits.sum()), str(st.misses.sum()), f"{st.hit_rate:.1%}"]
+    assert "CPU misses" in text and "waiting for the GPU" in text
+    if not isinstance(rt, EmuRuntime):
+        assert st.gpu_s > 0
+
+
+@pytest.mark.skipif(_CUDA_OK, reason="checks the refusal on a machine without a GPU")
+def test_device_gpu_without_a_gpu_is_refused(models, capsys):
+    from strata.engine.cli import main
+
+    rc = main(["generate", "--pack", str(models["qwen35moe"].pack.dir), "--prompt-ids", "1 2", "-n", "1", "--device", "gpu"])
+    assert rc == 1 and "--device gpu:" in capsys.readouterr().err
