@@ -33,6 +33,7 @@ token path is a view carved at startup (tests/test_gpu_tier.py counts the alloca
 
 from __future__ import annotations
 
+import gc
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -420,7 +421,7 @@ class GpuTier:
             check_profile(o.profile, pack_fingerprint=pack_fingerprint(pack.dir), n_layer=g.n_layer, n_expert=g.n_expert,
                           top_k=g.n_expert_used)
         rt.use_stream()
-        # every kernel the run will launch, compiled now (not inside the first token's time) and
+        rt.release()  # memory a previous tier or test left cached in the pool would hide this one's        # every kernel the run will launch, compiled now (not inside the first token's time) and
         # before the baseline: a module's code and tables are the context's memory, not the plan's
         types = {pack.weight(s.name).type.name for s in tensor_specs(g) if s.multiplied and s.name in pack.weights}
         types |= {t.name for l in range(g.n_layer) for t in pack.expert_types(l)}
@@ -531,8 +532,12 @@ class GpuTier:
         return cls(model, plan, marks, slots, stats, hit_path, lines)
 
     def stop(self) -> None:
-        """Unbind from the model: it runs on the CPU again (the device memory goes with this object)."""
+        """Unbind from the model (it runs on the CPU again) and give the device memory back."""
         for w in self.model.pack.weights.values():
             w.device = None
         for moe in self.model.moes:
             moe.hits = None
+        self.slots.weights.clear()
+        self.slots.arena = self.hit_path = None
+        gc.collect()
+        gpu.runtime().release()

@@ -5,8 +5,9 @@
 #     bash scripts/gpu_suite.sh
 #
 # Logs go to $OUT when set (else ./gpu_suite_logs): gpu_env.log, gpu_tests.log, gpu_tests.xml,
-# bench_kernels_gpu.log, bench_kernels_gpu.md. The last thing printed is the summary table.
-# Exit status: 0 when the GPU tests ran (not all skipped) and passed, else 1; the benchmark never fails it.
+# bench_kernels_gpu.log/.md, bench_gpu_tier.log/.md. The last thing printed is the summary table.
+# Exit status: 0 when the GPU tests ran (not all skipped) and passed, else 1; the benchmarks never fail it.
+# SKIP_KERNEL_BENCH=1 leaves out the kernel benchmark (its table is in docs/performance.md already).
 set -u
 cd "$(dirname "$0")/.." || exit 2
 # The machine reaches no package index: gguf (pure Python) travels as a wheel in .whl/ (device README).
@@ -35,8 +36,13 @@ echo "== GPU tests: $(echo $FILES)"
 timeout 420 python3 -m pytest -m gpu -q -p no:cacheprovider --junitxml="$LOG/gpu_tests.xml" $FILES 2>&1 | tee "$LOG/gpu_tests.log"
 TEST_RC=${PIPESTATUS[0]}
 
-echo "== GPU benchmark: benchmarks/kernels_gpu.py"
-timeout 150 python3 benchmarks/kernels_gpu.py --md "$LOG/bench_kernels_gpu.md" 2>&1 | tee "$LOG/bench_kernels_gpu.log"
+echo "== GPU benchmark: benchmarks/gpu_tier.py (seed-4l: synthesized and packed on first use)"
+timeout ${TIER_BENCH_TIMEOUT:-420} python3 benchmarks/gpu_tier.py --threads ${TIER_THREADS:-8} --md "$LOG/bench_gpu_tier.md" 2>&1 | tee "$LOG/bench_gpu_tier.log"
 BENCH_RC=${PIPESTATUS[0]}
+
+if [ -z "${SKIP_KERNEL_BENCH:-}" ]; then
+    echo "== GPU benchmark: benchmarks/kernels_gpu.py"
+    timeout 150 python3 benchmarks/kernels_gpu.py --md "$LOG/bench_kernels_gpu.md" 2>&1 | tee "$LOG/bench_kernels_gpu.log"
+fi
 
 python3 scripts/gpu_suite_summary.py "$LOG" "$TEST_RC" "$BENCH_RC"

@@ -36,6 +36,20 @@ def test_rows(log: Path, test_rc: int) -> tuple[list[tuple[str, str]], bool]:
     return rows, test_rc == 0 and passed > 0
 
 
+def tier_rows(log: Path, bench_rc: int) -> list[tuple[str, str]]:
+    """benchmarks/gpu_tier.py's table, one row per configuration."""
+    path = log / "bench_gpu_tier.md"
+    if not path.exists():
+        return [("tier bench", f"no table (exit {bench_rc}{', timed out' if bench_rc == 124 else ''}): see bench_gpu_tier.log")]
+    rows = []
+    for line in path.read_text(errors="replace").splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 11 and cells[0] not in ("config",) and not set(cells[0]) <= set("-: "):
+            rows.append(("  " + cells[0], f"slots {cells[1]} ({cells[2]}), hit rate {cells[5]}, {cells[6]} tok/s, "
+                                          f"{cells[7]} cpu, mem_mark {cells[9]}, logits == cpu: {cells[10]}"))
+    return [("tier bench", path.read_text(errors="replace").splitlines()[0][:200])] + rows
+
+
 def bench_rows(log: Path, bench_rc: int) -> list[tuple[str, str]]:
     path = log / "bench_kernels_gpu.log"
     lines = path.read_text(errors="replace").splitlines() if path.exists() else []
@@ -52,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     log, test_rc, bench_rc = Path(argv[0]), int(argv[1]), int(argv[2])
     rows, ok = test_rows(log, test_rc)
-    rows += bench_rows(log, bench_rc) + [("logs", str(log)), ("result", "PASS" if ok else "FAIL")]
+    rows += tier_rows(log, bench_rc) + bench_rows(log, 0) + [("logs", str(log)), ("result", "PASS" if ok else "FAIL")]
     width = max(len(k) for k, _ in rows)
     print("\n== gpu_suite summary")
     for k, v in rows:

@@ -145,6 +145,9 @@ class EmuRuntime:
     def use_stream(self):
         return None
 
+    def release(self) -> None:
+        pass
+
     def set_global(self, mod: _Lib, name: str, host: np.ndarray) -> None:
         host = np.ascontiguousarray(host)
         addr = ctypes.addressof(ctypes.c_char.in_dll(mod.lib, name))

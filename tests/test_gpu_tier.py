@@ -156,11 +156,13 @@ def test_every_stage_uses_what_the_budget_predicts(models, rt):
     with tier_of(model, expert_cache=None) as tier:
         marks = tier.marks
     assert [m.stage for m in marks] == list(B.STAGES)
-    for m in marks:
+    for n, m in enumerate(marks, 1):
         if isinstance(rt, EmuRuntime):
-            assert m.used == m.predicted, m.line(0)  # exact bytes
+            assert m.used == m.predicted, m.line(n)  # exact bytes
         else:
-            assert m.error < 0.01, m.line(0)
+            # cudaMemGetInfo moves in 2 MiB pages: this model's arenas are KBs, so each may read as a
+            # page. B3's 1% is measured where the arenas are real (benchmarks/gpu_tier.py, seed-4l).
+            assert abs(m.used - m.predicted) <= max(0.01 * m.card_used, 2 * MiB * n), m.line(n)
     assert marks[-1].predicted == tier.plan.device_bytes() - tier.plan.device_bytes(B.OPEN_CACHE) \
         + tier.slots.slots * tier.plan.slot_bytes
 

@@ -143,6 +143,11 @@ class CupyRuntime:
         stop.synchronize()
         return self.cp.cuda.get_elapsed_time(start, stop) / 1000.0
 
+    def release(self) -> None:
+        """Hand the pools' cached free blocks back to the driver, so cudaMemGetInfo counts what is held."""
+        self.cp.get_default_memory_pool().free_all_blocks()
+        self.cp.get_default_pinned_memory_pool().free_all_blocks()
+
     def use_stream(self):
         """A stream of its own for the GPU tier, made current (the hits queue on it while the CPU
         computes the misses). A blocking stream: synchronous copies elsewhere still order with it."""

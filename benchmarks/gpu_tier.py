@@ -1,0 +1,169 @@
+"""GPU tier benchmark: decode tokens/s and hit rate of the GPU tier at several expert-cache sizes,
+against the all-CPU engine in the same run, on the `seed-4l` synthetic model (issue 6, item 9).
+
+    python benchmarks/gpu_tier.py [--arch qwen4exp] [--threads 8] [--prompt 64] [--tokens 32]
+                                  [--md OUT.md] [--preset seed-4l] [--emulate]   (tiny + emulation: a smoke run)
+
+Calibration: --calib tokens of the repository's docs (*.md) through the pack's tokenizer; the first 3/4
+build the routing profile (the batched path, as strata-profile does), the last 1/4 is held out and
+gives the prompt. Configurations, each a fresh GPU tier on the same model:
+
+    cpu        the all-CPU engine (no tier)
+    cache 0    the tier with no expert slots: dense matrices on the GPU, every expert a CPU miss
+    ~10/30/60% --expert-cache auto under a --vram-budget-mib that holds about that share of the pairs
+    all        one slot per (layer, expert) pair
+
+Per configuration: the prompt through the batched path, then --tokens greedy decode steps timed;
+the hit rate measured on those steps beside the profile's expected hit rate (in-sample and on the
+held-out text), the MoE time split, and whether every logit equals the CPU run's bit for bit (B2).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "benchmarks"))
+SHARES = (0.10, 0.30, 0.60)
+
+
+def calibration_ids(tokenizer, n_vocab: int) -> list[int]:
+    text = "\n\n".join(p.read_text(encoding="utf-8") for p in sorted((REPO / "docs").glob("*.md")))
+    text += "\n\n" + (REPO / "README.md").read_text(encoding="utf-8")
+    return [t for t in tokenizer.encode(text) if t < n_vocab]
+
+
+def routing_counts(model, ids: list[int], chunk: int = 256) -> np.ndarray:
+    s = model.new_session(len(ids), "f16")
+    for a in range(0, len(ids), chunk):
+        model.forward(s, ids[a : a + chunk], n_logits=0)
+    return s.routing.copy()
+
+
+def run_decode(model, prompt: list[int], n: int, tier=None) -> tuple[float, np.ndarray]:
+    """(decode seconds, logits of every decoded position): greedy, the prompt batched first."""
+    s = model.new_session(len(prompt) + n + 1, "f16")
+    logits = np.empty((n + 1, model.geometry.n_vocab), np.float32)
+    logits[0] = model.forward(s, prompt, n_logits=1)[0]
+    if tier is not None:
+        tier.stats.reset()  # the token path's hits only
+    t0 = time.perf_counter()
+    for i in range(n):
+        logits[i + 1] = model.step(s, int(np.argmax(logits[i])))
+    return time.perf_counter() - t0, logits
+
+
+def budget_for(model, slots: int, chunk: int, reserve_mib: int) -> int:
+    """--vram-budget-mib that leaves room for `slots` slots beside the weights and the reserve."""
+    from strata.engine import budget as B
+    from strata.engine.budget import BudgetOptions, plan_budget
+    from strata.engine.expert_plan import MiB, prefill_mib
+
+    p = model.pack
+    plan = plan_budget(p.index, p.experts, p.geometry, BudgetOptions(max_context=4096, prefill_chunk=chunk,
+                                                                       vram_reserve_mib=reserve_mib))
+    need = plan.device_bytes(B.WEIGHTS) + (reserve_mib + prefill_mib(chunk)) * MiB + slots * plan.slot_bytes
+    return -(-need // MiB) + 4  # + cudaMalloc's granularity on the weights' arena
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--arch", default="qwen4exp", choices=("qwen4exp", "qwen35moe"))
+    ap.add_argument("--preset", default="seed-4l")
+    ap.add_argument("--threads", type=int, default=8, help="CPU threads (--pool-workers) for the misses and the CPU run")
+    ap.add_argument("--prompt", type=int, default=64, help="prompt tokens from the held-out text")
+    ap.add_argument("--tokens", type=int, default=32, help="greedy decode steps timed")
+    ap.add_argument("--calib", type=int, default=2048, help="calibration tokens (3/4 profiled, 1/4 held out)")
+    ap.add_argument("--reserve-mib", type=int, default=700)
+    ap.add_argument("--md", type=Path, help="also write the table here (markdown)")
+    ap.add_argument("--emulate", action="store_true", help="the host emulation of the kernels (tests/gpu_emu.py)")
+    args = ap.parse_args(argv)
+
+    from decode import ensure_pack
+    from tabulate import tabulate
+
+    from strata.engine.expert_plan import expected_hit_rate
+    from strata.engine.gpu_tier import GpuTier, TierOptions
+    from strata.engine.kernels import cpu, gpu
+    from strata.engine.model import Model
+    from strata.engine.pack import Pack
+    from strata.engine.tokenizer import Tokenizer
+    from strata.index_format.expert_profile import ExpertProfile
+    from strata.index_format.manifest import pack_fingerprint
+
+    if args.emulate:
+        sys.path.insert(0, str(REPO / "tests"))
+        from gpu_emu import EmuRuntime
+
+        gpu.use_runtime(EmuRuntime())
+    else:
+        ok, why = gpu.available()
+        if not ok:
+            print(f"gpu_tier benchmark: no GPU ({why})", file=sys.stderr)
+            return 1
+    cpu.set_threads(args.threads)
+    pack_dir = ensure_pack(args.arch, args.preset)
+    t0 = time.perf_counter()
+    model = Model(Pack.open(pack_dir))
+    model.warm_up()
+    g = model.geometry
+    print(f"loaded {pack_dir} in {time.perf_counter() - t0:.1f} s", flush=True)
+
+    ids = calibration_ids(Tokenizer.load(model.pack.tokenizer_path), g.n_vocab)[: args.calib]
+    cut = len(ids) * 3 // 4
+    fp = pack_fingerprint(pack_dir)
+    t0 = time.perf_counter()
+    profile = ExpertProfile.from_counts(fp, routing_counts(model, ids[:cut]), tokens=cut, top_k=g.n_expert_used)
+    held = ExpertProfile.from_counts(fp, routing_counts(model, ids[cut:]), tokens=len(ids) - cut, top_k=g.n_expert_used)
+    print(f"profile: {cut} calibration tokens, {len(ids) - cut} held out, {profile.pairs} pairs routed "
+          f"({time.perf_counter() - t0:.1f} s)", flush=True)
+    prompt = ids[cut : cut + args.prompt]
+    pairs = g.n_layer * g.n_expert
+    chunk = 256
+
+    cpu_s, want = run_decode(model, prompt, args.tokens)
+    rows = [("cpu", "-", "-", "-", "-", "-", f"{args.tokens / cpu_s:.2f}", "1.00x", "-", "-", "yes")]
+    print(f"cpu: {args.tokens / cpu_s:.2f} tok/s", flush=True)
+    configs = [("cache 0", {"expert_cache": 0})]
+    configs += [(f"auto ~{s:.0%}", {"vram_budget_mib": budget_for(model, round(s * pairs), chunk, args.reserve_mib)})
+                for s in SHARES]
+    configs.append(("all", {"expert_cache": pairs}))
+    for name, opts in configs:
+        o = TierOptions(max_context=args.prompt + args.tokens + 1, kv="f16", prefill_chunk=chunk, profile=profile,
+                        vram_reserve_mib=args.reserve_mib, **opts)
+        tier = GpuTier.start(model, o)
+        for line in tier.lines:
+            print(f"  {name}: {line}", flush=True)
+        secs, got = run_decode(model, prompt, args.tokens, tier)
+        st, n = tier.stats, tier.slots.slots
+        worst = max(tier.marks, key=lambda m: m.error)
+        split = f"{st.gpu_s:.2f} / {st.cpu_s:.2f} / {st.wait_s:.2f}" if st.events else f"- / {st.cpu_s:.2f} / {st.wait_s:.2f}"
+        rows.append((name, n, f"{n / pairs:.0%}", opts.get("vram_budget_mib", "-"),
+                     f"{expected_hit_rate(profile, n):.1%} / {expected_hit_rate(profile, n, held):.1%}",
+                     f"{st.hit_rate:.1%}", f"{args.tokens / secs:.2f}", f"{cpu_s / secs:.2f}x", split,
+                     f"{100 * worst.error:.2f}% ({(worst.used - worst.predicted) / 2**20:+.1f} MiB)",
+                     "yes" if np.array_equal(got, want) else f"NO (max |diff| {np.abs(got - want).max():.3g})"))
+        print(f"{name}: {rows[-1]}", flush=True)
+        tier.stop()
+        del tier
+        gc.collect()
+    headers = ["config", "slots", "of pairs", "--vram-budget-mib", "expected hit rate (in-sample / held-out)",
+               "hit rate", "decode tok/s", "vs cpu", "MoE s: GPU / CPU misses / wait",
+               "worst mem_mark vs budget (% of card used)", "logits == cpu"]
+    table = tabulate(rows, headers=headers, tablefmt="github", disable_numparse=True)
+    head = (f"{args.preset} {args.arch}, {pairs} pairs, prompt {len(prompt)} tokens (held-out text), {args.tokens} "
+            f"greedy decode steps, {args.threads} CPU threads, device {gpu.available()[1] if not args.emulate else 'emulated'}")
+    print(head + "\n\n" + table)
+    if args.md:
+        args.md.write_text(head + "\n\n" + table + "\n", encoding="utf-8")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
