@@ -82,6 +82,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--calib", type=int, default=2048, help="calibration tokens (3/4 profiled, 1/4 held out)")
     ap.add_argument("--reserve-mib", type=int, default=700)
     ap.add_argument("--md", type=Path, help="also write the table here (markdown)")
+    ap.add_argument("--cprofile", metavar="CONFIG", help="print where the decode time of CONFIG (e.g. all) goes")
+    ap.add_argument("--only", help="comma-separated configurations to run (default: all of them)")
     ap.add_argument("--emulate", action="store_true", help="the host emulation of the kernels (tests/gpu_emu.py)")
     args = ap.parse_args(argv)
 
@@ -134,13 +136,24 @@ def main(argv: list[str] | None = None) -> int:
     configs += [(f"auto ~{s:.0%}", {"vram_budget_mib": budget_for(model, round(s * pairs), chunk, args.reserve_mib)})
                 for s in SHARES]
     configs.append(("all", {"expert_cache": pairs}))
+    if args.only:
+        configs = [c for c in configs if c[0].split()[0] in args.only.split(",") or c[0] in args.only.split(",")]
     for name, opts in configs:
         o = TierOptions(max_context=args.prompt + args.tokens + 1, kv="f16", prefill_chunk=chunk, profile=profile,
                         vram_reserve_mib=args.reserve_mib, **opts)
         tier = GpuTier.start(model, o)
         for line in tier.lines:
             print(f"  {name}: {line}", flush=True)
+        if args.cprofile == name:
+            import cProfile
+            import pstats
+
+            prof = cProfile.Profile()
+            prof.enable()
         secs, got = run_decode(model, prompt, args.tokens, tier)
+        if args.cprofile == name:
+            prof.disable()
+            pstats.Stats(prof).sort_stats("tottime").print_stats(30)
         st, n = tier.stats, tier.slots.slots
         worst = max(tier.marks, key=lambda m: m.error)
         split = f"{st.gpu_s:.2f} / {st.cpu_s:.2f} / {st.wait_s:.2f}" if st.events else f"- / {st.cpu_s:.2f} / {st.wait_s:.2f}"

@@ -170,6 +170,7 @@ class Dense:
         self.y = staging.array((n_out,), np.float32)
         self.head_dev, self.head_host = head_dev, head_host
         self._held: dict[str, tuple] = {}  # "f"/"q": (the Input, its version) whose values the staging holds
+        self._views: dict[tuple, object] = {}  # staging views by width, carved once (a device view costs microseconds)
         # the prompt path: rows of input (f32 and ActQ) and output, as many as prompt.chunk holds
         self.rows = 0
         if prompt is not None and prompt.size:
@@ -194,28 +195,37 @@ class Dense:
         key = None if src is None else (src, src.version)
         held = self._held.get(kind)
         n = w.n_in
+        dev = self._view(kind, n)
         if kind == "q":
-            dev = gpu.GpuActQ(self.xq.q[:n], self.xq.d[: n // QA], self.xq.s16[: n // 16], None)
             if key is None or held is None or held[0] is not key[0] or held[1] != key[1]:
                 _upload_act(self.rt, dev, act)
         else:
-            dev = self.xf[:n]
             if key is None or held is None or held[0] is not key[0] or held[1] != key[1]:
                 self.rt.copy_in(dev, np.ascontiguousarray(act, dtype=F32).reshape(n))
         self._held[kind] = key
         return dev
+
+    def _view(self, kind: str, n: int):
+        v = self._views.get((kind, n))
+        if v is None:
+            if kind == "q":
+                v = gpu.GpuActQ(self.xq.q[:n], self.xq.d[: n // QA], self.xq.s16[: n // 16], None)
+            else:
+                v = self.xf[:n] if kind == "f" else self.y[:n]
+            self._views[(kind, n)] = v
+        return v
 
     def matvec(self, w: Weight, x, out: np.ndarray | None = None) -> np.ndarray:
         dev = self._stage_vector(w, x)
         if out is None:
             out = np.empty(w.n_out, F32)
         if w is self.head:
-            gpu.matvec(w.device[1], dev, out=self.head_dev)
+            gpu.matvec_into(w.device[1], dev, self.head_dev)
             self.rt.copy_out(self.head_host, self.head_dev)
             out[...] = self.head_host
         else:
-            y = self.y[: w.n_out]
-            gpu.matvec(w.device[1], dev, out=y)
+            y = self._view("y", w.n_out)
+            gpu.matvec_into(w.device[1], dev, y)
             self.rt.copy_out(out, y)
         return out
 
@@ -338,6 +348,15 @@ class HitPath:
         self.up_host = f[k * F : 2 * k * F].reshape(k, F)
         self.out_host = f[2 * k * F : 2 * k * F + k * E].reshape(k, E)
         self.F, self.E = F, E
+        # per-row views, carved once: the token path takes them, never slices (a device view costs microseconds)
+        self.gate_rows = [self.gate[i, :F] for i in range(k)]
+        self.up_rows = [self.up[i, :F] for i in range(k)]
+        self.out_rows = [self.out[i] for i in range(k)]
+        self.h_rows = [gpu.GpuActQ(self.h.q[i, :F], self.h.d[i, : F // QA], self.h.s16[i, : F // 16], None) for i in range(k)]
+        self.hf_rows = [self.gate[i : i + 1] for i in range(k)]
+        self.gate_n = [self.gate[:n, :F] for n in range(k + 1)]
+        self.up_n = [self.up[:n, :F] for n in range(k + 1)]
+        self.out_n = [self.out[:n] for n in range(k + 1)]
         self.events = rt.events(2) if hasattr(rt, "events") else None
         stats.events = self.events is not None
 
@@ -354,8 +373,8 @@ class HitPath:
                 self.events[0].record()
             for i, j in enumerate(hit):
                 wg, wu, _ = self.slots.weights[slots[j]]
-                gpu.matvec(wg, xdev, out=self.gate[i, :F])
-                gpu.matvec(wu, xdev, out=self.up[i, :F])
+                gpu.matvec_into(wg, xdev, self.gate_rows[i])
+                gpu.matvec_into(wu, xdev, self.up_rows[i])
         t0 = time.perf_counter()
         for j, s in enumerate(slots):
             if s < 0:
@@ -365,18 +384,17 @@ class HitPath:
         if not hit:
             return
         n = len(hit)
-        rt.copy_out(self.gate_host[:n], self.gate[:n, :F])
-        rt.copy_out(self.up_host[:n], self.up[:n, :F])
+        rt.copy_out(self.gate_host[:n], self.gate_n[n])
+        rt.copy_out(self.up_host[:n], self.up_n[n])
         t2 = time.perf_counter()
         for i, j in enumerate(hit):
             h = moe.hidden(self.gate_host[i], self.up_host[i]).form(moe.d)
-            row = gpu.GpuActQ(self.h.q[i, :F], self.h.d[i, : F // QA], self.h.s16[i, : F // 16], None)
-            hdev = self._stage(h, row, self.gate[i : i + 1], F)
-            gpu.matvec(self.slots.weights[slots[j]][2], hdev, out=self.out[i])
+            hdev = self._stage(h, self.h_rows[i], self.hf_rows[i], F)
+            gpu.matvec_into(self.slots.weights[slots[j]][2], hdev, self.out_rows[i])
         if self.events:
             self.events[1].record()
         t3 = time.perf_counter()
-        rt.copy_out(self.out_host[:n], self.out[:n])
+        rt.copy_out(self.out_host[:n], self.out_n[n])
         st.wait_s += (t2 - t1) + (time.perf_counter() - t3)
         if self.events:
             st.gpu_s += rt.elapsed(*self.events)

@@ -78,6 +78,7 @@ class CupyRuntime:
 
         self.cp = cupy
         self.n_sm = cupy.cuda.Device().attributes["MultiProcessorCount"]
+        self._functions: dict[tuple[Any, str], Any] = {}  # (module, kernel): the module object itself, so no id is reused
 
     def to_device(self, a: np.ndarray):
         return self.cp.asarray(np.ascontiguousarray(a))
@@ -100,7 +101,12 @@ class CupyRuntime:
         return mod
 
     def launch(self, mod, name: str, grid: int, block: int, args: tuple, smem: int = 0) -> None:
-        mod.get_function(name)((grid,), (block,), args, shared_mem=smem)
+        # the function objects are kept: RawModule.get_function costs microseconds a call, and the
+        # GPU tier's token path launches a few hundred kernels a token
+        fn = self._functions.get((mod, name))
+        if fn is None:
+            fn = self._functions[(mod, name)] = mod.get_function(name)
+        fn((grid,), (block,), args, shared_mem=smem)
 
     def set_global(self, mod, name: str, host: np.ndarray) -> None:
         dev = self.cp.ndarray(host.shape, host.dtype, memptr=mod.get_global(name))
@@ -158,6 +164,7 @@ class CupyRuntime:
 
 _runtime: Any = None
 _modules: dict[str, "_Module"] = {}
+_plans: dict[tuple, tuple] = {}  # launch plans by shape (_quant_plan, _float_plan)
 
 
 def runtime():
@@ -174,6 +181,7 @@ def use_runtime(rt) -> Any:
     global _runtime
     before, _runtime = _runtime, rt
     _modules.clear()
+    _plans.clear()
     return before
 
 
@@ -453,45 +461,83 @@ def _out(rt, out, shape: tuple[int, ...], where: str):
     return out
 
 
-def _quant(w: GpuWeight, q, d, s16, out) -> None:
-    """One launch for up to MAX_TOKENS tokens: q [T, n_in], d [T, nb], s16 [T, 2 nb], out [T, n_out]."""
-    rt, m = runtime(), _module(w.type.name)
-    n_tok, nb = q.shape[0], w.n_in // QA
-    scales = w.scales if w.scales is not None else w.rest  # IQ1_M: never read
-    args = (w.rest, scales, q, d, s16, out, np.int32(w.n_out), np.int32(nb))
+def _quant_plan(type_id: int, n_in: int, n_out: int, n_tok: int) -> tuple:
+    """(module, kernel, grid, block, shared bytes, trailing args) of one launch: a function of the
+    shape alone, so worked out once per shape (the token path launches the same shapes every token)."""
+    key = ("q", type_id, n_in, n_out, n_tok)
+    plan = _plans.get(key)
+    if plan is not None:
+        return plan
+    t = ggml_type(type_id)
+    rt, m = runtime(), _module(t.name)
+    nb = n_in // QA
     # An IQ grid goes to shared memory only when every block has enough rows to repay the copy.
-    tab = m.tab if m.tab and w.n_out >= SHARED_TABLE_ROWS * 8 * rt.n_sm else 0
+    tab = m.tab if m.tab and n_out >= SHARED_TABLE_ROWS * 8 * rt.n_sm else 0
     per_sm = 8 if tab else 32
     if n_tok == 1 and nb <= 32 * KPLS[-1]:
         kpl = next(k for k in KPLS if 32 * k >= nb)
         per_warp = 2 * m.mv_buf[kpl - 1]  # two staging buffers: this step's rows and the next's
         rows = m.mv_rows[kpl - 1]
-        nw = _warps(per_warp, -(-w.n_out // rows), rt.n_sm, fixed_smem=tab)
-        while rows > 1 and -(-w.n_out // (nw * rows)) < 2 * rt.n_sm:  # few rows: spread them out
+        nw = _warps(per_warp, -(-n_out // rows), rt.n_sm, fixed_smem=tab)
+        while rows > 1 and -(-n_out // (nw * rows)) < 2 * rt.n_sm:  # few rows: spread them out
             rows -= 1
-        grid = _grid(rt, w.n_out, nw * rows, per_sm)
-        extra = (np.int32(rows), np.int32(tab > 0))
-        rt.launch(m.mod, f"mv<{w.type_id}, {kpl}>", grid, 32 * nw, args + extra, tab + nw * per_warp)
+        grid = _grid(rt, n_out, nw * rows, per_sm)
+        plan = (m.mod, f"mv<{type_id}, {kpl}>", grid, 32 * nw, tab + nw * per_warp, (np.int32(rows), np.int32(tab > 0)))
     else:
         per_warp = 2 * m.mm_buf + 4 * 32 * n_tok
-        nw = _warps(per_warp, w.n_out, rt.n_sm, most=4, fixed_smem=tab)
-        grid = _grid(rt, w.n_out, nw, per_sm)
-        extra = (np.int32(n_tok), np.int32(tab > 0))
-        rt.launch(m.mod, f"mm<{w.type_id}>", grid, 32 * nw, args + extra, tab + nw * per_warp)
+        nw = _warps(per_warp, n_out, rt.n_sm, most=4, fixed_smem=tab)
+        grid = _grid(rt, n_out, nw, per_sm)
+        plan = (m.mod, f"mm<{type_id}>", grid, 32 * nw, tab + nw * per_warp, (np.int32(n_tok), np.int32(tab > 0)))
+    _plans[key] = plan
+    return plan
+
+
+def _quant(w: GpuWeight, q, d, s16, out) -> None:
+    """One launch for up to MAX_TOKENS tokens: q [T, n_in], d [T, nb], s16 [T, 2 nb], out [T, n_out]."""
+    mod, name, grid, block, smem, extra = _quant_plan(w.type_id, w.n_in, w.n_out, q.shape[0])
+    scales = w.scales if w.scales is not None else w.rest  # IQ1_M: never read
+    args = (w.rest, scales, q, d, s16, out, np.int32(w.n_out), np.int32(w.n_in // QA))
+    runtime().launch(mod, name, grid, block, args + extra, smem)
+
+
+def _float_plan(type_id: int, n_in: int, n_out: int, n_tok: int) -> tuple:
+    key = ("f", type_id, n_in, n_out, n_tok)
+    plan = _plans.get(key)
+    if plan is not None:
+        return plan
+    t = ggml_type(type_id)
+    rt, m = runtime(), _module(t.name)
+    kind = _FLOAT_KIND[t.name]
+    if n_tok == 1:
+        nw = _warps(0, n_out, rt.n_sm)
+        plan = (m.mod, f"fmv<{kind}>", _grid(rt, n_out, nw), 32 * nw, 0, ())
+    else:
+        per_warp = 4 * 32 * n_tok
+        nw = _warps(per_warp, n_out, rt.n_sm, most=4)
+        plan = (m.mod, f"fmm<{kind}>", _grid(rt, n_out, nw), 32 * nw, nw * per_warp, (np.int32(n_tok),))
+    _plans[key] = plan
+    return plan
 
 
 def _float(w: GpuWeight, x, out) -> None:
     """x f32 [T, n_in] (T <= MAX_TOKENS), out [T, n_out]."""
-    rt, m = runtime(), _module(w.type.name)
-    kind, n_tok = _FLOAT_KIND[w.type.name], x.shape[0]
-    if n_tok == 1:
-        nw = _warps(0, w.n_out, rt.n_sm)
-        rt.launch(m.mod, f"fmv<{kind}>", _grid(rt, w.n_out, nw), 32 * nw, (w.values, x, out, np.int32(w.n_out), np.int32(w.n_in)))
+    mod, name, grid, block, smem, extra = _float_plan(w.type_id, w.n_in, w.n_out, x.shape[0])
+    runtime().launch(mod, name, grid, block, (w.values, x, out, np.int32(w.n_out), np.int32(w.n_in)) + extra, smem)
+
+
+def matvec_into(w: GpuWeight, act, out) -> None:
+    """`matvec` without its checks, for the GPU tier's token path: `act` (a GpuActQ of n_in, or
+    device f32 [n_in]) and `out` (device f32 [n_out]) are views the tier carved and checked at
+    startup. The same launch as matvec's, so the same bits; a few microseconds of Python less per
+    product (the token path makes hundreds)."""
+    if isinstance(act, GpuActQ):
+        mod, name, grid, block, smem, extra = _quant_plan(w.type_id, w.n_in, w.n_out, 1)
+        scales = w.scales if w.scales is not None else w.rest
+        args = (w.rest, scales, act.q, act.d, act.s16, out, np.int32(w.n_out), np.int32(w.n_in // QA))
     else:
-        per_warp = 4 * 32 * n_tok
-        nw = _warps(per_warp, w.n_out, rt.n_sm, most=4)
-        args = (w.values, x, out, np.int32(w.n_out), np.int32(w.n_in), np.int32(n_tok))
-        rt.launch(m.mod, f"fmm<{kind}>", _grid(rt, w.n_out, nw), 32 * nw, args, nw * per_warp)
+        mod, name, grid, block, smem, extra = _float_plan(w.type_id, w.n_in, w.n_out, 1)
+        args = (w.values, act, out, np.int32(w.n_out), np.int32(w.n_in))
+    runtime().launch(mod, name, grid, block, args + extra, smem)
 
 
 def matmul(w: GpuWeight, act, out=None):
