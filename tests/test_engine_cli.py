@@ -81,7 +81,6 @@ def test_prompt_file(pack_dir, tmp_path, capsys):
 @pytest.mark.parametrize("args, code, message", [
     ([], 2, "exactly one of --prompt, --prompt-file, --prompt-ids"),
     (["--prompt", "a", "--prompt-ids", "1"], 2, "exactly one of"),
-    (["--prompt", "a", "--device", "gpu"], 2, "GPU expert tier is not built yet"),
     (["--prompt", "a", "--device", "tpu"], 2, "--device 'tpu'"),
     (["--prompt-ids", "1 999"], 1, "item 2 is '999', expected a token id in 0..319"),
     (["--prompt-ids", "1 2 3", "--max-context", "2"], 1, "--max-context 2 is shorter than the prompt (3 tokens)"),

@@ -281,3 +281,32 @@ def test_device_gpu_without_a_gpu_is_refused(models, capsys):
 
     rc = main(["generate", "--pack", str(models["qwen35moe"].pack.dir), "--prompt-ids", "1 2", "-n", "1", "--device", "gpu"])
     assert rc == 1 and "--device gpu:" in capsys.readouterr().err
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _CUDA_OK, reason=f"no GPU: {_CUDA_WHY}")
+def test_cli_on_the_gpu_prints_the_stages_and_the_hit_table(models, tmp_path, capsys):
+    from strata.engine.cli import main
+
+    pack = str(models["qwen35moe"].pack.dir)
+    ids = " ".join(map(str, tokens(models["qwen35moe"], 6)))
+    common = ["generate", "--pack", pack, "--prompt-ids", ids, "-n", "6", "--temp", "0", "--kv", "f32"]
+    assert main(common + ["--device", "cpu", "--dump-logits", str(tmp_path / "cpu.npy")]) == 0
+    capsys.readouterr()
+    rc = main(common + ["--device", "gpu", "--expert-cache", "12", "--stats", "--dump-logits", str(tmp_path / "gpu.npy")])
+    err = capsys.readouterr().err
+    assert rc == 0, err
+    assert all(f"mem_mark {n} " in err for n in range(1, 8)) and "hit path: ready" in err
+    assert "device   gpu tier (--device gpu)" in err and "MoE time split: GPU work" in err
+    assert np.array_equal(np.load(tmp_path / "cpu.npy"), np.load(tmp_path / "gpu.npy"))  # B2 through the CLI
+
+
+def test_cli_refuses_bad_gpu_flags(models, capsys):
+    from strata.engine.cli import main
+
+    pack = str(models["qwen35moe"].pack.dir)
+    for flags, want in ((["--expert-cache", "lots"], "--expert-cache 'lots': expected auto or a number"),
+                        (["--vram-budget-mib", "0"], "--vram-budget-mib 0: expected a card size"),
+                        (["--device", "tpu"], "--device 'tpu': expected one of cpu, gpu, auto")):
+        rc = main(["generate", "--pack", pack, "--prompt-ids", "1 2", "-n", "1"] + flags)
+        assert rc in (1, 2) and want in capsys.readouterr().err, flags
