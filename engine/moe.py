@@ -134,13 +134,17 @@ class MoE:
         T = top.shape[0]
         if counts is not None:
             counts += np.bincount(top.reshape(-1), minlength=counts.size)
-        routed = np.empty((T, self.k, self.E), F32)
         flat = top.reshape(-1)
-        order = np.argsort(flat, kind="stable")
-        bounds = np.flatnonzero(np.diff(flat[order])) + 1
-        for group in np.split(order, bounds):
-            rows, ranks = np.divmod(group, self.k)
-            routed[rows, ranks] = self._expert_many(x, int(flat[group[0]]), rows)
+        order = np.argsort(flat, kind="stable")  # the (token, rank) pairs, expert by expert
+        experts, first = np.unique(flat[order], return_index=True)
+        starts = np.append(first, flat.size)
+        routed = np.empty((T, self.k, self.E), F32)
+        rows = order // self.k
+        if self.hits is not None:
+            part = self.hits.run_many(self, x, experts, rows, starts)  # GPU hits beside CPU misses (B2)
+        else:
+            part = self._routed_many(x, experts, rows, starts)
+        routed.reshape(T * self.k, self.E)[order] = part
         out = np.zeros((T, self.E), F32)
         for j in range(self.k):
             out += weights[:, j : j + 1].astype(F32) * routed[:, j]
@@ -150,12 +154,19 @@ class MoE:
             out += sigmoid(s_gate.matmul(x)) * down.matmul(Input(h))
         return out
 
-    def _expert_many(self, x: Input, e: int, rows: np.ndarray) -> np.ndarray:
-        """Expert e on the tokens `rows` of x -> f32 [len(rows), E]."""
-        gate_raw, up_raw, down_raw = self.pack.expert(self.layer, e)
+    def _routed_many(self, x: Input, experts: np.ndarray, rows: np.ndarray, starts: np.ndarray) -> np.ndarray:
+        """Expert experts[g] on the tokens rows[starts[g]:starts[g + 1]] of x, for every g ->
+        f32 [len(rows), E], row i the output of token rows[i] through its group's expert; each row
+        bit-identical to `_expert` on that token alone. All the experts in one grouped kernel call
+        per matrix (gate, up, down), reading the layer's expert tensors in place. Any subset of the
+        chunk's experts may be passed (a GPU tier sends its hits elsewhere and the misses here)."""
+        gate_all, up_all, down_all = self.pack.expert_tensors(self.layer)
         E, F = self.E, self.F
         act = x.form(self.gu)
         act = ActQ(act.q[rows], act.d[rows], act.s16[rows]) if isinstance(act, ActQ) else act[rows]
-        gate = cpu.matmul(gate_raw, self.gu.id, E, F, act)
-        h = silu_(gate) * cpu.matmul(up_raw, self.gu.id, E, F, act)
-        return cpu.matmul(down_raw, self.d.id, F, E, Input(h).form(self.d))
+        gu_at = experts.astype(np.int64) * self.gu.nbytes((E, F))
+        gate = cpu.matmul_grouped(gate_all, self.gu.id, E, F, gu_at, act, starts)
+        h = silu_(gate)
+        h *= cpu.matmul_grouped(up_all, self.gu.id, E, F, gu_at, act, starts)
+        d_at = experts.astype(np.int64) * self.d.nbytes((F, E))
+        return cpu.matmul_grouped(down_all, self.d.id, F, E, d_at, Input(h).form(self.d), starts)

@@ -128,6 +128,15 @@ class Pack:
                 x.data[x.up_off + e * gb : x.up_off + (e + 1) * gb],
                 x.data[x.down_off + e * db : x.down_off + (e + 1) * db])
 
+    def expert_tensors(self, layer: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(gate, up, down) of ALL `layer`'s experts: each its whole 3-D tensor's raw bytes, expert e's
+        matrix at byte e * (its size), uint8 views of the mapped GGUF (never copies): what the
+        grouped kernel (cpu.matmul_grouped) reads the routed experts of a prompt chunk from."""
+        x = self._layers[layer]
+        n, gb, db = self.geometry.n_expert, x.gate_bytes, x.down_bytes
+        return (x.data[x.gate_off : x.gate_off + n * gb], x.data[x.up_off : x.up_off + n * gb],
+                x.data[x.down_off : x.down_off + n * db])
+
     def expert_types(self, layer: int) -> tuple[GGMLType, GGMLType]:
         """(gate/up type, down type) of `layer`'s experts: they vary by layer."""
         x = self._layers[layer]

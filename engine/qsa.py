@@ -32,7 +32,7 @@ from numba import njit
 
 from .budget import ATTN_TILE_BYTES, kv_bytes_per_token
 from .hyper import ComponentError, as_f32, as_linear, grouped_rmsnorm, sigmoid, take
-from .kernels.jit import JIT
+from .kernels.jit import JIT, cached_njit
 from .kvcache import KVCache
 from .ops import attend_many
 
@@ -195,7 +195,9 @@ def _introselect(v, ix, first, nth, last, depth):
     _insertion_sort(v, ix, first, last)
 
 
-@njit(**JIT)
+# The disk cache (kernels/jit.py): compiling this and its helpers took ~3.9 s at every start.
+# The helpers need no cache of their own: their code is linked into this entry point's.
+@cached_njit("qsa-topk")
 def _topk_inplace(v, ix, n, k):
     for i in range(n):
         ix[i] = i

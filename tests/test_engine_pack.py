@@ -55,6 +55,9 @@ def test_experts_are_views_of_the_gguf_at_their_offsets(q8):
                 assert np.array_equal(got, whole[e]), (layer, role, e)
                 # read in place from the mapped file: a view, never a copy, and read-only
                 assert not got.flags.owndata and not got.flags.writeable
+            # the whole tensor at once (the grouped kernel's input), also a view
+            tensor = p.expert_tensors(layer)[k]
+            assert np.array_equal(tensor, whole.reshape(-1)) and not tensor.flags.owndata and not tensor.flags.writeable
     assert [t.name for t in p.expert_types(0)] == ["Q8_0", "Q8_0"]
     with pytest.raises(IndexError, match="expert 8 of layer 0"):
         p.expert(0, g.n_expert)

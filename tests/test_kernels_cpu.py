@@ -129,6 +129,20 @@ def test_results_do_not_depend_on_the_thread_count():
     _same(many, one, "threads")
 
 
+@pytest.mark.parametrize("name", ["Q8_0", "IQ2_XS", "Q4_K"])
+def test_many_tokens_walked_in_tiles_equal_the_reference(name):
+    # more tokens than one tile of activations (cpu._TILE_BYTES): the rows meet them tile by tile
+    t = BY_NAME[name]
+    n_in = 2560
+    n_tok = 2 * (cpu._TILE_BYTES // n_in) + 7  # two whole tiles and a partial one
+    raw = random_weights(t, n_in * 9, np.random.default_rng(4))
+    act = quantize_act(_acts(n_in, n_tok, 4))
+    want = R.dot_reference(raw, t.id, n_in, 9, act)
+    for parallel in (False, True):
+        with _path(parallel):
+            _same(cpu.matmul(raw, t.id, n_in, 9, act), want, f"{name} {n_tok} tokens, parallel={parallel}")
+
+
 @pytest.mark.parametrize("name", ["Q4_K", "IQ2_XS", "Q5_1", "BF16"])
 def test_serial_and_parallel_paths_give_the_same_bits(name):
     # Small calls run on the calling thread, large ones over the pool (cpu.SERIAL_BELOW): two

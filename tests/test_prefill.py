@@ -143,7 +143,7 @@ def q8(tmp_path_factory):
     return Model(Pack.open(F.make_pack(tmp_path_factory.mktemp("q8"), types={"experts": "Q8_0", "dense": "Q8_0"})))
 
 
-def test_quantized_blocks_are_bit_identical_and_greedy_agrees(q8):
+def test_quantized_blocks_are_bit_identical_and_greedy_agrees(q8, monkeypatch):
     """MoE expert by expert (each expert's rows gathered from the chunk's ActQ), the router and the
     residual's norms: bit-identical to one token at a time, given the same inputs."""
     g = q8.geometry
@@ -153,16 +153,31 @@ def test_quantized_blocks_are_bit_identical_and_greedy_agrees(q8):
         one = np.array([moe.step(Input(x.copy()), counts_one).copy() for x in X])
         assert np.array_equal(moe.forward_many(Input(X.copy()), counts_many), one)
         assert np.array_equal(counts_one, counts_many)
-    # expert by expert: one read of each routed expert's weights for the whole chunk
-    moe, reads = q8.moes[2], []
-    expert = q8.pack.expert
-    q8.pack.expert = lambda layer, e: reads.append(e) or expert(layer, e)
-    try:
-        top, _ = moe.route_many(Input(X.copy()))
-        moe.forward_many(Input(X.copy()))
-    finally:
-        q8.pack.expert = expert
-    assert sorted(reads) == sorted(set(top.reshape(-1).tolist())) and len(reads) < top.size
+    # one read of each routed expert's weights for the whole chunk: one grouped call per matrix
+    # (gate, up, down), each naming every routed expert once and giving it its own tokens
+    moe, calls = q8.moes[2], []
+    grouped = cpu.matmul_grouped
+
+    def spy(raw, type_id, n_in, n_out, offsets, act, starts, out=None):
+        calls.append((np.array(offsets), np.array(starts), act))
+        return grouped(raw, type_id, n_in, n_out, offsets, act, starts, out)
+
+    monkeypatch.setattr(cpu, "matmul_grouped", spy)
+    x = Input(X.copy())
+    top, _ = moe.route_many(x)
+    moe.forward_many(x)
+    monkeypatch.undo()
+    routed = np.unique(top)
+    assert len(calls) == 3 and len(routed) < top.size
+    sizes = (moe.gu.nbytes((g.n_embd, g.n_ff_exp)),) * 2 + (moe.d.nbytes((g.n_ff_exp, g.n_embd)),)
+    for (offsets, starts, _), size in zip(calls, sizes):
+        assert np.array_equal(offsets, routed * size)
+    act = x.form(moe.gu)
+    for which in range(2):  # gate, up: expert routed[i] on the tokens routed to it, in order
+        _, starts, got = calls[which]
+        for i, e in enumerate(routed):
+            tokens = np.flatnonzero((top == e).any(axis=1))
+            assert np.array_equal(got.q[starts[i] : starts[i + 1]], act.q[tokens]), f"expert {e}: wrong tokens"
     r = q8.residual
     x, _ = r.enter_many(X, 1, ffn=True)
     assert np.array_equal(x.x, np.array([r.enter(h, 1, ffn=True).x.copy() for h in X]))

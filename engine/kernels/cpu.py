@@ -16,11 +16,19 @@ How it is fast (each step measured; simd.py says why it is written with LLVM int
   the f32 terms, the lanes and the fold;
 - rows go to threads in chunks, so scratch is allocated per chunk, not per row; a small call
   (SERIAL_BELOW) runs the same loop on the calling thread, without waking the pool;
+- many tokens are walked in tiles whose activations stay in L2 (_TILE_BYTES), and the epilogue
+  spends no multiply on scales known to be 1 or equal, nor any work on a 16-block half past the
+  row's end;
 - fp16 scales convert in hardware (F16C) where the host has it, else through a 65536-entry table;
-  both are exact.
+  both are exact;
+- the routed experts of a prompt chunk (a few tokens each) go through `matmul_grouped`: one call
+  per matrix role for all the experts, each on its own rows, split into (expert, row tile) work
+  items that the threads take from a shared queue (per expert `matmul` woke the pool three times
+  per expert, and a static split left a thread idle whenever the other was descheduled).
 
-Each type has two kernels (parallel, serial), built on first use and kept in a disk cache
-(jit.cached): a second process loads them in milliseconds instead of compiling for seconds.
+Each type has two kernels (parallel, serial), and two grouped ones for block types, built on
+first use and kept in a disk cache (jit.cached): a second process loads them in milliseconds
+instead of compiling for seconds.
 """
 
 from __future__ import annotations
@@ -361,13 +369,26 @@ _DECODERS = {
 # drivers
 
 
-def _quant_kernel(name, dec, per, has_min, preset, parallel):
-    """The driver for one block type, parallel (prange over row chunks) or serial (the same
-    loop on the calling thread: for small matrices the thread hand-off costs more than it saves).
+# Types whose decoder writes ws0 = ws1 (and mn0 = mn1) for every act-block: their epilogue spends
+# one integer multiply per sum, not two; the 32-element types (sc preset to 1) spend none.
+_SAME_SCALES = {"Q4_K", "Q5_K", "IQ2_XXS", "IQ3_XXS", "IQ3_S", "IQ1_S", "IQ4_XS"}
+
+
+def _scales(name: str, preset) -> str:
+    """The kind of integer scales simd.row_epilogue is compiled for."""
+    if preset != _OWN:
+        return "unit"
+    return "same" if name in _SAME_SCALES else "own"
+
+
+def _quant_rows(dec, per, has_min, scales):
+    """The row loop of one block type, inlined into its drivers: rows o0 .. o1 of the matrix at
+    byte `base` of raw, against tokens t0 .. t1 of the activations -> out[t0 .. t1, o0 .. o1].
+
     Each row is decoded whole into the integer form (int8 values, integer scales, f32 factors per
     act-block); then each token walks it: exact integer half sums, one f32 term per act-block,
-    lanes, fold. A row's arithmetic does not depend on the chunking: both variants give the same
-    bits.
+    lanes, fold. A row's arithmetic depends on neither the row range nor the token range, so
+    every driver (serial, parallel, grouped) gives the same bits.
 
     Loads that meet a store made just before them stall (a 32-byte vector stored in two halves
     and reloaded whole made IQ4_NL 4x slower), so the dots never read a row decoded just before:
@@ -377,63 +398,136 @@ def _quant_kernel(name, dec, per, has_min, preset, parallel):
     stores just made (the down projection took 15-25% less time, docs/kernels.md); for long rows
     after it (decoding it before the epilogue cost them 10-20% in cache)."""
 
-    epilogue = simd.row_epilogue_min if has_min else simd.row_epilogue
+    epilogue = simd.row_epilogue[has_min, scales]
+
+    @njit(**_inline)
+    def rows(raw, base, type_size, row_bytes, o0, o1, t0, t1, xq, xs, xdp, xs0, xs1, lut, wq, sc, fl, lo, hi, out):
+        # nb = act-blocks per row, P = nb rounded up to 32. Scratch (the driver's, per thread,
+        # _scratch): wq, sc, fl hold two rows' integer form, row o in act-blocks c0 .. c0 + nb,
+        # c0 = P * ((o - o0) & 1); lo, hi the half sums of token t at (t - t0) * P. xdp, xs0,
+        # xs1 (_padded): the activations' scales and half sums, token t at t * P. Offsets, not
+        # views: a view made in the row loop costs atomic reference counts. The dot loop stays
+        # written out here: moved into an inlined helper it ran 1.1-5x slower (measured).
+        P = sc.shape[1] // 2
+        nb = row_bytes // type_size * per
+        n_in = nb * QA
+        short = nb < 32
+        if o0 < o1:
+            for w in range(nb // per):
+                dec(raw, base + o0 * row_bytes + w * type_size, wq, per * w, sc, fl, lut)
+        for o in range(o0, o1):
+            c0 = P * ((o - o0) & 1)
+            for t in range(t0, t1):
+                x0, s0, l0 = t * n_in, 2 * t * nb, (t - t0) * P
+                b = 0
+                while b + 8 <= nb:
+                    simd.half_sums8(wq, QA * (c0 + b), xq, x0 + QA * b, xs, s0 + 2 * b, lo, hi, l0 + b)
+                    b += 8
+                if b + 4 <= nb:
+                    simd.half_sums4(wq, QA * (c0 + b), xq, x0 + QA * b, xs, s0 + 2 * b, lo, hi, l0 + b)
+                    b += 4
+                while b < nb:
+                    simd.half_sums1(wq, QA * (c0 + b), xq, x0 + QA * b, lo, hi, l0 + b)
+                    b += 1
+            cn = (P - c0) & _NONNEG  # the other half
+            if o + 1 < o1 and short:
+                for w in range(nb // per):
+                    dec(raw, base + (o + 1) * row_bytes + w * type_size, wq, cn + per * w, sc, fl, lut)
+            for t in range(t0, t1):
+                out[t, o] = epilogue(sc, fl, c0, 2 * P, lo, hi, (t - t0) * P, xdp, xs0, xs1, t * P, nb)
+            if o + 1 < o1 and not short:
+                for w in range(nb // per):
+                    dec(raw, base + (o + 1) * row_bytes + w * type_size, wq, cn + per * w, sc, fl, lut)
+
+    return rows
+
+
+@njit(**_inline)
+def _scratch(P, preset, n_tok):
+    """One thread's scratch for _quant_rows: two rows' integer form (wq int8 values; sc = ws0, ws1,
+    mn0, mn1 per act-block, preset for types that leave them constant; fl = wf, wm) and the
+    integer half sums lo, hi of n_tok tokens."""
+    wq = np.empty(2 * P * QA, np.int8)
+    sc = np.empty((4, 2 * P), np.int32)
+    for i in range(4):
+        sc[i, :] = preset[i]
+    fl = np.zeros((2, 2 * P), F32)
+    return wq, sc, fl, np.zeros(n_tok * P, np.int32), np.zeros(n_tok * P, np.int32)
+
+
+@njit(**_inline)
+def _padded(xd, xs, P):
+    """The activations' scales xd [T, nb] and half sums xs [T, 2 nb] as flat [T * P] planes (xdp,
+    xs0, xs1), zero past nb: row_epilogue reads whole 16-block vectors."""
+    n_tok, nb = xd.shape
+    xdp = np.zeros(n_tok * P, F32)
+    xs0 = np.zeros(n_tok * P, np.int32)
+    xs1 = np.zeros(n_tok * P, np.int32)
+    for t in range(n_tok):
+        for b in range(nb):
+            xdp[t * P + b], xs0[t * P + b], xs1[t * P + b] = xd[t, b], xs[t, 2 * b], xs[t, 2 * b + 1]
+    return xdp, xs0, xs1
+
+
+# Activations per token tile of the row loop: every row walks all the tokens, so with many
+# tokens of long rows (256 x 6144 = 1.5 MB) the activations streamed from L3 for every row; a
+# tile that stays in the 1 MB L2 is walked by all the chunk's rows first (each row's decode is
+# then repeated per tile: cheap next to a tile's dots).
+_TILE_BYTES = 1 << 18
+
+
+def _quant_kernel(name, dec, per, has_min, preset, parallel):
+    """The driver for one block type, parallel (prange over row chunks) or serial (the same loop
+    on the calling thread: for small matrices the thread hand-off costs more than it saves)."""
+    rows = _quant_rows(dec, per, has_min, _scales(name, preset))
 
     def kernel(raw, type_size, row_bytes, xq, xd, xs, lut, out, n_chunks):
         # raw u8 [n_out * row_bytes]; xq i8 [T * n_in] (flat); xd f32 [T, nb]; xs i32 [T, 2 nb]
-        # out f32 [T, n_out]; nb = n_in / 32 act-blocks per row, P = nb rounded up to 32
+        # out f32 [T, n_out]
         n_tok, n_out = out.shape
-        nb = xd.shape[1]
-        n_in = nb * QA
-        P = (nb + 31) // 32 * 32
+        P = (xd.shape[1] + 31) // 32 * 32
         for c in prange(n_chunks):
-            # Two rows' integer form: row o in act-blocks c0 .. c0 + nb, c0 = P * ((o - o0) & 1).
-            # Offsets, not views: a view made in the row loop costs atomic reference counts.
-            wq = np.empty(2 * P * QA, np.int8)  # int8 values
-            sc = np.empty((4, 2 * P), np.int32)  # ws0, ws1, mn0, mn1 per act-block
-            for i in range(4):
-                sc[i, :] = preset[i]
-            fl = np.zeros((2, 2 * P), F32)  # wf, wm per act-block
-            lo = np.zeros(n_tok * P, np.int32)  # integer half sums, token t at t * P
-            hi = np.zeros(n_tok * P, np.int32)
-            xdp = np.zeros(n_tok * P, F32)  # the activations' scales and half sums, padded to P
-            xs0 = np.zeros(n_tok * P, np.int32)
-            xs1 = np.zeros(n_tok * P, np.int32)
-            for t in range(n_tok):
-                for b in range(nb):
-                    xdp[t * P + b], xs0[t * P + b], xs1[t * P + b] = xd[t, b], xs[t, 2 * b], xs[t, 2 * b + 1]
+            # per chunk, not shared: the padding is cheap next to a chunk's rows
+            xdp, xs0, xs1 = _padded(xd, xs, P)
+            tile = max(1, _TILE_BYTES // (QA * xd.shape[1]))
+            wq, sc, fl, lo, hi = _scratch(P, preset, min(tile, n_tok))
             o0, o1 = c * n_out // n_chunks, (c + 1) * n_out // n_chunks
-            short = nb < 32
-            if o0 < o1:
-                for w in range(nb // per):
-                    dec(raw, o0 * row_bytes + w * type_size, wq, per * w, sc, fl, lut)
-            for o in range(o0, o1):
-                c0 = P * ((o - o0) & 1)
-                for t in range(n_tok):
-                    x0, s0, l0 = t * n_in, 2 * t * nb, t * P
-                    b = 0
-                    while b + 8 <= nb:
-                        simd.half_sums8(wq, QA * (c0 + b), xq, x0 + QA * b, xs, s0 + 2 * b, lo, hi, l0 + b)
-                        b += 8
-                    if b + 4 <= nb:
-                        simd.half_sums4(wq, QA * (c0 + b), xq, x0 + QA * b, xs, s0 + 2 * b, lo, hi, l0 + b)
-                        b += 4
-                    while b < nb:
-                        simd.half_sums1(wq, QA * (c0 + b), xq, x0 + QA * b, lo, hi, l0 + b)
-                        b += 1
-                cn = (P - c0) & _NONNEG  # the other half
-                if o + 1 < o1 and short:
-                    for w in range(nb // per):
-                        dec(raw, (o + 1) * row_bytes + w * type_size, wq, cn + per * w, sc, fl, lut)
-                for t in range(n_tok):
-                    out[t, o] = epilogue(sc, fl, c0, 2 * P, lo, hi, t * P, xdp, xs0, xs1, t * P, nb)
-                if o + 1 < o1 and not short:
-                    for w in range(nb // per):
-                        dec(raw, (o + 1) * row_bytes + w * type_size, wq, cn + per * w, sc, fl, lut)
+            for a in range(0, n_tok, tile):
+                rows(raw, 0, type_size, row_bytes, o0, o1, a, min(a + tile, n_tok), xq, xs, xdp, xs0, xs1, lut, wq, sc, fl, lo, hi, out)
 
     return cached(njit(parallel=parallel, **JIT)(kernel), f"{name}-{'par' if parallel else 'serial'}")
 
 
+def _grouped_kernel(name, dec, per, has_min, preset, parallel):
+    """The grouped driver of one block type: G matrices of the same shape, each against its own
+    run of activation rows, as work items (matrix, row tile) in chunks of about equal cost
+    (_balance) that the threads take from a shared queue, so 2 threads stay busy even when each
+    matrix has ~5 tokens and when one thread is descheduled."""
+    rows = _quant_rows(dec, per, has_min, _scales(name, preset))
+
+    def kernel(raw, offsets, type_size, row_bytes, starts, items, bounds, xq, xd, xs, lut, out, n_workers):
+        # raw u8: matrix g at byte offsets[g]; its tokens are rows starts[g] .. starts[g + 1] of
+        # xq i8 [N * n_in] (flat), xd f32 [N, nb], xs i32 [N, 2 nb] and out f32 [N, n_out].
+        # items i64 [n, 3]: (g, o0, o1); chunk c takes items bounds[c] .. bounds[c + 1].
+        P = (xd.shape[1] + 31) // 32 * 32
+        xdp, xs0, xs1 = _padded(xd, xs, P)
+        tile = max(1, _TILE_BYTES // (QA * xd.shape[1]))
+        most = 0
+        for g in range(offsets.size):
+            most = min(tile, max(most, starts[g + 1] - starts[g]))
+        queue = np.zeros(1, np.int64)  # the next chunk: each worker takes chunks until none is left
+        for _ in prange(n_workers):
+            wq, sc, fl, lo, hi = _scratch(P, preset, most)
+            c = simd.fetch_add(queue, 0, 1)
+            while c < bounds.size - 1:
+                for i in range(bounds[c], bounds[c + 1]):
+                    g, o0, o1 = items[i, 0], items[i, 1], items[i, 2]
+                    for a in range(starts[g], starts[g + 1], tile):
+                        rows(raw, offsets[g], type_size, row_bytes, o0, o1, a, min(a + tile, starts[g + 1]),
+                             xq, xs, xdp, xs0, xs1, lut, wq, sc, fl, lo, hi, out)  # fmt: skip
+                c = simd.fetch_add(queue, 0, 1)
+
+    return cached(njit(parallel=parallel, **JIT)(kernel), f"{name}-grouped-{'par' if parallel else 'serial'}")
 @njit(**_inline)
 def _load_f32(w, i, lut):
     return w[i]
@@ -473,6 +567,7 @@ _FLOAT = {"F32": (simd.dense16_f32, _load_f32), "F16": (simd.dense16_f16, _load_
 
 
 _KERNELS: dict[tuple[str, bool], object] = {}
+_GROUPED: dict[tuple[str, bool], object] = {}
 
 
 def _build(name: str, parallel: bool):
@@ -487,6 +582,14 @@ def _kernel(name: str, parallel: bool):
     if key not in _KERNELS:
         _KERNELS[key] = _build(name, parallel)
     return _KERNELS[key]
+
+
+def _grouped(name: str, parallel: bool):
+    """matmul_grouped's kernel of a block type, as _kernel."""
+    key = (name, parallel)
+    if key not in _GROUPED:
+        _GROUPED[key] = _grouped_kernel(name, *_DECODERS[name], parallel)
+    return _GROUPED[key]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -610,3 +713,99 @@ def _describe(act) -> str:
     if isinstance(act, ActQ):
         return f"ActQ {list(act.q.shape)}"
     return f"{type(act).__name__} {getattr(act, 'dtype', '')}{list(getattr(act, 'shape', []))}"
+
+
+# Rows per work item of the grouped kernel, and a row's decode counted as this many tokens' dots
+# when the items are balanced over the threads (measured on the AMD EPYC development machine: an
+# IQ2_XS row of 2560 decodes in the time of ~4 tokens' dots, an IQ4_NL row of 640 in ~1).
+GROUP_TILE = 32
+_DECODE_COST = 4
+# Chunks per thread of a grouped call, taken from a shared queue: a static split, with one of the
+# 2 cores busy with another process, made a 2-thread call slower than a serial one (120-139 ms
+# against 100); with 32 queued chunks the running thread takes the waiting one's work (66-75 ms).
+GROUP_CHUNKS = 16
+
+
+def matmul_grouped(raw: np.ndarray, type_id: int, n_in: int, n_out: int, offsets, act, starts, out: np.ndarray | None = None) -> np.ndarray:
+    """Y[starts[g]:starts[g + 1]] = W_g X[starts[g]:starts[g + 1]] for G matrices of one type and
+    shape -> f32 [N, n_out], each row bit-identical to `matmul` of its own matrix and rows alone.
+
+    raw: uint8 bytes holding the G matrices (e.g. one layer's whole expert tensor in the mapped
+    GGUF); W_g is n_out rows of n_in elements from byte offsets[g]. act: ActQ [N, n_in] (block
+    types) or f32 [N, n_in] (F32/F16/BF16: group by group through `matmul`). starts: int [G + 1]
+    from 0 to N, non-decreasing (a group may be empty). One call for all the groups wakes the pool
+    once and splits the work into (matrix, row tile) items of about equal cost per thread, so
+    groups of a few tokens each (the routed experts of a prompt chunk) keep every thread busy."""
+    t = ggml_type(type_id, where="matmul_grouped")
+    where = f"matmul_grouped({t.name})"
+    if not isinstance(raw, np.ndarray) or raw.dtype != np.uint8 or raw.ndim != 1 or not raw.flags.c_contiguous:
+        raise TypeError(f"{where}: weight bytes must be a contiguous 1-D uint8 numpy array, got {_describe(raw)}")
+    offsets, starts = _groups(offsets, starts, t.nbytes((n_in, n_out)), raw.size, where)
+    if t.quantized:
+        q, d, s16 = _planes(act, n_in, False, where)
+        n_tok = q.shape[0]
+    else:
+        x = _floats(act, n_in, False, t, where)
+        n_tok = x.shape[0]
+    if n_tok != starts[-1]:
+        raise ValueError(f"{where}: starts end at {starts[-1]}, the activations have {n_tok} rows")
+    if out is None:
+        out = np.empty((n_tok, n_out), F32)
+    elif not (isinstance(out, np.ndarray) and out.shape == (n_tok, n_out) and out.dtype == F32 and out.flags.c_contiguous):
+        raise ValueError(f"{where}: out must be contiguous f32 {[n_tok, n_out]}, got {_describe(out)}")
+    if not t.quantized:
+        size = t.nbytes((n_in, n_out))
+        for g, off in enumerate(offsets):
+            a, b = starts[g], starts[g + 1]
+            if a < b:
+                matmul(raw[off : off + size], type_id, n_in, n_out, x[a:b], out[a:b])
+        return out
+    items = _tiles(starts, n_out)
+    if len(items) == 0:
+        return out
+    parallel, _ = _launch(len(items), n_in * n_out * n_tok)
+    workers = _threads if parallel else 1
+    bounds = _balance(items, starts, min(len(items), GROUP_CHUNKS * workers))
+    kernel = _grouped(t.name, parallel)
+    kernel(raw, offsets, t.type_size, t.row_bytes(n_in), starts, items, bounds, q.reshape(-1), d, s16, F16_TO_F32, out, workers)
+    return out
+
+
+def _groups(offsets, starts, size: int, n_bytes: int, where: str) -> tuple[np.ndarray, np.ndarray]:
+    """offsets, starts of matmul_grouped as int64 arrays, checked: every matrix inside raw, starts
+    running from 0 without going back."""
+    offsets = np.asarray(offsets)
+    starts = np.asarray(starts)
+    if offsets.ndim != 1 or offsets.dtype.kind not in "iu":
+        raise TypeError(f"{where}: offsets must be a 1-D integer array, got {_describe(offsets)}")
+    if starts.ndim != 1 or starts.dtype.kind not in "iu" or starts.size != offsets.size + 1:
+        raise TypeError(f"{where}: starts must be a 1-D integer array of {offsets.size + 1} (groups + 1), got {_describe(starts)}")
+    offsets, starts = offsets.astype(np.int64), starts.astype(np.int64)
+    bad = np.flatnonzero((offsets < 0) | (offsets > n_bytes - size))
+    if bad.size:
+        g = int(bad[0])
+        raise ValueError(f"{where}: matrix {g} at byte {offsets[g]} ({size} bytes) is outside the {n_bytes} weight bytes")
+    if starts[0] != 0 or (np.diff(starts) < 0).any():
+        raise ValueError(f"{where}: starts must run from 0 and never decrease, got {starts[:8].tolist()}...")
+    return np.ascontiguousarray(offsets), np.ascontiguousarray(starts)
+
+
+def _tiles(starts: np.ndarray, n_out: int) -> np.ndarray:
+    """The grouped kernel's work items, int64 [n, 3]: (group, first row, end row) of every
+    GROUP_TILE rows of every group that has tokens."""
+    live = np.flatnonzero(np.diff(starts))
+    first = np.arange(0, n_out, GROUP_TILE, dtype=np.int64)
+    items = np.empty((live.size * first.size, 3), np.int64)
+    items[:, 0] = np.repeat(live, first.size)
+    items[:, 1] = np.tile(first, live.size)
+    items[:, 2] = np.minimum(items[:, 1] + GROUP_TILE, n_out)
+    return items
+
+
+def _balance(items: np.ndarray, starts: np.ndarray, chunks: int) -> np.ndarray:
+    """int64 [chunks + 1]: chunk c takes items bounds[c] .. bounds[c + 1], of about equal cost
+    (rows x (tokens + a decode)). The order of the items does not change: results do not depend on it."""
+    tokens = starts[items[:, 0] + 1] - starts[items[:, 0]]
+    cost = np.cumsum((items[:, 2] - items[:, 1]) * (tokens + _DECODE_COST))
+    bounds = np.searchsorted(cost, cost[-1] * np.arange(1, chunks) / chunks, side="right")
+    return np.concatenate(([0], bounds, [len(items)])).astype(np.int64)

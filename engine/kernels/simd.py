@@ -382,6 +382,18 @@ def f16_to_f32(typingctx, src, si, lut):
     return types.float32(src, si, lut), codegen
 
 
+@intrinsic
+def fetch_add(typingctx, a, i, v):
+    """Atomically a[i] += v (an int64 array shared by the threads); returns the value before: a
+    work queue's next item, so that a thread the OS deschedules holds up no one but itself."""
+
+    def codegen(context, builder, sig, args):
+        ptr = _ptr(context, builder, sig.args[0], args[0], args[1], sig.args[1], I64)
+        return builder.atomic_rmw("add", ptr, context.cast(builder, args[2], sig.args[2], types.int64), "seq_cst")
+
+    return types.int64(a, i, v), codegen
+
+
 # ---------------------------------------------------------------------------------------------
 # scalar loads and the f32 lane steps (element-wise IEEE adds: vectorizing them reorders nothing)
 
@@ -432,7 +444,7 @@ def fold32(typingctx, acc):
     return types.float32(acc), codegen
 
 
-def _row_epilogue(has_min):
+def _row_epilogue(has_min, scales):
     def impl(typingctx, sc, fl, c0, stride, lo, hi, l0, xd, xs0, xs1, t0, nb):
         """One row x one token, from the integer half sums to the f32 result (docs/kernels.md):
 
@@ -445,7 +457,12 @@ def _row_epilogue(has_min):
         fl[c0 + i * stride + b] (i = 0, 1, f32); lo, hi at l0 + b (int32); the token's xd (f32),
         xs0, xs1 (int32, its half sums of q) at t0 + b. All readable up to b < P = nb rounded up
         to 32. Every f32 operation is a separate IEEE op, element-wise over 16 act-blocks at a
-        time; lanes past nb add -0.0, which leaves any sum unchanged."""
+        time; lanes past nb add -0.0, which leaves any sum unchanged.
+
+        `scales` says what the type's integer scales are, so that no multiply by a known value
+        is spent (the integer sums are exact either way: the same bits): "unit" (all 1: the
+        32-element types), "same" (ws0 = ws1 and mn0 = mn1: one multiply of the whole sum),
+        "own" (two per sum)."""
 
         def codegen(context, builder, sig, args):
             f16v, i16v = ir.VectorType(ir.FloatType(), 16), ir.VectorType(I32, 16)
@@ -461,22 +478,37 @@ def _row_epilogue(has_min):
             def field(name, i, b, vt):  # row i, act-blocks b .. b + 15 of sc or fl
                 return load(name, builder.add(builder.add(c0, builder.mul(stride, ir.Constant(I64, i))), b), vt)
 
+            def scaled(i, b, a0, a1):  # ws0 * a0 + ws1 * a1 (i = 0), or mn0, mn1 (i = 2)
+                if scales == "unit":
+                    return builder.add(a0, a1)
+                if scales == "same":
+                    return builder.mul(field("sc", i, b, i16v), builder.add(a0, a1))
+                return builder.add(builder.mul(field("sc", i, b, i16v), a0), builder.mul(field("sc", i + 1, b, i16v), a1))
+
             neg0 = ir.Constant(f16v, [-0.0] * 16)
             acc = [cgutils.alloca_once_value(builder, ir.Constant(f16v, [0.0] * 16)) for _ in range(2)]
             iota = ir.Constant(ir.VectorType(I64, 16), list(range(16)))
+
+            def half(b, h):  # acc[h] += the terms of act-blocks b .. b + 15, -0.0 past nb
+                lb, tb = builder.add(l0, b), builder.add(t0, b)
+                isum = scaled(0, b, load("lo", lb, i16v), load("hi", lb, i16v))
+                ad = load("xd", tb, f16v)
+                term = builder.fmul(builder.fmul(field("fl", 0, b, f16v), ad), builder.sitofp(isum, f16v))
+                if has_min:
+                    imin = scaled(2, b, load("xs0", tb, i16v), load("xs1", tb, i16v))
+                    term = builder.fadd(term, builder.fmul(builder.fmul(field("fl", 1, b, f16v), ad), builder.sitofp(imin, f16v)))
+                live = builder.icmp_unsigned("<", builder.add(_splat(builder, b, ir.VectorType(I64, 16)), iota), _splat(builder, nb, ir.VectorType(I64, 16)))
+                term = builder.select(live, term, neg0)
+                builder.store(builder.fadd(builder.load(acc[h]), term), acc[h])
+
             with cgutils.for_range(builder, p) as loop:
-                for h in range(2):
-                    b = builder.add(builder.mul(loop.index, ir.Constant(I64, 32)), ir.Constant(I64, 16 * h))
-                    lb, tb = builder.add(l0, b), builder.add(t0, b)
-                    isum = builder.add(builder.mul(field("sc", 0, b, i16v), load("lo", lb, i16v)), builder.mul(field("sc", 1, b, i16v), load("hi", lb, i16v)))
-                    ad = load("xd", tb, f16v)
-                    term = builder.fmul(builder.fmul(field("fl", 0, b, f16v), ad), builder.sitofp(isum, f16v))
-                    if has_min:
-                        imin = builder.add(builder.mul(field("sc", 2, b, i16v), load("xs0", tb, i16v)), builder.mul(field("sc", 3, b, i16v), load("xs1", tb, i16v)))
-                        term = builder.fadd(term, builder.fmul(builder.fmul(field("fl", 1, b, f16v), ad), builder.sitofp(imin, f16v)))
-                    live = builder.icmp_unsigned("<", builder.add(_splat(builder, b, ir.VectorType(I64, 16)), iota), _splat(builder, nb, ir.VectorType(I64, 16)))
-                    term = builder.select(live, term, neg0)
-                    builder.store(builder.fadd(builder.load(acc[h]), term), acc[h])
+                b = builder.mul(loop.index, ir.Constant(I64, 32))
+                half(b, 0)
+                # a half wholly past nb would add -0.0 to every lane, which changes nothing: skipped
+                # (half the work of a 10-block row, e.g. the 320-element hyper-connection inputs)
+                b = builder.add(b, ir.Constant(I64, 16))
+                with builder.if_then(builder.icmp_unsigned("<", b, nb)):
+                    half(b, 1)
             v = builder.shuffle_vector(builder.load(acc[0]), builder.load(acc[1]), _mask(32, range(32)))
             w = 16
             while w:  # the fold: lane[l] += lane[l + w]
@@ -489,8 +521,8 @@ def _row_epilogue(has_min):
     return impl
 
 
-row_epilogue = intrinsic(_row_epilogue(False))
-row_epilogue_min = intrinsic(_row_epilogue(True))
+# (has a min term, scales) -> the epilogue
+row_epilogue = {(m, k): intrinsic(_row_epilogue(m, k)) for m in (False, True) for k in ("unit", "same", "own")}
 
 
 def _dense16(kind):

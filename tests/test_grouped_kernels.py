@@ -1,0 +1,154 @@
+"""cpu.matmul_grouped (the routed experts of a prompt chunk in one call per matrix) against
+cpu.matmul of each matrix on its own rows, and the numpy reference, bit for bit: groups of one
+row, empty groups, uneven groups, matrices in any order inside the bytes, serial and parallel.
+
+Each block type compiles its grouped kernels (serial and parallel) once, then the disk cache
+serves them; shapes stay small except one expert shape."""
+
+from __future__ import annotations
+
+import re
+from contextlib import contextmanager
+
+import numpy as np
+import pytest
+from kernel_blocks import random_weights
+
+from strata.engine.kernels import cpu
+from strata.engine.kernels import reference as R
+from strata.engine.kernels.actq import ActQ, quantize_act
+from strata.index_format.ggml_types import BY_NAME
+
+# the expert types of the shipped mixes (seed-4l: IQ2_XS/IQ2_XXS/IQ3_XXS gate/up, IQ4_NL/Q2_0 down)
+# and two with their own scale layouts: Q4_K (a min term), Q8_0 (the plain one)
+EXPERT_TYPES = ["Q8_0", "Q4_K", "IQ2_XXS", "IQ2_XS", "IQ3_XXS", "IQ4_NL", "Q2_0"]
+SIZES = [3, 0, 1, 7, 1, 2, 0, 12, 1]  # tokens per group: one-row, empty and uneven groups
+
+
+@contextmanager
+def _path(parallel: bool):
+    """Force the parallel kernel on 2 threads, or the serial one, whatever the size."""
+    below, before = cpu.SERIAL_BELOW, cpu.get_threads()
+    cpu.SERIAL_BELOW = 0 if parallel else 1 << 62
+    cpu.set_threads(min(2, cpu.numba.config.NUMBA_NUM_THREADS))
+    try:
+        yield
+    finally:
+        cpu.SERIAL_BELOW = below
+        cpu.set_threads(before)
+
+
+def _case(t, n_in: int, n_out: int, sizes, seed: int):
+    """(raw holding len(sizes) + 2 matrices, offsets of the groups' matrices in shuffled order,
+    activations [N, n_in] as the kernel takes them, starts)."""
+    rng = np.random.default_rng(seed)
+    size = t.nbytes((n_in, n_out))
+    raw = random_weights(t, n_in * n_out * (len(sizes) + 2), rng)
+    offsets = rng.permutation(len(sizes) + 2)[: len(sizes)] * size
+    starts = np.concatenate(([0], np.cumsum(sizes)))
+    x = (rng.standard_normal((starts[-1], n_in)) * rng.uniform(0.1, 10, (starts[-1], 1))).astype(np.float32)
+    return raw, offsets, (quantize_act(x) if t.quantized else x), starts
+
+
+def _rows(act, a: int, b: int):
+    return ActQ(act.q[a:b], act.d[a:b], act.s16[a:b]) if isinstance(act, ActQ) else act[a:b]
+
+
+def _per_group(t, raw, offsets, act, starts, n_in: int, n_out: int, multiply) -> np.ndarray:
+    size = t.nbytes((n_in, n_out))
+    want = np.full((starts[-1], n_out), np.nan, np.float32)
+    for g, off in enumerate(offsets):
+        if starts[g] < starts[g + 1]:
+            want[starts[g] : starts[g + 1]] = multiply(raw[off : off + size], t.id, n_in, n_out, _rows(act, starts[g], starts[g + 1]))
+    return want
+
+
+def _same(got: np.ndarray, want: np.ndarray, what: str) -> None:
+    bad = np.argwhere(got.view(np.uint32) != want.view(np.uint32))
+    assert bad.size == 0, f"{what}: {len(bad)} outputs differ, first {tuple(bad[0])}: {got[tuple(bad[0])]!r} vs {want[tuple(bad[0])]!r}"
+
+
+@pytest.mark.parametrize("name", EXPERT_TYPES)
+@pytest.mark.parametrize("parallel", [False, True], ids=["serial", "parallel"])
+def test_grouped_equals_matmul_per_group_bit_for_bit(name, parallel):
+    t = BY_NAME[name]
+    # 15 act-blocks (the 8-, 4- and 1-block steps) where the block allows it; 45 rows: one whole
+    # row tile and a partial one
+    n_in, n_out = (32 * 15 if t.block_size == 32 else 64 * 7 if t.block_size == 64 else 256 * 3), cpu.GROUP_TILE + 13
+    raw, offsets, act, starts = _case(t, n_in, n_out, SIZES, t.id)
+    with _path(parallel):
+        got = cpu.matmul_grouped(raw, t.id, n_in, n_out, offsets, act, starts)
+    _same(got, _per_group(t, raw, offsets, act, starts, n_in, n_out, cpu.matmul), f"{name} grouped vs matmul")
+    _same(got, _per_group(t, raw, offsets, act, starts, n_in, n_out, R.dot_reference), f"{name} grouped vs reference")
+
+
+@pytest.mark.parametrize("name,n_in,n_out", [("IQ2_XS", 2560, 640), ("IQ4_NL", 640, 2560)])
+def test_expert_shapes_with_many_small_groups(name, n_in, n_out):
+    """Production shapes, 40 experts of 0-12 tokens and one of 60 (the uneven routing of a chunk):
+    the items are spread over the threads by cost, which must not change a bit."""
+    t = BY_NAME[name]
+    sizes = np.random.default_rng(5).integers(0, 13, 40)
+    sizes[3] = 60
+    raw, offsets, act, starts = _case(t, n_in, n_out, sizes, 7)
+    with _path(True):
+        got = cpu.matmul_grouped(raw, t.id, n_in, n_out, offsets, act, starts)
+    _same(got, _per_group(t, raw, offsets, act, starts, n_in, n_out, cpu.matmul), f"{name} grouped vs matmul")
+
+
+def test_a_group_of_more_tokens_than_a_tile_equals_the_reference():
+    """One expert with more tokens than a tile of activations (cpu._TILE_BYTES), among small ones:
+    its rows meet the tokens tile by tile."""
+    t, n_in, n_out = BY_NAME["IQ2_XS"], 2560, 9
+    sizes = [3, 2 * (cpu._TILE_BYTES // n_in) + 7, 1]
+    raw, offsets, act, starts = _case(t, n_in, n_out, sizes, 8)
+    with _path(True):
+        got = cpu.matmul_grouped(raw, t.id, n_in, n_out, offsets, act, starts)
+    _same(got, _per_group(t, raw, offsets, act, starts, n_in, n_out, R.dot_reference), "grouped vs reference")
+
+
+def test_float_weights_go_group_by_group():
+    t = BY_NAME["BF16"]
+    raw, offsets, x, starts = _case(t, 64, 9, SIZES, 3)
+    got = cpu.matmul_grouped(raw, t.id, 64, 9, offsets, x, starts)
+    _same(got, _per_group(t, raw, offsets, x, starts, 64, 9, cpu.matmul), "BF16 grouped vs matmul")
+
+
+def test_out_buffer_is_filled_in_place():
+    t = BY_NAME["Q8_0"]
+    raw, offsets, act, starts = _case(t, 64, 5, [2, 1], 4)
+    out = np.zeros((3, 5), np.float32)
+    assert cpu.matmul_grouped(raw, t.id, 64, 5, offsets, act, starts, out) is out
+    _same(out, _per_group(t, raw, offsets, act, starts, 64, 5, cpu.matmul), "out")
+
+
+def test_bad_groups_are_refused_with_the_reason():
+    t = BY_NAME["Q8_0"]
+    raw, offsets, act, starts = _case(t, 64, 5, [2, 1], 4)
+    size = t.nbytes((64, 5))
+    with pytest.raises(ValueError, match=r"matrix 1 at byte \d+ \(\d+ bytes\) is outside"):
+        cpu.matmul_grouped(raw, t.id, 64, 5, [0, raw.size - size + 1], act, starts)
+    with pytest.raises(ValueError, match="starts end at 2, the activations have 3 rows"):
+        cpu.matmul_grouped(raw, t.id, 64, 5, offsets, act, [0, 1, 2])
+    with pytest.raises(ValueError, match="never decrease"):
+        cpu.matmul_grouped(raw, t.id, 64, 5, offsets, act, [0, 2, 1])
+    with pytest.raises(TypeError, match="starts must be a 1-D integer array of 3"):
+        cpu.matmul_grouped(raw, t.id, 64, 5, offsets, act, [0, 3])
+    with pytest.raises(TypeError, match="ActQ"):
+        cpu.matmul_grouped(raw, t.id, 64, 5, offsets, np.zeros((3, 64), np.float32), starts)
+    with pytest.raises(ValueError, match="out must be contiguous f32"):
+        cpu.matmul_grouped(raw, t.id, 64, 5, offsets, act, starts, np.zeros((3, 4), np.float32))
+
+
+def test_no_fused_multiply_add_in_the_grouped_kernels(monkeypatch):
+    # as test_kernels_cpu's check: an FMA would round differently from the specification
+    t = BY_NAME["Q4_K"]
+    raw, offsets, act, starts = _case(t, 256, 5, [2, 1], 6)
+    for parallel in (False, True):
+        kernel = cpu._grouped_kernel(t.name, *cpu._DECODERS[t.name], parallel)
+        kernel._cache.disable()  # compile here: numba shows no machine code for a disk-cache load
+        monkeypatch.setitem(cpu._GROUPED, (t.name, parallel), kernel)
+        with _path(parallel):
+            cpu.matmul_grouped(raw, t.id, 256, 5, offsets, act, starts)
+        asm = "\n".join(kernel.inspect_asm().values())
+        assert "vmulss" in asm or "vmulps" in asm, "no f32 multiply found: the check itself is broken"
+        assert not re.search(r"\bv?f(n)?m(add|sub)\d", asm), "FMA instruction in the grouped kernel"
