@@ -46,17 +46,19 @@ def routing_counts(model, ids: list[int], chunk: int = 256) -> np.ndarray:
     return s.routing.copy()
 
 
-def run_decode(model, prompt: list[int], n: int, tier=None) -> tuple[float, np.ndarray]:
-    """(decode seconds, logits of every decoded position): greedy, the prompt batched first."""
+def run_decode(model, prompt: list[int], n: int, tier=None) -> tuple[float, float, np.ndarray]:
+    """(prefill seconds, decode seconds, logits of every decoded position): greedy, the prompt batched first."""
     s = model.new_session(len(prompt) + n + 1, "f16")
     logits = np.empty((n + 1, model.geometry.n_vocab), np.float32)
+    t0 = time.perf_counter()
     logits[0] = model.forward(s, prompt, n_logits=1)[0]
+    prefill_s = time.perf_counter() - t0
     if tier is not None:
         tier.stats.reset()  # the token path's hits only
     t0 = time.perf_counter()
     for i in range(n):
         logits[i + 1] = model.step(s, int(np.argmax(logits[i])))
-    return time.perf_counter() - t0, logits
+    return prefill_s, time.perf_counter() - t0, logits
 
 
 def budget_for(model, slots: int, chunk: int, reserve_mib: int) -> int:
@@ -77,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--arch", default="qwen4exp", choices=("qwen4exp", "qwen35moe"))
     ap.add_argument("--preset", default="seed-4l")
     ap.add_argument("--threads", type=int, default=8, help="CPU threads (--pool-workers) for the misses and the CPU run")
-    ap.add_argument("--prompt", type=int, default=64, help="prompt tokens from the held-out text")
+    ap.add_argument("--prompt", type=int, default=256, help="prompt tokens from the held-out text")
     ap.add_argument("--tokens", type=int, default=32, help="greedy decode steps timed")
     ap.add_argument("--calib", type=int, default=2048, help="calibration tokens (3/4 profiled, 1/4 held out)")
     ap.add_argument("--reserve-mib", type=int, default=700)
@@ -129,8 +131,8 @@ def main(argv: list[str] | None = None) -> int:
     pairs = g.n_layer * g.n_expert
     chunk = 256
 
-    cpu_s, want = run_decode(model, prompt, args.tokens)
-    rows = [("cpu", "-", "-", "-", "-", "-", f"{args.tokens / cpu_s:.2f}", "1.00x", "-", "-", "yes")]
+    cpu_p, cpu_s, want = run_decode(model, prompt, args.tokens)
+    rows = [("cpu", "-", "-", "-", "-", "-", f"{len(prompt) / cpu_p:.1f}", f"{args.tokens / cpu_s:.2f}", "1.00x", "-", "-", "yes")]
     print(f"cpu: {args.tokens / cpu_s:.2f} tok/s", flush=True)
     configs = [("cache 0", {"expert_cache": 0})]
     configs += [(f"auto ~{s:.0%}", {"vram_budget_mib": budget_for(model, round(s * pairs), chunk, args.reserve_mib)})
@@ -150,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
 
             prof = cProfile.Profile()
             prof.enable()
-        secs, got = run_decode(model, prompt, args.tokens, tier)
+        pre, secs, got = run_decode(model, prompt, args.tokens, tier)
         if args.cprofile == name:
             prof.disable()
             pstats.Stats(prof).sort_stats("tottime").print_stats(30)
@@ -159,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
         split = f"{st.gpu_s:.2f} / {st.cpu_s:.2f} / {st.wait_s:.2f}" if st.events else f"- / {st.cpu_s:.2f} / {st.wait_s:.2f}"
         rows.append((name, n, f"{n / pairs:.0%}", opts.get("vram_budget_mib", "-"),
                      f"{expected_hit_rate(profile, n):.1%} / {expected_hit_rate(profile, n, held):.1%}",
-                     f"{st.hit_rate:.1%}", f"{args.tokens / secs:.2f}", f"{cpu_s / secs:.2f}x", split,
+                     f"{st.hit_rate:.1%}", f"{len(prompt) / pre:.1f}", f"{args.tokens / secs:.2f}", f"{cpu_s / secs:.2f}x", split,
                      f"{100 * worst.error:.2f}% ({(worst.used - worst.predicted) / 2**20:+.1f} MiB)",
                      "yes" if np.array_equal(got, want) else f"NO (max |diff| {np.abs(got - want).max():.3g})"))
         print(f"{name}: {rows[-1]}", flush=True)
@@ -167,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
         del tier
         gc.collect()
     headers = ["config", "slots", "of pairs", "--vram-budget-mib", "expected hit rate (in-sample / held-out)",
-               "hit rate", "decode tok/s", "vs cpu", "MoE s: GPU / CPU misses / wait",
+               "hit rate", "prefill tok/s", "decode tok/s", "decode vs cpu", "MoE s: GPU / CPU misses / wait",
                "worst mem_mark vs budget (% of card used)", "logits == cpu"]
     table = tabulate(rows, headers=headers, tablefmt="github", disable_numparse=True)
     head = (f"{args.preset} {args.arch}, {pairs} pairs, prompt {len(prompt)} tokens (held-out text), {args.tokens} "

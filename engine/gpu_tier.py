@@ -51,6 +51,7 @@ from .kernels import gpu
 from .kernels.actq import QA, ActQ, quantize_act
 from .kernels.engine_form import align, placed_bytes
 from .model import Model
+from .ops import silu_
 from .weights import Input, Weight
 
 F32 = np.float32
@@ -256,6 +257,21 @@ class Dense:
         return out
 
 
+def _select(starts: np.ndarray, groups: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(the row indices of `groups`, in order; their starts from 0)."""
+    sizes = np.array([starts[g + 1] - starts[g] for g in groups], np.int64)
+    idx = np.concatenate([np.arange(starts[g], starts[g + 1]) for g in groups]) if len(groups) else np.zeros(0, np.int64)
+    return idx.astype(np.int64), np.concatenate(([0], np.cumsum(sizes))).astype(np.int64)
+
+
+def _rows(act, rows: np.ndarray):
+    return ActQ(act.q[rows], act.d[rows], act.s16[rows]) if isinstance(act, ActQ) else np.ascontiguousarray(act[rows])
+
+
+def _slice(dev, a: int, b: int):
+    return gpu.GpuActQ(dev.q[a:b], dev.d[a:b], dev.s16[a:b], None) if isinstance(dev, gpu.GpuActQ) else dev[a:b]
+
+
 # --- the expert cache ----------------------------------------------------------------------------------
 
 
@@ -339,15 +355,23 @@ class HitPath:
         self.rt, self.slots, self.stats = rt, slots, stats
         self.x = buffers.actq(E)
         self.xf = buffers.array((1, E), np.float32)  # x itself, for experts of a float type
-        self.gate = buffers.array((k, Fq), np.float32)
-        self.up = buffers.array((k, Fq), np.float32)
+        gu = buffers.array((2 * k, Fq), np.float32)  # gate rows then up rows: one download for both
+        self.gate, self.up = gu[:k], gu[k:]
         self.h = buffers.actq(Fq, k)
         self.out = buffers.array((k, E), np.float32)
         f = exchange.view(np.float32)
-        self.gate_host = f[: k * F].reshape(k, F)
-        self.up_host = f[k * F : 2 * k * F].reshape(k, F)
+        self.gu_host = f[: 2 * k * F].reshape(2 * k, F)
+        self.gate_host, self.up_host = self.gu_host[:k], self.gu_host[k:]
         self.out_host = f[2 * k * F : 2 * k * F + k * E].reshape(k, E)
         self.F, self.E = F, E
+        # the hits' h on the host, quantized together (row by row, as a miss quantizes its one h) and
+        # sent up in one copy per plane; scratch of the host tier, made once
+        self.one_copy = Fq == F
+        self.gu = gu[:, :F] if self.one_copy else None
+        self.h_host = np.empty((k, F), F32)
+        self.h_act = ActQ.empty((k, F))
+        self.h_act_n = [ActQ(self.h_act.q[:n], self.h_act.d[:n], self.h_act.s16[:n]) for n in range(k + 1)]
+        self.h_n = [gpu.GpuActQ(self.h.q[:n], self.h.d[:n], self.h.s16[:n], None) for n in range(k + 1)]
         # per-row views, carved once: the token path takes them, never slices (a device view costs microseconds)
         self.gate_rows = [self.gate[i, :F] for i in range(k)]
         self.up_rows = [self.up[i, :F] for i in range(k)]
@@ -358,6 +382,7 @@ class HitPath:
         self.up_n = [self.up[:n, :F] for n in range(k + 1)]
         self.out_n = [self.out[:n] for n in range(k + 1)]
         self.events = rt.events(2) if hasattr(rt, "events") else None
+        self.prompt = None  # the prompt path's buffers (bytes of prompt.chunk, lent by Dense), set at stage 6
         stats.events = self.events is not None
 
     def run(self, moe, x: Input, top: np.ndarray, parts: np.ndarray) -> None:
@@ -384,13 +409,23 @@ class HitPath:
         if not hit:
             return
         n = len(hit)
-        rt.copy_out(self.gate_host[:n], self.gate_n[n])
-        rt.copy_out(self.up_host[:n], self.up_n[n])
+        if self.one_copy:
+            rt.copy_out(self.gu_host, self.gu)
+        else:
+            rt.copy_out(self.gate_host[:n], self.gate_n[n])
+            rt.copy_out(self.up_host[:n], self.up_n[n])
         t2 = time.perf_counter()
-        for i, j in enumerate(hit):
-            h = moe.hidden(self.gate_host[i], self.up_host[i]).form(moe.d)
-            hdev = self._stage(h, self.h_rows[i], self.hf_rows[i], F)
-            gpu.matvec_into(self.slots.weights[slots[j]][2], hdev, self.out_rows[i])
+        if self.one_copy and moe.d.quantized:
+            for i in range(n):
+                self.h_host[i] = moe.hidden(self.gate_host[i], self.up_host[i]).x
+            _upload_act(rt, self.h_n[n], quantize_act(self.h_host[:n], out=self.h_act_n[n]))
+            for i, j in enumerate(hit):
+                gpu.matvec_into(self.slots.weights[slots[j]][2], self.h_rows[i], self.out_rows[i])
+        else:
+            for i, j in enumerate(hit):
+                h = moe.hidden(self.gate_host[i], self.up_host[i]).form(moe.d)
+                hdev = self._stage(h, self.h_rows[i], self.hf_rows[i], F)
+                gpu.matvec_into(self.slots.weights[slots[j]][2], hdev, self.out_rows[i])
         if self.events:
             self.events[1].record()
         t3 = time.perf_counter()
@@ -400,6 +435,64 @@ class HitPath:
             st.gpu_s += rt.elapsed(*self.events)
         for i, j in enumerate(hit):
             parts[j] = self.out_host[i]
+
+    # --- the prompt path: a chunk's routed experts, hits on the GPU beside the misses' grouped CPU call
+
+    def run_many(self, moe, x: Input, experts: np.ndarray, rows: np.ndarray, starts: np.ndarray) -> np.ndarray:
+        """MoE._routed_many with the hits on the device: their tokens' activations go up once, every
+        hit's gate/up (then down) product is queued, the misses' grouped CPU call runs meanwhile, and
+        the host makes h from the downloaded gate and up exactly as the CPU path does (B2)."""
+        slots = np.array([self.slots.lookup(moe.layer, int(e)) for e in experts], np.int64)
+        hit_g = np.flatnonzero(slots >= 0)
+        need = self._many_bytes(moe, int(sum(starts[g + 1] - starts[g] for g in hit_g)))
+        if hit_g.size == 0 or self.prompt is None or need > self.prompt.size:
+            return moe._routed_many(x, experts, rows, starts)  # nothing on the device, or no room: all CPU
+        miss_g = np.flatnonzero(slots < 0)
+        hit_i, hit_s = _select(starts, hit_g)
+        miss_i, miss_s = _select(starts, miss_g)
+        rt, E, F, n = self.rt, moe.E, moe.F, hit_i.size
+        buf = Carver(rt, self.prompt, "the prompt path's hit buffers")
+        xa = _rows(x.form(moe.gu), rows[hit_i])
+        xdev = self._stage_many(buf, xa, E)
+        gate, up = buf.array((n, F), np.float32), buf.array((n, F), np.float32)
+        wts = [self.slots.weights[slots[g]] for g in hit_g]
+        for i, (wg, wu, _) in enumerate(wts):
+            a, b = hit_s[i], hit_s[i + 1]
+            gpu.matmul(wg, _slice(xdev, a, b), out=gate[a:b])
+            gpu.matmul(wu, _slice(xdev, a, b), out=up[a:b])
+        out = np.empty((rows.size, E), F32)
+        if miss_i.size:
+            out[miss_i] = moe._routed_many(x, experts[miss_g], rows[miss_i], miss_s)
+        h = np.empty((n, F), F32)
+        u = np.empty((n, F), F32)
+        rt.copy_out(h, gate)
+        rt.copy_out(u, up)
+        silu_(h)  # as MoE._routed_many makes it
+        h *= u
+        hdev = self._stage_many(buf, Input(h).form(moe.d), F)
+        y = buf.array((n, E), np.float32)
+        for i, (_, _, wd) in enumerate(wts):
+            a, b = hit_s[i], hit_s[i + 1]
+            gpu.matmul(wd, _slice(hdev, a, b), out=y[a:b])
+        hits = np.empty((n, E), F32)
+        rt.copy_out(hits, y)
+        out[hit_i] = hits
+        return out
+
+    @staticmethod
+    def _many_bytes(moe, n: int) -> int:
+        E, F = moe.E, moe.F
+        return B.actq_placed_bytes(E, n) + align(n * E * 4) + 2 * align(n * F * 4) + B.actq_placed_bytes(F, n) \
+            + align(n * F * 4) + align(n * E * 4)
+
+    def _stage_many(self, buf: Carver, act, n: int):
+        if isinstance(act, ActQ):
+            dev = buf.actq(n, act.q.shape[0])
+            _upload_act(self.rt, dev, act)
+            return dev
+        dev = buf.array(act.shape, np.float32)
+        self.rt.copy_in(dev, np.ascontiguousarray(act, dtype=F32))
+        return dev
 
     def _stage(self, act, qbuf: gpu.GpuActQ, fbuf, n: int):
         """Upload the host's activations: an ActQ into `qbuf`, f32 values into a row of `fbuf`."""
@@ -532,6 +625,8 @@ class GpuTier:
         head_host = rt.pinned(plan.item("head.logits_host").bytes).view(np.float32)
         prompt = arena(B.HEAD_PROMPT, [plan.item("prompt.chunk")], "the prompt chunk buffers")
         dense = Dense(rt, g, staging5, model.head, head_dev, head_host, prompt)
+        if dense.rows:  # the prompt path's experts borrow its output rows: a chunk's matrices run one at a time
+            hit_path.prompt = rt.view(dense.py.reshape(-1).view(np.uint8), 0, (dense.py.size * 4,), np.uint8)
         mark(B.HEAD_PROMPT)
 
         # 7. the verifier and the drafter's binding: none without --spec / --mtp

@@ -44,9 +44,10 @@ def tier_rows(log: Path, bench_rc: int) -> list[tuple[str, str]]:
     rows = []
     for line in path.read_text(errors="replace").splitlines():
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
-        if len(cells) == 11 and cells[0] not in ("config",) and not set(cells[0]) <= set("-: "):
-            rows.append(("  " + cells[0], f"slots {cells[1]} ({cells[2]}), hit rate {cells[5]}, {cells[6]} tok/s, "
-                                          f"{cells[7]} cpu, mem_mark {cells[9]}, logits == cpu: {cells[10]}"))
+        if len(cells) == 12 and cells[0] not in ("config",) and not set(cells[0]) <= set("-: "):
+            rows.append(("  " + cells[0], f"slots {cells[1]} ({cells[2]}), hit rate {cells[5]}, prefill {cells[6]} tok/s, "
+                                          f"decode {cells[7]} tok/s ({cells[8]} cpu), mem_mark {cells[10]}, "
+                                          f"logits == cpu: {cells[11]}"))
     return [("tier bench", path.read_text(errors="replace").splitlines()[0][:200])] + rows
 
 

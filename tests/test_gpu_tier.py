@@ -26,6 +26,7 @@ from strata.engine.expert_plan import MiB, ProfileMismatch
 from strata.engine.gpu_tier import GpuTier, TierOptions
 from strata.engine.kernels import cpu, gpu
 from strata.engine.model import Model
+from strata.engine.moe import MoE
 from strata.engine.pack import Pack
 from strata.engine.weights import Weight
 from strata.index_format.expert_profile import ExpertProfile
@@ -119,14 +120,21 @@ def cache_options(model, config: str) -> dict:
 
 
 @pytest.mark.parametrize("config", ["none", "third", "profile", "auto"])
-def test_logits_are_bit_identical_whatever_the_split_qwen35moe(models, rt, config):
+def test_logits_are_bit_identical_whatever_the_split_qwen35moe(models, rt, config, monkeypatch):
     model = models["qwen35moe"]
     toks = tokens(model, 20)
     want, _ = run(model, toks, 8)  # the all-CPU engine
+    cpu_rows = []  # the prompt path's rows the CPU computed
+    real = MoE._routed_many
+    monkeypatch.setattr(MoE, "_routed_many", lambda self, x, e, rows, s: (cpu_rows.append(rows.size), real(self, x, e, rows, s))[1])
     with tier_of(model, **cache_options(model, config)) as tier:
         got, s = run(model, toks, 8)
         hits, misses = int(tier.stats.hits.sum()), int(tier.stats.misses.sum())
     assert np.array_equal(got, want), f"{config}: max |diff| {np.abs(got - want).max()}"
+    prompt_uses = 8 * model.geometry.n_layer * model.geometry.n_expert_used
+    assert sum(cpu_rows) == {"none": prompt_uses, "auto": 0}.get(config, sum(cpu_rows))
+    if config == "profile":  # (compulsory misses: "third" starts empty, so its prompt is all misses)
+        assert 0 < sum(cpu_rows) < prompt_uses  # the prompt path split too
     assert hits + misses == 12 * model.geometry.n_layer * model.geometry.n_expert_used  # the token path's uses
     if config == "none":
         assert hits == 0
