@@ -3,7 +3,9 @@ benchmark's device and summary lines, where the logs are, PASS or FAIL.
 
     python3 scripts/gpu_suite_summary.py LOG_DIR PYTEST_EXIT BENCH_EXIT    (exit 0 = PASS)
 
-PASS needs pytest's exit 0 and at least one test that ran: all-skipped (no GPU seen) is a FAIL.
+PASS needs pytest's exit 0 and at least one test that ran (all-skipped, no GPU seen, is a FAIL),
+and the GPU tier benchmark's table with every configuration's logits equal to the CPU run's (B2)
+and every mem_mark within 1% of the card's used memory (B3).
 """
 
 from __future__ import annotations
@@ -36,24 +38,31 @@ def test_rows(log: Path, test_rc: int) -> tuple[list[tuple[str, str]], bool]:
     return rows, test_rc == 0 and passed > 0
 
 
-def tier_rows(log: Path, bench_rc: int) -> list[tuple[str, str]]:
-    """benchmarks/gpu_tier.py's table, one row per configuration."""
+def tier_rows(log: Path, bench_rc: int) -> tuple[list[tuple[str, str]], bool]:
+    """benchmarks/gpu_tier.py's table, one row per configuration, and whether it holds B2 and B3:
+    every configuration's logits equal the CPU run's, every mem_mark within 1% of the card's use."""
     path = log / "bench_gpu_tier.md"
     if not path.exists():
-        return [("tier bench", f"no table (exit {bench_rc}{', timed out' if bench_rc == 124 else ''}): see bench_gpu_tier.log")]
-    rows = []
+        return [("tier bench", f"no table (exit {bench_rc}{', timed out' if bench_rc == 124 else ''}): see bench_gpu_tier.log")], False
+    rows, ok = [], True
     for line in path.read_text(errors="replace").splitlines():
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
         if len(cells) == 12 and cells[0] not in ("config",) and not set(cells[0]) <= set("-: "):
             rows.append(("  " + cells[0], f"slots {cells[1]} ({cells[2]}), hit rate {cells[5]}, prefill {cells[6]} tok/s, "
                                           f"decode {cells[7]} tok/s ({cells[8]} cpu), mem_mark {cells[10]}, "
                                           f"logits == cpu: {cells[11]}"))
-    return [("tier bench", path.read_text(errors="replace").splitlines()[0][:200])] + rows
+            worst = cells[10].split("%")[0]
+            ok = ok and cells[11] == "yes" and (worst == "-" or float(worst) < 1.0)
+    if not ok:
+        rows.append(("  BROKEN", "a configuration's logits differ from the CPU run's (B2) or a mem_mark is off by 1% or more (B3)"))
+    return [("tier bench", path.read_text(errors="replace").splitlines()[0][:200])] + rows, ok and len(rows) > 1
 
 
 def bench_rows(log: Path, bench_rc: int) -> list[tuple[str, str]]:
     path = log / "bench_kernels_gpu.log"
-    lines = path.read_text(errors="replace").splitlines() if path.exists() else []
+    if not path.exists():
+        return [("kernel bench", "not run (SKIP_KERNEL_BENCH)")]
+    lines = path.read_text(errors="replace").splitlines()
     device = [l for l in lines if "streaming read" in l and not l.startswith("summary:")]
     summary = [l for l in lines if l.startswith("summary:")]
     last = next((l for l in reversed(lines) if l.strip()), "empty log")[:200]
@@ -67,7 +76,9 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     log, test_rc, bench_rc = Path(argv[0]), int(argv[1]), int(argv[2])
     rows, ok = test_rows(log, test_rc)
-    rows += tier_rows(log, bench_rc) + bench_rows(log, 0) + [("logs", str(log)), ("result", "PASS" if ok else "FAIL")]
+    tier, tier_ok = tier_rows(log, bench_rc)
+    ok = ok and tier_ok
+    rows += tier + bench_rows(log, 0) + [("logs", str(log)), ("result", "PASS" if ok else "FAIL")]
     width = max(len(k) for k, _ in rows)
     print("\n== gpu_suite summary")
     for k, v in rows:
