@@ -271,7 +271,7 @@ def format_stats(pack, load_s: float, result, session, seed: int, threads: int, 
     how = f"chunks of {chunk}" if chunk > 1 else "token by token"
     lines = [
         f"load     {load_s:.3f} s  (kernels compiled; {g.arch}, {g.n_layer} layers; pool {pack.pool_bytes} B in pack form, "
-        f"{pack.engine_bytes} B in engine form; f32 scale planes on the GPU tier would add {pack.widened_bytes} B)",
+        f"{pack.engine_bytes} B in engine form; f32 scale planes on the GPU tier add {pack.widened_bytes} B)",
         f"prefill  {len(result.prompt)} tokens in {result.prefill_s:.3f} s -> {result.prefill_tps:.2f} tok/s ({how})",
         f"decode   {len(result.tokens)} tokens in {result.decode_s:.3f} s -> {result.decode_tps:.2f} tok/s "
         f"(stop: {result.stop})",

@@ -123,7 +123,7 @@ class Carver:
     def take(self, nbytes: int) -> int:
         at, self.at = self.at, self.at + align(nbytes)
         if self.at > self.size:
-            raise GpuTierError(f"{self.name}: the plan's {self.size} B do not hold what is carved from it "
+            raise RuntimeError(f"{self.name}: the plan's {self.size} B do not hold what is carved from it "
                                f"({self.at} B): engine/budget.py and engine/gpu_tier.py disagree")
         return at
 
@@ -133,11 +133,9 @@ class Carver:
 
     def actq(self, n: int, rows: int | None = None) -> gpu.GpuActQ:
         lead = () if rows is None else (rows,)
-        r = rows or 1
         q = self.array(lead + (n,), np.int8)
         d = self.array(lead + (n // QA,), np.float32)
         s16 = self.array(lead + (n // 16,), np.int32)
-        assert q.size == r * n
         return gpu.GpuActQ(q, d, s16, None)
 
 

@@ -394,7 +394,9 @@ class Model:
             raise ValueError(f"forward: n_logits {n_logits} outside 0..{T} (the tokens fed)")
         self._check(s, tokens.tolist())
         g, r = self.geometry, self.residual
-        emb = np.stack([dequantize(self.embd.rows(t, t + 1), self.embd.type_id, g.n_embd) for t in tokens.tolist()])
+        # the T rows' bytes in one decode (a row decodes alone: the same values as one at a time)
+        raw = np.concatenate([self.embd.rows(t, t + 1) for t in tokens.tolist()])
+        emb = dequantize(raw, self.embd.type_id, T * g.n_embd).reshape(T, g.n_embd)
         H = r.embed_many(emb)
         for l in range(g.n_layer):
             if l in self.ple:
@@ -428,7 +430,5 @@ class _BlockRows:
         self.pack, self.t = pack, pack.ple
 
     def __call__(self, row_ids: np.ndarray) -> np.ndarray:
-        out = np.empty((row_ids.size, self.t.row_dim), F32)
-        for i, r in enumerate(row_ids.tolist()):
-            out[i] = dequantize(self.pack.ple_row(r), self.t.type_id, self.t.row_dim)
-        return out
+        raw = np.concatenate([self.pack.ple_row(r) for r in row_ids.tolist()]) if row_ids.size else np.zeros(0, np.uint8)
+        return dequantize(raw, self.t.type_id, row_ids.size * self.t.row_dim).reshape(row_ids.size, self.t.row_dim)
