@@ -530,7 +530,8 @@ class GpuTier:
             check_profile(o.profile, pack_fingerprint=pack_fingerprint(pack.dir), n_layer=g.n_layer, n_expert=g.n_expert,
                           top_k=g.n_expert_used)
         rt.use_stream()
-        rt.release()  # memory a previous tier or test left cached in the pool would hide this one's        # every kernel the run will launch, compiled now (not inside the first token's time) and
+        rt.release()  # memory a previous tier or test left cached in the pool would hide this one's
+        # every kernel the run will launch, compiled now (not inside the first token's time) and
         # before the baseline: a module's code and tables are the context's memory, not the plan's
         types = {pack.weight(s.name).type.name for s in tensor_specs(g) if s.multiplied and s.name in pack.weights}
         types |= {t.name for l in range(g.n_layer) for t in pack.expert_types(l)}
@@ -555,7 +556,7 @@ class GpuTier:
             marks.append(m)
             say(m.line(len(marks)))
 
-        def arena(stage: str, items: list[B.Item], name: str) -> Carver:
+        def arena(items: list[B.Item], name: str) -> Carver:
             n = sum(i.bytes for i in items if i.where == B.DEVICE)
             return Carver(rt, rt.empty((n,), np.uint8) if n else None, name)
 
@@ -564,7 +565,7 @@ class GpuTier:
         if plan.device_bytes(B.WEIGHTS) > free0:
             raise GpuTierError(f"the dense weights need {plan.device_bytes(B.WEIGHTS) / MiB:.1f} MiB of device memory, "
                                f"{free0 / MiB:.1f} MiB are free: use --device cpu or a larger card")
-        weights = arena(B.WEIGHTS, stage1, "the dense weights")
+        weights = arena(stage1, "the dense weights")
         placed = []
         for spec in tensor_specs(g):
             if spec.multiplied and spec.name in pack.weights:
@@ -609,19 +610,19 @@ class GpuTier:
 
         # 4. the hit path
         stats = HitStats.empty(g.n_layer)
-        hits = arena(B.HIT_PATH, [plan.item("hits.buffers")], "the hit buffers")
+        hits = arena([plan.item("hits.buffers")], "the hit buffers")
         exchange = rt.pinned(plan.item("hits.exchange").bytes)
         hit_path = HitPath(rt, g, slots, hits, exchange, stats)
         mark(B.HIT_PATH)
 
         # 5. the slot table (host: slots.map) and the dense path's staging
-        staging5 = arena(B.CACHE_GRAPHS, [plan.item("dense.staging")], "the dense staging")
+        staging5 = arena([plan.item("dense.staging")], "the dense staging")
         mark(B.CACHE_GRAPHS)
 
         # 6. the head's logits and the prompt path's chunk buffers
         head_dev = rt.empty((g.n_vocab,), np.float32)
         head_host = rt.pinned(plan.item("head.logits_host").bytes).view(np.float32)
-        prompt = arena(B.HEAD_PROMPT, [plan.item("prompt.chunk")], "the prompt chunk buffers")
+        prompt = arena([plan.item("prompt.chunk")], "the prompt chunk buffers")
         dense = Dense(rt, g, staging5, model.head, head_dev, head_host, prompt)
         if dense.rows:  # the prompt path's experts borrow its output rows: a chunk's matrices run one at a time
             hit_path.prompt = rt.view(dense.py.reshape(-1).view(np.uint8), 0, (dense.py.size * 4,), np.uint8)
