@@ -26,6 +26,28 @@ _INPUT_ERRORS = (ValueError, OSError, NotImplementedError)
 DEVICES = ("cpu", "gpu", "auto")
 
 
+# The GPU tier's flags, shared by generate, perplexity and strata-profile (one definition each).
+def device_option():
+    return typer.Option("auto", "--device", help="cpu, gpu or auto (auto: the GPU tier when CuPy sees a GPU)")
+
+
+def expert_cache_option():
+    return typer.Option("auto", "--expert-cache", help="GPU expert slots: auto (S8: what fits beside the reserve) "
+                        "or N (refused when it does not fit)")
+
+
+def expert_profile_option():
+    return typer.Option(None, "--expert-profile", help="expert-profile.bin (strata-profile): which experts the slots hold")
+
+
+def vram_budget_option():
+    return typer.Option(None, "--vram-budget-mib", help="behave as on a card of N MiB")
+
+
+def vram_reserve_option():
+    return typer.Option(700, "--vram-reserve-mib", help="device memory kept free beside the slots")
+
+
 def _fail(message: str, code: int = 1, who: str = "strata generate") -> typer.Exit:
     typer.echo(f"{who}: error: {message}", err=True)
     return typer.Exit(code)
@@ -51,13 +73,11 @@ def generate(
     prefill: str = typer.Option("auto", "--prefill", help="the prompt in chunks of CHUNK tokens (the batched prompt "
                                 "path), auto (256, less when memory is short) or off (token by token)"),
     pool_workers: Optional[int] = typer.Option(None, "--pool-workers", help="hard cap on CPU threads"),
-    device: str = typer.Option("auto", "--device", help="cpu, gpu or auto (auto: the GPU tier when CuPy sees a GPU)"),
-    expert_cache: str = typer.Option("auto", "--expert-cache", help="GPU expert slots: auto (S8: what fits beside "
-                                     "the reserve) or N (refused when it does not fit)"),
-    expert_profile: Optional[Path] = typer.Option(None, "--expert-profile", help="expert-profile.bin (strata-profile): "
-                                                  "which experts the slots hold"),
-    vram_budget_mib: Optional[int] = typer.Option(None, "--vram-budget-mib", help="behave as on a card of N MiB"),
-    vram_reserve_mib: int = typer.Option(700, "--vram-reserve-mib", help="device memory kept free beside the slots"),
+    device: str = device_option(),
+    expert_cache: str = expert_cache_option(),
+    expert_profile: Optional[Path] = expert_profile_option(),
+    vram_budget_mib: Optional[int] = vram_budget_option(),
+    vram_reserve_mib: int = vram_reserve_option(),
     native: Optional[Path] = typer.Option(None, "--native", help="the main GGUF, when it moved since packing"),
     ple_gguf: Optional[Path] = typer.Option(None, "--ple-gguf", help="the PLE GGUF shard, when it moved since packing"),
     dump_logits: Optional[Path] = typer.Option(None, "--dump-logits", help="write float32 logits of every position to OUT.npy"),
@@ -106,8 +126,8 @@ def gpu_options(device: str, expert_cache: str, vram_budget_mib: int | None, vra
     return int(expert_cache)
 
 
-def start_tier(model, device: str, *, max_context: int, kv: str, chunk: int, expert_cache: str, expert_profile,
-               vram_budget_mib, vram_reserve_mib, who: str):
+def start_tier(model, device: str, *, max_context: int, kv: str, chunk: int, expert_cache: str = "auto",
+               expert_profile=None, vram_budget_mib=None, vram_reserve_mib: int = 700, who: str):
     """The GPU tier for --device gpu, or auto when CuPy sees a GPU (B5: without one, auto is the
     CPU, not an error); None on the CPU. Its startup lines (S6's mem_marks) go to stderr."""
     from strata.engine.gpu_tier import GpuTier, TierOptions
@@ -333,6 +353,11 @@ def perplexity(
     kv: str = typer.Option("f16", "--kv", help="KV cache type: f16, int8 or f32"),
     prefill: str = typer.Option("auto", "--prefill", help="chunk of the batched prompt path: auto, CHUNK or off"),
     pool_workers: Optional[int] = typer.Option(None, "--pool-workers", help="hard cap on CPU threads"),
+    device: str = device_option(),
+    expert_cache: str = expert_cache_option(),
+    expert_profile: Optional[Path] = expert_profile_option(),
+    vram_budget_mib: Optional[int] = vram_budget_option(),
+    vram_reserve_mib: int = vram_reserve_option(),
     native: Optional[Path] = typer.Option(None, "--native", help="the main GGUF, when it moved since packing"),
     ple_gguf: Optional[Path] = typer.Option(None, "--ple-gguf", help="the PLE GGUF shard, when it moved since packing"),
 ) -> None:
@@ -342,7 +367,10 @@ def perplexity(
         raise _fail(f"--windows {max_windows}: expected >= 1", 2, who)
     try:
         option = engine_options(kv, prefill)
-        _perplexity(pack, file, ctx, max_windows, save_logits, kl_base, kv, option, pool_workers, native, ple_gguf, who)
+        gpu_options(device, expert_cache, vram_budget_mib, vram_reserve_mib)
+        tier = dict(device=device, expert_cache=expert_cache, expert_profile=expert_profile, vram_budget_mib=vram_budget_mib,
+                    vram_reserve_mib=vram_reserve_mib)
+        _perplexity(pack, file, ctx, max_windows, save_logits, kl_base, kv, option, pool_workers, native, ple_gguf, who, tier)
     except KeyboardInterrupt:
         typer.echo(f"\n{who}: interrupted", err=True)
         raise typer.Exit(130) from None
@@ -350,7 +378,7 @@ def perplexity(
         raise _fail(str(e), 1, who) from None
 
 
-def _perplexity(pack, file, ctx, max_windows, save_logits, kl_base, kv, option, pool_workers, native, ple_gguf, who):
+def _perplexity(pack, file, ctx, max_windows, save_logits, kl_base, kv, option, pool_workers, native, ple_gguf, who, tier):
     from tqdm import tqdm
 
     from strata.engine import perplexity as P
@@ -363,6 +391,7 @@ def _perplexity(pack, file, ctx, max_windows, save_logits, kl_base, kv, option, 
     ids = Tokenizer.load(p.tokenizer_path).encode(Path(file).read_text(encoding="utf-8"))
     wins = P.windows(ids, ctx)[:max_windows]
     chunk = prefill_chunk(option, p.geometry, ctx)
+    start_tier(model, max_context=ctx, kv=kv, chunk=chunk, who=who, **tier)  # the same logits, faster (B2)
     first = P.first_scored(ctx)
     total = len(wins) * (ctx - 1 - first)
     typer.echo(f"{who}: {len(ids)} tokens -> {len(wins)} windows of {ctx}, scoring positions {first + 1}..{ctx - 1} "

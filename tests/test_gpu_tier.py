@@ -318,3 +318,41 @@ def test_cli_refuses_bad_gpu_flags(models, capsys):
                         (["--device", "tpu"], "--device 'tpu': expected one of cpu, gpu, auto")):
         rc = main(["generate", "--pack", pack, "--prompt-ids", "1 2", "-n", "1"] + flags)
         assert rc in (1, 2) and want in capsys.readouterr().err, flags
+
+
+# --- the tools that run the engine: the same numbers on the tier ------------------------------------------
+
+
+def test_perplexity_and_the_routing_profile_are_the_same_on_the_tier(models, rt):
+    from strata.engine import perplexity as PPL
+    from strata.tools import profile as PR
+
+    model = models["qwen35moe"]
+    wins = PPL.windows(tokens(model, 48, seed=2), 24)
+    calib = PR.plan_calibration([np.array(tokens(model, 30, seed=s)) for s in (3, 4, 5, 6, 7)], 0.2)
+    fp = pack_fingerprint(model.pack.dir)
+
+    def both():
+        nll = np.concatenate(PPL.score(model, wins, kv="f32", chunk=8).nll)
+        prof = PR.build_profile(model, fp, calib, ctx=16, kv="f32", chunk=8)
+        return nll, prof.profile.count_matrix(), prof.held_out.count_matrix()
+
+    want = both()
+    with tier_of(model, expert_cache=10):  # compulsory misses: the slots fill as the runs route
+        got = both()
+    for a, b in zip(want, got):
+        assert np.array_equal(a, b)
+
+
+@pytest.mark.skipif(_CUDA_OK, reason="checks the refusal on a machine without a GPU")
+def test_the_tools_refuse_device_gpu_without_a_gpu(models, tmp_path, capsys):
+    from strata.engine.cli import main
+    from strata.tools.profile_cli import main as profile_main
+
+    pack = str(models["qwen35moe"].pack.dir)
+    text = tmp_path / "t.txt"
+    text.write_text("some text to score and to profile, long enough for a window or two. " * 4, encoding="utf-8")
+    assert main(["perplexity", "--pack", pack, "--file", str(text), "--ctx", "16", "--device", "gpu"]) == 1
+    assert "--device gpu:" in capsys.readouterr().err
+    assert profile_main([pack, "--prompts", str(text), "-o", str(tmp_path / "p.bin"), "--held-out", "0", "--device", "gpu"]) == 1
+    assert "--device gpu:" in capsys.readouterr().err and not (tmp_path / "p.bin").exists()

@@ -15,7 +15,7 @@ from typing import Optional
 
 import typer
 
-from strata.engine.cli import run_app
+from strata.engine.cli import device_option, expert_cache_option, run_app, vram_budget_option, vram_reserve_option
 
 app = typer.Typer(add_completion=False, help=__doc__.splitlines()[0].strip("`"))
 
@@ -48,23 +48,29 @@ def profile(
                                 "(token by token); the counts are the same model's either way"),
     kv: str = typer.Option("f16", "--kv", help="KV cache type, as the engine will run: f16, int8 or f32"),
     pool_workers: Optional[int] = typer.Option(None, "--pool-workers", help="hard cap on CPU threads"),
+    device: str = device_option(),
+    expert_cache: str = expert_cache_option(),
+    vram_budget_mib: Optional[int] = vram_budget_option(),
+    vram_reserve_mib: int = vram_reserve_option(),
     trace: Optional[Path] = typer.Option(None, "--trace", help="also write the per-token routing trace of the "
                                          "in-sample tokens (a flat binary for cache-policy replay)"),
     native: Optional[Path] = typer.Option(None, "--native", help="the main GGUF, when it moved since packing"),
     ple_gguf: Optional[Path] = typer.Option(None, "--ple-gguf", help="the PLE GGUF shard, when it moved since packing"),
 ) -> None:
     """Count expert routing over calibration text; write the profile and print its expected hit rate."""
-    from strata.engine.cli import engine_options
+    from strata.engine.cli import engine_options, gpu_options
     from strata.tools import profile as P
 
     try:
         option = engine_options(kv, prefill)
+        gpu_options(device, expert_cache, vram_budget_mib, vram_reserve_mib)
+        tier = dict(device=device, expert_cache=expert_cache, vram_budget_mib=vram_budget_mib, vram_reserve_mib=vram_reserve_mib)
         if not pack.is_dir():
             raise P.ProfileInputError(f"{pack}: no such pack directory")
         docs = P.read_documents(prompts)
         P.check_options(len(docs), held_out, max_tokens, ctx)
         _check_outputs(out, trace)
-        _run(pack, docs, out, max_tokens, held_out, ctx, option, kv, pool_workers, trace, native, ple_gguf)
+        _run(pack, docs, out, max_tokens, held_out, ctx, option, kv, pool_workers, trace, native, ple_gguf, tier)
     except KeyboardInterrupt:
         typer.echo(f"\n{WHO}: interrupted; nothing written", err=True)
         raise typer.Exit(130) from None
@@ -89,10 +95,10 @@ def _check_outputs(out: Path, trace: Path | None) -> None:
         probe.unlink()
 
 
-def _run(pack_dir, docs, out, max_tokens, held_out, ctx, option, kv, pool_workers, trace_path, native, ple_gguf) -> None:
+def _run(pack_dir, docs, out, max_tokens, held_out, ctx, option, kv, pool_workers, trace_path, native, ple_gguf, tier) -> None:
     from tqdm import tqdm
 
-    from strata.engine.cli import load_model, prefill_chunk
+    from strata.engine.cli import load_model, prefill_chunk, start_tier
     from strata.engine.tokenizer import Tokenizer
     from strata.index_format.expert_profile import write_expert_profile
     from strata.index_format.manifest import pack_fingerprint
@@ -104,6 +110,8 @@ def _run(pack_dir, docs, out, max_tokens, held_out, ctx, option, kv, pool_worker
     tok = Tokenizer.load(pack.tokenizer_path)
     calib = P.plan_calibration([tok.encode(d) for d in docs], held_out, max_tokens)
     chunk = prefill_chunk(option, g, ctx)
+    # on a GPU the tier computes the same routing faster (B2); without a profile its slots fill as routed
+    start_tier(model, max_context=ctx, kv=kv, chunk=chunk, who=WHO, **tier)
     fingerprint = pack_fingerprint(pack.dir)
     n_in, n_held = calib.tokens
     typer.echo(f"{WHO}: {len(docs)} documents -> {len(calib.in_docs)} in-sample ({n_in} tokens run), "
