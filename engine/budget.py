@@ -42,6 +42,7 @@ X = experts, k = experts per token, F/Fs = expert/shared-expert n_ff, hc = hyper
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from math import prod
 
 from strata.index_format import geometry as G
 from strata.index_format.geometry import ModelGeometry, tensor_specs
@@ -199,7 +200,7 @@ def dense_dims(g: ModelGeometry) -> tuple[int, int]:
     """(widest input, widest output but the LM head's) of the matrices the GPU tier multiplies."""
     mats = [s for s in tensor_specs(g) if s.multiplied]
     widest_in = max(_round_up(s.shape[0], 32) for s in mats)
-    widest_out = max(prod_(s.shape[1:]) for s in mats if s.category != G.HEAD)
+    widest_out = max(prod(s.shape[1:]) for s in mats if s.category != G.HEAD)
     return widest_in, widest_out
 
 
@@ -302,13 +303,6 @@ def _round_up(n: int, m: int) -> int:
     return -(-n // m) * m
 
 
-def prod_(shape) -> int:
-    n = 1
-    for d in shape:
-        n *= int(d)
-    return n
-
-
 # --- weights in engine form -----------------------------------------------------------------------
 
 
@@ -333,7 +327,7 @@ def expert_slot_bytes(experts: NativeExperts, g: ModelGeometry) -> tuple[int, in
 
 def dense_padding_bytes(t: TensorEntry) -> int:
     """What placing a matrix's planes on PLANE_ALIGN boundaries adds to its engine form."""
-    return placed_bytes(t.engine_type, t.shape[0], prod_(t.shape[1:])) - t.engine_nbytes
+    return placed_bytes(t.engine_type, t.shape[0], prod(t.shape[1:])) - t.engine_nbytes
 
 
 def _weight_items(index: PackIndex, experts: NativeExperts, g: ModelGeometry, ple_table_bytes: int | None) -> list[Item]:

@@ -7,6 +7,7 @@ calls into the engine, and formats the result. Generated text goes to stdout as 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import time
@@ -400,16 +401,12 @@ def _perplexity(pack, file, ctx, max_windows, save_logits, kl_base, kv, option, 
     if save_logits is not None:
         writer = KLBaseWriter(save_logits, tokens=wins, first=first, n_vocab=p.geometry.n_vocab,
                               pack_fingerprint=pack_fingerprint(p.dir))
-    try:
+    # the writer commits on success and removes its temp file on any exception (StreamingFile)
+    with writer if writer is not None else contextlib.nullcontext():
         with tqdm(total=total, unit="tok", desc="perplexity", file=sys.stderr, disable=None) as bar:
             scores = P.score(model, wins, kv=kv, chunk=chunk, base=base, save=writer.append if writer else None,
                              progress=bar.update)
-    except BaseException:
-        if writer is not None:
-            writer.abort()
-        raise
     if writer is not None:
-        writer.close()
         typer.echo(f"{who}: saved the distributions of {total} positions to {save_logits}", err=True)
     typer.echo(format_perplexity(P.summarize(scores), kl_base))
 

@@ -177,7 +177,6 @@ class Dense:
             self.pf = prompt.array((self.rows, n_in), np.float32)
             self.pq = prompt.actq(n_in, self.rows)
             self.py = prompt.array((self.rows * max(n_out, g.n_vocab),), np.float32)
-        self.n_in = n_in
 
     def _form(self, w: Weight, x):
         """The activations W reads (the host's ActQ for block types, f32 otherwise), and the Input they came from."""
@@ -533,8 +532,8 @@ class GpuTier:
         rt.release()  # memory a previous tier or test left cached in the pool would hide this one's
         # every kernel the run will launch, compiled now (not inside the first token's time) and
         # before the baseline: a module's code and tables are the context's memory, not the plan's
-        types = {pack.weight(s.name).type.name for s in tensor_specs(g) if s.multiplied and s.name in pack.weights}
-        types |= {t.name for l in range(g.n_layer) for t in pack.expert_types(l)}
+        mats = [pack.weight(s.name) for s in tensor_specs(g) if s.multiplied and s.name in pack.weights]
+        types = {w.type.name for w in mats} | {t.name for l in range(g.n_layer) for t in pack.expert_types(l)}
         for name in sorted(types | {"actq"}):
             gpu.compile_module(name)
         mem = DeviceMemory(rt, o.vram_budget_mib)
@@ -549,9 +548,10 @@ class GpuTier:
         slots_now = [0]
 
         def mark(stage: str) -> None:
-            predicted = sum(plan.device_bytes(s) for s in B.STAGES[: B.STAGES.index(stage) + 1] if s != B.OPEN_CACHE)
+            # the plan's figure, with the slots the cache really opened with (sized from measured free memory)
+            predicted = plan.used_after(stage)
             if B.STAGES.index(stage) >= B.STAGES.index(B.OPEN_CACHE):
-                predicted += slots_now[0] * plan.slot_bytes
+                predicted += slots_now[0] * plan.slot_bytes - plan.device_bytes(B.OPEN_CACHE)
             m = MemMark(stage, mem.free(), mem.used(), predicted, mem.card_used())
             marks.append(m)
             say(m.line(len(marks)))
@@ -567,11 +567,9 @@ class GpuTier:
                                f"{free0 / MiB:.1f} MiB are free: use --device cpu or a larger card")
         weights = arena(stage1, "the dense weights")
         placed = []
-        for spec in tensor_specs(g):
-            if spec.multiplied and spec.name in pack.weights:
-                w = pack.weight(spec.name)
-                at = weights.take(placed_bytes(w.type_id, w.n_in, w.n_out))
-                placed.append((w, gpu.place(w.raw, w.type_id, w.n_in, w.n_out, weights.arena, at, w.name)))
+        for w in mats:
+            at = weights.take(placed_bytes(w.type_id, w.n_in, w.n_out))
+            placed.append((w, gpu.place(w.raw, w.type_id, w.n_in, w.n_out, weights.arena, at, w.name)))
         rt.synchronize()
         mark(B.WEIGHTS)
 

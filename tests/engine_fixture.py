@@ -15,9 +15,10 @@ from pathlib import Path
 import numpy as np
 
 from strata.index_format.geometry import ModelGeometry, tensor_specs
+from strata.engine.kernels.reference import dequantize
 from strata.index_format.ggml_types import BY_NAME
 from strata.tools import pack
-from strata.tools.gguf_io import VT, GGUFWriter
+from strata.tools.gguf_io import VT, GGUFWriter, read_gguf
 from strata.tools.synth_blocks import quantize_rows
 
 SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
@@ -141,3 +142,14 @@ def make_pack(tmp: Path, name: str = "model", *, seed: int = 0, types: dict[str,
     out = tmp / f"{name}-pack"
     pack.convert([gguf], out)
     return out
+
+
+def dequantized_copy(src: Path, dst: Path) -> Path:
+    """The same GGUF (one shard) with every tensor stored as F32 holding its dequantized values."""
+    f = read_gguf(src)
+    w = GGUFWriter(dst)
+    w.kv = dict(f.kv)
+    for name, t in f.tensors.items():
+        values = dequantize(np.asarray(f.tensor_bytes(name)), t.type_id, int(np.prod(t.shape)))
+        w.add_tensor(name, t.shape, 0, lambda v=values: v.view(np.uint8))
+    return w.write()

@@ -11,24 +11,15 @@ import pytest
 
 import engine_fixture as F
 from strata.engine.generate import generate
-from strata.engine.kernels import cpu
-from strata.engine.kernels.reference import dequantize
 from strata.engine.model import ContextFull, Model
 from strata.engine.pack import Pack
 from strata.engine.sampling import Sampler, SamplerParams
-from strata.tools.gguf_io import GGUFWriter, read_gguf
 
 PROMPT = [5, 77, 140, 3, 200, 41, 9]
 GREEDY = SamplerParams(temperature=0)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # tiny matrices: a parallel launch costs more than the work (and the CI has 2 shared cores)
-    before = cpu.get_threads()
-    cpu.set_threads(1)
-    yield
-    cpu.set_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 
 
 @pytest.fixture(scope="module")
@@ -134,18 +125,6 @@ def test_the_token_path_keeps_no_allocation(model):
     assert seen[1] == out.positions
 
 
-def _dequantized_copy(src, dst):
-    """The same model with every Q8_0 tensor stored as F32 holding its dequantized values."""
-    f = read_gguf(src)
-    w = GGUFWriter(dst)
-    w.kv = dict(f.kv)
-    for name, t in f.tensors.items():
-        raw = np.asarray(f.tensor_bytes(name))
-        if t.type_id == 8:
-            raw = dequantize(raw, 8, int(np.prod(t.shape))).view(np.uint8)
-        w.add_tensor(name, t.shape, 0 if t.type_id == 8 else t.type_id, lambda raw=raw: raw)
-    return w.write()
-
 
 def _prefill_with_routing(model, prompt):
     """Logits and the routed expert sets of every layer at each prompt position."""
@@ -162,7 +141,7 @@ def test_quantized_experts_are_served_by_their_own_offsets(tmp_path):
     routing agrees they differ only by the activation rounding (about 1-3%); one expert read at
     another's offset would change the MoE output by its whole size."""
     q = F.make_pack(tmp_path, "q", types={"experts": "Q8_0"})
-    f32_gguf = _dequantized_copy(tmp_path / "q.gguf", tmp_path / "f.gguf")
+    f32_gguf = F.dequantized_copy(tmp_path / "q.gguf", tmp_path / "f.gguf")
     from strata.tools import pack as tools_pack
 
     tools_pack.convert([f32_gguf], tmp_path / "f-pack")

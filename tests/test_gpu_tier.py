@@ -17,14 +17,14 @@ import contextlib
 import engine_fixture as F
 import numpy as np
 import pytest
-from gpu_emu import EmuRuntime, unavailable_reason
+from gpu_emu import EmuRuntime
 
 from strata.engine import budget as B
 from strata.engine.budget import ExpertCacheTooBig
 from strata.engine.cli import hit_table
 from strata.engine.expert_plan import MiB, ProfileMismatch
 from strata.engine.gpu_tier import GpuTier, TierOptions
-from strata.engine.kernels import cpu, gpu
+from strata.engine.kernels import gpu
 from strata.engine.model import Model
 from strata.engine.moe import MoE
 from strata.engine.pack import Pack
@@ -34,31 +34,11 @@ from strata.index_format.geometry import tensor_specs
 from strata.index_format.manifest import pack_fingerprint
 
 _CUDA_OK, _CUDA_WHY = gpu.available()
-_EMU_WHY = unavailable_reason()
-_RUNTIMES: dict[str, object] = {}
-RUNTIMES = [
-    pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not _CUDA_OK, reason=f"no GPU: {_CUDA_WHY}")]),
-    pytest.param("emu", marks=pytest.mark.skipif(_EMU_WHY is not None, reason=f"no GPU emulation: {_EMU_WHY}")),
-]
 CTX = 48
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = cpu.get_threads()
-    cpu.set_threads(1)
-    yield
-    cpu.set_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 
-
-@pytest.fixture(params=RUNTIMES)
-def rt(request):
-    name = request.param
-    if name not in _RUNTIMES:
-        _RUNTIMES[name] = gpu.CupyRuntime() if name == "cuda" else EmuRuntime()
-    before = gpu.use_runtime(_RUNTIMES[name])
-    yield _RUNTIMES[name]
-    gpu.use_runtime(before)
 
 
 @pytest.fixture(scope="module")

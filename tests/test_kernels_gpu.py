@@ -23,28 +23,12 @@ from kernel_blocks import random_weights
 
 from strata.engine.kernels import gpu
 from strata.engine.kernels import reference as R
-from strata.engine.kernels.actq import ActQ, quantize_act
+from strata.engine.kernels.actq import quantize_act
 from strata.index_format.ggml_types import BY_NAME, TYPES
 
 _CUDA_OK, _CUDA_WHY = gpu.available()
 _EMU_WHY = unavailable_reason()
-_RUNTIMES: dict[str, object] = {}
 
-RUNTIMES = [
-    pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not _CUDA_OK, reason=f"no GPU: {_CUDA_WHY}")]),
-    pytest.param("emu", marks=pytest.mark.skipif(_EMU_WHY is not None, reason=f"no GPU emulation: {_EMU_WHY}")),
-]
-
-
-@pytest.fixture(params=RUNTIMES)
-def rt(request):
-    """The runtime under test, installed in gpu for the test's duration."""
-    name = request.param
-    if name not in _RUNTIMES:
-        _RUNTIMES[name] = gpu.CupyRuntime() if name == "cuda" else EmuRuntime()
-    before = gpu.use_runtime(_RUNTIMES[name])
-    yield _RUNTIMES[name]
-    gpu.use_runtime(before)
 
 
 def _on_device(rt) -> bool:

@@ -36,14 +36,12 @@ from strata.engine import budget as B
 from strata.engine.cli import main
 from strata.engine.generate import generate
 from strata.engine.kernels import cpu
-from strata.engine.kernels.reference import dequantize
 from strata.engine.kvcache import KVCache, dequantize_int8, quantize_int8
 from strata.engine.model import ContextFull, Model
 from strata.engine.pack import Pack
 from strata.engine.sampling import Sampler, SamplerParams
 from strata.engine.weights import Input
 from strata.tools import pack as tools_pack
-from strata.tools.gguf_io import GGUFWriter, read_gguf
 
 REL_TOL = {"f32": 2e-5, "f16": 2e-5, "int8": 2e-4}
 N_PROMPT = 157  # prime: no chunk size below divides it
@@ -51,26 +49,8 @@ N_GREEDY = 8
 CHUNKS = (7, 32, 64, 100)  # 64 = the delta rule's own sub-chunk; 100 > 64 splits inside a chunk
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = cpu.get_threads()
-    cpu.set_threads(1)  # tiny matrices; the CI has 2 shared cores
-    yield
-    cpu.set_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 
-
-def f32_copy(paths, out_dir):
-    """The same GGUF shards with every tensor stored as F32 holding its dequantized values."""
-    out = []
-    for src in paths:
-        f = read_gguf(src)
-        w = GGUFWriter(out_dir / src.name)
-        w.kv = dict(f.kv)
-        for name, t in f.tensors.items():
-            values = dequantize(np.asarray(f.tensor_bytes(name)), t.type_id, int(np.prod(t.shape)))
-            w.add_tensor(name, t.shape, 0, lambda v=values: v.view(np.uint8))
-        out.append(w.write())
-    return out
 
 
 @pytest.fixture(scope="module")
@@ -80,7 +60,7 @@ def models(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("prefill")
     (tmp / "src").mkdir()
     (tmp / "f32").mkdir()
-    shards = f32_copy(synth("qwen4exp", "tiny", tmp / "src" / "tiny.gguf"), tmp / "f32")
+    shards = [F.dequantized_copy(p, tmp / "f32" / p.name) for p in synth("qwen4exp", "tiny", tmp / "src" / "tiny.gguf")]
     tools_pack.convert(shards[:1], tmp / "q4-pack", compress_ratio=PRESETS["tiny"].compress_ratio)
     return {"qwen35moe": Model(Pack.open(F.make_pack(tmp))), "qwen4exp": Model(Pack.open(tmp / "q4-pack"))}
 

@@ -19,12 +19,11 @@ import io
 import math
 import re
 
+import engine_fixture as F
 import numpy as np
 import pytest
 
 from strata.engine.expert_plan import ProfileMismatch, check_profile, expected_hit_rate
-from strata.engine.kernels import cpu
-from strata.engine.kernels.reference import dequantize
 from strata.engine.model import Model
 from strata.engine.moe import MoE
 from strata.engine.pack import Pack
@@ -33,7 +32,6 @@ from strata.index_format.expert_profile import ExpertProfile, read_expert_profil
 from strata.index_format.manifest import pack_fingerprint
 from strata.index_format.routing_trace import read_trace
 from strata.tools import profile as P
-from strata.tools.gguf_io import GGUFWriter, read_gguf
 from strata.tools.profile_cli import main
 
 ARCHS = ("qwen4exp", "qwen35moe")
@@ -45,26 +43,8 @@ WORDS = ("the expert router picks a few hot experts for most tokens while cold o
          "memory slots fill once at startup and never change profile counts decide which stay").split()
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = cpu.get_threads()
-    cpu.set_threads(1)  # tiny matrices; the CI has 2 shared cores
-    yield
-    cpu.set_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 
-
-def dequantized_copy(paths, out_dir):
-    """The same GGUF shards with every tensor stored as F32 holding its dequantized values."""
-    out = []
-    for src in paths:
-        f = read_gguf(src)
-        w = GGUFWriter(out_dir / src.name)
-        w.kv = dict(f.kv)
-        for name, t in f.tensors.items():
-            values = dequantize(np.asarray(f.tensor_bytes(name)), t.type_id, int(np.prod(t.shape)))
-            w.add_tensor(name, t.shape, 0, lambda v=values: v.view(np.uint8))
-        out.append(w.write())
-    return out
 
 
 @pytest.fixture(scope="module")
@@ -77,7 +57,7 @@ def packs(tmp_path_factory):
         d = tmp_path_factory.mktemp(arch)
         (d / "src").mkdir()
         (d / "f32").mkdir()
-        shards = dequantized_copy(synth(arch, "tiny", d / "src" / "tiny.gguf"), d / "f32")
+        shards = [F.dequantized_copy(p, d / "f32" / p.name) for p in synth(arch, "tiny", d / "src" / "tiny.gguf")]
         ratio = PRESETS["tiny"].compress_ratio if arch == "qwen4exp" else None
         convert(shards[:1], d / "pack", compress_ratio=ratio)
         out[arch] = d / "pack"

@@ -8,6 +8,7 @@ stdout. Problems go to stderr with a non-zero exit status and leave no file behi
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 from pathlib import Path
@@ -121,17 +122,13 @@ def _run(pack_dir, docs, out, max_tokens, held_out, ctx, option, kv, pool_worker
     if trace_path is not None:
         writer = TraceWriter(trace_path, pack_fingerprint=fingerprint, n_layer=g.n_layer, n_expert=g.n_expert,
                              top_k=g.n_expert_used)
-    try:
+    # the trace commits once the profile is written, and is removed on any exception (StreamingFile)
+    with writer if writer is not None else contextlib.nullcontext():
         with tqdm(total=n_in + n_held, unit="tok", desc="profile", file=sys.stderr, disable=None) as bar:
             result = P.build_profile(model, fingerprint, calib, ctx=ctx, kv=kv, chunk=chunk, progress=bar.update,
                                      trace=writer)
         write_expert_profile(out, result.profile)
-    except BaseException:
-        if writer is not None:
-            writer.abort()
-        raise
     if writer is not None:
-        writer.close()
         typer.echo(f"{WHO}: wrote the routing trace of {n_in} tokens to {trace_path}", err=True)
     typer.echo(format_report(result, out, g))
 

@@ -164,7 +164,7 @@ class CupyRuntime:
 
 _runtime: Any = None
 _modules: dict[str, "_Module"] = {}
-_plans: dict[tuple, tuple] = {}  # launch plans by shape (_quant_plan, _float_plan)
+_plans: dict[tuple, tuple] = {}  # launch plans by kind and shape (_planned)
 
 
 def runtime():
@@ -461,13 +461,23 @@ def _out(rt, out, shape: tuple[int, ...], where: str):
     return out
 
 
+def _planned(make):
+    """(module, kernel, grid, block, shared bytes, trailing args) of one launch is a function of the
+    type and shape alone, so it is worked out once per shape (the token path launches the same
+    shapes every token)."""
+
+    def plan(type_id: int, n_in: int, n_out: int, n_tok: int) -> tuple:
+        key = (make, type_id, n_in, n_out, n_tok)
+        p = _plans.get(key)
+        if p is None:
+            p = _plans[key] = make(type_id, n_in, n_out, n_tok)
+        return p
+
+    return plan
+
+
+@_planned
 def _quant_plan(type_id: int, n_in: int, n_out: int, n_tok: int) -> tuple:
-    """(module, kernel, grid, block, shared bytes, trailing args) of one launch: a function of the
-    shape alone, so worked out once per shape (the token path launches the same shapes every token)."""
-    key = ("q", type_id, n_in, n_out, n_tok)
-    plan = _plans.get(key)
-    if plan is not None:
-        return plan
     t = ggml_type(type_id)
     rt, m = runtime(), _module(t.name)
     nb = n_in // QA
@@ -482,14 +492,11 @@ def _quant_plan(type_id: int, n_in: int, n_out: int, n_tok: int) -> tuple:
         while rows > 1 and -(-n_out // (nw * rows)) < 2 * rt.n_sm:  # few rows: spread them out
             rows -= 1
         grid = _grid(rt, n_out, nw * rows, per_sm)
-        plan = (m.mod, f"mv<{type_id}, {kpl}>", grid, 32 * nw, tab + nw * per_warp, (np.int32(rows), np.int32(tab > 0)))
-    else:
-        per_warp = 2 * m.mm_buf + 4 * 32 * n_tok
-        nw = _warps(per_warp, n_out, rt.n_sm, most=4, fixed_smem=tab)
-        grid = _grid(rt, n_out, nw, per_sm)
-        plan = (m.mod, f"mm<{type_id}>", grid, 32 * nw, tab + nw * per_warp, (np.int32(n_tok), np.int32(tab > 0)))
-    _plans[key] = plan
-    return plan
+        return m.mod, f"mv<{type_id}, {kpl}>", grid, 32 * nw, tab + nw * per_warp, (np.int32(rows), np.int32(tab > 0))
+    per_warp = 2 * m.mm_buf + 4 * 32 * n_tok
+    nw = _warps(per_warp, n_out, rt.n_sm, most=4, fixed_smem=tab)
+    grid = _grid(rt, n_out, nw, per_sm)
+    return m.mod, f"mm<{type_id}>", grid, 32 * nw, tab + nw * per_warp, (np.int32(n_tok), np.int32(tab > 0))
 
 
 def _quant(w: GpuWeight, q, d, s16, out) -> None:
@@ -500,23 +507,17 @@ def _quant(w: GpuWeight, q, d, s16, out) -> None:
     runtime().launch(mod, name, grid, block, args + extra, smem)
 
 
+@_planned
 def _float_plan(type_id: int, n_in: int, n_out: int, n_tok: int) -> tuple:
-    key = ("f", type_id, n_in, n_out, n_tok)
-    plan = _plans.get(key)
-    if plan is not None:
-        return plan
     t = ggml_type(type_id)
     rt, m = runtime(), _module(t.name)
     kind = _FLOAT_KIND[t.name]
     if n_tok == 1:
         nw = _warps(0, n_out, rt.n_sm)
-        plan = (m.mod, f"fmv<{kind}>", _grid(rt, n_out, nw), 32 * nw, 0, ())
-    else:
-        per_warp = 4 * 32 * n_tok
-        nw = _warps(per_warp, n_out, rt.n_sm, most=4)
-        plan = (m.mod, f"fmm<{kind}>", _grid(rt, n_out, nw), 32 * nw, nw * per_warp, (np.int32(n_tok),))
-    _plans[key] = plan
-    return plan
+        return m.mod, f"fmv<{kind}>", _grid(rt, n_out, nw), 32 * nw, 0, ()
+    per_warp = 4 * 32 * n_tok
+    nw = _warps(per_warp, n_out, rt.n_sm, most=4)
+    return m.mod, f"fmm<{kind}>", _grid(rt, n_out, nw), 32 * nw, nw * per_warp, (np.int32(n_tok),)
 
 
 def _float(w: GpuWeight, x, out) -> None:
