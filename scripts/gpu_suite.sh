@@ -31,7 +31,8 @@ export PYTHONPATH="$BOOT${PYTHONPATH:+:$PYTHONPATH}"
 
 # Only the files that hold GPU tests are collected: other test files need packages (torch,
 # transformers, gguf) this machine may not have, and a collection error would mask the result.
-FILES=$(grep -l "pytest.mark.gpu" tests/test_*.py)
+# (a test is a GPU test when marked gpu, or when it takes the `rt` fixture of tests/conftest.py)
+FILES=$(grep -lE "pytest.mark.gpu|def test_[a-z0-9_]+\([^)]*\brt\b" tests/test_*.py)
 echo "== GPU tests: $(echo $FILES)"
 timeout 420 python3 -m pytest -m gpu -q -p no:cacheprovider --junitxml="$LOG/gpu_tests.xml" $FILES 2>&1 | tee "$LOG/gpu_tests.log"
 TEST_RC=${PIPESTATUS[0]}
