@@ -8,11 +8,11 @@ serves them; shapes stay small except one expert shape."""
 from __future__ import annotations
 
 import re
-from contextlib import contextmanager
 
 import numpy as np
 import pytest
 from kernel_blocks import random_weights
+from kernel_paths import KERNELS, cpu_path
 
 from strata.engine.kernels import cpu
 from strata.engine.kernels import reference as R
@@ -23,19 +23,6 @@ from strata.index_format.ggml_types import BY_NAME
 # and two with their own scale layouts: Q4_K (a min term), Q8_0 (the plain one)
 EXPERT_TYPES = ["Q8_0", "Q4_K", "IQ2_XXS", "IQ2_XS", "IQ3_XXS", "IQ4_NL", "Q2_0"]
 SIZES = [3, 0, 1, 7, 1, 2, 0, 12, 1]  # tokens per group: one-row, empty and uneven groups
-
-
-@contextmanager
-def _path(parallel: bool):
-    """Force the parallel kernel on 2 threads, or the serial one, whatever the size."""
-    below, before = cpu.SERIAL_BELOW, cpu.get_threads()
-    cpu.SERIAL_BELOW = 0 if parallel else 1 << 62
-    cpu.set_threads(min(2, cpu.numba.config.NUMBA_NUM_THREADS))
-    try:
-        yield
-    finally:
-        cpu.SERIAL_BELOW = below
-        cpu.set_threads(before)
 
 
 def _case(t, n_in: int, n_out: int, sizes, seed: int):
@@ -68,31 +55,35 @@ def _same(got: np.ndarray, want: np.ndarray, what: str) -> None:
     assert bad.size == 0, f"{what}: {len(bad)} outputs differ, first {tuple(bad[0])}: {got[tuple(bad[0])]!r} vs {want[tuple(bad[0])]!r}"
 
 
+@pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("name", EXPERT_TYPES)
 @pytest.mark.parametrize("parallel", [False, True], ids=["serial", "parallel"])
-def test_grouped_equals_matmul_per_group_bit_for_bit(name, parallel):
+def test_grouped_equals_matmul_per_group_bit_for_bit(name, parallel, kernel):
     t = BY_NAME[name]
     # 15 act-blocks (the 8-, 4- and 1-block steps) where the block allows it; 45 rows: one whole
     # row tile and a partial one
     n_in, n_out = (32 * 15 if t.block_size == 32 else 64 * 7 if t.block_size == 64 else 256 * 3), cpu.GROUP_TILE + 13
     raw, offsets, act, starts = _case(t, n_in, n_out, SIZES, t.id)
-    with _path(parallel):
+    with cpu_path(parallel, kernel=kernel):
         got = cpu.matmul_grouped(raw, t.id, n_in, n_out, offsets, act, starts)
-    _same(got, _per_group(t, raw, offsets, act, starts, n_in, n_out, cpu.matmul), f"{name} grouped vs matmul")
+    with cpu_path(kernel="rows"):  # the row kernels: one check of the two against each other
+        _same(got, _per_group(t, raw, offsets, act, starts, n_in, n_out, cpu.matmul), f"{name} grouped vs matmul")
     _same(got, _per_group(t, raw, offsets, act, starts, n_in, n_out, R.dot_reference), f"{name} grouped vs reference")
 
 
+@pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("name,n_in,n_out", [("IQ2_XS", 2560, 640), ("IQ4_NL", 640, 2560)])
-def test_expert_shapes_with_many_small_groups(name, n_in, n_out):
+def test_expert_shapes_with_many_small_groups(name, n_in, n_out, kernel):
     """Production shapes, 40 experts of 0-12 tokens and one of 60 (the uneven routing of a chunk):
     the items are spread over the threads by cost, which must not change a bit."""
     t = BY_NAME[name]
     sizes = np.random.default_rng(5).integers(0, 13, 40)
     sizes[3] = 60
     raw, offsets, act, starts = _case(t, n_in, n_out, sizes, 7)
-    with _path(True):
+    with cpu_path(True, kernel=kernel):
         got = cpu.matmul_grouped(raw, t.id, n_in, n_out, offsets, act, starts)
-    _same(got, _per_group(t, raw, offsets, act, starts, n_in, n_out, cpu.matmul), f"{name} grouped vs matmul")
+    with cpu_path(True, kernel="rows"):
+        _same(got, _per_group(t, raw, offsets, act, starts, n_in, n_out, cpu.matmul), f"{name} grouped vs matmul")
 
 
 def test_a_group_of_more_tokens_than_a_tile_equals_the_reference():
@@ -101,7 +92,7 @@ def test_a_group_of_more_tokens_than_a_tile_equals_the_reference():
     t, n_in, n_out = BY_NAME["IQ2_XS"], 2560, 9
     sizes = [3, 2 * (cpu._TILE_BYTES // n_in) + 7, 1]
     raw, offsets, act, starts = _case(t, n_in, n_out, sizes, 8)
-    with _path(True):
+    with cpu_path(True, kernel="rows"):
         got = cpu.matmul_grouped(raw, t.id, n_in, n_out, offsets, act, starts)
     _same(got, _per_group(t, raw, offsets, act, starts, n_in, n_out, R.dot_reference), "grouped vs reference")
 
@@ -147,7 +138,7 @@ def test_no_fused_multiply_add_in_the_grouped_kernels(monkeypatch):
         kernel = cpu._grouped_kernel(t.name, *cpu._DECODERS[t.name], parallel)
         kernel._cache.disable()  # compile here: numba shows no machine code for a disk-cache load
         monkeypatch.setitem(cpu._GROUPED, (t.name, parallel), kernel)
-        with _path(parallel):
+        with cpu_path(parallel, kernel="rows"):
             cpu.matmul_grouped(raw, t.id, 256, 5, offsets, act, starts)
         asm = "\n".join(kernel.inspect_asm().values())
         assert "vmulss" in asm or "vmulps" in asm, "no f32 multiply found: the check itself is broken"

@@ -11,12 +11,12 @@ import re
 import subprocess
 import sys
 import tracemalloc
-from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
 import pytest
 from kernel_blocks import random_weights
+from kernel_paths import KERNELS, cpu_path
 
 from strata.engine.kernels import cpu
 from strata.engine.kernels import reference as R
@@ -48,26 +48,16 @@ def _same(got: np.ndarray, ref: np.ndarray, what: str) -> None:
     assert bad.size == 0, f"{what}: {len(bad)} outputs differ, first {tuple(bad[0])}: {got[tuple(bad[0])]!r} vs reference {ref[tuple(bad[0])]!r}"
 
 
-@contextmanager
-def _path(parallel: bool, threads: int | None = None):
-    """Force the parallel kernel (on 2 threads unless told) or the serial one, whatever the size."""
-    below, before = cpu.SERIAL_BELOW, cpu.get_threads()
-    cpu.SERIAL_BELOW = 0 if parallel else 1 << 62
-    cpu.set_threads(min(threads or 2, cpu.numba.config.NUMBA_NUM_THREADS))
-    try:
-        yield
-    finally:
-        cpu.SERIAL_BELOW = below
-        cpu.set_threads(before)
-
-
-@pytest.mark.parametrize("t", TYPES, ids=lambda t: t.name)
-def test_matvec_and_matmul_equal_the_reference_bit_for_bit(t):
+# F32/F16/BF16 weights have the row kernels only
+@pytest.mark.parametrize("t,kernel", [(t, k) for t in TYPES for k in KERNELS if t.quantized or k == "rows"],
+                         ids=lambda v: getattr(v, "name", v))
+def test_matvec_and_matmul_equal_the_reference_bit_for_bit(t, kernel):
     n_in, n_out = _shape(t)
     raw = random_weights(t, n_in * n_out, np.random.default_rng(t.id))
     x = _acts(n_in, 5, t.id)
     act = quantize_act(x) if t.quantized else x
-    y = cpu.matmul(raw, t.id, n_in, n_out, act)
+    with cpu_path(kernel=kernel):
+        y = cpu.matmul(raw, t.id, n_in, n_out, act)
     _same(y, R.dot_reference(raw, t.id, n_in, n_out, act), f"{t.name} matmul")
     for b in range(5):  # a batch row is the single-token product, to the bit
         one = ActQ(act.q[b], act.d[b], act.s16[b]) if t.quantized else x[b]
@@ -122,9 +112,9 @@ def test_results_do_not_depend_on_the_thread_count():
     t = BY_NAME["Q4_K"]
     raw = random_weights(t, 1024 * 37, np.random.default_rng(3))
     act = quantize_act(_acts(1024, 3, 3))
-    with _path(False, threads=1):
+    with cpu_path(False, threads=1):
         one = cpu.matmul(raw, t.id, 1024, 37, act)
-    with _path(True, threads=cpu.numba.config.NUMBA_NUM_THREADS):
+    with cpu_path(True, threads=cpu.numba.config.NUMBA_NUM_THREADS):
         many = cpu.matmul(raw, t.id, 1024, 37, act)
     _same(many, one, "threads")
 
@@ -139,7 +129,7 @@ def test_many_tokens_walked_in_tiles_equal_the_reference(name):
     act = quantize_act(_acts(n_in, n_tok, 4))
     want = R.dot_reference(raw, t.id, n_in, 9, act)
     for parallel in (False, True):
-        with _path(parallel):
+        with cpu_path(parallel):
             _same(cpu.matmul(raw, t.id, n_in, 9, act), want, f"{name} {n_tok} tokens, parallel={parallel}")
 
 
@@ -154,9 +144,9 @@ def test_serial_and_parallel_paths_give_the_same_bits(name):
     raw = random_weights(t, n_in * 37, np.random.default_rng(5))
     x = _acts(n_in, 3, 5)
     act = quantize_act(x) if t.quantized else x
-    with _path(False):
+    with cpu_path(False):
         one = cpu.matmul(raw, t.id, n_in, 37, act)
-    with _path(True):
+    with cpu_path(True):
         many = cpu.matmul(raw, t.id, n_in, 37, act)
     assert cpu._kernel(name, False).signatures and cpu._kernel(name, True).signatures, "a path was not taken"
     _same(many, one, f"{name} parallel vs serial")
@@ -182,7 +172,7 @@ def test_no_fused_multiply_add_in_the_compiled_kernels(monkeypatch):
             kernel = cpu._build(name, parallel)
             kernel._cache.disable()  # compile here: numba shows no machine code for a disk-cache load
             monkeypatch.setitem(cpu._KERNELS, (name, parallel), kernel)
-            with _path(parallel):
+            with cpu_path(parallel):
                 cpu.matmul(raw, t.id, n_in, n_out, act)
             asm = "\n".join(kernel.inspect_asm().values())
             assert "vmulss" in asm or "vmulps" in asm, "no f32 multiply found: the check itself is broken"

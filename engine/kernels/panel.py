@@ -1,0 +1,296 @@
+"""The many-token CPU product: W X for block types, 16 rows at a time with the rows in the vector
+lanes (AVX512-VNNI hosts; cpu.py's row kernels everywhere else and for few tokens).
+
+Why a second kernel: cpu.py's row kernels run every (row, token) pair as a dot of one row against
+one token, so each `vpdpbusd` needs two fresh vector loads and a shuffle tree to leave the
+act-blocks' sums apart; with many tokens that loop ran at ~115 GMAC/s per core where the
+instruction itself does ~510 on the development machine's Zen 5 (8 vpdpbusd per ns, measured).
+Here 16 rows are decoded as usual, then transposed so that one 64-byte vector holds 4 bytes of
+each of the 16 rows: `vpdpbusd(acc, W[g], broadcast of the token's 4 bytes)` then leaves row r's
+partial sum in lane r, and an act-block's 8 groups give its 16 rows' sums in 2 vectors (its two
+halves) with no reduction at all. The 8 vectors of an act-block stay in registers for all the
+tokens; the activations come in as broadcasts straight from memory.
+
+The f32 arithmetic is docs/kernels.md's to the bit, element-wise over 16 rows instead of 16
+act-blocks: per act-block the same term, added into the row's lane b % 32 in block order, then
+the same fold. So a row's result equals cpu.py's matvec bit for bit (tests/test_panel.py), and
+everything that compares the batched and token paths keeps its meaning.
+
+Layout of a panel (per thread, `_scratch`), P = act-blocks per row rounded up to 16:
+  rows     the 16 rows decoded by cpu.py's decoders: int8 values at [r * 32P + 32b ..], integer
+           scales sc[i, r * P + b] (ws0, ws1, mn0, mn1), f32 factors fl[i, r * P + b] (wf, wm)
+  wp       the values transposed: act-block b, group g (elements 32b + 4g .. + 3) of row r at
+           byte 512b + 64g + 4r, offset by 128 (vpdpbusd multiplies unsigned by signed bytes)
+  scp, flp the scales transposed: plane i, act-block b, row r at [i, 16b + r]
+  lanes    [tokens, 32 lanes, 16 rows] f32
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from llvmlite import ir
+from numba import njit, prange, types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+from . import simd
+from .actq import QA
+from .jit import JIT, cached
+
+_inline = dict(inline="always", **JIT)
+from .simd import I32, I64, _fn, _mask, _splat
+
+F32 = np.float32
+ROWS = 16  # rows per panel: one zmm of int32 lanes
+LANES = 32  # docs/kernels.md's lanes
+# Tokens per pass over a panel: their lanes (2 KB each) stay in the 48 KB L1 beside the block's
+# weights and the tokens' activations.
+TOKEN_TILE = 16
+
+# The panel kernel needs vpdpbusd on 512-bit vectors; elsewhere cpu.py's row kernels run.
+AVAILABLE = bool(simd._X86.get("avx512vnni") and simd._X86.get("avx512bw") and simd._X86.get("avx512f"))
+
+_V16I = ir.VectorType(I32, 16)
+_V16F = ir.VectorType(ir.FloatType(), 16)
+
+
+def _vec(context, builder, sig, args, k, idx, vt):
+    """Pointer to the vector `vt` at element idx (an LLVM i64) of array args[k]."""
+    a = context.make_array(sig.args[k])(context, builder, args[k])
+    return builder.bitcast(builder.gep(a.data, [idx]), vt.as_pointer())
+
+
+def _arg(context, builder, sig, args, k):
+    return context.cast(builder, args[k], sig.args[k], types.intp)
+
+
+@intrinsic
+def transpose16(typingctx, src, si, stride, dst, di, flip):
+    """dst[di + 16c + r] = src[si + r * stride + c] ^ flip for r, c < 16, on 4-byte elements: src
+    and dst are any arrays, si, stride and di in elements of their own dtype (bytes of an int8
+    array), flip an int32 mask. Four butterfly stages of two-source shuffles (vpermt2d)."""
+
+    def codegen(context, builder, sig, args):
+        si_, st, di_ = (_arg(context, builder, sig, args, k) for k in (1, 2, 4))
+        rows = []
+        for r in range(16):
+            idx = builder.add(si_, builder.mul(st, ir.Constant(I64, r)))
+            rows.append(builder.load(_vec(context, builder, sig, args, 0, idx, _V16I), align=1))
+        d = 8
+        while d:  # swap the off-diagonal d x d blocks of every 2d x 2d block
+            lo = [c if not c & d else 16 + c - d for c in range(16)]
+            hi = [c + d if not c & d else 16 + c for c in range(16)]
+            for i in range(16):
+                if not i & d:
+                    a, b = rows[i], rows[i + d]
+                    rows[i], rows[i + d] = builder.shuffle_vector(a, b, _mask(16, lo)), builder.shuffle_vector(a, b, _mask(16, hi))
+            d //= 2
+        mask = _splat(builder, builder.trunc(context.cast(builder, args[5], sig.args[5], types.int64), I32), _V16I)
+        base = _vec(context, builder, sig, args, 3, di_, _V16I)
+        for c in range(16):
+            builder.store(builder.xor(rows[c], mask), builder.gep(base, [ir.Constant(I64, c)]), align=1)
+        return context.get_dummy_value()
+
+    return types.void(src, si, stride, dst, di, flip), codegen
+
+
+def _block(has_min, scales):
+    def impl(typingctx, wp, wi, scp, flp, si, plane, xq, xi, n_in, s16, s16i, xd, xdi, nb, lanes, li, n_tok):
+        """Act-block b of a panel against n_tok tokens (docs/kernels.md's term, 16 rows at once):
+
+            S_h    = sum over half h of the block of w * x   (vpdpbusd on w + 128, minus 128 * s16)
+            isum   = S0 + S1 | ws * (S0 + S1) | ws0 * S0 + ws1 * S1      (scales unit | same | own)
+            term   = (wf * ad) * f32(isum) [+ (wm * ad) * f32(mn0 * s16_0 + mn1 * s16_1)]
+            lane   = lane + term
+
+        wp at byte wi: the block's 8 groups of 64 bytes. scp, flp: plane i of act-block b at
+        si + i * plane (16 rows). Token k: its 32 values at xq[xi + k n_in], half sums at
+        s16[s16i + 2 k nb], scale at xd[xdi + k nb], the 16 rows of its lane b % 32 at
+        lanes[li + 512 k]."""
+
+        def codegen(context, builder, sig, args):
+            wi_, si_, plane_, xi_, n_in_, s16i_, xdi_, nb_, li_, n_tok_ = (
+                _arg(context, builder, sig, args, k) for k in (1, 4, 5, 7, 8, 10, 12, 13, 15, 16))
+            wbase = _vec(context, builder, sig, args, 0, wi_, _V16I)
+            w = [builder.load(builder.gep(wbase, [ir.Constant(I64, g)]), align=1) for g in range(8)]
+
+            def plane_vec(k, i, vt):  # plane i of scp (k = 2) or flp (k = 3)
+                idx = builder.add(si_, builder.mul(plane_, ir.Constant(I64, i)))
+                return builder.load(_vec(context, builder, sig, args, k, idx, vt), align=4)
+
+            wf = plane_vec(3, 0, _V16F)
+            wm = plane_vec(3, 1, _V16F) if has_min else None
+            ws = [plane_vec(2, i, _V16I) for i in ((0, 1) if scales == "own" else (0,) if scales == "same" else ())]
+            mn = [plane_vec(2, i, _V16I) for i in ((2, 3) if scales == "own" else (2,) if scales == "same" else ())] if has_min else []
+            dp = _fn(builder, "llvm.x86.avx512.vpdpbusd.512", _V16I, [_V16I] * 3)
+
+            with cgutils.for_range(builder, n_tok_) as loop:
+                k = loop.index
+                xk = builder.add(xi_, builder.mul(k, n_in_))
+                sk = builder.add(s16i_, builder.mul(k, builder.add(nb_, nb_)))
+                s = [builder.load(_vec(context, builder, sig, args, 9, builder.add(sk, ir.Constant(I64, h)), I32), align=4) for h in (0, 1)]
+                acc = [_splat(builder, builder.neg(builder.shl(s[h], ir.Constant(I32, 7))), _V16I) for h in (0, 1)]
+                for g in range(8):
+                    xv = builder.load(_vec(context, builder, sig, args, 6, builder.add(xk, ir.Constant(I64, 4 * g)), I32), align=1)
+                    acc[g // 4] = builder.call(dp, [acc[g // 4], w[g], _splat(builder, xv, _V16I)])
+                if scales == "unit":
+                    isum = builder.add(acc[0], acc[1])
+                elif scales == "same":
+                    isum = builder.mul(ws[0], builder.add(acc[0], acc[1]))
+                else:
+                    isum = builder.add(builder.mul(ws[0], acc[0]), builder.mul(ws[1], acc[1]))
+                xdk = builder.add(xdi_, builder.mul(k, nb_))
+                ad = _splat(builder, builder.load(_vec(context, builder, sig, args, 11, xdk, ir.FloatType()), align=4), _V16F)
+                term = builder.fmul(builder.fmul(wf, ad), builder.sitofp(isum, _V16F))
+                if has_min:
+                    if scales == "unit":
+                        imin = _splat(builder, builder.add(s[0], s[1]), _V16I)
+                    elif scales == "same":
+                        imin = builder.mul(mn[0], _splat(builder, builder.add(s[0], s[1]), _V16I))
+                    else:
+                        imin = builder.add(builder.mul(mn[0], _splat(builder, s[0], _V16I)), builder.mul(mn[1], _splat(builder, s[1], _V16I)))
+                    term = builder.fadd(term, builder.fmul(builder.fmul(wm, ad), builder.sitofp(imin, _V16F)))
+                lp = _vec(context, builder, sig, args, 14, builder.add(li_, builder.mul(k, ir.Constant(I64, LANES * ROWS))), _V16F)
+                builder.store(builder.fadd(builder.load(lp, align=4), term), lp, align=4)
+            return context.get_dummy_value()
+
+        return types.void(wp, wi, scp, flp, si, plane, xq, xi, n_in, s16, s16i, xd, xdi, nb, lanes, li, n_tok), codegen
+
+    return impl
+
+
+_BLOCK = {(m, k): intrinsic(_block(m, k)) for m in (False, True) for k in ("unit", "same", "own")}
+
+
+@intrinsic
+def fold16(typingctx, lanes, li, out, oi):
+    """The fold of docs/kernels.md for 16 rows at once: the 32 lane vectors at lanes[li + 16 l],
+    lane[l] += lane[l + w] for w = 16, 8, 4, 2, 1 (element-wise: row r's own additions, in its
+    order) -> out[oi .. oi + 16]."""
+
+    def codegen(context, builder, sig, args):
+        li_, oi_ = _arg(context, builder, sig, args, 1), _arg(context, builder, sig, args, 3)
+        base = _vec(context, builder, sig, args, 0, li_, _V16F)
+        v = [builder.load(builder.gep(base, [ir.Constant(I64, l)]), align=4) for l in range(LANES)]
+        w = LANES // 2
+        while w:
+            v = [builder.fadd(v[l], v[l + w]) for l in range(w)]
+            w //= 2
+        builder.store(v[0], _vec(context, builder, sig, args, 2, oi_, _V16F), align=4)
+        return context.get_dummy_value()
+
+    return types.void(lanes, li, out, oi), codegen
+
+
+# ---------------------------------------------------------------------------------------------
+# drivers
+
+_FLIP = -0x7F7F7F80  # 0x80808080 as int32: every byte + 128 (mod 256)
+
+
+def _planes(has_min, scales):
+    """Bit masks of the scale planes a type's block step reads: sc rows (ws0, ws1, mn0, mn1), fl
+    rows (wf, wm). Masks, not tuples: numba folds a constant test, an empty tuple will not type."""
+    sc = {"unit": 0b0000, "same": 0b0101, "own": 0b1111}[scales]
+    return sc & (0b1111 if has_min else 0b0011), 0b11 if has_min else 0b01
+
+
+def _panel_rows(dec, per, has_min, scales):
+    """Rows o0 .. o1 of the matrix at byte `base` of raw against tokens t0 .. t1 -> out[t, o],
+    16 rows at a time: decode (cpu.py's decoders), transpose, then every token tile's blocks and
+    folds. A row's arithmetic depends on nothing but the row and the token: any split gives the
+    same bits."""
+    block = _BLOCK[has_min, scales]
+    sc_planes, fl_planes = _planes(has_min, scales)
+
+    @njit(**_inline)
+    def panels(raw, base, type_size, row_bytes, o0, o1, t0, t1, xq, xd, s16, lut, wq, sc, fl, wp, scp, flp, lanes, tmp, out):
+        nb = row_bytes // type_size * per
+        n_in = nb * QA
+        P = sc.shape[1] // ROWS
+        n_out = out.shape[1]
+        for p0 in range(o0, o1, ROWS):
+            n = min(ROWS, o1 - p0)
+            for r in range(n):
+                for w in range(nb // per):
+                    dec(raw, base + (p0 + r) * row_bytes + w * type_size, wq, r * P + per * w, sc, fl, lut)
+            for c in range(0, P * QA // 4, 16):  # 16 rows x 64 bytes at a time
+                transpose16(wq, 4 * c, P * QA, wp, 64 * c, _FLIP)
+            for c in range(0, P, 16):
+                for i in range(4):
+                    if sc_planes >> i & 1:
+                        transpose16(sc, i * ROWS * P + c, P, scp, i * ROWS * P + ROWS * c, 0)
+                for i in range(2):
+                    if fl_planes >> i & 1:
+                        transpose16(fl, i * ROWS * P + c, P, flp, i * ROWS * P + ROWS * c, 0)
+            for a in range(t0, t1, TOKEN_TILE):
+                m = min(TOKEN_TILE, t1 - a)
+                lanes[: m * LANES * ROWS] = 0.0
+                for b in range(nb):
+                    block(wp, 8 * 64 * b, scp, flp, ROWS * b, ROWS * P, xq, a * n_in + QA * b, n_in,
+                          s16, 2 * a * nb + 2 * b, xd, a * nb + b, nb, lanes, ROWS * (b % LANES), m)  # fmt: skip
+                for k in range(m):
+                    if n == ROWS:
+                        fold16(lanes, k * LANES * ROWS, out, (a + k) * n_out + p0)
+                    else:
+                        fold16(lanes, k * LANES * ROWS, tmp, 0)
+                        for r in range(n):
+                            out[a + k, p0 + r] = tmp[r]
+
+    return panels
+
+
+@njit(**_inline)
+def _scratch(P, preset, tokens):
+    """One thread's panel scratch (module docstring): rows wq, sc (preset for the types whose
+    decoders leave it), fl; the transposed wp, scp, flp; the lanes of `tokens` tokens; tmp for a
+    panel of fewer than 16 rows."""
+    wq = np.empty(ROWS * P * QA, np.int8)
+    sc = np.empty((4, ROWS * P), np.int32)
+    for i in range(4):
+        sc[i, :] = preset[i]
+    fl = np.zeros((2, ROWS * P), F32)
+    wp = np.empty(ROWS * P * QA, np.int8)
+    scp = np.zeros((4, ROWS * P), np.int32)
+    flp = np.zeros((2, ROWS * P), F32)
+    return wq, sc, fl, wp, scp, flp, np.zeros(min(tokens, TOKEN_TILE) * LANES * ROWS, F32), np.zeros(ROWS, F32)
+
+
+def matmul_kernel(name, dec, per, has_min, preset, scales, parallel):
+    """cpu.matmul's panel driver for one block type (cpu.py's decoder and its constants): the
+    panels split into n_chunks ranges."""
+    panels = _panel_rows(dec, per, has_min, scales)
+
+    def kernel(raw, type_size, row_bytes, xq, xd, xs, lut, out, n_chunks):
+        n_tok, n_out = out.shape
+        P = (xd.shape[1] + 15) // 16 * 16
+        n_pan = (n_out + ROWS - 1) // ROWS
+        for c in prange(n_chunks):
+            wq, sc, fl, wp, scp, flp, lanes, tmp = _scratch(P, preset, n_tok)
+            o0, o1 = ROWS * (c * n_pan // n_chunks), min(n_out, ROWS * ((c + 1) * n_pan // n_chunks))
+            panels(raw, 0, type_size, row_bytes, o0, o1, 0, n_tok, xq, xd, xs, lut, wq, sc, fl, wp, scp, flp, lanes, tmp, out)
+
+    return cached(njit(parallel=parallel, **JIT)(kernel), f"{name}-panel-{'par' if parallel else 'serial'}")
+
+
+def grouped_kernel(name, dec, per, has_min, preset, scales, parallel):
+    """cpu.matmul_grouped's panel driver: (matrix, row tile) items from a shared queue, as cpu.py's."""
+    panels = _panel_rows(dec, per, has_min, scales)
+
+    def kernel(raw, offsets, type_size, row_bytes, starts, items, bounds, xq, xd, xs, lut, out, n_workers):
+        P = (xd.shape[1] + 15) // 16 * 16
+        most = 0
+        for g in range(offsets.size):
+            most = max(most, starts[g + 1] - starts[g])
+        queue = np.zeros(1, np.int64)
+        for _ in prange(n_workers):
+            wq, sc, fl, wp, scp, flp, lanes, tmp = _scratch(P, preset, most)
+            c = simd.fetch_add(queue, 0, 1)
+            while c < bounds.size - 1:
+                for i in range(bounds[c], bounds[c + 1]):
+                    g, o0, o1 = items[i, 0], items[i, 1], items[i, 2]
+                    panels(raw, offsets[g], type_size, row_bytes, o0, o1, starts[g], starts[g + 1],
+                           xq, xd, xs, lut, wq, sc, fl, wp, scp, flp, lanes, tmp, out)  # fmt: skip
+                c = simd.fetch_add(queue, 0, 1)
+
+    return cached(njit(parallel=parallel, **JIT)(kernel), f"{name}-panel-grouped-{'par' if parallel else 'serial'}")

@@ -1,0 +1,114 @@
+"""panel.py's many-token kernel (16 rows in the vector lanes) against the numpy reference, bit for
+bit: every block type, panels of fewer than 16 rows, more tokens than one token tile, rows of more
+act-blocks than lanes (lane b % 32 taking several terms) and of fewer; serial, parallel and any
+thread count; no FMA in its code; and which products take it (cpu.PANEL_FROM).
+
+On a host without AVX512-VNNI matmul never takes this kernel: the tests skip there, saying so."""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+from kernel_blocks import random_weights
+from kernel_paths import cpu_path
+
+from strata.engine.kernels import cpu, panel
+from strata.engine.kernels import reference as R
+from strata.engine.kernels.actq import quantize_act
+from strata.index_format.ggml_types import BY_NAME, TYPES
+
+BLOCK_TYPES = [t for t in TYPES if t.quantized]
+N_OUT = 2 * panel.ROWS + 5  # two whole panels and one of 5 rows
+N_TOK = 2 * panel.TOKEN_TILE + 3  # two whole token tiles and a partial one
+
+
+def _n_in(t) -> int:
+    """More act-blocks than lanes, and not a multiple of 16 (the padded panel width): 45, 46 or 40."""
+    return {32: 32 * 45, 64: 64 * 23, 256: 256 * 5}[t.block_size]
+
+
+def _acts(n_in: int, n_tok: int, seed: int):
+    rng = np.random.default_rng(seed)
+    x = (rng.standard_normal((n_tok, n_in)) * rng.uniform(0.1, 10, (n_tok, 1))).astype(np.float32)
+    x[:, 32:64] *= 1e-3  # act-blocks of very different scales
+    x[n_tok // 2] = 0.0  # an all-zero token: half sums 0, scale 0
+    return quantize_act(x)
+
+
+def _same(got: np.ndarray, want: np.ndarray, what: str) -> None:
+    bad = np.argwhere(got.view(np.uint32) != want.view(np.uint32))
+    assert bad.size == 0, f"{what}: {len(bad)} outputs differ, first {tuple(bad[0])}: {got[tuple(bad[0])]!r} vs reference {want[tuple(bad[0])]!r}"
+
+
+@pytest.mark.parametrize("t", BLOCK_TYPES, ids=lambda t: t.name)
+def test_panel_equals_the_reference_bit_for_bit(t):
+    n_in = _n_in(t)
+    raw = random_weights(t, n_in * N_OUT, np.random.default_rng(t.id))
+    act = _acts(n_in, N_TOK, t.id)
+    with cpu_path(True, kernel="panel"):
+        got = cpu.matmul(raw, t.id, n_in, N_OUT, act)
+    assert cpu._PANEL[(t.name, False, True)].signatures, "the panel kernel was not taken"
+    _same(got, R.dot_reference(raw, t.id, n_in, N_OUT, act), f"{t.name} panel")
+
+
+@pytest.mark.parametrize("name,n_in", [("Q8_0", 320), ("Q4_K", 256), ("IQ4_NL", 32)])
+def test_short_rows_equal_the_reference(name, n_in):
+    # fewer act-blocks than lanes (10, 8, 1): untouched lanes stay +0.0 into the fold
+    t = BY_NAME[name]
+    raw = random_weights(t, n_in * N_OUT, np.random.default_rng(2))
+    act = _acts(n_in, 7, 2)
+    with cpu_path(False, kernel="panel"):
+        got = cpu.matmul(raw, t.id, n_in, N_OUT, act)
+    _same(got, R.dot_reference(raw, t.id, n_in, N_OUT, act), f"{name} [{n_in}]")
+
+
+@pytest.mark.parametrize("name", ["Q4_K", "IQ2_XS", "Q5_1"])
+def test_serial_parallel_and_thread_counts_give_the_same_bits(name):
+    t = BY_NAME[name]
+    n_in = _n_in(t)
+    raw = random_weights(t, n_in * N_OUT, np.random.default_rng(5))
+    act = _acts(n_in, 5, 5)
+    with cpu_path(False, kernel="panel"):
+        one = cpu.matmul(raw, t.id, n_in, N_OUT, act)
+    for threads in (2, cpu.numba.config.NUMBA_NUM_THREADS):
+        with cpu_path(True, threads=threads, kernel="panel"):
+            _same(cpu.matmul(raw, t.id, n_in, N_OUT, act), one, f"{name} parallel on {threads} threads")
+    assert cpu._PANEL[(name, False, False)].signatures and cpu._PANEL[(name, False, True)].signatures
+
+
+def test_products_of_few_tokens_keep_the_row_kernel(monkeypatch):
+    # below PANEL_FROM tokens the panel's decode-and-transpose costs more than it saves: matvec
+    # and small batches take cpu.py's row kernel, larger ones the panel
+    if not panel.AVAILABLE:
+        pytest.skip("no AVX512-VNNI: every product takes the row kernel")
+    t = BY_NAME["Q6_K"]
+    raw = random_weights(t, 256 * 4 * 16, np.random.default_rng(1))
+    taken = []
+    monkeypatch.setattr(cpu, "_panel", lambda *a, f=cpu._panel: taken.append("panel") or f(*a))
+    monkeypatch.setattr(cpu, "_kernel", lambda *a, f=cpu._kernel: taken.append("rows") or f(*a))
+    for n_tok in (1, cpu.PANEL_FROM - 1, cpu.PANEL_FROM):
+        cpu.matmul(raw, t.id, 1024, 16, _acts(1024, n_tok, n_tok))
+    cpu.matvec(raw, t.id, 1024, 16, quantize_act(np.ones(1024, np.float32)))
+    assert taken == ["rows", "rows", "panel", "rows"]
+
+
+def test_no_fused_multiply_add_in_the_panel_kernels(monkeypatch):
+    # as test_kernels_cpu's check: an FMA rounds once where the specification rounds twice
+    if not panel.AVAILABLE:
+        pytest.skip("no AVX512-VNNI: the panel kernel is never compiled here")
+    for name in ("Q4_K", "Q8_0"):
+        t = BY_NAME[name]
+        raw = random_weights(t, 256 * 20, np.random.default_rng(0))
+        act = _acts(256, 4, 0)
+        for parallel in (False, True):
+            dec, per, has_min, preset = cpu._DECODERS[name]
+            kernel = panel.matmul_kernel(name, dec, per, has_min, preset, cpu._scales(name, preset), parallel)
+            kernel._cache.disable()  # compile here: numba shows no machine code for a disk-cache load
+            monkeypatch.setitem(cpu._PANEL, (name, False, parallel), kernel)
+            with cpu_path(parallel, kernel="panel"):
+                cpu.matmul(raw, t.id, 256, 20, act)
+            asm = "\n".join(kernel.inspect_asm().values())
+            assert "vpdpbusd" in asm and ("vmulps" in asm), "no vpdpbusd or f32 multiply: the check itself is broken"
+            assert not re.search(r"\bv?f(n)?m(add|sub)\d", asm), f"{name}: FMA instruction in the panel kernel"
