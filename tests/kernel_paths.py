@@ -1,6 +1,6 @@
 """Pin the CPU kernel a test takes, whatever the size of its call (imported by the kernel tests):
 serial or parallel (cpu.SERIAL_BELOW) and on how many threads, and the row kernels of cpu.py or
-panel.py's many-token ones (cpu.PANEL_FROM)."""
+panel.py's many-token ones (cpu.PANEL_FROM, PANEL_FROM_FLOAT)."""
 
 from __future__ import annotations
 
@@ -20,13 +20,13 @@ def cpu_path(parallel: bool | None = None, threads: int | None = None, kernel: s
     without AVX512-VNNI, where matmul never takes it)."""
     if kernel == "panel" and not panel.AVAILABLE:
         pytest.skip(f"panel.py's kernel needs AVX512-VNNI; this host's features: {sorted(simd._X86) or 'none'}")
-    saved = cpu.SERIAL_BELOW, cpu.PANEL_FROM, cpu.get_threads()
+    saved = cpu.SERIAL_BELOW, cpu.PANEL_FROM, cpu.PANEL_FROM_FLOAT, cpu.get_threads()
     if parallel is not None:
         cpu.SERIAL_BELOW = 0 if parallel else 1 << 62
         cpu.set_threads(min(threads or 2, cpu.numba.config.NUMBA_NUM_THREADS))
-    cpu.PANEL_FROM = 0 if kernel == "panel" else 1 << 62
+    cpu.PANEL_FROM = cpu.PANEL_FROM_FLOAT = 0 if kernel == "panel" else 1 << 62
     try:
         yield
     finally:
-        cpu.SERIAL_BELOW, cpu.PANEL_FROM = saved[:2]
-        cpu.set_threads(saved[2])
+        cpu.SERIAL_BELOW, cpu.PANEL_FROM, cpu.PANEL_FROM_FLOAT = saved[:3]
+        cpu.set_threads(saved[3])

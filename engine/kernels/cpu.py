@@ -599,21 +599,32 @@ def _panel(name: str, grouped: bool, parallel: bool):
     """The many-token kernel of a block type (panel.py, with this module's decoder), as _kernel."""
     key = (name, grouped, parallel)
     if key not in _PANEL:
-        dec, per, has_min, preset = _DECODERS[name]
-        make = panel.grouped_kernel if grouped else panel.matmul_kernel
-        _PANEL[key] = make(name, dec, per, has_min, preset, _scales(name, preset), parallel)
+        if name in _FLOAT:
+            _PANEL[key] = panel.float_matmul_kernel(name, simd.widen16[name.lower()], _FLOAT[name][1], parallel)
+        else:
+            dec, per, has_min, preset = _DECODERS[name]
+            make = panel.grouped_kernel if grouped else panel.matmul_kernel
+            _PANEL[key] = make(name, dec, per, has_min, preset, _scales(name, preset), parallel)
     return _PANEL[key]
 
 
-# Tokens per matrix from which products go to panel.py's kernel (AVX512-VNNI hosts): it decodes
-# and transposes 16 rows for all the tokens at once, which costs more than it saves below ~3
-# tokens (measured, 2560 x 2048: 0.66-0.84x the row kernel at 1 token, 0.9-1.0x at 2, 0.94-1.16x
-# at 3, 1.1-1.25x at 4, 1.3-1.9x at 8, 2.5-3.4x at 256). The token path (matvec) never takes it.
+# Tokens per matrix from which products go to panel.py's kernels (AVX512-VNNI hosts): they
+# decode (or widen) and transpose 16 rows for all the tokens at once, which costs more than it
+# saves for few tokens (measured, 2560 x 2048 block types: 0.66-0.84x the row kernel at 1 token,
+# 0.9-1.0x at 2, 0.94-1.16x at 3, 1.1-1.25x at 4, 1.3-1.9x at 8, 2.5-3.4x at 256; BF16/F16
+# 2560 x 512 at 1 thread: 0.5-0.8x at 3-4 tokens, 1.1-1.2x at 8, 2.3-3.1x at 256). The token
+# path (matvec) never takes them. Float matrices of fewer than 16 rows keep the row kernel too
+# (a panel of 4 rows did a whole panel's work: 0.6x).
 PANEL_FROM = 3
+PANEL_FROM_FLOAT = 8
 
 
-def _use_panel(t, tokens_per_matrix: float) -> bool:
-    return panel.AVAILABLE and t.quantized and tokens_per_matrix >= PANEL_FROM
+def _use_panel(t, tokens_per_matrix: float, n_out: int) -> bool:
+    if not panel.AVAILABLE:
+        return False
+    if t.quantized:
+        return tokens_per_matrix >= PANEL_FROM
+    return tokens_per_matrix >= PANEL_FROM_FLOAT and n_out >= panel.ROWS
 
 
 # ---------------------------------------------------------------------------------------------
@@ -709,10 +720,14 @@ def _multiply(name: str, raw, type_id: int, n_in: int, n_out: int, act, out, one
     elif not (isinstance(out, np.ndarray) and out.shape == shape and out.dtype == F32 and out.flags.c_contiguous):
         raise ValueError(f"{where}: out must be contiguous f32 {list(shape)}, got {getattr(out, 'dtype', type(out))}{list(getattr(out, 'shape', []))}")
     out2 = out.reshape(n_tok, n_out)  # a view: out is contiguous
-    if not one and _use_panel(t, n_tok):
+    if not one and _use_panel(t, n_tok, n_out):
         n_panels = -(-n_out // panel.ROWS)
         parallel, chunks = _launch(n_panels, n_in * n_out * n_tok)
-        _panel(t.name, False, parallel)(raw, t.type_size, t.row_bytes(n_in), q.reshape(-1), d, s16, F16_TO_F32, out2, chunks)
+        if t.quantized:
+            _panel(t.name, False, parallel)(raw, t.type_size, t.row_bytes(n_in), q.reshape(-1), d, s16, F16_TO_F32, out2, chunks)
+        else:
+            w = raw.view(F32) if t.name == "F32" else raw.view(np.uint16)
+            _panel(t.name, False, parallel)(w, x, BF16_TO_F32 if t.name == "BF16" else F16_TO_F32, out2, chunks)
         return out
     parallel, chunks = _launch(n_out, n_in * n_out * n_tok)
     kernel = _kernel(t.name, parallel)
@@ -796,7 +811,7 @@ def matmul_grouped(raw: np.ndarray, type_id: int, n_in: int, n_out: int, offsets
     workers = _threads if parallel else 1
     bounds = _balance(items, starts, min(len(items), GROUP_CHUNKS * workers))
     live = np.count_nonzero(np.diff(starts))
-    kernel = _panel(t.name, True, parallel) if _use_panel(t, n_tok / live) else _grouped(t.name, parallel)
+    kernel = _panel(t.name, True, parallel) if _use_panel(t, n_tok / live, n_out) else _grouped(t.name, parallel)
     kernel(raw, offsets, t.type_size, t.row_bytes(n_in), starts, items, bounds, q.reshape(-1), d, s16, F16_TO_F32, out, workers)
     return out
 

@@ -294,3 +294,103 @@ def grouped_kernel(name, dec, per, has_min, preset, scales, parallel):
                 c = simd.fetch_add(queue, 0, 1)
 
     return cached(njit(parallel=parallel, **JIT)(kernel), f"{name}-panel-grouped-{'par' if parallel else 'serial'}")
+
+
+# ---------------------------------------------------------------------------------------------
+# F32/F16/BF16 weights: the same panels, per element instead of per act-block
+
+
+@intrinsic
+def float_lanes(typingctx, wp, x, t0, cnt, n_in, lanes, li, j0):
+    """Lanes j0 .. j0 + 3 of tokens t0 .. t0 + cnt (cnt <= 4) against a float panel, whole:
+
+        lane l of token k = ((+0 + w[l] x[k, l]) + w[l + 32] x[k, l + 32]) + ...   (i < n_in)
+
+    each product rounded, then added (docs/kernels.md's float lanes), 16 rows at once. wp: the
+    panel, element i of row r at [16 i + r] (f32); x f32 [T, n_in]; token k's lane l goes to
+    lanes[li + 512 k + 16 l]. 4 x 4 accumulators stay in registers for the whole row, each
+    weight vector serving 4 tokens; a token past cnt repeats token t0 and is not stored."""
+
+    def codegen(context, builder, sig, args):
+        t0_, cnt_, n_in_, li_, j0_ = (_arg(context, builder, sig, args, k) for k in (2, 3, 4, 6, 7))
+        zero = ir.Constant(_V16F, [0.0] * 16)
+        acc = [[cgutils.alloca_once_value(builder, zero) for _ in range(4)] for _ in range(4)]
+        rows = [builder.select(builder.icmp_signed("<", ir.Constant(I64, k), cnt_), builder.add(t0_, ir.Constant(I64, k)), t0_)
+                for k in range(4)]  # fmt: skip
+        xrow = [builder.mul(r, n_in_) for r in rows]
+
+        def step(i, j):  # element i (i64) of lane j0 + j for the 4 tokens
+            w = builder.load(_vec(context, builder, sig, args, 0, builder.mul(i, ir.Constant(I64, 16)), _V16F), align=4)
+            for k in range(4):
+                xv = builder.load(_vec(context, builder, sig, args, 1, builder.add(xrow[k], i), ir.FloatType()), align=4)
+                prod = builder.fmul(w, _splat(builder, xv, _V16F))
+                builder.store(builder.fadd(builder.load(acc[k][j]), prod), acc[k][j])
+
+        full = builder.sdiv(n_in_, ir.Constant(I64, LANES))
+        with cgutils.for_range(builder, full) as loop:
+            base = builder.add(builder.mul(loop.index, ir.Constant(I64, LANES)), j0_)
+            for j in range(4):
+                step(builder.add(base, ir.Constant(I64, j)), j)
+        tail = builder.add(builder.mul(full, ir.Constant(I64, LANES)), j0_)
+        for j in range(4):  # the last, partial round: lanes whose element exists
+            i = builder.add(tail, ir.Constant(I64, j))
+            with builder.if_then(builder.icmp_signed("<", i, n_in_)):
+                step(i, j)
+        for k in range(4):
+            with builder.if_then(builder.icmp_signed("<", ir.Constant(I64, k), cnt_)):
+                for j in range(4):
+                    idx = builder.add(li_, builder.add(ir.Constant(I64, LANES * ROWS * k), builder.mul(builder.add(j0_, ir.Constant(I64, j)), ir.Constant(I64, ROWS))))
+                    builder.store(builder.load(acc[k][j]), _vec(context, builder, sig, args, 5, idx, _V16F), align=4)
+        return context.get_dummy_value()
+
+    return types.void(wp, x, t0, cnt, n_in, lanes, li, j0), codegen
+
+
+def float_matmul_kernel(name, widen, load, parallel):
+    """cpu.matmul's panel driver for F32/F16/BF16 weights (simd.widen16's exact widening of 16
+    elements, cpu.py's `load` of one): 16 rows widened to f32 and transposed, then every 4 tokens
+    x 4 lanes in registers."""
+
+    @njit(**_inline)
+    def panels(w, x, lut, o0, o1, wf, wp, lanes, tmp, out):
+        n_tok, n_in = x.shape
+        NP = wf.size // ROWS
+        n_out = out.shape[1]
+        for p0 in range(o0, o1, ROWS):
+            n = min(ROWS, o1 - p0)
+            for r in range(n):
+                i = 0
+                while i + 16 <= n_in:
+                    widen(wf, r * NP + i, w, (p0 + r) * n_in + i, wf, 0, lut)
+                    i += 16
+                for j in range(i, n_in):
+                    wf[r * NP + j] = load(w, (p0 + r) * n_in + j, lut)
+            for c in range(0, NP, 16):
+                transpose16(wf, c, NP, wp, ROWS * c, 0)
+            for a in range(0, n_tok, TOKEN_TILE):
+                m = min(TOKEN_TILE, n_tok - a)
+                for k in range(0, m, 4):
+                    for j0 in range(0, LANES, 4):
+                        float_lanes(wp, x, a + k, min(4, m - k), n_in, lanes, k * LANES * ROWS, j0)
+                for k in range(m):
+                    if n == ROWS:
+                        fold16(lanes, k * LANES * ROWS, out, (a + k) * n_out + p0)
+                    else:
+                        fold16(lanes, k * LANES * ROWS, tmp, 0)
+                        for r in range(n):
+                            out[a + k, p0 + r] = tmp[r]
+
+    def kernel(w, x, lut, out, n_chunks):
+        n_tok, n_in = x.shape
+        n_out = out.shape[1]
+        NP = (n_in + 15) // 16 * 16
+        n_pan = (n_out + ROWS - 1) // ROWS
+        for c in prange(n_chunks):
+            wf = np.zeros(ROWS * NP, F32)
+            wp = np.empty(ROWS * NP, F32)
+            lanes = np.empty(min(n_tok, TOKEN_TILE) * LANES * ROWS, F32)
+            tmp = np.empty(ROWS, F32)
+            o0, o1 = ROWS * (c * n_pan // n_chunks), min(n_out, ROWS * ((c + 1) * n_pan // n_chunks))
+            panels(w, x, lut, o0, o1, wf, wp, lanes, tmp, out)
+
+    return cached(njit(parallel=parallel, **JIT)(kernel), f"{name}-panel-{'par' if parallel else 'serial'}")

@@ -525,6 +525,26 @@ def _row_epilogue(has_min, scales):
 row_epilogue = {(m, k): intrinsic(_row_epilogue(m, k)) for m in (False, True) for k in ("unit", "same", "own")}
 
 
+def _widen16(context, builder, sig, args, kind):
+    """16 weights from (array args[2], index args[3]) as <16 x float>, exactly: f32 as they are,
+    bf16 bits shifted into place, fp16 through F16C, else the exact table args[6], one at a time."""
+    fv = ir.VectorType(ir.FloatType(), 16)
+    if kind == "f32":
+        return _load(context, builder, sig, args, 2, fv)
+    if kind == "bf16":
+        bits = builder.zext(_load(context, builder, sig, args, 2, ir.VectorType(I16, 16)), ir.VectorType(I32, 16))
+        return builder.bitcast(builder.shl(bits, _splat(builder, ir.Constant(I32, 16), ir.VectorType(I32, 16))), fv)
+    if _X86.get("f16c"):
+        return builder.fpext(builder.bitcast(_load(context, builder, sig, args, 2, ir.VectorType(I16, 16)), ir.VectorType(ir.HalfType(), 16)), fv)
+    bits = _load(context, builder, sig, args, 2, ir.VectorType(I16, 16))
+    table = _ptr(context, builder, sig.args[6], args[6], ir.Constant(I64, 0), types.int64, ir.FloatType())
+    wv = ir.Constant(fv, ir.Undefined)
+    for j in range(16):
+        k = builder.zext(builder.extract_element(bits, ir.Constant(I32, j)), I64)
+        wv = builder.insert_element(wv, builder.load(builder.gep(table, [k])), ir.Constant(I32, j))
+    return wv
+
+
 def _dense16(kind):
     def impl(typingctx, acc, ai, w, wi, x, xi, lut):
         """acc[ai + l] = acc[ai + l] + w[wi + l] * x[xi + l], l < 16: products rounded, then added
@@ -532,21 +552,7 @@ def _dense16(kind):
 
         def codegen(context, builder, sig, args):
             fv = ir.VectorType(ir.FloatType(), 16)
-            if kind == "f32":
-                wv = _load(context, builder, sig, args, 2, fv)
-            elif kind == "bf16":
-                bits = builder.zext(_load(context, builder, sig, args, 2, ir.VectorType(I16, 16)), ir.VectorType(I32, 16))
-                wv = builder.bitcast(builder.shl(bits, _splat(builder, ir.Constant(I32, 16), ir.VectorType(I32, 16))), fv)
-            elif _X86.get("f16c"):
-                wv = builder.fpext(builder.bitcast(_load(context, builder, sig, args, 2, ir.VectorType(I16, 16)), ir.VectorType(ir.HalfType(), 16)), fv)
-            else:  # fp16 without F16C: the exact table, one element at a time
-                bits = _load(context, builder, sig, args, 2, ir.VectorType(I16, 16))
-                table = _ptr(context, builder, sig.args[6], args[6], ir.Constant(I64, 0), types.int64, ir.FloatType())
-                wv = ir.Constant(fv, ir.Undefined)
-                for j in range(16):
-                    k = builder.zext(builder.extract_element(bits, ir.Constant(I32, j)), I64)
-                    wv = builder.insert_element(wv, builder.load(builder.gep(table, [k])), ir.Constant(I32, j))
-            prod = builder.fmul(wv, _load(context, builder, sig, args, 4, fv))
+            prod = builder.fmul(_widen16(context, builder, sig, args, kind), _load(context, builder, sig, args, 4, fv))
             _store(context, builder, sig, args, 0, builder.fadd(_load(context, builder, sig, args, 0, fv), prod))
             return context.get_dummy_value()
 
@@ -555,6 +561,21 @@ def _dense16(kind):
     return impl
 
 
+def _widen(kind):
+    def impl(typingctx, dst, di, w, wi, x, xi, lut):
+        """dst[di + l] = w[wi + l] as f32, exactly, l < 16 (the weights of dense16_*; x unused,
+        there so that both take the same arguments)."""
+
+        def codegen(context, builder, sig, args):
+            _store(context, builder, sig, args, 0, _widen16(context, builder, sig, args, kind))
+            return context.get_dummy_value()
+
+        return types.void(dst, di, w, wi, x, xi, lut), codegen
+
+    return impl
+
+
 dense16_f32 = intrinsic(_dense16("f32"))
 dense16_f16 = intrinsic(_dense16("f16"))
 dense16_bf16 = intrinsic(_dense16("bf16"))
+widen16 = {kind: intrinsic(_widen(kind)) for kind in ("f32", "f16", "bf16")}
