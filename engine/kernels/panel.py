@@ -185,6 +185,20 @@ def fold16(typingctx, lanes, li, out, oi):
 # ---------------------------------------------------------------------------------------------
 # drivers
 
+
+@njit(**_inline)
+def _fold_tile(lanes, m, n, a, p0, tmp, out):
+    """The lanes of m tokens (from token a) of a panel of n rows (from row p0) -> out[a + k, p0 + r]:
+    a whole panel folds straight into out, a partial one through tmp."""
+    n_out = out.shape[1]
+    for k in range(m):
+        if n == ROWS:
+            fold16(lanes, k * LANES * ROWS, out, (a + k) * n_out + p0)
+        else:
+            fold16(lanes, k * LANES * ROWS, tmp, 0)
+            for r in range(n):
+                out[a + k, p0 + r] = tmp[r]
+
 _FLIP = -0x7F7F7F80  # 0x80808080 as int32: every byte + 128 (mod 256)
 
 
@@ -208,7 +222,6 @@ def _panel_rows(dec, per, has_min, scales):
         nb = row_bytes // type_size * per
         n_in = nb * QA
         P = sc.shape[1] // ROWS
-        n_out = out.shape[1]
         for p0 in range(o0, o1, ROWS):
             n = min(ROWS, o1 - p0)
             for r in range(n):
@@ -229,13 +242,7 @@ def _panel_rows(dec, per, has_min, scales):
                 for b in range(nb):
                     block(wp, 8 * 64 * b, scp, flp, ROWS * b, ROWS * P, xq, a * n_in + QA * b, n_in,
                           s16, 2 * a * nb + 2 * b, xd, a * nb + b, nb, lanes, ROWS * (b % LANES), m)  # fmt: skip
-                for k in range(m):
-                    if n == ROWS:
-                        fold16(lanes, k * LANES * ROWS, out, (a + k) * n_out + p0)
-                    else:
-                        fold16(lanes, k * LANES * ROWS, tmp, 0)
-                        for r in range(n):
-                            out[a + k, p0 + r] = tmp[r]
+                _fold_tile(lanes, m, n, a, p0, tmp, out)
 
     return panels
 
@@ -355,7 +362,6 @@ def float_matmul_kernel(name, widen, load, parallel):
     def panels(w, x, lut, o0, o1, wf, wp, lanes, tmp, out):
         n_tok, n_in = x.shape
         NP = wf.size // ROWS
-        n_out = out.shape[1]
         for p0 in range(o0, o1, ROWS):
             n = min(ROWS, o1 - p0)
             for r in range(n):
@@ -372,13 +378,7 @@ def float_matmul_kernel(name, widen, load, parallel):
                 for k in range(0, m, 4):
                     for j0 in range(0, LANES, 4):
                         float_lanes(wp, x, a + k, min(4, m - k), n_in, lanes, k * LANES * ROWS, j0)
-                for k in range(m):
-                    if n == ROWS:
-                        fold16(lanes, k * LANES * ROWS, out, (a + k) * n_out + p0)
-                    else:
-                        fold16(lanes, k * LANES * ROWS, tmp, 0)
-                        for r in range(n):
-                            out[a + k, p0 + r] = tmp[r]
+                _fold_tile(lanes, m, n, a, p0, tmp, out)
 
     def kernel(w, x, lut, out, n_chunks):
         n_tok, n_in = x.shape
