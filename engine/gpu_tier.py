@@ -51,7 +51,7 @@ from .kernels import gpu
 from .kernels.actq import QA, ActQ, quantize_act
 from .kernels.engine_form import align, placed_bytes
 from .model import Model
-from .ops import silu_
+from .ops import gate_
 from .weights import Input, Weight
 
 F32 = np.float32
@@ -460,12 +460,11 @@ class HitPath:
         out = np.empty((rows.size, E), F32)
         if miss_i.size:
             out[miss_i] = moe._routed_many(x, experts[miss_g], rows[miss_i], miss_s)
+        g = np.empty((n, F), F32)
         h = np.empty((n, F), F32)
-        u = np.empty((n, F), F32)
-        rt.copy_out(h, gate)
-        rt.copy_out(u, up)
-        silu_(h)  # as MoE._routed_many makes it
-        h *= u
+        rt.copy_out(g, gate)
+        rt.copy_out(h, up)
+        gate_(h, g, silu=True)  # up silu(gate), as MoE._routed_many makes it
         hdev = self._stage_many(buf, Input(h).form(moe.d), F)
         y = buf.array((n, E), np.float32)
         for i, (_, _, wd) in enumerate(wts):

@@ -24,6 +24,10 @@ from typing import Any, Mapping
 
 import numpy as np
 
+from .kernels.actq import QA, ActQ, quantize_row
+from .kernels.jit import cached_njit
+from .weights import Input, Weight
+
 F32 = np.float32
 
 
@@ -81,12 +85,53 @@ def take(tensors: Mapping[str, Any], name: str) -> Any:
 def grouped_rmsnorm(x: np.ndarray, gain: np.ndarray, group: int, eps: float) -> np.ndarray:
     """RMSNorm of every `group`-long slice of the last axis; `gain` is the stored (1 + w)."""
     g = x.reshape(*x.shape[:-1], -1, group)
-    r = 1.0 / np.sqrt(np.mean(g * g, axis=-1, keepdims=True, dtype=F32) + F32(eps))
-    return (g * r).reshape(x.shape) * gain
+    out = np.square(g)  # the squares, then (g r) gain: one buffer for every step
+    r = 1.0 / np.sqrt(np.mean(out, axis=-1, keepdims=True, dtype=F32) + F32(eps))
+    np.multiply(g, r, out=out)
+    out = out.reshape(x.shape)
+    out *= gain
+    return out
+
+
+def grouped_rmsnorm_q(x: np.ndarray, gain: np.ndarray, group: int, eps: float) -> tuple[np.ndarray, ActQ]:
+    """grouped_rmsnorm of rows x f32 [T, n] and its ActQ, each row quantized as it is written (the
+    same bits as quantize_act of the result: actq.quantize_row is its code); the means of squares
+    stay numpy's (pairwise sums, which a Numba loop did not vectorize)."""
+    T, n = x.shape
+    out = np.square(x)
+    r = 1.0 / np.sqrt(np.mean(out.reshape(T, -1, group), axis=-1, dtype=F32) + F32(eps))  # [T, n / group]
+    act = ActQ.empty(x.shape)
+    bad = _scale_quantize(x, r, gain, out, act.q, act.d, act.s16, QA)
+    if bad >= 0:
+        at = np.unravel_index(bad, x.shape)
+        raise ValueError(f"grouped_rmsnorm_q: non-finite activation {out[at]} at index {tuple(int(i) for i in at)}")
+    return out, act
+
+
+@cached_njit("grouped-rmsnorm-q")
+def _scale_quantize(x, r, gain, out, q, d, s16, qa):
+    # out = (x r) gain, grouped_rmsnorm's last two steps, then the row's ActQ while it is in cache:
+    # one pass where numpy's two and quantize_act's read made three over a [T, 10240] chunk
+    T, n = x.shape
+    group = n // r.shape[1]
+    for t in range(T):
+        for g in range(r.shape[1]):
+            rg = r[t, g]
+            o = g * group
+            for i in range(group):  # from 0: a loop from g * group did not vectorize (10x slower)
+                out[t, o + i] = (x[t, o + i] * rg) * gain[o + i]
+        bad = quantize_row(out, q, d, s16, t, qa)
+        if bad >= 0:
+            return t * n + bad
+    return -1
 
 
 def sigmoid(x: np.ndarray) -> np.ndarray:
-    return 1.0 / (1.0 + np.exp(-x))
+    """1 / (1 + exp(-x)), its steps in one buffer."""
+    out = np.negative(x)
+    np.exp(out, out=out)
+    out += 1.0
+    return np.divide(1.0, out, out=out)
 
 
 def silu(x: np.ndarray) -> np.ndarray:
@@ -144,13 +189,66 @@ class HyperConnection:
         """streams f32[T, hc*E] -> (f32[T, E], f32[T, hc] or None); the batched `mix`."""
         self._check(streams, rows=True)
         T = streams.shape[0]
-        sn = grouped_rmsnorm(streams, self.norm, self.n_embd, self.eps)
-        m = sigmoid(self.up.matmul(silu(self.down.matmul(sn) / F32(self.hc))))
-        x = (m * sn).reshape(T, self.hc, self.n_embd).mean(axis=1, dtype=F32)
+        # a block-type `down` reads sn as ActQ: made with sn, in the same pass
+        if isinstance(self.down, Weight) and self.down.type.quantized:
+            sn, act = grouped_rmsnorm_q(streams, self.norm, self.n_embd, self.eps)
+            u = self.up.matmul(silu(self.down.matmul(Input(sn, act)) / F32(self.hc)))
+        else:
+            sn = grouped_rmsnorm(streams, self.norm, self.n_embd, self.eps)
+            u = self.up.matmul(silu(self.down.matmul(sn) / F32(self.hc)))
+        ex = np.exp(np.negative(u, out=u), out=u)  # u is this call's own product
+        x = np.empty((T, self.n_embd), F32)
+        _mix_tail(ex, sn, x)
         if self.inject_w is None:
             return x, None
         return x, 2 * sigmoid(self.inject_w.matmul(sn) / F32(self.hc))
 
     def inject_many(self, streams: np.ndarray, block_out: np.ndarray, w: np.ndarray) -> None:
+        """In place: stream c of token t += w[t, c] * block_out[t]; the batched `inject`."""
+        self._check(streams, rows=True)
         T = streams.shape[0]
-        streams.reshape(T, self.hc, self.n_embd)[...] += w[:, :, None] * block_out[:, None, :]
+        for name, a, shape in (("block output", block_out, (T, self.n_embd)), ("injection weights", w, (T, self.hc))):
+            if a.shape != shape or a.dtype != F32:
+                raise ComponentError(f"{self.name}: {name} {a.dtype}{list(a.shape)}, expected float32{list(shape)}")
+        _inject(streams, block_out, w)
+
+
+def mix_tail_reference(u: np.ndarray, sn: np.ndarray, hc: int) -> np.ndarray:
+    """mean_c (sigmoid(u) sn)[c] -> f32 [T, E]: `mix`'s last step for T rows (u, sn f32 [T, hc*E])."""
+    return (sigmoid(u) * sn).reshape(u.shape[0], hc, -1).mean(axis=1, dtype=F32)
+
+
+@cached_njit("hc-mix-tail")
+def _mix_tail(ex, sn, out):
+    # mix_tail_reference from ex = exp(-u) (numpy's exp, the one transcendental step) in one pass,
+    # where numpy made four [T, hc E] passes. The same f32 steps: 1 / (ex + 1), times sn, summed
+    # over the streams in order from 0 (numpy's reduction over a middle axis), divided by hc in
+    # float64 (np.mean divides by an intp count) and rounded to f32.
+    T, E = out.shape
+    hc = ex.shape[1] // E
+    for t in range(T):
+        out[t] = F32(0)
+        for c in range(hc):
+            for e in range(E):
+                out[t, e] += (F32(1) / (ex[t, c * E + e] + F32(1))) * sn[t, c * E + e]
+        for e in range(E):
+            out[t, e] = F32(np.float64(out[t, e]) / np.float64(hc))
+
+
+def inject_reference(streams: np.ndarray, block_out: np.ndarray, w: np.ndarray) -> None:
+    """streams f32 [T, hc*E] += w [T, hc] (x) block_out [T, E], per stream: what _inject computes."""
+    T, hc = w.shape
+    streams.reshape(T, hc, -1)[...] += w[:, :, None] * block_out[:, None, :]
+
+
+@cached_njit("hc-inject")
+def _inject(streams, y, w):
+    # inject_reference without its [T, hc, E] product temporary (10 MB a 256-token chunk at
+    # production widths): the same f32 product, then the same f32 add (no FMA: fastmath off)
+    T, hc = w.shape
+    E = y.shape[1]
+    for t in range(T):
+        for c in range(hc):
+            wc = w[t, c]
+            for e in range(E):
+                streams[t, c * E + e] += wc * y[t, e]

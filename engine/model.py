@@ -427,8 +427,12 @@ class _BlockRows:
     mapped shard when a token reads it (exact: the reference decoder); a token reads a few rows."""
 
     def __init__(self, pack: Pack):
-        self.pack, self.t = pack, pack.ple
+        self.t = pack.ple
+        self.table = pack.ple_table().reshape(self.t.rows, self.t.row_bytes)  # a view: only the rows read are touched
 
     def __call__(self, row_ids: np.ndarray) -> np.ndarray:
-        raw = np.concatenate([self.pack.ple_row(r) for r in row_ids.tolist()]) if row_ids.size else np.zeros(0, np.uint8)
+        if row_ids.size and not (0 <= row_ids.min() and row_ids.max() < self.t.rows):
+            raise IndexError(f"PLE rows {row_ids.min()}..{row_ids.max()}: the table has {self.t.rows}")
+        # the rows' bytes in one gather (a Python call per row took 3 ms for a 256-token chunk)
+        raw = self.table[row_ids].reshape(-1)
         return dequantize(raw, self.t.type_id, row_ids.size * self.t.row_dim).reshape(row_ids.size, self.t.row_dim)

@@ -12,7 +12,8 @@ import numpy as np
 
 from .kernels import cpu
 from .kernels.actq import ActQ
-from .ops import sigmoid, silu_
+from .kernels.jit import cached_njit
+from .ops import gate_, sigmoid, silu_
 from .pack import Pack
 from .weights import Input
 
@@ -138,19 +139,18 @@ class MoE:
         order = np.argsort(flat, kind="stable")  # the (token, rank) pairs, expert by expert
         experts, first = np.unique(flat[order], return_index=True)
         starts = np.append(first, flat.size)
-        routed = np.empty((T, self.k, self.E), F32)
         rows = order // self.k
         if self.hits is not None:
             part = self.hits.run_many(self, x, experts, rows, starts)  # GPU hits beside CPU misses (B2)
         else:
             part = self._routed_many(x, experts, rows, starts)
-        routed.reshape(T * self.k, self.E)[order] = part
-        out = np.zeros((T, self.E), F32)
-        for j in range(self.k):
-            out += weights[:, j : j + 1].astype(F32) * routed[:, j]
+        slot = np.empty(flat.size, np.int64)
+        slot[order] = np.arange(flat.size)  # (token, rank) -> its row of part
+        out = np.empty((T, self.E), F32)
+        _combine(part, slot.reshape(T, self.k), weights, out)
         if self.shared:
             s_gate, gate, up, down = self.shared
-            h = silu_(gate.matmul(x)) * up.matmul(x)
+            h = gate_(up.matmul(x), gate.matmul(x), silu=True)  # up silu(gate)
             out += sigmoid(s_gate.matmul(x)) * down.matmul(Input(h))
         return out
 
@@ -166,7 +166,35 @@ class MoE:
         act = ActQ(act.q[rows], act.d[rows], act.s16[rows]) if isinstance(act, ActQ) else act[rows]
         gu_at = experts.astype(np.int64) * self.gu.nbytes((E, F))
         gate = cpu.matmul_grouped(gate_all, self.gu.id, E, F, gu_at, act, starts)
-        h = silu_(gate)
-        h *= cpu.matmul_grouped(up_all, self.gu.id, E, F, gu_at, act, starts)
+        h = gate_(cpu.matmul_grouped(up_all, self.gu.id, E, F, gu_at, act, starts), gate, silu=True)  # up silu(gate)
         d_at = experts.astype(np.int64) * self.d.nbytes((F, E))
         return cpu.matmul_grouped(down_all, self.d.id, F, E, d_at, Input(h).form(self.d), starts)
+
+
+# --- the weighted sum of a chunk's routed outputs ------------------------------------------------------
+
+
+def combine_reference(part: np.ndarray, slot: np.ndarray, weights: np.ndarray) -> np.ndarray:
+    """out[t] = sum over ranks j, in rank order from 0, of f32(weights[t, j]) * part[slot[t, j]]:
+    `step`'s sum (out += w_j parts[j]) for T tokens -> f32 [T, E]. part f32 [N, E]; slot int [T, k]."""
+    routed = part[slot]  # [T, k, E]
+    out = np.zeros((slot.shape[0], part.shape[1]), F32)
+    for j in range(slot.shape[1]):
+        out += weights[:, j : j + 1].astype(F32) * routed[:, j]
+    return out
+
+
+@cached_njit("moe-combine")
+def _combine(part, slot, weights, out):
+    # combine_reference into out, reading each part row in place: the numpy form gathered the
+    # [T, k, E] outputs (26 MB for a 256-token chunk at production widths) and made a product
+    # temporary per rank. Each element is the same f32 product and the same f32 sums in the same
+    # order (no FMA: JIT has fastmath off), so the same bits.
+    T, k = slot.shape
+    for t in range(T):
+        out[t] = F32(0)
+        for j in range(k):
+            w = F32(weights[t, j])
+            row = part[slot[t, j]]
+            for e in range(out.shape[1]):
+                out[t, e] += w * row[e]

@@ -13,15 +13,71 @@ and this module computes in that order, so ssm_out's tiled input columns match w
 from __future__ import annotations
 
 import math
+import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 from numba import njit, prange
 
 from .kernels import cpu
-from .kernels.jit import JIT, cached
+from .kernels.jit import JIT, cached, cached_njit
 
 F32 = np.float32
 L2NORM_EPS = 1e-6  # transformers' l2norm default, NOT rms_norm_eps
+
+
+# --- host threads ---------------------------------------------------------------------------------
+
+
+_pool: ThreadPoolExecutor | None = None
+_pool_size = 0
+
+
+def in_threads(fn, jobs: list[tuple]) -> None:
+    """fn(*job) for every job, on cpu.get_threads() threads (the caller's among them), jobs taken in
+    turn as threads free up; returns when all are done, raising the first job's error.
+
+    For the prompt path's numpy work between kernel calls (the delta rule, attention): BLAS on one
+    thread and the large ufuncs release the GIL, so jobs on disjoint data run side by side on the
+    cores the kernels use. Python threads wait on a lock when idle, not spinning as OpenBLAS's do
+    (single_blas_thread). A job must not depend on which thread runs it: its results are then the
+    same bits for any thread count.
+
+    Only for jobs of many milliseconds: Numba's OpenMP workers spin for ~6-10 ms after each parallel
+    kernel (libgomp's default), and a helper thread started in that time shares its core with one.
+    Splitting the ~1 ms row-wise steps (norms, sigmoids, ActQ) this way made a chunk 10-20 ms slower."""
+    global _pool, _pool_size
+    n = min(cpu.get_threads(), len(jobs))
+    if n <= 1:
+        for job in jobs:
+            fn(*job)
+        return
+    if _pool_size < n - 1:
+        if _pool is not None:
+            _pool.shutdown(wait=False)
+        _pool, _pool_size = ThreadPoolExecutor(n - 1, thread_name_prefix="strata-host"), n - 1
+    todo = iter(jobs)
+    lock = threading.Lock()
+
+    def drain() -> None:
+        while True:
+            with lock:
+                job = next(todo, None)
+            if job is None:
+                return
+            fn(*job)
+
+    helpers = [_pool.submit(drain) for _ in range(n - 1)]
+    try:
+        drain()
+    finally:
+        errors = [f.exception() for f in helpers]  # waits: no job may still write after we return
+    for e in errors:
+        if e is not None:
+            raise e
+
+
+# --- elementwise ------------------------------------------------------------------------------------
 
 
 def rmsnorm(x: np.ndarray, gain: np.ndarray, eps: float, out: np.ndarray) -> np.ndarray:
@@ -41,13 +97,50 @@ def l2norm_(x: np.ndarray) -> np.ndarray:
 
 def silu_(x: np.ndarray) -> np.ndarray:
     """In place: x * sigmoid(x)."""
-    x *= sigmoid(x)
+    return gate_(x, x)
+
+
+def gate_(x: np.ndarray, z: np.ndarray, silu: bool = False) -> np.ndarray:
+    """In place: x *= sigmoid(z), or x *= silu(z) = z sigmoid(z) when `silu`; x contiguous, z of its
+    shape. `gate_reference`'s numbers: numpy's tanh (the one transcendental step, as `sigmoid`
+    takes it), then one Numba pass for the rest, where numpy made three more over the array."""
+    if not x.flags.c_contiguous or z.shape != x.shape:
+        raise ValueError(f"gate_: x must be contiguous and z of its shape, got {x.shape} (contiguous "
+                         f"{x.flags.c_contiguous}) and {z.shape}")
+    t = np.multiply(z, 0.5)
+    np.tanh(t, out=t)
+    _gate(x.reshape(-1), z.reshape(-1), t.reshape(-1), silu)
     return x
 
 
+def gate_reference(x: np.ndarray, z: np.ndarray, silu: bool = False) -> np.ndarray:
+    """gate_ in numpy: the sigmoid as `sigmoid` makes it, then the products."""
+    s = sigmoid(z)
+    if silu:
+        s = z * s
+    x *= s
+    return x
+
+
+@cached_njit("gate")
+def _gate(x, z, t, silu):
+    # t = tanh(z / 2): sigmoid(z) = (t + 1) / 2 in `sigmoid`'s steps, then the products in
+    # gate_reference's order (no FMA: fastmath off), so the same bits
+    for i in range(x.size):
+        s = (t[i] + F32(1)) * F32(0.5)
+        if silu:
+            s = z[i] * s
+        x[i] = x[i] * s
+
+
 def sigmoid(x: np.ndarray) -> np.ndarray:
-    # 0.5 * (1 + tanh(x / 2)) is sigmoid without exp overflow for large |x|
-    return (0.5 * (1.0 + np.tanh(0.5 * x))).astype(x.dtype, copy=False)
+    # 0.5 * (1 + tanh(x / 2)) is sigmoid without exp overflow for large |x|; its steps in one
+    # buffer, the same operations in the same order as that expression
+    t = np.multiply(x, 0.5)
+    np.tanh(t, out=t)
+    t += 1.0
+    t *= 0.5
+    return t
 
 
 def softplus(x: np.ndarray) -> np.ndarray:
@@ -109,12 +202,41 @@ def conv_many(state: np.ndarray, w: np.ndarray, x: np.ndarray) -> np.ndarray:
     cross-correlation with K-1 zeros of left padding, so tap j multiplies the input K-1-j steps back.
     The token path is T = 1 of the same code, so both paths compute the conv identically."""
     K, T = w.shape[0], x.shape[0]
+    out = np.empty(x.shape, F32)
+    _conv_taps(state, w, x, out)
+    if T >= K - 1:
+        state[:] = x[T - (K - 1) :]
+    else:
+        state[:] = np.concatenate([state[T:], x])
+    return silu_(out)
+
+
+def conv_taps_reference(state: np.ndarray, w: np.ndarray, x: np.ndarray) -> np.ndarray:
+    """The conv before SiLU, as numpy: out = w[0] h[t] + w[1] h[t+1] + ... over h = state then x."""
+    T = x.shape[0]
     hist = np.concatenate([state, x])  # [K-1+T, C]
     out = w[0] * hist[:T]
-    for j in range(1, K):
+    for j in range(1, w.shape[0]):
         out += w[j] * hist[j : j + T]
-    state[:] = hist[T:]
-    return silu_(out)
+    return out
+
+
+@cached_njit("conv-taps")
+def _conv_taps(state, w, x, out):
+    # conv_taps_reference with no [K-1+T, C] history copy and no product temporaries: each
+    # element the same f32 products added in the same order (no FMA: fastmath off)
+    K, C = w.shape
+    T = x.shape[0]
+    for t in range(T):
+        for j in range(K):
+            i = t + j - (K - 1)  # the input tap j reads: state row K-1+i when i < 0
+            src = x[i] if i >= 0 else state[K - 1 + i]
+            if j == 0:
+                for c in range(C):
+                    out[t, c] = w[0, c] * src[c]
+            else:
+                for c in range(C):
+                    out[t, c] += w[j, c] * src[c]
 
 
 def _delta_rule(S, q, k, v, g, beta, out):
@@ -183,48 +305,73 @@ def chunk_delta_rule(S: np.ndarray, q: np.ndarray, k: np.ndarray, v: np.ndarray,
         (I + strictly_lower(beta_i k_i.k_j A_ij)) [u | w] = [beta v | beta k exp(c)]     forward substitution
         v_new = u - w S;   o = (q exp(c)) S + tril(q_i.k_j A_ij) v_new
         S     = S exp(c_last) + (k exp(c_last - c))^T v_new          (S here [dk, dv], transformers' orientation)
+    The heads are independent: they go to the kernels' threads in contiguous ranges (`in_threads`),
+    each range through the very numpy calls all heads would take, so the split changes no bit.
     """
     T, nv, dv = v.shape
-    nk, dk = q.shape[1:]
+    nk = q.shape[1]
     heads = np.arange(nv) % nk
     Q = np.ascontiguousarray(q[:, heads].transpose(1, 0, 2))  # [nv, T, dk]
     K = np.ascontiguousarray(k[:, heads].transpose(1, 0, 2))
     V = v.transpose(1, 0, 2)  # [nv, T, dv]
     B = beta.T[:, :, None]  # [nv, T, 1]
+    G = np.ascontiguousarray(g.T)  # [nv, T]
     St = np.ascontiguousarray(S.transpose(0, 2, 1))  # [nv, dk, dv]
     out = np.empty((nv, T, dv), F32)
+    parts = min(cpu.get_threads(), nv)
+    cuts = [nv * i // parts for i in range(parts + 1)]
+    in_threads(_delta_heads, [tuple(a[h0:h1] for a in (St, Q, K, V, B, G, out)) for h0, h1 in zip(cuts, cuts[1:])])
+    S[...] = St.transpose(0, 2, 1)
+    return np.ascontiguousarray(out.transpose(1, 0, 2))  # [T, nv, dv]: the gate works in place on it
+
+
+def _delta_heads(St, Q, K, V, B, G, out) -> None:
+    """chunk_delta_rule's sub-chunk loop for a range of heads (every array sliced to them), St in place."""
+    nv, T, dk = Q.shape
+    dv = V.shape[-1]
+    X = np.empty((nv, GDN_CHUNK, dv + dk), F32)  # [u | w], solved in place
+    row = np.empty((nv, 1, dv + dk), F32)
     for a in range(0, T, GDN_CHUNK):
         b = min(a + GDN_CHUNK, T)
         n = b - a
-        q_, k_, kb = Q[:, a:b], K[:, a:b], K[:, a:b] * B[:, a:b]
-        c = np.cumsum(g[a:b].T, axis=1, dtype=F32)  # [nv, n]
+        q_, k_, B_ = Q[:, a:b], K[:, a:b], B[:, a:b]
+        kb = k_ * B_
+        c = np.cumsum(G[:, a:b], axis=1, dtype=F32)  # [nv, n]
+        ec = np.exp(c)[:, :, None]
         lower = np.tril(np.ones((n, n), bool))
         A = np.exp(np.where(lower, c[:, :, None] - c[:, None, :], -np.inf)).astype(F32)  # [nv, n, n]
-        L = np.tril(kb @ k_.transpose(0, 2, 1) * A, -1)
-        X = np.concatenate([V[:, a:b] * B[:, a:b], kb * np.exp(c)[:, :, None]], axis=-1)  # [nv, n, dv + dk]
+        L = kb @ k_.transpose(0, 2, 1)
+        L *= A  # the substitution reads only its strictly lower part: no tril needed
+        Xn = X[:, :n]
+        np.multiply(V[:, a:b], B_, out=Xn[..., :dv])
+        np.multiply(kb, ec, out=Xn[..., dv:])
         for i in range(1, n):
-            X[:, i] -= (L[:, i : i + 1, :i] @ X[:, :i])[:, 0]
-        v_new = X[..., :dv] - X[..., dv:] @ St
-        out[:, a:b] = (q_ * np.exp(c)[:, :, None]) @ St + (q_ @ k_.transpose(0, 2, 1) * A) @ v_new
+            r = np.matmul(L[:, i : i + 1, :i], Xn[:, :i], out=row)
+            np.subtract(Xn[:, i], r[:, 0], out=Xn[:, i])
+        v_new = Xn[..., dv:] @ St
+        np.subtract(Xn[..., :dv], v_new, out=v_new)
+        o = out[:, a:b]
+        np.matmul(q_ * ec, St, out=o)
+        P = q_ @ k_.transpose(0, 2, 1)
+        P *= A
+        o += P @ v_new
         last = c[:, -1:]
-        St = St * np.exp(last)[:, :, None] + (k_ * np.exp(last - c)[:, :, None]).transpose(0, 2, 1) @ v_new
-    S[...] = St.transpose(0, 2, 1)
-    return out.transpose(1, 0, 2)
+        St *= np.exp(last)[:, :, None]
+        St += (k_ * np.exp(last - c)[:, :, None]).transpose(0, 2, 1) @ v_new
 
 
 def gated_rmsnorm_(o: np.ndarray, gain: np.ndarray, z: np.ndarray, eps: float, act) -> np.ndarray:
     """In place per head: o / sqrt(mean(o^2) + eps) * gain * act(z); o, z [nv, dv], gain [dv] stored as is."""
     rmsnorm(o, gain, eps, out=o)
-    o *= act(z.copy())
-    return o
+    return act(o, z)
 
 
-def gate_silu(z: np.ndarray) -> np.ndarray:
-    return silu_(z)
+def gate_silu(o: np.ndarray, z: np.ndarray) -> np.ndarray:
+    return gate_(o, z, silu=True)
 
 
-def gate_sigmoid(z: np.ndarray) -> np.ndarray:
-    return sigmoid(z)
+def gate_sigmoid(o: np.ndarray, z: np.ndarray) -> np.ndarray:
+    return gate_(o, z)
 
 
 # --- attention --------------------------------------------------------------------------------------
@@ -258,20 +405,23 @@ def attend_many(q: np.ndarray, K: np.ndarray, V: np.ndarray, scale: float, visib
 
     q f32 [T, H, D]; K, V f32 [Hkv, n, D]; visible bool [T, n]: which keys each query attends (the
     causal mask, or QSA's selection). Queries go in tiles whose scores fit in `tile_bytes`, so a long
-    context never makes a [T, H, n] matrix at once."""
+    context never makes a [T, H, n] matrix at once; the (KV head, tile) pairs go to the kernels'
+    threads (`in_threads`), one tile's scores per thread at a time."""
     T, H, D = q.shape
     Hkv, n = K.shape[:2]
     G = H // Hkv
     tile = max(1, tile_bytes // (G * n * 4))
     out = np.empty((T, H, D), F32)
-    for j in range(Hkv):
-        for a in range(0, T, tile):
-            b = min(a + tile, T)
-            sc = (q[a:b, j * G : (j + 1) * G].reshape(-1, D) @ K[j].T).reshape(b - a, G, n)
-            sc *= F32(scale)
-            sc[~np.broadcast_to(visible[a:b, None, :], sc.shape)] = -np.inf
-            softmax_(sc)
-            out[a:b, j * G : (j + 1) * G] = (sc.reshape(-1, n) @ V[j]).reshape(b - a, G, D)
+    hidden = ~visible
+
+    def one(j: int, a: int, b: int) -> None:
+        sc = (q[a:b, j * G : (j + 1) * G].reshape(-1, D) @ K[j].T).reshape(b - a, G, n)
+        sc *= F32(scale)
+        np.copyto(sc, -np.inf, where=hidden[a:b, None, :])
+        softmax_(sc)
+        out[a:b, j * G : (j + 1) * G] = (sc.reshape(-1, n) @ V[j]).reshape(b - a, G, D)
+
+    in_threads(one, [(j, a, min(a + tile, T)) for j in range(Hkv) for a in range(0, T, tile)])
     return out
 
 

@@ -148,16 +148,6 @@ class Pack:
             raise PackError(f"{self.dir}: this model has no PLE table")
         return self._ple_data[self.ple.offset : self.ple.offset + self.ple.nbytes]
 
-    def ple_row(self, row: int) -> np.ndarray:
-        """Row `row` of the PLE n-gram table: raw bytes (ple.type, ple.row_dim elements), a view."""
-        if self.ple is None:
-            raise PackError(f"{self.dir}: this model has no PLE table")
-        if not 0 <= row < self.ple.rows:
-            raise IndexError(f"PLE row {row}: the table has {self.ple.rows}")
-        rb = self.ple.row_bytes
-        start = self.ple.offset + row * rb
-        return self._ple_data[start : start + rb]
-
     # --- sizes (S3: budgets read the real widths) ------------------------------------------------
 
     @property

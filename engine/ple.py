@@ -30,7 +30,8 @@ import numpy as np
 
 from strata.index_format.ggml_types import ggml_type
 
-from .hyper import ComponentError, as_f32, as_linear, grouped_rmsnorm, sigmoid, silu, take
+from .hyper import ComponentError, as_f32, as_linear, grouped_rmsnorm, sigmoid, take
+from .kernels.jit import cached_njit
 
 F32 = np.float32
 MASK64 = (1 << 64) - 1
@@ -93,14 +94,19 @@ class NGramHash:
         self.sizes = np.array([int(s) for s in head_vocab_sizes], dtype=np.int64)
         self.order = 1 + np.arange(Pn) // heads_per_ngram  # index into the prefix XORs: order n -> n - 1
 
-    def context(self, window: np.ndarray, token: int) -> np.ndarray:
-        """[t_p, t_{p-1}, ..] (N entries) with the EOS rule; window = the N-1 previous raw tokens, oldest first."""
-        c = np.empty(self.ngram_size, np.int64)
-        c[0] = token
-        reset = False
-        for s in range(1, self.ngram_size):
-            reset = reset or window[-s] == self.eos
-            c[s] = self.eos if reset else window[-s]
+    def contexts(self, window: np.ndarray, tokens: np.ndarray) -> np.ndarray:
+        """Row i: [t_p, t_{p-1}, ..] (N entries) for token i of `tokens` int64 [T], with the EOS rule
+        -> int64 [T, N]; window = the N-1 raw tokens before tokens[0], oldest first."""
+        N = self.ngram_size
+        seq = np.concatenate([window, tokens])  # token i of the chunk at seq[N - 1 + i]
+        T = tokens.size
+        c = np.empty((T, N), np.int64)
+        c[:, 0] = tokens
+        reset = np.zeros(T, bool)
+        for s in range(1, N):
+            prev = seq[N - 1 - s : N - 1 - s + T]
+            reset |= prev == self.eos  # an EOS at p-s or later: c_s and every older entry are EOS
+            c[:, s] = np.where(reset, self.eos, prev)
         return c
 
     def rows(self, ctx: np.ndarray) -> np.ndarray:
@@ -163,6 +169,7 @@ class PLELayer:
         self.norm_query = as_f32(take(t, f"{b}.ple_norm_query.weight"), f"{b}.ple_norm_query.weight", (HE,))
         self.norm_conv = as_f32(take(t, f"{b}.ple_norm_conv.weight"), f"{b}.ple_norm_conv.weight", (HE,))
         self.conv = as_f32(take(t, f"{b}.ple_conv1d.weight"), f"{b}.ple_conv1d.weight", (HE, self.Pk))
+        self.conv_taps = np.ascontiguousarray(self.conv.T)  # [Pk, HE]: a tap's weights contiguous
         self.table_rows = table_rows
 
     def _embed(self, rows: np.ndarray) -> np.ndarray:
@@ -191,24 +198,62 @@ class PLELayer:
         if HE != self.hc * self.E or tokens.shape != (T,):
             raise ComponentError(f"layer {self.layer}: PLE got streams {streams.shape} and tokens {tokens.shape}, "
                                  f"expected [T, {self.hc * self.E}] and [T]")
-        ctx = np.empty((T, self.hash.ngram_size), np.int64)
-        for i, tok in enumerate(tokens):
-            ctx[i] = self.hash.context(state.window, int(tok))
-            state.window[:-1] = state.window[1:]
-            state.window[-1] = tok
+        ctx = self.hash.contexts(state.window, tokens)
+        state.window[:] = np.concatenate([state.window, tokens])[T:]
         G = self._gated(streams, self._embed(self.hash.rows(ctx)))
-        X = grouped_rmsnorm(G, self.norm_conv, self.E, self.eps)
-        streams += G + silu(self._conv(X, state))
+        y = self._conv(grouped_rmsnorm(G, self.norm_conv, self.E, self.eps), state)
+        _add_output(streams, G, y, np.exp(np.negative(y)))
 
     def _conv(self, X: np.ndarray, state: PLEState) -> np.ndarray:
         """Depthwise causal conv of X [T, HE], dilation N, over the ring's history; advances the ring."""
         L, T = state.ring.shape[0], X.shape[0]
-        hist = np.concatenate([state.ring[(state.t + np.arange(L)) % L], X])  # oldest first, [L + T, HE]
-        y = np.zeros_like(X)
-        for j in range(self.Pk):  # tap j reads the input (Pk-1-j)*N tokens back
-            y += self.conv[:, j] * hist[L - (self.Pk - 1 - j) * self.dil : L - (self.Pk - 1 - j) * self.dil + T]
+        y = np.empty_like(X)
+        _conv_taps(state.ring, state.t, X, self.conv_taps, self.dil, y)
         keep = min(T, L)
         slots = (state.t + T - keep + np.arange(keep)) % L
         state.ring[slots] = X[T - keep:]
         state.t += T
         return y
+
+
+def output_reference(streams: np.ndarray, G: np.ndarray, y: np.ndarray) -> None:
+    """streams += G + silu(y), in place (PLE's output, `_add_output`'s numbers)."""
+    streams += G + y * sigmoid(y)
+
+
+@cached_njit("ple-output")
+def _add_output(streams, G, y, ex):
+    # output_reference from ex = exp(-y) (numpy's exp: the one transcendental step) in one pass,
+    # where numpy made six over [T, hc E]: sigmoid(y) = 1 / (ex + 1), then the same f32 products
+    # and sums in the same order (no FMA: fastmath off)
+    for t in range(streams.shape[0]):
+        for i in range(streams.shape[1]):
+            streams[t, i] += G[t, i] + y[t, i] * (F32(1) / (ex[t, i] + F32(1)))
+
+
+def conv_reference(ring: np.ndarray, t0: int, X: np.ndarray, w: np.ndarray, dil: int) -> np.ndarray:
+    """The conv of `PLELayer._conv`, as numpy: y[t] = 0 + sum over taps j, in order, of w[:, j] times
+    the input (Pk-1-j) * dil tokens back (ring: the last L inputs, token i at ring[i % L], t0 seen)."""
+    L, T, Pk = ring.shape[0], X.shape[0], w.shape[1]
+    hist = np.concatenate([ring[(t0 + np.arange(L)) % L], X])  # oldest first, [L + T, HE]
+    y = np.zeros_like(X)
+    for j in range(Pk):  # tap j reads the input (Pk-1-j)*N tokens back
+        y += w[:, j] * hist[L - (Pk - 1 - j) * dil : L - (Pk - 1 - j) * dil + T]
+    return y
+
+
+@cached_njit("ple-conv")
+def _conv_taps(ring, t0, X, taps, dil, y):
+    # conv_reference reading the ring in place, without its [L + T, HE] history copy and the
+    # product temporaries: each element the same f32 products added in the same order from 0
+    # (no FMA: fastmath off). taps = w.T, [Pk, HE].
+    L = ring.shape[0]
+    T, HE = X.shape
+    Pk = taps.shape[0]
+    for t in range(T):
+        y[t] = F32(0)
+        for j in range(Pk):
+            back = t - (Pk - 1 - j) * dil  # the token read, relative to this chunk
+            src = X[back] if back >= 0 else ring[(t0 + L + back) % L]
+            for c in range(HE):
+                y[t, c] += taps[j, c] * src[c]

@@ -34,7 +34,7 @@ from .budget import ATTN_TILE_BYTES, kv_bytes_per_token
 from .hyper import ComponentError, as_f32, as_linear, grouped_rmsnorm, sigmoid, take
 from .kernels.jit import JIT, cached_njit
 from .kvcache import KVCache
-from .ops import attend_many
+from .ops import attend_many, causal_mask
 
 F32 = np.float32
 
@@ -340,13 +340,19 @@ class QSALayer:
         for a in (q, k, iq):
             self.rope.apply_many(a, pos)
         self._append(cache, k, v.reshape(T, Hkv, D), ik)
-        sels = [self.select(iq[i], cache, p0 + i + 1) for i in range(T)]
-        keys = np.unique(np.concatenate(sels))
-        visible = np.zeros((T, keys.size), bool)
-        for i, sel in enumerate(sels):
-            visible[i, np.searchsorted(keys, sel)] = True
-        self.selected = sels[-1]
-        K, V = cache.kv.read(keys)
+        if (p0 + T) // self.ratio <= self.block_topk:
+            # every query's complete blocks fit the budget: `select` would give each its whole
+            # prefix (all blocks and the tail), so the mask is the causal one, without scoring
+            visible, keys = causal_mask(p0, T, p0 + T), None
+            self.selected = np.arange(p0 + T)
+        else:
+            sels = [self.select(iq[i], cache, p0 + i + 1) for i in range(T)]
+            seen = np.zeros((T, p0 + T), bool)  # query i attends token j
+            seen[np.repeat(np.arange(T), [len(sel) for sel in sels]), np.concatenate(sels)] = True
+            keys = np.flatnonzero(seen.any(axis=0))  # the union, ascending
+            visible = seen[:, keys]
+            self.selected = sels[-1]
+        K, V = cache.kv.read(slice(0, p0 + T) if keys is None else keys)
         o = attend_many(q, K, V, D**-0.5, visible, ATTN_TILE_BYTES).reshape(T, H * D)
         return self.attn_out.matmul(o * sigmoid(qg[:, :, D:].reshape(T, H * D)))
 

@@ -33,11 +33,12 @@ class Input:
 
     __slots__ = ("x", "_q", "version")
 
-    def __init__(self, x: np.ndarray):
+    def __init__(self, x: np.ndarray, q: ActQ | None = None):
+        """q: x's ActQ when its maker quantized the rows as it wrote them (hyper.py's fused norm)."""
         if x.dtype != F32:
             raise TypeError(f"Input: activations must be float32, got {x.dtype}")
         self.x = x
-        self._q: ActQ | None = None
+        self._q = q
         self.version = 0  # counts new values: the GPU tier uploads a vector once per version
 
     def set(self, x: np.ndarray) -> Input:

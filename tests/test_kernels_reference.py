@@ -246,6 +246,7 @@ def _activations(rng):
     x[2, 64] = 127.5  # amax/127 is not 1 here, so not every tie survives; the next block keeps them
     x[3, 96:128] = np.arange(-16, 16, dtype=np.float32) + np.float32(0.5)
     x[3, 127] = 127.0  # d = 1 exactly: every other element is a tie
+    x[4, :32] = np.float32(1e-44)  # amax / 127 underflows: d = 0 though the block is not zero, so q = 0
     return x
 
 

@@ -293,7 +293,7 @@ def test_ple_matches_transformers_token_by_token(kind):
 
     state = PLEState.for_geometry(g)
     for t in range(T):
-        ctx = eng.hash.context(state.window, int(toks[t]))
+        ctx = eng.hash.contexts(state.window, toks[t : t + 1])[0]
         assert np.array_equal(eng.hash.rows(ctx), ids_ref[t]), f"row ids differ at position {t}"
         s = S[t].copy()
         eng.step(s, int(toks[t]), state)
@@ -324,8 +324,7 @@ def test_ple_components_matter():
     floated = NGramHash([int(float(m)) & MASK64 for m in g.ple_multipliers], g.ple_head_offsets,
                         g.ple_head_vocab_sizes, ngram_size=3, heads_per_ngram=2, eos_token_id=EOS,
                         n_rows=g.ple_table_rows)
-    ctx = np.stack([exact.context(np.array([toks[t - 2] if t > 1 else EOS, toks[t - 1] if t else EOS]), toks[t])
-                    for t in range(30)])
+    ctx = exact.contexts(np.array([EOS, EOS]), toks)  # the history starts as EOS
     assert not np.array_equal(floated.rows(ctx), ids_ref)
     unsigned = np.array([[(int(h) & MASK64) % int(p) for h, p in zip(r, exact.sizes)] for r in
                          np.bitwise_xor.accumulate(ctx * exact.mult, axis=-1)[:, exact.order]]) + exact.offsets

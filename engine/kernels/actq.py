@@ -29,9 +29,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+from numba import njit
 
 from . import simd
-from .jit import cached_njit
+from .jit import JIT, cached_njit
 
 F32 = np.float32
 QA = 32  # elements per activation block; every weight block size is a multiple of it
@@ -98,36 +99,53 @@ _ABS = np.int32(0x7FFFFFFF)  # f32 bits without the sign
 _INF = np.int32(0x7F800000)  # bits of +inf: |x|'s bits at or above it are inf or NaN
 
 
-@cached_njit("quantize_rows")
-def _quantize_rows(x, q, d, s16):
-    # x f32 [T, n] -> q int8 [T, n], d f32 [T, n/32], s16 int32 [T, n/16]. Returns the flat index
-    # of the first non-finite x, or -1: checked here, in the same pass, so that the token path
-    # allocates nothing (np.isfinite would make a temporary the size of x).
-    T, n = x.shape
+@njit(inline="always", **JIT)
+def quantize_row(x, q, d, s16, t, qa):
+    """Row t: x f32 [T, n] -> q int8 [T, n], d f32 [T, n/32], s16 int32 [T, n/16], the specification
+    above; returns the index in the row of its first non-finite x, or -1. qa = QA, passed at run
+    time (with the literal 32 LLVM unrolled the block loops before its vectorizer ran and they
+    stayed scalar; with a run-time count all three vectorize: 4.7x faster, 256 x 2560 in 0.16 ms
+    instead of 0.75). The building block of every CPU ActQ: a Numba kernel that makes activations
+    row by row (hyper.py's norm) quantizes each row with it while the row is in cache."""
     xb = x.view(np.int32)
-    for t in range(T):
-        for b in range(n // QA):
-            # amax on the bit patterns: for finite values |x| orders as its bits do, and an
-            # integer max vectorizes where a float max does not (NaN rules): 3x faster
-            m = np.int32(0)
-            for j in range(QA):
-                m = max(m, xb[t, b * QA + j] & _ABS)
-            if m >= _INF:
-                for j in range(QA):
-                    if xb[t, b * QA + j] & _ABS >= _INF:
-                        return t * n + b * QA + j
-            db = simd.f32_from_bits(m) / F32(127)
-            d[t, b] = db
-            for h in range(2):
-                s = np.int32(0)
-                for j in range(16):
-                    i = b * QA + 16 * h + j
-                    v = np.int32(0)
-                    if db != F32(0):
-                        v = np.int32(min(max(np.rint(x[t, i] / db), F32(-127)), F32(127)))
-                    q[t, i] = v
-                    s += v
-                s16[t, 2 * b + h] = s
+    half = qa // 2
+    for b in range(x.shape[1] // qa):
+        o = b * qa
+        # amax on the bit patterns: for finite values |x| orders as its bits do, and an
+        # integer max vectorizes where a float max does not (NaN rules)
+        m = np.int32(0)
+        for j in range(qa):
+            m = max(m, xb[t, o + j] & _ABS)
+        if m >= _INF:
+            for j in range(qa):
+                if xb[t, o + j] & _ABS >= _INF:
+                    return o + j
+        db = simd.f32_from_bits(m) / F32(127)
+        d[t, b] = db
+        # d = 0 only when amax / 127 is 0: then every |x| < 1 and x / 1 rounds to 0, the
+        # specification's q = 0, without a branch in the loop
+        div = db if db != F32(0) else F32(1)
+        for j in range(qa):
+            q[t, o + j] = np.int8(min(max(np.rint(x[t, o + j] / div), F32(-127)), F32(127)))
+    # the sums in a pass of their own: read right after the block's vector stores, q stalled on
+    # store forwarding (1.4x slower)
+    for h in range(s16.shape[1]):
+        s = np.int32(0)
+        for j in range(half):
+            s += np.int32(q[t, h * half + j])
+        s16[t, h] = s
+    return -1
+
+
+@cached_njit("quantize_rows")
+def _quantize_rows(x, q, d, s16, qa):
+    # x f32 [T, n] -> q, d, s16 (quantize_row, row by row). Returns the flat index of the first
+    # non-finite x, or -1: checked here, in the same pass, so that the token path allocates nothing
+    # (np.isfinite would make a temporary the size of x).
+    for t in range(x.shape[0]):
+        bad = quantize_row(x, q, d, s16, t, qa)
+        if bad >= 0:
+            return t * x.shape[1] + bad
     return -1
 
 
@@ -151,7 +169,7 @@ def quantize_act(x: np.ndarray, where: str = "quantize_act", out: ActQ | None = 
     res = ActQ.empty(x.shape) if out is None else _check_out(out, x.shape, where)
     x2 = np.ascontiguousarray(x).reshape(-1, x.shape[-1])
     T, n = x2.shape
-    bad = _quantize_rows(x2, res.q.reshape(T, n), res.d.reshape(T, -1), res.s16.reshape(T, -1))
+    bad = _quantize_rows(x2, res.q.reshape(T, n), res.d.reshape(T, -1), res.s16.reshape(T, -1), QA)
     if bad >= 0:
         at = np.unravel_index(bad, x.shape)
         raise ValueError(f"{where}: non-finite activation {x[at]} at index {tuple(int(i) for i in at)}")

@@ -1,0 +1,165 @@
+"""The prompt path's host work outside the matrix kernels: each Numba kernel against the numpy
+reference beside it, bit for bit (the f32 steps are the same operations in the same order, so any
+difference is a bug: an FMA, a reordered sum, a wrong index), and the host threads
+(ops.in_threads: the delta rule's heads, attention's tiles) changing no bit for any thread count.
+
+The inputs carry the values where a reordering or a fused step would show: signed zeros, values
+that saturate the sigmoids, subnormals, and wide magnitudes.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from strata.engine import hyper, moe, ops, ple
+from strata.engine.kernels import cpu
+from strata.engine.kernels.actq import quantize_act
+
+F32 = np.float32
+
+
+def same_bits(a: np.ndarray, b: np.ndarray) -> bool:
+    """Equal to the bit: -0.0 against 0.0, or a NaN, counts as a difference."""
+    return a.dtype == b.dtype and a.shape == b.shape and np.array_equal(a.view(np.uint32), b.view(np.uint32))
+
+
+def values(rng, shape, scale=3.0) -> np.ndarray:
+    x = (rng.standard_normal(shape) * scale * rng.uniform(0.01, 10, shape[:1] + (1,) * (len(shape) - 1))).astype(F32)
+    flat = x.reshape(-1)
+    flat[:6] = [0.0, -0.0, 90.0, -90.0, 1e-40, -3e-39]  # zeros, saturating sigmoids, subnormals
+    return x
+
+
+@pytest.fixture
+def rng():
+    return np.random.default_rng(7)
+
+
+@pytest.fixture
+def threads():
+    before = cpu.get_threads()
+    yield cpu.set_threads
+    cpu.set_threads(before)
+
+
+def test_moe_combine_is_steps_rank_by_rank_sum(rng):
+    T, k, E = 37, 10, 96
+    part = values(rng, (T * k, E))
+    order = rng.permutation(T * k)
+    slot = np.empty(T * k, np.int64)
+    slot[order] = np.arange(T * k)
+    w = rng.random((T, k))
+    w /= w.sum(axis=1, keepdims=True)
+    out = np.empty((T, E), F32)
+    moe._combine(part, slot.reshape(T, k), w, out)
+    assert same_bits(out, moe.combine_reference(part, slot.reshape(T, k), w))
+
+
+def test_hyper_inject_and_mix_tail(rng):
+    T, hc, E = 9, 4, 64
+    S, y, w = values(rng, (T, hc * E)), values(rng, (T, E)), (2 * rng.random((T, hc))).astype(F32)
+    got, want = S.copy(), S.copy()
+    hyper._inject(got, y, w)
+    hyper.inject_reference(want, y, w)
+    assert same_bits(got, want)
+    u, sn = values(rng, (T, hc * E), 10.0), values(rng, (T, hc * E))
+    x = np.empty((T, E), F32)
+    with np.errstate(over="ignore"):  # exp(90): the saturated sigmoid, inf in both forms
+        hyper._mix_tail(np.exp(-u), sn, x)
+        assert same_bits(x, hyper.mix_tail_reference(u, sn, hc))
+
+
+def test_grouped_rmsnorm_q_is_the_norm_then_actq(rng):
+    x, gain = values(rng, (11, 4 * 96)), rng.uniform(0.5, 1.5, 4 * 96).astype(F32)
+    out, act = hyper.grouped_rmsnorm_q(x, gain, 96, 1e-6)
+    want = hyper.grouped_rmsnorm(x, gain, 96, 1e-6)
+    assert same_bits(out, want)
+    ref = quantize_act(want)
+    for k in ("q", "d", "s16"):
+        assert np.array_equal(getattr(act, k), getattr(ref, k)), k
+    x[5, 7] = np.inf  # a non-finite row is refused, as quantize_act refuses it
+    with pytest.raises(ValueError, match=r"non-finite activation .* index \(5, "):
+        hyper.grouped_rmsnorm_q(x, gain, 96, 1e-6)
+
+
+@pytest.mark.parametrize("silu", [False, True])
+def test_gate_is_the_sigmoid_steps(rng, silu):
+    x, z = values(rng, (13, 70)), values(rng, (13, 70), 20.0)
+    got = ops.gate_(x.copy(), z, silu)
+    assert same_bits(got, ops.gate_reference(x.copy(), z, silu))
+    y = z.copy()
+    assert same_bits(ops.silu_(y), ops.gate_reference(z.copy(), z))
+    with pytest.raises(ValueError, match="contiguous"):
+        ops.gate_(x.T, z.T)
+
+
+@pytest.mark.parametrize("T", [1, 2, 3, 8])
+def test_conv_many_is_the_taps_then_silu(rng, T):
+    K, C = 4, 48
+    w, state, x = values(rng, (K, C)), values(rng, (K - 1, C)), values(rng, (T, C))
+    want = ops.conv_taps_reference(state, w, x)
+    hist = np.concatenate([state, x])
+    st = state.copy()
+    got = ops.conv_many(st, w, x)
+    assert same_bits(got, ops.gate_reference(want.copy(), want))
+    assert same_bits(st, hist[T:])  # the last K-1 inputs, oldest first
+
+
+@pytest.mark.parametrize("t0, T", [(0, 1), (0, 20), (5, 3), (31, 1), (31, 40)])
+def test_ple_conv_and_output(rng, t0, T):
+    Pk, dil, HE = 4, 3, 40
+    L = (Pk - 1) * dil
+    ring, X, w = values(rng, (L, HE)), values(rng, (T, HE)), values(rng, (HE, Pk))
+    y = np.empty_like(X)
+    ple._conv_taps(ring, t0, X, np.ascontiguousarray(w.T), dil, y)
+    assert same_bits(y, ple.conv_reference(ring, t0, X, w, dil))
+    S, G = values(rng, (T, HE)), values(rng, (T, HE))
+    got, want = S.copy(), S.copy()
+    with np.errstate(over="ignore"):  # exp(90): the saturated sigmoid, inf in both forms
+        ple._add_output(got, G, y, np.exp(np.negative(y)))
+        ple.output_reference(want, G, y)
+    assert same_bits(got, want)
+
+
+def test_delta_rule_and_attention_give_the_same_bits_on_any_thread_count(rng, threads):
+    T, nk, nv, dk, dv = 100, 2, 6, 16, 8  # T > GDN_CHUNK: two sub-chunks, the second partial
+    q = rng.standard_normal((T, nk, dk)).astype(F32)
+    k = rng.standard_normal((T, nk, dk)).astype(F32)
+    q /= np.linalg.norm(q, axis=-1, keepdims=True)
+    k /= np.linalg.norm(k, axis=-1, keepdims=True)
+    v, S0 = values(rng, (T, nv, dv)), values(rng, (nv, dv, dk), 0.1)
+    g, beta = -rng.random((T, nv)).astype(F32), rng.random((T, nv)).astype(F32)
+    Tq, H, Hkv, D, n = 20, 6, 2, 16, 50
+    qa, K, V = values(rng, (Tq, H, D)), values(rng, (Hkv, n, D)), values(rng, (Hkv, n, D))
+    visible = ops.causal_mask(n - Tq, Tq, n)
+    runs = []
+    for t in (1, 2):  # 2: the most a 2-core CI gives (NUMBA_NUM_THREADS); the tiles outnumber the threads
+        threads(t)
+        S = S0.copy()
+        o = ops.chunk_delta_rule(S, q, k, v, g, beta)
+        runs.append((o, S, ops.attend_many(qa, K, V, D**-0.5, visible, 2 * 3 * n * 4)))  # tiles of 2 queries
+    for run in runs[1:]:
+        for a, b in zip(run, runs[0]):
+            assert same_bits(a, b)
+    # and the chunked rule is still the token-by-token recurrence
+    S = S0.copy()
+    step = np.empty((T, nv, dv), F32)
+    for t in range(T):
+        ops.delta_rule_step(S, q[t], k[t], v[t], g[t], beta[t], step[t])
+    assert np.abs(step - runs[0][0]).max() < 1e-4 * np.abs(step).max()
+    assert np.abs(S - runs[0][1]).max() < 1e-4 * np.abs(S).max()
+
+
+def test_in_threads_runs_every_job_once_and_raises_a_jobs_error(threads):
+    threads(2)
+    seen = []
+    ops.in_threads(lambda i: seen.append(i), [(i,) for i in range(7)])
+    assert sorted(seen) == list(range(7))
+
+    def fail(i):
+        if i == 3:
+            raise RuntimeError("job 3 failed")
+
+    with pytest.raises(RuntimeError, match="job 3 failed"):
+        ops.in_threads(fail, [(i,) for i in range(6)])
