@@ -227,7 +227,9 @@ def _panel_rows(dec, per, has_min, scales):
             for r in range(n):
                 for w in range(nb // per):
                     dec(raw, base + (p0 + r) * row_bytes + w * type_size, wq, r * P + per * w, sc, fl, lut)
-            for c in range(0, P * QA // 4, 16):  # 16 rows x 64 bytes at a time
+            # 16 rows x 64 bytes (2 act-blocks) at a time, up to the row's last block: not the
+            # padding to P (for the 640-element down projections, 16 tiles where 10 hold values)
+            for c in range(0, (nb + 1) // 2 * 16, 16):
                 transpose16(wq, 4 * c, P * QA, wp, 64 * c, _FLIP)
             for c in range(0, P, 16):
                 for i in range(4):
