@@ -2,7 +2,7 @@
 the token-by-token path (--prefill off), side by side, on the `seed-4l` synthetic model (production
 widths, 4 layers: 3 Gated DeltaNet + 1 QSA, 512 experts, qwen4exp, its IQ3_XXS-style type mix).
 
-    python benchmarks/prefill.py [--threads 2] [--lengths 512,4096] [--chunk 256] [--sample 16]
+    python benchmarks/prefill.py [--threads 2] [--lengths 512,4096] [--chunk 512] [--sample 16]
                                  [--cache .cache/bench] [--arch qwen4exp] [--prepare-only]
 
 The model is made once with tools/synth.py and packed into --cache (outside git), then reused.
@@ -83,10 +83,12 @@ def machine() -> str:
 
 
 def main(argv=None) -> int:
+    from strata.engine.budget import PREFILL_AUTO_CHUNK_CPU
+
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--lengths", default="512,4096")
-    ap.add_argument("--chunk", type=int, default=256)
+    ap.add_argument("--chunk", type=int, default=PREFILL_AUTO_CHUNK_CPU, help="default: --prefill auto's chunk on the CPU")
     ap.add_argument("--sample", type=int, default=16, help="beyond 1024 tokens: tokens of each chunk fed one by one")
     ap.add_argument("--kv", default="f16")
     ap.add_argument("--arch", default="qwen4exp")

@@ -153,17 +153,21 @@ def start_tier(model, device: str, *, max_context: int, kv: str, chunk: int, exp
     return GpuTier.start(model, o, log=lambda line: typer.echo(f"{who}: {line}", err=True))
 
 
-def prefill_chunk(option: int | None, geometry, max_context: int) -> int:
-    """The chunk --prefill asked for; auto: budget.auto_prefill_chunk from the memory available now."""
-    from strata.engine.budget import auto_prefill_chunk
+def prefill_chunk(option: int | None, geometry, max_context: int, device: str) -> int:
+    """The chunk --prefill asked for; auto: budget.auto_prefill_chunk from the memory available now,
+    starting from the GPU tier's 256-token chunk when --device gives one (its device buffers are
+    planned for it, S8), else from the CPU's 512."""
+    from strata.engine.budget import PREFILL_AUTO_CHUNK, PREFILL_AUTO_CHUNK_CPU, auto_prefill_chunk
+    from strata.engine.kernels import gpu
 
     if option is not None:
         return option
-    return auto_prefill_chunk(available_host_bytes(), g=geometry, max_context=max_context)
+    start = PREFILL_AUTO_CHUNK if device != "cpu" and gpu.available()[0] else PREFILL_AUTO_CHUNK_CPU
+    return auto_prefill_chunk(available_host_bytes(), g=geometry, max_context=max_context, start=start)
 
 
 def available_host_bytes() -> int | None:
-    """MemAvailable from /proc/meminfo (Linux); None where there is none (auto then takes 256)."""
+    """MemAvailable from /proc/meminfo (Linux); None where there is none (auto then takes its start)."""
     try:
         with open("/proc/meminfo", encoding="ascii") as f:
             for line in f:
@@ -212,7 +216,7 @@ def _run(pack, prompt, prompt_file, prompt_ids, n, temp, top_k, top_p, min_p, re
     if len(ids) + n > ctx:
         raise ValueError(f"the prompt ({len(ids)} tokens) + -n {n} = {len(ids) + n} tokens do not fit in "
                          f"--max-context {ctx}: raise --max-context or lower -n")
-    chunk = prefill_chunk(engine_options(kv, prefill), p.geometry, ctx)
+    chunk = prefill_chunk(engine_options(kv, prefill), p.geometry, ctx, device)
     tier = start_tier(model, device, max_context=ctx, kv=kv, chunk=chunk, expert_cache=expert_cache,
                       expert_profile=expert_profile, vram_budget_mib=vram_budget_mib, vram_reserve_mib=vram_reserve_mib,
                       who="strata generate")
@@ -391,7 +395,7 @@ def _perplexity(pack, file, ctx, max_windows, save_logits, kl_base, kv, option, 
     p, model, _ = load_model(pack, native, ple_gguf, pool_workers, who)
     ids = Tokenizer.load(p.tokenizer_path).encode(Path(file).read_text(encoding="utf-8"))
     wins = P.windows(ids, ctx)[:max_windows]
-    chunk = prefill_chunk(option, p.geometry, ctx)
+    chunk = prefill_chunk(option, p.geometry, ctx, tier["device"])
     start_tier(model, max_context=ctx, kv=kv, chunk=chunk, who=who, **tier)  # the same logits, faster (B2)
     first = P.first_scored(ctx)
     total = len(wins) * (ctx - 1 - first)

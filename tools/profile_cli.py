@@ -110,7 +110,7 @@ def _run(pack_dir, docs, out, max_tokens, held_out, ctx, option, kv, pool_worker
     g = pack.geometry
     tok = Tokenizer.load(pack.tokenizer_path)
     calib = P.plan_calibration([tok.encode(d) for d in docs], held_out, max_tokens)
-    chunk = prefill_chunk(option, g, ctx)
+    chunk = prefill_chunk(option, g, ctx, tier["device"])
     # on a GPU the tier computes the same routing faster (B2); without a profile its slots fill as routed
     start_tier(model, max_context=ctx, kv=kv, chunk=chunk, who=WHO, **tier)
     fingerprint = pack_fingerprint(pack.dir)
