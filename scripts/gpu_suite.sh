@@ -34,11 +34,15 @@ export PYTHONPATH="$BOOT${PYTHONPATH:+:$PYTHONPATH}"
 # (a test is a GPU test when marked gpu, or when it takes the `rt` fixture of tests/conftest.py)
 FILES=$(grep -lE "pytest.mark.gpu|def test_[a-z0-9_]+\([^)]*\brt\b" tests/test_*.py)
 echo "== GPU tests: $(echo $FILES)"
-timeout 420 python3 -m pytest -m gpu -q -p no:cacheprovider --junitxml="$LOG/gpu_tests.xml" $FILES 2>&1 | tee "$LOG/gpu_tests.log"
+timeout 420 python3 -m pytest -m gpu -q -p no:cacheprovider --durations=8 --junitxml="$LOG/gpu_tests.xml" $FILES 2>&1 | tee "$LOG/gpu_tests.log"
 TEST_RC=${PIPESTATUS[0]}
 
 echo "== GPU benchmark: benchmarks/gpu_tier.py (seed-4l: synthesized and packed on first use)"
-timeout ${TIER_BENCH_TIMEOUT:-420} python3 benchmarks/gpu_tier.py --threads ${TIER_THREADS:-8} --md "$LOG/bench_gpu_tier.md" 2>&1 | tee "$LOG/bench_gpu_tier.log"
+# A device call is 10 minutes. On a fresh machine every kernel compiles first (the tests took 6 of
+# them on 2026-11-30 with the panel kernels), so the benchmark gets what is left of SUITE_SECONDS:
+# cut short, its table is missing and the summary says so (the tests decide the exit status).
+LEFT=$(( ${SUITE_SECONDS:-570} - SECONDS ))
+timeout ${TIER_BENCH_TIMEOUT:-$(( LEFT > 60 ? LEFT : 60 ))} python3 benchmarks/gpu_tier.py --threads ${TIER_THREADS:-8} --md "$LOG/bench_gpu_tier.md" 2>&1 | tee "$LOG/bench_gpu_tier.log"
 BENCH_RC=${PIPESTATUS[0]}
 
 if [ -z "${SKIP_KERNEL_BENCH:-}" ]; then
