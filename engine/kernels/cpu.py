@@ -720,17 +720,12 @@ def _multiply(name: str, raw, type_id: int, n_in: int, n_out: int, act, out, one
     elif not (isinstance(out, np.ndarray) and out.shape == shape and out.dtype == F32 and out.flags.c_contiguous):
         raise ValueError(f"{where}: out must be contiguous f32 {list(shape)}, got {getattr(out, 'dtype', type(out))}{list(getattr(out, 'shape', []))}")
     out2 = out.reshape(n_tok, n_out)  # a view: out is contiguous
-    if not one and _use_panel(t, n_tok, n_out):
-        n_panels = -(-n_out // panel.ROWS)
-        parallel, chunks = _launch(n_panels, n_in * n_out * n_tok)
-        if t.quantized:
-            _panel(t.name, False, parallel)(raw, t.type_size, t.row_bytes(n_in), q.reshape(-1), d, s16, F16_TO_F32, out2, chunks)
-        else:
-            w = raw.view(F32) if t.name == "F32" else raw.view(np.uint16)
-            _panel(t.name, False, parallel)(w, x, BF16_TO_F32 if t.name == "BF16" else F16_TO_F32, out2, chunks)
-        return out
-    parallel, chunks = _launch(n_out, n_in * n_out * n_tok)
-    kernel = _kernel(t.name, parallel)
+    if not one and _use_panel(t, n_tok, n_out):  # both kernels take the same arguments
+        parallel, chunks = _launch(-(-n_out // panel.ROWS), n_in * n_out * n_tok)  # chunks of panels
+        kernel = _panel(t.name, False, parallel)
+    else:
+        parallel, chunks = _launch(n_out, n_in * n_out * n_tok)
+        kernel = _kernel(t.name, parallel)
     if t.quantized:
         kernel(raw, t.type_size, t.row_bytes(n_in), q.reshape(-1), d, s16, F16_TO_F32, out2, chunks)
     else:

@@ -199,6 +199,7 @@ def _fold_tile(lanes, m, n, a, p0, tmp, out):
             for r in range(n):
                 out[a + k, p0 + r] = tmp[r]
 
+
 _FLIP = -0x7F7F7F80  # 0x80808080 as int32: every byte + 128 (mod 256)
 
 
