@@ -2,19 +2,21 @@
 the token-by-token path (--prefill off), side by side, on the `seed-4l` synthetic model (production
 widths, 4 layers: 3 Gated DeltaNet + 1 QSA, 512 experts, qwen4exp, its IQ3_XXS-style type mix).
 
-    python benchmarks/prefill.py [--threads 2] [--lengths 512,4096] [--chunk 512] [--sample 16]
+    python benchmarks/prefill.py [--threads 2] [--lengths 512,4096] [--chunk 1024] [--sample 16]
+                                 [--sample-every 256]
                                  [--cache .cache/bench] [--arch qwen4exp] [--prepare-only]
 
 The model is made once with tools/synth.py and packed into --cache (outside git), then reused.
-Each length L gets a random prompt of L tokens and two sessions, fed chunk by chunk IN TURN, so a
-busy host slows both paths alike: session A takes each chunk through the batched path (timed; the
-LM head for the last position only, as `strata generate` does), session B takes the same tokens
-one at a time through `Model.step` (timed; the decode path computes every position's logits, as
---prefill off does). Up to 1024 tokens B feeds every token so; beyond, each chunk's first
---sample tokens are fed one at a time (timed) and the rest batched (not timed), and the chunk's
-token-by-token time is its sampled time per token times its length: a token's cost grows slowly
-with its position (attention), so this slightly underestimates the token-by-token time and the
-speed-up. The table says which rows are sampled.
+Each length L gets a random prompt of L tokens and two sessions, fed IN TURN, so a busy host
+slows both paths alike: session A takes each chunk through the batched path (timed; the LM head for
+the last position only, as `strata generate` does), then session B takes the same tokens through
+`Model.step` (timed; the decode path computes every position's logits, as --prefill off does).
+Up to 1024 tokens (or with --sample 0) B feeds every token so. Beyond, B goes in pieces of
+--sample-every tokens whatever the chunk: each piece's first --sample tokens one at a time (timed),
+the rest batched (not timed), and the piece's token-by-token time is its sampled time per token
+times its length. A token's cost grows slowly with its position (attention), so this slightly
+underestimates the token-by-token time and the speed-up; the sample does not move with --chunk, so
+chunk sizes compare on the same estimate. The table says which rows are sampled.
 """
 
 from __future__ import annotations
@@ -57,7 +59,7 @@ def timed(fn) -> float:
     return time.perf_counter() - t
 
 
-def side_by_side(model, prompt, chunk: int, kv: str, sample: int | None) -> tuple[float, float]:
+def side_by_side(model, prompt, chunk: int, kv: str, sample: int | None, every: int) -> tuple[float, float]:
     """(seconds of the batched path, seconds of the token-by-token path, measured or sampled)."""
     L = len(prompt)
     a_s, b_s = model.new_session(L, kv), model.new_session(L, kv)
@@ -65,10 +67,13 @@ def side_by_side(model, prompt, chunk: int, kv: str, sample: int | None) -> tupl
     for a in range(0, L, chunk):
         piece = prompt[a : a + chunk]
         batched += timed(lambda: model.forward(a_s, piece, 1 if a + chunk >= L else 0))
-        k = len(piece) if sample is None else min(sample, len(piece))
-        one_by_one += timed(lambda: [model.step(b_s, int(t)) for t in piece[:k]]) * len(piece) / k
-        if k < len(piece):
-            model.forward(b_s, piece[k:], 0)
+        step = len(piece) if sample is None else every
+        for p in range(a, a + len(piece), step):
+            part = prompt[p : min(p + step, a + len(piece))]
+            k = len(part) if sample is None else min(sample, len(part))
+            one_by_one += timed(lambda: [model.step(b_s, int(t)) for t in part[:k]]) * len(part) / k
+            if k < len(part):
+                model.forward(b_s, part[k:], 0)
     return batched, one_by_one
 
 
@@ -89,7 +94,9 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--lengths", default="512,4096")
     ap.add_argument("--chunk", type=int, default=PREFILL_AUTO_CHUNK_CPU, help="default: --prefill auto's chunk on the CPU")
-    ap.add_argument("--sample", type=int, default=16, help="beyond 1024 tokens: tokens of each chunk fed one by one")
+    ap.add_argument("--sample", type=int, default=16,
+                    help="beyond 1024 tokens: tokens of each --sample-every fed one by one (0: every token)")
+    ap.add_argument("--sample-every", type=int, default=256)
     ap.add_argument("--kv", default="f16")
     ap.add_argument("--arch", default="qwen4exp")
     ap.add_argument("--cache", type=Path, default=REPO / ".cache" / "bench")
@@ -118,9 +125,9 @@ def main(argv=None) -> int:
     rows = []
     for L in (int(x) for x in a.lengths.split(",")):
         prompt = rng.integers(0, model.geometry.n_vocab, L)
-        sample = None if L <= 1024 else a.sample
-        tb, tt = side_by_side(model, prompt, a.chunk, a.kv, sample)
-        how = f"all {L}" if sample is None else f"the first {sample} of each chunk"
+        sample = None if L <= 1024 or a.sample <= 0 else a.sample
+        tb, tt = side_by_side(model, prompt, a.chunk, a.kv, sample, a.sample_every)
+        how = f"all {L}" if sample is None else f"the first {sample} of every {a.sample_every}"
         print(f"{L}: batched {L / tb:.2f} tok/s, token by token {L / tt:.2f} tok/s ({how})", file=sys.stderr)
         rows.append((L, f"{L / tb:.2f}", f"{tb:.1f}", f"{L / tt:.2f}", f"{tt:.1f}", f"{tt / tb:.1f}x", how))
     commit = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()

@@ -70,10 +70,13 @@ F32, F16, I32, F64 = 4, 2, 4, 8
 IDX_KEY_BYTES = F32  # indexer keys stay f32, as the CPU path keeps them: block selection is discrete
 DEFAULT_RESERVE_MIB = 700
 PREFILL_AUTO_CHUNK = 256  # `--prefill auto` beside the GPU tier: the 256-token chunk the seed lends the prompt path (#496)
-# `--prefill auto` on the CPU alone (no device buffers to plan): twice the tokens per routed expert,
-# whose row decode is paid once per chunk, so 4096 tokens of seed-4l prefill 12-17% faster than in
-# 256-token chunks (docs/performance.md); llama.cpp's default micro-batch is 512 too
-PREFILL_AUTO_CHUNK_CPU = 512
+# `--prefill auto` on the CPU alone (no device buffers to plan): each routed expert's rows are
+# decoded once per chunk, and at 512 experts x 10 per token that decode was half the routed
+# experts' time at 512-token chunks (~10 tokens per expert). 4096 tokens of seed-4l at 2 threads
+# took 14.8 s in 512-token chunks, 13.6 s in 1024 and 15.0 s in 2048, where the dense products'
+# activations (T x 2560 bytes, re-read for every 16 rows) and the attention tiles outgrow the
+# caches (docs/performance.md). llama.cpp's default logical batch is 2048, its micro-batch 512.
+PREFILL_AUTO_CHUNK_CPU = 1024
 PREFILL_MEMORY_SHARE = 4  # auto: the CPU prompt path's buffers take at most 1/4 of the available memory
 ATTN_TILE_BYTES = 64 << 20  # the prompt path's attention scores are computed in query tiles of at most this
 LOW_MIB = 256  # the serve check's LOW line (S7)

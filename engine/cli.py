@@ -156,7 +156,7 @@ def start_tier(model, device: str, *, max_context: int, kv: str, chunk: int, exp
 def prefill_chunk(option: int | None, geometry, max_context: int, device: str) -> int:
     """The chunk --prefill asked for; auto: budget.auto_prefill_chunk from the memory available now,
     starting from the GPU tier's 256-token chunk when --device gives one (its device buffers are
-    planned for it, S8), else from the CPU's 512."""
+    planned for it, S8), else from the CPU's 1024."""
     from strata.engine.budget import PREFILL_AUTO_CHUNK, PREFILL_AUTO_CHUNK_CPU, auto_prefill_chunk
     from strata.engine.kernels import gpu
 

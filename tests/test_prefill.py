@@ -237,7 +237,7 @@ def test_cli_max_context_prefill_and_stats(models, tmp_path, capsys):
         assert kv_line.split()[-2:] == [str(plan.item("session.kv").bytes)] * 2
     a, b = np.load(dumps["off"]), np.load(dumps["16"])
     assert a.shape == b.shape == (43, models["qwen35moe"].geometry.n_vocab)  # every fed position
-    assert gen("-n", "1", "--device", "cpu", "--stats") == 0  # auto on the CPU alone: 512-token chunks (memory allowing)
+    assert gen("-n", "1", "--device", "cpu", "--stats") == 0  # auto on the CPU alone: 1024-token chunks (memory allowing)
     assert f"chunks of {B.PREFILL_AUTO_CHUNK_CPU}" in capsys.readouterr().err
     assert np.abs(a - b).max() < REL_TOL["int8"] * np.abs(a).max()
 
@@ -252,11 +252,11 @@ def test_auto_chunk_is_one_rule_and_its_memory_model_covers_the_real_peak(models
     assert B.auto_prefill_chunk(need, g=g, max_context=4096) == 256
     assert B.auto_prefill_chunk(need - 1, g=g, max_context=4096) == 128
     assert B.auto_prefill_chunk(1, g=g, max_context=4096) == 1
-    # on the CPU alone auto starts from 512 tokens, halved by the same rule
+    # on the CPU alone auto starts from 1024 tokens, halved by the same rule
     cpu = B.PREFILL_AUTO_CHUNK_CPU
-    assert cpu == 512 and B.auto_prefill_chunk(start=cpu) == cpu
+    assert cpu == 1024 and B.auto_prefill_chunk(start=cpu) == cpu
     assert B.auto_prefill_chunk(B.prefill_host_bytes(g, cpu, 4096) * B.PREFILL_MEMORY_SHARE, g=g, max_context=4096, start=cpu) == cpu
-    assert B.auto_prefill_chunk(need, g=g, max_context=4096, start=cpu) == 256
+    assert B.auto_prefill_chunk(need, g=g, max_context=4096, start=cpu) == 256  # halved twice
     # the estimate is an upper bound of what a chunk really allocates at its peak (numpy's buffers)
     model = models["qwen4exp"]
     prompt = prompt_for(model, 200)
