@@ -406,22 +406,32 @@ def attend_many(q: np.ndarray, K: np.ndarray, V: np.ndarray, scale: float, visib
     q f32 [T, H, D]; K, V f32 [Hkv, n, D]; visible bool [T, n]: which keys each query attends (the
     causal mask, or QSA's selection). Queries go in tiles whose scores fit in `tile_bytes`, so a long
     context never makes a [T, H, n] matrix at once; the (KV head, tile) pairs go to the kernels'
-    threads (`in_threads`), one tile's scores per thread at a time."""
+    threads (`in_threads`), one tile's scores per thread at a time. A tile reads only the keys from
+    its first visible one to its last: a causal chunk's later tiles see more of the chunk than its
+    earlier ones, and computing every tile over all n keys (then masking) did up to twice the work
+    (a 1024-token chunk at the start of a prompt: 150 ms -> 66 ms with 4 MiB tiles, docs/engine.md)."""
     T, H, D = q.shape
     Hkv, n = K.shape[:2]
     G = H // Hkv
     tile = max(1, tile_bytes // (G * n * 4))
     out = np.empty((T, H, D), F32)
     hidden = ~visible
+    jobs = []
+    for a in range(0, T, tile):
+        b = min(a + tile, T)
+        seen = np.flatnonzero(visible[a:b].any(axis=0))
+        lo, hi = (int(seen[0]), int(seen[-1]) + 1) if seen.size else (0, n)  # none: softmax of -inf, as before
+        jobs += [(j, a, b, lo, hi) for j in range(Hkv)]
 
-    def one(j: int, a: int, b: int) -> None:
-        sc = (q[a:b, j * G : (j + 1) * G].reshape(-1, D) @ K[j].T).reshape(b - a, G, n)
+    def one(j: int, a: int, b: int, lo: int, hi: int) -> None:
+        m = hi - lo
+        sc = (q[a:b, j * G : (j + 1) * G].reshape(-1, D) @ K[j, lo:hi].T).reshape(b - a, G, m)
         sc *= F32(scale)
-        np.copyto(sc, -np.inf, where=hidden[a:b, None, :])
+        np.copyto(sc, -np.inf, where=hidden[a:b, None, lo:hi])
         softmax_(sc)
-        out[a:b, j * G : (j + 1) * G] = (sc.reshape(-1, n) @ V[j]).reshape(b - a, G, D)
+        out[a:b, j * G : (j + 1) * G] = (sc.reshape(-1, m) @ V[j, lo:hi]).reshape(b - a, G, D)
 
-    in_threads(one, [(j, a, min(a + tile, T)) for j in range(Hkv) for a in range(0, T, tile)])
+    in_threads(one, jobs)
     return out
 
 

@@ -151,6 +151,34 @@ def test_delta_rule_and_attention_give_the_same_bits_on_any_thread_count(rng, th
     assert np.abs(S - runs[0][1]).max() < 1e-4 * np.abs(S).max()
 
 
+def test_attention_tiles_read_their_own_key_range_and_match_float64(rng, threads):
+    # Each tile of queries reads keys from its first visible one to its last (ops.attend_many):
+    # rows whose keys start late, end early, or are a single key, tiles of 1, 3 and all 13 queries
+    Tq, H, Hkv, D, n = 13, 6, 2, 16, 40
+    q, K, V = (rng.standard_normal(s).astype(F32) for s in ((Tq, H, D), (Hkv, n, D), (Hkv, n, D)))
+    visible = rng.random((Tq, n)) < 0.4
+    visible[0] = False
+    visible[0, 17] = True  # one key, mid-range
+    visible[1, :30] = False  # starts late
+    visible[1, 35] = True
+    visible[2, 8:] = False  # ends early
+    visible[2, 3] = True
+    visible[3] = False
+    visible[3, n - 1] = True  # only the last key
+    G, scale = H // Hkv, D**-0.5
+    want = np.empty((Tq, H, D))
+    for t in range(Tq):
+        keys = np.flatnonzero(visible[t])
+        for h in range(H):
+            s = K[h // G, keys].astype(np.float64) @ q[t, h].astype(np.float64) * scale
+            p = np.exp(s - s.max())
+            want[t, h] = p @ V[h // G, keys].astype(np.float64) / p.sum()
+    threads(2)
+    for per_tile in (1, 3, Tq):
+        got = ops.attend_many(q, K, V, scale, visible, per_tile * G * n * 4)
+        assert np.abs(got - want).max() < 1e-5 * np.abs(want).max(), per_tile
+
+
 def test_in_threads_runs_every_job_once_and_raises_a_jobs_error(threads):
     threads(2)
     seen = []
