@@ -96,6 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     from strata.engine.gpu_tier import GpuTier, TierOptions
     from strata.engine.kernels import cpu, gpu
     from strata.engine.model import Model
+    from strata.engine.ops import reuse_freed_memory, single_blas_thread
     from strata.engine.pack import Pack
     from strata.engine.tokenizer import Tokenizer
     from strata.index_format.expert_profile import ExpertProfile
@@ -112,6 +113,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"gpu_tier benchmark: no GPU ({why})", file=sys.stderr)
             return 1
     cpu.set_threads(args.threads)
+    single_blas_thread()  # as `strata generate` does
+    reuse_freed_memory()
     pack_dir = ensure_pack(args.arch, args.preset)
     t0 = time.perf_counter()
     model = Model(Pack.open(pack_dir))

@@ -109,11 +109,12 @@ def main(argv=None) -> int:
 
     from strata.engine.kernels import cpu
     from strata.engine.model import Model
-    from strata.engine.ops import single_blas_thread
+    from strata.engine.ops import reuse_freed_memory, single_blas_thread
     from strata.engine.pack import Pack
 
     cpu.set_threads(a.threads)
     single_blas_thread()  # as `strata generate` does
+    reuse_freed_memory()
     t0 = time.perf_counter()
     model = Model(Pack.open(pack_dir))
     model.warm_up()

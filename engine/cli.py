@@ -182,12 +182,13 @@ def load_model(pack, native, ple_gguf, pool_workers, who: str):
     """Open the pack (warnings to stderr), build the model and compile its kernels; (pack, model, seconds)."""
     from strata.engine.kernels import cpu
     from strata.engine.model import Model
-    from strata.engine.ops import single_blas_thread
+    from strata.engine.ops import reuse_freed_memory, single_blas_thread
     from strata.engine.pack import Pack
 
     if pool_workers is not None:
         cpu.set_threads(pool_workers)
     single_blas_thread()
+    reuse_freed_memory()
     t0 = time.perf_counter()
     p = Pack.open(pack, native=native, ple_gguf=ple_gguf)
     for w in p.warnings:

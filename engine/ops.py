@@ -12,6 +12,7 @@ and this module computes in that order, so ssm_out's tiled input columns match w
 
 from __future__ import annotations
 
+import ctypes
 import math
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -292,6 +293,26 @@ def single_blas_thread() -> None:
     from threadpoolctl import threadpool_limits
 
     threadpool_limits(1, user_api="blas")
+
+
+# glibc's malloc gives a freed block above M_MMAP_THRESHOLD back to the OS at once and trims the
+# heap's top beyond M_TRIM_THRESHOLD. The prompt path allocates and frees hundreds of MB of numpy
+# temporaries per chunk, so every chunk faulted them in again: 4096 tokens of seed-4l in 1024-token
+# chunks spent 2.3 s of system time in 13.5 s (180-230K page faults). Kept in the process (mmap
+# only above 32 MiB, glibc's largest threshold; no trimming) that fell to 0.5 s and the prompt ran
+# 12% faster (302 -> 340 tok/s, side by side); the token path did not change (measured).
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
+
+
+def reuse_freed_memory() -> bool:
+    """Ask glibc's malloc to keep freed memory for the next allocation instead of returning it to the
+    OS, for the process. The heap then stays at its peak (the prompt path's working set, which
+    --prefill auto bounds). False where there is no glibc: nothing changes."""
+    try:
+        mallopt = ctypes.CDLL("libc.so.6").mallopt
+    except (OSError, AttributeError):
+        return False
+    return bool(mallopt(_M_MMAP_THRESHOLD, 32 << 20)) and bool(mallopt(_M_TRIM_THRESHOLD, 2**31 - 1))
 
 
 def chunk_delta_rule(S: np.ndarray, q: np.ndarray, k: np.ndarray, v: np.ndarray, g: np.ndarray, beta: np.ndarray) -> np.ndarray:

@@ -9,6 +9,9 @@ that saturate the sigmoids, subnormals, and wide magnitudes.
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 
@@ -177,6 +180,36 @@ def test_attention_tiles_read_their_own_key_range_and_match_float64(rng, threads
     for per_tile in (1, 3, Tq):
         got = ops.attend_many(q, K, V, scale, visible, per_tile * G * n * 4)
         assert np.abs(got - want).max() < 1e-5 * np.abs(want).max(), per_tile
+
+
+_CHURN = """
+import resource, sys
+import numpy as np
+from strata.engine import ops
+done = ops.reuse_freed_memory() if sys.argv[1] == "reuse" else None
+def churn():
+    for mib in (3, 20, 9, 30):  # a chunk's temporaries coming and going (all below 32 MiB)
+        a = np.ones(mib << 18, np.float32)
+        del a
+churn()
+before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+for _ in range(5):
+    churn()
+print(done, resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc and getrusage's fault counts: Linux only")
+def test_freed_memory_is_reused_not_faulted_in_again():
+    def faults(mode):
+        run = subprocess.run([sys.executable, "-c", _CHURN, mode], capture_output=True, text=True, check=True)
+        done, n = run.stdout.split()
+        return done, int(n)
+
+    done, kept = faults("reuse")
+    assert done == "True" and kept <= 64, (done, kept)  # the temporaries come back from the heap
+    _, default = faults("default")
+    assert default > 4 * max(kept, 64), default  # and glibc's default did fault them in again
 
 
 def test_in_threads_runs_every_job_once_and_raises_a_jobs_error(threads):
