@@ -149,6 +149,10 @@ def main(argv: list[str] | None = None) -> int:
         tier = GpuTier.start(model, o)
         for line in tier.lines:
             print(f"  {name}: {line}", flush=True)
+        # untimed first: on a fresh machine one configuration's first prompt compiled a kernel
+        # variant no earlier configuration had needed (2026-11-30, auto ~60%: 7.1 prefill tok/s,
+        # then 216 and 221 in two more runs)
+        run_decode(model, prompt, 1, tier)
         if args.cprofile == name:
             import cProfile
             import pstats
