@@ -74,8 +74,8 @@ PREFILL_AUTO_CHUNK = 256  # `--prefill auto` beside the GPU tier: the 256-token 
 # decoded once per chunk, and at 512 experts x 10 per token that decode was half the routed
 # experts' time at 512-token chunks (~10 tokens per expert). 4096 tokens of seed-4l at 2 threads
 # took 14.8 s in 512-token chunks, 13.6 s in 1024 and 15.0 s in 2048, where the dense products'
-# activations (T x 2560 bytes, re-read for every 16 rows) and the attention tiles outgrow the
-# caches (docs/performance.md). llama.cpp's default logical batch is 2048, its micro-batch 512.
+# activations (T x 2560 bytes, re-read for every 16 rows) and the elementwise passes over [T, ...]
+# arrays outgrow the caches (docs/performance.md). llama.cpp's default logical batch is 2048, its micro-batch 512.
 PREFILL_AUTO_CHUNK_CPU = 1024
 PREFILL_MEMORY_SHARE = 4  # auto: the CPU prompt path's buffers take at most 1/4 of the available memory
 # The prompt path's attention scores are computed in query tiles of at most this: small enough that
