@@ -39,6 +39,9 @@ from .qsa import QSACache, QSALayer
 from .weights import Input
 
 F32 = np.float32
+# Model.warm_up's prompt chunks: copies of one token (their experts get them all: many tokens per
+# matrix) and distinct tokens (about one per routed expert)
+WARM_SAME, WARM_DISTINCT = 16, 8
 
 
 class ContextFull(RuntimeError):
@@ -349,13 +352,22 @@ class Model:
     def new_session(self, max_context: int, kv: str = "f32") -> Session:
         return Session(self, max_context, kv)
 
-    def warm_up(self) -> None:
-        """A few throwaway steps in a scratch session, so the kernels compile (Numba, on first call)
-        while loading, not inside the first tokens' time; QSA selects only once a block is complete."""
+    def warm_up(self, prompt_path: bool = True) -> None:
+        """Throwaway work in scratch sessions, so the kernels compile (Numba, on first call) or load
+        from the disk cache while loading, not inside the first tokens' time: a few steps (QSA
+        selects only once a block is complete), then, with `prompt_path`, two prompt chunks:
+        WARM_SAME copies of one token, which all route to the same experts (the many-token panel
+        kernels, grouped), and WARM_DISTINCT different tokens, about one per expert (the row
+        kernels). Without them the prompt path compiled inside the first prompt on a fresh
+        install: seed-4l's first 1024 tokens took 36 s, then 3 s (2026-11-30)."""
         n = self.geometry.idx_compress_ratio + 1
         s = self.new_session(n)
         for _ in range(n):
             self.step(s, 0)
+        if prompt_path:
+            s = self.new_session(WARM_SAME + WARM_DISTINCT)
+            self.forward(s, np.zeros(WARM_SAME, np.int64), n_logits=0)
+            self.forward(s, np.arange(1, WARM_DISTINCT + 1) % self.geometry.n_vocab, n_logits=1)
 
     def _check(self, s: Session, tokens) -> None:
         if s.pos + len(tokens) > s.max_context:

@@ -245,6 +245,30 @@ def test_cli_max_context_prefill_and_stats(models, tmp_path, capsys):
 # --- --prefill auto ---------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("arch", ["qwen4exp", "qwen35moe"])
+def test_warm_up_makes_every_kernel_a_prompt_then_runs(models, arch):
+    # The prompt path's kernels compile (or load from the disk cache) in Model.warm_up, not inside
+    # the first prompt. Control: warmed up without its prompt chunks, the same prompts make kernels.
+    model = models[arch]
+    kinds = (cpu._KERNELS, cpu._GROUPED, cpu._PANEL)
+    made = lambda: {(i, key, len(k.signatures)) for i, d in enumerate(kinds) for key, k in d.items()}  # noqa: E731
+    saved = [dict(d) for d in kinds]
+    try:
+        for prompt_path in (False, True):
+            for d in kinds:
+                d.clear()  # this process forgets them; the disk cache keeps them
+            model.warm_up(prompt_path=prompt_path)
+            warm = made()
+            for T in (40, 100):
+                model.forward(model.new_session(T + 1, "f16"), prompt_for(model, T), n_logits=1)
+            new = made() - warm
+            assert bool(new) != prompt_path, (prompt_path, sorted(new))
+    finally:
+        for d, old in zip(kinds, saved):
+            d.clear()
+            d.update(old)
+
+
 def test_auto_chunk_is_one_rule_and_its_memory_model_covers_the_real_peak(models):
     g = models["qwen4exp"].geometry
     assert B.auto_prefill_chunk() == B.PREFILL_AUTO_CHUNK == 256  # strata-budget's (device) plan
