@@ -356,7 +356,7 @@ class Model:
         """Throwaway work in scratch sessions, so the kernels compile (Numba, on first call) or load
         from the disk cache while loading, not inside the first tokens' time: a few steps (QSA
         selects only once a block is complete), then, with `prompt_path`, two prompt chunks:
-        WARM_SAME copies of one token, which all route to the same experts (the many-token panel
+        WARM_SAME copies of one token, which route nearly alike (many tokens per expert: the panel
         kernels, grouped), and WARM_DISTINCT different tokens, about one per expert (the row
         kernels). Without them the prompt path compiled inside the first prompt on a fresh
         install: seed-4l's first 1024 tokens took 36 s, then 3 s (2026-11-30)."""
