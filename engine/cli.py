@@ -178,9 +178,9 @@ def available_host_bytes() -> int | None:
     return None
 
 
-def load_model(pack, native, ple_gguf, pool_workers, who: str, prompt_path: bool = True):
+def load_model(pack, native, ple_gguf, pool_workers, who: str, prefill: int | None):
     """Open the pack (warnings to stderr), build the model and compile its kernels, the prompt path's
-    too unless it will not run (--prefill off); (pack, model, seconds)."""
+    too unless `prefill` (engine_options' parse of --prefill) is off; (pack, model, seconds)."""
     from strata.engine.kernels import cpu
     from strata.engine.model import Model
     from strata.engine.ops import reuse_freed_memory, single_blas_thread
@@ -195,7 +195,7 @@ def load_model(pack, native, ple_gguf, pool_workers, who: str, prompt_path: bool
     for w in p.warnings:
         typer.echo(f"{who}: warning: {w}", err=True)
     model = Model(p)
-    model.warm_up(prompt_path)
+    model.warm_up(prompt_path=prefill != 0)
     return p, model, time.perf_counter() - t0
 
 
@@ -209,8 +209,8 @@ def _run(pack, prompt, prompt_file, prompt_ids, n, temp, top_k, top_p, min_p, re
 
     params = SamplerParams(temperature=temp, top_k=top_k, top_p=top_p, min_p=min_p,
                            repeat_penalty=repeat_penalty, seed=seed)  # bad values refused before loading
-    p, model, load_s = load_model(pack, native, ple_gguf, pool_workers, "strata generate",
-                                  prompt_path=engine_options(kv, prefill) != 0)
+    option = engine_options(kv, prefill)
+    p, model, load_s = load_model(pack, native, ple_gguf, pool_workers, "strata generate", option)
     tok = Tokenizer.load(p.tokenizer_path)
     ids = _prompt_ids(tok, prompt, prompt_file, prompt_ids, chat, p.geometry.n_vocab)
     ctx = max_context if max_context is not None else len(ids) + n
@@ -219,7 +219,7 @@ def _run(pack, prompt, prompt_file, prompt_ids, n, temp, top_k, top_p, min_p, re
     if len(ids) + n > ctx:
         raise ValueError(f"the prompt ({len(ids)} tokens) + -n {n} = {len(ids) + n} tokens do not fit in "
                          f"--max-context {ctx}: raise --max-context or lower -n")
-    chunk = prefill_chunk(engine_options(kv, prefill), p.geometry, ctx, device)
+    chunk = prefill_chunk(option, p.geometry, ctx, device)
     tier = start_tier(model, device, max_context=ctx, kv=kv, chunk=chunk, expert_cache=expert_cache,
                       expert_profile=expert_profile, vram_budget_mib=vram_budget_mib, vram_reserve_mib=vram_reserve_mib,
                       who="strata generate")
@@ -395,7 +395,7 @@ def _perplexity(pack, file, ctx, max_windows, save_logits, kl_base, kv, option, 
     from strata.index_format.manifest import pack_fingerprint
 
     base = read_kl_base(kl_base) if kl_base is not None else None  # a bad base file fails before the load
-    p, model, _ = load_model(pack, native, ple_gguf, pool_workers, who, prompt_path=option != 0)
+    p, model, _ = load_model(pack, native, ple_gguf, pool_workers, who, option)
     ids = Tokenizer.load(p.tokenizer_path).encode(Path(file).read_text(encoding="utf-8"))
     wins = P.windows(ids, ctx)[:max_windows]
     chunk = prefill_chunk(option, p.geometry, ctx, tier["device"])

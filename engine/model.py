@@ -39,7 +39,7 @@ from .qsa import QSACache, QSALayer
 from .weights import Input
 
 F32 = np.float32
-# Model.warm_up's prompt chunks: copies of one token (their experts get them all: many tokens per
+# Model.warm_up's prompt chunks: copies of one token (routed nearly alike: many tokens per
 # matrix) and distinct tokens (about one per routed expert)
 WARM_SAME, WARM_DISTINCT = 16, 8
 

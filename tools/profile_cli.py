@@ -106,7 +106,7 @@ def _run(pack_dir, docs, out, max_tokens, held_out, ctx, option, kv, pool_worker
     from strata.index_format.routing_trace import TraceWriter
     from strata.tools import profile as P
 
-    pack, model, _ = load_model(pack_dir, native, ple_gguf, pool_workers, WHO)
+    pack, model, _ = load_model(pack_dir, native, ple_gguf, pool_workers, WHO, option)
     g = pack.geometry
     tok = Tokenizer.load(pack.tokenizer_path)
     calib = P.plan_calibration([tok.encode(d) for d in docs], held_out, max_tokens)
