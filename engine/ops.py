@@ -300,7 +300,7 @@ def single_blas_thread() -> None:
 # temporaries per chunk, so every chunk faulted them in again: 4096 tokens of seed-4l in 1024-token
 # chunks spent 2.3 s of system time in 13.5 s (180-230K page faults). Kept in the process (mmap
 # only above 32 MiB, glibc's largest threshold; no trimming) that fell to 0.5 s and the prompt ran
-# 12% faster (302 -> 340 tok/s, side by side); the token path did not change (measured).
+# 12% faster (302 -> 340 tok/s, back-to-back runs); the token path did not change (measured).
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
 
 
