@@ -276,9 +276,13 @@ PARALLEL_MIN_STATE = 1 << 18  # f32 elements of S per layer (production: 48 * 12
 
 
 def delta_rule_step(S, q, k, v, g, beta, out) -> None:
-    """One token of the gated delta rule (see _delta_rule), threaded when the state is large."""
-    kernel = _delta_rule_parallel if S.size >= PARALLEL_MIN_STATE and cpu.get_threads() > 1 else _delta_rule_serial
-    kernel(S, q, k, v, g, beta, out)
+    """One token of the gated delta rule (see _delta_rule), threaded when the state is large (by
+    size alone, like cpu._launch: a change of thread count must not compile the other variant)."""
+    if S.size >= PARALLEL_MIN_STATE:
+        cpu.use_threads()
+        _delta_rule_parallel(S, q, k, v, g, beta, out)
+    else:
+        _delta_rule_serial(S, q, k, v, g, beta, out)
 
 
 GDN_CHUNK = 64  # transformers' chunk_size for chunk_gated_delta_rule

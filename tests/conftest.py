@@ -22,7 +22,7 @@ _RUNTIMES: dict[str, object] = {}  # one per process: CuPy's runtime, and the em
 
 @pytest.fixture(scope="module")
 def one_thread():
-    before = cpu.get_threads()
+    before = cpu.threads_cap()
     cpu.set_threads(1)
     yield
     cpu.set_threads(before)

@@ -22,7 +22,7 @@ def pack_dir(tmp_path_factory):
 
 @pytest.fixture(autouse=True)
 def restore_threads():
-    before = cpu.get_threads()
+    before = cpu.threads_cap()
     yield
     cpu.set_threads(before)
 

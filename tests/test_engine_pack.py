@@ -82,7 +82,7 @@ def test_a_bf16_pack_runs_the_f32_model_exactly(tmp_path):
     from strata.engine.kernels import cpu
     from strata.engine.model import Model
 
-    before = cpu.get_threads()
+    before = cpu.threads_cap()
     cpu.set_threads(1)
     try:
         logits = []

@@ -41,7 +41,7 @@ def rng():
 
 @pytest.fixture
 def threads():
-    before = cpu.get_threads()
+    before = cpu.threads_cap()
     yield cpu.set_threads
     cpu.set_threads(before)
 

@@ -28,7 +28,7 @@ TEXT = ("The prompt path feeds a chunk of tokens at once; the decode path feeds 
 
 @pytest.fixture(autouse=True)
 def restore_threads():
-    before = cpu.get_threads()
+    before = cpu.threads_cap()
     yield
     cpu.set_threads(before)
 

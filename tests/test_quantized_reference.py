@@ -94,7 +94,7 @@ def _pack(ggufs, out, arch):
 
 @contextlib.contextmanager
 def _one_thread():
-    before = cpu.get_threads()
+    before = cpu.threads_cap()
     cpu.set_threads(1)  # tiny matrices: threads cost more than they give
     try:
         yield

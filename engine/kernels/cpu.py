@@ -40,7 +40,7 @@ from numba import njit, prange
 from strata.index_format.ggml_types import ggml_type
 
 from . import iq_tables as T
-from . import panel, simd
+from . import panel, simd, threads
 from .actq import QA, ActQ
 from .engine_form import F16_TO_F32
 from .jit import JIT, cached
@@ -630,22 +630,48 @@ def _use_panel(t, tokens_per_matrix: float, n_out: int) -> bool:
 # ---------------------------------------------------------------------------------------------
 # public API
 
-_threads = numba.config.NUMBA_NUM_THREADS
+_fixed: int | None = None  # set_threads' cap; None: the governor's count (threads.py)
+_governor: threads.Governor | None = None
 
 
-def set_threads(n: int) -> None:
-    """Cap the kernels' CPU threads (the engine's --pool-workers). Applies to every calling thread:
-    numba's own setting is per thread, so each call re-applies it where it runs."""
-    global _threads
+def set_threads(n: int | None) -> None:
+    """Cap the kernels' CPU threads (the engine's --pool-workers), or None: follow the cores other
+    processes leave free (threads.Governor, the default). Applies to every calling thread: numba's
+    own setting is per thread, so each launch re-applies it where it runs."""
+    global _fixed
+    if n is None:
+        _fixed = None
+        return
     hi = numba.config.NUMBA_NUM_THREADS
     if not 1 <= int(n) <= hi:
         raise ValueError(f"set_threads: {n} threads asked for, this process has 1..{hi} (NUMBA_NUM_THREADS)")
-    _threads = int(n)
-    numba.set_num_threads(_threads)
+    _fixed = int(n)
+    numba.set_num_threads(_fixed)
+
+
+def governor() -> threads.Governor:
+    global _governor
+    if _governor is None:
+        _governor = threads.Governor(numba.config.NUMBA_NUM_THREADS)
+    return _governor
 
 
 def get_threads() -> int:
-    return _threads
+    """The threads a kernel launched now uses: the cap, or the governor's count."""
+    return _fixed if _fixed is not None else governor().threads()
+
+
+def threads_cap() -> int | None:
+    """set_threads' argument in force (None: the governor decides)."""
+    return _fixed
+
+
+def use_threads() -> int:
+    """get_threads(), applied to numba's per-thread setting for the parallel kernel launched next."""
+    n = get_threads()
+    if numba.get_num_threads() != n:
+        numba.set_num_threads(n)
+    return n
 
 
 # Below this much work (weight elements x tokens: multiply-adds) a call runs on the calling
@@ -657,12 +683,16 @@ SERIAL_BELOW = 1 << 18
 
 
 def _launch(n_out: int, work: int) -> tuple[bool, int]:
-    """(parallel, chunks) for a call of `work` multiply-adds over n_out rows."""
-    if _threads == 1 or work < SERIAL_BELOW or n_out == 1:
+    """(parallel, chunks) for a call of `work` multiply-adds over n_out rows.
+
+    Which kernel variant runs depends only on the work, not on the thread count: the parallel
+    variant runs on one thread too (a region of one thread costs ~2.5 us), so a change of thread
+    count while a model runs (the governor's) never compiles the other variant in the middle of
+    a decode (a compile costs seconds)."""
+    if work < SERIAL_BELOW or n_out == 1:
         return False, 1
-    if numba.get_num_threads() != _threads:
-        numba.set_num_threads(_threads)
-    return True, min(n_out, 4 * _threads)
+    n = use_threads()
+    return True, 1 if n == 1 else min(n_out, 4 * n)
 
 
 def _check_raw(raw: np.ndarray, t, n_in: int, n_out: int, where: str) -> np.ndarray:
@@ -803,7 +833,7 @@ def matmul_grouped(raw: np.ndarray, type_id: int, n_in: int, n_out: int, offsets
     if len(items) == 0:
         return out
     parallel, _ = _launch(len(items), n_in * n_out * n_tok)
-    workers = _threads if parallel else 1
+    workers = numba.get_num_threads() if parallel else 1  # _launch set it
     bounds = _balance(items, starts, min(len(items), GROUP_CHUNKS * workers))
     live = np.count_nonzero(np.diff(starts))
     kernel = _panel(t.name, True, parallel) if _use_panel(t, n_tok / live, n_out) else _grouped(t.name, parallel)
