@@ -73,7 +73,7 @@ def generate(
     kv: str = typer.Option("f16", "--kv", help="KV cache type: f16, int8 (an f32 scale per 32 values) or f32 (exact)"),
     prefill: str = typer.Option("auto", "--prefill", help="the prompt in chunks of CHUNK tokens (the batched prompt "
                                 "path), auto (256, less when memory is short) or off (token by token)"),
-    pool_workers: Optional[int] = typer.Option(None, "--pool-workers", help="hard cap on CPU threads"),
+    pool_workers: Optional[int] = typer.Option(None, "--pool-workers", help="CPU threads (default: the cores other processes leave free, re-measured as it runs)"),
     device: str = device_option(),
     expert_cache: str = expert_cache_option(),
     expert_profile: Optional[Path] = expert_profile_option(),
@@ -185,9 +185,11 @@ def load_model(pack, native, ple_gguf, pool_workers, who: str, prefill: int | No
     from strata.engine.model import Model
     from strata.engine.ops import reuse_freed_memory, single_blas_thread
     from strata.engine.pack import Pack
+    from strata.engine.warm import helper_argv, warm_up
 
-    if pool_workers is not None:
-        cpu.set_threads(pool_workers)
+    cpu.set_threads(pool_workers)
+    if pool_workers is None:
+        cpu.governor().settle()  # the cores other processes leave free (kernels/threads.py)
     single_blas_thread()
     reuse_freed_memory()
     t0 = time.perf_counter()
@@ -195,7 +197,7 @@ def load_model(pack, native, ple_gguf, pool_workers, who: str, prefill: int | No
     for w in p.warnings:
         typer.echo(f"{who}: warning: {w}", err=True)
     model = Model(p)
-    model.warm_up(prompt_path=prefill != 0)
+    warm_up(model, prefill != 0, helper_argv(pack, native, ple_gguf), lambda line: typer.echo(f"{who}: {line}", err=True))
     return p, model, time.perf_counter() - t0
 
 
@@ -295,6 +297,10 @@ class _LogitsRecorder:
 def format_stats(pack, load_s: float, result, session, seed: int, threads: int, device: str, chunk: int, tier=None) -> str:
     from tabulate import tabulate
 
+    from strata.engine.kernels import cpu
+
+    cpu_auto = cpu.threads_cap() is None
+
     g = pack.geometry
     how = f"chunks of {chunk}" if chunk > 1 else "token by token"
     lines = [
@@ -303,7 +309,8 @@ def format_stats(pack, load_s: float, result, session, seed: int, threads: int, 
         f"prefill  {len(result.prompt)} tokens in {result.prefill_s:.3f} s -> {result.prefill_tps:.2f} tok/s ({how})",
         f"decode   {len(result.tokens)} tokens in {result.decode_s:.3f} s -> {result.decode_tps:.2f} tok/s "
         f"(stop: {result.stop})",
-        f"device   {'gpu tier' if tier else 'cpu'} (--device {device}), {threads} CPU threads; sampling seed {seed}",
+        f"device   {'gpu tier' if tier else 'cpu'} (--device {device}), {threads} CPU threads"
+        f"{' (auto: the cores other processes leave free)' if cpu_auto else ''}; sampling seed {seed}",
         memory_table(pack, session),
         "expert routing counts per layer (token-expert pairs over all fed positions):",
     ]
@@ -360,7 +367,7 @@ def perplexity(
                                            "BASE.bin (saved with --save-logits from the same text and --ctx)"),
     kv: str = typer.Option("f16", "--kv", help="KV cache type: f16, int8 or f32"),
     prefill: str = typer.Option("auto", "--prefill", help="chunk of the batched prompt path: auto, CHUNK or off"),
-    pool_workers: Optional[int] = typer.Option(None, "--pool-workers", help="hard cap on CPU threads"),
+    pool_workers: Optional[int] = typer.Option(None, "--pool-workers", help="CPU threads (default: the cores other processes leave free, re-measured as it runs)"),
     device: str = device_option(),
     expert_cache: str = expert_cache_option(),
     expert_profile: Optional[Path] = expert_profile_option(),

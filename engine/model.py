@@ -352,22 +352,40 @@ class Model:
     def new_session(self, max_context: int, kv: str = "f32") -> Session:
         return Session(self, max_context, kv)
 
-    def warm_up(self, prompt_path: bool = True) -> None:
+    def warm_up(self, prompt_path: bool = True, token: bool = True) -> None:
         """Throwaway work in scratch sessions, so the kernels compile (Numba, on first call) or load
-        from the disk cache while loading, not inside the first tokens' time: a few steps (QSA
-        selects only once a block is complete), then, with `prompt_path`, two prompt chunks:
-        WARM_SAME copies of one token, which route nearly alike (many tokens per expert: the panel
-        kernels, grouped), and WARM_DISTINCT different tokens, about one per expert (the row
-        kernels). Without them the prompt path compiled inside the first prompt on a fresh
-        install: seed-4l's first 1024 tokens took 36 s, then 3 s (2026-11-30)."""
-        n = self.geometry.idx_compress_ratio + 1
-        s = self.new_session(n)
-        for _ in range(n):
-            self.step(s, 0)
+        from the disk cache while loading, not inside the first tokens' time: `warm_up_token`, then
+        with `prompt_path` `warm_up_prompt`, else the steps up to QSA's first block selection.
+        Without the prompt chunks the prompt path compiled inside the first prompt on a fresh
+        install: seed-4l's first 1024 tokens took 36 s, then 3 s (2026-11-30). `token` False: the
+        token step was warmed up already (engine/warm.py)."""
+        if token:
+            self.warm_up_token()
         if prompt_path:
-            s = self.new_session(WARM_SAME + WARM_DISTINCT)
-            self.forward(s, np.zeros(WARM_SAME, np.int64), n_logits=0)
-            self.forward(s, np.arange(1, WARM_DISTINCT + 1) % self.geometry.n_vocab, n_logits=1)
+            self.warm_up_prompt()
+        elif self.geometry.idx_compress_ratio:
+            # QSA selects blocks only once one is complete: step up to it (without the prompt
+            # path, whose chunk would get there in one call)
+            s = self.new_session(self.geometry.idx_compress_ratio + 1)
+            for _ in range(self.geometry.idx_compress_ratio + 1):
+                self.step(s, 0)
+
+    def warm_up_token(self) -> None:
+        """One token step: every kernel of the token path but QSA's block selection."""
+        self.step(self.new_session(1), 0)
+
+    def warm_up_prompt(self, select: bool = True) -> None:
+        """Two prompt chunks: copies of one token, which route nearly alike (many tokens per expert:
+        the panel kernels, grouped), at least a QSA block long, then WARM_DISTINCT different
+        tokens, about one per expert (the row kernels); with `select`, one token step after them,
+        which selects among the complete blocks (QSA's top-k). The warm-up took 33-65 throwaway
+        token steps to reach a complete block before (~11 s of a 17-43 s warm start of the demo)."""
+        same = max(WARM_SAME, self.geometry.idx_compress_ratio)
+        s = self.new_session(same + WARM_DISTINCT + 1)
+        self.forward(s, np.zeros(same, np.int64), n_logits=0)
+        self.forward(s, np.arange(1, WARM_DISTINCT + 1) % self.geometry.n_vocab, n_logits=1)
+        if select:
+            self.step(s, 0)
 
     def _check(self, s: Session, tokens) -> None:
         if s.pos + len(tokens) > s.max_context:

@@ -24,6 +24,7 @@ tests/test_kernels_cpu.py checks that a second process loads instead of compilin
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import inspect
 import sys
@@ -53,13 +54,36 @@ def _stamp(paths) -> str:
 _KERNEL_STAMP = _stamp(Path(__file__).parent / name for name in _SOURCES)
 
 
+# Called with a kernel's tag when it is not in the disk cache and is about to compile (seconds
+# each): the command line says so while a first start compiles (docs/engine.md, "first start").
+_listeners: list = []
+
+
+@contextlib.contextmanager
+def on_compile(fn):
+    """fn(tag, cache directory) for every kernel compiled (not loaded from the disk cache) inside the block."""
+    _listeners.append(fn)
+    try:
+        yield
+    finally:
+        _listeners.remove(fn)
+
+
 class _KernelCache(FunctionCache):
     def __init__(self, py_func, name: str):
         super().__init__(py_func)  # raises RuntimeError when no directory is writable
+        self.tag = name
         base = f"strata-{name}.py{sys.version_info[0]}{sys.version_info[1]}"
         # the function's own file too: a user outside this package (engine/ops.py) is covered
         stamp = _KERNEL_STAMP + _stamp([Path(inspect.getfile(py_func))])
         self._cache_file = IndexDataCacheFile(self._cache_path, base, stamp)
+
+    def load_overload(self, sig, target_context):
+        found = super().load_overload(sig, target_context)
+        if found is None:
+            for fn in list(_listeners):
+                fn(self.tag, self._cache_path)
+        return found
 
     def _index_key(self, sig, codegen):
         # numba's key adds a pickle of the closure's cells: our kernels close over dispatchers,
