@@ -138,7 +138,7 @@ class BudgetOptions:
 
     def __post_init__(self) -> None:
         if self.max_context < 1:
-            raise BudgetError(f"--max-context {self.max_context}: expected at least 1")
+            raise BudgetError(f"--ctx-size {self.max_context}: expected at least 1")
         if self.kv not in KV_TYPES:
             raise BudgetError(f"--kv {self.kv!r}: expected one of {', '.join(KV_TYPES)}")
         for name in ("vram_reserve_mib", "prefill_chunk", "drafter_bytes", "draft_bind_bytes", "spec"):
@@ -442,7 +442,7 @@ def low_memory_warning(final_free: int) -> str | None:
     """The serve check's line when less than 256 MiB is left after startup (S7), else None."""
     if final_free >= LOW_MIB * MiB:
         return None
-    fix = "lower --max-context or --expert-cache, or use --kv int8"
+    fix = "lower --ctx-size or --expert-cache, or use --kv int8"
     if final_free < 0:
         return f"LOW: the plan needs {-final_free / MiB:.1f} MiB more device memory than there is: {fix}"
     return (f"LOW: {final_free // MiB} MiB of device memory free after startup (below {LOW_MIB} MiB): "
@@ -561,7 +561,7 @@ def plan_slots(free_at_open: int, o: BudgetOptions, slot_bytes: int, n_pairs: in
     problems = []
     if free_at_open < 0:
         problems.append(f"the weights and the session need {-free_at_open / MiB:.1f} MiB more than the card has free: "
-                        "lower --max-context, use --kv int8, or use a larger card")
+                        "lower --ctx-size, use --kv int8, or use a larger card")
     pf = prefill_mib(o.prefill_chunk, borrowed=o.prefill_borrowed)
     if o.expert_cache is not None:
         # an explicit N is checked against the reserve as asked; adapting is for auto only

@@ -13,11 +13,12 @@ from typing import Optional
 
 import typer
 
-from strata.engine.cli import run_app
+from strata.engine.cli import CONTEXT_SETTINGS, model_argument, model_option, resolve_pack, run_app, version_option
 
 app = typer.Typer(
     add_completion=False,
     no_args_is_help=True,
+    context_settings=CONTEXT_SETTINGS,
     help="Convert a qwen4exp / qwen35moe GGUF into a Strata pack (dense weights copied, experts referenced in place).",
 )
 
@@ -63,6 +64,11 @@ def _convert(ggufs, out, ple_gguf, force, compress_ratio, command: str) -> None:
     typer.echo(f"strata-pack {command}: wrote {out}", err=True)
 
 
+@app.callback()
+def _strata_pack(version: bool = version_option()) -> None:
+    """Convert a qwen4exp / qwen35moe GGUF into a Strata pack (dense weights copied, experts referenced in place)."""
+
+
 @app.command()
 def convert(
     ggufs: list[Path] = typer.Argument(..., metavar="GGUF", help="the model's GGUF (any shard of a split one finds the rest)"),
@@ -85,7 +91,8 @@ def convert(
 
 @app.command()
 def verify(
-    pack_dir: Path = typer.Argument(..., metavar="PACK", help="the pack directory"),
+    pack_arg: Optional[Path] = model_argument(),
+    pack: Optional[Path] = model_option(),
     gguf_dir: Optional[Path] = typer.Option(
         None, "--gguf-dir", help="where the source GGUFs are now (default: where they were at pack time, sources.txt)"
     ),
@@ -95,9 +102,12 @@ def verify(
     from strata.tools.pack import verify_pack
 
     try:
+        pack_dir = resolve_pack(pack_arg, pack)
         report = verify_pack(pack_dir, gguf_dir=gguf_dir, full=full)
     except KeyboardInterrupt:
         raise _interrupted("verify") from None
+    except _INPUT_ERRORS as e:
+        raise _fail("verify", str(e)) from None
     if not report.ok:
         raise _fail("verify", "\n".join(report.problems + [f"{pack_dir}: NOT OK ({len(report.problems)} problem(s))"]))
     typer.echo(_table(report.checks, ["check", "result"]))
