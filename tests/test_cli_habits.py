@@ -172,3 +172,27 @@ def test_budget_spellings_agree(pack_dir, capsys):
     short = capsys.readouterr().out
     assert budget_cli.main([str(pack_dir), "--max-context", "64", "--vram-gib", "1"]) == 0
     assert capsys.readouterr().out == short and "--ctx-size 64" in short
+
+
+def test_chat_system_turn_and_thinking_switch(pack_dir, capsys):
+    tok = Tokenizer.load(pack_dir / "tokenizer.txt")
+    assert _gen("-m", str(pack_dir), "-t", "1", "--chat", "--system", "Be brief.", "-p", "hi", "-n", "1", "--stats") == 0
+    # the fixture's ChatML template, rendered by hand: a system turn, the user turn, the assistant's opening
+    text = "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    assert f"prefill  {len(tok.encode(text))} tokens" in capsys.readouterr().err
+    assert _gen("-m", str(pack_dir), "--system", "x", "-p", "hi") == 2
+    assert "give --chat too" in capsys.readouterr().err
+
+
+def test_chat_on_a_pack_without_a_template_is_refused(pack_dir, capsys, monkeypatch):
+    real = Tokenizer.load
+
+    def load(path):
+        tok = real(path)
+        tok.chat_template = None  # as a GGUF without tokenizer.chat_template packs
+        return tok
+
+    monkeypatch.setattr(Tokenizer, "load", staticmethod(load))
+    assert _gen("-m", str(pack_dir), "-t", "1", "--chat", "-p", "hi", "-n", "1") == 1
+    err = capsys.readouterr().err
+    assert "has no chat template" in err and "without --chat" in err and "Traceback" not in err
