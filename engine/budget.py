@@ -95,7 +95,7 @@ _CATEGORIES = (
     (G.ROUTER, "router weights"),
     (G.NORM, "norm weights"),
     (G.PLE, "PLE projection weights"),
-    (G.HEAD, "LM head (loaded before the cache is sized, S7)"),
+    (G.HEAD, "LM head (loaded before the cache is sized)"),
 )
 
 
@@ -367,7 +367,7 @@ def _weight_items(index: PackIndex, experts: NativeExperts, g: ModelGeometry, pl
     items.append(Item("host.embedding", "embedding table (mapped pool.bin)", host_embd, WEIGHTS, HOST))
     items.append(Item("host.small", "norm gains, conv kernels, ssm_a/dt (f32 on the host)", host_small, WEIGHTS, HOST))
     if g.ple_layers:
-        items.append(Item("host.ple_table", "PLE table (read through the page cache, S16)",
+        items.append(Item("host.ple_table", "PLE table (read through the page cache)",
                           ple_table_bytes or 0, WEIGHTS, HOST))
     # the CPU misses read the experts in place from the GGUF, never copied (S5)
     items.append(Item("host.experts", f"routed experts ({len(experts.layers)} layers x {experts.n_expert}, mapped GGUF)",
@@ -584,7 +584,7 @@ def _warnings(free_at_open: int, reserve: Reserve, after_bytes: int, cache_bytes
     out = []
     if reserve.adapted:
         out.append(f"small card: the reserve shrinks from {reserve.asked_mib} to {reserve.headroom_mib} MiB of headroom "
-                   "so the cache still gets the slots a 256-token prompt chunk's buffers take, or every pair (S7)")
+                   "so the cache still gets the slots a 256-token prompt chunk's buffers take, or every pair")
     if after_bytes > reserve.bytes:
         out.append(f"the allocations after the cache ({after_bytes / MiB:.1f} MiB) exceed the reserve "
                    f"({reserve.bytes / MiB:.1f} MiB): raise --vram-reserve-mib")

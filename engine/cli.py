@@ -228,7 +228,7 @@ def start_tier(model, device: str, *, max_context: int, kv: str, chunk: int, exp
 def prefill_chunk(option: int | None, geometry, max_context: int, device: str) -> int:
     """The chunk --prefill asked for; auto: budget.auto_prefill_chunk from the memory available now,
     starting from the GPU tier's 256-token chunk when --device gives one (its device buffers are
-    planned for it, S8), else from the CPU's 1024."""
+    planned for it), else from the CPU's 1024."""
     from strata.engine.budget import PREFILL_AUTO_CHUNK, PREFILL_AUTO_CHUNK_CPU, auto_prefill_chunk
     from strata.engine.kernels import gpu
 
@@ -426,7 +426,7 @@ def hit_table(tier) -> str:
 
 
 def memory_table(pack, session) -> str:
-    """The session's state as measured, beside what strata-budget predicts for the same options (B3)."""
+    """The session's state as measured, beside what strata-budget predicts for the same options (the prediction is the allocation)."""
     from tabulate import tabulate
 
     from strata.engine.budget import BudgetOptions, plan_budget

@@ -1,7 +1,7 @@
 """`strata-budget`: what the GPU engine will allocate for a pack, stage by stage, before a 10-minute load.
 
 Thin on purpose: it reads the pack with the strict readers, asks engine/budget.py for the plan the
-GPU engine allocates from (so the prediction is the allocation, B3), and formats it. The report goes
+GPU engine allocates from (so the prediction is the allocation), and formats it. The report goes
 to stdout; problems that would make the engine refuse to start go to stderr with exit status 1.
 """
 
@@ -130,7 +130,7 @@ def _report(pack_dir: Path, opts, free: int | None, profile_path: Path | None) -
 
 
 def format_report(b, title: str, profile=None, curve=None) -> str:
-    """The table of items by stage, then the reserve, the slots (S8's line) and the fill (S9's line)."""
+    """The table of items by stage, then the reserve, the slots (the auto formula's line) and the fill policy's line."""
     from tabulate import tabulate
 
     from strata.engine.budget import DEVICE, STAGES
