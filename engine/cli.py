@@ -46,7 +46,7 @@ def model_option():
 
 def threads_option():
     return typer.Option(None, "-t", "--threads", "--pool-workers", metavar="N", show_default=False,
-                        help="hard cap on CPU threads (default: every core the process may use)")
+                        help="hard cap on CPU threads (default: the engine's choice for this machine; generate --stats prints it)")
 
 
 def ctx_option(default, seed_spelling: str, help: str):
