@@ -32,7 +32,9 @@ stored norms (1 + w folded, or ssm_norm as is) are near 1; ssm_a = -exp(A_log) i
 ssm_dt.bias is softplus^-1 of dt in [1e-3, 1e-1] (transformers' init). The router is SKEWED, as
 in real models, so that a routing profile matters: every token embedding carries a shared
 direction u, and every router row carries u with a Zipf-distributed strength over a random
-permutation of the experts, so a few experts per layer are hot for most tokens.
+permutation of the experts, so a few experts per layer are hot for most tokens. The output head's
+rows of tokens that do not decode to printable ASCII are zero (printable_tokens), so the demo's
+random text still prints.
 
 Generation streams: each tensor is produced in chunks by its own RNG, seeded from (seed, tensor
 name), so the same seed gives byte-identical files and no tensor is ever whole in memory.
