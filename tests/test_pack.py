@@ -295,6 +295,22 @@ def test_ple_shard_missing_says_to_pass_it(tmp_path):
     no_leftovers(tmp_path / "pack")
 
 
+def test_a_gguf_without_a_chat_template_is_reported(tmp_path, capsys):
+    from strata.tools.gguf_io import read_gguf
+
+    src = read_gguf(build(tmp_path, "qwen35moe").files[0])
+    dst = tmp_path / "no-template.gguf"
+    w = GGUFWriter(dst)
+    w.kv = {k: v for k, v in src.kv.items() if k != "tokenizer.chat_template"}
+    for name, t in src.tensors.items():
+        w.add_tensor(name, t.shape, t.type_id, lambda name=name: np.asarray(src.tensor_bytes(name)))
+    w.write()
+    assert main(["convert", str(dst), "-o", str(tmp_path / "pack")]) == 0
+    err = capsys.readouterr().err
+    assert "warning: the GGUF has no tokenizer.chat_template: strata generate --chat is refused for this pack" in err
+    assert read_tokenizer(tmp_path / "pack" / "tokenizer.txt").chat_template is None
+
+
 def test_all_zero_compress_ratios_warn_and_need_the_ratio(tmp_path, capsys):
     m = build(tmp_path, meta=[(0, 0, 0, 0)])
     out = tmp_path / "pack"
