@@ -95,7 +95,7 @@ _CATEGORIES = (
     (G.ROUTER, "router weights"),
     (G.NORM, "norm weights"),
     (G.PLE, "PLE projection weights"),
-    (G.HEAD, "LM head (loaded before the cache is sized, S7)"),
+    (G.HEAD, "LM head (loaded before the cache is sized)"),
 )
 
 
@@ -138,7 +138,7 @@ class BudgetOptions:
 
     def __post_init__(self) -> None:
         if self.max_context < 1:
-            raise BudgetError(f"--max-context {self.max_context}: expected at least 1")
+            raise BudgetError(f"--ctx-size {self.max_context}: expected at least 1")
         if self.kv not in KV_TYPES:
             raise BudgetError(f"--kv {self.kv!r}: expected one of {', '.join(KV_TYPES)}")
         for name in ("vram_reserve_mib", "prefill_chunk", "drafter_bytes", "draft_bind_bytes", "spec"):
@@ -367,7 +367,7 @@ def _weight_items(index: PackIndex, experts: NativeExperts, g: ModelGeometry, pl
     items.append(Item("host.embedding", "embedding table (mapped pool.bin)", host_embd, WEIGHTS, HOST))
     items.append(Item("host.small", "norm gains, conv kernels, ssm_a/dt (f32 on the host)", host_small, WEIGHTS, HOST))
     if g.ple_layers:
-        items.append(Item("host.ple_table", "PLE table (read through the page cache, S16)",
+        items.append(Item("host.ple_table", "PLE table (read through the page cache)",
                           ple_table_bytes or 0, WEIGHTS, HOST))
     # the CPU misses read the experts in place from the GGUF, never copied (S5)
     items.append(Item("host.experts", f"routed experts ({len(experts.layers)} layers x {experts.n_expert}, mapped GGUF)",
@@ -442,7 +442,7 @@ def low_memory_warning(final_free: int) -> str | None:
     """The serve check's line when less than 256 MiB is left after startup (S7), else None."""
     if final_free >= LOW_MIB * MiB:
         return None
-    fix = "lower --max-context or --expert-cache, or use --kv int8"
+    fix = "lower --ctx-size or --expert-cache, or use --kv int8"
     if final_free < 0:
         return f"LOW: the plan needs {-final_free / MiB:.1f} MiB more device memory than there is: {fix}"
     return (f"LOW: {final_free // MiB} MiB of device memory free after startup (below {LOW_MIB} MiB): "
@@ -561,7 +561,7 @@ def plan_slots(free_at_open: int, o: BudgetOptions, slot_bytes: int, n_pairs: in
     problems = []
     if free_at_open < 0:
         problems.append(f"the weights and the session need {-free_at_open / MiB:.1f} MiB more than the card has free: "
-                        "lower --max-context, use --kv int8, or use a larger card")
+                        "lower --ctx-size, use --kv int8, or use a larger card")
     pf = prefill_mib(o.prefill_chunk, borrowed=o.prefill_borrowed)
     if o.expert_cache is not None:
         # an explicit N is checked against the reserve as asked; adapting is for auto only
@@ -584,7 +584,7 @@ def _warnings(free_at_open: int, reserve: Reserve, after_bytes: int, cache_bytes
     out = []
     if reserve.adapted:
         out.append(f"small card: the reserve shrinks from {reserve.asked_mib} to {reserve.headroom_mib} MiB of headroom "
-                   "so the cache still gets the slots a 256-token prompt chunk's buffers take, or every pair (S7)")
+                   "so the cache still gets the slots a 256-token prompt chunk's buffers take, or every pair")
     if after_bytes > reserve.bytes:
         out.append(f"the allocations after the cache ({after_bytes / MiB:.1f} MiB) exceed the reserve "
                    f"({reserve.bytes / MiB:.1f} MiB): raise --vram-reserve-mib")

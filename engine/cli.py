@@ -16,9 +16,13 @@ from typing import Optional
 
 import typer
 
+# llama.cpp's habit: -h is --help, on every command of every Strata CLI.
+CONTEXT_SETTINGS = {"help_option_names": ["-h", "--help"]}
+
 app = typer.Typer(
     add_completion=False,
     no_args_is_help=True,
+    context_settings=CONTEXT_SETTINGS,
     help="Strata engine: run a packed MoE model (dense weights and hot experts on the GPU, the rest on the CPU).",
 )
 
@@ -27,13 +31,66 @@ _INPUT_ERRORS = (ValueError, OSError, NotImplementedError)
 DEVICES = ("cpu", "gpu", "auto")
 
 
+# The flags every Strata command spells the same way (one definition each): the model, the
+# threads, the context, the version. llama.cpp's spellings first (-m, -t, -c), Strata's older
+# spellings kept as aliases of the same option.
+def model_argument():
+    return typer.Argument(None, metavar="PACK", show_default=False,
+                          help="the pack directory (strata-pack convert makes one from a GGUF); or give it with -m")
+
+
+def model_option():
+    return typer.Option(None, "-m", "--model", "--pack", metavar="PACK", show_default=False,
+                        help="the pack directory (same as the PACK argument)")
+
+
+def threads_option():
+    return typer.Option(None, "-t", "--threads", "--pool-workers", metavar="N", show_default=False,
+                        help="CPU threads (default: the cores other processes leave free, re-measured as it runs; generate --stats prints it)")
+
+
+def ctx_option(default, seed_spelling: str, help: str):
+    """-c/--ctx-size on every command; `seed_spelling` (--max-context, --ctx) is the same option's
+    older name there, still accepted."""
+    return typer.Option(default, "-c", "--ctx-size", seed_spelling, metavar="N", help=help)
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        from strata import __version__
+
+        typer.echo(__version__)
+        raise typer.Exit(0)
+
+
+def version_option():
+    return typer.Option(False, "--version", is_eager=True, callback=_print_version, help="print the version and exit")
+
+
+def resolve_pack(positional: Path | None, option: Path | None) -> Path:
+    """The pack from PACK or -m PACK (one of them, or both the same); a GGUF is refused with the
+    command that packs it (the engine reads packs only: the tools own GGUF parsing)."""
+    if positional is None and option is None:
+        raise ValueError("no model: give the pack directory as PACK or -m PACK")
+    if positional is not None and option is not None and Path(positional) != Path(option):
+        raise ValueError(f"two models: PACK {positional} and -m {option}; give one")
+    pack = Path(positional if positional is not None else option)
+    if pack.suffix.lower() == ".gguf" or pack.is_file():
+        name = pack.name.split("-00001-of-")[0].removesuffix(".gguf") or "model"
+        raise ValueError(f"-m {pack}: a GGUF file, not a pack directory. Pack it once (dense weights copied, "
+                         f"experts referenced in place): strata-pack convert {pack} -o packs/{name}, then "
+                         f"run with -m packs/{name}")
+    return pack
+
+
 # The GPU tier's flags, shared by generate, perplexity and strata-profile (one definition each).
 def device_option():
-    return typer.Option("auto", "--device", help="cpu, gpu or auto (auto: the GPU tier when CuPy sees a GPU)")
+    return typer.Option("auto", "--device", help="cpu, gpu or auto (auto: the GPU tier when CuPy sees a GPU, "
+                        "else the CPU; stderr says which and why)")
 
 
 def expert_cache_option():
-    return typer.Option("auto", "--expert-cache", help="GPU expert slots: auto (S8: what fits beside the reserve) "
+    return typer.Option("auto", "--expert-cache", help="GPU expert slots: auto (what fits beside the reserve) "
                         "or N (refused when it does not fit)")
 
 
@@ -56,24 +113,31 @@ def _fail(message: str, code: int = 1, who: str = "strata generate") -> typer.Ex
 
 @app.command()
 def generate(
-    pack: Path = typer.Option(..., "--pack", help="the pack directory (strata-pack convert)"),
+    pack_arg: Optional[Path] = model_argument(),
+    pack: Optional[Path] = model_option(),
     prompt: Optional[str] = typer.Option(None, "--prompt", "-p", help="prompt text"),
     prompt_file: Optional[Path] = typer.Option(None, "--prompt-file", "-f", help="read the prompt text from a file"),
     prompt_ids: Optional[str] = typer.Option(None, "--prompt-ids", help='token ids, e.g. "1 2 3" (no tokenizer)'),
-    n: int = typer.Option(128, "-n", "--n-predict", help="tokens to generate at most (stops earlier at EOS)"),
-    temp: float = typer.Option(0.8, "--temp", help="temperature; 0 is greedy"),
+    n: int = typer.Option(128, "-n", "--n-predict", help="tokens to generate at most (stops earlier at a stop token); "
+                          "-1: until a stop token or the context is full"),
+    ignore_eos: bool = typer.Option(False, "--ignore-eos", help="never sample a stop token: generate exactly -n tokens"),
+    temp: float = typer.Option(0.8, "--temp", help="temperature, as llama.cpp; 0 is greedy"),
     top_k: int = typer.Option(40, "--top-k", help="keep the k most likely tokens; 0 is off"),
     top_p: float = typer.Option(0.95, "--top-p", help="nucleus sampling mass; 1 is off"),
     min_p: float = typer.Option(0.05, "--min-p", help="drop tokens below min_p * p_max; 0 is off"),
     repeat_penalty: float = typer.Option(1.0, "--repeat-penalty", help="penalise the last 64 tokens; 1 is off"),
     seed: Optional[int] = typer.Option(None, "--seed", help="sampling seed (printed by --stats when not given)"),
-    chat: bool = typer.Option(False, "--chat", help="wrap the prompt in the model's chat template (one user turn)"),
-    max_context: Optional[int] = typer.Option(None, "--max-context", help="KV cache size in tokens (default: prompt + n); "
-                                              "a prompt + n beyond it is refused"),
+    chat: bool = typer.Option(False, "--chat", help="render the prompt as one user turn with the pack's own chat "
+                              "template, as transformers' apply_chat_template does"),
+    system: Optional[str] = typer.Option(None, "--system", help="with --chat: a system turn before the user's"),
+    think: Optional[bool] = typer.Option(None, "--think/--no-think", show_default=False,
+                                         help="with --chat: the template's enable_thinking (default: the template's own)"),
+    max_context: Optional[int] = ctx_option(None, "--max-context", "the context (KV cache size) in tokens; default: "
+                                            "prompt + n, or 4096 with -n -1; a prompt + n beyond it is refused"),
     kv: str = typer.Option("f16", "--kv", help="KV cache type: f16, int8 (an f32 scale per 32 values) or f32 (exact)"),
     prefill: str = typer.Option("auto", "--prefill", help="the prompt in chunks of CHUNK tokens (the batched prompt "
                                 "path), auto (256, less when memory is short) or off (token by token)"),
-    pool_workers: Optional[int] = typer.Option(None, "--pool-workers", help="CPU threads (default: the cores other processes leave free, re-measured as it runs)"),
+    pool_workers: Optional[int] = threads_option(),
     device: str = device_option(),
     expert_cache: str = expert_cache_option(),
     expert_profile: Optional[Path] = expert_profile_option(),
@@ -85,14 +149,18 @@ def generate(
     stats: bool = typer.Option(False, "--stats", help="print load time, tokens/s, session memory and expert routing "
                                "counts to stderr"),
 ) -> None:
-    """Generate text from a pack, streaming it to stdout."""
+    """Generate text from a pack, streaming it to stdout (stop tokens are not printed)."""
     if sum(s is not None for s in (prompt, prompt_file, prompt_ids)) != 1:
         raise _fail("give exactly one of --prompt, --prompt-file, --prompt-ids", 2)
     if device not in DEVICES:
         raise _fail(f"--device {device!r}: expected one of {', '.join(DEVICES)}", 2)
-    if n < 0:
-        raise _fail(f"-n {n}: expected >= 0", 2)
+    if n < -1:
+        raise _fail(f"-n {n}: expected -1 (until a stop token or the context is full) or a count >= 0", 2)
+    if (system is not None or think is not None) and not chat:
+        raise _fail("--system and --think/--no-think shape the chat template's turns: give --chat too", 2)
     try:
+        pack = resolve_pack(pack_arg, pack)
+        del pack_arg
         engine_options(kv, prefill)
         gpu_options(device, expert_cache, vram_budget_mib, vram_reserve_mib)
         _run(**locals())
@@ -129,12 +197,16 @@ def gpu_options(device: str, expert_cache: str, vram_budget_mib: int | None, vra
 
 def start_tier(model, device: str, *, max_context: int, kv: str, chunk: int, expert_cache: str = "auto",
                expert_profile=None, vram_budget_mib=None, vram_reserve_mib: int = 700, who: str):
-    """The GPU tier for --device gpu, or auto when CuPy sees a GPU (B5: without one, auto is the
-    CPU, not an error); None on the CPU. Its startup lines (S6's mem_marks) go to stderr."""
+    """The GPU tier for --device gpu, or auto when CuPy sees a GPU (without one, auto is the CPU,
+    not an error, and stderr says so and why); None on the CPU. Its startup lines (each stage's
+    memory) go to stderr."""
     from strata.engine.gpu_tier import GpuTier, TierOptions
     from strata.engine.kernels import gpu
 
     ok, why = (False, "--device cpu") if device == "cpu" else gpu.available()
+    if device == "auto":
+        where = f"CUDA GPU {why}; running the GPU tier" if ok else f"no CUDA GPU ({why}); running on the CPU"
+        typer.echo(f"{who}: --device auto: {where}", err=True)
     if not ok:
         if device == "gpu":
             raise ValueError(f"--device gpu: {why}; run with --device cpu (or auto)")
@@ -156,7 +228,7 @@ def start_tier(model, device: str, *, max_context: int, kv: str, chunk: int, exp
 def prefill_chunk(option: int | None, geometry, max_context: int, device: str) -> int:
     """The chunk --prefill asked for; auto: budget.auto_prefill_chunk from the memory available now,
     starting from the GPU tier's 256-token chunk when --device gives one (its device buffers are
-    planned for it, S8), else from the CPU's 1024."""
+    planned for it), else from the CPU's 1024."""
     from strata.engine.budget import PREFILL_AUTO_CHUNK, PREFILL_AUTO_CHUNK_CPU, auto_prefill_chunk
     from strata.engine.kernels import gpu
 
@@ -201,9 +273,9 @@ def load_model(pack, native, ple_gguf, pool_workers, who: str, prefill: int | No
     return p, model, time.perf_counter() - t0
 
 
-def _run(pack, prompt, prompt_file, prompt_ids, n, temp, top_k, top_p, min_p, repeat_penalty, seed, chat,
-         max_context, kv, prefill, pool_workers, device, expert_cache, expert_profile, vram_budget_mib, vram_reserve_mib,
-         native, ple_gguf, dump_logits, stats) -> None:
+def _run(pack, prompt, prompt_file, prompt_ids, n, ignore_eos, temp, top_k, top_p, min_p, repeat_penalty, seed, chat,
+         system, think, max_context, kv, prefill, pool_workers, device, expert_cache, expert_profile, vram_budget_mib,
+         vram_reserve_mib, native, ple_gguf, dump_logits, stats) -> None:
     from strata.engine.generate import generate as run_generation
     from strata.engine.kernels import cpu
     from strata.engine.sampling import Sampler, SamplerParams
@@ -214,27 +286,25 @@ def _run(pack, prompt, prompt_file, prompt_ids, n, temp, top_k, top_p, min_p, re
     option = engine_options(kv, prefill)
     p, model, load_s = load_model(pack, native, ple_gguf, pool_workers, "strata generate", option)
     tok = Tokenizer.load(p.tokenizer_path)
-    ids = _prompt_ids(tok, prompt, prompt_file, prompt_ids, chat, p.geometry.n_vocab)
-    ctx = max_context if max_context is not None else len(ids) + n
-    if ctx < len(ids):
-        raise ValueError(f"--max-context {ctx} is shorter than the prompt ({len(ids)} tokens)")
-    if len(ids) + n > ctx:
-        raise ValueError(f"the prompt ({len(ids)} tokens) + -n {n} = {len(ids) + n} tokens do not fit in "
-                         f"--max-context {ctx}: raise --max-context or lower -n")
+    ids = _prompt_ids(tok, prompt, prompt_file, prompt_ids, chat, p.geometry.n_vocab, system, think)
+    ctx, n_new = context_and_count(len(ids), n, max_context)
     chunk = prefill_chunk(option, p.geometry, ctx, device)
     tier = start_tier(model, device, max_context=ctx, kv=kv, chunk=chunk, expert_cache=expert_cache,
                       expert_profile=expert_profile, vram_budget_mib=vram_budget_mib, vram_reserve_mib=vram_reserve_mib,
                       who="strata generate")
     session = model.new_session(ctx, kv)
-    sampler = Sampler(p.geometry.n_vocab, params)
+    # --ignore-eos bans the stop tokens (llama.cpp's rule), so exactly n tokens come out
+    sampler = Sampler(p.geometry.n_vocab, params, banned=tok.stop_ids if ignore_eos else ())
     stream = tok.stream()
-    logits = _LogitsRecorder(len(ids) + n, p.geometry.n_vocab) if dump_logits else None
+    logits = _LogitsRecorder(len(ids) + n_new, p.geometry.n_vocab) if dump_logits else None
 
     def emit(token: int) -> None:
+        if token in tok.stop_ids:
+            return  # a stop token ends the answer; its text (<|im_end|>) is not part of it
         sys.stdout.write(stream.push(token))
         sys.stdout.flush()
 
-    result = run_generation(model, session, ids, sampler, n, stop_ids=tok.stop_ids, on_token=emit,
+    result = run_generation(model, session, ids, sampler, n_new, stop_ids=tok.stop_ids, on_token=emit,
                             on_logits=logits.record if logits else None, prefill=chunk)
     sys.stdout.write(stream.flush() + "\n")
     sys.stdout.flush()
@@ -244,14 +314,36 @@ def _run(pack, prompt, prompt_file, prompt_ids, n, temp, top_k, top_p, min_p, re
         typer.echo(format_stats(p, load_s, result, session, sampler.seed, cpu.get_threads(), device, chunk, tier), err=True)
 
 
-def _prompt_ids(tok, prompt, prompt_file, prompt_ids, chat, n_vocab) -> list[int]:
+DEFAULT_CONTEXT = 4096  # -n -1 without -c: llama.cpp's default context
+
+
+def context_and_count(n_prompt: int, n: int, max_context: int | None) -> tuple[int, int]:
+    """(KV cache size, tokens to generate at most) for -n and -c. With -n -1 the count is one more
+    than fits, so generation stops on the context check (--stats then says "context", not "length")."""
+    if n == -1:
+        ctx = max_context if max_context is not None else max(DEFAULT_CONTEXT, n_prompt + 1)
+        if ctx <= n_prompt:
+            raise ValueError(f"--ctx-size {ctx} leaves no room after the prompt ({n_prompt} tokens)")
+        return ctx, ctx - n_prompt + 2
+    ctx = max_context if max_context is not None else n_prompt + n
+    if ctx < n_prompt:
+        raise ValueError(f"--ctx-size {ctx} is shorter than the prompt ({n_prompt} tokens)")
+    if n_prompt + n > ctx:
+        raise ValueError(f"the prompt ({n_prompt} tokens) + -n {n} = {n_prompt + n} tokens do not fit in "
+                         f"--ctx-size {ctx}: raise --ctx-size or lower -n")
+    return ctx, n
+
+
+def _prompt_ids(tok, prompt, prompt_file, prompt_ids, chat, n_vocab, system=None, think=None) -> list[int]:
     if prompt_ids is not None:
         if chat:
             raise ValueError("--chat needs prompt text (--prompt or --prompt-file), not --prompt-ids")
         return parse_ids(prompt_ids, n_vocab)
     text = prompt if prompt is not None else Path(prompt_file).read_text(encoding="utf-8")
     if chat:
-        text = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
+        messages = ([{"role": "system", "content": system}] if system is not None else []) + [{"role": "user", "content": text}]
+        extra = {} if think is None else {"enable_thinking": think}
+        text = tok.apply_chat_template(messages, add_generation_prompt=True, **extra)
     ids = tok.encode(text)
     if not ids:
         raise ValueError("the prompt is empty (no tokens)")
@@ -341,7 +433,7 @@ def hit_table(tier) -> str:
 
 
 def memory_table(pack, session) -> str:
-    """The session's state as measured, beside what strata-budget predicts for the same options (B3)."""
+    """The session's state as measured, beside what strata-budget predicts for the same options (the prediction is the allocation)."""
     from tabulate import tabulate
 
     from strata.engine.budget import BudgetOptions, plan_budget
@@ -350,24 +442,25 @@ def memory_table(pack, session) -> str:
     measured = session.memory()
     rows = [(i.name, measured.get(i.key, 0), i.bytes) for i in plan.items if i.key.startswith("session.")]
     rows.append(("scratch (QSA top-k indices, PLE token windows)", measured["scratch"], "not planned"))
-    title = f"session memory (--kv {session.kv}, --max-context {session.max_context}), bytes:"
+    title = f"session memory (--kv {session.kv}, --ctx-size {session.max_context}), bytes:"
     return title + "\n" + tabulate(rows, headers=["item", "engine", "strata-budget"], tablefmt="simple",
                                     disable_numparse=True, colalign=("left", "right", "right"))
 
 
 @app.command()
 def perplexity(
-    pack: Path = typer.Option(..., "--pack", help="the pack directory (strata-pack convert)"),
+    pack_arg: Optional[Path] = model_argument(),
+    pack: Optional[Path] = model_option(),
     file: Path = typer.Option(..., "--file", "-f", help="the text to score (UTF-8)"),
-    ctx: int = typer.Option(512, "--ctx", help="window length in tokens; the second half of each window is scored"),
+    ctx: int = ctx_option(512, "--ctx", "window length in tokens; the second half of each window is scored"),
     max_windows: Optional[int] = typer.Option(None, "--windows", help="score at most this many windows (default: all)"),
     save_logits: Optional[Path] = typer.Option(None, "--save-logits", help="save this model's distributions to BASE.bin "
                                                "(the base for --kl-base)"),
     kl_base: Optional[Path] = typer.Option(None, "--kl-base", help="report KL divergence and top-1 agreement against "
-                                           "BASE.bin (saved with --save-logits from the same text and --ctx)"),
+                                           "BASE.bin (saved with --save-logits from the same text and -c)"),
     kv: str = typer.Option("f16", "--kv", help="KV cache type: f16, int8 or f32"),
     prefill: str = typer.Option("auto", "--prefill", help="chunk of the batched prompt path: auto, CHUNK or off"),
-    pool_workers: Optional[int] = typer.Option(None, "--pool-workers", help="CPU threads (default: the cores other processes leave free, re-measured as it runs)"),
+    pool_workers: Optional[int] = threads_option(),
     device: str = device_option(),
     expert_cache: str = expert_cache_option(),
     expert_profile: Optional[Path] = expert_profile_option(),
@@ -381,6 +474,7 @@ def perplexity(
     if max_windows is not None and max_windows < 1:
         raise _fail(f"--windows {max_windows}: expected >= 1", 2, who)
     try:
+        pack = resolve_pack(pack_arg, pack)
         option = engine_options(kv, prefill)
         gpu_options(device, expert_cache, vram_budget_mib, vram_reserve_mib)
         tier = dict(device=device, expert_cache=expert_cache, expert_profile=expert_profile, vram_budget_mib=vram_budget_mib,
@@ -406,7 +500,7 @@ def _perplexity(pack, file, ctx, max_windows, save_logits, kl_base, kv, option, 
     ids = Tokenizer.load(p.tokenizer_path).encode(Path(file).read_text(encoding="utf-8"))
     wins = P.windows(ids, ctx)[:max_windows]
     chunk = prefill_chunk(option, p.geometry, ctx, tier["device"])
-    start_tier(model, max_context=ctx, kv=kv, chunk=chunk, who=who, **tier)  # the same logits, faster (B2)
+    start_tier(model, max_context=ctx, kv=kv, chunk=chunk, who=who, **tier)  # the same logits, faster
     first = P.first_scored(ctx)
     total = len(wins) * (ctx - 1 - first)
     typer.echo(f"{who}: {len(ids)} tokens -> {len(wins)} windows of {ctx}, scoring positions {first + 1}..{ctx - 1} "
@@ -440,6 +534,11 @@ def format_perplexity(s, kl_base) -> str:
             f"  same top-1 token       {100 * k['same_top1']:.3f} +/- {100 * k['same_top1_err']:.3f} %",
         ]
     return "\n".join(lines)
+
+
+@app.callback()
+def _strata(version: bool = version_option()) -> None:
+    """Strata engine: run a packed MoE model (dense weights and hot experts on the GPU, the rest on the CPU)."""
 
 
 @app.command()

@@ -72,7 +72,7 @@ def generate(model: Model, session: Session, prompt: Sequence[int], sampler: Sam
         raise ValueError(f"generate: the session is at position {session.pos}; start from a new session")
     if n_prompt > session.max_context:
         raise ValueError(f"generate: the prompt has {n_prompt} tokens, the context holds {session.max_context} "
-                         "(raise --max-context)")
+                         "(raise --ctx-size)")
     chunk = max(prefill, 1)
     history = np.empty(n_prompt + max_new_tokens, np.int64)
     history[:n_prompt] = prompt

@@ -65,7 +65,7 @@ class KVCache:
         """k, v f32 [T, Hkv, D] at positions pos .. pos + T - 1."""
         T = k.shape[0]
         if pos + T > self.max_context:
-            raise ValueError(f"KV cache: positions {pos}..{pos + T - 1} past its {self.max_context} tokens (--max-context)")
+            raise ValueError(f"KV cache: positions {pos}..{pos + T - 1} past its {self.max_context} tokens (--ctx-size)")
         for x, store, scale in ((k, self.k, "k_scale"), (v, self.v, "v_scale")):
             x = x.transpose(1, 0, 2)  # [Hkv, T, D]
             if self.kind == "int8":

@@ -390,7 +390,7 @@ class Model:
     def _check(self, s: Session, tokens) -> None:
         if s.pos + len(tokens) > s.max_context:
             raise ContextFull(f"position {s.pos + len(tokens) - 1}: the session's context is {s.max_context} tokens "
-                              "(--max-context)")
+                              "(--ctx-size)")
         bad = [t for t in tokens if not 0 <= t < self.geometry.n_vocab]
         if bad:
             raise ValueError(f"token id {bad[0]} outside the vocabulary 0..{self.geometry.n_vocab - 1}")

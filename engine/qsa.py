@@ -331,7 +331,7 @@ class QSALayer:
         iq, ik = self.idx_q.matmul(x), self.idx_k.matmul(x)
         T, p0 = qg.shape[0], cache.n
         if p0 + T > cache.max_ctx:
-            raise ComponentError(f"layer {self.layer}: context full ({cache.max_ctx} tokens); raise --max-context")
+            raise ComponentError(f"layer {self.layer}: context full ({cache.max_ctx} tokens); raise --ctx-size")
         H, Hkv, D, pos = self.H, self.Hkv, self.D, p0 + np.arange(T)
         qg = qg.reshape(T, H, 2 * D)
         q = grouped_rmsnorm(qg[:, :, :D], self.q_norm, D, self.eps)
@@ -359,7 +359,7 @@ class QSALayer:
     def _token(self, qg, k, v, iq, ik, cache: QSACache) -> np.ndarray:
         p = cache.n
         if p >= cache.max_ctx:
-            raise ComponentError(f"layer {self.layer}: context full ({cache.max_ctx} tokens); raise --max-context")
+            raise ComponentError(f"layer {self.layer}: context full ({cache.max_ctx} tokens); raise --ctx-size")
         H, Hkv, D = self.H, self.Hkv, self.D
         qg = qg.reshape(H, 2 * D)
         q = grouped_rmsnorm(qg[:, :D], self.q_norm, D, self.eps)

@@ -91,10 +91,13 @@ class Sampler:
     running mass), `_mask` (V bool), `_counts` (V i32, window counts, all zero between calls).
     """
 
-    def __init__(self, n_vocab: int, params: SamplerParams | None = None):
+    def __init__(self, n_vocab: int, params: SamplerParams | None = None, banned: Sequence[int] = ()):
+        """`banned`: token ids never drawn (their logits count as -inf), as llama.cpp's --ignore-eos
+        bans the end-of-generation tokens so a run produces exactly the tokens asked for."""
         if not isinstance(n_vocab, int) or n_vocab < 1:
             raise ValueError(f"sampler n_vocab: found {n_vocab!r}, expected an integer >= 1")
         self.n_vocab = n_vocab
+        self._banned = np.array(sorted(banned), np.int64) if len(banned) else None
         self.params = params or SamplerParams()
         self.seed = self.params.seed if self.params.seed is not None else int(np.random.SeedSequence().entropy)
         self._rng = np.random.Generator(np.random.PCG64(self.seed))
@@ -137,6 +140,8 @@ class Sampler:
         self._check_logits(logits)
         work, p = self._work, self.params
         np.copyto(work, logits)
+        if self._banned is not None:
+            work[self._banned] = -np.inf
         if p.penalised:
             self._penalise(history)
         top = float(work.max())

@@ -19,19 +19,18 @@ Known divergence: the word classes \\p{L}, \\p{N}, \\p{M} follow the `regex` pac
 characters first assigned in Unicode 17 (2025) can split differently. Everything assigned earlier
 splits identically (checked over every code point when this was written).
 
-Chat templates (`apply_chat_template`) -- the decision: the pack's own template is the truth, so it is
-rendered with jinja2 when jinja2 is installed, in a sandbox configured like transformers'. Plain
-ChatML is NOT a faithful stand-in even for ChatML-family templates: Qwen2.5's template adds a default
-system prompt, Qwen3.5's trims contents and opens the answer with "<think>\\n". Without jinja2 a
-ChatML-like template (or none) falls back to the built-in ChatML renderer, and `chat_format` says so,
-for the caller to report; any other template is refused with what to install.
+Chat templates (`apply_chat_template`): the pack's own template is the truth, rendered with jinja2
+(a dependency) in a sandbox configured as transformers' is, with the variables transformers passes
+(messages, add_generation_prompt, the special tokens, and the caller's, e.g. enable_thinking). No
+built-in stand-in: plain ChatML is not faithful even for ChatML-family templates (Qwen2.5's adds a
+default system prompt, Qwen3.5's trims contents and opens the answer with "<think>\\n"), so a pack
+without a template is refused for chat, saying so.
 """
 
 from __future__ import annotations
 
 import codecs
 import heapq
-import importlib.util
 import os
 import re
 import unicodedata
@@ -111,7 +110,6 @@ class Tokenizer:
         stops = {self._added[t] for t in _STOP_TEXTS if t in self._added and self._types[self._added[t]] == CONTROL}
         self.stop_ids = frozenset(stops | ({self.eos_id} if self.eos_id is not None else set()))
         self.chat_template = flat.chat_template
-        self.chat_format = _chat_format(flat.chat_template, self._added)
         self._compiled_template = None
 
     @classmethod
@@ -264,24 +262,24 @@ class Tokenizer:
     # -- chat -------------------------------------------------------------------------------------
 
     def apply_chat_template(self, messages: Sequence[Mapping], add_generation_prompt: bool = True, **template_vars) -> str:
-        """The prompt text for `messages` ([{"role": ..., "content": ...}, ...]); encode it with
-        parse_special=True. `template_vars` (e.g. enable_thinking=False) reach the jinja2 template."""
-        if self.chat_format == "jinja2":
-            return self._render_jinja2(messages, add_generation_prompt, template_vars)
-        if self.chat_format == "chatml":
-            if template_vars:
-                raise ValueError(f"chat template: the built-in ChatML renderer takes no template variables, found {sorted(template_vars)}; install jinja2>=3.1.6 to render the pack's own template")
-            return render_chatml(messages, add_generation_prompt)
-        raise ValueError(f"{self.source}: the chat template is not ChatML and jinja2 is not installed: pip install 'jinja2>=3.1.6', or pass the prompt as raw text")
+        """The prompt text for `messages` ([{"role": ..., "content": ...}, ...]), as transformers'
+        apply_chat_template(tokenize=False) renders it; encode it with parse_special=True.
+        `template_vars` (e.g. enable_thinking=False) reach the template."""
+        if self.chat_template is None:
+            raise ValueError(f"{self.source}: the pack has no chat template (its GGUF has no tokenizer.chat_template), "
+                             "so chat turns cannot be rendered; give the prompt already formatted, without --chat")
+        import jinja2
 
-    def _render_jinja2(self, messages, add_generation_prompt, template_vars) -> str:
-        if self._compiled_template is None:
-            self._compiled_template = _compile_jinja2(self.chat_template)
         names = {"bos_token": self.bos_id, "eos_token": self.eos_id, "pad_token": self.pad_id}
         specials = {k: self.piece(i).decode("utf-8", "replace") for k, i in names.items() if i is not None}
-        return self._compiled_template.render(
-            messages=list(messages), add_generation_prompt=add_generation_prompt, **specials, **template_vars
-        )
+        try:
+            if self._compiled_template is None:
+                self._compiled_template = _compile_jinja2(self.chat_template)
+            return self._compiled_template.render(
+                messages=list(messages), add_generation_prompt=add_generation_prompt, **specials, **template_vars
+            )
+        except jinja2.TemplateError as e:  # the template's own raise_exception, or a template that does not parse
+            raise ValueError(f"{self.source}: chat template: {e}") from None
 
 
 class StreamDecoder:
@@ -310,34 +308,6 @@ def _alternation(texts: Mapping[str, int]):
     return regex.compile("|".join(regex.escape(t) for t in sorted(texts, key=len, reverse=True)))
 
 
-def render_chatml(messages: Sequence[Mapping], add_generation_prompt: bool = True) -> str:
-    """<|im_start|>role\\ncontent<|im_end|>\\n per message, then <|im_start|>assistant\\n."""
-    parts = []
-    for k, message in enumerate(messages):
-        extra = set(message) - {"role", "content"}
-        role, content = message.get("role"), message.get("content")
-        if extra or not isinstance(role, str) or not role or "\n" in role or not isinstance(content, str):
-            found = f"keys {sorted(message)}" if extra else f"role {role!r}, content of type {type(content).__name__}"
-            raise ValueError(f"chat message {k}: found {found}; the built-in ChatML renderer takes a one-line role and string content only (jinja2 renders the pack's full template)")
-        parts.append(f"<|im_start|>{role}\n{content}<|im_end|>\n")
-    if add_generation_prompt:
-        parts.append("<|im_start|>assistant\n")
-    return "".join(parts)
-
-
-def _chat_format(template: str | None, added: Mapping[str, int]) -> str | None:
-    chatml_tokens = "<|im_start|>" in added and "<|im_end|>" in added
-    if template is not None and _jinja2_available():
-        return "jinja2"
-    if chatml_tokens and (template is None or ("<|im_start|>" in template and "<|im_end|>" in template)):
-        return "chatml"
-    return None
-
-
-def _jinja2_available() -> bool:
-    return importlib.util.find_spec("jinja2") is not None
-
-
 def _compile_jinja2(template: str):
     import jinja2
     import jinja2.ext
@@ -351,7 +321,7 @@ def _compile_jinja2(template: str):
         raise jinja2.exceptions.TemplateError(message)
 
     def tojson(*args, **kwargs):
-        # Only tool schemas and tool-call arguments use it; the engine serialises no JSON (S4).
+        # Only tool schemas and tool-call arguments use it; the engine serialises no JSON (the layering rule).
         raise jinja2.exceptions.TemplateError("chat template: tojson (tools, tool-call arguments) is not supported by the engine")
 
     # As transformers renders chat templates: trimmed blocks, loop controls, raise_exception.

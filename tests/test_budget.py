@@ -337,4 +337,4 @@ def test_cli_without_free_memory_lists_the_fixed_items(tiny_pack, capsys):
 
     assert main([str(tiny_pack)]) == 0
     out = capsys.readouterr().out
-    assert "slots: not planned (give --vram-gib or --free-mib)" in out and "compulsory-miss" not in out
+    assert "slots: not planned (give --vram-budget-mib or --free-mib)" in out and "compulsory-miss" not in out

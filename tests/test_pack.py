@@ -295,6 +295,22 @@ def test_ple_shard_missing_says_to_pass_it(tmp_path):
     no_leftovers(tmp_path / "pack")
 
 
+def test_a_gguf_without_a_chat_template_is_reported(tmp_path, capsys):
+    from strata.tools.gguf_io import read_gguf
+
+    src = read_gguf(build(tmp_path, "qwen35moe").files[0])
+    dst = tmp_path / "no-template.gguf"
+    w = GGUFWriter(dst)
+    w.kv = {k: v for k, v in src.kv.items() if k != "tokenizer.chat_template"}
+    for name, t in src.tensors.items():
+        w.add_tensor(name, t.shape, t.type_id, lambda name=name: np.asarray(src.tensor_bytes(name)))
+    w.write()
+    assert main(["convert", str(dst), "-o", str(tmp_path / "pack")]) == 0
+    err = capsys.readouterr().err
+    assert "warning: the GGUF has no tokenizer.chat_template: strata generate --chat is refused for this pack" in err
+    assert read_tokenizer(tmp_path / "pack" / "tokenizer.txt").chat_template is None
+
+
 def test_all_zero_compress_ratios_warn_and_need_the_ratio(tmp_path, capsys):
     m = build(tmp_path, meta=[(0, 0, 0, 0)])
     out = tmp_path / "pack"
@@ -641,12 +657,15 @@ def test_synth_tiny_packs_and_verifies(tmp_path, arch, capsys):
     from strata.tools.synth import get_preset
 
     assert main(["synth", "--arch", arch, "--preset", "tiny", "-o", str(tmp_path / "m.gguf")]) == 0
-    shards = [Path(p) for p in capsys.readouterr().out.split()]
+    cap = capsys.readouterr()
+    shards = [Path(p) for p in cap.out.split()]  # the paths written, one a line
+    assert shards == [tmp_path / f"m-0000{i}-of-00002.gguf" for i in (1, 2)] and all(p.is_file() for p in shards)
+    assert f"pack with: strata-pack convert {shards[0]} -o PACK\n" in cap.err
     out = tmp_path / "pack"
-    args = ["convert", str(shards[-1]), "-o", str(out)]  # the last shard finds the first
+    assert main(["convert", str(shards[-1]), "-o", str(out)]) == 0  # no extra flag; the last shard finds the first
+    assert "warning" not in capsys.readouterr().err
     if arch == "qwen4exp":
-        args += ["--compress-ratio", str(get_preset("tiny").compress_ratio)]
-    assert main(args) == 0
+        assert read_geometry(out / "geometry.txt").idx_compress_ratio == get_preset("tiny").compress_ratio
     assert main(["verify", str(out), "--full"]) == 0
     files = {p.name: read_gguf(p) for p in shards}
     tensors = {n: (f, t) for f in files.values() for n, t in f.tensors.items()}
@@ -670,12 +689,26 @@ def test_synth_tiny_packs_and_verifies(tmp_path, arch, capsys):
                 assert np.array_equal(raw[off + e * size : off + (e + 1) * size], whole[e * size : (e + 1) * size])
 
 
+def test_synth_reproduces_the_converter_bug_only_when_asked(tmp_path, capsys):
+    from strata.tools.synth import get_preset
+
+    ratio = get_preset("tiny").compress_ratio
+    assert main(["synth", "--arch", "qwen4exp", "-o", str(tmp_path / "z.gguf"), "--zero-compress-ratios"]) == 0
+    cap = capsys.readouterr()
+    first = cap.out.split()[0]
+    assert f"pack with: strata-pack convert {first} -o PACK --compress-ratio {ratio}" in cap.err
+    assert main(["convert", first, "-o", str(tmp_path / "p")]) == 1
+    assert "attention.compress_ratios is all zeros" in capsys.readouterr().err
+    assert main(["convert", first, "-o", str(tmp_path / "p"), "--compress-ratio", str(ratio)]) == 0
+    assert "warning: attention.compress_ratios is all zeros" in capsys.readouterr().err
+
+
 @pytest.mark.slow
 def test_demo_builds_reuses_and_rebuilds(tmp_path, capsys):
     out = tmp_path / "packs" / "demo"
     assert main(["demo", "-o", str(out), "--no-generate"]) == 0
     first = capsys.readouterr()
-    assert "## experts" in first.out and "warning: attention.compress_ratios is all zeros" in first.err
+    assert "## experts" in first.out and "warning" not in first.err
     assert sorted(p.name for p in (tmp_path / "packs" / "demo-src").iterdir()) == [
         "qwen4exp-demo-00001-of-00002.gguf", "qwen4exp-demo-00002-of-00002.gguf"]
     manifest = (out / "manifest.txt").read_bytes()

@@ -219,7 +219,7 @@ def test_cli_max_context_prefill_and_stats(models, tmp_path, capsys):
     ids = " ".join(map(str, prompt_for(models["qwen35moe"], 40)))
     gen = lambda *a: main(["generate", "--pack", str(pack_dir), "--pool-workers", "1", "--prompt-ids", ids, *a])
     assert gen("-n", "8", "--max-context", "45") == 1
-    assert "the prompt (40 tokens) + -n 8 = 48 tokens do not fit in --max-context 45" in capsys.readouterr().err
+    assert "the prompt (40 tokens) + -n 8 = 48 tokens do not fit in --ctx-size 45" in capsys.readouterr().err
     assert gen("-n", "1", "--prefill", "none") == 1
     assert "--prefill 'none': expected auto, off or a chunk size" in capsys.readouterr().err
     assert gen("-n", "1", "--kv", "q4") == 1

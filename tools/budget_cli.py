@@ -1,7 +1,7 @@
 """`strata-budget`: what the GPU engine will allocate for a pack, stage by stage, before a 10-minute load.
 
 Thin on purpose: it reads the pack with the strict readers, asks engine/budget.py for the plan the
-GPU engine allocates from (so the prediction is the allocation, B3), and formats it. The report goes
+GPU engine allocates from (so the prediction is the allocation), and formats it. The report goes
 to stdout; problems that would make the engine refuse to start go to stderr with exit status 1.
 """
 
@@ -14,9 +14,9 @@ from typing import Optional
 
 import typer
 
-from strata.engine.cli import run_app
+from strata.engine.cli import CONTEXT_SETTINGS, ctx_option, model_argument, model_option, resolve_pack, run_app, version_option
 
-app = typer.Typer(add_completion=False, help=__doc__.splitlines()[0].strip("`"))
+app = typer.Typer(add_completion=False, context_settings=CONTEXT_SETTINGS, help=__doc__.splitlines()[0].strip("`"))
 
 _INPUT_ERRORS = (ValueError, OSError)
 MiB = 1 << 20
@@ -43,26 +43,34 @@ def _require_matplotlib():
 
 @app.command()
 def budget(
-    pack_dir: Path = typer.Argument(..., metavar="PACK", help="the pack directory"),
-    vram_gib: Optional[float] = typer.Option(None, "--vram-gib", min=0.0,
-                                             help="a card of G GiB, as the engine's --vram-budget-mib counts it"),
+    pack_arg: Optional[Path] = model_argument(),
+    pack: Optional[Path] = model_option(),
+    vram_budget_mib: Optional[int] = typer.Option(None, "--vram-budget-mib", min=1,
+                                                  help="a card of N MiB, as the engine's --vram-budget-mib behaves"),
+    vram_gib: Optional[float] = typer.Option(None, "--vram-gib", min=0.0, hidden=True,
+                                             help="a card of G GiB (--vram-budget-mib in GiB)"),
     free_mib: Optional[int] = typer.Option(None, "--free-mib", min=0,
                                            help="device memory free before the engine starts (nvidia-smi's free)"),
-    vram_reserve_mib: int = typer.Option(700, "--vram-reserve-mib", min=0, help="headroom kept free beside the cache (S8)"),
+    vram_reserve_mib: int = typer.Option(700, "--vram-reserve-mib", min=0, help="device memory kept free beside the slots"),
     prefill: str = typer.Option("auto", "--prefill", help="the prompt path's chunk: auto (256), a token count, or off (0) for none"),
-    max_context: int = typer.Option(4096, "--max-context", min=1, help="KV cache size in tokens"),
+    max_context: int = ctx_option(4096, "--max-context", "the context (KV cache size) in tokens"),
     kv: str = typer.Option("f16", "--kv", help="KV cache type: f16, int8 (f32 scale per 32 elements) or f32"),
-    expert_cache: str = typer.Option("auto", "--expert-cache", help="auto (S8) or a slot count to check"),
+    expert_cache: str = typer.Option("auto", "--expert-cache", help="GPU expert slots: auto (what fits beside the reserve) or a slot count to check"),
     expert_profile: Optional[Path] = typer.Option(None, "--expert-profile", help="expert-profile.bin (strata-profile)"),
     plot: Optional[Path] = typer.Option(None, "--plot", help="write a PNG of expected hit rate against slots"),
+    version: bool = version_option(),
 ) -> None:
-    """Print the memory plan: dense weights in engine form, session, slots by S8, and with a profile the hit rate."""
-    if vram_gib is not None and free_mib is not None:
-        raise _fail("give --vram-gib or --free-mib, not both", 2)
+    """Print the memory plan: dense weights in engine form, the session, the expert slots that fit, and with a
+    profile the expected hit rate."""
+    if sum(x is not None for x in (vram_budget_mib, vram_gib, free_mib)) > 1:
+        raise _fail("give one of --vram-budget-mib or --free-mib, not both", 2)
+    if vram_budget_mib is not None:
+        vram_gib = vram_budget_mib * MiB / GiB
     if plot is not None and expert_profile is None:
         raise _fail("--plot draws the hit-rate curve of a profile: give --expert-profile too", 2)
     plt = _require_matplotlib() if plot is not None else None
     try:
+        pack_dir = resolve_pack(pack_arg, pack)
         opts = _options(prefill, max_context, kv, expert_cache, vram_reserve_mib)
         free = None if vram_gib is None and free_mib is None else int(vram_gib * GiB) if vram_gib is not None else free_mib * MiB
         report = _report(pack_dir, opts, free, expert_profile)
@@ -122,7 +130,7 @@ def _report(pack_dir: Path, opts, free: int | None, profile_path: Path | None) -
 
 
 def format_report(b, title: str, profile=None, curve=None) -> str:
-    """The table of items by stage, then the reserve, the slots (S8's line) and the fill (S9's line)."""
+    """The table of items by stage, then the reserve, the slots (the auto formula's line) and the fill policy's line."""
     from tabulate import tabulate
 
     from strata.engine.budget import DEVICE, STAGES
@@ -134,7 +142,7 @@ def format_report(b, title: str, profile=None, curve=None) -> str:
         for i in (i for i in b.items if i.stage == stage):
             rows.append((n, i.name, i.where, f"{i.bytes / MiB:.2f}", i.bytes))
         rows.append(("", f"= device after {n}: {stage}", DEVICE, f"{b.used_after(stage) / MiB:.2f}", b.used_after(stage)))
-    lines = [f"strata-budget: {title}; --max-context {o.max_context}, --kv {o.kv}",
+    lines = [f"strata-budget: {title}; --ctx-size {o.max_context}, --kv {o.kv}",
              tabulate(rows, headers=["stage", "item", "where", "MiB", "bytes"], tablefmt="simple",
                       disable_numparse=True, colalign=("right", "left", "left", "right", "right")),
              f"device {b.device_bytes() / GiB:.3f} GiB; host (mapped or pinned) {b.host_bytes() / GiB:.3f} GiB",
@@ -152,7 +160,7 @@ def format_report(b, title: str, profile=None, curve=None) -> str:
 
 def _slot_lines(b) -> list[str]:
     if b.free_bytes is None:
-        return ["slots: not planned (give --vram-gib or --free-mib)"]
+        return ["slots: not planned (give --vram-budget-mib or --free-mib)"]
     r = b.reserve
     out = [f"free before start {b.free_bytes / MiB:.1f} MiB; at the cache {b.free_at_open / MiB:.1f} MiB; "
            f"reserve {r.headroom_mib} MiB headroom + {r.prefill_mib} MiB prompt chunk + "

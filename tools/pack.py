@@ -379,7 +379,11 @@ def convert(ggufs: Sequence[str | os.PathLike], out: str | os.PathLike, *, ple_g
     """Open, check, plan and write in one call. `progress_factory(total_bytes)` returns the progress callback."""
     check_destination(Path(out), force)  # before reading gigabytes of headers
     plan = plan_pack(open_sources(ggufs, ple_gguf), compress_ratio=compress_ratio)
-    for w in plan.warnings:
+    warnings = list(plan.warnings)
+    if plan.tokenizer.chat_template is None:
+        warnings.append("the GGUF has no tokenizer.chat_template: strata generate --chat is refused for this pack "
+                        "(prompts must come already formatted)")
+    for w in warnings:
         if on_warning:
             on_warning(w)
     write_pack(plan, out, force=force, progress=progress_factory(plan.pool_bytes) if progress_factory else None)

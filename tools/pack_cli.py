@@ -13,11 +13,12 @@ from typing import Optional
 
 import typer
 
-from strata.engine.cli import run_app
+from strata.engine.cli import CONTEXT_SETTINGS, model_argument, model_option, resolve_pack, run_app, version_option
 
 app = typer.Typer(
     add_completion=False,
     no_args_is_help=True,
+    context_settings=CONTEXT_SETTINGS,
     help="Convert a qwen4exp / qwen35moe GGUF into a Strata pack (dense weights copied, experts referenced in place).",
 )
 
@@ -63,6 +64,11 @@ def _convert(ggufs, out, ple_gguf, force, compress_ratio, command: str) -> None:
     typer.echo(f"strata-pack {command}: wrote {out}", err=True)
 
 
+@app.callback()
+def _strata_pack(version: bool = version_option()) -> None:
+    """Convert a qwen4exp / qwen35moe GGUF into a Strata pack (dense weights copied, experts referenced in place)."""
+
+
 @app.command()
 def convert(
     ggufs: list[Path] = typer.Argument(..., metavar="GGUF", help="the model's GGUF (any shard of a split one finds the rest)"),
@@ -85,7 +91,8 @@ def convert(
 
 @app.command()
 def verify(
-    pack_dir: Path = typer.Argument(..., metavar="PACK", help="the pack directory"),
+    pack_arg: Optional[Path] = model_argument(),
+    pack: Optional[Path] = model_option(),
     gguf_dir: Optional[Path] = typer.Option(
         None, "--gguf-dir", help="where the source GGUFs are now (default: where they were at pack time, sources.txt)"
     ),
@@ -95,9 +102,12 @@ def verify(
     from strata.tools.pack import verify_pack
 
     try:
+        pack_dir = resolve_pack(pack_arg, pack)
         report = verify_pack(pack_dir, gguf_dir=gguf_dir, full=full)
     except KeyboardInterrupt:
         raise _interrupted("verify") from None
+    except _INPUT_ERRORS as e:
+        raise _fail("verify", str(e)) from None
     if not report.ok:
         raise _fail("verify", "\n".join(report.problems + [f"{pack_dir}: NOT OK ({len(report.problems)} problem(s))"]))
     typer.echo(_table(report.checks, ["check", "result"]))
@@ -107,26 +117,31 @@ def verify(
 @app.command()
 def synth(
     arch: str = typer.Option(..., "--arch", help="qwen4exp or qwen35moe"),
-    out: Path = typer.Option(..., "-o", "--out", help="the GGUF to write (NAME.gguf; split ones become NAME-0000i-of-0000n.gguf)"),
+    out: Path = typer.Option(..., "-o", "--out", help="the GGUF to write, NAME.gguf; a model of several files (the "
+                             "qwen4exp PLE shard, a split qwen35moe) becomes NAME-00001-of-0000n.gguf, ... "
+                             "(the paths are printed)"),
     preset: str = typer.Option("tiny", "--preset", help="tiny (tests), demo (the README's default) or seed-4l (production widths)"),
     seed: int = typer.Option(0, "--seed", help="random seed (same seed, same bytes)"),
     force: bool = typer.Option(False, "--force", help="overwrite existing files"),
+    zero_compress_ratios: bool = typer.Option(
+        False, "--zero-compress-ratios", help="qwen4exp: write attention.compress_ratios as all zeros, as llama.cpp's "
+        "converter does today (the QSA block size is then lost: convert needs --compress-ratio)"),
 ) -> None:
-    """Write a synthetic random model as GGUF (no download): the demo's and the tests' source."""
+    """Write a synthetic random model as GGUF (no download): the demo's and the tests' source. Prints the
+    files written, one a line, on stdout; the convert command for them on stderr."""
     from strata.tools.synth import get_preset, synth_command
 
     try:
-        paths = synth_command(arch, preset, out, seed, force)
+        paths = synth_command(arch, preset, out, seed, force, zero_compress_ratios)
     except KeyboardInterrupt:
         raise _interrupted("synth") from None
     except _INPUT_ERRORS as e:
         raise _fail("synth", str(e)) from None
     for path in paths:
         typer.echo(str(path))
-    if arch == "qwen4exp":
-        # The file, like the real converter's, does not hold the QSA block size (compress_ratios are zeros).
-        ratio = get_preset(preset).compress_ratio
-        typer.echo(f"strata-pack synth: pack with: strata-pack convert {paths[0]} -o PACK --compress-ratio {ratio}", err=True)
+    flag = f" --compress-ratio {get_preset(preset).compress_ratio}" if zero_compress_ratios and arch == "qwen4exp" else ""
+    typer.echo(f"strata-pack synth: wrote {len(paths)} file(s); pack with: strata-pack convert {paths[0]} -o PACK{flag}",
+               err=True)
 
 
 DEMO_ARCH, DEMO_PRESET, DEMO_SEED = "qwen4exp", "demo", 0
@@ -170,6 +185,8 @@ def _demo(out: Path, force: bool, generate: bool) -> None:
             synth_command(DEMO_ARCH, DEMO_PRESET, name, DEMO_SEED, True)  # only our own demo files are replaced
         else:
             typer.echo(f"strata-pack demo: reusing the synthetic model in {src}", err=True)
+        # the ratio is in the files synth writes now; passing it too lets sources an older synth wrote
+        # (all zeros) still pack: the two agree, or convert says they do not
         _convert([ggufs[0]], out, None, force, get_preset(DEMO_PRESET).compress_ratio, "demo")
     _print_summary(out)
     if generate:

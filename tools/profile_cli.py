@@ -16,9 +16,11 @@ from typing import Optional
 
 import typer
 
-from strata.engine.cli import device_option, expert_cache_option, run_app, vram_budget_option, vram_reserve_option
+from strata.engine.cli import (CONTEXT_SETTINGS, ctx_option, device_option, expert_cache_option, model_argument, model_option,
+                               resolve_pack, run_app, threads_option, version_option, vram_budget_option,
+                               vram_reserve_option)
 
-app = typer.Typer(add_completion=False, help=__doc__.splitlines()[0].strip("`"))
+app = typer.Typer(add_completion=False, context_settings=CONTEXT_SETTINGS, help=__doc__.splitlines()[0].strip("`"))
 
 WHO = "strata-profile"
 _INPUT_ERRORS = (ValueError, OSError, NotImplementedError)
@@ -35,7 +37,8 @@ def _fail(message: str, code: int = 1) -> typer.Exit:
 
 @app.command()
 def profile(
-    pack: Path = typer.Argument(..., metavar="PACK", help="the pack directory (strata-pack convert)"),
+    pack_arg: Optional[Path] = model_argument(),
+    pack: Optional[Path] = model_option(),
     prompts: Path = typer.Option(..., "--prompts", help="calibration text, UTF-8: one document per paragraph "
                                  "(paragraphs are separated by blank lines)"),
     out: Path = typer.Option(..., "-o", "--output", help="the profile to write (expert-profile.bin)"),
@@ -43,12 +46,12 @@ def profile(
                                              "every document), split between the two parts by --held-out"),
     held_out: float = typer.Option(0.2, "--held-out", help="fraction of the documents kept aside to score the "
                                    "profile on text it was not built from; 0 = none"),
-    ctx: int = typer.Option(4096, "--ctx", help="context in tokens: a longer document is run as consecutive "
-                            "windows of N tokens, each its own sequence"),
+    ctx: int = ctx_option(4096, "--ctx", "context in tokens: a longer document is run as consecutive windows of N "
+                          "tokens, each its own sequence"),
     prefill: str = typer.Option("auto", "--prefill", help="chunk of the batched prompt path: auto, CHUNK or off "
                                 "(token by token); the counts are the same model's either way"),
     kv: str = typer.Option("f16", "--kv", help="KV cache type, as the engine will run: f16, int8 or f32"),
-    pool_workers: Optional[int] = typer.Option(None, "--pool-workers", help="hard cap on CPU threads"),
+    pool_workers: Optional[int] = threads_option(),
     device: str = device_option(),
     expert_cache: str = expert_cache_option(),
     vram_budget_mib: Optional[int] = vram_budget_option(),
@@ -57,12 +60,14 @@ def profile(
                                          "in-sample tokens (a flat binary for cache-policy replay)"),
     native: Optional[Path] = typer.Option(None, "--native", help="the main GGUF, when it moved since packing"),
     ple_gguf: Optional[Path] = typer.Option(None, "--ple-gguf", help="the PLE GGUF shard, when it moved since packing"),
+    version: bool = version_option(),
 ) -> None:
     """Count expert routing over calibration text; write the profile and print its expected hit rate."""
     from strata.engine.cli import engine_options, gpu_options
     from strata.tools import profile as P
 
     try:
+        pack = resolve_pack(pack_arg, pack)
         option = engine_options(kv, prefill)
         gpu_options(device, expert_cache, vram_budget_mib, vram_reserve_mib)
         tier = dict(device=device, expert_cache=expert_cache, vram_budget_mib=vram_budget_mib, vram_reserve_mib=vram_reserve_mib)
@@ -111,7 +116,7 @@ def _run(pack_dir, docs, out, max_tokens, held_out, ctx, option, kv, pool_worker
     tok = Tokenizer.load(pack.tokenizer_path)
     calib = P.plan_calibration([tok.encode(d) for d in docs], held_out, max_tokens)
     chunk = prefill_chunk(option, g, ctx, tier["device"])
-    # on a GPU the tier computes the same routing faster (B2); without a profile its slots fill as routed
+    # on a GPU the tier computes the same routing faster; without a profile its slots fill as routed
     start_tier(model, max_context=ctx, kv=kv, chunk=chunk, who=WHO, **tier)
     fingerprint = pack_fingerprint(pack.dir)
     n_in, n_held = calib.tokens

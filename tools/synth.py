@@ -21,16 +21,20 @@ geometry (`seed-4l`). The weights are random, but everything a reader can check 
   tensor_type_fallback: 256-block IQ types -> IQ4_NL, Q2_0/Q2_K/Q3_K -> Q4_0, Q4_K -> Q5_0,
   Q5_K -> Q5_1, Q6_K -> Q8_0, and F16 when even that does not fit). 1-D tensors, `*_norm.weight`
   and names not ending in `.weight` are F32, as the converter forces;
-- `attention.compress_ratios` is all zeros for qwen4exp, as the real converter writes it (BRIEF
-  section 2): the QSA block size is NOT in the file; `Preset.compress_ratio` is what to pass to
-  `strata-pack --compress-ratio`.
+- `attention.compress_ratios` for qwen4exp holds the QSA block size at every full-attention layer
+  (0 elsewhere), what a correct converter writes, so `strata-pack convert` needs no extra flag.
+  llama.cpp's converter today writes all zeros (transformers renames full_attention to
+  indexed_attention and its test never matches); `zero_compress_ratios=True` (`strata-pack synth
+  --zero-compress-ratios`) reproduces that file, which then needs `--compress-ratio` to pack.
 
 Weights: projections are random blocks with RMS 1/sqrt(row length) (tools/synth_blocks.py);
 stored norms (1 + w folded, or ssm_norm as is) are near 1; ssm_a = -exp(A_log) in [-16, -1];
 ssm_dt.bias is softplus^-1 of dt in [1e-3, 1e-1] (transformers' init). The router is SKEWED, as
 in real models, so that a routing profile matters: every token embedding carries a shared
 direction u, and every router row carries u with a Zipf-distributed strength over a random
-permutation of the experts, so a few experts per layer are hot for most tokens.
+permutation of the experts, so a few experts per layer are hot for most tokens. The output head's
+rows of tokens that do not decode to printable ASCII are zero (printable_tokens), so the demo's
+random text still prints.
 
 Generation streams: each tensor is produced in chunks by its own RNG, seeded from (seed, tensor
 name), so the same seed gives byte-identical files and no tensor is ever whole in memory.
@@ -38,6 +42,7 @@ name), so the same seed gives byte-identical files and no tensor is ever whole i
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import math
 import os
@@ -139,7 +144,7 @@ class Preset:
     ple: Mapping[str, int]  # layer, ngram_size, heads_per_ngram, conv_kernel, vocab_base (qwen4exp)
     types: Mapping[str, TypePlan]
     context_length: int
-    compress_ratio: int  # QSA block size: NOT in the file (compress_ratios are zeros); pass at pack time
+    compress_ratio: int  # QSA block size (in the file unless zero_compress_ratios reproduces the converter bug)
     qwen35moe_shards: int = 1  # gguf-split shard count for qwen35moe (qwen4exp: main + PLE shard)
 
     def geometry(self, arch: str) -> ModelGeometry:
@@ -347,14 +352,16 @@ class SynthPlan:
         return sum(t.nbytes for t in self.tensors)
 
 
-def plan_model(arch: str, preset: str) -> SynthPlan:
-    """Everything about the files except the tensor data: geometry, tensors, types, order, shards, keys."""
+def plan_model(arch: str, preset: str, zero_compress_ratios: bool = False) -> SynthPlan:
+    """Everything about the files except the tensor data: geometry, tensors, types, order, shards, keys.
+    `zero_compress_ratios`: write qwen4exp's attention.compress_ratios as all zeros, as llama.cpp's
+    converter does (the QSA block size is then lost and convert needs --compress-ratio)."""
     p = get_preset(preset)
     g = p.geometry(arch)
     types = p.types[arch]
     tensors = [_plan_tensor(spec, types, p.name, arch) for spec in tensor_specs(g)]
     shards = _shard(arch, p, sorted(tensors, key=_quantizer_order))
-    return SynthPlan(arch, p, g, shards, tuple(_metadata(arch, p, g, shards)))
+    return SynthPlan(arch, p, g, shards, tuple(_metadata(arch, p, g, shards, zero_compress_ratios)))
 
 
 def _plan_tensor(spec: TensorSpec, types: TypePlan, preset: str, arch: str) -> SynthTensor:
@@ -480,7 +487,8 @@ def _byte_ranks(alphabet: list[tuple[int, str]]) -> np.ndarray:
 _IMATRIX_TYPES = {"IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS"}  # llama-quantize refuses these without one
 
 
-def _metadata(arch: str, p: Preset, g: ModelGeometry, shards) -> list[tuple[str, object, VT, VT | None]]:
+def _metadata(arch: str, p: Preset, g: ModelGeometry, shards,
+              zero_compress_ratios: bool = False) -> list[tuple[str, object, VT, VT | None]]:
     """Main-shard keys in the order the converter writes them, then llama-quantize's tail."""
     kv: list[tuple[str, object, VT, VT | None]] = []
 
@@ -518,7 +526,7 @@ def _metadata(arch: str, p: Preset, g: ModelGeometry, shards) -> list[tuple[str,
     add(a("full_attention_interval"), g.full_attention_interval, VT.UINT32)
     add(a("rope.dimension_count"), g.n_rot, VT.UINT32)
     if arch == "qwen4exp":
-        _qwen4exp_metadata(add, a, g)
+        _qwen4exp_metadata(add, a, g, zero_compress_ratios)
     add("tokenizer.ggml.model", "gpt2", VT.STRING)
     add("tokenizer.ggml.pre", "qwen35", VT.STRING)
     add("tokenizer.ggml.tokens", vocab.tokens, VT.ARRAY, VT.STRING)
@@ -542,14 +550,17 @@ def _metadata(arch: str, p: Preset, g: ModelGeometry, shards) -> list[tuple[str,
     return kv
 
 
-def _qwen4exp_metadata(add, a, g: ModelGeometry) -> None:
+def _qwen4exp_metadata(add, a, g: ModelGeometry, zero_compress_ratios: bool) -> None:
     add(a("hyper_connection.count"), g.hc, VT.UINT32)
     add(a("hyper_connection.low_rank"), g.hc_lowrank, VT.UINT32)
     add(a("attention.indexer.head_count"), g.idx_n_heads, VT.UINT32)
     add(a("attention.indexer.key_length"), g.idx_head_dim, VT.UINT32)
     add(a("attention.indexer.top_k"), g.idx_top_k, VT.UINT32)
-    # all zeros, as the real converter writes it (its "full_attention" test never matches)
-    add(a("attention.compress_ratios"), [0] * g.n_layer, VT.ARRAY, VT.INT32)
+    # the block size at each QSA layer; all zeros only to reproduce llama.cpp's converter (its
+    # "full_attention" test never matches transformers' "indexed_attention")
+    qsa = [g.has_qsa and g.is_full_attention(l) and not zero_compress_ratios for l in range(g.n_layer)]
+    ratios = [g.idx_compress_ratio if q else 0 for q in qsa]
+    add(a("attention.compress_ratios"), ratios, VT.ARRAY, VT.INT32)
     if not g.ple_layers:
         return
     add(a("ple.layers"), list(g.ple_layers), VT.ARRAY, VT.INT32)
@@ -632,12 +643,41 @@ def _producer(t: SynthTensor, g: ModelGeometry, seed: int) -> Callable[[], Itera
             yield from _embedding_chunks(t, shared_direction(g.n_embd, seed), rng)
         elif t.role == "router":
             yield _router(t, g, shared_direction(g.n_embd, seed), rng)
-        elif t.role in _RANDOM_BLOCK_ROLES and t.ggml.quantized:
-            yield from _random_block_chunks(t, rng)
         else:
-            yield from _float_chunks(t, rng)
+            random = t.role in _RANDOM_BLOCK_ROLES and t.ggml.quantized
+            chunks = _random_block_chunks(t, rng) if random else _float_chunks(t, rng)
+            if t.name == "output.weight":
+                chunks = _zero_rows(chunks, t.ggml.nbytes((t.shape[0],)), ~printable_tokens(g.n_vocab))
+            yield from chunks
 
     return produce
+
+
+@functools.lru_cache(maxsize=4)
+def printable_tokens(n_vocab: int) -> np.ndarray:
+    """bool per token of the synthetic vocabulary: its bytes are all printable ASCII or newline.
+
+    The output head's rows of every other token (byte tokens of invalid UTF-8 or control bytes,
+    merges holding one, the special tokens) are zero, so their logits are 0 while the others spread
+    with a std of ~OUTPUT_GAIN: greedy and top-k sampling never reach them, and a random model's text
+    is still random but printable. Zero bytes decode to zero in every GGML type (the scale is 0)."""
+    vocab = synthetic_vocab(n_vocab)
+    byte_of = {c: b for b, c in byte_to_unicode()}
+    ok = set(range(0x20, 0x7F)) | {0x0A}
+    return np.array([kind == TOKEN_NORMAL and all(byte_of[c] in ok for c in text)
+                     for text, kind in zip(vocab.tokens, vocab.token_types.tolist())])
+
+
+def _zero_rows(chunks: Iterator[np.ndarray], row_bytes: int, zero: np.ndarray) -> Iterator[np.ndarray]:
+    """The tensor's chunks with the bytes of rows `zero` (bool per row) set to 0."""
+    start = 0
+    for chunk in chunks:
+        b = np.array(chunk, copy=True).reshape(-1).view(np.uint8)
+        first, end = start // row_bytes, -(-(start + b.size) // row_bytes)
+        for r in (np.flatnonzero(zero[first:end]) + first).tolist():
+            b[max(r * row_bytes - start, 0) : min((r + 1) * row_bytes - start, b.size)] = 0
+        start += b.size
+        yield b
 
 
 def _random_block_chunks(t: SynthTensor, rng: np.random.Generator) -> Iterator[np.ndarray]:
@@ -718,14 +758,14 @@ def output_paths(out: str | os.PathLike, n_files: int) -> list[Path]:
 
 
 def synth(arch: str, preset: str, out: str | os.PathLike, *, seed: int = 0, force: bool = False,
-          progress: Callable[[int], None] | None = None) -> list[Path]:
+          progress: Callable[[int], None] | None = None, zero_compress_ratios: bool = False) -> list[Path]:
     """Write the synthetic model; returns the files written (main shard first).
 
     Existing files are refused unless `force`. Every file is written under a temporary name and
     the set is renamed into place only when all are complete, so a failure leaves neither a
     partial set nor a mix of new and old shards.
     """
-    plan = plan_model(arch, preset)
+    plan = plan_model(arch, preset, zero_compress_ratios)
     paths = output_paths(out, len(plan.shards))
     existing = [str(p) for p in paths if p.exists()]
     if existing and not force:
@@ -756,10 +796,12 @@ def _writer(plan: SynthPlan, index: int, path: Path, tensors: Sequence[SynthTens
     return w
 
 
-def synth_command(arch: str, preset: str, out: str | os.PathLike, seed: int = 0, force: bool = False) -> list[Path]:
+def synth_command(arch: str, preset: str, out: str | os.PathLike, seed: int = 0, force: bool = False,
+                  zero_compress_ratios: bool = False) -> list[Path]:
     """`strata-pack synth`: synth() with a progress bar (tqdm, shown only on a terminal)."""
     from tqdm import tqdm
 
     total = plan_model(arch, preset).nbytes
     with tqdm(total=total, unit="B", unit_scale=True, desc=f"synth {preset} {arch}", disable=None) as bar:
-        return synth(arch, preset, out, seed=seed, force=force, progress=bar.update)
+        return synth(arch, preset, out, seed=seed, force=force, progress=bar.update,
+                     zero_compress_ratios=zero_compress_ratios)
