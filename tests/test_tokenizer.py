@@ -388,19 +388,29 @@ def test_template_variables_reach_the_template(trained):
 
 
 def _released_templates():
-    """Released chat templates (*.jinja) from the folder STRATA_CHAT_TEMPLATES names, e.g. Qwen3's and
-    Qwen3.5's tokenizer_config.json chat_template (copies: llama.cpp's models/templates/Qwen-Qwen3-0.6B.jinja
-    and Qwen3.5-4B.jinja). They are the models' files, not ours, so the repository does not carry them."""
+    """Released chat templates: Qwen3's and Qwen3.5's (llama.cpp keeps copies of the models'
+    tokenizer_config.json chat_template in models/templates/, taken from the llama-cpp-python sdist
+    that tests/reference/convert.py fetches), or the *.jinja files of the folder STRATA_CHAT_TEMPLATES
+    names. They are the models' files, not ours, so the repository does not carry them."""
     import os
     from pathlib import Path
 
+    from reference.convert import ConverterError, converter_dir
+
     folder = os.environ.get("STRATA_CHAT_TEMPLATES")
-    if not folder:
-        return [pytest.param(None, marks=pytest.mark.skip(reason="set STRATA_CHAT_TEMPLATES to a folder of released "
-                                                                  "*.jinja chat templates (Qwen3, Qwen3.5) to compare them"))]
-    paths = sorted(Path(folder).glob("*.jinja"))
-    assert paths, f"STRATA_CHAT_TEMPLATES={folder}: no *.jinja files"
+    if folder:
+        paths = sorted(Path(folder).glob("*.jinja"))
+        assert paths, f"STRATA_CHAT_TEMPLATES={folder}: no *.jinja files"
+    else:
+        try:
+            templates = converter_dir() / "models" / "templates"
+        except ConverterError as e:
+            return [pytest.param(None, marks=pytest.mark.skip(reason=f"no released chat templates: {e}"))]
+        paths = [templates / name for name in RELEASED_TEMPLATES]
     return [pytest.param(p.read_text(encoding="utf-8"), id=p.stem) for p in paths]
+
+
+RELEASED_TEMPLATES = ("Qwen-Qwen3-0.6B.jinja", "Qwen3.5-4B.jinja")
 
 
 CHAT_CASES = [  # (messages, add_generation_prompt, template variables)

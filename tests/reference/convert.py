@@ -31,7 +31,7 @@ LLAMA_CPP_PYTHON_VERSION = "0.3.36"
 SDIST_NAME = f"llama_cpp_python-{LLAMA_CPP_PYTHON_VERSION}.tar.gz"
 SDIST_SHA256 = "832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e"
 _VENDOR_PREFIX = f"llama_cpp_python-{LLAMA_CPP_PYTHON_VERSION}/vendor/llama.cpp/"
-_WANTED = ("convert_hf_to_gguf.py", "conversion/", "gguf-py/")
+_WANTED = ("convert_hf_to_gguf.py", "conversion/", "gguf-py/", "models/templates/")  # templates: released chat templates
 
 OUTTYPES = ("f32", "bf16", "f16")
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -85,8 +85,9 @@ def converter_dir() -> Path:
     """Directory holding convert_hf_to_gguf.py, conversion/ and gguf-py/ of llama.cpp (vendored)."""
     root = cache_root()
     target = root / f"llama.cpp-{LLAMA_CPP_PYTHON_VERSION}"
-    if (target / "convert_hf_to_gguf.py").is_file():
+    if (target / "convert_hf_to_gguf.py").is_file() and (target / "models" / "templates").is_dir():
         return target
+    shutil.rmtree(target, ignore_errors=True)  # an extraction from before the templates were wanted
     sdist = _obtain_sdist(root)
     root.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix="extract-", dir=root))
