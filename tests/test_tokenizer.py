@@ -424,7 +424,7 @@ CHAT_CASES = [  # (messages, add_generation_prompt, template variables)
 ]
 
 
-@pytest.mark.parametrize("template", [QWEN35_SHAPED, *_released_templates()])
+@pytest.mark.parametrize("template", [pytest.param(QWEN35_SHAPED, id="qwen35-shaped"), *_released_templates()])
 @pytest.mark.parametrize("case", range(len(CHAT_CASES)))
 def test_chat_templates_render_as_transformers_does(trained, template, case):
     messages, gen, variables = CHAT_CASES[case]
