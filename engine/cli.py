@@ -136,7 +136,8 @@ def generate(
                                             "prompt + n, or 4096 with -n -1; a prompt + n beyond it is refused"),
     kv: str = typer.Option("f16", "--kv", help="KV cache type: f16, int8 (an f32 scale per 32 values) or f32 (exact)"),
     prefill: str = typer.Option("auto", "--prefill", help="the prompt in chunks of CHUNK tokens (the batched prompt "
-                                "path), auto (256, less when memory is short) or off (token by token)"),
+                                "path), auto (1024 on the CPU alone, 256 beside the GPU tier; less when memory is "
+                                "short) or off (token by token)"),
     pool_workers: Optional[int] = threads_option(),
     device: str = device_option(),
     expert_cache: str = expert_cache_option(),
