@@ -382,9 +382,28 @@ def _moe_specs(g: ModelGeometry, l: int) -> list[TensorSpec]:
     return s
 
 
+def ggml_shape(shape: Iterable[int]) -> tuple[int, ...]:
+    """A shape as ggml compares shapes: trailing 1-dimensions are no dimension at all.
+
+    ggml keeps ne[0..3] with unused dims 1, so [n, 1] and [n] are the same tensor; llama.cpp's
+    quantizer writes the converter's [n_embd, 1] (ffn_gate_inp_shexp) as [n_embd], and a strict
+    tuple compare refused every quantized release. Leading and inner 1s still count.
+    """
+    dims = [int(d) for d in shape]
+    while len(dims) > 1 and dims[-1] == 1:
+        dims.pop()
+    return tuple(dims)
+
+
+def same_shape(a: Iterable[int], b: Iterable[int]) -> bool:
+    """True when ggml sees one shape in `a` and `b` (trailing 1-dims ignored)."""
+    return ggml_shape(a) == ggml_shape(b)
+
+
 def check_tensor_shapes(g: ModelGeometry, found: Mapping[str, tuple[int, ...]], *, source: str,
                         ignore: Iterable[str] = ()) -> None:
-    """Every tensor the contract names must exist with exactly its shape; no unknown tensor either.
+    """Every tensor the contract names must exist with its shape, compared as ggml compares shapes
+    (`same_shape`: trailing 1-dims are not a difference); no unknown tensor either.
 
     A mismatch names the tensor, the shape found and the shape required, at LOAD time - not as a
     wrong number inside a GEMV at token 4000.
@@ -396,7 +415,7 @@ def check_tensor_shapes(g: ModelGeometry, found: Mapping[str, tuple[int, ...]], 
             continue
         if name not in found:
             raise GeometryError(f"{source}: tensor {name} is missing (required shape {list(spec.shape)})")
-        if tuple(found[name]) != spec.shape:
+        if not same_shape(found[name], spec.shape):
             raise GeometryError(
                 f"{source}: tensor {name} has shape {list(found[name])}, the geometry requires {list(spec.shape)}"
             )
