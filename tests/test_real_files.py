@@ -4,6 +4,8 @@
   [n_embd, 1] ffn_gate_inp_shexp becomes [n_embd] in every quantized file). ggml compares shapes
   that way, so must we: such a file packs, verifies and runs exactly as the [n_embd, 1] one; any
   other difference is still refused, naming tensor, shape found and shape required.
+- llama.cpp's converter exports a Qwen3.5-MoE checkpoint's MTP draft block by default; the trunk
+  packs and runs from such a file unchanged (the block is checked, left in the GGUF, not used yet).
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import pytest
 import engine_fixture as F
 from strata.engine.pack import Pack
 from strata.index_format.geometry import GeometryError, check_tensor_shapes, same_shape, tensor_specs
-from strata.tools.gguf_io import GGUFWriter, read_gguf
+from strata.tools.gguf_io import KV, VT, GGUFWriter, read_gguf
 from strata.tools.pack_cli import main
 
 SHEXP = "blk.0.ffn_gate_inp_shexp.weight"
@@ -106,3 +108,54 @@ def test_the_contract_compares_shapes_as_ggml_does():
     with pytest.raises(GeometryError, match=r"tensor blk\.0\.ssm_a has shape \[1, 4\], the geometry requires \[4\]"):
         check_tensor_shapes(g, {**found, "blk.0.ssm_a": (1, 4)}, source="x")
 
+
+# --- a qwen35moe GGUF with its MTP block ------------------------------------------------------------
+
+
+@pytest.mark.reference
+def test_a_qwen35moe_gguf_with_its_mtp_block_runs_the_trunk_unchanged(tmp_path, capsys):
+    """llama.cpp's converter exports a Qwen3.5-MoE checkpoint's MTP block by default (block_count
+    n_layer + 1, nextn_predict_layers 1, blk.{n_layer} a full-attention MoE layer + nextn.*). The
+    trunk packs and runs from that file exactly as from the same checkpoint converted --no-mtp."""
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    from reference.convert import reference_gguf
+
+    with_mtp = reference_gguf("qwen35moe", "f32", mtp_num_hidden_layers=1)[0]
+    trunk = reference_gguf("qwen35moe", "f32", mtp=False, mtp_num_hidden_layers=1)[0]
+    f, t = read_gguf(with_mtp), read_gguf(trunk)
+    n_layer = t.get("qwen35moe.block_count")
+    assert (f.get("qwen35moe.block_count"), f.get("qwen35moe.nextn_predict_layers")) == (n_layer + 1, 1)
+    mtp_tensors = sorted(set(f.tensors) - set(t.tensors))
+    assert f"blk.{n_layer}.nextn.eh_proj.weight" in mtp_tensors and f"blk.{n_layer}.ffn_gate_exps.weight" in mtp_tensors
+    assert all(n.startswith(f"blk.{n_layer}.") for n in mtp_tensors)
+
+    packs = []
+    for gguf in (with_mtp, trunk):
+        out = tmp_path / f"{'mtp' if gguf == with_mtp else 'trunk'}-pack"
+        assert main(["convert", str(gguf), "-o", str(out)]) == 0, capsys.readouterr().err
+        err = capsys.readouterr().err
+        assert ("MTP draft block" in err) == (gguf == with_mtp), err
+        assert main(["verify", str(out), "--full"]) == 0, capsys.readouterr().err
+        packs.append(out)
+    p = Pack.open(packs[0])
+    assert (p.geometry.n_layer, p.geometry.n_mtp_layer) == (n_layer, 1)
+    assert any("MTP draft block" in w and "not used yet" in w for w in p.warnings)
+    # the same dense tensors at the same offsets; the MTP block stays in the GGUF
+    assert (packs[0] / "index.txt").read_text().splitlines()[3:] == (packs[1] / "index.txt").read_text().splitlines()[3:]
+    assert np.array_equal(_logits(packs[0]), _logits(packs[1]))
+
+
+def test_an_mtp_block_marked_recurrent_is_refused(tmp_path, capsys):
+    g = F.geometry()
+    src = F.write_gguf(tmp_path / "model.gguf", g)
+    f = read_gguf(src)
+    w = GGUFWriter(tmp_path / "bad.gguf", alignment=f.alignment)
+    w.kv = dict(f.kv)
+    w.kv["qwen35moe.block_count"] = KV(VT.UINT32, g.n_layer + 1)
+    w.kv["qwen35moe.nextn_predict_layers"] = KV(VT.UINT32, 1)
+    w.kv["qwen35moe.attention.recurrent_layers"] = KV(VT.ARRAY, [bool(x) for x in g.recurrent_layers] + [True], VT.BOOL)
+    for name, t in f.tensors.items():
+        w.add_tensor(name, t.shape, t.type_id, lambda raw=np.asarray(f.tensor_bytes(name)): raw)
+    assert main(["convert", str(w.write()), "-o", str(tmp_path / "pack")]) == 1
+    assert "attention.recurrent_layers marks MTP layer(s) [4] recurrent" in capsys.readouterr().err
