@@ -55,7 +55,8 @@ class TensorSpec:
 
     @property
     def in_pool(self) -> bool:
-        """Dense tensors are copied into pool.bin; experts and the PLE table stay in the GGUF."""
+        """Dense tensors are copied into pool.bin; experts, the PLE table and the (unused) MTP block
+        stay in the GGUF."""
         return self.category not in (EXPERT, PLE_TABLE, MTP)
 
     @property

@@ -106,7 +106,7 @@ def geometry_from_gguf(
         recurrent_layers=_trunk_recurrent_layers(main, k, n_mtp),
         n_mtp_layer=n_mtp,
     )
-    warnings: list[str] = mtp_notes(ModelGeometry.from_values(values, source=main.path.name)) if n_mtp else []
+    warnings: list[str] = []
     value_len = main.get(k("attention.value_length"))
     if value_len is not None and value_len != values["head_dim"]:
         raise GeometryError(
@@ -116,7 +116,7 @@ def geometry_from_gguf(
     if arch == "qwen4exp":
         values.update(_qwen4exp_values(main, tensors, k, values, compress_ratio, warnings))
     g = ModelGeometry.from_values(values, source=main.path.name)
-    warnings += check_layer_arrays(g)
+    warnings += check_layer_arrays(g) + mtp_notes(g)
     return GeometryReading(g, tuple(warnings))
 
 

@@ -424,8 +424,8 @@ def read_pack(pack_dir: str | os.PathLike) -> Pack:
 def _check_index_against_geometry(path: Path, index: PackIndex, g: ModelGeometry) -> None:
     want = [(s.name, s.shape) for s in tensor_specs(g) if s.in_pool]
     have = [(t.name, t.shape) for t in index.tensors]
-    if len(want) != len(have) or any(w[0] != h[0] or not same_shape(w[1], h[1]) for w, h in zip(want, have)):
-        bad = next(((w, h) for w, h in zip(want, have) if w[0] != h[0] or not same_shape(w[1], h[1])), None)
+    bad = next(((w, h) for w, h in zip(want, have) if w[0] != h[0] or not same_shape(w[1], h[1])), None)
+    if bad or len(want) != len(have):
         detail = (f"{bad[1][0]} {list(bad[1][1])} where the geometry requires {bad[0][0]} {list(bad[0][1])}"
                   if bad else f"{len(have)} tensors, the geometry requires {len(want)}")
         raise GeometryError(f"{path}: {detail}")
