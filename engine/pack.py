@@ -20,7 +20,9 @@ from pathlib import Path
 
 import numpy as np
 
-from strata.index_format.geometry import ModelGeometry, check_layer_arrays, check_tensor_shapes, read_geometry, tensor_specs
+from strata.index_format.geometry import (
+    ModelGeometry, check_layer_arrays, check_tensor_shapes, mtp_notes, read_geometry, tensor_specs,
+)
 from strata.index_format.ggml_types import BY_ID, GGMLType
 from strata.index_format.manifest import Manifest, SourceFile, fingerprint_file, full_sha256, read_manifest
 from strata.index_format.native_experts import ExpertLayer, NativeExperts, expert_bytes, read_native_experts
@@ -91,7 +93,7 @@ class Pack:
         manifest = read_manifest(d / MANIFEST)
         _check_pack_files(d, manifest)
         g = read_geometry(d / GEOMETRY)
-        warnings = check_layer_arrays(g)
+        warnings = check_layer_arrays(g) + mtp_notes(g)
         pool_size = (d / POOL).stat().st_size
         index = read_index(d / INDEX, pool_size=pool_size)
         in_gguf = {s.name for s in tensor_specs(g) if not s.in_pool}  # experts, PLE table: read in place

@@ -19,7 +19,7 @@ weight is [in, out] here.
 
 from __future__ import annotations
 
-from dataclasses import MISSING, asdict, dataclass, fields
+from dataclasses import MISSING, asdict, dataclass, fields, replace
 from typing import Iterable, Mapping
 
 from .hparams import HParam, read_hparams, write_hparams
@@ -39,6 +39,7 @@ EMBEDDING = "embedding"  # stays in host memory
 PLE = "ple"  # the PLE projection weights (dense, per PLE layer)
 PLE_TABLE = "ple_table"  # the huge n-gram table: host memory, read through the page cache (S16)
 EXPERT = "expert"  # routed experts: referenced in place in the GGUF, never copied into the pool
+MTP = "mtp"  # the MTP draft block (speculative decoding): checked, left in the GGUF, not used yet
 
 
 class GeometryError(ValueError):
@@ -54,8 +55,9 @@ class TensorSpec:
 
     @property
     def in_pool(self) -> bool:
-        """Dense tensors are copied into pool.bin; experts and the PLE table stay in the GGUF."""
-        return self.category not in (EXPERT, PLE_TABLE)
+        """Dense tensors are copied into pool.bin; experts, the PLE table and the (unused) MTP block
+        stay in the GGUF."""
+        return self.category not in (EXPERT, PLE_TABLE, MTP)
 
     @property
     def multiplied(self) -> bool:
@@ -93,6 +95,9 @@ class ModelGeometry:
     n_ff_exp: int
     n_ff_shexp: int
     recurrent_layers: tuple[int, ...] = ()  # the GGUF's per-layer bool array (1 = GDN), checked not trusted
+    # MTP draft blocks after the trunk (the GGUF's nextn_predict_layers; its block_count counts them
+    # too): layers n_layer .. n_layer + n_mtp_layer - 1, each a full-attention MoE layer + nextn.*
+    n_mtp_layer: int = 0
     # qwen4exp only (0 / empty for qwen35moe)
     hc: int = 0
     hc_lowrank: int = 0
@@ -201,6 +206,8 @@ def _validate(g: ModelGeometry) -> None:
     if g.recurrent_layers:
         _require(len(g.recurrent_layers) == g.n_layer,
                  f"recurrent_layers has {len(g.recurrent_layers)} entries, expected n_layer = {g.n_layer}")
+    _require(g.n_mtp_layer in (0, 1) and (g.n_mtp_layer == 0 or g.arch == "qwen35moe"),
+             f"{g.n_mtp_layer} MTP block(s) in a {g.arch} model: Strata knows qwen35moe's one MTP block only")
     if g.arch == "qwen35moe":
         _require(g.hc == 0 and not g.has_qsa and not g.ple_layers,
                  "qwen35moe has no hyper-connections, QSA indexer or PLE fields")
@@ -246,6 +253,14 @@ def check_layer_arrays(g: ModelGeometry) -> list[str]:
     return check_compress_ratios(g)
 
 
+def mtp_notes(g: ModelGeometry) -> list[str]:
+    """What a reader of the pack should know about its MTP draft block (empty without one)."""
+    if not g.n_mtp_layer:
+        return []
+    return [f"the file carries an MTP draft block (layer {g.n_layer}, nextn_predict_layers {g.n_mtp_layer}); "
+            "it stays in the GGUF and is not used yet (no speculative decoding): the trunk runs unchanged"]
+
+
 def check_compress_ratios(g: ModelGeometry) -> list[str]:
     """Compare the GGUF's per-layer compress-ratio array with the DERIVED layer kinds.
 
@@ -283,7 +298,23 @@ def tensor_specs(g: ModelGeometry) -> list[TensorSpec]:
         out += _layer_specs(g, l)
     if g.ple_layers:
         out.append(TensorSpec("per_layer_token_embd.weight", (g.ple_row_dim, g.ple_table_rows), PLE_TABLE))
+    for l in range(g.n_layer, g.n_layer + g.n_mtp_layer):
+        out += _mtp_specs(g, l)
     return out
+
+
+def _mtp_specs(g: ModelGeometry, l: int) -> list[TensorSpec]:
+    """qwen35moe's MTP block as llama.cpp's converter writes it (conversion/qwen.py _QwenMtpMixin):
+    a full-attention decoder layer with MoE at blk.{n_layer}, plus nextn.eh_proj (the fc joining the
+    embedding and the trunk's hidden state) and its norms. All category MTP: not in the pool."""
+    E, b = g.n_embd, f"blk.{l}"
+    s = [TensorSpec(f"{b}.attn_norm.weight", (E,), NORM, l), TensorSpec(f"{b}.post_attention_norm.weight", (E,), NORM, l)]
+    s += _full_attention_specs(g, l) + _moe_specs(g, l)
+    s += [TensorSpec(f"{b}.nextn.eh_proj.weight", (2 * E, E), MTP, l),
+          TensorSpec(f"{b}.nextn.enorm.weight", (E,), NORM, l),
+          TensorSpec(f"{b}.nextn.hnorm.weight", (E,), NORM, l),
+          TensorSpec(f"{b}.nextn.shared_head_norm.weight", (E,), NORM, l)]
+    return [replace(t, category=MTP) for t in s]
 
 
 def _hc_specs(prefix: str, g: ModelGeometry, layer: int | None, inject: bool) -> list[TensorSpec]:
@@ -382,9 +413,28 @@ def _moe_specs(g: ModelGeometry, l: int) -> list[TensorSpec]:
     return s
 
 
+def ggml_shape(shape: Iterable[int]) -> tuple[int, ...]:
+    """A shape as ggml compares shapes: trailing 1-dimensions are no dimension at all.
+
+    ggml keeps ne[0..3] with unused dims 1, so [n, 1] and [n] are the same tensor; llama.cpp's
+    quantizer writes the converter's [n_embd, 1] (ffn_gate_inp_shexp) as [n_embd], and a strict
+    tuple compare refused every quantized release. Leading and inner 1s still count.
+    """
+    dims = [int(d) for d in shape]
+    while len(dims) > 1 and dims[-1] == 1:
+        dims.pop()
+    return tuple(dims)
+
+
+def same_shape(a: Iterable[int], b: Iterable[int]) -> bool:
+    """True when ggml sees one shape in `a` and `b` (trailing 1-dims ignored)."""
+    return ggml_shape(a) == ggml_shape(b)
+
+
 def check_tensor_shapes(g: ModelGeometry, found: Mapping[str, tuple[int, ...]], *, source: str,
                         ignore: Iterable[str] = ()) -> None:
-    """Every tensor the contract names must exist with exactly its shape; no unknown tensor either.
+    """Every tensor the contract names must exist with its shape, compared as ggml compares shapes
+    (`same_shape`: trailing 1-dims are not a difference); no unknown tensor either.
 
     A mismatch names the tensor, the shape found and the shape required, at LOAD time - not as a
     wrong number inside a GEMV at token 4000.
@@ -396,7 +446,7 @@ def check_tensor_shapes(g: ModelGeometry, found: Mapping[str, tuple[int, ...]], 
             continue
         if name not in found:
             raise GeometryError(f"{source}: tensor {name} is missing (required shape {list(spec.shape)})")
-        if tuple(found[name]) != spec.shape:
+        if not same_shape(found[name], spec.shape):
             raise GeometryError(
                 f"{source}: tensor {name} has shape {list(found[name])}, the geometry requires {list(spec.shape)}"
             )

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Mapping
 
-from strata.index_format.geometry import ARCHS, GeometryError, ModelGeometry, check_layer_arrays
+from strata.index_format.geometry import ARCHS, GeometryError, ModelGeometry, check_layer_arrays, mtp_notes
 from strata.tools.gguf_io import GGUFFile, TensorInfo
 
 # Not in the GGUF, fixed by the released models (BRIEF section 2): the GDN output-gate activation
@@ -38,6 +38,29 @@ def _ints(f: GGUFFile, key: str, default=()) -> tuple[int, ...]:
     return tuple(int(x) for x in v)
 
 
+def _mtp_layers(main: GGUFFile, k) -> int:
+    """nextn_predict_layers: MTP draft blocks the converter appends after the trunk (block_count
+    counts them). llama.cpp's converter exports a Qwen3.5-MoE checkpoint's MTP block by default."""
+    n = main.get(k("nextn_predict_layers"), 0)
+    if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n < _u(main, k("block_count")):
+        raise GeometryError(f"{main.path.name}: metadata {k('nextn_predict_layers')} is {n!r}, expected an integer "
+                            f"in 0..block_count - 1")
+    return n
+
+
+def _trunk_recurrent_layers(main: GGUFFile, k, n_mtp: int) -> tuple[int, ...]:
+    """The trunk's part of attention.recurrent_layers; the MTP blocks' entries must say full attention."""
+    flags = tuple(int(bool(x)) for x in main.get(k("attention.recurrent_layers"), ()))
+    if not flags or not n_mtp:
+        return flags
+    n_trunk = len(flags) - n_mtp
+    if any(flags[n_trunk:]):
+        raise GeometryError(f"{main.path.name}: attention.recurrent_layers marks MTP layer(s) "
+                            f"{[l for l in range(n_trunk, len(flags)) if flags[l]]} recurrent; an MTP block is "
+                            "full attention")
+    return flags[:n_trunk]
+
+
 def geometry_from_gguf(
     main: GGUFFile,
     tensors: Mapping[str, TensorInfo],
@@ -54,6 +77,7 @@ def geometry_from_gguf(
             f"{main.path.name}: general.architecture is {arch!r}; Strata runs {', '.join(ARCHS)}"
         )
     k = lambda s: f"{arch}.{s}"  # noqa: E731
+    n_mtp = _mtp_layers(main, k)
     emb = tensors.get("token_embd.weight")
     if emb is None:
         raise GeometryError(f"{main.path.name}: tensor token_embd.weight is missing")
@@ -61,7 +85,7 @@ def geometry_from_gguf(
         arch=arch,
         n_vocab=emb.shape[1] if len(emb.shape) > 1 else 0,
         n_embd=_u(main, k("embedding_length")),
-        n_layer=_u(main, k("block_count")),
+        n_layer=_u(main, k("block_count")) - n_mtp,
         full_attention_interval=_u(main, k("full_attention_interval")),
         rms_eps=float(main.require(k("attention.layer_norm_rms_epsilon"))),
         n_head=_u(main, k("attention.head_count")),
@@ -79,7 +103,8 @@ def geometry_from_gguf(
         n_expert_used=_u(main, k("expert_used_count")),
         n_ff_exp=_u(main, k("expert_feed_forward_length")),
         n_ff_shexp=int(main.get(k("expert_shared_feed_forward_length"), 0)),
-        recurrent_layers=tuple(int(bool(x)) for x in main.get(k("attention.recurrent_layers"), ())),
+        recurrent_layers=_trunk_recurrent_layers(main, k, n_mtp),
+        n_mtp_layer=n_mtp,
     )
     warnings: list[str] = []
     value_len = main.get(k("attention.value_length"))
@@ -91,7 +116,7 @@ def geometry_from_gguf(
     if arch == "qwen4exp":
         values.update(_qwen4exp_values(main, tensors, k, values, compress_ratio, warnings))
     g = ModelGeometry.from_values(values, source=main.path.name)
-    warnings += check_layer_arrays(g)
+    warnings += check_layer_arrays(g) + mtp_notes(g)
     return GeometryReading(g, tuple(warnings))
 
 

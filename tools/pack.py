@@ -29,8 +29,8 @@ from pathlib import Path
 import numpy as np
 
 from strata.index_format.geometry import (
-    EXPERT, PLE_TABLE, GeometryError, ModelGeometry, TensorSpec, check_tensor_shapes, read_geometry, tensor_specs,
-    write_geometry,
+    EXPERT, PLE_TABLE, GeometryError, ModelGeometry, TensorSpec, check_tensor_shapes, read_geometry, same_shape,
+    tensor_specs, write_geometry,
 )
 from strata.index_format.ggml_types import BY_ID
 from strata.index_format.manifest import Manifest, PackFile, SourceFile, fingerprint_file, full_sha256, read_manifest, write_manifest
@@ -428,8 +428,8 @@ def read_pack(pack_dir: str | os.PathLike) -> Pack:
 def _check_index_against_geometry(path: Path, index: PackIndex, g: ModelGeometry) -> None:
     want = [(s.name, s.shape) for s in tensor_specs(g) if s.in_pool]
     have = [(t.name, t.shape) for t in index.tensors]
-    if want != have:
-        bad = next(((w, h) for w, h in zip(want, have) if w != h), None)
+    bad = next(((w, h) for w, h in zip(want, have) if w[0] != h[0] or not same_shape(w[1], h[1])), None)
+    if bad or len(want) != len(have):
         detail = (f"{bad[1][0]} {list(bad[1][1])} where the geometry requires {bad[0][0]} {list(bad[0][1])}"
                   if bad else f"{len(have)} tensors, the geometry requires {len(want)}")
         raise GeometryError(f"{path}: {detail}")
@@ -531,7 +531,7 @@ def _verify_against_ggufs(pack: Pack, paths: dict[str, Path], rep: VerifyReport)
         _expect_tensor(rep, tensors.get(t.name), t.name, t.file, t.offset, t.type_id, (t.row_dim, t.rows))
     for entry in pack.index.tensors:
         t = tensors.get(entry.name)
-        if t is None or t.type_id != entry.src_type or t.shape != entry.shape:
+        if t is None or t.type_id != entry.src_type or not same_shape(t.shape, entry.shape):
             found = "missing" if t is None else f"type {t.type_id} shape {list(t.shape)}"
             rep.problems.append(f"{INDEX}: {entry.name} is type {entry.src_type} shape {list(entry.shape)}, "
                                 f"the GGUFs hold {found}")
@@ -544,7 +544,7 @@ def _expect_tensor(rep: VerifyReport, t: TensorInfo | None, name: str, file: str
                    shape: tuple[int, ...] | None = None) -> None:
     if t is None:
         rep.problems.append(f"{name}: recorded in {file} at {offset}, but no source GGUF holds it now")
-    elif (t.file.name, t.offset, t.type_id) != (file, offset, type_id) or (shape is not None and t.shape != shape):
+    elif (t.file.name, t.offset, t.type_id) != (file, offset, type_id) or (shape is not None and not same_shape(t.shape, shape)):
         rep.problems.append(f"{name}: recorded at {file} offset {offset} type {type_id}, "
                             f"found at {t.file.name} offset {t.offset} type {t.type_id} shape {list(t.shape)}")
 

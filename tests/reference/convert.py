@@ -143,30 +143,32 @@ def _gguf_tensor_count(path: Path) -> int:
     return int.from_bytes(head[8:16], "little")
 
 
-def _mtp_args(checkpoint_dir: Path) -> list[str]:
+def _mtp_args(checkpoint_dir: Path, mtp: bool = True) -> list[str]:
     # The Qwen3.5 converter expects MTP tensors (asserts a non-zero MTP layer count) unless told
-    # --no-mtp; transformers models no MTP head, so a tiny checkpoint has none to export.
+    # --no-mtp; a tiny checkpoint has them only when built with mtp_num_hidden_layers (hf_models).
+    # mtp=False converts a checkpoint that has them without them (the trunk alone).
     cfg = json.loads((checkpoint_dir / "config.json").read_text(encoding="utf-8"))
     arch = (cfg.get("architectures") or [""])[0]
-    if arch.startswith("Qwen3_5") and not cfg.get("mtp_num_hidden_layers"):
+    if arch.startswith("Qwen3_5") and (not cfg.get("mtp_num_hidden_layers") or not mtp):
         return ["--no-mtp"]
     return []
 
 
 def convert_to_gguf(checkpoint_dir: str | Path, out_path: str | Path, outtype: str = "f32",
-                    split_ple: bool = False) -> list[Path]:
+                    split_ple: bool = False, mtp: bool = True) -> list[Path]:
     """Convert a checkpoint with llama.cpp's converter; returns the GGUF file(s) written.
 
     split_ple=False: one file at out_path. split_ple=True (qwen4exp): the release's two shards,
     <stem>-00001-of-00002.gguf (everything else) and <stem>-00002-of-00002.gguf (the PLE table),
     made by the converter's own --split-max-tensors: the table is the last tensor it emits when the
     checkpoint stores the n-gram shards in its last safetensors part (hf_models does, as releases do).
+    mtp=False leaves out an MTP block the checkpoint has (the converter's --no-mtp).
     """
     if outtype not in OUTTYPES:
         raise ValueError(f"convert_to_gguf: outtype {outtype!r}, expected one of {OUTTYPES}")
     checkpoint_dir, out_path = Path(checkpoint_dir), Path(out_path)
     out_path.parent.mkdir(parents=True, exist_ok=True)
-    extra = _mtp_args(checkpoint_dir)
+    extra = _mtp_args(checkpoint_dir, mtp)
     work = Path(tempfile.mkdtemp(prefix=".convert-", dir=out_path.parent))
     try:
         single = work / out_path.name
@@ -221,16 +223,18 @@ def reference_checkpoint(arch: str, seed: int = 0, **overrides: Any) -> Path:
 
 
 def reference_gguf(arch: str, outtype: str = "f32", seed: int = 0, split_ple: bool | None = None,
-                   **overrides: Any) -> list[Path]:
+                   mtp: bool = True, **overrides: Any) -> list[Path]:
     """Cached GGUF file(s) of the tiny `arch` model converted by llama.cpp's converter.
 
     split_ple defaults to True for a qwen4exp model with a PLE layer (the release's form:
-    [main shard, PLE shard]) and False otherwise ([single file]).
+    [main shard, PLE shard]) and False otherwise ([single file]). mtp=False converts a checkpoint
+    built with an MTP block (mtp_num_hidden_layers=1) without it, as --no-mtp does.
     """
     cfg = hf_models.tiny_config(arch, **overrides)
     if split_ple is None:
         split_ple = bool(cfg.get("ple_layer_ids"))
-    key = _cache_key(arch, seed, overrides, outtype=outtype, split_ple=split_ple)
+    conversion = dict(outtype=outtype, split_ple=split_ple) | ({} if mtp else dict(mtp=False))
+    key = _cache_key(arch, seed, overrides, **conversion)
     target = cache_root() / "gguf" / f"{arch}-{outtype}-s{seed}-{key}"
     done = target / "files.txt"
     if done.is_file():
@@ -239,7 +243,7 @@ def reference_gguf(arch: str, outtype: str = "f32", seed: int = 0, split_ple: bo
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{arch}-", dir=target.parent))
     try:
-        paths = convert_to_gguf(ckpt, tmp / f"tiny-{arch}-{outtype}.gguf", outtype, split_ple=split_ple)
+        paths = convert_to_gguf(ckpt, tmp / f"tiny-{arch}-{outtype}.gguf", outtype, split_ple=split_ple, mtp=mtp)
         (tmp / "files.txt").write_text("\n".join(p.name for p in paths) + "\n", encoding="utf-8")
         _publish(tmp, target)
     finally:

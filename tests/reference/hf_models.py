@@ -308,10 +308,45 @@ def build_checkpoint(arch: str, out_dir: str | Path, seed: int = 0, **overrides:
     model = _model_class(cfg)(hf_cfg).to(torch.float32).eval()
     _init_weights(model, cfg, seed)
     model.save_pretrained(str(out_dir))
+    if cfg.get("mtp_num_hidden_layers"):
+        _add_mtp_block(out_dir, cfg, seed)
     _move_ple_to_last_part(out_dir)
     build_tokenizer(out_dir)
     _write_config(out_dir / "config.json", cfg)
     return out_dir
+
+
+def _add_mtp_block(out_dir: Path, cfg: dict[str, Any], seed: int) -> None:
+    """Add the MTP draft block a Qwen3.5-MoE release carries (`mtp_num_hidden_layers`: 1).
+
+    transformers models no MTP head (it ignores `mtp.*` on load), so the block is written here as
+    a release stores it: `mtp.fc` [n_embd, 2 n_embd], `mtp.pre_fc_norm_embedding/hidden`,
+    `mtp.norm`, and `mtp.layers.0.*`, a full-attention decoder layer with MoE, its tensors named as
+    the trunk's last full-attention layer's and drawn by the same rules from their own generator.
+    """
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    if cfg["model_type"] != "qwen3_5_moe_text" or cfg["mtp_num_hidden_layers"] != 1:
+        raise ValueError("tiny model: an MTP block is built for qwen35moe with mtp_num_hidden_layers 1 only")
+    single = out_dir / "model.safetensors"
+    tensors = load_file(str(single))
+    n, interval, E = cfg["num_hidden_layers"], cfg["full_attention_interval"], cfg["hidden_size"]
+    last_full = max(l for l in range(n) if l % interval == interval - 1)
+    prefix = f"model.layers.{last_full}."
+    gen = torch.Generator().manual_seed(seed + 7919)
+    shapes = {f"mtp.layers.0.{k[len(prefix):]}": tuple(v.shape) for k, v in tensors.items() if k.startswith(prefix)}
+    shapes.update({"mtp.fc.weight": (E, 2 * E), "mtp.pre_fc_norm_embedding.weight": (E,),
+                   "mtp.pre_fc_norm_hidden.weight": (E,), "mtp.norm.weight": (E,)})
+    rules = _init_rules(cfg)
+    for name, shape in sorted(shapes.items()):
+        kind, scale = next((k, sc) for suffix, k, sc in rules if name.endswith(suffix))
+        if kind == "fan_in":
+            value = torch.randn(shape, generator=gen) * (scale / math.sqrt(shape[-1]))
+        else:  # "normal": the zero-centred norm gains
+            value = torch.randn(shape, generator=gen) * scale
+        tensors[name] = value.to(torch.bfloat16).to(torch.float32)
+    save_file(tensors, str(single), metadata={"format": "pt"})
 
 
 PLE_SHARD_MARK = ".ngram_embedding.shard_"
