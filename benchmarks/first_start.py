@@ -86,9 +86,12 @@ def main() -> int:
         rows.append(("pip install (not ours: the registry's and pip's time)", f"{install_s:.1f}", "-"))
         work.mkdir(parents=True)
         wall, cpu, _, err = timed([str(bin_ / "strata-pack"), "demo", "-o", str(work / "demo")], env)
+        (work / "first-start.stderr").write_text(err)
         compiled = re.search(r"compiled (\d+) kernels here", err)
-        rows.append((f"first `strata-pack demo` (kernels compiled: {compiled.group(1) if compiled else '?'} here, "
-                     "the rest in the second process)", f"{wall:.1f}", f"{cpu:.1f}"))
+        helper = "failed: " + err.split("second process exited with")[1].splitlines()[0] if "second process exited" in err else "ok"
+        rows.append((f"first `strata-pack demo` ({compiled.group(1) if compiled else '?'} kernels compiled in it, the "
+                     f"prompt path's in a second process: {helper}; stderr in {work / 'first-start.stderr'})",
+                     f"{wall:.1f}", f"{cpu:.1f}"))
     pack = work / "demo"
     for r in range(a.rounds):
         wall, cpu, _, _ = timed([str(bin_ / "strata"), "generate", "-m", str(pack), "-p", "Hello", "-n", "1", "--temp", "0"], env)
