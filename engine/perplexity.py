@@ -103,6 +103,7 @@ def score(model: Model, wins: np.ndarray, *, kv: str, chunk: int, base: KLBase |
         done = 0
         for logits in window_logits(model, toks, kv=kv, chunk=chunk):
             n = len(logits)
+            _check_finite(logits, w, first + done)
             nxt = toks[first + done + 1 : first + done + 1 + n]
             lp = log_softmax(logits)
             nll = -lp[np.arange(n), nxt]
@@ -120,6 +121,15 @@ def score(model: Model, wins: np.ndarray, *, kv: str, chunk: int, base: KLBase |
             if progress is not None:
                 progress(n)
     return out
+
+
+def _check_finite(logits: np.ndarray, window: int, pos: int) -> None:
+    # A NaN or inf logit makes every figure after it nan (PPL, KL, top-1), which once printed as a
+    # result and exited 0: the model is broken, and that is the answer, not a number.
+    if not np.isfinite(logits).all():
+        r, v = np.argwhere(~np.isfinite(logits))[0]
+        raise PerplexityError(f"window {window}, position {pos + r}: the model's logit of token {v} is "
+                              f"{logits[r, v]} (expected finite logits; the pack's weights or the engine are broken)")
 
 
 def _check_base(base: KLBase, wins: np.ndarray, n_vocab: int) -> None:

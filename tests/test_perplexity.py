@@ -175,3 +175,32 @@ def test_kl_base_round_trip_and_strict_reader(tmp_path):
         with K.KLBaseWriter(tmp_path / "c.bin", tokens=tokens, first=2, n_vocab=11, pack_fingerprint="pk1-" + "ab" * 32):
             pass
     assert sorted(p.name for p in tmp_path.iterdir()) == ["b.bin"]
+
+
+def _poison(pack, tensor: str, value=np.nan) -> None:
+    """Write `value` into the first element of an F32 tensor in pool.bin (size unchanged, so only
+    `strata-pack verify --full` would notice)."""
+    from strata.index_format.pack_index import read_index
+
+    t = next(t for t in read_index(pack / "index.txt").tensors if t.name == tensor)
+    with open(pack / "pool.bin", "r+b") as f:
+        f.seek(t.offset)
+        f.write(np.float32(value).tobytes())
+
+
+@pytest.mark.bad_input("non-finite")
+@pytest.mark.parametrize("with_base", [False, True])
+def test_non_finite_logits_are_refused_not_scored(packs, tmp_path, capsys, with_base):
+    good, _, text = packs
+    args = []
+    if with_base:
+        base = tmp_path / "base.bin"
+        assert ppl(good, text, "--save-logits", str(base)) == 0
+        args = ["--kl-base", str(base)]
+    bad = F.make_pack(tmp_path, "nan")
+    _poison(bad, "output_norm.weight")
+    capsys.readouterr()
+    assert ppl(bad, text, *args) == 1
+    out, err = capsys.readouterr()
+    assert "PPL" not in out and "nan" not in out
+    assert "window 0, position 24: the model's logit of token 0 is nan" in err
