@@ -49,6 +49,7 @@ from strata.index_format.geometry import ModelGeometry, tensor_specs
 from strata.index_format.native_experts import NativeExperts
 from strata.index_format.pack_index import PackIndex, TensorEntry
 
+from .arguments import is_count
 from .expert_plan import MiB, auto_line, auto_slots, prefill_mib
 from .kernels.engine_form import PLANE_ALIGN, align, placed_bytes
 
@@ -236,7 +237,7 @@ def parse_prefill(text: str) -> int | None:
         return None
     if text == "off":
         return 0
-    if not text.isdigit():
+    if not is_count(text):  # ASCII digits: '²'.isdigit() is True and int('²') fails
         raise BudgetError(f"--prefill {text!r}: expected auto, off or a chunk size in tokens")
     return int(text)
 

@@ -103,6 +103,22 @@ def generate(
         raise _fail(str(e)) from None
 
 
+def sampler_options(temp: float, top_k: int, top_p: float, min_p: float, repeat_penalty: float, seed: int | None):
+    """The sampler's flags checked by name (finite ranges) -> SamplerParams, before anything loads."""
+    from strata.engine.arguments import finite
+    from strata.engine.sampling import SamplerParams
+
+    finite("--temp", temp, lo=0, note="0 is greedy")
+    finite("--top-p", top_p, lo=0, hi=1, lo_open=True, note="1 is off")
+    finite("--min-p", min_p, lo=0, hi=1, note="0 is off")
+    finite("--repeat-penalty", repeat_penalty, lo=0, lo_open=True, note="1 is off")
+    if top_k < 0:
+        raise ValueError(f"--top-k {top_k}: expected >= 0 (0 is off)")
+    if seed is not None and seed < 0:
+        raise ValueError(f"--seed {seed}: expected >= 0")
+    return SamplerParams(temperature=temp, top_k=top_k, top_p=top_p, min_p=min_p, repeat_penalty=repeat_penalty, seed=seed)
+
+
 def engine_options(kv: str, prefill: str) -> int | None:
     """Checks --kv and parses --prefill (budget.py's rule: None = auto, 0 = off) before anything loads."""
     from strata.engine.budget import KV_TYPES, parse_prefill
@@ -122,8 +138,10 @@ def gpu_options(device: str, expert_cache: str, vram_budget_mib: int | None, vra
         raise ValueError(f"--vram-reserve-mib {vram_reserve_mib}: expected >= 0")
     if expert_cache == "auto":
         return None
-    if not expert_cache.isdigit():
-        raise ValueError(f"--expert-cache {expert_cache!r}: expected auto or a number of slots")
+    from strata.engine.arguments import is_count
+
+    if not is_count(expert_cache):
+        raise ValueError(f"--expert-cache {expert_cache!r}: expected auto or a number of slots (ASCII digits)")
     return int(expert_cache)
 
 
@@ -204,11 +222,10 @@ def _run(pack, prompt, prompt_file, prompt_ids, n, temp, top_k, top_p, min_p, re
          native, ple_gguf, dump_logits, stats) -> None:
     from strata.engine.generate import generate as run_generation
     from strata.engine.kernels import cpu
-    from strata.engine.sampling import Sampler, SamplerParams
+    from strata.engine.sampling import Sampler
     from strata.engine.tokenizer import Tokenizer
 
-    params = SamplerParams(temperature=temp, top_k=top_k, top_p=top_p, min_p=min_p,
-                           repeat_penalty=repeat_penalty, seed=seed)  # bad values refused before loading
+    params = sampler_options(temp, top_k, top_p, min_p, repeat_penalty, seed)  # bad values refused before loading
     option = engine_options(kv, prefill)
     p, model, load_s = load_model(pack, native, ple_gguf, pool_workers, "strata generate", option)
     tok = Tokenizer.load(p.tokenizer_path)
@@ -257,10 +274,12 @@ def _prompt_ids(tok, prompt, prompt_file, prompt_ids, chat, n_vocab) -> list[int
 
 
 def parse_ids(text: str, n_vocab: int) -> list[int]:
-    """'1 2 3' -> [1, 2, 3]; each an id of the vocabulary."""
+    """'1 2 3' -> [1, 2, 3]; each an id of the vocabulary (ASCII digits: '٣' is str.isdigit() and int('٣') == 3)."""
+    from strata.engine.arguments import is_count
+
     ids = []
     for i, word in enumerate(text.split()):
-        if not word.isdigit() or int(word) >= n_vocab:
+        if not is_count(word) or int(word) >= n_vocab:
             raise ValueError(f"--prompt-ids: item {i + 1} is {word!r}, expected a token id in 0..{n_vocab - 1}")
         ids.append(int(word))
     if not ids:

@@ -58,7 +58,8 @@ class SamplerParams:
             if not (isinstance(value, int) and not isinstance(value, bool)) and not (name == "seed" and value is None):
                 raise ValueError(f"sampler setting {name}: found {value!r}, expected an integer")
         checks = [
-            ("temperature", self.temperature >= 0, ">= 0 (0 is greedy)"),
+            # finite: T = inf once turned every filtered logit into -inf / inf = NaN and drew token 0
+            ("temperature", 0 <= self.temperature < math.inf, "finite and >= 0 (0 is greedy)"),
             ("top_k", self.top_k >= 0, ">= 0 (0 is off)"),
             ("top_p", 0 < self.top_p <= 1, "in (0, 1] (1 is off)"),
             ("min_p", 0 <= self.min_p <= 1, "in [0, 1] (0 is off)"),

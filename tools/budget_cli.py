@@ -63,6 +63,9 @@ def budget(
         raise _fail("--plot draws the hit-rate curve of a profile: give --expert-profile too", 2)
     plt = _require_matplotlib() if plot is not None else None
     try:
+        from strata.engine.arguments import finite
+
+        finite("--vram-gib", vram_gib, lo=0)  # inf once reached int() as an OverflowError traceback
         opts = _options(prefill, max_context, kv, expert_cache, vram_reserve_mib)
         free = None if vram_gib is None and free_mib is None else int(vram_gib * GiB) if vram_gib is not None else free_mib * MiB
         report = _report(pack_dir, opts, free, expert_profile)
@@ -88,7 +91,9 @@ def _options(prefill: str, max_context: int, kv: str, expert_cache: str, reserve
 
 
 def _count(flag: str, text: str) -> int:
-    if not text.isdigit():
+    from strata.engine.arguments import is_count
+
+    if not is_count(text):
         raise ValueError(f"{flag} {text!r}: expected auto or a non-negative integer")
     return int(text)
 

@@ -1,0 +1,76 @@
+"""Bad input against every CLI (issue: nothing silent): each case must be refused with a message naming
+the flag or file, what was found and what was expected, a non-zero exit and no traceback, and the
+flags before the model loads. Each case is marked `bad_input(kind)`; docs/reliability.md counts them."""
+
+from __future__ import annotations
+
+import pytest
+
+import engine_fixture as F
+from strata.engine.cli import main
+from strata.engine.kernels import cpu
+from strata.tools.budget_cli import main as budget_main
+
+bad = pytest.mark.bad_input
+
+
+@pytest.fixture(scope="module")
+def pack_dir(tmp_path_factory):
+    return F.make_pack(tmp_path_factory.mktemp("bad"))
+
+
+@pytest.fixture(autouse=True)
+def restore_threads():
+    before = cpu.get_threads()
+    yield
+    cpu.set_threads(before)
+
+
+def gen(pack, *args):
+    return main(["generate", "--pack", str(pack), "--pool-workers", "1", *args])
+
+
+def refused(capsys, message: str) -> str:
+    out, err = capsys.readouterr()
+    assert message in err, err
+    assert "Traceback" not in err
+    return err
+
+
+@bad("range")
+@pytest.mark.parametrize("args, message", [
+    (["--temp", "inf"], "--temp inf: expected a finite number >= 0 (0 is greedy)"),
+    (["--temp", "nan"], "--temp nan: expected a finite number >= 0"),
+    (["--temp", "-1"], "--temp -1.0: expected a finite number >= 0"),
+    (["--top-p", "nan"], "--top-p nan: expected a number in (0, 1]"),
+    (["--min-p", "inf"], "--min-p inf: expected a number in [0, 1]"),
+    (["--repeat-penalty", "nan"], "--repeat-penalty nan: expected a finite number > 0"),
+    (["--repeat-penalty", "inf"], "--repeat-penalty inf: expected a finite number > 0"),
+    (["--top-k", "-1"], "--top-k -1: expected >= 0"),
+])
+def test_sampler_floats_must_be_finite_and_in_range(pack_dir, capsys, args, message):
+    assert gen(pack_dir, "--prompt-ids", "1 2", "-n", "2", *args) == 1
+    refused(capsys, message)
+
+
+@bad("ascii-digits")
+@pytest.mark.parametrize("args, message", [
+    (["--prompt-ids", "1 \u0663 3"], "--prompt-ids: item 2 is '\u0663', expected a token id in 0..319"),
+    (["--prompt-ids", "1 \u00b2"], "--prompt-ids: item 2 is '\u00b2', expected a token id"),
+    (["--prompt-ids", "1", "--prefill", "\u00b2"], "--prefill '\u00b2': expected auto, off or a chunk size"),
+    (["--prompt-ids", "1", "--expert-cache", "\u00b2"], "--expert-cache '\u00b2': expected auto or a number of slots"),
+])
+def test_counts_take_ascii_digits_only(pack_dir, capsys, args, message):
+    assert gen(pack_dir, "-n", "1", *args) == 1
+    refused(capsys, message)
+
+
+@bad("range")
+@pytest.mark.parametrize("args, code, message", [
+    (["--vram-gib", "inf"], 1, "--vram-gib inf: expected a finite number >= 0"),
+    (["--expert-cache", "\u00b2"], 1, "--expert-cache '\u00b2': expected auto or a non-negative integer"),
+    (["--prefill", "\u0663"], 1, "--prefill '\u0663': expected auto, off or a chunk size"),
+])
+def test_budget_flags(pack_dir, capsys, args, code, message):
+    assert budget_main([str(pack_dir), *args]) == code
+    refused(capsys, message)
