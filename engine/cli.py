@@ -199,6 +199,7 @@ def available_host_bytes() -> int | None:
 def load_model(pack, native, ple_gguf, pool_workers, who: str, prefill: int | None):
     """Open the pack (warnings to stderr), build the model and compile its kernels, the prompt path's
     too unless `prefill` (engine_options' parse of --prefill) is off; (pack, model, seconds)."""
+    from strata.engine import bus_guard
     from strata.engine.kernels import cpu
     from strata.engine.model import Model
     from strata.engine.ops import reuse_freed_memory, single_blas_thread
@@ -210,6 +211,7 @@ def load_model(pack, native, ple_gguf, pool_workers, who: str, prefill: int | No
     reuse_freed_memory()
     t0 = time.perf_counter()
     p = Pack.open(pack, native=native, ple_gguf=ple_gguf)
+    bus_guard.install(p.mapped, who)  # a mapped file truncated under the run: a message, not a silent SIGBUS
     for w in p.warnings:
         typer.echo(f"{who}: warning: {w}", err=True)
     model = Model(p)
@@ -246,6 +248,7 @@ def _run(pack, prompt, prompt_file, prompt_ids, n, temp, top_k, top_p, min_p, re
     logits = _LogitsRecorder(len(ids) + n, p.geometry.n_vocab) if dump_logits else None
 
     def emit(token: int) -> None:
+        p.check_unchanged()
         sys.stdout.write(stream.push(token))
         sys.stdout.flush()
 
@@ -431,7 +434,7 @@ def _perplexity(pack, file, ctx, max_windows, save_logits, kl_base, kv, option, 
     with writer if writer is not None else contextlib.nullcontext():
         with tqdm(total=total, unit="tok", desc="perplexity", file=sys.stderr, disable=None) as bar:
             scores = P.score(model, wins, kv=kv, chunk=chunk, base=base, save=writer.append if writer else None,
-                             progress=bar.update)
+                             progress=lambda k: (p.check_unchanged(), bar.update(k)))
     if writer is not None:
         typer.echo(f"{who}: saved the distributions of {total} positions to {save_logits}", err=True)
     typer.echo(format_perplexity(P.summarize(scores), kl_base))

@@ -70,6 +70,10 @@ class Pack:
         self.ple = ple
         self.tokenizer_path = d / TOKENIZER
         self.source_paths = {name: path for name, (path, _) in files.items()}
+        # every file mapped, and its (size, mtime, inode) at open: bus_guard names one that shrinks,
+        # check_unchanged one rewritten in place
+        self.mapped = [(d / POOL, pool)] + [(path, data) for path, data in files.values()]
+        self._stamps = {path: _stamp(path) for path, _ in self.mapped}
         self.weights = {t.name: _engine_weight(t, pool) for t in index.tensors}
         g = geometry
         self._layers = {e.layer: _expert_layer(e, experts.gguf, files, g) for e in experts.layers}
@@ -107,6 +111,16 @@ class Pack:
         paths = _locate_sources(manifest, recorded, needed, experts.gguf, native, ple_gguf)
         files = {name: (path, _map(path)) for name, path in paths.items()}
         return cls(d, manifest, g, warnings, index, experts, ple, pool, files)
+
+    def check_unchanged(self) -> None:
+        """Refuse to go on when a mapped file changed since open (cheap: one stat per file, so the
+        commands call it between tokens): a rewrite in place at the same size does not fault, the
+        engine would just decode the new bytes through the old offsets."""
+        for path, was in self._stamps.items():
+            now = _stamp(path)
+            if now != was:
+                raise PackError(f"{path}: changed while the engine was running (size, mtime, inode were {was}, "
+                                f"now {now}); a file the pack maps must not change until the run ends")
 
     # --- what the model reads --------------------------------------------------------------------
 
@@ -246,6 +260,14 @@ def _check_source(s: SourceFile, candidates: list[Path]) -> Path:
         raise PackError(f"{what} at {path} is not the file this pack was made from: fingerprint recorded "
                         f"{s.fingerprint}, found {found}")
     return path
+
+
+def _stamp(path: Path) -> tuple[int, int, int] | None:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_size, st.st_mtime_ns, st.st_ino
 
 
 def _map(path: Path) -> np.ndarray:

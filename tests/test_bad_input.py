@@ -74,3 +74,58 @@ def test_counts_take_ascii_digits_only(pack_dir, capsys, args, message):
 def test_budget_flags(pack_dir, capsys, args, code, message):
     assert budget_main([str(pack_dir), *args]) == code
     refused(capsys, message)
+
+
+# --- files that change underneath a run -------------------------------------------------------------
+
+_TRUNCATE_MIDWAY = """
+import os, sys
+from strata.engine.cli import main
+from strata.engine.sampling import Sampler
+gguf, sample = sys.argv[1], Sampler.sample
+def truncate_then_sample(self, *a, **k):
+    # the GGUF the experts are mapped from shrinks under the run (between the stat checks)
+    os.truncate(gguf, 0)
+    return sample(self, *a, **k)
+Sampler.sample = truncate_then_sample
+# the stat check between tokens would see the new size first; a truncation in the middle of a token is
+# what only the SIGBUS handler can report, so the check is taken out here
+from strata.engine.pack import Pack
+Pack.check_unchanged = lambda self: None
+sys.exit(main(["generate", "--pack", sys.argv[2], "--pool-workers", "1", "--prompt-ids", "1 2", "-n", "8",
+               "--temp", "0", "--prefill", "off"]))
+"""
+
+
+@bad("changed-underneath")
+def test_a_source_gguf_truncated_during_generate_is_named_not_a_silent_sigbus(tmp_path):
+    import subprocess
+    import sys
+
+    pack = F.make_pack(tmp_path, "shrinks")
+    gguf = tmp_path / "shrinks.gguf"
+    r = subprocess.run([sys.executable, "-c", _TRUNCATE_MIDWAY, str(gguf), str(pack)], capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode == 1, (r.returncode, r.stderr)
+    assert f"{gguf} was truncated or rewritten while the engine was reading it" in r.stderr
+    assert "Fatal Python error" not in r.stderr
+
+
+@bad("changed-underneath")
+def test_a_source_gguf_rewritten_in_place_at_the_same_size_stops_the_run(tmp_path, capsys, monkeypatch):
+    import os
+
+    from strata.engine.sampling import Sampler
+
+    pack = F.make_pack(tmp_path, "rewritten")
+    gguf = tmp_path / "rewritten.gguf"
+    sample = Sampler.sample
+
+    def rewrite_then_sample(self, *a, **k):
+        # the same bytes written back: same size, a new mtime (what an in-place copy leaves)
+        os.utime(gguf, ns=(os.stat(gguf).st_atime_ns, os.stat(gguf).st_mtime_ns + 10**9))
+        return sample(self, *a, **k)
+
+    monkeypatch.setattr(Sampler, "sample", rewrite_then_sample)
+    assert gen(pack, "--prompt-ids", "1 2", "-n", "4", "--temp", "0") == 1
+    refused(capsys, f"{gguf}: changed while the engine was running")

@@ -125,7 +125,8 @@ def _run(pack_dir, docs, out, max_tokens, held_out, ctx, option, kv, pool_worker
     # the trace commits once the profile is written, and is removed on any exception (StreamingFile)
     with writer if writer is not None else contextlib.nullcontext():
         with tqdm(total=n_in + n_held, unit="tok", desc="profile", file=sys.stderr, disable=None) as bar:
-            result = P.build_profile(model, fingerprint, calib, ctx=ctx, kv=kv, chunk=chunk, progress=bar.update,
+            progress = lambda k: (pack.check_unchanged(), bar.update(k))  # a mapped file rewritten: stop
+            result = P.build_profile(model, fingerprint, calib, ctx=ctx, kv=kv, chunk=chunk, progress=progress,
                                      trace=writer)
         write_expert_profile(out, result.profile)
     if writer is not None:
