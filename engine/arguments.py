@@ -77,10 +77,11 @@ def writable_file(flag: str, path: Path) -> None:
     probe.unlink()
 
 
-def tokens_fit_memory(flag: str, value: int, need_bytes: int, available: int | None, what: str) -> None:
-    """Refuse a size whose `need_bytes` (the buffer it sizes) exceeds the host memory available now."""
+def fits_memory(flag: str, shown: str, need_bytes: int, available: int | None, what: str) -> None:
+    """Refuse a size whose `need_bytes` (what it sizes) exceeds the host memory available now;
+    `shown` is the flag and its value as the message gives them."""
     if available is not None and need_bytes > available:
-        raise ValueError(f"{flag} {value}: {what} needs {_gib(need_bytes)}, the host has {_gib(available)} available; "
+        raise ValueError(f"{shown}: {what} needs {_gib(need_bytes)}, the host has {_gib(available)} available; "
                          f"lower {flag}")
 
 

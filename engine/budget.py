@@ -396,6 +396,11 @@ def _session_items(g: ModelGeometry, o: BudgetOptions) -> list[Item]:
     return items
 
 
+def session_host_bytes(g: ModelGeometry, max_context: int, kv: str) -> int:
+    """All of a session's host state for `max_context` tokens (the KV cache dominates)."""
+    return sum(i.bytes for i in _session_items(g, BudgetOptions(max_context=max_context, kv=kv)))
+
+
 # --- the reserve and the slots -------------------------------------------------------------------
 
 

@@ -132,6 +132,12 @@ def gpu_options(device: str, expert_cache: str, vram_budget_mib: int | None, vra
     """Checks the GPU tier's flags before anything loads; --expert-cache -> None (auto) or N."""
     if device not in DEVICES:
         raise ValueError(f"--device {device!r}: expected one of {', '.join(DEVICES)}")
+    if device == "gpu":
+        from strata.engine.kernels import gpu
+
+        ok, why = gpu.available()
+        if not ok:  # said before the load (10-36 s on a real model), not after it
+            raise ValueError(f"--device gpu: {why}; run with --device cpu (or auto)")
     if vram_budget_mib is not None and vram_budget_mib < 1:
         raise ValueError(f"--vram-budget-mib {vram_budget_mib}: expected a card size in MiB, >= 1")
     if vram_reserve_mib < 0:
@@ -143,6 +149,23 @@ def gpu_options(device: str, expert_cache: str, vram_budget_mib: int | None, vra
     if not is_count(expert_cache):
         raise ValueError(f"--expert-cache {expert_cache!r}: expected auto or a number of slots (ASCII digits)")
     return int(expert_cache)
+
+
+def check_context(who: str, g, kv: str, ctx: int, flag: str, extra_bytes: int = 0, extra_what: str = "",
+                  shown: str | None = None) -> None:
+    """A context size before the load: beyond the model's trained context, a warning; a session (and
+    `extra_bytes`) larger than the host memory available now, refused with both numbers (a huge
+    --max-context once loaded the model and then died in a MemoryError traceback)."""
+    from strata.engine.arguments import fits_memory
+    from strata.engine.budget import session_host_bytes
+
+    if ctx < 1:
+        raise ValueError(f"{flag} {ctx}: expected at least 1")
+    if g.n_ctx_train and ctx > g.n_ctx_train:
+        typer.echo(f"{who}: warning: {flag} {ctx} is beyond the model's trained context ({g.n_ctx_train} tokens); "
+                   "past it the model runs on positions it never saw", err=True)
+    need = session_host_bytes(g, ctx, kv) + extra_bytes
+    fits_memory(flag, shown or f"{flag} {ctx}", need, available_host_bytes(), f"the session's KV cache and state{extra_what}")
 
 
 def start_tier(model, device: str, *, max_context: int, kv: str, chunk: int, expert_cache: str = "auto",
@@ -227,17 +250,28 @@ def _run(pack, prompt, prompt_file, prompt_ids, n, temp, top_k, top_p, min_p, re
     from strata.engine.sampling import Sampler
     from strata.engine.tokenizer import Tokenizer
 
-    params = sampler_options(temp, top_k, top_p, min_p, repeat_penalty, seed)  # bad values refused before loading
+    from strata.engine.arguments import writable_file
+    from strata.engine.pack import read_pack_geometry
+
+    # every flag, the prompt and the sizes are checked before the load (seconds to minutes)
+    params = sampler_options(temp, top_k, top_p, min_p, repeat_penalty, seed)
     option = engine_options(kv, prefill)
-    p, model, load_s = load_model(pack, native, ple_gguf, pool_workers, "strata generate", option)
-    tok = Tokenizer.load(p.tokenizer_path)
-    ids = _prompt_ids(tok, prompt, prompt_file, prompt_ids, chat, p.geometry.n_vocab)
+    g = read_pack_geometry(pack)
+    tok = Tokenizer.load(Path(pack) / "tokenizer.txt")
+    ids = _prompt_ids(tok, prompt, prompt_file, prompt_ids, chat, g.n_vocab)
     ctx = max_context if max_context is not None else len(ids) + n
     if ctx < len(ids):
         raise ValueError(f"--max-context {ctx} is shorter than the prompt ({len(ids)} tokens)")
     if len(ids) + n > ctx:
         raise ValueError(f"the prompt ({len(ids)} tokens) + -n {n} = {len(ids) + n} tokens do not fit in "
                          f"--max-context {ctx}: raise --max-context or lower -n")
+    flag = "--max-context" if max_context is not None else "-n"
+    shown = f"--max-context {ctx}" if max_context is not None else f"-n {n} (+ {len(ids)} prompt tokens = {ctx})"
+    dump = (len(ids) + n) * g.n_vocab * 4 if dump_logits else 0
+    check_context("strata generate", g, kv, ctx, flag, dump, " and --dump-logits' buffer" if dump_logits else "", shown)
+    if dump_logits:
+        writable_file("--dump-logits", dump_logits)
+    p, model, load_s = load_model(pack, native, ple_gguf, pool_workers, "strata generate", option)
     chunk = prefill_chunk(option, p.geometry, ctx, device)
     tier = start_tier(model, device, max_context=ctx, kv=kv, chunk=chunk, expert_cache=expert_cache,
                       expert_profile=expert_profile, vram_budget_mib=vram_budget_mib, vram_reserve_mib=vram_reserve_mib,
@@ -263,11 +297,13 @@ def _run(pack, prompt, prompt_file, prompt_ids, n, temp, top_k, top_p, min_p, re
 
 
 def _prompt_ids(tok, prompt, prompt_file, prompt_ids, chat, n_vocab) -> list[int]:
+    from strata.engine.arguments import read_text
+
     if prompt_ids is not None:
         if chat:
             raise ValueError("--chat needs prompt text (--prompt or --prompt-file), not --prompt-ids")
         return parse_ids(prompt_ids, n_vocab)
-    text = prompt if prompt is not None else Path(prompt_file).read_text(encoding="utf-8")
+    text = prompt if prompt is not None else read_text("--prompt-file", prompt_file)
     if chat:
         text = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
     ids = tok.encode(text)
@@ -416,10 +452,18 @@ def _perplexity(pack, file, ctx, max_windows, save_logits, kl_base, kv, option, 
     from strata.index_format.kl_base import KLBaseWriter, read_kl_base
     from strata.index_format.manifest import pack_fingerprint
 
-    base = read_kl_base(kl_base) if kl_base is not None else None  # a bad base file fails before the load
-    p, model, _ = load_model(pack, native, ple_gguf, pool_workers, who, option)
-    ids = Tokenizer.load(p.tokenizer_path).encode(Path(file).read_text(encoding="utf-8"))
+    from strata.engine.arguments import read_text, writable_file
+    from strata.engine.pack import read_pack_geometry
+
+    # the text, the flags and the output are checked before the load (seconds to minutes)
+    base = read_kl_base(kl_base) if kl_base is not None else None
+    g = read_pack_geometry(pack)
+    ids = Tokenizer.load(Path(pack) / "tokenizer.txt").encode(read_text("--file", file))
     wins = P.windows(ids, ctx)[:max_windows]
+    check_context(who, g, kv, ctx, "--ctx")
+    if save_logits is not None:
+        writable_file("--save-logits", save_logits)
+    p, model, _ = load_model(pack, native, ple_gguf, pool_workers, who, option)
     chunk = prefill_chunk(option, p.geometry, ctx, tier["device"])
     start_tier(model, max_context=ctx, kv=kv, chunk=chunk, who=who, **tier)  # the same logits, faster (B2)
     first = P.first_scored(ctx)

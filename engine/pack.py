@@ -88,10 +88,7 @@ class Pack:
 
         native: the main GGUF where it is now, when it moved since packing (other shards are looked
         for beside it); ple_gguf: the PLE shard where it is now."""
-        d = Path(pack_dir)
-        if not (d / MANIFEST).is_file():
-            raise PackError(f"{d}: no {MANIFEST}, so not a pack (a conversion that did not finish leaves none: "
-                            "run strata-pack convert again)")
+        d = check_pack_dir(pack_dir)
         manifest = read_manifest(d / MANIFEST)
         _check_pack_files(d, manifest)
         g = read_geometry(d / GEOMETRY)
@@ -177,6 +174,30 @@ class Pack:
     def widened_bytes(self) -> int:
         """What widening every fp16 block scale to f32 adds (the GPU tier's engine form)."""
         return sum(widened_bytes(t.engine_type, t.shape) for t in self.index.tensors)
+
+
+def check_pack_dir(pack_dir: str | os.PathLike) -> Path:
+    """`pack_dir` if it looks like a pack (a directory with a manifest), else a message saying what it
+    is and what a pack is (a missing path and a GGUF were once both called "a conversion that did
+    not finish")."""
+    d = Path(pack_dir)
+    what = ("a pack is the directory strata-pack convert writes (manifest.txt, pool.bin, index.txt, ...); "
+            "make one with: strata-pack convert MODEL.gguf -o PACK")
+    if not d.exists():
+        raise PackError(f"{d}: no such directory; {what}")
+    if not d.is_dir():
+        kind = "a GGUF file" if d.suffix.lower() == ".gguf" else "a file"
+        raise PackError(f"{d}: {kind}, not a pack directory; {what}")
+    if not (d / MANIFEST).is_file():
+        raise PackError(f"{d}: no {MANIFEST}, so not a pack (a conversion that did not finish leaves none: "
+                        "run strata-pack convert again); " + what)
+    return d
+
+
+def read_pack_geometry(pack_dir: str | os.PathLike) -> ModelGeometry:
+    """The geometry of a pack, nothing mapped or checked beyond it: what the commands check their
+    flags against (vocabulary, context, memory) before the load."""
+    return read_geometry(check_pack_dir(pack_dir) / GEOMETRY)
 
 
 # --- helpers ---------------------------------------------------------------------------------------

@@ -129,3 +129,90 @@ def test_a_source_gguf_rewritten_in_place_at_the_same_size_stops_the_run(tmp_pat
     monkeypatch.setattr(Sampler, "sample", rewrite_then_sample)
     assert gen(pack, "--prompt-ids", "1 2", "-n", "4", "--temp", "0") == 1
     refused(capsys, f"{gguf}: changed while the engine was running")
+
+
+# --- checked before the load -------------------------------------------------------------------------
+
+
+@pytest.fixture
+def no_load(monkeypatch):
+    """The load is where a check comes too late (10-36 s on a real model): here it fails the test."""
+    import strata.engine.cli as cli
+
+    def loaded(*a, **k):
+        raise AssertionError("the model was loaded before the bad input was refused")
+
+    monkeypatch.setattr(cli, "load_model", loaded)
+
+
+def _gpu_present() -> bool:
+    from strata.engine.kernels import gpu
+
+    return gpu.available()[0]
+
+
+@bad("before-load")
+@pytest.mark.parametrize("args, message", [
+    (["--prompt-ids", "1 2", "--max-context", "1"], "--max-context 1 is shorter than the prompt (2 tokens)"),
+    (["--prompt-ids", "1 320"], "--prompt-ids: item 2 is '320', expected a token id in 0..319"),
+    (["--prompt-ids", "1", "--dump-logits", "/nonexistent-dir/x.npy"],
+     "--dump-logits /nonexistent-dir/x.npy: the directory /nonexistent-dir does not exist"),
+    (["--prompt-ids", "1", "-n", "100000000000"], "-n 100000000000 (+ 1 prompt tokens = 100000000001): the session's KV cache and state needs"),
+    (["--prompt-ids", "1", "-n", "8", "--max-context", "1000000000000"],
+     "--max-context 1000000000000: the session's KV cache and state needs"),
+    pytest.param(["--prompt-ids", "1", "--device", "gpu"], "--device gpu: ",
+                 marks=pytest.mark.skipif(_gpu_present(), reason="a GPU is present: --device gpu is valid here")),
+])
+def test_generate_refuses_before_the_load(pack_dir, capsys, no_load, args, message):
+    assert gen(pack_dir, "-n", "2", *args) == 1
+    err = refused(capsys, message)
+    if "needs" in message:  # both numbers: what it needs and what the host has
+        assert "GiB" in err and "the host has" in err and "available" in err
+
+
+@bad("before-load")
+def test_a_context_beyond_the_trained_one_is_warned_about(pack_dir, tmp_path, capsys, monkeypatch):
+    import dataclasses
+    import shutil
+
+    from strata.index_format.geometry import read_geometry, write_geometry
+
+    pack = tmp_path / "pack"
+    shutil.copytree(pack_dir, pack)
+    g = read_geometry(pack / "geometry.txt")
+    write_geometry(pack / "geometry.txt", dataclasses.replace(g, n_ctx_train=16))
+    import strata.engine.cli as cli
+
+    monkeypatch.setattr(cli, "load_model", lambda *a, **k: (_ for _ in ()).throw(ValueError("stopped at the load")))
+    assert gen(pack, "--prompt-ids", "1", "-n", "2", "--max-context", "32") == 1
+    refused(capsys, "warning: --max-context 32 is beyond the model's trained context (16 tokens)")
+
+
+@bad("file")
+def test_prompt_file_and_text_file_must_be_utf8(pack_dir, tmp_path, capsys, no_load):
+    f = tmp_path / "latin1.txt"
+    f.write_bytes(b"caf\xe9 au lait")
+    assert gen(pack_dir, "--prompt-file", str(f)) == 1
+    refused(capsys, f"--prompt-file {f}: not UTF-8 text: byte 3 is 0xe9")
+    assert main(["perplexity", "--pack", str(pack_dir), "--file", str(f)]) == 1
+    refused(capsys, f"--file {f}: not UTF-8 text: byte 3 is 0xe9")
+
+
+@bad("before-load")
+def test_perplexity_output_is_checked_before_the_load(pack_dir, tmp_path, capsys, no_load):
+    f = tmp_path / "text.txt"
+    f.write_text("abc " * 200, encoding="utf-8")
+    assert main(["perplexity", "--pack", str(pack_dir), "--file", str(f), "--ctx", "32",
+                 "--save-logits", "/nonexistent-dir/base.bin"]) == 1
+    refused(capsys, "--save-logits /nonexistent-dir/base.bin: the directory /nonexistent-dir does not exist")
+
+
+@bad("file")
+@pytest.mark.parametrize("what, message", [
+    ("missing", "no such directory; a pack is the directory strata-pack convert writes"),
+    ("gguf", "a GGUF file, not a pack directory; a pack is the directory strata-pack convert writes"),
+])
+def test_pack_flag_says_what_it_found_and_what_a_pack_is(pack_dir, tmp_path, capsys, what, message):
+    target = tmp_path / "nothing" if what == "missing" else pack_dir.parent / "model.gguf"
+    assert main(["generate", "--pack", str(target), "--prompt", "a"]) == 1
+    refused(capsys, f"{target}: {message}")

@@ -80,6 +80,7 @@ def geometry_from_gguf(
         n_ff_exp=_u(main, k("expert_feed_forward_length")),
         n_ff_shexp=int(main.get(k("expert_shared_feed_forward_length"), 0)),
         recurrent_layers=tuple(int(bool(x)) for x in main.get(k("attention.recurrent_layers"), ())),
+        n_ctx_train=_u(main, k("context_length")) if main.get(k("context_length")) is not None else 0,
     )
     warnings: list[str] = []
     value_len = main.get(k("attention.value_length"))
