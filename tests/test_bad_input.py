@@ -216,3 +216,21 @@ def test_pack_flag_says_what_it_found_and_what_a_pack_is(pack_dir, tmp_path, cap
     target = tmp_path / "nothing" if what == "missing" else pack_dir.parent / "model.gguf"
     assert main(["generate", "--pack", str(target), "--prompt", "a"]) == 1
     refused(capsys, f"{target}: {message}")
+
+
+@bad("before-load")
+def test_budget_refuses_a_context_the_host_cannot_hold(pack_dir, capsys):
+    assert budget_main([str(pack_dir), "--max-context", "1000000000000"]) == 1
+    err = refused(capsys, "--max-context 1000000000000: the session's KV cache and state needs")
+    assert "the host has" in err
+
+
+@bad("before-load")
+def test_profile_refuses_a_context_the_host_cannot_hold(pack_dir, tmp_path, capsys, no_load):
+    from strata.tools.profile_cli import main as profile_main
+
+    docs = tmp_path / "docs.txt"
+    docs.write_text("one document\n\nanother one\n", encoding="utf-8")
+    assert profile_main([str(pack_dir), "--prompts", str(docs), "-o", str(tmp_path / "p.bin"),
+                         "--ctx", "1000000000000"]) == 1
+    refused(capsys, "--ctx 1000000000000: the session's KV cache and state needs")

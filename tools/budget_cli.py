@@ -67,6 +67,7 @@ def budget(
 
         finite("--vram-gib", vram_gib, lo=0)  # inf once reached int() as an OverflowError traceback
         opts = _options(prefill, max_context, kv, expert_cache, vram_reserve_mib)
+        _check_context(pack_dir, kv, max_context)
         free = None if vram_gib is None and free_mib is None else int(vram_gib * GiB) if vram_gib is not None else free_mib * MiB
         report = _report(pack_dir, opts, free, expert_profile)
     except _INPUT_ERRORS as e:
@@ -88,6 +89,15 @@ def _options(prefill: str, max_context: int, kv: str, expert_cache: str, reserve
     chunk = auto_prefill_chunk() if chunk is None else chunk  # the device plan: the 256-token chunk
     slots = None if expert_cache == "auto" else _count("--expert-cache", expert_cache)
     return BudgetOptions(max_context=max_context, kv=kv, vram_reserve_mib=reserve, prefill_chunk=chunk, expert_cache=slots)
+
+
+def _check_context(pack_dir: Path, kv: str, max_context: int) -> None:
+    """A plan whose session does not fit this host's memory is refused with both numbers (it once
+    printed a 931 TiB KV cache and exited 0); beyond the trained context, a warning."""
+    from strata.engine.cli import check_context
+    from strata.engine.pack import read_pack_geometry
+
+    check_context("strata-budget", read_pack_geometry(pack_dir), kv, max_context, "--max-context")
 
 
 def _count(flag: str, text: str) -> int:

@@ -59,7 +59,8 @@ def profile(
     ple_gguf: Optional[Path] = typer.Option(None, "--ple-gguf", help="the PLE GGUF shard, when it moved since packing"),
 ) -> None:
     """Count expert routing over calibration text; write the profile and print its expected hit rate."""
-    from strata.engine.cli import engine_options, gpu_options
+    from strata.engine.cli import check_context, engine_options, gpu_options
+    from strata.engine.pack import read_pack_geometry
     from strata.tools import profile as P
 
     try:
@@ -70,6 +71,7 @@ def profile(
             raise P.ProfileInputError(f"{pack}: no such pack directory")
         docs = P.read_documents(prompts)
         P.check_options(len(docs), held_out, max_tokens, ctx)
+        check_context(WHO, read_pack_geometry(pack), kv, ctx, "--ctx")
         _check_outputs(out, trace)
         _run(pack, docs, out, max_tokens, held_out, ctx, option, kv, pool_workers, trace, native, ple_gguf, tier)
     except KeyboardInterrupt:
