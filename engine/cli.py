@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Optional
@@ -509,13 +511,47 @@ def version() -> None:
     typer.echo(__version__)
 
 
-def run_app(typer_app: typer.Typer, argv: list[str] | None, prog_name: str) -> int:
-    """Run a typer app and return its exit status (click exits; every CLI here returns a code)."""
+class Terminated(KeyboardInterrupt):
+    """SIGTERM or SIGHUP, raised where the program is: every path that cleans up after Ctrl-C (temp
+    files, a half-built pack) cleans up after these too. They once killed the process on the spot
+    and left `*.tmp-PID` files behind."""
+
+
+_TERMINATING = (signal.SIGTERM, signal.SIGHUP) if hasattr(signal, "SIGHUP") else (signal.SIGTERM,)
+
+
+@contextlib.contextmanager
+def _termination_as_interrupt():
+    received = []
+
+    def handler(signum, frame):
+        received.append(signum)
+        raise Terminated(signal.Signals(signum).name)
+
+    if threading.current_thread() is not threading.main_thread():
+        yield received  # only the main thread may set handlers (a test runner's worker): left as they are
+        return
+    before = {s: signal.signal(s, handler) for s in _TERMINATING}
     try:
-        typer_app(args=argv, prog_name=prog_name)
-    except SystemExit as e:
-        return e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-    return 0
+        yield received
+    finally:
+        for s, h in before.items():
+            signal.signal(s, h)
+
+
+def run_app(typer_app: typer.Typer, argv: list[str] | None, prog_name: str) -> int:
+    """Run a typer app and return its exit status (click exits; every CLI here returns a code).
+    SIGTERM/SIGHUP unwind like Ctrl-C (cleanup runs) and exit with 128 + the signal's number."""
+    with _termination_as_interrupt() as received:
+        try:
+            typer_app(args=argv, prog_name=prog_name)
+        except SystemExit as e:
+            code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        except KeyboardInterrupt:  # a command without its own handler
+            code = 130
+        else:
+            code = 0
+    return 128 + received[0] if received else code
 
 
 def main(argv: list[str] | None = None) -> int:

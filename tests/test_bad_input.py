@@ -234,3 +234,68 @@ def test_profile_refuses_a_context_the_host_cannot_hold(pack_dir, tmp_path, caps
     assert profile_main([str(pack_dir), "--prompts", str(docs), "-o", str(tmp_path / "p.bin"),
                          "--ctx", "1000000000000"]) == 1
     refused(capsys, "--ctx 1000000000000: the session's KV cache and state needs")
+
+
+# --- SIGTERM / SIGHUP clean up as Ctrl-C does ---------------------------------------------------------
+
+_SIGNAL_MIDWAY = """
+import importlib, os, signal, sys
+module, attr, signame, cli = sys.argv[1:5]
+target = importlib.import_module(module)
+owner, name = (getattr(target, attr.split(".")[0]), attr.split(".")[1]) if "." in attr else (target, attr)
+real = getattr(owner, name)
+def signal_midway(*a, **k):
+    os.kill(os.getpid(), getattr(signal, signame))  # delivered at the next bytecode, inside the run
+    return real(*a, **k)
+setattr(owner, name, signal_midway)
+main = importlib.import_module(cli).main
+sys.exit(main(sys.argv[5:]))
+"""
+
+
+def _run_signalled(where: str, signame: str, cli: str, *argv):
+    import subprocess
+    import sys
+
+    module, attr = where.rsplit(":", 1)
+    return subprocess.run([sys.executable, "-c", _SIGNAL_MIDWAY, module, attr, signame, cli, *map(str, argv)],
+                          capture_output=True, text=True, timeout=600)
+
+
+def _leftovers(d):
+    return sorted(p.name for p in d.rglob("*") if ".tmp-" in p.name or ".old-" in p.name or ".probe-" in p.name)
+
+
+@bad("signal")
+@pytest.mark.parametrize("signame, code", [("SIGTERM", 143), ("SIGHUP", 129)])
+def test_convert_cleans_up_on_sigterm_and_sighup(tmp_path, signame, code):
+    gguf = F.write_gguf(tmp_path / "m.gguf", F.geometry())
+    r = _run_signalled("strata.tools.pack:_pack_chunks", signame, "strata.tools.pack_cli", "convert", gguf, "-o",
+                       tmp_path / "pack")
+    assert r.returncode == code, r.stderr
+    assert "interrupted" in r.stderr and "Traceback" not in r.stderr
+    assert not (tmp_path / "pack").exists() and _leftovers(tmp_path) == []
+
+
+@bad("signal")
+def test_perplexity_save_logits_cleans_up_on_sigterm(pack_dir, tmp_path):
+    f = tmp_path / "text.txt"
+    f.write_text("abcdefgh " * 40, encoding="utf-8")
+    r = _run_signalled("strata.index_format.kl_base:KLBaseWriter.append", "SIGTERM", "strata.engine.cli", "perplexity",
+                       "--pack", pack_dir, "--file", f, "--ctx", "32", "--pool-workers", "1", "--save-logits",
+                       tmp_path / "base.bin")
+    assert r.returncode == 143, r.stderr
+    assert "interrupted" in r.stderr and "Traceback" not in r.stderr
+    assert not (tmp_path / "base.bin").exists() and _leftovers(tmp_path) == []
+
+
+@bad("signal")
+def test_profile_trace_cleans_up_on_sighup(pack_dir, tmp_path):
+    docs = tmp_path / "docs.txt"
+    docs.write_text("one document about experts\n\nanother document\n", encoding="utf-8")
+    r = _run_signalled("strata.index_format.routing_trace:TraceWriter.append", "SIGHUP", "strata.tools.profile_cli",
+                       pack_dir, "--prompts", docs, "-o", tmp_path / "p.bin", "--trace", tmp_path / "t.bin",
+                       "--pool-workers", "1", "--held-out", "0")
+    assert r.returncode == 129, r.stderr
+    assert "interrupted" in r.stderr and "Traceback" not in r.stderr
+    assert not (tmp_path / "p.bin").exists() and not (tmp_path / "t.bin").exists() and _leftovers(tmp_path) == []
