@@ -240,8 +240,22 @@ def load_model(pack, native, ple_gguf, pool_workers, who: str, prefill: int | No
     for w in p.warnings:
         typer.echo(f"{who}: warning: {w}", err=True)
     model = Model(p)
-    model.warm_up(prompt_path=prefill != 0)
+    with naming_non_finite(p):
+        model.warm_up(prompt_path=prefill != 0)
     return p, model, time.perf_counter() - t0
+
+
+@contextlib.contextmanager
+def naming_non_finite(pack):
+    """A NaN/inf met in a run names the weight it came from: tensor, layer and expert (a scan of the
+    pack, on this failure path only)."""
+    from strata.engine.kernels.actq import NonFiniteActivation
+    from strata.engine.weight_scan import explain
+
+    try:
+        yield
+    except NonFiniteActivation as e:
+        raise ValueError(f"{e}; {explain(pack)}") from None
 
 
 def _run(pack, prompt, prompt_file, prompt_ids, n, temp, top_k, top_p, min_p, repeat_penalty, seed, chat,
@@ -288,8 +302,9 @@ def _run(pack, prompt, prompt_file, prompt_ids, n, temp, top_k, top_p, min_p, re
         sys.stdout.write(stream.push(token))
         sys.stdout.flush()
 
-    result = run_generation(model, session, ids, sampler, n, stop_ids=tok.stop_ids, on_token=emit,
-                            on_logits=logits.record if logits else None, prefill=chunk)
+    with naming_non_finite(p):
+        result = run_generation(model, session, ids, sampler, n, stop_ids=tok.stop_ids, on_token=emit,
+                                on_logits=logits.record if logits else None, prefill=chunk)
     sys.stdout.write(stream.flush() + "\n")
     sys.stdout.flush()
     if logits:
@@ -477,7 +492,7 @@ def _perplexity(pack, file, ctx, max_windows, save_logits, kl_base, kv, option, 
         writer = KLBaseWriter(save_logits, tokens=wins, first=first, n_vocab=p.geometry.n_vocab,
                               pack_fingerprint=pack_fingerprint(p.dir))
     # the writer commits on success and removes its temp file on any exception (StreamingFile)
-    with writer if writer is not None else contextlib.nullcontext():
+    with writer if writer is not None else contextlib.nullcontext(), naming_non_finite(p):
         with tqdm(total=total, unit="tok", desc="perplexity", file=sys.stderr, disable=None) as bar:
             scores = P.score(model, wins, kv=kv, chunk=chunk, base=base, save=writer.append if writer else None,
                              progress=lambda k: (p.check_unchanged(), bar.update(k)))

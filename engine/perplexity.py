@@ -25,6 +25,7 @@ import numpy as np
 
 from strata.index_format.kl_base import KLBase, dequantize_logprobs
 
+from .kernels.actq import NonFiniteActivation
 from .model import Model
 
 
@@ -128,7 +129,7 @@ def _check_finite(logits: np.ndarray, window: int, pos: int) -> None:
     # result and exited 0: the model is broken, and that is the answer, not a number.
     if not np.isfinite(logits).all():
         r, v = np.argwhere(~np.isfinite(logits))[0]
-        raise PerplexityError(f"window {window}, position {pos + r}: the model's logit of token {v} is "
+        raise NonFiniteActivation(f"window {window}, position {pos + r}: the model's logit of token {v} is "
                               f"{logits[r, v]} (expected finite logits; the pack's weights or the engine are broken)")
 
 

@@ -35,6 +35,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .kernels.actq import NonFiniteActivation
+
 _TOP_P_FIRST_TRY = 512  # like llama.cpp's adaptive top-p: sort the head first, all only if it is too flat
 
 
@@ -143,7 +145,7 @@ class Sampler:
         top = float(work.max())
         if not math.isfinite(top):
             # NaN propagates through max; a NaN or +inf logit is an upstream bug, never a token choice.
-            raise ValueError(f"sampler: logits contain {'NaN' if top != top else top} (max over the vocabulary); refusing to sample")
+            raise NonFiniteActivation(f"sampler: logits contain {'NaN' if top != top else top} (max over the vocabulary); refusing to sample")
         if p.greedy:
             return top
         if 0 < p.top_k < self.n_vocab:

@@ -4,6 +4,7 @@ flags before the model loads. Each case is marked `bad_input(kind)`; docs/reliab
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 import engine_fixture as F
@@ -299,3 +300,85 @@ def test_profile_trace_cleans_up_on_sighup(pack_dir, tmp_path):
     assert r.returncode == 129, r.stderr
     assert "interrupted" in r.stderr and "Traceback" not in r.stderr
     assert not (tmp_path / "p.bin").exists() and not (tmp_path / "t.bin").exists() and _leftovers(tmp_path) == []
+
+
+# --- non-finite weights: caught at convert / verify, named in a run -----------------------------------
+
+NAN16, INF16 = b"\x00\x7e", b"\x00\x7c"  # fp16 NaN and +inf, little-endian
+
+
+def _poison_gguf(path, tensor: str, at: int, raw: bytes, every: int | None = None, count: int = 1) -> None:
+    from strata.tools.gguf_io import read_gguf
+
+    t = read_gguf(path).tensors[tensor]
+    with open(path, "r+b") as f:
+        for i in range(count):
+            f.seek(t.offset + at + i * (every or 0))
+            f.write(raw)
+
+
+@bad("non-finite")
+@pytest.mark.parametrize("tensor, types, at, raw, message", [
+    ("blk.2.attn_norm.weight", {}, 4 * 5, np.float32(np.nan).tobytes(),
+     "tensor blk.2.attn_norm.weight (layer 2) F32: element 5 is nan, expected finite values"),
+    ("blk.1.ssm_out.weight", {"dense": "Q8_0"}, 34 * 3, INF16,
+     "tensor blk.1.ssm_out.weight (layer 1) Q8_0: block 3 fp16 scale 0 is inf, expected finite values"),
+    ("output.weight", {"dense": "Q8_0"}, 0, NAN16, "tensor output.weight Q8_0: block 0 fp16 scale 0 is nan"),
+])
+def test_convert_refuses_non_finite_dense_weights(tmp_path, capsys, tensor, types, at, raw, message):
+    from strata.tools.pack_cli import main as pack_main
+
+    gguf = F.write_gguf(tmp_path / "m.gguf", F.geometry(), types=types)
+    _poison_gguf(gguf, tensor, at, raw)
+    assert pack_main(["convert", str(gguf), "-o", str(tmp_path / "pack")]) == 1
+    refused(capsys, f"m.gguf: {message}")
+    assert not (tmp_path / "pack").exists() and _leftovers(tmp_path) == []
+
+
+@bad("non-finite")
+def test_verify_scans_the_pool_for_non_finite_values(tmp_path, capsys):
+    from strata.index_format.pack_index import read_index
+    from strata.tools.pack_cli import main as pack_main
+
+    pack = F.make_pack(tmp_path)
+    t = next(t for t in read_index(pack / "index.txt").tensors if t.name == "blk.3.attn_norm.weight")
+    with open(pack / "pool.bin", "r+b") as f:  # same size: only a scan sees it
+        f.seek(t.offset + 4 * 7)
+        f.write(np.float32(np.inf).tobytes())
+    assert pack_main(["verify", str(pack)]) == 1
+    refused(capsys, "tensor blk.3.attn_norm.weight (layer 3) F32: element 7 is inf, expected finite values")
+
+
+@pytest.fixture
+def nan_expert_pack(tmp_path):
+    """Q8_0 experts; block 0's scale of every expert of layer 1's ffn_down is NaN (any routing meets one)."""
+    from strata.index_format.ggml_types import BY_NAME
+    from strata.index_format.native_experts import expert_bytes
+
+    g = F.geometry()
+    gguf = F.write_gguf(tmp_path / "model.gguf", g, types={"experts": "Q8_0"})
+    q8 = BY_NAME["Q8_0"]
+    per_expert = expert_bytes(q8, q8, g.n_embd, g.n_ff_exp)[2]
+    _poison_gguf(gguf, "blk.1.ffn_down_exps.weight", 0, NAN16, every=per_expert, count=g.n_expert)
+    from strata.tools import pack
+
+    pack.convert([gguf], tmp_path / "model-pack")  # the experts are not read at convert
+    return tmp_path / "model-pack"
+
+
+@bad("non-finite")
+def test_verify_full_scans_the_experts_and_names_layer_and_expert(nan_expert_pack, capsys):
+    from strata.tools.pack_cli import main as pack_main
+
+    assert pack_main(["verify", str(nan_expert_pack)]) == 0  # documented: the default reads no expert
+    capsys.readouterr()
+    assert pack_main(["verify", "--full", str(nan_expert_pack)]) == 1
+    refused(capsys, "tensor blk.1.ffn_down_exps.weight (layer 1, expert 0) Q8_0: block 0 fp16 scale 0 of the tensor "
+                    "is nan, expected finite values")
+
+
+@bad("non-finite")
+def test_a_run_that_meets_a_non_finite_value_names_tensor_layer_and_expert(nan_expert_pack, capsys):
+    assert gen(nan_expert_pack, "--prompt-ids", "1 2 3", "-n", "2", "--temp", "0") == 1
+    err = refused(capsys, "non-finite")
+    assert "blk.1.ffn_down_exps.weight (layer 1, expert 0): block 0 fp16 scale 0 of the tensor is nan" in err

@@ -126,6 +126,20 @@ def _metadata(w: GGUFWriter, g: ModelGeometry, compress_ratios=None) -> None:
     w.add("tokenizer.chat_template", "{% for m in messages %}{{ m.content }}{% endfor %}", VT.STRING)
 
 
+def finite(t, raw: np.ndarray) -> bytes:
+    """Random bytes with every float a kernel reads made finite (convert refuses a NaN/inf weight): the
+    top exponent bit of each F32 value, of each F16/BF16 value and of each fp16 block scale is cleared."""
+    if t.name == "F32":
+        raw.view(np.uint32)[:] &= ~np.uint32(1 << 30)
+    elif t.name in ("F16", "BF16"):
+        raw.view(np.uint16)[:] &= ~np.uint16(1 << 14)
+    else:
+        blocks = raw.reshape(-1, t.type_size)
+        for off, n in t.fp16_fields:
+            blocks[:, off + 1 : off + 2 * n : 2] &= np.uint8(0xBF)  # the high byte of each fp16: bit 14 is its 0x40
+    return raw.tobytes()
+
+
 def build(tmp: Path, arch: str = "qwen4exp", *, n_shards: int = 1, ple_separate: bool = True, seed: int = 0,
           meta=None, shape_over=None, type_over=None, **geo) -> Model:
     """Write a model's GGUF(s) under `tmp`: one file or `n_shards` split shards, the PLE table in its own file."""
@@ -137,7 +151,7 @@ def build(tmp: Path, arch: str = "qwen4exp", *, n_shards: int = 1, ple_separate:
     for i, s in enumerate(specs):
         shape = (shape_over or {}).get(s.name, s.shape)
         t = T[(type_over or {}).get(s.name, type_of(s.name, shape, s.layer))]
-        data[s.name] = rng.integers(0, 256, size=t.nbytes(shape), dtype=np.uint8).tobytes()
+        data[s.name] = finite(t, rng.integers(0, 256, size=t.nbytes(shape), dtype=np.uint8))
         types[s.name] = t.id
         if s.category == PLE_TABLE and ple_separate:
             ple_specs.append((s.name, shape, t.id))

@@ -204,3 +204,4 @@ def test_non_finite_logits_are_refused_not_scored(packs, tmp_path, capsys, with_
     out, err = capsys.readouterr()
     assert "PPL" not in out and "nan" not in out
     assert "window 0, position 24: the model's logit of token 0 is nan" in err
+    assert "the pack's weights hold non-finite values: output_norm.weight: element 0 is nan" in err

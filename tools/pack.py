@@ -321,10 +321,12 @@ def write_pool(plan: PackPlan, path: Path, progress=None) -> str:
     """Copy every dense tensor to its index offset (BF16 widened to F32); returns 'sha256-<hex>'."""
     h = hashlib.sha256()
     handles: dict[Path, object] = {}
+    maps: dict[Path, np.ndarray] = {}
     try:
         with open(path, "wb") as out:
             for entry in plan.index.tensors:
                 info = plan.sources.tensors[entry.name]
+                _check_finite(info, maps)
                 pad = b"\0" * (entry.offset - out.tell())
                 out.write(pad)
                 h.update(pad)
@@ -342,6 +344,21 @@ def write_pool(plan: PackPlan, path: Path, progress=None) -> str:
         for f in handles.values():
             f.close()
     return "sha256-" + h.hexdigest()
+
+
+def _check_finite(info: TensorInfo, maps: dict[Path, np.ndarray]) -> None:
+    """A dense tensor holding a NaN/inf (an F32 norm, an fp16 block scale) is refused at convert: it
+    passed every check before and a run died later naming no tensor. (The experts are not read at
+    convert, so not scanned; `strata-pack verify --full` scans them.)"""
+    from strata.engine.weight_scan import layer_of
+    from strata.engine.kernels.engine_form import first_non_finite
+
+    if info.file not in maps:
+        maps[info.file] = np.memmap(info.file, dtype=np.uint8, mode="r")
+    hit = first_non_finite(maps[info.file][info.offset : info.offset + info.nbytes], info.type_id)
+    if hit is not None:
+        raise PackError(f"{info.file.name}: tensor {layer_of(info.name)} {BY_ID[info.type_id].name}: {hit[1]} is "
+                        f"{hit[2]}, expected finite values (the GGUF is damaged; no quantizer writes one)")
 
 
 def _pack_chunks(src, info: TensorInfo) -> Iterable[bytes]:
@@ -453,10 +470,57 @@ def verify_pack(pack_dir: str | os.PathLike, *, gguf_dir: str | os.PathLike | No
     rep.checks.append(("indexes", f"{len(pack.index.tensors)} dense tensors, {len(pack.experts.layers)} expert layers, "
                                   f"{len(pack.tokenizer.tokens)} tokens ({pack.geometry.arch})"))
     _verify_files(pack, full, rep)
+    _scan_pool(pack, rep)
     found = _locate_sources(pack, gguf_dir, rep)
     if found is not None:
         _verify_against_ggufs(pack, found, rep)
+        if full:
+            _scan_experts(pack, found, rep)
     return rep
+
+
+def _scan_pool(pack: Pack, rep: VerifyReport) -> None:
+    """Every dense tensor's values and fp16 block scales are finite (a read of pool.bin)."""
+    from strata.engine.kernels.engine_form import first_non_finite
+    from strata.engine.weight_scan import layer_of
+
+    path = pack.dir / POOL
+    if not path.is_file() or path.stat().st_size != pack.index.pool_bytes or not pack.index.pool_bytes:
+        return  # reported by _verify_files
+    pool = np.memmap(path, dtype=np.uint8, mode="r")
+    n_before = len(rep.problems)
+    for t in pack.index.tensors:
+        hit = first_non_finite(pool[t.offset : t.offset + t.nbytes], t.pack_type)
+        if hit is not None:
+            rep.problems.append(f"{path}: tensor {layer_of(t.name)} {t.pack.name}: {hit[1]} is {hit[2]}, expected "
+                                "finite values (rebuild the pack from an undamaged GGUF)")
+    if len(rep.problems) == n_before:
+        rep.checks.append(("finite weights", f"{len(pack.index.tensors)} dense tensors: no NaN/inf value or block scale"
+                           " (--full scans the experts too)"))
+
+
+def _scan_experts(pack: Pack, paths: dict[str, Path], rep: VerifyReport) -> None:
+    """--full: every expert's fp16 block scales (or values) are finite, read in place in the GGUFs."""
+    from strata.engine.kernels.engine_form import first_non_finite
+    from strata.index_format.native_experts import expert_bytes
+
+    g, n_before = pack.geometry, len(rep.problems)
+    maps: dict[str, np.ndarray] = {}
+    for e in pack.experts.layers:
+        name = e.shard or pack.experts.gguf
+        if name not in maps:
+            maps[name] = np.memmap(paths[name], dtype=np.uint8, mode="r")
+        gu, d = BY_ID[e.gu_type], BY_ID[e.d_type]
+        gate_bytes, _, down_bytes = expert_bytes(gu, d, g.n_embd, g.n_ff_exp)
+        for role, off, t, each in (("gate", e.gate_off, gu, gate_bytes), ("up", e.up_off, gu, gate_bytes),
+                                   ("down", e.down_off, d, down_bytes)):
+            hit = first_non_finite(maps[name][off : off + g.n_expert * each], t.id)
+            if hit is not None:
+                rep.problems.append(f"{paths[name]}: tensor blk.{e.layer}.ffn_{role}_exps.weight (layer {e.layer}, "
+                                    f"expert {hit[0] // (each // t.type_size)}) {t.name}: {hit[1]} of the tensor is "
+                                    f"{hit[2]}, expected finite values")
+    if len(rep.problems) == n_before:
+        rep.checks.append(("finite experts", f"{len(pack.experts.layers)} expert layers: no NaN/inf block scale or value"))
 
 
 def _verify_files(pack: Pack, full: bool, rep: VerifyReport) -> None:

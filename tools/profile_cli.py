@@ -101,7 +101,7 @@ def _check_outputs(out: Path, trace: Path | None) -> None:
 def _run(pack_dir, docs, out, max_tokens, held_out, ctx, option, kv, pool_workers, trace_path, native, ple_gguf, tier) -> None:
     from tqdm import tqdm
 
-    from strata.engine.cli import load_model, prefill_chunk, start_tier
+    from strata.engine.cli import load_model, naming_non_finite, prefill_chunk, start_tier
     from strata.engine.tokenizer import Tokenizer
     from strata.index_format.expert_profile import write_expert_profile
     from strata.index_format.manifest import pack_fingerprint
@@ -125,7 +125,7 @@ def _run(pack_dir, docs, out, max_tokens, held_out, ctx, option, kv, pool_worker
         writer = TraceWriter(trace_path, pack_fingerprint=fingerprint, n_layer=g.n_layer, n_expert=g.n_expert,
                              top_k=g.n_expert_used)
     # the trace commits once the profile is written, and is removed on any exception (StreamingFile)
-    with writer if writer is not None else contextlib.nullcontext():
+    with writer if writer is not None else contextlib.nullcontext(), naming_non_finite(pack):
         with tqdm(total=n_in + n_held, unit="tok", desc="profile", file=sys.stderr, disable=None) as bar:
             progress = lambda k: (pack.check_unchanged(), bar.update(k))  # a mapped file rewritten: stop
             result = P.build_profile(model, fingerprint, calib, ctx=ctx, kv=kv, chunk=chunk, progress=progress,
