@@ -382,3 +382,64 @@ def test_a_run_that_meets_a_non_finite_value_names_tensor_layer_and_expert(nan_e
     assert gen(nan_expert_pack, "--prompt-ids", "1 2 3", "-n", "2", "--temp", "0") == 1
     err = refused(capsys, "non-finite")
     assert "blk.1.ffn_down_exps.weight (layer 1, expert 0): block 0 fp16 scale 0 of the tensor is nan" in err
+
+
+# --- strata-pack: what the message names --------------------------------------------------------------
+
+
+def _pack_cli(*args):
+    from strata.tools.pack_cli import main as pack_main
+
+    return pack_main([str(a) for a in args])
+
+
+@bad("file")
+def test_convert_refuses_a_tokenizer_shorter_than_the_embedding(tmp_path, capsys, monkeypatch):
+    real = F._tokenizer
+    monkeypatch.setattr(F, "_tokenizer", lambda w, n_vocab: real(w, n_vocab - 11))
+    gguf = F.write_gguf(tmp_path / "m.gguf", F.geometry())
+    assert _pack_cli("convert", gguf, "-o", tmp_path / "pack") == 1
+    refused(capsys, "m.gguf: tokenizer.ggml.tokens has 309 tokens, token_embd.weight has 320 rows; "
+                    "expected one token per row")
+
+
+@bad("file")
+def test_convert_on_a_directory_says_so(pack_dir, tmp_path, capsys):
+    assert _pack_cli("convert", tmp_path, "-o", tmp_path / "pack") == 1
+    refused(capsys, f"{tmp_path}: a directory; expected the model's GGUF file")
+    assert _pack_cli("convert", pack_dir, "-o", tmp_path / "pack") == 1
+    refused(capsys, f"{pack_dir}: a directory (it is a pack: strata-pack verify checks one)")
+
+
+@bad("file")
+def test_verify_blames_a_pool_of_the_wrong_size_on_pool_bin(tmp_path, capsys):
+    pack = F.make_pack(tmp_path)
+    size = (pack / "pool.bin").stat().st_size
+    with open(pack / "pool.bin", "ab") as f:
+        f.write(b"\0" * 64)
+    assert _pack_cli("verify", pack) == 1
+    err = refused(capsys, f"{pack / 'pool.bin'}: {size + 64} bytes, expected {size}")
+    assert "index.txt line" not in err
+
+
+@bad("range")
+def test_synth_refuses_a_negative_seed(tmp_path, capsys):
+    assert _pack_cli("synth", "--arch", "qwen35moe", "-o", tmp_path / "m.gguf", "--seed", "-1") == 2
+    refused(capsys, "--seed -1: expected an integer >= 0")
+    assert not list(tmp_path.iterdir())
+
+
+@bad("file")
+def test_demo_refuses_a_non_pack_destination_before_synthesizing(tmp_path, capsys, monkeypatch):
+    import strata.tools.synth as synth
+
+    def synthesized(*a, **k):
+        raise AssertionError("synthesized before the destination was checked")
+
+    monkeypatch.setattr(synth, "synth_command", synthesized)
+    out = tmp_path / "mine"
+    out.mkdir()
+    (out / "notes.txt").write_text("keep me", encoding="utf-8")
+    assert _pack_cli("demo", "-o", out, "--no-generate") == 1
+    refused(capsys, f"{out} exists and is not a pack (no manifest.txt)")
+    assert (out / "notes.txt").read_text(encoding="utf-8") == "keep me"

@@ -75,6 +75,10 @@ def open_sources(ggufs: Sequence[str | os.PathLike], ple_gguf: str | os.PathLike
     """Read the headers of a model's GGUF shards (given any of them) and of its PLE shard."""
     if not ggufs:
         raise PackError("no GGUF given")
+    for p in map(Path, ggufs):
+        if p.is_dir():  # was reported as "no such file"
+            what = " (it is a pack: strata-pack verify checks one)" if (p / MANIFEST).is_file() else ""
+            raise PackError(f"{p}: a directory{what}; expected the model's GGUF file (any shard of a split one)")
     shards = _shard_set([Path(p) for p in ggufs])
     files = [("main" if i == 0 else "shard", read_gguf(p)) for i, p in enumerate(shards)]
     _check_split(files)
@@ -167,10 +171,12 @@ def plan_pack(sources: Sources, *, compress_ratio: int | None = None) -> PackPla
     dense = [(s.name, sources.tensors[s.name].type_id, s.shape) for s in specs if s.in_pool]
     index = PackIndex.build(main.path.name, dense)
     tokenizer = tokenizer_from_gguf(main)
-    if len(tokenizer.tokens) > g.n_vocab:
-        # An id past the embedding's rows would read beyond token_embd: refuse, do not clamp.
+    if len(tokenizer.tokens) != g.n_vocab:
+        # More tokens: an id past the embedding's rows would read beyond token_embd. Fewer: the model
+        # samples ids the tokenizer cannot decode (a run died later at "token id 509 outside the
+        # vocabulary"). llama.cpp's GGUFs pad the token list to the embedding's rows; refuse, never clamp.
         raise PackError(f"{main.path.name}: tokenizer.ggml.tokens has {len(tokenizer.tokens)} tokens, "
-                        f"token_embd.weight only {g.n_vocab} rows")
+                        f"token_embd.weight has {g.n_vocab} rows; expected one token per row")
     return PackPlan(sources, g, reading.warnings, index, _experts(sources, g, specs),
                     _ple_table(sources, specs), tokenizer)
 
@@ -428,7 +434,11 @@ def read_pack(pack_dir: str | os.PathLike) -> Pack:
     manifest = read_manifest(d / MANIFEST)
     g = read_geometry(d / GEOMETRY)
     pool = d / POOL
-    index = read_index(d / INDEX, pool_size=pool.stat().st_size if pool.exists() else None)
+    index = read_index(d / INDEX)
+    if pool.exists() and pool.stat().st_size != index.pool_bytes:
+        # blamed on pool.bin, the file that changed (the index's pool field was once named instead)
+        raise PackError(f"{pool}: {pool.stat().st_size} bytes, expected {index.pool_bytes} (the pool {INDEX} "
+                        "describes): pool.bin was truncated or replaced; rebuild the pack")
     _check_index_against_geometry(d / INDEX, index, g)
     experts = read_native_experts(d / EXPERTS, n_embd=g.n_embd, n_ff=g.n_ff_exp, n_expert=g.n_expert,
                                   layers=sorted({s.layer for s in tensor_specs(g) if s.category == EXPERT}))

@@ -115,6 +115,8 @@ def synth(
     """Write a synthetic random model as GGUF (no download): the demo's and the tests' source."""
     from strata.tools.synth import get_preset, synth_command
 
+    if seed < 0:
+        raise _fail("synth", f"--seed {seed}: expected an integer >= 0", 2)
     try:
         paths = synth_command(arch, preset, out, seed, force)
     except KeyboardInterrupt:
@@ -153,7 +155,7 @@ def demo(
 
 
 def _demo(out: Path, force: bool, generate: bool) -> None:
-    from strata.tools.pack import MANIFEST, verify_pack
+    from strata.tools.pack import MANIFEST, check_destination, verify_pack
     from strata.tools.synth import get_preset, output_paths, plan_model, synth_command
 
     if (out / MANIFEST).is_file() and not force:
@@ -162,6 +164,7 @@ def _demo(out: Path, force: bool, generate: bool) -> None:
             raise _fail("demo", "\n".join(report.problems + [f"{out} exists but does not verify; rerun with --force to rebuild it"]))
         typer.echo(f"strata-pack demo: {out} exists and verifies; reusing it (--force rebuilds it)", err=True)
     else:
+        check_destination(out, True)  # a non-pack -o is refused before 229 MB are synthesized, not after
         src = out.with_name(out.name + "-src")
         name = src / f"{DEMO_ARCH}-{DEMO_PRESET}.gguf"
         ggufs = output_paths(name, len(plan_model(DEMO_ARCH, DEMO_PRESET).shards))
