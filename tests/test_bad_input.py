@@ -443,3 +443,37 @@ def test_demo_refuses_a_non_pack_destination_before_synthesizing(tmp_path, capsy
     assert _pack_cli("demo", "-o", out, "--no-generate") == 1
     refused(capsys, f"{out} exists and is not a pack (no manifest.txt)")
     assert (out / "notes.txt").read_text(encoding="utf-8") == "keep me"
+
+
+def _dead_pid() -> int:
+    import subprocess
+    import sys
+
+    p = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    return int(p.stdout)
+
+
+@bad("signal")
+@pytest.mark.parametrize("out_exists", [False, True])
+def test_force_recovers_or_removes_the_old_pack_a_killed_run_left(tmp_path, capsys, out_exists):
+    from strata.index_format.manifest import read_manifest
+
+    gguf = F.write_gguf(tmp_path / "m.gguf", F.geometry())
+    out = tmp_path / "pack"
+    assert _pack_cli("convert", gguf, "-o", out) == 0
+    pid = _dead_pid()
+    old = tmp_path / f".pack.old-{pid}"
+    if out_exists:  # killed after the second rename: the new pack is in place, the old one beside it
+        import shutil
+
+        shutil.copytree(out, old)
+    else:  # killed between the renames: the old pack moved aside, nothing at -o
+        out.rename(old)
+    capsys.readouterr()
+    assert _pack_cli("convert", gguf, "-o", out, "--force") == 0
+    err = capsys.readouterr().err
+    if out_exists:
+        assert f"removed {old}: the old pack left by a killed run (pid {pid})" in err
+    else:
+        assert f"restored {out} from {old.name}" in err
+    assert read_manifest(out / "manifest.txt") and _leftovers(tmp_path) == []

@@ -267,6 +267,38 @@ def temp_dir_for(out: Path) -> Path:
     return out.parent / f".{out.name}.tmp-{os.getpid()}"
 
 
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # someone else's live process
+    return True
+
+
+def recover_leftovers(out: Path) -> list[str]:
+    """Undo what a killed run left beside `out`, and say what was done. `--force` moves the old pack to
+    `.NAME.old-PID` before renaming the new one into place: a kill between the two renames left the
+    old pack there, out of sight, and nothing recovered or removed it. Now the next run restores it
+    when `out` is missing (the state before the killed run), or removes it when `out` is whole; a
+    `.NAME.tmp-PID` of a dead process (a partial pack) is removed. Live processes' files are left alone."""
+    notes = []
+    for p in sorted(out.parent.glob(f".{out.name}.old-*")) + sorted(out.parent.glob(f".{out.name}.tmp-*")):
+        pid = p.name.rsplit("-", 1)[1]
+        if not pid.isdigit() or int(pid) == os.getpid() or _alive(int(pid)) or not p.is_dir():
+            continue
+        if ".old-" in p.name and not out.exists() and (p / MANIFEST).is_file():
+            os.rename(p, out)
+            notes.append(f"restored {out} from {p.name}, where a --force run (pid {pid}) killed between its two "
+                         "renames had left the old pack")
+        else:
+            shutil.rmtree(p)
+            what = "the old pack" if ".old-" in p.name else "a partial pack"
+            notes.append(f"removed {p}: {what} left by a killed run (pid {pid})")
+    return notes
+
+
 def check_destination(out: Path, force: bool) -> None:
     """Refuse to replace an existing pack without force, and anything that is not a pack even with it."""
     if not out.exists() and not out.is_symlink():
@@ -400,6 +432,9 @@ def convert(ggufs: Sequence[str | os.PathLike], out: str | os.PathLike, *, ple_g
             compress_ratio: int | None = None, on_warning: Callable[[str], None] | None = None,
             progress_factory: Callable[[int], Callable[[int], None]] | None = None) -> PackPlan:
     """Open, check, plan and write in one call. `progress_factory(total_bytes)` returns the progress callback."""
+    for note in recover_leftovers(Path(out)):
+        if on_warning:
+            on_warning(note)
     check_destination(Path(out), force)  # before reading gigabytes of headers
     plan = plan_pack(open_sources(ggufs, ple_gguf), compress_ratio=compress_ratio)
     for w in plan.warnings:
