@@ -477,3 +477,29 @@ def test_force_recovers_or_removes_the_old_pack_a_killed_run_left(tmp_path, caps
     else:
         assert f"restored {out} from {old.name}" in err
     assert read_manifest(out / "manifest.txt") and _leftovers(tmp_path) == []
+
+
+def _refingerprint(pack, name: str) -> None:
+    """What a careful editor does: record the edited file's size and fingerprint in the manifest."""
+    from strata.index_format.manifest import Manifest, PackFile, fingerprint_file, read_manifest, write_manifest
+
+    m = read_manifest(pack / "manifest.txt")
+    files = [PackFile(f.name, (pack / name).stat().st_size, fingerprint_file(pack / name)) if f.name == name else f
+             for f in m.files]
+    write_manifest(pack / "manifest.txt", Manifest(m.sources, files))
+
+
+@bad("file")
+def test_verify_derives_the_geometry_again_from_the_gguf(tmp_path, capsys):
+    import dataclasses
+
+    from strata.index_format.geometry import read_geometry, write_geometry
+
+    pack = F.make_pack(tmp_path)
+    assert _pack_cli("verify", pack) == 0
+    g = read_geometry(pack / "geometry.txt")
+    write_geometry(pack / "geometry.txt", dataclasses.replace(g, n_expert_used=1))
+    _refingerprint(pack, "geometry.txt")
+    capsys.readouterr()
+    assert _pack_cli("verify", pack) == 1
+    refused(capsys, f"{pack / 'geometry.txt'}: n_expert_used is 1, the GGUF model.gguf gives 2 (edited since packing")

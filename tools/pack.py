@@ -18,6 +18,7 @@ Library code: nothing here prints or reads argv; progress and warnings go throug
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import os
 import shutil
@@ -626,6 +627,7 @@ def _verify_against_ggufs(pack: Pack, paths: dict[str, Path], rep: VerifyReport)
         return
     main = pack.experts.gguf
     tensors = {n: t for f in files.values() for n, t in f.tensors.items()}
+    _verify_geometry(pack, files[main], tensors, rep)
     n_before = len(rep.problems)
     for e in pack.experts.layers:
         for role, off, type_id in (("gate", e.gate_off, e.gu_type), ("up", e.up_off, e.gu_type), ("down", e.down_off, e.d_type)):
@@ -643,6 +645,25 @@ def _verify_against_ggufs(pack: Pack, paths: dict[str, Path], rep: VerifyReport)
     if len(rep.problems) == n_before:
         rep.checks.append(("GGUF offsets", f"{len(pack.experts.layers)} expert layers"
                            + (", the PLE table" if pack.ple else "") + f" and {len(pack.index.tensors)} dense tensors match"))
+
+
+def _verify_geometry(pack: Pack, main: GGUFFile, tensors: dict[str, TensorInfo], rep: VerifyReport) -> None:
+    """geometry.txt against the geometry derived again from the GGUF: a pack edited and re-fingerprinted
+    (n_expert_used 4 -> 2) once passed verify, which never looked at the GGUF's metadata."""
+    g = pack.geometry
+    try:
+        derived = geometry_from_gguf(main, tensors, compress_ratio=g.idx_compress_ratio or None).geometry
+    except ValueError as e:
+        rep.problems.append(f"{main.path.name}: the geometry cannot be derived again: {e}")
+        return
+    if not g.n_ctx_train:  # packs made before geometry.txt recorded the trained context
+        derived = dataclasses.replace(derived, n_ctx_train=0)
+    diff = [f.name for f in dataclasses.fields(g) if getattr(g, f.name) != getattr(derived, f.name)]
+    for name in diff:
+        rep.problems.append(f"{pack.dir / GEOMETRY}: {name} is {getattr(g, name)!r}, the GGUF {main.path.name} gives "
+                            f"{getattr(derived, name)!r} (edited since packing; rebuild the pack)")
+    if not diff:
+        rep.checks.append(("geometry", f"{GEOMETRY} equals the geometry derived again from {main.path.name}"))
 
 
 def _expect_tensor(rep: VerifyReport, t: TensorInfo | None, name: str, file: str, offset: int, type_id: int,
