@@ -503,3 +503,28 @@ def test_verify_derives_the_geometry_again_from_the_gguf(tmp_path, capsys):
     capsys.readouterr()
     assert _pack_cli("verify", pack) == 1
     refused(capsys, f"{pack / 'geometry.txt'}: n_expert_used is 1, the GGUF model.gguf gives 2 (edited since packing")
+
+
+@bad("file")
+def test_verify_full_sources_hashes_every_byte_of_the_ggufs(tmp_path, capsys):
+    from strata.index_format.manifest import EDGE, N_SAMPLES, SAMPLE
+
+    # many experts: a GGUF large enough that the sampled fingerprint leaves gaps between its samples
+    gguf = F.write_gguf(tmp_path / "big.gguf", F.geometry(n_expert=512))
+    pack = tmp_path / "pack"
+    assert _pack_cli("convert", gguf, "-o", pack, "--hash-sources") == 0
+    size = gguf.stat().st_size
+    assert size > 2 * EDGE + N_SAMPLES * SAMPLE
+    i = N_SAMPLES // 2
+    at = (size - SAMPLE) * i // (N_SAMPLES - 1) + SAMPLE + 16  # just past sample i, before sample i + 1
+    assert at + 1 < (size - SAMPLE) * (i + 1) // (N_SAMPLES - 1)
+    with open(gguf, "r+b") as f:
+        f.seek(at)
+        b = f.read(1)
+        f.seek(at)
+        f.write(bytes([b[0] ^ 0x01]))
+    capsys.readouterr()
+    assert _pack_cli("verify", pack, "--full") == 0  # documented: the sampled fingerprint cannot see it
+    capsys.readouterr()
+    assert _pack_cli("verify", pack, "--full-sources") == 1
+    refused(capsys, "source main big.gguf changed since packing")

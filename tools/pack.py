@@ -37,7 +37,7 @@ from strata.index_format.ggml_types import BY_ID
 from strata.index_format.manifest import Manifest, PackFile, SourceFile, fingerprint_file, full_sha256, read_manifest, write_manifest
 from strata.index_format.native_experts import NativeExperts, blob_bytes_for, read_native_experts, write_native_experts
 from strata.index_format.pack_index import PackIndex, read_index, write_index
-from strata.index_format.pack_sources import read_sources, write_sources
+from strata.index_format.pack_sources import SHA256, read_source_hashes, read_sources, write_source_hashes, write_sources
 from strata.index_format.ple_table import PleTable, read_ple_table, write_ple_table
 from strata.index_format.tokenizer_flat import FlatTokenizer, read_tokenizer, write_tokenizer
 from strata.tools.gguf_io import GGUFError, GGUFFile, TensorInfo, read_gguf, shard_names
@@ -314,7 +314,7 @@ def check_destination(out: Path, force: bool) -> None:
 
 
 def write_pack(plan: PackPlan, out: str | os.PathLike, *, force: bool = False,
-               progress: Callable[[int], None] | None = None) -> Path:
+               progress: Callable[[int], None] | None = None, hash_sources: bool = False) -> Path:
     """Write the pack into a temp directory beside `out`, then rename it into place.
 
     On any failure or interrupt the temp directory is removed and an old pack at `out` is untouched.
@@ -327,7 +327,7 @@ def write_pack(plan: PackPlan, out: str | os.PathLike, *, force: bool = False,
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp.mkdir()
     try:
-        _write_files(plan, tmp, progress)
+        _write_files(plan, tmp, progress, hash_sources)
         _swap_into_place(tmp, out, force)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -335,7 +335,7 @@ def write_pack(plan: PackPlan, out: str | os.PathLike, *, force: bool = False,
     return out
 
 
-def _write_files(plan: PackPlan, d: Path, progress) -> None:
+def _write_files(plan: PackPlan, d: Path, progress, hash_sources: bool = False) -> None:
     pool_sha = write_pool(plan, d / POOL, progress)
     write_index(d / INDEX, plan.index)
     g = plan.geometry
@@ -345,7 +345,10 @@ def _write_files(plan: PackPlan, d: Path, progress) -> None:
     write_geometry(d / GEOMETRY, g)
     write_tokenizer(d / TOKENIZER, plan.tokenizer)
     write_sources(d / SOURCES, {f.path.name: str(f.path.absolute()) for _, f in plan.sources.files})
+    if hash_sources:  # opt-in: reads every byte of every GGUF (minutes for a large model)
+        write_source_hashes(d / SHA256, {f.path.name: full_sha256(f.path) for _, f in plan.sources.files})
     names = [INDEX, EXPERTS] + ([PLE] if plan.ple is not None else []) + [GEOMETRY, TOKENIZER, SOURCES]
+    names += [SHA256] if hash_sources else []
     files = [PackFile(POOL, (d / POOL).stat().st_size, pool_sha)]
     files += [PackFile(n, (d / n).stat().st_size, fingerprint_file(d / n)) for n in names]
     # LAST: a directory without a manifest is never taken for a pack.
@@ -431,7 +434,7 @@ def _swap_into_place(tmp: Path, out: Path, force: bool) -> None:
 
 def convert(ggufs: Sequence[str | os.PathLike], out: str | os.PathLike, *, ple_gguf=None, force: bool = False,
             compress_ratio: int | None = None, on_warning: Callable[[str], None] | None = None,
-            progress_factory: Callable[[int], Callable[[int], None]] | None = None) -> PackPlan:
+            progress_factory: Callable[[int], Callable[[int], None]] | None = None, hash_sources: bool = False) -> PackPlan:
     """Open, check, plan and write in one call. `progress_factory(total_bytes)` returns the progress callback."""
     for note in recover_leftovers(Path(out)):
         if on_warning:
@@ -441,7 +444,8 @@ def convert(ggufs: Sequence[str | os.PathLike], out: str | os.PathLike, *, ple_g
     for w in plan.warnings:
         if on_warning:
             on_warning(w)
-    write_pack(plan, out, force=force, progress=progress_factory(plan.pool_bytes) if progress_factory else None)
+    write_pack(plan, out, force=force, progress=progress_factory(plan.pool_bytes) if progress_factory else None,
+               hash_sources=hash_sources)
     return plan
 
 
@@ -505,7 +509,7 @@ class VerifyReport:
 
 
 def verify_pack(pack_dir: str | os.PathLike, *, gguf_dir: str | os.PathLike | None = None,
-                full: bool = False) -> VerifyReport:
+                full: bool = False, full_sources: bool = False) -> VerifyReport:
     """Re-read a pack and its GGUFs; every disagreement becomes a problem (nothing is fixed)."""
     rep = VerifyReport()
     try:
@@ -522,7 +526,27 @@ def verify_pack(pack_dir: str | os.PathLike, *, gguf_dir: str | os.PathLike | No
         _verify_against_ggufs(pack, found, rep)
         if full:
             _scan_experts(pack, found, rep)
+        if full_sources:
+            _hash_sources(pack, found, rep)
     return rep
+
+
+def _hash_sources(pack: Pack, paths: dict[str, Path], rep: VerifyReport) -> None:
+    """--full-sources: every byte of every source GGUF, against sources.sha256 when the pack has one
+    (convert --hash-sources). The sampled fingerprint misses a change between its samples, and the
+    experts are read from these files in place."""
+    recorded = read_source_hashes(pack.dir / SHA256) if (pack.dir / SHA256).is_file() else {}
+    for s in pack.manifest.sources:
+        got = full_sha256(paths[s.name])
+        want = recorded.get(s.name)
+        if want is None:
+            rep.checks.append((f"source {s.role} {s.name} sha256", f"{got.removeprefix('sha256-')} (no hash recorded at "
+                               "pack time: compare with the publisher's, or convert --hash-sources)"))
+        elif got != want:
+            rep.problems.append(f"source {s.role} {s.name} changed since packing ({paths[s.name]}): sha256 recorded "
+                                f"{want}, found {got} (its sampled fingerprint matched: bytes between the samples changed)")
+        else:
+            rep.checks.append((f"source {s.role} {s.name} sha256", "matches the hash recorded at pack time"))
 
 
 def _scan_pool(pack: Pack, rep: VerifyReport) -> None:

@@ -49,14 +49,14 @@ def _progress_factory(desc: str):
     return factory, bars
 
 
-def _convert(ggufs, out, ple_gguf, force, compress_ratio, command: str) -> None:
+def _convert(ggufs, out, ple_gguf, force, compress_ratio, command: str, hash_sources: bool = False) -> None:
     from strata.tools import pack
 
     factory, bars = _progress_factory("pool.bin")
     try:
         pack.convert(ggufs, out, ple_gguf=ple_gguf, force=force, compress_ratio=compress_ratio,
                      on_warning=lambda w: typer.echo(f"strata-pack {command}: warning: {w}", err=True),
-                     progress_factory=factory)
+                     progress_factory=factory, hash_sources=hash_sources)
     finally:
         for bar in bars:
             bar.close()
@@ -72,10 +72,12 @@ def convert(
     compress_ratio: Optional[int] = typer.Option(
         None, "--compress-ratio", min=1, help="the QSA block size, when the GGUF's attention.compress_ratios is all zeros"
     ),
+    hash_sources: bool = typer.Option(False, "--hash-sources", help="also record every source GGUF's full sha256 "
+                                      "(sources.sha256; reads every byte) for verify --full-sources"),
 ) -> None:
     """Pack a GGUF: dense tensors into pool.bin, experts and the PLE table referenced in place."""
     try:
-        _convert(ggufs, out, ple_gguf, force, compress_ratio, "convert")
+        _convert(ggufs, out, ple_gguf, force, compress_ratio, "convert", hash_sources)
         _print_summary(out)
     except KeyboardInterrupt:
         raise _interrupted("convert") from None
@@ -89,13 +91,16 @@ def verify(
     gguf_dir: Optional[Path] = typer.Option(
         None, "--gguf-dir", help="where the source GGUFs are now (default: where they were at pack time, sources.txt)"
     ),
-    full: bool = typer.Option(False, "--full", help="also hash all of pool.bin against the manifest's sha256"),
+    full: bool = typer.Option(False, "--full", help="also hash all of pool.bin against the manifest's sha256 and "
+                              "scan the experts for NaN/inf"),
+    full_sources: bool = typer.Option(False, "--full-sources", help="also hash every source GGUF in full (against "
+                                      "sources.sha256 when convert --hash-sources recorded it)"),
 ) -> None:
     """Check a pack against itself and its GGUFs: sizes, fingerprints, every index line, expert offsets."""
     from strata.tools.pack import verify_pack
 
     try:
-        report = verify_pack(pack_dir, gguf_dir=gguf_dir, full=full)
+        report = verify_pack(pack_dir, gguf_dir=gguf_dir, full=full, full_sources=full_sources)
     except KeyboardInterrupt:
         raise _interrupted("verify") from None
     if not report.ok:
