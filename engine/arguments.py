@@ -13,8 +13,10 @@ Why each rule exists:
 
 from __future__ import annotations
 
+import errno
 import math
 import os
+import shutil
 from pathlib import Path
 
 
@@ -83,6 +85,37 @@ def fits_memory(flag: str, shown: str, need_bytes: int, available: int | None, w
     if available is not None and need_bytes > available:
         raise ValueError(f"{shown}: {what} needs {_gib(need_bytes)}, the host has {_gib(available)} available; "
                          f"lower {flag}")
+
+
+def free_bytes(path: Path) -> int | None:
+    """Free bytes on the filesystem `path` (a file to be written, or a directory) would be written to."""
+    d = Path(path)
+    while not d.is_dir() and d != d.parent:
+        d = d.parent
+    try:
+        return shutil.disk_usage(d).free
+    except OSError:
+        return None
+
+
+def check_free_space(flag: str, path: Path, need_bytes: int) -> None:
+    """Refuse an output that cannot fit before the run that produces it (a full disk was once a bare
+    "[Errno 28]" after all the compute, naming no file and no size)."""
+    free = free_bytes(path)
+    if free is not None and need_bytes > free:
+        raise ValueError(f"{flag} {path}: needs {_gib(need_bytes)}, the filesystem there has {_gib(free)} free")
+
+
+def no_space(e: OSError, outputs) -> str | None:
+    """The message for a disk that filled during the run (ENOSPC), naming the outputs and the free
+    space now; None for any other error."""
+    if getattr(e, "errno", None) != errno.ENOSPC:
+        return None
+    paths = [Path(p) for p in outputs if p is not None]
+    where = ", ".join(str(p) for p in paths) or "the output"
+    free = free_bytes(paths[0]) if paths else None
+    left = f"; {_gib(free)} free there now" if free is not None else ""
+    return f"no space left on the device while writing {where}{left} (nothing was left half-written)"
 
 
 def _gib(n: int) -> str:

@@ -102,7 +102,9 @@ def generate(
         typer.echo("\nstrata generate: interrupted", err=True)
         raise typer.Exit(130) from None
     except _INPUT_ERRORS as e:
-        raise _fail(str(e)) from None
+        from strata.engine.arguments import no_space
+
+        raise _fail(no_space(e, [dump_logits]) or str(e)) from None
 
 
 def sampler_options(temp: float, top_k: int, top_p: float, min_p: float, repeat_penalty: float, seed: int | None):
@@ -266,7 +268,7 @@ def _run(pack, prompt, prompt_file, prompt_ids, n, temp, top_k, top_p, min_p, re
     from strata.engine.sampling import Sampler
     from strata.engine.tokenizer import Tokenizer
 
-    from strata.engine.arguments import writable_file
+    from strata.engine.arguments import check_free_space, writable_file
     from strata.engine.pack import read_pack_geometry
 
     # every flag, the prompt and the sizes are checked before the load (seconds to minutes)
@@ -287,6 +289,7 @@ def _run(pack, prompt, prompt_file, prompt_ids, n, temp, top_k, top_p, min_p, re
     check_context("strata generate", g, kv, ctx, flag, dump, " and --dump-logits' buffer" if dump_logits else "", shown)
     if dump_logits:
         writable_file("--dump-logits", dump_logits)
+        check_free_space("--dump-logits", dump_logits, dump + 128)  # + the .npy header
     p, model, load_s = load_model(pack, native, ple_gguf, pool_workers, "strata generate", option)
     chunk = prefill_chunk(option, p.geometry, ctx, device)
     tier = start_tier(model, device, max_context=ctx, kv=kv, chunk=chunk, expert_cache=expert_cache,
@@ -458,7 +461,9 @@ def perplexity(
         typer.echo(f"\n{who}: interrupted", err=True)
         raise typer.Exit(130) from None
     except _INPUT_ERRORS as e:
-        raise _fail(str(e), 1, who) from None
+        from strata.engine.arguments import no_space
+
+        raise _fail(no_space(e, [save_logits]) or str(e), 1, who) from None
 
 
 def _perplexity(pack, file, ctx, max_windows, save_logits, kl_base, kv, option, pool_workers, native, ple_gguf, who, tier):
@@ -469,8 +474,9 @@ def _perplexity(pack, file, ctx, max_windows, save_logits, kl_base, kv, option, 
     from strata.index_format.kl_base import KLBaseWriter, read_kl_base
     from strata.index_format.manifest import pack_fingerprint
 
-    from strata.engine.arguments import read_text, writable_file
+    from strata.engine.arguments import check_free_space, read_text, writable_file
     from strata.engine.pack import read_pack_geometry
+    from strata.index_format.kl_base import HEADER_BYTES, TOKEN, record_dtype
 
     # the text, the flags and the output are checked before the load (seconds to minutes)
     base = read_kl_base(kl_base) if kl_base is not None else None
@@ -480,6 +486,9 @@ def _perplexity(pack, file, ctx, max_windows, save_logits, kl_base, kv, option, 
     check_context(who, g, kv, ctx, "--ctx")
     if save_logits is not None:
         writable_file("--save-logits", save_logits)
+        scored = len(wins) * (ctx - 1 - P.first_scored(ctx))
+        check_free_space("--save-logits", save_logits,
+                         HEADER_BYTES + wins.size * TOKEN.itemsize + scored * record_dtype(g.n_vocab).itemsize + 4)
     p, model, _ = load_model(pack, native, ple_gguf, pool_workers, who, option)
     chunk = prefill_chunk(option, p.geometry, ctx, tier["device"])
     start_tier(model, max_context=ctx, kv=kv, chunk=chunk, who=who, **tier)  # the same logits, faster (B2)

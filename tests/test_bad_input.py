@@ -528,3 +528,73 @@ def test_verify_full_sources_hashes_every_byte_of_the_ggufs(tmp_path, capsys):
     capsys.readouterr()
     assert _pack_cli("verify", pack, "--full-sources") == 1
     refused(capsys, "source main big.gguf changed since packing")
+
+
+# --- a full disk -------------------------------------------------------------------------------------
+
+
+def _disk_with(monkeypatch, free: int) -> None:
+    import collections
+    import shutil
+
+    usage = collections.namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(10 * free + 1, 9 * free, free))
+
+
+def _enospc(*a, **k):
+    import errno
+
+    raise OSError(errno.ENOSPC, "No space left on device")
+
+
+@bad("disk-full")
+def test_convert_checks_free_space_before_writing(tmp_path, capsys, monkeypatch):
+    gguf = F.write_gguf(tmp_path / "m.gguf", F.geometry())
+    _disk_with(monkeypatch, 1000)
+    assert _pack_cli("convert", gguf, "-o", tmp_path / "pack") == 1
+    err = refused(capsys, f"-o {tmp_path / 'pack'}: needs ")
+    assert "the filesystem there has 0.00 GiB (1000 B) free" in err
+    assert not (tmp_path / "pack").exists() and _leftovers(tmp_path) == []
+
+
+@bad("disk-full")
+def test_generate_dump_logits_checks_free_space_before_the_load(pack_dir, tmp_path, capsys, monkeypatch, no_load):
+    _disk_with(monkeypatch, 1000)
+    assert gen(pack_dir, "--prompt-ids", "1 2", "-n", "4", "--dump-logits", str(tmp_path / "l.npy")) == 1
+    err = refused(capsys, f"--dump-logits {tmp_path / 'l.npy'}: needs ")
+    assert f"({(2 + 4) * 320 * 4 + 128} B)" in err and "(1000 B) free" in err  # (prompt + n) f32 rows + header
+
+
+@bad("disk-full")
+def test_a_disk_that_fills_during_generate_names_the_output(pack_dir, tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(np, "save", _enospc)
+    out = tmp_path / "l.npy"
+    assert gen(pack_dir, "--prompt-ids", "1 2", "-n", "2", "--temp", "0", "--dump-logits", str(out)) == 1
+    err = refused(capsys, f"no space left on the device while writing {out}; ")
+    assert "GiB" in err and "free there now" in err
+    assert _leftovers(tmp_path) == [] and not out.exists()
+
+
+@bad("disk-full")
+def test_profile_trace_on_a_full_disk_writes_nothing(pack_dir, tmp_path, capsys, monkeypatch):
+    import os
+
+    from strata.tools.profile_cli import main as profile_main
+
+    docs = tmp_path / "docs.txt"
+    docs.write_text("one document about experts\n\nanother document\n", encoding="utf-8")
+    monkeypatch.setattr(os, "fsync", _enospc)  # the trace's commit is the first fsync of the run
+    assert profile_main([str(pack_dir), "--prompts", str(docs), "-o", str(tmp_path / "p.bin"), "--trace",
+                         str(tmp_path / "t.bin"), "--pool-workers", "1", "--held-out", "0"]) == 1
+    refused(capsys, f"no space left on the device while writing {tmp_path / 'p.bin'}, {tmp_path / 't.bin'}")
+    assert not (tmp_path / "p.bin").exists() and not (tmp_path / "t.bin").exists() and _leftovers(tmp_path) == []
+
+
+@bad("disk-full")
+def test_perplexity_save_logits_checks_free_space_before_the_load(pack_dir, tmp_path, capsys, monkeypatch, no_load):
+    f = tmp_path / "text.txt"
+    f.write_text("abcdefgh " * 40, encoding="utf-8")
+    _disk_with(monkeypatch, 1000)
+    assert main(["perplexity", "--pack", str(pack_dir), "--file", str(f), "--ctx", "32", "--save-logits",
+                 str(tmp_path / "base.bin")]) == 1
+    refused(capsys, f"--save-logits {tmp_path / 'base.bin'}: needs ")

@@ -319,8 +319,11 @@ def write_pack(plan: PackPlan, out: str | os.PathLike, *, force: bool = False,
 
     On any failure or interrupt the temp directory is removed and an old pack at `out` is untouched.
     """
+    from strata.engine.arguments import check_free_space
+
     out = Path(out)
     check_destination(out, force)
+    check_free_space("-o", out, plan.pool_bytes)  # pool.bin is nearly all of a pack; refused before writing
     tmp = temp_dir_for(out)
     if tmp.exists():
         shutil.rmtree(tmp)  # named with our own pid: left by a killed run, never in use by another

@@ -82,7 +82,9 @@ def convert(
     except KeyboardInterrupt:
         raise _interrupted("convert") from None
     except _INPUT_ERRORS as e:
-        raise _fail("convert", str(e)) from None
+        from strata.engine.arguments import no_space
+
+        raise _fail("convert", no_space(e, [out]) or str(e)) from None
 
 
 @app.command()

@@ -78,7 +78,9 @@ def profile(
         typer.echo(f"\n{WHO}: interrupted; nothing written", err=True)
         raise typer.Exit(130) from None
     except _INPUT_ERRORS as e:
-        raise _fail(str(e)) from None
+        from strata.engine.arguments import no_space
+
+        raise _fail(no_space(e, [out, trace]) or str(e)) from None
 
 
 def _check_outputs(out: Path, trace: Path | None) -> None:
@@ -125,12 +127,19 @@ def _run(pack_dir, docs, out, max_tokens, held_out, ctx, option, kv, pool_worker
         writer = TraceWriter(trace_path, pack_fingerprint=fingerprint, n_layer=g.n_layer, n_expert=g.n_expert,
                              top_k=g.n_expert_used)
     # the trace commits once the profile is written, and is removed on any exception (StreamingFile)
+    # the trace commits when its block ends (or is removed), then the profile is written; if that
+    # fails the trace goes too: all or nothing (a full disk once left the profile AND the trace's temp)
     with writer if writer is not None else contextlib.nullcontext(), naming_non_finite(pack):
         with tqdm(total=n_in + n_held, unit="tok", desc="profile", file=sys.stderr, disable=None) as bar:
             progress = lambda k: (pack.check_unchanged(), bar.update(k))  # a mapped file rewritten: stop
             result = P.build_profile(model, fingerprint, calib, ctx=ctx, kv=kv, chunk=chunk, progress=progress,
                                      trace=writer)
+    try:
         write_expert_profile(out, result.profile)
+    except BaseException:
+        if trace_path is not None:
+            Path(trace_path).unlink(missing_ok=True)
+        raise
     if writer is not None:
         typer.echo(f"{WHO}: wrote the routing trace of {n_in} tokens to {trace_path}", err=True)
     typer.echo(format_report(result, out, g))
