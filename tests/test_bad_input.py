@@ -598,3 +598,13 @@ def test_perplexity_save_logits_checks_free_space_before_the_load(pack_dir, tmp_
     assert main(["perplexity", "--pack", str(pack_dir), "--file", str(f), "--ctx", "32", "--save-logits",
                  str(tmp_path / "base.bin")]) == 1
     refused(capsys, f"--save-logits {tmp_path / 'base.bin'}: needs ")
+
+
+def test_the_reliability_doc_counts_are_current():
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parent.parent / "scripts" / "bad_input_counts.py"
+    r = subprocess.run([sys.executable, str(script), "--check"], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
