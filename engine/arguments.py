@@ -54,7 +54,10 @@ def count(flag: str, text: str, what: str = "a non-negative integer") -> int:
 
 def read_text(flag: str, path: Path) -> str:
     """A UTF-8 text file; an undecodable byte is reported with the file and its byte offset."""
-    data = Path(path).read_bytes()
+    try:
+        data = Path(path).read_bytes()
+    except OSError as e:  # was a bare "[Errno 21] Is a directory: '/tmp'" naming no flag
+        raise ValueError(f"{flag} {path}: {e.strerror}; expected a UTF-8 text file") from None
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as e:

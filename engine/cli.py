@@ -233,7 +233,10 @@ def load_model(pack, native, ple_gguf, pool_workers, who: str, prefill: int | No
     from strata.engine.pack import Pack
 
     if pool_workers is not None:
-        cpu.set_threads(pool_workers)
+        try:
+            cpu.set_threads(pool_workers)
+        except ValueError as e:
+            raise ValueError(f"--pool-workers {pool_workers}: {e}") from None
     single_blas_thread()
     reuse_freed_memory()
     t0 = time.perf_counter()

@@ -608,3 +608,25 @@ def test_the_reliability_doc_counts_are_current():
     script = Path(__file__).resolve().parent.parent / "scripts" / "bad_input_counts.py"
     r = subprocess.run([sys.executable, str(script), "--check"], capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr
+
+
+@bad("file")
+@pytest.mark.parametrize("path, why", [("/nonexistent-file.txt", "No such file or directory"), ("/", "Is a directory")])
+def test_text_files_that_cannot_be_read_name_the_flag(pack_dir, tmp_path, capsys, no_load, path, why):
+    assert gen(pack_dir, "--prompt-file", path) == 1
+    refused(capsys, f"--prompt-file {path}: {why}; expected a UTF-8 text file")
+    assert main(["perplexity", "--pack", str(pack_dir), "--file", path]) == 1
+    refused(capsys, f"--file {path}: {why}; expected a UTF-8 text file")
+
+
+@bad("range")
+def test_budget_vram_gib_too_large_for_bytes(pack_dir, capsys):
+    assert budget_main([str(pack_dir), "--vram-gib", "1e308"]) == 1
+    refused(capsys, "--vram-gib 1e+308: expected a number in [0, 1.07374e+09]")
+
+
+@bad("range")
+@pytest.mark.parametrize("n", ["0", "-1"])
+def test_pool_workers_names_the_flag(pack_dir, capsys, n):
+    assert main(["generate", "--pack", str(pack_dir), "--prompt-ids", "1", "-n", "1", "--pool-workers", n]) == 1
+    refused(capsys, f"--pool-workers {n}: ")

@@ -65,7 +65,8 @@ def budget(
     try:
         from strata.engine.arguments import finite
 
-        finite("--vram-gib", vram_gib, lo=0)  # inf once reached int() as an OverflowError traceback
+        # inf (or 1e308, inf once in bytes) reached int() as an OverflowError traceback; 2^30 GiB is 1 EiB
+        finite("--vram-gib", vram_gib, lo=0, hi=2**30)
         opts = _options(prefill, max_context, kv, expert_cache, vram_reserve_mib)
         _check_context(pack_dir, kv, max_context)
         free = None if vram_gib is None and free_mib is None else int(vram_gib * GiB) if vram_gib is not None else free_mib * MiB
