@@ -482,6 +482,9 @@ def _perplexity(pack, file, ctx, max_windows, save_logits, kl_base, kv, option, 
     from strata.index_format.kl_base import HEADER_BYTES, TOKEN, record_dtype
 
     # the text, the flags and the output are checked before the load (seconds to minutes)
+    if kl_base is not None and not Path(kl_base).is_file():
+        raise ValueError(f"--kl-base {kl_base}: {'a directory' if Path(kl_base).is_dir() else 'no such file'}; "
+                         "expected a file saved by strata perplexity --save-logits")
     base = read_kl_base(kl_base) if kl_base is not None else None
     g = read_pack_geometry(pack)
     ids = Tokenizer.load(Path(pack) / "tokenizer.txt").encode(read_text("--file", file))

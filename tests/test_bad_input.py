@@ -630,3 +630,18 @@ def test_budget_vram_gib_too_large_for_bytes(pack_dir, capsys):
 def test_pool_workers_names_the_flag(pack_dir, capsys, n):
     assert main(["generate", "--pack", str(pack_dir), "--prompt-ids", "1", "-n", "1", "--pool-workers", n]) == 1
     refused(capsys, f"--pool-workers {n}: ")
+
+
+@bad("file")
+def test_other_unreadable_inputs_name_their_flag(pack_dir, tmp_path, capsys, no_load):
+    from strata.tools.profile_cli import main as profile_main
+
+    assert profile_main([str(pack_dir), "--prompts", "/", "-o", str(tmp_path / "p.bin")]) == 1
+    refused(capsys, "--prompts /: Is a directory; expected a UTF-8 text file")
+    f = tmp_path / "text.txt"
+    f.write_text("abc " * 100, encoding="utf-8")
+    assert main(["perplexity", "--pack", str(pack_dir), "--file", str(f), "--kl-base", "/nonexistent.bin"]) == 1
+    refused(capsys, "--kl-base /nonexistent.bin: no such file; expected a file saved by strata perplexity --save-logits")
+    gguf = F.write_gguf(tmp_path / "m.gguf", F.geometry())
+    assert _pack_cli("convert", gguf, "-o", f / "pack") == 1
+    refused(capsys, f"-o {f / 'pack'}: {f} is a file, not a directory")

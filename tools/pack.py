@@ -302,6 +302,11 @@ def recover_leftovers(out: Path) -> list[str]:
 
 def check_destination(out: Path, force: bool) -> None:
     """Refuse to replace an existing pack without force, and anything that is not a pack even with it."""
+    up = out.parent
+    while not up.exists() and up != up.parent:
+        up = up.parent
+    if not up.is_dir():  # was a bare "[Errno 17] File exists" from mkdir
+        raise PackError(f"-o {out}: {up} is a file, not a directory; choose another -o")
     if not out.exists() and not out.is_symlink():
         return
     if not force:

@@ -62,10 +62,9 @@ class ProfileInputError(ValueError):
 
 def read_documents(path: str | os.PathLike) -> list[str]:
     """The documents of a prompts file: its paragraphs (blank-line separated), in file order."""
-    try:
-        text = Path(path).read_text(encoding="utf-8")
-    except UnicodeDecodeError as e:
-        raise ProfileInputError(f"{path}: not UTF-8 text (byte {e.start}: {e.reason})") from None
+    from strata.engine.arguments import read_text
+
+    text = read_text("--prompts", Path(path))
     docs, lines = [], []
     for line in text.splitlines():
         if line.strip():
