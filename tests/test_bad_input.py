@@ -645,3 +645,19 @@ def test_other_unreadable_inputs_name_their_flag(pack_dir, tmp_path, capsys, no_
     gguf = F.write_gguf(tmp_path / "m.gguf", F.geometry())
     assert _pack_cli("convert", gguf, "-o", f / "pack") == 1
     refused(capsys, f"-o {f / 'pack'}: {f} is a file, not a directory")
+
+
+@bad("file")
+def test_every_command_says_what_a_pack_is(pack_dir, tmp_path, capsys):
+    from strata.tools.profile_cli import main as profile_main
+
+    gguf = pack_dir.parent / "model.gguf"
+    message = f"{gguf}: a GGUF file, not a pack directory; a pack is the directory strata-pack convert writes"
+    assert _pack_cli("verify", gguf) == 1
+    refused(capsys, message)
+    docs = tmp_path / "docs.txt"
+    docs.write_text("one\n\ntwo\n", encoding="utf-8")
+    assert profile_main([str(gguf), "--prompts", str(docs), "-o", str(tmp_path / "p.bin")]) == 1
+    refused(capsys, message)
+    assert budget_main([str(gguf)]) == 1
+    refused(capsys, message)

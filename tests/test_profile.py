@@ -302,7 +302,7 @@ def _files(d):
 
 
 @pytest.mark.parametrize("case, message", [
-    ("missing pack", "no such pack directory"),
+    ("missing pack", "nope: no such directory; a pack is the directory strata-pack convert writes"),
     ("not a pack", "no manifest.txt, so not a pack"),
     ("empty prompts", "no text (expected documents: paragraphs separated by blank lines)"),
     ("missing prompts", "No such file"),

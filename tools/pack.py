@@ -475,10 +475,9 @@ class Pack:
 
 
 def read_pack(pack_dir: str | os.PathLike) -> Pack:
-    d = Path(pack_dir)
-    if not (d / MANIFEST).is_file():
-        raise PackError(f"{d}: no {MANIFEST}, so not a pack (a conversion that did not finish leaves none: "
-                        "run strata-pack convert again)")
+    from strata.engine.pack import check_pack_dir
+
+    d = check_pack_dir(pack_dir)  # a missing path, a file, a GGUF: says what it is and what a pack is
     manifest = read_manifest(d / MANIFEST)
     g = read_geometry(d / GEOMETRY)
     pool = d / POOL

@@ -60,15 +60,14 @@ def profile(
 ) -> None:
     """Count expert routing over calibration text; write the profile and print its expected hit rate."""
     from strata.engine.cli import check_context, engine_options, gpu_options
-    from strata.engine.pack import read_pack_geometry
+    from strata.engine.pack import check_pack_dir, read_pack_geometry
     from strata.tools import profile as P
 
     try:
         option = engine_options(kv, prefill)
         gpu_options(device, expert_cache, vram_budget_mib, vram_reserve_mib)
         tier = dict(device=device, expert_cache=expert_cache, vram_budget_mib=vram_budget_mib, vram_reserve_mib=vram_reserve_mib)
-        if not pack.is_dir():
-            raise P.ProfileInputError(f"{pack}: no such pack directory")
+        check_pack_dir(pack)  # says what it found and what a pack is
         docs = P.read_documents(prompts)
         P.check_options(len(docs), held_out, max_tokens, ctx)
         check_context(WHO, read_pack_geometry(pack), kv, ctx, "--ctx")
