@@ -266,13 +266,12 @@ def naming_non_finite(pack):
 def _run(pack, prompt, prompt_file, prompt_ids, n, temp, top_k, top_p, min_p, repeat_penalty, seed, chat,
          max_context, kv, prefill, pool_workers, device, expert_cache, expert_profile, vram_budget_mib, vram_reserve_mib,
          native, ple_gguf, dump_logits, stats) -> None:
+    from strata.engine.arguments import check_free_space, writable_file
     from strata.engine.generate import generate as run_generation
     from strata.engine.kernels import cpu
+    from strata.engine.pack import read_pack_geometry
     from strata.engine.sampling import Sampler
     from strata.engine.tokenizer import Tokenizer
-
-    from strata.engine.arguments import check_free_space, writable_file
-    from strata.engine.pack import read_pack_geometry
 
     # every flag, the prompt and the sizes are checked before the load (seconds to minutes)
     params = sampler_options(temp, top_k, top_p, min_p, repeat_penalty, seed)
