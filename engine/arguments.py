@@ -33,12 +33,16 @@ def finite(flag: str, value: float | None, *, lo: float | None = None, hi: float
 
 def _range(lo, hi, lo_open) -> str:
     if lo is not None and hi is not None:
-        return f"a number in {'(' if lo_open else '['}{lo:g}, {hi:g}]"
+        return f"a number in {'(' if lo_open else '['}{_num(lo)}, {_num(hi)}]"
     if lo is not None:
-        return f"a finite number {'>' if lo_open else '>='} {lo:g}"
+        return f"a finite number {'>' if lo_open else '>='} {_num(lo)}"
     if hi is not None:
-        return f"a finite number <= {hi:g}"
+        return f"a finite number <= {_num(hi)}"
     return "a finite number"
+
+
+def _num(x: float) -> str:
+    return str(int(x)) if float(x).is_integer() else f"{x:g}"
 
 
 def is_count(text: str) -> bool:
