@@ -49,6 +49,7 @@ from strata.index_format.geometry import ModelGeometry, tensor_specs
 from strata.index_format.native_experts import NativeExperts
 from strata.index_format.pack_index import PackIndex, TensorEntry
 
+from .arguments import is_count
 from .expert_plan import MiB, auto_line, auto_slots, prefill_mib
 from .kernels.engine_form import PLANE_ALIGN, align, placed_bytes
 
@@ -236,7 +237,7 @@ def parse_prefill(text: str) -> int | None:
         return None
     if text == "off":
         return 0
-    if not text.isdigit():
+    if not is_count(text):  # ASCII digits: '²'.isdigit() is True and int('²') fails
         raise BudgetError(f"--prefill {text!r}: expected auto, off or a chunk size in tokens")
     return int(text)
 
@@ -393,6 +394,11 @@ def _session_items(g: ModelGeometry, o: BudgetOptions) -> list[Item]:
         items.append(Item("session.ple_state", "PLE conv state (f32)", n * ple_state_bytes(g), WEIGHTS, HOST, count=n))
     items.append(Item("session.stream", "residual stream (f32)", stream_elems(g) * F32, WEIGHTS, HOST))
     return items
+
+
+def session_host_bytes(g: ModelGeometry, max_context: int, kv: str) -> int:
+    """All of a session's host state for `max_context` tokens (the KV cache dominates)."""
+    return sum(i.bytes for i in _session_items(g, BudgetOptions(max_context=max_context, kv=kv)))
 
 
 # --- the reserve and the slots -------------------------------------------------------------------

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Optional
@@ -77,9 +79,9 @@ def resolve_pack(positional: Path | None, option: Path | None) -> Path:
     pack = Path(positional if positional is not None else option)
     if pack.suffix.lower() == ".gguf" or pack.is_file():
         name = pack.name.split("-00001-of-")[0].removesuffix(".gguf") or "model"
-        raise ValueError(f"-m {pack}: a GGUF file, not a pack directory. Pack it once (dense weights copied, "
-                         f"experts referenced in place): strata-pack convert {pack} -o packs/{name}, then "
-                         f"run with -m packs/{name}")
+        raise ValueError(f"-m {pack}: a GGUF file, not a pack directory; a pack is the directory strata-pack convert "
+                         f"writes. Pack it once (dense weights copied, experts referenced in place): strata-pack "
+                         f"convert {pack} -o packs/{name}, then run with -m packs/{name}")
     return pack
 
 
@@ -169,7 +171,25 @@ def generate(
         typer.echo("\nstrata generate: interrupted", err=True)
         raise typer.Exit(130) from None
     except _INPUT_ERRORS as e:
-        raise _fail(str(e)) from None
+        from strata.engine.arguments import no_space
+
+        raise _fail(no_space(e, [dump_logits]) or str(e)) from None
+
+
+def sampler_options(temp: float, top_k: int, top_p: float, min_p: float, repeat_penalty: float, seed: int | None):
+    """The sampler's flags checked by name (finite ranges) -> SamplerParams, before anything loads."""
+    from strata.engine.arguments import finite
+    from strata.engine.sampling import SamplerParams
+
+    finite("--temp", temp, lo=0, note="0 is greedy")
+    finite("--top-p", top_p, lo=0, hi=1, lo_open=True, note="1 is off")
+    finite("--min-p", min_p, lo=0, hi=1, note="0 is off")
+    finite("--repeat-penalty", repeat_penalty, lo=0, lo_open=True, note="1 is off")
+    if top_k < 0:
+        raise ValueError(f"--top-k {top_k}: expected >= 0 (0 is off)")
+    if seed is not None and seed < 0:
+        raise ValueError(f"--seed {seed}: expected >= 0")
+    return SamplerParams(temperature=temp, top_k=top_k, top_p=top_p, min_p=min_p, repeat_penalty=repeat_penalty, seed=seed)
 
 
 def engine_options(kv: str, prefill: str) -> int | None:
@@ -185,15 +205,40 @@ def gpu_options(device: str, expert_cache: str, vram_budget_mib: int | None, vra
     """Checks the GPU tier's flags before anything loads; --expert-cache -> None (auto) or N."""
     if device not in DEVICES:
         raise ValueError(f"--device {device!r}: expected one of {', '.join(DEVICES)}")
+    if device == "gpu":
+        from strata.engine.kernels import gpu
+
+        ok, why = gpu.available()
+        if not ok:  # said before the load (10-36 s on a real model), not after it
+            raise ValueError(f"--device gpu: {why}; run with --device cpu (or auto)")
     if vram_budget_mib is not None and vram_budget_mib < 1:
         raise ValueError(f"--vram-budget-mib {vram_budget_mib}: expected a card size in MiB, >= 1")
     if vram_reserve_mib < 0:
         raise ValueError(f"--vram-reserve-mib {vram_reserve_mib}: expected >= 0")
     if expert_cache == "auto":
         return None
-    if not expert_cache.isdigit():
-        raise ValueError(f"--expert-cache {expert_cache!r}: expected auto or a number of slots")
+    from strata.engine.arguments import is_count
+
+    if not is_count(expert_cache):
+        raise ValueError(f"--expert-cache {expert_cache!r}: expected auto or a number of slots (ASCII digits)")
     return int(expert_cache)
+
+
+def check_context(who: str, g, kv: str, ctx: int, flag: str, extra_bytes: int = 0, extra_what: str = "",
+                  shown: str | None = None) -> None:
+    """A context size before the load: beyond the model's trained context, a warning; a session (and
+    `extra_bytes`) larger than the host memory available now, refused with both numbers (a huge
+    --max-context once loaded the model and then died in a MemoryError traceback)."""
+    from strata.engine.arguments import fits_memory
+    from strata.engine.budget import session_host_bytes
+
+    if ctx < 1:
+        raise ValueError(f"{flag} {ctx}: expected at least 1")
+    if g.n_ctx_train and ctx > g.n_ctx_train:
+        typer.echo(f"{who}: warning: {flag} {ctx} is beyond the model's trained context ({g.n_ctx_train} tokens); "
+                   "past it the model runs on positions it never saw", err=True)
+    need = session_host_bytes(g, ctx, kv) + extra_bytes
+    fits_memory(flag, shown or f"{flag} {ctx}", need, available_host_bytes(), f"the session's KV cache and state{extra_what}")
 
 
 def start_tier(model, device: str, *, max_context: int, kv: str, chunk: int, expert_cache: str = "auto",
@@ -254,41 +299,70 @@ def available_host_bytes() -> int | None:
 def load_model(pack, native, ple_gguf, pool_workers, who: str, prefill: int | None):
     """Open the pack (warnings to stderr), build the model and compile its kernels, the prompt path's
     too unless `prefill` (engine_options' parse of --prefill) is off; (pack, model, seconds)."""
+    from strata.engine import bus_guard
     from strata.engine.kernels import cpu
     from strata.engine.model import Model
     from strata.engine.ops import reuse_freed_memory, single_blas_thread
     from strata.engine.pack import Pack
     from strata.engine.warm import helper_argv, warm_up
 
-    cpu.set_threads(pool_workers)
+    try:
+        cpu.set_threads(pool_workers)
+    except ValueError as e:
+        raise ValueError(f"--threads {pool_workers}: {e}") from None
     if pool_workers is None:
         cpu.governor().settle()  # the cores other processes leave free (kernels/threads.py)
     single_blas_thread()
     reuse_freed_memory()
     t0 = time.perf_counter()
     p = Pack.open(pack, native=native, ple_gguf=ple_gguf)
+    bus_guard.install(p.mapped, who)  # a mapped file truncated under the run: a message, not a silent SIGBUS
     for w in p.warnings:
         typer.echo(f"{who}: warning: {w}", err=True)
     model = Model(p)
-    warm_up(model, prefill != 0, helper_argv(pack, native, ple_gguf), lambda line: typer.echo(f"{who}: {line}", err=True))
+    with naming_non_finite(p):
+        warm_up(model, prefill != 0, helper_argv(pack, native, ple_gguf), lambda line: typer.echo(f"{who}: {line}", err=True))
     return p, model, time.perf_counter() - t0
+
+
+@contextlib.contextmanager
+def naming_non_finite(pack):
+    """A NaN/inf met in a run names the weight it came from: tensor, layer and expert (a scan of the
+    pack, on this failure path only)."""
+    from strata.engine.kernels.actq import NonFiniteActivation
+    from strata.engine.weight_scan import explain
+
+    try:
+        yield
+    except NonFiniteActivation as e:
+        raise ValueError(f"{e}; {explain(pack)}") from None
 
 
 def _run(pack, prompt, prompt_file, prompt_ids, n, ignore_eos, temp, top_k, top_p, min_p, repeat_penalty, seed, chat,
          system, think, max_context, kv, prefill, pool_workers, device, expert_cache, expert_profile, vram_budget_mib,
          vram_reserve_mib, native, ple_gguf, dump_logits, stats) -> None:
+    from strata.engine.arguments import check_free_space, writable_file
     from strata.engine.generate import generate as run_generation
     from strata.engine.kernels import cpu
-    from strata.engine.sampling import Sampler, SamplerParams
+    from strata.engine.pack import read_pack_geometry
+    from strata.engine.sampling import Sampler
     from strata.engine.tokenizer import Tokenizer
 
-    params = SamplerParams(temperature=temp, top_k=top_k, top_p=top_p, min_p=min_p,
-                           repeat_penalty=repeat_penalty, seed=seed)  # bad values refused before loading
+    # every flag, the prompt and the sizes are checked before the load (seconds to minutes)
+    params = sampler_options(temp, top_k, top_p, min_p, repeat_penalty, seed)
     option = engine_options(kv, prefill)
-    p, model, load_s = load_model(pack, native, ple_gguf, pool_workers, "strata generate", option)
-    tok = Tokenizer.load(p.tokenizer_path)
-    ids = _prompt_ids(tok, prompt, prompt_file, prompt_ids, chat, p.geometry.n_vocab, system, think)
+    g = read_pack_geometry(pack)
+    tok = Tokenizer.load(Path(pack) / "tokenizer.txt")
+    ids = _prompt_ids(tok, prompt, prompt_file, prompt_ids, chat, g.n_vocab, system, think)
     ctx, n_new = context_and_count(len(ids), n, max_context)
+    flag = "--ctx-size" if max_context is not None or n == -1 else "-n"
+    shown = f"--ctx-size {ctx}" if flag == "--ctx-size" else f"-n {n} (+ {len(ids)} prompt tokens = {ctx})"
+    dump = (len(ids) + n_new) * g.n_vocab * 4 if dump_logits else 0
+    check_context("strata generate", g, kv, ctx, flag, dump, " and --dump-logits' buffer" if dump_logits else "", shown)
+    if dump_logits:
+        writable_file("--dump-logits", dump_logits)
+        check_free_space("--dump-logits", dump_logits, dump + 128)  # + the .npy header
+    p, model, load_s = load_model(pack, native, ple_gguf, pool_workers, "strata generate", option)
     chunk = prefill_chunk(option, p.geometry, ctx, device)
     tier = start_tier(model, device, max_context=ctx, kv=kv, chunk=chunk, expert_cache=expert_cache,
                       expert_profile=expert_profile, vram_budget_mib=vram_budget_mib, vram_reserve_mib=vram_reserve_mib,
@@ -300,13 +374,15 @@ def _run(pack, prompt, prompt_file, prompt_ids, n, ignore_eos, temp, top_k, top_
     logits = _LogitsRecorder(len(ids) + n_new, p.geometry.n_vocab) if dump_logits else None
 
     def emit(token: int) -> None:
+        p.check_unchanged()
         if token in tok.stop_ids:
             return  # a stop token ends the answer; its text (<|im_end|>) is not part of it
         sys.stdout.write(stream.push(token))
         sys.stdout.flush()
 
-    result = run_generation(model, session, ids, sampler, n_new, stop_ids=tok.stop_ids, on_token=emit,
-                            on_logits=logits.record if logits else None, prefill=chunk)
+    with naming_non_finite(p):
+        result = run_generation(model, session, ids, sampler, n_new, stop_ids=tok.stop_ids, on_token=emit,
+                                on_logits=logits.record if logits else None, prefill=chunk)
     sys.stdout.write(stream.flush() + "\n")
     sys.stdout.flush()
     if logits:
@@ -336,11 +412,13 @@ def context_and_count(n_prompt: int, n: int, max_context: int | None) -> tuple[i
 
 
 def _prompt_ids(tok, prompt, prompt_file, prompt_ids, chat, n_vocab, system=None, think=None) -> list[int]:
+    from strata.engine.arguments import read_text
+
     if prompt_ids is not None:
         if chat:
             raise ValueError("--chat needs prompt text (--prompt or --prompt-file), not --prompt-ids")
         return parse_ids(prompt_ids, n_vocab)
-    text = prompt if prompt is not None else Path(prompt_file).read_text(encoding="utf-8")
+    text = prompt if prompt is not None else read_text("--prompt-file", prompt_file)
     if chat:
         messages = ([{"role": "system", "content": system}] if system is not None else []) + [{"role": "user", "content": text}]
         extra = {} if think is None else {"enable_thinking": think}
@@ -352,10 +430,12 @@ def _prompt_ids(tok, prompt, prompt_file, prompt_ids, chat, n_vocab, system=None
 
 
 def parse_ids(text: str, n_vocab: int) -> list[int]:
-    """'1 2 3' -> [1, 2, 3]; each an id of the vocabulary."""
+    """'1 2 3' -> [1, 2, 3]; each an id of the vocabulary (ASCII digits: '٣' is str.isdigit() and int('٣') == 3)."""
+    from strata.engine.arguments import is_count
+
     ids = []
     for i, word in enumerate(text.split()):
-        if not word.isdigit() or int(word) >= n_vocab:
+        if not is_count(word) or int(word) >= n_vocab:
             raise ValueError(f"--prompt-ids: item {i + 1} is {word!r}, expected a token id in 0..{n_vocab - 1}")
         ids.append(int(word))
     if not ids:
@@ -485,7 +565,9 @@ def perplexity(
         typer.echo(f"\n{who}: interrupted", err=True)
         raise typer.Exit(130) from None
     except _INPUT_ERRORS as e:
-        raise _fail(str(e), 1, who) from None
+        from strata.engine.arguments import no_space
+
+        raise _fail(no_space(e, [save_logits]) or str(e), 1, who) from None
 
 
 def _perplexity(pack, file, ctx, max_windows, save_logits, kl_base, kv, option, pool_workers, native, ple_gguf, who, tier):
@@ -496,10 +578,25 @@ def _perplexity(pack, file, ctx, max_windows, save_logits, kl_base, kv, option, 
     from strata.index_format.kl_base import KLBaseWriter, read_kl_base
     from strata.index_format.manifest import pack_fingerprint
 
-    base = read_kl_base(kl_base) if kl_base is not None else None  # a bad base file fails before the load
-    p, model, _ = load_model(pack, native, ple_gguf, pool_workers, who, option)
-    ids = Tokenizer.load(p.tokenizer_path).encode(Path(file).read_text(encoding="utf-8"))
+    from strata.engine.arguments import check_free_space, read_text, writable_file
+    from strata.engine.pack import read_pack_geometry
+    from strata.index_format.kl_base import HEADER_BYTES, TOKEN, record_dtype
+
+    # the text, the flags and the output are checked before the load (seconds to minutes)
+    if kl_base is not None and not Path(kl_base).is_file():
+        raise ValueError(f"--kl-base {kl_base}: {'a directory' if Path(kl_base).is_dir() else 'no such file'}; "
+                         "expected a file saved by strata perplexity --save-logits")
+    base = read_kl_base(kl_base) if kl_base is not None else None
+    g = read_pack_geometry(pack)
+    ids = Tokenizer.load(Path(pack) / "tokenizer.txt").encode(read_text("--file", file))
     wins = P.windows(ids, ctx)[:max_windows]
+    check_context(who, g, kv, ctx, "--ctx-size")
+    if save_logits is not None:
+        writable_file("--save-logits", save_logits)
+        scored = len(wins) * (ctx - 1 - P.first_scored(ctx))
+        check_free_space("--save-logits", save_logits,
+                         HEADER_BYTES + wins.size * TOKEN.itemsize + scored * record_dtype(g.n_vocab).itemsize + 4)
+    p, model, _ = load_model(pack, native, ple_gguf, pool_workers, who, option)
     chunk = prefill_chunk(option, p.geometry, ctx, tier["device"])
     start_tier(model, max_context=ctx, kv=kv, chunk=chunk, who=who, **tier)  # the same logits, faster
     first = P.first_scored(ctx)
@@ -511,10 +608,10 @@ def _perplexity(pack, file, ctx, max_windows, save_logits, kl_base, kv, option, 
         writer = KLBaseWriter(save_logits, tokens=wins, first=first, n_vocab=p.geometry.n_vocab,
                               pack_fingerprint=pack_fingerprint(p.dir))
     # the writer commits on success and removes its temp file on any exception (StreamingFile)
-    with writer if writer is not None else contextlib.nullcontext():
+    with writer if writer is not None else contextlib.nullcontext(), naming_non_finite(p):
         with tqdm(total=total, unit="tok", desc="perplexity", file=sys.stderr, disable=None) as bar:
             scores = P.score(model, wins, kv=kv, chunk=chunk, base=base, save=writer.append if writer else None,
-                             progress=bar.update)
+                             progress=lambda k: (p.check_unchanged(), bar.update(k)))
     if writer is not None:
         typer.echo(f"{who}: saved the distributions of {total} positions to {save_logits}", err=True)
     typer.echo(format_perplexity(P.summarize(scores), kl_base))
@@ -550,13 +647,47 @@ def version() -> None:
     typer.echo(__version__)
 
 
-def run_app(typer_app: typer.Typer, argv: list[str] | None, prog_name: str) -> int:
-    """Run a typer app and return its exit status (click exits; every CLI here returns a code)."""
+class Terminated(KeyboardInterrupt):
+    """SIGTERM or SIGHUP, raised where the program is: every path that cleans up after Ctrl-C (temp
+    files, a half-built pack) cleans up after these too. They once killed the process on the spot
+    and left `*.tmp-PID` files behind."""
+
+
+_TERMINATING = (signal.SIGTERM, signal.SIGHUP) if hasattr(signal, "SIGHUP") else (signal.SIGTERM,)
+
+
+@contextlib.contextmanager
+def _termination_as_interrupt():
+    received = []
+
+    def handler(signum, frame):
+        received.append(signum)
+        raise Terminated(signal.Signals(signum).name)
+
+    if threading.current_thread() is not threading.main_thread():
+        yield received  # only the main thread may set handlers (a test runner's worker): left as they are
+        return
+    before = {s: signal.signal(s, handler) for s in _TERMINATING}
     try:
-        typer_app(args=argv, prog_name=prog_name)
-    except SystemExit as e:
-        return e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-    return 0
+        yield received
+    finally:
+        for s, h in before.items():
+            signal.signal(s, h)
+
+
+def run_app(typer_app: typer.Typer, argv: list[str] | None, prog_name: str) -> int:
+    """Run a typer app and return its exit status (click exits; every CLI here returns a code).
+    SIGTERM/SIGHUP unwind like Ctrl-C (cleanup runs) and exit with 128 + the signal's number."""
+    with _termination_as_interrupt() as received:
+        try:
+            typer_app(args=argv, prog_name=prog_name)
+        except SystemExit as e:
+            code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        except KeyboardInterrupt:  # a command without its own handler
+            code = 130
+        else:
+            code = 0
+    return 128 + received[0] if received else code
 
 
 def main(argv: list[str] | None = None) -> int:

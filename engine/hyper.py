@@ -24,7 +24,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from .kernels.actq import QA, ActQ, quantize_row
+from .kernels.actq import QA, ActQ, NonFiniteActivation, quantize_row
 from .kernels.jit import cached_njit
 from .weights import Input, Weight
 
@@ -104,7 +104,7 @@ def grouped_rmsnorm_q(x: np.ndarray, gain: np.ndarray, group: int, eps: float) -
     bad = _scale_quantize(x, r, gain, out, act.q, act.d, act.s16, QA)
     if bad >= 0:
         at = np.unravel_index(bad, x.shape)
-        raise ValueError(f"grouped_rmsnorm_q: non-finite activation {out[at]} at index {tuple(int(i) for i in at)}")
+        raise NonFiniteActivation(f"grouped_rmsnorm_q: non-finite activation {out[at]} at index {tuple(int(i) for i in at)}")
     return out, act
 
 

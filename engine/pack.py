@@ -72,6 +72,10 @@ class Pack:
         self.ple = ple
         self.tokenizer_path = d / TOKENIZER
         self.source_paths = {name: path for name, (path, _) in files.items()}
+        # every file mapped, and its (size, mtime, inode) at open: bus_guard names one that shrinks,
+        # check_unchanged one rewritten in place
+        self.mapped = [(d / POOL, pool)] + [(path, data) for path, data in files.values()]
+        self._stamps = {path: _stamp(path) for path, _ in self.mapped}
         self.weights = {t.name: _engine_weight(t, pool) for t in index.tensors}
         g = geometry
         self._layers = {e.layer: _expert_layer(e, experts.gguf, files, g) for e in experts.layers}
@@ -86,10 +90,7 @@ class Pack:
 
         native: the main GGUF where it is now, when it moved since packing (other shards are looked
         for beside it); ple_gguf: the PLE shard where it is now."""
-        d = Path(pack_dir)
-        if not (d / MANIFEST).is_file():
-            raise PackError(f"{d}: no {MANIFEST}, so not a pack (a conversion that did not finish leaves none: "
-                            "run strata-pack convert again)")
+        d = check_pack_dir(pack_dir)
         manifest = read_manifest(d / MANIFEST)
         _check_pack_files(d, manifest)
         g = read_geometry(d / GEOMETRY)
@@ -109,6 +110,16 @@ class Pack:
         paths = _locate_sources(manifest, recorded, needed, experts.gguf, native, ple_gguf)
         files = {name: (path, _map(path)) for name, path in paths.items()}
         return cls(d, manifest, g, warnings, index, experts, ple, pool, files)
+
+    def check_unchanged(self) -> None:
+        """Refuse to go on when a mapped file changed since open (cheap: one stat per file, so the
+        commands call it between tokens): a rewrite in place at the same size does not fault, the
+        engine would just decode the new bytes through the old offsets."""
+        for path, was in self._stamps.items():
+            now = _stamp(path)
+            if now != was:
+                raise PackError(f"{path}: changed while the engine was running (size, mtime, inode were {was}, "
+                                f"now {now}); a file the pack maps must not change until the run ends")
 
     # --- what the model reads --------------------------------------------------------------------
 
@@ -165,6 +176,30 @@ class Pack:
     def widened_bytes(self) -> int:
         """What widening every fp16 block scale to f32 adds (the GPU tier's engine form)."""
         return sum(widened_bytes(t.engine_type, t.shape) for t in self.index.tensors)
+
+
+def check_pack_dir(pack_dir: str | os.PathLike) -> Path:
+    """`pack_dir` if it looks like a pack (a directory with a manifest), else a message saying what it
+    is and what a pack is (a missing path and a GGUF were once both called "a conversion that did
+    not finish")."""
+    d = Path(pack_dir)
+    what = ("a pack is the directory strata-pack convert writes (manifest.txt, pool.bin, index.txt, ...); "
+            "make one with: strata-pack convert MODEL.gguf -o PACK")
+    if not d.exists():
+        raise PackError(f"{d}: no such directory; {what}")
+    if not d.is_dir():
+        kind = "a GGUF file" if d.suffix.lower() == ".gguf" else "a file"
+        raise PackError(f"{d}: {kind}, not a pack directory; {what}")
+    if not (d / MANIFEST).is_file():
+        raise PackError(f"{d}: no {MANIFEST}, so not a pack (a conversion that did not finish leaves none: "
+                        "run strata-pack convert again); " + what)
+    return d
+
+
+def read_pack_geometry(pack_dir: str | os.PathLike) -> ModelGeometry:
+    """The geometry of a pack, nothing mapped or checked beyond it: what the commands check their
+    flags against (vocabulary, context, memory) before the load."""
+    return read_geometry(check_pack_dir(pack_dir) / GEOMETRY)
 
 
 # --- helpers ---------------------------------------------------------------------------------------
@@ -248,6 +283,14 @@ def _check_source(s: SourceFile, candidates: list[Path]) -> Path:
         raise PackError(f"{what} at {path} is not the file this pack was made from: fingerprint recorded "
                         f"{s.fingerprint}, found {found}")
     return path
+
+
+def _stamp(path: Path) -> tuple[int, int, int] | None:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_size, st.st_mtime_ns, st.st_ino
 
 
 def _map(path: Path) -> np.ndarray:

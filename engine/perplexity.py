@@ -25,6 +25,7 @@ import numpy as np
 
 from strata.index_format.kl_base import KLBase, dequantize_logprobs
 
+from .kernels.actq import NonFiniteActivation
 from .model import Model
 
 
@@ -35,11 +36,11 @@ class PerplexityError(ValueError):
 def windows(tokens, n_ctx: int) -> np.ndarray:
     """int64 [W, N]: the whole windows of n_ctx tokens (the rest is left out)."""
     if n_ctx < 2:
-        raise PerplexityError(f"--ctx {n_ctx}: a window needs at least 2 tokens (one to predict the next)")
+        raise PerplexityError(f"--ctx-size {n_ctx}: a window needs at least 2 tokens (one to predict the next)")
     tokens = np.asarray(tokens, np.int64)
     n = tokens.size // n_ctx
     if n == 0:
-        raise PerplexityError(f"the text has {tokens.size} tokens, fewer than one window of --ctx {n_ctx}: "
+        raise PerplexityError(f"the text has {tokens.size} tokens, fewer than one window of --ctx-size {n_ctx}: "
                               "give a longer file or a smaller --ctx")
     return tokens[: n * n_ctx].reshape(n, n_ctx)
 
@@ -103,6 +104,7 @@ def score(model: Model, wins: np.ndarray, *, kv: str, chunk: int, base: KLBase |
         done = 0
         for logits in window_logits(model, toks, kv=kv, chunk=chunk):
             n = len(logits)
+            _check_finite(logits, w, first + done)
             nxt = toks[first + done + 1 : first + done + 1 + n]
             lp = log_softmax(logits)
             nll = -lp[np.arange(n), nxt]
@@ -122,12 +124,21 @@ def score(model: Model, wins: np.ndarray, *, kv: str, chunk: int, base: KLBase |
     return out
 
 
+def _check_finite(logits: np.ndarray, window: int, pos: int) -> None:
+    # A NaN or inf logit makes every figure after it nan (PPL, KL, top-1), which once printed as a
+    # result and exited 0: the model is broken, and that is the answer, not a number.
+    if not np.isfinite(logits).all():
+        r, v = np.argwhere(~np.isfinite(logits))[0]
+        raise NonFiniteActivation(f"window {window}, position {pos + r}: the model's logit of token {v} is "
+                              f"{logits[r, v]} (expected finite logits; the pack's weights or the engine are broken)")
+
+
 def _check_base(base: KLBase, wins: np.ndarray, n_vocab: int) -> None:
     where = f"--kl-base {base.path}"
     if base.n_vocab != n_vocab:
         raise PerplexityError(f"{where}: saved from a model of {base.n_vocab} tokens, this one has {n_vocab}")
     if base.n_ctx != wins.shape[1]:
-        raise PerplexityError(f"{where}: saved with --ctx {base.n_ctx}, this run has --ctx {wins.shape[1]}: use the same")
+        raise PerplexityError(f"{where}: saved with --ctx-size {base.n_ctx}, this run has --ctx-size {wins.shape[1]}: use the same")
     if base.first != first_scored(base.n_ctx):
         raise PerplexityError(f"{where}: scores from position {base.first}, this run from {first_scored(base.n_ctx)}")
     if base.n_windows != len(wins) or not np.array_equal(base.tokens, wins):

@@ -35,6 +35,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .kernels.actq import NonFiniteActivation
+
 _TOP_P_FIRST_TRY = 512  # like llama.cpp's adaptive top-p: sort the head first, all only if it is too flat
 
 
@@ -58,7 +60,8 @@ class SamplerParams:
             if not (isinstance(value, int) and not isinstance(value, bool)) and not (name == "seed" and value is None):
                 raise ValueError(f"sampler setting {name}: found {value!r}, expected an integer")
         checks = [
-            ("temperature", self.temperature >= 0, ">= 0 (0 is greedy)"),
+            # finite: T = inf once turned every filtered logit into -inf / inf = NaN and drew token 0
+            ("temperature", 0 <= self.temperature < math.inf, "finite and >= 0 (0 is greedy)"),
             ("top_k", self.top_k >= 0, ">= 0 (0 is off)"),
             ("top_p", 0 < self.top_p <= 1, "in (0, 1] (1 is off)"),
             ("min_p", 0 <= self.min_p <= 1, "in [0, 1] (0 is off)"),
@@ -147,7 +150,7 @@ class Sampler:
         top = float(work.max())
         if not math.isfinite(top):
             # NaN propagates through max; a NaN or +inf logit is an upstream bug, never a token choice.
-            raise ValueError(f"sampler: logits contain {'NaN' if top != top else top} (max over the vocabulary); refusing to sample")
+            raise NonFiniteActivation(f"sampler: logits contain {'NaN' if top != top else top} (max over the vocabulary); refusing to sample")
         if p.greedy:
             return top
         if 0 < p.top_k < self.n_vocab:

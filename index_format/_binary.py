@@ -167,7 +167,10 @@ class StreamingFile:
         os.replace(self._tmp, self.path)
 
     def abort(self) -> None:
-        self._f.close()
+        try:
+            self._f.close()  # may fail again (the unflushed tail on a full disk): the temp goes anyway
+        except OSError:
+            pass
         if os.path.exists(self._tmp):
             os.unlink(self._tmp)
 
@@ -179,6 +182,10 @@ class StreamingFile:
 
     def __exit__(self, kind, value, tb) -> None:
         if kind is None:
-            self.close()
+            try:
+                self.close()
+            except BaseException:
+                self.abort()  # a commit that fails (a full disk at fsync) leaves no temp file either
+                raise
         else:
             self.abort()

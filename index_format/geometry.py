@@ -116,6 +116,7 @@ class ModelGeometry:
     ple_multipliers: tuple[int, ...] = ()  # uint64: exceed 2^53, never floats
     ple_head_offsets: tuple[int, ...] = ()
     ple_head_vocab_sizes: tuple[int, ...] = ()
+    n_ctx_train: int = 0  # the GGUF's context_length (0: not recorded): a longer --max-context is warned about
 
     def __post_init__(self) -> None:
         _validate(self)

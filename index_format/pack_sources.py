@@ -82,3 +82,56 @@ def _decode(line: Line, name: str, token: str) -> str:
     if why:
         raise line.error("path", text, why)
     return text
+
+
+# --- sources.sha256: the full hash of each source, recorded only when asked -----------------------------
+#
+# `sha256sum` format ("<64 hex>  <name>"), so `sha256sum -c sources.sha256` run beside the GGUFs checks
+# them too. Written by `strata-pack convert --hash-sources` (hashing a 40 GB GGUF reads all 40 GB,
+# minutes; the default convert reads only the sampled fingerprint) and read by `verify --full-sources`.
+
+SHA256 = "sources.sha256"
+_SHA_LINE = re.compile(r"([0-9a-f]{64})  (\S+)")
+
+
+def format_source_hashes(hashes: Mapping[str, str]) -> str:
+    """name -> 'sha256-<hex>' as sha256sum lines."""
+    return "".join(f"{h.removeprefix('sha256-')}  {name}\n" for name, h in hashes.items())
+
+
+def write_source_hashes(path: str | os.PathLike, hashes: Mapping[str, str]) -> None:
+    text = format_source_hashes(hashes)
+    _parse_hashes(path, text)
+    write_atomic(path, text)
+
+
+def read_source_hashes(path: str | os.PathLike) -> dict[str, str]:
+    """name -> 'sha256-<hex>'; every line checked."""
+    with open(path, "rb") as f:
+        data = f.read()
+    try:
+        text = data.decode("ascii")
+    except UnicodeDecodeError:
+        raise FormatError(path, None, None, "non-ASCII bytes", "sha256sum lines: <64 lowercase hex>  <file name>") from None
+    return _parse_hashes(path, text)
+
+
+def _parse_hashes(path, text: str) -> dict[str, str]:
+    out: dict[str, str] = {}
+    lines = text.split("\n")
+    if lines[-1] != "":
+        raise FormatError(path, len(lines), None, Phrase("no newline at the end"), "a final newline", "truncated file?")
+    for i, line in enumerate(lines[:-1], 1):
+        m = _SHA_LINE.fullmatch(line)
+        if m is None:
+            raise FormatError(path, i, None, line, "<64 lowercase hex>  <file name> (sha256sum's format)")
+        name = m.group(2)
+        why = file_name_problem(name)
+        if why:
+            raise FormatError(path, i, "name", name, why)
+        if name in out:
+            raise FormatError(path, i, "name", name, "a name not used on an earlier line")
+        out[name] = "sha256-" + m.group(1)
+    if not out:
+        raise FormatError(path, None, None, Phrase("no line"), "one line per source GGUF")
+    return out

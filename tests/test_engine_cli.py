@@ -84,7 +84,7 @@ def test_prompt_file(pack_dir, tmp_path, capsys):
     (["--prompt", "a", "--device", "tpu"], 2, "--device 'tpu'"),
     (["--prompt-ids", "1 999"], 1, "item 2 is '999', expected a token id in 0..319"),
     (["--prompt-ids", "1 2 3", "--max-context", "2"], 1, "--ctx-size 2 is shorter than the prompt (3 tokens)"),
-    (["--prompt", "a", "--top-p", "0"], 1, "top_p"),
+    (["--prompt", "a", "--top-p", "0"], 1, "--top-p 0.0"),
     (["--prompt", "a", "-n", "-2"], 2, "-n -2: expected -1 (until a stop token or the context is full) or a count >= 0"),
 ])
 def test_bad_flags_exit_nonzero_with_a_message(pack_dir, capsys, args, code, message):

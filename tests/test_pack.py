@@ -37,6 +37,10 @@ TOKENS = ["<|endoftext|>", "<|im_start|>", "a", "b", "Ġ", "Ġa", "ab", "é", "�
 MERGES = ["Ġ a", "a b", "Ġ é"]
 
 
+def tokens(g) -> list[str]:
+    return TOKENS + [f"[PAD{i}]" for i in range(len(TOKENS), g.n_vocab)]
+
+
 def geometry(arch: str = "qwen4exp", **over) -> ModelGeometry:
     v = dict(
         arch=arch, n_vocab=48, n_embd=64, n_layer=4, full_attention_interval=4, rms_eps=2.0**-20,
@@ -116,14 +120,30 @@ def _metadata(w: GGUFWriter, g: ModelGeometry, compress_ratios=None) -> None:
         arr("ple.head_vocab_sizes", g.ple_head_vocab_sizes)
     w.add("tokenizer.ggml.model", "gpt2", VT.STRING)
     w.add("tokenizer.ggml.pre", "qwen35", VT.STRING)
-    w.add("tokenizer.ggml.tokens", TOKENS, VT.ARRAY, VT.STRING)
-    w.add("tokenizer.ggml.token_type", [3, 3] + [1] * (len(TOKENS) - 2), VT.ARRAY, VT.INT32)
+    # padded to token_embd's rows, as llama.cpp's converter does (convert wants one token per row)
+    w.add("tokenizer.ggml.tokens", tokens(g), VT.ARRAY, VT.STRING)
+    w.add("tokenizer.ggml.token_type", [3, 3] + [1] * (len(TOKENS) - 2) + [5] * (g.n_vocab - len(TOKENS)), VT.ARRAY,
+          VT.INT32)
     w.add("tokenizer.ggml.merges", MERGES, VT.ARRAY, VT.STRING)
     w.add("tokenizer.ggml.eos_token_id", 0, VT.UINT32)
     w.add("tokenizer.ggml.padding_token_id", 0, VT.UINT32)
     w.add("tokenizer.ggml.bos_token_id", 1, VT.UINT32)
     w.add("tokenizer.ggml.add_bos_token", False, VT.BOOL)
     w.add("tokenizer.chat_template", "{% for m in messages %}{{ m.content }}{% endfor %}", VT.STRING)
+
+
+def finite(t, raw: np.ndarray) -> bytes:
+    """Random bytes with every float a kernel reads made finite (convert refuses a NaN/inf weight): the
+    top exponent bit of each F32 value, of each F16/BF16 value and of each fp16 block scale is cleared."""
+    if t.name == "F32":
+        raw.view(np.uint32)[:] &= ~np.uint32(1 << 30)
+    elif t.name in ("F16", "BF16"):
+        raw.view(np.uint16)[:] &= ~np.uint16(1 << 14)
+    else:
+        blocks = raw.reshape(-1, t.type_size)
+        for off, n in t.fp16_fields:
+            blocks[:, off + 1 : off + 2 * n : 2] &= np.uint8(0xBF)  # the high byte of each fp16: bit 14 is its 0x40
+    return raw.tobytes()
 
 
 def build(tmp: Path, arch: str = "qwen4exp", *, n_shards: int = 1, ple_separate: bool = True, seed: int = 0,
@@ -137,7 +157,7 @@ def build(tmp: Path, arch: str = "qwen4exp", *, n_shards: int = 1, ple_separate:
     for i, s in enumerate(specs):
         shape = (shape_over or {}).get(s.name, s.shape)
         t = T[(type_over or {}).get(s.name, type_of(s.name, shape, s.layer))]
-        data[s.name] = rng.integers(0, 256, size=t.nbytes(shape), dtype=np.uint8).tobytes()
+        data[s.name] = finite(t, rng.integers(0, 256, size=t.nbytes(shape), dtype=np.uint8))
         types[s.name] = t.id
         if s.category == PLE_TABLE and ple_separate:
             ple_specs.append((s.name, shape, t.id))
@@ -213,7 +233,7 @@ def test_convert_reads_back_with_the_strict_readers(tmp_path, arch):
         params = read_hparams(out / "geometry.txt")
         assert params["ple_multipliers"].kind == "u64" and params["ple_multipliers"].values == MULTIPLIERS
     tok = read_tokenizer(out / "tokenizer.txt")
-    assert tok.tokens == tuple(t.encode("utf-8") for t in TOKENS)
+    assert tok.tokens == tuple(t.encode("utf-8") for t in tokens(g))
     assert tok.merges[2] == ("Ġ".encode(), "é".encode())
     assert tok.special == {"bos": 1, "eos": 0, "pad": 0} and tok.add_bos is False
     assert tok.token_types[:3] == (3, 3, 1) and tok.chat_template.startswith("{% for m")

@@ -112,11 +112,11 @@ def test_a_base_from_other_tokens_or_ctx_is_refused(packs, tmp_path, capsys):
     assert ppl(f32, other, "--kl-base", str(base), "--windows", "2") == 1
     assert "saved from other tokens" in capsys.readouterr().err
     assert main(["perplexity", "--pack", str(f32), "--file", str(text), "--ctx", "32", "--kl-base", str(base)]) == 1
-    assert "saved with --ctx 48, this run has --ctx 32" in capsys.readouterr().err
+    assert "saved with --ctx-size 48, this run has --ctx-size 32" in capsys.readouterr().err
     short = tmp_path / "short.txt"
     short.write_text("too short", encoding="utf-8")
     assert ppl(f32, short) == 1
-    assert "fewer than one window of --ctx 48" in capsys.readouterr().err
+    assert "fewer than one window of --ctx-size 48" in capsys.readouterr().err
 
 
 # --- the file format ----------------------------------------------------------------------------------
@@ -175,3 +175,33 @@ def test_kl_base_round_trip_and_strict_reader(tmp_path):
         with K.KLBaseWriter(tmp_path / "c.bin", tokens=tokens, first=2, n_vocab=11, pack_fingerprint="pk1-" + "ab" * 32):
             pass
     assert sorted(p.name for p in tmp_path.iterdir()) == ["b.bin"]
+
+
+def _poison(pack, tensor: str, value=np.nan) -> None:
+    """Write `value` into the first element of an F32 tensor in pool.bin (size unchanged, so only
+    `strata-pack verify --full` would notice)."""
+    from strata.index_format.pack_index import read_index
+
+    t = next(t for t in read_index(pack / "index.txt").tensors if t.name == tensor)
+    with open(pack / "pool.bin", "r+b") as f:
+        f.seek(t.offset)
+        f.write(np.float32(value).tobytes())
+
+
+@pytest.mark.bad_input("non-finite")
+@pytest.mark.parametrize("with_base", [False, True])
+def test_non_finite_logits_are_refused_not_scored(packs, tmp_path, capsys, with_base):
+    good, _, text = packs
+    args = []
+    if with_base:
+        base = tmp_path / "base.bin"
+        assert ppl(good, text, "--save-logits", str(base)) == 0
+        args = ["--kl-base", str(base)]
+    bad = F.make_pack(tmp_path, "nan")
+    _poison(bad, "output_norm.weight")
+    capsys.readouterr()
+    assert ppl(bad, text, *args) == 1
+    out, err = capsys.readouterr()
+    assert "PPL" not in out and "nan" not in out
+    assert "window 0, position 24: the model's logit of token 0 is nan" in err
+    assert "the pack's weights hold non-finite values: output_norm.weight: element 0 is nan" in err

@@ -302,7 +302,7 @@ def _files(d):
 
 
 @pytest.mark.parametrize("case, message", [
-    ("missing pack", "no such pack directory"),
+    ("missing pack", "nope: no such directory; a pack is the directory strata-pack convert writes"),
     ("not a pack", "no manifest.txt, so not a pack"),
     ("empty prompts", "no text (expected documents: paragraphs separated by blank lines)"),
     ("missing prompts", "No such file"),
@@ -362,5 +362,5 @@ def test_failure_after_the_run_leaves_neither_file(packs, tmp_path, capsys, monk
     before = _files(tmp_path)
     code = main([str(packs["qwen35moe"]), "--prompts", str(tmp_path / "p.txt"), "-o", str(tmp_path / "p.bin"),
                  "--trace", str(tmp_path / "t.trace"), "--pool-workers", "1"])
-    assert code == 1 and "No space left on device" in capsys.readouterr().err
+    assert code == 1 and "no space left on the device while writing" in capsys.readouterr().err
     assert _files(tmp_path) == before

@@ -71,7 +71,12 @@ def budget(
     plt = _require_matplotlib() if plot is not None else None
     try:
         pack_dir = resolve_pack(pack_arg, pack)
+        from strata.engine.arguments import finite
+
+        # inf (or 1e308, inf once in bytes) reached int() as an OverflowError traceback; 2^30 GiB is 1 EiB
+        finite("--vram-budget-mib" if vram_budget_mib is not None else "--vram-gib", vram_budget_mib if vram_budget_mib is not None else vram_gib, lo=0, hi=2**40 if vram_budget_mib is not None else 2**30)
         opts = _options(prefill, max_context, kv, expert_cache, vram_reserve_mib)
+        _check_context(pack_dir, kv, max_context)
         free = None if vram_gib is None and free_mib is None else int(vram_gib * GiB) if vram_gib is not None else free_mib * MiB
         report = _report(pack_dir, opts, free, expert_profile)
     except _INPUT_ERRORS as e:
@@ -95,8 +100,19 @@ def _options(prefill: str, max_context: int, kv: str, expert_cache: str, reserve
     return BudgetOptions(max_context=max_context, kv=kv, vram_reserve_mib=reserve, prefill_chunk=chunk, expert_cache=slots)
 
 
+def _check_context(pack_dir: Path, kv: str, max_context: int) -> None:
+    """A plan whose session does not fit this host's memory is refused with both numbers (it once
+    printed a 931 TiB KV cache and exited 0); beyond the trained context, a warning."""
+    from strata.engine.cli import check_context
+    from strata.engine.pack import read_pack_geometry
+
+    check_context("strata-budget", read_pack_geometry(pack_dir), kv, max_context, "--ctx-size")
+
+
 def _count(flag: str, text: str) -> int:
-    if not text.isdigit():
+    from strata.engine.arguments import is_count
+
+    if not is_count(text):
         raise ValueError(f"{flag} {text!r}: expected auto or a non-negative integer")
     return int(text)
 

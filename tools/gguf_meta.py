@@ -105,6 +105,7 @@ def geometry_from_gguf(
         n_ff_shexp=int(main.get(k("expert_shared_feed_forward_length"), 0)),
         recurrent_layers=_trunk_recurrent_layers(main, k, n_mtp),
         n_mtp_layer=n_mtp,
+        n_ctx_train=_u(main, k("context_length")) if main.get(k("context_length")) is not None else 0,
     )
     warnings: list[str] = []
     value_len = main.get(k("attention.value_length"))

@@ -18,6 +18,7 @@ Library code: nothing here prints or reads argv; progress and warnings go throug
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import os
 import shutil
@@ -36,7 +37,7 @@ from strata.index_format.ggml_types import BY_ID
 from strata.index_format.manifest import Manifest, PackFile, SourceFile, fingerprint_file, full_sha256, read_manifest, write_manifest
 from strata.index_format.native_experts import NativeExperts, blob_bytes_for, read_native_experts, write_native_experts
 from strata.index_format.pack_index import PackIndex, read_index, write_index
-from strata.index_format.pack_sources import read_sources, write_sources
+from strata.index_format.pack_sources import SHA256, read_source_hashes, read_sources, write_source_hashes, write_sources
 from strata.index_format.ple_table import PleTable, read_ple_table, write_ple_table
 from strata.index_format.tokenizer_flat import FlatTokenizer, read_tokenizer, write_tokenizer
 from strata.tools.gguf_io import GGUFError, GGUFFile, TensorInfo, read_gguf, shard_names
@@ -75,6 +76,10 @@ def open_sources(ggufs: Sequence[str | os.PathLike], ple_gguf: str | os.PathLike
     """Read the headers of a model's GGUF shards (given any of them) and of its PLE shard."""
     if not ggufs:
         raise PackError("no GGUF given")
+    for p in map(Path, ggufs):
+        if p.is_dir():  # was reported as "no such file"
+            what = " (it is a pack: strata-pack verify checks one)" if (p / MANIFEST).is_file() else ""
+            raise PackError(f"{p}: a directory{what}; expected the model's GGUF file (any shard of a split one)")
     shards = _shard_set([Path(p) for p in ggufs])
     files = [("main" if i == 0 else "shard", read_gguf(p)) for i, p in enumerate(shards)]
     _check_split(files)
@@ -167,10 +172,12 @@ def plan_pack(sources: Sources, *, compress_ratio: int | None = None) -> PackPla
     dense = [(s.name, sources.tensors[s.name].type_id, s.shape) for s in specs if s.in_pool]
     index = PackIndex.build(main.path.name, dense)
     tokenizer = tokenizer_from_gguf(main)
-    if len(tokenizer.tokens) > g.n_vocab:
-        # An id past the embedding's rows would read beyond token_embd: refuse, do not clamp.
+    if len(tokenizer.tokens) != g.n_vocab:
+        # More tokens: an id past the embedding's rows would read beyond token_embd. Fewer: the model
+        # samples ids the tokenizer cannot decode (a run died later at "token id 509 outside the
+        # vocabulary"). llama.cpp's GGUFs pad the token list to the embedding's rows; refuse, never clamp.
         raise PackError(f"{main.path.name}: tokenizer.ggml.tokens has {len(tokenizer.tokens)} tokens, "
-                        f"token_embd.weight only {g.n_vocab} rows")
+                        f"token_embd.weight has {g.n_vocab} rows; expected one token per row")
     return PackPlan(sources, g, reading.warnings, index, _experts(sources, g, specs),
                     _ple_table(sources, specs), tokenizer)
 
@@ -261,8 +268,45 @@ def temp_dir_for(out: Path) -> Path:
     return out.parent / f".{out.name}.tmp-{os.getpid()}"
 
 
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # someone else's live process
+    return True
+
+
+def recover_leftovers(out: Path) -> list[str]:
+    """Undo what a killed run left beside `out`, and say what was done. `--force` moves the old pack to
+    `.NAME.old-PID` before renaming the new one into place: a kill between the two renames left the
+    old pack there, out of sight, and nothing recovered or removed it. Now the next run restores it
+    when `out` is missing (the state before the killed run), or removes it when `out` is whole; a
+    `.NAME.tmp-PID` of a dead process (a partial pack) is removed. Live processes' files are left alone."""
+    notes = []
+    for p in sorted(out.parent.glob(f".{out.name}.old-*")) + sorted(out.parent.glob(f".{out.name}.tmp-*")):
+        pid = p.name.rsplit("-", 1)[1]
+        if not pid.isdigit() or int(pid) == os.getpid() or _alive(int(pid)) or not p.is_dir():
+            continue
+        if ".old-" in p.name and not out.exists() and (p / MANIFEST).is_file():
+            os.rename(p, out)
+            notes.append(f"restored {out} from {p.name}, where a --force run (pid {pid}) killed between its two "
+                         "renames had left the old pack")
+        else:
+            shutil.rmtree(p)
+            what = "the old pack" if ".old-" in p.name else "a partial pack"
+            notes.append(f"removed {p}: {what} left by a killed run (pid {pid})")
+    return notes
+
+
 def check_destination(out: Path, force: bool) -> None:
     """Refuse to replace an existing pack without force, and anything that is not a pack even with it."""
+    up = out.parent
+    while not up.exists() and up != up.parent:
+        up = up.parent
+    if not up.is_dir():  # was a bare "[Errno 17] File exists" from mkdir
+        raise PackError(f"-o {out}: {up} is a file, not a directory; choose another -o")
     if not out.exists() and not out.is_symlink():
         return
     if not force:
@@ -275,20 +319,23 @@ def check_destination(out: Path, force: bool) -> None:
 
 
 def write_pack(plan: PackPlan, out: str | os.PathLike, *, force: bool = False,
-               progress: Callable[[int], None] | None = None) -> Path:
+               progress: Callable[[int], None] | None = None, hash_sources: bool = False) -> Path:
     """Write the pack into a temp directory beside `out`, then rename it into place.
 
     On any failure or interrupt the temp directory is removed and an old pack at `out` is untouched.
     """
+    from strata.engine.arguments import check_free_space
+
     out = Path(out)
     check_destination(out, force)
+    check_free_space("-o", out, plan.pool_bytes)  # pool.bin is nearly all of a pack; refused before writing
     tmp = temp_dir_for(out)
     if tmp.exists():
         shutil.rmtree(tmp)  # named with our own pid: left by a killed run, never in use by another
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp.mkdir()
     try:
-        _write_files(plan, tmp, progress)
+        _write_files(plan, tmp, progress, hash_sources)
         _swap_into_place(tmp, out, force)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -296,7 +343,7 @@ def write_pack(plan: PackPlan, out: str | os.PathLike, *, force: bool = False,
     return out
 
 
-def _write_files(plan: PackPlan, d: Path, progress) -> None:
+def _write_files(plan: PackPlan, d: Path, progress, hash_sources: bool = False) -> None:
     pool_sha = write_pool(plan, d / POOL, progress)
     write_index(d / INDEX, plan.index)
     g = plan.geometry
@@ -306,7 +353,10 @@ def _write_files(plan: PackPlan, d: Path, progress) -> None:
     write_geometry(d / GEOMETRY, g)
     write_tokenizer(d / TOKENIZER, plan.tokenizer)
     write_sources(d / SOURCES, {f.path.name: str(f.path.absolute()) for _, f in plan.sources.files})
+    if hash_sources:  # opt-in: reads every byte of every GGUF (minutes for a large model)
+        write_source_hashes(d / SHA256, {f.path.name: full_sha256(f.path) for _, f in plan.sources.files})
     names = [INDEX, EXPERTS] + ([PLE] if plan.ple is not None else []) + [GEOMETRY, TOKENIZER, SOURCES]
+    names += [SHA256] if hash_sources else []
     files = [PackFile(POOL, (d / POOL).stat().st_size, pool_sha)]
     files += [PackFile(n, (d / n).stat().st_size, fingerprint_file(d / n)) for n in names]
     # LAST: a directory without a manifest is never taken for a pack.
@@ -321,10 +371,12 @@ def write_pool(plan: PackPlan, path: Path, progress=None) -> str:
     """Copy every dense tensor to its index offset (BF16 widened to F32); returns 'sha256-<hex>'."""
     h = hashlib.sha256()
     handles: dict[Path, object] = {}
+    maps: dict[Path, np.ndarray] = {}
     try:
         with open(path, "wb") as out:
             for entry in plan.index.tensors:
                 info = plan.sources.tensors[entry.name]
+                _check_finite(info, maps)
                 pad = b"\0" * (entry.offset - out.tell())
                 out.write(pad)
                 h.update(pad)
@@ -342,6 +394,21 @@ def write_pool(plan: PackPlan, path: Path, progress=None) -> str:
         for f in handles.values():
             f.close()
     return "sha256-" + h.hexdigest()
+
+
+def _check_finite(info: TensorInfo, maps: dict[Path, np.ndarray]) -> None:
+    """A dense tensor holding a NaN/inf (an F32 norm, an fp16 block scale) is refused at convert: it
+    passed every check before and a run died later naming no tensor. (The experts are not read at
+    convert, so not scanned; `strata-pack verify --full` scans them.)"""
+    from strata.engine.weight_scan import layer_of
+    from strata.engine.kernels.engine_form import first_non_finite
+
+    if info.file not in maps:
+        maps[info.file] = np.memmap(info.file, dtype=np.uint8, mode="r")
+    hit = first_non_finite(maps[info.file][info.offset : info.offset + info.nbytes], info.type_id)
+    if hit is not None:
+        raise PackError(f"{info.file.name}: tensor {layer_of(info.name)} {BY_ID[info.type_id].name}: {hit[1]} is "
+                        f"{hit[2]}, expected finite values (the GGUF is damaged; no quantizer writes one)")
 
 
 def _pack_chunks(src, info: TensorInfo) -> Iterable[bytes]:
@@ -375,8 +442,11 @@ def _swap_into_place(tmp: Path, out: Path, force: bool) -> None:
 
 def convert(ggufs: Sequence[str | os.PathLike], out: str | os.PathLike, *, ple_gguf=None, force: bool = False,
             compress_ratio: int | None = None, on_warning: Callable[[str], None] | None = None,
-            progress_factory: Callable[[int], Callable[[int], None]] | None = None) -> PackPlan:
+            progress_factory: Callable[[int], Callable[[int], None]] | None = None, hash_sources: bool = False) -> PackPlan:
     """Open, check, plan and write in one call. `progress_factory(total_bytes)` returns the progress callback."""
+    for note in recover_leftovers(Path(out)):
+        if on_warning:
+            on_warning(note)
     check_destination(Path(out), force)  # before reading gigabytes of headers
     plan = plan_pack(open_sources(ggufs, ple_gguf), compress_ratio=compress_ratio)
     warnings = list(plan.warnings)
@@ -386,7 +456,8 @@ def convert(ggufs: Sequence[str | os.PathLike], out: str | os.PathLike, *, ple_g
     for w in warnings:
         if on_warning:
             on_warning(w)
-    write_pack(plan, out, force=force, progress=progress_factory(plan.pool_bytes) if progress_factory else None)
+    write_pack(plan, out, force=force, progress=progress_factory(plan.pool_bytes) if progress_factory else None,
+               hash_sources=hash_sources)
     return plan
 
 
@@ -408,14 +479,17 @@ class Pack:
 
 
 def read_pack(pack_dir: str | os.PathLike) -> Pack:
-    d = Path(pack_dir)
-    if not (d / MANIFEST).is_file():
-        raise PackError(f"{d}: no {MANIFEST}, so not a pack (a conversion that did not finish leaves none: "
-                        "run strata-pack convert again)")
+    from strata.engine.pack import check_pack_dir
+
+    d = check_pack_dir(pack_dir)  # a missing path, a file, a GGUF: says what it is and what a pack is
     manifest = read_manifest(d / MANIFEST)
     g = read_geometry(d / GEOMETRY)
     pool = d / POOL
-    index = read_index(d / INDEX, pool_size=pool.stat().st_size if pool.exists() else None)
+    index = read_index(d / INDEX)
+    if pool.exists() and pool.stat().st_size != index.pool_bytes:
+        # blamed on pool.bin, the file that changed (the index's pool field was once named instead)
+        raise PackError(f"{pool}: {pool.stat().st_size} bytes, expected {index.pool_bytes} (the pool {INDEX} "
+                        "describes): pool.bin was truncated or replaced; rebuild the pack")
     _check_index_against_geometry(d / INDEX, index, g)
     experts = read_native_experts(d / EXPERTS, n_embd=g.n_embd, n_ff=g.n_ff_exp, n_expert=g.n_expert,
                                   layers=sorted({s.layer for s in tensor_specs(g) if s.category == EXPERT}))
@@ -446,7 +520,7 @@ class VerifyReport:
 
 
 def verify_pack(pack_dir: str | os.PathLike, *, gguf_dir: str | os.PathLike | None = None,
-                full: bool = False) -> VerifyReport:
+                full: bool = False, full_sources: bool = False) -> VerifyReport:
     """Re-read a pack and its GGUFs; every disagreement becomes a problem (nothing is fixed)."""
     rep = VerifyReport()
     try:
@@ -457,10 +531,77 @@ def verify_pack(pack_dir: str | os.PathLike, *, gguf_dir: str | os.PathLike | No
     rep.checks.append(("indexes", f"{len(pack.index.tensors)} dense tensors, {len(pack.experts.layers)} expert layers, "
                                   f"{len(pack.tokenizer.tokens)} tokens ({pack.geometry.arch})"))
     _verify_files(pack, full, rep)
+    _scan_pool(pack, rep)
     found = _locate_sources(pack, gguf_dir, rep)
     if found is not None:
         _verify_against_ggufs(pack, found, rep)
+        if full:
+            _scan_experts(pack, found, rep)
+        if full_sources:
+            _hash_sources(pack, found, rep)
     return rep
+
+
+def _hash_sources(pack: Pack, paths: dict[str, Path], rep: VerifyReport) -> None:
+    """--full-sources: every byte of every source GGUF, against sources.sha256 when the pack has one
+    (convert --hash-sources). The sampled fingerprint misses a change between its samples, and the
+    experts are read from these files in place."""
+    recorded = read_source_hashes(pack.dir / SHA256) if (pack.dir / SHA256).is_file() else {}
+    for s in pack.manifest.sources:
+        got = full_sha256(paths[s.name])
+        want = recorded.get(s.name)
+        if want is None:
+            rep.checks.append((f"source {s.role} {s.name} sha256", f"{got.removeprefix('sha256-')} (no hash recorded at "
+                               "pack time: compare with the publisher's, or convert --hash-sources)"))
+        elif got != want:
+            rep.problems.append(f"source {s.role} {s.name} changed since packing ({paths[s.name]}): sha256 recorded "
+                                f"{want}, found {got} (its sampled fingerprint matched: bytes between the samples changed)")
+        else:
+            rep.checks.append((f"source {s.role} {s.name} sha256", "matches the hash recorded at pack time"))
+
+
+def _scan_pool(pack: Pack, rep: VerifyReport) -> None:
+    """Every dense tensor's values and fp16 block scales are finite (a read of pool.bin)."""
+    from strata.engine.kernels.engine_form import first_non_finite
+    from strata.engine.weight_scan import layer_of
+
+    path = pack.dir / POOL
+    if not path.is_file() or path.stat().st_size != pack.index.pool_bytes or not pack.index.pool_bytes:
+        return  # reported by _verify_files
+    pool = np.memmap(path, dtype=np.uint8, mode="r")
+    n_before = len(rep.problems)
+    for t in pack.index.tensors:
+        hit = first_non_finite(pool[t.offset : t.offset + t.nbytes], t.pack_type)
+        if hit is not None:
+            rep.problems.append(f"{path}: tensor {layer_of(t.name)} {t.pack.name}: {hit[1]} is {hit[2]}, expected "
+                                "finite values (rebuild the pack from an undamaged GGUF)")
+    if len(rep.problems) == n_before:
+        rep.checks.append(("finite weights", f"{len(pack.index.tensors)} dense tensors: no NaN/inf value or block scale"
+                           " (--full scans the experts too)"))
+
+
+def _scan_experts(pack: Pack, paths: dict[str, Path], rep: VerifyReport) -> None:
+    """--full: every expert's fp16 block scales (or values) are finite, read in place in the GGUFs."""
+    from strata.engine.kernels.engine_form import first_non_finite
+    from strata.index_format.native_experts import expert_bytes
+
+    g, n_before = pack.geometry, len(rep.problems)
+    maps: dict[str, np.ndarray] = {}
+    for e in pack.experts.layers:
+        name = e.shard or pack.experts.gguf
+        if name not in maps:
+            maps[name] = np.memmap(paths[name], dtype=np.uint8, mode="r")
+        gu, d = BY_ID[e.gu_type], BY_ID[e.d_type]
+        gate_bytes, _, down_bytes = expert_bytes(gu, d, g.n_embd, g.n_ff_exp)
+        for role, off, t, each in (("gate", e.gate_off, gu, gate_bytes), ("up", e.up_off, gu, gate_bytes),
+                                   ("down", e.down_off, d, down_bytes)):
+            hit = first_non_finite(maps[name][off : off + g.n_expert * each], t.id)
+            if hit is not None:
+                rep.problems.append(f"{paths[name]}: tensor blk.{e.layer}.ffn_{role}_exps.weight (layer {e.layer}, "
+                                    f"expert {hit[0] // (each // t.type_size)}) {t.name}: {hit[1]} of the tensor is "
+                                    f"{hit[2]}, expected finite values")
+    if len(rep.problems) == n_before:
+        rep.checks.append(("finite experts", f"{len(pack.experts.layers)} expert layers: no NaN/inf block scale or value"))
 
 
 def _verify_files(pack: Pack, full: bool, rep: VerifyReport) -> None:
@@ -521,6 +662,7 @@ def _verify_against_ggufs(pack: Pack, paths: dict[str, Path], rep: VerifyReport)
         return
     main = pack.experts.gguf
     tensors = {n: t for f in files.values() for n, t in f.tensors.items()}
+    _verify_geometry(pack, files[main], tensors, rep)
     n_before = len(rep.problems)
     for e in pack.experts.layers:
         for role, off, type_id in (("gate", e.gate_off, e.gu_type), ("up", e.up_off, e.gu_type), ("down", e.down_off, e.d_type)):
@@ -538,6 +680,25 @@ def _verify_against_ggufs(pack: Pack, paths: dict[str, Path], rep: VerifyReport)
     if len(rep.problems) == n_before:
         rep.checks.append(("GGUF offsets", f"{len(pack.experts.layers)} expert layers"
                            + (", the PLE table" if pack.ple else "") + f" and {len(pack.index.tensors)} dense tensors match"))
+
+
+def _verify_geometry(pack: Pack, main: GGUFFile, tensors: dict[str, TensorInfo], rep: VerifyReport) -> None:
+    """geometry.txt against the geometry derived again from the GGUF: a pack edited and re-fingerprinted
+    (n_expert_used 4 -> 2) once passed verify, which never looked at the GGUF's metadata."""
+    g = pack.geometry
+    try:
+        derived = geometry_from_gguf(main, tensors, compress_ratio=g.idx_compress_ratio or None).geometry
+    except ValueError as e:
+        rep.problems.append(f"{main.path.name}: the geometry cannot be derived again: {e}")
+        return
+    if not g.n_ctx_train:  # packs made before geometry.txt recorded the trained context
+        derived = dataclasses.replace(derived, n_ctx_train=0)
+    diff = [f.name for f in dataclasses.fields(g) if getattr(g, f.name) != getattr(derived, f.name)]
+    for name in diff:
+        rep.problems.append(f"{pack.dir / GEOMETRY}: {name} is {getattr(g, name)!r}, the GGUF {main.path.name} gives "
+                            f"{getattr(derived, name)!r} (edited since packing; rebuild the pack)")
+    if not diff:
+        rep.checks.append(("geometry", f"{GEOMETRY} equals the geometry derived again from {main.path.name}"))
 
 
 def _expect_tensor(rep: VerifyReport, t: TensorInfo | None, name: str, file: str, offset: int, type_id: int,

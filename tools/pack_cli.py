@@ -50,14 +50,14 @@ def _progress_factory(desc: str):
     return factory, bars
 
 
-def _convert(ggufs, out, ple_gguf, force, compress_ratio, command: str) -> None:
+def _convert(ggufs, out, ple_gguf, force, compress_ratio, command: str, hash_sources: bool = False) -> None:
     from strata.tools import pack
 
     factory, bars = _progress_factory("pool.bin")
     try:
         pack.convert(ggufs, out, ple_gguf=ple_gguf, force=force, compress_ratio=compress_ratio,
                      on_warning=lambda w: typer.echo(f"strata-pack {command}: warning: {w}", err=True),
-                     progress_factory=factory)
+                     progress_factory=factory, hash_sources=hash_sources)
     finally:
         for bar in bars:
             bar.close()
@@ -78,15 +78,19 @@ def convert(
     compress_ratio: Optional[int] = typer.Option(
         None, "--compress-ratio", min=1, help="the QSA block size, when the GGUF's attention.compress_ratios is all zeros"
     ),
+    hash_sources: bool = typer.Option(False, "--hash-sources", help="also record every source GGUF's full sha256 "
+                                      "(sources.sha256; reads every byte) for verify --full-sources"),
 ) -> None:
     """Pack a GGUF: dense tensors into pool.bin, experts and the PLE table referenced in place."""
     try:
-        _convert(ggufs, out, ple_gguf, force, compress_ratio, "convert")
+        _convert(ggufs, out, ple_gguf, force, compress_ratio, "convert", hash_sources)
         _print_summary(out)
     except KeyboardInterrupt:
         raise _interrupted("convert") from None
     except _INPUT_ERRORS as e:
-        raise _fail("convert", str(e)) from None
+        from strata.engine.arguments import no_space
+
+        raise _fail("convert", no_space(e, [out]) or str(e)) from None
 
 
 @app.command()
@@ -96,14 +100,17 @@ def verify(
     gguf_dir: Optional[Path] = typer.Option(
         None, "--gguf-dir", help="where the source GGUFs are now (default: where they were at pack time, sources.txt)"
     ),
-    full: bool = typer.Option(False, "--full", help="also hash all of pool.bin against the manifest's sha256"),
+    full: bool = typer.Option(False, "--full", help="also hash all of pool.bin against the manifest's sha256 and "
+                              "scan the experts for NaN/inf"),
+    full_sources: bool = typer.Option(False, "--full-sources", help="also hash every source GGUF in full (against "
+                                      "sources.sha256 when convert --hash-sources recorded it)"),
 ) -> None:
     """Check a pack against itself and its GGUFs: sizes, fingerprints, every index line, expert offsets."""
     from strata.tools.pack import verify_pack
 
     try:
         pack_dir = resolve_pack(pack_arg, pack)
-        report = verify_pack(pack_dir, gguf_dir=gguf_dir, full=full)
+        report = verify_pack(pack_dir, gguf_dir=gguf_dir, full=full, full_sources=full_sources)
     except KeyboardInterrupt:
         raise _interrupted("verify") from None
     except _INPUT_ERRORS as e:
@@ -131,6 +138,8 @@ def synth(
     files written, one a line, on stdout; the convert command for them on stderr."""
     from strata.tools.synth import get_preset, synth_command
 
+    if seed < 0:
+        raise _fail("synth", f"--seed {seed}: expected an integer >= 0", 2)
     try:
         paths = synth_command(arch, preset, out, seed, force, zero_compress_ratios)
     except KeyboardInterrupt:
@@ -168,7 +177,7 @@ def demo(
 
 
 def _demo(out: Path, force: bool, generate: bool) -> None:
-    from strata.tools.pack import MANIFEST, verify_pack
+    from strata.tools.pack import MANIFEST, check_destination, verify_pack
     from strata.tools.synth import get_preset, output_paths, plan_model, synth_command
 
     if (out / MANIFEST).is_file() and not force:
@@ -177,6 +186,7 @@ def _demo(out: Path, force: bool, generate: bool) -> None:
             raise _fail("demo", "\n".join(report.problems + [f"{out} exists but does not verify; rerun with --force to rebuild it"]))
         typer.echo(f"strata-pack demo: {out} exists and verifies; reusing it (--force rebuilds it)", err=True)
     else:
+        check_destination(out, True)  # a non-pack -o is refused before 229 MB are synthesized, not after
         src = out.with_name(out.name + "-src")
         name = src / f"{DEMO_ARCH}-{DEMO_PRESET}.gguf"
         ggufs = output_paths(name, len(plan_model(DEMO_ARCH, DEMO_PRESET).shards))

@@ -62,10 +62,9 @@ class ProfileInputError(ValueError):
 
 def read_documents(path: str | os.PathLike) -> list[str]:
     """The documents of a prompts file: its paragraphs (blank-line separated), in file order."""
-    try:
-        text = Path(path).read_text(encoding="utf-8")
-    except UnicodeDecodeError as e:
-        raise ProfileInputError(f"{path}: not UTF-8 text (byte {e.start}: {e.reason})") from None
+    from strata.engine.arguments import read_text
+
+    text = read_text("--prompts", Path(path))
     docs, lines = [], []
     for line in text.splitlines():
         if line.strip():
@@ -136,7 +135,7 @@ class Calibration:
 def check_options(n_docs: int, held_out: float, max_tokens: int | None, ctx: int) -> None:
     """Everything about a run that can be refused before the model loads (a load can take minutes)."""
     if ctx < 1:
-        raise ProfileInputError(f"--ctx {ctx}: expected at least 1")
+        raise ProfileInputError(f"--ctx-size {ctx}: expected at least 1")
     held_out_documents(n_docs, held_out)
     token_budgets(max_tokens, held_out)
 

@@ -63,7 +63,8 @@ def profile(
     version: bool = version_option(),
 ) -> None:
     """Count expert routing over calibration text; write the profile and print its expected hit rate."""
-    from strata.engine.cli import engine_options, gpu_options
+    from strata.engine.cli import check_context, engine_options, gpu_options
+    from strata.engine.pack import check_pack_dir, read_pack_geometry
     from strata.tools import profile as P
 
     try:
@@ -71,17 +72,19 @@ def profile(
         option = engine_options(kv, prefill)
         gpu_options(device, expert_cache, vram_budget_mib, vram_reserve_mib)
         tier = dict(device=device, expert_cache=expert_cache, vram_budget_mib=vram_budget_mib, vram_reserve_mib=vram_reserve_mib)
-        if not pack.is_dir():
-            raise P.ProfileInputError(f"{pack}: no such pack directory")
+        check_pack_dir(pack)  # says what it found and what a pack is
         docs = P.read_documents(prompts)
         P.check_options(len(docs), held_out, max_tokens, ctx)
+        check_context(WHO, read_pack_geometry(pack), kv, ctx, "--ctx-size")
         _check_outputs(out, trace)
         _run(pack, docs, out, max_tokens, held_out, ctx, option, kv, pool_workers, trace, native, ple_gguf, tier)
     except KeyboardInterrupt:
         typer.echo(f"\n{WHO}: interrupted; nothing written", err=True)
         raise typer.Exit(130) from None
     except _INPUT_ERRORS as e:
-        raise _fail(str(e)) from None
+        from strata.engine.arguments import no_space
+
+        raise _fail(no_space(e, [out, trace]) or str(e)) from None
 
 
 def _check_outputs(out: Path, trace: Path | None) -> None:
@@ -104,7 +107,7 @@ def _check_outputs(out: Path, trace: Path | None) -> None:
 def _run(pack_dir, docs, out, max_tokens, held_out, ctx, option, kv, pool_workers, trace_path, native, ple_gguf, tier) -> None:
     from tqdm import tqdm
 
-    from strata.engine.cli import load_model, prefill_chunk, start_tier
+    from strata.engine.cli import load_model, naming_non_finite, prefill_chunk, start_tier
     from strata.engine.tokenizer import Tokenizer
     from strata.index_format.expert_profile import write_expert_profile
     from strata.index_format.manifest import pack_fingerprint
@@ -121,18 +124,26 @@ def _run(pack_dir, docs, out, max_tokens, held_out, ctx, option, kv, pool_worker
     fingerprint = pack_fingerprint(pack.dir)
     n_in, n_held = calib.tokens
     typer.echo(f"{WHO}: {len(docs)} documents -> {len(calib.in_docs)} in-sample ({n_in} tokens run), "
-               f"{len(calib.held_docs)} held out ({n_held} tokens run); --ctx {ctx}, --kv {kv}, "
+               f"{len(calib.held_docs)} held out ({n_held} tokens run); --ctx-size {ctx}, --kv {kv}, "
                f"{f'chunks of {chunk}' if chunk > 1 else 'token by token'}", err=True)
     writer = None
     if trace_path is not None:
         writer = TraceWriter(trace_path, pack_fingerprint=fingerprint, n_layer=g.n_layer, n_expert=g.n_expert,
                              top_k=g.n_expert_used)
     # the trace commits once the profile is written, and is removed on any exception (StreamingFile)
-    with writer if writer is not None else contextlib.nullcontext():
+    # the trace commits when its block ends (or is removed), then the profile is written; if that
+    # fails the trace goes too: all or nothing (a full disk once left the profile AND the trace's temp)
+    with writer if writer is not None else contextlib.nullcontext(), naming_non_finite(pack):
         with tqdm(total=n_in + n_held, unit="tok", desc="profile", file=sys.stderr, disable=None) as bar:
-            result = P.build_profile(model, fingerprint, calib, ctx=ctx, kv=kv, chunk=chunk, progress=bar.update,
+            progress = lambda k: (pack.check_unchanged(), bar.update(k))  # a mapped file rewritten: stop
+            result = P.build_profile(model, fingerprint, calib, ctx=ctx, kv=kv, chunk=chunk, progress=progress,
                                      trace=writer)
+    try:
         write_expert_profile(out, result.profile)
+    except BaseException:
+        if trace_path is not None:
+            Path(trace_path).unlink(missing_ok=True)
+        raise
     if writer is not None:
         typer.echo(f"{WHO}: wrote the routing trace of {n_in} tokens to {trace_path}", err=True)
     typer.echo(format_report(result, out, g))

@@ -149,7 +149,7 @@ class Preset:
 
     def geometry(self, arch: str) -> ModelGeometry:
         _check_arch(arch)
-        values = dict(self.dims, arch=arch)
+        values = dict(self.dims, arch=arch, n_ctx_train=self.context_length)
         if arch == "qwen4exp":
             values.update(self.qwen4exp, idx_compress_ratio=self.compress_ratio)
             values.update(_ple_fields(values, self.ple))

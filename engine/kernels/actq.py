@@ -38,6 +38,11 @@ F32 = np.float32
 QA = 32  # elements per activation block; every weight block size is a multiple of it
 
 
+class NonFiniteActivation(ValueError):
+    """A NaN/inf met where an activation is quantized: the commands catch it and scan the weights
+    (engine/weight_scan.py) to name the tensor, layer and expert it came from."""
+
+
 @dataclass(frozen=True)
 class ActQ:
     """Quantized activations. T = tokens (absent for a single vector), n = features."""
@@ -78,7 +83,7 @@ def _check(x: np.ndarray, where: str) -> np.ndarray:
     x = _check_shape(x, where)
     if not np.isfinite(x).all():
         bad = np.argwhere(~np.isfinite(x))[0]
-        raise ValueError(f"{where}: non-finite activation {x[tuple(bad)]} at index {tuple(int(i) for i in bad)}")
+        raise NonFiniteActivation(f"{where}: non-finite activation {x[tuple(bad)]} at index {tuple(int(i) for i in bad)}")
     return np.ascontiguousarray(x)
 
 
@@ -172,5 +177,5 @@ def quantize_act(x: np.ndarray, where: str = "quantize_act", out: ActQ | None = 
     bad = _quantize_rows(x2, res.q.reshape(T, n), res.d.reshape(T, -1), res.s16.reshape(T, -1), QA)
     if bad >= 0:
         at = np.unravel_index(bad, x.shape)
-        raise ValueError(f"{where}: non-finite activation {x[at]} at index {tuple(int(i) for i in at)}")
+        raise NonFiniteActivation(f"{where}: non-finite activation {x[at]} at index {tuple(int(i) for i in at)}")
     return res

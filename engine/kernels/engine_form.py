@@ -53,6 +53,41 @@ def widen(raw: np.ndarray, type_id: int, name: str | None = None) -> tuple[np.nd
     return scales, np.ascontiguousarray(blocks[:, _rest_columns(t)])
 
 
+_SCAN_BLOCKS = 1 << 20  # blocks per step of the scan: bounds its temporaries on multi-GB tensors
+
+
+def first_non_finite(raw: np.ndarray, type_id: int) -> tuple[int, str, float] | None:
+    """The first NaN/inf stored value a kernel would read: an element of F32/F16/BF16 (BF16 given as
+    its 16 bits), or an fp16 block scale of a quantized type; (element or block number, what, value),
+    or None. Nothing writes such values on purpose; they pass every size and offset check, and a run
+    then stopped at "non-finite activation" naming no tensor. IQ1_M keeps its scale in nibbles, with
+    no fp16 field: nothing to check there."""
+    t = ggml_type(type_id, where="first_non_finite")
+    raw = raw.reshape(-1).view(np.uint8)
+    if t.name in ("F32", "F16", "BF16"):
+        step = _SCAN_BLOCKS * 32
+        for a in range(0, raw.size, step):
+            chunk = raw[a : a + step]
+            x = (chunk.view(np.float32) if t.name == "F32" else chunk.view(np.float16) if t.name == "F16"
+                 else (chunk.view(np.uint16).astype(np.uint32) << 16).view(np.float32))
+            bad = np.flatnonzero(~np.isfinite(x))
+            if bad.size:
+                i = int(bad[0])
+                return a // t.type_size + i, f"element {a // t.type_size + i}", float(x[i])
+        return None
+    cols = _fp16_columns(t)
+    if cols.size == 0:
+        return None
+    blocks = raw.reshape(-1, t.type_size)
+    for a in range(0, blocks.shape[0], _SCAN_BLOCKS):
+        halves = np.ascontiguousarray(blocks[a : a + _SCAN_BLOCKS, cols]).view(np.uint16)
+        bad = np.argwhere((halves & 0x7C00) == 0x7C00)  # exponent all ones: inf or NaN
+        if bad.size:
+            b, k = (int(v) for v in bad[0])
+            return a + b, f"block {a + b} fp16 scale {k}", float(F16_TO_F32[halves[b, k]])
+    return None
+
+
 def narrow(scales: np.ndarray, rest: np.ndarray, type_id: int, name: str | None = None) -> np.ndarray:
     """The exact inverse of `widen`: -> raw uint8 [n_blocks * type_size]. A scale that is not
     exactly an fp16 value is refused (it did not come from `widen`)."""

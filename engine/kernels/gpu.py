@@ -27,7 +27,7 @@ import numpy as np
 from strata.index_format.ggml_types import GGMLType, ggml_type
 
 from . import iq_tables as T
-from .actq import QA, ActQ
+from .actq import QA, ActQ, NonFiniteActivation
 from .engine_form import align, narrow, planes, widen
 
 SOURCE = Path(__file__).with_name("gpu_kernels.cu")
@@ -430,7 +430,7 @@ def quantize_act_gpu(x, out: GpuActQ | None = None, check: bool = True) -> GpuAc
         if bad != int(NO_BAD):
             index = np.unravel_index(bad, x.shape)
             value = rt.to_host(x.reshape(-1)[bad : bad + 1])[0]
-            raise ValueError(f"{where}: non-finite activation {value} at index {tuple(int(i) for i in index)}")
+            raise NonFiniteActivation(f"{where}: non-finite activation {value} at index {tuple(int(i) for i in index)}")
     return out
 
 
