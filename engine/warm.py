@@ -52,7 +52,10 @@ def warm_up(model, prompt_path: bool, helper_argv: list[str] | None, log: Callab
 
 
 def _start_helper(argv: list[str]) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "strata.engine.warm", *argv], stdin=subprocess.DEVNULL,
+    # -P: no current directory on sys.path. Run from a clone of this repository (as README says),
+    # `python -m` found the checkout's top-level strata/ folder (the namespace's bare __init__.py)
+    # before the installed package, and the helper died on "No module named 'strata.engine'".
+    return subprocess.Popen([sys.executable, "-P", "-m", "strata.engine.warm", *argv], stdin=subprocess.DEVNULL,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
 
 
