@@ -2,7 +2,7 @@
 geometry, 4 layers, every expert on the CPU), against the memory-bandwidth floor of the same run.
 
     python benchmarks/decode.py [--arch qwen4exp] [--threads 2] [--prompt 8] [--tokens 32] [--no-pretouch]
-                                [--preset seed-4l]   (tiny: a quick smoke run)
+                                [--preset seed-4l] [--rounds 3]   (--preset tiny: a quick smoke run)
 
 The model is made once under .cache/bench/ (tools/synth.py, then strata-pack) and reused.
 
@@ -12,8 +12,12 @@ layer, each expert's gate + up + down) + the LM head + one embedding row and the
 cache is left out (a few KB at these contexts). Floor speed = read bandwidth / those bytes, the
 bandwidth measured in this process (an int64 sum over 1 GiB split over 1..--threads numba
 threads, best of 3 each; the best thread count counts, since on a busy host one thread can beat
-two). Yardstick: llama.cpp decodes an equivalent 4-layer file at 17.7 tok/s with 2 threads, 49% of
-its floor (908 MB per token, 0.52 GB of it the LM head). Target: >= 40% of floor.
+two). Target: >= 40% of floor.
+
+llama.cpp (benchmarks/llama_peer.py: STRATA_LLAMA_PYTHON, or this python if it imports llama_cpp)
+decodes the same GGUF with the same threads, in --rounds rounds interleaved with Strata's plain
+token steps (no timers) on the same token ids: the ratio is Strata's tok/s over llama.cpp's, both
+measured here and now. Without llama.cpp the report says it was not measured (no typed-in figure).
 
 On a host with more cores, pin the run (`taskset -c 0,1 python benchmarks/decode.py`) so that
 "2 threads" means 2 cores; on a host whose cores other work keeps busy, numba's parallel regions
@@ -40,7 +44,6 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 BENCH = REPO / ".cache" / "bench"
 PRESET = "seed-4l"  # --preset tiny makes a quick smoke run of this script
-LLAMA_CPP = dict(tok_s=17.7, floor_pct=49, mb_per_token=908, head_gb=0.52)
 TARGET = 0.40
 
 
@@ -129,6 +132,11 @@ def read_bandwidth(threads: int, n_bytes: int = 1 << 30, repeat: int = 3) -> dic
 class Timers:
     def __init__(self):
         self.sec = defaultdict(float)
+        self.patched = []  # (object, attribute, the value before), to take the timers off again
+
+    def patch(self, obj, name: str, value) -> None:
+        self.patched.append((obj, name, obj.__dict__.get(name, _UNSET)))
+        setattr(obj, name, value)
 
     def wrap(self, key, fn):
         def timed(*args, **kwargs):
@@ -141,6 +149,19 @@ class Timers:
 
     def reset(self):
         self.sec.clear()
+
+
+_UNSET = object()
+
+
+def uninstrument(t: Timers) -> None:
+    """The model as it was before `instrument` (the side-by-side rounds run without timers)."""
+    for obj, name, before in reversed(t.patched):
+        if before is _UNSET:
+            delattr(obj, name)
+        else:
+            setattr(obj, name, before)
+    t.patched.clear()
 
 
 class _TimedHead:
@@ -160,13 +181,13 @@ def instrument(model) -> Timers:
     r = model.residual
 
     for l, m in enumerate(model.mixers):
-        m.step = t.wrap(("mixer", l), m.step)
+        t.patch(m, "step", t.wrap(("mixer", l), m.step))
     for l, moe in enumerate(model.moes):
-        moe.step = t.wrap(("moe", l), moe.step)
-        moe.route = t.wrap(("router", l), moe.route)
-        moe._expert = t.wrap(("experts", l), moe._expert)
+        t.patch(moe, "step", t.wrap(("moe", l), moe.step))
+        t.patch(moe, "route", t.wrap(("router", l), moe.route))
+        t.patch(moe, "_expert", t.wrap(("experts", l), moe._expert))
     for l, p in model.ple.items():
-        p.step = t.wrap(("ple", l), p.step)
+        t.patch(p, "step", t.wrap(("ple", l), p.step))
     enter, leave = r.enter, r.leave
 
     def timed_enter(h, l, ffn):
@@ -180,9 +201,10 @@ def instrument(model) -> Timers:
         leave(h, l, ffn, y)
         t.sec[("residual", l)] += time.perf_counter() - t0
 
-    r.enter, r.leave = timed_enter, timed_leave
-    r.final = t.wrap(("residual", None), r.final)
-    model.head = _TimedHead(model.head, t)
+    t.patch(r, "enter", timed_enter)
+    t.patch(r, "leave", timed_leave)
+    t.patch(r, "final", t.wrap(("residual", None), r.final))
+    t.patch(model, "head", _TimedHead(model.head, t))
     return t
 
 
@@ -319,7 +341,6 @@ def report(model, timers: Timers, steps: list[float], bw: float, threads: int, p
         f"decode: {n} tokens, {1e3 * total / n:.2f} ms/token (median {1e3 * float(np.median(steps)):.2f}) = "
         f"{tok_s:.2f} tok/s = {100 * tok_s / floor:.0f}% of floor (target >= {TARGET:.0%}: "
         f"{'met' if tok_s / floor >= TARGET else 'NOT met'})",
-        f"llama.cpp: {_llama_cpp_line(tok_s if preset == PRESET else None)}",
         "",
         group_table,
         "",
@@ -328,18 +349,57 @@ def report(model, timers: Timers, steps: list[float], bw: float, threads: int, p
     return "\n".join(lines)
 
 
-def _llama_cpp_line(tok_s: float | None) -> str:
-    """The yardstick; tok_s compared with it only for the model it was measured on (None: not)."""
-    import shutil
+def source_gguf(arch: str, preset_name: str = PRESET) -> Path:
+    """The first file of the GGUF the benchmark's pack was made from (llama.cpp finds the other shards)."""
+    from strata.tools import synth
 
-    found = next((p for p in ("llama-bench", "llama-cli") if shutil.which(p)), None)
-    y = LLAMA_CPP
-    yard = (f"yardstick {y['tok_s']} tok/s, {y['floor_pct']}% of its floor ({y['mb_per_token']} MB/token, "
-            f"{y['head_gb']} GB of it the LM head), equivalent 4-layer file, 2 threads")
-    ratio = "" if tok_s is None else f"; this run is {tok_s / y['tok_s']:.2f}x its tok/s (another machine)"
-    if found is None:
-        return f"not installed here (not measured on this machine); {yard}{ratio}"
-    return f"{found} is installed but this benchmark does not run it; {yard}"
+    n_files = len(synth.plan_model(arch, preset_name).shards)
+    return synth.output_paths(BENCH / f"{preset_name}-{arch}.gguf", n_files)[0]
+
+
+def plain_decode(model, prompt_len: int, n_tokens: int, seed: int) -> list[float]:
+    """Seconds of each of n_tokens token steps after a prompt_len prompt, the token ids drawn as the
+    llama.cpp worker draws them (the same ids: teacher-forced, no sampling, no timers)."""
+    ids = np.random.default_rng(seed).integers(0, model.geometry.n_vocab, prompt_len + n_tokens).tolist()
+    s = model.new_session(prompt_len + n_tokens)
+    for tok in ids[:prompt_len]:
+        model.step(s, tok)
+    steps = []
+    for tok in ids[prompt_len:]:
+        t0 = time.perf_counter()
+        model.step(s, tok)
+        steps.append(time.perf_counter() - t0)
+    return steps
+
+
+def side_by_side(model, gguf: Path, threads: int, prompt_len: int, n_tokens: int, rounds: int) -> str:
+    """Strata and llama.cpp decoding the same tokens of the same GGUF, rounds interleaved."""
+    from tabulate import tabulate
+
+    import llama_peer
+
+    python, how = llama_peer.find_python()
+    if python is None:
+        return f"llama.cpp: not measured ({how})"
+    peer = llama_peer.Peer(python, gguf, threads, prompt_len + n_tokens + 8)
+    try:
+        if peer.n_vocab != model.geometry.n_vocab:
+            return f"llama.cpp: not measured (its vocabulary is {peer.n_vocab}, the pack's {model.geometry.n_vocab})"
+        peer.decode(prompt_len, 4, 999)  # llama.cpp's first evals allocate its buffers
+        rows, ours, theirs = [], [], []
+        for r in range(rounds):
+            a = n_tokens / sum(plain_decode(model, prompt_len, n_tokens, seed=r))
+            b = n_tokens / sum(peer.decode(prompt_len, n_tokens, seed=r))
+            ours.append(a)
+            theirs.append(b)
+            rows.append([r + 1, f"{a:.2f}", f"{b:.2f}", f"{a / b:.2f}x"])
+    finally:
+        peer.close()
+    rows.append(["median", f"{np.median(ours):.2f}", f"{np.median(theirs):.2f}", f"{np.median(ours) / np.median(theirs):.2f}x"])
+    head = (f"llama.cpp side by side ({how}): {gguf.name}, {threads} threads, {n_tokens} token steps after a "
+            f"{prompt_len}-token prompt per round, rounds interleaved")
+    return head + "\n" + tabulate(rows, headers=["round", "Strata tok/s", "llama.cpp tok/s", "Strata / llama.cpp"],
+                                  tablefmt="github")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -350,6 +410,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompt", type=int, default=8, help="prompt tokens fed before timing")
     ap.add_argument("--tokens", type=int, default=32, help="decode steps timed")
     ap.add_argument("--no-pretouch", action="store_true", help="do not read the expert bytes once before timing")
+    ap.add_argument("--rounds", type=int, default=3, help="rounds of Strata and llama.cpp side by side (0: none)")
     args = ap.parse_args(argv)
 
     from strata.engine.kernels import cpu
@@ -370,6 +431,10 @@ def main(argv: list[str] | None = None) -> int:
     timers = instrument(model)
     steps = decode(model, args.prompt, args.tokens, timers)
     print(report(model, timers, steps, bw, args.threads, args.preset))
+    if args.rounds:
+        uninstrument(timers)
+        print()
+        print(side_by_side(model, source_gguf(args.arch, args.preset), args.threads, args.prompt, args.tokens, args.rounds))
     return 0
 
 

@@ -17,6 +17,11 @@ the rest batched (not timed), and the piece's token-by-token time is its sampled
 times its length. A token's cost grows slowly with its position (attention), so this slightly
 underestimates the token-by-token time and the speed-up; the sample does not move with --chunk, so
 chunk sizes compare on the same estimate. The table says which rows are sampled.
+
+llama.cpp (benchmarks/llama_peer.py: STRATA_LLAMA_PYTHON, or this python if it imports llama_cpp)
+evaluates the same L token ids of the same GGUF with the same threads right after Strata's batched
+path (batches of 512, its default); the last column is Strata's batched tok/s over llama.cpp's.
+Without llama.cpp the table says "not measured".
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -121,22 +127,38 @@ def main(argv=None) -> int:
     s = model.new_session(a.chunk + 1, a.kv)
     model.forward(s, np.zeros(a.chunk, np.int64), 1)  # the prompt path's first call (BLAS, numba) out of the timing
     print(f"loaded and warmed up in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
-    rng = np.random.default_rng(0)
+    import llama_peer
+
+    lengths = [int(x) for x in a.lengths.split(",")]
+    python, how = llama_peer.find_python()
+    peer = None
+    if python is not None:
+        gguf = sorted(a.cache.glob(f"seed-4l-{a.arch}*.gguf"))[0]
+        peer = llama_peer.Peer(python, gguf, a.threads, max(lengths) + 8)
+        peer.prefill(64, 999)  # its first eval allocates its buffers
     load = os.getloadavg()[0]
     rows = []
-    for L in (int(x) for x in a.lengths.split(",")):
-        prompt = rng.integers(0, model.geometry.n_vocab, L)
+    for L in lengths:
+        # the ids the llama.cpp worker draws for `prefill L L`
+        prompt = np.random.default_rng(L).integers(0, model.geometry.n_vocab, L)
         sample = None if L <= 1024 or a.sample <= 0 else a.sample
         tb, tt = side_by_side(model, prompt, a.chunk, a.kv, sample, a.sample_every)
         how = f"all {L}" if sample is None else f"the first {sample} of every {a.sample_every}"
-        print(f"{L}: batched {L / tb:.2f} tok/s, token by token {L / tt:.2f} tok/s ({how})", file=sys.stderr)
-        rows.append((L, f"{L / tb:.2f}", f"{tb:.1f}", f"{L / tt:.2f}", f"{tt:.1f}", f"{tt / tb:.1f}x", how))
+        tl = peer.prefill(L, L) if peer is not None else None
+        print(f"{L}: batched {L / tb:.2f} tok/s, token by token {L / tt:.2f} tok/s ({how})"
+              + (f", llama.cpp {L / tl:.2f} tok/s" if tl else ""), file=sys.stderr)
+        peer_cols = (f"{L / tl:.2f}", f"{tl / tb:.2f}x") if tl else ("not measured", "-")
+        rows.append((L, f"{L / tb:.2f}", f"{tb:.1f}", f"{L / tt:.2f}", f"{tt:.1f}", f"{tt / tb:.1f}x", how, *peer_cols))
+    if peer is not None:
+        peer.close()
     commit = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     print(f"prefill, seed-4l {a.arch}, {a.threads} threads, --kv {a.kv}, chunk {a.chunk}; {machine()}; "
           f"{time.strftime('%Y-%m-%d %H:%M %Z')}; git {commit} + working tree; "
           f"1-minute load average {load:.2f} at the start, {os.getloadavg()[0]:.2f} at the end")
+    print(f"llama.cpp: {how}")
     print(tabulate(rows, headers=["tokens", "batched tok/s", "batched s", "token-by-token tok/s", "token-by-token s",
-                                  "speed-up", "token-by-token measured on"], tablefmt="github", disable_numparse=True))
+                                  "speed-up", "token-by-token measured on", "llama.cpp tok/s", "batched / llama.cpp"],
+                   tablefmt="github", disable_numparse=True))
     return 0
 
 
