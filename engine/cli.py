@@ -634,6 +634,119 @@ def format_perplexity(s, kl_base) -> str:
     return "\n".join(lines)
 
 
+@app.command()
+def serve(
+    pack_arg: Optional[Path] = model_argument(),
+    pack: Optional[Path] = model_option(),
+    host: str = typer.Option("127.0.0.1", "--host", help="the address to listen on (loopback unless given; 0.0.0.0: "
+                             "every interface, put --api-key on it)"),
+    port: int = typer.Option(8080, "--port", help="the TCP port"),
+    api_key: Optional[str] = typer.Option(None, "--api-key", metavar="KEY", help="refuse (401) a request without the "
+                                          "header Authorization: Bearer KEY"),
+    max_queue: int = typer.Option(16, "--max-queue", metavar="Q", help="requests waiting beside the running one; more "
+                                  "get 503 with Retry-After"),
+    batch: int = typer.Option(1, "--batch", metavar="N", help="requests decoding together (only 1 in this version)"),
+    cache_slots: int = typer.Option(8, "--conversation-cache-slots", metavar="N", help="finished sessions parked in "
+                                    "host memory so a prompt that extends one feeds only its new tokens; 0 is off"),
+    cache_mib: int = typer.Option(2048, "--conversation-cache-mib", metavar="M", help="host memory the parked "
+                                  "sessions may take, in MiB (least recently used evicted first)"),
+    model_name: Optional[str] = typer.Option(None, "--model-name", help="the model id clients name (default: the pack "
+                                             "directory's name)"),
+    max_context: int = ctx_option(4096, "--max-context", "the context (KV cache size) of every request, prompt and "
+                                  "reply together"),
+    kv: str = typer.Option("f16", "--kv", help="KV cache type: f16, int8 (an f32 scale per 32 values) or f32 (exact)"),
+    prefill: str = typer.Option("auto", "--prefill", help="the prompt in chunks of CHUNK tokens, auto or off (token "
+                                "by token)"),
+    pool_workers: Optional[int] = threads_option(),
+    native: Optional[Path] = typer.Option(None, "--native", help="the main GGUF, when it moved since packing"),
+    ple_gguf: Optional[Path] = typer.Option(None, "--ple-gguf", help="the PLE GGUF shard, when it moved since packing"),
+) -> None:
+    """Serve a pack over an OpenAI-compatible HTTP API (chat and completions, streaming or not)."""
+    who = "strata serve"
+    try:
+        pack = resolve_pack(pack_arg, pack)
+        _serve(pack, host, port, api_key, max_queue, batch, cache_slots, cache_mib, model_name, max_context, kv, prefill,
+               pool_workers, native, ple_gguf, who)
+    except KeyboardInterrupt:
+        typer.echo(f"\n{who}: interrupted", err=True)
+        raise typer.Exit(130) from None
+    except _INPUT_ERRORS as e:
+        raise _fail(str(e), 1, who) from None
+
+
+def _serve(pack, host, port, api_key, max_queue, batch, cache_slots, cache_mib, model_name, max_context, kv, prefill,
+           pool_workers, native, ple_gguf, who) -> None:
+    from strata.engine.pack import read_pack_geometry
+    from strata.engine.tokenizer import Tokenizer
+
+    # every flag is checked before the load (seconds to minutes)
+    if batch != 1:
+        raise ValueError(f"--batch {batch}: several requests decoding together is not built yet; this version runs "
+                         "one request at a time (--batch 1) and queues the others (--max-queue)")
+    if not 0 <= port <= 65535:
+        raise ValueError(f"--port {port}: expected 0..65535")
+    if max_queue < 0:
+        raise ValueError(f"--max-queue {max_queue}: expected >= 0")
+    if cache_slots < 0:
+        raise ValueError(f"--conversation-cache-slots {cache_slots}: expected >= 0 (0 is off)")
+    if cache_mib < 0:
+        raise ValueError(f"--conversation-cache-mib {cache_mib}: expected >= 0")
+    if api_key is not None and not api_key.strip():
+        raise ValueError("--api-key is empty")
+    option = engine_options(kv, prefill)
+    g = read_pack_geometry(pack)
+    tok = Tokenizer.load(Path(pack) / "tokenizer.txt")
+    check_context(who, g, kv, max_context, "--ctx-size")
+    import uvicorn
+
+    from strata.engine.scheduler import ConversationCache, Scheduler
+    from strata.engine.serve import ServeConfig, make_app
+
+    p, model, load_s = load_model(pack, native, ple_gguf, pool_workers, who, option)
+    chunk = prefill_chunk(option, p.geometry, max_context, "cpu")
+    cache = ConversationCache(cache_slots, cache_mib << 20)
+    scheduler = Scheduler(model, tok, max_context=max_context, kv=kv, chunk=chunk, max_queue=max_queue, cache=cache,
+                          check=p.check_unchanged)
+    name = model_name or Path(pack).resolve().name
+    app_ = make_app(scheduler, tok, ServeConfig(model_name=name, max_context=max_context, api_key=api_key))
+    typer.echo(f"{who}: {name} loaded in {load_s:.1f} s; serving http://{host}:{port}/v1 (context {max_context}, "
+               f"--kv {kv}, one request at a time, {max_queue} queued at most)", err=True)
+    server = QuietSignalServer(uvicorn.Config(app_, host=host, port=port, log_level="warning", access_log=False,
+                                              timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S))
+    try:
+        server.run()
+    except SystemExit:
+        # uvicorn exits (status 1) when it cannot bind: say which address instead of its bare log line
+        raise ValueError(f"--host {host} --port {port}: cannot listen there (in use, or not an address of this "
+                         "machine)") from None
+    typer.echo(f"{who}: stopped", err=True)
+
+
+GRACEFUL_SHUTDOWN_S = 10  # on SIGTERM, in-flight responses get this long to finish, then are cancelled
+
+
+def _quiet_signal_server():
+    import uvicorn
+
+    class _Server(uvicorn.Server):
+        """uvicorn re-raises the SIGTERM it caught once it has shut down, which made a clean stop exit 143;
+        a server stopped by SIGTERM or Ctrl-C has finished its work, so it exits 0."""
+
+        @contextlib.contextmanager
+        def capture_signals(self):
+            with super().capture_signals():
+                try:
+                    yield
+                finally:
+                    self._captured_signals.clear()
+
+    return _Server
+
+
+def QuietSignalServer(config):
+    return _quiet_signal_server()(config)
+
+
 @app.callback()
 def _strata(version: bool = version_option()) -> None:
     """Strata engine: run a packed MoE model (dense weights and hot experts on the GPU, the rest on the CPU)."""
