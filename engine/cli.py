@@ -747,6 +747,107 @@ def QuietSignalServer(config):
     return _quiet_signal_server()(config)
 
 
+@app.command()
+def chat(
+    pack_arg: Optional[Path] = model_argument(),
+    pack: Optional[Path] = model_option(),
+    system: Optional[str] = typer.Option(None, "--system", help="a system turn before the conversation"),
+    think: Optional[bool] = typer.Option(None, "--think/--no-think", show_default=False,
+                                         help="the template's enable_thinking (default: the template's own)"),
+    n: int = typer.Option(1024, "-n", "--n-predict", help="tokens per reply at most"),
+    temp: float = typer.Option(0.8, "--temp", help="temperature, as llama.cpp; 0 is greedy"),
+    top_k: int = typer.Option(40, "--top-k", help="keep the k most likely tokens; 0 is off"),
+    top_p: float = typer.Option(0.95, "--top-p", help="nucleus sampling mass; 1 is off"),
+    min_p: float = typer.Option(0.05, "--min-p", help="drop tokens below min_p * p_max; 0 is off"),
+    repeat_penalty: float = typer.Option(1.0, "--repeat-penalty", help="penalise the last 64 tokens; 1 is off"),
+    seed: Optional[int] = typer.Option(None, "--seed", help="sampling seed"),
+    max_context: int = ctx_option(4096, "--max-context", "the context of the whole conversation, in tokens"),
+    kv: str = typer.Option("f16", "--kv", help="KV cache type: f16, int8 or f32 (exact)"),
+    prefill: str = typer.Option("auto", "--prefill", help="the prompt in chunks of CHUNK tokens, auto or off"),
+    pool_workers: Optional[int] = threads_option(),
+    stats: bool = typer.Option(False, "--stats", help="after each reply, print to stderr the prompt tokens fed, "
+                               "those taken from the conversation cache, and the reply's speed"),
+) -> None:
+    """Chat in the terminal: each line you type is a user turn; Ctrl-C stops a reply, Ctrl-D exits."""
+    who = "strata chat"
+    if n < 1:
+        raise _fail(f"-n {n}: expected >= 1", 2, who)
+    try:
+        pack = resolve_pack(pack_arg, pack)
+        params = sampler_options(temp, top_k, top_p, min_p, repeat_penalty, seed)
+        _chat(pack, system, think, n, params, max_context, kv, prefill, pool_workers, stats, who)
+    except KeyboardInterrupt:
+        typer.echo("", err=True)  # Ctrl-C at the prompt: leave as Ctrl-D does
+    except _INPUT_ERRORS as e:
+        raise _fail(str(e), 1, who) from None
+
+
+def _chat(pack, system, think, n, params, max_context, kv, prefill, pool_workers, stats, who) -> None:
+    from strata.engine.pack import read_pack_geometry
+    from strata.engine.scheduler import ConversationCache, Job, Scheduler
+    from strata.engine.tokenizer import Tokenizer
+
+    option = engine_options(kv, prefill)
+    g = read_pack_geometry(pack)
+    tok = Tokenizer.load(Path(pack) / "tokenizer.txt")
+    check_context(who, g, kv, max_context, "--ctx-size")
+    p, model, _ = load_model(pack, None, None, pool_workers, who, option)
+    chunk = prefill_chunk(option, p.geometry, max_context, "cpu")
+    # one parked session: turn n+1 extends turn n, so it feeds only its own new tokens
+    scheduler = Scheduler(model, tok, max_context=max_context, kv=kv, chunk=chunk, max_queue=0,
+                          cache=ConversationCache(1, 1 << 62), check=p.check_unchanged)
+    messages = [{"role": "system", "content": system}] if system is not None else []
+    extra = {} if think is None else {"enable_thinking": think}
+    typer.echo(f"{who}: type a message and Enter; Ctrl-C stops a reply, Ctrl-D exits", err=True)
+    try:
+        while True:
+            typer.echo("> ", nl=False, err=True)
+            line = sys.stdin.readline()
+            if not line:  # Ctrl-D
+                typer.echo("", err=True)
+                return
+            turn = messages + [{"role": "user", "content": line.rstrip("\n")}]
+            ids = tok.encode(tok.apply_chat_template(turn, add_generation_prompt=True, **extra))
+            if len(ids) >= max_context:
+                raise ValueError(f"the conversation has {len(ids)} tokens, the context holds {max_context}: "
+                                 "start again with a larger --ctx-size")
+            job = Job(prompt=ids, max_tokens=min(n, max_context - len(ids)), params=params,
+                      on_text=lambda text: (sys.stdout.write(text), sys.stdout.flush()))
+            t0 = time.perf_counter()
+            done = _reply(scheduler, job)
+            sys.stdout.write("\n")
+            sys.stdout.flush()
+            if job.error is not None:
+                raise job.error
+            messages = turn + [{"role": "assistant", "content": job.text}]
+            if stats and done.result is not None:
+                r = done.result
+                typer.echo(f"{who}: prompt {len(ids)} tokens, {job.resumed} from the conversation cache, "
+                           f"{len(ids) - job.resumed} fed; reply {len(r.tokens)} tokens in "
+                           f"{time.perf_counter() - t0:.2f} s", err=True)
+    finally:
+        scheduler.close()
+
+
+def _reply(scheduler, job):
+    """Run one reply; Ctrl-C cancels it (the worker stops at its next token) and the chat goes on;
+    SIGTERM cancels it and ends the chat."""
+    finished = threading.Event()
+    previous = job.on_done
+    job.on_done = lambda j: (previous(j), finished.set())
+    scheduler.submit(job)
+    while True:
+        try:
+            finished.wait()
+            return job
+        except KeyboardInterrupt as e:
+            job.cancel()
+            if isinstance(e, Terminated):
+                finished.wait()
+                raise
+            typer.echo("\nstrata chat: reply stopped", err=True)
+
+
 @app.callback()
 def _strata(version: bool = version_option()) -> None:
     """Strata engine: run a packed MoE model (dense weights and hot experts on the GPU, the rest on the CPU)."""

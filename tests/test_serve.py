@@ -10,6 +10,7 @@ with `strata generate --temp 0` under the same flags.
 from __future__ import annotations
 
 import concurrent.futures
+import io
 import random
 import signal
 import socket
@@ -445,3 +446,35 @@ def test_sigterm_stops_the_server_cleanly(pack_dir):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+# --- strata chat -------------------------------------------------------------------------------------
+
+
+def test_chat_keeps_the_conversation(pack_dir, engine, capsys, monkeypatch):
+    """Two turns typed, then end of input (Ctrl-D): reply 1 is `strata generate --chat`'s, reply 2 the
+    one a cold run of the whole two-turn conversation gives; exit 0."""
+    model, tok = engine
+    want1 = cli_generate(pack_dir, capsys, "--chat", "--system", "be brief", "-p", "hi", "-n", "5", "--ignore-eos")
+    monkeypatch.setattr("sys.stdin", io.StringIO("hi\nmore\n"))
+    assert main(["chat", str(pack_dir), "-t", "1", "--temp", "0", *EXACT, "-n", "5", "--system", "be brief",
+                 "--stats"]) == 0
+    out, err = capsys.readouterr()
+    reply1, reply2 = out.split("\n")[:2]
+    # the tiny model never samples a stop token in 5 greedy tokens here: reply 1 is generate's whole output
+    assert reply1 == want1
+    turns = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"},
+             {"role": "assistant", "content": reply1}, {"role": "user", "content": "more"}]
+    ids = tok.encode(tok.apply_chat_template(turns, add_generation_prompt=True))
+    cold = Scheduler(model, tok, max_context=CTX, kv="f32", chunk=1, max_queue=0, cache=ConversationCache(0, 0))
+    try:
+        assert reply2 == run_and_wait(cold, Job(prompt=ids, max_tokens=5, params=GREEDY), timeout=60).text
+    finally:
+        cold.close()
+    assert err.count("strata chat: prompt ") == 2 and f"prompt {len(ids)} tokens" in err
+
+
+def test_chat_refuses_a_conversation_past_the_context(pack_dir, capsys, monkeypatch):
+    monkeypatch.setattr("sys.stdin", io.StringIO("x" * 300 + "\n"))
+    assert main(["chat", str(pack_dir), "-t", "1", *EXACT]) == 1
+    assert f"the context holds {CTX}: start again with a larger --ctx-size" in capsys.readouterr().err
