@@ -27,6 +27,7 @@ from .scheduler import Busy, Closed, Job, Scheduler
 from .tokenizer import Tokenizer
 
 RETRY_AFTER_S = 1  # what a 503 tells the client to wait before retrying
+DISCONNECT_POLL_S = 0.25  # how often a non-streaming request checks that its client is still there
 
 
 # --- requests ----------------------------------------------------------------------------------------
@@ -282,21 +283,34 @@ def make_app(scheduler: Scheduler, tok: Tokenizer, config: ServeConfig) -> FastA
     async def _internal(request: Request, e: Exception):
         return _error(500, f"internal error: {type(e).__name__}: {e}")
 
-    @app.middleware("http")
-    async def _auth_and_count(request: Request, call_next):
-        if config.api_key is not None and request.url.path.startswith("/v1/"):
-            if request.headers.get("authorization") != f"Bearer {config.api_key}":
-                response = _error(401, "missing or wrong API key: send the header Authorization: Bearer KEY",
-                                  None, "invalid_api_key")
-                _count(request, response)
-                return response
-        response = await call_next(request)
-        _count(request, response)
-        return response
+    class _AuthAndCount:
+        """The API key check and the status count, as plain ASGI: Starlette's BaseHTTPMiddleware wraps
+        the request's receive channel, and a handler behind it never saw its client disconnect."""
 
-    def _count(request: Request, response) -> None:
-        if request.method == "POST" and request.url.path.startswith("/v1/"):
-            metrics.responses[response.status_code] = metrics.responses.get(response.status_code, 0) + 1
+        def __init__(self, inner):
+            self.inner = inner
+
+        async def __call__(self, scope, receive, send):
+            path = scope.get("path", "")
+            if scope["type"] != "http" or not path.startswith("/v1/"):
+                return await self.inner(scope, receive, send)
+            counted = scope["method"] == "POST"
+
+            async def counting_send(message):
+                if counted and message["type"] == "http.response.start":
+                    code = message["status"]
+                    metrics.responses[code] = metrics.responses.get(code, 0) + 1
+                await send(message)
+
+            if config.api_key is not None:
+                headers = dict(scope.get("headers") or [])
+                if headers.get(b"authorization", b"") != f"Bearer {config.api_key}".encode():
+                    response = _error(401, "missing or wrong API key: send the header Authorization: Bearer KEY",
+                                      None, "invalid_api_key")
+                    return await response(scope, receive, counting_send)
+            await self.inner(scope, receive, counting_send)
+
+    app.add_middleware(_AuthAndCount)
 
     @app.get("/health")
     async def health():
@@ -370,9 +384,15 @@ def make_app(scheduler: Scheduler, tok: Tokenizer, config: ServeConfig) -> FastA
             gen = _chat_stream(job, events, rid, config.model_name) if chat else _completion_stream(job, events, rid, config.model_name)
             return StreamingResponse(_cancel_on_exit(gen, job), media_type="text/event-stream")
         try:
-            while await events.get() is not None:
-                pass
-        finally:  # the client went away (the handler is cancelled): free the worker at the next token
+            while True:
+                try:
+                    if await asyncio.wait_for(events.get(), DISCONNECT_POLL_S) is None:
+                        break
+                except asyncio.TimeoutError:
+                    # a non-streaming handler is not cancelled when its client leaves: ask the connection
+                    if not job.cancelled and await request.is_disconnected():
+                        job.cancel()  # the worker moves on at its next token; on_done still comes
+        finally:
             job.cancel()
         if job.error is not None:
             return _error(500, f"the generation failed: {type(job.error).__name__}: {job.error}")

@@ -286,6 +286,28 @@ def test_a_client_that_disconnects_frees_the_worker(engine):
         s.stop()
 
 
+def test_a_client_that_gives_up_on_a_plain_request_frees_the_worker(engine):
+    gate = Gate()
+    s = Running(engine, check=gate)
+    try:
+        body = {"prompt": [1, 2, 3], "max_tokens": 200, "ignore_eos": True}
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(f"{s.url}/v1/completions", json=body, timeout=httpx.Timeout(30, read=0.5))
+        deadline = time.monotonic() + 10  # the worker is held at its first token until the server notices
+        while not s.scheduler._running.cancelled:
+            assert time.monotonic() < deadline, "the server did not notice that its client left"
+            time.sleep(0.02)
+        gate.open.set()
+        deadline = time.monotonic() + 20
+        while not s.scheduler.idle:
+            assert time.monotonic() < deadline, "the worker kept running for a client that left"
+            time.sleep(0.02)
+        assert s.scheduler.counters.requests_cancelled == 1 and s.scheduler.counters.tokens_generated < 200
+    finally:
+        gate.open.set()
+        s.stop()
+
+
 def test_a_mixed_burst_leaves_nothing_behind(engine):
     """160 requests from 8 threads: good ones (streamed or not), bad ones of every kind, some past the
     queue; afterwards the queue is empty and the counters add up to what was sent."""
