@@ -658,6 +658,11 @@ def serve(
     prefill: str = typer.Option("auto", "--prefill", help="the prompt in chunks of CHUNK tokens, auto or off (token "
                                 "by token)"),
     pool_workers: Optional[int] = threads_option(),
+    device: str = device_option(),
+    expert_cache: str = expert_cache_option(),
+    expert_profile: Optional[Path] = expert_profile_option(),
+    vram_budget_mib: Optional[int] = vram_budget_option(),
+    vram_reserve_mib: int = vram_reserve_option(),
     native: Optional[Path] = typer.Option(None, "--native", help="the main GGUF, when it moved since packing"),
     ple_gguf: Optional[Path] = typer.Option(None, "--ple-gguf", help="the PLE GGUF shard, when it moved since packing"),
 ) -> None:
@@ -665,8 +670,11 @@ def serve(
     who = "strata serve"
     try:
         pack = resolve_pack(pack_arg, pack)
+        gpu_options(device, expert_cache, vram_budget_mib, vram_reserve_mib)
+        tier = dict(device=device, expert_cache=expert_cache, expert_profile=expert_profile,
+                    vram_budget_mib=vram_budget_mib, vram_reserve_mib=vram_reserve_mib)
         _serve(pack, host, port, api_key, max_queue, batch, cache_slots, cache_mib, model_name, max_context, kv, prefill,
-               pool_workers, native, ple_gguf, who)
+               pool_workers, native, ple_gguf, who, tier)
     except KeyboardInterrupt:
         typer.echo(f"\n{who}: interrupted", err=True)
         raise typer.Exit(130) from None
@@ -675,7 +683,7 @@ def serve(
 
 
 def _serve(pack, host, port, api_key, max_queue, batch, cache_slots, cache_mib, model_name, max_context, kv, prefill,
-           pool_workers, native, ple_gguf, who) -> None:
+           pool_workers, native, ple_gguf, who, tier_flags) -> None:
     from strata.engine.pack import read_pack_geometry
     from strata.engine.tokenizer import Tokenizer
 
@@ -703,14 +711,17 @@ def _serve(pack, host, port, api_key, max_queue, batch, cache_slots, cache_mib, 
     from strata.engine.serve import ServeConfig, make_app
 
     p, model, load_s = load_model(pack, native, ple_gguf, pool_workers, who, option)
-    chunk = prefill_chunk(option, p.geometry, max_context, "cpu")
+    chunk = prefill_chunk(option, p.geometry, max_context, tier_flags["device"])
+    # the tier is bound to the model, not to a session: every request and parked session runs on it
+    tier = start_tier(model, max_context=max_context, kv=kv, chunk=chunk, who=who, **tier_flags)
     cache = ConversationCache(cache_slots, cache_mib << 20)
     scheduler = Scheduler(model, tok, max_context=max_context, kv=kv, chunk=chunk, max_queue=max_queue, cache=cache,
                           check=p.check_unchanged)
     name = model_name or Path(pack).resolve().name
-    app_ = make_app(scheduler, tok, ServeConfig(model_name=name, max_context=max_context, api_key=api_key))
+    app_ = make_app(scheduler, tok, ServeConfig(model_name=name, max_context=max_context, api_key=api_key), tier)
     typer.echo(f"{who}: {name} loaded in {load_s:.1f} s; serving http://{host}:{port}/v1 (context {max_context}, "
-               f"--kv {kv}, one request at a time, {max_queue} queued at most)", err=True)
+               f"--kv {kv}, {'the GPU tier' if tier else 'the CPU'}, one request at a time, {max_queue} queued at most)",
+               err=True)
     server = QuietSignalServer(uvicorn.Config(app_, host=host, port=port, log_level="warning", access_log=False,
                                               timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S))
     try:

@@ -240,8 +240,9 @@ class ServeConfig:
     api_key: str | None = None
 
 
-def make_app(scheduler: Scheduler, tok: Tokenizer, config: ServeConfig) -> FastAPI:
-    """The FastAPI app serving `scheduler` (which owns the model); closing the app closes it."""
+def make_app(scheduler: Scheduler, tok: Tokenizer, config: ServeConfig, tier=None) -> FastAPI:
+    """The FastAPI app serving `scheduler` (which owns the model); closing the app closes it.
+    `tier`: the GPU tier the model runs on, if any (its expert hits go to /metrics)."""
     metrics = Metrics()
     created = int(time.time())
 
@@ -322,7 +323,7 @@ def make_app(scheduler: Scheduler, tok: Tokenizer, config: ServeConfig) -> FastA
 
     @app.get("/metrics", response_class=PlainTextResponse)
     async def prometheus():
-        return _prometheus(metrics, scheduler)
+        return _prometheus(metrics, scheduler, tier)
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatRequest, request: Request):
@@ -451,7 +452,7 @@ async def _completion_stream(job: Job, events: asyncio.Queue, rid: str, model: s
     yield "data: [DONE]\n\n"
 
 
-def _prometheus(metrics: Metrics, scheduler: Scheduler) -> str:
+def _prometheus(metrics: Metrics, scheduler: Scheduler, tier=None) -> str:
     c, cache = scheduler.counters, scheduler.cache
     lines = []
 
@@ -480,4 +481,11 @@ def _prometheus(metrics: Metrics, scheduler: Scheduler) -> str:
            [({}, cache.tokens_saved)])
     metric("strata_conversation_cache_sessions", "gauge", "sessions parked now", [({}, len(cache))])
     metric("strata_conversation_cache_bytes", "gauge", "host bytes of the parked sessions", [({}, cache.bytes)])
+    if tier is not None:
+        st = tier.stats
+        metric("strata_gpu_expert_hits_total", "counter", "routed experts computed from the GPU tier's slots",
+               [({}, int(st.hits.sum()))])
+        metric("strata_gpu_expert_misses_total", "counter", "routed experts computed on the CPU (not in a slot)",
+               [({}, int(st.misses.sum()))])
+        metric("strata_gpu_expert_hit_rate", "gauge", "hits / (hits + misses) since the start", [({}, f"{st.hit_rate:.6f}")])
     return "\n".join(lines) + "\n"

@@ -57,11 +57,11 @@ def engine(pack_dir):
 class Running:
     """A server on 127.0.0.1 in a thread: `url`, `scheduler`; `stop()` shuts it down as SIGTERM would."""
 
-    def __init__(self, engine, *, max_queue=8, slots=4, api_key=None, check=lambda: None):
+    def __init__(self, engine, *, max_queue=8, slots=4, api_key=None, check=lambda: None, tier=None):
         model, tok = engine
         self.scheduler = Scheduler(model, tok, max_context=CTX, kv="f32", chunk=1, max_queue=max_queue,
                                    cache=ConversationCache(slots, 64 << 20), check=check)
-        app = make_app(self.scheduler, tok, ServeConfig(model_name=NAME, max_context=CTX, api_key=api_key))
+        app = make_app(self.scheduler, tok, ServeConfig(model_name=NAME, max_context=CTX, api_key=api_key), tier)
         sock = socket.socket()
         sock.bind(("127.0.0.1", 0))
         self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
@@ -468,6 +468,28 @@ def test_sigterm_stops_the_server_cleanly(pack_dir):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_on_the_gpu_tier_the_replies_are_the_cpus_and_metrics_count_hits(pack_dir, server, rt):
+    """The GPU tier (CUDA, or its host emulation) bound to a model of its own: a request runs on the
+    worker thread, gives the all-CPU server's text, and /metrics reports the expert hits."""
+    from strata.engine.gpu_tier import GpuTier, TierOptions
+
+    model = Model(Pack.open(pack_dir))
+    tier = GpuTier.start(model, TierOptions(max_context=CTX, kv="f32", prefill_chunk=16, expert_cache=None))
+    try:
+        s = Running((model, Tokenizer.load(pack_dir / "tokenizer.txt")), tier=tier)
+        try:
+            kw = dict(model=NAME, prompt=[7, 8, 9, 10], max_tokens=8, temperature=0, extra_body={"ignore_eos": True})
+            assert s.client().completions.create(**kw).choices[0].text == server.client().completions.create(**kw).choices[0].text
+            m = s.metrics()
+            assert m["strata_gpu_expert_hits_total"] > 0
+            total = m["strata_gpu_expert_hits_total"] + m["strata_gpu_expert_misses_total"]
+            assert abs(m["strata_gpu_expert_hit_rate"] - m["strata_gpu_expert_hits_total"] / total) < 1e-6
+        finally:
+            s.stop()
+    finally:
+        tier.stop()
 
 
 # --- strata chat -------------------------------------------------------------------------------------
