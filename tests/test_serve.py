@@ -12,6 +12,7 @@ from __future__ import annotations
 import concurrent.futures
 import io
 import random
+import re
 import signal
 import socket
 import subprocess
@@ -522,3 +523,28 @@ def test_chat_refuses_a_conversation_past_the_context(pack_dir, capsys, monkeypa
     monkeypatch.setattr("sys.stdin", io.StringIO("x" * 300 + "\n"))
     assert main(["chat", str(pack_dir), "-t", "1", *EXACT]) == 1
     assert f"the context holds {CTX}: start again with a larger --ctx-size" in capsys.readouterr().err
+
+
+def test_chat_ctrl_c_stops_a_reply_and_ctrl_d_exits(pack_dir):
+    """A real `strata chat` process: Ctrl-C (SIGINT) in the middle of a long reply stops that reply
+    and the chat goes on; the end of input (Ctrl-D) then exits 0."""
+    code = "import sys; from strata.engine.cli import main; sys.exit(main())"
+    proc = subprocess.Popen([sys.executable, "-c", code, "chat", str(pack_dir), "-t", "1", "-c", "8192", "-n", "8000",
+                             "--prefill", "off", "--stats"], cwd=pack_dir.parent, stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        proc.stdin.write(b"hello\n")
+        proc.stdin.flush()
+        assert proc.stdout.read(1)  # the reply has begun (8000 tokens take far longer than this test)
+        proc.send_signal(signal.SIGINT)
+        time.sleep(0.5)
+        out, err = proc.communicate(b"", timeout=60)  # stdin closed: Ctrl-D at the next prompt
+        assert proc.returncode == 0, err.decode()
+        err = err.decode()
+        assert "strata chat: reply stopped" in err
+        replied = re.search(r"reply (\d+) tokens", err)
+        assert replied and int(replied.group(1)) < 8000
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
