@@ -216,7 +216,7 @@ def _field(loc) -> str | None:
     for p in parts:
         if isinstance(p, int):
             out += f"[{p}]"
-        elif p in ("str", "list[int]", "list[str]", "int", "float"):  # the branch a union tried: not a field
+        elif p in ("str", "int", "float", "bool", "none") or "[" in p:  # a union's branch (list[int]): not a field
             continue
         else:
             out += ("." if out else "") + str(p)
