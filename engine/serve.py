@@ -19,7 +19,7 @@ from typing import Annotated, Any, Literal
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictInt
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .sampling import SamplerParams
@@ -73,13 +73,14 @@ class ChatMessage(BaseModel):
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[dict[str, Any]] | None = None
 
-    def text(self) -> str:
+    def text(self, param: str) -> str:
         if self.content is None or isinstance(self.content, str):
             return self.content or ""
         parts = []
-        for part in self.content:  # the content-parts form: only text parts are understood
+        for j, part in enumerate(self.content):  # the content-parts form: only text parts are understood
             if part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise _BadField("messages", f"a content part of type {part.get('type')!r}; only text parts are served")
+                raise _BadField(f"{param}[{j}]", f"{param}[{j}]: a content part of type {part.get('type')!r}; "
+                                "only text parts are served")
             parts.append(part["text"])
         return "".join(parts)
 
@@ -93,11 +94,15 @@ class CompletionRequest(_Sampling):
     prompt: str | list[StrictInt]
     echo: bool = False
 
-    @model_validator(mode="after")
-    def _no_echo(self):
-        if self.echo:
-            raise ValueError("echo is not supported")
-        return self
+
+def _unicode(text: str, param: str) -> str:
+    """`text` if it can be encoded: JSON's \\ud800 escapes decode to lone surrogates, which are no text."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise _BadField(param, f"{param}: character {e.start} is a lone surrogate ({text[e.start]!r}), not "
+                        "Unicode text") from None
+    return text
 
 
 # --- responses -------------------------------------------------------------------------------------
@@ -327,7 +332,8 @@ def make_app(scheduler: Scheduler, tok: Tokenizer, config: ServeConfig, tier=Non
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatRequest, request: Request):
-        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        messages = [{"role": m.role, "content": _unicode(m.text(f"messages[{i}].content"), f"messages[{i}].content")}
+                    for i, m in enumerate(body.messages)]
         extra = dict(body.chat_template_kwargs or {})
         try:
             text = tok.apply_chat_template(messages, add_generation_prompt=True, **extra)
@@ -338,8 +344,10 @@ def make_app(scheduler: Scheduler, tok: Tokenizer, config: ServeConfig, tier=Non
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
+        if body.echo:
+            raise _BadField("echo", "echo: returning the prompt with the reply is not supported")
         if isinstance(body.prompt, str):
-            ids = tok.encode(body.prompt)
+            ids = tok.encode(_unicode(body.prompt, "prompt"))
         else:
             n_vocab = scheduler.model.geometry.n_vocab
             bad = [i for i, t in enumerate(body.prompt) if not 0 <= t < n_vocab]

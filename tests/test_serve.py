@@ -202,6 +202,13 @@ def test_models_health_metrics(server):
     ("chat/completions", {"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
     ("chat/completions", {"messages": "hello"}, "messages"),
     ("chat/completions", [1, 2], None),
+    ("completions", b'{"prompt": "a\\ud800b"}', "prompt"),  # a lone surrogate: JSON, but no text
+    ("chat/completions", b'{"messages": [{"role": "user", "content": "ok"}, {"role": "user", "content": "\\udc00"}]}',
+     "messages[1].content"),
+    ("chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+     "messages[0].content[0]"),
+    ("completions", {"prompt": "hi", "echo": True}, "echo"),
+    ("completions", {"prompt": "hi", "stream": "maybe"}, "stream"),
 ])
 def test_bad_requests_get_400_naming_the_field(server, path, body, param):
     kw = {"content": body, "headers": {"content-type": "application/json"}} if isinstance(body, bytes) else {"json": body}
