@@ -58,7 +58,7 @@ def engine(pack_dir):
 class Running:
     """A server on 127.0.0.1 in a thread: `url`, `scheduler`; `stop()` shuts it down as SIGTERM would."""
 
-    def __init__(self, engine, *, max_queue=8, slots=4, api_key=None, check=lambda: None, tier=None):
+    def __init__(self, engine, *, max_queue=8, slots=4, api_key=None, check=lambda: None, tier=None, graceful=5):
         model, tok = engine
         self.scheduler = Scheduler(model, tok, max_context=CTX, kv="f32", chunk=1, max_queue=max_queue,
                                    cache=ConversationCache(slots, 64 << 20), check=check)
@@ -66,7 +66,7 @@ class Running:
         sock = socket.socket()
         sock.bind(("127.0.0.1", 0))
         self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5))
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=graceful))
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
         self.thread.start()
         deadline = time.monotonic() + 30
@@ -314,6 +314,35 @@ def test_a_client_that_gives_up_on_a_plain_request_frees_the_worker(engine):
     finally:
         gate.open.set()
         s.stop()
+
+
+def test_shutdown_cancels_a_reply_that_outlasts_the_graceful_timeout(engine):
+    """The shutdown SIGTERM starts: a reply still running when uvicorn's graceful timeout ends is
+    cancelled, the worker stops at its next token and the server's thread ends."""
+    gate = Gate()
+    s = Running(engine, check=gate, graceful=0.5)
+    try:
+        body = {"prompt": [1, 2, 3], "max_tokens": 200, "ignore_eos": True, "stream": True}
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            reply = pool.submit(lambda: httpx.post(f"{s.url}/v1/completions", json=body, timeout=30).text)
+            assert gate.reached.wait(30)
+            s.server.should_exit = True  # what uvicorn's SIGTERM handler does
+            job = s.scheduler._running
+            deadline = time.monotonic() + 10
+            while not job.cancelled:
+                assert time.monotonic() < deadline, "the running reply was not cancelled at shutdown"
+                time.sleep(0.02)
+            gate.open.set()
+            s.thread.join(30)
+            assert not s.thread.is_alive()
+            try:  # the reply is cut: the connection closes without the stream's end
+                assert "data: [DONE]" not in reply.result()
+            except httpx.RemoteProtocolError:
+                pass
+        c = s.scheduler.counters
+        assert c.requests_cancelled == 1 and c.tokens_generated < 200 and s.scheduler.idle
+    finally:
+        gate.open.set()
 
 
 def test_a_mixed_burst_leaves_nothing_behind(engine):
