@@ -634,6 +634,231 @@ def format_perplexity(s, kl_base) -> str:
     return "\n".join(lines)
 
 
+@app.command()
+def serve(
+    pack_arg: Optional[Path] = model_argument(),
+    pack: Optional[Path] = model_option(),
+    host: str = typer.Option("127.0.0.1", "--host", help="the address to listen on (loopback unless given; 0.0.0.0: "
+                             "every interface, put --api-key on it)"),
+    port: int = typer.Option(8080, "--port", help="the TCP port"),
+    api_key: Optional[str] = typer.Option(None, "--api-key", metavar="KEY", help="refuse (401) a request without the "
+                                          "header Authorization: Bearer KEY"),
+    max_queue: int = typer.Option(16, "--max-queue", metavar="Q", help="requests waiting beside the running one; more "
+                                  "get 503 with Retry-After"),
+    batch: int = typer.Option(1, "--batch", metavar="N", help="requests decoding together (only 1 in this version)"),
+    cache_slots: int = typer.Option(8, "--conversation-cache-slots", metavar="N", help="finished sessions parked in "
+                                    "host memory so a prompt that extends one feeds only its new tokens; 0 is off"),
+    cache_mib: int = typer.Option(2048, "--conversation-cache-mib", metavar="M", help="host memory the parked "
+                                  "sessions may take, in MiB (least recently used evicted first)"),
+    model_name: Optional[str] = typer.Option(None, "--model-name", help="the model id clients name (default: the pack "
+                                             "directory's name)"),
+    max_context: int = ctx_option(4096, "--max-context", "the context (KV cache size) of every request, prompt and "
+                                  "reply together"),
+    kv: str = typer.Option("f16", "--kv", help="KV cache type: f16, int8 (an f32 scale per 32 values) or f32 (exact)"),
+    prefill: str = typer.Option("auto", "--prefill", help="the prompt in chunks of CHUNK tokens, auto or off (token "
+                                "by token)"),
+    pool_workers: Optional[int] = threads_option(),
+    device: str = device_option(),
+    expert_cache: str = expert_cache_option(),
+    expert_profile: Optional[Path] = expert_profile_option(),
+    vram_budget_mib: Optional[int] = vram_budget_option(),
+    vram_reserve_mib: int = vram_reserve_option(),
+    native: Optional[Path] = typer.Option(None, "--native", help="the main GGUF, when it moved since packing"),
+    ple_gguf: Optional[Path] = typer.Option(None, "--ple-gguf", help="the PLE GGUF shard, when it moved since packing"),
+) -> None:
+    """Serve a pack over an OpenAI-compatible HTTP API (chat and completions, streaming or not)."""
+    who = "strata serve"
+    try:
+        pack = resolve_pack(pack_arg, pack)
+        gpu_options(device, expert_cache, vram_budget_mib, vram_reserve_mib)
+        tier = dict(device=device, expert_cache=expert_cache, expert_profile=expert_profile,
+                    vram_budget_mib=vram_budget_mib, vram_reserve_mib=vram_reserve_mib)
+        _serve(pack, host, port, api_key, max_queue, batch, cache_slots, cache_mib, model_name, max_context, kv, prefill,
+               pool_workers, native, ple_gguf, who, tier)
+    except KeyboardInterrupt:
+        typer.echo(f"\n{who}: interrupted", err=True)
+        raise typer.Exit(130) from None
+    except _INPUT_ERRORS as e:
+        raise _fail(str(e), 1, who) from None
+
+
+def _serve(pack, host, port, api_key, max_queue, batch, cache_slots, cache_mib, model_name, max_context, kv, prefill,
+           pool_workers, native, ple_gguf, who, tier_flags) -> None:
+    from strata.engine.pack import read_pack_geometry
+    from strata.engine.tokenizer import Tokenizer
+
+    # every flag is checked before the load (seconds to minutes)
+    if batch != 1:
+        raise ValueError(f"--batch {batch}: several requests decoding together is not built yet; this version runs "
+                         "one request at a time (--batch 1) and queues the others (--max-queue)")
+    if not 0 <= port <= 65535:
+        raise ValueError(f"--port {port}: expected 0..65535")
+    if max_queue < 0:
+        raise ValueError(f"--max-queue {max_queue}: expected >= 0")
+    if cache_slots < 0:
+        raise ValueError(f"--conversation-cache-slots {cache_slots}: expected >= 0 (0 is off)")
+    if cache_mib < 0:
+        raise ValueError(f"--conversation-cache-mib {cache_mib}: expected >= 0")
+    if api_key is not None and not api_key.strip():
+        raise ValueError("--api-key is empty")
+    option = engine_options(kv, prefill)
+    g = read_pack_geometry(pack)
+    tok = Tokenizer.load(Path(pack) / "tokenizer.txt")
+    check_context(who, g, kv, max_context, "--ctx-size")
+    import uvicorn
+
+    from strata.engine.scheduler import ConversationCache, Scheduler
+    from strata.engine.serve import ServeConfig, make_app
+
+    p, model, load_s = load_model(pack, native, ple_gguf, pool_workers, who, option)
+    chunk = prefill_chunk(option, p.geometry, max_context, tier_flags["device"])
+    # the tier is bound to the model, not to a session: every request and parked session runs on it
+    tier = start_tier(model, max_context=max_context, kv=kv, chunk=chunk, who=who, **tier_flags)
+    cache = ConversationCache(cache_slots, cache_mib << 20)
+    scheduler = Scheduler(model, tok, max_context=max_context, kv=kv, chunk=chunk, max_queue=max_queue, cache=cache,
+                          check=p.check_unchanged)
+    name = model_name or Path(pack).resolve().name
+    app_ = make_app(scheduler, tok, ServeConfig(model_name=name, max_context=max_context, api_key=api_key), tier)
+    typer.echo(f"{who}: {name} loaded in {load_s:.1f} s; serving http://{host}:{port}/v1 (context {max_context}, "
+               f"--kv {kv}, {'the GPU tier' if tier else 'the CPU'}, one request at a time, {max_queue} queued at most)",
+               err=True)
+    server = QuietSignalServer(uvicorn.Config(app_, host=host, port=port, log_level="warning", access_log=False,
+                                              timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S))
+    try:
+        server.run()
+    except SystemExit:
+        # uvicorn exits (status 1) when it cannot bind: say which address instead of its bare log line
+        raise ValueError(f"--host {host} --port {port}: cannot listen there (in use, or not an address of this "
+                         "machine)") from None
+    typer.echo(f"{who}: stopped", err=True)
+
+
+GRACEFUL_SHUTDOWN_S = 10  # on SIGTERM, in-flight responses get this long to finish, then are cancelled
+
+
+def _quiet_signal_server():
+    import uvicorn
+
+    class _Server(uvicorn.Server):
+        """uvicorn re-raises the SIGTERM it caught once it has shut down, which made a clean stop exit 143;
+        a server stopped by SIGTERM or Ctrl-C has finished its work, so it exits 0."""
+
+        @contextlib.contextmanager
+        def capture_signals(self):
+            with super().capture_signals():
+                try:
+                    yield
+                finally:
+                    self._captured_signals.clear()
+
+    return _Server
+
+
+def QuietSignalServer(config):
+    return _quiet_signal_server()(config)
+
+
+@app.command()
+def chat(
+    pack_arg: Optional[Path] = model_argument(),
+    pack: Optional[Path] = model_option(),
+    system: Optional[str] = typer.Option(None, "--system", help="a system turn before the conversation"),
+    think: Optional[bool] = typer.Option(None, "--think/--no-think", show_default=False,
+                                         help="the template's enable_thinking (default: the template's own)"),
+    n: int = typer.Option(1024, "-n", "--n-predict", help="tokens per reply at most"),
+    temp: float = typer.Option(0.8, "--temp", help="temperature, as llama.cpp; 0 is greedy"),
+    top_k: int = typer.Option(40, "--top-k", help="keep the k most likely tokens; 0 is off"),
+    top_p: float = typer.Option(0.95, "--top-p", help="nucleus sampling mass; 1 is off"),
+    min_p: float = typer.Option(0.05, "--min-p", help="drop tokens below min_p * p_max; 0 is off"),
+    repeat_penalty: float = typer.Option(1.0, "--repeat-penalty", help="penalise the last 64 tokens; 1 is off"),
+    seed: Optional[int] = typer.Option(None, "--seed", help="sampling seed"),
+    max_context: int = ctx_option(4096, "--max-context", "the context of the whole conversation, in tokens"),
+    kv: str = typer.Option("f16", "--kv", help="KV cache type: f16, int8 or f32 (exact)"),
+    prefill: str = typer.Option("auto", "--prefill", help="the prompt in chunks of CHUNK tokens, auto or off"),
+    pool_workers: Optional[int] = threads_option(),
+    stats: bool = typer.Option(False, "--stats", help="after each reply, print to stderr the prompt tokens fed, "
+                               "those taken from the conversation cache, and the reply's speed"),
+) -> None:
+    """Chat in the terminal: each line you type is a user turn; Ctrl-C stops a reply, Ctrl-D exits."""
+    who = "strata chat"
+    if n < 1:
+        raise _fail(f"-n {n}: expected >= 1", 2, who)
+    try:
+        pack = resolve_pack(pack_arg, pack)
+        params = sampler_options(temp, top_k, top_p, min_p, repeat_penalty, seed)
+        _chat(pack, system, think, n, params, max_context, kv, prefill, pool_workers, stats, who)
+    except KeyboardInterrupt:
+        typer.echo("", err=True)  # Ctrl-C at the prompt: leave as Ctrl-D does
+    except _INPUT_ERRORS as e:
+        raise _fail(str(e), 1, who) from None
+
+
+def _chat(pack, system, think, n, params, max_context, kv, prefill, pool_workers, stats, who) -> None:
+    from strata.engine.pack import read_pack_geometry
+    from strata.engine.scheduler import ConversationCache, Job, Scheduler
+    from strata.engine.tokenizer import Tokenizer
+
+    option = engine_options(kv, prefill)
+    g = read_pack_geometry(pack)
+    tok = Tokenizer.load(Path(pack) / "tokenizer.txt")
+    check_context(who, g, kv, max_context, "--ctx-size")
+    p, model, _ = load_model(pack, None, None, pool_workers, who, option)
+    chunk = prefill_chunk(option, p.geometry, max_context, "cpu")
+    # one parked session: turn n+1 extends turn n, so it feeds only its own new tokens
+    scheduler = Scheduler(model, tok, max_context=max_context, kv=kv, chunk=chunk, max_queue=0,
+                          cache=ConversationCache(1, 1 << 62), check=p.check_unchanged)
+    messages = [{"role": "system", "content": system}] if system is not None else []
+    extra = {} if think is None else {"enable_thinking": think}
+    typer.echo(f"{who}: type a message and Enter; Ctrl-C stops a reply, Ctrl-D exits", err=True)
+    try:
+        while True:
+            typer.echo("> ", nl=False, err=True)
+            line = sys.stdin.readline()
+            if not line:  # Ctrl-D
+                typer.echo("", err=True)
+                return
+            turn = messages + [{"role": "user", "content": line.rstrip("\n")}]
+            ids = tok.encode(tok.apply_chat_template(turn, add_generation_prompt=True, **extra))
+            if len(ids) >= max_context:
+                raise ValueError(f"the conversation has {len(ids)} tokens, the context holds {max_context}: "
+                                 "start again with a larger --ctx-size")
+            job = Job(prompt=ids, max_tokens=min(n, max_context - len(ids)), params=params,
+                      on_text=lambda text: (sys.stdout.write(text), sys.stdout.flush()))
+            t0 = time.perf_counter()
+            done = _reply(scheduler, job)
+            sys.stdout.write("\n")
+            sys.stdout.flush()
+            if job.error is not None:
+                raise job.error
+            messages = turn + [{"role": "assistant", "content": job.text}]
+            if stats and done.result is not None:
+                r = done.result
+                typer.echo(f"{who}: prompt {len(ids)} tokens, {job.resumed} from the conversation cache, "
+                           f"{len(ids) - job.resumed} fed; reply {len(r.tokens)} tokens in "
+                           f"{time.perf_counter() - t0:.2f} s", err=True)
+    finally:
+        scheduler.close()
+
+
+def _reply(scheduler, job):
+    """Run one reply; Ctrl-C cancels it (the worker stops at its next token) and the chat goes on;
+    SIGTERM cancels it and ends the chat."""
+    finished = threading.Event()
+    previous = job.on_done
+    job.on_done = lambda j: (previous(j), finished.set())
+    scheduler.submit(job)
+    while True:
+        try:
+            finished.wait()
+            return job
+        except KeyboardInterrupt as e:
+            job.cancel()
+            if isinstance(e, Terminated):
+                finished.wait()
+                raise
+            typer.echo("\nstrata chat: reply stopped", err=True)
+
+
 @app.callback()
 def _strata(version: bool = version_option()) -> None:
     """Strata engine: run a packed MoE model (dense weights and hot experts on the GPU, the rest on the CPU)."""

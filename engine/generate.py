@@ -36,12 +36,19 @@ class Generation:
     positions: int  # positions fed to the model (rows of logits produced)
     prefill_s: float  # feeding the prompt, up to the logits of its last position
     decode_s: float  # everything after: sampling and feeding the generated tokens
-    stop: str  # "eos" (a stop token was sampled), "length" (-n reached) or "context" (max_context reached)
+    stop: str  # "eos" (a stop token was sampled), "length" (-n reached), "context" (max_context reached) or
+    # "stopped" (on_token asked to stop: a stop string, a client gone)
 
     @property
     def decode_steps(self) -> int:
         """Positions fed after the prompt (the last sampled token is never fed)."""
         return self.positions - len(self.prompt)
+
+    @property
+    def fed(self) -> np.ndarray:
+        """The tokens the session holds now, in order: the prompt and every sampled token but the last
+        (a parked session covers exactly these)."""
+        return np.concatenate([self.prompt, self.tokens])[: self.positions]
 
     @property
     def prefill_tps(self) -> float:
@@ -55,12 +62,16 @@ class Generation:
 
 def generate(model: Model, session: Session, prompt: Sequence[int], sampler: Sampler, max_new_tokens: int, *,
              stop_ids: Collection[int] = (), on_token: Callable[[int], None] | None = None,
-             on_logits: Callable[[int, np.ndarray], None] | None = None, prefill: int = 1) -> Generation:
-    """Run `prompt` then up to `max_new_tokens` sampled tokens through `session` (from its position 0).
+             on_logits: Callable[[int, np.ndarray], None] | None = None, prefill: int = 1,
+             start: int = 0) -> Generation:
+    """Run `prompt` then up to `max_new_tokens` sampled tokens through `session`.
 
-    on_token(id) is called for each sampled token as it is chosen (streaming); on_logits(pos, logits)
-    for each fed position with the f32 logits it produced (a view, valid until the next step).
-    `prefill`: the prompt path's chunk in tokens (1 or 0: token by token)."""
+    on_token(id) is called for each sampled token as it is chosen (streaming); when it returns True
+    the generation ends there (stop "stopped"; that token is not fed). on_logits(pos, logits) for each
+    fed position with the f32 logits it produced (a view, valid until the next step).
+    `prefill`: the prompt path's chunk in tokens (1 or 0: token by token). `start`: how many of the
+    prompt's tokens the session holds already (a resumed conversation: session.pos == start); only
+    the rest is fed."""
     n_prompt = len(prompt)
     if n_prompt == 0:
         raise ValueError("generate: the prompt is empty; at least one token is needed to predict the next")
@@ -68,15 +79,18 @@ def generate(model: Model, session: Session, prompt: Sequence[int], sampler: Sam
         raise ValueError(f"generate: max_new_tokens {max_new_tokens}, expected >= 0")
     if prefill < 0:
         raise ValueError(f"generate: prefill chunk {prefill}, expected >= 0 (0 or 1: token by token)")
-    if session.pos != 0:
-        raise ValueError(f"generate: the session is at position {session.pos}; start from a new session")
+    if not 0 <= start < n_prompt:
+        raise ValueError(f"generate: start {start}, expected 0..{n_prompt - 1} (at least one prompt token to feed)")
+    if session.pos != start:
+        raise ValueError(f"generate: the session is at position {session.pos}, expected {start} (the prompt tokens "
+                         "it holds)")
     if n_prompt > session.max_context:
         raise ValueError(f"generate: the prompt has {n_prompt} tokens, the context holds {session.max_context} "
                          "(raise --ctx-size)")
     chunk = max(prefill, 1)
     history = np.empty(n_prompt + max_new_tokens, np.int64)
     history[:n_prompt] = prompt
-    n_tokens, fed, stop = n_prompt, 0, "length"
+    n_tokens, fed, stop = n_prompt, start, "length"
     start = time.perf_counter()
     prefilled = None
     while True:
@@ -101,8 +115,9 @@ def generate(model: Model, session: Session, prompt: Sequence[int], sampler: Sam
         token = sampler.sample(logits, history[:n_tokens])
         history[n_tokens] = token
         n_tokens += 1
-        if on_token is not None:
-            on_token(token)
+        if on_token is not None and on_token(token):
+            stop = "stopped"
+            break
         if token in stop_ids:
             stop = "eos"
             break

@@ -1,0 +1,325 @@
+"""The serving machinery behind `strata serve`, with no HTTP in it: one worker thread that owns the
+model, the queue of requests waiting for it, and the conversation cache of parked sessions.
+
+The model is not thread-safe (a Session's buffers, the kernels' scratch, the thread pool), so ONE
+thread runs every request, one at a time; callers submit a Job and get its text through callbacks
+run on the worker thread. Batch slots (several requests decoding together, the MoE grouping their
+tokens per expert) are not built yet: the next cut replaces `_run_one` by a step over slots.
+
+The conversation cache: when a request ends, its Session IS the state at its position (KV cache,
+Gated DeltaNet and conv states, PLE windows), so it is parked in host memory under the exact tokens
+it was fed (the prompt and every sampled token but the last, which is never fed). A later prompt
+that extends a parked sequence takes that session and feeds only its new tokens. Without it, a
+hybrid model's recurrent layers would re-read the whole conversation at every turn.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .generate import Generation, generate
+from .model import Model, Session
+from .sampling import Sampler, SamplerParams
+from .tokenizer import Tokenizer
+
+
+class Busy(RuntimeError):
+    """The worker is busy and the queue is full: the caller should retry later (HTTP 503)."""
+
+
+class Closed(RuntimeError):
+    """The scheduler is shutting down: no new work is taken."""
+
+
+def session_bytes(session: Session) -> int:
+    return sum(session.memory().values())
+
+
+class ConversationCache:
+    """Parked sessions keyed by the token sequence each holds, least recently used first; at most
+    `slots` of them and `max_bytes` in all (0 slots: off)."""
+
+    def __init__(self, slots: int, max_bytes: int):
+        if slots < 0 or max_bytes < 0:
+            raise ValueError(f"conversation cache: {slots} slots, {max_bytes} bytes; expected both >= 0")
+        self.slots, self.max_bytes = slots, max_bytes
+        self._parked: OrderedDict[tuple[int, ...], tuple[Session, int]] = OrderedDict()
+        self.bytes = 0
+        self.hits = self.misses = self.tokens_saved = self.evictions = 0
+
+    def __len__(self) -> int:
+        return len(self._parked)
+
+    def take(self, prompt: Sequence[int], max_context: int, kv: str) -> tuple[Session, int] | None:
+        """The parked session whose sequence is the longest strict prefix of `prompt` (at least one
+        new token is left to feed, whose logits give the first sampled token), removed from the
+        cache: (session, tokens it holds); None on a miss."""
+        if self.slots == 0:
+            return None
+        prompt = tuple(int(t) for t in prompt)
+        best = None
+        for key, (s, _) in self._parked.items():
+            n = len(key)
+            if n < len(prompt) and prompt[:n] == key and s.max_context == max_context and s.kv == kv:
+                if best is None or n > len(best):
+                    best = key
+        if best is None:
+            self.misses += 1
+            return None
+        session, nbytes = self._parked.pop(best)
+        self.bytes -= nbytes
+        self.hits += 1
+        self.tokens_saved += len(best)
+        return session, len(best)
+
+    def park(self, tokens: Sequence[int], session: Session) -> None:
+        """Keep `session`, which holds exactly `tokens`, evicting the least recently used ones to fit."""
+        if self.slots == 0 or session.pos != len(tokens) or not len(tokens):
+            return
+        nbytes = session_bytes(session)
+        if nbytes > self.max_bytes:
+            return  # one session larger than the whole cache: parking it would evict everything for nothing
+        key = tuple(int(t) for t in tokens)
+        if key in self._parked:
+            self.bytes -= self._parked.pop(key)[1]
+        while self._parked and (len(self._parked) >= self.slots or self.bytes + nbytes > self.max_bytes):
+            _, (_, old) = self._parked.popitem(last=False)
+            self.bytes -= old
+            self.evictions += 1
+        self._parked[key] = (session, nbytes)
+        self.bytes += nbytes
+
+
+class StopText:
+    """Text as it streams, cut at the first of the `stops` strings (which is not part of the text).
+    `push(piece)` returns the text safe to send now: whatever might still be the start of a stop
+    string is held back until the next piece settles it."""
+
+    def __init__(self, stops: Sequence[str] = ()):
+        self.stops = [s for s in stops if s]
+        self.text = ""
+        self.sent = 0
+        self.stopped = False
+
+    def push(self, piece: str) -> str:
+        if self.stopped:
+            return ""
+        start = self.sent  # the text sent holds no stop string, nor the start of one
+        self.text += piece
+        cut = min((i for i in (self.text.find(s, start) for s in self.stops) if i >= 0), default=-1)
+        if cut >= 0:
+            self.stopped = True
+            self.text = self.text[:cut]
+            return self._take(cut)
+        hold = 0
+        for s in self.stops:  # the longest end of the text that begins a stop string
+            for k in range(min(len(s) - 1, len(self.text)), hold, -1):
+                if self.text.endswith(s[:k]):
+                    hold = k
+                    break
+        return self._take(len(self.text) - hold)
+
+    def flush(self) -> str:
+        return self._take(len(self.text))
+
+    def _take(self, end: int) -> str:
+        out = self.text[self.sent : end] if end > self.sent else ""
+        self.sent = max(self.sent, end)
+        return out
+
+
+@dataclass
+class Job:
+    """One request: the prompt's token ids, how to sample, and where its text goes.
+
+    on_text(delta) is called on the worker thread for each piece of text that is final;
+    on_done(job) once, at the end, with `result`/`finish`/`error` set. `cancel()` (any thread) ends
+    the generation at its next token."""
+
+    prompt: list[int]
+    max_tokens: int
+    params: SamplerParams
+    ignore_eos: bool = False
+    stops: Sequence[str] = ()
+    on_text: Callable[[str], None] = lambda text: None
+    on_done: Callable[[Job], None] = lambda job: None
+    text: str = ""
+    result: Generation | None = None
+    finish: str | None = None  # "stop" (a stop token or string) or "length"; None when cancelled or failed
+    error: BaseException | None = None
+    resumed: int = 0  # prompt tokens taken from the conversation cache (not fed again)
+    _cancelled: threading.Event = field(default_factory=threading.Event)
+
+    def cancel(self) -> None:
+        self._cancelled.set()
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancelled.is_set()
+
+
+@dataclass
+class Counters:
+    requests_done: int = 0  # every job that ended: finished, cancelled or failed
+    requests_cancelled: int = 0
+    requests_failed: int = 0
+    requests_rejected: int = 0  # refused as Busy
+    tokens_generated: int = 0
+    prompt_tokens: int = 0
+    prompt_tokens_fed: int = 0  # of those, fed to the model (the rest came from the conversation cache)
+
+
+class Scheduler:
+    """The one worker thread that owns `model`; `submit(job)` queues a job (Busy when 1 running +
+    `max_queue` waiting already); `close()` cancels what is left and stops the thread."""
+
+    def __init__(self, model: Model, tok: Tokenizer, *, max_context: int, kv: str, chunk: int, max_queue: int,
+                 cache: ConversationCache, check: Callable[[], None] = lambda: None):
+        if max_queue < 0:
+            raise ValueError(f"max_queue {max_queue}: expected >= 0")
+        self.model, self.tok = model, tok
+        self.max_context, self.kv, self.chunk, self.max_queue = max_context, kv, chunk, max_queue
+        self.cache, self.check = cache, check
+        self.counters = Counters()
+        self._queue: queue.Queue[Job | None] = queue.Queue()
+        self._lock = threading.Lock()
+        self._admitted = 0  # queued + running
+        self._running: Job | None = None
+        self._closed = False
+        self._thread = threading.Thread(target=self._work, name="strata-worker", daemon=True)
+        self._thread.start()
+
+    @property
+    def queue_depth(self) -> int:
+        """Jobs waiting (not the running one)."""
+        with self._lock:
+            return self._admitted - (self._running is not None)
+
+    @property
+    def running(self) -> int:
+        with self._lock:
+            return int(self._running is not None)
+
+    @property
+    def idle(self) -> bool:
+        with self._lock:
+            return self._admitted == 0
+
+    def submit(self, job: Job) -> None:
+        with self._lock:
+            if self._closed:
+                raise Closed("the server is shutting down")
+            if self._admitted >= 1 + self.max_queue:
+                self.counters.requests_rejected += 1
+                raise Busy(f"1 request running and {self.max_queue} waiting (--max-queue); retry later")
+            self._admitted += 1
+        self._queue.put(job)
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Refuse new jobs, cancel the waiting and the running ones, and wait for the worker."""
+        with self._lock:
+            self._closed = True
+            if self._running is not None:
+                self._running.cancel()
+        self._queue.put(None)
+        self._thread.join(timeout)
+
+    def _work(self) -> None:
+        while True:
+            job = self._queue.get()
+            if job is None:
+                break
+            with self._lock:
+                self._running = job
+                if self._closed:
+                    job.cancel()
+            try:
+                self._run_one(job)
+            except BaseException as e:  # noqa: BLE001 - no request may kill the worker
+                job.error = e
+                self.counters.requests_failed += 1
+            finally:
+                with self._lock:
+                    self._running = None
+                    self._admitted -= 1
+                self.counters.requests_done += 1
+                if job.cancelled and job.error is None:
+                    self.counters.requests_cancelled += 1
+                try:
+                    job.on_done(job)
+                except Exception:  # noqa: BLE001 - a caller's callback cannot stop the worker
+                    pass
+        # cancel whatever is still queued behind the sentinel
+        while True:
+            try:
+                job = self._queue.get_nowait()
+            except queue.Empty:
+                return
+            if job is not None:
+                job.cancel()
+                with self._lock:
+                    self._admitted -= 1
+                self.counters.requests_done += 1
+                self.counters.requests_cancelled += 1
+                try:
+                    job.on_done(job)
+                except Exception:  # noqa: BLE001
+                    pass
+
+    def _run_one(self, job: Job) -> None:
+        if job.cancelled:
+            return
+        tok, n = self.tok, len(job.prompt)
+        taken = self.cache.take(job.prompt, self.max_context, self.kv)
+        session, start = taken if taken is not None else (self.model.new_session(self.max_context, self.kv), 0)
+        job.resumed = start
+        self.counters.prompt_tokens += n
+        self.counters.prompt_tokens_fed += n - start
+        sampler = Sampler(self.model.geometry.n_vocab, job.params, banned=tok.stop_ids if job.ignore_eos else ())
+        stream, stop = tok.stream(), StopText(job.stops)
+        stop_ids = () if job.ignore_eos else tok.stop_ids
+
+        def on_token(token: int) -> bool:
+            self.counters.tokens_generated += 1
+            self.check()
+            if token not in stop_ids:
+                delta = stop.push(stream.push(token))
+                if delta:
+                    job.on_text(delta)
+            return stop.stopped or job.cancelled
+
+        result = generate(self.model, session, job.prompt, sampler, job.max_tokens, stop_ids=stop_ids,
+                          on_token=on_token, prefill=self.chunk, start=start)
+        if not stop.stopped:
+            tail = stop.push(stream.flush())
+            tail += stop.flush() if not stop.stopped else ""
+            if tail:
+                job.on_text(tail)
+        job.text, job.result = stop.text, result
+        if not job.cancelled:
+            job.finish = "stop" if result.stop in ("eos", "stopped") else "length"
+        # the session holds exactly the fed tokens: park it under them for the next turn
+        self.cache.park(result.fed.tolist(), session)
+
+
+def run_and_wait(scheduler: Scheduler, job: Job, timeout: float | None = None) -> Job:
+    """Submit `job` and block until it ends (for callers without an event loop: strata chat, tests)."""
+    done = threading.Event()
+    previous = job.on_done
+
+    def finished(j: Job) -> None:
+        previous(j)
+        done.set()
+
+    job.on_done = finished
+    scheduler.submit(job)
+    if not done.wait(timeout):
+        job.cancel()
+        done.wait()
+    return job

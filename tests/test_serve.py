@@ -1,0 +1,586 @@
+"""`strata serve`: the OpenAI API through the real `openai` client, errors through plain httpx, the
+queue, disconnects, SIGTERM, and the conversation cache (a resumed session gives a cold one's logits).
+
+The servers run in this process on 127.0.0.1 with an ephemeral port (a socket bound here and handed
+to uvicorn), over the tiny synthetic pack; one test starts `strata serve` as a process for SIGTERM.
+Exact settings (--kv f32, prefill off) make the server's greedy output comparable token for token
+with `strata generate --temp 0` under the same flags.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import io
+import random
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import numpy as np
+import openai
+import pytest
+import uvicorn
+
+import engine_fixture as F
+from strata.engine.cli import main
+from strata.engine.generate import generate
+from strata.engine.model import Model
+from strata.engine.pack import Pack
+from strata.engine.sampling import Sampler, SamplerParams
+from strata.engine.scheduler import ConversationCache, Job, Scheduler, StopText, run_and_wait, session_bytes
+from strata.engine.serve import ServeConfig, make_app
+from strata.engine.tokenizer import Tokenizer
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+CTX = 256
+EXACT = ("--kv", "f32", "--prefill", "off", "-c", str(CTX))
+NAME = "tiny"
+GREEDY = SamplerParams(temperature=0)
+
+
+@pytest.fixture(scope="module")
+def pack_dir(tmp_path_factory):
+    return F.make_pack(tmp_path_factory.mktemp("serve"))
+
+
+@pytest.fixture(scope="module")
+def engine(pack_dir):
+    model = Model(Pack.open(pack_dir))
+    return model, Tokenizer.load(pack_dir / "tokenizer.txt")
+
+
+class Running:
+    """A server on 127.0.0.1 in a thread: `url`, `scheduler`; `stop()` shuts it down as SIGTERM would."""
+
+    def __init__(self, engine, *, max_queue=8, slots=4, api_key=None, check=lambda: None, tier=None, graceful=5):
+        model, tok = engine
+        self.scheduler = Scheduler(model, tok, max_context=CTX, kv="f32", chunk=1, max_queue=max_queue,
+                                   cache=ConversationCache(slots, 64 << 20), check=check)
+        app = make_app(self.scheduler, tok, ServeConfig(model_name=NAME, max_context=CTX, api_key=api_key), tier)
+        sock = socket.socket()
+        sock.bind(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=graceful))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            assert time.monotonic() < deadline, "the server did not start in 30 s"
+            time.sleep(0.02)
+
+    def client(self, key="none") -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key=key, max_retries=0, timeout=60)
+
+    def metrics(self) -> dict[str, float]:
+        text = httpx.get(f"{self.url}/metrics", timeout=10).text
+        out = {}
+        for line in text.splitlines():
+            if line and not line.startswith("#"):
+                name, value = line.rsplit(" ", 1)
+                out[name] = float(value)
+        return out
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(30)
+        assert not self.thread.is_alive()
+
+
+@pytest.fixture(scope="module")
+def server(engine):
+    s = Running(engine)
+    yield s
+    s.stop()
+
+
+def cli_generate(pack_dir, capsys, *args) -> str:
+    assert main(["generate", str(pack_dir), "-t", "1", "--temp", "0", *EXACT, *args]) == 0
+    return capsys.readouterr().out.removesuffix("\n")
+
+
+# --- the API through the openai client ---------------------------------------------------------------
+
+
+def test_completion_greedy_equals_strata_generate(server, pack_dir, capsys):
+    want = cli_generate(pack_dir, capsys, "-p", "hello world", "-n", "12", "--ignore-eos")
+    r = server.client().completions.create(model=NAME, prompt="hello world", max_tokens=12, temperature=0,
+                                           extra_body={"ignore_eos": True})
+    assert r.choices[0].text == want
+    assert r.choices[0].finish_reason == "length"
+    n_prompt = len(Tokenizer.load(pack_dir / "tokenizer.txt").encode("hello world"))
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens, r.usage.total_tokens) == (n_prompt, 12, n_prompt + 12)
+    # streamed, the pieces join to the same text, the last chunk carries the finish reason
+    chunks = list(server.client().completions.create(model=NAME, prompt="hello world", max_tokens=12, temperature=0,
+                                                     stream=True, extra_body={"ignore_eos": True}))
+    assert "".join(c.choices[0].text for c in chunks) == want
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_chat_greedy_equals_strata_generate_chat(server, pack_dir, capsys):
+    want = cli_generate(pack_dir, capsys, "--chat", "--system", "be brief", "-p", "hi there", "-n", "10")
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi there"}]
+    r = server.client().chat.completions.create(model=NAME, messages=messages, max_tokens=10, temperature=0)
+    assert r.choices[0].message.content == want and r.choices[0].message.role == "assistant"
+    stream = server.client().chat.completions.create(model=NAME, messages=messages, max_tokens=10, temperature=0,
+                                                     stream=True)
+    chunks = list(stream)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == want
+    assert chunks[-1].choices[0].finish_reason == r.choices[0].finish_reason
+    assert chunks[-1].usage.total_tokens == r.usage.total_tokens
+
+
+def test_prompt_as_token_ids_and_seeded_sampling(server, pack_dir, capsys):
+    ids = [5, 77, 140, 3]
+    want = cli_generate(pack_dir, capsys, "--prompt-ids", "5 77 140 3", "-n", "6", "--ignore-eos")
+    r = server.client().completions.create(model=NAME, prompt=ids, max_tokens=6, temperature=0,
+                                           extra_body={"ignore_eos": True})
+    assert r.choices[0].text == want and r.usage.prompt_tokens == 4
+    # a seed makes a sampled reply repeatable; top_k / min_p are accepted as vLLM spells them
+    kw = dict(model=NAME, prompt=ids, max_tokens=8, temperature=1.5, seed=7, extra_body={"top_k": 50, "min_p": 0.01})
+    assert server.client().completions.create(**kw).choices[0].text == server.client().completions.create(**kw).choices[0].text
+
+
+def test_stop_strings_cut_the_text(server):
+    c = server.client()
+    full = c.completions.create(model=NAME, prompt=[9, 8, 7], max_tokens=16, temperature=0,
+                                extra_body={"ignore_eos": True}).choices[0].text
+    stop = full[5:7]
+    assert stop and full.find(stop) >= 0
+    r = c.completions.create(model=NAME, prompt=[9, 8, 7], max_tokens=16, temperature=0, stop=[stop],
+                             extra_body={"ignore_eos": True})
+    assert r.choices[0].text == full[: full.find(stop)]
+    assert r.choices[0].finish_reason == "stop"
+    streamed = c.completions.create(model=NAME, prompt=[9, 8, 7], max_tokens=16, temperature=0, stop=stop,
+                                    stream=True, extra_body={"ignore_eos": True})
+    assert "".join(ch.choices[0].text for ch in streamed) == full[: full.find(stop)]
+
+
+def test_stop_text_holds_back_a_partial_stop():
+    s = StopText(["END"])
+    assert s.push("abcE") == "abc"  # "E" may begin END
+    assert s.push("N") == ""
+    assert s.push("Dxyz") == "" and s.stopped and s.text == "abc"
+    s = StopText(["END"])
+    assert s.push("xE") == "x" and s.push("Q") == "EQ" and s.flush() == "" and not s.stopped
+
+
+def test_models_health_metrics(server):
+    models = server.client().models.list()
+    assert [m.id for m in models.data] == [NAME]
+    assert httpx.get(f"{server.url}/health").json() == {"status": "ok"}
+    m = server.metrics()
+    for name in ("strata_tokens_generated_total", "strata_queue_depth", "strata_conversation_cache_hits_total",
+                 "strata_conversation_cache_misses_total"):
+        assert name in m
+    assert any(k.startswith("strata_requests_total") for k in m)
+
+
+# --- bad input ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("path, body, param", [
+    ("completions", b'{"prompt": "hi", "max_tokens": ', None),  # malformed JSON
+    ("completions", {"prompt": "hi", "max_tokens": "ten"}, "max_tokens"),
+    ("completions", {"prompt": "hi", "max_tokens": 1.5}, "max_tokens"),
+    ("completions", {"prompt": "hi", "temperature": -1}, "temperature"),
+    ("completions", {"prompt": "hi", "top_p": 0}, "top_p"),
+    ("completions", {"prompt": "hi", "n": 2}, "n"),
+    ("completions", {"prompt": "hi", "model": "gpt-4"}, "model"),
+    ("completions", {"prompt": [1, 2, 320]}, "prompt[2]"),
+    ("completions", {"prompt": [1] * CTX}, "prompt"),  # fills the context: nothing left to generate
+    ("completions", {"prompt": "hi", "max_tokens": CTX}, "max_tokens"),
+    ("completions", {"max_tokens": 3}, "prompt"),
+    ("completions", {"prompt": "hi", "stop": [""]}, "stop"),
+    ("chat/completions", {"messages": []}, "messages"),
+    ("chat/completions", {"messages": [{"role": "robot", "content": "x"}]}, "messages[0].role"),
+    ("chat/completions", {"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
+    ("chat/completions", {"messages": "hello"}, "messages"),
+    ("chat/completions", [1, 2], None),
+    ("completions", b'{"prompt": "a\\ud800b"}', "prompt"),  # a lone surrogate: JSON, but no text
+    ("chat/completions", b'{"messages": [{"role": "user", "content": "ok"}, {"role": "user", "content": "\\udc00"}]}',
+     "messages[1].content"),
+    ("chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+     "messages[0].content[0]"),
+    ("completions", {"prompt": "hi", "echo": True}, "echo"),
+    ("completions", {"prompt": "hi", "stream": "maybe"}, "stream"),
+])
+def test_bad_requests_get_400_naming_the_field(server, path, body, param):
+    kw = {"content": body, "headers": {"content-type": "application/json"}} if isinstance(body, bytes) else {"json": body}
+    r = httpx.post(f"{server.url}/v1/{path}", timeout=30, **kw)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["type"] == "invalid_request_error"
+    assert err["param"] == param, err
+    if param is not None:
+        assert param.split("[")[0] in err["message"]
+
+
+def test_api_key(engine):
+    s = Running(engine, api_key="sekrit")
+    try:
+        r = httpx.post(f"{s.url}/v1/completions", json={"prompt": "hi", "max_tokens": 1})
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+        with pytest.raises(openai.AuthenticationError):
+            s.client("wrong").completions.create(model=NAME, prompt="hi", max_tokens=1)
+        assert s.client("sekrit").completions.create(model=NAME, prompt="hi", max_tokens=1).usage.completion_tokens == 1
+        assert httpx.get(f"{s.url}/health").status_code == 200  # a health check needs no key
+    finally:
+        s.stop()
+
+
+class Gate:
+    """The worker's per-token check, held closed so a request stays running while a test looks."""
+
+    def __init__(self):
+        self.open, self.reached = threading.Event(), threading.Event()
+
+    def __call__(self):
+        self.reached.set()
+        assert self.open.wait(30)
+
+
+def test_full_queue_gets_503_with_retry_after(engine):
+    gate = Gate()
+    s = Running(engine, max_queue=1, check=gate)
+    try:
+        body = {"prompt": [1, 2, 3], "max_tokens": 3, "ignore_eos": True}
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            first = pool.submit(httpx.post, f"{s.url}/v1/completions", json=body, timeout=60)
+            assert gate.reached.wait(30)  # running, held at its first token
+            second = pool.submit(httpx.post, f"{s.url}/v1/completions", json=body, timeout=60)
+            deadline = time.monotonic() + 10
+            while s.scheduler.queue_depth < 1:
+                assert time.monotonic() < deadline
+                time.sleep(0.01)
+            third = httpx.post(f"{s.url}/v1/completions", json=body, timeout=10)
+            assert third.status_code == 503 and third.headers["retry-after"] == "1"
+            assert third.json()["error"]["code"] == "server_busy"
+            assert s.metrics()["strata_queue_depth"] == 1
+            gate.open.set()
+            assert first.result().status_code == 200 and second.result().status_code == 200
+        assert s.scheduler.idle and s.scheduler.counters.requests_rejected == 1
+    finally:
+        gate.open.set()
+        s.stop()
+
+
+def test_a_client_that_disconnects_frees_the_worker(engine):
+    gate = Gate()
+    s = Running(engine, check=gate)
+    try:
+        body = {"prompt": [1, 2, 3], "max_tokens": 200, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", f"{s.url}/v1/completions", json=body, timeout=30) as r:
+            assert r.status_code == 200
+            assert gate.reached.wait(30)
+        # the connection is closed while the worker is held at its first token
+        time.sleep(0.3)
+        gate.open.set()
+        deadline = time.monotonic() + 20
+        while not s.scheduler.idle:
+            assert time.monotonic() < deadline, "the worker kept running for a client that left"
+            time.sleep(0.02)
+        c = s.scheduler.counters
+        assert c.requests_cancelled == 1 and c.tokens_generated < 200
+        # and the server still answers
+        assert s.client().completions.create(model=NAME, prompt="x", max_tokens=2).usage.completion_tokens == 2
+    finally:
+        gate.open.set()
+        s.stop()
+
+
+def test_a_client_that_gives_up_on_a_plain_request_frees_the_worker(engine):
+    gate = Gate()
+    s = Running(engine, check=gate)
+    try:
+        body = {"prompt": [1, 2, 3], "max_tokens": 200, "ignore_eos": True}
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(f"{s.url}/v1/completions", json=body, timeout=httpx.Timeout(30, read=0.5))
+        deadline = time.monotonic() + 10  # the worker is held at its first token until the server notices
+        while not s.scheduler._running.cancelled:
+            assert time.monotonic() < deadline, "the server did not notice that its client left"
+            time.sleep(0.02)
+        gate.open.set()
+        deadline = time.monotonic() + 20
+        while not s.scheduler.idle:
+            assert time.monotonic() < deadline, "the worker kept running for a client that left"
+            time.sleep(0.02)
+        assert s.scheduler.counters.requests_cancelled == 1 and s.scheduler.counters.tokens_generated < 200
+    finally:
+        gate.open.set()
+        s.stop()
+
+
+def test_shutdown_cancels_a_reply_that_outlasts_the_graceful_timeout(engine):
+    """The shutdown SIGTERM starts: a reply still running when uvicorn's graceful timeout ends is
+    cancelled, the worker stops at its next token and the server's thread ends."""
+    gate = Gate()
+    s = Running(engine, check=gate, graceful=0.5)
+    try:
+        body = {"prompt": [1, 2, 3], "max_tokens": 200, "ignore_eos": True, "stream": True}
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            reply = pool.submit(lambda: httpx.post(f"{s.url}/v1/completions", json=body, timeout=30).text)
+            assert gate.reached.wait(30)
+            s.server.should_exit = True  # what uvicorn's SIGTERM handler does
+            job = s.scheduler._running
+            deadline = time.monotonic() + 10
+            while not job.cancelled:
+                assert time.monotonic() < deadline, "the running reply was not cancelled at shutdown"
+                time.sleep(0.02)
+            gate.open.set()
+            s.thread.join(30)
+            assert not s.thread.is_alive()
+            try:  # the reply is cut: the connection closes without the stream's end
+                assert "data: [DONE]" not in reply.result()
+            except httpx.RemoteProtocolError:
+                pass
+        c = s.scheduler.counters
+        assert c.requests_cancelled == 1 and c.tokens_generated < 200 and s.scheduler.idle
+    finally:
+        gate.open.set()
+
+
+def test_a_mixed_burst_leaves_nothing_behind(engine):
+    """160 requests from 8 threads: good ones (streamed or not), bad ones of every kind, some past the
+    queue; afterwards the queue is empty and the counters add up to what was sent."""
+    s = Running(engine, max_queue=3)
+    rng = random.Random(0)
+    good = [{"prompt": "abc", "max_tokens": 2}, {"prompt": [4, 5, 6], "max_tokens": 3, "stream": True},
+            {"messages": [{"role": "user", "content": "yo"}], "max_tokens": 2}]
+    bad = [b'{"prompt": ', {"prompt": "a", "max_tokens": -1}, {"prompt": "a", "model": "x"}, {"prompt": [1] * 400},
+           {"prompt": "a", "temperature": "hot"}, {"messages": [{"role": 3}]}]
+    plan = [rng.choice(good if rng.random() < 0.6 else bad) for _ in range(160)]
+
+    def send(body):
+        path = "chat/completions" if isinstance(body, dict) and "messages" in body else "completions"
+        kw = {"content": body, "headers": {"content-type": "application/json"}} if isinstance(body, bytes) else {"json": body}
+        r = httpx.post(f"{s.url}/v1/{path}", timeout=60, **kw)
+        if r.status_code == 200 and isinstance(body, dict) and body.get("stream"):
+            assert r.text.rstrip().endswith("data: [DONE]")
+        return r.status_code
+
+    try:
+        t0 = time.monotonic()
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:
+            codes = list(pool.map(send, plan))
+        assert time.monotonic() - t0 < 120
+        assert set(codes) <= {200, 400, 503}, codes
+        assert codes.count(400) == sum(body in bad for body in plan)
+        m = s.metrics()
+        assert s.scheduler.idle and m["strata_queue_depth"] == 0 and m["strata_requests_running"] == 0
+        for code in (200, 400, 503):
+            assert m.get(f'strata_requests_total{{code="{code}"}}', 0) == codes.count(code)
+        c = s.scheduler.counters
+        assert c.requests_done == codes.count(200) and c.requests_rejected == codes.count(503)
+        assert c.requests_failed == 0 and c.requests_cancelled == 0
+    finally:
+        s.stop()
+
+
+# --- the conversation cache --------------------------------------------------------------------------
+
+
+def test_a_resumed_session_gives_a_cold_sessions_logits(engine):
+    model, _ = engine
+    first, more = [5, 77, 140, 3, 9], [11, 12, 13]
+    cache = ConversationCache(2, 64 << 20)
+    s = model.new_session(CTX, "f32")
+    g = generate(model, s, first, Sampler(320, GREEDY), 4)
+    cache.park(g.fed.tolist(), s)
+    prompt = g.fed.tolist() + more
+    hot = []
+    session, start = cache.take(prompt, CTX, "f32")
+    assert start == len(g.fed) and len(cache) == 0 and cache.hits == 1 and cache.tokens_saved == start
+    warm = generate(model, session, prompt, Sampler(320, GREEDY), 5, start=start, on_logits=lambda p, l: hot.append((p, l.copy())))
+    cold_rows = {}
+    cold = generate(model, model.new_session(CTX, "f32"), prompt, Sampler(320, GREEDY), 5,
+                    on_logits=lambda p, l: cold_rows.__setitem__(p, l.copy()))
+    assert [p for p, _ in hot] == list(range(start, warm.positions))  # only the new tokens were fed
+    for p, row in hot:
+        assert np.array_equal(row, cold_rows[p]), p
+    assert np.array_equal(warm.tokens, cold.tokens)
+
+
+def test_cache_lookup_and_eviction(engine):
+    model, _ = engine
+    one = session_bytes(model.new_session(CTX, "f32"))
+
+    def parked(n):
+        s = model.new_session(CTX, "f32")
+        s.pos = n  # the lookup reads only the position and the key
+        return s
+
+    cache = ConversationCache(2, 64 << 20)
+    cache.park([1, 2], parked(2))
+    cache.park([1, 2, 3, 4], parked(4))
+    assert cache.take([1, 2], CTX, "f32") is None  # equal, not longer: nothing left to feed
+    assert cache.take([1, 2, 3, 4, 5], CTX, "f32")[1] == 4  # the longest prefix wins
+    assert cache.take([1, 2, 3], CTX, "f16") is None  # another KV type: a miss
+    cache.park([7], parked(1))
+    cache.park([8], parked(1))  # two slots: [1, 2] (least recently used) goes
+    assert cache.take([1, 2, 9], CTX, "f32") is None and cache.evictions == 1
+    small = ConversationCache(5, one + one // 2)  # the bytes cap: one session fits
+    small.park([1], parked(1))
+    small.park([2], parked(1))
+    assert len(small) == 1 and small.bytes == one and small.take([2, 3], CTX, "f32") is not None
+
+
+def test_a_second_turn_resumes_and_matches_a_cold_server(engine, server):
+    """Turn 2's prompt extends turn 1's (its prompt and reply, as token ids: the tiny model's byte
+    tokens are often not UTF-8, so its text would not re-encode to the same ids): only the new
+    tokens are fed, and the reply is a cold server's."""
+    model, tok = engine
+    turn1 = [21, 22, 23, 24, 25, 26]
+    reply = generate(model, model.new_session(CTX, "f32"), turn1, Sampler(320, GREEDY), 6, stop_ids=tok.stop_ids)
+    r1 = server.client().completions.create(model=NAME, prompt=turn1, max_tokens=6, temperature=0)
+    assert r1.usage.completion_tokens == len(reply.tokens)
+    turn2 = turn1 + reply.tokens.tolist() + [30, 31, 32]
+    before = server.metrics()
+    r2 = server.client().completions.create(model=NAME, prompt=turn2, max_tokens=6, temperature=0)
+    after = server.metrics()
+    delta = lambda name: after[name] - before[name]  # noqa: E731
+    # the last sampled token of turn 1 was never fed: the parked session holds one token less
+    assert delta("strata_conversation_cache_hits_total") == 1
+    assert delta("strata_conversation_cache_tokens_saved_total") == len(turn1) + len(reply.tokens) - 1
+    assert delta("strata_prompt_tokens_fed_total") == 4 and delta("strata_conversation_cache_misses_total") == 0
+    cold = Scheduler(model, tok, max_context=CTX, kv="f32", chunk=1, max_queue=0, cache=ConversationCache(0, 0))
+    try:
+        job = run_and_wait(cold, Job(prompt=turn2, max_tokens=6, params=GREEDY), timeout=60)
+        assert job.resumed == 0 and job.text == r2.choices[0].text
+    finally:
+        cold.close()
+
+
+# --- the command -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--batch", "2"], "--batch 2: several requests decoding together is not built yet"),
+    (["--port", "70000"], "--port 70000: expected 0..65535"),
+    (["--conversation-cache-mib", "-1"], "--conversation-cache-mib -1"),
+    (["--kv", "q4"], "--kv 'q4'"),
+])
+def test_serve_refuses_bad_flags_before_loading(pack_dir, capsys, args, message):
+    assert main(["serve", str(pack_dir), *args]) == 1
+    assert message in capsys.readouterr().err
+
+
+def test_sigterm_stops_the_server_cleanly(pack_dir):
+    """A real `strata serve` process: a streaming request in flight, then SIGTERM: the process exits 0."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    sock.close()
+    code = "import sys; from strata.engine.cli import main; sys.exit(main())"
+    proc = subprocess.Popen([sys.executable, "-c", code, "serve", str(pack_dir), "--port", str(port), "-t", "1",
+                             "-c", str(CTX), "--prefill", "off"], cwd=pack_dir.parent, stderr=subprocess.PIPE, text=True)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None, proc.stderr.read()
+            try:
+                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, "strata serve did not come up in 120 s"
+            time.sleep(0.2)
+        body = {"prompt": [1, 2, 3], "max_tokens": 100, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=30) as r:
+            lines = r.iter_lines()
+            assert next(lines).startswith("data: ")
+            proc.send_signal(signal.SIGTERM)
+            rest = [line for line in lines if line]
+        assert proc.wait(60) == 0
+        # the graceful timeout (10 s) is long enough for 100 tiny tokens: the reply was finished
+        assert rest[-1] == "data: [DONE]" and '"finish_reason":"length"' in rest[-2]
+        assert "stopped" in proc.stderr.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_on_the_gpu_tier_the_replies_are_the_cpus_and_metrics_count_hits(pack_dir, server, rt):
+    """The GPU tier (CUDA, or its host emulation) bound to a model of its own: a request runs on the
+    worker thread, gives the all-CPU server's text, and /metrics reports the expert hits."""
+    from strata.engine.gpu_tier import GpuTier, TierOptions
+
+    model = Model(Pack.open(pack_dir))
+    tier = GpuTier.start(model, TierOptions(max_context=CTX, kv="f32", prefill_chunk=16, expert_cache=None))
+    try:
+        s = Running((model, Tokenizer.load(pack_dir / "tokenizer.txt")), tier=tier)
+        try:
+            kw = dict(model=NAME, prompt=[7, 8, 9, 10], max_tokens=8, temperature=0, extra_body={"ignore_eos": True})
+            assert s.client().completions.create(**kw).choices[0].text == server.client().completions.create(**kw).choices[0].text
+            m = s.metrics()
+            assert m["strata_gpu_expert_hits_total"] > 0
+            total = m["strata_gpu_expert_hits_total"] + m["strata_gpu_expert_misses_total"]
+            assert abs(m["strata_gpu_expert_hit_rate"] - m["strata_gpu_expert_hits_total"] / total) < 1e-6
+        finally:
+            s.stop()
+    finally:
+        tier.stop()
+
+
+# --- strata chat -------------------------------------------------------------------------------------
+
+
+def test_chat_keeps_the_conversation(pack_dir, engine, capsys, monkeypatch):
+    """Two turns typed, then end of input (Ctrl-D): reply 1 is `strata generate --chat`'s, reply 2 the
+    one a cold run of the whole two-turn conversation gives; exit 0."""
+    model, tok = engine
+    want1 = cli_generate(pack_dir, capsys, "--chat", "--system", "be brief", "-p", "hi", "-n", "5", "--ignore-eos")
+    monkeypatch.setattr("sys.stdin", io.StringIO("hi\nmore\n"))
+    assert main(["chat", str(pack_dir), "-t", "1", "--temp", "0", *EXACT, "-n", "5", "--system", "be brief",
+                 "--stats"]) == 0
+    out, err = capsys.readouterr()
+    reply1, reply2 = out.split("\n")[:2]
+    # the tiny model never samples a stop token in 5 greedy tokens here: reply 1 is generate's whole output
+    assert reply1 == want1
+    turns = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"},
+             {"role": "assistant", "content": reply1}, {"role": "user", "content": "more"}]
+    ids = tok.encode(tok.apply_chat_template(turns, add_generation_prompt=True))
+    cold = Scheduler(model, tok, max_context=CTX, kv="f32", chunk=1, max_queue=0, cache=ConversationCache(0, 0))
+    try:
+        assert reply2 == run_and_wait(cold, Job(prompt=ids, max_tokens=5, params=GREEDY), timeout=60).text
+    finally:
+        cold.close()
+    assert err.count("strata chat: prompt ") == 2 and f"prompt {len(ids)} tokens" in err
+
+
+def test_chat_refuses_a_conversation_past_the_context(pack_dir, capsys, monkeypatch):
+    monkeypatch.setattr("sys.stdin", io.StringIO("x" * 300 + "\n"))
+    assert main(["chat", str(pack_dir), "-t", "1", *EXACT]) == 1
+    assert f"the context holds {CTX}: start again with a larger --ctx-size" in capsys.readouterr().err
+
+
+def test_chat_ctrl_c_stops_a_reply_and_ctrl_d_exits(pack_dir):
+    """A real `strata chat` process: Ctrl-C (SIGINT) in the middle of a long reply stops that reply
+    and the chat goes on; the end of input (Ctrl-D) then exits 0."""
+    code = "import sys; from strata.engine.cli import main; sys.exit(main())"
+    proc = subprocess.Popen([sys.executable, "-c", code, "chat", str(pack_dir), "-t", "1", "-c", "8192", "-n", "8000",
+                             "--prefill", "off", "--stats"], cwd=pack_dir.parent, stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        proc.stdin.write(b"hello\n")
+        proc.stdin.flush()
+        assert proc.stdout.read(1)  # the reply has begun (8000 tokens take far longer than this test)
+        proc.send_signal(signal.SIGINT)
+        time.sleep(0.5)
+        out, err = proc.communicate(b"", timeout=60)  # stdin closed: Ctrl-D at the next prompt
+        assert proc.returncode == 0, err.decode()
+        err = err.decode()
+        assert "strata chat: reply stopped" in err
+        replied = re.search(r"reply (\d+) tokens", err)
+        assert replied and int(replied.group(1)) < 8000
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
