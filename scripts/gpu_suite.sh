@@ -10,7 +10,10 @@
 # SKIP_KERNEL_BENCH=1 leaves out the kernel benchmark (its table is in docs/performance.md already).
 set -u
 cd "$(dirname "$0")/.." || exit 2
-# The machine reaches no package index: gguf (pure Python) travels as a wheel in .whl/ (device README).
+# The machine reaches no package index: what it lacks travels as wheels in .whl/ (device README): gguf,
+# and for tests/test_serve.py (its GPU-tier test) fastapi, starlette, pydantic, pydantic_core, annotated-types,
+# annotated-doc, typing-inspection, typing_extensions, opentelemetry-api, uvicorn, openai, jiter, distro, sniffio,
+# httpx2, httpcore2, truststore (cp312 manylinux wheels of the versions pip installed here; 2026-12-01: 6 MB).
 if ls .whl/*.whl >/dev/null 2>&1; then python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD; fi
 LOG=${OUT:-$PWD/gpu_suite_logs}
 mkdir -p "$LOG"
