@@ -130,7 +130,7 @@ def main(argv=None) -> int:
     import llama_peer
 
     lengths = [int(x) for x in a.lengths.split(",")]
-    python, how = llama_peer.find_python()
+    python, peer_how = llama_peer.find_python()
     peer = None
     if python is not None:
         gguf = sorted(a.cache.glob(f"seed-4l-{a.arch}*.gguf"))[0]
@@ -155,7 +155,7 @@ def main(argv=None) -> int:
     print(f"prefill, seed-4l {a.arch}, {a.threads} threads, --kv {a.kv}, chunk {a.chunk}; {machine()}; "
           f"{time.strftime('%Y-%m-%d %H:%M %Z')}; git {commit} + working tree; "
           f"1-minute load average {load:.2f} at the start, {os.getloadavg()[0]:.2f} at the end")
-    print(f"llama.cpp: {how}")
+    print(f"llama.cpp: {peer_how}")
     print(tabulate(rows, headers=["tokens", "batched tok/s", "batched s", "token-by-token tok/s", "token-by-token s",
                                   "speed-up", "token-by-token measured on", "llama.cpp tok/s", "batched / llama.cpp"],
                    tablefmt="github", disable_numparse=True))
