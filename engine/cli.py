@@ -100,6 +100,14 @@ def expert_profile_option():
     return typer.Option(None, "--expert-profile", help="expert-profile.bin (strata-profile): which experts the slots hold")
 
 
+def native_option():
+    return typer.Option(None, "--native", help="the main GGUF, when it moved since packing")
+
+
+def ple_gguf_option():
+    return typer.Option(None, "--ple-gguf", help="the PLE GGUF shard, when it moved since packing")
+
+
 def vram_budget_option():
     return typer.Option(None, "--vram-budget-mib", help="behave as on a card of N MiB")
 
@@ -146,8 +154,8 @@ def generate(
     expert_profile: Optional[Path] = expert_profile_option(),
     vram_budget_mib: Optional[int] = vram_budget_option(),
     vram_reserve_mib: int = vram_reserve_option(),
-    native: Optional[Path] = typer.Option(None, "--native", help="the main GGUF, when it moved since packing"),
-    ple_gguf: Optional[Path] = typer.Option(None, "--ple-gguf", help="the PLE GGUF shard, when it moved since packing"),
+    native: Optional[Path] = native_option(),
+    ple_gguf: Optional[Path] = ple_gguf_option(),
     dump_logits: Optional[Path] = typer.Option(None, "--dump-logits", help="write float32 logits of every position to OUT.npy"),
     stats: bool = typer.Option(False, "--stats", help="print load time, tokens/s, session memory and expert routing "
                                "counts to stderr"),
@@ -547,8 +555,8 @@ def perplexity(
     expert_profile: Optional[Path] = expert_profile_option(),
     vram_budget_mib: Optional[int] = vram_budget_option(),
     vram_reserve_mib: int = vram_reserve_option(),
-    native: Optional[Path] = typer.Option(None, "--native", help="the main GGUF, when it moved since packing"),
-    ple_gguf: Optional[Path] = typer.Option(None, "--ple-gguf", help="the PLE GGUF shard, when it moved since packing"),
+    native: Optional[Path] = native_option(),
+    ple_gguf: Optional[Path] = ple_gguf_option(),
 ) -> None:
     """Perplexity of a pack over a text file (llama.cpp's windows), and KL divergence against a base model."""
     who = "strata perplexity"
@@ -663,8 +671,8 @@ def serve(
     expert_profile: Optional[Path] = expert_profile_option(),
     vram_budget_mib: Optional[int] = vram_budget_option(),
     vram_reserve_mib: int = vram_reserve_option(),
-    native: Optional[Path] = typer.Option(None, "--native", help="the main GGUF, when it moved since packing"),
-    ple_gguf: Optional[Path] = typer.Option(None, "--ple-gguf", help="the PLE GGUF shard, when it moved since packing"),
+    native: Optional[Path] = native_option(),
+    ple_gguf: Optional[Path] = ple_gguf_option(),
 ) -> None:
     """Serve a pack over an OpenAI-compatible HTTP API (chat and completions, streaming or not)."""
     who = "strata serve"

@@ -17,6 +17,7 @@ from typing import Optional
 import typer
 
 from strata.engine.cli import (CONTEXT_SETTINGS, ctx_option, device_option, expert_cache_option, model_argument, model_option,
+                               native_option, ple_gguf_option,
                                resolve_pack, run_app, threads_option, version_option, vram_budget_option,
                                vram_reserve_option)
 
@@ -58,8 +59,8 @@ def profile(
     vram_reserve_mib: int = vram_reserve_option(),
     trace: Optional[Path] = typer.Option(None, "--trace", help="also write the per-token routing trace of the "
                                          "in-sample tokens (a flat binary for cache-policy replay)"),
-    native: Optional[Path] = typer.Option(None, "--native", help="the main GGUF, when it moved since packing"),
-    ple_gguf: Optional[Path] = typer.Option(None, "--ple-gguf", help="the PLE GGUF shard, when it moved since packing"),
+    native: Optional[Path] = native_option(),
+    ple_gguf: Optional[Path] = ple_gguf_option(),
     version: bool = version_option(),
 ) -> None:
     """Count expert routing over calibration text; write the profile and print its expected hit rate."""
