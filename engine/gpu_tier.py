@@ -50,8 +50,9 @@ from .expert_plan import MiB, SlotMap, check_profile, fill_policy_line, plan_fil
 from .kernels import gpu
 from .kernels.actq import QA, ActQ, quantize_act
 from .kernels.engine_form import align, placed_bytes
+from .backend import CpuBackend, _row
 from .model import Model
-from .ops import gate_
+from .moe import hidden_
 from .weights import Input, Weight
 
 F32 = np.float32
@@ -189,6 +190,8 @@ class Dense:
 
     def _stage_vector(self, w: Weight, x):
         act, src = self._form(w, x)
+        if (act.q if isinstance(act, ActQ) else act).ndim == 2:
+            act = _row(act)  # the decode step's one row
         kind = "q" if w.type.quantized else "f"
         key = None if src is None else (src, src.version)
         held = self._held.get(kind)
@@ -218,12 +221,12 @@ class Dense:
         if out is None:
             out = np.empty(w.n_out, F32)
         if w is self.head:
-            gpu.matvec_into(w.device[1], dev, self.head_dev)
+            gpu.matvec_into(w.device, dev, self.head_dev)
             self.rt.copy_out(self.head_host, self.head_dev)
             out[...] = self.head_host
         else:
             y = self._view("y", w.n_out)
-            gpu.matvec_into(w.device[1], dev, y)
+            gpu.matvec_into(w.device, dev, y)
             self.rt.copy_out(out, y)
         return out
 
@@ -249,7 +252,7 @@ class Dense:
                 dev = self.rt.view(self.pf.reshape(-1).view(np.uint8), 0, (r, n), np.float32)
                 self.rt.copy_in(dev, np.ascontiguousarray(act[a : a + r], dtype=F32))
             y = self.rt.view(self.py.view(np.uint8), 0, (r, w.n_out), np.float32)
-            gpu.matmul(w.device[1], dev, out=y)
+            gpu.matmul(w.device, dev, out=y)
             self.rt.copy_out(out[a : a + r], y)
         return out
 
@@ -382,15 +385,24 @@ class HitPath:
         self.prompt = None  # the prompt path's buffers (bytes of prompt.chunk, lent by Dense), set at stage 6
         stats.events = self.events is not None
 
-    def run(self, moe, x: Input, top: np.ndarray, parts: np.ndarray) -> None:
+    def routed(self, moe, x: Input, experts: np.ndarray, rows: np.ndarray, starts: np.ndarray) -> np.ndarray:
+        """engine/moe.py's expert server: MoE.routed's rows, the hits on the device beside the misses'
+        one grouped CPU call (MoE.products). One token through the per-row buffers carved at startup,
+        a chunk through the prompt path's."""
+        if x.x.shape[0] == 1:
+            return self._token(moe, x, experts)
+        return self._chunk(moe, x, experts, rows, starts)
+
+    def _token(self, moe, x: Input, experts: np.ndarray) -> np.ndarray:
         rt, st, layer, F = self.rt, self.stats, moe.layer, self.F
-        slots = [self.slots.lookup(layer, int(e)) for e in top]
+        slots = [self.slots.lookup(layer, int(e)) for e in experts]
         hit = [j for j, s in enumerate(slots) if s >= 0]
+        miss = np.array([j for j, s in enumerate(slots) if s < 0], np.int64)
         st.hits[layer] += len(hit)
-        st.misses[layer] += len(slots) - len(hit)
+        st.misses[layer] += miss.size
+        out = np.empty((len(slots), moe.E), F32)
         if hit:
-            xa = x.form(moe.gu)
-            xdev = self._stage(xa, self.x, self.xf, moe.E)
+            xdev = self._stage(_row(x.form(moe.gu)), self.x, self.xf, moe.E)
             if self.events:
                 self.events[0].record()
             for i, j in enumerate(hit):
@@ -398,13 +410,12 @@ class HitPath:
                 gpu.matvec_into(wg, xdev, self.gate_rows[i])
                 gpu.matvec_into(wu, xdev, self.up_rows[i])
         t0 = time.perf_counter()
-        for j, s in enumerate(slots):
-            if s < 0:
-                moe._expert(x, int(top[j]), parts[j])
+        if miss.size:  # all of the layer's misses in one grouped call, while the device runs the hits
+            out[miss] = moe.products(x, experts[miss], np.zeros(miss.size, np.int64), np.arange(miss.size + 1))
         t1 = time.perf_counter()
         st.cpu_s += t1 - t0
         if not hit:
-            return
+            return out
         n = len(hit)
         if self.one_copy:
             rt.copy_out(self.gu_host, self.gu)
@@ -412,16 +423,14 @@ class HitPath:
             rt.copy_out(self.gate_host[:n], self.gate_n[n])
             rt.copy_out(self.up_host[:n], self.up_n[n])
         t2 = time.perf_counter()
+        h = hidden_(self.gate_host[:n], self.up_host[:n])  # the misses' function: the same bits
         if self.one_copy and moe.d.quantized:
-            for i in range(n):
-                self.h_host[i] = moe.hidden(self.gate_host[i], self.up_host[i]).x
-            _upload_act(rt, self.h_n[n], quantize_act(self.h_host[:n], out=self.h_act_n[n]))
+            _upload_act(rt, self.h_n[n], quantize_act(h, out=self.h_act_n[n]))
             for i, j in enumerate(hit):
                 gpu.matvec_into(self.slots.weights[slots[j]][2], self.h_rows[i], self.out_rows[i])
         else:
             for i, j in enumerate(hit):
-                h = moe.hidden(self.gate_host[i], self.up_host[i]).form(moe.d)
-                hdev = self._stage(h, self.h_rows[i], self.hf_rows[i], F)
+                hdev = self._stage(_row(Input(h[i : i + 1]).form(moe.d)), self.h_rows[i], self.hf_rows[i], F)
                 gpu.matvec_into(self.slots.weights[slots[j]][2], hdev, self.out_rows[i])
         if self.events:
             self.events[1].record()
@@ -430,20 +439,20 @@ class HitPath:
         st.wait_s += (t2 - t1) + (time.perf_counter() - t3)
         if self.events:
             st.gpu_s += rt.elapsed(*self.events)
-        for i, j in enumerate(hit):
-            parts[j] = self.out_host[i]
+        out[hit] = self.out_host[:n]
+        return out
 
     # --- the prompt path: a chunk's routed experts, hits on the GPU beside the misses' grouped CPU call
 
-    def run_many(self, moe, x: Input, experts: np.ndarray, rows: np.ndarray, starts: np.ndarray) -> np.ndarray:
-        """MoE._routed_many with the hits on the device: their tokens' activations go up once, every
+    def _chunk(self, moe, x: Input, experts: np.ndarray, rows: np.ndarray, starts: np.ndarray) -> np.ndarray:
+        """MoE.products with the hits on the device: their tokens' activations go up once, every
         hit's gate/up (then down) product is queued, the misses' grouped CPU call runs meanwhile, and
         the host makes h from the downloaded gate and up exactly as the CPU path does (B2)."""
         slots = np.array([self.slots.lookup(moe.layer, int(e)) for e in experts], np.int64)
         hit_g = np.flatnonzero(slots >= 0)
         need = self._many_bytes(moe, int(sum(starts[g + 1] - starts[g] for g in hit_g)))
         if hit_g.size == 0 or self.prompt is None or need > self.prompt.size:
-            return moe._routed_many(x, experts, rows, starts)  # nothing on the device, or no room: all CPU
+            return moe.products(x, experts, rows, starts)  # nothing on the device, or no room: all CPU
         miss_g = np.flatnonzero(slots < 0)
         hit_i, hit_s = _select(starts, hit_g)
         miss_i, miss_s = _select(starts, miss_g)
@@ -459,12 +468,12 @@ class HitPath:
             gpu.matmul(wu, _slice(xdev, a, b), out=up[a:b])
         out = np.empty((rows.size, E), F32)
         if miss_i.size:
-            out[miss_i] = moe._routed_many(x, experts[miss_g], rows[miss_i], miss_s)
+            out[miss_i] = moe.products(x, experts[miss_g], rows[miss_i], miss_s)
         g = np.empty((n, F), F32)
         h = np.empty((n, F), F32)
         rt.copy_out(g, gate)
         rt.copy_out(h, up)
-        gate_(h, g, silu=True)  # up silu(gate), as MoE._routed_many makes it
+        hidden_(g, h)  # up silu(gate): the misses' function, the same bits
         hdev = self._stage_many(buf, Input(h).form(moe.d), F)
         y = buf.array((n, E), np.float32)
         for i, (_, _, wd) in enumerate(wts):
@@ -498,6 +507,30 @@ class HitPath:
         dev = fbuf[0, :n]
         self.rt.copy_in(dev, np.ascontiguousarray(act, dtype=F32))
         return dev
+
+
+# --- the backend ---------------------------------------------------------------------------------------
+
+
+class TierBackend(CpuBackend):
+    """The CPU backend with the tier plugged in (engine/backend.py): W x of every weight placed on
+    the device runs there (`Dense`), and the routed experts go through the hit path; the blocks and
+    everything else are the CPU's."""
+
+    name = "gpu tier"
+
+    def __init__(self, dense: Dense, experts: HitPath):
+        super().__init__()
+        self.dense, self.experts = dense, experts
+
+    def linear(self, w: Weight, x, out: np.ndarray | None = None) -> np.ndarray:
+        if w.device is None:
+            return super().linear(w, x, out)
+        act = x.form(w.type) if isinstance(x, Input) else x
+        if (act.q if isinstance(act, ActQ) else act).shape[0] == 1:
+            row = self.dense.matvec(w, x, None if out is None else out.reshape(-1))
+            return row.reshape(1, -1)
+        return self.dense.matmul(w, x, out)
 
 
 # --- startup -------------------------------------------------------------------------------------------
@@ -632,10 +665,9 @@ class GpuTier:
             say(low)
 
         for w, dev in placed:
-            w.device = (dense, dev)
+            w.device = dev
         # all or nothing (S10): bound only now, with the slots filled and every buffer in place
-        for moe in model.moes:
-            moe.hits = hit_path
+        model.backend = TierBackend(dense, hit_path)
         say(f"hit path: ready, GPU hits beside CPU misses ({slots.map.used} of {n_slots} slots filled)" if n_slots else
             "hit path: ready, but with no expert slots every expert is a CPU miss")
         return cls(model, plan, marks, slots, stats, hit_path, lines)
@@ -644,8 +676,7 @@ class GpuTier:
         """Unbind from the model (it runs on the CPU again) and give the device memory back."""
         for w in self.model.pack.weights.values():
             w.device = None
-        for moe in self.model.moes:
-            moe.hits = None
+        self.model.backend = CpuBackend()
         self.slots.weights.clear()
         self.slots.arena = self.hit_path = None
         gc.collect()

@@ -24,6 +24,10 @@ F32 = np.float32
 _STORE = {"f32": np.float32, "f16": np.float16, "int8": np.int8}
 
 
+class ContextFull(RuntimeError):
+    """A token past the session's max_context: the caches are sized once, never grown (--ctx-size)."""
+
+
 def quantize_int8(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """x f32 [..., D] (D a multiple of 32) -> (q int8 [..., D], d f32 [..., D/32]), ActQ's rounding."""
     blocks = x.reshape(*x.shape[:-1], -1, KV_BLOCK)
