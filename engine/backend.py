@@ -11,7 +11,7 @@ asks where it runs. It calls its backend for
     experts                  who computes which routed experts (None: every expert on the CPU);
                              engine/moe.py owns the split and asks it
 
-`CpuBackend` is numpy + the Numba kernels (engine/kernels/cpu.py). The GPU tier (engine/gpu_tier.py)
+`CpuBackend` is numpy + the Numba kernels (engine/kernels/cpu.py). The GPU tier (engine/tier/)
 is a CpuBackend whose `linear` runs the weights it placed on the device and whose `experts` serves
 the GPU-resident experts; everything else stays the CPU's (docs/gpu-tier.md).
 """

@@ -127,7 +127,7 @@ def streams_from_embedding(x: np.ndarray, hc: int) -> np.ndarray:
 class HyperConnection:
     """One hyper-connection: `mix` before a block, `inject` after it (no inject for output_hc)."""
 
-    def __init__(self, name: str, norm: np.ndarray, down: Any, up: Any, inject: Any | None,
+    def __init__(self, name: str, norm: Tensor, down: Tensor, up: Tensor, inject: Tensor | None,
                  *, hc: int, n_embd: int, lowrank: int, eps: float):
         HE = hc * n_embd
         self.name, self.hc, self.n_embd, self.eps = name, hc, n_embd, eps
@@ -166,7 +166,7 @@ class HyperConnection:
             sn_in = Input(sn)
         u = be.linear(self.up, silu(be.linear(self.down, sn_in) / F32(self.hc)))
         ex = np.exp(np.negative(u, out=u), out=u)  # u is this call's own product
-        x = be.scratch(f"hc.x", (T, self.n_embd))
+        x = be.scratch("hc.x", (T, self.n_embd))
         _mix_tail(ex, sn, x)
         if self.inject_w is None:
             return Input(x), None

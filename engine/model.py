@@ -251,7 +251,7 @@ class Model:
     """Weights and per-layer blocks of one pack; `forward(session, tokens)` -> the logits of the last
     positions of T tokens, `step(session, token)` -> logits f32 [n_vocab] (T = 1, into the session's
     buffer). `backend` (engine/backend.py) is what the blocks compute with: the CPU's, or the GPU
-    tier's once it starts (engine/gpu_tier.py)."""
+    tier's once it starts (engine/tier/)."""
 
     def __init__(self, pack: Pack):
         g: ModelGeometry = pack.geometry

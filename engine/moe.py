@@ -5,7 +5,7 @@ GGUF, and the sigmoid-gated shared expert (transformers' Qwen3_5MoeSparseMoeBloc
 One forward for any T (T = 1 is the decode step). The routed experts run expert by expert: each
 routed expert's weights are read once for all the tokens routed to it, in one grouped kernel call
 per matrix. THE MOE OWNS THE HIT/MISS SPLIT: `routed` asks the backend's expert server (the GPU
-tier's, engine/gpu_tier.py) which experts it serves; the server multiplies on the device and makes
+tier's, engine/tier/hits.py) which experts it serves; the server multiplies on the device and makes
 each hit's hidden activation with `hidden_`, the function the CPU path uses, so a hit and a miss
 give the same bits (tests/test_gpu_tier.py); without a server every expert is computed here.
 

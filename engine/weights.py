@@ -76,7 +76,7 @@ class Weight:
         self.n_in = self.shape[0]
         self.n_out = prod(self.shape[1:])
         # this weight's GpuWeight once the GPU tier placed it on the device: the tier's backend
-        # multiplies it there, bit for bit the CPU kernels' result (engine/gpu_tier.py TierBackend)
+        # multiplies it there, bit for bit the CPU kernels' result (engine/tier/backend.py)
         self.device = None
 
     @property

@@ -23,7 +23,7 @@ from strata.engine import budget as B
 from strata.engine.budget import ExpertCacheTooBig
 from strata.engine.cli import hit_table
 from strata.engine.expert_plan import MiB, ProfileMismatch
-from strata.engine.gpu_tier import GpuTier, TierOptions
+from strata.engine.tier import GpuTier, TierOptions
 from strata.engine.kernels import gpu
 from strata.engine.model import Model
 from strata.engine.moe import MoE
