@@ -26,7 +26,7 @@ import numpy as np
 
 from strata.index_format.geometry import ModelGeometry
 
-from .budget import ATTN_TILE_BYTES
+from .ops import ATTN_TILE_BYTES
 from .hyper import HyperConnection
 from .kernels.reference import dequantize
 from .kvcache import KVCache

@@ -30,11 +30,10 @@ from typing import Any, Mapping
 import numpy as np
 from numba import njit
 
-from .budget import ATTN_TILE_BYTES, kv_bytes_per_token
 from .hyper import ComponentError, as_f32, as_linear, grouped_rmsnorm, sigmoid, take
 from .kernels.jit import JIT, cached_njit
-from .kvcache import KVCache
-from .ops import attend_many, causal_mask
+from .kvcache import KVCache, kv_bytes_per_token
+from .ops import ATTN_TILE_BYTES, attend_many, causal_mask
 
 F32 = np.float32
 
@@ -232,7 +231,20 @@ def qsa_cache_bytes(g: Any, max_ctx: int, kv: str = "f32") -> int:
     """Bytes of one QSA layer's QSACache: the KV cache (engine/kvcache.py, `kv` kind), ONE raw indexer
     key head per token (f32), pooled blocks and their scores (f32), the top-k index scratch (int64)."""
     nb = max_ctx // g.idx_compress_ratio
-    return max_ctx * kv_bytes_per_token(g, kv) + 4 * (max_ctx * g.idx_head_dim + nb * g.idx_head_dim) + 12 * nb
+    return max_ctx * kv_bytes_per_token(g, kv) + indexer_key_bytes(g, max_ctx) + pooled_block_bytes(g, max_ctx) + 8 * nb
+
+
+def indexer_key_bytes(g: Any, max_ctx: int) -> int:
+    """QSACache.idx_keys: ONE shared key head per token, f32 [C, Id]. indexer.k_proj is [E, Id]:
+    idx_n_heads counts QUERY heads and has no place in this term (round 194 sized it by them: 4x too
+    big, and unnoticed because it tightened the budget)."""
+    return max_ctx * g.idx_key_store_dim * 4
+
+
+def pooled_block_bytes(g: Any, max_ctx: int) -> int:
+    """QSACache.idx_blocks and the block scores: f32 [C // r, Id] and f32 [C // r]."""
+    nb = max_ctx // g.idx_compress_ratio
+    return nb * g.idx_head_dim * 4 + nb * 4
 
 
 class QSACache:
