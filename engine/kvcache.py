@@ -19,8 +19,10 @@ from __future__ import annotations
 
 import numpy as np
 
+from .kernels.actq import QA, quantize_act
+
 KV_TYPES = ("f16", "int8", "f32")  # --kv; f32: the exact cache the CPU engine's reference tests run with
-KV_BLOCK = 32  # int8: one f32 scale per 32 elements of one head of one token
+KV_BLOCK = QA  # int8: one f32 scale per 32 elements of one head of one token, ActQ's block
 F32 = np.float32
 _STORE = {"f32": np.float32, "f16": np.float16, "int8": np.int8}
 
@@ -44,12 +46,12 @@ def kv_bytes_per_token(g, kind: str) -> int:
 
 
 def quantize_int8(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """x f32 [..., D] (D a multiple of 32) -> (q int8 [..., D], d f32 [..., D/32]), ActQ's rounding."""
-    blocks = x.reshape(*x.shape[:-1], -1, KV_BLOCK)
-    d = np.abs(blocks).max(axis=-1) / F32(127)
-    safe = np.where(d == 0, F32(1), d)  # an all-zero block: q = 0 whatever the divisor
-    q = np.clip(np.rint(blocks / safe[..., None]), -127, 127).astype(np.int8)
-    return q.reshape(x.shape), d
+    """x f32 [..., D] (D a multiple of 32) -> (q int8 [..., D], d f32 [..., D/32]) by ActQ's own
+    quantizer (engine/kernels/actq.py), not a copy of its rule: one rounding for activations and
+    cached keys, and 4x faster than the numpy copy this was (a 1024-token chunk of seed-4l's K:
+    0.7 ms instead of 2.9). A non-finite K or V is refused as a non-finite activation is."""
+    a = quantize_act(np.asarray(x, F32).reshape(-1, x.shape[-1]), "KV cache (int8)")
+    return a.q.reshape(x.shape), a.d.reshape(*x.shape[:-1], -1)
 
 
 def dequantize_int8(q: np.ndarray, d: np.ndarray) -> np.ndarray:
