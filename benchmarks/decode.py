@@ -24,9 +24,10 @@ On a host with more cores, pin the run (`taskset -c 0,1 python benchmarks/decode
 wait for descheduled threads and the numbers measure the contention, not the engine.
 
 Time per token per layer and component comes from wrapping the model's own objects (the mixers'
-and MoE blocks' `step`, the MoE's `route` and `_expert`, the residual's enter/leave/final, the PLE
-layer, the head) with timers; nothing in engine/ is changed. Nested timers are attributed to the
-innermost: MoE "shared" is the MoE step less its router and routed experts.
+and MoE blocks' `forward`, the MoE's `route` and `routed`, the residual's enter/leave/final, the PLE
+layer, the backend's product for the head) with timers; nothing in engine/ is changed. Nested
+timers are attributed to the innermost: MoE "shared" is the MoE forward less its router and routed
+experts.
 """
 
 from __future__ import annotations
@@ -164,47 +165,46 @@ def uninstrument(t: Timers) -> None:
     t.patched.clear()
 
 
-class _TimedHead:
-    """The LM head with a timed matvec (Weight has __slots__: its methods cannot be wrapped in place)."""
-
-    def __init__(self, weight, timers: Timers):
-        self._w = weight
-        self.matvec = timers.wrap(("head", None), weight.matvec)
-
-    def __getattr__(self, name):
-        return getattr(self._w, name)
-
-
 def instrument(model) -> Timers:
     """Timers around every block of the token path; keys are (component, layer)."""
     t = Timers()
     r = model.residual
 
     for l, m in enumerate(model.mixers):
-        t.patch(m, "step", t.wrap(("mixer", l), m.step))
+        t.patch(m, "forward", t.wrap(("mixer", l), m.forward))
     for l, moe in enumerate(model.moes):
-        t.patch(moe, "step", t.wrap(("moe", l), moe.step))
+        t.patch(moe, "forward", t.wrap(("moe", l), moe.forward))
         t.patch(moe, "route", t.wrap(("router", l), moe.route))
-        t.patch(moe, "_expert", t.wrap(("experts", l), moe._expert))
+        t.patch(moe, "routed", t.wrap(("experts", l), moe.routed))
     for l, p in model.ple.items():
-        t.patch(p, "step", t.wrap(("ple", l), p.step))
+        t.patch(p, "forward", t.wrap(("ple", l), p.forward))
     enter, leave = r.enter, r.leave
 
-    def timed_enter(h, l, ffn):
+    def timed_enter(be, h, l, ffn):
         t0 = time.perf_counter()
-        x = enter(h, l, ffn)
+        x = enter(be, h, l, ffn)
         t.sec[("residual", l)] += time.perf_counter() - t0
         return x
 
-    def timed_leave(h, l, ffn, y):
+    def timed_leave(be, h, l, ffn, y, ctx):
         t0 = time.perf_counter()
-        leave(h, l, ffn, y)
+        leave(be, h, l, ffn, y, ctx)
         t.sec[("residual", l)] += time.perf_counter() - t0
 
     t.patch(r, "enter", timed_enter)
     t.patch(r, "leave", timed_leave)
     t.patch(r, "final", t.wrap(("residual", None), r.final))
-    t.patch(model, "head", _TimedHead(model.head, t))
+    linear, head = model.backend.linear, model.head
+
+    def timed_linear(w, x, out=None):  # the LM head's product, through the backend
+        if w is not head:
+            return linear(w, x, out)
+        t0 = time.perf_counter()
+        y = linear(w, x, out)
+        t.sec[("head", None)] += time.perf_counter() - t0
+        return y
+
+    t.patch(model.backend, "linear", timed_linear)
     return t
 
 
@@ -284,7 +284,7 @@ def report(model, timers: Timers, steps: list[float], bw: float, threads: int, p
     n = len(steps)
     total = sum(steps)
     sec = {k: v / n for k, v in timers.sec.items()}  # per token
-    for l in range(g.n_layer):  # innermost attribution: MoE "shared" = step - router - experts
+    for l in range(g.n_layer):  # innermost attribution: MoE "shared" = forward - router - experts
         sec[("shared", l)] = sec.pop(("moe", l), 0.0) - sec.get(("router", l), 0.0) - sec.get(("experts", l), 0.0)
     accounted = sum(sec.values())
     sec[("other", None)] = total / n - accounted  # embedding row, loop overhead

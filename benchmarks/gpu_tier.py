@@ -93,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     from tabulate import tabulate
 
     from strata.engine.expert_plan import expected_hit_rate
-    from strata.engine.gpu_tier import GpuTier, TierOptions
+    from strata.engine.tier import GpuTier, TierOptions
     from strata.engine.kernels import cpu, gpu
     from strata.engine.model import Model
     from strata.engine.ops import reuse_freed_memory, single_blas_thread

@@ -179,7 +179,7 @@ def actq_bytes(n: int) -> int:
 
 def actq_placed_bytes(n: int, rows: int = 1) -> int:
     """An ActQ of `rows` x n activations placed in an arena: q int8, d f32 [n/32], s16 i32 [n/16],
-    each plane on its own PLANE_ALIGN boundary (engine/gpu_tier.py carves them so)."""
+    each plane on its own PLANE_ALIGN boundary (engine/tier/ carves them so)."""
     return align(rows * n) + align(rows * n // 32 * F32) + align(rows * n // 16 * I32)
 
 

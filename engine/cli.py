@@ -255,7 +255,7 @@ def start_tier(model, device: str, *, max_context: int, kv: str, chunk: int, exp
     """The GPU tier for --device gpu, or auto when CuPy sees a GPU (without one, auto is the CPU,
     not an error, and stderr says so and why); None on the CPU. Its startup lines (each stage's
     memory) go to stderr."""
-    from strata.engine.gpu_tier import GpuTier, TierOptions
+    from strata.engine.tier import GpuTier, TierOptions
     from strata.engine.kernels import gpu
 
     ok, why = (False, "--device cpu") if device == "cpu" else gpu.available()

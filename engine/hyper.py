@@ -13,84 +13,68 @@ directly. One instance serves one of `blk.N.hc_attn`, `blk.N.hc_ffn` or the fina
 
 The final mixer (`output_hc`, no inject) gives the LM head its input; qwen4exp has no output_norm.
 
-Shapes: E = n_embd, hc = streams, R = hc_lowrank, T = tokens. Matrices are anything with
-`.matvec(x[n_in]) -> [n_out]`, `.matmul(X[T, n_in]) -> [T, n_out]` and `.shape` in GGUF order
-(n_in, n_out); `F32Linear` wraps a numpy [n_out, n_in] array (torch orientation) that way.
+One forward for any T: `mix` and `inject` take the streams of T tokens, f32 [T, hc*E] (T = 1 is the
+decode step). The norms are `ops.rmsnorm` with f32 sums and the sigmoids `ops.sigmoid`'s exp form,
+the rounding these components were matched to (ops.rmsnorm says why).
+
+Shapes: E = n_embd, hc = streams, R = hc_lowrank, T = tokens. Matrices are engine `Weight`s (GGUF
+shape (n_in, n_out)); `as_linear` makes one from a numpy [n_out, n_in] array (torch orientation),
+which the tests use.
 """
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import Mapping
 
 import numpy as np
 
+from strata.index_format.geometry import ModelGeometry
+
 from .kernels.actq import QA, ActQ, NonFiniteActivation, quantize_row
 from .kernels.jit import cached_njit
+from .ops import rmsnorm
+from .ops import sigmoid as ops_sigmoid
+from .pack import PackError
 from .weights import Input, Weight
 
 F32 = np.float32
+# a component's tensors: the pack's weight table (Weight), or numpy arrays in torch orientation (the tests)
+Tensor = Weight | np.ndarray
 
 
-class ComponentError(ValueError):
-    """A qwen4exp component got a tensor or state it cannot use (names the tensor, found, expected)."""
-
-
-class F32Linear:
-    """A small f32 matrix with the engine's weight interface. `w` is [n_out, n_in] (torch orientation)."""
-
-    def __init__(self, w: np.ndarray, name: str = "f32 matrix"):
-        if w.ndim != 2:
-            raise ComponentError(f"{name}: expected a 2-D matrix, found shape {w.shape}")
-        self.name = name
-        self.w = np.ascontiguousarray(w, dtype=F32)
-        self.shape = (self.w.shape[1], self.w.shape[0])  # GGUF order: (n_in, n_out)
-
-    def matvec(self, x: np.ndarray) -> np.ndarray:
-        return self.w @ x
-
-    def matmul(self, x: np.ndarray) -> np.ndarray:
-        return x @ self.w.T
-
-    def f32(self) -> np.ndarray:
-        return self.w
-
-
-def as_linear(obj: Any, name: str, n_in: int, n_out: int) -> Any:
-    """A numpy [n_out, n_in] array becomes an F32Linear; a weight object must have GGUF shape (n_in, n_out)."""
+def as_linear(obj: Tensor, name: str, n_in: int, n_out: int) -> Weight:
+    """The Weight `name` of GGUF shape (n_in, n_out); a numpy [n_out, n_in] array (torch orientation)
+    becomes an F32 Weight of its values."""
     if isinstance(obj, np.ndarray):
         if obj.shape != (n_out, n_in):
-            raise ComponentError(f"{name}: array shape {obj.shape}, expected [n_out, n_in] = {(n_out, n_in)}")
-        return F32Linear(obj, name)
-    if not (hasattr(obj, "matvec") and hasattr(obj, "matmul")):
-        raise ComponentError(f"{name}: {type(obj).__name__} has no matvec/matmul")
+            raise PackError(f"{name}: array shape {obj.shape}, expected [n_out, n_in] = {(n_out, n_in)}")
+        raw = np.ascontiguousarray(obj, dtype=F32).reshape(-1).view(np.uint8)
+        return Weight(name, (n_in, n_out), 0, raw)  # type 0: F32
+    if not isinstance(obj, Weight):
+        raise PackError(f"{name}: {type(obj).__name__} is not a weight")
     if tuple(obj.shape) != (n_in, n_out):
-        raise ComponentError(f"{name}: shape {tuple(obj.shape)}, expected GGUF (n_in, n_out) = {(n_in, n_out)}")
+        raise PackError(f"{name}: shape {tuple(obj.shape)}, expected GGUF (n_in, n_out) = {(n_in, n_out)}")
     return obj
 
 
-def as_f32(obj: Any, name: str, shape: tuple[int, ...]) -> np.ndarray:
+def as_f32(obj: Tensor, name: str, shape: tuple[int, ...]) -> np.ndarray:
     """A small tensor as a contiguous f32 array of `shape` (numpy order, i.e. GGUF shape reversed)."""
     arr = obj if isinstance(obj, np.ndarray) else obj.f32()
     if arr.shape != shape:
-        raise ComponentError(f"{name}: shape {arr.shape}, expected {shape} (numpy order, GGUF reversed)")
+        raise PackError(f"{name}: shape {arr.shape}, expected {shape} (numpy order, GGUF reversed)")
     return np.ascontiguousarray(arr, dtype=F32)
 
 
-def take(tensors: Mapping[str, Any], name: str) -> Any:
+def take(tensors: Mapping[str, Tensor], name: str) -> Tensor:
     if name not in tensors:
-        raise ComponentError(f"tensor {name} is missing")
+        raise PackError(f"tensor {name} is missing")
     return tensors[name]
 
 
 def grouped_rmsnorm(x: np.ndarray, gain: np.ndarray, group: int, eps: float) -> np.ndarray:
-    """RMSNorm of every `group`-long slice of the last axis; `gain` is the stored (1 + w)."""
-    g = x.reshape(*x.shape[:-1], -1, group)
-    out = np.square(g)  # the squares, then (g r) gain: one buffer for every step
-    r = 1.0 / np.sqrt(np.mean(out, axis=-1, keepdims=True, dtype=F32) + F32(eps))
-    np.multiply(g, r, out=out)
-    out = out.reshape(x.shape)
-    out *= gain
-    return out
+    """RMSNorm of every `group`-long slice of the last axis (gain the stored 1 + w), with the f32
+    sums these components were matched to: ops.rmsnorm, named for its use here."""
+    return rmsnorm(x, gain, eps, group=group, f32_sums=True)
 
 
 def grouped_rmsnorm_q(x: np.ndarray, gain: np.ndarray, group: int, eps: float) -> tuple[np.ndarray, ActQ]:
@@ -127,11 +111,8 @@ def _scale_quantize(x, r, gain, out, q, d, s16, qa):
 
 
 def sigmoid(x: np.ndarray) -> np.ndarray:
-    """1 / (1 + exp(-x)), its steps in one buffer."""
-    out = np.negative(x)
-    np.exp(out, out=out)
-    out += 1.0
-    return np.divide(1.0, out, out=out)
+    """1 / (1 + exp(-x)): ops.sigmoid's exp form, the one these components were matched to."""
+    return ops_sigmoid(x, exp_form=True)
 
 
 def silu(x: np.ndarray) -> np.ndarray:
@@ -146,7 +127,7 @@ def streams_from_embedding(x: np.ndarray, hc: int) -> np.ndarray:
 class HyperConnection:
     """One hyper-connection: `mix` before a block, `inject` after it (no inject for output_hc)."""
 
-    def __init__(self, name: str, norm: np.ndarray, down: Any, up: Any, inject: Any | None,
+    def __init__(self, name: str, norm: Tensor, down: Tensor, up: Tensor, inject: Tensor | None,
                  *, hc: int, n_embd: int, lowrank: int, eps: float):
         HE = hc * n_embd
         self.name, self.hc, self.n_embd, self.eps = name, hc, n_embd, eps
@@ -156,60 +137,48 @@ class HyperConnection:
         self.inject_w = None if inject is None else as_linear(inject, f"{name}_inject.weight", HE, hc)
 
     @classmethod
-    def from_tensors(cls, tensors: Mapping[str, Any], prefix: str, geometry: Any, *, inject: bool = True):
+    def from_tensors(cls, tensors: Mapping[str, Tensor], prefix: str, geometry: ModelGeometry, *, inject: bool = True):
         """`prefix` is `blk.N.hc_attn`, `blk.N.hc_ffn` or `output_hc`; tensors maps GGUF names."""
         g = geometry
         if not g.hc or not g.hc_lowrank:
-            raise ComponentError(f"{prefix}: the geometry has no hyper-connections (hc {g.hc}, low rank {g.hc_lowrank})")
+            raise PackError(f"{prefix}: the geometry has no hyper-connections (hc {g.hc}, low rank {g.hc_lowrank})")
         return cls(prefix, take(tensors, f"{prefix}_norm.weight"), take(tensors, f"{prefix}_down.weight"),
                    take(tensors, f"{prefix}_up.weight"),
                    take(tensors, f"{prefix}_inject.weight") if inject else None,
                    hc=g.hc, n_embd=g.n_embd, lowrank=g.hc_lowrank, eps=g.rms_eps)
 
-    def _check(self, s: np.ndarray, rows: bool) -> None:
+    def _check(self, s: np.ndarray) -> None:
         want = self.hc * self.n_embd
-        if s.shape[-1] != want or s.ndim != (2 if rows else 1):
-            raise ComponentError(f"{self.name}: streams of shape {s.shape}, expected {'[T, ' if rows else '['}{want}]")
+        if s.ndim != 2 or s.shape[-1] != want:
+            raise ValueError(f"{self.name}: streams of shape {s.shape}, expected [T, {want}]")
 
-    def mix(self, streams: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
-        """streams f32[hc*E] -> (block input f32[E], injection weights f32[hc] or None)."""
-        self._check(streams, rows=False)
-        sn = grouped_rmsnorm(streams, self.norm, self.n_embd, self.eps)
-        m = sigmoid(self.up.matvec(silu(self.down.matvec(sn) / F32(self.hc))))
-        x = (m * sn).reshape(self.hc, self.n_embd).mean(axis=0, dtype=F32)
-        if self.inject_w is None:
-            return x, None
-        return x, 2 * sigmoid(self.inject_w.matvec(sn) / F32(self.hc))
-
-    def inject(self, streams: np.ndarray, block_out: np.ndarray, w: np.ndarray) -> None:
-        """In place: stream c += w[c] * block_out."""
-        streams.reshape(self.hc, self.n_embd)[...] += w[:, None] * block_out[None, :]
-
-    def mix_many(self, streams: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
-        """streams f32[T, hc*E] -> (f32[T, E], f32[T, hc] or None); the batched `mix`."""
-        self._check(streams, rows=True)
+    def mix(self, be, streams: np.ndarray) -> tuple[Input, np.ndarray | None]:
+        """streams f32 [T, hc*E] -> (the block input, an Input of [T, E]; injection weights f32 [T, hc]
+        or None)."""
+        self._check(streams)
         T = streams.shape[0]
         # a block-type `down` reads sn as ActQ: made with sn, in the same pass
-        if isinstance(self.down, Weight) and self.down.type.quantized:
+        if self.down.type.quantized:
             sn, act = grouped_rmsnorm_q(streams, self.norm, self.n_embd, self.eps)
-            u = self.up.matmul(silu(self.down.matmul(Input(sn, act)) / F32(self.hc)))
+            sn_in = Input(sn, act)
         else:
             sn = grouped_rmsnorm(streams, self.norm, self.n_embd, self.eps)
-            u = self.up.matmul(silu(self.down.matmul(sn) / F32(self.hc)))
+            sn_in = Input(sn)
+        u = be.linear(self.up, silu(be.linear(self.down, sn_in) / F32(self.hc)))
         ex = np.exp(np.negative(u, out=u), out=u)  # u is this call's own product
-        x = np.empty((T, self.n_embd), F32)
+        x = be.scratch("hc.x", (T, self.n_embd))
         _mix_tail(ex, sn, x)
         if self.inject_w is None:
-            return x, None
-        return x, 2 * sigmoid(self.inject_w.matmul(sn) / F32(self.hc))
+            return Input(x), None
+        return Input(x), 2 * sigmoid(be.linear(self.inject_w, sn_in) / F32(self.hc))
 
-    def inject_many(self, streams: np.ndarray, block_out: np.ndarray, w: np.ndarray) -> None:
-        """In place: stream c of token t += w[t, c] * block_out[t]; the batched `inject`."""
-        self._check(streams, rows=True)
+    def inject(self, streams: np.ndarray, block_out: np.ndarray, w: np.ndarray) -> None:
+        """In place: stream c of token t += w[t, c] * block_out[t]."""
+        self._check(streams)
         T = streams.shape[0]
         for name, a, shape in (("block output", block_out, (T, self.n_embd)), ("injection weights", w, (T, self.hc))):
             if a.shape != shape or a.dtype != F32:
-                raise ComponentError(f"{self.name}: {name} {a.dtype}{list(a.shape)}, expected float32{list(shape)}")
+                raise ValueError(f"{self.name}: {name} {a.dtype}{list(a.shape)}, expected float32{list(shape)}")
         _inject(streams, block_out, w)
 
 

@@ -27,6 +27,10 @@ F32 = np.float32
 _STORE = {"f32": np.float32, "f16": np.float16, "int8": np.int8}
 
 
+class ContextFull(RuntimeError):
+    """A token past the session's max_context: the caches are sized once, never grown (--ctx-size)."""
+
+
 def check_kv(kind: str, head_dim: int) -> None:
     """--kv `kind` for heads of `head_dim`: a known kind, and for int8 whole blocks per head."""
     if kind not in KV_TYPES:

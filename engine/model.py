@@ -1,6 +1,6 @@
-"""The model: one token through every layer, with all per-sequence state in a Session.
+"""The model: T tokens through every layer, with all per-sequence state in a Session.
 
-    token -> embedding -> [layer 0 .. L-1] -> head input -> LM head -> logits
+    tokens -> embedding -> [layer 0 .. L-1] -> head input -> LM head -> logits
 
 A layer is  token mixer (Gated DeltaNet, or gated full attention every `interval`-th layer)  then
 MoE, joined by the architecture's residual scheme:
@@ -10,14 +10,14 @@ MoE, joined by the architecture's residual scheme:
 The residual is an object with enter/leave per sub-block, so the mixers and the MoE are shared by
 both architectures and only the residual (and qwen4exp's extra components) differ.
 
-S12: a Session makes its state and scratch once (the KV cache is sized for max_context up front);
-a step writes into them and returns a view of the session's logits buffer.
+ONE FORWARD. Every block has one `forward` over a batch of T token rows [T, n]; T = 1 is the decode
+step, T > 1 a prompt chunk. What differs with T (a matvec or the panel kernels, the delta rule's
+recurrence or its chunked form, one query or a tile of them) is chosen below the blocks, by the
+backend (engine/backend.py) and the MoE, never by a second method; the recurrent states are updated
+by the same code for any T. The choices differ only by float32 rounding (tests/test_prefill.py).
 
-Two ways through the same weights and state: `step` (one token: the decode path, and the prompt
-with --prefill off) and `forward` (T tokens at once: the prompt path, B1). In `forward` every
-matrix multiplies all T tokens at once (ActQ made per token row, exactly as for one token), the MoE
-runs expert by expert over the tokens routed to it, Gated DeltaNet uses the chunked delta rule, and
-attention takes the T queries together. The two agree to float32 rounding (tests/test_prefill.py).
+S12: a Session makes its state once (the KV cache is sized for max_context up front); the decode
+step writes into it and into the backend's scratch, and returns a view of the session's logits.
 """
 
 from __future__ import annotations
@@ -26,13 +26,12 @@ import numpy as np
 
 from strata.index_format.geometry import ModelGeometry
 
-from .ops import ATTN_TILE_BYTES
+from .backend import CpuBackend
 from .hyper import HyperConnection
 from .kernels.reference import dequantize
-from .kvcache import KVCache
+from .kvcache import ContextFull, KVCache  # noqa: F401 (ContextFull: the model's error too)
 from .moe import MoE
-from .ops import (Rope, attend, attend_many, causal_mask, chunk_delta_rule, conv_many, delta_rule_step, gate_sigmoid,
-                  gate_silu, gated_rmsnorm_, l2norm_, rmsnorm, sigmoid, softplus)
+from .ops import Rope, gate_sigmoid, gate_silu, gated_rmsnorm_
 from .pack import Pack
 from .ple import PLELayer, PLEState, TableRows
 from .qsa import QSACache, QSALayer
@@ -42,10 +41,6 @@ F32 = np.float32
 # Model.warm_up's prompt chunks: copies of one token (routed nearly alike: many tokens per
 # matrix) and distinct tokens (about one per routed expert)
 WARM_SAME, WARM_DISTINCT = 16, 8
-
-
-class ContextFull(RuntimeError):
-    """A step past the session's max_context (the KV cache is sized once, never grown)."""
 
 
 # --- token mixers ------------------------------------------------------------------------------------
@@ -60,7 +55,7 @@ class GatedDeltaNet:
     def __init__(self, pack: Pack, layer: int, gate_act):
         g, b = pack.geometry, f"blk.{layer}"
         self.nk, self.nv, self.dk, self.dv = g.ssm_n_k_heads, g.ssm_n_v_heads, g.ssm_d_state, g.ssm_head_v_dim
-        self.K, self.C, self.eps, self.gate_act = g.ssm_d_conv, g.ssm_conv_channels, g.rms_eps, gate_act
+        self.K, self.C, self.E, self.eps, self.gate_act = g.ssm_d_conv, g.ssm_conv_channels, g.n_embd, g.rms_eps, gate_act
         self.qkv = pack.weight(f"{b}.attn_qkv.weight")
         self.z = pack.weight(f"{b}.attn_gate.weight")
         self.beta = pack.weight(f"{b}.ssm_beta.weight")
@@ -70,48 +65,26 @@ class GatedDeltaNet:
         self.a = pack.weight(f"{b}.ssm_a").f32()  # -exp(A_log)
         self.dt_bias = pack.weight(f"{b}.ssm_dt.bias").f32()
         self.norm = pack.weight(f"{b}.ssm_norm.weight").f32()
-        # scratch shared by every session (one token at a time)
-        self.mixed = np.empty((1, self.C), F32)
-        self.zv = np.empty((self.nv, self.dv), F32)
-        self.bv = np.empty(self.nv, F32)
-        self.av = np.empty(self.nv, F32)
-        self.o = Input(np.empty(self.nv * self.dv, F32))
-        self.y = np.empty(g.n_embd, F32)
 
     def new_state(self, max_context: int, kv: str) -> dict[str, np.ndarray]:
         return {"conv": np.zeros((self.K - 1, self.C), F32), "S": np.zeros((self.nv, self.dv, self.dk), F32)}
 
-    def _qkv(self, c: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Conv output [T, C] -> q, k [T, nk, dk] (l2-normalised, q scaled by dk^-1/2), v [T, nv, dv]."""
-        nk, dk, T = self.nk, self.dk, c.shape[0]
-        q = l2norm_(c[:, : nk * dk].reshape(T, nk, dk))
-        q *= F32(dk**-0.5)
-        k = l2norm_(c[:, nk * dk : 2 * nk * dk].reshape(T, nk, dk))
-        return q, k, c[:, 2 * nk * dk :].reshape(T, self.nv, self.dv)
-
-    def step(self, state: dict[str, np.ndarray], x: Input, pos: int) -> np.ndarray:
-        self.qkv.matvec(x, out=self.mixed[0])
-        self.z.matvec(x, out=self.zv.reshape(-1))
-        self.beta.matvec(x, out=self.bv)
-        self.alpha.matvec(x, out=self.av)
-        q, k, v = self._qkv(conv_many(state["conv"], self.conv_w, self.mixed))
-        beta = sigmoid(self.bv)
-        decay = self.a * softplus(self.av + self.dt_bias)
-        o = self.o.x.reshape(self.nv, self.dv)
-        delta_rule_step(state["S"], q[0], k[0], v[0], decay, beta, o)
-        gated_rmsnorm_(o, self.norm, self.zv, self.eps, self.gate_act)
-        return self.out.matvec(self.o.changed(), out=self.y)
-
-    def forward_many(self, state: dict[str, np.ndarray], x: Input, pos: int) -> np.ndarray:
-        """T tokens: the same projections as matrix products, the chunked delta rule -> f32 [T, E]."""
+    def forward(self, be, state: dict[str, np.ndarray], x: Input, pos: int) -> np.ndarray:
+        """T tokens at positions pos.. -> f32 [T, E]; advances the conv and delta-rule states by T."""
         T = x.x.shape[0]
-        q, k, v = self._qkv(conv_many(state["conv"], self.conv_w, self.qkv.matmul(x)))
-        z = self.z.matmul(x).reshape(T, self.nv, self.dv)
-        beta = sigmoid(self.beta.matmul(x))
-        decay = self.a * softplus(self.alpha.matmul(x) + self.dt_bias)
-        o = chunk_delta_rule(state["S"], q, k, v, decay, beta)
+        nk, dk, nv, dv, sc = self.nk, self.dk, self.nv, self.dv, be.scratch
+        mixed = be.linear(self.qkv, x, sc("gdn.qkv", (T, self.C)))
+        z = be.linear(self.z, x, sc("gdn.z", (T, nv * dv))).reshape(T, nv, dv)
+        beta = be.sigmoid(be.linear(self.beta, x, sc("gdn.beta", (T, nv))))
+        decay = self.a * be.softplus(be.linear(self.alpha, x, sc("gdn.alpha", (T, nv))) + self.dt_bias)
+        c = be.conv(state["conv"], self.conv_w, mixed)
+        q = be.l2norm_(c[:, : nk * dk].reshape(T, nk, dk))
+        q *= F32(dk**-0.5)
+        k = be.l2norm_(c[:, nk * dk : 2 * nk * dk].reshape(T, nk, dk))
+        v = c[:, 2 * nk * dk :].reshape(T, nv, dv)
+        o = be.delta_rule(state["S"], q, k, v, decay, beta, sc("gdn.o", (T, nv, dv)))
         gated_rmsnorm_(o, self.norm, z, self.eps, self.gate_act)
-        return self.out.matmul(Input(o.reshape(T, -1)))
+        return be.linear(self.out, Input(o.reshape(T, nv * dv)), sc("gdn.y", (T, self.E)))
 
 
 class GatedAttention:
@@ -122,54 +95,34 @@ class GatedAttention:
 
     def __init__(self, pack: Pack, layer: int, rope: Rope):
         g, b = pack.geometry, f"blk.{layer}"
-        self.H, self.Hkv, self.D, self.eps, self.rope = g.n_head, g.n_head_kv, g.head_dim, g.rms_eps, rope
+        self.H, self.Hkv, self.D, self.E, self.eps, self.rope = g.n_head, g.n_head_kv, g.head_dim, g.n_embd, g.rms_eps, rope
         self.wq = pack.weight(f"{b}.attn_q.weight")
         self.wk = pack.weight(f"{b}.attn_k.weight")
         self.wv = pack.weight(f"{b}.attn_v.weight")
         self.wo = pack.weight(f"{b}.attn_output.weight")
         self.q_norm = pack.weight(f"{b}.attn_q_norm.weight").f32()  # (1 + w), folded
         self.k_norm = pack.weight(f"{b}.attn_k_norm.weight").f32()
-        self.qg = np.empty((self.H, 2 * self.D), F32)
-        self.q = np.empty((self.H, self.D), F32)
-        self.k = np.empty((1, self.Hkv, self.D), F32)
-        self.v = np.empty((1, self.Hkv, self.D), F32)
-        self.att = Input(np.empty(self.H * self.D, F32))
-        self.y = np.empty(g.n_embd, F32)
 
     def new_state(self, max_context: int, kv: str) -> KVCache:
         return KVCache(kv, max_context, self.Hkv, self.D)
 
-    def step(self, cache: KVCache, x: Input, pos: int) -> np.ndarray:
-        self.wq.matvec(x, out=self.qg.reshape(-1))
-        self.wk.matvec(x, out=self.k.reshape(-1))
-        self.wv.matvec(x, out=self.v.reshape(-1))
-        rmsnorm(self.qg[:, : self.D], self.q_norm, self.eps, out=self.q)
-        rmsnorm(self.k, self.k_norm, self.eps, out=self.k)
-        self.rope.at(pos)
-        self.rope.apply_(self.q)
-        self.rope.apply_(self.k[0])
-        cache.write(pos, self.k, self.v)
-        K, V = cache.read(slice(0, pos + 1))
-        out = self.att.x.reshape(self.H, self.D)
-        attend(self.q, K, V, self.D**-0.5, out=out)
-        out *= sigmoid(self.qg[:, self.D :])
-        return self.wo.matvec(self.att.changed(), out=self.y)
-
-    def forward_many(self, cache: KVCache, x: Input, pos: int) -> np.ndarray:
-        """T tokens at positions pos..: projections as matrix products, the T queries attend together."""
-        H, Hkv, D, T = self.H, self.Hkv, self.D, x.x.shape[0]
+    def forward(self, be, cache: KVCache, x: Input, pos: int) -> np.ndarray:
+        """T tokens at positions pos.. -> f32 [T, E]: their keys are cached, then the T queries attend
+        together (a query sees the keys up to its own position)."""
+        H, Hkv, D, T, sc = self.H, self.Hkv, self.D, x.x.shape[0], be.scratch
         positions = pos + np.arange(T)
-        qg = self.wq.matmul(x).reshape(T, H, 2 * D)
-        q = rmsnorm(qg[:, :, :D], self.q_norm, self.eps, out=np.empty((T, H, D), F32))
-        k = self.wk.matmul(x).reshape(T, Hkv, D)
-        rmsnorm(k, self.k_norm, self.eps, out=k)
-        self.rope.apply_many_(q, positions)
-        self.rope.apply_many_(k, positions)
-        cache.write(pos, k, self.wv.matmul(x).reshape(T, Hkv, D))
+        qg = be.linear(self.wq, x, sc("attn.qg", (T, 2 * H * D))).reshape(T, H, 2 * D)
+        q = be.rmsnorm(qg[:, :, :D], self.q_norm, self.eps, sc("attn.q", (T, H, D)))
+        k = be.linear(self.wk, x, sc("attn.k", (T, Hkv * D))).reshape(T, Hkv, D)
+        be.rmsnorm(k, self.k_norm, self.eps, k)
+        self.rope.apply_(q, positions)
+        self.rope.apply_(k, positions)
+        cache.write(pos, k, be.linear(self.wv, x, sc("attn.v", (T, Hkv * D))).reshape(T, Hkv, D))
         K, V = cache.read(slice(0, pos + T))
-        o = attend_many(q, K, V, D**-0.5, causal_mask(pos, T, pos + T), ATTN_TILE_BYTES)
-        o *= sigmoid(qg[:, :, D:])
-        return self.wo.matmul(Input(o.reshape(T, H * D)))
+        visible = None if T == 1 else be.causal_mask(pos, T, pos + T)  # one token sees its whole cache
+        o = be.attention(q, K, V, D**-0.5, visible)
+        o *= be.sigmoid(qg[:, :, D:])
+        return be.linear(self.wo, Input(o.reshape(T, H * D)), sc("attn.y", (T, self.E)))
 
 
 class QSAAttention:
@@ -183,65 +136,48 @@ class QSAAttention:
     def new_state(self, max_context: int, kv: str) -> QSACache:
         return QSACache.for_geometry(self.geometry, max_context, kv)
 
-    def step(self, state: QSACache, x: Input, pos: int) -> np.ndarray:
+    def forward(self, be, state: QSACache, x: Input, pos: int) -> np.ndarray:
         # the Input goes to the Weights as is: the five projections of x share one ActQ
-        return self.qsa.step(x, state)
-
-    def forward_many(self, state: QSACache, x: Input, pos: int) -> np.ndarray:
-        return self.qsa.forward_many(x, state)
+        return self.qsa.forward(be, x, state)
 
 
 # --- residual schemes --------------------------------------------------------------------------------
 
 
 class PreNormResidual:
-    """qwen35moe: h += mixer(attn_norm(h)); h += moe(post_attention_norm(h)); the head reads output_norm(h)."""
+    """qwen35moe: h += mixer(attn_norm(h)); h += moe(post_attention_norm(h)); the head reads output_norm(h).
+    The stream is H f32 [T, E]; `ctx` carries nothing."""
 
     def __init__(self, pack: Pack):
         g = pack.geometry
-        self.eps = g.rms_eps
+        self.E, self.eps = g.n_embd, g.rms_eps
         self.attn_norm = [pack.weight(f"blk.{l}.attn_norm.weight").f32() for l in range(g.n_layer)]
         self.ffn_norm = [pack.weight(f"blk.{l}.post_attention_norm.weight").f32() for l in range(g.n_layer)]
         self.out_norm = pack.weight("output_norm.weight").f32()
-        self.xin = Input(np.empty(g.n_embd, F32))
-        self.head_in = np.empty(g.n_embd, F32)
 
-    def new_stream(self) -> np.ndarray:
-        return np.zeros(self.out_norm.shape, F32)
+    def embed(self, e: np.ndarray, out: np.ndarray | None) -> np.ndarray:
+        """The stream of T tokens from their embeddings [T, E] (into `out` when given)."""
+        if out is None:
+            return e
+        out[...] = e
+        return out
 
-    def embed(self, h: np.ndarray, e: np.ndarray) -> None:
-        h[:] = e
-
-    def embed_many(self, e: np.ndarray) -> np.ndarray:
-        return e.copy()
-
-    def enter(self, h: np.ndarray, layer: int, ffn: bool) -> Input:
+    def enter(self, be, H: np.ndarray, layer: int, ffn: bool) -> tuple[Input, None]:
         gain = (self.ffn_norm if ffn else self.attn_norm)[layer]
-        rmsnorm(h, gain, self.eps, out=self.xin.x)
-        return self.xin.changed()
+        return Input(be.rmsnorm(H, gain, self.eps, be.scratch("residual.x", H.shape))), None
 
-    def leave(self, h: np.ndarray, layer: int, ffn: bool, y: np.ndarray) -> None:
-        h += y
-
-    def final(self, h: np.ndarray) -> np.ndarray:
-        return rmsnorm(h, self.out_norm, self.eps, out=self.head_in)
-
-    # T tokens at once (the prompt path): rows [T, E]; `ctx` carries nothing here
-    def enter_many(self, H: np.ndarray, layer: int, ffn: bool) -> tuple[Input, None]:
-        gain = (self.ffn_norm if ffn else self.attn_norm)[layer]
-        return Input(rmsnorm(H, gain, self.eps, out=np.empty_like(H))), None
-
-    def leave_many(self, H: np.ndarray, layer: int, ffn: bool, Y: np.ndarray, ctx: None) -> None:
+    def leave(self, be, H: np.ndarray, layer: int, ffn: bool, Y: np.ndarray, ctx: None) -> None:
         H += Y
 
-    def final_many(self, H: np.ndarray) -> np.ndarray:
-        return rmsnorm(H, self.out_norm, self.eps, out=np.empty_like(H))
+    def final(self, be, H: np.ndarray) -> np.ndarray:
+        return be.rmsnorm(H, self.out_norm, self.eps, be.scratch("residual.head_in", H.shape))
 
 
 class HyperResidual:
-    """qwen4exp: hc residual streams (engine/hyper.py). Before each block its hyper-connection mixes
-    the streams into the block input; after it, injects the output back into every stream with the
-    weights the mix computed. The head reads the final mixer's output (there is no output_norm)."""
+    """qwen4exp: hc residual streams (engine/hyper.py), H f32 [T, hc*E]. Before each block its
+    hyper-connection mixes the streams into the block input; after it, injects the output back into
+    every stream with the weights the mix computed (`ctx`, f32 [T, hc]). The head reads the final
+    mixer's output (there is no output_norm)."""
 
     def __init__(self, pack: Pack):
         g, w = pack.geometry, pack.weights
@@ -249,46 +185,31 @@ class HyperResidual:
         self.attn = [HyperConnection.from_tensors(w, f"blk.{l}.hc_attn", g) for l in range(g.n_layer)]
         self.ffn = [HyperConnection.from_tensors(w, f"blk.{l}.hc_ffn", g) for l in range(g.n_layer)]
         self.out = HyperConnection.from_tensors(w, "output_hc", g, inject=False)
-        self.xin = Input(np.empty(g.n_embd, F32))
-        self.inject_w: np.ndarray | None = None  # between enter and leave of one block
 
-    def new_stream(self) -> np.ndarray:
-        return np.zeros(self.hc * self.E, F32)
+    def embed(self, e: np.ndarray, out: np.ndarray | None) -> np.ndarray:
+        """The streams of T tokens from their embeddings [T, E] (into `out` when given): every stream
+        starts as the token's embedding (transformers: embedding.repeat(1, 1, hc))."""
+        H = np.empty((e.shape[0], self.hc * self.E), F32) if out is None else out
+        H.reshape(-1, self.hc, self.E)[...] = e[:, None, :]
+        return H
 
-    def embed(self, h: np.ndarray, e: np.ndarray) -> None:
-        h.reshape(self.hc, self.E)[:] = e  # transformers: embedding.repeat(1, 1, hc)
+    def enter(self, be, H: np.ndarray, layer: int, ffn: bool) -> tuple[Input, np.ndarray]:
+        x, w = (self.ffn if ffn else self.attn)[layer].mix(be, H)
+        return x, w
 
-    def embed_many(self, e: np.ndarray) -> np.ndarray:
-        return np.tile(e, self.hc)  # [T, hc*E]: every stream starts as the token's embedding
+    def leave(self, be, H: np.ndarray, layer: int, ffn: bool, Y: np.ndarray, w: np.ndarray) -> None:
+        (self.ffn if ffn else self.attn)[layer].inject(H, Y, w)
 
-    def enter(self, h: np.ndarray, layer: int, ffn: bool) -> Input:
-        x, self.inject_w = (self.ffn if ffn else self.attn)[layer].mix(h)
-        return self.xin.set(x)
-
-    def leave(self, h: np.ndarray, layer: int, ffn: bool, y: np.ndarray) -> None:
-        (self.ffn if ffn else self.attn)[layer].inject(h, y, self.inject_w)
-
-    def final(self, h: np.ndarray) -> np.ndarray:
-        return self.out.mix(h)[0]
-
-    # T tokens at once (the prompt path): streams [T, hc*E]; `ctx` is the mix's injection weights [T, hc]
-    def enter_many(self, H: np.ndarray, layer: int, ffn: bool) -> tuple[Input, np.ndarray]:
-        x, w = (self.ffn if ffn else self.attn)[layer].mix_many(H)
-        return Input(x), w
-
-    def leave_many(self, H: np.ndarray, layer: int, ffn: bool, Y: np.ndarray, w: np.ndarray) -> None:
-        (self.ffn if ffn else self.attn)[layer].inject_many(H, Y, w)
-
-    def final_many(self, H: np.ndarray) -> np.ndarray:
-        return self.out.mix_many(H)[0]
+    def final(self, be, H: np.ndarray) -> np.ndarray:
+        return self.out.mix(be, H)[0].x
 
 
 # --- the model ---------------------------------------------------------------------------------------
 
 
 class Session:
-    """Everything one sequence owns: position, per-layer state, the residual stream, the logits
-    buffer, and per-layer expert routing counts ([n_layer, n_expert], for --stats).
+    """Everything one sequence owns: position, per-layer state, the decode step's residual stream,
+    the logits buffer, and per-layer expert routing counts ([n_layer, n_expert], for --stats).
 
     `kv` is the KV cache kind (engine/kvcache.py): f32 (exact), f16 or int8. The Gated DeltaNet,
     conv, QSA indexer and PLE states are f32 whatever it is."""
@@ -301,8 +222,7 @@ class Session:
         self.pos = 0
         self.states = [m.new_state(max_context, kv) for m in model.mixers]
         self.ple_states = {l: PLEState.for_geometry(g) for l in model.ple}
-        self.stream = model.residual.new_stream()
-        self.embedding = np.empty(g.n_embd, F32)
+        self.stream = np.zeros((1, (g.hc or 1) * g.n_embd), F32)  # the decode step's residual stream
         self.logits = np.empty(g.n_vocab, F32)
         self.routing = np.zeros((g.n_layer, g.n_expert), np.int64)
 
@@ -328,12 +248,15 @@ class Session:
 
 
 class Model:
-    """Weights and per-layer blocks of one pack; `step(session, token)` -> logits f32 [n_vocab],
-    `forward(session, tokens)` -> the logits of the last positions of a batch of tokens."""
+    """Weights and per-layer blocks of one pack; `forward(session, tokens)` -> the logits of the last
+    positions of T tokens, `step(session, token)` -> logits f32 [n_vocab] (T = 1, into the session's
+    buffer). `backend` (engine/backend.py) is what the blocks compute with: the CPU's, or the GPU
+    tier's once it starts (engine/tier/)."""
 
     def __init__(self, pack: Pack):
         g: ModelGeometry = pack.geometry
         self.pack, self.geometry = pack, g
+        self.backend = CpuBackend()
         qwen4exp = g.arch == "qwen4exp"
         # the GDN output-gate activation is not in the GGUF: sigmoid for qwen4exp as released, SiLU for qwen35moe
         gate_act = gate_sigmoid if qwen4exp else gate_silu
@@ -396,49 +319,40 @@ class Model:
             raise ValueError(f"token id {bad[0]} outside the vocabulary 0..{self.geometry.n_vocab - 1}")
 
     def step(self, s: Session, token: int) -> np.ndarray:
-        """Feed `token` at position s.pos; returns the logits for the next position (s.logits)."""
-        self._check(s, (token,))
-        g, r, h = self.geometry, self.residual, s.stream
-        s.embedding[:] = dequantize(self.embd.rows(token, token + 1), self.embd.type_id, g.n_embd)
-        r.embed(h, s.embedding)
-        for l in range(g.n_layer):
-            if l in self.ple:
-                self.ple[l].step(h, token, s.ple_states[l])  # adds to the streams before the layer's mix
-            y = self.mixers[l].step(s.states[l], r.enter(h, l, ffn=False), s.pos)
-            r.leave(h, l, False, y)
-            y = self.moes[l].step(r.enter(h, l, ffn=True), s.routing[l])
-            r.leave(h, l, True, y)
-        self.head.matvec(r.final(h), out=s.logits)
-        s.pos += 1
+        """Feed `token` at position s.pos; returns the logits for the next position (s.logits).
+        The decode step: `forward` of one token, which allocates nothing after warm-up (S12)."""
+        self._forward(s, (int(token),), 1, s.logits.reshape(1, -1))
         return s.logits
 
     def forward(self, s: Session, tokens, n_logits: int = 1) -> np.ndarray:
         """Feed T tokens at positions s.pos.. in one batch; returns the logits of the last `n_logits`
-        positions, f32 [n_logits, n_vocab] (0 <= n_logits <= T: the LM head runs only for those).
-
-        The prompt path; `step` is the decode path (S12: it allocates nothing), this one makes its
-        chunk's buffers as it goes."""
+        positions, f32 [n_logits, n_vocab] (0 <= n_logits <= T: the LM head runs only for those)."""
         tokens = np.asarray(tokens, np.int64).reshape(-1)
-        T = tokens.size
-        if not 0 <= n_logits <= T:
-            raise ValueError(f"forward: n_logits {n_logits} outside 0..{T} (the tokens fed)")
-        self._check(s, tokens.tolist())
-        g, r = self.geometry, self.residual
+        if not 0 <= n_logits <= tokens.size:
+            raise ValueError(f"forward: n_logits {n_logits} outside 0..{tokens.size} (the tokens fed)")
+        return self._forward(s, tokens.tolist(), n_logits, np.empty((n_logits, self.geometry.n_vocab), F32))
+
+    def _forward(self, s: Session, tokens, n_logits: int, out: np.ndarray) -> np.ndarray:
+        self._check(s, tokens)
+        g, r, be = self.geometry, self.residual, self.backend
+        T = len(tokens)
         # the T rows' bytes in one decode (a row decodes alone: the same values as one at a time)
-        raw = np.concatenate([self.embd.rows(t, t + 1) for t in tokens.tolist()])
-        emb = dequantize(raw, self.embd.type_id, T * g.n_embd).reshape(T, g.n_embd)
-        H = r.embed_many(emb)
+        raw = self.embd.rows(tokens[0], tokens[0] + 1) if T == 1 else \
+            np.concatenate([self.embd.rows(t, t + 1) for t in tokens])
+        # the decode step's stream is the session's (strata-budget's session.stream); a chunk's is its own
+        H = r.embed(dequantize(raw, self.embd.type_id, T * g.n_embd).reshape(T, g.n_embd), s.stream if T == 1 else None)
+        ids = np.asarray(tokens, np.int64)
         for l in range(g.n_layer):
             if l in self.ple:
-                self.ple[l].forward_many(H, tokens, s.ple_states[l])
-            x, ctx = r.enter_many(H, l, ffn=False)
-            r.leave_many(H, l, False, self.mixers[l].forward_many(s.states[l], x, s.pos), ctx)
-            x, ctx = r.enter_many(H, l, ffn=True)
-            r.leave_many(H, l, True, self.moes[l].forward_many(x, s.routing[l]), ctx)
+                self.ple[l].forward(be, H, ids, s.ple_states[l])  # adds to the streams before the layer's mix
+            x, ctx = r.enter(be, H, l, ffn=False)
+            r.leave(be, H, l, False, self.mixers[l].forward(be, s.states[l], x, s.pos), ctx)
+            x, ctx = r.enter(be, H, l, ffn=True)
+            r.leave(be, H, l, True, self.moes[l].forward(be, x, s.routing[l]), ctx)
         s.pos += T
-        if n_logits == 0:
-            return np.empty((0, g.n_vocab), F32)
-        return self.head.matmul(np.ascontiguousarray(r.final_many(H[T - n_logits :])))
+        if n_logits:
+            be.linear(self.head, r.final(be, H[T - n_logits :]), out)
+        return out
 
 
 def _ple_layers(pack: Pack) -> dict[int, PLELayer]:

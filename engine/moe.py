@@ -1,9 +1,16 @@
-"""The MoE block of one token (or of a chunk of T tokens, expert by expert): softmax router, top-k with renormalised weights (norm_topk_prob, true
+"""The MoE block over T tokens: softmax router, top-k with renormalised weights (norm_topk_prob, true
 for both architectures and not stored in the GGUF), routed experts read in place from the mapped
 GGUF, and the sigmoid-gated shared expert (transformers' Qwen3_5MoeSparseMoeBlock).
 
+One forward for any T (T = 1 is the decode step). The routed experts run expert by expert: each
+routed expert's weights are read once for all the tokens routed to it, in one grouped kernel call
+per matrix. THE MOE OWNS THE HIT/MISS SPLIT: `routed` asks the backend's expert server (the GPU
+tier's, engine/tier/hits.py) which experts it serves; the server multiplies on the device and makes
+each hit's hidden activation with `hidden_`, the function the CPU path uses, so a hit and a miss
+give the same bits (tests/test_gpu_tier.py); without a server every expert is computed here.
+
 Legend: E = n_embd, X = experts, k = experts per token, F = expert n_ff, Fs = shared expert n_ff,
-T = tokens of a chunk.
+T = tokens, N = (token, rank) pairs = T k.
 """
 
 from __future__ import annotations
@@ -13,15 +20,40 @@ import numpy as np
 from .kernels import cpu
 from .kernels.actq import ActQ
 from .kernels.jit import cached_njit
-from .ops import gate_, sigmoid, silu_
+from .ops import gate_
 from .pack import Pack
 from .weights import Input
 
 F32 = np.float32
 
 
+def hidden_(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
+    """up *= silu(gate), in place -> up: an expert's hidden activation, rows [n, F] (the down
+    projection's input). Every routed expert's h is made here, a CPU miss's and a GPU hit's (from its
+    downloaded gate and up) alike: one function, so the same bits."""
+    return gate_(up, gate, silu=True)
+
+
+class Groups:
+    """The (token, rank) pairs of a batch's routing, expert by expert: group g is expert experts[g] on
+    the token rows rows[starts[g]:starts[g + 1]]; slot [T, k] is where pair (t, j) sits in that order."""
+
+    __slots__ = ("experts", "rows", "starts", "slot")
+
+    def __init__(self, top: np.ndarray):
+        T, k = top.shape
+        flat = top.reshape(-1)
+        order = np.argsort(flat, kind="stable")  # the (token, rank) pairs, expert by expert
+        self.experts, first = np.unique(flat[order], return_index=True)
+        self.starts = np.append(first, flat.size)
+        self.rows = order // k
+        slot = np.empty(flat.size, np.int64)
+        slot[order] = np.arange(flat.size)
+        self.slot = slot.reshape(T, k)
+
+
 class MoE:
-    """One layer's experts. `step(x, counts)` -> f32 [E] (a view of this block's scratch)."""
+    """One layer's experts. `forward(be, x, counts)` -> f32 [T, E]."""
 
     def __init__(self, pack: Pack, layer: int):
         g = pack.geometry
@@ -38,86 +70,13 @@ class MoE:
                 pack.weight(f"{b}.ffn_up_shexp.weight"),
                 pack.weight(f"{b}.ffn_down_shexp.weight"),
             )
-        # scratch, made once (S12)
-        self.logits = np.empty(g.n_expert, F32)
-        self.gate = np.empty(self.F, F32)
-        self.up = np.empty(self.F, F32)
-        self.h = Input(np.empty(self.F, F32))
-        self.part = np.empty(self.E, F32)
-        self.parts = np.empty((self.k, self.E), F32)  # the routed experts' outputs, in the router's order
-        self.out = np.empty(self.E, F32)
-        # the GPU tier's hit path (engine/gpu_tier.py) when it is ready, else None: every expert a CPU miss
-        self.hits = None
-        self.top = np.empty(self.k, np.int64)
-        self.weights = np.empty(self.k, np.float64)
-        if self.shared:
-            Fs = g.n_ff_shexp
-            self.sh_gate = np.empty(Fs, F32)
-            self.sh_up = np.empty(Fs, F32)
-            self.sh_h = Input(np.empty(Fs, F32))
-            self.sh_g = np.empty(1, F32)
 
-    def route(self, x: Input) -> tuple[np.ndarray, np.ndarray]:
-        """(expert ids [k], weights [k]) ranked by router probability, weights summing to 1."""
-        logits = self.router.matvec(x, out=self.logits)
-        # softmax in float64: the ranking and weights come from the same probabilities transformers has
-        p = np.exp(logits - logits.max(), dtype=np.float64)
-        p /= p.sum()
-        top = np.argpartition(-p, self.k - 1)[: self.k]
-        order = np.argsort(-p[top], kind="stable")
-        self.top[:] = top[order]
-        self.weights[:] = p[self.top]
-        self.weights /= self.weights.sum()
-        return self.top, self.weights
-
-    def step(self, x: Input, counts: np.ndarray | None = None) -> np.ndarray:
-        """y = sum_e w_e down_e(silu(gate_e x) * up_e x) + sigmoid(s . x) shared(x); counts[e] += 1 per routed e."""
-        top, weights = self.route(x)
-        if counts is not None:
-            counts[top] += 1
-        parts = self.parts
-        if self.hits is not None:
-            self.hits.run(self, x, top, parts)  # GPU hits beside CPU misses, each part the same bits (B2)
-        else:
-            for j, e in enumerate(top):
-                self._expert(x, int(e), parts[j])
-        out = self.out
-        out[:] = 0
-        for j, w in enumerate(weights):
-            out += F32(w) * parts[j]
-        if self.shared:
-            s_gate, gate, up, down = self.shared
-            s_gate.matvec(x, out=self.sh_g)
-            gate.matvec(x, out=self.sh_gate)
-            up.matvec(x, out=self.sh_up)
-            self.sh_h.set(silu_(self.sh_gate) * self.sh_up)
-            down.matvec(self.sh_h, out=self.part)
-            out += sigmoid(self.sh_g)[0] * self.part
-        return out
-
-    def _expert(self, x: Input, e: int, out: np.ndarray) -> np.ndarray:
-        """Expert e on one token, on the CPU (a miss) -> `out` f32 [E]."""
-        gate_raw, up_raw, down_raw = self.pack.expert(self.layer, e)
-        E, F = self.E, self.F
-        act = x.form(self.gu)
-        cpu.matvec(gate_raw, self.gu.id, E, F, act, out=self.gate)
-        cpu.matvec(up_raw, self.gu.id, E, F, act, out=self.up)
-        return cpu.matvec(down_raw, self.d.id, F, E, self.hidden(self.gate, self.up).form(self.d), out=out)
-
-    def hidden(self, gate: np.ndarray, up: np.ndarray) -> Input:
-        """silu(gate) * up as the down projection's input (gate is overwritten). A GPU hit makes its
-        h here too, on the host, from its downloaded gate and up: one function, so the same bits."""
-        silu_(gate)
-        gate *= up
-        return self.h.set(gate)
-
-
-    # --- T tokens at once (the prompt path) -------------------------------------------------------
-
-    def route_many(self, x: Input) -> tuple[np.ndarray, np.ndarray]:
-        """(expert ids [T, k], weights [T, k]): `route` row by row (the same argpartition and stable
-        argsort on the same float64 probabilities, so the same experts in the same order)."""
-        logits = self.router.matmul(x)
+    def route(self, be, x: Input) -> tuple[np.ndarray, np.ndarray]:
+        """(expert ids int64 [T, k], weights f64 [T, k]): each token's experts ranked by router
+        probability, weights summing to 1. The softmax is in float64, so the ranking and the weights
+        come from the probabilities transformers has; argpartition then a stable argsort."""
+        logits = be.linear(self.router, x, be.scratch("moe.router", (x.x.shape[0], self.router.n_out)))
+        self.logits = logits  # the last batch's router logits [T, X] (diagnostics, tests)
         p = np.exp(logits - logits.max(axis=1, keepdims=True), dtype=np.float64)
         p /= p.sum(axis=1, keepdims=True)
         top = np.argpartition(-p, self.k - 1, axis=1)[:, : self.k]
@@ -127,46 +86,48 @@ class MoE:
         weights /= weights.sum(axis=1, keepdims=True)
         return top, weights
 
-    def forward_many(self, x: Input, counts: np.ndarray | None = None) -> np.ndarray:
-        """`step` for T tokens -> f32 [T, E]. Expert by expert: each routed expert's weights are read
-        once for all the tokens routed to it. Each (token, rank) output is kept apart and the sum is
-        made rank by rank, as `step` makes it, so a token's result does not depend on its chunk."""
-        top, weights = self.route_many(x)
+    def forward(self, be, x: Input, counts: np.ndarray | None = None) -> np.ndarray:
+        """y = sum_e w_e down_e(silu(gate_e x) * up_e x) + sigmoid(s . x) shared(x) for T tokens ->
+        f32 [T, E]; counts[e] += 1 per routed e. Each (token, rank) output is kept apart and the sum
+        is made rank by rank (`combine_reference`), so a token's result does not depend on its batch."""
+        top, weights = self.route(be, x)
         T = top.shape[0]
         if counts is not None:
             counts += np.bincount(top.reshape(-1), minlength=counts.size)
-        flat = top.reshape(-1)
-        order = np.argsort(flat, kind="stable")  # the (token, rank) pairs, expert by expert
-        experts, first = np.unique(flat[order], return_index=True)
-        starts = np.append(first, flat.size)
-        rows = order // self.k
-        if self.hits is not None:
-            part = self.hits.run_many(self, x, experts, rows, starts)  # GPU hits beside CPU misses (B2)
-        else:
-            part = self._routed_many(x, experts, rows, starts)
-        slot = np.empty(flat.size, np.int64)
-        slot[order] = np.arange(flat.size)  # (token, rank) -> its row of part
-        out = np.empty((T, self.E), F32)
-        _combine(part, slot.reshape(T, self.k), weights, out)
+        grp = Groups(top)
+        part = self.routed(be, x, grp.experts, grp.rows, grp.starts)
+        out = be.scratch("moe.out", (T, self.E))
+        _combine(part, grp.slot, weights, out)
         if self.shared:
             s_gate, gate, up, down = self.shared
-            h = gate_(up.matmul(x), gate.matmul(x), silu=True)  # up silu(gate)
-            out += sigmoid(s_gate.matmul(x)) * down.matmul(Input(h))
+            sc = be.scratch
+            Fs = gate.n_out
+            h = hidden_(be.linear(gate, x, sc("moe.sh_gate", (T, Fs))), be.linear(up, x, sc("moe.sh_up", (T, Fs))))
+            y = be.linear(down, Input(h), sc("moe.sh_y", (T, self.E)))
+            y *= be.sigmoid(be.linear(s_gate, x, sc("moe.sh_g", (T, 1))))
+            out += y
         return out
 
-    def _routed_many(self, x: Input, experts: np.ndarray, rows: np.ndarray, starts: np.ndarray) -> np.ndarray:
-        """Expert experts[g] on the tokens rows[starts[g]:starts[g + 1]] of x, for every g ->
-        f32 [len(rows), E], row i the output of token rows[i] through its group's expert; each row
-        bit-identical to `_expert` on that token alone. All the experts in one grouped kernel call
-        per matrix (gate, up, down), reading the layer's expert tensors in place. Any subset of the
-        chunk's experts may be passed (a GPU tier sends its hits elsewhere and the misses here)."""
+    def routed(self, be, x: Input, experts: np.ndarray, rows: np.ndarray, starts: np.ndarray) -> np.ndarray:
+        """Expert experts[g] on the tokens rows[starts[g]:starts[g + 1]] of x, for every g -> f32
+        [len(rows), E] in that order: the backend's expert server computes the experts it holds (and
+        the rest through `products`, beside them), or, without one, all of them here."""
+        if be.experts is None:
+            return self.products(x, experts, rows, starts)
+        return be.experts.routed(self, x, experts, rows, starts)
+
+    def products(self, x: Input, experts: np.ndarray, rows: np.ndarray, starts: np.ndarray) -> np.ndarray:
+        """`routed` on the CPU -> f32 [len(rows), E], row i the output of token rows[i] through its
+        group's expert, bit-identical to that expert on that token alone. All the experts in one
+        grouped kernel call per matrix (gate, up, down), reading the layer's expert tensors in place.
+        Any subset of the batch's experts may be passed (a GPU tier computes its hits elsewhere)."""
         gate_all, up_all, down_all = self.pack.expert_tensors(self.layer)
         E, F = self.E, self.F
         act = x.form(self.gu)
         act = ActQ(act.q[rows], act.d[rows], act.s16[rows]) if isinstance(act, ActQ) else act[rows]
         gu_at = experts.astype(np.int64) * self.gu.nbytes((E, F))
         gate = cpu.matmul_grouped(gate_all, self.gu.id, E, F, gu_at, act, starts)
-        h = gate_(cpu.matmul_grouped(up_all, self.gu.id, E, F, gu_at, act, starts), gate, silu=True)  # up silu(gate)
+        h = hidden_(gate, cpu.matmul_grouped(up_all, self.gu.id, E, F, gu_at, act, starts))
         d_at = experts.astype(np.int64) * self.d.nbytes((F, E))
         return cpu.matmul_grouped(down_all, self.d.id, F, E, d_at, Input(h).form(self.d), starts)
 

@@ -81,10 +81,29 @@ def in_threads(fn, jobs: list[tuple]) -> None:
 # --- elementwise ------------------------------------------------------------------------------------
 
 
-def rmsnorm(x: np.ndarray, gain: np.ndarray, eps: float, out: np.ndarray) -> np.ndarray:
-    """out = x / sqrt(mean(x^2) + eps) * gain, over the last axis (x [..., n], gain [n] as stored)."""
-    ms = np.einsum("...i,...i->...", x, x, dtype=np.float64) / x.shape[-1]
-    np.multiply(x, (1.0 / np.sqrt(ms + eps)).astype(F32)[..., None], out=out)
+def rmsnorm(x: np.ndarray, gain: np.ndarray, eps: float, out: np.ndarray | None = None, *, group: int | None = None,
+            f32_sums: bool = False) -> np.ndarray:
+    """out = x / sqrt(mean(x^2) + eps) * gain over every `group`-long slice of the last axis (the whole
+    axis by default); gain as stored (the folded 1 + w), of the last axis' length or of `group`.
+
+    Two precisions, on purpose. The default sums the squares in float64 (the closest f32 result to
+    transformers in float64, our ground truth). `f32_sums` takes numpy's f32 mean, as transformers
+    computes it in float32: the qwen4exp components (hyper-connections, PLE, QSA's norms) were
+    matched to that rounding step for step, because QSA's block selection is discrete and a
+    different rounding of the indexer's norms can flip a near-tie (tests/test_qwen4exp_components.py)."""
+    n = x.shape[-1]
+    group = n if group is None else group
+    g = x.reshape(*x.shape[:-1], n // group, group)
+    if f32_sums:
+        sq = np.square(g)  # the squares, then (g r) gain: one buffer for every step
+        r = 1.0 / np.sqrt(np.mean(sq, axis=-1, keepdims=True, dtype=F32) + F32(eps))
+        out = sq if out is None else out.reshape(g.shape)
+        np.multiply(g, r, out=out)
+    else:
+        ms = np.einsum("...i,...i->...", g, g, dtype=np.float64) / group
+        out = np.empty(g.shape, F32) if out is None else out.reshape(g.shape)
+        np.multiply(g, (1.0 / np.sqrt(ms + eps)).astype(F32)[..., None], out=out)
+    out = out.reshape(x.shape)
     out *= gain
     return out
 
@@ -134,9 +153,17 @@ def _gate(x, z, t, silu):
         x[i] = x[i] * s
 
 
-def sigmoid(x: np.ndarray) -> np.ndarray:
-    # 0.5 * (1 + tanh(x / 2)) is sigmoid without exp overflow for large |x|; its steps in one
-    # buffer, the same operations in the same order as that expression
+def sigmoid(x: np.ndarray, *, exp_form: bool = False) -> np.ndarray:
+    """sigmoid(x) in a new buffer. Two forms, on purpose: 0.5 * (1 + tanh(x / 2)) by default, which
+    cannot overflow for large |x| (the gates of qwen35moe's blocks, `gate_`'s numbers); with
+    `exp_form`, 1 / (1 + exp(-x)), torch.sigmoid's formula, which the qwen4exp components
+    (hyper-connections, PLE, QSA's output gate) were matched to step for step (`rmsnorm`'s f32_sums
+    says why). Each form's steps run in one buffer, in that expression's order."""
+    if exp_form:
+        out = np.negative(x)
+        np.exp(out, out=out)
+        out += 1.0
+        return np.divide(1.0, out, out=out)
     t = np.multiply(x, 0.5)
     np.tanh(t, out=t)
     t += 1.0
@@ -153,38 +180,41 @@ def softplus(x: np.ndarray) -> np.ndarray:
 
 
 class Rope:
-    """NeoX-style rotary embedding on the first n_rot dims of each head (partial rotary).
+    """NeoX-style rotary embedding on the first n_rot dims of each head (partial rotary): dims
+    [0, half) and [half, n_rot) rotate as pairs (i, i + half).
 
     Qwen3.5's M-RoPE gives each frequency a temporal, height or width position (interleaved
-    sections); for text the three positions are equal, so it is plain RoPE. Angles are computed
-    in float64 per position (position * inv_freq loses nothing), then rounded once to f32."""
+    sections); for text the three positions are equal, so it is plain RoPE.
 
-    def __init__(self, n_rot: int, base: float):
-        self.half = n_rot // 2
-        self.inv_freq = 1.0 / (float(base) ** (np.arange(0, n_rot, 2, dtype=np.float64) / n_rot))
-        self.cos = np.empty(self.half, F32)
-        self.sin = np.empty(self.half, F32)
-        self._pos = -1
+    Two angle precisions, on purpose. By default the angles are computed in float64 per position
+    (position * inv_freq loses nothing), then rounded once to f32: the closest to transformers in
+    float64. `f32_angles` computes inv_freq and position * inv_freq in f32 as transformers does in
+    float32: QSA (qwen4exp) rotates its indexer queries and pooled block keys with it, and the block
+    selection is discrete, so it reproduces that rounding (`rmsnorm`'s f32_sums says why)."""
 
-    def at(self, pos: int) -> None:
-        if pos != self._pos:
-            angle = pos * self.inv_freq
-            self.cos[:] = np.cos(angle)
-            self.sin[:] = np.sin(angle)
-            self._pos = pos
+    def __init__(self, n_rot: int, base: float, *, f32_angles: bool = False):
+        if n_rot <= 0 or n_rot % 2:
+            raise ValueError(f"rope: n_rot {n_rot} must be even and > 0")
+        self.n_rot, self.half, self.f32_angles = n_rot, n_rot // 2, f32_angles
+        if f32_angles:
+            # torch computes base ** (arange/n) in f32, correctly rounded: pow in f64 then round matches it
+            e = np.arange(0, n_rot, 2, dtype=F32) / F32(n_rot)
+            self.inv_freq = F32(1.0) / (np.float64(base) ** e.astype(np.float64)).astype(F32)
+        else:
+            self.inv_freq = 1.0 / (float(base) ** (np.arange(0, n_rot, 2, dtype=np.float64) / n_rot))
 
-    def apply_(self, x: np.ndarray) -> None:
-        """x [heads, D] in place: dims [0, half) and [half, n_rot) rotate as pairs (i, i + half)."""
-        h, c, s = self.half, self.cos, self.sin
-        x1 = x[:, :h].copy()
-        x2 = x[:, h : 2 * h]
-        x[:, :h] = x1 * c - x2 * s
-        x[:, h : 2 * h] = x2 * c + x1 * s
-
-    def apply_many_(self, x: np.ndarray, positions: np.ndarray) -> None:
-        """x [T, heads, D] in place, row t at positions[t]: the same angles, rounded the same way, as `at`."""
+    def cos_sin(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """f32 [T, half] each, for int positions [T]."""
+        if self.f32_angles:
+            angle = positions.astype(F32)[:, None] * self.inv_freq
+            return np.cos(angle), np.sin(angle)
         angle = positions.astype(np.float64)[:, None] * self.inv_freq
-        c, s = np.cos(angle).astype(F32)[:, None, :], np.sin(angle).astype(F32)[:, None, :]
+        return np.cos(angle).astype(F32), np.sin(angle).astype(F32)
+
+    def apply_(self, x: np.ndarray, positions: np.ndarray) -> None:
+        """x [T, heads, D] in place (D >= n_rot), row t at positions[t]."""
+        c, s = self.cos_sin(positions)
+        c, s = c[:, None, :], s[:, None, :]
         h = self.half
         x1 = x[..., :h].copy()
         x2 = x[..., h : 2 * h]
@@ -283,6 +313,23 @@ def delta_rule_step(S, q, k, v, g, beta, out) -> None:
         _delta_rule_parallel(S, q, k, v, g, beta, out)
     else:
         _delta_rule_serial(S, q, k, v, g, beta, out)
+
+
+def delta_rule(S: np.ndarray, q: np.ndarray, k: np.ndarray, v: np.ndarray, g: np.ndarray, beta: np.ndarray,
+               out: np.ndarray | None = None) -> np.ndarray:
+    """T tokens of the gated delta rule, S f32 [nv, dv, dk] updated in place -> f32 [T, nv, dv] (`out`
+    when given). One token takes the recurrence (`delta_rule_step`: one pass over S, the decode
+    path's cost); more take the chunked form (`chunk_delta_rule`: matrix products over sub-chunks),
+    which differs from the recurrence by float rounding only (tests/test_prefill.py bounds it)."""
+    if q.shape[0] == 1:
+        out = np.empty(v.shape, F32) if out is None else out
+        delta_rule_step(S, q[0], k[0], v[0], g[0], beta[0], out[0])
+        return out
+    o = chunk_delta_rule(S, q, k, v, g, beta)
+    if out is None:
+        return o
+    out[...] = o
+    return out
 
 
 GDN_CHUNK = 64  # transformers' chunk_size for chunk_gated_delta_rule
@@ -410,55 +457,54 @@ def softmax_(x: np.ndarray) -> np.ndarray:
     return x
 
 
-def attend(q: np.ndarray, K: np.ndarray, V: np.ndarray, scale: float, out: np.ndarray) -> np.ndarray:
-    """Attention of one query token over the n cached positions in K, V f32 [Hkv, n, D], grouped by KV head.
-
-    q f32 [H, D]; out f32 [H, D]. Query head h reads KV head h // (H / Hkv) (transformers' repeat_kv)."""
-    H, D = q.shape
-    Hkv = K.shape[0]
-    qg = q.reshape(Hkv, H // Hkv, D)
-    scores = np.matmul(qg, K.transpose(0, 2, 1))  # [Hkv, G, n]
-    scores *= F32(scale)
-    softmax_(scores)
-    np.matmul(scores, V, out=out.reshape(Hkv, H // Hkv, D))
-    return out
-
-
 # The prompt path's attention scores are computed in query tiles of at most this: small enough that
 # a tile's scores stay in the cache for the mask and softmax passes over them (1024 queries x 4096
-# keys of seed-4l: 574 ms in 64 MiB tiles, 478 ms in 4 MiB, with attend_many's key ranges).
+# keys of seed-4l: 574 ms in 64 MiB tiles, 478 ms in 4 MiB, with the key ranges below).
 ATTN_TILE_BYTES = 4 << 20
 
 
-def attend_many(q: np.ndarray, K: np.ndarray, V: np.ndarray, scale: float, visible: np.ndarray,
-                tile_bytes: int) -> np.ndarray:
-    """Attention of T query tokens together -> f32 [T, H, D].
+def attention(q: np.ndarray, K: np.ndarray, V: np.ndarray, scale: float, visible: np.ndarray | None = None,
+              tile_bytes: int = ATTN_TILE_BYTES) -> np.ndarray:
+    """Softmax attention of T query tokens -> f32 [T, H, D], grouped by KV head (query head h reads KV
+    head h // (H / Hkv), transformers' repeat_kv).
 
     q f32 [T, H, D]; K, V f32 [Hkv, n, D]; visible bool [T, n]: which keys each query attends (the
-    causal mask, or QSA's selection). Queries go in tiles whose scores fit in `tile_bytes`, so a long
-    context never makes a [T, H, n] matrix at once; the (KV head, tile) pairs go to the kernels'
-    threads (`in_threads`), one tile's scores per thread at a time. A tile reads only the keys from
-    its first visible one to its last: a causal chunk's later tiles see more of the chunk than its
-    earlier ones, and computing every tile over all n keys (then masking) did up to twice the work
-    (a 1024-token chunk at the start of a prompt: 150 ms -> 66 ms with 4 MiB tiles, docs/engine.md)."""
+    causal mask, or QSA's selection); None: every query sees every key (one token over its cache).
+    One query with every key visible is one batched product per KV head. Otherwise queries go in
+    tiles whose scores fit in `tile_bytes`, so a long context never makes a [T, H, n] matrix at once;
+    the (KV head, tile) pairs go to the kernels' threads (`in_threads`), one tile's scores per thread
+    at a time. A tile reads only the keys from its first visible one to its last: a causal chunk's
+    later tiles see more of the chunk than its earlier ones, and computing every tile over all n keys
+    (then masking) did up to twice the work (a 1024-token chunk at the start of a prompt: 150 ms ->
+    66 ms with 4 MiB tiles, docs/engine.md)."""
     T, H, D = q.shape
     Hkv, n = K.shape[:2]
     G = H // Hkv
-    tile = max(1, tile_bytes // (G * n * 4))
     out = np.empty((T, H, D), F32)
-    hidden = ~visible
+    if T == 1 and visible is None:
+        scores = np.matmul(q.reshape(Hkv, G, D), K.transpose(0, 2, 1))  # [Hkv, G, n]
+        scores *= F32(scale)
+        softmax_(scores)
+        np.matmul(scores, V, out=out.reshape(Hkv, G, D))
+        return out
+    tile = max(1, tile_bytes // (G * n * 4))
+    hidden = None if visible is None else ~visible
     jobs = []
     for a in range(0, T, tile):
         b = min(a + tile, T)
-        seen = np.flatnonzero(visible[a:b].any(axis=0))
-        lo, hi = (int(seen[0]), int(seen[-1]) + 1) if seen.size else (0, n)  # none: softmax of -inf, as before
+        if visible is None:
+            lo, hi = 0, n
+        else:
+            seen = np.flatnonzero(visible[a:b].any(axis=0))
+            lo, hi = (int(seen[0]), int(seen[-1]) + 1) if seen.size else (0, n)  # none: softmax of -inf, as before
         jobs += [(j, a, b, lo, hi) for j in range(Hkv)]
 
     def one(j: int, a: int, b: int, lo: int, hi: int) -> None:
         m = hi - lo
         sc = (q[a:b, j * G : (j + 1) * G].reshape(-1, D) @ K[j, lo:hi].T).reshape(b - a, G, m)
         sc *= F32(scale)
-        np.copyto(sc, -np.inf, where=hidden[a:b, None, lo:hi])
+        if hidden is not None:
+            np.copyto(sc, -np.inf, where=hidden[a:b, None, lo:hi])
         softmax_(sc)
         out[a:b, j * G : (j + 1) * G] = (sc.reshape(-1, m) @ V[j, lo:hi]).reshape(b - a, G, D)
 

@@ -24,14 +24,16 @@ N = ngram_size, L = (Pk-1)*N conv history, T = tokens.
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Mapping, Sequence
+from typing import Callable, Mapping, Sequence
 
 import numpy as np
 
+from strata.index_format.geometry import ModelGeometry
 from strata.index_format.ggml_types import ggml_type
 
-from .hyper import ComponentError, as_f32, as_linear, grouped_rmsnorm, sigmoid, take
+from .hyper import Tensor, as_f32, as_linear, grouped_rmsnorm, sigmoid, take
 from .kernels.jit import cached_njit
+from .pack import PackError
 
 F32 = np.float32
 MASK64 = (1 << 64) - 1
@@ -47,10 +49,10 @@ class TableRows:
     def __init__(self, raw: np.ndarray, type_id: int, row_dim: int, n_rows: int, *, where: str = "PLE table"):
         t = ggml_type(type_id, where=where)
         if t.name not in ("F32", "F16", "BF16"):
-            raise ComponentError(f"{where}: type {t.name} is not supported for the PLE table (F32, F16 or BF16)")
+            raise PackError(f"{where}: type {t.name} is not supported for the PLE table (F32, F16 or BF16)")
         need = n_rows * t.row_bytes(row_dim)
         if raw.dtype != np.uint8 or raw.ndim != 1 or raw.size != need:
-            raise ComponentError(f"{where}: raw buffer {raw.dtype}[{raw.size}], expected uint8[{need}] "
+            raise PackError(f"{where}: raw buffer {raw.dtype}[{raw.size}], expected uint8[{need}] "
                                  f"({n_rows} rows of {row_dim} {t.name})")
         self.where, self.kind, self.n_rows, self.row_dim = where, t.name, n_rows, row_dim
         elem = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16}[t.name]
@@ -58,7 +60,7 @@ class TableRows:
 
     def __call__(self, row_ids: np.ndarray) -> np.ndarray:
         if row_ids.size and (row_ids.min() < 0 or row_ids.max() >= self.n_rows):
-            raise ComponentError(f"{self.where}: row id outside 0..{self.n_rows - 1}: {row_ids.min()}..{row_ids.max()}")
+            raise PackError(f"{self.where}: row id outside 0..{self.n_rows - 1}: {row_ids.min()}..{row_ids.max()}")
         r = self._rows[row_ids]
         if self.kind == "BF16":  # bf16 is the top half of an f32
             return (r.astype(np.uint32) << 16).view(F32)
@@ -76,16 +78,16 @@ class NGramHash:
                  *, ngram_size: int, heads_per_ngram: int, eos_token_id: int, n_rows: int):
         N, Pn = ngram_size, (ngram_size - 1) * heads_per_ngram
         if len(multipliers) != N:
-            raise ComponentError(f"PLE: {len(multipliers)} hash multipliers, expected ngram_size = {N}")
+            raise PackError(f"PLE: {len(multipliers)} hash multipliers, expected ngram_size = {N}")
         if len(head_offsets) != Pn or len(head_vocab_sizes) != Pn:
-            raise ComponentError(f"PLE: {len(head_offsets)} head offsets / {len(head_vocab_sizes)} head sizes, "
+            raise PackError(f"PLE: {len(head_offsets)} head offsets / {len(head_vocab_sizes)} head sizes, "
                                  f"expected (ngram_size - 1) * heads_per_ngram = {Pn}")
         for name, vals in (("multiplier", multipliers), ("head offset", head_offsets), ("head size", head_vocab_sizes)):
             bad = [int(v) for v in vals if not 0 <= int(v) <= MASK64 or isinstance(v, float)]
             if bad:
-                raise ComponentError(f"PLE: {name} {bad[0]!r} is not a uint64 integer (read it as UINT64, never as a float)")
+                raise PackError(f"PLE: {name} {bad[0]!r} is not a uint64 integer (read it as UINT64, never as a float)")
         if any(s <= 0 for s in head_vocab_sizes) or max(o + s for o, s in zip(head_offsets, head_vocab_sizes)) > n_rows:
-            raise ComponentError(f"PLE: heads reach row {max(o + s for o, s in zip(head_offsets, head_vocab_sizes))}, "
+            raise PackError(f"PLE: heads reach row {max(o + s for o, s in zip(head_offsets, head_vocab_sizes))}, "
                                  f"the table has {n_rows}")
         self.ngram_size, self.n_heads, self.eos = N, Pn, int(eos_token_id)
         # the checkpoint's int64 buffers, as their uint64 bits; multiplying wraps mod 2^64 like torch
@@ -131,7 +133,7 @@ class PLEState:
         self._eos = eos_token_id
 
     @classmethod
-    def for_geometry(cls, g: Any) -> "PLEState":
+    def for_geometry(cls, g: ModelGeometry) -> "PLEState":
         return cls(ngram_size=g.ple_ngram_size, eos_token_id=g.ple_eos_token_id, conv_kernel=g.ple_conv_kernel,
                    channels=g.hc * g.n_embd)
 
@@ -146,11 +148,11 @@ class PLEState:
 
 
 class PLELayer:
-    """The PLE of layer `layer`: `step` adds its output to the hc streams of one token, `forward_many` of T."""
+    """The PLE of layer `layer`: `forward` adds its output to the hc streams of T tokens (T = 1: the decode step)."""
 
-    def __init__(self, layer: int, t: Mapping[str, Any], g: Any, table_rows: Callable[[np.ndarray], np.ndarray]):
+    def __init__(self, layer: int, t: Mapping[str, Tensor], g: ModelGeometry, table_rows: Callable[[np.ndarray], np.ndarray]):
         if layer not in g.ple_layers:
-            raise ComponentError(f"layer {layer} is not a PLE layer (PLE layers: {list(g.ple_layers)})")
+            raise PackError(f"layer {layer} is not a PLE layer (PLE layers: {list(g.ple_layers)})")
         b, E, HE, Pe = f"blk.{layer}", g.n_embd, g.hc * g.n_embd, g.ple_embed_dim
         k = list(g.ple_layers).index(layer)
         N = g.ple_ngram_size
@@ -176,31 +178,27 @@ class PLELayer:
         """rows int64[T, Pn] -> e f32[T, Pe] (the heads' rows side by side, head order)."""
         e = self.table_rows(rows.reshape(-1))
         if e.shape != (rows.size, self.Pd):
-            raise ComponentError(f"layer {self.layer}: table_rows gave {e.shape}, expected ({rows.size}, {self.Pd})")
+            raise ValueError(f"layer {self.layer}: table_rows gave {e.shape}, expected ({rows.size}, {self.Pd})")
         return e.reshape(rows.shape[0], self.Pe)
 
-    def _gated(self, streams: np.ndarray, e: np.ndarray) -> np.ndarray:
+    def _gated(self, be, streams: np.ndarray, e: np.ndarray) -> np.ndarray:
         """streams [T, HE], e [T, Pe] -> G [T, HE]."""
         T, hc, E = streams.shape[0], self.hc, self.E
-        K = grouped_rmsnorm(self.key.matmul(e), self.norm_key, E, self.eps).reshape(T, hc, E)
+        K = grouped_rmsnorm(be.linear(self.key, e), self.norm_key, E, self.eps).reshape(T, hc, E)
         Q = grouped_rmsnorm(streams, self.norm_query, E, self.eps).reshape(T, hc, E)
         g = (K * Q).sum(axis=-1, dtype=F32) / F32(math.sqrt(E))
         g = np.sign(g) * np.sqrt(np.maximum(np.abs(g), F32(1e-6)))
-        return (sigmoid(g)[:, :, None] * self.value.matmul(e)[:, None, :]).reshape(T, hc * E)
+        return (sigmoid(g)[:, :, None] * be.linear(self.value, e)[:, None, :]).reshape(T, hc * E)
 
-    def step(self, streams: np.ndarray, token: int, state: PLEState) -> None:
-        """In place: streams f32[HE] += PLE output for `token`; advances `state` by one token."""
-        self.forward_many(streams.reshape(1, -1), np.array([token], np.int64), state)
-
-    def forward_many(self, streams: np.ndarray, tokens: np.ndarray, state: PLEState) -> None:
+    def forward(self, be, streams: np.ndarray, tokens: np.ndarray, state: PLEState) -> None:
         """In place: streams f32[T, HE] += PLE outputs for tokens int64[T]; advances `state` by T tokens."""
         T, HE = streams.shape
         if HE != self.hc * self.E or tokens.shape != (T,):
-            raise ComponentError(f"layer {self.layer}: PLE got streams {streams.shape} and tokens {tokens.shape}, "
+            raise ValueError(f"layer {self.layer}: PLE got streams {streams.shape} and tokens {tokens.shape}, "
                                  f"expected [T, {self.hc * self.E}] and [T]")
         ctx = self.hash.contexts(state.window, tokens)
         state.window[:] = np.concatenate([state.window, tokens])[T:]
-        G = self._gated(streams, self._embed(self.hash.rows(ctx)))
+        G = self._gated(be, streams, self._embed(self.hash.rows(ctx)))
         y = self._conv(grouped_rmsnorm(G, self.norm_conv, self.E, self.eps), state)
         _add_output(streams, G, y, np.exp(np.negative(y)))
 

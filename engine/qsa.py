@@ -15,8 +15,12 @@ llama.cpp's converter stores them (docs/gguf-layout.md, docs/qwen4exp.md). For t
               q, k = rope_p(rmsnorm_h(.)), v = attn_v x; GQA head h reads kv head h // (H/Hkv)
               o = softmax(q.K_sel / sqrt(D)) V_sel * sigmoid(gate); out = attn_output o
 
-Rotary: NeoX halves on the first n_rot dims of each head, cos/sin computed in f32 as transformers does
-(for text positions t = h = w its M-RoPE is plain RoPE). Positions are cache indices (text only).
+Rotary: ops.Rope with f32 angles, cos/sin computed in f32 as transformers does (for text positions
+t = h = w its M-RoPE is plain RoPE); the selection is discrete, so the rounding is transformers'.
+Positions are cache indices (text only).
+
+One forward for any T (T = 1 is the decode step): the chunk's keys are appended first, then each
+query selects from the blocks complete at its position (`select`) and attends its selection.
 
 Shapes: E = n_embd, H/Hkv/D = attention heads/kv heads/head dim, Ih/Id = indexer query heads/head dim,
 r = compress ratio, C = max context, T = tokens.
@@ -25,53 +29,22 @@ r = compress ratio, C = max context, T = tokens.
 from __future__ import annotations
 
 import math
-from typing import Any, Mapping
+from typing import Mapping
 
 import numpy as np
 from numba import njit
 
-from .hyper import ComponentError, as_f32, as_linear, grouped_rmsnorm, sigmoid, take
+from strata.index_format.geometry import ModelGeometry
+
+from .hyper import Tensor, as_f32, as_linear, grouped_rmsnorm, sigmoid, take
+from .kernels.actq import NonFiniteActivation
 from .kernels.jit import JIT, cached_njit
-from .kvcache import KVCache, kv_bytes_per_token
-from .ops import ATTN_TILE_BYTES, attend_many, causal_mask
+from .kvcache import ContextFull, KVCache, kv_bytes_per_token
+from .ops import Rope, causal_mask
+from .pack import PackError
+from .weights import Input
 
 F32 = np.float32
-
-
-# ---------------------------------------------------------------------------------------------
-# rotary
-
-
-class Rope:
-    """NeoX rotary on the first n_rot dims, cos/sin in f32 the way transformers computes them."""
-
-    def __init__(self, n_rot: int, base: float):
-        if n_rot <= 0 or n_rot % 2:
-            raise ComponentError(f"rope: n_rot {n_rot} must be even and > 0")
-        self.n_rot, self.half = n_rot, n_rot // 2
-        # torch computes base ** (arange/n) in f32, correctly rounded: pow in f64 then round matches it
-        e = np.arange(0, n_rot, 2, dtype=F32) / F32(n_rot)
-        self.inv_freq = F32(1.0) / (np.float64(base) ** e.astype(np.float64)).astype(F32)
-
-    def cos_sin(self, pos: int) -> tuple[np.ndarray, np.ndarray]:
-        ang = F32(pos) * self.inv_freq
-        return np.cos(ang), np.sin(ang)
-
-    def apply(self, x: np.ndarray, pos: int) -> None:
-        """In place on x[..., d], d >= n_rot."""
-        c, s = self.cos_sin(pos)
-        self._rotate(x, c, s)
-
-    def apply_many(self, x: np.ndarray, positions: np.ndarray) -> None:
-        """In place on x[T, heads, d], row t at positions[t]: the angles `apply` computes, row by row."""
-        ang = positions.astype(F32)[:, None] * self.inv_freq
-        self._rotate(x, np.cos(ang)[:, None, :], np.sin(ang)[:, None, :])
-
-    def _rotate(self, x: np.ndarray, c: np.ndarray, s: np.ndarray) -> None:
-        x1 = x[..., : self.half].copy()
-        x2 = x[..., self.half : self.n_rot]
-        x[..., : self.half] = x1 * c - x2 * s
-        x[..., self.half : self.n_rot] = x2 * c + x1 * s
 
 
 # ---------------------------------------------------------------------------------------------
@@ -215,9 +188,9 @@ def torch_topk_set(scores: np.ndarray, k: int, vbuf: np.ndarray, ibuf: np.ndarra
     """The indices torch.topk(scores, k) returns on CPU, as a set (ascending). Uses vbuf/ibuf as scratch."""
     n = scores.shape[0]
     if not 0 < k <= n:
-        raise ComponentError(f"topk: k {k} outside 1..{n}")
+        raise ValueError(f"topk: k {k} outside 1..{n}")
     if np.isnan(scores).any():
-        raise ComponentError("QSA block scores contain NaN (the indexer input is not finite)")
+        raise NonFiniteActivation("QSA block scores contain NaN (the indexer input is not finite)")
     vbuf[:n] = scores
     _topk_inplace(vbuf, ibuf, n, k)
     return np.sort(ibuf[:k])
@@ -227,21 +200,21 @@ def torch_topk_set(scores: np.ndarray, k: int, vbuf: np.ndarray, ibuf: np.ndarra
 # the per-layer cache
 
 
-def qsa_cache_bytes(g: Any, max_ctx: int, kv: str = "f32") -> int:
+def qsa_cache_bytes(g: ModelGeometry, max_ctx: int, kv: str = "f32") -> int:
     """Bytes of one QSA layer's QSACache: the KV cache (engine/kvcache.py, `kv` kind), ONE raw indexer
     key head per token (f32), pooled blocks and their scores (f32), the top-k index scratch (int64)."""
     nb = max_ctx // g.idx_compress_ratio
     return max_ctx * kv_bytes_per_token(g, kv) + indexer_key_bytes(g, max_ctx) + pooled_block_bytes(g, max_ctx) + 8 * nb
 
 
-def indexer_key_bytes(g: Any, max_ctx: int) -> int:
+def indexer_key_bytes(g: ModelGeometry, max_ctx: int) -> int:
     """QSACache.idx_keys: ONE shared key head per token, f32 [C, Id]. indexer.k_proj is [E, Id]:
     idx_n_heads counts QUERY heads and has no place in this term (round 194 sized it by them: 4x too
     big, and unnoticed because it tightened the budget)."""
     return max_ctx * g.idx_key_store_dim * 4
 
 
-def pooled_block_bytes(g: Any, max_ctx: int) -> int:
+def pooled_block_bytes(g: ModelGeometry, max_ctx: int) -> int:
     """QSACache.idx_blocks and the block scores: f32 [C // r, Id] and f32 [C // r]."""
     nb = max_ctx // g.idx_compress_ratio
     return nb * g.idx_head_dim * 4 + nb * 4
@@ -259,7 +232,7 @@ class QSACache:
     def __init__(self, max_ctx: int, *, n_head_kv: int, head_dim: int, idx_head_dim: int, compress_ratio: int,
                  kv: str = "f32"):
         if max_ctx <= 0 or compress_ratio <= 0:
-            raise ComponentError(f"QSACache: max_ctx {max_ctx} and compress ratio {compress_ratio} must be > 0")
+            raise ValueError(f"QSACache: max_ctx {max_ctx} and compress ratio {compress_ratio} must be > 0")
         nb = max_ctx // compress_ratio
         self.max_ctx, self.ratio = max_ctx, compress_ratio
         self.kv = KVCache(kv, max_ctx, n_head_kv, head_dim)  # normed, roped
@@ -270,7 +243,7 @@ class QSACache:
         self.n = 0
 
     @classmethod
-    def for_geometry(cls, g: Any, max_ctx: int, kv: str = "f32") -> "QSACache":
+    def for_geometry(cls, g: ModelGeometry, max_ctx: int, kv: str = "f32") -> "QSACache":
         return cls(max_ctx, n_head_kv=g.n_head_kv, head_dim=g.head_dim, idx_head_dim=g.idx_head_dim,
                    compress_ratio=g.idx_compress_ratio, kv=kv)
 
@@ -286,7 +259,7 @@ class QSACache:
     def truncate(self, n: int) -> None:
         """Forget tokens n.. (a rejected draft); pooled blocks below n stay valid, the rest are rebuilt on append."""
         if not 0 <= n <= self.n:
-            raise ComponentError(f"QSACache.truncate: {n} outside 0..{self.n}")
+            raise ValueError(f"QSACache.truncate: {n} outside 0..{self.n}")
         self.n = n
 
 
@@ -295,18 +268,18 @@ class QSACache:
 
 
 class QSALayer:
-    """A qwen4exp full-attention layer with its QSA indexer. `step` does one token; `forward_many` T tokens."""
+    """A qwen4exp full-attention layer with its QSA indexer: `forward` over T tokens (T = 1: the decode step)."""
 
-    def __init__(self, layer: int, t: Mapping[str, Any], g: Any):
+    def __init__(self, layer: int, t: Mapping[str, Tensor], g: ModelGeometry):
         b = f"blk.{layer}"
         if not g.has_qsa or g.idx_compress_ratio <= 0 or g.idx_top_k <= 0:
-            raise ComponentError(
+            raise PackError(
                 f"layer {layer}: QSA needs indexer heads, a token budget and a compress ratio (geometry has "
                 f"idx_n_heads {g.idx_n_heads}, idx_top_k {g.idx_top_k}, idx_compress_ratio {g.idx_compress_ratio}); "
                 "refusing to run dense attention in place of QSA")
         missing = [n for n in ("q_proj", "k_proj", "q_norm", "k_norm") if f"{b}.indexer.{n}.weight" not in t]
         if missing:
-            raise ComponentError(f"layer {layer}: indexer tensors {[f'{b}.indexer.{n}.weight' for n in missing]} are "
+            raise PackError(f"layer {layer}: indexer tensors {[f'{b}.indexer.{n}.weight' for n in missing]} are "
                                  "missing; this layer is QSA, refusing to run it as dense attention")
         E, H, Hkv, D = g.n_embd, g.n_head, g.n_head_kv, g.head_dim
         Ih, Id = g.idx_n_heads, g.idx_head_dim
@@ -322,37 +295,36 @@ class QSALayer:
         self.idx_k = as_linear(t[f"{b}.indexer.k_proj.weight"], f"{b}.indexer.k_proj.weight", E, Id)
         self.idx_q_norm = as_f32(t[f"{b}.indexer.q_norm.weight"], f"{b}.indexer.q_norm.weight", (Id,))
         self.idx_k_norm = as_f32(t[f"{b}.indexer.k_norm.weight"], f"{b}.indexer.k_norm.weight", (Id,))
-        self.rope = Rope(g.n_rot, g.rope_freq_base)
+        self.rope = Rope(g.n_rot, g.rope_freq_base, f32_angles=True)
         self.selected = np.zeros(0, np.int64)  # the token ids the last step attended (diagnostics, tests)
         self.block_scores = np.zeros(0, F32)  # the last step's score of each complete block (diagnostics, tests)
 
-    # --- one token -----------------------------------------------------------------------------
-
-    def step(self, x: np.ndarray, cache: QSACache) -> np.ndarray:
-        """x f32[E] at position cache.n -> f32[E]; appends the token to the cache."""
-        return self._token(self.attn_q.matvec(x), self.attn_k.matvec(x), self.attn_v.matvec(x),
-                           self.idx_q.matvec(x), self.idx_k.matvec(x), cache)
-
-    def forward_many(self, x, cache: QSACache) -> np.ndarray:
-        """x f32[T, E] (or an Input of T rows) at positions cache.n.. -> f32[T, E], the T queries together.
+    def forward(self, be, x, cache: QSACache) -> np.ndarray:
+        """x, an Input of T rows (or f32 [T, E]), at positions cache.n.. -> f32 [T, E], the T queries
+        together; appends the T tokens to the cache.
 
         The chunk's keys are appended first (a query still attends only keys at or before it: its
-        selection is made from the blocks complete at its position, by `select`, the token path's
-        own code); attention runs once over the union of the queries' selections, masked per query."""
-        qg, k, v = self.attn_q.matmul(x), self.attn_k.matmul(x), self.attn_v.matmul(x)
-        iq, ik = self.idx_q.matmul(x), self.idx_k.matmul(x)
-        T, p0 = qg.shape[0], cache.n
+        selection is made from the blocks complete at its position, by `select`); attention runs
+        once over the union of the queries' selections, masked per query. One query attends its
+        selection in `select`'s order, unmasked."""
+        x = x if isinstance(x, Input) else Input(np.ascontiguousarray(x, dtype=F32))
+        T, p0 = x.x.shape[0], cache.n
         if p0 + T > cache.max_ctx:
-            raise ComponentError(f"layer {self.layer}: context full ({cache.max_ctx} tokens); raise --ctx-size")
+            raise ContextFull(f"layer {self.layer}: context full ({cache.max_ctx} tokens); raise --ctx-size")
+        qg, k, v = be.linear(self.attn_q, x), be.linear(self.attn_k, x), be.linear(self.attn_v, x)
+        iq, ik = be.linear(self.idx_q, x), be.linear(self.idx_k, x)
         H, Hkv, D, pos = self.H, self.Hkv, self.D, p0 + np.arange(T)
         qg = qg.reshape(T, H, 2 * D)
         q = grouped_rmsnorm(qg[:, :, :D], self.q_norm, D, self.eps)
         k = grouped_rmsnorm(k.reshape(T, Hkv, D), self.k_norm, D, self.eps)
         iq = grouped_rmsnorm(iq.reshape(T, self.Ih, self.Id), self.idx_q_norm, self.Id, self.eps)
         for a in (q, k, iq):
-            self.rope.apply_many(a, pos)
+            self.rope.apply_(a, pos)
         self._append(cache, k, v.reshape(T, Hkv, D), ik)
-        if (p0 + T) // self.ratio <= self.block_topk:
+        if T == 1:
+            keys, visible = self.select(iq[0], cache), None
+            self.selected = keys
+        elif (p0 + T) // self.ratio <= self.block_topk:
             # every query's complete blocks fit the budget: `select` would give each its whole
             # prefix (all blocks and the tail), so the mask is the causal one, without scoring
             visible, keys = causal_mask(p0, T, p0 + T), None
@@ -365,26 +337,9 @@ class QSALayer:
             visible = seen[:, keys]
             self.selected = sels[-1]
         K, V = cache.kv.read(slice(0, p0 + T) if keys is None else keys)
-        o = attend_many(q, K, V, D**-0.5, visible, ATTN_TILE_BYTES).reshape(T, H * D)
-        return self.attn_out.matmul(o * sigmoid(qg[:, :, D:].reshape(T, H * D)))
-
-    def _token(self, qg, k, v, iq, ik, cache: QSACache) -> np.ndarray:
-        p = cache.n
-        if p >= cache.max_ctx:
-            raise ComponentError(f"layer {self.layer}: context full ({cache.max_ctx} tokens); raise --ctx-size")
-        H, Hkv, D = self.H, self.Hkv, self.D
-        qg = qg.reshape(H, 2 * D)
-        q = grouped_rmsnorm(qg[:, :D], self.q_norm, D, self.eps)
-        gate = qg[:, D:].reshape(H * D)
-        k = grouped_rmsnorm(k.reshape(Hkv, D), self.k_norm, D, self.eps)
-        self.rope.apply(q, p)
-        self.rope.apply(k, p)
-        iq = grouped_rmsnorm(iq.reshape(self.Ih, self.Id), self.idx_q_norm, self.Id, self.eps)
-        self.rope.apply(iq, p)
-        self._append(cache, k[None], v.reshape(1, Hkv, D), ik[None])
-        sel = self.select(iq, cache)
-        self.selected = sel
-        return self.attn_out.matvec(self._attend(q, sel, cache) * sigmoid(gate))
+        o = be.attention(q, K, V, D**-0.5, visible).reshape(T, H * D)
+        o *= sigmoid(qg[:, :, D:].reshape(T, H * D))
+        return be.linear(self.attn_out, Input(o))
 
     def _append(self, cache: QSACache, k, v, ik) -> None:
         """k, v [T, Hkv, D], ik [T, Id] at positions cache.n..; pools every block they complete, once."""
@@ -395,7 +350,7 @@ class QSALayer:
         for b in range(p // r, (p + T) // r):  # blocks completed by these tokens never change again
             keys = cache.idx_keys[b * r : (b + 1) * r]
             kb = grouped_rmsnorm(keys.mean(axis=0, dtype=F32), self.idx_k_norm, self.Id, self.eps)
-            self.rope.apply(kb, b * r)
+            self.rope.apply_(kb.reshape(1, 1, -1), np.array([b * r]))
             cache.idx_blocks[b] = kb
 
     def select(self, iq: np.ndarray, cache: QSACache, n: int | None = None) -> np.ndarray:
@@ -412,12 +367,3 @@ class QSALayer:
         blocks = torch_topk_set(s, min(self.block_topk, nb), cache._vbuf, cache._ibuf)
         toks = (blocks[:, None] * r + np.arange(r, dtype=np.int64)[None, :]).reshape(-1)
         return np.concatenate([toks, tail])
-
-    def _attend(self, q: np.ndarray, sel: np.ndarray, cache: QSACache) -> np.ndarray:
-        """Softmax attention of q [H, D] over the cached tokens `sel`; GQA head h reads kv head h // (H/Hkv)."""
-        Hkv, D = self.Hkv, self.D
-        K, V = cache.kv.read(sel)  # [Hkv, S, D]
-        sc = (q.reshape(Hkv, -1, D) @ K.transpose(0, 2, 1)) * F32(D**-0.5)  # [Hkv, rep, S]
-        sc = np.exp(sc - sc.max(axis=-1, keepdims=True))
-        sc /= sc.sum(axis=-1, keepdims=True, dtype=F32)
-        return (sc @ V).reshape(-1)

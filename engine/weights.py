@@ -75,8 +75,8 @@ class Weight:
         self.raw = raw
         self.n_in = self.shape[0]
         self.n_out = prod(self.shape[1:])
-        # (the GPU tier's dense path, this weight's GpuWeight) once placed on the device: then W x
-        # runs there, bit for bit the CPU kernels' result (engine/gpu_tier.py)
+        # this weight's GpuWeight once the GPU tier placed it on the device: the tier's backend
+        # multiplies it there, bit for bit the CPU kernels' result (engine/tier/backend.py)
         self.device = None
 
     @property
@@ -88,8 +88,6 @@ class Weight:
 
     def matvec(self, x, out: np.ndarray | None = None) -> np.ndarray:
         """y = W x -> f32 [n_out]; x: an Input, an ActQ (block types) or f32 [n_in] (float types)."""
-        if self.device is not None:
-            return self.device[0].matvec(self, x, out)
         act = self._act(x)
         if self.type.quantized and not isinstance(act, ActQ):
             act = quantize_act(act, where=f"weight {self.name}")
@@ -97,8 +95,6 @@ class Weight:
 
     def matmul(self, X, out: np.ndarray | None = None) -> np.ndarray:
         """Y = X W^T -> f32 [T, n_out] for X f32 [T, n_in] (or an Input / ActQ of T rows)."""
-        if self.device is not None:
-            return self.device[0].matmul(self, X, out)
         act = self._act(X)
         if self.type.quantized and not isinstance(act, ActQ):
             act = quantize_act(act, where=f"weight {self.name}")

@@ -131,8 +131,9 @@ def _prefill_with_routing(model, prompt):
     s = model.new_session(len(prompt))
     logits, routes = [], []
     for token in prompt:
+        before = s.routing.copy()  # per-layer expert counts: the experts this position routed to are the ones that grew
         logits.append(model.step(s, token).copy())
-        routes.append([frozenset(m.top.tolist()) for m in model.moes])
+        routes.append([frozenset(np.flatnonzero(s.routing[l] > before[l]).tolist()) for l in range(len(model.moes))])
     return np.array(logits), routes
 
 

@@ -23,7 +23,7 @@ from strata.engine import budget as B
 from strata.engine.budget import ExpertCacheTooBig
 from strata.engine.cli import hit_table
 from strata.engine.expert_plan import MiB, ProfileMismatch
-from strata.engine.gpu_tier import GpuTier, TierOptions
+from strata.engine.tier import GpuTier, TierOptions
 from strata.engine.kernels import gpu
 from strata.engine.model import Model
 from strata.engine.moe import MoE
@@ -104,9 +104,15 @@ def test_logits_are_bit_identical_whatever_the_split_qwen35moe(models, rt, confi
     model = models["qwen35moe"]
     toks = tokens(model, 20)
     want, _ = run(model, toks, 8)  # the all-CPU engine
-    cpu_rows = []  # the prompt path's rows the CPU computed
-    real = MoE._routed_many
-    monkeypatch.setattr(MoE, "_routed_many", lambda self, x, e, rows, s: (cpu_rows.append(rows.size), real(self, x, e, rows, s))[1])
+    cpu_rows = []  # the prompt path's rows the CPU computed (a chunk's x has more than one row)
+    real = MoE.products
+
+    def products(self, x, e, rows, s):
+        if x.x.shape[0] > 1:
+            cpu_rows.append(rows.size)
+        return real(self, x, e, rows, s)
+
+    monkeypatch.setattr(MoE, "products", products)
     with tier_of(model, **cache_options(model, config)) as tier:
         got, s = run(model, toks, 8)
         hits, misses = int(tier.stats.hits.sum()), int(tier.stats.misses.sum())

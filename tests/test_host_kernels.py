@@ -141,7 +141,7 @@ def test_delta_rule_and_attention_give_the_same_bits_on_any_thread_count(rng, th
         threads(t)
         S = S0.copy()
         o = ops.chunk_delta_rule(S, q, k, v, g, beta)
-        runs.append((o, S, ops.attend_many(qa, K, V, D**-0.5, visible, 2 * 3 * n * 4)))  # tiles of 2 queries
+        runs.append((o, S, ops.attention(qa, K, V, D**-0.5, visible, 2 * 3 * n * 4)))  # tiles of 2 queries
     for run in runs[1:]:
         for a, b in zip(run, runs[0]):
             assert same_bits(a, b)
@@ -155,7 +155,7 @@ def test_delta_rule_and_attention_give_the_same_bits_on_any_thread_count(rng, th
 
 
 def test_attention_tiles_read_their_own_key_range_and_match_float64(rng, threads):
-    # Each tile of queries reads keys from its first visible one to its last (ops.attend_many):
+    # Each tile of queries reads keys from its first visible one to its last (ops.attention):
     # rows whose keys start late, end early, or are a single key, tiles of 1, 3 and all 13 queries
     Tq, H, Hkv, D, n = 13, 6, 2, 16, 40
     q, K, V = (rng.standard_normal(s).astype(F32) for s in ((Tq, H, D), (Hkv, n, D), (Hkv, n, D)))
@@ -178,7 +178,7 @@ def test_attention_tiles_read_their_own_key_range_and_match_float64(rng, threads
             want[t, h] = p @ V[h // G, keys].astype(np.float64) / p.sum()
     threads(2)
     for per_tile in (1, 3, Tq):
-        got = ops.attend_many(q, K, V, scale, visible, per_tile * G * n * 4)
+        got = ops.attention(q, K, V, scale, visible, per_tile * G * n * 4)
         assert np.abs(got - want).max() < 1e-5 * np.abs(want).max(), per_tile
 
 

@@ -126,12 +126,12 @@ def q8(tmp_path_factory):
 def test_quantized_blocks_are_bit_identical_and_greedy_agrees(q8, monkeypatch):
     """MoE expert by expert (each expert's rows gathered from the chunk's ActQ), the router and the
     residual's norms: bit-identical to one token at a time, given the same inputs."""
-    g = q8.geometry
+    g, be = q8.geometry, q8.backend
     X = np.random.default_rng(0).standard_normal((40, g.n_embd)).astype(np.float32)
     for moe in q8.moes:
         counts_one, counts_many = np.zeros(g.n_expert, np.int64), np.zeros(g.n_expert, np.int64)
-        one = np.array([moe.step(Input(x.copy()), counts_one).copy() for x in X])
-        assert np.array_equal(moe.forward_many(Input(X.copy()), counts_many), one)
+        one = np.array([moe.forward(be, Input(x[None].copy()), counts_one)[0].copy() for x in X])
+        assert np.array_equal(moe.forward(be, Input(X.copy()), counts_many), one)
         assert np.array_equal(counts_one, counts_many)
     # one read of each routed expert's weights for the whole chunk: one grouped call per matrix
     # (gate, up, down), each naming every routed expert once and giving it its own tokens
@@ -144,8 +144,8 @@ def test_quantized_blocks_are_bit_identical_and_greedy_agrees(q8, monkeypatch):
 
     monkeypatch.setattr(cpu, "matmul_grouped", spy)
     x = Input(X.copy())
-    top, _ = moe.route_many(x)
-    moe.forward_many(x)
+    top, _ = moe.route(be, x)
+    moe.forward(be, x)
     monkeypatch.undo()
     routed = np.unique(top)
     assert len(calls) == 3 and len(routed) < top.size
@@ -159,8 +159,8 @@ def test_quantized_blocks_are_bit_identical_and_greedy_agrees(q8, monkeypatch):
             tokens = np.flatnonzero((top == e).any(axis=1))
             assert np.array_equal(got.q[starts[i] : starts[i + 1]], act.q[tokens]), f"expert {e}: wrong tokens"
     r = q8.residual
-    x, _ = r.enter_many(X, 1, ffn=True)
-    assert np.array_equal(x.x, np.array([r.enter(h, 1, ffn=True).x.copy() for h in X]))
+    x, _ = r.enter(be, X, 1, ffn=True)
+    assert np.array_equal(x.x, np.array([r.enter(be, h[None], 1, ffn=True)[0].x[0].copy() for h in X]))
     prompt = prompt_for(q8)
     want, ref = run(q8, prompt, 1)
     for chunk in (7, 64):

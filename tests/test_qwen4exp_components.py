@@ -31,7 +31,9 @@ pytest.importorskip("transformers")
 from transformers import Qwen4ExpTextConfig  # noqa: E402
 from transformers.models.qwen4_exp import modeling_qwen4_exp as M  # noqa: E402
 
-from strata.engine.hyper import ComponentError, HyperConnection, streams_from_embedding  # noqa: E402
+from strata.engine.backend import CpuBackend  # noqa: E402
+from strata.engine.hyper import HyperConnection, streams_from_embedding  # noqa: E402
+from strata.engine.pack import PackError  # noqa: E402
 from strata.engine.ple import NGramHash, PLELayer, PLEState, TableRows  # noqa: E402
 from strata.engine.qsa import QSACache, QSALayer, qsa_cache_bytes, torch_topk_set  # noqa: E402
 from strata.index_format.geometry import ModelGeometry  # noqa: E402
@@ -208,20 +210,21 @@ def test_hyper_connection_mix_inject_and_final_mixer():
     # the injection weights must vary across streams and tokens, or inject() could ignore them
     assert w_ref.std() > 0.05
 
-    for t in range(S.shape[0]):
-        s = S[t].copy()
-        x, w = eng.mix(s)
-        assert rel_err(x, x_ref[t]) < TOL and rel_err(w, w_ref[t]) < TOL
-        eng.inject(s, Y[t], w)
-        assert rel_err(s, new_ref[t]) < TOL
-        h, none = eng_final.mix(S[t])
-        assert none is None and rel_err(h, head_ref[t]) < TOL
+    be = CpuBackend()
+    for t in range(S.shape[0]):  # one token at a time (the decode step: T = 1)
+        s = S[t : t + 1].copy()
+        x, w = eng.mix(be, s)
+        assert rel_err(x.x[0], x_ref[t]) < TOL and rel_err(w[0], w_ref[t]) < TOL
+        eng.inject(s, Y[t : t + 1], w)
+        assert rel_err(s[0], new_ref[t]) < TOL
+        h, none = eng_final.mix(be, S[t : t + 1])
+        assert none is None and rel_err(h.x[0], head_ref[t]) < TOL
 
-    s_many = S.copy()
-    x_many, w_many = eng.mix_many(s_many)
-    eng.inject_many(s_many, Y, w_many)
+    s_many = S.copy()  # all 12 at once
+    x_many, w_many = eng.mix(be, s_many)
+    assert max(rel_err(x_many.x[t], x_ref[t]) for t in range(12)) < TOL
+    eng.inject(s_many, Y, w_many)
     assert max(rel_err(s_many[t], new_ref[t]) for t in range(12)) < TOL
-    assert max(rel_err(x_many[t], x_ref[t]) for t in range(12)) < TOL
 
 
 def test_streams_from_embedding_is_transformers_repeat():
@@ -235,11 +238,11 @@ def test_hyper_connection_refuses_wrong_shapes():
     ref = M.Qwen4ExpTextGatedResidual(cfg)
     t = gguf_hyper(ref, "blk.0.hc_ffn")
     t["blk.0.hc_ffn_down.weight"] = t["blk.0.hc_ffn_down.weight"].T.copy()
-    with pytest.raises(ComponentError, match="blk.0.hc_ffn_down.weight"):
+    with pytest.raises(PackError, match="blk.0.hc_ffn_down.weight"):
         HyperConnection.from_tensors(t, "blk.0.hc_ffn", geometry(cfg))
     t = gguf_hyper(ref, "blk.0.hc_ffn")
     del t["blk.0.hc_ffn_inject.weight"]
-    with pytest.raises(ComponentError, match="blk.0.hc_ffn_inject.weight is missing"):
+    with pytest.raises(PackError, match="blk.0.hc_ffn_inject.weight is missing"):
         HyperConnection.from_tensors(t, "blk.0.hc_ffn", geometry(cfg))
 
 
@@ -295,15 +298,15 @@ def test_ple_matches_transformers_token_by_token(kind):
     for t in range(T):
         ctx = eng.hash.contexts(state.window, toks[t : t + 1])[0]
         assert np.array_equal(eng.hash.rows(ctx), ids_ref[t]), f"row ids differ at position {t}"
-        s = S[t].copy()
-        eng.step(s, int(toks[t]), state)
-        assert rel_err(s - S[t], out_ref[t]) < TOL, f"PLE output differs at position {t}"
+        s = S[t : t + 1].copy()
+        eng.forward(CpuBackend(), s, toks[t : t + 1], state)
+        assert rel_err(s[0] - S[t], out_ref[t]) < TOL, f"PLE output differs at position {t}"
 
     # the same tokens in uneven chunks through the batched form, continuing one state
     state = PLEState.for_geometry(g)
     got = S.copy()
     for a, b in ((0, 1), (1, 8), (8, 9), (9, 23), (23, 30)):
-        eng.forward_many(got[a:b], toks[a:b], state)
+        eng.forward(CpuBackend(), got[a:b], toks[a:b], state)
     assert max(rel_err(got[t] - S[t], out_ref[t]) for t in range(T)) < TOL
 
 
@@ -359,7 +362,7 @@ def test_ngram_hash_is_exact_on_64_bit_values():
 
 
 def test_ngram_hash_refuses_float_constants():
-    with pytest.raises(ComponentError, match="never as a float"):
+    with pytest.raises(PackError, match="never as a float"):
         NGramHash([1.0, 3, 5], [0, 7], [7, 11], ngram_size=3, heads_per_ngram=1, eos_token_id=EOS, n_rows=18)
 
 
@@ -370,9 +373,9 @@ def test_table_rows_decode_exactly_and_check_ids():
         rows = TableRows(table_bytes(t, kind), tid, 6, 9)
         ids = np.array([8, 0, 3, 3])
         assert np.array_equal(rows(ids), t.to(dt).float().numpy()[ids])
-    with pytest.raises(ComponentError, match="row id outside"):
+    with pytest.raises(PackError, match="row id outside"):
         rows(np.array([9]))
-    with pytest.raises(ComponentError, match="not supported"):
+    with pytest.raises(PackError, match="not supported"):
         TableRows(np.zeros(18 * 9, np.uint8), 8, 32, 9)
 
 
@@ -415,14 +418,15 @@ def test_decoder_layer_wiring_with_ple_and_hyper_connections():
     hc_attn = HyperConnection.from_tensors(t, "blk.1.hc_attn", g)
     hc_ffn = HyperConnection.from_tensors(t, "blk.1.hc_ffn", g)
     state = PLEState.for_geometry(g)
+    be = CpuBackend()
     for p in range(T):
-        s = S[p].copy()
-        eng_ple.step(s, int(toks[p]), state)
-        x, w = hc_attn.mix(s)
-        hc_attn.inject(s, np.tanh(x @ Wa), w)
-        x, w = hc_ffn.mix(s)
-        hc_ffn.inject(s, np.tanh(x @ Wf), w)
-        assert rel_err(s, ref[p]) < TOL, f"decoder layer output differs at position {p}"
+        s = S[p : p + 1].copy()
+        eng_ple.forward(be, s, toks[p : p + 1], state)
+        x, w = hc_attn.mix(be, s)
+        hc_attn.inject(s, np.tanh(x.x @ Wa), w)
+        x, w = hc_ffn.mix(be, s)
+        hc_ffn.inject(s, np.tanh(x.x @ Wf), w)
+        assert rel_err(s[0], ref[p]) < TOL, f"decoder layer output differs at position {p}"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -510,23 +514,23 @@ def test_qsa_matches_transformers_token_by_token(qsa_case):
 
     layer, cache = engine_qsa(cfg, attn, max_ctx=64)
     for t in range(T_QSA):
-        y = layer.step(X[t], cache)
+        y = layer.forward(CpuBackend(), X[t : t + 1], cache)[0]
         assert np.array_equal(layer.selected, sel_ref[t]), f"selection differs at position {t}"
         assert len(sel_ref[t]) <= cfg.indexer_budget + r - 1
         assert rel_err(y, out_ref[t]) < TOL_ATTN, f"attention output differs at position {t}"
 
 
-def test_qsa_forward_many_and_truncate(qsa_case):
+def test_qsa_chunks_and_truncate(qsa_case):
     cfg, attn, X, out_ref, _, _ = qsa_case
     layer, cache = engine_qsa(cfg, attn, max_ctx=64)
-    got = np.concatenate([layer.forward_many(X[a:b], cache) for a, b in ((0, 5), (5, 6), (6, 30), (30, T_QSA))])
+    got = np.concatenate([layer.forward(CpuBackend(), X[a:b], cache) for a, b in ((0, 5), (5, 6), (6, 30), (30, T_QSA))])
     assert max(rel_err(got[t], out_ref[t]) for t in range(T_QSA)) < TOL_ATTN
     # a rejected draft: append other tokens past 30 (completing blocks), roll back, continue as before
     layer2, cache2 = engine_qsa(cfg, attn, max_ctx=64)
-    layer2.forward_many(X[:30], cache2)
-    layer2.forward_many(X[::-1][:9], cache2)
+    layer2.forward(CpuBackend(), X[:30], cache2)
+    layer2.forward(CpuBackend(), X[::-1][:9].copy(), cache2)
     cache2.truncate(30)
-    again = layer2.forward_many(X[30:], cache2)
+    again = layer2.forward(CpuBackend(), X[30:], cache2)
     assert max(rel_err(again[i], out_ref[30 + i]) for i in range(T_QSA - 30)) < TOL_ATTN
 
 
@@ -540,7 +544,7 @@ def test_qsa_all_zero_scores_follow_torch_topk_ties():
     assert first_blocks, "the tie order is trivial (first blocks): the case would not test it"
     layer, cache = engine_qsa(cfg, attn, max_ctx=T_QSA)
     for t in range(T_QSA):
-        y = layer.step(X[t], cache)
+        y = layer.forward(CpuBackend(), X[t : t + 1], cache)[0]
         assert np.array_equal(layer.selected, sel_ref[t]), f"tie-broken selection differs at position {t}"
         assert rel_err(y, out_ref[t]) < TOL_ATTN
 
@@ -563,12 +567,12 @@ def test_qsa_refuses_to_run_dense():
     cfg, attn = qsa_fixture(0)
     t = gguf_attention(attn, 3, cfg)
     del t["blk.3.indexer.k_proj.weight"]
-    with pytest.raises(ComponentError, match="indexer.k_proj.weight.*missing.*dense"):
+    with pytest.raises(PackError, match="indexer.k_proj.weight.*missing.*dense"):
         QSALayer(3, t, geometry(cfg))
     g0 = geometry(cfg)
     no_ratio = ModelGeometry(**{**g0.to_values(), "idx_n_heads": 0, "idx_top_k": 0, "idx_compress_ratio": 0,
                                 "idx_head_dim": 0})
-    with pytest.raises(ComponentError, match="refusing to run dense attention"):
+    with pytest.raises(PackError, match="refusing to run dense attention"):
         QSALayer(3, gguf_attention(attn, 3, cfg), no_ratio)
 
 

@@ -510,7 +510,7 @@ def test_sigterm_stops_the_server_cleanly(pack_dir):
 def test_on_the_gpu_tier_the_replies_are_the_cpus_and_metrics_count_hits(pack_dir, server, rt):
     """The GPU tier (CUDA, or its host emulation) bound to a model of its own: a request runs on the
     worker thread, gives the all-CPU server's text, and /metrics reports the expert hits."""
-    from strata.engine.gpu_tier import GpuTier, TierOptions
+    from strata.engine.tier import GpuTier, TierOptions
 
     model = Model(Pack.open(pack_dir))
     tier = GpuTier.start(model, TierOptions(max_context=CTX, kv="f32", prefill_chunk=16, expert_cache=None))

@@ -161,8 +161,8 @@ def plan_calibration(doc_ids: Sequence[Sequence[int]], held_out: float, max_toke
 class RoutingObserver:
     """Records the experts every fed position chose, layer by layer, while active (a `with` block).
 
-    Wraps each MoE block's `route` (one token) and `route_many` (a chunk) from outside, per
-    instance, so the engine's code is untouched and nothing is wrapped after the block ends."""
+    Wraps each MoE block's `route` (T tokens: one, or a chunk) from outside, per instance, so the
+    engine's code is untouched and nothing is wrapped after the block ends."""
 
     def __init__(self, model: Model):
         self.moes = model.moes
@@ -172,7 +172,7 @@ class RoutingObserver:
     def _wrap(self, route: Callable, layer: int) -> Callable:
         def observed(*args, **kwargs):
             top, weights = route(*args, **kwargs)
-            self._rows[layer].append(np.array(top, np.int64).reshape(-1, self.k))  # a copy: `step` reuses its scratch
+            self._rows[layer].append(np.array(top, np.int64).reshape(-1, self.k))  # a copy
             return top, weights
 
         return observed
@@ -180,12 +180,11 @@ class RoutingObserver:
     def __enter__(self) -> "RoutingObserver":
         for layer, moe in enumerate(self.moes):
             moe.route = self._wrap(moe.route, layer)
-            moe.route_many = self._wrap(moe.route_many, layer)
         return self
 
     def __exit__(self, *exc) -> None:
         for moe in self.moes:
-            del moe.route, moe.route_many  # the class's methods show through again
+            del moe.route  # the class's method shows through again
 
     def take(self) -> np.ndarray:
         """int64 [T, n_layer, top_k]: the positions fed since the last take, in order."""

@@ -112,7 +112,7 @@ class CupyRuntime:
         dev = self.cp.ndarray(host.shape, host.dtype, memptr=mod.get_global(name))
         dev.set(np.ascontiguousarray(host))
 
-    # --- what the GPU tier needs beyond the kernels (engine/gpu_tier.py) ---
+    # --- what the GPU tier needs beyond the kernels (engine/tier/) ---
 
     def copy_in(self, dev, host: np.ndarray) -> None:
         """host -> a device array of the same shape and dtype, ordered on the current stream."""

@@ -1,0 +1,104 @@
+"""The backend seam: what the blocks call to compute, chosen at load.
+
+A block (engine/model.py's mixers and residuals, engine/moe.py, engine/qsa.py, engine/hyper.py,
+engine/ple.py) is written once over a batch of T token rows (T = 1 is the decode step) and never
+asks where it runs. It calls its backend for
+
+    linear(w, x, out)        W x for T rows: the matvec kernel for one row, the panel kernels for more
+    attention, delta_rule,   the sequence operations, each choosing its one-token or T-token form
+    conv, rope, rmsnorm, ... itself (below the blocks, from T)
+    scratch(key, shape)      the decode step's buffers, made once and reused
+    experts                  who computes which routed experts (None: every expert on the CPU);
+                             engine/moe.py owns the split and asks it
+
+`CpuBackend` is numpy + the Numba kernels (engine/kernels/cpu.py). The GPU tier (engine/tier/)
+is a CpuBackend whose `linear` runs the weights it placed on the device and whose `experts` serves
+the GPU-resident experts; everything else stays the CPU's (docs/gpu-tier.md).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from . import ops
+from .kernels.actq import ActQ, quantize_act
+from .kernels import cpu
+from .weights import Input, Weight
+
+F32 = np.float32
+
+
+class Scratch:
+    """The decode step's buffers, by key: one buffer per (key, shape, dtype), made on first use and
+    returned again after (the token path allocates nothing after warm-up). Keys name a block kind's
+    buffer, not a layer's: layers run one after another and a block's scratch is consumed before the
+    next block of its kind runs, so every layer of a kind shares one.
+
+    Only single-row (T = 1) shapes are kept. A prompt chunk's buffers are made per chunk as before:
+    the prompt path's memory model (strata-budget's prefill_host_bytes) counts them at their peak
+    and glibc keeps freed memory for the next chunk (ops.reuse_freed_memory); kept, they would hold
+    hundreds of MB after the prompt for nothing."""
+
+    def __init__(self):
+        self._bufs: dict[tuple, np.ndarray] = {}
+
+    def __call__(self, key: str, shape: tuple[int, ...], dtype=F32) -> np.ndarray:
+        if not shape or shape[0] != 1:
+            return np.empty(shape, dtype)
+        k = (key, shape, np.dtype(dtype).str)
+        buf = self._bufs.get(k)
+        if buf is None:
+            buf = self._bufs[k] = np.empty(shape, dtype)
+        return buf
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.nbytes for b in self._bufs.values())
+
+
+def _row(act):
+    """Row 0 of a one-row activation (an ActQ or f32 [1, n]) as the matvec kernels take it."""
+    if isinstance(act, ActQ):
+        return ActQ(act.q[0], act.d[0], act.s16[0])
+    return act[0]
+
+
+class CpuBackend:
+    """numpy and the Numba kernels."""
+
+    name = "cpu"
+    xp = np
+    experts = None  # engine/moe.py computes every routed expert on the CPU
+
+    def __init__(self):
+        self.scratch = Scratch()
+
+    # --- matrix products -------------------------------------------------------------------------
+
+    def linear(self, w: Weight, x, out: np.ndarray | None = None) -> np.ndarray:
+        """Y = X W^T -> f32 [T, n_out]; x an Input of T rows (or f32 [T, n_in] / an ActQ of T rows).
+        One row takes the matvec kernel (the decode step's), more the panel kernels: both give each
+        row the same bits (tests/test_kernels_cpu.py), so the choice changes speed, not numbers."""
+        act = x.form(w.type) if isinstance(x, Input) else x
+        if w.type.quantized and not isinstance(act, ActQ):
+            act = quantize_act(act, where=f"weight {w.name}")
+        T = (act.q if isinstance(act, ActQ) else act).shape[0]
+        if out is None:
+            out = np.empty((T, w.n_out), F32)
+        if T == 1:
+            cpu.matvec(w.raw, w.type.id, w.n_in, w.n_out, _row(act), out.reshape(-1))
+        else:
+            cpu.matmul(w.raw, w.type.id, w.n_in, w.n_out, act, out)
+        return out
+
+    # --- the sequence and elementwise operations (engine/ops.py) ---------------------------------
+
+    attention = staticmethod(ops.attention)
+    delta_rule = staticmethod(ops.delta_rule)
+    conv = staticmethod(ops.conv_many)
+    rmsnorm = staticmethod(ops.rmsnorm)
+    l2norm_ = staticmethod(ops.l2norm_)
+    sigmoid = staticmethod(ops.sigmoid)
+    softplus = staticmethod(ops.softplus)
+    gate_ = staticmethod(ops.gate_)
+    causal_mask = staticmethod(ops.causal_mask)

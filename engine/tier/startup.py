@@ -1,0 +1,253 @@
+"""The GPU tier: the dense matrices and the profiled hottest experts on the device, every other
+expert a CPU miss computed beside the GPU hits, sized from measured free memory, observable at
+every stage, and never different from the all-CPU result (S6-S10, S12, B2, B3).
+
+    tier = GpuTier.start(model, TierOptions(...), log=print)   # S6's seven stages, mem_mark at each
+    model.step(session, token)                                  # dense W x and expert hits on the device
+
+What runs where. The card holds what is read most and computed most cheaply there: the dense
+matrices in engine form (S3) and the expert slots. The host keeps the session and the elementwise
+work (norms, RoPE, attention over the KV cache, the delta rule, QSA's selection, PLE), so the
+session is host memory and the budget says so. Every W x of a placed weight goes through `Dense`:
+the host's ActQ of the vector (the one quantizer, S10) is uploaded once per vector and the GPU
+kernels, which are bit for bit the CPU kernels (docs/gpu-kernels.md), give the product. So a run
+on the GPU tier gives the all-CPU engine's logits, bit for bit, whatever the split (B2).
+
+THE PLAN IS THE ALLOCATION (engine/budget.py). Each stage allocates its plan items, one device
+arena per stage, and carves its buffers out of it; a buffer the plan does not hold is an error,
+not an allocation. mem_mark prints, after each stage, the device memory measured beside the plan's
+figure (B3). S7's order: the weights (the LM head among them) and the session first, then the slots
+sized from the free memory measured THEN; an explicit --expert-cache N that does not fit is refused
+with both numbers; the reserve adapts on small cards; LOW is printed below 256 MiB free.
+
+The hit path (S10) is all-or-nothing: the tier becomes the model's backend (engine/backend.py) only
+when the slots, the fill, the hit buffers and the exchange buffers are all in place; otherwise
+every expert is a CPU miss and the log says why.
+
+The rooms, one job each:
+    memory.py    free/used device memory as the plan counts it, the stage arenas, mem_mark
+    dense.py     W x of the placed dense weights (the LM head among them)
+    slots.py     the expert slot storage and its one fill
+    hits.py      the routed experts the slots hold, beside the CPU's misses (the MoE's expert server)
+    backend.py   the CPU backend with those plugged in
+    startup.py   the seven stages, one method each (this module)
+
+S12: nothing is allocated on the device or in pinned memory once started; every buffer of the
+token path is a view carved at startup (tests/test_gpu_tier.py counts the allocations).
+"""
+
+from __future__ import annotations
+
+import gc
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+
+from strata.index_format.expert_profile import ExpertProfile
+from strata.index_format.geometry import tensor_specs
+from strata.index_format.manifest import pack_fingerprint
+
+from .. import budget as B
+from ..backend import CpuBackend
+from ..budget import Budget, BudgetOptions, ExpertCacheTooBig, plan_budget
+from ..expert_plan import MiB, check_profile, fill_policy_line, plan_fill
+from ..kernels import gpu
+from ..kernels.engine_form import placed_bytes
+from ..model import Model
+from .backend import TierBackend
+from .dense import Dense
+from .hits import HitPath, HitStats
+from .memory import Carver, DeviceMemory, MemMark
+from .slots import ExpertSlots
+
+
+class GpuTierError(ValueError):
+    """The GPU tier cannot start as asked (too little memory for the weights): says what and what to
+    do. A ValueError: the user fixes it with flags, as a bad flag."""
+
+
+@dataclass(frozen=True)
+class TierOptions:
+    max_context: int
+    kv: str = "f16"
+    prefill_chunk: int = B.PREFILL_AUTO_CHUNK
+    expert_cache: int | None = None  # None: auto (S8)
+    profile: ExpertProfile | None = None
+    vram_budget_mib: int | None = None  # behave as on a card of this many MiB
+    vram_reserve_mib: int = B.DEFAULT_RESERVE_MIB
+
+
+@dataclass
+class GpuTier:
+    model: Model
+    plan: Budget
+    marks: list[MemMark]
+    slots: ExpertSlots
+    stats: HitStats
+    hit_path: HitPath
+    lines: list[str] = field(default_factory=list)
+
+    @classmethod
+    def start(cls, model: Model, o: TierOptions, log: Callable[[str], None] = lambda _: None) -> GpuTier:
+        """S6's stages in S7's order; returns the running tier (the model's backend is the tier's)."""
+        s = _Startup(model, o, log)
+        s.weights()
+        s.open_cache()
+        s.fill()
+        s.hit_path()
+        s.cache_graphs()
+        s.head_prompt()
+        s.verifier()
+        return cls(model, s.plan, s.marks, s.slots, s.stats, s.hits, s.bind())
+
+    def stop(self) -> None:
+        """Unbind from the model (it runs on the CPU again) and give the device memory back."""
+        for w in self.model.pack.weights.values():
+            w.device = None
+        self.model.backend = CpuBackend()
+        self.slots.weights.clear()
+        self.slots.arena = self.hit_path = None
+        gc.collect()
+        gpu.runtime().release()
+
+
+class _Startup:
+    """The seven stages, one method each, in order; each allocates its plan items and marks."""
+
+    def __init__(self, model: Model, o: TierOptions, log: Callable[[str], None]):
+        self.rt, self.model, self.o, self.log = gpu.runtime(), model, o, log
+        pack, g = model.pack, model.geometry
+        self.g, self.lines, self.marks = g, [], []
+        if o.profile is not None:
+            check_profile(o.profile, pack_fingerprint=pack_fingerprint(pack.dir), n_layer=g.n_layer, n_expert=g.n_expert,
+                          top_k=g.n_expert_used)
+        rt = self.rt
+        rt.use_stream()
+        rt.release()  # memory a previous tier or test left cached in the pool would hide this one's
+        # every kernel the run will launch, compiled now (not inside the first token's time) and
+        # before the baseline: a module's code and tables are the context's memory, not the plan's
+        self.mats = [pack.weight(s.name) for s in tensor_specs(g) if s.multiplied and s.name in pack.weights]
+        types = {w.type.name for w in self.mats} | {t.name for l in range(g.n_layer) for t in pack.expert_types(l)}
+        for name in sorted(types | {"actq"}):
+            gpu.compile_module(name)
+        self.mem = DeviceMemory(rt, o.vram_budget_mib)
+        bopts = BudgetOptions(max_context=o.max_context, kv=o.kv, vram_reserve_mib=o.vram_reserve_mib,
+                              prefill_chunk=o.prefill_chunk, expert_cache=o.expert_cache,
+                              profile_pairs=o.profile.pairs if o.profile is not None else None)
+        self.free0 = self.mem.free()
+        self.plan = plan_budget(pack.index, pack.experts, g, bopts, free_bytes=self.free0)
+        self.say(f"gpu tier: {self.free0 / MiB:.0f} MiB free at start"
+                 + (f" (--vram-budget-mib {o.vram_budget_mib})" if o.vram_budget_mib is not None else ""))
+        self.n_slots = 0
+
+    def say(self, text: str) -> None:
+        self.lines.append(text)
+        self.log(text)
+
+    def mark(self, stage: str) -> None:
+        # the plan's figure, with the slots the cache really opened with (sized from measured free memory)
+        plan = self.plan
+        predicted = plan.used_after(stage)
+        if B.STAGES.index(stage) >= B.STAGES.index(B.OPEN_CACHE):
+            predicted += self.n_slots * plan.slot_bytes - plan.device_bytes(B.OPEN_CACHE)
+        m = MemMark(stage, self.mem.free(), self.mem.used(), predicted, self.mem.card_used())
+        self.marks.append(m)
+        self.say(m.line(len(self.marks)))
+
+    def arena(self, items: list[B.Item], name: str) -> Carver:
+        n = sum(i.bytes for i in items if i.where == B.DEVICE)
+        return Carver(self.rt, self.rt.empty((n,), np.uint8) if n else None, name)
+
+    def weights(self) -> None:
+        """1. The weights (the LM head among them: S7, before the cache is sized) and the session (host)."""
+        plan = self.plan
+        if plan.device_bytes(B.WEIGHTS) > self.free0:
+            raise GpuTierError(f"the dense weights need {plan.device_bytes(B.WEIGHTS) / MiB:.1f} MiB of device memory, "
+                               f"{self.free0 / MiB:.1f} MiB are free: use --device cpu or a larger card")
+        weights = self.arena([i for i in plan.items if i.stage == B.WEIGHTS], "the dense weights")
+        self.placed = []
+        for w in self.mats:
+            at = weights.take(placed_bytes(w.type_id, w.n_in, w.n_out))
+            self.placed.append((w, gpu.place(w.raw, w.type_id, w.n_in, w.n_out, weights.arena, at, w.name)))
+        self.rt.synchronize()
+        self.mark(B.WEIGHTS)
+
+    def open_cache(self) -> None:
+        """2. The expert cache, sized from the free memory measured now (S7)."""
+        plan, o = self.plan, self.o
+        free_open = self.mem.free()
+        sp = plan.slots_for(free_open)
+        if sp.problems:  # S7: refused with both numbers, never handed back smaller
+            raise (ExpertCacheTooBig if o.expert_cache is not None else GpuTierError)("; ".join(sp.problems))
+        n_slots = sp.slots
+        if o.expert_cache is not None and n_slots > plan.n_pairs:
+            raise ExpertCacheTooBig(f"--expert-cache {n_slots}: the model has {plan.n_pairs} (layer, expert) pairs, "
+                                    f"so at most {plan.n_pairs} slots hold anything")
+        if sp.auto_line:
+            self.say(sp.auto_line)
+        else:
+            self.say(f"expert cache {n_slots} slots (--expert-cache): {n_slots * plan.slot_bytes / MiB:.1f} MiB of "
+                     f"{(free_open - sp.reserve.bytes) / MiB:.1f} MiB free beside the {sp.reserve.bytes / MiB:.0f} MiB reserve")
+        if sp.reserve.adapted:
+            self.say(f"small card: the reserve shrinks from {sp.reserve.asked_mib} to {sp.reserve.headroom_mib} MiB")
+        self.slot_arena = self.rt.empty((n_slots * plan.slot_bytes,), np.uint8) if n_slots else None
+        self.n_slots = n_slots
+        self.mark(B.OPEN_CACHE)
+
+    def fill(self) -> None:
+        """3. The profile fill (S9), once, through one pinned slot of staging."""
+        plan, g, o, n_slots = self.plan, self.g, self.o, self.n_slots
+        staging = self.rt.pinned(plan.item("fill.staging").bytes) if n_slots else None
+        self.slots = slots = ExpertSlots(self.rt, self.model, self.slot_arena, n_slots, plan.slot_bytes, staging)
+        self.say(f"expert cache fill: {fill_policy_line(o.profile) if n_slots < plan.n_pairs else 'every pair (one slot per expert)'}")
+        if n_slots >= plan.n_pairs:
+            slots.fill([list(range(g.n_expert))] * g.n_layer)
+        elif o.profile is not None and n_slots:
+            fill = plan_fill(o.profile, n_slots, g.n_layer)
+            slots.fill(fill)
+            self.say("expert cache fill: " + " ".join(f"L{l}:{len(f)}" for l, f in enumerate(fill))
+                     + f" ({sum(map(len, fill))} slots)")
+        self.rt.synchronize()
+        self.mark(B.FILL)
+
+    def hit_path(self) -> None:
+        """4. The hit path's device buffers and pinned exchange."""
+        self.stats = HitStats.empty(self.g.n_layer)
+        buffers = self.arena([self.plan.item("hits.buffers")], "the hit buffers")
+        exchange = self.rt.pinned(self.plan.item("hits.exchange").bytes)
+        self.hits = HitPath(self.rt, self.g, self.slots, buffers, exchange, self.stats)
+        self.mark(B.HIT_PATH)
+
+    def cache_graphs(self) -> None:
+        """5. The slot table (host: slots.map) and the dense path's staging."""
+        self.staging = self.arena([self.plan.item("dense.staging")], "the dense staging")
+        self.mark(B.CACHE_GRAPHS)
+
+    def head_prompt(self) -> None:
+        """6. The head's logits and the prompt path's chunk buffers."""
+        rt, g, plan = self.rt, self.g, self.plan
+        head_dev = rt.empty((g.n_vocab,), np.float32)
+        head_host = rt.pinned(plan.item("head.logits_host").bytes).view(np.float32)
+        prompt = self.arena([plan.item("prompt.chunk")], "the prompt chunk buffers")
+        self.dense = dense = Dense(rt, g, self.staging, self.model.head, head_dev, head_host, prompt)
+        if dense.rows:  # the prompt path's experts borrow its output rows: a chunk's matrices run one at a time
+            self.hits.prompt = rt.view(dense.py.reshape(-1).view(np.uint8), 0, (dense.py.size * 4,), np.uint8)
+        self.mark(B.HEAD_PROMPT)
+
+    def verifier(self) -> None:
+        """7. The verifier and the drafter's binding: none without --spec / --mtp."""
+        self.mark(B.VERIFIER)
+        low = B.low_memory_warning(self.mem.free())
+        if low:
+            self.say(low)
+
+    def bind(self) -> list[str]:
+        """All or nothing (S10): the tier becomes the model's backend only now, with the slots filled
+        and every buffer in place. Returns the startup's lines."""
+        for w, dev in self.placed:
+            w.device = dev
+        self.model.backend = TierBackend(self.dense, self.hits)
+        self.say(f"hit path: ready, GPU hits beside CPU misses ({self.slots.map.used} of {self.n_slots} slots filled)"
+                 if self.n_slots else "hit path: ready, but with no expert slots every expert is a CPU miss")
+        return self.lines
