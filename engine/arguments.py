@@ -56,6 +56,18 @@ def count(flag: str, text: str, what: str = "a non-negative integer") -> int:
     return int(text)
 
 
+def parse_prefill(text: str) -> int | None:
+    """`--prefill auto|CHUNK|off` -> None (auto: the chunk engine/budget.py's auto_prefill_chunk picks),
+    a chunk of CHUNK tokens, or 0 (off: token by token)."""
+    if text == "auto":
+        return None
+    if text == "off":
+        return 0
+    if not is_count(text):
+        raise ValueError(f"--prefill {text!r}: expected auto, off or a chunk size in tokens")
+    return int(text)
+
+
 def read_text(flag: str, path: Path) -> str:
     """A UTF-8 text file; an undecodable byte is reported with the file and its byte offset."""
     try:

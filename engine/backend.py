@@ -21,7 +21,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import ops
-from .kernels.actq import ActQ, quantize_act
+from .kernels.actq import ActQ
 from .kernels import cpu
 from .weights import Input, Weight
 
@@ -79,9 +79,9 @@ class CpuBackend:
         """Y = X W^T -> f32 [T, n_out]; x an Input of T rows (or f32 [T, n_in] / an ActQ of T rows).
         One row takes the matvec kernel (the decode step's), more the panel kernels: both give each
         row the same bits (tests/test_kernels_cpu.py), so the choice changes speed, not numbers."""
+        if isinstance(x, np.ndarray):
+            x = Input(x)  # Input.form is the one place activations are quantized (engine/weights.py)
         act = x.form(w.type) if isinstance(x, Input) else x
-        if w.type.quantized and not isinstance(act, ActQ):
-            act = quantize_act(act, where=f"weight {w.name}")
         T = (act.q if isinstance(act, ActQ) else act).shape[0]
         if out is None:
             out = np.empty((T, w.n_out), F32)

@@ -33,6 +33,11 @@ head's binding on top of --vram-reserve-mib. Host items (the embedding table and
 mapped from pool.bin and the GGUF; the routed experts, mapped from the GGUF; pinned buffers) are
 listed with where="host" and never counted against the card.
 
+The session's terms come from the modules that allocate the memory: the KV cache's bytes per token
+from engine/kvcache.py, the QSA indexer's stores from engine/qsa.py, the attention tile from
+engine/ops.py; this module adds them up. The CPU forward never imports this planner (a test in
+tests/test_layering.py enforces it): only the GPU tier and the CLI do.
+
 Legend: E = n_embd, C = max context (tokens), H/Hkv/D = attention heads/KV heads/head dim,
 Ih/Id = indexer query heads/key dim (ONE key head is cached), r = indexer compress ratio,
 nk/nv/dk/dv = GDN key heads/value heads/key dim/value dim, Ch = GDN conv channels, K = d_conv,
@@ -49,9 +54,11 @@ from strata.index_format.geometry import ModelGeometry, tensor_specs
 from strata.index_format.native_experts import NativeExperts
 from strata.index_format.pack_index import PackIndex, TensorEntry
 
-from .arguments import is_count
 from .expert_plan import MiB, auto_line, auto_slots, prefill_mib
 from .kernels.engine_form import PLANE_ALIGN, align, placed_bytes
+from .kvcache import KV_TYPES, kv_bytes_per_token
+from .ops import ATTN_TILE_BYTES
+from .qsa import indexer_key_bytes, pooled_block_bytes
 
 STAGES = (
     "the weights, the session and the drafter",
@@ -65,10 +72,7 @@ STAGES = (
 WEIGHTS, OPEN_CACHE, FILL, HIT_PATH, CACHE_GRAPHS, HEAD_PROMPT, VERIFIER = STAGES
 DEVICE, HOST = "device", "host"
 
-KV_TYPES = ("f16", "int8", "f32")  # f32: the exact cache the CPU engine's reference tests run with
-KV_BLOCK = 32  # int8 KV: one f32 scale per 32 elements of one head of one token
-F32, F16, I32, F64 = 4, 2, 4, 8
-IDX_KEY_BYTES = F32  # indexer keys stay f32, as the CPU path keeps them: block selection is discrete
+F32, I32, F64 = 4, 4, 8
 DEFAULT_RESERVE_MIB = 700
 PREFILL_AUTO_CHUNK = 256  # `--prefill auto` beside the GPU tier: the 256-token chunk the seed lends the prompt path (#496)
 # `--prefill auto` on the CPU alone (no device buffers to plan): each routed expert's rows are
@@ -79,10 +83,6 @@ PREFILL_AUTO_CHUNK = 256  # `--prefill auto` beside the GPU tier: the 256-token 
 # arrays outgrow the caches (docs/performance.md). llama.cpp's default logical batch is 2048, its micro-batch 512.
 PREFILL_AUTO_CHUNK_CPU = 1024
 PREFILL_MEMORY_SHARE = 4  # auto: the CPU prompt path's buffers take at most 1/4 of the available memory
-# The prompt path's attention scores are computed in query tiles of at most this: small enough that
-# a tile's scores stay in the cache for the mask and softmax passes over them (1024 queries x 4096
-# keys of seed-4l: 574 ms in 64 MiB tiles, 478 ms in 4 MiB, with ops.attend_many's key ranges).
-ATTN_TILE_BYTES = 4 << 20
 LOW_MIB = 256  # the serve check's LOW line (S7)
 
 
@@ -152,16 +152,6 @@ class BudgetOptions:
 # --- the terms, one function each ----------------------------------------------------------------
 
 
-def kv_bytes_per_token(g: ModelGeometry, kv: str) -> int:
-    """K and V of one token in one full-attention layer: f16, or int8 with an f32 scale per 32 elements
-    of each head (blocks never straddle heads, so a head dequantizes alone)."""
-    if kv in ("f16", "f32"):
-        return 2 * g.n_head_kv * g.head_dim * (F16 if kv == "f16" else F32)
-    if g.head_dim % KV_BLOCK:
-        raise BudgetError(f"--kv int8: head_dim {g.head_dim} is not a multiple of the {KV_BLOCK}-element KV block; use --kv f16")
-    return 2 * g.n_head_kv * (g.head_dim + g.head_dim // KV_BLOCK * F32)
-
-
 def gdn_state_bytes(g: ModelGeometry) -> int:
     """One linear-attention layer's recurrent state S, f32 [nv, dv, dk]."""
     return g.ssm_n_v_heads * g.ssm_head_v_dim * g.ssm_d_state * F32
@@ -170,20 +160,6 @@ def gdn_state_bytes(g: ModelGeometry) -> int:
 def conv_state_bytes(g: ModelGeometry) -> int:
     """One linear-attention layer's conv state: the last K - 1 inputs, f32 [K - 1, Ch]."""
     return (g.ssm_d_conv - 1) * g.ssm_conv_channels * F32
-
-
-def indexer_key_bytes(g: ModelGeometry, max_context: int) -> int:
-    """One QSA layer's indexer key store: ONE shared key head per token, f32 [C, Id].
-
-    indexer.k_proj is [E, Id]: idx_n_heads counts QUERY heads and has no place in this term
-    (round 194 sized it by them: 4x too big, and unnoticed because it tightened the budget)."""
-    return max_context * g.idx_key_store_dim * IDX_KEY_BYTES
-
-
-def pooled_block_bytes(g: ModelGeometry, max_context: int) -> int:
-    """One QSA layer's mean-pooled block keys, f32 [C // r, Id], and their scores, f32 [C // r]."""
-    nb = max_context // g.idx_compress_ratio
-    return nb * g.idx_head_dim * F32 + nb * F32
 
 
 def ple_state_bytes(g: ModelGeometry) -> int:
@@ -229,17 +205,6 @@ def prompt_row_bytes(g: ModelGeometry) -> int:
     at a time as the planned chunk buffers hold."""
     n_in, n_out = dense_dims(g)
     return n_in * F32 + actq_bytes(n_in) + max(n_out, g.n_vocab) * F32
-
-
-def parse_prefill(text: str) -> int | None:
-    """`--prefill auto|CHUNK|off` -> None (auto), a chunk of CHUNK >= 1 tokens, or 0 (off: token by token)."""
-    if text == "auto":
-        return None
-    if text == "off":
-        return 0
-    if not is_count(text):  # ASCII digits: '²'.isdigit() is True and int('²') fails
-        raise BudgetError(f"--prefill {text!r}: expected auto, off or a chunk size in tokens")
-    return int(text)
 
 
 def prefill_host_bytes(g: ModelGeometry, chunk: int, max_context: int) -> int:

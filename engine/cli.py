@@ -201,8 +201,9 @@ def sampler_options(temp: float, top_k: int, top_p: float, min_p: float, repeat_
 
 
 def engine_options(kv: str, prefill: str) -> int | None:
-    """Checks --kv and parses --prefill (budget.py's rule: None = auto, 0 = off) before anything loads."""
-    from strata.engine.budget import KV_TYPES, parse_prefill
+    """Checks --kv and parses --prefill (None = auto, 0 = off) before anything loads."""
+    from strata.engine.arguments import parse_prefill
+    from strata.engine.kvcache import KV_TYPES
 
     if kv not in KV_TYPES:
         raise ValueError(f"--kv {kv!r}: expected one of {', '.join(KV_TYPES)}")

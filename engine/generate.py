@@ -41,11 +41,6 @@ class Generation:
     # "stopped" (on_token asked to stop: a stop string, a client gone)
 
     @property
-    def decode_steps(self) -> int:
-        """Positions fed after the prompt (the last sampled token is never fed)."""
-        return self.positions - len(self.prompt)
-
-    @property
     def fed(self) -> np.ndarray:
         """The tokens the session holds now, in order: the prompt and every sampled token but the last
         (a parked session covers exactly these)."""

@@ -76,8 +76,10 @@ class MoE:
         """(expert ids int64 [T, k], weights f64 [T, k]): each token's experts ranked by router
         probability, weights summing to 1. The softmax is in float64, so the ranking and the weights
         come from the probabilities transformers has; argpartition then a stable argsort."""
-        logits = be.linear(self.router, x, be.scratch("moe.router", (x.x.shape[0], self.router.n_out)))
-        self.logits = logits  # the last batch's router logits [T, X] (diagnostics, tests)
+        # the layer's own buffer (not one shared by every layer): `logits` stays the last batch's
+        # router logits [T, X] for diagnostics and tests
+        logits = be.linear(self.router, x, be.scratch(f"moe.router.{self.layer}", (x.x.shape[0], self.router.n_out)))
+        self.logits = logits
         p = np.exp(logits - logits.max(axis=1, keepdims=True), dtype=np.float64)
         p /= p.sum(axis=1, keepdims=True)
         top = np.argpartition(-p, self.k - 1, axis=1)[:, : self.k]

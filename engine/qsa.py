@@ -36,12 +36,11 @@ from numba import njit
 
 from strata.index_format.geometry import ModelGeometry
 
-from .budget import kv_bytes_per_token
 from .hyper import Tensor, as_f32, as_linear, grouped_rmsnorm, sigmoid, take
 from .kernels.actq import NonFiniteActivation
 from .kernels.jit import JIT, cached_njit
 from .batch import seqs_of
-from .kvcache import ContextFull, KVCache
+from .kvcache import ContextFull, KVCache, kv_bytes_per_token
 from .ops import Rope, causal_mask
 from .pack import PackError
 from .weights import Input
@@ -206,7 +205,20 @@ def qsa_cache_bytes(g: ModelGeometry, max_ctx: int, kv: str = "f32") -> int:
     """Bytes of one QSA layer's QSACache: the KV cache (engine/kvcache.py, `kv` kind), ONE raw indexer
     key head per token (f32), pooled blocks and their scores (f32), the top-k index scratch (int64)."""
     nb = max_ctx // g.idx_compress_ratio
-    return max_ctx * kv_bytes_per_token(g, kv) + 4 * (max_ctx * g.idx_head_dim + nb * g.idx_head_dim) + 12 * nb
+    return max_ctx * kv_bytes_per_token(g, kv) + indexer_key_bytes(g, max_ctx) + pooled_block_bytes(g, max_ctx) + 8 * nb
+
+
+def indexer_key_bytes(g: ModelGeometry, max_ctx: int) -> int:
+    """QSACache.idx_keys: ONE shared key head per token, f32 [C, Id]. indexer.k_proj is [E, Id]:
+    idx_n_heads counts QUERY heads and has no place in this term (round 194 sized it by them: 4x too
+    big, and unnoticed because it tightened the budget)."""
+    return max_ctx * g.idx_key_store_dim * 4
+
+
+def pooled_block_bytes(g: ModelGeometry, max_ctx: int) -> int:
+    """QSACache.idx_blocks and the block scores: f32 [C // r, Id] and f32 [C // r]."""
+    nb = max_ctx // g.idx_compress_ratio
+    return nb * g.idx_head_dim * 4 + nb * 4
 
 
 class QSACache:

@@ -5,6 +5,14 @@ moves the logits, stored in the GGML types a test asks for (F32 / F16 / BF16 / Q
 tokenizer is byte-level (256 byte tokens + the Qwen specials), so any text encodes.
 The agreement with transformers is tests/test_forward_reference.py's job; these models test the
 engine's plumbing: the pack checks, expert serving by offset, the decode loop, the CLI, S12.
+
+What it shares with `strata-pack synth` (tools/synth.py), so there is one way to lay out a synthetic
+GGUF: the geometry's metadata keys (synth.arch_metadata), GPT-2's byte alphabet
+(synth.byte_to_unicode), the encoders (synth_blocks.quantize_rows, encode_floats). What is its own,
+on purpose: a geometry narrower than any preset (n_embd 64, so a test runs in seconds), the dense
+and expert types a test picks, values drawn at unit gain from one RNG in tensor order (synth's
+presets draw production-like statistics per tensor name), and a vocabulary of bytes only (synth's
+has BPE merges): token id = byte + 3, EOS = 2.
 """
 
 from __future__ import annotations
@@ -19,7 +27,8 @@ from strata.engine.kernels.reference import dequantize
 from strata.index_format.ggml_types import BY_NAME
 from strata.tools import pack
 from strata.tools.gguf_io import VT, GGUFWriter, read_gguf
-from strata.tools.synth_blocks import quantize_rows
+from strata.tools.synth import arch_metadata, byte_to_unicode
+from strata.tools.synth_blocks import decode_floats, encode_floats, quantize_rows
 
 SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 EOS = 2
@@ -43,8 +52,8 @@ def geometry(**over) -> ModelGeometry:
 
 def _bf16_round(x: np.ndarray) -> np.ndarray:
     # bf16-representable values: a BF16 and an F32 file of the same seed hold the same model
-    u = x.astype(np.float32).view(np.uint32).astype(np.uint64)
-    return ((((u + 0x7FFF + ((u >> 16) & 1)) >> 16) << 16).astype(np.uint32)).view(np.float32)
+    bf16 = BY_NAME["BF16"]
+    return decode_floats(bf16, encode_floats(bf16, x)).reshape(x.shape)
 
 
 def values(name: str, shape: tuple[int, ...], rng: np.random.Generator) -> np.ndarray:
@@ -65,40 +74,14 @@ def values(name: str, shape: tuple[int, ...], rng: np.random.Generator) -> np.nd
 
 
 def _metadata(w: GGUFWriter, g: ModelGeometry) -> None:
-    a = g.arch
-    for key, v in [("embedding_length", g.n_embd), ("block_count", g.n_layer),
-                   ("full_attention_interval", g.full_attention_interval), ("attention.head_count", g.n_head),
-                   ("attention.head_count_kv", g.n_head_kv), ("attention.key_length", g.head_dim),
-                   ("attention.value_length", g.head_dim), ("rope.dimension_count", g.n_rot),
-                   ("ssm.conv_kernel", g.ssm_d_conv), ("ssm.state_size", g.ssm_d_state),
-                   ("ssm.group_count", g.ssm_n_k_heads), ("ssm.time_step_rank", g.ssm_n_v_heads),
-                   ("ssm.inner_size", g.ssm_d_inner), ("expert_count", g.n_expert),
-                   ("expert_used_count", g.n_expert_used), ("expert_feed_forward_length", g.n_ff_exp),
-                   ("expert_shared_feed_forward_length", g.n_ff_shexp)]:
-        w.add(f"{a}.{key}", v, VT.UINT32)
-    w.add(f"{a}.attention.layer_norm_rms_epsilon", g.rms_eps, VT.FLOAT32)
-    w.add(f"{a}.rope.freq_base", g.rope_freq_base, VT.FLOAT32)
-    w.add(f"{a}.rope.dimension_sections", list(g.rope_sections), VT.ARRAY, VT.INT32)
-    w.add(f"{a}.attention.recurrent_layers", [bool(x) for x in g.recurrent_layers], VT.ARRAY, VT.BOOL)
-    w.add("general.architecture", a, VT.STRING)
+    w.add("general.architecture", g.arch, VT.STRING)
+    for key, value, vt, sub in arch_metadata(g):
+        w.add(key, value, vt, sub)
     _tokenizer(w, g.n_vocab)
 
 
-def _byte_chars() -> list[str]:
-    # GPT-2's printable stand-in for each byte (the byte-level BPE alphabet)
-    keep = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAD)) + list(range(0xAE, 0x100))
-    out, extra = {}, 0
-    for b in range(256):
-        if b in keep:
-            out[b] = chr(b)
-        else:
-            out[b] = chr(256 + extra)
-            extra += 1
-    return [out[b] for b in range(256)]
-
-
 def _tokenizer(w: GGUFWriter, n_vocab: int) -> None:
-    tokens = list(SPECIALS) + _byte_chars()
+    tokens = list(SPECIALS) + [c for _, c in sorted(byte_to_unicode())]  # token 3 + b is byte b
     types = [3] * len(SPECIALS) + [1] * 256
     tokens += [f"[PAD{i}]" for i in range(len(tokens), n_vocab)]
     types += [5] * (n_vocab - len(types))

@@ -2,7 +2,12 @@
 
 Random bytes everywhere except the fp16 scales, which are finite and moderate (random bytes
 there would be NaN/inf now and then, and no quantizer writes those), with a few subnormal
-halves so the fp16 -> f32 conversion is exercised at the bottom of its range."""
+halves so the fp16 -> f32 conversion is exercised at the bottom of its range.
+
+Not tools/synth_blocks.random_blocks, on purpose: that one makes blocks a model could hold (mins tied
+to scales, sub-scales in their usual range, one RMS), so it never feeds a decoder an arbitrary
+sub-scale, min or sign field, nor a subnormal scale; a kernel test wants exactly those, every
+field's bits as random as the format allows."""
 
 from __future__ import annotations
 

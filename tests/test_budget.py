@@ -16,7 +16,9 @@ import numpy as np
 import pytest
 
 from strata.engine import budget as B
-from strata.engine.budget import Budget, BudgetError, BudgetOptions, plan_budget
+from strata.engine.budget import Budget, BudgetOptions, plan_budget
+from strata.engine.kvcache import KV_TYPES, kv_bytes_per_token
+from strata.engine.qsa import indexer_key_bytes, pooled_block_bytes
 from strata.index_format.geometry import tensor_specs
 from strata.index_format.native_experts import NativeExperts, blob_bytes_for
 from strata.index_format.pack_index import PackIndex
@@ -114,10 +116,10 @@ def test_kv_cache_at_the_seeds_production_settings(seed4l):
     assert len(g.full_attention_layers) == 12
     C = 262144
     # f16: K and V, 2 KV heads x 256, 2 bytes; int8: 1 byte + an f32 scale per 32 elements of a head
-    assert 12 * C * B.kv_bytes_per_token(g, "f16") == 12 * C * 2 * 2 * 256 * 2 == 6 * GIB
-    assert 12 * C * B.kv_bytes_per_token(g, "int8") == 12 * C * 2 * 2 * (256 + 8 * 4) == 3_623_878_656
-    with pytest.raises(BudgetError, match="head_dim 48 is not a multiple"):
-        B.kv_bytes_per_token(dataclasses.replace(g, head_dim=48, n_rot=16), "int8")
+    assert 12 * C * kv_bytes_per_token(g, "f16") == 12 * C * 2 * 2 * 256 * 2 == 6 * GIB
+    assert 12 * C * kv_bytes_per_token(g, "int8") == 12 * C * 2 * 2 * (256 + 8 * 4) == 3_623_878_656
+    with pytest.raises(ValueError, match="head_dim 48 is not a multiple"):
+        kv_bytes_per_token(dataclasses.replace(g, head_dim=48, n_rot=16), "int8")
 
 
 def test_indexer_key_store_is_one_key_head_round_194(seed4l):
@@ -130,15 +132,15 @@ def test_indexer_key_store_is_one_key_head_round_194(seed4l):
     # the term follows the key dim, never the query head count
     for heads in (1, 8):
         g = dataclasses.replace(g4, idx_n_heads=heads)
-        assert B.indexer_key_bytes(g, C) == one_head
+        assert indexer_key_bytes(g, C) == one_head
     # the CPU engine's cache (engine/qsa.py) holds the same single head
     from strata.engine.qsa import QSACache
 
     cpu = QSACache.for_geometry(g4, C)
-    assert cpu.idx_keys.nbytes == B.indexer_key_bytes(g4, C)
-    for kv in B.KV_TYPES:  # the CPU KV cache is the plan's, kind by kind (engine/kvcache.py)
-        assert QSACache.for_geometry(g4, C, kv).kv.nbytes == C * B.kv_bytes_per_token(g4, kv)
-    assert cpu.idx_blocks.nbytes + C // 64 * 4 == B.pooled_block_bytes(g4, C)  # + one f32 score per block
+    assert cpu.idx_keys.nbytes == indexer_key_bytes(g4, C)
+    for kv in KV_TYPES:  # the CPU KV cache is the plan's, kind by kind (engine/kvcache.py)
+        assert QSACache.for_geometry(g4, C, kv).kv.nbytes == C * kv_bytes_per_token(g4, kv)
+    assert cpu.idx_blocks.nbytes + C // 64 * 4 == pooled_block_bytes(g4, C)  # + one f32 score per block
 
 
 def test_session_states_match_the_cpu_engines(seed4l):

@@ -1,7 +1,7 @@
 """The first links of the chain of checks (docs/kernels.md):
 
     gguf.quants.dequantize  ==  reference.dequantize     bit for bit, every type gguf knows
-    ggml's dequantize_row_q2_0 (transcribed below)  ==  reference.dequantize for Q2_0
+    ggml's dequantize_row_q2_0 (transcribed in tests/reference/requant.py)  ==  reference.dequantize for Q2_0
     reference.IntForm  denotes the dequantized values  (to the f32 rounding of the dequantizer)
 
 plus the engine form (widen/narrow, rebf16), the IQ tables and the activation quantizer.
@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 from gguf import quants as gq
 from kernel_blocks import random_weights
+from reference.requant import dequantize_q2_0
 
 from strata.engine.kernels import actq as A
 from strata.engine.kernels import engine_form as EF
@@ -66,28 +67,12 @@ def test_dequantize_blocks_written_by_gguf_quantize(name):
     assert np.allclose(got, x.reshape(-1), rtol=0.2, atol=0.2 * np.abs(x).max(axis=1).repeat(256))
 
 
-def _q2_0_from_c(raw: np.ndarray, k: int) -> np.ndarray:
-    """ggml-quants.c dequantize_row_q2_0, line by line (QK2_0 = 64, block = fp16 d + qs[16])."""
-    qk = 64
-    y = np.empty(k, np.float32)
-    for i in range(k // qk):
-        x = raw[i * 18 : (i + 1) * 18]
-        d = np.float32(x[:2].view(np.float16)[0])  # GGML_FP16_TO_FP32(x[i].d)
-        qs = x[2:]
-        for j in range(qk):
-            byte_index = j // 4
-            bit_offset = (j % 4) * 2
-            q = (int(qs[byte_index]) >> bit_offset) & 0x03
-            y[i * qk + j] = np.float32(q - 1) * d  # ((int)q - 1) * d, in float
-    return y
-
-
 def test_q2_0_matches_ggml_c_reference():
     t = BY_NAME["Q2_0"]
     raw = random_weights(t, 64 * 40, np.random.default_rng(42))
     raw[18 * 3 : 18 * 3 + 2] = np.frombuffer(np.float16(-0.0).tobytes(), np.uint8)  # a block with d = -0
     got = R.dequantize(raw, t.id, 64 * 40)
-    assert np.array_equal(_bits(got), _bits(_q2_0_from_c(raw, 64 * 40)))
+    assert np.array_equal(_bits(got), _bits(dequantize_q2_0(raw)))  # ggml-quants.c, transcribed there
     assert set(np.unique(got[:64] / np.float32(raw[:2].view(np.float16)[0]))) <= {-1.0, 0.0, 1.0, 2.0}
 
 

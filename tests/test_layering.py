@@ -71,3 +71,74 @@ def test_the_check_catches_a_forbidden_import(tmp_path, monkeypatch, snippet):
     monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
     forbidden = FORBIDDEN["engine"]
     assert _violations("engine", lambda m: any(m == f or m.startswith(f + ".") for f in forbidden))
+
+
+# The GPU planner (the memory plan and the expert-slot plan) is a room of its own: the CPU forward
+# does not import it, directly or through another module, so the model runs, and is read, without
+# it. Only the GPU tier, which allocates from the plan, and the CLI, which prints it, may reach it.
+PLANNER = {"strata.engine.budget", "strata.engine.expert_plan"}
+MAY_PLAN = {"strata.engine.cli"} | PLANNER
+TIER = "strata.engine.tier"  # the GPU tier's package: each of its modules may reach the planner
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(["strata", *parts])
+
+
+def _engine_imports(path: Path) -> set[str]:
+    """The strata.engine modules `path` imports, at any depth, relative imports resolved ("from . import
+    budget" and "from .budget import X" both name strata.engine.budget)."""
+    package = _module_name(path).split(".")
+    if path.name != "__init__.py":
+        package.pop()
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            out |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = ".".join(package[: len(package) - node.level + 1]) if node.level else ""
+            mod = ".".join(p for p in (base, node.module or "") if p)
+            out.add(mod)
+            out |= {f"{mod}.{a.name}" for a in node.names}  # "from . import budget" imports a module
+    return {m for m in out if m.startswith("strata.engine")}
+
+
+def _reaches_planner(root: Path = None) -> dict[str, list[str]]:
+    """For every engine module outside MAY_PLAN that reaches the planner: the import chain to it."""
+    root = root or ROOT
+    files = {_module_name(f): f for f in sorted((root / "engine").rglob("*.py"))}
+    graph = {m: {i for i in _engine_imports(f) if i in files} for m, f in files.items()}
+    bad = {}
+    for start in sorted(m for m in files.keys() - MAY_PLAN if m != TIER and not m.startswith(TIER + ".")):
+        chains, seen = [[start]], {start}
+        while chains:
+            chain = chains.pop(0)
+            if chain[-1] in PLANNER:
+                bad[start] = chain
+                break
+            for nxt in sorted(graph[chain[-1]] - seen):
+                seen.add(nxt)
+                chains.append(chain + [nxt])
+    return bad
+
+
+def test_the_cpu_forward_never_imports_the_gpu_planner():
+    assert _reaches_planner() == {}
+
+
+def test_the_planner_check_follows_relative_and_indirect_imports(tmp_path, monkeypatch):
+    # The checker must be able to fail: a forward module importing a cache that imports the planner.
+    room = tmp_path / "engine"
+    room.mkdir()
+    (room / "__init__.py").write_text("")
+    (room / "budget.py").write_text("")
+    (room / "kvcache.py").write_text("from .budget import KV_BLOCK\n")
+    (room / "model.py").write_text("def f():\n    from . import kvcache\n")
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
+    assert _reaches_planner(tmp_path) == {
+        "strata.engine.kvcache": ["strata.engine.kvcache", "strata.engine.budget"],
+        "strata.engine.model": ["strata.engine.model", "strata.engine.kvcache", "strata.engine.budget"],
+    }

@@ -4,6 +4,13 @@ way a bad input or an interrupted run must fail clearly and leave nothing half-w
 The GGUFs are built here from tensor_specs() of a small ModelGeometry with our GGUFWriter and
 random bytes kept beside them, so every byte check compares the pack with what the fixture wrote,
 never with the packer's own arithmetic.
+
+Not tools/synth.py's builder (which strata-pack synth and tests/engine_fixture.py share), on
+purpose: this is the packer's test, so its metadata is written by a second route that varies what
+a converter may vary (the PLE offsets and sizes as INT32 arrays where synth writes UINT64, no
+embedding_length_per_layer_input, attention.compress_ratios overridable, a hand-made vocabulary with
+non-ASCII merges), and its tensors are raw random bytes of any type mix, which synth's values,
+made to look like a model's, are not.
 """
 
 from __future__ import annotations

@@ -36,7 +36,7 @@ from strata.engine import budget as B
 from strata.engine.cli import main
 from strata.engine.generate import generate
 from strata.engine.kernels import cpu
-from strata.engine.kvcache import KVCache, dequantize_int8, quantize_int8
+from strata.engine.kvcache import KV_TYPES, KVCache, dequantize_int8, quantize_int8, kv_bytes_per_token
 from strata.engine.model import ContextFull, Model
 from strata.engine.pack import Pack
 from strata.engine.sampling import Sampler, SamplerParams
@@ -79,7 +79,7 @@ def run(model, prompt, prefill, kv="f32", n=N_GREEDY):
 
 @pytest.fixture(scope="module")
 def token_path(models):
-    return {(arch, kv): run(m, prompt_for(m), 1, kv) for arch, m in models.items() for kv in B.KV_TYPES}
+    return {(arch, kv): run(m, prompt_for(m), 1, kv) for arch, m in models.items() for kv in KV_TYPES}
 
 
 @pytest.mark.parametrize("chunk", CHUNKS)
@@ -89,7 +89,7 @@ def test_prefill_equals_the_token_path(models, token_path, arch, chunk):
     g = model.geometry
     if g.has_qsa:  # the prompt is long enough that QSA leaves blocks out: selection, not dense attention
         assert N_PROMPT // g.idx_compress_ratio > g.idx_top_k // g.idx_compress_ratio
-    for kv in B.KV_TYPES if chunk == 32 else ("f32",):
+    for kv in KV_TYPES if chunk == 32 else ("f32",):
         want, ref = token_path[arch, kv]
         got, out = run(model, prompt_for(model), chunk, kv)
         assert out.positions == ref.positions == N_PROMPT + N_GREEDY - 1
@@ -220,9 +220,9 @@ def test_int8_kv_is_the_budgets_layout_and_rounds_to_half_a_step():
     # amax / 127: the largest element of each block is exactly +-127
     assert (np.abs(q.reshape(5, 2, 2, 32)).max(axis=-1)[d > 0] == 127).all()
     g = F.geometry()
-    for kind in B.KV_TYPES:
+    for kind in KV_TYPES:
         c = KVCache(kind, 33, g.n_head_kv, g.head_dim)
-        assert c.nbytes == 33 * B.kv_bytes_per_token(g, kind)
+        assert c.nbytes == 33 * kv_bytes_per_token(g, kind)
         c.write(4, x[:, :, :32], x[:, :, 32:])
         k, v = c.read(slice(4, 9))
         tol = {"f32": 0, "f16": 2**-11, "int8": 1 / 254}[kind] * np.abs(x).max()
@@ -234,7 +234,7 @@ def test_int8_kv_is_the_budgets_layout_and_rounds_to_half_a_step():
         KVCache("q4", 8, 2, 32)
 
 
-@pytest.mark.parametrize("kv", B.KV_TYPES)
+@pytest.mark.parametrize("kv", KV_TYPES)
 @pytest.mark.parametrize("arch", ["qwen35moe", "qwen4exp"])
 def test_session_memory_is_what_strata_budget_predicts(models, arch, kv):
     model = models[arch]

@@ -88,9 +88,9 @@ def direct_run(model: Model, tok: Tokenizer, docs: list[str], monkeypatch) -> np
     seen: list[tuple[int, np.ndarray]] = []
     original = MoE.route
 
-    def route(self, x):
-        top, w = original(self, x)
-        seen.append((self.layer, np.array(top)))
+    def route(self, be, x):
+        top, w = original(self, be, x)
+        seen.append((self.layer, np.array(top).reshape(-1)))  # one token: top is [1, k]
         return top, w
 
     rows = []

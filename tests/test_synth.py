@@ -1,9 +1,10 @@
 """tools/synth.py + tools/synth_blocks.py: synthetic GGUFs laid out as llama.cpp writes them.
 
 References, none of them the code under test: our strict reader and the geometry contract,
-gguf-py's dequantizer and quantizers (bit-exact ggml), a Q2_0 decoder written here from
-ggml-quants.c (gguf-py lacks type 42), the vendored gguf-py reader, HF `tokenizers`, and the
-numbers the seed document prints (native_experts.txt lines, the 0.444 GiB embedding).
+gguf-py's dequantizer and quantizers (bit-exact ggml), the Q2_0 decoder transcribed from
+ggml-quants.c in tests/reference/requant.py (gguf-py lacks type 42), the vendored gguf-py reader,
+HF `tokenizers` and transformers' bytes_to_unicode, and the numbers the seed document prints
+(native_experts.txt lines, the 0.444 GiB embedding).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from strata.index_format.ggml_types import BY_ID, BY_NAME, TYPES
 from strata.tools import synth as S
 from strata.tools import synth_blocks as sb
 from strata.tools.gguf_io import VT, read_gguf
+from reference.requant import dequantize_q2_0
 
 ARCHS = ("qwen4exp", "qwen35moe")
 
@@ -28,25 +30,12 @@ ARCHS = ("qwen4exp", "qwen35moe")
 # ---------------------------------------------------------------------------- helpers
 
 
-def decode_q2_0(raw: np.ndarray) -> np.ndarray:
-    # ggml-quants.c dequantize_row_q2_0: block = fp16 d | qs[16]; element j = ((qs[j/4] >> 2(j%4)) & 3) - 1, times d
-    b = raw.reshape(-1, 18)
-    d = b[:, :2].copy().view("<f2").astype(np.float64)
-    q = (b[:, 2:, None] >> np.array([0, 2, 4, 6], np.uint8)) & 3
-    return ((q.reshape(len(b), 64).astype(np.float64) - 1.0) * d).ravel()
-
-
 def decode(raw: np.ndarray, type_name: str) -> np.ndarray:
-    """Flat float64 values of a tensor's bytes, decoded by the references."""
+    """Flat float64 values of a tensor's bytes, decoded by the references (gguf-py; Q2_0, which
+    it lacks: tests/reference/requant.py's transcription of ggml-quants.c)."""
     raw = np.ascontiguousarray(raw, dtype=np.uint8)
-    if type_name == "F32":
-        return raw.view("<f4").astype(np.float64)
-    if type_name == "F16":
-        return raw.view("<f2").astype(np.float64)
-    if type_name == "BF16":
-        return (raw.view("<u2").astype(np.uint32) << 16).view(np.float32).astype(np.float64)
     if type_name == "Q2_0":
-        return decode_q2_0(raw)
+        return dequantize_q2_0(raw).astype(np.float64)
     t = BY_NAME[type_name]
     return gq.dequantize(raw.reshape(-1, t.type_size), gguf.GGMLQuantizationType[type_name]).astype(np.float64).ravel()
 
@@ -330,11 +319,11 @@ def test_bad_requests_are_refused(tmp_path, kwargs, match):
 
 
 def gpt2_byte_alphabet() -> list[str]:
-    """GPT-2's bytes_to_unicode, written here independently: printable bytes as themselves,
-    the others to U+0100.. in byte order; id order = printable first."""
-    keep = list(range(33, 127)) + list(range(161, 173)) + list(range(174, 256))
-    rest = [b for b in range(256) if b not in keep]
-    return [chr(b) for b in keep] + [chr(256 + i) for i in range(len(rest))]
+    """GPT-2's bytes_to_unicode as transformers has it (its insertion order is the id order:
+    printable bytes first, then the others mapped to U+0100.. in byte order)."""
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    return list(bytes_to_unicode().values())
 
 
 def test_tokenizer_is_a_consistent_byte_level_bpe(tiny):

@@ -92,7 +92,8 @@ def budget(
 
 
 def _options(prefill: str, max_context: int, kv: str, expert_cache: str, reserve: int):
-    from strata.engine.budget import BudgetOptions, auto_prefill_chunk, parse_prefill
+    from strata.engine.arguments import parse_prefill
+    from strata.engine.budget import BudgetOptions, auto_prefill_chunk
 
     chunk = parse_prefill(prefill)
     chunk = auto_prefill_chunk() if chunk is None else chunk  # the device plan: the 256-token chunk

@@ -21,7 +21,7 @@ import struct
 from dataclasses import dataclass, field
 from enum import IntEnum
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any, Callable
 
 import numpy as np
 
@@ -354,9 +354,3 @@ def shard_names(first: Path) -> list[Path]:
     stem, n = m.group(1), int(m.group(3))
     return [first.with_name(f"{stem}-{i:05d}-of-{n:05d}.gguf") for i in range(1, n + 1)]
 
-
-def iter_chunks(arr: np.ndarray, chunk_bytes: int = 1 << 24) -> Iterable[memoryview]:
-    """Yield an array's bytes in chunks, for streaming large tensors through the writer."""
-    mv = memoryview(np.ascontiguousarray(arr)).cast("B")
-    for i in range(0, len(mv), chunk_bytes):
-        yield mv[i : i + chunk_bytes]

@@ -495,7 +495,6 @@ def _metadata(arch: str, p: Preset, g: ModelGeometry, shards,
     def add(key, value, vt, sub=None):
         kv.append((key, value, vt, sub))
 
-    a = lambda s: f"{arch}.{s}"  # noqa: E731
     tensors = [t for s in shards for t in s]
     vocab = synthetic_vocab(g.n_vocab)
     add("general.architecture", arch, VT.STRING)
@@ -503,30 +502,7 @@ def _metadata(arch: str, p: Preset, g: ModelGeometry, shards,
     add("general.name", f"Strata Synth {p.name} {arch}", VT.STRING)
     add("general.basename", f"strata-synth-{arch}", VT.STRING)
     add("general.size_label", _size_label(g, tensors), VT.STRING)
-    add(a("block_count"), g.n_layer, VT.UINT32)
-    add(a("context_length"), p.context_length, VT.UINT32)
-    add(a("embedding_length"), g.n_embd, VT.UINT32)
-    add(a("attention.head_count"), g.n_head, VT.UINT32)
-    add(a("attention.head_count_kv"), g.n_head_kv, VT.UINT32)
-    add(a("rope.dimension_sections"), list(g.rope_sections), VT.ARRAY, VT.INT32)
-    add(a("rope.freq_base"), g.rope_freq_base, VT.FLOAT32)
-    add(a("attention.layer_norm_rms_epsilon"), g.rms_eps, VT.FLOAT32)
-    add(a("expert_count"), g.n_expert, VT.UINT32)
-    add(a("expert_used_count"), g.n_expert_used, VT.UINT32)
-    add(a("attention.key_length"), g.head_dim, VT.UINT32)
-    add(a("attention.value_length"), g.head_dim, VT.UINT32)
-    add(a("expert_feed_forward_length"), g.n_ff_exp, VT.UINT32)
-    add(a("expert_shared_feed_forward_length"), g.n_ff_shexp, VT.UINT32)
-    add(a("ssm.conv_kernel"), g.ssm_d_conv, VT.UINT32)
-    add(a("ssm.state_size"), g.ssm_d_state, VT.UINT32)
-    add(a("ssm.group_count"), g.ssm_n_k_heads, VT.UINT32)
-    add(a("ssm.time_step_rank"), g.ssm_n_v_heads, VT.UINT32)
-    add(a("ssm.inner_size"), g.ssm_d_inner, VT.UINT32)
-    add(a("attention.recurrent_layers"), [not g.is_full_attention(l) for l in range(g.n_layer)], VT.ARRAY, VT.BOOL)
-    add(a("full_attention_interval"), g.full_attention_interval, VT.UINT32)
-    add(a("rope.dimension_count"), g.n_rot, VT.UINT32)
-    if arch == "qwen4exp":
-        _qwen4exp_metadata(add, a, g, zero_compress_ratios)
+    kv += arch_metadata(g, context_length=p.context_length, zero_compress_ratios=zero_compress_ratios)
     add("tokenizer.ggml.model", "gpt2", VT.STRING)
     add("tokenizer.ggml.pre", "qwen35", VT.STRING)
     add("tokenizer.ggml.tokens", vocab.tokens, VT.ARRAY, VT.STRING)
@@ -547,6 +523,45 @@ def _metadata(arch: str, p: Preset, g: ModelGeometry, shards,
         add("quantize.imatrix.dataset", "uniform (strata synth)", VT.STRING)
         add("quantize.imatrix.entries_count", n_quantized, VT.UINT32)
         add("quantize.imatrix.chunks_count", 1, VT.UINT32)
+    return kv
+
+
+def arch_metadata(g: ModelGeometry, *, context_length: int | None = None,
+                  zero_compress_ratios: bool = False) -> list[tuple[str, object, VT, VT | None]]:
+    """The `{arch}.*` keys that describe geometry `g`, in the converter's order: what every synthetic
+    GGUF (strata-pack synth, the engine tests' fixture) writes, so the pack's reader meets one layout.
+    `context_length`: written when given (the converter always does; the fixture has none)."""
+    kv: list[tuple[str, object, VT, VT | None]] = []
+
+    def add(key, value, vt, sub=None):
+        kv.append((key, value, vt, sub))
+
+    a = lambda s: f"{g.arch}.{s}"  # noqa: E731
+    add(a("block_count"), g.n_layer, VT.UINT32)
+    if context_length is not None:
+        add(a("context_length"), context_length, VT.UINT32)
+    add(a("embedding_length"), g.n_embd, VT.UINT32)
+    add(a("attention.head_count"), g.n_head, VT.UINT32)
+    add(a("attention.head_count_kv"), g.n_head_kv, VT.UINT32)
+    add(a("rope.dimension_sections"), list(g.rope_sections), VT.ARRAY, VT.INT32)
+    add(a("rope.freq_base"), g.rope_freq_base, VT.FLOAT32)
+    add(a("attention.layer_norm_rms_epsilon"), g.rms_eps, VT.FLOAT32)
+    add(a("expert_count"), g.n_expert, VT.UINT32)
+    add(a("expert_used_count"), g.n_expert_used, VT.UINT32)
+    add(a("attention.key_length"), g.head_dim, VT.UINT32)
+    add(a("attention.value_length"), g.head_dim, VT.UINT32)
+    add(a("expert_feed_forward_length"), g.n_ff_exp, VT.UINT32)
+    add(a("expert_shared_feed_forward_length"), g.n_ff_shexp, VT.UINT32)
+    add(a("ssm.conv_kernel"), g.ssm_d_conv, VT.UINT32)
+    add(a("ssm.state_size"), g.ssm_d_state, VT.UINT32)
+    add(a("ssm.group_count"), g.ssm_n_k_heads, VT.UINT32)
+    add(a("ssm.time_step_rank"), g.ssm_n_v_heads, VT.UINT32)
+    add(a("ssm.inner_size"), g.ssm_d_inner, VT.UINT32)
+    add(a("attention.recurrent_layers"), [not g.is_full_attention(l) for l in range(g.n_layer)], VT.ARRAY, VT.BOOL)
+    add(a("full_attention_interval"), g.full_attention_interval, VT.UINT32)
+    add(a("rope.dimension_count"), g.n_rot, VT.UINT32)
+    if g.arch == "qwen4exp":
+        _qwen4exp_metadata(add, a, g, zero_compress_ratios)
     return kv
 
 

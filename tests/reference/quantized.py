@@ -154,29 +154,38 @@ def actq_reference(x32: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]
 
 
 class EngineActQ:
-    """While active, records every activation vector the engine quantizes (engine/weights.py's
-    quantize_act: Input.form and Weight.matvec/matmul) with its q."""
+    """While active, records every activation vector the engine quantizes with its q: engine/weights.py's
+    quantize_act (Input.form, through which every product's activations go) and the hyper-connections'
+    fused norm (engine/hyper.py grouped_rmsnorm_q, which quantizes its output as it writes it)."""
 
     def __init__(self):
         self.rows: dict[int, list[tuple[np.ndarray, np.ndarray]]] = {}
 
+    def _keep(self, x, a) -> None:
+        n = x.shape[-1]
+        self.rows.setdefault(n, []).append((np.array(x, F32).reshape(-1, n), a.q.reshape(-1, n).copy()))
+
     @contextlib.contextmanager
     def recording(self):
-        from strata.engine import weights
+        from strata.engine import hyper, weights
 
-        real = weights.quantize_act
+        real, real_norm = weights.quantize_act, hyper.grouped_rmsnorm_q
 
         def record(x, where="quantize_act"):
             a = real(x, where)
-            n = x.shape[-1]
-            self.rows.setdefault(n, []).append((np.array(x, F32).reshape(-1, n), a.q.reshape(-1, n).copy()))
+            self._keep(x, a)
             return a
 
-        weights.quantize_act = record
+        def record_norm(x, gain, group, eps):
+            out, a = real_norm(x, gain, group, eps)
+            self._keep(out, a)
+            return out, a
+
+        weights.quantize_act, hyper.grouped_rmsnorm_q = record, record_norm
         try:
             yield self
         finally:
-            weights.quantize_act = real
+            weights.quantize_act, hyper.grouped_rmsnorm_q = real, real_norm
 
     def table(self) -> dict[int, tuple[np.ndarray, np.ndarray]]:
         """n -> (x f32 [N, n], q int8 [N, n]) of everything recorded."""

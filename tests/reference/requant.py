@@ -88,7 +88,11 @@ def _enc_q2_0(x: np.ndarray) -> np.ndarray:
 
 
 def dequantize_q2_0(raw: np.ndarray) -> np.ndarray:
-    """ggml's dequantize_row_q2_0 (gguf 0.19 does not know type 42): f32 [n_blocks * 64]."""
+    """ggml-quants.c dequantize_row_q2_0 (gguf 0.19 does not know type 42): f32 [n_blocks * 64].
+
+    Block = fp16 d | qs[16]; element j = ((qs[j / 4] >> 2 (j % 4)) & 3) - 1, times d in float. The
+    tests' one Q2_0 reference: the engine's decoder (test_kernels_reference.py) and synth's blocks
+    (test_synth.py) are checked against it."""
     b = raw.reshape(-1, 18)
     d = b[:, :2].copy().view(np.float16).astype(F32)
     q = ((b[:, 2:, None] >> np.array([0, 2, 4, 6], np.uint8)) & 3).reshape(-1, 64)
