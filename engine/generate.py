@@ -98,12 +98,13 @@ class Run:
         return self.history[self.fed : self.fed + n], (n if self.on_logits is not None else 1)
 
     def take(self, rows: np.ndarray) -> bool:
-        """The logits rows of the last `feed` (its last n_logits positions); True when the run is over."""
+        """The logits rows of the last `feed` (its last n_logits positions; one row may come as the
+        session's logits buffer itself, [n_vocab]); True when the run is over."""
         n = min(self.chunk, self.n_tokens - self.fed)
         if self.on_logits is not None:
             for i in range(n):
-                self.on_logits(self.fed + i, rows[i])
-        logits = rows[-1]
+                self.on_logits(self.fed + i, rows if rows.ndim == 1 else rows[i])
+        logits = rows if rows.ndim == 1 else rows[-1]
         self.fed += n
         if self.fed < self.n_tokens:
             return False  # teacher forcing: the prompt says what comes next
@@ -163,7 +164,7 @@ def generate(model: Model, session: Session, prompt: Sequence[int], sampler: Sam
     while True:
         tokens, n_logits = run.feed()
         if tokens.size == 1:  # the decode step: the session's logits buffer, nothing allocated (S12)
-            rows = model.step(session, int(tokens[0])).reshape(1, -1)
+            rows = model.step(session, int(tokens[0]))
         else:
             rows = model.forward(session, tokens, n_logits)
         if run.take(rows):

@@ -225,6 +225,11 @@ class Scheduler:
         with self._lock:
             return len(self._active)
 
+    def jobs_running(self) -> list[Job]:
+        """The jobs in the batch now (a copy)."""
+        with self._lock:
+            return [slot.job for slot in self._active]
+
     @property
     def idle(self) -> bool:
         with self._lock:
@@ -341,7 +346,7 @@ class Scheduler:
         feeds = [s.run.feed() for s in slots]
         try:
             if len(slots) == 1 and feeds[0][0].size == 1:  # the decode step: nothing allocated (S12)
-                rows = [self.model.step(slots[0].session, int(feeds[0][0][0])).reshape(1, -1)]
+                rows = [self.model.step(slots[0].session, int(feeds[0][0][0]))]
             else:
                 rows = self.model.forward_batch([s.session for s in slots], [f[0] for f in feeds], [f[1] for f in feeds])
         except BaseException as e:  # noqa: BLE001 - the step failed for every request in it

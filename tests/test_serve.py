@@ -303,7 +303,7 @@ def test_a_client_that_gives_up_on_a_plain_request_frees_the_worker(engine):
         with pytest.raises(httpx.ReadTimeout):
             httpx.post(f"{s.url}/v1/completions", json=body, timeout=httpx.Timeout(30, read=0.5))
         deadline = time.monotonic() + 10  # the worker is held at its first token until the server notices
-        while not s.scheduler._running.cancelled:
+        while not s.scheduler.jobs_running()[0].cancelled:
             assert time.monotonic() < deadline, "the server did not notice that its client left"
             time.sleep(0.02)
         gate.open.set()
@@ -328,7 +328,7 @@ def test_shutdown_cancels_a_reply_that_outlasts_the_graceful_timeout(engine):
             reply = pool.submit(lambda: httpx.post(f"{s.url}/v1/completions", json=body, timeout=30).text)
             assert gate.reached.wait(30)
             s.server.should_exit = True  # what uvicorn's SIGTERM handler does
-            job = s.scheduler._running
+            job = s.scheduler.jobs_running()[0]
             deadline = time.monotonic() + 10
             while not job.cancelled:
                 assert time.monotonic() < deadline, "the running reply was not cancelled at shutdown"
