@@ -652,9 +652,10 @@ def serve(
     port: int = typer.Option(8080, "--port", help="the TCP port"),
     api_key: Optional[str] = typer.Option(None, "--api-key", metavar="KEY", help="refuse (401) a request without the "
                                           "header Authorization: Bearer KEY"),
-    max_queue: int = typer.Option(16, "--max-queue", metavar="Q", help="requests waiting beside the running one; more "
-                                  "get 503 with Retry-After"),
-    batch: int = typer.Option(1, "--batch", metavar="N", help="requests decoding together (only 1 in this version)"),
+    max_queue: int = typer.Option(16, "--max-queue", metavar="Q", help="requests waiting beside the running ones; "
+                                  "more get 503 with Retry-After"),
+    batch: int = typer.Option(1, "--batch", metavar="N", help="requests decoding together, one forward per step for "
+                              "all of them (each request's output is what it gets alone)"),
     cache_slots: int = typer.Option(8, "--conversation-cache-slots", metavar="N", help="finished sessions parked in "
                                     "host memory so a prompt that extends one feeds only its new tokens; 0 is off"),
     cache_mib: int = typer.Option(2048, "--conversation-cache-mib", metavar="M", help="host memory the parked "
@@ -697,9 +698,8 @@ def _serve(pack, host, port, api_key, max_queue, batch, cache_slots, cache_mib, 
     from strata.engine.tokenizer import Tokenizer
 
     # every flag is checked before the load (seconds to minutes)
-    if batch != 1:
-        raise ValueError(f"--batch {batch}: several requests decoding together is not built yet; this version runs "
-                         "one request at a time (--batch 1) and queues the others (--max-queue)")
+    if batch < 1:
+        raise ValueError(f"--batch {batch}: expected at least 1 (requests decoding together)")
     if not 0 <= port <= 65535:
         raise ValueError(f"--port {port}: expected 0..65535")
     if max_queue < 0:
@@ -713,7 +713,11 @@ def _serve(pack, host, port, api_key, max_queue, batch, cache_slots, cache_mib, 
     option = engine_options(kv, prefill)
     g = read_pack_geometry(pack)
     tok = Tokenizer.load(Path(pack) / "tokenizer.txt")
-    check_context(who, g, kv, max_context, "--ctx-size")
+    from strata.engine.budget import session_host_bytes
+
+    # --batch N holds N sessions at once, each sized for the whole context
+    check_context(who, g, kv, max_context, "--ctx-size", extra_bytes=(batch - 1) * session_host_bytes(g, max_context, kv),
+                  extra_what=f" for each of --batch {batch} requests" if batch > 1 else "")
     import uvicorn
 
     from strata.engine.scheduler import ConversationCache, Scheduler
@@ -725,11 +729,12 @@ def _serve(pack, host, port, api_key, max_queue, batch, cache_slots, cache_mib, 
     tier = start_tier(model, max_context=max_context, kv=kv, chunk=chunk, who=who, **tier_flags)
     cache = ConversationCache(cache_slots, cache_mib << 20)
     scheduler = Scheduler(model, tok, max_context=max_context, kv=kv, chunk=chunk, max_queue=max_queue, cache=cache,
-                          check=p.check_unchanged)
+                          check=p.check_unchanged, batch=batch)
     name = model_name or Path(pack).resolve().name
     app_ = make_app(scheduler, tok, ServeConfig(model_name=name, max_context=max_context, api_key=api_key), tier)
     typer.echo(f"{who}: {name} loaded in {load_s:.1f} s; serving http://{host}:{port}/v1 (context {max_context}, "
-               f"--kv {kv}, {'the GPU tier' if tier else 'the CPU'}, one request at a time, {max_queue} queued at most)",
+               f"--kv {kv}, {'the GPU tier' if tier else 'the CPU'}, "
+               f"{'one request at a time' if batch == 1 else f'up to {batch} requests together'}, {max_queue} queued at most)",
                err=True)
     server = QuietSignalServer(uvicorn.Config(app_, host=host, port=port, log_level="warning", access_log=False,
                                               timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S))

@@ -7,9 +7,10 @@ positions and read an empty `produced` vector at the first one; one loop removes
 that needed the special case.)
 
 Prefill (B1) is only HOW the loop feeds positions whose next token is already known: with a chunk
-of C > 1 tokens, each turn feeds up to C of them in one batch (`Model.forward`, the prompt path),
-with C = 1 (--prefill off) one at a time, the seed's decode path (6.9). A generated token is always
-fed alone: its successor is not known until it has been sampled.
+of C > 1 tokens, each turn feeds up to C of them in one batch (`Model.forward`), with C = 1
+(--prefill off) one at a time (6.9). A generated token is always fed alone: its successor is not
+known until it has been sampled. The loop is a `Run`, stepped feed by feed, so that strata serve can
+step several runs in one forward.
 
 S12: the loop allocates nothing per token that it keeps: the token history is an array sized once
 for the session's context, the session owns the logits and state, the sampler its scratch.
@@ -55,6 +56,97 @@ class Generation:
         return len(self.tokens) / self.decode_s if self.decode_s > 0 and len(self.tokens) else float("nan")
 
 
+class Run:
+    """One generation, one feed at a time: `feed()` says which tokens to feed next (and how many of
+    their logits rows are wanted), `take(rows)` consumes those rows (sampling, the callbacks, the
+    stop rules) and says whether the run is over. `generate` drives one Run; strata serve's worker
+    drives several together, one forward for all of them (engine/scheduler.py). The arguments are
+    `generate`'s."""
+
+    def __init__(self, session: Session, prompt: Sequence[int], sampler: Sampler, max_new_tokens: int, *,
+                 stop_ids: Collection[int] = (), on_token: Callable[[int], None] | None = None,
+                 on_logits: Callable[[int, np.ndarray], None] | None = None, prefill: int = 1, start: int = 0):
+        n_prompt = len(prompt)
+        if n_prompt == 0:
+            raise ValueError("generate: the prompt is empty; at least one token is needed to predict the next")
+        if max_new_tokens < 0:
+            raise ValueError(f"generate: max_new_tokens {max_new_tokens}, expected >= 0")
+        if prefill < 0:
+            raise ValueError(f"generate: prefill chunk {prefill}, expected >= 0 (0 or 1: token by token)")
+        if not 0 <= start < n_prompt:
+            raise ValueError(f"generate: start {start}, expected 0..{n_prompt - 1} (at least one prompt token to feed)")
+        if session.pos != start:
+            raise ValueError(f"generate: the session is at position {session.pos}, expected {start} (the prompt tokens "
+                             "it holds)")
+        if n_prompt > session.max_context:
+            raise ValueError(f"generate: the prompt has {n_prompt} tokens, the context holds {session.max_context} "
+                             "(raise --ctx-size)")
+        self.session, self.sampler, self.max_new = session, sampler, max_new_tokens
+        self.stop_ids, self.on_token, self.on_logits = stop_ids, on_token, on_logits
+        self.chunk, self.n_prompt = max(prefill, 1), n_prompt
+        self.history = np.empty(n_prompt + max_new_tokens, np.int64)
+        self.history[:n_prompt] = prompt
+        self.n_tokens, self.fed, self.stop = n_prompt, start, "length"
+        self.done = False
+        self.started = self.prefilled = self.ended = None
+
+    def feed(self) -> tuple[np.ndarray, int]:
+        """(the tokens to feed next, int64 [n]; how many of their last logits rows `take` needs)."""
+        if self.started is None:
+            self.started = time.perf_counter()
+        n = min(self.chunk, self.n_tokens - self.fed)  # positions whose next token is known (teacher forcing)
+        return self.history[self.fed : self.fed + n], (n if self.on_logits is not None else 1)
+
+    def take(self, rows: np.ndarray) -> bool:
+        """The logits rows of the last `feed` (its last n_logits positions; one row may come as the
+        session's logits buffer itself, [n_vocab]); True when the run is over."""
+        n = min(self.chunk, self.n_tokens - self.fed)
+        if self.on_logits is not None:
+            for i in range(n):
+                self.on_logits(self.fed + i, rows if rows.ndim == 1 else rows[i])
+        logits = rows if rows.ndim == 1 else rows[-1]
+        self.fed += n
+        if self.fed < self.n_tokens:
+            return False  # teacher forcing: the prompt says what comes next
+        if self.prefilled is None:
+            self.prefilled = time.perf_counter()
+        if self.n_tokens - self.n_prompt == self.max_new:
+            return self._end()  # only when asked for no tokens: otherwise the checks below stop first
+        token = self.sampler.sample(logits, self.history[: self.n_tokens])
+        self.history[self.n_tokens] = token
+        self.n_tokens += 1
+        if self.on_token is not None and self.on_token(token):
+            self.stop = "stopped"
+            return self._end()
+        if token in self.stop_ids:
+            self.stop = "eos"
+            return self._end()
+        if self.n_tokens - self.n_prompt == self.max_new:
+            return self._end()  # the last sampled token is never fed: nothing would read its logits
+        if self.fed == self.session.max_context:
+            self.stop = "context"
+            return self._end()
+        return False
+
+    def cancel(self) -> None:
+        """End the run where it is (its caller went away): stop "stopped"."""
+        if not self.done:
+            self.stop = "stopped"
+            self._end()
+            if self.started is None:
+                self.started = self.ended
+
+    def _end(self) -> bool:
+        self.done, self.ended = True, time.perf_counter()
+        return True
+
+    def result(self) -> Generation:
+        h, n = self.history, self.n_prompt
+        prefilled = self.prefilled if self.prefilled is not None else self.ended
+        return Generation(h[:n].copy(), h[n : self.n_tokens].copy(), self.fed, prefilled - self.started,
+                          self.ended - prefilled, self.stop)
+
+
 def generate(model: Model, session: Session, prompt: Sequence[int], sampler: Sampler, max_new_tokens: int, *,
              stop_ids: Collection[int] = (), on_token: Callable[[int], None] | None = None,
              on_logits: Callable[[int, np.ndarray], None] | None = None, prefill: int = 1,
@@ -67,60 +159,13 @@ def generate(model: Model, session: Session, prompt: Sequence[int], sampler: Sam
     `prefill`: the prompt path's chunk in tokens (1 or 0: token by token). `start`: how many of the
     prompt's tokens the session holds already (a resumed conversation: session.pos == start); only
     the rest is fed."""
-    n_prompt = len(prompt)
-    if n_prompt == 0:
-        raise ValueError("generate: the prompt is empty; at least one token is needed to predict the next")
-    if max_new_tokens < 0:
-        raise ValueError(f"generate: max_new_tokens {max_new_tokens}, expected >= 0")
-    if prefill < 0:
-        raise ValueError(f"generate: prefill chunk {prefill}, expected >= 0 (0 or 1: token by token)")
-    if not 0 <= start < n_prompt:
-        raise ValueError(f"generate: start {start}, expected 0..{n_prompt - 1} (at least one prompt token to feed)")
-    if session.pos != start:
-        raise ValueError(f"generate: the session is at position {session.pos}, expected {start} (the prompt tokens "
-                         "it holds)")
-    if n_prompt > session.max_context:
-        raise ValueError(f"generate: the prompt has {n_prompt} tokens, the context holds {session.max_context} "
-                         "(raise --ctx-size)")
-    chunk = max(prefill, 1)
-    history = np.empty(n_prompt + max_new_tokens, np.int64)
-    history[:n_prompt] = prompt
-    n_tokens, fed, stop = n_prompt, start, "length"
-    start = time.perf_counter()
-    prefilled = None
+    run = Run(session, prompt, sampler, max_new_tokens, stop_ids=stop_ids, on_token=on_token, on_logits=on_logits,
+              prefill=prefill, start=start)
     while True:
-        n = min(chunk, n_tokens - fed)  # positions whose next token is known (teacher forcing)
-        if n == 1:  # the decode path: the session's logits buffer, nothing allocated (S12)
-            logits = model.step(session, int(history[fed]))
-            if on_logits is not None:
-                on_logits(fed, logits)
+        tokens, n_logits = run.feed()
+        if tokens.size == 1:  # the decode step: the session's logits buffer, nothing allocated (S12)
+            rows = model.step(session, int(tokens[0]))
         else:
-            rows = model.forward(session, history[fed : fed + n], n if on_logits is not None else 1)
-            logits = rows[-1]
-            if on_logits is not None:
-                for i in range(n):
-                    on_logits(fed + i, rows[i])
-        fed += n
-        if fed < n_tokens:
-            continue  # teacher forcing: the prompt says what comes next
-        if prefilled is None:
-            prefilled = time.perf_counter()
-        if n_tokens - n_prompt == max_new_tokens:
-            break  # only when asked for no tokens: otherwise the check below stops first
-        token = sampler.sample(logits, history[:n_tokens])
-        history[n_tokens] = token
-        n_tokens += 1
-        if on_token is not None and on_token(token):
-            stop = "stopped"
-            break
-        if token in stop_ids:
-            stop = "eos"
-            break
-        if n_tokens - n_prompt == max_new_tokens:
-            break  # the last sampled token is never fed: nothing would read its logits
-        if fed == session.max_context:
-            stop = "context"
-            break
-    end = time.perf_counter()
-    return Generation(history[:n_prompt].copy(), history[n_prompt:n_tokens].copy(), fed,
-                      prefilled - start, end - prefilled, stop)
+            rows = model.forward(session, tokens, n_logits)
+        if run.take(rows):
+            return run.result()

@@ -27,6 +27,7 @@ import numpy as np
 from strata.index_format.geometry import ModelGeometry
 
 from .backend import CpuBackend
+from .batch import Seq
 from .hyper import HyperConnection
 from .kernels.reference import dequantize
 from .kvcache import ContextFull, KVCache  # noqa: F401 (ContextFull: the model's error too)
@@ -69,20 +70,24 @@ class GatedDeltaNet:
     def new_state(self, max_context: int, kv: str) -> dict[str, np.ndarray]:
         return {"conv": np.zeros((self.K - 1, self.C), F32), "S": np.zeros((self.nv, self.dv, self.dk), F32)}
 
-    def forward(self, be, state: dict[str, np.ndarray], x: Input, pos: int) -> np.ndarray:
-        """T tokens at positions pos.. -> f32 [T, E]; advances the conv and delta-rule states by T."""
+    def forward(self, be, seqs: list[Seq], x: Input) -> np.ndarray:
+        """T rows (`seqs`: whose they are, each with its conv and delta-rule state, advanced by its
+        rows) -> f32 [T, E]."""
         T = x.x.shape[0]
         nk, dk, nv, dv, sc = self.nk, self.dk, self.nv, self.dv, be.scratch
         mixed = be.linear(self.qkv, x, sc("gdn.qkv", (T, self.C)))
         z = be.linear(self.z, x, sc("gdn.z", (T, nv * dv))).reshape(T, nv, dv)
         beta = be.sigmoid(be.linear(self.beta, x, sc("gdn.beta", (T, nv))))
         decay = self.a * be.softplus(be.linear(self.alpha, x, sc("gdn.alpha", (T, nv))) + self.dt_bias)
-        c = be.conv(state["conv"], self.conv_w, mixed)
-        q = be.l2norm_(c[:, : nk * dk].reshape(T, nk, dk))
-        q *= F32(dk**-0.5)
-        k = be.l2norm_(c[:, nk * dk : 2 * nk * dk].reshape(T, nk, dk))
-        v = c[:, 2 * nk * dk :].reshape(T, nv, dv)
-        o = be.delta_rule(state["S"], q, k, v, decay, beta, sc("gdn.o", (T, nv, dv)))
+        o = sc("gdn.o", (T, nv, dv))
+        for r in seqs:
+            c = be.conv(r.state["conv"], self.conv_w, mixed[r.a : r.b])
+            n = r.n
+            q = be.l2norm_(c[:, : nk * dk].reshape(n, nk, dk))
+            q *= F32(dk**-0.5)
+            k = be.l2norm_(c[:, nk * dk : 2 * nk * dk].reshape(n, nk, dk))
+            v = c[:, 2 * nk * dk :].reshape(n, nv, dv)
+            be.delta_rule(r.state["S"], q, k, v, decay[r.a : r.b], beta[r.a : r.b], o[r.a : r.b])
         gated_rmsnorm_(o, self.norm, z, self.eps, self.gate_act)
         return be.linear(self.out, Input(o.reshape(T, nv * dv)), sc("gdn.y", (T, self.E)))
 
@@ -106,21 +111,25 @@ class GatedAttention:
     def new_state(self, max_context: int, kv: str) -> KVCache:
         return KVCache(kv, max_context, self.Hkv, self.D)
 
-    def forward(self, be, cache: KVCache, x: Input, pos: int) -> np.ndarray:
-        """T tokens at positions pos.. -> f32 [T, E]: their keys are cached, then the T queries attend
-        together (a query sees the keys up to its own position)."""
+    def forward(self, be, seqs: list[Seq], x: Input) -> np.ndarray:
+        """T rows (`seqs`: whose they are, each with its KV cache) -> f32 [T, E]: a sequence's keys are
+        cached, then its queries attend together (a query sees the keys up to its own position)."""
         H, Hkv, D, T, sc = self.H, self.Hkv, self.D, x.x.shape[0], be.scratch
-        positions = pos + np.arange(T)
+        positions = np.concatenate([r.pos + np.arange(r.n) for r in seqs]) if len(seqs) > 1 else seqs[0].pos + np.arange(T)
         qg = be.linear(self.wq, x, sc("attn.qg", (T, 2 * H * D))).reshape(T, H, 2 * D)
         q = be.rmsnorm(qg[:, :, :D], self.q_norm, self.eps, sc("attn.q", (T, H, D)))
         k = be.linear(self.wk, x, sc("attn.k", (T, Hkv * D))).reshape(T, Hkv, D)
         be.rmsnorm(k, self.k_norm, self.eps, k)
         self.rope.apply_(q, positions)
         self.rope.apply_(k, positions)
-        cache.write(pos, k, be.linear(self.wv, x, sc("attn.v", (T, Hkv * D))).reshape(T, Hkv, D))
-        K, V = cache.read(slice(0, pos + T))
-        visible = None if T == 1 else be.causal_mask(pos, T, pos + T)  # one token sees its whole cache
-        o = be.attention(q, K, V, D**-0.5, visible)
+        v = be.linear(self.wv, x, sc("attn.v", (T, Hkv * D))).reshape(T, Hkv, D)
+        o = sc("attn.o", (T, H, D))
+        for r in seqs:
+            cache, n = r.state, r.n
+            cache.write(r.pos, k[r.a : r.b], v[r.a : r.b])
+            K, V = cache.read(slice(0, r.pos + n))
+            visible = None if n == 1 else be.causal_mask(r.pos, n, r.pos + n)  # one token sees its whole cache
+            o[r.a : r.b] = be.attention(q[r.a : r.b], K, V, D**-0.5, visible)
         o *= be.sigmoid(qg[:, :, D:])
         return be.linear(self.wo, Input(o.reshape(T, H * D)), sc("attn.y", (T, self.E)))
 
@@ -136,9 +145,9 @@ class QSAAttention:
     def new_state(self, max_context: int, kv: str) -> QSACache:
         return QSACache.for_geometry(self.geometry, max_context, kv)
 
-    def forward(self, be, state: QSACache, x: Input, pos: int) -> np.ndarray:
+    def forward(self, be, seqs: list[Seq], x: Input) -> np.ndarray:
         # the Input goes to the Weights as is: the five projections of x share one ActQ
-        return self.qsa.forward(be, x, state)
+        return self.qsa.forward(be, x, seqs)
 
 
 # --- residual schemes --------------------------------------------------------------------------------
@@ -321,38 +330,70 @@ class Model:
     def step(self, s: Session, token: int) -> np.ndarray:
         """Feed `token` at position s.pos; returns the logits for the next position (s.logits).
         The decode step: `forward` of one token, which allocates nothing after warm-up (S12)."""
-        self._forward(s, (int(token),), 1, s.logits.reshape(1, -1))
+        self._forward([s], [(int(token),)], [1], [s.logits.reshape(1, -1)])
         return s.logits
 
     def forward(self, s: Session, tokens, n_logits: int = 1) -> np.ndarray:
         """Feed T tokens at positions s.pos.. in one batch; returns the logits of the last `n_logits`
         positions, f32 [n_logits, n_vocab] (0 <= n_logits <= T: the LM head runs only for those)."""
-        tokens = np.asarray(tokens, np.int64).reshape(-1)
-        if not 0 <= n_logits <= tokens.size:
-            raise ValueError(f"forward: n_logits {n_logits} outside 0..{tokens.size} (the tokens fed)")
-        return self._forward(s, tokens.tolist(), n_logits, np.empty((n_logits, self.geometry.n_vocab), F32))
+        return self.forward_batch([s], [tokens], [n_logits])[0]
 
-    def _forward(self, s: Session, tokens, n_logits: int, out: np.ndarray) -> np.ndarray:
-        self._check(s, tokens)
+    def forward_batch(self, sessions: list[Session], tokens: list, n_logits: list[int]) -> list[np.ndarray]:
+        """Feed several sequences at once (engine/batch.py): tokens[i] (at least one) at positions
+        sessions[i].pos..; returns for each the logits of its last n_logits[i] positions, f32
+        [n_logits[i], n_vocab]. A sequence's numbers are the ones it gets alone."""
+        if not (len(sessions) == len(tokens) == len(n_logits)) or not sessions:
+            raise ValueError(f"forward_batch: {len(sessions)} sessions, {len(tokens)} token lists and {len(n_logits)} "
+                             "logit counts, expected as many of each and at least one")
+        if len({id(s) for s in sessions}) != len(sessions):
+            raise ValueError("forward_batch: a session appears twice (its rows must be consecutive)")
+        ids = [np.asarray(t, np.int64).reshape(-1).tolist() for t in tokens]
+        for t, n in zip(ids, n_logits):
+            if not t or not 0 <= n <= len(t):
+                raise ValueError(f"forward: n_logits {n} outside 0..{len(t)} (the tokens fed), at least one token")
+        outs = [np.empty((n, self.geometry.n_vocab), F32) for n in n_logits]
+        self._forward(sessions, ids, n_logits, outs)
+        return outs
+
+    def _forward(self, sessions: list[Session], tokens: list, n_logits: list[int], outs: list[np.ndarray]) -> None:
+        for s, t in zip(sessions, tokens):
+            self._check(s, t)
         g, r, be = self.geometry, self.residual, self.backend
-        T = len(tokens)
+        flat = tokens[0] if len(tokens) == 1 else [t for ts in tokens for t in ts]
+        T = len(flat)
+        ends = np.cumsum([len(t) for t in tokens]).tolist()
+        spans = list(zip([0] + ends[:-1], ends))
         # the T rows' bytes in one decode (a row decodes alone: the same values as one at a time)
-        raw = self.embd.rows(tokens[0], tokens[0] + 1) if T == 1 else \
-            np.concatenate([self.embd.rows(t, t + 1) for t in tokens])
-        # the decode step's stream is the session's (strata-budget's session.stream); a chunk's is its own
-        H = r.embed(dequantize(raw, self.embd.type_id, T * g.n_embd).reshape(T, g.n_embd), s.stream if T == 1 else None)
-        ids = np.asarray(tokens, np.int64)
+        raw = self.embd.rows(flat[0], flat[0] + 1) if T == 1 else \
+            np.concatenate([self.embd.rows(t, t + 1) for t in flat])
+        # the decode step's stream is the session's (strata-budget's session.stream); a batch's is its own
+        H = r.embed(dequantize(raw, self.embd.type_id, T * g.n_embd).reshape(T, g.n_embd),
+                    sessions[0].stream if T == 1 else None)
+        ids = np.asarray(flat, np.int64)
         for l in range(g.n_layer):
-            if l in self.ple:
-                self.ple[l].forward(be, H, ids, s.ple_states[l])  # adds to the streams before the layer's mix
+            if l in self.ple:  # adds to the streams before the layer's mix
+                for s, (a, b) in zip(sessions, spans):
+                    self.ple[l].forward(be, H[a:b], ids[a:b], s.ple_states[l])
             x, ctx = r.enter(be, H, l, ffn=False)
-            r.leave(be, H, l, False, self.mixers[l].forward(be, s.states[l], x, s.pos), ctx)
+            seqs = [Seq(s.states[l], a, b, s.pos) for s, (a, b) in zip(sessions, spans)]
+            r.leave(be, H, l, False, self.mixers[l].forward(be, seqs, x), ctx)
             x, ctx = r.enter(be, H, l, ffn=True)
-            r.leave(be, H, l, True, self.moes[l].forward(be, x, s.routing[l]), ctx)
-        s.pos += T
-        if n_logits:
-            be.linear(self.head, r.final(be, H[T - n_logits :]), out)
-        return out
+            counts = [Seq(s.routing[l], a, b, s.pos) for s, (a, b) in zip(sessions, spans)]
+            r.leave(be, H, l, True, self.moes[l].forward(be, x, counts), ctx)
+        for s, t in zip(sessions, tokens):
+            s.pos += len(t)
+        want = [(b - n, b) for n, (_, b) in zip(n_logits, spans) if n]
+        if not want:
+            return
+        rows = H[want[0][0] : want[0][1]] if len(want) == 1 else np.concatenate([H[a:b] for a, b in want])
+        if len(want) == 1:
+            be.linear(self.head, r.final(be, rows), next(o for o in outs if o.shape[0]))
+            return
+        logits = be.linear(self.head, r.final(be, rows))
+        i = 0
+        for o in outs:
+            o[...] = logits[i : i + o.shape[0]]
+            i += o.shape[0]
 
 
 def _ple_layers(pack: Pack) -> dict[int, PLELayer]:

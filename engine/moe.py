@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from .batch import seqs_of
 from .kernels import cpu
 from .kernels.actq import ActQ
 from .kernels.jit import cached_njit
@@ -88,14 +89,17 @@ class MoE:
         weights /= weights.sum(axis=1, keepdims=True)
         return top, weights
 
-    def forward(self, be, x: Input, counts: np.ndarray | None = None) -> np.ndarray:
+    def forward(self, be, x: Input, counts=None) -> np.ndarray:
         """y = sum_e w_e down_e(silu(gate_e x) * up_e x) + sigmoid(s . x) shared(x) for T tokens ->
-        f32 [T, E]; counts[e] += 1 per routed e. Each (token, rank) output is kept apart and the sum
-        is made rank by rank (`combine_reference`), so a token's result does not depend on its batch."""
+        f32 [T, E]. counts: an int array [X] (counts[e] += 1 per routed e), or a list of Seq whose
+        states are such arrays (each sequence counts its own rows). Each (token, rank) output is
+        kept apart and the sum is made rank by rank (`combine_reference`), so a token's result does
+        not depend on its batch."""
         top, weights = self.route(be, x)
         T = top.shape[0]
         if counts is not None:
-            counts += np.bincount(top.reshape(-1), minlength=counts.size)
+            for r in seqs_of(counts, T):
+                r.state[...] += np.bincount(top[r.a : r.b].reshape(-1), minlength=r.state.size)
         grp = Groups(top)
         part = self.routed(be, x, grp.experts, grp.rows, grp.starts)
         out = be.scratch("moe.out", (T, self.E))

@@ -39,6 +39,7 @@ from strata.index_format.geometry import ModelGeometry
 from .hyper import Tensor, as_f32, as_linear, grouped_rmsnorm, sigmoid, take
 from .kernels.actq import NonFiniteActivation
 from .kernels.jit import JIT, cached_njit
+from .batch import seqs_of
 from .kvcache import ContextFull, KVCache, kv_bytes_per_token
 from .ops import Rope, causal_mask
 from .pack import PackError
@@ -299,28 +300,44 @@ class QSALayer:
         self.selected = np.zeros(0, np.int64)  # the token ids the last step attended (diagnostics, tests)
         self.block_scores = np.zeros(0, F32)  # the last step's score of each complete block (diagnostics, tests)
 
-    def forward(self, be, x, cache: QSACache) -> np.ndarray:
-        """x, an Input of T rows (or f32 [T, E]), at positions cache.n.. -> f32 [T, E], the T queries
-        together; appends the T tokens to the cache.
+    def forward(self, be, x, caches) -> np.ndarray:
+        """x, an Input of T rows (or f32 [T, E]) -> f32 [T, E]. `caches`: one QSACache (every row is
+        its sequence's, at positions cache.n..), or a list of Seq (engine/batch.py): whose rows they
+        are, each with its QSACache; every sequence's tokens are appended to its cache.
 
-        The chunk's keys are appended first (a query still attends only keys at or before it: its
+        A sequence's keys are appended first (a query still attends only keys at or before it: its
         selection is made from the blocks complete at its position, by `select`); attention runs
-        once over the union of the queries' selections, masked per query. One query attends its
+        once over the union of the sequence's selections, masked per query. One query attends its
         selection in `select`'s order, unmasked."""
         x = x if isinstance(x, Input) else Input(np.ascontiguousarray(x, dtype=F32))
-        T, p0 = x.x.shape[0], cache.n
-        if p0 + T > cache.max_ctx:
-            raise ContextFull(f"layer {self.layer}: context full ({cache.max_ctx} tokens); raise --ctx-size")
+        T = x.x.shape[0]
+        seqs = seqs_of(caches, T, caches.n if isinstance(caches, QSACache) else 0)
+        for r in seqs:
+            if r.state.n + r.n > r.state.max_ctx:
+                raise ContextFull(f"layer {self.layer}: context full ({r.state.max_ctx} tokens); raise --ctx-size")
         qg, k, v = be.linear(self.attn_q, x), be.linear(self.attn_k, x), be.linear(self.attn_v, x)
         iq, ik = be.linear(self.idx_q, x), be.linear(self.idx_k, x)
-        H, Hkv, D, pos = self.H, self.Hkv, self.D, p0 + np.arange(T)
+        H, Hkv, D = self.H, self.Hkv, self.D
+        pos = np.concatenate([r.state.n + np.arange(r.n) for r in seqs])
         qg = qg.reshape(T, H, 2 * D)
         q = grouped_rmsnorm(qg[:, :, :D], self.q_norm, D, self.eps)
         k = grouped_rmsnorm(k.reshape(T, Hkv, D), self.k_norm, D, self.eps)
         iq = grouped_rmsnorm(iq.reshape(T, self.Ih, self.Id), self.idx_q_norm, self.Id, self.eps)
         for a in (q, k, iq):
             self.rope.apply_(a, pos)
-        self._append(cache, k, v.reshape(T, Hkv, D), ik)
+        v = v.reshape(T, Hkv, D)
+        o = np.empty((T, H, D), F32)
+        for r in seqs:
+            o[r.a : r.b] = self._attend(be, r.state, q[r.a : r.b], k[r.a : r.b], v[r.a : r.b], iq[r.a : r.b], ik[r.a : r.b])
+        o = o.reshape(T, H * D)
+        o *= sigmoid(qg[:, :, D:].reshape(T, H * D))
+        return be.linear(self.attn_out, Input(o))
+
+    def _attend(self, be, cache: QSACache, q, k, v, iq, ik) -> np.ndarray:
+        """One sequence's T queries (normed, roped) and keys: the keys appended, the selections made,
+        the queries attending them -> f32 [T, H, D]."""
+        T, p0 = q.shape[0], cache.n
+        self._append(cache, k, v, ik)
         if T == 1:
             keys, visible = self.select(iq[0], cache), None
             self.selected = keys
@@ -337,9 +354,7 @@ class QSALayer:
             visible = seen[:, keys]
             self.selected = sels[-1]
         K, V = cache.kv.read(slice(0, p0 + T) if keys is None else keys)
-        o = be.attention(q, K, V, D**-0.5, visible).reshape(T, H * D)
-        o *= sigmoid(qg[:, :, D:].reshape(T, H * D))
-        return be.linear(self.attn_out, Input(o))
+        return be.attention(q, K, V, self.D**-0.5, visible)
 
     def _append(self, cache: QSACache, k, v, ik) -> None:
         """k, v [T, Hkv, D], ik [T, Id] at positions cache.n..; pools every block they complete, once."""

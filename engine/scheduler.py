@@ -2,9 +2,15 @@
 model, the queue of requests waiting for it, and the conversation cache of parked sessions.
 
 The model is not thread-safe (a Session's buffers, the kernels' scratch, the thread pool), so ONE
-thread runs every request, one at a time; callers submit a Job and get its text through callbacks
-run on the worker thread. Batch slots (several requests decoding together, the MoE grouping their
-tokens per expert) are not built yet: the next cut replaces `_run_one` by a step over slots.
+thread runs every request; callers submit a Job and get its text through callbacks run on the
+worker thread. BATCH SLOTS: up to `batch` requests run together, each step ONE forward of every
+active request's next feed (engine/batch.py): a decoding request's one sampled token, a prompt's
+next chunk (so a long prompt is fed chunk by chunk between the others' tokens, never stalling them
+for its whole length). Every matrix is read once per step for all of them and the MoE reads each
+routed expert once for all the rows routed to it, so a slot costs far less than a second run. New
+requests join between steps. A request's numbers are the ones it gets alone: its rows never mix
+with another's, and its feeds (its own prompt chunks, then one token at a time) do not depend on
+what runs beside it (tests/test_serve.py checks greedy text alone and batched).
 
 The conversation cache: when a request ends, its Session IS the state at its position (KV cache,
 Gated DeltaNet and conv states, PLE windows), so it is parked in host memory under the exact tokens
@@ -21,9 +27,8 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-import numpy as np
 
-from .generate import Generation, generate
+from .generate import Generation, Run
 from .model import Model, Session
 from .sampling import Sampler, SamplerParams
 from .tokenizer import Tokenizer
@@ -149,6 +154,7 @@ class Job:
     stops: Sequence[str] = ()
     on_text: Callable[[str], None] = lambda text: None
     on_done: Callable[[Job], None] = lambda job: None
+    on_token: Callable[[int], None] = lambda token: None  # each sampled token's id, before its text (benchmarks)
     text: str = ""
     result: Generation | None = None
     finish: str | None = None  # "stop" (a stop token or string) or "length"; None when cancelled or failed
@@ -175,36 +181,54 @@ class Counters:
     prompt_tokens_fed: int = 0  # of those, fed to the model (the rest came from the conversation cache)
 
 
+@dataclass
+class _Slot:
+    """A running request: its job, its Run (engine/generate.py), its session and its text's state."""
+
+    job: Job
+    run: Run
+    session: Session
+    stream: object  # the tokenizer's incremental decoder
+    stop: StopText
+
+
 class Scheduler:
-    """The one worker thread that owns `model`; `submit(job)` queues a job (Busy when 1 running +
+    """The one worker thread that owns `model`; `submit(job)` queues a job (Busy when `batch` running +
     `max_queue` waiting already); `close()` cancels what is left and stops the thread."""
 
     def __init__(self, model: Model, tok: Tokenizer, *, max_context: int, kv: str, chunk: int, max_queue: int,
-                 cache: ConversationCache, check: Callable[[], None] = lambda: None):
+                 cache: ConversationCache, check: Callable[[], None] = lambda: None, batch: int = 1):
         if max_queue < 0:
             raise ValueError(f"max_queue {max_queue}: expected >= 0")
+        if batch < 1:
+            raise ValueError(f"batch {batch}: expected >= 1 (requests decoding together)")
         self.model, self.tok = model, tok
-        self.max_context, self.kv, self.chunk, self.max_queue = max_context, kv, chunk, max_queue
+        self.max_context, self.kv, self.chunk, self.max_queue, self.batch = max_context, kv, chunk, max_queue, batch
         self.cache, self.check = cache, check
         self.counters = Counters()
         self._queue: queue.Queue[Job | None] = queue.Queue()
         self._lock = threading.Lock()
         self._admitted = 0  # queued + running
-        self._running: Job | None = None
+        self._active: list[_Slot] = []
         self._closed = False
         self._thread = threading.Thread(target=self._work, name="strata-worker", daemon=True)
         self._thread.start()
 
     @property
     def queue_depth(self) -> int:
-        """Jobs waiting (not the running one)."""
+        """Jobs waiting (not the running ones)."""
         with self._lock:
-            return self._admitted - (self._running is not None)
+            return self._admitted - len(self._active)
 
     @property
     def running(self) -> int:
         with self._lock:
-            return int(self._running is not None)
+            return len(self._active)
+
+    def jobs_running(self) -> list[Job]:
+        """The jobs in the batch now (a copy)."""
+        with self._lock:
+            return [slot.job for slot in self._active]
 
     @property
     def idle(self) -> bool:
@@ -215,9 +239,10 @@ class Scheduler:
         with self._lock:
             if self._closed:
                 raise Closed("the server is shutting down")
-            if self._admitted >= 1 + self.max_queue:
+            if self._admitted >= self.batch + self.max_queue:
                 self.counters.requests_rejected += 1
-                raise Busy(f"1 request running and {self.max_queue} waiting (--max-queue); retry later")
+                raise Busy(f"{self.batch} request(s) running (--batch) and {self.max_queue} waiting (--max-queue); "
+                           "retry later")
             self._admitted += 1
         self._queue.put(job)
 
@@ -225,36 +250,28 @@ class Scheduler:
         """Refuse new jobs, cancel the waiting and the running ones, and wait for the worker."""
         with self._lock:
             self._closed = True
-            if self._running is not None:
-                self._running.cancel()
+            for slot in self._active:
+                slot.job.cancel()
         self._queue.put(None)
         self._thread.join(timeout)
 
     def _work(self) -> None:
+        closing = False
         while True:
-            job = self._queue.get()
-            if job is None:
-                break
-            with self._lock:
-                self._running = job
-                if self._closed:
-                    job.cancel()
-            try:
-                self._run_one(job)
-            except BaseException as e:  # noqa: BLE001 - no request may kill the worker
-                job.error = e
-                self.counters.requests_failed += 1
-            finally:
-                with self._lock:
-                    self._running = None
-                    self._admitted -= 1
-                self.counters.requests_done += 1
-                if job.cancelled and job.error is None:
-                    self.counters.requests_cancelled += 1
+            while not closing and len(self._active) < self.batch:  # new requests join between steps
                 try:
-                    job.on_done(job)
-                except Exception:  # noqa: BLE001 - a caller's callback cannot stop the worker
-                    pass
+                    job = self._queue.get(block=not self._active)
+                except queue.Empty:
+                    break
+                if job is None:
+                    closing = True
+                else:
+                    self._start(job)
+            if not self._active:
+                if closing:
+                    break
+                continue
+            self._step()
         # cancel whatever is still queued behind the sentinel
         while True:
             try:
@@ -263,49 +280,105 @@ class Scheduler:
                 return
             if job is not None:
                 job.cancel()
-                with self._lock:
-                    self._admitted -= 1
-                self.counters.requests_done += 1
-                self.counters.requests_cancelled += 1
-                try:
-                    job.on_done(job)
-                except Exception:  # noqa: BLE001
-                    pass
+                self._end(job)
 
-    def _run_one(self, job: Job) -> None:
+    def _end(self, job: Job) -> None:
+        """The job is over (finished, cancelled or failed): count it and tell its caller."""
+        with self._lock:
+            self._admitted -= 1
+        self.counters.requests_done += 1
+        if job.error is not None:
+            self.counters.requests_failed += 1
+        elif job.cancelled:
+            self.counters.requests_cancelled += 1
+        try:
+            job.on_done(job)
+        except Exception:  # noqa: BLE001 - a caller's callback cannot stop the worker
+            pass
+
+    def _start(self, job: Job) -> None:
+        """A slot for `job`: its session (from the conversation cache when a parked one holds the start
+        of its prompt), sampler and Run."""
+        with self._lock:
+            if self._closed:
+                job.cancel()
         if job.cancelled:
+            self._end(job)
             return
-        tok, n = self.tok, len(job.prompt)
-        taken = self.cache.take(job.prompt, self.max_context, self.kv)
-        session, start = taken if taken is not None else (self.model.new_session(self.max_context, self.kv), 0)
-        job.resumed = start
-        self.counters.prompt_tokens += n
-        self.counters.prompt_tokens_fed += n - start
-        sampler = Sampler(self.model.geometry.n_vocab, job.params, banned=tok.stop_ids if job.ignore_eos else ())
-        stream, stop = tok.stream(), StopText(job.stops)
-        stop_ids = () if job.ignore_eos else tok.stop_ids
+        try:
+            tok, n = self.tok, len(job.prompt)
+            taken = self.cache.take(job.prompt, self.max_context, self.kv)
+            session, start = taken if taken is not None else (self.model.new_session(self.max_context, self.kv), 0)
+            job.resumed = start
+            self.counters.prompt_tokens += n
+            self.counters.prompt_tokens_fed += n - start
+            sampler = Sampler(self.model.geometry.n_vocab, job.params, banned=tok.stop_ids if job.ignore_eos else ())
+            stream, stop = tok.stream(), StopText(job.stops)
+            stop_ids = () if job.ignore_eos else tok.stop_ids
 
-        def on_token(token: int) -> bool:
-            self.counters.tokens_generated += 1
-            self.check()
-            if token not in stop_ids:
-                delta = stop.push(stream.push(token))
-                if delta:
-                    job.on_text(delta)
-            return stop.stopped or job.cancelled
+            def on_token(token: int) -> bool:
+                self.counters.tokens_generated += 1
+                job.on_token(token)
+                self.check()
+                if token not in stop_ids:
+                    delta = stop.push(stream.push(token))
+                    if delta:
+                        job.on_text(delta)
+                return stop.stopped or job.cancelled
 
-        result = generate(self.model, session, job.prompt, sampler, job.max_tokens, stop_ids=stop_ids,
-                          on_token=on_token, prefill=self.chunk, start=start)
-        if not stop.stopped:
-            tail = stop.push(stream.flush())
-            tail += stop.flush() if not stop.stopped else ""
-            if tail:
-                job.on_text(tail)
-        job.text, job.result = stop.text, result
-        if not job.cancelled:
-            job.finish = "stop" if result.stop in ("eos", "stopped") else "length"
-        # the session holds exactly the fed tokens: park it under them for the next turn
-        self.cache.park(result.fed.tolist(), session)
+            run = Run(session, job.prompt, sampler, job.max_tokens, stop_ids=stop_ids, on_token=on_token,
+                      prefill=self.chunk, start=start)
+        except BaseException as e:  # noqa: BLE001 - no request may kill the worker
+            job.error = e
+            self._end(job)
+            return
+        with self._lock:
+            self._active.append(_Slot(job, run, session, stream, stop))
+
+    def _step(self) -> None:
+        """One forward of every active request's next feed, then each takes its logits."""
+        for slot in [s for s in self._active if s.job.cancelled]:  # cancelled while its prompt was fed
+            slot.run.cancel()
+            self._finish(slot)
+        slots = list(self._active)
+        if not slots:
+            return
+        feeds = [s.run.feed() for s in slots]
+        try:
+            if len(slots) == 1 and feeds[0][0].size == 1:  # the decode step: nothing allocated (S12)
+                rows = [self.model.step(slots[0].session, int(feeds[0][0][0]))]
+            else:
+                rows = self.model.forward_batch([s.session for s in slots], [f[0] for f in feeds], [f[1] for f in feeds])
+        except BaseException as e:  # noqa: BLE001 - the step failed for every request in it
+            for s in slots:
+                s.job.error = e
+                self._finish(s)
+            return
+        for s, r in zip(slots, rows):
+            try:
+                done = s.run.take(r)
+            except BaseException as e:  # noqa: BLE001
+                s.job.error, done = e, True
+            if done:
+                self._finish(s)
+
+    def _finish(self, slot: _Slot) -> None:
+        job, stop = slot.job, slot.stop
+        with self._lock:
+            self._active.remove(slot)
+        if job.error is None:
+            if not stop.stopped:
+                tail = stop.push(slot.stream.flush())
+                tail += stop.flush() if not stop.stopped else ""
+                if tail:
+                    job.on_text(tail)
+            result = slot.run.result()
+            job.text, job.result = stop.text, result
+            if not job.cancelled:
+                job.finish = "stop" if result.stop in ("eos", "stopped") else "length"
+            # the session holds exactly the fed tokens: park it under them for the next turn
+            self.cache.park(result.fed.tolist(), slot.session)
+        self._end(job)
 
 
 def run_and_wait(scheduler: Scheduler, job: Job, timeout: float | None = None) -> Job:

@@ -58,10 +58,11 @@ def engine(pack_dir):
 class Running:
     """A server on 127.0.0.1 in a thread: `url`, `scheduler`; `stop()` shuts it down as SIGTERM would."""
 
-    def __init__(self, engine, *, max_queue=8, slots=4, api_key=None, check=lambda: None, tier=None, graceful=5):
+    def __init__(self, engine, *, max_queue=8, slots=4, api_key=None, check=lambda: None, tier=None, graceful=5,
+                 batch=1, chunk=1):
         model, tok = engine
-        self.scheduler = Scheduler(model, tok, max_context=CTX, kv="f32", chunk=1, max_queue=max_queue,
-                                   cache=ConversationCache(slots, 64 << 20), check=check)
+        self.scheduler = Scheduler(model, tok, max_context=CTX, kv="f32", chunk=chunk, max_queue=max_queue,
+                                   cache=ConversationCache(slots, 64 << 20), check=check, batch=batch)
         app = make_app(self.scheduler, tok, ServeConfig(model_name=NAME, max_context=CTX, api_key=api_key), tier)
         sock = socket.socket()
         sock.bind(("127.0.0.1", 0))
@@ -302,7 +303,7 @@ def test_a_client_that_gives_up_on_a_plain_request_frees_the_worker(engine):
         with pytest.raises(httpx.ReadTimeout):
             httpx.post(f"{s.url}/v1/completions", json=body, timeout=httpx.Timeout(30, read=0.5))
         deadline = time.monotonic() + 10  # the worker is held at its first token until the server notices
-        while not s.scheduler._running.cancelled:
+        while not s.scheduler.jobs_running()[0].cancelled:
             assert time.monotonic() < deadline, "the server did not notice that its client left"
             time.sleep(0.02)
         gate.open.set()
@@ -327,7 +328,7 @@ def test_shutdown_cancels_a_reply_that_outlasts_the_graceful_timeout(engine):
             reply = pool.submit(lambda: httpx.post(f"{s.url}/v1/completions", json=body, timeout=30).text)
             assert gate.reached.wait(30)
             s.server.should_exit = True  # what uvicorn's SIGTERM handler does
-            job = s.scheduler._running
+            job = s.scheduler.jobs_running()[0]
             deadline = time.monotonic() + 10
             while not job.cancelled:
                 assert time.monotonic() < deadline, "the running reply was not cancelled at shutdown"
@@ -345,10 +346,11 @@ def test_shutdown_cancels_a_reply_that_outlasts_the_graceful_timeout(engine):
         gate.open.set()
 
 
-def test_a_mixed_burst_leaves_nothing_behind(engine):
+@pytest.mark.parametrize("batch", [1, 3])
+def test_a_mixed_burst_leaves_nothing_behind(engine, batch):
     """160 requests from 8 threads: good ones (streamed or not), bad ones of every kind, some past the
     queue; afterwards the queue is empty and the counters add up to what was sent."""
-    s = Running(engine, max_queue=3)
+    s = Running(engine, max_queue=3, batch=batch)
     rng = random.Random(0)
     good = [{"prompt": "abc", "max_tokens": 2}, {"prompt": [4, 5, 6], "max_tokens": 3, "stream": True},
             {"messages": [{"role": "user", "content": "yo"}], "max_tokens": 2}]
@@ -380,6 +382,49 @@ def test_a_mixed_burst_leaves_nothing_behind(engine):
         assert c.requests_failed == 0 and c.requests_cancelled == 0
     finally:
         s.stop()
+
+
+# --- batch slots -------------------------------------------------------------------------------------
+
+
+def test_batch_slots_give_each_request_what_it_gets_alone(engine, monkeypatch):
+    """Six greedy requests (prompts of 3 to 40 tokens in chunks of 8, 5 to 14 tokens each) through
+    --batch 3 at once: each one's text and tokens are exactly those it gets alone (--batch 1, one
+    after another), while the worker really fed several requests in one forward, a prompt chunk
+    beside others' decode tokens among them."""
+    model, tok = engine
+    rng = np.random.default_rng(7)
+    plan = [(rng.integers(3, 256, n).tolist(), m) for n, m in ((3, 9), (40, 5), (17, 14), (8, 8), (25, 11), (5, 6))]
+
+    def jobs():
+        return [Job(p, m, GREEDY, ignore_eos=True) for p, m in plan]
+
+    alone = Scheduler(model, tok, max_context=CTX, kv="f32", chunk=8, max_queue=8, cache=ConversationCache(0, 0))
+    try:
+        want = [run_and_wait(alone, j, 60) for j in jobs()]
+    finally:
+        alone.close()
+    widths, real = [], model.forward_batch
+
+    def spy(sessions, tokens, n_logits):
+        widths.append([len(t) for t in tokens])
+        return real(sessions, tokens, n_logits)
+
+    monkeypatch.setattr(model, "forward_batch", spy)
+    batched = Scheduler(model, tok, max_context=CTX, kv="f32", chunk=8, max_queue=8, cache=ConversationCache(0, 0),
+                        batch=3)
+    try:
+        got = jobs()
+        with concurrent.futures.ThreadPoolExecutor(6) as pool:
+            list(pool.map(lambda j: run_and_wait(batched, j, 60), got))
+        assert batched.idle and batched.counters.requests_done == 6 and batched.counters.requests_failed == 0
+    finally:
+        batched.close()
+    for w, g in zip(want, got):
+        assert g.error is None and g.finish == w.finish == "length"
+        assert g.result.tokens.tolist() == w.result.tokens.tolist() and g.text == w.text
+    assert max(len(w) for w in widths) == 3  # three requests in one forward
+    assert any(len(w) > 1 and max(w) > 1 and min(w) == 1 for w in widths)  # a prompt chunk beside decode tokens
 
 
 # --- the conversation cache --------------------------------------------------------------------------
@@ -460,7 +505,7 @@ def test_a_second_turn_resumes_and_matches_a_cold_server(engine, server):
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--batch", "2"], "--batch 2: several requests decoding together is not built yet"),
+    (["--batch", "0"], "--batch 0: expected at least 1"),
     (["--port", "70000"], "--port 70000: expected 0..65535"),
     (["--conversation-cache-mib", "-1"], "--conversation-cache-mib -1"),
     (["--kv", "q4"], "--kv 'q4'"),

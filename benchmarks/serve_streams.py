@@ -1,0 +1,107 @@
+"""Serving benchmark: aggregate decode tok/s and time to first token at 1, 2, 4 and 8 concurrent
+streams through `strata serve`'s scheduler (`--batch N` = the number of streams), on one pack.
+
+    python benchmarks/serve_streams.py PACK [--streams 1,2,4,8] [--prompt 64] [--tokens 32] [--chunk 1024]
+                                       [--threads N] [--device cpu|gpu] [--rounds 2]
+
+Each configuration submits N requests at once (distinct random prompts of --prompt token ids, --tokens
+greedy tokens each, EOS ignored) to a scheduler with --batch N over the same loaded model, and times:
+  aggregate tok/s   all streams' generated tokens / the wall time from the first token of the
+                    batch to the last (decode only: the prompts are fed before it)
+  time to first     per request, from the submit to its first sampled token (prompt chunks of every
+                    request are fed side by side, so this grows with N)
+The ratio is each N's aggregate over N = 1's, measured in the same run (best of --rounds rounds,
+the configurations interleaved round by round). Every request's tokens must equal its tokens at
+N = 1 (the benchmark fails otherwise). The scheduler is the server's without HTTP: the figures are
+the engine's and the worker's, not the network's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+
+
+def run_streams(model, tok, n: int, prompts, tokens: int, chunk: int, ctx: int):
+    from strata.engine.sampling import SamplerParams
+    from strata.engine.scheduler import ConversationCache, Job, Scheduler, run_and_wait
+
+    stamps: list[list[float]] = [[] for _ in range(n)]  # each request's token times (worker thread)
+    sch = Scheduler(model, tok, max_context=ctx, kv="f16", chunk=chunk, max_queue=n, cache=ConversationCache(0, 0),
+                    batch=n)
+    jobs = [Job(prompt=prompts[i], max_tokens=tokens, params=SamplerParams(temperature=0), ignore_eos=True,
+                on_token=lambda _t, k=i: stamps[k].append(time.perf_counter())) for i in range(n)]
+    t0 = time.perf_counter()
+    done = []
+    threads = [threading.Thread(target=lambda j=j: done.append(run_and_wait(sch, j, 3600))) for j in jobs]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    sch.close()
+    first = [s[0] - t0 for s in stamps]
+    decode = max(s[-1] for s in stamps) - max(s[0] for s in stamps)
+    decoded = sum(len(s) - 1 for s in stamps)  # tokens after each stream's first, in the decode window
+    return decoded / decode if decode > 0 else float("nan"), first, [j.result.tokens.tolist() for j in jobs]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("pack", type=Path)
+    ap.add_argument("--streams", default="1,2,4,8", help="comma-separated stream counts")
+    ap.add_argument("--prompt", type=int, default=64, help="prompt tokens per request")
+    ap.add_argument("--tokens", type=int, default=32, help="generated tokens per request")
+    ap.add_argument("--chunk", type=int, default=1024, help="the prompt path's chunk")
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--device", default="cpu", choices=("cpu", "gpu"))
+    ap.add_argument("--rounds", type=int, default=2)
+    a = ap.parse_args(argv)
+    streams = [int(x) for x in a.streams.split(",")]
+
+    from strata.engine.cli import load_model, start_tier
+    from strata.engine.tokenizer import Tokenizer
+
+    p, model, load_s = load_model(a.pack, None, None, a.threads, "serve_streams", a.chunk if a.chunk > 1 else 0)
+    tok, g = Tokenizer.load(a.pack / "tokenizer.txt"), p.geometry
+    ctx = a.prompt + a.tokens + 1
+    tier = None
+    if a.device == "gpu":
+        tier = start_tier(model, "gpu", max_context=ctx, kv="f16", chunk=a.chunk, who="serve_streams")
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(300, g.n_vocab, a.prompt).tolist() for _ in range(max(streams))]
+    best: dict[int, float] = {}
+    ttft: dict[int, list[float]] = {}
+    alone: dict[int, list[int]] = {}  # request i's tokens the first time it ran
+    for r in range(a.rounds):
+        for n in streams:
+            tps, first, toks = run_streams(model, tok, n, prompts, a.tokens, a.chunk, ctx)
+            for i, t in enumerate(toks):
+                if alone.setdefault(i, t) != t:
+                    print(f"serve_streams: request {i}'s tokens at {n} streams differ from its tokens before",
+                          file=sys.stderr)
+                    return 1
+            if tps > best.get(n, 0):
+                best[n], ttft[n] = tps, first
+            print(f"round {r + 1}: {n} streams {tps:.2f} tok/s aggregate", file=sys.stderr)
+    if tier is not None:
+        tier.stop()
+    base = best[streams[0]]
+    print(f"{a.pack.name}: {g.arch}, {g.n_layer} layers, {g.n_expert} experts top-{g.n_expert_used}; "
+          f"{a.device}{'' if a.threads is None else f', {a.threads} threads'}; prompt {a.prompt}, {a.tokens} tokens "
+          f"per stream, chunk {a.chunk}, --kv f16, best of {a.rounds}")
+    print()
+    print("| streams | aggregate decode tok/s | vs 1 stream | time to first token (median, max) |")
+    print("|---|---|---|---|")
+    for n in streams:
+        f = sorted(ttft[n])
+        print(f"| {n} | {best[n]:.2f} | {best[n] / base:.2f}x | {f[len(f) // 2]:.2f} s, {f[-1]:.2f} s |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
