@@ -532,7 +532,9 @@ def plan_budget(index: PackIndex, experts: NativeExperts, g: ModelGeometry, opti
     """
     o = options
     slot, blob = expert_slot_bytes(experts, g)
-    n_pairs = len(experts.layers) * experts.n_expert
+    # the trunk's pairs: the expert cache (SlotMap) holds the trunk's layers; the MTP block's experts
+    # are in native_experts.txt too (read in place) but not cached yet
+    n_pairs = sum(e.layer < g.n_layer for e in experts.layers) * experts.n_expert
     before = _weight_items(index, experts, g, ple_table_bytes)
     if o.drafter_bytes:
         before.append(Item("weights.drafter", "drafter (MTP head) weights", o.drafter_bytes, WEIGHTS))
