@@ -66,7 +66,9 @@ def values(name: str, shape: tuple[int, ...], rng: np.random.Generator) -> np.nd
 
 def _metadata(w: GGUFWriter, g: ModelGeometry) -> None:
     a = g.arch
-    for key, v in [("embedding_length", g.n_embd), ("block_count", g.n_layer),
+    # an MTP block as llama.cpp's converter writes one: block_count counts it, nextn_predict_layers
+    # says how many, its recurrent_layers entry is false (conversion/qwen.py _QwenMtpMixin)
+    for key, v in [("embedding_length", g.n_embd), ("block_count", g.n_layer + g.n_mtp_layer),
                    ("full_attention_interval", g.full_attention_interval), ("attention.head_count", g.n_head),
                    ("attention.head_count_kv", g.n_head_kv), ("attention.key_length", g.head_dim),
                    ("attention.value_length", g.head_dim), ("rope.dimension_count", g.n_rot),
@@ -76,10 +78,13 @@ def _metadata(w: GGUFWriter, g: ModelGeometry) -> None:
                    ("expert_used_count", g.n_expert_used), ("expert_feed_forward_length", g.n_ff_exp),
                    ("expert_shared_feed_forward_length", g.n_ff_shexp)]:
         w.add(f"{a}.{key}", v, VT.UINT32)
+    if g.n_mtp_layer:
+        w.add(f"{a}.nextn_predict_layers", g.n_mtp_layer, VT.UINT32)
     w.add(f"{a}.attention.layer_norm_rms_epsilon", g.rms_eps, VT.FLOAT32)
     w.add(f"{a}.rope.freq_base", g.rope_freq_base, VT.FLOAT32)
     w.add(f"{a}.rope.dimension_sections", list(g.rope_sections), VT.ARRAY, VT.INT32)
-    w.add(f"{a}.attention.recurrent_layers", [bool(x) for x in g.recurrent_layers], VT.ARRAY, VT.BOOL)
+    w.add(f"{a}.attention.recurrent_layers", [bool(x) for x in g.recurrent_layers] + [False] * g.n_mtp_layer,
+          VT.ARRAY, VT.BOOL)
     w.add("general.architecture", a, VT.STRING)
     _tokenizer(w, g.n_vocab)
 

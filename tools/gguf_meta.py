@@ -163,10 +163,10 @@ def _with_mtp_gguf(main: GGUFFile, tensors: Mapping[str, TensorInfo], mtp: GGUFF
     if arch != g.arch:
         raise GeometryError(f"--mtp {mtp.path.name}: general.architecture is {arch!r}, the main GGUF's is {g.arch!r}; "
                             "expected the MTP-only GGUF of the same model")
-    head = geometry_from_gguf(mtp, mtp.tensors, compress_ratio=compress_ratio).geometry
-    if not head.n_mtp_layer:
+    if not mtp.get(f"{arch}.nextn_predict_layers"):  # before its geometry, which would blame the layer arrays
         raise GeometryError(f"--mtp {mtp.path.name}: metadata {arch}.nextn_predict_layers is missing or 0, so the file "
                             "carries no MTP block (expected an MTP-only GGUF: llama.cpp's convert_hf_to_gguf.py --mtp)")
+    head = geometry_from_gguf(mtp, mtp.tensors, compress_ratio=compress_ratio).geometry
     for f in fields(ModelGeometry):
         if f.name not in _MTP_OWN and getattr(head, f.name) != getattr(g, f.name):
             raise GeometryError(f"--mtp {mtp.path.name}: its {f.name} is {getattr(head, f.name)!r}, the main GGUF "

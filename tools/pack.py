@@ -164,6 +164,11 @@ def _add_mtp(files: list[tuple[str, GGUFFile]], path: Path) -> list[tuple[str, G
     if any(f.path.resolve() == path.resolve() for _, f in files):
         raise PackError(f"--mtp {path.name}: the main GGUF itself (an MTP block in the main GGUF is packed without "
                         "--mtp); --mtp takes the separate MTP-only GGUF")
+    main = files[0][1]
+    n = main.get(f"{main.get('general.architecture')}.nextn_predict_layers")
+    if n:  # before its tensors, which would then clash with the main GGUF's own block
+        raise PackError(f"--mtp {path.name}: the main GGUF {main.path.name} already carries an MTP block "
+                        f"(nextn_predict_layers {n}); --mtp is for a trunk converted without one")
     clash = next((f for _, f in files if f.path.name == path.name), None)
     if clash is not None:
         # the pack records its sources by file name (manifest.txt, native_experts.txt's shard field)
