@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 import engine_fixture as F
-from reference.mtp import load_mtp_weights, mtp_forward
+from reference.mtp import load_mtp_weights, load_mtp_weights_from_checkpoint, mtp_forward
 from strata.engine.model import Model
 from strata.engine.mtp import MTPHead
 from strata.engine.pack import Pack, PackError
@@ -233,6 +233,19 @@ def test_bad_mtp_inputs_are_refused(tmp_path, capsys, case, message):
 
 
 @bad("file")
+def test_an_mtp_gguf_beside_a_qwen4exp_model_is_refused(tmp_path, capsys):
+    """The qwen4exp release ships its MTP head separately, but in no GGUF layout: llama.cpp's qwen4exp
+    converter exports none (supports_mtp_export False) and its tensor list has no nextn tensors."""
+    from strata.tools.synth import synth
+
+    main_gguf = synth("qwen4exp", "tiny", tmp_path / "q4.gguf")[0]
+    _, head = split_mtp(write_model(tmp_path), tmp_path / "trunk.gguf", tmp_path / "mtp-trunk.gguf")
+    assert convert(main_gguf, "--mtp", head, "-o", tmp_path / "pack") == 1
+    refused(capsys, "--mtp mtp-trunk.gguf: the main GGUF q4-00001-of-00002.gguf is qwen4exp, for which no GGUF "
+                    "layout of an MTP block is defined")
+
+
+@bad("file")
 def test_the_draft_head_of_a_pack_without_one_is_refused(tmp_path):
     pack = F.make_pack(tmp_path)
     with pytest.raises(PackError, match="the model has no MTP block"):
@@ -284,3 +297,70 @@ def test_draft_logits_match_the_float64_reference(tmp_path, optional):
     w["eh_proj"] = np.concatenate([w["eh_proj"][:, E:], w["eh_proj"][:, :E]], axis=1)
     swapped = mtp_forward(w, ref_w["hparams"], h, tokens, [p + 1 for p in range(T)])
     assert _rel(np.stack(logits), swapped["logits"]) > 1000 * REL_TOL
+
+
+# --- llama.cpp's own files -------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def real(tmp_path_factory):
+    """llama.cpp's converter on the tiny Qwen3.5-MoE checkpoint with an MTP block, three ways: the
+    default (block in the GGUF), --no-mtp (the trunk) and --mtp (the MTP-only GGUF)."""
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    from reference.convert import ConverterError, reference_checkpoint, reference_gguf
+
+    try:
+        files = {how: reference_gguf("qwen35moe", "f32", mtp=how, mtp_num_hidden_layers=1)[0]
+                 for how in (True, False, "only")}
+    except ConverterError as e:
+        pytest.skip(f"llama.cpp converter unavailable: {e}")
+    d = tmp_path_factory.mktemp("real")
+    # llama.cpp names the MTP-only file mtp-NAME.gguf; the three conversions share one name
+    trunk, head = d / "tiny.gguf", d / "mtp-tiny.gguf"
+    trunk.symlink_to(files[False])
+    head.symlink_to(files["only"])
+    return dict(full=files[True], trunk=trunk, head=head, dir=d,
+                checkpoint=reference_checkpoint("qwen35moe", 0, mtp_num_hidden_layers=1))
+
+
+@pytest.mark.reference
+def test_llama_cpps_mtp_only_gguf_packs_as_the_block_in_its_main_gguf(real, capsys):
+    head = read_gguf(real["head"])
+    n_layer = read_gguf(real["trunk"]).get("qwen35moe.block_count")
+    # the MTP-only layout: the trunk's embedding, norm and head copies and the block, nothing else
+    assert {n for n in head.tensors if not n.startswith(f"blk.{n_layer}.")} == {
+        "token_embd.weight", "output_norm.weight", "output.weight"}
+    a, b = real["dir"] / "a", real["dir"] / "b"
+    assert convert(real["full"], "-o", a) == 0, capsys.readouterr().err
+    assert convert(real["trunk"], "--mtp", real["head"], "-o", b) == 0, capsys.readouterr().err
+    assert main(["verify", str(b), "--full"]) == 0, capsys.readouterr().err
+    assert (a / "pool.bin").read_bytes() == (b / "pool.bin").read_bytes()
+    assert (a / "geometry.txt").read_text() == (b / "geometry.txt").read_text()
+    assert Pack.open(b).experts.layers[n_layer].shard == "mtp-tiny.gguf"
+
+
+@pytest.mark.reference
+def test_draft_logits_of_llama_cpps_conversion_match_the_checkpoint(real, capsys):
+    """The engine on the converter's GGUF against the float64 reference on the Hugging Face
+    checkpoint it was converted from: the layout (names, eh_proj's halves, the folded +1 of every
+    norm, q_proj's [query | gate] rows) as well as the arithmetic."""
+    out = real["dir"] / "draft-pack"
+    assert convert(real["full"], "-o", out) == 0, capsys.readouterr().err
+    head = MTPHead(Pack.open(out))
+    ref_w = load_mtp_weights_from_checkpoint(real["checkpoint"])
+    E, V = ref_w["weights"]["eh_proj"].shape[0], ref_w["weights"]["head"].shape[0]
+    T = 12
+    rng = np.random.default_rng(11)
+    h = rng.standard_normal((T, E)).astype(np.float32) * 3.0
+    tokens = rng.integers(0, V, T)
+    state = head.new_state(T)
+    logits, router = [], []
+    for p in range(T):
+        logits.append(head.step(state, h[p], int(tokens[p]), p).copy())
+        router.append(head.moe.logits.copy())
+    ref = mtp_forward(ref_w["weights"], ref_w["hparams"], h, tokens, [p + 1 for p in range(T)])
+    rel = _rel(np.stack(logits), ref["logits"])
+    assert rel < REL_TOL, f"draft logits: max |engine - checkpoint reference| / max |reference| = {rel:.3e}"
+    r, k = np.sort(ref["router"], axis=1)[:, ::-1], ref_w["hparams"]["n_expert_used"]
+    assert (r[:, k - 1] - r[:, k]).min() > MARGIN * np.abs(np.stack(router) - ref["router"]).max()

@@ -140,6 +140,29 @@ def _mtp_optional(tensors: Mapping[str, TensorInfo], n_layer: int, n_mtp: int) -
 _MTP_OWN = {"n_mtp_layer", *MTP_OPTIONAL}
 
 
+def check_mtp_pairing(main: GGUFFile, mtp: GGUFFile) -> None:
+    """The metadata checks of a main GGUF and a separate MTP-only GGUF (`--mtp`), made before their
+    tensors are read together (a wrong pairing would otherwise surface as a clash of names)."""
+    arch = main.get("general.architecture")
+    if arch != "qwen35moe":
+        # the release ships qwen4exp's head separately, but in no GGUF layout: llama.cpp's qwen4exp
+        # converter drops the MTP block (supports_mtp_export False) and its tensor list has no nextn.*
+        raise GeometryError(f"--mtp {mtp.path.name}: the main GGUF {main.path.name} is {arch}, for which no GGUF "
+                            "layout of an MTP block is defined (llama.cpp's converter exports none for it); Strata "
+                            "packs qwen35moe's MTP block only")
+    n = main.get(f"{arch}.nextn_predict_layers")
+    if n:
+        raise GeometryError(f"--mtp {mtp.path.name}: the main GGUF {main.path.name} already carries an MTP block "
+                            f"(nextn_predict_layers {n}); --mtp is for a trunk converted without one")
+    other = mtp.get("general.architecture")
+    if other != arch:
+        raise GeometryError(f"--mtp {mtp.path.name}: general.architecture is {other!r}, the main GGUF's is {arch!r}; "
+                            "expected the MTP-only GGUF of the same model")
+    if not mtp.get(f"{arch}.nextn_predict_layers"):
+        raise GeometryError(f"--mtp {mtp.path.name}: metadata {arch}.nextn_predict_layers is missing or 0, so the file "
+                            "carries no MTP block (expected an MTP-only GGUF: llama.cpp's convert_hf_to_gguf.py --mtp)")
+
+
 def _with_mtp_gguf(main: GGUFFile, tensors: Mapping[str, TensorInfo], mtp: GGUFFile,
                    compress_ratio: int | None) -> GeometryReading:
     """The trunk's geometry from `main`, the MTP block's from `mtp`, which must describe the same model.
@@ -148,24 +171,9 @@ def _with_mtp_gguf(main: GGUFFile, tensors: Mapping[str, TensorInfo], mtp: GGUFF
     _QwenMtpMixin with mtp_only): the same metadata, block_count n_layer + 1, nextn_predict_layers,
     and only token_embd, output_norm, output and blk.{n_layer}.*; so every geometry field but the
     MTP block's own must equal the trunk's. A file of another model differs in at least one of them."""
+    check_mtp_pairing(main, mtp)
     trunk = geometry_from_gguf(main, tensors, compress_ratio=compress_ratio)
     g = trunk.geometry
-    if g.arch != "qwen35moe":
-        # the release ships qwen4exp's head separately, but in no GGUF layout: llama.cpp's qwen4exp
-        # converter drops the MTP block (supports_mtp_export False) and its tensor list has no nextn.*
-        raise GeometryError(f"--mtp {mtp.path.name}: the main GGUF {main.path.name} is {g.arch}, for which no GGUF "
-                            "layout of an MTP block is defined (llama.cpp's converter exports none for it); Strata "
-                            "packs qwen35moe's MTP block only")
-    if g.n_mtp_layer:
-        raise GeometryError(f"--mtp {mtp.path.name}: the main GGUF {main.path.name} already carries an MTP block "
-                            f"(nextn_predict_layers {g.n_mtp_layer}); --mtp is for a trunk converted without one")
-    arch = mtp.get("general.architecture")
-    if arch != g.arch:
-        raise GeometryError(f"--mtp {mtp.path.name}: general.architecture is {arch!r}, the main GGUF's is {g.arch!r}; "
-                            "expected the MTP-only GGUF of the same model")
-    if not mtp.get(f"{arch}.nextn_predict_layers"):  # before its geometry, which would blame the layer arrays
-        raise GeometryError(f"--mtp {mtp.path.name}: metadata {arch}.nextn_predict_layers is missing or 0, so the file "
-                            "carries no MTP block (expected an MTP-only GGUF: llama.cpp's convert_hf_to_gguf.py --mtp)")
     head = geometry_from_gguf(mtp, mtp.tensors, compress_ratio=compress_ratio).geometry
     for f in fields(ModelGeometry):
         if f.name not in _MTP_OWN and getattr(head, f.name) != getattr(g, f.name):

@@ -41,7 +41,7 @@ from strata.index_format.pack_sources import SHA256, read_source_hashes, read_so
 from strata.index_format.ple_table import PleTable, read_ple_table, write_ple_table
 from strata.index_format.tokenizer_flat import FlatTokenizer, read_tokenizer, write_tokenizer
 from strata.tools.gguf_io import GGUFError, GGUFFile, TensorInfo, read_gguf, shard_names
-from strata.tools.gguf_meta import geometry_from_gguf
+from strata.tools.gguf_meta import check_mtp_pairing, geometry_from_gguf
 
 POOL, INDEX, EXPERTS, PLE, GEOMETRY, TOKENIZER, SOURCES, MANIFEST = (
     "pool.bin", "index.txt", "native_experts.txt", "ple_table.txt", "geometry.txt", "tokenizer.txt",
@@ -164,17 +164,14 @@ def _add_mtp(files: list[tuple[str, GGUFFile]], path: Path) -> list[tuple[str, G
     if any(f.path.resolve() == path.resolve() for _, f in files):
         raise PackError(f"--mtp {path.name}: the main GGUF itself (an MTP block in the main GGUF is packed without "
                         "--mtp); --mtp takes the separate MTP-only GGUF")
-    main = files[0][1]
-    n = main.get(f"{main.get('general.architecture')}.nextn_predict_layers")
-    if n:  # before its tensors, which would then clash with the main GGUF's own block
-        raise PackError(f"--mtp {path.name}: the main GGUF {main.path.name} already carries an MTP block "
-                        f"(nextn_predict_layers {n}); --mtp is for a trunk converted without one")
+    mtp = read_gguf(path)
+    check_mtp_pairing(files[0][1], mtp)  # before its tensors join the main GGUF's
     clash = next((f for _, f in files if f.path.name == path.name), None)
     if clash is not None:
         # the pack records its sources by file name (manifest.txt, native_experts.txt's shard field)
         raise PackError(f"--mtp {path}: the same file name as {clash.path}; the pack names its source GGUFs by file "
                         "name, so rename one (llama.cpp's converter names the MTP-only GGUF mtp-NAME.gguf)")
-    return list(files) + [("mtp", read_gguf(path))]
+    return list(files) + [("mtp", mtp)]
 
 
 def mtp_block_tensors(f: GGUFFile) -> dict[str, TensorInfo]:

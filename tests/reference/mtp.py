@@ -149,3 +149,48 @@ def mtp_forward(w: dict, hp: dict, h_trunk: np.ndarray, tokens: Sequence[int], p
     x = x + ffn
     y = rms(x, w["head_norm"], eps)
     return {"logits": y @ w["head"].T, "hidden": y, "router": router}
+
+
+def load_mtp_weights_from_checkpoint(checkpoint_dir: str | Path) -> dict:
+    """The same block from the Hugging Face checkpoint llama.cpp's converter reads (a Qwen3.5-MoE
+    release's `mtp.*`), without the converter: the names _QwenMtpMixin maps, each norm's gain as
+    Qwen3.5's RMSNorm applies it (x * (1 + w): the converter folds the 1 in), q_proj's per-head
+    [query | gate] rows as transformers' Qwen3_5MoeAttention chunks them. A GGUF reading that swaps
+    eh_proj's halves, forgets a +1 or takes the wrong norm disagrees with this."""
+    import json
+
+    from safetensors.numpy import load_file
+
+    d = Path(checkpoint_dir)
+    cfg = json.loads((d / "config.json").read_text(encoding="utf-8"))
+    t = {}
+    for f in sorted(d.glob("*.safetensors")):
+        t.update({k: v.astype(np.float64) for k, v in load_file(str(f)).items()})
+    m = "mtp.layers.0."
+    X = cfg["num_experts"]
+
+    def norm(name):
+        return 1.0 + t[name]
+
+    w = dict(
+        embed=t["model.embed_tokens.weight"],
+        enorm=norm("mtp.pre_fc_norm_embedding.weight"), hnorm=norm("mtp.pre_fc_norm_hidden.weight"),
+        eh_proj=t["mtp.fc.weight"],
+        attn_norm=norm(m + "input_layernorm.weight"), post_norm=norm(m + "post_attention_layernorm.weight"),
+        wq=t[m + "self_attn.q_proj.weight"], wk=t[m + "self_attn.k_proj.weight"], wv=t[m + "self_attn.v_proj.weight"],
+        wo=t[m + "self_attn.o_proj.weight"], q_norm=norm(m + "self_attn.q_norm.weight"),
+        k_norm=norm(m + "self_attn.k_norm.weight"),
+        router=t[m + "mlp.gate.weight"],
+        gate_exps=np.stack([t[f"{m}mlp.experts.{e}.gate_proj.weight"] for e in range(X)]),
+        up_exps=np.stack([t[f"{m}mlp.experts.{e}.up_proj.weight"] for e in range(X)]),
+        down_exps=np.stack([t[f"{m}mlp.experts.{e}.down_proj.weight"] for e in range(X)]),
+        shexp_gate=t[m + "mlp.shared_expert_gate.weight"].reshape(-1),
+        gate_shexp=t[m + "mlp.shared_expert.gate_proj.weight"], up_shexp=t[m + "mlp.shared_expert.up_proj.weight"],
+        down_shexp=t[m + "mlp.shared_expert.down_proj.weight"],
+        head_norm=norm("mtp.norm.weight"), head=t["lm_head.weight"],
+    )
+    rope = cfg["rope_parameters"]
+    hp = dict(eps=float(cfg["rms_norm_eps"]), n_head=cfg["num_attention_heads"], n_head_kv=cfg["num_key_value_heads"],
+              head_dim=cfg["head_dim"], n_rot=int(cfg["head_dim"] * rope["partial_rotary_factor"]),
+              rope_base=float(rope["rope_theta"]), n_expert_used=cfg["num_experts_per_tok"])
+    return dict(weights=w, hparams=hp, n_layer=cfg["num_hidden_layers"])
