@@ -98,9 +98,7 @@ class Pack:
         pool_size = (d / POOL).stat().st_size
         index = read_index(d / INDEX, pool_size=pool_size)
         in_gguf = {s.name for s in tensor_specs(g) if not s.in_pool}  # experts, PLE table: read in place
-        if g.n_mtp_layer and not any(t.name.startswith(f"blk.{g.n_layer}.") for t in index.tensors):
-            raise PackError(f"{d / INDEX}: the model has an MTP block (layer {g.n_layer}) but the pack does not hold it: "
-                            "packs made before Strata packed the MTP block left it in the GGUF; convert the GGUF again")
+        check_mtp_packed(d / INDEX, index, g)
         check_tensor_shapes(g, {t.name: t.shape for t in index.tensors}, source=str(d / INDEX), ignore=in_gguf)
         experts = read_native_experts(d / EXPERTS, n_embd=g.n_embd, n_ff=g.n_ff_exp, n_expert=g.n_expert,
                                       layers=sorted({s.layer for s in tensor_specs(g) if s.category == EXPERT}))
@@ -197,6 +195,15 @@ def check_pack_dir(pack_dir: str | os.PathLike) -> Path:
         raise PackError(f"{d}: no {MANIFEST}, so not a pack (a conversion that did not finish leaves none: "
                         "run strata-pack convert again); " + what)
     return d
+
+
+def check_mtp_packed(path: Path, index: PackIndex, g: ModelGeometry) -> None:
+    """Refuse a pack whose geometry has an MTP block that index.txt does not hold: packs made before
+    Strata packed the block left it in the GGUF (and recorded no mtp_* fields); the tensor count
+    check would only say the numbers differ."""
+    if g.n_mtp_layer and not any(t.name.startswith(f"blk.{g.n_layer}.") for t in index.tensors):
+        raise PackError(f"{path}: the model has an MTP block (layer {g.n_layer}) but the pack does not hold it: "
+                        "packs made before Strata packed the MTP block left it in the GGUF; convert the GGUF again")
 
 
 def read_pack_geometry(pack_dir: str | os.PathLike) -> ModelGeometry:

@@ -246,6 +246,29 @@ def test_an_mtp_gguf_beside_a_qwen4exp_model_is_refused(tmp_path, capsys):
 
 
 @bad("file")
+def test_a_pack_made_before_the_block_was_packed_is_refused(tmp_path, capsys):
+    """Such a pack's geometry.txt says n_mtp_layer 1 (and has no mtp_* fields) while index.txt and
+    native_experts.txt hold the trunk only: made here from a trunk pack, its geometry re-recorded."""
+    from dataclasses import replace
+
+    from strata.index_format.geometry import read_geometry, write_geometry
+    from strata.index_format.manifest import Manifest, PackFile, fingerprint_file, read_manifest, write_manifest
+
+    pack = F.make_pack(tmp_path)
+    geo = pack / "geometry.txt"
+    write_geometry(geo, replace(read_geometry(geo), n_mtp_layer=1))
+    m = read_manifest(pack / "manifest.txt")
+    files = [PackFile(f.name, geo.stat().st_size, fingerprint_file(geo)) if f.name == "geometry.txt" else f
+             for f in m.files]
+    write_manifest(pack / "manifest.txt", Manifest(m.sources, files))
+    message = "the pack does not hold it: packs made before Strata packed the MTP block left it in the GGUF; convert"
+    with pytest.raises(PackError, match=message):
+        Pack.open(pack)
+    assert main(["verify", str(pack)]) == 1
+    refused(capsys, message)
+
+
+@bad("file")
 def test_the_draft_head_of_a_pack_without_one_is_refused(tmp_path):
     pack = F.make_pack(tmp_path)
     with pytest.raises(PackError, match="the model has no MTP block"):

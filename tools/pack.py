@@ -515,7 +515,7 @@ class Pack:
 
 
 def read_pack(pack_dir: str | os.PathLike) -> Pack:
-    from strata.engine.pack import check_pack_dir
+    from strata.engine.pack import check_mtp_packed, check_pack_dir
 
     d = check_pack_dir(pack_dir)  # a missing path, a file, a GGUF: says what it is and what a pack is
     manifest = read_manifest(d / MANIFEST)
@@ -526,6 +526,7 @@ def read_pack(pack_dir: str | os.PathLike) -> Pack:
         # blamed on pool.bin, the file that changed (the index's pool field was once named instead)
         raise PackError(f"{pool}: {pool.stat().st_size} bytes, expected {index.pool_bytes} (the pool {INDEX} "
                         "describes): pool.bin was truncated or replaced; rebuild the pack")
+    check_mtp_packed(d / INDEX, index, g)
     _check_index_against_geometry(d / INDEX, index, g)
     experts = read_native_experts(d / EXPERTS, n_embd=g.n_embd, n_ff=g.n_ff_exp, n_expert=g.n_expert,
                                   layers=sorted({s.layer for s in tensor_specs(g) if s.category == EXPERT}))
