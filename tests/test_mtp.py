@@ -387,3 +387,24 @@ def test_draft_logits_of_llama_cpps_conversion_match_the_checkpoint(real, capsys
     assert rel < REL_TOL, f"draft logits: max |engine - checkpoint reference| / max |reference| = {rel:.3e}"
     r, k = np.sort(ref["router"], axis=1)[:, ::-1], ref_w["hparams"]["n_expert_used"]
     assert (r[:, k - 1] - r[:, k]).min() > MARGIN * np.abs(np.stack(router) - ref["router"]).max()
+
+
+def test_the_budget_counts_the_trunks_expert_pairs_and_leaves_the_block_off_the_device(tmp_path, capsys):
+    """The expert cache holds the trunk's layers (its slot map is [n_layer, n_expert]); the block's
+    matrices are not placed on the device with the trunk's (the drafting work will place them)."""
+    from strata.tools.budget_cli import main as budget_main
+
+    out = {}
+    for name, geo in (("with", mtp_geometry()), ("without", F.geometry())):
+        # Q8_0 matrices: fp16 scales the device widens, so a matrix placed there shows in its bytes
+        gguf = F.write_gguf(tmp_path / f"{name}.gguf", geo, types={"dense": "Q8_0"})
+        assert convert(gguf, "-o", tmp_path / name) == 0
+        assert budget_main([str(tmp_path / name)]) == 0
+        out[name] = capsys.readouterr().out
+    assert f"{L * 8} (layer, expert) pairs" in out["with"]
+    device = [line for line in out["with"].splitlines() if "device after" in line]
+    assert device == [line for line in out["without"].splitlines() if "device after" in line]
+    p = Pack.open(tmp_path / "with")
+    mtp_bytes = sum(t.engine_nbytes for t in p.index.tensors if t.name.startswith(f"blk.{L}."))
+    line = next(line for line in out["with"].splitlines() if "MTP draft block's dense weights" in line)
+    assert line.split()[-1] == str(mtp_bytes) and "host" in line
