@@ -7,10 +7,8 @@ reason, rather than guessed later in a kernel (BRIEF section 2, "Not stored in t
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Mapping
-
-from dataclasses import fields
 
 from strata.index_format.geometry import (
     ARCHS, MTP_OPTIONAL, GeometryError, ModelGeometry, check_layer_arrays, mtp_notes,
@@ -181,7 +179,7 @@ def _with_mtp_gguf(main: GGUFFile, tensors: Mapping[str, TensorInfo], mtp: GGUFF
                                 f"{main.path.name} has {getattr(g, f.name)!r}: the MTP GGUF is of another model")
     values = g.to_values() | {n: getattr(head, n) for n in _MTP_OWN}
     merged = ModelGeometry.from_values(values, source=mtp.path.name)
-    return GeometryReading(merged, tuple(w for w in trunk.warnings) + tuple(mtp_notes(merged)))
+    return GeometryReading(merged, trunk.warnings + tuple(mtp_notes(merged)))
 
 
 def _qwen4exp_values(main, tensors, k, base, compress_ratio, warnings) -> dict[str, object]:
