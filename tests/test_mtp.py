@@ -175,7 +175,7 @@ def test_a_separate_mtp_gguf_packs_as_the_block_in_the_main_gguf(tmp_path, capsy
     assert (a / "geometry.txt").read_text() == (b / "geometry.txt").read_text()
     assert (a / "index.txt").read_text().splitlines()[2:] == (b / "index.txt").read_text().splitlines()[2:]
     manifest = (b / "manifest.txt").read_text()
-    assert "source main" in manifest and f"source mtp" in manifest and "mtp-trunk.gguf" in manifest
+    assert "source main" in manifest and "source mtp" in manifest and "mtp-trunk.gguf" in manifest
     pb = Pack.open(b)
     assert pb.experts.layers[L].shard == "mtp-trunk.gguf"
     # the engine reads the block's experts from the MTP GGUF: the same draft logits from both packs
