@@ -311,13 +311,16 @@ def dense_padding_bytes(t: TensorEntry) -> int:
 def _weight_items(index: PackIndex, experts: NativeExperts, g: ModelGeometry, ple_table_bytes: int | None) -> list[Item]:
     specs = {s.name: s for s in tensor_specs(g)}
     by_cat: dict[str, int] = {}
-    widened = padding = host_embd = host_small = 0
+    widened = padding = host_embd = host_small = host_mtp = 0
     for t in index.tensors:
         spec = specs.get(t.name)
         if spec is None:
             raise BudgetError(f"index.txt: tensor {t.name} is not in the {g.arch} geometry (read the pack with read_pack)")
         if spec.category == G.EMBEDDING:
             host_embd += t.nbytes  # rows dequantized on the host from the mapped pool: pack form
+            continue
+        if spec.category == G.MTP:
+            host_mtp += t.engine_nbytes  # the draft block: on the host until drafting places it
             continue
         if not spec.multiplied:
             host_small += t.engine_nbytes  # read as f32 by the host's elementwise work
@@ -332,6 +335,9 @@ def _weight_items(index: PackIndex, experts: NativeExperts, g: ModelGeometry, pl
     items.append(Item("weights.alignment", f"plane alignment (each plane on a {PLANE_ALIGN}-byte boundary)", padding, WEIGHTS))
     items.append(Item("host.embedding", "embedding table (mapped pool.bin)", host_embd, WEIGHTS, HOST))
     items.append(Item("host.small", "norm gains, conv kernels, ssm_a/dt (f32 on the host)", host_small, WEIGHTS, HOST))
+    if g.n_mtp_layer:
+        items.append(Item("host.mtp", "MTP draft block's dense weights (not used by decoding yet)", host_mtp,
+                          WEIGHTS, HOST))
     if g.ple_layers:
         items.append(Item("host.ple_table", "PLE table (read through the page cache)",
                           ple_table_bytes or 0, WEIGHTS, HOST))
@@ -497,7 +503,9 @@ def plan_budget(index: PackIndex, experts: NativeExperts, g: ModelGeometry, opti
     """
     o = options
     slot, blob = expert_slot_bytes(experts, g)
-    n_pairs = len(experts.layers) * experts.n_expert
+    # the trunk's pairs: the expert cache (SlotMap) holds the trunk's layers; the MTP block's experts
+    # are in native_experts.txt too (read in place) but not cached yet
+    n_pairs = sum(e.layer < g.n_layer for e in experts.layers) * experts.n_expert
     before = _weight_items(index, experts, g, ple_table_bytes)
     if o.drafter_bytes:
         before.append(Item("weights.drafter", "drafter (MTP head) weights", o.drafter_bytes, WEIGHTS))

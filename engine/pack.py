@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from strata.index_format.geometry import (
-    ModelGeometry, check_layer_arrays, check_tensor_shapes, mtp_notes, read_geometry, tensor_specs,
+    EXPERT, ModelGeometry, check_layer_arrays, check_tensor_shapes, mtp_notes, read_geometry, tensor_specs,
 )
 from strata.index_format.ggml_types import BY_ID, GGMLType
 from strata.index_format.manifest import Manifest, SourceFile, fingerprint_file, full_sha256, read_manifest
@@ -98,9 +98,10 @@ class Pack:
         pool_size = (d / POOL).stat().st_size
         index = read_index(d / INDEX, pool_size=pool_size)
         in_gguf = {s.name for s in tensor_specs(g) if not s.in_pool}  # experts, PLE table: read in place
+        check_mtp_packed(d / INDEX, index, g)
         check_tensor_shapes(g, {t.name: t.shape for t in index.tensors}, source=str(d / INDEX), ignore=in_gguf)
         experts = read_native_experts(d / EXPERTS, n_embd=g.n_embd, n_ff=g.n_ff_exp, n_expert=g.n_expert,
-                                      layers=list(range(g.n_layer)))
+                                      layers=sorted({s.layer for s in tensor_specs(g) if s.category == EXPERT}))
         ple = read_ple_table(d / PLE, row_dim=g.ple_row_dim, rows=g.ple_table_rows) if g.ple_layers else None
         if ple is None and (d / PLE).exists():
             raise PackError(f"{d / PLE}: present, but {GEOMETRY} has no PLE layers (a pack mixed from two models?)")
@@ -196,6 +197,15 @@ def check_pack_dir(pack_dir: str | os.PathLike) -> Path:
     return d
 
 
+def check_mtp_packed(path: Path, index: PackIndex, g: ModelGeometry) -> None:
+    """Refuse a pack whose geometry has an MTP block that index.txt does not hold: packs made before
+    Strata packed the block left it in the GGUF (and recorded no mtp_* fields); the tensor count
+    check would only say the numbers differ."""
+    if g.n_mtp_layer and not any(t.name.startswith(f"blk.{g.n_layer}.") for t in index.tensors):
+        raise PackError(f"{path}: the model has an MTP block (layer {g.n_layer}) but the pack does not hold it: "
+                        "packs made before Strata packed the MTP block left it in the GGUF; convert the GGUF again")
+
+
 def read_pack_geometry(pack_dir: str | os.PathLike) -> ModelGeometry:
     """The geometry of a pack, nothing mapped or checked beyond it: what the commands check their
     flags against (vocabulary, context, memory) before the load."""
@@ -265,7 +275,8 @@ def _candidates(s: SourceFile, recorded: dict[str, str], main: SourceFile, nativ
     return list(dict.fromkeys(out))
 
 
-_FLAG = {"main": "--native PATH", "ple": "--ple-gguf PATH", "shard": "--native PATH (shards are looked for beside it)"}
+_FLAG = {"main": "--native PATH", "ple": "--ple-gguf PATH", "shard": "--native PATH (shards are looked for beside it)",
+         "mtp": "--native PATH (the MTP GGUF is looked for beside it)"}
 
 
 def _check_source(s: SourceFile, candidates: list[Path]) -> Path:

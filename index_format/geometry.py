@@ -39,7 +39,7 @@ EMBEDDING = "embedding"  # stays in host memory
 PLE = "ple"  # the PLE projection weights (dense, per PLE layer)
 PLE_TABLE = "ple_table"  # the huge n-gram table: host memory, read through the page cache (S16)
 EXPERT = "expert"  # routed experts: referenced in place in the GGUF, never copied into the pool
-MTP = "mtp"  # the MTP draft block (speculative decoding): checked, left in the GGUF, not used yet
+MTP = "mtp"  # the MTP draft block's dense tensors (speculative decoding): in the pool, not on the device yet
 
 
 class GeometryError(ValueError):
@@ -55,16 +55,18 @@ class TensorSpec:
 
     @property
     def in_pool(self) -> bool:
-        """Dense tensors are copied into pool.bin; experts, the PLE table and the (unused) MTP block
-        stay in the GGUF."""
-        return self.category not in (EXPERT, PLE_TABLE, MTP)
+        """Dense tensors (the MTP block's too) are copied into pool.bin; experts (the MTP block's too)
+        and the PLE table stay in the GGUF."""
+        return self.category not in (EXPERT, PLE_TABLE)
 
     @property
     def multiplied(self) -> bool:
         """A dense matrix the kernels multiply (W x): what the GPU tier puts on the device. Vectors
         (norm gains, ssm_a, ssm_dt) and the depthwise conv kernels are read as f32 by the host's
         elementwise work, the embedding and PLE tables row by row on the host (S16)."""
-        return (self.in_pool and len(self.shape) == 2 and self.category != EMBEDDING
+        # The MTP block's matrices are not: the GPU tier places the trunk; the draft head is placed
+        # by the drafting work (its own budget item, weights.drafter), not with the trunk.
+        return (self.in_pool and len(self.shape) == 2 and self.category not in (EMBEDDING, MTP)
                 and not self.name.endswith("conv1d.weight"))
 
 
@@ -98,6 +100,13 @@ class ModelGeometry:
     # MTP draft blocks after the trunk (the GGUF's nextn_predict_layers; its block_count counts them
     # too): layers n_layer .. n_layer + n_mtp_layer - 1, each a full-attention MoE layer + nextn.*
     n_mtp_layer: int = 0
+    # The MTP block's optional tensors, 1 where the file carries its own: without nextn.embed_tokens,
+    # nextn.shared_head_head or nextn.shared_head_norm, llama.cpp's graph_mtp reads the trunk's
+    # token_embd, output and output_norm (src/models/qwen35moe.cpp; the loader marks the three
+    # TENSOR_NOT_REQUIRED). Fields, not a look at the file, so tensor_specs stays the exact list.
+    mtp_embed_tokens: int = 0
+    mtp_shared_head_head: int = 0
+    mtp_shared_head_norm: int = 0
     # qwen4exp only (0 / empty for qwen35moe)
     hc: int = 0
     hc_lowrank: int = 0
@@ -207,8 +216,15 @@ def _validate(g: ModelGeometry) -> None:
     if g.recurrent_layers:
         _require(len(g.recurrent_layers) == g.n_layer,
                  f"recurrent_layers has {len(g.recurrent_layers)} entries, expected n_layer = {g.n_layer}")
-    _require(g.n_mtp_layer in (0, 1) and (g.n_mtp_layer == 0 or g.arch == "qwen35moe"),
-             f"{g.n_mtp_layer} MTP block(s) in a {g.arch} model: Strata knows qwen35moe's one MTP block only")
+    _require(g.n_mtp_layer == 0 or g.arch == "qwen35moe",
+             f"an MTP block in a {g.arch} model: no GGUF layout is defined for one (llama.cpp's {g.arch} converter "
+             "exports none and its tensor list has no nextn tensors); Strata knows qwen35moe's MTP block only")
+    _require(g.n_mtp_layer in (0, 1),
+             f"{g.n_mtp_layer} MTP blocks: Strata knows one (llama.cpp's graph_mtp runs a single block)")
+    for name in MTP_OPTIONAL:
+        v = getattr(g, name)
+        _require(v in (0, 1) and (v == 0 or g.n_mtp_layer == 1),
+                 f"geometry field {name} is {v}, expected 0 or 1, and 0 without an MTP block")
     if g.arch == "qwen35moe":
         _require(g.hc == 0 and not g.has_qsa and not g.ple_layers,
                  "qwen35moe has no hyper-connections, QSA indexer or PLE fields")
@@ -258,8 +274,9 @@ def mtp_notes(g: ModelGeometry) -> list[str]:
     """What a reader of the pack should know about its MTP draft block (empty without one)."""
     if not g.n_mtp_layer:
         return []
-    return [f"the file carries an MTP draft block (layer {g.n_layer}, nextn_predict_layers {g.n_mtp_layer}); "
-            "it stays in the GGUF and is not used yet (no speculative decoding): the trunk runs unchanged"]
+    return [f"the model carries an MTP draft block (layer {g.n_layer}, nextn_predict_layers {g.n_mtp_layer}); "
+            "it is packed (its experts in place in the GGUF) but not used yet (no speculative decoding): "
+            "the trunk runs unchanged"]
 
 
 def check_compress_ratios(g: ModelGeometry) -> list[str]:
@@ -305,17 +322,38 @@ def tensor_specs(g: ModelGeometry) -> list[TensorSpec]:
 
 
 def _mtp_specs(g: ModelGeometry, l: int) -> list[TensorSpec]:
-    """qwen35moe's MTP block as llama.cpp's converter writes it (conversion/qwen.py _QwenMtpMixin):
-    a full-attention decoder layer with MoE at blk.{n_layer}, plus nextn.eh_proj (the fc joining the
-    embedding and the trunk's hidden state) and its norms. All category MTP: not in the pool."""
-    E, b = g.n_embd, f"blk.{l}"
+    """qwen35moe's MTP block as llama.cpp's converter writes it (conversion/qwen.py _QwenMtpMixin maps
+    mtp.fc / pre_fc_norm_embedding / pre_fc_norm_hidden / norm / layers.0.* to blk.{n_layer}.nextn.
+    eh_proj / enorm / hnorm / shared_head_norm and the layer's own names), with the shapes its loader
+    requires (src/models/qwen35moe.cpp load_block_mtp): a full-attention decoder layer with MoE and
+    shared expert, plus nextn.eh_proj [2 n_embd -> n_embd] (input: the embedding's norm, then the
+    hidden state's) and the norms. Dense tensors are category MTP (in the pool, a budget group of
+    their own); the routed experts are EXPERT, left in place in the GGUF like the trunk's."""
+    E, V, b = g.n_embd, g.n_vocab, f"blk.{l}"
     s = [TensorSpec(f"{b}.attn_norm.weight", (E,), NORM, l), TensorSpec(f"{b}.post_attention_norm.weight", (E,), NORM, l)]
     s += _full_attention_specs(g, l) + _moe_specs(g, l)
     s += [TensorSpec(f"{b}.nextn.eh_proj.weight", (2 * E, E), MTP, l),
           TensorSpec(f"{b}.nextn.enorm.weight", (E,), NORM, l),
-          TensorSpec(f"{b}.nextn.hnorm.weight", (E,), NORM, l),
-          TensorSpec(f"{b}.nextn.shared_head_norm.weight", (E,), NORM, l)]
-    return [replace(t, category=MTP) for t in s]
+          TensorSpec(f"{b}.nextn.hnorm.weight", (E,), NORM, l)]
+    if g.mtp_embed_tokens:
+        s.append(TensorSpec(f"{b}.nextn.embed_tokens.weight", (E, V), MTP, l))
+    if g.mtp_shared_head_head:
+        s.append(TensorSpec(f"{b}.nextn.shared_head_head.weight", (E, V), MTP, l))
+    if g.mtp_shared_head_norm:
+        s.append(TensorSpec(f"{b}.nextn.shared_head_norm.weight", (E,), NORM, l))
+    return [t if t.category == EXPERT else replace(t, category=MTP) for t in s]
+
+
+MTP_OPTIONAL = {  # geometry field -> the tensor it says the MTP block carries (blk.{n_layer}.nextn.*)
+    "mtp_embed_tokens": "nextn.embed_tokens.weight",
+    "mtp_shared_head_head": "nextn.shared_head_head.weight",
+    "mtp_shared_head_norm": "nextn.shared_head_norm.weight",
+}
+
+
+def mtp_tensor_names(g: ModelGeometry) -> list[str]:
+    """Every tensor of the MTP block (empty without one): what an MTP-only GGUF contributes."""
+    return [s.name for s in tensor_specs(g) if s.layer is not None and s.layer >= g.n_layer]
 
 
 def _hc_specs(prefix: str, g: ModelGeometry, layer: int | None, inject: bool) -> list[TensorSpec]:

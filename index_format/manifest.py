@@ -22,7 +22,7 @@ from ._text import Line, line_at, read_lines, split_lines, write_atomic
 from .errors import FormatError, Phrase
 
 HEADER = "# strata pack manifest v1"
-ROLES = ("main", "shard", "ple")
+ROLES = ("main", "shard", "ple", "mtp")  # mtp: a separate MTP-only GGUF (strata-pack convert --mtp)
 SOURCE_FIELDS = ("source", "role", "size", "fingerprint", "name")
 FILE_FIELDS = ("file", "name", "size", "fingerprint")
 FINGERPRINTED = ("index.txt", "native_experts.txt", "geometry.txt")  # what pack_fingerprint hashes whole
@@ -199,8 +199,8 @@ def _parse_source(line: Line, earlier: Iterable[SourceFile]) -> SourceFile:
     if role not in ROLES:
         raise line.error("role", role, f"one of {', '.join(ROLES)}")
     roles = [s.role for s in earlier]
-    if (role == "main") == bool(roles) or (role == "ple" and "ple" in roles):
-        raise line.error("role", role, "main on the first source line only, and at most one ple")
+    if (role == "main") == bool(roles) or (role in ("ple", "mtp") and role in roles):
+        raise line.error("role", role, "main on the first source line only, and at most one ple and one mtp")
     return SourceFile(role, line.uint(size, "size"), _fingerprint(line, fingerprint), line.file_name(name, "name"))
 
 

@@ -5,7 +5,8 @@
   that way, so must we: such a file packs, verifies and runs exactly as the [n_embd, 1] one; any
   other difference is still refused, naming tensor, shape found and shape required.
 - llama.cpp's converter exports a Qwen3.5-MoE checkpoint's MTP draft block by default; the trunk
-  packs and runs from such a file unchanged (the block is checked, left in the GGUF, not used yet).
+  packs and runs from such a file unchanged (the block is packed after the trunk, its experts in
+  place, and not used by decoding yet).
 """
 
 from __future__ import annotations
@@ -116,7 +117,8 @@ def test_the_contract_compares_shapes_as_ggml_does():
 def test_a_qwen35moe_gguf_with_its_mtp_block_runs_the_trunk_unchanged(tmp_path, capsys):
     """llama.cpp's converter exports a Qwen3.5-MoE checkpoint's MTP block by default (block_count
     n_layer + 1, nextn_predict_layers 1, blk.{n_layer} a full-attention MoE layer + nextn.*). The
-    trunk packs and runs from that file exactly as from the same checkpoint converted --no-mtp."""
+    trunk packs and runs from that file exactly as from the same checkpoint converted --no-mtp; the
+    block's dense tensors follow the trunk's in the pool, its experts are referenced in place."""
     pytest.importorskip("torch")
     pytest.importorskip("transformers")
     from reference.convert import reference_gguf
@@ -141,8 +143,13 @@ def test_a_qwen35moe_gguf_with_its_mtp_block_runs_the_trunk_unchanged(tmp_path, 
     p = Pack.open(packs[0])
     assert (p.geometry.n_layer, p.geometry.n_mtp_layer) == (n_layer, 1)
     assert any("MTP draft block" in w and "not used yet" in w for w in p.warnings)
-    # the same dense tensors at the same offsets; the MTP block stays in the GGUF
-    assert (packs[0] / "index.txt").read_text().splitlines()[3:] == (packs[1] / "index.txt").read_text().splitlines()[3:]
+    # the same dense tensors at the same offsets, then the MTP block's (its experts: native_experts.txt)
+    with_lines, trunk_lines = ((p / "index.txt").read_text().splitlines()[3:] for p in packs)
+    assert with_lines[: len(trunk_lines)] == trunk_lines
+    mtp_dense = {line.split()[0] for line in with_lines[len(trunk_lines) :]}
+    assert mtp_dense == {s.name for s in tensor_specs(p.geometry) if s.layer == n_layer and s.in_pool}
+    assert f"blk.{n_layer}.nextn.eh_proj.weight" in mtp_dense and f"blk.{n_layer}.ffn_gate_exps.weight" not in mtp_dense
+    assert [e.layer for e in p.experts.layers] == list(range(n_layer + 1))
     assert np.array_equal(_logits(packs[0]), _logits(packs[1]))
 
 

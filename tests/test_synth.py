@@ -306,6 +306,7 @@ def test_a_failure_leaves_no_file_behind_and_old_files_intact(tmp_path, monkeypa
     (dict(arch="llama"), "not supported"),
     (dict(preset="huge"), r"unknown preset 'huge' \(known: tiny, demo, seed-4l\)"),
     (dict(out="model.bin"), "ending in .gguf"),
+    (dict(mtp=True), "--mtp: qwen4exp has no GGUF layout for an MTP block"),
 ])
 def test_bad_requests_are_refused(tmp_path, kwargs, match):
     args = dict(arch="qwen4exp", preset="tiny", out=tmp_path / "m.gguf") | kwargs
@@ -446,3 +447,71 @@ def test_keys_and_value_types_match_the_real_converter(tiny):
     assert extra <= {"tokenizer.ggml.bos_token_id", "tokenizer.ggml.add_bos_token", "split.no", "split.count",
                      "split.tensors.count", "quantize.imatrix.file", "quantize.imatrix.dataset",
                      "quantize.imatrix.entries_count", "quantize.imatrix.chunks_count"}
+
+
+# ---------------------------------------------------------------------------- the MTP block
+
+
+@pytest.fixture(scope="module")
+def tiny_mtp(tmp_path_factory):
+    paths = S.synth("qwen35moe", "tiny", tmp_path_factory.mktemp("mtp") / "tiny-mtp.gguf", seed=0, mtp=True)
+    return paths, [read_gguf(p) for p in paths]
+
+
+def test_mtp_block_is_written_as_llama_cpps_converter_writes_it(tiny_mtp):
+    """conversion/qwen.py _QwenMtpMixin: block_count n_layer + 1, nextn_predict_layers 1 right after
+    the expert sizes (set_gguf_parameters), the block's recurrent_layers entry false, and the block
+    at blk.{n_layer}: a full-attention MoE layer with nextn.eh_proj / enorm / hnorm / shared_head_norm."""
+    from strata.tools.gguf_meta import geometry_from_gguf
+
+    paths, files = tiny_mtp
+    n = S.PRESETS["tiny"].geometry("qwen35moe").n_layer
+    f = files[0]
+    keys = list(f.kv)
+    assert f.get("qwen35moe.block_count") == n + 1 and f.get("qwen35moe.nextn_predict_layers") == 1
+    assert keys.index("qwen35moe.nextn_predict_layers") == keys.index("qwen35moe.expert_shared_feed_forward_length") + 1
+    assert f.get("qwen35moe.attention.recurrent_layers") == [l % 4 != 3 for l in range(n)] + [False]
+    tensors = {k: v for g in files for k, v in g.tensors.items()}
+    b = f"blk.{n}."
+    assert sorted(k[len(b):] for k in tensors if k.startswith(b)) == sorted([
+        "attn_norm.weight", "post_attention_norm.weight", "attn_q.weight", "attn_k.weight", "attn_v.weight",
+        "attn_output.weight", "attn_q_norm.weight", "attn_k_norm.weight", "ffn_gate_inp.weight",
+        "ffn_gate_exps.weight", "ffn_up_exps.weight", "ffn_down_exps.weight", "ffn_gate_inp_shexp.weight",
+        "ffn_gate_shexp.weight", "ffn_up_shexp.weight", "ffn_down_shexp.weight",
+        "nextn.eh_proj.weight", "nextn.enorm.weight", "nextn.hnorm.weight", "nextn.shared_head_norm.weight"])
+    assert tensors[b + "nextn.eh_proj.weight"].shape == (2 * 256, 256)
+    g = geometry_from_gguf(f, tensors).geometry
+    assert (g.n_layer, g.n_mtp_layer, g.mtp_shared_head_norm, g.mtp_embed_tokens, g.mtp_shared_head_head) == (n, 1, 1, 0, 0)
+    check_tensor_shapes(g, {k: v.shape for k, v in tensors.items()}, source=paths[0].name)
+    # the trunk splits where it does without the block; the block (last in file order) is a shard of its own
+    assert len(paths) == 3 and all(k.startswith(b) for k in files[2].tensors)
+
+
+def test_a_synth_mtp_model_packs_and_verifies(tiny_mtp, tmp_path, capsys):
+    from strata.tools.pack_cli import main
+
+    paths, _ = tiny_mtp
+    assert main(["convert", str(paths[0]), "-o", str(tmp_path / "pack")]) == 0, capsys.readouterr().err
+    assert main(["verify", str(tmp_path / "pack"), "--full"]) == 0, capsys.readouterr().err
+
+
+@pytest.mark.reference
+def test_mtp_keys_match_the_real_converter(tiny_mtp):
+    """The keys of llama.cpp's conversion of a Qwen3.5-MoE checkpoint with its MTP block, in order."""
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    from reference.convert import ConverterError, reference_gguf
+
+    try:
+        ref = read_gguf(reference_gguf("qwen35moe", "f32", mtp_num_hidden_layers=1)[0])
+    except ConverterError as e:
+        pytest.skip(f"llama.cpp converter unavailable: {e}")
+    ours = tiny_mtp[1][0]
+    arch_keys = [k for k in ref.kv if k.startswith("qwen35moe.")]
+    assert [k for k in ours.kv if k in set(arch_keys)] == arch_keys
+    n = ref.get("qwen35moe.block_count") - 1
+    assert ref.get("qwen35moe.attention.recurrent_layers")[-1] is False
+    ref_block = {k[len(f"blk.{n}."):] for k in ref.tensors if k.startswith(f"blk.{n}.")}
+    n_ours = ours.get("qwen35moe.block_count") - 1
+    ours_block = {k[len(f"blk.{n_ours}."):] for f in tiny_mtp[1] for k in f.tensors if k.startswith(f"blk.{n_ours}.")}
+    assert ours_block == ref_block

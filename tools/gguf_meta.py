@@ -7,10 +7,12 @@ reason, rather than guessed later in a kernel (BRIEF section 2, "Not stored in t
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Mapping
 
-from strata.index_format.geometry import ARCHS, GeometryError, ModelGeometry, check_layer_arrays, mtp_notes
+from strata.index_format.geometry import (
+    ARCHS, MTP_OPTIONAL, GeometryError, ModelGeometry, check_layer_arrays, mtp_notes,
+)
 from strata.tools.gguf_io import GGUFFile, TensorInfo
 
 # Not in the GGUF, fixed by the released models (BRIEF section 2): the GDN output-gate activation
@@ -66,11 +68,16 @@ def geometry_from_gguf(
     tensors: Mapping[str, TensorInfo],
     *,
     compress_ratio: int | None = None,
+    mtp: GGUFFile | None = None,
 ) -> GeometryReading:
     """Build the geometry from the main shard's metadata and the shapes of all shards' tensors.
 
-    `compress_ratio` supplies the QSA block size when the file has lost it (see below).
+    `compress_ratio` supplies the QSA block size when the file has lost it (see below). `mtp`: a
+    separate MTP-only GGUF (llama.cpp's `convert_hf_to_gguf.py --mtp`) carrying the draft block of a
+    trunk converted without one; its block's tensors must be in `tensors`.
     """
+    if mtp is not None:
+        return _with_mtp_gguf(main, tensors, mtp, compress_ratio)
     arch = main.require("general.architecture")
     if arch not in ARCHS:
         raise GeometryError(
@@ -105,6 +112,7 @@ def geometry_from_gguf(
         n_ff_shexp=int(main.get(k("expert_shared_feed_forward_length"), 0)),
         recurrent_layers=_trunk_recurrent_layers(main, k, n_mtp),
         n_mtp_layer=n_mtp,
+        **_mtp_optional(tensors, _u(main, k("block_count")) - n_mtp, n_mtp),
         n_ctx_train=_u(main, k("context_length")) if main.get(k("context_length")) is not None else 0,
     )
     warnings: list[str] = []
@@ -119,6 +127,59 @@ def geometry_from_gguf(
     g = ModelGeometry.from_values(values, source=main.path.name)
     warnings += check_layer_arrays(g) + mtp_notes(g)
     return GeometryReading(g, tuple(warnings))
+
+
+def _mtp_optional(tensors: Mapping[str, TensorInfo], n_layer: int, n_mtp: int) -> dict[str, int]:
+    """Which of the MTP block's optional nextn tensors the files carry (see ModelGeometry)."""
+    return {field: int(bool(n_mtp) and f"blk.{n_layer}.{name}" in tensors) for field, name in MTP_OPTIONAL.items()}
+
+
+# Fields an MTP-only GGUF may not agree on with its trunk: the MTP block itself.
+_MTP_OWN = {"n_mtp_layer", *MTP_OPTIONAL}
+
+
+def check_mtp_pairing(main: GGUFFile, mtp: GGUFFile) -> None:
+    """The metadata checks of a main GGUF and a separate MTP-only GGUF (`--mtp`), made before their
+    tensors are read together (a wrong pairing would otherwise surface as a clash of names)."""
+    arch = main.get("general.architecture")
+    if arch != "qwen35moe":
+        # the release ships qwen4exp's head separately, but in no GGUF layout: llama.cpp's qwen4exp
+        # converter drops the MTP block (supports_mtp_export False) and its tensor list has no nextn.*
+        raise GeometryError(f"--mtp {mtp.path.name}: the main GGUF {main.path.name} is {arch}, for which no GGUF "
+                            "layout of an MTP block is defined (llama.cpp's converter exports none for it); Strata "
+                            "packs qwen35moe's MTP block only")
+    n = main.get(f"{arch}.nextn_predict_layers")
+    if n:
+        raise GeometryError(f"--mtp {mtp.path.name}: the main GGUF {main.path.name} already carries an MTP block "
+                            f"(nextn_predict_layers {n}); --mtp is for a trunk converted without one")
+    other = mtp.get("general.architecture")
+    if other != arch:
+        raise GeometryError(f"--mtp {mtp.path.name}: general.architecture is {other!r}, the main GGUF's is {arch!r}; "
+                            "expected the MTP-only GGUF of the same model")
+    if not mtp.get(f"{arch}.nextn_predict_layers"):
+        raise GeometryError(f"--mtp {mtp.path.name}: metadata {arch}.nextn_predict_layers is missing or 0, so the file "
+                            "carries no MTP block (expected an MTP-only GGUF: llama.cpp's convert_hf_to_gguf.py --mtp)")
+
+
+def _with_mtp_gguf(main: GGUFFile, tensors: Mapping[str, TensorInfo], mtp: GGUFFile,
+                   compress_ratio: int | None) -> GeometryReading:
+    """The trunk's geometry from `main`, the MTP block's from `mtp`, which must describe the same model.
+
+    An MTP-only GGUF is written by the same converter class as the trunk (conversion/qwen.py
+    _QwenMtpMixin with mtp_only): the same metadata, block_count n_layer + 1, nextn_predict_layers,
+    and only token_embd, output_norm, output and blk.{n_layer}.*; so every geometry field but the
+    MTP block's own must equal the trunk's. A file of another model differs in at least one of them."""
+    check_mtp_pairing(main, mtp)
+    trunk = geometry_from_gguf(main, tensors, compress_ratio=compress_ratio)
+    g = trunk.geometry
+    head = geometry_from_gguf(mtp, mtp.tensors, compress_ratio=compress_ratio).geometry
+    for f in fields(ModelGeometry):
+        if f.name not in _MTP_OWN and getattr(head, f.name) != getattr(g, f.name):
+            raise GeometryError(f"--mtp {mtp.path.name}: its {f.name} is {getattr(head, f.name)!r}, the main GGUF "
+                                f"{main.path.name} has {getattr(g, f.name)!r}: the MTP GGUF is of another model")
+    values = g.to_values() | {n: getattr(head, n) for n in _MTP_OWN}
+    merged = ModelGeometry.from_values(values, source=mtp.path.name)
+    return GeometryReading(merged, trunk.warnings + tuple(mtp_notes(merged)))
 
 
 def _qwen4exp_values(main, tensors, k, base, compress_ratio, warnings) -> dict[str, object]:

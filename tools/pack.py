@@ -41,7 +41,7 @@ from strata.index_format.pack_sources import SHA256, read_source_hashes, read_so
 from strata.index_format.ple_table import PleTable, read_ple_table, write_ple_table
 from strata.index_format.tokenizer_flat import FlatTokenizer, read_tokenizer, write_tokenizer
 from strata.tools.gguf_io import GGUFError, GGUFFile, TensorInfo, read_gguf, shard_names
-from strata.tools.gguf_meta import geometry_from_gguf
+from strata.tools.gguf_meta import check_mtp_pairing, geometry_from_gguf
 
 POOL, INDEX, EXPERTS, PLE, GEOMETRY, TOKENIZER, SOURCES, MANIFEST = (
     "pool.bin", "index.txt", "native_experts.txt", "ple_table.txt", "geometry.txt", "tokenizer.txt",
@@ -71,9 +71,17 @@ class Sources:
     def main(self) -> GGUFFile:
         return self.files[0][1]
 
+    @property
+    def mtp(self) -> GGUFFile | None:
+        """The separate MTP-only GGUF (`--mtp`), if one was given."""
+        return next((f for role, f in self.files if role == "mtp"), None)
 
-def open_sources(ggufs: Sequence[str | os.PathLike], ple_gguf: str | os.PathLike | None = None) -> Sources:
-    """Read the headers of a model's GGUF shards (given any of them) and of its PLE shard."""
+
+def open_sources(ggufs: Sequence[str | os.PathLike], ple_gguf: str | os.PathLike | None = None,
+                 mtp_gguf: str | os.PathLike | None = None) -> Sources:
+    """Read the headers of a model's GGUF shards (given any of them), of its PLE shard and of its
+    separate MTP-only GGUF (whose blk.* tensors join the model's; its copies of the trunk's
+    token_embd, output and output_norm are not read)."""
     if not ggufs:
         raise PackError("no GGUF given")
     for p in map(Path, ggufs):
@@ -85,9 +93,15 @@ def open_sources(ggufs: Sequence[str | os.PathLike], ple_gguf: str | os.PathLike
     _check_split(files)
     if ple_gguf is not None:
         files = _add_ple(files, Path(ple_gguf))
+    if mtp_gguf is not None:
+        files = _add_mtp(files, Path(mtp_gguf))
     tensors: dict[str, TensorInfo] = {}
-    for _, f in files:
-        for name, t in f.tensors.items():
+    for role, f in files:
+        for name, t in (mtp_block_tensors(f) if role == "mtp" else f.tensors).items():
+            if name in tensors and role == "mtp":
+                raise PackError(f"--mtp {f.path.name}: holds trunk tensor {name} (also in {tensors[name].file.name}); "
+                                "expected an MTP-only GGUF (llama.cpp's convert_hf_to_gguf.py --mtp), whose only "
+                                "block is the MTP block")
             if name in tensors:
                 raise PackError(f"tensor {name} is in both {tensors[name].file.name} and {f.path.name}; "
                                 "each tensor must be in exactly one shard")
@@ -144,6 +158,28 @@ def _add_ple(files: list[tuple[str, GGUFFile]], path: Path) -> list[tuple[str, G
     return files if same else list(files) + [("ple", ple)]
 
 
+def _add_mtp(files: list[tuple[str, GGUFFile]], path: Path) -> list[tuple[str, GGUFFile]]:
+    if not path.is_file():
+        raise PackError(f"--mtp {path}: no such file")
+    if any(f.path.resolve() == path.resolve() for _, f in files):
+        raise PackError(f"--mtp {path.name}: the main GGUF itself (an MTP block in the main GGUF is packed without "
+                        "--mtp); --mtp takes the separate MTP-only GGUF")
+    mtp = read_gguf(path)
+    check_mtp_pairing(files[0][1], mtp)  # before its tensors join the main GGUF's
+    clash = next((f for _, f in files if f.path.name == path.name), None)
+    if clash is not None:
+        # the pack records its sources by file name (manifest.txt, native_experts.txt's shard field)
+        raise PackError(f"--mtp {path}: the same file name as {clash.path}; the pack names its source GGUFs by file "
+                        "name, so rename one (llama.cpp's converter names the MTP-only GGUF mtp-NAME.gguf)")
+    return list(files) + [("mtp", mtp)]
+
+
+def mtp_block_tensors(f: GGUFFile) -> dict[str, TensorInfo]:
+    """What an MTP-only GGUF contributes: its blk.* tensors. Its token_embd, output and output_norm
+    are copies of the trunk's (the converter's mtp_only keeps them), read from the main GGUF."""
+    return {n: t for n, t in f.tensors.items() if n.startswith("blk.")}
+
+
 # --- the plan: everything checked, nothing written ------------------------------------------------
 
 
@@ -165,7 +201,7 @@ class PackPlan:
 def plan_pack(sources: Sources, *, compress_ratio: int | None = None) -> PackPlan:
     """Check the model against the geometry contract and lay the pack out (reads headers only)."""
     main = sources.main
-    reading = geometry_from_gguf(main, sources.tensors, compress_ratio=compress_ratio)
+    reading = geometry_from_gguf(main, sources.tensors, compress_ratio=compress_ratio, mtp=sources.mtp)
     g = reading.geometry
     check_tensor_shapes(g, {n: t.shape for n, t in sources.tensors.items()}, source=main.path.name)
     specs = tensor_specs(g)
@@ -440,7 +476,7 @@ def _swap_into_place(tmp: Path, out: Path, force: bool) -> None:
     shutil.rmtree(old)
 
 
-def convert(ggufs: Sequence[str | os.PathLike], out: str | os.PathLike, *, ple_gguf=None, force: bool = False,
+def convert(ggufs: Sequence[str | os.PathLike], out: str | os.PathLike, *, ple_gguf=None, mtp_gguf=None, force: bool = False,
             compress_ratio: int | None = None, on_warning: Callable[[str], None] | None = None,
             progress_factory: Callable[[int], Callable[[int], None]] | None = None, hash_sources: bool = False) -> PackPlan:
     """Open, check, plan and write in one call. `progress_factory(total_bytes)` returns the progress callback."""
@@ -448,7 +484,7 @@ def convert(ggufs: Sequence[str | os.PathLike], out: str | os.PathLike, *, ple_g
         if on_warning:
             on_warning(note)
     check_destination(Path(out), force)  # before reading gigabytes of headers
-    plan = plan_pack(open_sources(ggufs, ple_gguf), compress_ratio=compress_ratio)
+    plan = plan_pack(open_sources(ggufs, ple_gguf, mtp_gguf), compress_ratio=compress_ratio)
     warnings = list(plan.warnings)
     if plan.tokenizer.chat_template is None:
         warnings.append("the GGUF has no tokenizer.chat_template: strata generate --chat is refused for this pack "
@@ -479,7 +515,7 @@ class Pack:
 
 
 def read_pack(pack_dir: str | os.PathLike) -> Pack:
-    from strata.engine.pack import check_pack_dir
+    from strata.engine.pack import check_mtp_packed, check_pack_dir
 
     d = check_pack_dir(pack_dir)  # a missing path, a file, a GGUF: says what it is and what a pack is
     manifest = read_manifest(d / MANIFEST)
@@ -490,6 +526,7 @@ def read_pack(pack_dir: str | os.PathLike) -> Pack:
         # blamed on pool.bin, the file that changed (the index's pool field was once named instead)
         raise PackError(f"{pool}: {pool.stat().st_size} bytes, expected {index.pool_bytes} (the pool {INDEX} "
                         "describes): pool.bin was truncated or replaced; rebuild the pack")
+    check_mtp_packed(d / INDEX, index, g)
     _check_index_against_geometry(d / INDEX, index, g)
     experts = read_native_experts(d / EXPERTS, n_embd=g.n_embd, n_ff=g.n_ff_exp, n_expert=g.n_expert,
                                   layers=sorted({s.layer for s in tensor_specs(g) if s.category == EXPERT}))
@@ -661,8 +698,10 @@ def _verify_against_ggufs(pack: Pack, paths: dict[str, Path], rep: VerifyReport)
         rep.problems.append(str(e))
         return
     main = pack.experts.gguf
-    tensors = {n: t for f in files.values() for n, t in f.tensors.items()}
-    _verify_geometry(pack, files[main], tensors, rep)
+    mtp = next((files[s.name] for s in pack.manifest.sources if s.role == "mtp"), None)
+    tensors = {n: t for f in files.values() if f is not mtp for n, t in f.tensors.items()}
+    tensors |= mtp_block_tensors(mtp) if mtp is not None else {}
+    _verify_geometry(pack, files[main], tensors, rep, mtp)
     n_before = len(rep.problems)
     for e in pack.experts.layers:
         for role, off, type_id in (("gate", e.gate_off, e.gu_type), ("up", e.up_off, e.gu_type), ("down", e.down_off, e.d_type)):
@@ -682,12 +721,13 @@ def _verify_against_ggufs(pack: Pack, paths: dict[str, Path], rep: VerifyReport)
                            + (", the PLE table" if pack.ple else "") + f" and {len(pack.index.tensors)} dense tensors match"))
 
 
-def _verify_geometry(pack: Pack, main: GGUFFile, tensors: dict[str, TensorInfo], rep: VerifyReport) -> None:
+def _verify_geometry(pack: Pack, main: GGUFFile, tensors: dict[str, TensorInfo], rep: VerifyReport,
+                     mtp: GGUFFile | None = None) -> None:
     """geometry.txt against the geometry derived again from the GGUF: a pack edited and re-fingerprinted
     (n_expert_used 4 -> 2) once passed verify, which never looked at the GGUF's metadata."""
     g = pack.geometry
     try:
-        derived = geometry_from_gguf(main, tensors, compress_ratio=g.idx_compress_ratio or None).geometry
+        derived = geometry_from_gguf(main, tensors, compress_ratio=g.idx_compress_ratio or None, mtp=mtp).geometry
     except ValueError as e:
         rep.problems.append(f"{main.path.name}: the geometry cannot be derived again: {e}")
         return

@@ -50,12 +50,13 @@ def _progress_factory(desc: str):
     return factory, bars
 
 
-def _convert(ggufs, out, ple_gguf, force, compress_ratio, command: str, hash_sources: bool = False) -> None:
+def _convert(ggufs, out, ple_gguf, force, compress_ratio, command: str, hash_sources: bool = False,
+             mtp_gguf=None) -> None:
     from strata.tools import pack
 
     factory, bars = _progress_factory("pool.bin")
     try:
-        pack.convert(ggufs, out, ple_gguf=ple_gguf, force=force, compress_ratio=compress_ratio,
+        pack.convert(ggufs, out, ple_gguf=ple_gguf, mtp_gguf=mtp_gguf, force=force, compress_ratio=compress_ratio,
                      on_warning=lambda w: typer.echo(f"strata-pack {command}: warning: {w}", err=True),
                      progress_factory=factory, hash_sources=hash_sources)
     finally:
@@ -74,6 +75,9 @@ def convert(
     ggufs: list[Path] = typer.Argument(..., metavar="GGUF", help="the model's GGUF (any shard of a split one finds the rest)"),
     out: Path = typer.Option(..., "-o", "--out", help="the pack directory to create"),
     ple_gguf: Optional[Path] = typer.Option(None, "--ple-gguf", help="the PLE shard (qwen4exp), when not a split shard"),
+    mtp_gguf: Optional[Path] = typer.Option(None, "--mtp", help="a separate MTP-only GGUF (qwen35moe: llama.cpp's "
+                                            "convert_hf_to_gguf.py --mtp) carrying the draft block of a trunk "
+                                            "converted without one"),
     force: bool = typer.Option(False, "--force", help="replace an existing pack (kept until the new one is complete)"),
     compress_ratio: Optional[int] = typer.Option(
         None, "--compress-ratio", min=1, help="the QSA block size, when the GGUF's attention.compress_ratios is all zeros"
@@ -83,7 +87,7 @@ def convert(
 ) -> None:
     """Pack a GGUF: dense tensors into pool.bin, experts and the PLE table referenced in place."""
     try:
-        _convert(ggufs, out, ple_gguf, force, compress_ratio, "convert", hash_sources)
+        _convert(ggufs, out, ple_gguf, force, compress_ratio, "convert", hash_sources, mtp_gguf)
         _print_summary(out)
     except KeyboardInterrupt:
         raise _interrupted("convert") from None
@@ -133,6 +137,8 @@ def synth(
     zero_compress_ratios: bool = typer.Option(
         False, "--zero-compress-ratios", help="qwen4exp: write attention.compress_ratios as all zeros, as llama.cpp's "
         "converter does today (the QSA block size is then lost: convert needs --compress-ratio)"),
+    mtp: bool = typer.Option(False, "--mtp", help="qwen35moe: carry an MTP draft block, as llama.cpp's converter "
+                             "writes a Qwen3.5-MoE checkpoint's (block_count n_layer + 1, nextn_predict_layers 1)"),
 ) -> None:
     """Write a synthetic random model as GGUF (no download): the demo's and the tests' source. Prints the
     files written, one a line, on stdout; the convert command for them on stderr."""
@@ -141,7 +147,7 @@ def synth(
     if seed < 0:
         raise _fail("synth", f"--seed {seed}: expected an integer >= 0", 2)
     try:
-        paths = synth_command(arch, preset, out, seed, force, zero_compress_ratios)
+        paths = synth_command(arch, preset, out, seed, force, zero_compress_ratios, mtp)
     except KeyboardInterrupt:
         raise _interrupted("synth") from None
     except _INPUT_ERRORS as e:

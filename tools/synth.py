@@ -129,6 +129,7 @@ QWEN35MOE_K_MIX = TypePlan(
         (r"\.(ssm_out|attn_output)\.weight$", "Q6_K"),
         (r"\.ssm_(alpha|beta)\.weight$", "BF16"),
         (r"\.ssm_conv1d\.weight$", "F32"),
+        (r"\.nextn\.eh_proj\.weight$", "Q4_K"),  # the MTP block's fc: the quantizer's default type
     ),
     experts=(("Q4_K", "Q6_K"), ("IQ3_XXS", "Q2_0")),
     file_type=FTYPE_MOSTLY_Q4_K_M,
@@ -352,15 +353,25 @@ class SynthPlan:
         return sum(t.nbytes for t in self.tensors)
 
 
-def plan_model(arch: str, preset: str, zero_compress_ratios: bool = False) -> SynthPlan:
+def plan_model(arch: str, preset: str, zero_compress_ratios: bool = False, mtp: bool = False) -> SynthPlan:
     """Everything about the files except the tensor data: geometry, tensors, types, order, shards, keys.
     `zero_compress_ratios`: write qwen4exp's attention.compress_ratios as all zeros, as llama.cpp's
-    converter does (the QSA block size is then lost and convert needs --compress-ratio)."""
+    converter does (the QSA block size is then lost and convert needs --compress-ratio). `mtp`: carry
+    an MTP draft block as llama.cpp's converter writes a Qwen3.5-MoE checkpoint's by default
+    (conversion/qwen.py _QwenMtpMixin: block_count n_layer + 1, nextn_predict_layers 1, the block at
+    blk.{n_layer} with nextn.eh_proj / enorm / hnorm / shared_head_norm, its recurrent_layers entry false)."""
     p = get_preset(preset)
     g = p.geometry(arch)
+    if mtp:
+        if arch != "qwen35moe":
+            raise SynthError(f"--mtp: {arch} has no GGUF layout for an MTP block (llama.cpp's converter exports "
+                             "none for it); qwen35moe only")
+        # a Qwen3.5-MoE release's mtp.norm always exists (-> shared_head_norm); it borrows the trunk's
+        # embedding and head (no mtp.embed_tokens / shared_head.head)
+        g = replace(g, n_mtp_layer=1, mtp_shared_head_norm=1)
     types = p.types[arch]
     tensors = [_plan_tensor(spec, types, p.name, arch) for spec in tensor_specs(g)]
-    shards = _shard(arch, p, sorted(tensors, key=_quantizer_order))
+    shards = _shard(arch, p, sorted(tensors, key=_quantizer_order), g.n_layer)
     return SynthPlan(arch, p, g, shards, tuple(_metadata(arch, p, g, shards, zero_compress_ratios)))
 
 
@@ -385,13 +396,16 @@ def _quantizer_order(t: SynthTensor) -> tuple[int, str]:
 PLE_TABLE = "per_layer_token_embd.weight"
 
 
-def _shard(arch: str, p: Preset, ordered: list[SynthTensor]) -> tuple[tuple[SynthTensor, ...], ...]:
+def _shard(arch: str, p: Preset, ordered: list[SynthTensor], n_layer: int) -> tuple[tuple[SynthTensor, ...], ...]:
     if arch == "qwen4exp":
         main = tuple(t for t in ordered if t.name != PLE_TABLE)
         table = tuple(t for t in ordered if t.name == PLE_TABLE)
         return (main, table) if table else (main,)
-    # gguf-split --split-max-tensors N: consecutive runs of at most N tensors, in file order
-    per = -(-len(ordered) // p.qwen35moe_shards)
+    # gguf-split --split-max-tensors N: consecutive runs of at most N tensors, in file order. N is
+    # the trunk's share, so an MTP block (last in file order) adds a shard of its own rather than
+    # moving the trunk's split point into a layer's experts (the packer needs a layer's in one file).
+    n_trunk = sum(t.layer is None or t.layer < n_layer for t in ordered)
+    per = -(-n_trunk // p.qwen35moe_shards)
     return tuple(tuple(ordered[i : i + per]) for i in range(0, len(ordered), per))
 
 
@@ -537,7 +551,7 @@ def arch_metadata(g: ModelGeometry, *, context_length: int | None = None,
         kv.append((key, value, vt, sub))
 
     a = lambda s: f"{g.arch}.{s}"  # noqa: E731
-    add(a("block_count"), g.n_layer, VT.UINT32)
+    add(a("block_count"), g.n_layer + g.n_mtp_layer, VT.UINT32)  # the converter counts the MTP block
     if context_length is not None:
         add(a("context_length"), context_length, VT.UINT32)
     add(a("embedding_length"), g.n_embd, VT.UINT32)
@@ -552,12 +566,16 @@ def arch_metadata(g: ModelGeometry, *, context_length: int | None = None,
     add(a("attention.value_length"), g.head_dim, VT.UINT32)
     add(a("expert_feed_forward_length"), g.n_ff_exp, VT.UINT32)
     add(a("expert_shared_feed_forward_length"), g.n_ff_shexp, VT.UINT32)
+    if g.n_mtp_layer:  # _QwenMtpMixin.set_gguf_parameters, after Qwen2MoeModel's keys, before the ssm.* ones
+        add(a("nextn_predict_layers"), g.n_mtp_layer, VT.UINT32)
     add(a("ssm.conv_kernel"), g.ssm_d_conv, VT.UINT32)
     add(a("ssm.state_size"), g.ssm_d_state, VT.UINT32)
     add(a("ssm.group_count"), g.ssm_n_k_heads, VT.UINT32)
     add(a("ssm.time_step_rank"), g.ssm_n_v_heads, VT.UINT32)
     add(a("ssm.inner_size"), g.ssm_d_inner, VT.UINT32)
-    add(a("attention.recurrent_layers"), [not g.is_full_attention(l) for l in range(g.n_layer)], VT.ARRAY, VT.BOOL)
+    # an MTP block's entry says full attention (conversion/qwen.py _QwenMtpMixin)
+    add(a("attention.recurrent_layers"), [not g.is_full_attention(l) for l in range(g.n_layer)] + [False] * g.n_mtp_layer,
+        VT.ARRAY, VT.BOOL)
     add(a("full_attention_interval"), g.full_attention_interval, VT.UINT32)
     add(a("rope.dimension_count"), g.n_rot, VT.UINT32)
     if g.arch == "qwen4exp":
@@ -773,14 +791,15 @@ def output_paths(out: str | os.PathLike, n_files: int) -> list[Path]:
 
 
 def synth(arch: str, preset: str, out: str | os.PathLike, *, seed: int = 0, force: bool = False,
-          progress: Callable[[int], None] | None = None, zero_compress_ratios: bool = False) -> list[Path]:
+          progress: Callable[[int], None] | None = None, zero_compress_ratios: bool = False,
+          mtp: bool = False) -> list[Path]:
     """Write the synthetic model; returns the files written (main shard first).
 
     Existing files are refused unless `force`. Every file is written under a temporary name and
     the set is renamed into place only when all are complete, so a failure leaves neither a
     partial set nor a mix of new and old shards.
     """
-    plan = plan_model(arch, preset, zero_compress_ratios)
+    plan = plan_model(arch, preset, zero_compress_ratios, mtp)
     paths = output_paths(out, len(plan.shards))
     existing = [str(p) for p in paths if p.exists()]
     if existing and not force:
@@ -812,11 +831,11 @@ def _writer(plan: SynthPlan, index: int, path: Path, tensors: Sequence[SynthTens
 
 
 def synth_command(arch: str, preset: str, out: str | os.PathLike, seed: int = 0, force: bool = False,
-                  zero_compress_ratios: bool = False) -> list[Path]:
+                  zero_compress_ratios: bool = False, mtp: bool = False) -> list[Path]:
     """`strata-pack synth`: synth() with a progress bar (tqdm, shown only on a terminal)."""
     from tqdm import tqdm
 
-    total = plan_model(arch, preset).nbytes
+    total = plan_model(arch, preset, mtp=mtp).nbytes
     with tqdm(total=total, unit="B", unit_scale=True, desc=f"synth {preset} {arch}", disable=None) as bar:
         return synth(arch, preset, out, seed=seed, force=force, progress=bar.update,
-                     zero_compress_ratios=zero_compress_ratios)
+                     zero_compress_ratios=zero_compress_ratios, mtp=mtp)

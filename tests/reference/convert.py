@@ -143,26 +143,30 @@ def _gguf_tensor_count(path: Path) -> int:
     return int.from_bytes(head[8:16], "little")
 
 
-def _mtp_args(checkpoint_dir: Path, mtp: bool = True) -> list[str]:
+def _mtp_args(checkpoint_dir: Path, mtp: bool | str = True) -> list[str]:
     # The Qwen3.5 converter expects MTP tensors (asserts a non-zero MTP layer count) unless told
     # --no-mtp; a tiny checkpoint has them only when built with mtp_num_hidden_layers (hf_models).
-    # mtp=False converts a checkpoint that has them without them (the trunk alone).
+    # mtp=False converts a checkpoint that has them without them (the trunk alone); mtp="only"
+    # writes the MTP-only GGUF (the converter's --mtp: the draft block, token_embd, output_norm, output).
     cfg = json.loads((checkpoint_dir / "config.json").read_text(encoding="utf-8"))
     arch = (cfg.get("architectures") or [""])[0]
+    if mtp == "only":
+        return ["--mtp"]
     if arch.startswith("Qwen3_5") and (not cfg.get("mtp_num_hidden_layers") or not mtp):
         return ["--no-mtp"]
     return []
 
 
 def convert_to_gguf(checkpoint_dir: str | Path, out_path: str | Path, outtype: str = "f32",
-                    split_ple: bool = False, mtp: bool = True) -> list[Path]:
+                    split_ple: bool = False, mtp: bool | str = True) -> list[Path]:
     """Convert a checkpoint with llama.cpp's converter; returns the GGUF file(s) written.
 
     split_ple=False: one file at out_path. split_ple=True (qwen4exp): the release's two shards,
     <stem>-00001-of-00002.gguf (everything else) and <stem>-00002-of-00002.gguf (the PLE table),
     made by the converter's own --split-max-tensors: the table is the last tensor it emits when the
     checkpoint stores the n-gram shards in its last safetensors part (hf_models does, as releases do).
-    mtp=False leaves out an MTP block the checkpoint has (the converter's --no-mtp).
+    mtp=False leaves out an MTP block the checkpoint has (the converter's --no-mtp); mtp="only"
+    writes the MTP-only GGUF (the converter's --mtp).
     """
     if outtype not in OUTTYPES:
         raise ValueError(f"convert_to_gguf: outtype {outtype!r}, expected one of {OUTTYPES}")
@@ -223,17 +227,18 @@ def reference_checkpoint(arch: str, seed: int = 0, **overrides: Any) -> Path:
 
 
 def reference_gguf(arch: str, outtype: str = "f32", seed: int = 0, split_ple: bool | None = None,
-                   mtp: bool = True, **overrides: Any) -> list[Path]:
+                   mtp: bool | str = True, **overrides: Any) -> list[Path]:
     """Cached GGUF file(s) of the tiny `arch` model converted by llama.cpp's converter.
 
     split_ple defaults to True for a qwen4exp model with a PLE layer (the release's form:
     [main shard, PLE shard]) and False otherwise ([single file]). mtp=False converts a checkpoint
-    built with an MTP block (mtp_num_hidden_layers=1) without it, as --no-mtp does.
+    built with an MTP block (mtp_num_hidden_layers=1) without it, as --no-mtp does; mtp="only" its
+    MTP-only GGUF, as --mtp does.
     """
     cfg = hf_models.tiny_config(arch, **overrides)
     if split_ple is None:
         split_ple = bool(cfg.get("ple_layer_ids"))
-    conversion = dict(outtype=outtype, split_ple=split_ple) | ({} if mtp else dict(mtp=False))
+    conversion = dict(outtype=outtype, split_ple=split_ple) | ({} if mtp is True else dict(mtp=mtp))
     key = _cache_key(arch, seed, overrides, **conversion)
     target = cache_root() / "gguf" / f"{arch}-{outtype}-s{seed}-{key}"
     done = target / "files.txt"

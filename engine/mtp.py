@@ -1,0 +1,99 @@
+"""The MTP draft head (qwen35moe): the token after next, from the trunk's hidden state and the next token.
+
+Semantics: llama.cpp 0.3.36's `graph_mtp` (src/models/qwen35moe.cpp), tensors as its converter
+writes them (conversion/qwen.py _QwenMtpMixin: the checkpoint's mtp.* become layer blk.{n_layer}):
+
+    e = RMSNorm(embed(token), enorm)          embed: nextn.embed_tokens, else the trunk's token_embd
+    h = RMSNorm(h_trunk, hnorm)               h_trunk: the trunk's FINAL hidden state, after output_norm
+    x = eh_proj [e | h]                       embedding first: eh_proj is [2 n_embd -> n_embd]
+    x += attention(RMSNorm(x, attn_norm))     a full-attention layer (engine/model.py GatedAttention)
+    x += moe(RMSNorm(x, post_attention_norm)) routed experts + gated shared expert (engine/moe.py MoE)
+    y = RMSNorm(x, shared_head_norm)          else the trunk's output_norm
+    logits = head y                           nextn.shared_head_head, else the trunk's output
+
+The pair (h of position p, token at p + 1) predicts the token at p + 2. llama.cpp runs it at MTP
+position p + 1 (common/speculative.cpp, draft-mtp: "pair (h_p, x_{p+1}) at MTP pos p+1"), so no pair
+is at position 0. Here it runs at p: the head's own KV cache (its session state) is indexed by
+position from 0, and a pair at p + 1 would leave slot 0 empty yet attended. Attention sees
+positions only through RoPE, whose scores depend on the difference of the query's and the key's
+positions, so shifting every pair by one is the same arithmetic (tests/test_mtp.py compares with
+the reference run at llama.cpp's positions). `hidden` after a step is y, the input h of the next
+draft in a chain (llama.cpp feeds the head's h_nextn back).
+
+Drafting, verification and rollback are not here (issue 17's later points): this computes the draft
+logits of one position, with the engine's blocks and the pack's weight table.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .backend import CpuBackend
+from .batch import Seq
+from .kernels.reference import dequantize
+from .kvcache import KVCache
+from .model import GatedAttention
+from .moe import MoE
+from .ops import Rope, rmsnorm
+from .pack import Pack, PackError
+from .weights import Input
+
+F32 = np.float32
+
+
+class MTPHead:
+    """The pack's MTP block. `new_state(max_context, kv)` -> its KV cache; `step(state, h, token, pos)`
+    -> draft logits f32 [n_vocab] (a view of this head's scratch, overwritten by the next step).
+    `backend`: what its blocks compute with (engine/backend.py), the model's when it drafts for one."""
+
+    def __init__(self, pack: Pack, backend=None):
+        self.backend = backend if backend is not None else CpuBackend()
+        g = pack.geometry
+        if not g.n_mtp_layer:
+            raise PackError(f"{pack.dir}: the model has no MTP block (its GGUF had nextn_predict_layers 0; a "
+                            "separate MTP-only GGUF is packed with strata-pack convert --mtp PATH)")
+        l, b = g.n_layer, f"blk.{g.n_layer}"
+        self.E, self.eps = g.n_embd, g.rms_eps
+        self.eh_proj = pack.weight(f"{b}.nextn.eh_proj.weight")
+        self.enorm = pack.weight(f"{b}.nextn.enorm.weight").f32()
+        self.hnorm = pack.weight(f"{b}.nextn.hnorm.weight").f32()
+        self.attn_norm = pack.weight(f"{b}.attn_norm.weight").f32()
+        self.ffn_norm = pack.weight(f"{b}.post_attention_norm.weight").f32()
+        self.attn = GatedAttention(pack, l, Rope(g.n_rot, g.rope_freq_base))
+        self.moe = MoE(pack, l)
+        # the optional tensors: the block's own where it has them, else the trunk's (graph_mtp)
+        self.embd = pack.weight(f"{b}.nextn.embed_tokens.weight" if g.mtp_embed_tokens else "token_embd.weight")
+        self.head = pack.weight(f"{b}.nextn.shared_head_head.weight" if g.mtp_shared_head_head else "output.weight")
+        self.head_norm = pack.weight(f"{b}.nextn.shared_head_norm.weight" if g.mtp_shared_head_norm
+                                     else "output_norm.weight").f32()
+        self.n_vocab = g.n_vocab
+        # scratch, made once (S12)
+        self.cat = Input(np.empty((1, 2 * self.E), F32))
+        self.xin = Input(np.empty((1, self.E), F32))
+        self.x = np.empty((1, self.E), F32)
+        self.y = Input(np.empty((1, self.E), F32))
+        self.hidden = self.y.x[0]
+        self.logits = np.empty(g.n_vocab, F32)
+        self.routing = np.zeros(g.n_expert, np.int64)  # routed expert counts of the head's MoE
+
+    def new_state(self, max_context: int, kv: str = "f32") -> KVCache:
+        return self.attn.new_state(max_context, kv)
+
+    def step(self, state: KVCache, h: np.ndarray, token: int, pos: int) -> np.ndarray:
+        """Draft logits for the token at position pos + 2, from h (the trunk's output-normed hidden
+        state at position pos, or the previous draft's `hidden`) and `token` (the token at pos + 1).
+        Writes the head's KV at slot pos: pairs go in position order, as the trunk's tokens do."""
+        if not 0 <= token < self.n_vocab:
+            raise ValueError(f"token id {token} outside the vocabulary 0..{self.n_vocab - 1}")
+        be, E, eps, cat = self.backend, self.E, self.eps, self.cat.x[0]
+        e = dequantize(self.embd.rows(token, token + 1), self.embd.type_id, E)
+        rmsnorm(e, self.enorm, eps, out=cat[:E])  # embedding first (ggml_concat(e_norm, h_norm))
+        rmsnorm(np.asarray(h, F32), self.hnorm, eps, out=cat[E:])
+        x = be.linear(self.eh_proj, self.cat.changed(), self.x)
+        rmsnorm(x, self.attn_norm, eps, out=self.xin.x)
+        x += self.attn.forward(be, [Seq(state, 0, 1, pos)], self.xin.changed())
+        rmsnorm(x, self.ffn_norm, eps, out=self.xin.x)
+        x += self.moe.forward(be, self.xin.changed(), self.routing)
+        rmsnorm(x, self.head_norm, eps, out=self.y.x)
+        be.linear(self.head, self.y.changed(), self.logits.reshape(1, -1))
+        return self.logits
