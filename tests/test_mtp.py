@@ -381,7 +381,7 @@ def test_draft_logits_of_llama_cpps_conversion_match_the_checkpoint(real, capsys
     logits, router = [], []
     for p in range(T):
         logits.append(head.step(state, h[p], int(tokens[p]), p).copy())
-        router.append(head.moe.logits.copy())
+        router.append(head.moe.logits.reshape(-1).copy())  # [1, X]: one pair
     ref = mtp_forward(ref_w["weights"], ref_w["hparams"], h, tokens, [p + 1 for p in range(T)])
     rel = _rel(np.stack(logits), ref["logits"])
     assert rel < REL_TOL, f"draft logits: max |engine - checkpoint reference| / max |reference| = {rel:.3e}"
