@@ -136,13 +136,19 @@ class BudgetOptions:
     drafter_bytes: int = 0  # the MTP draft head's weights (0 without --mtp)
     draft_bind_bytes: int = 0  # its binding to the head, after the cache (0 without --mtp)
     spec: int = 0  # draft tokens verified at once (0: no verifier)
+    batch: int = 1  # strata serve --batch: sessions running at once (each sized for max_context)
+    cache_slots: int = 0  # strata serve --conversation-cache-slots: parked sessions at most
+    cache_mib: int = 0  # strata serve --conversation-cache-mib: their host memory at most
 
     def __post_init__(self) -> None:
         if self.max_context < 1:
             raise BudgetError(f"--ctx-size {self.max_context}: expected at least 1")
         if self.kv not in KV_TYPES:
             raise BudgetError(f"--kv {self.kv!r}: expected one of {', '.join(KV_TYPES)}")
-        for name in ("vram_reserve_mib", "prefill_chunk", "drafter_bytes", "draft_bind_bytes", "spec"):
+        if self.batch < 1:
+            raise BudgetError(f"--batch {self.batch}: expected at least 1")
+        for name in ("vram_reserve_mib", "prefill_chunk", "drafter_bytes", "draft_bind_bytes", "spec", "cache_slots",
+                     "cache_mib"):
             if getattr(self, name) < 0:
                 raise BudgetError(f"{name} {getattr(self, name)}: expected >= 0")
         if self.expert_cache is not None and self.expert_cache < 0:
@@ -367,6 +373,23 @@ def _session_items(g: ModelGeometry, o: BudgetOptions) -> list[Item]:
     return items
 
 
+def _serve_items(g: ModelGeometry, o: BudgetOptions) -> list[Item]:
+    """strata serve's other sessions, host memory like the first: the --batch - 1 running beside it,
+    and the conversation cache's parked ones, at most the slots' sessions and at most its MiB (the
+    cache evicts to stay under both: engine/scheduler.py ConversationCache)."""
+    one = session_host_bytes(g, o.max_context, o.kv)
+    items = []
+    if o.batch > 1:
+        items.append(Item("serve.batch", f"the other --batch sessions ({o.batch - 1} x {one} B)", (o.batch - 1) * one,
+                          WEIGHTS, HOST, count=o.batch - 1))
+    if o.cache_slots and o.cache_mib:
+        parked = min(o.cache_slots, (o.cache_mib << 20) // one)  # a session larger than the cap is never parked
+        items.append(Item("serve.conversation_cache", f"conversation cache, at most ({parked} parked sessions, "
+                          f"--conversation-cache-slots {o.cache_slots}, --conversation-cache-mib {o.cache_mib})",
+                          parked * one, WEIGHTS, HOST, count=parked))
+    return items
+
+
 def session_host_bytes(g: ModelGeometry, max_context: int, kv: str) -> int:
     """All of a session's host state for `max_context` tokens (the KV cache dominates)."""
     return sum(i.bytes for i in _session_items(g, BudgetOptions(max_context=max_context, kv=kv)))
@@ -509,7 +532,7 @@ def plan_budget(index: PackIndex, experts: NativeExperts, g: ModelGeometry, opti
     before = _weight_items(index, experts, g, ple_table_bytes)
     if o.drafter_bytes:
         before.append(Item("weights.drafter", "drafter (MTP head) weights", o.drafter_bytes, WEIGHTS))
-    before += _session_items(g, o)
+    before += _session_items(g, o) + _serve_items(g, o)
     after = _after_cache_items(g, o, slot)
     after_bytes = sum(i.bytes for i in after if i.where == DEVICE)
     if free_bytes is None:

@@ -340,3 +340,35 @@ def test_cli_without_free_memory_lists_the_fixed_items(tiny_pack, capsys):
     assert main([str(tiny_pack)]) == 0
     out = capsys.readouterr().out
     assert "slots: not planned (give --vram-budget-mib or --free-mib)" in out and "compulsory-miss" not in out
+
+
+def test_strata_serves_other_sessions_are_host_items(seed4l):
+    """--batch N: N - 1 more sessions beside the first; the conversation cache: at most its slots'
+    sessions and at most its MiB (it evicts to stay under both), each session what the CPU engine
+    measures (test_prefill.py: Session.memory equals session_host_bytes' items)."""
+    _, _, g = seed4l
+    one = B.session_host_bytes(g, 32768, "f16")
+    b = plan(seed4l, batch=3, cache_slots=8, cache_mib=256)
+    assert b.item("serve.batch").bytes == 2 * one and b.item("serve.batch").where == B.HOST
+    # by hand: KV 32768 x 2 x 2 heads x 256 x 2 B = 67108864 (one QSA layer), GDN 3 x 48 x 128 x 128 x 4 =
+    # 9437184, conv 3 x 3 x 10240 x 4 = 368640, indexer keys 32768 x 128 x 4 = 16777216, pooled blocks
+    # 512 x 128 x 4 + 512 x 4 = 264192, PLE 9 x 10240 x 4 = 368640, stream 4 x 2560 x 4 = 40960
+    # the MiB cap binds: 256 MiB hold 2 sessions of 32K f16 tokens (90 MiB each), not 8
+    assert one == 67108864 + 9437184 + 368640 + 16777216 + 264192 + 368640 + 40960 and b.item("serve.conversation_cache").bytes == 2 * one
+    roomy = plan(seed4l, batch=1, cache_slots=2, cache_mib=1 << 20)
+    assert roomy.item("serve.conversation_cache").bytes == 2 * one
+    keys = {i.key for i in plan(seed4l).items}
+    assert not keys & {"serve.batch", "serve.conversation_cache"}  # strata generate's plan has neither
+    assert b.host_bytes() - plan(seed4l).host_bytes() == 2 * one + b.item("serve.conversation_cache").bytes
+    with pytest.raises(B.BudgetError, match="--batch 0"):
+        plan(seed4l, batch=0)
+
+
+def test_cli_plans_a_servers_sessions(tiny_pack, capsys):
+    from strata.tools.budget_cli import main
+
+    assert main([str(tiny_pack), "--batch", "4", "--conversation-cache-slots", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "the other --batch sessions (3 x" in out and "conversation cache, at most (8 parked sessions" in out
+    assert main([str(tiny_pack), "--batch", "0"]) == 1
+    assert "--batch 0: expected at least 1" in capsys.readouterr().err

@@ -57,6 +57,10 @@ def budget(
     kv: str = typer.Option("f16", "--kv", help="KV cache type: f16, int8 (f32 scale per 32 elements) or f32"),
     expert_cache: str = typer.Option("auto", "--expert-cache", help="GPU expert slots: auto (what fits beside the reserve) or a slot count to check"),
     expert_profile: Optional[Path] = typer.Option(None, "--expert-profile", help="expert-profile.bin (strata-profile)"),
+    batch: int = typer.Option(1, "--batch", metavar="N", help="strata serve's --batch: N sessions at once"),
+    cache_slots: int = typer.Option(0, "--conversation-cache-slots", metavar="N", help="strata serve's parked sessions "
+                                    "(8 there); 0: none, as strata generate"),
+    cache_mib: int = typer.Option(2048, "--conversation-cache-mib", metavar="M", help="strata serve's cap on them, MiB"),
     plot: Optional[Path] = typer.Option(None, "--plot", help="write a PNG of expected hit rate against slots"),
     version: bool = version_option(),
 ) -> None:
@@ -75,7 +79,7 @@ def budget(
 
         # inf (or 1e308, inf once in bytes) reached int() as an OverflowError traceback; 2^30 GiB is 1 EiB
         finite("--vram-budget-mib" if vram_budget_mib is not None else "--vram-gib", vram_budget_mib if vram_budget_mib is not None else vram_gib, lo=0, hi=2**40 if vram_budget_mib is not None else 2**30)
-        opts = _options(prefill, max_context, kv, expert_cache, vram_reserve_mib)
+        opts = _options(prefill, max_context, kv, expert_cache, vram_reserve_mib, batch, cache_slots, cache_mib)
         _check_context(pack_dir, kv, max_context)
         free = None if vram_gib is None and free_mib is None else int(vram_gib * GiB) if vram_gib is not None else free_mib * MiB
         report = _report(pack_dir, opts, free, expert_profile)
@@ -91,14 +95,20 @@ def budget(
         raise _fail("\n".join([*report.budget.problems, "the engine would refuse to start with these options"]))
 
 
-def _options(prefill: str, max_context: int, kv: str, expert_cache: str, reserve: int):
+def _options(prefill: str, max_context: int, kv: str, expert_cache: str, reserve: int, batch: int = 1,
+             cache_slots: int = 0, cache_mib: int = 0):
     from strata.engine.arguments import parse_prefill
     from strata.engine.budget import BudgetOptions, auto_prefill_chunk
 
     chunk = parse_prefill(prefill)
     chunk = auto_prefill_chunk() if chunk is None else chunk  # the device plan: the 256-token chunk
     slots = None if expert_cache == "auto" else _count("--expert-cache", expert_cache)
-    return BudgetOptions(max_context=max_context, kv=kv, vram_reserve_mib=reserve, prefill_chunk=chunk, expert_cache=slots)
+    for flag, v, lo in (("--batch", batch, 1), ("--conversation-cache-slots", cache_slots, 0),
+                        ("--conversation-cache-mib", cache_mib, 0)):
+        if v < lo:
+            raise ValueError(f"{flag} {v}: expected at least {lo}")
+    return BudgetOptions(max_context=max_context, kv=kv, vram_reserve_mib=reserve, prefill_chunk=chunk, expert_cache=slots,
+                         batch=batch, cache_slots=cache_slots, cache_mib=cache_mib)
 
 
 def _check_context(pack_dir: Path, kv: str, max_context: int) -> None:
