@@ -415,7 +415,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from strata.engine.kernels import cpu
     from strata.engine.model import Model
-    from strata.engine.pack import Pack
+    from strata.engine.pack_reader import Pack
 
     cpu.set_threads(args.threads)
     pack_dir = ensure_pack(args.arch, args.preset)

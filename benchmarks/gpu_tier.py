@@ -97,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     from strata.engine.kernels import cpu, gpu
     from strata.engine.model import Model
     from strata.engine.ops import reuse_freed_memory, single_blas_thread
-    from strata.engine.pack import Pack
+    from strata.engine.pack_reader import Pack
     from strata.engine.tokenizer import Tokenizer
     from strata.index_format.expert_profile import ExpertProfile
     from strata.index_format.manifest import pack_fingerprint

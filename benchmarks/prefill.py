@@ -116,7 +116,7 @@ def main(argv=None) -> int:
     from strata.engine.kernels import cpu
     from strata.engine.model import Model
     from strata.engine.ops import reuse_freed_memory, single_blas_thread
-    from strata.engine.pack import Pack
+    from strata.engine.pack_reader import Pack
 
     cpu.set_threads(a.threads)
     single_blas_thread()  # as `strata generate` does

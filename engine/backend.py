@@ -78,7 +78,7 @@ class CpuBackend:
     def linear(self, w: Weight, x, out: np.ndarray | None = None) -> np.ndarray:
         """Y = X W^T -> f32 [T, n_out]; x an Input of T rows (or f32 [T, n_in] / an ActQ of T rows).
         One row takes the matvec kernel (the decode step's), more the panel kernels: both give each
-        row the same bits (tests/test_kernels_cpu.py), so the choice changes speed, not numbers."""
+        row the same bits (tests/engine/test_kernels_cpu.py), so the choice changes speed, not numbers."""
         if isinstance(x, np.ndarray):
             x = Input(x)  # Input.form is the one place activations are quantized (engine/weights.py)
         act = x.form(w.type) if isinstance(x, Input) else x

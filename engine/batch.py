@@ -7,7 +7,7 @@ block state and position travel with them as a `Seq`. The row-wise work (every m
 norms, the MoE's router and grouped experts, the hyper-connections) runs over all T rows at once;
 the work along a sequence (convolutions, the delta rule, attention and its caches, PLE) runs per
 `Seq` on its rows, with its state. Rows never mix across sequences, so a request's numbers are the
-same whatever runs beside it (tests/test_serve.py checks greedy output alone and batched).
+same whatever runs beside it (tests/engine/test_serve.py checks greedy output alone and batched).
 """
 
 from __future__ import annotations

@@ -312,7 +312,7 @@ def load_model(pack, native, ple_gguf, pool_workers, who: str, prefill: int | No
     from strata.engine.kernels import cpu
     from strata.engine.model import Model
     from strata.engine.ops import reuse_freed_memory, single_blas_thread
-    from strata.engine.pack import Pack
+    from strata.engine.pack_reader import Pack
     from strata.engine.warm import helper_argv, warm_up
 
     try:
@@ -353,7 +353,7 @@ def _run(pack, prompt, prompt_file, prompt_ids, n, ignore_eos, temp, top_k, top_
     from strata.engine.arguments import check_free_space, writable_file
     from strata.engine.generate import generate as run_generation
     from strata.engine.kernels import cpu
-    from strata.engine.pack import read_pack_geometry
+    from strata.engine.pack_reader import read_pack_geometry
     from strata.engine.sampling import Sampler
     from strata.engine.tokenizer import Tokenizer
 
@@ -588,7 +588,7 @@ def _perplexity(pack, file, ctx, max_windows, save_logits, kl_base, kv, option, 
     from strata.index_format.manifest import pack_fingerprint
 
     from strata.engine.arguments import check_free_space, read_text, writable_file
-    from strata.engine.pack import read_pack_geometry
+    from strata.engine.pack_reader import read_pack_geometry
     from strata.index_format.kl_base import HEADER_BYTES, TOKEN, record_dtype
 
     # the text, the flags and the output are checked before the load (seconds to minutes)
@@ -694,7 +694,7 @@ def serve(
 
 def _serve(pack, host, port, api_key, max_queue, batch, cache_slots, cache_mib, model_name, max_context, kv, prefill,
            pool_workers, native, ple_gguf, who, tier_flags) -> None:
-    from strata.engine.pack import read_pack_geometry
+    from strata.engine.pack_reader import read_pack_geometry
     from strata.engine.tokenizer import Tokenizer
 
     # every flag is checked before the load (seconds to minutes)
@@ -808,7 +808,7 @@ def chat(
 
 
 def _chat(pack, system, think, n, params, max_context, kv, prefill, pool_workers, stats, who) -> None:
-    from strata.engine.pack import read_pack_geometry
+    from strata.engine.pack_reader import read_pack_geometry
     from strata.engine.scheduler import ConversationCache, Job, Scheduler
     from strata.engine.tokenizer import Tokenizer
 

@@ -34,7 +34,7 @@ from .kernels.actq import QA, ActQ, NonFiniteActivation, quantize_row
 from .kernels.jit import cached_njit
 from .ops import rmsnorm
 from .ops import sigmoid as ops_sigmoid
-from .pack import PackError
+from .pack_reader import PackError
 from .weights import Input, Weight
 
 F32 = np.float32

@@ -14,7 +14,7 @@ ONE FORWARD. Every block has one `forward` over a batch of T token rows [T, n]; 
 step, T > 1 a prompt chunk. What differs with T (a matvec or the panel kernels, the delta rule's
 recurrence or its chunked form, one query or a tile of them) is chosen below the blocks, by the
 backend (engine/backend.py) and the MoE, never by a second method; the recurrent states are updated
-by the same code for any T. The choices differ only by float32 rounding (tests/test_prefill.py).
+by the same code for any T. The choices differ only by float32 rounding (tests/engine/test_prefill.py).
 
 S12: a Session makes its state once (the KV cache is sized for max_context up front); the decode
 step writes into it and into the backend's scratch, and returns a view of the session's logits.
@@ -33,7 +33,7 @@ from .kernels.reference import dequantize
 from .kvcache import ContextFull, KVCache  # noqa: F401 (ContextFull: the model's error too)
 from .moe import MoE
 from .ops import Rope, gate_sigmoid, gate_silu, gated_rmsnorm_
-from .pack import Pack
+from .pack_reader import Pack
 from .ple import PLELayer, PLEState, TableRows
 from .qsa import QSACache, QSALayer
 from .weights import Input

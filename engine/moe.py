@@ -7,7 +7,7 @@ routed expert's weights are read once for all the tokens routed to it, in one gr
 per matrix. THE MOE OWNS THE HIT/MISS SPLIT: `routed` asks the backend's expert server (the GPU
 tier's, engine/tier/hits.py) which experts it serves; the server multiplies on the device and makes
 each hit's hidden activation with `hidden_`, the function the CPU path uses, so a hit and a miss
-give the same bits (tests/test_gpu_tier.py); without a server every expert is computed here.
+give the same bits (tests/gpu/test_gpu_tier.py); without a server every expert is computed here.
 
 Legend: E = n_embd, X = experts, k = experts per token, F = expert n_ff, Fs = shared expert n_ff,
 T = tokens, N = (token, rank) pairs = T k.
@@ -22,7 +22,7 @@ from .kernels import cpu
 from .kernels.actq import ActQ
 from .kernels.jit import cached_njit
 from .ops import gate_
-from .pack import Pack
+from .pack_reader import Pack
 from .weights import Input
 
 F32 = np.float32

@@ -16,7 +16,7 @@ position p + 1 (common/speculative.cpp, draft-mtp: "pair (h_p, x_{p+1}) at MTP p
 is at position 0. Here it runs at p: the head's own KV cache (its session state) is indexed by
 position from 0, and a pair at p + 1 would leave slot 0 empty yet attended. Attention sees
 positions only through RoPE, whose scores depend on the difference of the query's and the key's
-positions, so shifting every pair by one is the same arithmetic (tests/test_mtp.py compares with
+positions, so shifting every pair by one is the same arithmetic (tests/engine/test_mtp.py compares with
 the reference run at llama.cpp's positions). `hidden` after a step is y, the input h of the next
 draft in a chain (llama.cpp feeds the head's h_nextn back).
 
@@ -35,7 +35,7 @@ from .kvcache import KVCache
 from .model import GatedAttention
 from .moe import MoE
 from .ops import Rope, rmsnorm
-from .pack import Pack, PackError
+from .pack_reader import Pack, PackError
 from .weights import Input
 
 F32 = np.float32

@@ -90,7 +90,7 @@ def rmsnorm(x: np.ndarray, gain: np.ndarray, eps: float, out: np.ndarray | None 
     transformers in float64, our ground truth). `f32_sums` takes numpy's f32 mean, as transformers
     computes it in float32: the qwen4exp components (hyper-connections, PLE, QSA's norms) were
     matched to that rounding step for step, because QSA's block selection is discrete and a
-    different rounding of the indexer's norms can flip a near-tie (tests/test_qwen4exp_components.py)."""
+    different rounding of the indexer's norms can flip a near-tie (tests/engine/test_qwen4exp_components.py)."""
     n = x.shape[-1]
     group = n if group is None else group
     g = x.reshape(*x.shape[:-1], n // group, group)
@@ -320,7 +320,7 @@ def delta_rule(S: np.ndarray, q: np.ndarray, k: np.ndarray, v: np.ndarray, g: np
     """T tokens of the gated delta rule, S f32 [nv, dv, dk] updated in place -> f32 [T, nv, dv] (`out`
     when given). One token takes the recurrence (`delta_rule_step`: one pass over S, the decode
     path's cost); more take the chunked form (`chunk_delta_rule`: matrix products over sub-chunks),
-    which differs from the recurrence by float rounding only (tests/test_prefill.py bounds it)."""
+    which differs from the recurrence by float rounding only (tests/engine/test_prefill.py bounds it)."""
     if q.shape[0] == 1:
         out = np.empty(v.shape, F32) if out is None else out
         delta_rule_step(S, q[0], k[0], v[0], g[0], beta[0], out[0])

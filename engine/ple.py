@@ -33,7 +33,7 @@ from strata.index_format.ggml_types import ggml_type
 
 from .hyper import Tensor, as_f32, as_linear, grouped_rmsnorm, sigmoid, take
 from .kernels.jit import cached_njit
-from .pack import PackError
+from .pack_reader import PackError
 
 F32 = np.float32
 MASK64 = (1 << 64) - 1

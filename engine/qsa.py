@@ -42,7 +42,7 @@ from .kernels.jit import JIT, cached_njit
 from .batch import seqs_of
 from .kvcache import ContextFull, KVCache, kv_bytes_per_token
 from .ops import Rope, causal_mask
-from .pack import PackError
+from .pack_reader import PackError
 from .weights import Input
 
 F32 = np.float32

@@ -10,7 +10,7 @@ for its whole length). Every matrix is read once per step for all of them and th
 routed expert once for all the rows routed to it, so a slot costs far less than a second run. New
 requests join between steps. A request's numbers are the ones it gets alone: its rows never mix
 with another's, and its feeds (its own prompt chunks, then one token at a time) do not depend on
-what runs beside it (tests/test_serve.py checks greedy text alone and batched).
+what runs beside it (tests/engine/test_serve.py checks greedy text alone and batched).
 
 The conversation cache: when a request ends, its Session IS the state at its position (KV cache,
 Gated DeltaNet and conv states, PLE windows), so it is parked in host memory under the exact tokens

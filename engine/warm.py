@@ -78,7 +78,7 @@ def helper_argv(pack: Path, native: Path | None, ple_gguf: Path | None) -> list[
 def _main(argv: list[str]) -> int:
     from .kernels import cpu
     from .model import Model
-    from .pack import Pack
+    from .pack_reader import Pack
 
     pack, native, ple = argv[0], None, None
     rest = argv[1:]

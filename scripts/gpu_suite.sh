@@ -11,7 +11,7 @@
 set -u
 cd "$(dirname "$0")/.." || exit 2
 # The machine reaches no package index: what it lacks travels as wheels in .whl/ (device README): gguf,
-# and for tests/test_serve.py (its GPU-tier test) fastapi, starlette, pydantic, pydantic_core, annotated-types,
+# and for tests/engine/test_serve.py (its GPU-tier test) fastapi, starlette, pydantic, pydantic_core, annotated-types,
 # annotated-doc, typing-inspection, typing_extensions, opentelemetry-api, uvicorn, openai, jiter, distro, sniffio,
 # httpx2, httpcore2, truststore (cp312 manylinux wheels of the versions pip installed here; 2026-12-01: 6 MB).
 if ls .whl/*.whl >/dev/null 2>&1; then python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD; fi
@@ -35,7 +35,7 @@ export PYTHONPATH="$BOOT${PYTHONPATH:+:$PYTHONPATH}"
 # Only the files that hold GPU tests are collected: other test files need packages (torch,
 # transformers, gguf) this machine may not have, and a collection error would mask the result.
 # (a test is a GPU test when marked gpu, or when it takes the `rt` fixture of tests/conftest.py)
-FILES=$(grep -lE "pytest.mark.gpu|def test_[a-z0-9_]+\([^)]*\brt\b" tests/test_*.py)
+FILES=$(grep -lE "pytest.mark.gpu|def test_[a-z0-9_]+\([^)]*\brt\b" $(find tests -name "test_*.py" | sort))
 echo "== GPU tests: $(echo $FILES)"
 timeout 420 python3 -m pytest -m gpu -q -p no:cacheprovider --durations=8 --junitxml="$LOG/gpu_tests.xml" $FILES 2>&1 | tee "$LOG/gpu_tests.log"
 TEST_RC=${PIPESTATUS[0]}

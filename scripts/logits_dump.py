@@ -1,7 +1,7 @@
 """Dump, or compare with a dump, the logits of the test fixtures through every path of the engine.
 
 A refactor of the forward must not move the numbers: run `dump OUT.npz` on the code before it and
-`compare OUT.npz` after it. The models are tests/test_prefill.py's (the engine fixture's qwen35moe
+`compare OUT.npz` after it. The models are tests/engine/test_prefill.py's (the engine fixture's qwen35moe
 and synth's `tiny` qwen4exp, both F32) plus the `tiny` qwen4exp in its own quantized types; the
 paths are the token path (`--prefill 1`) and chunks of 7, 32, 64 and 100 tokens, every position's
 logits of a 157-token prompt and 8 greedy tokens, --kv f32.
@@ -26,7 +26,7 @@ TOL = 1e-5
 def _models(tmp: Path):
     import engine_fixture as F
     from strata.engine.model import Model
-    from strata.engine.pack import Pack
+    from strata.engine.pack_reader import Pack
     from strata.tools import pack as tools_pack
     from strata.tools.synth import PRESETS, synth
 

@@ -3,7 +3,7 @@
 Self-contained (no torch, no converter): weights are drawn with unit-gain scales so every layer
 moves the logits, stored in the GGML types a test asks for (F32 / F16 / BF16 / Q8_0 ...), and the
 tokenizer is byte-level (256 byte tokens + the Qwen specials), so any text encodes.
-The agreement with transformers is tests/test_forward_reference.py's job; these models test the
+The agreement with transformers is tests/engine/test_forward_reference.py's job; these models test the
 engine's plumbing: the pack checks, expert serving by offset, the decode loop, the CLI, S12.
 
 What it shares with `strata-pack synth` (tools/synth.py), so there is one way to lay out a synthetic

@@ -92,7 +92,7 @@ def truncate_then_sample(self, *a, **k):
 Sampler.sample = truncate_then_sample
 # the stat check between tokens would see the new size first; a truncation in the middle of a token is
 # what only the SIGBUS handler can report, so the check is taken out here
-from strata.engine.pack import Pack
+from strata.engine.pack_reader import Pack
 Pack.check_unchanged = lambda self: None
 sys.exit(main(["generate", "--pack", sys.argv[2], "--pool-workers", "1", "--prompt-ids", "1 2", "-n", "8",
                "--temp", "0", "--prefill", "off"]))

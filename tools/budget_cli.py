@@ -115,7 +115,7 @@ def _check_context(pack_dir: Path, kv: str, max_context: int) -> None:
     """A plan whose session does not fit this host's memory is refused with both numbers (it once
     printed a 931 TiB KV cache and exited 0); beyond the trained context, a warning."""
     from strata.engine.cli import check_context
-    from strata.engine.pack import read_pack_geometry
+    from strata.engine.pack_reader import read_pack_geometry
 
     check_context("strata-budget", read_pack_geometry(pack_dir), kv, max_context, "--ctx-size")
 

@@ -515,7 +515,7 @@ class Pack:
 
 
 def read_pack(pack_dir: str | os.PathLike) -> Pack:
-    from strata.engine.pack import check_mtp_packed, check_pack_dir
+    from strata.engine.pack_reader import check_mtp_packed, check_pack_dir
 
     d = check_pack_dir(pack_dir)  # a missing path, a file, a GGUF: says what it is and what a pack is
     manifest = read_manifest(d / MANIFEST)

@@ -24,7 +24,7 @@ measured is part of the plan:
   computes no LM head) and the engine's own per-session routing counts (`Session.routing`, what
   `strata generate --stats` prints) are summed: tokens counted = positions fed, and every layer
   routes exactly tokens * top_k uses. The batched prompt path (chunk > 1) and token by token
-  (chunk 1) run the same model: with F32 weights they count identically (tests/test_profile.py).
+  (chunk 1) run the same model: with F32 weights they count identically (tests/tools/test_profile.py).
   With block-quantized weights each path quantizes its own activations (ActQ), so a float32
   rounding difference can flip a router near-tie: on the quantized tiny qwen4exp 26 of 7200 routed
   uses moved between the paths, far below what changes a hit rate.

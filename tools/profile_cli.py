@@ -65,7 +65,7 @@ def profile(
 ) -> None:
     """Count expert routing over calibration text; write the profile and print its expected hit rate."""
     from strata.engine.cli import check_context, engine_options, gpu_options
-    from strata.engine.pack import check_pack_dir, read_pack_geometry
+    from strata.engine.pack_reader import check_pack_dir, read_pack_geometry
     from strata.tools import profile as P
 
     try:

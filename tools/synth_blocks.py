@@ -19,7 +19,7 @@ the fp16 scale(s): d = rms / unit_rms(type) * jitter, per block.
 `_UNIT_MS[type]` is the mean of v^2 over the decoded values v of uniformly random blocks with
 d = 1 (and the min rule above). Legacy, K and IQ4 types are closed forms of the bit fields; the
 grid types (IQ1/IQ2/IQ3) depend on the grid tables and were measured once with gguf-py's
-dequantizer over 4 x 2^16 random blocks, to about 0.1% (tests/test_synth.py re-measures every type end to end).
+dequantizer over 4 x 2^16 random blocks, to about 0.1% (tests/tools/test_synth.py re-measures every type end to end).
 
 Structured values (the token embedding, which must carry a shared direction) need a real
 quantizer: `quantize_rows` covers F32, F16, BF16, Q8_0, Q4_0 and Q5_0, with ggml's reference

@@ -4,7 +4,7 @@ mapped GGUF, never copied or widened).
 The arithmetic is the one docs/kernels.md specifies to the bit, so a CUDA kernel can reproduce it:
 per 32-element act-block an exact integer sum, ONE f32 expression with the float factors, lanes
 l = block % 32 accumulated in block order, then a fixed fold over the 32 lanes. reference.py's
-`dot_reference` is the same arithmetic in numpy; tests/test_kernels_cpu.py holds the two equal.
+`dot_reference` is the same arithmetic in numpy; tests/engine/test_kernels_cpu.py holds the two equal.
 
 Shapes: n_in = row length (GGUF ne0), n_out = rows, T = tokens; raw = n_out rows of n_in elements;
 nb = n_in / 32 act-blocks per row.

@@ -19,7 +19,7 @@ directory when the install is read-only) and its file format, and changes what a
 - file name: the kernel's tag and the SIMD features it was compiled for (feature sets coexist);
 - key: the argument types and numba's target description (CPU name and features).
 It relies on numba internals (FunctionCache, its _index_key, a dispatcher's _cache; numba 0.68):
-tests/test_kernels_cpu.py checks that a second process loads instead of compiling.
+tests/engine/test_kernels_cpu.py checks that a second process loads instead of compiling.
 """
 
 from __future__ import annotations

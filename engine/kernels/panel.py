@@ -13,7 +13,7 @@ tokens; the activations come in as broadcasts straight from memory.
 
 The f32 arithmetic is docs/kernels.md's to the bit, element-wise over 16 rows instead of 16
 act-blocks: per act-block the same term, added into the row's lane b % 32 in block order, then
-the same fold. So a row's result equals cpu.py's matvec bit for bit (tests/test_panel.py), and
+the same fold. So a row's result equals cpu.py's matvec bit for bit (tests/engine/test_panel.py), and
 everything that compares the batched and token paths keeps its meaning.
 
 Layout of a panel (per thread, `_scratch`), P = act-blocks per row rounded up to 16:

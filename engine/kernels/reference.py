@@ -1,8 +1,8 @@
 """Slow, plain numpy references for the GGML block types: the first link of the chain of checks.
 
-    gguf.quants (PyPI gguf 0.19.0)  ==bit-exact==  dequantize()      (tests/test_kernels_reference.py)
+    gguf.quants (PyPI gguf 0.19.0)  ==bit-exact==  dequantize()      (tests/engine/test_kernels_reference.py)
     dequantize()                    ~=f32 level~=  IntForm           (same test, per element)
-    dot_reference() (numpy)         ==bit-exact==  cpu.matvec/matmul (tests/test_kernels_cpu.py)
+    dot_reference() (numpy)         ==bit-exact==  cpu.matvec/matmul (tests/engine/test_kernels_cpu.py)
 
 `dequantize` repeats gguf-py's f32 operations in gguf-py's order (that is what makes it bit-exact:
 `(d * sc) * q - dmin * m` and `d * (sc * q) - ...` differ in the last bit). Q2_0 (type 42) is not

@@ -31,7 +31,7 @@ V16, V32 = ir.VectorType(I8, 16), ir.VectorType(I8, 32)
 
 # Host x86 features (empty elsewhere): Numba compiles for the host CPU, so these are safe to use.
 # STRATA_SIMD_FEATURES="avx2,ssse3" (or "" for none) narrows them, so the fallback paths can be
-# tested on a machine that would never take them (tests/test_kernels_cpu.py does).
+# tested on a machine that would never take them (tests/engine/test_kernels_cpu.py does).
 _X86 = {k: v for k, v in llvm.get_host_cpu_features().items() if v} if llvm.get_default_triple().startswith("x86_64") else {}
 if "STRATA_SIMD_FEATURES" in os.environ:
     _allowed = {f.strip() for f in os.environ["STRATA_SIMD_FEATURES"].split(",") if f.strip()}

@@ -33,7 +33,7 @@ The rooms, one job each:
     startup.py   the seven stages, one method each (this module)
 
 S12: nothing is allocated on the device or in pinned memory once started; every buffer of the
-token path is a view carved at startup (tests/test_gpu_tier.py counts the allocations).
+token path is a view carved at startup (tests/gpu/test_gpu_tier.py counts the allocations).
 """
 
 from __future__ import annotations

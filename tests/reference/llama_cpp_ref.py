@@ -1,4 +1,4 @@
-"""llama.cpp's own quantizer and logits, for the conformance suite (tests/test_conformance_llama.py).
+"""llama.cpp's own quantizer and logits, for the conformance suite (tests/tools/test_conformance_llama.py).
 
 llama-cpp-python 0.3.36 is a C++ build (about 20 minutes on 2 cores; ../shared/peer/install_llama_cpu.sh
 builds it into a venv) that CI does not have. It is used wherever it can be found:

@@ -4,7 +4,7 @@ llama.cpp's quantizer is C++ and not built here, and gguf-py 0.19 quantizes only
 (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0). For the other types this module has plain encoders, far simpler
 than llama.cpp's searches but exact about the format: every block is VALID (any decoder accepts
 it) and its dequantization is a faithful approximation of the weights
-(tests/test_quantized_reference.py measures each type's error with gguf-py's decoder):
+(tests/engine/test_quantized_reference.py measures each type's error with gguf-py's decoder):
 
   Q2_0     per 64: levels (q - 1) d, q 0..3; d (and its sign) searched over a few candidates
   Q4_K     per 256: 8 sub-blocks of 32, scale (max - min) / 15 and min, both as 6-bit multiples

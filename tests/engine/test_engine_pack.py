@@ -1,4 +1,4 @@
-"""engine/pack.py, the weight table (S3): a pack opened, checked against its geometry and its GGUFs,
+"""engine/pack_reader.py, the weight table (S3): a pack opened, checked against its geometry and its GGUFs,
 served in engine form. Every expected byte comes from the GGUF through the tools' own reader, never
 from the engine's offset arithmetic.
 """
@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import engine_fixture as F
-from strata.engine.pack import Pack, PackError
+from strata.engine.pack_reader import Pack, PackError
 from strata.index_format.geometry import GeometryError, write_geometry
 from strata.index_format.manifest import Manifest, PackFile, fingerprint_file, read_manifest, write_manifest
 from strata.tools.gguf_io import read_gguf

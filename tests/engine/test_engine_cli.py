@@ -11,7 +11,7 @@ import engine_fixture as F
 from strata.engine.cli import main
 from strata.engine.kernels import cpu
 from strata.engine.model import Model
-from strata.engine.pack import Pack
+from strata.engine.pack_reader import Pack
 from strata.engine.tokenizer import Tokenizer
 
 

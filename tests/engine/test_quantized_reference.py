@@ -47,7 +47,7 @@ from reference.quantized import ActQInputs, EngineActQ, load_dequantized, place_
 
 from strata.engine.kernels import cpu  # noqa: E402
 from strata.engine.model import Model, QSAAttention  # noqa: E402
-from strata.engine.pack import Pack  # noqa: E402
+from strata.engine.pack_reader import Pack  # noqa: E402
 from strata.index_format.ggml_types import BY_NAME  # noqa: E402
 from strata.tools.gguf_io import read_gguf  # noqa: E402
 

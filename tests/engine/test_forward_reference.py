@@ -38,7 +38,7 @@ from reference.float64 import check_float64_outputs, float64_casts, float64_mode
 from strata.engine.generate import generate  # noqa: E402
 from strata.engine.kernels import cpu  # noqa: E402
 from strata.engine.model import Model, QSAAttention  # noqa: E402
-from strata.engine.pack import Pack  # noqa: E402
+from strata.engine.pack_reader import Pack  # noqa: E402
 from strata.engine.sampling import Sampler, SamplerParams  # noqa: E402
 
 pytestmark = pytest.mark.reference

@@ -38,7 +38,7 @@ from strata.engine.generate import generate
 from strata.engine.kernels import cpu
 from strata.engine.kvcache import KV_TYPES, KVCache, dequantize_int8, quantize_int8, kv_bytes_per_token
 from strata.engine.model import ContextFull, Model
-from strata.engine.pack import Pack
+from strata.engine.pack_reader import Pack
 from strata.engine.sampling import Sampler, SamplerParams
 from strata.engine.weights import Input
 from strata.tools import pack as tools_pack

@@ -9,7 +9,7 @@ import engine_fixture as F
 from strata.engine import warm
 from strata.engine.kernels import jit
 from strata.engine.model import Model
-from strata.engine.pack import Pack
+from strata.engine.pack_reader import Pack
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 import engine_fixture as F
-from strata.engine.pack import Pack
+from strata.engine.pack_reader import Pack
 from strata.index_format.geometry import GeometryError, check_tensor_shapes, same_shape, tensor_specs
 from strata.tools.gguf_io import KV, VT, GGUFWriter, read_gguf
 from strata.tools.pack_cli import main

@@ -26,7 +26,7 @@ import pytest
 from strata.engine.expert_plan import ProfileMismatch, check_profile, expected_hit_rate
 from strata.engine.model import Model
 from strata.engine.moe import MoE
-from strata.engine.pack import Pack
+from strata.engine.pack_reader import Pack
 from strata.engine.tokenizer import Tokenizer
 from strata.index_format.expert_profile import ExpertProfile, read_expert_profile
 from strata.index_format.manifest import pack_fingerprint

@@ -32,7 +32,7 @@ from reference.quantized import load_dequantized, place_tensors  # noqa: E402
 
 from strata.engine.kernels import cpu  # noqa: E402
 from strata.engine.model import Model  # noqa: E402
-from strata.engine.pack import Pack  # noqa: E402
+from strata.engine.pack_reader import Pack  # noqa: E402
 from strata.tools.gguf_io import read_gguf  # noqa: E402
 
 pytestmark = pytest.mark.reference

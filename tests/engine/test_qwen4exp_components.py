@@ -33,7 +33,7 @@ from transformers.models.qwen4_exp import modeling_qwen4_exp as M  # noqa: E402
 
 from strata.engine.backend import CpuBackend  # noqa: E402
 from strata.engine.hyper import HyperConnection, streams_from_embedding  # noqa: E402
-from strata.engine.pack import PackError  # noqa: E402
+from strata.engine.pack_reader import PackError  # noqa: E402
 from strata.engine.ple import NGramHash, PLELayer, PLEState, TableRows  # noqa: E402
 from strata.engine.qsa import QSACache, QSALayer, qsa_cache_bytes, torch_topk_set  # noqa: E402
 from strata.index_format.geometry import ModelGeometry  # noqa: E402

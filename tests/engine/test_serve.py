@@ -30,7 +30,7 @@ import engine_fixture as F
 from strata.engine.cli import main
 from strata.engine.generate import generate
 from strata.engine.model import Model
-from strata.engine.pack import Pack
+from strata.engine.pack_reader import Pack
 from strata.engine.sampling import Sampler, SamplerParams
 from strata.engine.scheduler import ConversationCache, Job, Scheduler, StopText, run_and_wait, session_bytes
 from strata.engine.serve import ServeConfig, make_app

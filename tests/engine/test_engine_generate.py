@@ -12,7 +12,7 @@ import pytest
 import engine_fixture as F
 from strata.engine.generate import generate
 from strata.engine.model import ContextFull, Model
-from strata.engine.pack import Pack
+from strata.engine.pack_reader import Pack
 from strata.engine.sampling import Sampler, SamplerParams
 
 PROMPT = [5, 77, 140, 3, 200, 41, 9]

@@ -27,7 +27,7 @@ from strata.engine.tier import GpuTier, TierOptions
 from strata.engine.kernels import gpu
 from strata.engine.model import Model
 from strata.engine.moe import MoE
-from strata.engine.pack import Pack
+from strata.engine.pack_reader import Pack
 from strata.index_format.expert_profile import ExpertProfile
 from strata.index_format.geometry import tensor_specs
 from strata.index_format.manifest import pack_fingerprint

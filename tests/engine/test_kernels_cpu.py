@@ -232,7 +232,7 @@ def test_fallback_simd_paths_give_the_same_bits(features):
     # Each host compiles one path per primitive (VNNI, vpmaddwd, pshufb, F16C ...); the others
     # would first run on someone else's machine. Narrow the features and check them here.
     env = dict(os.environ, STRATA_SIMD_FEATURES=features)
-    code = _FALLBACK_CHECK.format(tests=str(Path(__file__).resolve().parent))
+    code = _FALLBACK_CHECK.format(tests=str(Path(__file__).resolve().parents[1]))  # tests/: kernel_paths.py
     # -P: the installed package, whatever the working directory holds
     res = subprocess.run([sys.executable, "-P", "-c", code], env=env, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]
@@ -297,7 +297,7 @@ def test_kernels_load_from_the_disk_cache_in_a_new_process(tmp_path):
     # load the full set's entry (the fallback test above would then test nothing).
     env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path))
     env.pop("STRATA_SIMD_FEATURES", None)
-    code = _CACHE_CHECK.format(tests=str(Path(__file__).resolve().parent))
+    code = _CACHE_CHECK.format(tests=str(Path(__file__).resolve().parents[1]))  # tests/: kernel_paths.py
     runs = []
     for e in (env, env, dict(env, STRATA_SIMD_FEATURES="")):
         res = subprocess.run([sys.executable, "-P", "-c", code], env=e, capture_output=True, text=True, timeout=600)

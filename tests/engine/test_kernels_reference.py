@@ -133,7 +133,7 @@ def test_sign_and_value_tables_match_gguf_py():
 def test_table_generator_round_trips(tmp_path):
     import importlib.util
 
-    path = Path(__file__).resolve().parents[1] / "scripts" / "gen_iq_tables.py"
+    path = Path(__file__).resolve().parents[2] / "scripts" / "gen_iq_tables.py"
     spec = importlib.util.spec_from_file_location("gen_iq_tables", path)
     gen = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(gen)

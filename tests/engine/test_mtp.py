@@ -6,7 +6,7 @@
   llama.cpp's `convert_hf_to_gguf.py --mtp`): dense tensors after the trunk's in pool.bin, experts
   in place; both give the same pack. Bad MTP inputs are refused naming the file and tensor.
 - engine/mtp.py's draft logits agree with tests/reference/mtp.py (float64 numpy, written from
-  llama.cpp's graph_mtp) within the trunk's tolerance, REL_TOL of tests/test_forward_reference.py.
+  llama.cpp's graph_mtp) within the trunk's tolerance, REL_TOL of tests/engine/test_forward_reference.py.
 """
 
 from __future__ import annotations
@@ -20,14 +20,14 @@ import engine_fixture as F
 from reference.mtp import load_mtp_weights, load_mtp_weights_from_checkpoint, mtp_forward
 from strata.engine.model import Model
 from strata.engine.mtp import MTPHead
-from strata.engine.pack import Pack, PackError
+from strata.engine.pack_reader import Pack, PackError
 from strata.index_format.geometry import EXPERT, MTP, GeometryError, ModelGeometry, tensor_specs
 from strata.tools.gguf_io import KV, VT, GGUFWriter, read_gguf
 from strata.tools.pack_cli import main
 
 bad = pytest.mark.bad_input
 
-REL_TOL = 5e-5  # tests/test_forward_reference.py's: the engine against float64, F32 weights
+REL_TOL = 5e-5  # tests/engine/test_forward_reference.py's: the engine against float64, F32 weights
 MARGIN = 5.0  # router top-k boundaries at least this many times the engine/reference disagreement
 L = 4  # engine_fixture's n_layer: the MTP block is blk.4
 
