@@ -34,7 +34,8 @@ mapped from pool.bin and the GGUF; the routed experts, mapped from the GGUF; pin
 listed with where="host" and never counted against the card.
 
 The session's terms come from the modules that allocate the memory: the KV cache's bytes per token
-from engine/kvcache.py, the QSA indexer's stores from engine/qsa.py, the attention tile from
+from engine/kvcache.py, the QSA indexer's stores from engine/qsa.py, the Gated DeltaNet states and
+the residual stream from engine/model.py, the PLE ring from engine/ple.py, the attention tile from
 engine/ops.py; this module adds them up. The CPU forward never imports this planner (a test in
 tests/test_layering.py enforces it): only the GPU tier and the CLI do.
 
@@ -57,6 +58,8 @@ from strata.index_format.pack_index import PackIndex, TensorEntry
 from .expert_plan import MiB, auto_line, auto_slots, prefill_mib
 from .kernels.engine_form import PLANE_ALIGN, align, placed_bytes
 from .kvcache import KV_TYPES, kv_bytes_per_token
+from .model import conv_state_bytes, gdn_state_bytes, stream_elems
+from .ple import ple_state_bytes
 from .ops import ATTN_TILE_BYTES
 from .qsa import indexer_key_bytes, pooled_block_bytes
 
@@ -156,26 +159,6 @@ class BudgetOptions:
 
 
 # --- the terms, one function each ----------------------------------------------------------------
-
-
-def gdn_state_bytes(g: ModelGeometry) -> int:
-    """One linear-attention layer's recurrent state S, f32 [nv, dv, dk]."""
-    return g.ssm_n_v_heads * g.ssm_head_v_dim * g.ssm_d_state * F32
-
-
-def conv_state_bytes(g: ModelGeometry) -> int:
-    """One linear-attention layer's conv state: the last K - 1 inputs, f32 [K - 1, Ch]."""
-    return (g.ssm_d_conv - 1) * g.ssm_conv_channels * F32
-
-
-def ple_state_bytes(g: ModelGeometry) -> int:
-    """One PLE layer's conv ring, f32 [(kernel - 1) * ngram, hc * E]; the token window stays on the
-    host beside the hash, which runs there (the table is read from RAM, S16)."""
-    return (g.ple_conv_kernel - 1) * g.ple_ngram_size * g.hc * g.n_embd * F32
-
-
-def stream_elems(g: ModelGeometry) -> int:
-    return g.hc * g.n_embd if g.hc else g.n_embd
 
 
 def actq_bytes(n: int) -> int:

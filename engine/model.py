@@ -47,6 +47,21 @@ WARM_SAME, WARM_DISTINCT = 16, 8
 # --- token mixers ------------------------------------------------------------------------------------
 
 
+def gdn_state_bytes(g: ModelGeometry) -> int:
+    """One linear-attention layer's recurrent state S, f32 [nv, dv, dk] (GatedDeltaNet.new_state)."""
+    return g.ssm_n_v_heads * g.ssm_head_v_dim * g.ssm_d_state * 4
+
+
+def conv_state_bytes(g: ModelGeometry) -> int:
+    """One linear-attention layer's conv state: the last K - 1 inputs, f32 [K - 1, Ch] (GatedDeltaNet.new_state)."""
+    return (g.ssm_d_conv - 1) * g.ssm_conv_channels * 4
+
+
+def stream_elems(g: ModelGeometry) -> int:
+    """The residual stream's width: hc streams of n_embd (qwen4exp), or one (Session.stream)."""
+    return g.hc * g.n_embd if g.hc else g.n_embd
+
+
 class GatedDeltaNet:
     """A linear-attention layer: in_proj -> causal conv + SiLU -> gated delta rule -> gated RMSNorm -> out.
 
@@ -231,7 +246,7 @@ class Session:
         self.pos = 0
         self.states = [m.new_state(max_context, kv) for m in model.mixers]
         self.ple_states = {l: PLEState.for_geometry(g) for l in model.ple}
-        self.stream = np.zeros((1, (g.hc or 1) * g.n_embd), F32)  # the decode step's residual stream
+        self.stream = np.zeros((1, stream_elems(g)), F32)  # the decode step's residual stream
         self.logits = np.empty(g.n_vocab, F32)
         self.routing = np.zeros((g.n_layer, g.n_expert), np.int64)
 

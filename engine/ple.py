@@ -122,6 +122,12 @@ class NGramHash:
 # state and layer
 
 
+def ple_state_bytes(g: ModelGeometry) -> int:
+    """One PLE layer's conv ring, f32 [(kernel - 1) * ngram, hc * E] (PLEState.ring); the token window
+    is scratch beside the hash, in no plan item."""
+    return (g.ple_conv_kernel - 1) * g.ple_ngram_size * g.hc * g.n_embd * 4
+
+
 class PLEState:
     """A PLE layer's state across tokens, allocated once (S12): the last N-1 raw tokens (EOS at start) and
     the last L = (Pk-1)*N conv inputs in a ring (zeros at start)."""

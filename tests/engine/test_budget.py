@@ -147,9 +147,12 @@ def test_session_states_match_the_cpu_engines(seed4l):
     _, _, g = seed4l
     from strata.engine.ple import PLEState
 
-    assert PLEState.for_geometry(g).ring.nbytes == B.ple_state_bytes(g)
-    assert B.gdn_state_bytes(g) == 48 * 128 * 128 * 4  # S [nv, dv, dk] f32
-    assert B.conv_state_bytes(g) == 3 * 10240 * 4  # the last d_conv - 1 inputs of 2*128*16 + 128*48 channels
+    from strata.engine.model import conv_state_bytes, gdn_state_bytes
+    from strata.engine.ple import ple_state_bytes
+
+    assert PLEState.for_geometry(g).ring.nbytes == ple_state_bytes(g)
+    assert gdn_state_bytes(g) == 48 * 128 * 128 * 4  # S [nv, dv, dk] f32
+    assert conv_state_bytes(g) == 3 * 10240 * 4  # the last d_conv - 1 inputs of 2*128*16 + 128*48 channels
 
 
 def test_stages_and_slots_by_hand(seed4l):
