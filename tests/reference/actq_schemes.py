@@ -10,7 +10,7 @@ block-type matmul through one of two schemes, restated here from their sources:
           d = 1 / iscale), Q8_0 for the others (per 32: q = roundf(x * (1 / d)), d stored as fp16),
           BF16 activations for BF16 weights; F32 and F16 weights read f32 activations in both
 
-usage (from tests/): python -m reference.actq_schemes ARCH MIX [N_PROMPTS]
+usage (from tests/): python -m reference.actq_schemes ARCH MIX [N_PROMPTS [PROMPT_SEED]]
 prints, over N_PROMPTS random 16-token prompts of test_conformance_llama.py's models, each
 scheme's error against the float-activation reference and how often Strata's is the smaller.
 """
@@ -31,6 +31,45 @@ Q8_K_TYPES = {"Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ1_S", "IQ1_M", "IQ2_XXS
 
 def strata(x: np.ndarray) -> np.ndarray:
     b = x.reshape(len(x), -1, 32)
+    d = np.abs(b).max(axis=2) / F32(127)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        q = np.where(d[:, :, None] == 0, 0, np.rint(b / d[:, :, None]))
+    return (q * d[:, :, None].astype(np.float64)).reshape(x.shape)
+
+
+def strata16(x: np.ndarray) -> np.ndarray:
+    """The fine form (docs/kernels.md section 2): d per 16 elements, else as strata."""
+    b = x.reshape(len(x), -1, 16)
+    d = np.abs(b).max(axis=2) / F32(127)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        q = np.where(d[:, :, None] == 0, 0, np.rint(b / d[:, :, None]))
+    return (q * d[:, :, None].astype(np.float64)).reshape(x.shape)
+
+
+def int16_32(x: np.ndarray) -> np.ndarray:
+    """A candidate not taken: int16 activations per 32 (d = amax / 32767)."""
+    b = x.reshape(len(x), -1, 32)
+    d = np.abs(b).max(axis=2) / F32(32767)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        q = np.where(d[:, :, None] == 0, 0, np.rint(b / d[:, :, None]))
+    return (q * d[:, :, None].astype(np.float64)).reshape(x.shape)
+
+
+def residual(x: np.ndarray) -> np.ndarray:
+    """A candidate: strata's int8 per 32, then its residual x - q d as int8 per 32 (d2 = amax|r| / 127)."""
+    b = x.reshape(len(x), -1, 32)
+    d = np.abs(b).max(axis=2) / F32(127)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        q = np.where(d[:, :, None] == 0, 0, np.rint(b / d[:, :, None])).astype(F32)
+        r = b - q * d[:, :, None]
+        d2 = np.abs(r).max(axis=2) / F32(127)
+        q2 = np.where(d2[:, :, None] == 0, 0, np.rint(r / d2[:, :, None]))
+    return (q * d[:, :, None].astype(np.float64) + q2 * d2[:, :, None].astype(np.float64)).reshape(x.shape)
+
+
+def strata8(x: np.ndarray) -> np.ndarray:
+    """A candidate: d per 8 elements."""
+    b = x.reshape(len(x), -1, 8)
     d = np.abs(b).max(axis=2) / F32(127)
     with np.errstate(divide="ignore", invalid="ignore"):
         q = np.where(d[:, :, None] == 0, 0, np.rint(b / d[:, :, None]))
@@ -70,6 +109,9 @@ def scheme_for(which: str, type_name: str):
         return bf16 if which == "llama" else None
     if which == "strata":
         return strata
+    if which in ("strata16", "int16", "residual", "strata8"):  # finer only where llama.cpp reads Q8_0 (per 32)
+        fine = {"strata16": strata16, "int16": int16_32, "residual": residual, "strata8": strata8}[which]
+        return strata if type_name in Q8_K_TYPES else fine
     return q8_k if type_name in Q8_K_TYPES else q8_0
 
 
@@ -118,8 +160,9 @@ def main(argv: list[str]) -> int:
     names = sorted(k for k, t in f.tensors.items() if t.type_id != 0)
     mod = T._modeling(arch)
     torch.set_num_threads(1)
-    prompts = np.random.default_rng(100).integers(3, hf_models.VOCAB_SIZE, size=(n, T.PROMPT_LENGTH))
-    err = {"strata": [], "llama": []}
+    seed = int(argv[3]) if len(argv) > 3 else 100  # test_conformance_llama.PROMPT_SEED (3): the suite's prompts
+    prompts = np.random.default_rng(seed).integers(3, hf_models.VOCAB_SIZE, size=(n, T.PROMPT_LENGTH))
+    err = {"strata": [], "llama": [], "strata16": [], "int16": [], "residual": [], "strata8": []}
     with float64_casts(mod), torch.no_grad():
         float64_model(ref, mod)
         placements = place_tensors(params, f32, names)
@@ -129,14 +172,16 @@ def main(argv: list[str]) -> int:
         for p in prompts:
             ids = torch.tensor(p)[None]
             out = {}
-            for which in (None, "strata", "llama"):
+            for which in (None, *err):
                 with activations(ref, types, cols, which):
                     out[which] = ref(ids, attention_mask=torch.ones_like(ids)).logits[0].numpy()
             for which in err:
                 err[which].append(float(np.sum((out[which] - out[None]) ** 2)))
-    s, ll = np.array(err["strata"]), np.array(err["llama"])
-    print(f"{arch} {mix}, {n} prompts: pooled error ratio strata / llama {np.sqrt(s.sum() / ll.sum()):.3f}, "
-          f"strata's smaller in {(s < ll).sum()}/{n}")
+    ll = np.array(err["llama"])
+    for which in ("strata", "strata16", "strata8", "residual", "int16"):
+        s = np.array(err[which])
+        print(f"{arch} {mix}, {n} prompts: pooled error ratio {which} / llama {np.sqrt(s.sum() / ll.sum()):.3f}, "
+              f"{which}'s smaller in {(s < ll).sum()}/{n}, worst prompt ratio {np.sqrt(s / ll).max():.2f}")
     return 0
 
 
