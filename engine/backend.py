@@ -6,10 +6,18 @@ asks where it runs. It calls its backend for
 
     linear(w, x, out)        W x for T rows: the matvec kernel for one row, the panel kernels for more
     attention, delta_rule,   the sequence operations, each choosing its one-token or T-token form
-    conv, rope, rmsnorm, ... itself (below the blocks, from T)
+    conv, rope_              itself (below the blocks, from T)
+    rmsnorm, sigmoid, ...    the elementwise and fused row operations (route, combine, mix_tail,
+                             inject, ple_conv, ple_output, topk_set: each a kernel beside its
+                             reference in the block's module)
+    zeros, kv_cache,         the per-sequence states, allocated where this backend computes
+    qsa_cache, ple_state
     scratch(key, shape)      the decode step's buffers, made once and reused
     experts                  who computes which routed experts (None: every expert on the CPU);
                              engine/moe.py owns the split and asks it
+
+What a block does with plain numpy is host bookkeeping only: positions, token ids, which rows
+belong to which sequence.
 
 `CpuBackend` is numpy + the Numba kernels (engine/kernels/cpu.py). The GPU tier (engine/tier/)
 is a CpuBackend whose `linear` runs the weights it placed on the device and whose `experts` serves
@@ -20,7 +28,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import ops
+from . import hyper, moe, ops, ple, qsa
+from .kvcache import KVCache
 from .kernels.actq import ActQ
 from .kernels import cpu
 from .weights import Input, Weight
@@ -93,6 +102,16 @@ class CpuBackend:
 
     # --- the sequence and elementwise operations (engine/ops.py) ---------------------------------
 
+    # --- the per-sequence states ------------------------------------------------------------------
+
+    @staticmethod
+    def zeros(shape, dtype=F32) -> np.ndarray:
+        return np.zeros(shape, dtype)
+
+    kv_cache = staticmethod(KVCache)
+    qsa_cache = staticmethod(qsa.QSACache.for_geometry)
+    ple_state = staticmethod(ple.PLEState.for_geometry)
+
     attention = staticmethod(ops.attention)
     delta_rule = staticmethod(ops.delta_rule)
     conv = staticmethod(ops.conv_many)
@@ -102,3 +121,21 @@ class CpuBackend:
     softplus = staticmethod(ops.softplus)
     gate_ = staticmethod(ops.gate_)
     causal_mask = staticmethod(ops.causal_mask)
+    gated_rmsnorm_ = staticmethod(ops.gated_rmsnorm_)
+    route = staticmethod(moe.route_topk)
+    combine = staticmethod(moe.combine)
+    mix_tail = staticmethod(hyper.mix_tail)
+    inject = staticmethod(hyper.inject)
+    ple_conv = staticmethod(ple.conv_taps)
+    ple_output = staticmethod(ple.add_output)
+    topk_set = staticmethod(qsa.torch_topk_set)
+
+    @staticmethod
+    def rmsnorm_q(x: np.ndarray, gain: np.ndarray, group: int, eps: float):
+        """rmsnorm with f32 sums of rows [T, n] and its ActQ in one pass (hyper.grouped_rmsnorm_q,
+        looked up at each call so that a recorder of the engine's activations sees it)."""
+        return hyper.grouped_rmsnorm_q(x, gain, group, eps)
+
+    @staticmethod
+    def rope_(rope: ops.Rope, x: np.ndarray, positions: np.ndarray) -> None:
+        rope.apply_(x, positions)

@@ -159,32 +159,37 @@ class HyperConnection:
         T = streams.shape[0]
         # a block-type `down` reads sn as ActQ: made with sn, in the same pass
         if self.down.type.quantized:
-            sn, act = grouped_rmsnorm_q(streams, self.norm, self.n_embd, self.eps)
+            sn, act = be.rmsnorm_q(streams, self.norm, self.n_embd, self.eps)
             sn_in = Input(sn, act)
         else:
-            sn = grouped_rmsnorm(streams, self.norm, self.n_embd, self.eps)
+            sn = be.rmsnorm(streams, self.norm, self.eps, group=self.n_embd, f32_sums=True)
             sn_in = Input(sn)
-        u = be.linear(self.up, silu(be.linear(self.down, sn_in) / F32(self.hc)))
-        ex = np.exp(np.negative(u, out=u), out=u)  # u is this call's own product
-        x = be.scratch("hc.x", (T, self.n_embd))
-        _mix_tail(ex, sn, x)
+        d = be.linear(self.down, sn_in) / F32(self.hc)
+        u = be.linear(self.up, d * be.sigmoid(d, exp_form=True))  # silu
+        x = be.mix_tail(u, sn, be.scratch("hc.x", (T, self.n_embd)))
         if self.inject_w is None:
             return Input(x), None
-        return Input(x), 2 * sigmoid(be.linear(self.inject_w, sn_in) / F32(self.hc))
+        return Input(x), 2 * be.sigmoid(be.linear(self.inject_w, sn_in) / F32(self.hc), exp_form=True)
 
-    def inject(self, streams: np.ndarray, block_out: np.ndarray, w: np.ndarray) -> None:
+    def inject(self, be, streams: np.ndarray, block_out: np.ndarray, w: np.ndarray) -> None:
         """In place: stream c of token t += w[t, c] * block_out[t]."""
         self._check(streams)
         T = streams.shape[0]
         for name, a, shape in (("block output", block_out, (T, self.n_embd)), ("injection weights", w, (T, self.hc))):
             if a.shape != shape or a.dtype != F32:
                 raise ValueError(f"{self.name}: {name} {a.dtype}{list(a.shape)}, expected float32{list(shape)}")
-        _inject(streams, block_out, w)
+        be.inject(streams, block_out, w)
 
 
 def mix_tail_reference(u: np.ndarray, sn: np.ndarray, hc: int) -> np.ndarray:
     """mean_c (sigmoid(u) sn)[c] -> f32 [T, E]: `mix`'s last step for T rows (u, sn f32 [T, hc*E])."""
     return (sigmoid(u) * sn).reshape(u.shape[0], hc, -1).mean(axis=1, dtype=F32)
+
+
+def mix_tail(u: np.ndarray, sn: np.ndarray, out: np.ndarray) -> np.ndarray:
+    """mix_tail_reference into out (f32 [T, E]) -> out; u, this call's own product, is overwritten."""
+    _mix_tail(np.exp(np.negative(u, out=u), out=u), sn, out)  # numpy's exp: the one transcendental step
+    return out
 
 
 @cached_njit("hc-mix-tail")
@@ -208,6 +213,11 @@ def inject_reference(streams: np.ndarray, block_out: np.ndarray, w: np.ndarray) 
     """streams f32 [T, hc*E] += w [T, hc] (x) block_out [T, E], per stream: what _inject computes."""
     T, hc = w.shape
     streams.reshape(T, hc, -1)[...] += w[:, :, None] * block_out[:, None, :]
+
+
+def inject(streams: np.ndarray, y: np.ndarray, w: np.ndarray) -> None:
+    """inject_reference, in place."""
+    _inject(streams, y, w)
 
 
 @cached_njit("hc-inject")

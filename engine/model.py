@@ -32,9 +32,9 @@ from .hyper import HyperConnection
 from .kernels.reference import dequantize
 from .kvcache import ContextFull, KVCache  # noqa: F401 (ContextFull: the model's error too)
 from .moe import MoE
-from .ops import Rope, gate_sigmoid, gate_silu, gated_rmsnorm_
+from .ops import Rope
 from .pack_reader import Pack
-from .ple import PLELayer, PLEState, TableRows
+from .ple import PLELayer, TableRows
 from .qsa import QSACache, QSALayer
 from .weights import Input
 
@@ -65,13 +65,13 @@ def stream_elems(g: ModelGeometry) -> int:
 class GatedDeltaNet:
     """A linear-attention layer: in_proj -> causal conv + SiLU -> gated delta rule -> gated RMSNorm -> out.
 
-    State per session: conv f32 [K-1, C] (the last K-1 inputs), S f32 [nv, dv, dk]. `gate_act` is the
-    output-gate activation, not stored in the GGUF: SiLU for qwen35moe, sigmoid for qwen4exp."""
+    State per session: conv f32 [K-1, C] (the last K-1 inputs), S f32 [nv, dv, dk]. `silu_gate`: the
+    output gate's activation, not stored in the GGUF: SiLU for qwen35moe, sigmoid for qwen4exp."""
 
-    def __init__(self, pack: Pack, layer: int, gate_act):
+    def __init__(self, pack: Pack, layer: int, silu_gate: bool):
         g, b = pack.geometry, f"blk.{layer}"
         self.nk, self.nv, self.dk, self.dv = g.ssm_n_k_heads, g.ssm_n_v_heads, g.ssm_d_state, g.ssm_head_v_dim
-        self.K, self.C, self.E, self.eps, self.gate_act = g.ssm_d_conv, g.ssm_conv_channels, g.n_embd, g.rms_eps, gate_act
+        self.K, self.C, self.E, self.eps, self.silu_gate = g.ssm_d_conv, g.ssm_conv_channels, g.n_embd, g.rms_eps, silu_gate
         self.qkv = pack.weight(f"{b}.attn_qkv.weight")
         self.z = pack.weight(f"{b}.attn_gate.weight")
         self.beta = pack.weight(f"{b}.ssm_beta.weight")
@@ -82,8 +82,8 @@ class GatedDeltaNet:
         self.dt_bias = pack.weight(f"{b}.ssm_dt.bias").f32()
         self.norm = pack.weight(f"{b}.ssm_norm.weight").f32()
 
-    def new_state(self, max_context: int, kv: str) -> dict[str, np.ndarray]:
-        return {"conv": np.zeros((self.K - 1, self.C), F32), "S": np.zeros((self.nv, self.dv, self.dk), F32)}
+    def new_state(self, be, max_context: int, kv: str) -> dict[str, np.ndarray]:
+        return {"conv": be.zeros((self.K - 1, self.C)), "S": be.zeros((self.nv, self.dv, self.dk))}
 
     def forward(self, be, seqs: list[Seq], x: Input) -> np.ndarray:
         """T rows (`seqs`: whose they are, each with its conv and delta-rule state, advanced by its
@@ -103,7 +103,7 @@ class GatedDeltaNet:
             k = be.l2norm_(c[:, nk * dk : 2 * nk * dk].reshape(n, nk, dk))
             v = c[:, 2 * nk * dk :].reshape(n, nv, dv)
             be.delta_rule(r.state["S"], q, k, v, decay[r.a : r.b], beta[r.a : r.b], o[r.a : r.b])
-        gated_rmsnorm_(o, self.norm, z, self.eps, self.gate_act)
+        be.gated_rmsnorm_(o, self.norm, z, self.eps, self.silu_gate)
         return be.linear(self.out, Input(o.reshape(T, nv * dv)), sc("gdn.y", (T, self.E)))
 
 
@@ -123,8 +123,8 @@ class GatedAttention:
         self.q_norm = pack.weight(f"{b}.attn_q_norm.weight").f32()  # (1 + w), folded
         self.k_norm = pack.weight(f"{b}.attn_k_norm.weight").f32()
 
-    def new_state(self, max_context: int, kv: str) -> KVCache:
-        return KVCache(kv, max_context, self.Hkv, self.D)
+    def new_state(self, be, max_context: int, kv: str) -> KVCache:
+        return be.kv_cache(kv, max_context, self.Hkv, self.D)
 
     def forward(self, be, seqs: list[Seq], x: Input) -> np.ndarray:
         """T rows (`seqs`: whose they are, each with its KV cache) -> f32 [T, E]: a sequence's keys are
@@ -135,8 +135,8 @@ class GatedAttention:
         q = be.rmsnorm(qg[:, :, :D], self.q_norm, self.eps, sc("attn.q", (T, H, D)))
         k = be.linear(self.wk, x, sc("attn.k", (T, Hkv * D))).reshape(T, Hkv, D)
         be.rmsnorm(k, self.k_norm, self.eps, k)
-        self.rope.apply_(q, positions)
-        self.rope.apply_(k, positions)
+        be.rope_(self.rope, q, positions)
+        be.rope_(self.rope, k, positions)
         v = be.linear(self.wv, x, sc("attn.v", (T, Hkv * D))).reshape(T, Hkv, D)
         o = sc("attn.o", (T, H, D))
         for r in seqs:
@@ -157,8 +157,8 @@ class QSAAttention:
         self.geometry = pack.geometry
         self.qsa = QSALayer(layer, pack.weights, pack.geometry)
 
-    def new_state(self, max_context: int, kv: str) -> QSACache:
-        return QSACache.for_geometry(self.geometry, max_context, kv)
+    def new_state(self, be, max_context: int, kv: str) -> QSACache:
+        return be.qsa_cache(self.geometry, max_context, kv)
 
     def forward(self, be, seqs: list[Seq], x: Input) -> np.ndarray:
         # the Input goes to the Weights as is: the five projections of x share one ActQ
@@ -222,7 +222,7 @@ class HyperResidual:
         return x, w
 
     def leave(self, be, H: np.ndarray, layer: int, ffn: bool, Y: np.ndarray, w: np.ndarray) -> None:
-        (self.ffn if ffn else self.attn)[layer].inject(H, Y, w)
+        (self.ffn if ffn else self.attn)[layer].inject(be, H, Y, w)
 
     def final(self, be, H: np.ndarray) -> np.ndarray:
         return self.out.mix(be, H)[0].x
@@ -244,8 +244,9 @@ class Session:
         g = model.geometry
         self.max_context, self.kv = max_context, kv
         self.pos = 0
-        self.states = [m.new_state(max_context, kv) for m in model.mixers]
-        self.ple_states = {l: PLEState.for_geometry(g) for l in model.ple}
+        be = model.backend
+        self.states = [m.new_state(be, max_context, kv) for m in model.mixers]
+        self.ple_states = {l: be.ple_state(g) for l in model.ple}
         self.stream = np.zeros((1, stream_elems(g)), F32)  # the decode step's residual stream
         self.logits = np.empty(g.n_vocab, F32)
         self.routing = np.zeros((g.n_layer, g.n_expert), np.int64)
@@ -283,11 +284,11 @@ class Model:
         self.backend = CpuBackend()
         qwen4exp = g.arch == "qwen4exp"
         # the GDN output-gate activation is not in the GGUF: sigmoid for qwen4exp as released, SiLU for qwen35moe
-        gate_act = gate_sigmoid if qwen4exp else gate_silu
+        silu_gate = not qwen4exp
         rope = Rope(g.n_rot, g.rope_freq_base)
         self.mixers = [
             (QSAAttention(pack, l) if qwen4exp else GatedAttention(pack, l, rope)) if g.is_full_attention(l)
-            else GatedDeltaNet(pack, l, gate_act)
+            else GatedDeltaNet(pack, l, silu_gate)
             for l in range(g.n_layer)
         ]
         self.moes = [MoE(pack, l) for l in range(g.n_layer)]

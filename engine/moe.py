@@ -35,6 +35,20 @@ def hidden_(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
     return gate_(up, gate, silu=True)
 
 
+def route_topk(logits: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """Router logits f32 [T, X] -> (expert ids int64 [T, k], weights f64 [T, k]) ranked by probability,
+    the weights renormalised to sum to 1. The softmax is in float64, so the ranking and the weights
+    come from the probabilities transformers has; argpartition then a stable argsort."""
+    p = np.exp(logits - logits.max(axis=1, keepdims=True), dtype=np.float64)
+    p /= p.sum(axis=1, keepdims=True)
+    top = np.argpartition(-p, k - 1, axis=1)[:, :k]
+    order = np.argsort(-np.take_along_axis(p, top, axis=1), axis=1, kind="stable")
+    top = np.take_along_axis(top, order, axis=1)
+    weights = np.take_along_axis(p, top, axis=1)
+    weights /= weights.sum(axis=1, keepdims=True)
+    return top, weights
+
+
 class Groups:
     """The (token, rank) pairs of a batch's routing, expert by expert: group g is expert experts[g] on
     the token rows rows[starts[g]:starts[g + 1]]; slot [T, k] is where pair (t, j) sits in that order."""
@@ -74,20 +88,12 @@ class MoE:
 
     def route(self, be, x: Input) -> tuple[np.ndarray, np.ndarray]:
         """(expert ids int64 [T, k], weights f64 [T, k]): each token's experts ranked by router
-        probability, weights summing to 1. The softmax is in float64, so the ranking and the weights
-        come from the probabilities transformers has; argpartition then a stable argsort."""
+        probability, weights summing to 1 (`route_topk`)."""
         # the layer's own buffer (not one shared by every layer): `logits` stays the last batch's
         # router logits [T, X] for diagnostics and tests
         logits = be.linear(self.router, x, be.scratch(f"moe.router.{self.layer}", (x.x.shape[0], self.router.n_out)))
         self.logits = logits
-        p = np.exp(logits - logits.max(axis=1, keepdims=True), dtype=np.float64)
-        p /= p.sum(axis=1, keepdims=True)
-        top = np.argpartition(-p, self.k - 1, axis=1)[:, : self.k]
-        order = np.argsort(-np.take_along_axis(p, top, axis=1), axis=1, kind="stable")
-        top = np.take_along_axis(top, order, axis=1)
-        weights = np.take_along_axis(p, top, axis=1)
-        weights /= weights.sum(axis=1, keepdims=True)
-        return top, weights
+        return be.route(logits, self.k)
 
     def forward(self, be, x: Input, counts=None) -> np.ndarray:
         """y = sum_e w_e down_e(silu(gate_e x) * up_e x) + sigmoid(s . x) shared(x) for T tokens ->
@@ -103,12 +109,13 @@ class MoE:
         grp = Groups(top)
         part = self.routed(be, x, grp.experts, grp.rows, grp.starts)
         out = be.scratch("moe.out", (T, self.E))
-        _combine(part, grp.slot, weights, out)
+        be.combine(part, grp.slot, weights, out)
         if self.shared:
             s_gate, gate, up, down = self.shared
             sc = be.scratch
             Fs = gate.n_out
-            h = hidden_(be.linear(gate, x, sc("moe.sh_gate", (T, Fs))), be.linear(up, x, sc("moe.sh_up", (T, Fs))))
+            h = be.gate_(be.linear(up, x, sc("moe.sh_up", (T, Fs))), be.linear(gate, x, sc("moe.sh_gate", (T, Fs))),
+                         silu=True)  # up silu(gate)
             y = be.linear(down, Input(h), sc("moe.sh_y", (T, self.E)))
             y *= be.sigmoid(be.linear(s_gate, x, sc("moe.sh_g", (T, 1))))
             out += y
@@ -148,6 +155,12 @@ def combine_reference(part: np.ndarray, slot: np.ndarray, weights: np.ndarray) -
     out = np.zeros((slot.shape[0], part.shape[1]), F32)
     for j in range(slot.shape[1]):
         out += weights[:, j : j + 1].astype(F32) * routed[:, j]
+    return out
+
+
+def combine(part: np.ndarray, slot: np.ndarray, weights: np.ndarray, out: np.ndarray) -> np.ndarray:
+    """combine_reference into out (f32 [T, E]) -> out."""
+    _combine(part, slot, weights, out)
     return out
 
 

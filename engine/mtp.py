@@ -77,7 +77,7 @@ class MTPHead:
         self.routing = np.zeros(g.n_expert, np.int64)  # routed expert counts of the head's MoE
 
     def new_state(self, max_context: int, kv: str = "f32") -> KVCache:
-        return self.attn.new_state(max_context, kv)
+        return self.attn.new_state(self.backend, max_context, kv)
 
     def step(self, state: KVCache, h: np.ndarray, token: int, pos: int) -> np.ndarray:
         """Draft logits for the token at position pos + 2, from h (the trunk's output-normed hidden

@@ -432,18 +432,11 @@ def _delta_heads(St, Q, K, V, B, G, out) -> None:
         St += (k_ * np.exp(last - c)[:, :, None]).transpose(0, 2, 1) @ v_new
 
 
-def gated_rmsnorm_(o: np.ndarray, gain: np.ndarray, z: np.ndarray, eps: float, act) -> np.ndarray:
-    """In place per head: o / sqrt(mean(o^2) + eps) * gain * act(z); o, z [nv, dv], gain [dv] stored as is."""
+def gated_rmsnorm_(o: np.ndarray, gain: np.ndarray, z: np.ndarray, eps: float, silu: bool) -> np.ndarray:
+    """In place per head: o / sqrt(mean(o^2) + eps) * gain * act(z); o, z [nv, dv], gain [dv] stored as
+    is; act = SiLU (qwen35moe) or sigmoid (qwen4exp as released: the GGUF does not say which)."""
     rmsnorm(o, gain, eps, out=o)
-    return act(o, z)
-
-
-def gate_silu(o: np.ndarray, z: np.ndarray) -> np.ndarray:
-    return gate_(o, z, silu=True)
-
-
-def gate_sigmoid(o: np.ndarray, z: np.ndarray) -> np.ndarray:
-    return gate_(o, z)
+    return gate_(o, z, silu=silu)
 
 
 # --- attention --------------------------------------------------------------------------------------

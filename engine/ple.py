@@ -31,7 +31,7 @@ import numpy as np
 from strata.index_format.geometry import ModelGeometry
 from strata.index_format.ggml_types import ggml_type
 
-from .hyper import Tensor, as_f32, as_linear, grouped_rmsnorm, sigmoid, take
+from .hyper import Tensor, as_f32, as_linear, sigmoid, take
 from .kernels.jit import cached_njit
 from .pack_reader import PackError
 
@@ -190,11 +190,11 @@ class PLELayer:
     def _gated(self, be, streams: np.ndarray, e: np.ndarray) -> np.ndarray:
         """streams [T, HE], e [T, Pe] -> G [T, HE]."""
         T, hc, E = streams.shape[0], self.hc, self.E
-        K = grouped_rmsnorm(be.linear(self.key, e), self.norm_key, E, self.eps).reshape(T, hc, E)
-        Q = grouped_rmsnorm(streams, self.norm_query, E, self.eps).reshape(T, hc, E)
+        K = be.rmsnorm(be.linear(self.key, e), self.norm_key, self.eps, group=E, f32_sums=True).reshape(T, hc, E)
+        Q = be.rmsnorm(streams, self.norm_query, self.eps, group=E, f32_sums=True).reshape(T, hc, E)
         g = (K * Q).sum(axis=-1, dtype=F32) / F32(math.sqrt(E))
         g = np.sign(g) * np.sqrt(np.maximum(np.abs(g), F32(1e-6)))
-        return (sigmoid(g)[:, :, None] * be.linear(self.value, e)[:, None, :]).reshape(T, hc * E)
+        return (be.sigmoid(g, exp_form=True)[:, :, None] * be.linear(self.value, e)[:, None, :]).reshape(T, hc * E)
 
     def forward(self, be, streams: np.ndarray, tokens: np.ndarray, state: PLEState) -> None:
         """In place: streams f32[T, HE] += PLE outputs for tokens int64[T]; advances `state` by T tokens."""
@@ -205,14 +205,14 @@ class PLELayer:
         ctx = self.hash.contexts(state.window, tokens)
         state.window[:] = np.concatenate([state.window, tokens])[T:]
         G = self._gated(be, streams, self._embed(self.hash.rows(ctx)))
-        y = self._conv(grouped_rmsnorm(G, self.norm_conv, self.E, self.eps), state)
-        _add_output(streams, G, y, np.exp(np.negative(y)))
+        y = self._conv(be, be.rmsnorm(G, self.norm_conv, self.eps, group=self.E, f32_sums=True), state)
+        be.ple_output(streams, G, y)
 
-    def _conv(self, X: np.ndarray, state: PLEState) -> np.ndarray:
+    def _conv(self, be, X: np.ndarray, state: PLEState) -> np.ndarray:
         """Depthwise causal conv of X [T, HE], dilation N, over the ring's history; advances the ring."""
         L, T = state.ring.shape[0], X.shape[0]
         y = np.empty_like(X)
-        _conv_taps(state.ring, state.t, X, self.conv_taps, self.dil, y)
+        be.ple_conv(state.ring, state.t, X, self.conv_taps, self.dil, y)
         keep = min(T, L)
         slots = (state.t + T - keep + np.arange(keep)) % L
         state.ring[slots] = X[T - keep:]
@@ -223,6 +223,11 @@ class PLELayer:
 def output_reference(streams: np.ndarray, G: np.ndarray, y: np.ndarray) -> None:
     """streams += G + silu(y), in place (PLE's output, `_add_output`'s numbers)."""
     streams += G + y * sigmoid(y)
+
+
+def add_output(streams: np.ndarray, G: np.ndarray, y: np.ndarray) -> None:
+    """output_reference, in place."""
+    _add_output(streams, G, y, np.exp(np.negative(y)))  # numpy's exp: the one transcendental step
 
 
 @cached_njit("ple-output")
@@ -244,6 +249,11 @@ def conv_reference(ring: np.ndarray, t0: int, X: np.ndarray, w: np.ndarray, dil:
     for j in range(Pk):  # tap j reads the input (Pk-1-j)*N tokens back
         y += w[:, j] * hist[L - (Pk - 1 - j) * dil : L - (Pk - 1 - j) * dil + T]
     return y
+
+
+def conv_taps(ring: np.ndarray, t0: int, X: np.ndarray, taps: np.ndarray, dil: int, y: np.ndarray) -> None:
+    """conv_reference into y."""
+    _conv_taps(ring, t0, X, taps, dil, y)
 
 
 @cached_njit("ple-conv")

@@ -36,7 +36,7 @@ from numba import njit
 
 from strata.index_format.geometry import ModelGeometry
 
-from .hyper import Tensor, as_f32, as_linear, grouped_rmsnorm, sigmoid, take
+from .hyper import Tensor, as_f32, as_linear, take
 from .kernels.actq import NonFiniteActivation
 from .kernels.jit import JIT, cached_njit
 from .batch import seqs_of
@@ -320,26 +320,26 @@ class QSALayer:
         H, Hkv, D = self.H, self.Hkv, self.D
         pos = np.concatenate([r.state.n + np.arange(r.n) for r in seqs])
         qg = qg.reshape(T, H, 2 * D)
-        q = grouped_rmsnorm(qg[:, :, :D], self.q_norm, D, self.eps)
-        k = grouped_rmsnorm(k.reshape(T, Hkv, D), self.k_norm, D, self.eps)
-        iq = grouped_rmsnorm(iq.reshape(T, self.Ih, self.Id), self.idx_q_norm, self.Id, self.eps)
+        q = be.rmsnorm(qg[:, :, :D], self.q_norm, self.eps, group=D, f32_sums=True)
+        k = be.rmsnorm(k.reshape(T, Hkv, D), self.k_norm, self.eps, group=D, f32_sums=True)
+        iq = be.rmsnorm(iq.reshape(T, self.Ih, self.Id), self.idx_q_norm, self.eps, group=self.Id, f32_sums=True)
         for a in (q, k, iq):
-            self.rope.apply_(a, pos)
+            be.rope_(self.rope, a, pos)
         v = v.reshape(T, Hkv, D)
         o = np.empty((T, H, D), F32)
         for r in seqs:
             o[r.a : r.b] = self._attend(be, r.state, q[r.a : r.b], k[r.a : r.b], v[r.a : r.b], iq[r.a : r.b], ik[r.a : r.b])
         o = o.reshape(T, H * D)
-        o *= sigmoid(qg[:, :, D:].reshape(T, H * D))
+        o *= be.sigmoid(qg[:, :, D:].reshape(T, H * D), exp_form=True)
         return be.linear(self.attn_out, Input(o))
 
     def _attend(self, be, cache: QSACache, q, k, v, iq, ik) -> np.ndarray:
         """One sequence's T queries (normed, roped) and keys: the keys appended, the selections made,
         the queries attending them -> f32 [T, H, D]."""
         T, p0 = q.shape[0], cache.n
-        self._append(cache, k, v, ik)
+        self._append(be, cache, k, v, ik)
         if T == 1:
-            keys, visible = self.select(iq[0], cache), None
+            keys, visible = self.select(be, iq[0], cache), None
             self.selected = keys
         elif (p0 + T) // self.ratio <= self.block_topk:
             # every query's complete blocks fit the budget: `select` would give each its whole
@@ -347,7 +347,7 @@ class QSALayer:
             visible, keys = causal_mask(p0, T, p0 + T), None
             self.selected = np.arange(p0 + T)
         else:
-            sels = [self.select(iq[i], cache, p0 + i + 1) for i in range(T)]
+            sels = [self.select(be, iq[i], cache, p0 + i + 1) for i in range(T)]
             seen = np.zeros((T, p0 + T), bool)  # query i attends token j
             seen[np.repeat(np.arange(T), [len(sel) for sel in sels]), np.concatenate(sels)] = True
             keys = np.flatnonzero(seen.any(axis=0))  # the union, ascending
@@ -356,7 +356,7 @@ class QSALayer:
         K, V = cache.kv.read(slice(0, p0 + T) if keys is None else keys)
         return be.attention(q, K, V, self.D**-0.5, visible)
 
-    def _append(self, cache: QSACache, k, v, ik) -> None:
+    def _append(self, be, cache: QSACache, k, v, ik) -> None:
         """k, v [T, Hkv, D], ik [T, Id] at positions cache.n..; pools every block they complete, once."""
         p, T, r = cache.n, k.shape[0], self.ratio
         cache.kv.write(p, k, v)
@@ -364,11 +364,11 @@ class QSALayer:
         cache.n = p + T
         for b in range(p // r, (p + T) // r):  # blocks completed by these tokens never change again
             keys = cache.idx_keys[b * r : (b + 1) * r]
-            kb = grouped_rmsnorm(keys.mean(axis=0, dtype=F32), self.idx_k_norm, self.Id, self.eps)
-            self.rope.apply_(kb.reshape(1, 1, -1), np.array([b * r]))
+            kb = be.rmsnorm(keys.mean(axis=0, dtype=F32), self.idx_k_norm, self.eps, group=self.Id, f32_sums=True)
+            be.rope_(self.rope, kb.reshape(1, 1, -1), np.array([b * r]))
             cache.idx_blocks[b] = kb
 
-    def select(self, iq: np.ndarray, cache: QSACache, n: int | None = None) -> np.ndarray:
+    def select(self, be, iq: np.ndarray, cache: QSACache, n: int | None = None) -> np.ndarray:
         """Token ids (ascending) a query attends when n tokens are cached (default: all of them): the top
         complete blocks by indexer score + the incomplete tail."""
         r = self.ratio
@@ -379,6 +379,6 @@ class QSALayer:
             return tail
         s = np.maximum(iq @ cache.idx_blocks[:nb].T, F32(0)).sum(axis=0, dtype=F32) / F32(math.sqrt(self.Id))
         self.block_scores = s
-        blocks = torch_topk_set(s, min(self.block_topk, nb), cache._vbuf, cache._ibuf)
+        blocks = be.topk_set(s, min(self.block_topk, nb), cache._vbuf, cache._ibuf)
         toks = (blocks[:, None] * r + np.arange(r, dtype=np.int64)[None, :]).reshape(-1)
         return np.concatenate([toks, tail])

@@ -142,3 +142,44 @@ def test_the_planner_check_follows_relative_and_indirect_imports(tmp_path, monke
         "strata.engine.kvcache": ["strata.engine.kvcache", "strata.engine.budget"],
         "strata.engine.model": ["strata.engine.model", "strata.engine.kvcache", "strata.engine.budget"],
     }
+
+
+# The blocks compute through their backend (engine/backend.py): a block that called a kernel or an
+# operation itself would run it on the CPU whatever backend it was given, and the GPU token step
+# could not reuse it unchanged. Plain numpy stays allowed for host bookkeeping (positions, token ids,
+# the rows of each sequence).
+BLOCK_MODULES = ("model.py", "moe.py", "qsa.py", "hyper.py", "ple.py", "mtp.py")
+COMPUTE = {"attention", "delta_rule", "delta_rule_step", "chunk_delta_rule", "conv_many", "rmsnorm", "gated_rmsnorm_",
+           "gate_", "silu_", "sigmoid", "softplus", "l2norm_", "grouped_rmsnorm", "grouped_rmsnorm_q", "route_topk",
+           "combine", "_combine", "mix_tail", "_mix_tail", "_inject", "conv_taps", "_conv_taps", "add_output",
+           "_add_output", "torch_topk_set", "quantize_act", "matvec", "matmul", "matmul_grouped", "dequantize"}
+# what a block may do outside its backend, and why: MoE.products IS the CPU's expert products (the
+# backend's expert server calls it for its misses); the embedding rows and the PLE table's rows are
+# host-side reads of the pack (the GPU token step takes them up in one copy); the MTP head is not
+# on the one forward yet (speculative decoding will put it there)
+ALLOWED = {"moe.py MoE.products", "model.py Model._forward", "model.py _BlockRows.__call__", "mtp.py MTPHead.step"}
+
+
+def _direct_compute_calls(path: Path) -> list[str]:
+    bad = []
+    tree = ast.parse(path.read_text(), filename=str(path))
+    for cls in (n for n in tree.body if isinstance(n, ast.ClassDef)):
+        for fn in (n for n in cls.body if isinstance(n, ast.FunctionDef)):
+            if fn.name == "__init__" or f"{path.name} {cls.name}.{fn.name}" in ALLOWED:
+                continue
+            for call in (n for n in ast.walk(fn) if isinstance(n, ast.Call)):
+                f = call.func
+                name = f.id if isinstance(f, ast.Name) else f.attr if isinstance(f, ast.Attribute) else None
+                through_backend = isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name) and f.value.id == "be"
+                if name in COMPUTE and not through_backend:
+                    bad.append(f"{path.name}:{call.lineno} {cls.name}.{fn.name} calls {name} itself")
+    return bad
+
+
+def test_the_blocks_compute_through_their_backend():
+    assert [b for m in BLOCK_MODULES for b in _direct_compute_calls(ROOT / "engine" / m)] == []
+
+
+def test_the_backend_check_catches_a_direct_call(tmp_path):
+    (tmp_path / "model.py").write_text("class Block:\n    def forward(self, be, x):\n        return attention(x)\n")
+    assert _direct_compute_calls(tmp_path / "model.py") == ["model.py:3 Block.forward calls attention itself"]

@@ -215,7 +215,7 @@ def test_hyper_connection_mix_inject_and_final_mixer():
         s = S[t : t + 1].copy()
         x, w = eng.mix(be, s)
         assert rel_err(x.x[0], x_ref[t]) < TOL and rel_err(w[0], w_ref[t]) < TOL
-        eng.inject(s, Y[t : t + 1], w)
+        eng.inject(be, s, Y[t : t + 1], w)
         assert rel_err(s[0], new_ref[t]) < TOL
         h, none = eng_final.mix(be, S[t : t + 1])
         assert none is None and rel_err(h.x[0], head_ref[t]) < TOL
@@ -223,7 +223,7 @@ def test_hyper_connection_mix_inject_and_final_mixer():
     s_many = S.copy()  # all 12 at once
     x_many, w_many = eng.mix(be, s_many)
     assert max(rel_err(x_many.x[t], x_ref[t]) for t in range(12)) < TOL
-    eng.inject(s_many, Y, w_many)
+    eng.inject(be, s_many, Y, w_many)
     assert max(rel_err(s_many[t], new_ref[t]) for t in range(12)) < TOL
 
 
@@ -423,9 +423,9 @@ def test_decoder_layer_wiring_with_ple_and_hyper_connections():
         s = S[p : p + 1].copy()
         eng_ple.forward(be, s, toks[p : p + 1], state)
         x, w = hc_attn.mix(be, s)
-        hc_attn.inject(s, np.tanh(x.x @ Wa), w)
+        hc_attn.inject(be, s, np.tanh(x.x @ Wa), w)
         x, w = hc_ffn.mix(be, s)
-        hc_ffn.inject(s, np.tanh(x.x @ Wf), w)
+        hc_ffn.inject(be, s, np.tanh(x.x @ Wf), w)
         assert rel_err(s[0], ref[p]) < TOL, f"decoder layer output differs at position {p}"
 
 
