@@ -5,9 +5,10 @@
 #     bash scripts/gpu_suite.sh
 #
 # Logs go to $OUT when set (else ./gpu_suite_logs): gpu_env.log, gpu_tests.log, gpu_tests.xml,
-# bench_kernels_gpu.log/.md, bench_gpu_tier.log/.md. The last thing printed is the summary table.
+# bench_kernels_gpu.log/.md, bench_gpu_tier.log/.md, bench_serve.log. The last thing printed is the summary table.
 # Exit status: 0 when the GPU tests ran (not all skipped) and passed, else 1; the benchmarks never fail it.
-# SKIP_KERNEL_BENCH=1 leaves out the kernel benchmark (its table is in docs/performance.md already).
+# SKIP_KERNEL_BENCH=1 leaves out the kernel benchmark (its table is in docs/performance.md already);
+# SKIP_SERVE_BENCH=1 the serving benchmark.
 set -u
 cd "$(dirname "$0")/.." || exit 2
 # The machine reaches no package index: what it lacks travels as wheels in .whl/ (device README): gguf,
@@ -39,6 +40,14 @@ FILES=$(grep -lE "pytest.mark.gpu|def test_[a-z0-9_]+\([^)]*\brt\b" $(find tests
 echo "== GPU tests: $(echo $FILES)"
 timeout 420 python3 -m pytest -m gpu -q -p no:cacheprovider --durations=8 --junitxml="$LOG/gpu_tests.xml" $FILES 2>&1 | tee "$LOG/gpu_tests.log"
 TEST_RC=${PIPESTATUS[0]}
+
+if [ -z "${SKIP_SERVE_BENCH:-}" ]; then
+    # strata serve's batch slots on the GPU tier: aggregate tok/s and time to first token at 1-8
+    # streams, on the demo pack (synthesized in seconds; seed-4l's 5 GB would take the call's time)
+    echo "== GPU benchmark: benchmarks/serve_streams.py (the demo pack, --device gpu)"
+    timeout ${SERVE_BENCH_TIMEOUT:-240} bash -c 'python3 -c "import sys; from strata.tools.pack_cli import main; sys.exit(main())" demo -o /tmp/demo-pack --no-generate >/dev/null &&
+        python3 benchmarks/serve_streams.py /tmp/demo-pack --device gpu --streams 1,2,4,8 --prompt 32 --tokens 32 --rounds 2 --threads 8' 2>&1 | tee "$LOG/bench_serve.log"
+fi
 
 echo "== GPU benchmark: benchmarks/gpu_tier.py (seed-4l: synthesized and packed on first use)"
 # A device call is 10 minutes. On a fresh machine every kernel compiles first (the tests took 6 of

@@ -72,13 +72,25 @@ def bench_rows(log: Path, bench_rc: int) -> list[tuple[str, str]]:
     ]
 
 
+def serve_rows(log: Path) -> list[tuple[str, str]]:
+    """benchmarks/serve_streams.py's table, one row per stream count (informational: not in PASS)."""
+    path = log / "bench_serve.log"
+    if not path.is_file():
+        return [("serve bench", "not run")]
+    rows = [l for l in path.read_text(errors="replace").splitlines() if l.startswith("| ") and l[2:3].isdigit()]
+    if not rows:
+        return [("serve bench", "no table: see bench_serve.log")]
+    out = [("serve bench", "streams: aggregate decode tok/s, vs 1 stream, time to first token (median, max)")]
+    return out + [("  " + c[0], ", ".join(c[1:])) for c in ([x.strip() for x in r.strip("|").split("|")] for r in rows)]
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     log, test_rc, bench_rc = Path(argv[0]), int(argv[1]), int(argv[2])
     rows, ok = test_rows(log, test_rc)
     tier, tier_ok = tier_rows(log, bench_rc)
     ok = ok and tier_ok
-    rows += tier + bench_rows(log, 0) + [("logs", str(log)), ("result", "PASS" if ok else "FAIL")]
+    rows += tier + bench_rows(log, 0) + serve_rows(log) + [("logs", str(log)), ("result", "PASS" if ok else "FAIL")]
     width = max(len(k) for k, _ in rows)
     print("\n== gpu_suite summary")
     for k, v in rows:
