@@ -388,8 +388,7 @@ class Model:
         ids = np.asarray(flat, np.int64)
         for l in range(g.n_layer):
             if l in self.ple:  # adds to the streams before the layer's mix
-                for s, (a, b) in zip(sessions, spans):
-                    self.ple[l].forward(be, H[a:b], ids[a:b], s.ple_states[l])
+                self.ple[l].forward(be, H, ids, [Seq(s.ple_states[l], a, b, s.pos) for s, (a, b) in zip(sessions, spans)])
             x, ctx = r.enter(be, H, l, ffn=False)
             seqs = [Seq(s.states[l], a, b, s.pos) for s, (a, b) in zip(sessions, spans)]
             r.leave(be, H, l, False, self.mixers[l].forward(be, seqs, x), ctx)

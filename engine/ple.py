@@ -32,6 +32,7 @@ from strata.index_format.geometry import ModelGeometry
 from strata.index_format.ggml_types import ggml_type
 
 from .hyper import Tensor, as_f32, as_linear, sigmoid, take
+from .batch import seqs_of
 from .kernels.jit import cached_njit
 from .pack_reader import PackError
 
@@ -196,16 +197,23 @@ class PLELayer:
         g = np.sign(g) * np.sqrt(np.maximum(np.abs(g), F32(1e-6)))
         return (be.sigmoid(g, exp_form=True)[:, :, None] * be.linear(self.value, e)[:, None, :]).reshape(T, hc * E)
 
-    def forward(self, be, streams: np.ndarray, tokens: np.ndarray, state: PLEState) -> None:
-        """In place: streams f32[T, HE] += PLE outputs for tokens int64[T]; advances `state` by T tokens."""
+    def forward(self, be, streams: np.ndarray, tokens: np.ndarray, states) -> None:
+        """In place: streams f32[T, HE] += PLE outputs for tokens int64[T]. `states`: one PLEState (every
+        row its sequence's) or a list of Seq (engine/batch.py) with theirs; each advances by its rows.
+        The n-gram windows and the conv run per sequence, the products and norms over all rows."""
         T, HE = streams.shape
         if HE != self.hc * self.E or tokens.shape != (T,):
             raise ValueError(f"layer {self.layer}: PLE got streams {streams.shape} and tokens {tokens.shape}, "
-                                 f"expected [T, {self.hc * self.E}] and [T]")
-        ctx = self.hash.contexts(state.window, tokens)
-        state.window[:] = np.concatenate([state.window, tokens])[T:]
-        G = self._gated(be, streams, self._embed(self.hash.rows(ctx)))
-        y = self._conv(be, be.rmsnorm(G, self.norm_conv, self.eps, group=self.E, f32_sums=True), state)
+                             f"expected [T, {self.hc * self.E}] and [T]")
+        seqs = seqs_of(states, T)
+        ctx = []
+        for r in seqs:
+            ctx.append(self.hash.contexts(r.state.window, tokens[r.a : r.b]))
+            r.state.window[:] = np.concatenate([r.state.window, tokens[r.a : r.b]])[r.n :]
+        G = self._gated(be, streams, self._embed(self.hash.rows(ctx[0] if len(ctx) == 1 else np.concatenate(ctx))))
+        X = be.rmsnorm(G, self.norm_conv, self.eps, group=self.E, f32_sums=True)
+        y = self._conv(be, X, seqs[0].state) if len(seqs) == 1 else \
+            np.concatenate([self._conv(be, X[r.a : r.b], r.state) for r in seqs])
         be.ple_output(streams, G, y)
 
     def _conv(self, be, X: np.ndarray, state: PLEState) -> np.ndarray:
