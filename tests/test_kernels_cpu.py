@@ -73,6 +73,28 @@ def test_expert_shapes_equal_the_reference(name, n_in, n_out):
     _same(y, R.dot_reference(raw, t.id, n_in, n_out, act), f"{name} [{n_in} x {n_out}]")
 
 
+@pytest.mark.parametrize("n_in", [320, 544, 2560], ids=lambda n: f"{n // 32}-blocks")
+@pytest.mark.parametrize("parallel", [False, True], ids=["serial", "parallel"])
+def test_q8_0_token_kernel_equals_the_general_kernel_and_the_reference(n_in, parallel):
+    # rowdot.py's one-token Q8_0 kernel (the LM head, the hyper-connections) reads the blocks in
+    # place: its 16-block groups meet a tail (10 blocks; 17 = one group + 1) and whole groups
+    # (80, the head's rows), on the calling thread and over the pool (uneven chunks: 37 rows)
+    from strata.engine.kernels import rowdot
+
+    if not rowdot.AVAILABLE:
+        pytest.skip(f"rowdot.py needs AVX512-VNNI, AVX512BW and F16C; this host's features: {sorted(cpu.simd._X86) or 'none'}")
+    t = BY_NAME["Q8_0"]
+    raw = random_weights(t, n_in * 37, np.random.default_rng(n_in))
+    act = quantize_act(_acts(n_in, 1, n_in)[0])
+    with cpu_path(parallel):
+        got = cpu.matvec(raw, t.id, n_in, 37, act)
+    assert parallel in rowdot._KERNELS and rowdot._KERNELS[parallel].signatures, "the token kernel was not taken"
+    general = np.empty((1, 37), np.float32)
+    cpu._kernel("Q8_0", False)(raw, t.type_size, t.row_bytes(n_in), act.q, act.d[None], act.s16[None], cpu.F16_TO_F32, general, 1)
+    _same(got, general[0], f"Q8_0 [{n_in} x 37] token kernel vs the general row kernel")
+    _same(got, R.dot_reference(raw, t.id, n_in, 37, ActQ(act.q[None], act.d[None], act.s16[None]))[0], "vs the reference")
+
+
 def _accuracy(t, n_in, n_out, seed):
     """Kernel error relative to sum |w_i a_i| (scale-free), against float64 on the same inputs:
     the dequantized weights times the dequantized ActQ activations (or the f32 activations)."""
@@ -167,7 +189,8 @@ def test_no_fused_multiply_add_in_the_compiled_kernels(monkeypatch):
         t = BY_NAME[name]
         n_in, n_out = _shape(t)
         raw = random_weights(t, n_in * n_out, np.random.default_rng(0))
-        act = quantize_act(_acts(n_in, 1, 0)) if t.quantized else _acts(n_in, 1, 0)
+        # 2 tokens: a single token of Q8_0 takes rowdot.py's kernel, checked below
+        act = quantize_act(_acts(n_in, 2, 0)) if t.quantized else _acts(n_in, 2, 0)
         for parallel in (False, True):
             kernel = cpu._build(name, parallel)
             kernel._cache.disable()  # compile here: numba shows no machine code for a disk-cache load
@@ -177,6 +200,19 @@ def test_no_fused_multiply_add_in_the_compiled_kernels(monkeypatch):
             asm = "\n".join(kernel.inspect_asm().values())
             assert "vmulss" in asm or "vmulps" in asm, "no f32 multiply found: the check itself is broken"
             assert not re.search(r"\bv?f(n)?m(add|sub)\d", asm), f"{name}: FMA instruction in the kernel"
+    from strata.engine.kernels import rowdot
+
+    if rowdot.AVAILABLE:  # the one-token Q8_0 kernel (its own f32 terms and fold)
+        kernel = rowdot._kernel(False)
+        kernel._cache.disable()
+        monkeypatch.setitem(rowdot._KERNELS, False, kernel)
+        t = BY_NAME["Q8_0"]
+        raw = random_weights(t, 2560 * 4, np.random.default_rng(0))
+        with cpu_path(False):
+            cpu.matvec(raw, t.id, 2560, 4, quantize_act(_acts(2560, 1, 0)[0]))
+        asm = "\n".join(kernel.inspect_asm().values())
+        assert "vmulps" in asm, "no f32 multiply found: the check itself is broken"
+        assert not re.search(r"\bv?f(n)?m(add|sub)\d", asm), "Q8_0 token kernel: FMA instruction"
 
 
 def test_bad_inputs_are_refused_with_the_reason():
