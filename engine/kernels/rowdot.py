@@ -13,7 +13,9 @@ scales: per act-block b the exact integer sum s[b] of q_w * q_x, then
     term[b] = (f32(d_w[b]) * xd[b]) * f32(s[b]);   lane l = ((+0 + term[l]) + term[l + 32]) + ...
 
 and the same fold of the 32 lanes, so the result is the general kernel's to the bit (tests/
-test_kernels_cpu.py holds the two equal). The integer sum is exact in any order: here VNNI's
+test_kernels_cpu.py holds the two equal). Activations in the fine form (a scale per 16
+elements, ActQ.d twice as long) take term[b] = f32(d_w[b]) * (xd0[b] f32(lo[b]) + xd1[b] f32(hi[b]))
+over the two half sums instead, as simd.row_epilogue's "fine" scales do. The integer sum is exact in any order: here VNNI's
 vpdpbusd over two act-blocks at a time (the weights offset by 128 into unsigned bytes, 128 x the
 activations' block sum taken back off, as simd._half_sums_vnni does) and one transpose-and-add
 reduction per 16 act-blocks.
@@ -42,116 +44,145 @@ AVAILABLE = bool(simd._X86.get("avx512vnni") and simd._X86.get("avx512bw") and s
 I8, I16, I32, I64 = simd.I8, simd.I16, simd.I32, simd.I64
 
 
-@intrinsic
-def q8_0_row(typingctx, raw, p, nb, xq, xd, xsum):
-    """The dot of the Q8_0 row at byte p of raw (nb blocks) with one token's ActQ: xq (int8, nb * 32
-    values), xd (f32 scales) and xsum (int32 block sums of xq), xd and xsum readable up to nb
-    rounded up to 16. Returns the f32 result, bit for bit simd.row_epilogue's for this row."""
+def _q8_0_row(fine: bool):
+    def impl(typingctx, raw, p, nb, xq, xd, xd1, xs):
+        """The dot of the Q8_0 row at byte p of raw (nb blocks) with one token's ActQ: xq (int8,
+        nb * 32 values) and its scales and sums, readable up to nb rounded up to 16 blocks: xd (f32
+        per block) and xs (int32 block sums of xq; xd1 unused), or for the fine form (d per 16)
+        xd, xd1 (the first and second halves' scales per block) and xs (int32 half sums, 2 per
+        block, as ActQ.s16). Returns the f32 result, bit for bit simd.row_epilogue's for the row."""
+        return types.float32(raw, p, nb, xq, xd, xd1, xs), lambda context, builder, sig, args: _codegen(context, builder, sig, args, fine)
 
-    def codegen(context, builder, sig, args):
-        f16v, i16v = ir.VectorType(ir.FloatType(), 16), ir.VectorType(I32, 16)
-        v32, v64 = ir.VectorType(I8, 32), ir.VectorType(I8, 64)
-        p, nb = (context.cast(builder, args[k], sig.args[k], types.intp) for k in (1, 2))
-        base = {}
-        for k, name in ((0, "raw"), (3, "xq"), (4, "xd"), (5, "xsum")):
-            base[name] = context.make_array(sig.args[k])(context, builder, args[k]).data
+    return impl
 
-        def ptr(name, idx, ty):
-            return builder.bitcast(builder.gep(base[name], [idx]), ty.as_pointer())
 
-        vnni = simd._fn(builder, "llvm.x86.avx512.vpdpbusd.512", i16v, [i16v] * 3)
-        flip = simd._splat(builder, ir.Constant(I8, 0x80), v64)
-        last = builder.sub(nb, ir.Constant(I64, 1))
-        neg0 = ir.Constant(f16v, [-0.0] * 16)
-        iota = ir.Constant(ir.VectorType(I64, 16), list(range(16)))
-        acc = [cgutils.alloca_once_value(builder, ir.Constant(f16v, [0.0] * 16)) for _ in range(2)]
+def _codegen(context, builder, sig, args, fine):
+    f16v, i16v = ir.VectorType(ir.FloatType(), 16), ir.VectorType(I32, 16)
+    v32, v64 = ir.VectorType(I8, 32), ir.VectorType(I8, 64)
+    p, nb = (context.cast(builder, args[k], sig.args[k], types.intp) for k in (1, 2))
+    base = {}
+    for k, name in ((0, "raw"), (3, "xq"), (4, "xd"), (5, "xd1"), (6, "xs")):
+        base[name] = context.make_array(sig.args[k])(context, builder, args[k]).data
 
-        def group(b, h, tail):
-            """acc[h] += the terms of act-blocks b .. b + 15; `tail`: some are past nb, whose loads
-            read block nb - 1 instead and whose terms become -0.0 (adding it changes no lane)."""
-            blocks = []
-            for k in range(16):
-                i = builder.add(b, ir.Constant(I64, k))
-                if tail:
-                    i = builder.select(builder.icmp_unsigned("<", i, nb), i, last)
-                blocks.append(i)
-            vecs, halves = [], []
-            for j in range(8):
-                w, x = [], []
-                for i in blocks[2 * j : 2 * j + 2]:
-                    at = builder.add(p, builder.mul(i, ir.Constant(I64, Q8_0_BYTES)))
-                    w.append(builder.load(ptr("raw", builder.add(at, ir.Constant(I64, 2)), v32), align=1))
-                    x.append(builder.load(ptr("xq", builder.mul(i, ir.Constant(I64, QA)), v32), align=1))
-                    halves.append(builder.load(ptr("raw", at, I16), align=1))
-                w = builder.xor(builder.shuffle_vector(w[0], w[1], simd._mask(64, range(64))), flip)
-                x = builder.shuffle_vector(x[0], x[1], simd._mask(64, range(64)))
-                vecs.append(builder.call(vnni, [ir.Constant(i16v, None), builder.bitcast(w, i16v), builder.bitcast(x, i16v)]))
+    def ptr(name, idx, ty):
+        return builder.bitcast(builder.gep(base[name], [idx]), ty.as_pointer())
+
+    vnni = simd._fn(builder, "llvm.x86.avx512.vpdpbusd.512", i16v, [i16v] * 3)
+    flip = simd._splat(builder, ir.Constant(I8, 0x80), v64)
+    seven = simd._splat(builder, ir.Constant(I32, 7), i16v)
+    last = builder.sub(nb, ir.Constant(I64, 1))
+    neg0 = ir.Constant(f16v, [-0.0] * 16)
+    iota = ir.Constant(ir.VectorType(I64, 16), list(range(16)))
+    acc = [cgutils.alloca_once_value(builder, ir.Constant(f16v, [0.0] * 16)) for _ in range(2)]
+
+    def group(b, h, tail):
+        """acc[h] += the terms of act-blocks b .. b + 15; `tail`: some are past nb, whose loads
+        read block nb - 1 instead and whose terms become -0.0 (adding it changes no lane)."""
+        blocks = []
+        for k in range(16):
+            i = builder.add(b, ir.Constant(I64, k))
+            if tail:
+                i = builder.select(builder.icmp_unsigned("<", i, nb), i, last)
+            blocks.append(i)
+        vecs, halves = [], []
+        for j in range(8):
+            w, x = [], []
+            for i in blocks[2 * j : 2 * j + 2]:
+                at = builder.add(p, builder.mul(i, ir.Constant(I64, Q8_0_BYTES)))
+                w.append(builder.load(ptr("raw", builder.add(at, ir.Constant(I64, 2)), v32), align=1))
+                x.append(builder.load(ptr("xq", builder.mul(i, ir.Constant(I64, QA)), v32), align=1))
+                halves.append(builder.load(ptr("raw", at, I16), align=1))
+            w = builder.xor(builder.shuffle_vector(w[0], w[1], simd._mask(64, range(64))), flip)
+            x = builder.shuffle_vector(x[0], x[1], simd._mask(64, range(64)))
+            vecs.append(builder.call(vnni, [ir.Constant(i16v, None), builder.bitcast(w, i16v), builder.bitcast(x, i16v)]))
+        dw = ir.Constant(ir.VectorType(I16, 16), ir.Undefined)
+        for k, hb in enumerate(halves):
+            dw = builder.insert_element(dw, hb, ir.Constant(I32, k))
+        wf = builder.fpext(builder.bitcast(dw, ir.VectorType(ir.HalfType(), 16)), f16v)
+        if fine:  # the half sums (lane 2m + h: half h of block b + m), less 128 x the activations'
+            r = [simd._reduce_groups(builder, vecs[4 * m : 4 * m + 4], 4, 4) for m in range(2)]
+            two_b = builder.add(b, b)
+            r = [builder.sub(r[m], builder.shl(builder.load(ptr("xs", builder.add(two_b, ir.Constant(I64, 16 * m)), i16v), align=4), seven))
+                 for m in range(2)]  # fmt: skip
+            lo = builder.shuffle_vector(r[0], r[1], simd._mask(16, range(0, 32, 2)))
+            hi = builder.shuffle_vector(r[0], r[1], simd._mask(16, range(1, 32, 2)))
+            ad0, ad1 = builder.load(ptr("xd", b, f16v), align=4), builder.load(ptr("xd1", b, f16v), align=4)
+            both = builder.fadd(builder.fmul(ad0, builder.sitofp(lo, f16v)), builder.fmul(ad1, builder.sitofp(hi, f16v)))
+            term = builder.fmul(wf, both)
+        else:
             r = simd._reduce_groups(builder, vecs, 2, 8)  # lane g = block b + g, weights offset by 128
-            xs = builder.load(ptr("xsum", b, i16v), align=4)
-            isum = builder.sub(r, builder.shl(xs, simd._splat(builder, ir.Constant(I32, 7), i16v)))
-            dw = ir.Constant(ir.VectorType(I16, 16), ir.Undefined)
-            for k, hb in enumerate(halves):
-                dw = builder.insert_element(dw, hb, ir.Constant(I32, k))
-            wf = builder.fpext(builder.bitcast(dw, ir.VectorType(ir.HalfType(), 16)), f16v)
+            isum = builder.sub(r, builder.shl(builder.load(ptr("xs", b, i16v), align=4), seven))
             ad = builder.load(ptr("xd", b, f16v), align=4)
             term = builder.fmul(builder.fmul(wf, ad), builder.sitofp(isum, f16v))
-            if tail:
-                live = builder.icmp_unsigned("<", builder.add(simd._splat(builder, b, ir.VectorType(I64, 16)), iota),
-                                             simd._splat(builder, nb, ir.VectorType(I64, 16)))  # fmt: skip
-                term = builder.select(live, term, neg0)
-            builder.store(builder.fadd(builder.load(acc[h]), term), acc[h])
+        if tail:
+            live = builder.icmp_unsigned("<", builder.add(simd._splat(builder, b, ir.VectorType(I64, 16)), iota),
+                                         simd._splat(builder, nb, ir.VectorType(I64, 16)))  # fmt: skip
+            term = builder.select(live, term, neg0)
+        builder.store(builder.fadd(builder.load(acc[h]), term), acc[h])
 
-        def half(b, h):
-            full = builder.icmp_unsigned("<=", builder.add(b, ir.Constant(I64, 16)), nb)
-            with builder.if_else(full) as (then, otherwise):
-                with then:
-                    group(b, h, False)
-                with otherwise:
-                    group(b, h, True)
+    def half(b, h):
+        full = builder.icmp_unsigned("<=", builder.add(b, ir.Constant(I64, 16)), nb)
+        with builder.if_else(full) as (then, otherwise):
+            with then:
+                group(b, h, False)
+            with otherwise:
+                group(b, h, True)
 
-        n32 = builder.udiv(builder.add(nb, ir.Constant(I64, 31)), ir.Constant(I64, 32))
-        with cgutils.for_range(builder, n32) as loop:
-            b = builder.mul(loop.index, ir.Constant(I64, 32))
-            half(b, 0)
-            b = builder.add(b, ir.Constant(I64, 16))
-            with builder.if_then(builder.icmp_unsigned("<", b, nb)):  # a half wholly past nb adds -0.0: skipped
-                half(b, 1)
-        v = builder.shuffle_vector(builder.load(acc[0]), builder.load(acc[1]), simd._mask(32, range(32)))
-        w = 16
-        while w:  # the fold: lane[l] += lane[l + w]
-            v = builder.fadd(builder.shuffle_vector(v, v, simd._mask(w, range(w))), builder.shuffle_vector(v, v, simd._mask(w, range(w, 2 * w))))
-            w //= 2
-        return builder.extract_element(v, ir.Constant(I32, 0))
-
-    return types.float32(raw, p, nb, xq, xd, xsum), codegen
+    n32 = builder.udiv(builder.add(nb, ir.Constant(I64, 31)), ir.Constant(I64, 32))
+    with cgutils.for_range(builder, n32) as loop:
+        b = builder.mul(loop.index, ir.Constant(I64, 32))
+        half(b, 0)
+        b = builder.add(b, ir.Constant(I64, 16))
+        with builder.if_then(builder.icmp_unsigned("<", b, nb)):  # a half wholly past nb adds -0.0: skipped
+            half(b, 1)
+    v = builder.shuffle_vector(builder.load(acc[0]), builder.load(acc[1]), simd._mask(32, range(32)))
+    w = 16
+    while w:  # the fold: lane[l] += lane[l + w]
+        v = builder.fadd(builder.shuffle_vector(v, v, simd._mask(w, range(w))), builder.shuffle_vector(v, v, simd._mask(w, range(w, 2 * w))))
+        w //= 2
+    return builder.extract_element(v, ir.Constant(I32, 0))
 
 
-def _kernel(parallel: bool):
+q8_0_row = intrinsic(_q8_0_row(False))
+q8_0_row_fine = intrinsic(_q8_0_row(True))
+
+
+def _kernel(parallel: bool, fine: bool):
+    row = q8_0_row_fine if fine else q8_0_row
+
     def kernel(raw, row_bytes, xq, xd, s16, out, n_chunks):
-        # raw u8 [n_out * row_bytes]; xq i8 [n_in]; xd f32 [nb]; s16 i32 [2 nb]; out f32 [n_out]
-        nb = xd.size
+        # raw u8 [n_out * row_bytes]; xq i8 [n_in]; xd f32 [nb] (the fine form: [2 nb]); s16 i32
+        # [2 nb]; out f32 [n_out]
+        nb = xq.size // QA
         P = (nb + 15) // 16 * 16
-        xdp = np.zeros(P, F32)
-        xsum = np.zeros(P, np.int32)
+        xd0 = np.zeros(P, F32)
+        xd1 = np.zeros(P, F32)  # the fine form's second halves
+        xs = np.zeros(2 * P if fine else P, np.int32)  # half sums (fine) or block sums, zero past nb
         for b in range(nb):
-            xdp[b] = xd[b]
-            xsum[b] = s16[2 * b] + s16[2 * b + 1]
+            if fine:
+                xd0[b], xd1[b] = xd[2 * b], xd[2 * b + 1]
+                xs[2 * b], xs[2 * b + 1] = s16[2 * b], s16[2 * b + 1]
+            else:
+                xd0[b] = xd[b]
+                xs[b] = s16[2 * b] + s16[2 * b + 1]
         n_out = out.size
         for c in prange(n_chunks):
             for o in range(c * n_out // n_chunks, (c + 1) * n_out // n_chunks):
-                out[o] = q8_0_row(raw, o * row_bytes, nb, xq, xdp, xsum)
+                out[o] = row(raw, o * row_bytes, nb, xq, xd0, xd1, xs)
 
-    return cached(njit(parallel=parallel, **JIT)(kernel), f"Q8_0-rowdot-{'par' if parallel else 'serial'}")
+    return cached(njit(parallel=parallel, **JIT)(kernel), f"Q8_0-rowdot{'-fine' if fine else ''}-{'par' if parallel else 'serial'}")
 
 
-_KERNELS: dict[bool, object] = {}
+_KERNELS: dict[tuple[bool, bool], object] = {}
 
 
 def q8_0_matvec(raw: np.ndarray, row_bytes: int, xq: np.ndarray, xd: np.ndarray, s16: np.ndarray, out: np.ndarray,
                 parallel: bool, n_chunks: int) -> None:  # fmt: skip
     """out[o] = row o of the Q8_0 matrix raw (flat u8, row_bytes per row) . the token's ActQ planes
-    (xq int8 [n_in], xd f32 [n_in / 32], s16 int32 [n_in / 16], contiguous); rows split into
-    n_chunks on the pool if `parallel`. The caller (cpu.matvec) has validated the shapes."""
-    if parallel not in _KERNELS:
-        _KERNELS[parallel] = _kernel(parallel)
-    _KERNELS[parallel](raw, row_bytes, xq, xd, s16, out, n_chunks)
+    (xq int8 [n_in], xd f32 [n_in / 32], or [n_in / 16] for the fine form, s16 int32 [n_in / 16],
+    contiguous); rows split into n_chunks on the pool if `parallel`. The caller (cpu.matvec) has
+    validated the shapes."""
+    key = (parallel, xd.size == 2 * (xq.size // QA))
+    if key not in _KERNELS:
+        _KERNELS[key] = _kernel(*key)
+    _KERNELS[key](raw, row_bytes, xq, xd, s16, out, n_chunks)
