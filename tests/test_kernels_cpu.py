@@ -73,68 +73,68 @@ def test_expert_shapes_equal_the_reference(name, n_in, n_out):
     _same(y, R.dot_reference(raw, t.id, n_in, n_out, act), f"{name} [{n_in} x {n_out}]")
 
 
-@pytest.mark.parametrize("n_in", [320, 544, 2560], ids=lambda n: f"{n // 32}-blocks")
-@pytest.mark.parametrize("parallel", [False, True], ids=["serial", "parallel"])
-def test_q8_0_token_kernel_equals_the_general_kernel_and_the_reference(n_in, parallel):
-    # rowdot.py's one-token Q8_0 kernel (the LM head, the hyper-connections) reads the blocks in
-    # place: its 16-block groups meet a tail (10 blocks; 17 = one group + 1) and whole groups
-    # (80, the head's rows), on the calling thread and over the pool (uneven chunks: 37 rows)
+ROWDOT_TYPES = ["Q8_0", "Q4_0", "Q5_0", "IQ4_NL"]
+
+
+def _need_rowdot():
     from strata.engine.kernels import rowdot
 
     if not rowdot.AVAILABLE:
         pytest.skip(f"rowdot.py needs AVX512-VNNI, AVX512BW and F16C; this host's features: {sorted(cpu.simd._X86) or 'none'}")
-    t = BY_NAME["Q8_0"]
-    raw = random_weights(t, n_in * 37, np.random.default_rng(n_in))
+    return rowdot
+
+
+@pytest.mark.parametrize("n_in", [320, 544, 2560], ids=lambda n: f"{n // 32}-blocks")
+@pytest.mark.parametrize("parallel", [False, True], ids=["serial", "parallel"])
+@pytest.mark.parametrize("name", ROWDOT_TYPES)
+def test_token_kernel_equals_the_general_kernel_and_the_reference(name, n_in, parallel):
+    # rowdot.py's one-token kernel (the LM head, hyper-connections, GDN projections) reads the
+    # blocks in place: its 16-block groups meet a tail (10 blocks; 17 = one group + 1) and whole
+    # groups (80, the head's rows), on the calling thread and over the pool (uneven chunks: 37 rows)
+    rowdot = _need_rowdot()
+    t = BY_NAME[name]
+    raw = random_weights(t, n_in * 37, np.random.default_rng(n_in + t.id))
     act = quantize_act(_acts(n_in, 1, n_in)[0])
     with cpu_path(parallel):
         got = cpu.matvec(raw, t.id, n_in, 37, act)
-    assert rowdot._KERNELS[parallel, False].signatures, "the token kernel was not taken"
+    assert rowdot._KERNELS[name, parallel, False].signatures, "the token kernel was not taken"
     general = np.empty((1, 37), np.float32)
-    cpu._kernel("Q8_0", False)(raw, t.type_size, t.row_bytes(n_in), act.q, act.d[None], act.s16[None], cpu.F16_TO_F32, general, 1)
-    _same(got, general[0], f"Q8_0 [{n_in} x 37] token kernel vs the general row kernel")
+    cpu._kernel(name, False)(raw, t.type_size, t.row_bytes(n_in), act.q, act.d[None], act.s16[None], cpu.F16_TO_F32, general, 1)
+    _same(got, general[0], f"{name} [{n_in} x 37] token kernel vs the general row kernel")
     _same(got, R.dot_reference(raw, t.id, n_in, 37, ActQ(act.q[None], act.d[None], act.s16[None]))[0], "vs the reference")
 
 
-def _fine_reference(raw: np.ndarray, n_in: int, n_out: int, q: np.ndarray, d16: np.ndarray) -> np.ndarray:
-    """docs/kernels.md's arithmetic for Q8_0 against activations with a scale per 16 (the fine
-    ActQ form), in numpy f32: term[b] = wf[b] * (xd0[b] f32(lo[b]) + xd1[b] f32(hi[b])), lanes
-    b % 32 from +0 in block order, then the fold."""
+def _fine_reference(raw: np.ndarray, t, n_in: int, n_out: int, q: np.ndarray, d16: np.ndarray) -> np.ndarray:
+    """docs/kernels.md's arithmetic for a unit-scale 32-element type against activations with a
+    scale per 16 (the fine ActQ form), in numpy f32: term[b] = wf[b] (xd0[b] f32(lo[b]) + xd1[b]
+    f32(hi[b])), lanes b % 32 from +0 in block order, then the fold."""
     nb = n_in // 32
-    blocks = raw.reshape(n_out, nb, 34)
-    wf = blocks[:, :, :2].copy().view(np.float16)[:, :, 0].astype(np.float32)
-    wq = blocks[:, :, 2:].view(np.int8).astype(np.int64).reshape(n_out, nb, 2, 16)
+    f = R.decompose(raw, t.id, n_in * n_out)
+    wf = f.wf.reshape(n_out, nb).astype(np.float32)
+    wq = f.q.astype(np.int64).reshape(n_out, nb, 2, 16)
     sums = (wq * q.astype(np.int64).reshape(1, nb, 2, 16)).sum(axis=-1)  # [n_out, nb, 2], exact
     xd = d16.reshape(nb, 2)
-    both = xd[:, 0] * sums[:, :, 0].astype(np.float32) + xd[:, 1] * sums[:, :, 1].astype(np.float32)
-    term = wf * both
-    lanes = np.zeros((n_out, 32), np.float32)
-    for b in range(nb):
-        lanes[:, b % 32] += term[:, b]
-    w = 16
-    while w:
-        lanes[:, :w] += lanes[:, w : 2 * w]
-        w //= 2
-    return lanes[:, 0]
+    term = wf * (xd[:, 0] * sums[:, :, 0].astype(np.float32) + xd[:, 1] * sums[:, :, 1].astype(np.float32))
+    return R.fold_lanes(R.accumulate_lanes(term))
 
 
 @pytest.mark.parametrize("n_in", [320, 2560], ids=lambda n: f"{n // 32}-blocks")
-def test_q8_0_token_kernel_reads_the_fine_activation_form(n_in):
+@pytest.mark.parametrize("name", ROWDOT_TYPES)
+def test_token_kernel_reads_the_fine_activation_form(name, n_in):
     # The fine ActQ (a scale per 16 elements: what llama.cpp's Q8_0-activation types read) has
     # twice the scales: the token kernel takes each block's two halves with their own scale
-    from strata.engine.kernels import rowdot
-
-    if not rowdot.AVAILABLE:
-        pytest.skip(f"rowdot.py needs AVX512-VNNI, AVX512BW and F16C; this host's features: {sorted(cpu.simd._X86) or 'none'}")
-    t = BY_NAME["Q8_0"]
+    rowdot = _need_rowdot()
+    t = BY_NAME[name]
     raw = random_weights(t, n_in * 37, np.random.default_rng(n_in + 1))
     x = _acts(n_in, 1, n_in + 1)[0].reshape(-1, 16)
-    d16 = np.abs(x).max(axis=1) / np.float32(127)
+    d16 = (np.abs(x).max(axis=1) / np.float32(127)).astype(np.float32)
     q = np.clip(np.rint(x / d16[:, None]), -127, 127).astype(np.int8).reshape(-1)
     s16 = q.astype(np.int32).reshape(-1, 16).sum(axis=1, dtype=np.int32)
     out = np.empty(37, np.float32)
+    want = _fine_reference(raw, t, n_in, 37, q, d16)
     for parallel in (False, True):
-        rowdot.q8_0_matvec(raw, t.row_bytes(n_in), q, d16.astype(np.float32), s16, out, parallel, 3 if parallel else 1)
-        _same(out, _fine_reference(raw, n_in, 37, q, d16.astype(np.float32)), f"Q8_0 [{n_in} x 37] fine form, parallel={parallel}")
+        rowdot.matvec(name, raw, t.row_bytes(n_in), q, d16, s16, out, parallel, 3 if parallel else 1)
+        _same(out, want, f"{name} [{n_in} x 37] fine form, parallel={parallel}")
 
 
 def _accuracy(t, n_in, n_out, seed):
@@ -245,9 +245,9 @@ def test_no_fused_multiply_add_in_the_compiled_kernels(monkeypatch):
     from strata.engine.kernels import rowdot
 
     if rowdot.AVAILABLE:  # the one-token Q8_0 kernel (its own f32 terms and fold)
-        kernel = rowdot._kernel(False, False)
+        kernel = rowdot._kernel("Q8_0", False, False)
         kernel._cache.disable()
-        monkeypatch.setitem(rowdot._KERNELS, (False, False), kernel)
+        monkeypatch.setitem(rowdot._KERNELS, ("Q8_0", False, False), kernel)
         t = BY_NAME["Q8_0"]
         raw = random_weights(t, 2560 * 4, np.random.default_rng(0))
         with cpu_path(False):
