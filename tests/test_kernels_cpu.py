@@ -84,13 +84,14 @@ def _need_rowdot():
     return rowdot
 
 
-@pytest.mark.parametrize("n_in", [320, 544, 2560], ids=lambda n: f"{n // 32}-blocks")
+@pytest.mark.parametrize("n_in", [320, 544, 768, 2560], ids=lambda n: f"{n // 32}-blocks")
 @pytest.mark.parametrize("parallel", [False, True], ids=["serial", "parallel"])
 @pytest.mark.parametrize("name", ROWDOT_TYPES)
 def test_token_kernel_equals_the_general_kernel_and_the_reference(name, n_in, parallel):
     # rowdot.py's one-token kernel (the LM head, hyper-connections, GDN projections) reads the
-    # blocks in place: its 16-block groups meet a tail (10 blocks; 17 = one group + 1) and whole
-    # groups (80, the head's rows), on the calling thread and over the pool (uneven chunks: 37 rows)
+    # blocks in place: its 16-block groups meet a tail of 9-15 (10 blocks), an 8-block tail group
+    # (17 = 16 + 1, 24 = 16 + 8) and whole groups only (80, the head's rows), on the calling
+    # thread and over the pool (uneven chunks: 37 rows)
     rowdot = _need_rowdot()
     t = BY_NAME[name]
     raw = random_weights(t, n_in * 37, np.random.default_rng(n_in + t.id))
@@ -118,7 +119,7 @@ def _fine_reference(raw: np.ndarray, t, n_in: int, n_out: int, q: np.ndarray, d1
     return R.fold_lanes(R.accumulate_lanes(term))
 
 
-@pytest.mark.parametrize("n_in", [320, 2560], ids=lambda n: f"{n // 32}-blocks")
+@pytest.mark.parametrize("n_in", [320, 544, 2560], ids=lambda n: f"{n // 32}-blocks")
 @pytest.mark.parametrize("name", ROWDOT_TYPES)
 def test_token_kernel_reads_the_fine_activation_form(name, n_in):
     # The fine ActQ (a scale per 16 elements: what llama.cpp's Q8_0-activation types read) has
