@@ -128,10 +128,14 @@ def _codegen(context, builder, sig, args, name, fine):
             for i in blocks[2 * j : 2 * j + 2]:
                 at = builder.add(p, builder.mul(i, ir.Constant(I64, size)))
                 w.append(_unpack(builder, name, lambda idx, ty: builder.load(ptr("raw", idx, ty), align=1), at))
-                x.append(builder.load(ptr("xq", builder.mul(i, ir.Constant(I64, QA)), v32), align=1))
+                if tail:
+                    x.append(builder.load(ptr("xq", builder.mul(i, ir.Constant(I64, QA)), v32), align=1))
                 halves.append(builder.load(ptr("raw", at, I16), align=1))
             w = builder.shuffle_vector(w[0], w[1], simd._mask(64, range(64)))
-            x = builder.shuffle_vector(x[0], x[1], simd._mask(64, range(64)))
+            if tail:
+                x = builder.shuffle_vector(x[0], x[1], simd._mask(64, range(64)))
+            else:  # the pair's activations are contiguous: one 64-byte load
+                x = builder.load(ptr("xq", builder.mul(blocks[2 * j], ir.Constant(I64, QA)), v64), align=1)
             vecs.append(builder.call(vnni, [ir.Constant(i16v, None), builder.bitcast(w, i16v), builder.bitcast(x, i16v)]))
         dw = ir.Constant(ir.VectorType(I16, 16), None)
         for k, hb in enumerate(halves):
