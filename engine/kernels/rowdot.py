@@ -137,9 +137,13 @@ def _codegen(context, builder, sig, args, name, fine):
             else:  # the pair's activations are contiguous: one 64-byte load
                 x = builder.load(ptr("xq", builder.mul(blocks[2 * j], ir.Constant(I64, QA)), v64), align=1)
             vecs.append(builder.call(vnni, [ir.Constant(i16v, None), builder.bitcast(w, i16v), builder.bitcast(x, i16v)]))
-        dw = ir.Constant(ir.VectorType(I16, 16), None)
-        for k, hb in enumerate(halves):
-            dw = builder.insert_element(dw, hb, ir.Constant(I32, k))
+        if not tail and n == 16:  # the group's bytes as words (all inside the row), the 16 scales picked out
+            words = builder.load(ptr("raw", builder.add(p, builder.mul(b, ir.Constant(I64, size))), ir.VectorType(I16, 8 * size)), align=1)
+            dw = builder.shuffle_vector(words, words, simd._mask(16, [k * size // 2 for k in range(16)]))
+        else:
+            dw = ir.Constant(ir.VectorType(I16, 16), None)
+            for k, hb in enumerate(halves):
+                dw = builder.insert_element(dw, hb, ir.Constant(I32, k))
         wf = builder.fpext(builder.bitcast(dw, ir.VectorType(ir.HalfType(), 16)), f16v)
         if fine:  # the half sums (lane 2m + h: half h of block b + m), less offset x the activations'
             two_b = builder.add(b, b)
