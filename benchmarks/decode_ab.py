@@ -55,6 +55,17 @@ def main(argv: list[str] | None = None) -> int:
         model.warm_up(prompt_path=False)
     model.warm_up(prompt_path=False)
     D.pretouch(model)
+    # the new kernels must not move a bit: every logit of every step, both ways
+    ids = np.random.default_rng(99).integers(0, model.geometry.n_vocab, args.prompt + args.tokens).tolist()
+    logits = {}
+    for name, ctx in (("before", before), ("after", contextlib.nullcontext)):
+        with ctx():
+            s = model.new_session(len(ids))
+            logits[name] = np.stack([model.step(s, tok).copy() for tok in ids])
+    same = np.array_equal(logits["before"].view(np.uint32), logits["after"].view(np.uint32))
+    print(f"logits of {len(ids)} token steps, before vs after: {'identical to the bit' if same else 'DIFFERENT'}", flush=True)
+    if not same:
+        return 1
     bw = max(D.read_bandwidth(args.threads).values())
     for name, ctx in (("before", before), ("after", contextlib.nullcontext)):
         with ctx():
