@@ -364,7 +364,8 @@ from strata.engine.kernels.actq import quantize_act
 from strata.index_format.ggml_types import BY_NAME
 t = BY_NAME["Q4_0"]
 raw = random_weights(t, 256 * 8, np.random.default_rng(0))
-y = cpu.matvec(raw, t.id, 256, 8, quantize_act(np.linspace(-1, 1, 256, dtype=np.float32)))
+x = np.linspace(-1, 1, 256, dtype=np.float32)
+y = cpu.matmul(raw, t.id, 256, 8, quantize_act(np.stack([x, x[::-1]])))  # 2 tokens: one would take rowdot.py's kernel
 k = cpu._kernel("Q4_0", False)
 print(sum(k.stats.cache_hits.values()), sum(k.stats.cache_misses.values()), y.view(np.uint32).tolist())
 """
