@@ -6,7 +6,8 @@ Run by the python that imports llama_cpp (STRATA_LLAMA_PYTHON: a separate venv w
 needs nothing of Strata's). It loads the model once, prints "ready N_VOCAB", then answers one
 command per stdin line with one line of numbers:
 
-    decode P N SEED   -> N seconds: each of N single-token evals after a P-token prompt (fresh context)
+    decode P N SEED   -> N seconds: each of N single-token evals after a P-token prompt (fresh context),
+                         then one more: this process's CPU seconds (all its threads) over those N evals
     prefill L SEED    -> 1 second: one L-token prompt evaluated in batches of 512, from a fresh context
 
 The token ids are drawn from SEED in [0, N_VOCAB) by numpy, as the Strata side draws them.
@@ -38,10 +39,12 @@ def main() -> int:
             llm.reset()
             llm.eval(ids[:p])
             out = []
+            c0 = time.process_time()
             for t in ids[p:]:
                 t0 = time.perf_counter()
                 llm.eval([t])
                 out.append(time.perf_counter() - t0)
+            out.append(time.process_time() - c0)  # on a shared host: the time it ran, not waited
         elif words[0] == "prefill":
             length, seed = map(int, words[1:3])
             ids = np.random.default_rng(seed).integers(0, n_vocab, length).tolist()

@@ -357,19 +357,21 @@ def source_gguf(arch: str, preset_name: str = PRESET) -> Path:
     return synth.output_paths(BENCH / f"{preset_name}-{arch}.gguf", n_files)[0]
 
 
-def plain_decode(model, prompt_len: int, n_tokens: int, seed: int) -> list[float]:
+def plain_decode(model, prompt_len: int, n_tokens: int, seed: int) -> tuple[list[float], float]:
     """Seconds of each of n_tokens token steps after a prompt_len prompt, the token ids drawn as the
-    llama.cpp worker draws them (the same ids: teacher-forced, no sampling, no timers)."""
+    llama.cpp worker draws them (the same ids: teacher-forced, no sampling, no timers), and this
+    process's CPU seconds (all its threads) over those steps."""
     ids = np.random.default_rng(seed).integers(0, model.geometry.n_vocab, prompt_len + n_tokens).tolist()
     s = model.new_session(prompt_len + n_tokens)
     for tok in ids[:prompt_len]:
         model.step(s, tok)
     steps = []
+    c0 = time.process_time()
     for tok in ids[prompt_len:]:
         t0 = time.perf_counter()
         model.step(s, tok)
         steps.append(time.perf_counter() - t0)
-    return steps
+    return steps, time.process_time() - c0
 
 
 def side_by_side(model, gguf: Path, threads: int, prompt_len: int, n_tokens: int, rounds: int) -> str:
@@ -386,19 +388,28 @@ def side_by_side(model, gguf: Path, threads: int, prompt_len: int, n_tokens: int
         if peer.n_vocab != model.geometry.n_vocab:
             return f"llama.cpp: not measured (its vocabulary is {peer.n_vocab}, the pack's {model.geometry.n_vocab})"
         peer.decode(prompt_len, 4, 999)  # llama.cpp's first evals allocate its buffers
-        rows, ours, theirs = [], [], []
+        rows, ours, theirs, cpu_ours, cpu_theirs = [], [], [], [], []
         for r in range(rounds):
-            a = n_tokens / sum(plain_decode(model, prompt_len, n_tokens, seed=r))
-            b = n_tokens / sum(peer.decode(prompt_len, n_tokens, seed=r))
+            steps, cpu_a = plain_decode(model, prompt_len, n_tokens, seed=r)
+            peer_steps, cpu_b = peer.decode_cpu(prompt_len, n_tokens, seed=r)
+            a, b = n_tokens / sum(steps), n_tokens / sum(peer_steps)
             ours.append(a)
             theirs.append(b)
-            rows.append([r + 1, f"{a:.2f}", f"{b:.2f}", f"{a / b:.2f}x"])
+            cpu_ours.append(1e3 * cpu_a / n_tokens)
+            cpu_theirs.append(1e3 * cpu_b / n_tokens)
+            rows.append([r + 1, f"{a:.2f}", f"{b:.2f}", f"{a / b:.2f}x", f"{cpu_ours[-1]:.1f}", f"{cpu_theirs[-1]:.1f}",
+                         f"{cpu_theirs[-1] / cpu_ours[-1]:.2f}x"])
     finally:
         peer.close()
-    rows.append(["median", f"{np.median(ours):.2f}", f"{np.median(theirs):.2f}", f"{np.median(ours) / np.median(theirs):.2f}x"])
+    co, ct = np.median(cpu_ours), np.median(cpu_theirs)
+    rows.append(["median", f"{np.median(ours):.2f}", f"{np.median(theirs):.2f}", f"{np.median(ours) / np.median(theirs):.2f}x",
+                 f"{co:.1f}", f"{ct:.1f}", f"{ct / co:.2f}x"])
     head = (f"llama.cpp side by side ({how}): {gguf.name}, {threads} threads, {n_tokens} token steps after a "
-            f"{prompt_len}-token prompt per round, rounds interleaved")
-    return head + "\n" + tabulate(rows, headers=["round", "Strata tok/s", "llama.cpp tok/s", "Strata / llama.cpp"],
+            f"{prompt_len}-token prompt per round, rounds interleaved. CPU ms/token: each process's CPU time over "
+            "the timed steps, all its threads (on a shared host the time it ran, not the time it waited for a "
+            "core; with more than one thread it counts the workers' spin-waits too)")
+    return head + "\n" + tabulate(rows, headers=["round", "Strata tok/s", "llama.cpp tok/s", "Strata / llama.cpp",
+                                                 "Strata CPU ms/token", "llama.cpp CPU ms/token", "CPU-time ratio"],
                                   tablefmt="github")
 
 

@@ -59,7 +59,12 @@ class Peer:
 
     def decode(self, prompt: int, tokens: int, seed: int) -> list[float]:
         """Seconds of each of `tokens` single-token evals after a `prompt`-token prompt."""
-        return self._ask(f"decode {prompt} {tokens} {seed}")
+        return self.decode_cpu(prompt, tokens, seed)[0]
+
+    def decode_cpu(self, prompt: int, tokens: int, seed: int) -> tuple[list[float], float]:
+        """decode's seconds, and the worker's CPU seconds (all its threads) over those evals."""
+        out = self._ask(f"decode {prompt} {tokens} {seed}")
+        return out[:-1], out[-1]
 
     def prefill(self, length: int, seed: int) -> float:
         """Seconds to evaluate a `length`-token prompt (batches of 512) from an empty context."""

@@ -20,7 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 from numba import njit, prange
 
-from .kernels import cpu
+from .kernels import cpu, delta
 from .kernels.jit import JIT, cached, cached_njit
 
 F32 = np.float32
@@ -310,9 +310,9 @@ def delta_rule_step(S, q, k, v, g, beta, out) -> None:
     size alone, like cpu._launch: a change of thread count must not compile the other variant)."""
     if S.size >= PARALLEL_MIN_STATE:
         cpu.use_threads()
-        _delta_rule_parallel(S, q, k, v, g, beta, out)
+        delta.delta_rule_parallel(S, q, k, v, g, beta, out)  # _delta_rule's bits, 8 rows at a time
     else:
-        _delta_rule_serial(S, q, k, v, g, beta, out)
+        delta.delta_rule_serial(S, q, k, v, g, beta, out)
 
 
 def delta_rule(S: np.ndarray, q: np.ndarray, k: np.ndarray, v: np.ndarray, g: np.ndarray, beta: np.ndarray,

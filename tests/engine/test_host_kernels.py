@@ -154,6 +154,28 @@ def test_delta_rule_and_attention_give_the_same_bits_on_any_thread_count(rng, th
     assert np.abs(S - runs[0][1]).max() < 1e-4 * np.abs(S).max()
 
 
+@pytest.mark.parametrize("dv", [16, 13], ids=["groups-of-8", "with-a-tail"])
+def test_token_delta_rule_eight_rows_at_a_time_is_the_one_row_form(rng, dv):
+    # kernels/delta.py runs eight value rows' add chains side by side; ops._delta_rule, one row
+    # at a time, is the reference: the state and the output to the bit, serial and threaded
+    from strata.engine.kernels import delta
+
+    nk, nv, dk = 2, 6, 40
+    q, k = rng.standard_normal((nk, dk)).astype(F32), rng.standard_normal((nk, dk)).astype(F32)
+    q /= np.linalg.norm(q, axis=-1, keepdims=True)
+    k /= np.linalg.norm(k, axis=-1, keepdims=True)
+    v, S0 = values(rng, (nv, dv)), values(rng, (nv, dv, dk), 0.1)
+    g, beta = -rng.random(nv).astype(F32) * 3, rng.random(nv).astype(F32)
+    for step in range(3):  # a few tokens on the same state: the state carries every step's bits
+        want_S, want_o = S0.copy(), np.empty((nv, dv), F32)
+        ops._delta_rule_serial(want_S, q, k, v, g, beta, want_o)
+        for kernel in (delta.delta_rule_serial, delta.delta_rule_parallel):
+            S, o = S0.copy(), np.empty((nv, dv), F32)
+            kernel(S, q, k, v, g, beta, o)
+            assert same_bits(S, want_S) and same_bits(o, want_o), (kernel, step)
+        S0, v = want_S, v[::-1].copy()
+
+
 def test_attention_tiles_read_their_own_key_range_and_match_float64(rng, threads):
     # Each tile of queries reads keys from its first visible one to its last (ops.attention):
     # rows whose keys start late, end early, or are a single key, tiles of 1, 3 and all 13 queries

@@ -73,6 +73,71 @@ def test_expert_shapes_equal_the_reference(name, n_in, n_out):
     _same(y, R.dot_reference(raw, t.id, n_in, n_out, act), f"{name} [{n_in} x {n_out}]")
 
 
+ROWDOT_TYPES = ["Q8_0", "Q4_0", "Q5_0", "IQ4_NL"]
+
+
+def _need_rowdot():
+    from strata.engine.kernels import rowdot
+
+    if not rowdot.AVAILABLE:
+        pytest.skip(f"rowdot.py needs AVX512-VNNI, AVX512BW and F16C; this host's features: {sorted(cpu.simd._X86) or 'none'}")
+    return rowdot
+
+
+@pytest.mark.parametrize("n_in", [320, 544, 768, 2560], ids=lambda n: f"{n // 32}-blocks")
+@pytest.mark.parametrize("parallel", [False, True], ids=["serial", "parallel"])
+@pytest.mark.parametrize("name", ROWDOT_TYPES)
+def test_token_kernel_equals_the_general_kernel_and_the_reference(name, n_in, parallel):
+    # rowdot.py's one-token kernel (the LM head, hyper-connections, GDN projections) reads the
+    # blocks in place: its 16-block groups meet a tail of 9-15 (10 blocks), an 8-block tail group
+    # (17 = 16 + 1, 24 = 16 + 8) and whole groups only (80, the head's rows), on the calling
+    # thread and over the pool (uneven chunks: 37 rows)
+    rowdot = _need_rowdot()
+    t = BY_NAME[name]
+    raw = random_weights(t, n_in * 37, np.random.default_rng(n_in + t.id))
+    act = quantize_act(_acts(n_in, 1, n_in)[0])
+    with cpu_path(parallel):
+        got = cpu.matvec(raw, t.id, n_in, 37, act)
+    assert rowdot._KERNELS[name, parallel, False].signatures, "the token kernel was not taken"
+    general = np.empty((1, 37), np.float32)
+    cpu._kernel(name, False)(raw, t.type_size, t.row_bytes(n_in), act.q, act.d[None], act.s16[None], cpu.F16_TO_F32, general, 1)
+    _same(got, general[0], f"{name} [{n_in} x 37] token kernel vs the general row kernel")
+    _same(got, R.dot_reference(raw, t.id, n_in, 37, ActQ(act.q[None], act.d[None], act.s16[None]))[0], "vs the reference")
+
+
+def _fine_reference(raw: np.ndarray, t, n_in: int, n_out: int, q: np.ndarray, d16: np.ndarray) -> np.ndarray:
+    """docs/kernels.md's arithmetic for a unit-scale 32-element type against activations with a
+    scale per 16 (the fine ActQ form), in numpy f32: term[b] = wf[b] (xd0[b] f32(lo[b]) + xd1[b]
+    f32(hi[b])), lanes b % 32 from +0 in block order, then the fold."""
+    nb = n_in // 32
+    f = R.decompose(raw, t.id, n_in * n_out)
+    wf = f.wf.reshape(n_out, nb).astype(np.float32)
+    wq = f.q.astype(np.int64).reshape(n_out, nb, 2, 16)
+    sums = (wq * q.astype(np.int64).reshape(1, nb, 2, 16)).sum(axis=-1)  # [n_out, nb, 2], exact
+    xd = d16.reshape(nb, 2)
+    term = wf * (xd[:, 0] * sums[:, :, 0].astype(np.float32) + xd[:, 1] * sums[:, :, 1].astype(np.float32))
+    return R.fold_lanes(R.accumulate_lanes(term))
+
+
+@pytest.mark.parametrize("n_in", [320, 544, 2560], ids=lambda n: f"{n // 32}-blocks")
+@pytest.mark.parametrize("name", ROWDOT_TYPES)
+def test_token_kernel_reads_the_fine_activation_form(name, n_in):
+    # The fine ActQ (a scale per 16 elements: what llama.cpp's Q8_0-activation types read) has
+    # twice the scales: the token kernel takes each block's two halves with their own scale
+    rowdot = _need_rowdot()
+    t = BY_NAME[name]
+    raw = random_weights(t, n_in * 37, np.random.default_rng(n_in + 1))
+    x = _acts(n_in, 1, n_in + 1)[0].reshape(-1, 16)
+    d16 = (np.abs(x).max(axis=1) / np.float32(127)).astype(np.float32)
+    q = np.clip(np.rint(x / d16[:, None]), -127, 127).astype(np.int8).reshape(-1)
+    s16 = q.astype(np.int32).reshape(-1, 16).sum(axis=1, dtype=np.int32)
+    out = np.empty(37, np.float32)
+    want = _fine_reference(raw, t, n_in, 37, q, d16)
+    for parallel in (False, True):
+        rowdot.matvec(name, raw, t.row_bytes(n_in), q, d16, s16, out, parallel, 3 if parallel else 1)
+        _same(out, want, f"{name} [{n_in} x 37] fine form, parallel={parallel}")
+
+
 def _accuracy(t, n_in, n_out, seed):
     """Kernel error relative to sum |w_i a_i| (scale-free), against float64 on the same inputs:
     the dequantized weights times the dequantized ActQ activations (or the f32 activations)."""
@@ -167,7 +232,8 @@ def test_no_fused_multiply_add_in_the_compiled_kernels(monkeypatch):
         t = BY_NAME[name]
         n_in, n_out = _shape(t)
         raw = random_weights(t, n_in * n_out, np.random.default_rng(0))
-        act = quantize_act(_acts(n_in, 1, 0)) if t.quantized else _acts(n_in, 1, 0)
+        # 2 tokens: a single token of Q8_0 takes rowdot.py's kernel, checked below
+        act = quantize_act(_acts(n_in, 2, 0)) if t.quantized else _acts(n_in, 2, 0)
         for parallel in (False, True):
             kernel = cpu._build(name, parallel)
             kernel._cache.disable()  # compile here: numba shows no machine code for a disk-cache load
@@ -177,6 +243,19 @@ def test_no_fused_multiply_add_in_the_compiled_kernels(monkeypatch):
             asm = "\n".join(kernel.inspect_asm().values())
             assert "vmulss" in asm or "vmulps" in asm, "no f32 multiply found: the check itself is broken"
             assert not re.search(r"\bv?f(n)?m(add|sub)\d", asm), f"{name}: FMA instruction in the kernel"
+    from strata.engine.kernels import rowdot
+
+    if rowdot.AVAILABLE:  # the one-token Q8_0 kernel (its own f32 terms and fold)
+        kernel = rowdot._kernel("Q8_0", False, False)
+        kernel._cache.disable()
+        monkeypatch.setitem(rowdot._KERNELS, ("Q8_0", False, False), kernel)
+        t = BY_NAME["Q8_0"]
+        raw = random_weights(t, 2560 * 4, np.random.default_rng(0))
+        with cpu_path(False):
+            cpu.matvec(raw, t.id, 2560, 4, quantize_act(_acts(2560, 1, 0)[0]))
+        asm = "\n".join(kernel.inspect_asm().values())
+        assert "vmulps" in asm, "no f32 multiply found: the check itself is broken"
+        assert not re.search(r"\bv?f(n)?m(add|sub)\d", asm), "Q8_0 token kernel: FMA instruction"
 
 
 def test_bad_inputs_are_refused_with_the_reason():
@@ -285,7 +364,8 @@ from strata.engine.kernels.actq import quantize_act
 from strata.index_format.ggml_types import BY_NAME
 t = BY_NAME["Q4_0"]
 raw = random_weights(t, 256 * 8, np.random.default_rng(0))
-y = cpu.matvec(raw, t.id, 256, 8, quantize_act(np.linspace(-1, 1, 256, dtype=np.float32)))
+x = np.linspace(-1, 1, 256, dtype=np.float32)
+y = cpu.matmul(raw, t.id, 256, 8, quantize_act(np.stack([x, x[::-1]])))  # 2 tokens: one would take rowdot.py's kernel
 k = cpu._kernel("Q4_0", False)
 print(sum(k.stats.cache_hits.values()), sum(k.stats.cache_misses.values()), y.view(np.uint32).tolist())
 """

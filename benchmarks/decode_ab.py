@@ -1,0 +1,99 @@
+"""Before/after of the token-path kernels in one process: `Model.step` with the general row kernels
+and the one-row delta rule (before) against kernels/rowdot.py and kernels/delta.py (after), rounds
+interleaved, same token ids, wall-clock and CPU time per token, and the per-stage table of each.
+
+    python benchmarks/decode_ab.py [--threads 1] [--rounds 5] [--tokens 32]
+
+On a shared host the CPU time (this process, all threads) is the steadier figure: it is the time
+the step ran, not the time it waited for a core. Uses decode.py's model, timers and report.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import sys
+import time
+
+import numpy as np
+
+import decode as D
+
+
+@contextlib.contextmanager
+def before():
+    """The kernels as they were: the general row kernel for every one-token product, ops._delta_rule."""
+    from strata.engine import ops
+    from strata.engine.kernels import delta, rowdot
+
+    saved = rowdot.AVAILABLE, delta.delta_rule_serial, delta.delta_rule_parallel
+    rowdot.AVAILABLE, delta.delta_rule_serial, delta.delta_rule_parallel = False, ops._delta_rule_serial, ops._delta_rule_parallel
+    try:
+        yield
+    finally:
+        rowdot.AVAILABLE, delta.delta_rule_serial, delta.delta_rule_parallel = saved
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--prompt", type=int, default=8)
+    ap.add_argument("--tokens", type=int, default=32)
+    args = ap.parse_args(argv)
+
+    from strata.engine.kernels import cpu, rowdot
+    from strata.engine.model import Model
+    from strata.engine.pack import Pack
+
+    if not rowdot.AVAILABLE:
+        print("this host has no AVX512-VNNI/AVX512BW/F16C: rowdot.py never runs here, nothing to compare")
+        return 1
+    cpu.set_threads(args.threads)
+    model = Model(Pack.open(D.ensure_pack("qwen4exp")))
+    with before():
+        model.warm_up(prompt_path=False)
+    model.warm_up(prompt_path=False)
+    D.pretouch(model)
+    # the new kernels must not move a bit: every logit of every step, both ways
+    ids = np.random.default_rng(99).integers(0, model.geometry.n_vocab, args.prompt + args.tokens).tolist()
+    logits = {}
+    for name, ctx in (("before", before), ("after", contextlib.nullcontext)):
+        with ctx():
+            s = model.new_session(len(ids))
+            logits[name] = np.stack([model.step(s, tok).copy() for tok in ids])
+    same = np.array_equal(logits["before"].view(np.uint32), logits["after"].view(np.uint32))
+    print(f"logits of {len(ids)} token steps, before vs after: {'identical to the bit' if same else 'DIFFERENT'}", flush=True)
+    if not same:
+        return 1
+    bw = max(D.read_bandwidth(args.threads).values())
+    for name, ctx in (("before", before), ("after", contextlib.nullcontext)):
+        with ctx():
+            timers = D.instrument(model)
+            steps = D.decode(model, args.prompt, args.tokens, timers)
+            print(f"--- {name} (instrumented pass)\n" + D.report(model, timers, steps, bw, args.threads, D.PRESET) + "\n")
+            D.uninstrument(timers)
+    rows, res = [], {"before": ([], []), "after": ([], [])}
+    for r in range(args.rounds):
+        for name, ctx in (("before", before), ("after", contextlib.nullcontext)):
+            with ctx():
+                steps, cpu_s = D.plain_decode(model, args.prompt, args.tokens, seed=r)
+            res[name][0].append(1e3 * sum(steps) / args.tokens)
+            res[name][1].append(1e3 * cpu_s / args.tokens)
+        b, a = res["before"], res["after"]
+        rows.append([r + 1, f"{b[0][-1]:.1f}", f"{a[0][-1]:.1f}", f"{b[0][-1] / a[0][-1]:.2f}x", f"{b[1][-1]:.1f}", f"{a[1][-1]:.1f}",
+                     f"{b[1][-1] / a[1][-1]:.2f}x"])
+    med = {k: (float(np.median(v[0])), float(np.median(v[1]))) for k, v in res.items()}
+    rows.append(["median", f"{med['before'][0]:.1f}", f"{med['after'][0]:.1f}", f"{med['before'][0] / med['after'][0]:.2f}x",
+                 f"{med['before'][1]:.1f}", f"{med['after'][1]:.1f}", f"{med['before'][1] / med['after'][1]:.2f}x"])
+    from tabulate import tabulate
+
+    print(f"{D.machine()}; {args.threads} threads, {args.tokens} token steps after {args.prompt} prompt tokens per round, interleaved")
+    print(tabulate(rows, headers=["round", "before ms/token", "after ms/token", "speed-up", "before CPU ms/token",
+                                  "after CPU ms/token", "CPU speed-up"], tablefmt="github"))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(D.REPO / "benchmarks"))
+    sys.exit(main())

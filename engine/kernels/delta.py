@@ -1,0 +1,90 @@
+"""The gated delta rule's token step (Gated DeltaNet decode), eight value rows at a time.
+
+Why: each value row j of a head's state needs two dot products over dk (kv = S_j . k, then
+o = S_j . q), each a chain of dependent f32 adds in order (the specification: no reordering, so no
+vectorized sum). One row at a time, every add waits for the one before it: ~4 cycles per element,
+2 x 128 x 128 x 48 of them per layer, 1.3 ms per GDN layer per token at 1 thread. Eight rows at
+once run eight independent chains side by side: the same adds in the same order per row, so the
+same bits (ops._delta_rule, the one-row form, is the reference: tests/test_host_kernels.py),
+while the element-wise passes (the decay, the rank-one update) stay vectorized along the row.
+
+    S <- S * exp(g);  kv = S^T k;  S <- S + k (beta (v - kv))^T;  out = S^T q     (per v-head)
+
+S f32 [nv, dv, dk] (each value row contiguous); q, k f32 [nk, dk] (key head h % nk); v, out f32
+[nv, dv]; g (log decay), beta f32 [nv].
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from numba import njit, prange
+
+from .jit import JIT, cached
+
+F32 = np.float32
+ROWS = 8  # independent add chains per pass: enough to cover the f32 add latency on 2 pipes
+
+
+def _rule(S, q, k, v, g, beta, out):
+    nv, dv, dk = S.shape
+    nk = q.shape[0]
+    for h in prange(nv):
+        kh = h % nk
+        decay = np.float32(math.exp(g[h]))
+        bh = beta[h]
+        dl = np.empty(ROWS, F32)
+        j = 0
+        while j + ROWS <= dv:
+            for r in range(ROWS):
+                for i in range(dk):
+                    S[h, j + r, i] = S[h, j + r, i] * decay
+            a0 = a1 = a2 = a3 = a4 = a5 = a6 = a7 = np.float32(0.0)
+            for i in range(dk):
+                ki = k[kh, i]
+                a0 += S[h, j, i] * ki
+                a1 += S[h, j + 1, i] * ki
+                a2 += S[h, j + 2, i] * ki
+                a3 += S[h, j + 3, i] * ki
+                a4 += S[h, j + 4, i] * ki
+                a5 += S[h, j + 5, i] * ki
+                a6 += S[h, j + 6, i] * ki
+                a7 += S[h, j + 7, i] * ki
+            dl[0], dl[1], dl[2], dl[3] = (v[h, j] - a0) * bh, (v[h, j + 1] - a1) * bh, (v[h, j + 2] - a2) * bh, (v[h, j + 3] - a3) * bh
+            dl[4], dl[5], dl[6], dl[7] = (v[h, j + 4] - a4) * bh, (v[h, j + 5] - a5) * bh, (v[h, j + 6] - a6) * bh, (v[h, j + 7] - a7) * bh
+            for r in range(ROWS):
+                d = dl[r]
+                for i in range(dk):
+                    S[h, j + r, i] = S[h, j + r, i] + k[kh, i] * d
+            a0 = a1 = a2 = a3 = a4 = a5 = a6 = a7 = np.float32(0.0)
+            for i in range(dk):
+                qi = q[kh, i]
+                a0 += S[h, j, i] * qi
+                a1 += S[h, j + 1, i] * qi
+                a2 += S[h, j + 2, i] * qi
+                a3 += S[h, j + 3, i] * qi
+                a4 += S[h, j + 4, i] * qi
+                a5 += S[h, j + 5, i] * qi
+                a6 += S[h, j + 6, i] * qi
+                a7 += S[h, j + 7, i] * qi
+            out[h, j], out[h, j + 1], out[h, j + 2], out[h, j + 3] = a0, a1, a2, a3
+            out[h, j + 4], out[h, j + 5], out[h, j + 6], out[h, j + 7] = a4, a5, a6, a7
+            j += ROWS
+        while j < dv:  # the rows past the last group of eight: one at a time, the same steps
+            kv = np.float32(0.0)
+            for i in range(dk):
+                S[h, j, i] = S[h, j, i] * decay
+                kv += S[h, j, i] * k[kh, i]
+            d = (v[h, j] - kv) * bh
+            o = np.float32(0.0)
+            for i in range(dk):
+                S[h, j, i] = S[h, j, i] + k[kh, i] * d
+                o += S[h, j, i] * q[kh, i]
+            out[h, j] = o
+            j += 1
+
+
+# two dispatchers of one function, each with its own disk-cache entry (see ops.py's delta rule)
+delta_rule_serial = cached(njit(**JIT)(_rule), "delta-rule8-serial")
+delta_rule_parallel = cached(njit(parallel=True, **JIT)(_rule), "delta-rule8-parallel")
