@@ -94,7 +94,9 @@ class GatedDeltaNet:
         z = be.linear(self.z, x, sc("gdn.z", (T, nv * dv))).reshape(T, nv, dv)
         beta = be.sigmoid(be.linear(self.beta, x, sc("gdn.beta", (T, nv))))
         decay = self.a * be.softplus(be.linear(self.alpha, x, sc("gdn.alpha", (T, nv))) + self.dt_bias)
-        o = sc("gdn.o", (T, nv, dv))
+        # one sequence's chunk takes the delta rule's own output (a copy of [T, nv, dv] per layer
+        # otherwise); the decode step, the scratch; several sequences, their rows of one array
+        o = sc("gdn.o", (T, nv, dv)) if T == 1 or len(seqs) > 1 else None
         for r in seqs:
             c = be.conv(r.state["conv"], self.conv_w, mixed[r.a : r.b])
             n = r.n
@@ -102,7 +104,8 @@ class GatedDeltaNet:
             q *= F32(dk**-0.5)
             k = be.l2norm_(c[:, nk * dk : 2 * nk * dk].reshape(n, nk, dk))
             v = c[:, 2 * nk * dk :].reshape(n, nv, dv)
-            be.delta_rule(r.state["S"], q, k, v, decay[r.a : r.b], beta[r.a : r.b], o[r.a : r.b])
+            y = be.delta_rule(r.state["S"], q, k, v, decay[r.a : r.b], beta[r.a : r.b], None if o is None else o[r.a : r.b])
+            o = y if o is None else o
         be.gated_rmsnorm_(o, self.norm, z, self.eps, self.silu_gate)
         return be.linear(self.out, Input(o.reshape(T, nv * dv)), sc("gdn.y", (T, self.E)))
 
@@ -138,13 +141,17 @@ class GatedAttention:
         be.rope_(self.rope, q, positions)
         be.rope_(self.rope, k, positions)
         v = be.linear(self.wv, x, sc("attn.v", (T, Hkv * D))).reshape(T, Hkv, D)
-        o = sc("attn.o", (T, H, D))
+        o = None if len(seqs) == 1 else np.empty((T, H, D), F32)  # one sequence: attention's own output
         for r in seqs:
             cache, n = r.state, r.n
             cache.write(r.pos, k[r.a : r.b], v[r.a : r.b])
             K, V = cache.read(slice(0, r.pos + n))
             visible = None if n == 1 else be.causal_mask(r.pos, n, r.pos + n)  # one token sees its whole cache
-            o[r.a : r.b] = be.attention(q[r.a : r.b], K, V, D**-0.5, visible)
+            y = be.attention(q[r.a : r.b], K, V, D**-0.5, visible)
+            if o is None:
+                o = y
+            else:
+                o[r.a : r.b] = y
         o *= be.sigmoid(qg[:, :, D:])
         return be.linear(self.wo, Input(o.reshape(T, H * D)), sc("attn.y", (T, self.E)))
 

@@ -326,9 +326,13 @@ class QSALayer:
         for a in (q, k, iq):
             be.rope_(self.rope, a, pos)
         v = v.reshape(T, Hkv, D)
-        o = np.empty((T, H, D), F32)
-        for r in seqs:
-            o[r.a : r.b] = self._attend(be, r.state, q[r.a : r.b], k[r.a : r.b], v[r.a : r.b], iq[r.a : r.b], ik[r.a : r.b])
+        if len(seqs) == 1:  # one sequence: its attention's own output
+            o = self._attend(be, seqs[0].state, q, k, v, iq, ik)
+        else:
+            o = np.empty((T, H, D), F32)
+            for r in seqs:
+                o[r.a : r.b] = self._attend(be, r.state, q[r.a : r.b], k[r.a : r.b], v[r.a : r.b], iq[r.a : r.b],
+                                            ik[r.a : r.b])
         o = o.reshape(T, H * D)
         o *= be.sigmoid(qg[:, :, D:].reshape(T, H * D), exp_form=True)
         return be.linear(self.attn_out, Input(o))
