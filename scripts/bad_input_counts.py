@@ -54,7 +54,7 @@ def count() -> dict[str, int]:
     """kind -> collected cases, over the test files that use the marker (only those are imported)."""
     import json
 
-    files = [str(p) for p in sorted((ROOT / "tests").glob("test_*.py")) if "bad_input" in p.read_text(encoding="utf-8")]
+    files = [str(p) for p in sorted((ROOT / "tests").rglob("test_*.py")) if "bad_input" in p.read_text(encoding="utf-8")]
     r = subprocess.run([sys.executable, "-c", _COLLECT, *files], cwd=ROOT, capture_output=True, text=True)
     line = next((l for l in r.stdout.splitlines() if l.startswith("COUNTS ")), None)
     if r.returncode or line is None:
