@@ -60,10 +60,6 @@ class Scratch:
             buf = self._bufs[k] = np.empty(shape, dtype)
         return buf
 
-    @property
-    def nbytes(self) -> int:
-        return sum(b.nbytes for b in self._bufs.values())
-
 
 def _row(act):
     """Row 0 of a one-row activation (an ActQ or f32 [1, n]) as the matvec kernels take it."""
