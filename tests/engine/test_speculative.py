@@ -1,0 +1,229 @@
+"""Speculative decoding (engine/speculative.py, `strata generate --spec N`): draft, verify in one
+forward, keep the agreeing prefix, roll the states back.
+
+- The trunk's forward gives its head input (the final post-norm hidden state) per position when
+  asked, and the logits do not move when it is asked.
+- Greedy output with --spec 1, 2, 3 is --spec 0's token for token on both architectures' tiny
+  models, with a drafter that is always right, one always wrong, one right half the time (every
+  rollback length runs) and, on qwen35moe, the pack's MTP block; after the run every state of the
+  session (Gated DeltaNet conv and S, QSA's count, keys and pooled blocks, the KV cache, PLE's
+  window and ring, the routing counts) holds the bits of the --spec 0 session's.
+- Speculative sampling keeps the target distribution: Sampler.judge's tokens against p by a
+  chi-square test on a 6-token vocabulary (fixed seeds), for a drafter that names its token and one
+  that draws it from its own distribution q.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import engine_fixture as F
+from strata.engine.generate import drive, generate
+from strata.engine.model import Model
+from strata.engine.mtp import MTPHead
+from strata.engine.pack_reader import Pack
+from strata.engine.qsa import QSACache
+from strata.engine.sampling import Sampler, SamplerParams
+from strata.engine.speculative import MTPDrafter, ReferenceDrafter, SpecRun
+from strata.tools import pack as tools_pack
+
+GREEDY = SamplerParams(temperature=0)
+N_PROMPT, N_NEW = 40, 30
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    from strata.tools.synth import PRESETS, synth
+
+    tmp = tmp_path_factory.mktemp("spec")
+    src = synth("qwen4exp", "tiny", tmp / "tiny.gguf")  # QSA, PLE, hyper-connections; its own quantized types
+    tools_pack.convert(src[:1], tmp / "q4-pack", compress_ratio=PRESETS["tiny"].compress_ratio)
+    return {"qwen35moe": Model(Pack.open(F.make_pack(tmp, n_mtp_layer=1, mtp_shared_head_norm=1))),
+            "qwen4exp": Model(Pack.open(tmp / "q4-pack"))}
+
+
+def prompt_for(model, n=N_PROMPT, seed=3):
+    return np.random.default_rng(seed).integers(3, model.geometry.n_vocab, n).tolist()
+
+
+def plain(model, prompt, n=N_NEW, prefill=7, params=GREEDY):
+    s = model.new_session(len(prompt) + n, "f32")
+    return generate(model, s, prompt, Sampler(model.geometry.n_vocab, params), n, prefill=prefill), s
+
+
+def drafter_for(model, kind, reference, n_ctx):
+    V = model.geometry.n_vocab
+    if kind == "mtp":
+        return MTPDrafter(MTPHead(model.pack, model.backend), n_ctx, "f32", Sampler(V, GREEDY), min_p=0.0)
+    return ReferenceDrafter(reference, V, {"oracle": 1.0, "wrong": 0.0, "half": 0.5}[kind], seed=1)
+
+
+def spec(model, prompt, drafter, n_draft, n=N_NEW, prefill=7, params=GREEDY):
+    s = model.new_session(len(prompt) + n, "f32")
+    run = SpecRun(model, s, prompt, Sampler(model.geometry.n_vocab, params), n, drafter=drafter, n_draft=n_draft,
+                  prefill=prefill)
+    return drive(model, run), s, run.stats
+
+
+# --- the trunk's head input ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("arch", ["qwen35moe", "qwen4exp"])
+def test_forward_gives_the_head_input_per_position_and_the_same_logits(models, arch):
+    m = models[arch]
+    prompt = prompt_for(m, 12)
+    a, b = m.new_session(13), m.new_session(13)
+    plain_rows = m.forward(a, prompt, n_logits=3)
+    hidden = np.full((5, m.geometry.n_embd), np.nan, np.float32)
+    rows = m.forward(b, prompt, n_logits=3, hidden=hidden)
+    assert np.array_equal(rows, plain_rows)  # asking for it moves nothing
+    # it is what the LM head multiplies: hidden W^T gives the logits, up to float rounding with an F32
+    # head (qwen35moe's), up to the activations' int8 quantization (1/127 of a block's largest
+    # value, ~1% of the logits) with the tiny qwen4exp's block-quantized head
+    head = m.pack.weight("output.weight")
+    W = head.f32().reshape(m.geometry.n_vocab, m.geometry.n_embd).astype(np.float64)
+    tol = 2e-2 if head.type.quantized else 1e-5
+    ref = hidden[-3:].astype(np.float64) @ W.T
+    assert np.abs(ref - rows).max() < tol * np.abs(ref).max()
+    shifted = hidden[-4:-1].astype(np.float64) @ W.T  # not vacuous: the rows one position early are far
+    assert np.abs(shifted - rows).max() > 10 * tol * np.abs(ref).max()
+    # and the token step gives the same row
+    h1 = np.empty((1, m.geometry.n_embd), np.float32)
+    step_logits = m.step(b, 7, h1).copy()
+    m.step(a, 7)
+    assert np.array_equal(step_logits, a.logits) and np.isfinite(h1).all()
+
+
+# --- greedy: --spec N is --spec 0 ---------------------------------------------------------------------
+
+
+def assert_same_states(a, b):
+    """Every state of sessions a and b at their common position, bit for bit."""
+    assert a.pos == b.pos
+    n = a.pos
+    for l, (x, y) in enumerate(zip(a.states, b.states)):
+        if isinstance(x, dict):
+            for k in x:
+                assert np.array_equal(x[k], y[k]), f"layer {l}: Gated DeltaNet {k} differs"
+        elif isinstance(x, QSACache):
+            assert x.n == y.n == n
+            r = x.ratio
+            assert np.array_equal(x.idx_keys[:n], y.idx_keys[:n]), f"layer {l}: QSA indexer keys differ"
+            assert np.array_equal(x.idx_blocks[: n // r], y.idx_blocks[: n // r]), f"layer {l}: pooled keys differ"
+            assert all(np.array_equal(p, q) for p, q in zip(x.kv.read(slice(0, n)), y.kv.read(slice(0, n))))
+        else:
+            assert all(np.array_equal(p, q) for p, q in zip(x.read(slice(0, n)), y.read(slice(0, n)))), f"layer {l}: KV"
+    for l in a.ple_states:
+        p, q = a.ple_states[l], b.ple_states[l]
+        assert p.t == q.t and np.array_equal(p.window, q.window) and np.array_equal(p.ring, q.ring), f"PLE {l}"
+    assert np.array_equal(a.routing, b.routing), "routing counts differ"
+
+
+CASES = [(arch, kind) for arch in ("qwen35moe", "qwen4exp") for kind in ("oracle", "wrong", "half")] + \
+    [("qwen35moe", "mtp")]  # qwen4exp has no MTP layout in llama.cpp's converter (strata-pack refuses one)
+
+
+@pytest.mark.parametrize("n_draft", [1, 2, 3])
+@pytest.mark.parametrize("arch,kind", CASES)
+def test_greedy_output_and_states_are_those_of_plain_decoding(models, arch, kind, n_draft):
+    m = models[arch]
+    prompt = prompt_for(m)
+    ref, ref_session = plain(m, prompt)
+    drafter = drafter_for(m, kind, np.concatenate([ref.prompt, ref.tokens]), N_PROMPT + N_NEW)
+    out, session, st = spec(m, prompt, drafter, n_draft)
+    assert out.tokens.tolist() == ref.tokens.tolist()
+    assert out.positions == ref.positions and out.stop == ref.stop
+    assert_same_states(session, ref_session)
+    assert st.verifications > 0 and st.drafted[0] > 0  # drafts were made and judged
+    if kind == "oracle":
+        assert (st.accepted == st.drafted).all()
+    elif kind in ("wrong", "mtp"):  # mtp: the random head's drafts (its acceptance is whatever it is)
+        assert kind == "mtp" or st.accepted.sum() == 0
+    else:
+        assert 0 < st.accepted.sum() < st.drafted.sum()  # both ends of the rollback
+
+
+def test_the_token_path_prompt_and_a_stop_inside_the_drafts(models):
+    """--prefill off; and a stop token among kept drafts ends the run there, fed positions included."""
+    m = models["qwen35moe"]
+    prompt = prompt_for(m, seed=5)
+    ref, _ = plain(m, prompt, prefill=1)
+    full = np.concatenate([ref.prompt, ref.tokens])
+    out, _, _ = spec(m, prompt, drafter_for(m, "oracle", full, N_PROMPT + N_NEW), 3, prefill=1)
+    assert out.tokens.tolist() == ref.tokens.tolist()
+    stop = int(ref.tokens[10])
+    first = ref.tokens.tolist().index(stop)
+    s = m.new_session(N_PROMPT + N_NEW, "f32")
+    run = SpecRun(m, s, prompt, Sampler(m.geometry.n_vocab, GREEDY), N_NEW, stop_ids={stop},
+                  drafter=drafter_for(m, "oracle", full, N_PROMPT + N_NEW), n_draft=3, prefill=7)
+    out = drive(m, run)
+    assert out.stop == "eos" and out.tokens.tolist() == ref.tokens[: first + 1].tolist()
+    assert s.pos == out.positions == N_PROMPT + first  # the stop token is not fed
+
+
+def test_a_spec_run_needs_a_draft_count(models):
+    m = models["qwen35moe"]
+    with pytest.raises(ValueError, match="--spec 0"):
+        SpecRun(m, m.new_session(50), [1, 2], Sampler(m.geometry.n_vocab, GREEDY), 5,
+                drafter=ReferenceDrafter([1, 2, 3], m.geometry.n_vocab, 1.0), n_draft=0)
+
+
+# --- sampling: the target distribution is kept ------------------------------------------------------
+
+
+CHI2_999_DF5 = 20.515  # the chi-square distribution's 0.999 quantile, 5 degrees of freedom (6 tokens)
+TRIALS = 20000
+
+
+def chi2(counts: np.ndarray, p: np.ndarray) -> float:
+    e = p * counts.sum()
+    live = e > 0
+    assert counts[~live].sum() == 0, "a token of probability 0 came out"
+    return float(((counts[live] - e[live]) ** 2 / e[live]).sum())
+
+
+@pytest.mark.parametrize("draw_from_q", [False, True], ids=["named-draft", "drawn-from-q"])
+def test_speculative_sampling_keeps_the_target_distribution(draw_from_q):
+    V = 6
+    params = SamplerParams(temperature=0.9, top_k=0, top_p=1.0, min_p=0.0, seed=11)
+    target = np.array([2.0, 1.2, 0.3, -0.5, 1.9, -3.0], np.float32)
+    s = Sampler(V, params)
+    p = s.distribution(target).copy()
+    rng = np.random.default_rng(5)
+    q = np.array([0.05, 0.5, 0.05, 0.3, 0.05, 0.05])  # far from p: most drafts are rejected and resampled
+    counts, kept, naive = np.zeros(V, np.int64), 0, np.zeros(V, np.int64)
+    for _ in range(TRIALS):
+        d = int(rng.choice(V, p=q))
+        token, k = s.judge(target, [], d, q if draw_from_q else None)
+        counts[token] += 1
+        kept += k
+        naive[d] += 1
+    assert chi2(counts, p) < CHI2_999_DF5, (counts, p)
+    assert 0.1 * TRIALS < kept < 0.9 * TRIALS  # both branches ran
+    assert chi2(naive, p) > 100 * CHI2_999_DF5  # not vacuous: taking every draft is far from p
+
+
+def test_speculative_sampling_with_the_filters_never_leaves_their_support():
+    """top-k 3: p is 0 outside three tokens; drafts outside them are always rejected, and the
+    resampled tokens follow p."""
+    V = 6
+    s = Sampler(V, SamplerParams(temperature=1.0, top_k=3, top_p=1.0, min_p=0.0, seed=2))
+    target = np.array([2.0, 1.2, 0.3, -0.5, 1.9, -3.0], np.float32)
+    p = s.distribution(target).copy()
+    assert (p > 0).sum() == 3
+    rng = np.random.default_rng(9)
+    counts = np.zeros(V, np.int64)
+    for _ in range(TRIALS):
+        token, kept = s.judge(target, [], int(rng.integers(V)), None)
+        counts[token] += 1
+    assert chi2(counts, p) < 13.816  # 0.999 quantile, 2 degrees of freedom (3 live tokens)
+
+
+def test_greedy_judging_keeps_the_argmax_only():
+    s = Sampler(4, GREEDY)
+    logits = np.array([0.0, 3.0, 1.0, 2.9], np.float32)
+    assert s.judge(logits, [], 1) == (1, True)
+    assert s.judge(logits, [], 3) == (1, False)
