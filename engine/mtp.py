@@ -34,7 +34,7 @@ from .kernels.reference import dequantize
 from .kvcache import KVCache
 from .model import GatedAttention
 from .moe import MoE
-from .ops import Rope, rmsnorm
+from .ops import Rope
 from .pack_reader import Pack, PackError
 from .weights import Input
 
@@ -87,6 +87,13 @@ class MTPHead:
             raise ValueError(f"token id {token} outside the vocabulary 0..{self.n_vocab - 1}")
         return self.forward(state, np.asarray(h, F32).reshape(1, self.E), np.array([token]), pos)
 
+    def _embed(self, tokens) -> np.ndarray:
+        """The tokens' embedding rows, f32 [T, E]: a host-side read of the pack, as the trunk's."""
+        tok = [int(t) for t in tokens]
+        raw = self.embd.rows(tok[0], tok[0] + 1) if len(tok) == 1 else \
+            np.concatenate([self.embd.rows(t, t + 1) for t in tok])
+        return dequantize(raw, self.embd.type_id, len(tok) * self.E).reshape(len(tok), self.E)
+
     def forward(self, state: KVCache, h: np.ndarray, tokens: np.ndarray, pos: int, logits: bool = True):
         """T pairs (h f32 [T, E], tokens int [T]) at head positions pos..pos + T - 1 in one batch
         (speculative decoding catches the head up on the verified positions and drafts from the last
@@ -99,18 +106,15 @@ class MTPHead:
         be, E, eps = self.backend, self.E, self.eps
         one = T == 1  # the draft chain's step: the scratch made once (S12)
         cat = self.cat.x if one else np.empty((T, 2 * E), F32)
-        tok = [int(t) for t in tokens]
-        raw = self.embd.rows(tok[0], tok[0] + 1) if one else np.concatenate([self.embd.rows(t, t + 1) for t in tok])
-        e = dequantize(raw, self.embd.type_id, T * E).reshape(T, E)
-        rmsnorm(e, self.enorm, eps, out=cat[:, :E])  # embedding first (ggml_concat(e_norm, h_norm))
-        rmsnorm(np.asarray(h, F32), self.hnorm, eps, out=cat[:, E:])
+        be.rmsnorm(self._embed(tokens), self.enorm, eps, cat[:, :E])  # embedding first (ggml_concat(e_norm, h_norm))
+        be.rmsnorm(np.asarray(h, F32), self.hnorm, eps, cat[:, E:])
         x = be.linear(self.eh_proj, self.cat.changed() if one else Input(cat), self.x if one else None)
         xin = self.xin if one else Input(np.empty((T, E), F32))
-        rmsnorm(x, self.attn_norm, eps, out=xin.x)
+        be.rmsnorm(x, self.attn_norm, eps, xin.x)
         x += self.attn.forward(be, [Seq(state, 0, T, pos)], xin.changed())
-        rmsnorm(x, self.ffn_norm, eps, out=xin.x)
+        be.rmsnorm(x, self.ffn_norm, eps, xin.x)
         x += self.moe.forward(be, xin.changed(), self.routing)
-        rmsnorm(x[T - 1 :], self.head_norm, eps, out=self.y.x)
+        be.rmsnorm(x[T - 1 :], self.head_norm, eps, self.y.x)
         if not logits:
             return None
         be.linear(self.head, self.y.changed(), self.logits.reshape(1, -1))

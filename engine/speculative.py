@@ -46,7 +46,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from .batch import copy_state
-from .generate import Run
+from .generate import Run, drive
 from .model import Model, Session
 from .qsa import QSACache
 
@@ -282,3 +282,50 @@ class SpecRun(Run):
         if not done and self.hidden is not None:
             self.drafter.observe(self.hidden[:kept_rows], P, self.history)
         return done
+
+
+# --- a whole run, as strata generate makes it -------------------------------------------------------
+
+DRAFTERS = "mtp, oracle, wrong or right:P"
+
+
+def parse_drafter(text: str) -> tuple[str, float]:
+    """--spec-drafter: "mtp" (the pack's MTP block), "oracle" / "wrong" (the --spec 0 run's next
+    token, or a token that is not it), "right:P" (right with probability P, 0..1) -> (kind, P)."""
+    if text in ("mtp", "oracle", "wrong"):
+        return text, {"mtp": float("nan"), "oracle": 1.0, "wrong": 0.0}[text]
+    kind, _, p = text.partition(":")
+    try:
+        value = float(p)
+    except ValueError:
+        value = float("nan")
+    if kind != "right" or not 0 <= value <= 1:
+        raise ValueError(f"--spec-drafter {text!r}: expected {DRAFTERS} (P a probability 0..1, e.g. right:0.43)")
+    return "right", value
+
+
+def speculative_generate(model: Model, session: Session, prompt, sampler, max_new_tokens: int, *, n_draft: int,
+                         drafter: str = "mtp", min_p: float = 0.75, kv: str = "f32", measure: bool = False,
+                         **kw):
+    """`generate` (engine/generate.py, whose keyword arguments `kw` are) with --spec n_draft.
+    -> (the Generation, SpecStats, the --spec 0 Generation or None).
+
+    A --spec 0 run of the same prompt and sampler settings (its own session, the same seed, silent)
+    comes first when the drafter needs its continuation (oracle, wrong, right:P) or `measure` asks
+    for the speed-up measured in the same process."""
+    from .generate import generate
+    from .mtp import MTPHead
+
+    kind, p = parse_drafter(drafter)
+    plain = None
+    if kind != "mtp" or measure:
+        quiet = {k: v for k, v in kw.items() if k in ("stop_ids", "prefill")}
+        plain = generate(model, model.new_session(session.max_context, kv), prompt, sampler.fork(sampler.seed),
+                         max_new_tokens, **quiet)
+    if kind == "mtp":
+        d = MTPDrafter(MTPHead(model.pack, model.backend), session.max_context, kv, sampler.fork(sampler.seed + 1),
+                       min_p)
+    else:
+        d = ReferenceDrafter(np.concatenate([plain.prompt, plain.tokens]), model.geometry.n_vocab, p, seed=sampler.seed)
+    run = SpecRun(model, session, prompt, sampler, max_new_tokens, drafter=d, n_draft=n_draft, **kw)
+    return drive(model, run), run.stats, plain

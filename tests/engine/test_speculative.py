@@ -97,6 +97,28 @@ def test_forward_gives_the_head_input_per_position_and_the_same_logits(models, a
     assert np.array_equal(step_logits, a.logits) and np.isfinite(h1).all()
 
 
+def test_the_mtp_head_takes_several_pairs_at_once(models):
+    """The MTP drafter catches the head up on the verified positions in one pass: T pairs at once
+    give the draft logits and y of T pairs one at a time (F32 weights: up to float rounding, the
+    attention's tiles against one query)."""
+    m = models["qwen35moe"]
+    head = MTPHead(m.pack, m.backend)
+    rng = np.random.default_rng(4)
+    h = rng.standard_normal((6, m.geometry.n_embd)).astype(np.float32) * 3
+    tokens = rng.integers(0, m.geometry.n_vocab, 6)
+    one = head.new_state(8)
+    for p in range(6):
+        logits = head.step(one, h[p], int(tokens[p]), p).copy()
+    y = head.hidden.copy()
+    many = head.new_state(8)
+    assert head.forward(many, h[:4], tokens[:4], 0, logits=False) is None
+    batched = head.forward(many, h[4:], tokens[4:], 4)
+    assert np.abs(batched - logits).max() < 1e-5 * np.abs(logits).max()
+    assert np.abs(head.hidden - y).max() < 1e-5 * np.abs(y).max()
+    wrong = head.forward(head.new_state(8), h[4:], tokens[4:], 0)  # not vacuous: without the first four
+    assert np.abs(wrong - logits).max() > 1e-3 * np.abs(logits).max()
+
+
 # --- greedy: --spec N is --spec 0 ---------------------------------------------------------------------
 
 
@@ -227,3 +249,54 @@ def test_greedy_judging_keeps_the_argmax_only():
     logits = np.array([0.0, 3.0, 1.0, 2.9], np.float32)
     assert s.judge(logits, [], 1) == (1, True)
     assert s.judge(logits, [], 3) == (1, False)
+
+
+# --- strata generate --spec ------------------------------------------------------------------------
+
+
+def generate_cli(pack_dir, *args):
+    from strata.engine.cli import main
+
+    return main(["generate", "--pack", str(pack_dir), "--pool-workers", "1", "--prompt-ids", "5 77 140 3 200 41 9",
+                 "-n", "20", "--temp", "0", "--kv", "f32", *args])
+
+
+@pytest.mark.parametrize("drafter", ["oracle", "right:0.5", "mtp"])
+def test_generate_spec_prints_the_text_of_spec_0_and_the_table(models, capsys, drafter):
+    pack_dir = models["qwen35moe"].pack.dir
+    assert generate_cli(pack_dir) == 0
+    plain = capsys.readouterr().out
+    assert generate_cli(pack_dir, "--spec", "2", "--spec-drafter", drafter, "--spec-min-p", "0", "--stats") == 0
+    out, err = capsys.readouterr()
+    assert out == plain
+    table = err[err.index("speculative decoding: --spec 2"):].splitlines()
+    assert table[1].split() == ["draft", "position", "drafted", "accepted", "acceptance"]
+    first, second = table[3].split(), table[4].split()
+    assert first[0] == "1" and second[0] == "2" and int(first[1]) >= int(second[1]) > 0
+    if drafter == "oracle":
+        assert first[3] == second[3] == "1.000"
+    assert "tokens per verification" in table[5]
+    speed = [line.split() for line in table if line.startswith("--spec")]
+    assert [s[:3] for s in speed] == [["--spec", "0", "20"], ["--spec", "2", "20"]]
+    assert speed[1][-1].endswith("x") and "(same tokens)" in err
+
+
+@pytest.mark.bad_input("before-load")
+@pytest.mark.parametrize("args, code, message", [
+    (["--spec", "-1"], 2, "--spec -1: expected a count of draft tokens >= 0"),
+    (["--spec", "2", "--spec-min-p", "1.5"], 2, "--spec-min-p 1.5: expected a probability 0..1"),
+    (["--spec", "2", "--spec-drafter", "right:2"], 2, "--spec-drafter 'right:2': expected mtp, oracle, wrong or right:P"),
+    (["--spec", "2", "--spec-drafter", "psychic"], 2, "--spec-drafter 'psychic'"),
+])
+def test_bad_spec_flags_are_refused(models, capsys, args, code, message):
+    assert generate_cli(models["qwen35moe"].pack.dir, *args) == code
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.bad_input("before-load")
+def test_spec_with_the_mtp_drafter_on_a_pack_without_one_says_what_to_do(models, capsys):
+    pack_dir = models["qwen4exp"].pack.dir
+    assert generate_cli(pack_dir, "--spec", "2") == 1
+    err = capsys.readouterr().err
+    assert f"--spec 2 drafts with the pack's MTP block and {pack_dir} has none" in err
+    assert "--spec-drafter" in err and "Traceback" not in err
