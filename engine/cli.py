@@ -441,13 +441,15 @@ def format_spec_stats(st, n_draft: int, drafter: str, min_p: float, result, plai
     """--stats with --spec: acceptance per draft position, tokens per verification, the speed-up."""
     from tabulate import tabulate
 
-    rows = [(i + 1, int(d), int(a), f"{a / d:.3f}" if d else "-") for i, (d, a) in enumerate(zip(st.drafted, st.accepted))]
+    # acceptance at a position: of the drafts judged there (every earlier draft of their chain kept)
+    rows = [(i + 1, int(d), int(j), int(a), f"{a / j:.3f}" if j else "-")
+            for i, (d, j, a) in enumerate(zip(st.drafted, st.judged, st.accepted))]
     lines = [f"speculative decoding: --spec {n_draft}, drafter {drafter}" +
              (f", --spec-min-p {min_p}" if drafter == "mtp" else ""),
-             tabulate(rows, headers=["draft position", "drafted", "accepted", "acceptance"], tablefmt="simple",
+             tabulate(rows, headers=["draft position", "drafted", "judged", "accepted", "acceptance"], tablefmt="simple",
                       disable_numparse=True),
              f"verifications {st.verifications}, {st.tokens_per_verification():.2f} tokens per verification "
-             f"(acceptance {st.acceptance():.3f}); {st.steps} token steps without a draft; "
+             f"(accepted / drafted {st.acceptance():.3f}); {st.steps} token steps without a draft; "
              f"drafting {st.draft_s:.3f} s, verifying {st.verify_s:.3f} s"]
     if plain is not None:
         same = "same tokens" if plain.tokens.tolist() == result.tokens.tolist() else "tokens differ (sampling)"

@@ -186,6 +186,7 @@ class SpecStats:
 
     def __init__(self, n_draft: int):
         self.drafted = np.zeros(n_draft, np.int64)  # drafts made at position i (1-based i + 1)
+        self.judged = np.zeros(n_draft, np.int64)  # ... that were judged (every earlier one was kept)
         self.accepted = np.zeros(n_draft, np.int64)
         self.verifications = 0
         self.produced = 0  # tokens the verifications produced (kept drafts + the trunk's own)
@@ -268,6 +269,7 @@ class SpecRun(Run):
             if self.on_logits is not None:
                 self.on_logits(P + i, rows[i])
             if i < n:
+                st.judged[i] += 1
                 token, kept = self.sampler.judge(rows[i], self.history[: self.n_tokens], d[i], self.qs[i])
             else:
                 token, kept = self.sampler.sample(rows[n], self.history[: self.n_tokens]), False

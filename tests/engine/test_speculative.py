@@ -270,11 +270,13 @@ def test_generate_spec_prints_the_text_of_spec_0_and_the_table(models, capsys, d
     out, err = capsys.readouterr()
     assert out == plain
     table = err[err.index("speculative decoding: --spec 2"):].splitlines()
-    assert table[1].split() == ["draft", "position", "drafted", "accepted", "acceptance"]
+    assert table[1].split() == ["draft", "position", "drafted", "judged", "accepted", "acceptance"]
     first, second = table[3].split(), table[4].split()
     assert first[0] == "1" and second[0] == "2" and int(first[1]) >= int(second[1]) > 0
+    # every first draft is judged; a second one only after its first was kept
+    assert first[1] == first[2] and int(second[2]) <= int(first[3])
     if drafter == "oracle":
-        assert first[3] == second[3] == "1.000"
+        assert first[4] == second[4] == "1.000"
     assert "tokens per verification" in table[5]
     speed = [line.split() for line in table if line.startswith("--spec")]
     assert [s[:3] for s in speed] == [["--spec", "0", "20"], ["--spec", "2", "20"]]
