@@ -389,3 +389,22 @@ def test_kernels_load_from_the_disk_cache_in_a_new_process(tmp_path):
     assert (hit2, miss2) == ("0", "1"), "narrowed SIMD features loaded the full feature set's machine code"
     assert y0 == y1 == y2
     assert list(tmp_path.rglob("strata-Q4_0-serial-*.nbc")), sorted(p.name for p in tmp_path.rglob("*"))
+
+
+@pytest.mark.parametrize("n_tok", [2, 3, 4])
+@pytest.mark.parametrize("parallel", [False, True], ids=["serial", "parallel"])
+@pytest.mark.parametrize("name", ROWDOT_TYPES)
+def test_a_few_tokens_take_the_token_kernels_bits_with_each_row_read_once(name, parallel, n_tok):
+    # speculative decoding's verify forward (2-4 rows) multiplies through rowdot.matmul: each
+    # token's result must be the one-token kernel's to the bit (greedy --spec N is --spec 0's)
+    rowdot = _need_rowdot()
+    t = BY_NAME[name]
+    n_in = 544  # 17 blocks: a whole 16-block group and a tail
+    raw = random_weights(t, n_in * 37, np.random.default_rng(n_tok + t.id))
+    act = quantize_act(_acts(n_in, n_tok, n_in + n_tok))
+    with cpu_path(parallel):
+        got = cpu.matmul(raw, t.id, n_in, 37, act)
+        alone = [cpu.matvec(raw, t.id, n_in, 37, ActQ(act.q[i], act.d[i], act.s16[i])) for i in range(n_tok)]
+    assert rowdot._ROWS_KERNELS[name, parallel, False].signatures, "the few-token kernel was not taken"
+    for i in range(n_tok):
+        _same(got[i], alone[i], f"{name} [{n_in} x 37] token {i} of {n_tok} vs alone")
