@@ -2,7 +2,7 @@
 token step, and the decode speed-up of --spec N against --spec 0 in the same process.
 
     python benchmarks/spec.py [--pack DIR] [--threads 1] [--prompt 32] [--tokens 48] [--rounds 3]
-                              [--mtp-preset demo | --no-mtp] [--work DIR]
+                              [--mtp-preset demo | --no-mtp] [--work DIR] [--cost-only]
 
 1. The trunk (default: the seed-4l qwen4exp pack of benchmarks/decode.py, made under .cache/bench/
    unless --pack names one): after a prompt, per round, one token step and one verify forward of
@@ -160,6 +160,7 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--mtp-preset", default="demo")
     ap.add_argument("--no-mtp", action="store_true")
+    ap.add_argument("--cost-only", action="store_true", help="the forward costs only (part 1's first table)")
     ap.add_argument("--work", type=Path, default=REPO / ".cache" / "bench")
     a = ap.parse_args(argv)
 
@@ -185,6 +186,8 @@ def main(argv=None) -> int:
     for T, ts in cost.items():
         print(f"  {'token step' if T == 1 else f'verify 1+{T - 1}':>11}  {statistics.median(ts) * 1e3:8.1f} / "
               f"{min(ts) * 1e3:8.1f} ms  {statistics.median(ts) / step:5.2f}x")
+    if a.cost_only:
+        return 0
     prompt = rng.integers(3, g.n_vocab, a.prompt).tolist()
     configs = [(n, p) for p in HELD for n in (1, 2, 3)]
     plains, res = decode_runs(model, prompt, a.tokens, a.rounds, configs)

@@ -394,7 +394,14 @@ def _run(pack, prompt, prompt_file, prompt_ids, n, ignore_eos, temp, top_k, top_
     flag = "--ctx-size" if max_context is not None or n == -1 else "-n"
     shown = f"--ctx-size {ctx}" if flag == "--ctx-size" else f"-n {n} (+ {len(ids)} prompt tokens = {ctx})"
     dump = (len(ids) + n_new) * g.n_vocab * 4 if dump_logits else 0
-    check_context("strata generate", g, kv, ctx, flag, dump, " and --dump-logits' buffer" if dump_logits else "", shown)
+    if spec:  # the snapshots, the head's KV and, when one runs first, the --spec 0 run's session
+        from strata.engine.budget import session_host_bytes
+        from strata.engine.speculative import spec_host_bytes
+
+        plain = session_host_bytes(g, ctx, kv) if stats or spec_drafter != "mtp" else 0
+        dump += spec_host_bytes(g, ctx, kv, spec, spec_drafter == "mtp") + plain
+    what = (" and --dump-logits' buffer" if dump_logits else "") + (" and --spec's state" if spec else "")
+    check_context("strata generate", g, kv, ctx, flag, dump, what, shown)
     if dump_logits:
         writable_file("--dump-logits", dump_logits)
         check_free_space("--dump-logits", dump_logits, dump + 128)  # + the .npy header

@@ -186,6 +186,29 @@ def test_the_token_path_prompt_and_a_stop_inside_the_drafts(models):
     assert s.pos == out.positions == N_PROMPT + first  # the stop token is not fed
 
 
+@pytest.mark.parametrize("arch,kind", [("qwen35moe", "mtp"), ("qwen35moe", "half"), ("qwen4exp", "half")])
+def test_a_sampled_run_leaves_the_session_of_its_tokens(models, arch, kind):
+    """Sampling (temperature 0.9, the MTP drafter drawing its drafts from q): whatever was kept, the
+    session afterwards holds the bits of a --spec 0 session teacher-forced through the same tokens."""
+    m = models[arch]
+    prompt = prompt_for(m, seed=8)
+    params = SamplerParams(temperature=0.9, top_k=0, top_p=1.0, min_p=0.0, seed=3)
+    ref, _ = plain(m, prompt, params=params)
+    V = m.geometry.n_vocab
+    if kind == "mtp":
+        drafter = MTPDrafter(MTPHead(m.pack, m.backend), N_PROMPT + N_NEW, "f32", Sampler(V, params).fork(4), 0.0)
+    else:
+        drafter = drafter_for(m, kind, np.concatenate([ref.prompt, ref.tokens]), N_PROMPT + N_NEW)
+    out, session, st = spec(m, prompt, drafter, 2, params=params)
+    assert len(out.tokens) == N_NEW and st.verifications > 0
+    # the same tokens as --spec 0 feeds them: the prompt in chunks of 7, then token steps
+    forced = m.new_session(N_PROMPT + N_NEW, "f32")
+    generate(m, forced, prompt, Sampler(V, GREEDY), 0, prefill=7)
+    for t in out.fed[N_PROMPT:]:
+        m.step(forced, int(t))
+    assert_same_states(session, forced)
+
+
 def test_a_spec_run_needs_a_draft_count(models):
     m = models["qwen35moe"]
     with pytest.raises(ValueError, match="--spec 0"):
@@ -302,3 +325,18 @@ def test_spec_with_the_mtp_drafter_on_a_pack_without_one_says_what_to_do(models,
     err = capsys.readouterr().err
     assert f"--spec 2 drafts with the pack's MTP block and {pack_dir} has none" in err
     assert "--spec-drafter" in err and "Traceback" not in err
+
+
+def test_the_memory_check_counts_what_spec_allocates(models):
+    """strata generate's memory check before the load adds spec_host_bytes: the snapshots and the
+    MTP head's KV cache, as allocated (the PLE token windows aside: a few ints, in no plan item)."""
+    from strata.engine.speculative import Snapshot, spec_host_bytes
+
+    for arch, m in models.items():
+        s = m.new_session(50, "f16")
+        snap = Snapshot(s)
+        windows = sum(p.window.nbytes for p in snap.ple_states.values())
+        assert spec_host_bytes(m.geometry, 50, "f16", 3, False) == 3 * (snap.nbytes - windows), arch
+    m = models["qwen35moe"]
+    head_kv = MTPHead(m.pack).new_state(50, "f16").nbytes
+    assert spec_host_bytes(m.geometry, 50, "f16", 2, True) == spec_host_bytes(m.geometry, 50, "f16", 2, False) + head_kv

@@ -6,7 +6,7 @@
   other difference is still refused, naming tensor, shape found and shape required.
 - llama.cpp's converter exports a Qwen3.5-MoE checkpoint's MTP draft block by default; the trunk
   packs and runs from such a file unchanged (the block is packed after the trunk, its experts in
-  place, and not used by decoding yet).
+  place; it drafts only with --spec).
 """
 
 from __future__ import annotations
