@@ -193,18 +193,18 @@ def generate(
         raise _fail(no_space(e, [dump_logits]) or str(e)) from None
 
 
-def spec_options(spec: int, min_p: float, drafter: str) -> None:
+def spec_options(spec: int, min_p: float, drafter: str, who: str = "strata generate") -> None:
     """--spec, --spec-min-p and --spec-drafter, checked before the load (usage errors: exit 2)."""
     from strata.engine.speculative import parse_drafter
 
     if spec < 0:
-        raise _fail(f"--spec {spec}: expected a count of draft tokens >= 0 (0 is plain decoding)", 2)
+        raise _fail(f"--spec {spec}: expected a count of draft tokens >= 0 (0 is plain decoding)", 2, who)
     if not 0 <= min_p <= 1:
-        raise _fail(f"--spec-min-p {min_p}: expected a probability 0..1", 2)
+        raise _fail(f"--spec-min-p {min_p}: expected a probability 0..1", 2, who)
     try:
         parse_drafter(drafter)
     except ValueError as e:
-        raise _fail(str(e), 2) from None
+        raise _fail(str(e), 2, who) from None
 
 
 def sampler_options(temp: float, top_k: int, top_p: float, min_p: float, repeat_penalty: float, seed: int | None):
@@ -743,16 +743,22 @@ def serve(
     vram_reserve_mib: int = vram_reserve_option(),
     native: Optional[Path] = native_option(),
     ple_gguf: Optional[Path] = ple_gguf_option(),
+    spec: int = typer.Option(0, "--spec", help="speculative decoding: each request drafts up to N tokens with the "
+                             "pack's MTP block and verifies them in one forward of its own (the output is the same; "
+                             "requests then step one after another, not in one batch); 0 is plain decoding"),
+    spec_min_p: float = typer.Option(0.75, "--spec-min-p", help="with --spec: stop drafting when the draft's top "
+                                     "probability is below P"),
 ) -> None:
     """Serve a pack over an OpenAI-compatible HTTP API (chat and completions, streaming or not)."""
     who = "strata serve"
+    spec_options(spec, spec_min_p, "mtp", who)
     try:
         pack = resolve_pack(pack_arg, pack)
         gpu_options(device, expert_cache, vram_budget_mib, vram_reserve_mib)
         tier = dict(device=device, expert_cache=expert_cache, expert_profile=expert_profile,
                     vram_budget_mib=vram_budget_mib, vram_reserve_mib=vram_reserve_mib)
         _serve(pack, host, port, api_key, max_queue, batch, cache_slots, cache_mib, model_name, max_context, kv, prefill,
-               pool_workers, native, ple_gguf, who, tier)
+               pool_workers, native, ple_gguf, who, tier, spec, spec_min_p)
     except KeyboardInterrupt:
         typer.echo(f"\n{who}: interrupted", err=True)
         raise typer.Exit(130) from None
@@ -761,7 +767,7 @@ def serve(
 
 
 def _serve(pack, host, port, api_key, max_queue, batch, cache_slots, cache_mib, model_name, max_context, kv, prefill,
-           pool_workers, native, ple_gguf, who, tier_flags) -> None:
+           pool_workers, native, ple_gguf, who, tier_flags, spec=0, spec_min_p=0.75) -> None:
     from strata.engine.pack_reader import read_pack_geometry
     from strata.engine.tokenizer import Tokenizer
 
@@ -783,8 +789,15 @@ def _serve(pack, host, port, api_key, max_queue, batch, cache_slots, cache_mib, 
     tok = Tokenizer.load(Path(pack) / "tokenizer.txt")
     from strata.engine.budget import session_host_bytes
 
-    # --batch N holds N sessions at once, each sized for the whole context
-    check_context(who, g, kv, max_context, "--ctx-size", extra_bytes=(batch - 1) * session_host_bytes(g, max_context, kv),
+    if spec and not g.n_mtp_layer:
+        raise ValueError(f"--spec {spec} drafts with the pack's MTP block and {pack} has none (convert the GGUF with "
+                         "its MTP block, or the MTP-only GGUF with strata-pack convert --mtp PATH)")
+    from strata.engine.speculative import spec_host_bytes
+
+    # --batch N holds N sessions at once, each sized for the whole context (with --spec, its snapshots and head KV)
+    extra = (batch - 1) * session_host_bytes(g, max_context, kv) + \
+        (batch * spec_host_bytes(g, max_context, kv, spec, True) if spec else 0)
+    check_context(who, g, kv, max_context, "--ctx-size", extra_bytes=extra,
                   extra_what=f" for each of --batch {batch} requests" if batch > 1 else "")
     import uvicorn
 
@@ -797,7 +810,7 @@ def _serve(pack, host, port, api_key, max_queue, batch, cache_slots, cache_mib, 
     tier = start_tier(model, max_context=max_context, kv=kv, chunk=chunk, who=who, **tier_flags)
     cache = ConversationCache(cache_slots, cache_mib << 20)
     scheduler = Scheduler(model, tok, max_context=max_context, kv=kv, chunk=chunk, max_queue=max_queue, cache=cache,
-                          check=p.check_unchanged, batch=batch)
+                          check=p.check_unchanged, batch=batch, spec=spec, spec_min_p=spec_min_p)
     name = model_name or Path(pack).resolve().name
     app_ = make_app(scheduler, tok, ServeConfig(model_name=name, max_context=max_context, api_key=api_key), tier)
     typer.echo(f"{who}: {name} loaded in {load_s:.1f} s; serving http://{host}:{port}/v1 (context {max_context}, "

@@ -15,6 +15,8 @@ forward, keep the agreeing prefix, roll the states back.
 
 from __future__ import annotations
 
+import concurrent.futures
+
 import numpy as np
 import pytest
 
@@ -340,3 +342,48 @@ def test_the_memory_check_counts_what_spec_allocates(models):
     m = models["qwen35moe"]
     head_kv = MTPHead(m.pack).new_state(50, "f16").nbytes
     assert spec_host_bytes(m.geometry, 50, "f16", 2, True) == spec_host_bytes(m.geometry, 50, "f16", 2, False) + head_kv
+
+
+# --- strata serve --spec ---------------------------------------------------------------------------
+
+
+def test_serve_spec_gives_every_request_the_text_of_spec_0(models):
+    """Requests through a --spec 2 scheduler (the MTP head drafting, two at a time, a second turn
+    resumed from the conversation cache) get --spec 0's greedy tokens and text."""
+    from strata.engine.scheduler import ConversationCache, Job, Scheduler, run_and_wait
+    from strata.engine.tokenizer import Tokenizer
+
+    m = models["qwen35moe"]
+    tok = Tokenizer.load(m.pack.dir / "tokenizer.txt")
+    rng = np.random.default_rng(2)
+    plan = [(rng.integers(3, 256, n).tolist(), k) for n, k in ((9, 12), (30, 8), (4, 15))]
+
+    def serve(spec):
+        sch = Scheduler(m, tok, max_context=96, kv="f32", chunk=8, max_queue=8, cache=ConversationCache(4, 64 << 20),
+                        batch=2, spec=spec, spec_min_p=0.0)
+        try:
+            jobs = [Job(p, k, GREEDY, ignore_eos=True) for p, k in plan]
+            with concurrent.futures.ThreadPoolExecutor(3) as pool:
+                list(pool.map(lambda j: run_and_wait(sch, j, 60), jobs))
+            again = run_and_wait(sch, Job(jobs[0].result.fed.tolist() + [7, 8], 6, GREEDY, ignore_eos=True), 60)
+            return jobs + [again], sch
+        finally:
+            sch.close()
+
+    (want, _), (got, sch) = serve(0), serve(2)
+    assert got[-1].resumed > 0  # the second turn started from the parked session
+    assert sch._head is not None and sch._head.routing.sum() > 0  # the head drafted
+    for w, g in zip(want, got):
+        assert g.error is None and g.result.tokens.tolist() == w.result.tokens.tolist() and g.text == w.text
+
+
+@pytest.mark.bad_input("before-load")
+@pytest.mark.parametrize("args, code, message", [
+    (["--spec", "2"], 1, "--spec 2 drafts with the pack's MTP block and"),
+    (["--spec", "-3"], 2, "strata serve: error: --spec -3: expected a count of draft tokens >= 0"),
+])
+def test_serve_spec_is_refused_before_the_load(models, capsys, args, code, message):
+    from strata.engine.cli import main
+
+    assert main(["serve", "--pack", str(models["qwen4exp"].pack.dir), "--port", "0", *args]) == code
+    assert message in capsys.readouterr().err
