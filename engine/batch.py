@@ -14,19 +14,43 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
+import numpy as np
+
 
 class Seq(NamedTuple):
     """Rows [a, b) of a batch: one sequence's tokens at positions pos .. pos + b - a - 1, and this
-    block's state of that sequence (a KV cache, the recurrent states, ...)."""
+    block's state of that sequence (a KV cache, the recurrent states, ...). `saved`: where a block
+    copies that state once it has advanced it by these rows (`keep`), or None: speculative
+    decoding's verify forward runs each row as its own Seq and keeps every row's state, to roll back
+    to the last accepted one (engine/speculative.py)."""
 
     state: Any
     a: int
     b: int
     pos: int
+    saved: Any = None
 
     @property
     def n(self) -> int:
         return self.b - self.a
+
+
+def copy_state(src, dst) -> None:
+    """dst <- src for a block's state: an array, a dict of arrays (Gated DeltaNet's conv and S), or
+    an object with `copy_to` (PLEState)."""
+    if isinstance(src, np.ndarray):
+        np.copyto(dst, src)
+    elif isinstance(src, dict):
+        for k, v in src.items():
+            copy_state(v, dst[k])
+    else:
+        src.copy_to(dst)
+
+
+def keep(r: Seq) -> None:
+    """After a block advanced r.state by r's rows: a copy into r.saved, when one is asked for."""
+    if r.saved is not None:
+        copy_state(r.state, r.saved)
 
 
 def seqs_of(state_or_seqs, T: int, pos: int = 0) -> list[Seq]:

@@ -325,7 +325,7 @@ def _weight_items(index: PackIndex, experts: NativeExperts, g: ModelGeometry, pl
     items.append(Item("host.embedding", "embedding table (mapped pool.bin)", host_embd, WEIGHTS, HOST))
     items.append(Item("host.small", "norm gains, conv kernels, ssm_a/dt (f32 on the host)", host_small, WEIGHTS, HOST))
     if g.n_mtp_layer:
-        items.append(Item("host.mtp", "MTP draft block's dense weights (not used by decoding yet)", host_mtp,
+        items.append(Item("host.mtp", "MTP draft block's dense weights (read by --spec drafting)", host_mtp,
                           WEIGHTS, HOST))
     if g.ple_layers:
         items.append(Item("host.ple_table", "PLE table (read through the page cache)",

@@ -158,7 +158,15 @@ def generate(
     ple_gguf: Optional[Path] = ple_gguf_option(),
     dump_logits: Optional[Path] = typer.Option(None, "--dump-logits", help="write float32 logits of every position to OUT.npy"),
     stats: bool = typer.Option(False, "--stats", help="print load time, tokens/s, session memory and expert routing "
-                               "counts to stderr"),
+                               "counts to stderr; with --spec also acceptance per draft position and the speed-up "
+                               "against a --spec 0 run of the same prompt made first in the same process"),
+    spec: int = typer.Option(0, "--spec", help="speculative decoding: draft up to N tokens per step and verify them "
+                             "in one forward of the model (the output is the same); 0 is plain decoding"),
+    spec_min_p: float = typer.Option(0.75, "--spec-min-p", help="with --spec: stop drafting when the draft's top "
+                                     "probability is below P (llama.cpp's --draft-p-min)"),
+    spec_drafter: str = typer.Option("mtp", "--spec-drafter", help="with --spec: mtp (the pack's MTP block), or for "
+                                     "measuring, drafts from a --spec 0 run made first: oracle (always right), "
+                                     "wrong (never), right:P (right with probability P)"),
 ) -> None:
     """Generate text from a pack, streaming it to stdout (stop tokens are not printed)."""
     if sum(s is not None for s in (prompt, prompt_file, prompt_ids)) != 1:
@@ -169,6 +177,7 @@ def generate(
         raise _fail(f"-n {n}: expected -1 (until a stop token or the context is full) or a count >= 0", 2)
     if (system is not None or think is not None) and not chat:
         raise _fail("--system and --think/--no-think shape the chat template's turns: give --chat too", 2)
+    spec_options(spec, spec_min_p, spec_drafter)
     try:
         pack = resolve_pack(pack_arg, pack)
         del pack_arg
@@ -182,6 +191,20 @@ def generate(
         from strata.engine.arguments import no_space
 
         raise _fail(no_space(e, [dump_logits]) or str(e)) from None
+
+
+def spec_options(spec: int, min_p: float, drafter: str, who: str = "strata generate") -> None:
+    """--spec, --spec-min-p and --spec-drafter, checked before the load (usage errors: exit 2)."""
+    from strata.engine.speculative import parse_drafter
+
+    if spec < 0:
+        raise _fail(f"--spec {spec}: expected a count of draft tokens >= 0 (0 is plain decoding)", 2, who)
+    if not 0 <= min_p <= 1:
+        raise _fail(f"--spec-min-p {min_p}: expected a probability 0..1", 2, who)
+    try:
+        parse_drafter(drafter)
+    except ValueError as e:
+        raise _fail(str(e), 2, who) from None
 
 
 def sampler_options(temp: float, top_k: int, top_p: float, min_p: float, repeat_penalty: float, seed: int | None):
@@ -349,7 +372,7 @@ def naming_non_finite(pack):
 
 def _run(pack, prompt, prompt_file, prompt_ids, n, ignore_eos, temp, top_k, top_p, min_p, repeat_penalty, seed, chat,
          system, think, max_context, kv, prefill, pool_workers, device, expert_cache, expert_profile, vram_budget_mib,
-         vram_reserve_mib, native, ple_gguf, dump_logits, stats) -> None:
+         vram_reserve_mib, native, ple_gguf, dump_logits, stats, spec, spec_min_p, spec_drafter) -> None:
     from strata.engine.arguments import check_free_space, writable_file
     from strata.engine.generate import generate as run_generation
     from strata.engine.kernels import cpu
@@ -363,11 +386,22 @@ def _run(pack, prompt, prompt_file, prompt_ids, n, ignore_eos, temp, top_k, top_
     g = read_pack_geometry(pack)
     tok = Tokenizer.load(Path(pack) / "tokenizer.txt")
     ids = _prompt_ids(tok, prompt, prompt_file, prompt_ids, chat, g.n_vocab, system, think)
+    if spec and spec_drafter == "mtp" and not g.n_mtp_layer:
+        raise ValueError(f"--spec {spec} drafts with the pack's MTP block and {pack} has none (convert the GGUF with "
+                         "its MTP block, or the MTP-only GGUF with strata-pack convert --mtp PATH); --spec-drafter "
+                         "oracle, wrong or right:P draft from a --spec 0 run instead, for measuring")
     ctx, n_new = context_and_count(len(ids), n, max_context)
     flag = "--ctx-size" if max_context is not None or n == -1 else "-n"
     shown = f"--ctx-size {ctx}" if flag == "--ctx-size" else f"-n {n} (+ {len(ids)} prompt tokens = {ctx})"
     dump = (len(ids) + n_new) * g.n_vocab * 4 if dump_logits else 0
-    check_context("strata generate", g, kv, ctx, flag, dump, " and --dump-logits' buffer" if dump_logits else "", shown)
+    if spec:  # the snapshots, the head's KV and, when one runs first, the --spec 0 run's session
+        from strata.engine.budget import session_host_bytes
+        from strata.engine.speculative import spec_host_bytes
+
+        plain = session_host_bytes(g, ctx, kv) if stats or spec_drafter != "mtp" else 0
+        dump += spec_host_bytes(g, ctx, kv, spec, spec_drafter == "mtp") + plain
+    what = (" and --dump-logits' buffer" if dump_logits else "") + (" and --spec's state" if spec else "")
+    check_context("strata generate", g, kv, ctx, flag, dump, what, shown)
     if dump_logits:
         writable_file("--dump-logits", dump_logits)
         check_free_space("--dump-logits", dump_logits, dump + 128)  # + the .npy header
@@ -390,14 +424,48 @@ def _run(pack, prompt, prompt_file, prompt_ids, n, ignore_eos, temp, top_k, top_
         sys.stdout.flush()
 
     with naming_non_finite(p):
-        result = run_generation(model, session, ids, sampler, n_new, stop_ids=tok.stop_ids, on_token=emit,
-                                on_logits=logits.record if logits else None, prefill=chunk)
+        if spec:
+            from strata.engine.speculative import speculative_generate
+
+            result, spec_stats, plain = speculative_generate(
+                model, session, ids, sampler, n_new, n_draft=spec, drafter=spec_drafter, min_p=spec_min_p, kv=kv,
+                measure=stats, stop_ids=tok.stop_ids, on_token=emit, on_logits=logits.record if logits else None,
+                prefill=chunk)
+        else:
+            result = run_generation(model, session, ids, sampler, n_new, stop_ids=tok.stop_ids, on_token=emit,
+                                    on_logits=logits.record if logits else None, prefill=chunk)
     sys.stdout.write(stream.flush() + "\n")
     sys.stdout.flush()
     if logits:
         logits.save(dump_logits, result.positions)
     if stats:
         typer.echo(format_stats(p, load_s, result, session, sampler.seed, cpu.get_threads(), device, chunk, tier), err=True)
+        if spec:
+            typer.echo(format_spec_stats(spec_stats, spec, spec_drafter, spec_min_p, result, plain), err=True)
+
+
+def format_spec_stats(st, n_draft: int, drafter: str, min_p: float, result, plain) -> str:
+    """--stats with --spec: acceptance per draft position, tokens per verification, the speed-up."""
+    from tabulate import tabulate
+
+    # acceptance at a position: of the drafts judged there (every earlier draft of their chain kept)
+    rows = [(i + 1, int(d), int(j), int(a), f"{a / j:.3f}" if j else "-")
+            for i, (d, j, a) in enumerate(zip(st.drafted, st.judged, st.accepted))]
+    lines = [f"speculative decoding: --spec {n_draft}, drafter {drafter}" +
+             (f", --spec-min-p {min_p}" if drafter == "mtp" else ""),
+             tabulate(rows, headers=["draft position", "drafted", "judged", "accepted", "acceptance"], tablefmt="simple",
+                      disable_numparse=True),
+             f"verifications {st.verifications}, {st.tokens_per_verification():.2f} tokens per verification "
+             f"(accepted / drafted {st.acceptance():.3f}); {st.steps} token steps without a draft; "
+             f"drafting {st.draft_s:.3f} s, verifying {st.verify_s:.3f} s"]
+    if plain is not None:
+        same = "same tokens" if plain.tokens.tolist() == result.tokens.tolist() else "tokens differ (sampling)"
+        lines.append(tabulate([("--spec 0", len(plain.tokens), f"{plain.decode_s:.3f}", f"{plain.decode_tps:.2f}", "1.00x"),
+                               (f"--spec {n_draft}", len(result.tokens), f"{result.decode_s:.3f}",
+                                f"{result.decode_tps:.2f}", f"{result.decode_tps / plain.decode_tps:.2f}x")],
+                              headers=["decode (same run)", "tokens", "seconds", "tok/s", "speed-up"],
+                              tablefmt="simple", disable_numparse=True) + f"\n({same})")
+    return "\n".join(lines)
 
 
 DEFAULT_CONTEXT = 4096  # -n -1 without -c: llama.cpp's default context
@@ -675,16 +743,22 @@ def serve(
     vram_reserve_mib: int = vram_reserve_option(),
     native: Optional[Path] = native_option(),
     ple_gguf: Optional[Path] = ple_gguf_option(),
+    spec: int = typer.Option(0, "--spec", help="speculative decoding: each request drafts up to N tokens with the "
+                             "pack's MTP block and verifies them in one forward of its own (the output is the same; "
+                             "requests then step one after another, not in one batch); 0 is plain decoding"),
+    spec_min_p: float = typer.Option(0.75, "--spec-min-p", help="with --spec: stop drafting when the draft's top "
+                                     "probability is below P"),
 ) -> None:
     """Serve a pack over an OpenAI-compatible HTTP API (chat and completions, streaming or not)."""
     who = "strata serve"
+    spec_options(spec, spec_min_p, "mtp", who)
     try:
         pack = resolve_pack(pack_arg, pack)
         gpu_options(device, expert_cache, vram_budget_mib, vram_reserve_mib)
         tier = dict(device=device, expert_cache=expert_cache, expert_profile=expert_profile,
                     vram_budget_mib=vram_budget_mib, vram_reserve_mib=vram_reserve_mib)
         _serve(pack, host, port, api_key, max_queue, batch, cache_slots, cache_mib, model_name, max_context, kv, prefill,
-               pool_workers, native, ple_gguf, who, tier)
+               pool_workers, native, ple_gguf, who, tier, spec, spec_min_p)
     except KeyboardInterrupt:
         typer.echo(f"\n{who}: interrupted", err=True)
         raise typer.Exit(130) from None
@@ -693,7 +767,7 @@ def serve(
 
 
 def _serve(pack, host, port, api_key, max_queue, batch, cache_slots, cache_mib, model_name, max_context, kv, prefill,
-           pool_workers, native, ple_gguf, who, tier_flags) -> None:
+           pool_workers, native, ple_gguf, who, tier_flags, spec=0, spec_min_p=0.75) -> None:
     from strata.engine.pack_reader import read_pack_geometry
     from strata.engine.tokenizer import Tokenizer
 
@@ -715,8 +789,15 @@ def _serve(pack, host, port, api_key, max_queue, batch, cache_slots, cache_mib, 
     tok = Tokenizer.load(Path(pack) / "tokenizer.txt")
     from strata.engine.budget import session_host_bytes
 
-    # --batch N holds N sessions at once, each sized for the whole context
-    check_context(who, g, kv, max_context, "--ctx-size", extra_bytes=(batch - 1) * session_host_bytes(g, max_context, kv),
+    if spec and not g.n_mtp_layer:
+        raise ValueError(f"--spec {spec} drafts with the pack's MTP block and {pack} has none (convert the GGUF with "
+                         "its MTP block, or the MTP-only GGUF with strata-pack convert --mtp PATH)")
+    from strata.engine.speculative import spec_host_bytes
+
+    # --batch N holds N sessions at once, each sized for the whole context (with --spec, its snapshots and head KV)
+    extra = (batch - 1) * session_host_bytes(g, max_context, kv) + \
+        (batch * spec_host_bytes(g, max_context, kv, spec, True) if spec else 0)
+    check_context(who, g, kv, max_context, "--ctx-size", extra_bytes=extra,
                   extra_what=f" for each of --batch {batch} requests" if batch > 1 else "")
     import uvicorn
 
@@ -729,7 +810,7 @@ def _serve(pack, host, port, api_key, max_queue, batch, cache_slots, cache_mib, 
     tier = start_tier(model, max_context=max_context, kv=kv, chunk=chunk, who=who, **tier_flags)
     cache = ConversationCache(cache_slots, cache_mib << 20)
     scheduler = Scheduler(model, tok, max_context=max_context, kv=kv, chunk=chunk, max_queue=max_queue, cache=cache,
-                          check=p.check_unchanged, batch=batch)
+                          check=p.check_unchanged, batch=batch, spec=spec, spec_min_p=spec_min_p)
     name = model_name or Path(pack).resolve().name
     app_ = make_app(scheduler, tok, ServeConfig(model_name=name, max_context=max_context, api_key=api_key), tier)
     typer.echo(f"{who}: {name} loaded in {load_s:.1f} s; serving http://{host}:{port}/v1 (context {max_context}, "

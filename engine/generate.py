@@ -112,7 +112,11 @@ class Run:
             self.prefilled = time.perf_counter()
         if self.n_tokens - self.n_prompt == self.max_new:
             return self._end()  # only when asked for no tokens: otherwise the checks below stop first
-        token = self.sampler.sample(logits, self.history[: self.n_tokens])
+        return self._add(self.sampler.sample(logits, self.history[: self.n_tokens]))
+
+    def _add(self, token: int) -> bool:
+        """A chosen token into the history, through the callbacks and the stop rules (self.fed
+        positions fed); True when the run is over."""
         self.history[self.n_tokens] = token
         self.n_tokens += 1
         if self.on_token is not None and self.on_token(token):
@@ -127,6 +131,12 @@ class Run:
             self.stop = "context"
             return self._end()
         return False
+
+    def forward(self, model: Model, tokens: np.ndarray, n_logits: int) -> np.ndarray:
+        """The model's forward of `feed`'s tokens for this run (its session alone), the rows `take` wants."""
+        if tokens.size == 1:  # the decode step: the session's logits buffer, nothing allocated (S12)
+            return model.step(self.session, int(tokens[0]))
+        return model.forward(self.session, tokens, n_logits)
 
     def cancel(self) -> None:
         """End the run where it is (its caller went away): stop "stopped"."""
@@ -159,13 +169,13 @@ def generate(model: Model, session: Session, prompt: Sequence[int], sampler: Sam
     `prefill`: the prompt path's chunk in tokens (1 or 0: token by token). `start`: how many of the
     prompt's tokens the session holds already (a resumed conversation: session.pos == start); only
     the rest is fed."""
-    run = Run(session, prompt, sampler, max_new_tokens, stop_ids=stop_ids, on_token=on_token, on_logits=on_logits,
-              prefill=prefill, start=start)
+    return drive(model, Run(session, prompt, sampler, max_new_tokens, stop_ids=stop_ids, on_token=on_token,
+                            on_logits=on_logits, prefill=prefill, start=start))
+
+
+def drive(model: Model, run: Run) -> Generation:
+    """One run to its end, alone: feed, its forward, take (a Run or engine/speculative.py's SpecRun)."""
     while True:
         tokens, n_logits = run.feed()
-        if tokens.size == 1:  # the decode step: the session's logits buffer, nothing allocated (S12)
-            rows = model.step(session, int(tokens[0]))
-        else:
-            rows = model.forward(session, tokens, n_logits)
-        if run.take(rows):
+        if run.take(run.forward(model, tokens, n_logits)):
             return run.result()

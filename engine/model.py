@@ -27,7 +27,7 @@ import numpy as np
 from strata.index_format.geometry import ModelGeometry
 
 from .backend import CpuBackend
-from .batch import Seq
+from .batch import Seq, keep
 from .hyper import HyperConnection
 from .kernels.reference import dequantize
 from .kvcache import ContextFull, KVCache  # noqa: F401 (ContextFull: the model's error too)
@@ -106,6 +106,7 @@ class GatedDeltaNet:
             v = c[:, 2 * nk * dk :].reshape(n, nv, dv)
             y = be.delta_rule(r.state["S"], q, k, v, decay[r.a : r.b], beta[r.a : r.b], None if o is None else o[r.a : r.b])
             o = y if o is None else o
+            keep(r)
         be.gated_rmsnorm_(o, self.norm, z, self.eps, self.silu_gate)
         return be.linear(self.out, Input(o.reshape(T, nv * dv)), sc("gdn.y", (T, self.E)))
 
@@ -350,16 +351,34 @@ class Model:
         if bad:
             raise ValueError(f"token id {bad[0]} outside the vocabulary 0..{self.geometry.n_vocab - 1}")
 
-    def step(self, s: Session, token: int) -> np.ndarray:
+    def step(self, s: Session, token: int, hidden: np.ndarray | None = None) -> np.ndarray:
         """Feed `token` at position s.pos; returns the logits for the next position (s.logits).
-        The decode step: `forward` of one token, which allocates nothing after warm-up (S12)."""
-        self._forward([s], [(int(token),)], [1], [s.logits.reshape(1, -1)])
+        The decode step: `forward` of one token, which allocates nothing after warm-up (S12).
+        `hidden`: f32 [1, E] receives the head's input row (see `forward`)."""
+        self._forward([s], [(int(token),)], [1], [s.logits.reshape(1, -1)], hidden)
         return s.logits
 
-    def forward(self, s: Session, tokens, n_logits: int = 1) -> np.ndarray:
+    def forward(self, s: Session, tokens, n_logits: int = 1, *, hidden: np.ndarray | None = None,
+                saved: list | None = None) -> np.ndarray:
         """Feed T tokens at positions s.pos.. in one batch; returns the logits of the last `n_logits`
-        positions, f32 [n_logits, n_vocab] (0 <= n_logits <= T: the LM head runs only for those)."""
-        return self.forward_batch([s], [tokens], [n_logits])[0]
+        positions, f32 [n_logits, n_vocab] (0 <= n_logits <= T: the LM head runs only for those).
+
+        hidden: f32 [n_h, E], when given, receives the LM head's input of the last n_h positions:
+        the final post-norm hidden state (output_norm(h), qwen35moe; the final hyper-connection mix,
+        qwen4exp), what an MTP head drafts from. saved: speculative decoding's verify forward
+        (engine/speculative.py): the rows run as one-token sequences of this session in turn, each
+        with the token step's own arithmetic (so a verified row has the bits decoding gives it), and
+        the state after row i is copied into saved[i] (a Snapshot; None: not kept)."""
+        ids = np.asarray(tokens, np.int64).reshape(-1).tolist()
+        if not ids or not 0 <= n_logits <= len(ids):
+            raise ValueError(f"forward: n_logits {n_logits} outside 0..{len(ids)} (the tokens fed), at least one token")
+        if hidden is not None and hidden.shape[0] > len(ids):
+            raise ValueError(f"forward: {hidden.shape[0]} hidden rows asked for, {len(ids)} tokens fed")
+        if hidden is None and saved is None:
+            return self.forward_batch([s], [ids], [n_logits])[0]
+        out = np.empty((n_logits, self.geometry.n_vocab), F32)
+        self._forward([s], [ids], [n_logits], [out], hidden, saved)
+        return out
 
     def forward_batch(self, sessions: list[Session], tokens: list, n_logits: list[int]) -> list[np.ndarray]:
         """Feed several sequences at once (engine/batch.py): tokens[i] (at least one) at positions
@@ -378,7 +397,8 @@ class Model:
         self._forward(sessions, ids, n_logits, outs)
         return outs
 
-    def _forward(self, sessions: list[Session], tokens: list, n_logits: list[int], outs: list[np.ndarray]) -> None:
+    def _forward(self, sessions: list[Session], tokens: list, n_logits: list[int], outs: list[np.ndarray],
+                 hidden: np.ndarray | None = None, saved: list | None = None) -> None:
         for s, t in zip(sessions, tokens):
             self._check(s, t)
         g, r, be = self.geometry, self.residual, self.backend
@@ -386,6 +406,10 @@ class Model:
         T = len(flat)
         ends = np.cumsum([len(t) for t in tokens]).tolist()
         spans = list(zip([0] + ends[:-1], ends))
+        # (session, rows a..b, position of row a, snapshot): one per sequence, or with `saved` one
+        # per row of the one session, each a sequence of its own over the same state
+        parts = [(s, a, b, s.pos, None) for s, (a, b) in zip(sessions, spans)] if saved is None else \
+            [(sessions[0], i, i + 1, sessions[0].pos + i, saved[i] if i < len(saved) else None) for i in range(T)]
         # the T rows' bytes in one decode (a row decodes alone: the same values as one at a time)
         raw = self.embd.rows(flat[0], flat[0] + 1) if T == 1 else \
             np.concatenate([self.embd.rows(t, t + 1) for t in flat])
@@ -395,15 +419,23 @@ class Model:
         ids = np.asarray(flat, np.int64)
         for l in range(g.n_layer):
             if l in self.ple:  # adds to the streams before the layer's mix
-                self.ple[l].forward(be, H, ids, [Seq(s.ple_states[l], a, b, s.pos) for s, (a, b) in zip(sessions, spans)])
+                self.ple[l].forward(be, H, ids, [Seq(s.ple_states[l], a, b, p, k and k.ple_states[l])
+                                                 for s, a, b, p, k in parts])
             x, ctx = r.enter(be, H, l, ffn=False)
-            seqs = [Seq(s.states[l], a, b, s.pos) for s, (a, b) in zip(sessions, spans)]
+            seqs = [Seq(s.states[l], a, b, p, k and k.states[l]) for s, a, b, p, k in parts]
             r.leave(be, H, l, False, self.mixers[l].forward(be, seqs, x), ctx)
             x, ctx = r.enter(be, H, l, ffn=True)
-            counts = [Seq(s.routing[l], a, b, s.pos) for s, (a, b) in zip(sessions, spans)]
+            counts = [Seq(s.routing[l], a, b, p, k and k.routing[l]) for s, a, b, p, k in parts]
             r.leave(be, H, l, True, self.moes[l].forward(be, x, counts), ctx)
         for s, t in zip(sessions, tokens):
             s.pos += len(t)
+        if hidden is not None:  # one session: its last n_h rows' head input, the logits' rows among them
+            n_h = max(hidden.shape[0], n_logits[0])
+            final = r.final(be, H[T - n_h :])
+            hidden[...] = final[n_h - hidden.shape[0] :]
+            if n_logits[0]:
+                be.linear(self.head, Input(final[n_h - n_logits[0] :]), outs[0])
+            return
         want = [(b - n, b) for n, (_, b) in zip(n_logits, spans) if n]
         if not want:
             return

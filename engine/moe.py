@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .batch import seqs_of
+from .batch import keep, seqs_of
 from .kernels import cpu
 from .kernels.actq import ActQ
 from .kernels.jit import cached_njit
@@ -106,6 +106,7 @@ class MoE:
         if counts is not None:
             for r in seqs_of(counts, T):
                 r.state[...] += np.bincount(top[r.a : r.b].reshape(-1), minlength=r.state.size)
+                keep(r)
         grp = Groups(top)
         part = self.routed(be, x, grp.experts, grp.rows, grp.starts)
         out = be.scratch("moe.out", (T, self.E))

@@ -20,8 +20,8 @@ positions, so shifting every pair by one is the same arithmetic (tests/engine/te
 the reference run at llama.cpp's positions). `hidden` after a step is y, the input h of the next
 draft in a chain (llama.cpp feeds the head's h_nextn back).
 
-Drafting, verification and rollback are not here (issue 17's later points): this computes the draft
-logits of one position, with the engine's blocks and the pack's weight table.
+Drafting, verification and rollback are engine/speculative.py's: this computes the draft logits,
+with the engine's blocks and the pack's weight table.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from .kernels.reference import dequantize
 from .kvcache import KVCache
 from .model import GatedAttention
 from .moe import MoE
-from .ops import Rope, rmsnorm
+from .ops import Rope
 from .pack_reader import Pack, PackError
 from .weights import Input
 
@@ -85,15 +85,37 @@ class MTPHead:
         Writes the head's KV at slot pos: pairs go in position order, as the trunk's tokens do."""
         if not 0 <= token < self.n_vocab:
             raise ValueError(f"token id {token} outside the vocabulary 0..{self.n_vocab - 1}")
-        be, E, eps, cat = self.backend, self.E, self.eps, self.cat.x[0]
-        e = dequantize(self.embd.rows(token, token + 1), self.embd.type_id, E)
-        rmsnorm(e, self.enorm, eps, out=cat[:E])  # embedding first (ggml_concat(e_norm, h_norm))
-        rmsnorm(np.asarray(h, F32), self.hnorm, eps, out=cat[E:])
-        x = be.linear(self.eh_proj, self.cat.changed(), self.x)
-        rmsnorm(x, self.attn_norm, eps, out=self.xin.x)
-        x += self.attn.forward(be, [Seq(state, 0, 1, pos)], self.xin.changed())
-        rmsnorm(x, self.ffn_norm, eps, out=self.xin.x)
-        x += self.moe.forward(be, self.xin.changed(), self.routing)
-        rmsnorm(x, self.head_norm, eps, out=self.y.x)
+        return self.forward(state, np.asarray(h, F32).reshape(1, self.E), np.array([token]), pos)
+
+    def _embed(self, tokens) -> np.ndarray:
+        """The tokens' embedding rows, f32 [T, E]: a host-side read of the pack, as the trunk's."""
+        tok = [int(t) for t in tokens]
+        raw = self.embd.rows(tok[0], tok[0] + 1) if len(tok) == 1 else \
+            np.concatenate([self.embd.rows(t, t + 1) for t in tok])
+        return dequantize(raw, self.embd.type_id, len(tok) * self.E).reshape(len(tok), self.E)
+
+    def forward(self, state: KVCache, h: np.ndarray, tokens: np.ndarray, pos: int, logits: bool = True):
+        """T pairs (h f32 [T, E], tokens int [T]) at head positions pos..pos + T - 1 in one batch
+        (speculative decoding catches the head up on the verified positions and drafts from the last
+        in one pass over its weights): their KV written, `hidden` = the last pair's y, and with
+        `logits` the last pair's draft logits (else None). T = 1 is `step`."""
+        T = h.shape[0]
+        bad = [int(t) for t in tokens if not 0 <= t < self.n_vocab]
+        if bad:
+            raise ValueError(f"token id {bad[0]} outside the vocabulary 0..{self.n_vocab - 1}")
+        be, E, eps = self.backend, self.E, self.eps
+        one = T == 1  # the draft chain's step: the scratch made once (S12)
+        cat = self.cat.x if one else np.empty((T, 2 * E), F32)
+        be.rmsnorm(self._embed(tokens), self.enorm, eps, cat[:, :E])  # embedding first (ggml_concat(e_norm, h_norm))
+        be.rmsnorm(np.asarray(h, F32), self.hnorm, eps, cat[:, E:])
+        x = be.linear(self.eh_proj, self.cat.changed() if one else Input(cat), self.x if one else None)
+        xin = self.xin if one else Input(np.empty((T, E), F32))
+        be.rmsnorm(x, self.attn_norm, eps, xin.x)
+        x += self.attn.forward(be, [Seq(state, 0, T, pos)], xin.changed())
+        be.rmsnorm(x, self.ffn_norm, eps, xin.x)
+        x += self.moe.forward(be, xin.changed(), self.routing)
+        be.rmsnorm(x[T - 1 :], self.head_norm, eps, self.y.x)
+        if not logits:
+            return None
         be.linear(self.head, self.y.changed(), self.logits.reshape(1, -1))
         return self.logits

@@ -148,6 +148,15 @@ class PLEState:
     def nbytes(self) -> int:
         return self.window.nbytes + self.ring.nbytes
 
+    def copy_to(self, dst: "PLEState") -> None:
+        """dst <- this state (speculative decoding's snapshot of a verified row, and its restore)."""
+        dst.window[:] = self.window
+        self.copy_ring_to(dst)
+
+    def copy_ring_to(self, dst: "PLEState") -> None:
+        dst.ring[:] = self.ring
+        dst.t = self.t
+
     def reset(self) -> None:
         self.window[:] = self._eos
         self.ring[:] = 0
@@ -210,14 +219,17 @@ class PLELayer:
         for r in seqs:
             ctx.append(self.hash.contexts(r.state.window, tokens[r.a : r.b]))
             r.state.window[:] = np.concatenate([r.state.window, tokens[r.a : r.b]])[r.n :]
+            if r.saved is not None:  # the window now, the ring once the conv below has advanced it
+                r.saved.window[:] = r.state.window
         G = self._gated(be, streams, self._embed(self.hash.rows(ctx[0] if len(ctx) == 1 else np.concatenate(ctx))))
         X = be.rmsnorm(G, self.norm_conv, self.eps, group=self.E, f32_sums=True)
         y = self._conv(be, X, seqs[0].state) if len(seqs) == 1 else \
-            np.concatenate([self._conv(be, X[r.a : r.b], r.state) for r in seqs])
+            np.concatenate([self._conv(be, X[r.a : r.b], r.state, r.saved) for r in seqs])
         be.ple_output(streams, G, y)
 
-    def _conv(self, be, X: np.ndarray, state: PLEState) -> np.ndarray:
-        """Depthwise causal conv of X [T, HE], dilation N, over the ring's history; advances the ring."""
+    def _conv(self, be, X: np.ndarray, state: PLEState, saved: PLEState | None = None) -> np.ndarray:
+        """Depthwise causal conv of X [T, HE], dilation N, over the ring's history; advances the ring
+        (and copies it into `saved` when given)."""
         L, T = state.ring.shape[0], X.shape[0]
         y = np.empty_like(X)
         be.ple_conv(state.ring, state.t, X, self.conv_taps, self.dil, y)
@@ -225,6 +237,8 @@ class PLELayer:
         slots = (state.t + T - keep + np.arange(keep)) % L
         state.ring[slots] = X[T - keep:]
         state.t += T
+        if saved is not None:
+            state.copy_ring_to(saved)
         return y
 
 

@@ -318,7 +318,8 @@ class QSALayer:
         qg, k, v = be.linear(self.attn_q, x), be.linear(self.attn_k, x), be.linear(self.attn_v, x)
         iq, ik = be.linear(self.idx_q, x), be.linear(self.idx_k, x)
         H, Hkv, D = self.H, self.Hkv, self.D
-        pos = np.concatenate([r.state.n + np.arange(r.n) for r in seqs])
+        # r.pos, not the cache's n: a verify forward's rows are Seqs of ONE cache, appended in turn
+        pos = np.concatenate([r.pos + np.arange(r.n) for r in seqs])
         qg = qg.reshape(T, H, 2 * D)
         q = be.rmsnorm(qg[:, :, :D], self.q_norm, self.eps, group=D, f32_sums=True)
         k = be.rmsnorm(k.reshape(T, Hkv, D), self.k_norm, self.eps, group=D, f32_sums=True)

@@ -126,6 +126,38 @@ class Sampler:
         # u < total always, but u * total can round up to total: the draw is then the last live token.
         return i if i < self.n_vocab else int(np.searchsorted(cdf, cdf[-1], side="left"))
 
+    def fork(self, seed: int) -> "Sampler":
+        """A sampler of the same settings and banned tokens with its own seed (a drafter's draws)."""
+        from dataclasses import replace
+
+        banned = () if self._banned is None else self._banned.tolist()
+        return Sampler(self.n_vocab, replace(self.params, seed=seed), banned)
+
+    def judge(self, logits: np.ndarray, history, draft: int, q: np.ndarray | None = None) -> tuple[int, bool]:
+        """Speculative sampling's rule for one drafted token (Leviathan et al. 2023, "Fast Inference
+        from Transformers via Speculative Decoding", algorithm 1): with p the distribution `sample`
+        draws from here and q the draft's (None: the drafter named the token outright, q one-hot),
+        keep `draft` with probability min(1, p(draft) / q(draft)), else draw from max(0, p - q)
+        renormalised. The token that comes out is distributed as p, whatever q is. Greedy: the argmax,
+        kept when it is the draft. -> (token, the draft was kept)."""
+        if self.params.greedy:
+            token = self.sample(logits, history)
+            return token, token == draft
+        p = self.distribution(logits, history, out=self._cdf)
+        qx = 1.0 if q is None else float(q[draft])
+        if self._rng.random() * qx < p[draft]:
+            return draft, True
+        # the residual max(0, p - q): q one-hot takes only the draft's mass away
+        if q is None:
+            p[draft] = 0
+        else:
+            np.subtract(p, q, out=p)
+            np.maximum(p, 0, out=p)
+        cdf = np.cumsum(p, out=p)
+        u = self._rng.random() * cdf[-1]
+        i = int(np.searchsorted(cdf, u, side="right"))
+        return (i if i < self.n_vocab else int(np.searchsorted(cdf, cdf[-1], side="left"))), False
+
     def distribution(self, logits: np.ndarray, history: Sequence[int] | np.ndarray = (), out: np.ndarray | None = None) -> np.ndarray:
         """The normalised probabilities `sample` draws from (f64, V; one-hot when greedy). No draw is made."""
         top = self._filter(logits, history)

@@ -197,7 +197,8 @@ class Scheduler:
     `max_queue` waiting already); `close()` cancels what is left and stops the thread."""
 
     def __init__(self, model: Model, tok: Tokenizer, *, max_context: int, kv: str, chunk: int, max_queue: int,
-                 cache: ConversationCache, check: Callable[[], None] = lambda: None, batch: int = 1):
+                 cache: ConversationCache, check: Callable[[], None] = lambda: None, batch: int = 1, spec: int = 0,
+                 spec_min_p: float = 0.75):
         if max_queue < 0:
             raise ValueError(f"max_queue {max_queue}: expected >= 0")
         if batch < 1:
@@ -205,6 +206,8 @@ class Scheduler:
         self.model, self.tok = model, tok
         self.max_context, self.kv, self.chunk, self.max_queue, self.batch = max_context, kv, chunk, max_queue, batch
         self.cache, self.check = cache, check
+        # --spec N: each request drafts with the pack's MTP block (one head, a KV cache per request)
+        self.spec, self.spec_min_p, self._head = spec, spec_min_p, None
         self.counters = Counters()
         self._queue: queue.Queue[Job | None] = queue.Queue()
         self._lock = threading.Lock()
@@ -326,14 +329,29 @@ class Scheduler:
                         job.on_text(delta)
                 return stop.stopped or job.cancelled
 
-            run = Run(session, job.prompt, sampler, job.max_tokens, stop_ids=stop_ids, on_token=on_token,
-                      prefill=self.chunk, start=start)
+            if self.spec:
+                run = self._spec_run(session, job, sampler, stop_ids, on_token, start)
+            else:
+                run = Run(session, job.prompt, sampler, job.max_tokens, stop_ids=stop_ids, on_token=on_token,
+                          prefill=self.chunk, start=start)
         except BaseException as e:  # noqa: BLE001 - no request may kill the worker
             job.error = e
             self._end(job)
             return
         with self._lock:
             self._active.append(_Slot(job, run, session, stream, stop))
+
+    def _spec_run(self, session, job, sampler, stop_ids, on_token, start):
+        """A SpecRun drafting with the MTP head. A resumed session's earlier positions are not in
+        the new head cache: its first drafts see less context (the output is the same)."""
+        from .mtp import MTPHead
+        from .speculative import MTPDrafter, SpecRun
+
+        if self._head is None:
+            self._head = MTPHead(self.model.pack)  # the CPU's backend: see speculative.speculative_generate
+        drafter = MTPDrafter(self._head, self.max_context, self.kv, sampler.fork(sampler.seed + 1), self.spec_min_p)
+        return SpecRun(self.model, session, job.prompt, sampler, job.max_tokens, drafter=drafter, n_draft=self.spec,
+                       stop_ids=stop_ids, on_token=on_token, prefill=self.chunk, start=start)
 
     def _step(self) -> None:
         """One forward of every active request's next feed, then each takes its logits."""
@@ -345,7 +363,9 @@ class Scheduler:
             return
         feeds = [s.run.feed() for s in slots]
         try:
-            if len(slots) == 1 and feeds[0][0].size == 1:  # the decode step: nothing allocated (S12)
+            if self.spec:  # each request's own forward: its verify rows and head inputs are its run's
+                rows = [s.run.forward(self.model, *f) for s, f in zip(slots, feeds)]
+            elif len(slots) == 1 and feeds[0][0].size == 1:  # the decode step: nothing allocated (S12)
                 rows = [self.model.step(slots[0].session, int(feeds[0][0][0]))]
             else:
                 rows = self.model.forward_batch([s.session for s in slots], [f[0] for f in feeds], [f[1] for f in feeds])

@@ -275,8 +275,8 @@ def mtp_notes(g: ModelGeometry) -> list[str]:
     if not g.n_mtp_layer:
         return []
     return [f"the model carries an MTP draft block (layer {g.n_layer}, nextn_predict_layers {g.n_mtp_layer}); "
-            "it is packed (its experts in place in the GGUF) but not used yet (no speculative decoding): "
-            "the trunk runs unchanged"]
+            "it is packed (its experts in place in the GGUF) and drafts only with strata generate --spec N "
+            "(speculative decoding); without --spec the trunk runs alone"]
 
 
 def check_compress_ratios(g: ModelGeometry) -> list[str]:

@@ -617,6 +617,10 @@ def _panel(name: str, grouped: bool, parallel: bool):
 # (a panel of 4 rows did a whole panel's work: 0.6x).
 PANEL_FROM = 3
 PANEL_FROM_FLOAT = 8
+# Up to this many tokens, the rowdot.py types take rowdot.matmul (speculative decoding's verify
+# forward of 1 + N rows): 2.45x a token step's dense time for 3 rows on seed-4l, where the panel
+# kernels took 3.06x. tests/kernel_paths.py sets it to 1 to pin the row or panel kernels.
+ROWDOT_ROWS_MAX = rowdot.ROWS_MAX
 
 
 def _use_panel(t, tokens_per_matrix: float, n_out: int) -> bool:
@@ -750,6 +754,10 @@ def _multiply(name: str, raw, type_id: int, n_in: int, n_out: int, act, out, one
     elif not (isinstance(out, np.ndarray) and out.shape == shape and out.dtype == F32 and out.flags.c_contiguous):
         raise ValueError(f"{where}: out must be contiguous f32 {list(shape)}, got {getattr(out, 'dtype', type(out))}{list(getattr(out, 'shape', []))}")
     out2 = out.reshape(n_tok, n_out)  # a view: out is contiguous
+    if not one and n_tok <= ROWDOT_ROWS_MAX and t.name in rowdot.TYPES and rowdot.AVAILABLE:  # a verify's few rows
+        parallel, chunks = _launch(n_out, n_in * n_out * n_tok)
+        rowdot.matmul(t.name, raw, t.row_bytes(n_in), q, d, s16, out2, parallel, chunks)
+        return out
     if not one and _use_panel(t, n_tok, n_out):  # both kernels take the same arguments
         parallel, chunks = _launch(-(-n_out // panel.ROWS), n_in * n_out * n_tok)  # chunks of panels
         kernel = _panel(t.name, False, parallel)

@@ -225,7 +225,54 @@ def _kernel(name: str, parallel: bool, fine: bool):
     return cached(njit(parallel=parallel, **JIT)(kernel), f"{name}-rowdot{'-fine' if fine else ''}-{'par' if parallel else 'serial'}")
 
 
+# A few tokens (speculative decoding's verify forward: 2-4 rows): each weight row read once from
+# memory and dotted with every token's activations while it is in the cache, by the one-token
+# row function, so every token's result has the one-token kernel's bits. The panel kernels took
+# 3x a token step's time for 3 rows of the seed-4l model's dense products (2026-12-01).
+ROWS_MAX = 4
+
+
+def _rows_kernel(name: str, parallel: bool, fine: bool):
+    row = ROW[name, fine]
+
+    def kernel(raw, row_bytes, xq, xd, s16, out, n_chunks):
+        # xq i8 [T, n_in]; xd f32 [T, nb] (fine: [T, 2 nb]); s16 i32 [T, 2 nb]; out f32 [T, n_out]
+        T = xq.shape[0]
+        nb = xq.shape[1] // QA
+        P = (nb + 15) // 16 * 16
+        xd0 = np.zeros((T, P), F32)
+        xd1 = np.zeros((T, P), F32)
+        xs = np.zeros((T, 2 * P if fine else P), np.int32)
+        for t in range(T):
+            for b in range(nb):
+                if fine:
+                    xd0[t, b], xd1[t, b] = xd[t, 2 * b], xd[t, 2 * b + 1]
+                    xs[t, 2 * b], xs[t, 2 * b + 1] = s16[t, 2 * b], s16[t, 2 * b + 1]
+                else:
+                    xd0[t, b] = xd[t, b]
+                    xs[t, b] = s16[t, 2 * b] + s16[t, 2 * b + 1]
+        n_out = out.shape[1]
+        for c in prange(n_chunks):
+            for o in range(c * n_out // n_chunks, (c + 1) * n_out // n_chunks):
+                for t in range(T):
+                    out[t, o] = row(raw, o * row_bytes, nb, xq[t], xd0[t], xd1[t], xs[t])
+
+    return cached(njit(parallel=parallel, **JIT)(kernel), f"{name}-rowdot-rows{'-fine' if fine else ''}-{'par' if parallel else 'serial'}")
+
+
 _KERNELS: dict[tuple[str, bool, bool], object] = {}
+_ROWS_KERNELS: dict[tuple[str, bool, bool], object] = {}
+
+
+def matmul(name: str, raw: np.ndarray, row_bytes: int, xq: np.ndarray, xd: np.ndarray, s16: np.ndarray, out: np.ndarray,
+           parallel: bool, n_chunks: int) -> None:  # fmt: skip
+    """`matvec` for T <= ROWS_MAX tokens at once, each row of the matrix read once: xq int8 [T, n_in],
+    xd f32 [T, n_in / 32] (fine form: [T, n_in / 16]), s16 int32 [T, n_in / 16], out f32 [T, n_out];
+    token t's row of out is bit for bit `matvec`'s for that token alone."""
+    key = (name, parallel, xd.shape[1] == 2 * (xq.shape[1] // QA))
+    if key not in _ROWS_KERNELS:
+        _ROWS_KERNELS[key] = _rows_kernel(*key)
+    _ROWS_KERNELS[key](raw, row_bytes, xq, xd, s16, out, n_chunks)
 
 
 def matvec(name: str, raw: np.ndarray, row_bytes: int, xq: np.ndarray, xd: np.ndarray, s16: np.ndarray, out: np.ndarray,

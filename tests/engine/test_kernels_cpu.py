@@ -365,6 +365,7 @@ from strata.index_format.ggml_types import BY_NAME
 t = BY_NAME["Q4_0"]
 raw = random_weights(t, 256 * 8, np.random.default_rng(0))
 x = np.linspace(-1, 1, 256, dtype=np.float32)
+cpu.ROWDOT_ROWS_MAX = 1  # 2-4 tokens would take rowdot.matmul, not the row kernel this checks
 y = cpu.matmul(raw, t.id, 256, 8, quantize_act(np.stack([x, x[::-1]])))  # 2 tokens: one would take rowdot.py's kernel
 k = cpu._kernel("Q4_0", False)
 print(sum(k.stats.cache_hits.values()), sum(k.stats.cache_misses.values()), y.view(np.uint32).tolist())
@@ -389,3 +390,23 @@ def test_kernels_load_from_the_disk_cache_in_a_new_process(tmp_path):
     assert (hit2, miss2) == ("0", "1"), "narrowed SIMD features loaded the full feature set's machine code"
     assert y0 == y1 == y2
     assert list(tmp_path.rglob("strata-Q4_0-serial-*.nbc")), sorted(p.name for p in tmp_path.rglob("*"))
+
+
+@pytest.mark.parametrize("n_tok", [2, 3, 4])
+@pytest.mark.parametrize("parallel", [False, True], ids=["serial", "parallel"])
+@pytest.mark.parametrize("name", ROWDOT_TYPES)
+def test_a_few_tokens_take_the_token_kernels_bits_with_each_row_read_once(name, parallel, n_tok):
+    # speculative decoding's verify forward (2-4 rows) multiplies through rowdot.matmul: each
+    # token's result must be the one-token kernel's to the bit (greedy --spec N is --spec 0's)
+    rowdot = _need_rowdot()
+    t = BY_NAME[name]
+    n_in = 544  # 17 blocks: a whole 16-block group and a tail
+    raw = random_weights(t, n_in * 37, np.random.default_rng(n_tok + t.id))
+    act = quantize_act(_acts(n_in, n_tok, n_in + n_tok))
+    with cpu_path(parallel):
+        cpu.ROWDOT_ROWS_MAX = rowdot.ROWS_MAX  # cpu_path pins the row kernels; this is the few-token one
+        got = cpu.matmul(raw, t.id, n_in, 37, act)
+        alone = [cpu.matvec(raw, t.id, n_in, 37, ActQ(act.q[i], act.d[i], act.s16[i])) for i in range(n_tok)]
+    assert rowdot._ROWS_KERNELS[name, parallel, False].signatures, "the few-token kernel was not taken"
+    for i in range(n_tok):
+        _same(got[i], alone[i], f"{name} [{n_in} x 37] token {i} of {n_tok} vs alone")

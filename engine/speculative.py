@@ -1,0 +1,348 @@
+"""Speculative decoding (--spec N): draft tokens cheaply, verify them in ONE forward of the trunk, keep
+the longest agreeing prefix plus one token of the trunk's own, and roll every state back to it.
+
+    t               the last sampled token, not fed yet; it goes at position P = session.pos
+    d1 .. dn        the drafter's guesses for positions P+1 .. P+n (n <= --spec; the MTP drafter stops
+                    early when its top probability falls below --spec-min-p)
+    verify          [t d1 .. dn] through the trunk in one forward of T = 1 + n rows -> n + 1 logits rows
+    judge           row i judges d_{i+1} (Sampler.judge): greedy, kept when it is the argmax; sampling,
+                    Leviathan et al.'s accept/resample rule, so the output keeps the target
+                    distribution. The first rejection gives the corrected token; with every draft
+                    kept, row n gives one more token
+    roll back       rows 0..k stay fed (k drafts kept): session.pos = P + k + 1, and every state that is
+                    not indexed by position is restored from the snapshot taken after row k
+
+The states and how each goes back (no prompt is ever run again):
+
+    KV cache              indexed by position: entries past pos are never read (attention reads
+                          0..pos) and the next tokens overwrite them; nothing to do
+    QSA                   K, V and the indexer keys by position; its count `n` truncated; a pooled
+                          block completed by rejected rows is pooled again when its tokens come back
+    Gated DeltaNet        conv and recurrent S: the snapshot of row k (Seq.saved, engine/batch.py)
+    PLE                   the token window and the conv ring: the snapshot of row k
+    routing counts        (--stats, strata-profile) the snapshot of row k: rejected rows count nothing
+    the MTP head's KV     indexed by position, as the trunk's: the drafter writes its verified pairs over
+                          the draft chain's
+
+EXACT, not within rounding: the verify forward runs each row as a one-token sequence of the session
+(Model.forward's `saved`): the products are row-wise and give every row the same bits for any T
+(tests/engine/test_kernels_cpu.py), the sequence operations take their token-step form per row, so
+a verified row has the bits the token step gives it and greedy output with --spec N is the output
+of --spec 0 (tests/engine/test_speculative.py). The weights, the cost of a CPU step, are read once
+for the 1 + n rows; attention's KV and the delta rule's S are read once per row, as token steps do.
+
+Drafters: `MTPDrafter` (the pack's MTP block, engine/mtp.py) is the real one. `ReferenceDrafter`s
+know the continuation of a --spec 0 run and name its tokens right always ("oracle"), never
+("wrong"), or with probability p per token ("right:P"): the tests run every rollback path with them,
+and the benchmark holds the acceptance where it wants it (benchmarks/spec.py).
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from collections.abc import Sequence
+
+import numpy as np
+
+from .batch import copy_state
+from .generate import Run, drive
+from .model import Model, Session
+from .qsa import QSACache
+
+F32 = np.float32
+
+
+# --- snapshots and the rollback ------------------------------------------------------------------
+
+
+class Snapshot:
+    """The state of a session after one verified row, for what is not indexed by position: per layer
+    the Gated DeltaNet conv and S (None for attention layers), the PLE states, the routing counts.
+    Made once per draft position (the verify forward copies into it; nothing is allocated per token)."""
+
+    def __init__(self, session: Session):
+        self.states = [{k: np.empty_like(v) for k, v in st.items()} if isinstance(st, dict) else None
+                       for st in session.states]
+        self.ple_states = {l: copy.deepcopy(st) for l, st in session.ple_states.items()}
+        self.routing = np.empty_like(session.routing)
+
+    @property
+    def nbytes(self) -> int:
+        gdn = sum(a.nbytes for st in self.states if st for a in st.values())
+        return gdn + sum(p.nbytes for p in self.ple_states.values()) + self.routing.nbytes
+
+
+def spec_host_bytes(g, max_context: int, kv: str, n_draft: int, mtp: bool) -> int:
+    """Host memory --spec adds to a session's: n_draft Snapshots (what `Snapshot` allocates: every
+    Gated DeltaNet layer's S and conv, every PLE state, the routing counts) and, drafting with the
+    MTP head, its KV cache (one full-attention layer of the session's kind)."""
+    from .kvcache import kv_bytes_per_token
+    from .model import conv_state_bytes, gdn_state_bytes
+    from .ple import ple_state_bytes
+
+    n_gdn = sum(not g.is_full_attention(l) for l in range(g.n_layer))
+    snap = n_gdn * (gdn_state_bytes(g) + conv_state_bytes(g)) + len(g.ple_layers) * ple_state_bytes(g) + \
+        g.n_layer * g.n_expert * 8
+    return n_draft * snap + (max_context * kv_bytes_per_token(g, kv) if mtp else 0)
+
+
+def roll_back(session: Session, snap: Snapshot | None, pos: int) -> None:
+    """The session as it was after position pos - 1: `snap` taken there (None: pos is where the
+    session is, nothing to undo)."""
+    if pos == session.pos:
+        return
+    if not 0 <= pos < session.pos or snap is None:
+        raise ValueError(f"roll_back to position {pos}: the session is at {session.pos} (a snapshot is needed "
+                         "to go back)")
+    for st, saved in zip(session.states, snap.states):
+        if saved is not None:
+            copy_state(saved, st)
+        elif isinstance(st, QSACache):
+            st.truncate(pos)
+    for l, st in session.ple_states.items():
+        snap.ple_states[l].copy_to(st)
+    np.copyto(session.routing, snap.routing)
+    session.pos = pos
+
+
+# --- drafters -------------------------------------------------------------------------------------
+
+
+class Drafter:
+    """What proposes tokens. `draft(history, n_known, n)` -> (up to n token ids for positions n_known..,
+    their draft distributions: one f64 [V] per token, or None where the drafter names the token
+    outright). history[:n_known] are the tokens known so far, the last one not fed yet.
+    `observe(hidden, pos0, history)`: the trunk's head input of the rows at pos0.. now fed for good."""
+
+    needs_hidden = False
+
+    def draft(self, history: np.ndarray, n_known: int, n: int) -> tuple[list[int], list]:
+        raise NotImplementedError
+
+    def observe(self, hidden: np.ndarray, pos0: int, history: np.ndarray) -> None:
+        pass
+
+
+class ReferenceDrafter(Drafter):
+    """Drafts from a known continuation (the tokens of a --spec 0 greedy run, prompt included): each
+    drafted token is the reference's with probability `p_right` (1: the oracle, 0: always wrong),
+    else the reference's + 1 mod V (wrong whenever the run follows the reference)."""
+
+    def __init__(self, reference: Sequence[int], n_vocab: int, p_right: float, seed: int = 0):
+        if not 0 <= p_right <= 1:
+            raise ValueError(f"drafter: probability of a right token {p_right}, expected 0..1")
+        self.ref, self.V, self.p = np.asarray(reference, np.int64), n_vocab, p_right
+        self.rng = np.random.default_rng(seed)
+
+    def draft(self, history, n_known, n):
+        out = []
+        for j in range(n_known, min(n_known + n, len(self.ref))):
+            right = self.p == 1 or (self.p > 0 and self.rng.random() < self.p)
+            out.append(int(self.ref[j]) if right else int(self.ref[j] + 1) % self.V)
+        return out, [None] * len(out)
+
+
+class MTPDrafter(Drafter):
+    """The pack's MTP block (engine/mtp.py) as a drafter. Its pair at head position q is (the trunk's
+    head input at q, the token at q + 1), written once both are final; the chain's pairs (the head's
+    own y, a drafted token) go after them and are overwritten by the verified pairs. The draft is the
+    argmax when greedy, else drawn from `sampler`'s chain on the draft logits; drafting stops when the
+    draft logits' top probability (softmax, temperature 1) is below `min_p` (llama.cpp's --draft-p-min)."""
+
+    needs_hidden = True
+
+    def __init__(self, head, max_context: int, kv: str, sampler, min_p: float):
+        if not 0 <= min_p <= 1:
+            raise ValueError(f"--spec-min-p {min_p}: expected 0..1")
+        self.head, self.sampler, self.min_p = head, sampler, min_p
+        self.state = head.new_state(max_context, kv)
+        self.pending = np.empty((1, head.E), F32)  # the last fed row's head input: its pair needs the next token
+        self.pending_pos = -1  # its position; -1: none
+
+    def observe(self, hidden, pos0, history):
+        rows = hidden if self.pending_pos < 0 else np.concatenate([self.pending, hidden])
+        first = pos0 if self.pending_pos < 0 else self.pending_pos
+        if rows.shape[0] > 1:  # every row but the last has its next token: the head's KV catches up
+            self.head.forward(self.state, rows[:-1], history[first + 1 : first + rows.shape[0]], first, logits=False)
+        self.pending[0] = rows[-1]
+        self.pending_pos = first + rows.shape[0] - 1
+
+    def draft(self, history, n_known, n):
+        P = n_known - 1  # the last known token's position (not fed); the pending row is P - 1
+        if self.pending_pos != P - 1:
+            raise ValueError(f"MTP drafter: its last trunk row is at {self.pending_pos}, expected {P - 1}")
+        tokens, qs = [], []
+        logits = self.head.forward(self.state, self.pending, history[P : P + 1], P - 1)
+        self.pending_pos = -1  # its pair is in the head's KV now
+        hist = np.empty(n_known + n, np.int64)
+        hist[:n_known] = history[:n_known]
+        for i in range(n):
+            top = float(logits.max())
+            if 1.0 / float(np.exp(logits.astype(np.float64) - top).sum()) < self.min_p:
+                break
+            # q: what the draw is made from (the acceptance rule needs it); greedy, the argmax outright
+            q = None if self.sampler.params.greedy else self.sampler.distribution(logits, hist[: n_known + i]).copy()
+            d = int(self.sampler.sample(logits, hist[: n_known + i]))
+            tokens.append(d)
+            qs.append(q)
+            hist[n_known + i] = d
+            if i + 1 < n:
+                logits = self.head.forward(self.state, self.head.y.x, np.array([d]), P + i)
+        return tokens, qs
+
+
+# --- the statistics ----------------------------------------------------------------------------
+
+
+class SpecStats:
+    """Acceptance per draft position, tokens per verification, where the time went."""
+
+    def __init__(self, n_draft: int):
+        self.drafted = np.zeros(n_draft, np.int64)  # drafts made at position i (1-based i + 1)
+        self.judged = np.zeros(n_draft, np.int64)  # ... that were judged (every earlier one was kept)
+        self.accepted = np.zeros(n_draft, np.int64)
+        self.verifications = 0
+        self.produced = 0  # tokens the verifications produced (kept drafts + the trunk's own)
+        self.steps = 0  # plain token steps in the decode phase (no draft made)
+        self.draft_s = self.verify_s = 0.0
+
+    def acceptance(self) -> float:
+        """Kept drafts over drafts made."""
+        return float(self.accepted.sum() / self.drafted.sum()) if self.drafted.sum() else float("nan")
+
+    def tokens_per_verification(self) -> float:
+        return self.produced / self.verifications if self.verifications else float("nan")
+
+
+# --- the run -----------------------------------------------------------------------------------------
+
+
+class SpecRun(Run):
+    """A Run (engine/generate.py) that drafts up to `n_draft` tokens per step with `drafter` and
+    verifies them in one forward (`forward`, then `take`); engine/generate.py's `drive` runs it.
+    The prompt goes as in a Run (the MTP drafter reads every position's head input)."""
+
+    def __init__(self, model: Model, session: Session, prompt, sampler, max_new_tokens: int, *, drafter: Drafter,
+                 n_draft: int, **kw):
+        super().__init__(session, prompt, sampler, max_new_tokens, **kw)
+        if n_draft < 1:
+            raise ValueError(f"--spec {n_draft}: a speculative run drafts at least 1 token (--spec 0 is plain decoding)")
+        self.drafter, self.n_draft = drafter, n_draft
+        self.snaps = [Snapshot(session) for _ in range(n_draft)]
+        rows = max(self.chunk, n_draft + 1)
+        self.hidden = np.empty((rows, model.geometry.n_embd), F32) if drafter.needs_hidden else None
+        self.drafts: list[int] | None = None  # the drafts being verified
+        self.qs: list = []
+        self.n_fed = 0  # rows of the last feed
+        self.stats = SpecStats(n_draft)
+
+    def feed(self):
+        if self.prefilled is None:  # the prompt, as a Run feeds it
+            tokens, n_logits = super().feed()
+            self.n_fed, self.drafts = tokens.size, None
+            return tokens, n_logits
+        n = min(self.n_draft, self.max_new - (self.n_tokens - self.n_prompt) - 1,
+                self.session.max_context - self.fed - 1)  # no draft past -n or the context
+        t0 = time.perf_counter()
+        drafts, qs = self.drafter.draft(self.history, self.n_tokens, n) if n > 0 else ([], [])
+        self.stats.draft_s += time.perf_counter() - t0
+        tokens = np.array([self.history[self.fed], *drafts], np.int64)
+        self.n_fed, self.drafts, self.qs = tokens.size, (drafts or None), qs
+        return tokens, (tokens.size if drafts or self.on_logits is not None else 1)
+
+    def forward(self, model, tokens, n_logits):
+        h = None if self.hidden is None else self.hidden[: tokens.size]
+        if self.drafts is None:
+            if tokens.size == 1:
+                return model.step(self.session, int(tokens[0]), h)
+            return model.forward(self.session, tokens, n_logits, hidden=h)
+        t0 = time.perf_counter()
+        rows = model.forward(self.session, tokens, n_logits, hidden=h, saved=self.snaps)
+        self.stats.verify_s += time.perf_counter() - t0
+        return rows
+
+    def take(self, rows) -> bool:
+        P = self.fed
+        if self.drafts is None:
+            if self.prefilled is not None:
+                self.stats.steps += 1
+            done = super().take(rows)
+            if not done and self.hidden is not None:
+                self.drafter.observe(self.hidden[: self.n_fed], P, self.history)
+            return done
+        return self._verified(rows, P)
+
+    def _verified(self, rows: np.ndarray, P: int) -> bool:
+        d, n, st = self.drafts, len(self.drafts), self.stats
+        st.verifications += 1
+        st.drafted[:n] += 1
+        done = False
+        for i in range(n + 1):
+            self.fed = P + i + 1  # rows 0..i fed for good
+            if self.on_logits is not None:
+                self.on_logits(P + i, rows[i])
+            if i < n:
+                st.judged[i] += 1
+                token, kept = self.sampler.judge(rows[i], self.history[: self.n_tokens], d[i], self.qs[i])
+            else:
+                token, kept = self.sampler.sample(rows[n], self.history[: self.n_tokens]), False
+            if kept:
+                st.accepted[i] += 1
+            st.produced += 1
+            done = self._add(token)
+            if done or not kept:
+                break
+        kept_rows = self.fed - P
+        roll_back(self.session, self.snaps[kept_rows - 1] if kept_rows <= n else None, self.fed)
+        if not done and self.hidden is not None:
+            self.drafter.observe(self.hidden[:kept_rows], P, self.history)
+        return done
+
+
+# --- a whole run, as strata generate makes it -------------------------------------------------------
+
+DRAFTERS = "mtp, oracle, wrong or right:P"
+
+
+def parse_drafter(text: str) -> tuple[str, float]:
+    """--spec-drafter: "mtp" (the pack's MTP block), "oracle" / "wrong" (the --spec 0 run's next
+    token, or a token that is not it), "right:P" (right with probability P, 0..1) -> (kind, P)."""
+    if text in ("mtp", "oracle", "wrong"):
+        return text, {"mtp": float("nan"), "oracle": 1.0, "wrong": 0.0}[text]
+    kind, _, p = text.partition(":")
+    try:
+        value = float(p)
+    except ValueError:
+        value = float("nan")
+    if kind != "right" or not 0 <= value <= 1:
+        raise ValueError(f"--spec-drafter {text!r}: expected {DRAFTERS} (P a probability 0..1, e.g. right:0.43)")
+    return "right", value
+
+
+def speculative_generate(model: Model, session: Session, prompt, sampler, max_new_tokens: int, *, n_draft: int,
+                         drafter: str = "mtp", min_p: float = 0.75, kv: str = "f32", measure: bool = False,
+                         **kw):
+    """`generate` (engine/generate.py, whose keyword arguments `kw` are) with --spec n_draft.
+    -> (the Generation, SpecStats, the --spec 0 Generation or None).
+
+    A --spec 0 run of the same prompt and sampler settings (its own session, the same seed, silent)
+    comes first when the drafter needs its continuation (oracle, wrong, right:P) or `measure` asks
+    for the speed-up measured in the same process."""
+    from .generate import generate
+    from .mtp import MTPHead
+
+    kind, p = parse_drafter(drafter)
+    plain = None
+    if kind != "mtp" or measure:
+        quiet = {k: v for k, v in kw.items() if k in ("stop_ids", "prefill")}
+        plain = generate(model, model.new_session(session.max_context, kv), prompt, sampler.fork(sampler.seed),
+                         max_new_tokens, **quiet)
+    if kind == "mtp":
+        # the head on the CPU's backend whatever the trunk's: the GPU tier places none of its weights
+        # and its expert server knows the trunk's layers only
+        d = MTPDrafter(MTPHead(model.pack), session.max_context, kv, sampler.fork(sampler.seed + 1), min_p)
+    else:
+        d = ReferenceDrafter(np.concatenate([plain.prompt, plain.tokens]), model.geometry.n_vocab, p, seed=sampler.seed)
+    run = SpecRun(model, session, prompt, sampler, max_new_tokens, drafter=d, n_draft=n_draft, **kw)
+    return drive(model, run), run.stats, plain

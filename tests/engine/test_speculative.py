@@ -1,0 +1,389 @@
+"""Speculative decoding (engine/speculative.py, `strata generate --spec N`): draft, verify in one
+forward, keep the agreeing prefix, roll the states back.
+
+- The trunk's forward gives its head input (the final post-norm hidden state) per position when
+  asked, and the logits do not move when it is asked.
+- Greedy output with --spec 1, 2, 3 is --spec 0's token for token on both architectures' tiny
+  models, with a drafter that is always right, one always wrong, one right half the time (every
+  rollback length runs) and, on qwen35moe, the pack's MTP block; after the run every state of the
+  session (Gated DeltaNet conv and S, QSA's count, keys and pooled blocks, the KV cache, PLE's
+  window and ring, the routing counts) holds the bits of the --spec 0 session's.
+- Speculative sampling keeps the target distribution: Sampler.judge's tokens against p by a
+  chi-square test on a 6-token vocabulary (fixed seeds), for a drafter that names its token and one
+  that draws it from its own distribution q.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+
+import numpy as np
+import pytest
+
+import engine_fixture as F
+from strata.engine.generate import drive, generate
+from strata.engine.model import Model
+from strata.engine.mtp import MTPHead
+from strata.engine.pack_reader import Pack
+from strata.engine.qsa import QSACache
+from strata.engine.sampling import Sampler, SamplerParams
+from strata.engine.speculative import MTPDrafter, ReferenceDrafter, SpecRun
+from strata.tools import pack as tools_pack
+
+GREEDY = SamplerParams(temperature=0)
+N_PROMPT, N_NEW = 40, 30
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    from strata.tools.synth import PRESETS, synth
+
+    tmp = tmp_path_factory.mktemp("spec")
+    src = synth("qwen4exp", "tiny", tmp / "tiny.gguf")  # QSA, PLE, hyper-connections; its own quantized types
+    tools_pack.convert(src[:1], tmp / "q4-pack", compress_ratio=PRESETS["tiny"].compress_ratio)
+    return {"qwen35moe": Model(Pack.open(F.make_pack(tmp, n_mtp_layer=1, mtp_shared_head_norm=1))),
+            "qwen4exp": Model(Pack.open(tmp / "q4-pack"))}
+
+
+def prompt_for(model, n=N_PROMPT, seed=3):
+    return np.random.default_rng(seed).integers(3, model.geometry.n_vocab, n).tolist()
+
+
+def plain(model, prompt, n=N_NEW, prefill=7, params=GREEDY):
+    s = model.new_session(len(prompt) + n, "f32")
+    return generate(model, s, prompt, Sampler(model.geometry.n_vocab, params), n, prefill=prefill), s
+
+
+def drafter_for(model, kind, reference, n_ctx):
+    V = model.geometry.n_vocab
+    if kind == "mtp":
+        return MTPDrafter(MTPHead(model.pack, model.backend), n_ctx, "f32", Sampler(V, GREEDY), min_p=0.0)
+    return ReferenceDrafter(reference, V, {"oracle": 1.0, "wrong": 0.0, "half": 0.5}[kind], seed=1)
+
+
+def spec(model, prompt, drafter, n_draft, n=N_NEW, prefill=7, params=GREEDY):
+    s = model.new_session(len(prompt) + n, "f32")
+    run = SpecRun(model, s, prompt, Sampler(model.geometry.n_vocab, params), n, drafter=drafter, n_draft=n_draft,
+                  prefill=prefill)
+    return drive(model, run), s, run.stats
+
+
+# --- the trunk's head input ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("arch", ["qwen35moe", "qwen4exp"])
+def test_forward_gives_the_head_input_per_position_and_the_same_logits(models, arch):
+    m = models[arch]
+    prompt = prompt_for(m, 12)
+    a, b = m.new_session(13), m.new_session(13)
+    plain_rows = m.forward(a, prompt, n_logits=3)
+    hidden = np.full((5, m.geometry.n_embd), np.nan, np.float32)
+    rows = m.forward(b, prompt, n_logits=3, hidden=hidden)
+    assert np.array_equal(rows, plain_rows)  # asking for it moves nothing
+    # it is what the LM head multiplies: hidden W^T gives the logits, up to float rounding with an F32
+    # head (qwen35moe's), up to the activations' int8 quantization (1/127 of a block's largest
+    # value, ~1% of the logits) with the tiny qwen4exp's block-quantized head
+    head = m.pack.weight("output.weight")
+    W = head.f32().reshape(m.geometry.n_vocab, m.geometry.n_embd).astype(np.float64)
+    tol = 2e-2 if head.type.quantized else 1e-5
+    ref = hidden[-3:].astype(np.float64) @ W.T
+    assert np.abs(ref - rows).max() < tol * np.abs(ref).max()
+    shifted = hidden[-4:-1].astype(np.float64) @ W.T  # not vacuous: the rows one position early are far
+    assert np.abs(shifted - rows).max() > 10 * tol * np.abs(ref).max()
+    # and the token step gives the same row
+    h1 = np.empty((1, m.geometry.n_embd), np.float32)
+    step_logits = m.step(b, 7, h1).copy()
+    m.step(a, 7)
+    assert np.array_equal(step_logits, a.logits) and np.isfinite(h1).all()
+
+
+def test_the_mtp_head_takes_several_pairs_at_once(models):
+    """The MTP drafter catches the head up on the verified positions in one pass: T pairs at once
+    give the draft logits and y of T pairs one at a time (F32 weights: up to float rounding, the
+    attention's tiles against one query)."""
+    m = models["qwen35moe"]
+    head = MTPHead(m.pack, m.backend)
+    rng = np.random.default_rng(4)
+    h = rng.standard_normal((6, m.geometry.n_embd)).astype(np.float32) * 3
+    tokens = rng.integers(0, m.geometry.n_vocab, 6)
+    one = head.new_state(8)
+    for p in range(6):
+        logits = head.step(one, h[p], int(tokens[p]), p).copy()
+    y = head.hidden.copy()
+    many = head.new_state(8)
+    assert head.forward(many, h[:4], tokens[:4], 0, logits=False) is None
+    batched = head.forward(many, h[4:], tokens[4:], 4)
+    assert np.abs(batched - logits).max() < 1e-5 * np.abs(logits).max()
+    assert np.abs(head.hidden - y).max() < 1e-5 * np.abs(y).max()
+    wrong = head.forward(head.new_state(8), h[4:], tokens[4:], 0)  # not vacuous: without the first four
+    assert np.abs(wrong - logits).max() > 1e-3 * np.abs(logits).max()
+
+
+# --- greedy: --spec N is --spec 0 ---------------------------------------------------------------------
+
+
+def assert_same_states(a, b):
+    """Every state of sessions a and b at their common position, bit for bit."""
+    assert a.pos == b.pos
+    n = a.pos
+    for l, (x, y) in enumerate(zip(a.states, b.states)):
+        if isinstance(x, dict):
+            for k in x:
+                assert np.array_equal(x[k], y[k]), f"layer {l}: Gated DeltaNet {k} differs"
+        elif isinstance(x, QSACache):
+            assert x.n == y.n == n
+            r = x.ratio
+            assert np.array_equal(x.idx_keys[:n], y.idx_keys[:n]), f"layer {l}: QSA indexer keys differ"
+            assert np.array_equal(x.idx_blocks[: n // r], y.idx_blocks[: n // r]), f"layer {l}: pooled keys differ"
+            assert all(np.array_equal(p, q) for p, q in zip(x.kv.read(slice(0, n)), y.kv.read(slice(0, n))))
+        else:
+            assert all(np.array_equal(p, q) for p, q in zip(x.read(slice(0, n)), y.read(slice(0, n)))), f"layer {l}: KV"
+    for l in a.ple_states:
+        p, q = a.ple_states[l], b.ple_states[l]
+        assert p.t == q.t and np.array_equal(p.window, q.window) and np.array_equal(p.ring, q.ring), f"PLE {l}"
+    assert np.array_equal(a.routing, b.routing), "routing counts differ"
+
+
+CASES = [(arch, kind) for arch in ("qwen35moe", "qwen4exp") for kind in ("oracle", "wrong", "half")] + \
+    [("qwen35moe", "mtp")]  # qwen4exp has no MTP layout in llama.cpp's converter (strata-pack refuses one)
+
+
+@pytest.mark.parametrize("n_draft", [1, 2, 3])
+@pytest.mark.parametrize("arch,kind", CASES)
+def test_greedy_output_and_states_are_those_of_plain_decoding(models, arch, kind, n_draft):
+    m = models[arch]
+    prompt = prompt_for(m)
+    ref, ref_session = plain(m, prompt)
+    drafter = drafter_for(m, kind, np.concatenate([ref.prompt, ref.tokens]), N_PROMPT + N_NEW)
+    out, session, st = spec(m, prompt, drafter, n_draft)
+    assert out.tokens.tolist() == ref.tokens.tolist()
+    assert out.positions == ref.positions and out.stop == ref.stop
+    assert_same_states(session, ref_session)
+    assert st.verifications > 0 and st.drafted[0] > 0  # drafts were made and judged
+    if kind == "oracle":
+        assert (st.accepted == st.drafted).all()
+    elif kind in ("wrong", "mtp"):  # mtp: the random head's drafts (its acceptance is whatever it is)
+        assert kind == "mtp" or st.accepted.sum() == 0
+    else:
+        assert 0 < st.accepted.sum() < st.drafted.sum()  # both ends of the rollback
+
+
+def test_the_token_path_prompt_and_a_stop_inside_the_drafts(models):
+    """--prefill off; and a stop token among kept drafts ends the run there, fed positions included."""
+    m = models["qwen35moe"]
+    prompt = prompt_for(m, seed=5)
+    ref, _ = plain(m, prompt, prefill=1)
+    full = np.concatenate([ref.prompt, ref.tokens])
+    out, _, _ = spec(m, prompt, drafter_for(m, "oracle", full, N_PROMPT + N_NEW), 3, prefill=1)
+    assert out.tokens.tolist() == ref.tokens.tolist()
+    stop = int(ref.tokens[10])
+    first = ref.tokens.tolist().index(stop)
+    s = m.new_session(N_PROMPT + N_NEW, "f32")
+    run = SpecRun(m, s, prompt, Sampler(m.geometry.n_vocab, GREEDY), N_NEW, stop_ids={stop},
+                  drafter=drafter_for(m, "oracle", full, N_PROMPT + N_NEW), n_draft=3, prefill=7)
+    out = drive(m, run)
+    assert out.stop == "eos" and out.tokens.tolist() == ref.tokens[: first + 1].tolist()
+    assert s.pos == out.positions == N_PROMPT + first  # the stop token is not fed
+
+
+@pytest.mark.parametrize("arch,kind", [("qwen35moe", "mtp"), ("qwen35moe", "half"), ("qwen4exp", "half")])
+def test_a_sampled_run_leaves_the_session_of_its_tokens(models, arch, kind):
+    """Sampling (temperature 0.9, the MTP drafter drawing its drafts from q): whatever was kept, the
+    session afterwards holds the bits of a --spec 0 session teacher-forced through the same tokens."""
+    m = models[arch]
+    prompt = prompt_for(m, seed=8)
+    params = SamplerParams(temperature=0.9, top_k=0, top_p=1.0, min_p=0.0, seed=3)
+    ref, _ = plain(m, prompt, params=params)
+    V = m.geometry.n_vocab
+    if kind == "mtp":
+        drafter = MTPDrafter(MTPHead(m.pack, m.backend), N_PROMPT + N_NEW, "f32", Sampler(V, params).fork(4), 0.0)
+    else:
+        drafter = drafter_for(m, kind, np.concatenate([ref.prompt, ref.tokens]), N_PROMPT + N_NEW)
+    out, session, st = spec(m, prompt, drafter, 2, params=params)
+    assert len(out.tokens) == N_NEW and st.verifications > 0
+    # the same tokens as --spec 0 feeds them: the prompt in chunks of 7, then token steps
+    forced = m.new_session(N_PROMPT + N_NEW, "f32")
+    generate(m, forced, prompt, Sampler(V, GREEDY), 0, prefill=7)
+    for t in out.fed[N_PROMPT:]:
+        m.step(forced, int(t))
+    assert_same_states(session, forced)
+
+
+def test_a_spec_run_needs_a_draft_count(models):
+    m = models["qwen35moe"]
+    with pytest.raises(ValueError, match="--spec 0"):
+        SpecRun(m, m.new_session(50), [1, 2], Sampler(m.geometry.n_vocab, GREEDY), 5,
+                drafter=ReferenceDrafter([1, 2, 3], m.geometry.n_vocab, 1.0), n_draft=0)
+
+
+# --- sampling: the target distribution is kept ------------------------------------------------------
+
+
+CHI2_999_DF5 = 20.515  # the chi-square distribution's 0.999 quantile, 5 degrees of freedom (6 tokens)
+TRIALS = 20000
+
+
+def chi2(counts: np.ndarray, p: np.ndarray) -> float:
+    e = p * counts.sum()
+    live = e > 0
+    assert counts[~live].sum() == 0, "a token of probability 0 came out"
+    return float(((counts[live] - e[live]) ** 2 / e[live]).sum())
+
+
+@pytest.mark.parametrize("draw_from_q", [False, True], ids=["named-draft", "drawn-from-q"])
+def test_speculative_sampling_keeps_the_target_distribution(draw_from_q):
+    V = 6
+    params = SamplerParams(temperature=0.9, top_k=0, top_p=1.0, min_p=0.0, seed=11)
+    target = np.array([2.0, 1.2, 0.3, -0.5, 1.9, -3.0], np.float32)
+    s = Sampler(V, params)
+    p = s.distribution(target).copy()
+    rng = np.random.default_rng(5)
+    q = np.array([0.05, 0.5, 0.05, 0.3, 0.05, 0.05])  # far from p: most drafts are rejected and resampled
+    counts, kept, naive = np.zeros(V, np.int64), 0, np.zeros(V, np.int64)
+    for _ in range(TRIALS):
+        d = int(rng.choice(V, p=q))
+        token, k = s.judge(target, [], d, q if draw_from_q else None)
+        counts[token] += 1
+        kept += k
+        naive[d] += 1
+    assert chi2(counts, p) < CHI2_999_DF5, (counts, p)
+    assert 0.1 * TRIALS < kept < 0.9 * TRIALS  # both branches ran
+    assert chi2(naive, p) > 100 * CHI2_999_DF5  # not vacuous: taking every draft is far from p
+
+
+def test_speculative_sampling_with_the_filters_never_leaves_their_support():
+    """top-k 3: p is 0 outside three tokens; drafts outside them are always rejected, and the
+    resampled tokens follow p."""
+    V = 6
+    s = Sampler(V, SamplerParams(temperature=1.0, top_k=3, top_p=1.0, min_p=0.0, seed=2))
+    target = np.array([2.0, 1.2, 0.3, -0.5, 1.9, -3.0], np.float32)
+    p = s.distribution(target).copy()
+    assert (p > 0).sum() == 3
+    rng = np.random.default_rng(9)
+    counts = np.zeros(V, np.int64)
+    for _ in range(TRIALS):
+        token, kept = s.judge(target, [], int(rng.integers(V)), None)
+        counts[token] += 1
+    assert chi2(counts, p) < 13.816  # 0.999 quantile, 2 degrees of freedom (3 live tokens)
+
+
+def test_greedy_judging_keeps_the_argmax_only():
+    s = Sampler(4, GREEDY)
+    logits = np.array([0.0, 3.0, 1.0, 2.9], np.float32)
+    assert s.judge(logits, [], 1) == (1, True)
+    assert s.judge(logits, [], 3) == (1, False)
+
+
+# --- strata generate --spec ------------------------------------------------------------------------
+
+
+def generate_cli(pack_dir, *args):
+    from strata.engine.cli import main
+
+    return main(["generate", "--pack", str(pack_dir), "--pool-workers", "1", "--prompt-ids", "5 77 140 3 200 41 9",
+                 "-n", "20", "--temp", "0", "--kv", "f32", *args])
+
+
+@pytest.mark.parametrize("drafter", ["oracle", "right:0.5", "mtp"])
+def test_generate_spec_prints_the_text_of_spec_0_and_the_table(models, capsys, drafter):
+    pack_dir = models["qwen35moe"].pack.dir
+    assert generate_cli(pack_dir) == 0
+    plain = capsys.readouterr().out
+    assert generate_cli(pack_dir, "--spec", "2", "--spec-drafter", drafter, "--spec-min-p", "0", "--stats") == 0
+    out, err = capsys.readouterr()
+    assert out == plain
+    table = err[err.index("speculative decoding: --spec 2"):].splitlines()
+    assert table[1].split() == ["draft", "position", "drafted", "judged", "accepted", "acceptance"]
+    first, second = table[3].split(), table[4].split()
+    assert first[0] == "1" and second[0] == "2" and int(first[1]) >= int(second[1]) > 0
+    # every first draft is judged; a second one only after its first was kept
+    assert first[1] == first[2] and int(second[2]) <= int(first[3])
+    if drafter == "oracle":
+        assert first[4] == second[4] == "1.000"
+    assert "tokens per verification" in table[5]
+    speed = [line.split() for line in table if line.startswith("--spec")]
+    assert [s[:3] for s in speed] == [["--spec", "0", "20"], ["--spec", "2", "20"]]
+    assert speed[1][-1].endswith("x") and "(same tokens)" in err
+
+
+@pytest.mark.bad_input("before-load")
+@pytest.mark.parametrize("args, code, message", [
+    (["--spec", "-1"], 2, "--spec -1: expected a count of draft tokens >= 0"),
+    (["--spec", "2", "--spec-min-p", "1.5"], 2, "--spec-min-p 1.5: expected a probability 0..1"),
+    (["--spec", "2", "--spec-drafter", "right:2"], 2, "--spec-drafter 'right:2': expected mtp, oracle, wrong or right:P"),
+    (["--spec", "2", "--spec-drafter", "psychic"], 2, "--spec-drafter 'psychic'"),
+])
+def test_bad_spec_flags_are_refused(models, capsys, args, code, message):
+    assert generate_cli(models["qwen35moe"].pack.dir, *args) == code
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.bad_input("before-load")
+def test_spec_with_the_mtp_drafter_on_a_pack_without_one_says_what_to_do(models, capsys):
+    pack_dir = models["qwen4exp"].pack.dir
+    assert generate_cli(pack_dir, "--spec", "2") == 1
+    err = capsys.readouterr().err
+    assert f"--spec 2 drafts with the pack's MTP block and {pack_dir} has none" in err
+    assert "--spec-drafter" in err and "Traceback" not in err
+
+
+def test_the_memory_check_counts_what_spec_allocates(models):
+    """strata generate's memory check before the load adds spec_host_bytes: the snapshots and the
+    MTP head's KV cache, as allocated (the PLE token windows aside: a few ints, in no plan item)."""
+    from strata.engine.speculative import Snapshot, spec_host_bytes
+
+    for arch, m in models.items():
+        s = m.new_session(50, "f16")
+        snap = Snapshot(s)
+        windows = sum(p.window.nbytes for p in snap.ple_states.values())
+        assert spec_host_bytes(m.geometry, 50, "f16", 3, False) == 3 * (snap.nbytes - windows), arch
+    m = models["qwen35moe"]
+    head_kv = MTPHead(m.pack).new_state(50, "f16").nbytes
+    assert spec_host_bytes(m.geometry, 50, "f16", 2, True) == spec_host_bytes(m.geometry, 50, "f16", 2, False) + head_kv
+
+
+# --- strata serve --spec ---------------------------------------------------------------------------
+
+
+def test_serve_spec_gives_every_request_the_text_of_spec_0(models):
+    """Requests through a --spec 2 scheduler (the MTP head drafting, two at a time, a second turn
+    resumed from the conversation cache) get --spec 0's greedy tokens and text."""
+    from strata.engine.scheduler import ConversationCache, Job, Scheduler, run_and_wait
+    from strata.engine.tokenizer import Tokenizer
+
+    m = models["qwen35moe"]
+    tok = Tokenizer.load(m.pack.dir / "tokenizer.txt")
+    rng = np.random.default_rng(2)
+    plan = [(rng.integers(3, 256, n).tolist(), k) for n, k in ((9, 12), (30, 8), (4, 15))]
+
+    def serve(spec):
+        sch = Scheduler(m, tok, max_context=96, kv="f32", chunk=8, max_queue=8, cache=ConversationCache(4, 64 << 20),
+                        batch=2, spec=spec, spec_min_p=0.0)
+        try:
+            jobs = [Job(p, k, GREEDY, ignore_eos=True) for p, k in plan]
+            with concurrent.futures.ThreadPoolExecutor(3) as pool:
+                list(pool.map(lambda j: run_and_wait(sch, j, 60), jobs))
+            again = run_and_wait(sch, Job(jobs[0].result.fed.tolist() + [7, 8], 6, GREEDY, ignore_eos=True), 60)
+            return jobs + [again], sch
+        finally:
+            sch.close()
+
+    (want, _), (got, sch) = serve(0), serve(2)
+    assert got[-1].resumed > 0  # the second turn started from the parked session
+    assert sch._head is not None and sch._head.routing.sum() > 0  # the head drafted
+    for w, g in zip(want, got):
+        assert g.error is None and g.result.tokens.tolist() == w.result.tokens.tolist() and g.text == w.text
+
+
+@pytest.mark.bad_input("before-load")
+@pytest.mark.parametrize("args, code, message", [
+    (["--spec", "2"], 1, "--spec 2 drafts with the pack's MTP block and"),
+    (["--spec", "-3"], 2, "strata serve: error: --spec -3: expected a count of draft tokens >= 0"),
+])
+def test_serve_spec_is_refused_before_the_load(models, capsys, args, code, message):
+    from strata.engine.cli import main
+
+    assert main(["serve", "--pack", str(models["qwen4exp"].pack.dir), "--port", "0", *args]) == code
+    assert message in capsys.readouterr().err
