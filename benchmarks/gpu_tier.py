@@ -87,6 +87,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cprofile", metavar="CONFIG", help="print where the decode time of CONFIG (e.g. all) goes")
     ap.add_argument("--only", help="comma-separated configurations to run (default: all of them)")
     ap.add_argument("--emulate", action="store_true", help="the host emulation of the kernels (tests/gpu_emu.py)")
+    ap.add_argument("--gpu-step", default="host", help="comma-separated: host (the host-driven step), device (the "
+                    "whole forward on the device, engine/tier/device.py; qwen35moe); each configuration runs with each")
     args = ap.parse_args(argv)
 
     from decode import ensure_pack
@@ -143,6 +145,9 @@ def main(argv: list[str] | None = None) -> int:
     configs.append(("all", {"expert_cache": pairs}))
     if args.only:
         configs = [c for c in configs if c[0].split()[0] in args.only.split(",") or c[0] in args.only.split(",")]
+    steps = args.gpu_step.split(",")
+    if len(steps) > 1 or steps != ["host"]:  # the same configurations, once per step, side by side
+        configs = [(f"{name} [{step}]", {**opts, "step": step}) for name, opts in configs for step in steps]
     for name, opts in configs:
         o = TierOptions(max_context=args.prompt + args.tokens + 1, kv="f16", prefill_chunk=chunk, profile=profile,
                         vram_reserve_mib=args.reserve_mib, **opts)
@@ -170,7 +175,10 @@ def main(argv: list[str] | None = None) -> int:
                      f"{expected_hit_rate(profile, n):.1%} / {expected_hit_rate(profile, n, held):.1%}",
                      f"{st.hit_rate:.1%}", f"{len(prompt) / pre:.1f}", f"{args.tokens / secs:.2f}", f"{cpu_s / secs:.2f}x", split,
                      f"{100 * worst.error:.2f}% ({(worst.used - worst.predicted) / 2**20:+.1f} MiB)",
-                     "yes" if np.array_equal(got, want) else f"NO (max |diff| {np.abs(got - want).max():.3g})"))
+                     "yes" if np.array_equal(got, want) else
+                     f"{'within' if opts.get('step') == 'device' else 'NO:'} max |diff| {np.abs(got - want).max():.3g} "
+                     f"({(np.abs(got - want).max(axis=1) / np.abs(want).max(axis=1)).max():.1e} relative), greedy "
+                     f"{'same' if (got.argmax(1) == want.argmax(1)).all() else 'DIFFERS'}"))
         print(f"{name}: {rows[-1]}", flush=True)
         tier.stop()
         del tier

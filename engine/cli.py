@@ -154,6 +154,9 @@ def generate(
     expert_profile: Optional[Path] = expert_profile_option(),
     vram_budget_mib: Optional[int] = vram_budget_option(),
     vram_reserve_mib: int = vram_reserve_option(),
+    gpu_step: str = typer.Option("host", "--gpu-step", help="with the GPU tier, where the blocks compute: host (the "
+                                 "host drives every block, the device runs the products) or device (the whole forward "
+                                 "on the device, states included; qwen35moe only so far)"),
     native: Optional[Path] = native_option(),
     ple_gguf: Optional[Path] = ple_gguf_option(),
     dump_logits: Optional[Path] = typer.Option(None, "--dump-logits", help="write float32 logits of every position to OUT.npy"),
@@ -169,6 +172,8 @@ def generate(
         raise _fail(f"-n {n}: expected -1 (until a stop token or the context is full) or a count >= 0", 2)
     if (system is not None or think is not None) and not chat:
         raise _fail("--system and --think/--no-think shape the chat template's turns: give --chat too", 2)
+    if gpu_step not in ("host", "device"):
+        raise _fail(f"--gpu-step {gpu_step!r}: expected host or device", 2)
     try:
         pack = resolve_pack(pack_arg, pack)
         del pack_arg
@@ -251,7 +256,7 @@ def check_context(who: str, g, kv: str, ctx: int, flag: str, extra_bytes: int = 
 
 
 def start_tier(model, device: str, *, max_context: int, kv: str, chunk: int, expert_cache: str = "auto",
-               expert_profile=None, vram_budget_mib=None, vram_reserve_mib: int = 700, who: str):
+               expert_profile=None, vram_budget_mib=None, vram_reserve_mib: int = 700, who: str, step: str = "host"):
     """The GPU tier for --device gpu, or auto when CuPy sees a GPU (without one, auto is the CPU,
     not an error, and stderr says so and why); None on the CPU. Its startup lines (each stage's
     memory) go to stderr."""
@@ -276,8 +281,11 @@ def start_tier(model, device: str, *, max_context: int, kv: str, chunk: int, exp
         profile = read_expert_profile(expert_profile)
     o = TierOptions(max_context=max_context, kv=kv, prefill_chunk=chunk,
                     expert_cache=gpu_options(device, expert_cache, vram_budget_mib, vram_reserve_mib), profile=profile,
-                    vram_budget_mib=vram_budget_mib, vram_reserve_mib=vram_reserve_mib)
-    return GpuTier.start(model, o, log=lambda line: typer.echo(f"{who}: {line}", err=True))
+                    vram_budget_mib=vram_budget_mib, vram_reserve_mib=vram_reserve_mib, step=step)
+    tier = GpuTier.start(model, o, log=lambda line: typer.echo(f"{who}: {line}", err=True))
+    if step == "device":  # its kernels compile at first use: in the load, not in the first tokens
+        model.warm_up(prompt_path=chunk > 0)
+    return tier
 
 
 def prefill_chunk(option: int | None, geometry, max_context: int, device: str) -> int:
@@ -349,7 +357,7 @@ def naming_non_finite(pack):
 
 def _run(pack, prompt, prompt_file, prompt_ids, n, ignore_eos, temp, top_k, top_p, min_p, repeat_penalty, seed, chat,
          system, think, max_context, kv, prefill, pool_workers, device, expert_cache, expert_profile, vram_budget_mib,
-         vram_reserve_mib, native, ple_gguf, dump_logits, stats) -> None:
+         vram_reserve_mib, gpu_step, native, ple_gguf, dump_logits, stats) -> None:
     from strata.engine.arguments import check_free_space, writable_file
     from strata.engine.generate import generate as run_generation
     from strata.engine.kernels import cpu
@@ -375,8 +383,8 @@ def _run(pack, prompt, prompt_file, prompt_ids, n, ignore_eos, temp, top_k, top_
     chunk = prefill_chunk(option, p.geometry, ctx, device)
     tier = start_tier(model, device, max_context=ctx, kv=kv, chunk=chunk, expert_cache=expert_cache,
                       expert_profile=expert_profile, vram_budget_mib=vram_budget_mib, vram_reserve_mib=vram_reserve_mib,
-                      who="strata generate")
-    session = model.new_session(ctx, kv)
+                      who="strata generate", step=gpu_step)
+    session = tier.take_session(ctx, kv) if tier is not None else model.new_session(ctx, kv)
     # --ignore-eos bans the stop tokens (llama.cpp's rule), so exactly n tokens come out
     sampler = Sampler(p.geometry.n_vocab, params, banned=tok.stop_ids if ignore_eos else ())
     stream = tok.stream()

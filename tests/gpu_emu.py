@@ -50,6 +50,8 @@ class _Lib:
 class EmuRuntime:
     """gpu.CupyRuntime's interface on the host (see that class)."""
 
+    xp = np  # the array module of this runtime's arrays: numpy (CuPy on a card)
+
     def __init__(self, n_sm: int = 1):
         self.n_sm = n_sm
         self.allocations = self.pinned_allocations = self.allocated = 0
