@@ -95,8 +95,8 @@ class CupyRuntime:
     def ptr(self, a) -> int:
         return a.data.ptr
 
-    def compile(self, names: list[str]):
-        mod = self.cp.RawModule(code=SOURCE.read_text(), options=OPTIONS, name_expressions=names)
+    def compile(self, names: list[str], source: Path = SOURCE):
+        mod = self.cp.RawModule(code=source.read_text(), options=OPTIONS, name_expressions=names)
         mod.compile()
         return mod
 

@@ -27,6 +27,8 @@ layer reading the slot table), CUDA graphs, the sampling; qwen4exp's hyper-conne
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 
 from ..backend import CpuBackend, Scratch
@@ -37,6 +39,9 @@ from ..ops import L2NORM_EPS
 from ..weights import Input, Weight
 
 F32 = np.float32
+KERNELS = Path(__file__).with_name("device_kernels.cu")
+_NAMES = ["dev_rmsnorm", "dev_delta", "dev_conv", "dev_combine"]
+BLOCK = 128  # threads per block of the row kernels: four warps
 
 
 class DeviceStepUnsupported(ValueError):
@@ -127,6 +132,24 @@ class DeviceBackend(CpuBackend):
         self.experts = DeviceExperts(rt, hits)
         self._params: dict[int, tuple] = {}  # id(host array) -> (host array, its device copy)
         self._heads: dict[tuple[int, int], object] = {}
+        self._mod = rt.compile(_NAMES, source=KERNELS)  # the fused row operations (device_kernels.cu)
+
+    def _launch(self, name: str, n_threads: int, args: tuple) -> None:
+        grid = max(1, min(-(-n_threads // BLOCK), 32 * self.rt.n_sm))
+        self.rt.launch(self._mod, name, grid, BLOCK, args)
+
+    @staticmethod
+    def _rows(x, n: int) -> int | None:
+        """The element stride between consecutive n-long rows of x when every row is contiguous and
+        the rows are evenly spaced (a view like qg[:, :, :D] is), else None."""
+        if x.dtype != F32 or x.shape[-1] != n or x.strides[-1] != 4:
+            return None
+        if x.ndim == 1:
+            return n
+        for i in range(x.ndim - 2):
+            if x.strides[i] != x.strides[i + 1] * x.shape[i + 1]:
+                return None
+        return x.strides[-2] // 4
 
     # --- where arrays live
 
@@ -194,6 +217,12 @@ class DeviceBackend(CpuBackend):
         xp = self.xp
         n = x.shape[-1]
         group = n if group is None else group
+        xs = self._rows(x, n) if group == n and gain.shape == (n,) else None
+        if xs is not None and (out is None or out.flags.c_contiguous):
+            out = xp.empty(x.shape, F32) if out is None else out
+            self._launch("dev_rmsnorm", 32 * (x.size // n), (x, np.int64(xs), self.param(gain), x, out,
+                         np.int32(x.size // n), np.int32(n), F32(eps), np.int32(f32_sums), np.int32(0)))
+            return out
         g = x.reshape(*x.shape[:-1], n // group, group)
         if f32_sums:
             r = F32(1.0) / xp.sqrt(xp.mean(xp.square(g), axis=-1, keepdims=True, dtype=F32) + F32(eps))
@@ -230,6 +259,11 @@ class DeviceBackend(CpuBackend):
         return x
 
     def gated_rmsnorm_(self, o, gain, z, eps: float, silu: bool):
+        n = o.shape[-1]
+        if o.flags.c_contiguous and z.flags.c_contiguous and z.shape == o.shape and gain.shape == (n,) and o.dtype == F32:
+            self._launch("dev_rmsnorm", 32 * (o.size // n), (o, np.int64(n), self.param(gain), z, o,
+                         np.int32(o.size // n), np.int32(n), F32(eps), np.int32(0), np.int32(2 if silu else 1)))
+            return o
         self.rmsnorm(o, gain, eps, out=o)
         return self.gate_(o, z, silu=silu)
 
@@ -251,6 +285,11 @@ class DeviceBackend(CpuBackend):
         xp = self.xp
         w = self.param(w)
         K, T = w.shape[0], x.shape[0]
+        if x.strides[-1] == 4 and state.flags.c_contiguous and w.flags.c_contiguous:
+            C = x.shape[1]
+            out = xp.empty((T, C), F32)
+            self._launch("dev_conv", C, (state, w, x, np.int64(x.strides[0] // 4), out, np.int32(T), np.int32(K), np.int32(C)))
+            return out
         hist = xp.concatenate([state, x])  # [K-1+T, C]
         out = w[0] * hist[:T]
         for j in range(1, K):
@@ -265,10 +304,18 @@ class DeviceBackend(CpuBackend):
         xp = self.xp
         T, nv = v.shape[0], v.shape[1]
         nk = q.shape[1]
+        _, dv, dk = S.shape
+        out = xp.empty(v.shape, F32) if out is None else out
+        if dk <= 256 and S.flags.c_contiguous and out.flags.c_contiguous \
+                and q.strides[1:] == (dk * 4, 4) and k.strides[1:] == (dk * 4, 4) and v.strides[1:] == (dv * 4, 4) \
+                and g.flags.c_contiguous and beta.flags.c_contiguous:
+            self._launch("dev_delta", 32 * nv * dv, (S, q, np.int64(q.strides[0] // 4), k, np.int64(k.strides[0] // 4), v,
+                         np.int64(v.strides[0] // 4), g, beta, out, np.int32(T), np.int32(nv), np.int32(nk),
+                         np.int32(dv), np.int32(dk)))
+            return out
         heads = self._heads.get((nv, nk))
         if heads is None:
             heads = self._heads[(nv, nk)] = xp.asarray(np.arange(nv) % nk)
-        out = xp.empty(v.shape, F32) if out is None else out
         decay = xp.exp(g)  # [T, nv]
         for t in range(T):
             kk, qq = k[t][heads], q[t][heads]  # [nv, dk]
@@ -305,8 +352,13 @@ class DeviceBackend(CpuBackend):
     def combine(self, part, slot: np.ndarray, weights: np.ndarray, out):
         """moe.combine_reference on the device: out = sum over ranks j, from 0, of f32(w_j) part[slot_j]."""
         xp = self.xp
-        w = self.upload(weights.astype(F32))
-        sl = self.upload(slot)
+        w = self.upload(np.ascontiguousarray(weights, dtype=F32))
+        sl = self.upload(np.ascontiguousarray(slot, dtype=np.int64))
+        if part.flags.c_contiguous and out.flags.c_contiguous:
+            T, k = slot.shape
+            E = out.shape[1]
+            self._launch("dev_combine", T * E, (part, sl, w, out, np.int32(T), np.int32(k), np.int32(E)))
+            return out
         out[...] = 0
         for j in range(slot.shape[1]):
             out += w[:, j : j + 1] * part[sl[:, j]]

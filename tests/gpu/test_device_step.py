@@ -75,11 +75,15 @@ def test_the_device_step_gives_the_cpu_logits(model, rt, n_prompt):
     toks = tokens(model, 20)
     want = run(model, model.new_session(CTX, "f32"), toks, n_prompt)
     with device_tier(model, expert_cache=None) as tier:
-        assert isinstance(model.backend, DeviceBackend)
+        be = model.backend
+        assert isinstance(be, DeviceBackend)
         s = tier.take_session(CTX, "f32")
         assert not isinstance(s.states[0]["S"], np.ndarray) or isinstance(rt, EmuRuntime)  # on the card
+        launched, launch = set(), be._launch
+        be._launch = lambda name, *a: (launched.add(name), launch(name, *a))
         got = run(model, s, toks, n_prompt)
         assert tier.stats.hits.sum() > 0 and tier.stats.misses.sum() == 0
+    assert launched == {"dev_rmsnorm", "dev_delta", "dev_conv", "dev_combine"}  # the fused kernels, not the fallbacks
     assert_close(got, want)
 
 
