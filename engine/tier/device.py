@@ -40,7 +40,7 @@ from ..weights import Input, Weight
 
 F32 = np.float32
 KERNELS = Path(__file__).with_name("device_kernels.cu")
-_NAMES = ["dev_rmsnorm", "dev_delta", "dev_conv", "dev_combine"]
+_NAMES = ["dev_rmsnorm", "dev_delta", "dev_conv", "dev_combine", "dev_sigmoid", "dev_gate", "dev_softplus", "dev_rope"]
 BLOCK = 128  # threads per block of the row kernels: four warps
 
 
@@ -108,14 +108,20 @@ class DeviceKVCache(KVCache):
 
 
 class DeviceExperts:
-    """The MoE's expert server for the device step: the layer's input comes down once, the tier's
-    hit path computes the hits on the device beside the misses' grouped CPU call (engine/tier/hits.py,
-    every expert's hidden activation made on the host by moe.hidden_), and the rows go back up once."""
+    """The MoE's expert server for the device step. A token whose experts the slots all hold stays
+    on the device: its ActQ (made there) feeds the hit path's products and their rows stay there
+    (HitPath.token_on_device). Otherwise the layer's input comes down once, the tier's hit path
+    computes the hits on the device beside the misses' grouped CPU call, and the rows go back up
+    once. Either way every expert's hidden activation is made on the host by moe.hidden_ (engine/
+    tier/hits.py), so a hit and a miss give the same bits."""
 
-    def __init__(self, rt, hits):
-        self.rt, self.hits = rt, hits
+    def __init__(self, rt, hits, quantize):
+        self.rt, self.hits, self.quantize = rt, hits, quantize
 
     def routed(self, moe, x: Input, experts: np.ndarray, rows: np.ndarray, starts: np.ndarray):
+        if x.x.shape[0] == 1 and moe.gu.quantized and self.hits.all_held(moe.layer, experts):
+            act = x.form(moe.gu, quantize=self.quantize)
+            return self.hits.token_on_device(moe, gpu.GpuActQ(act.q[0], act.d[0], act.s16[0], None), experts)
         host = Input(self.rt.to_host(x.x))  # its ActQ, made on the host, has the device quantizer's bits
         return self.rt.to_device(self.hits.routed(moe, host, experts, rows, starts))
 
@@ -129,10 +135,11 @@ class DeviceBackend(CpuBackend):
     def __init__(self, rt, hits):
         self.rt, self.xp = rt, rt.xp
         self.scratch = DeviceScratch(self.xp)
-        self.experts = DeviceExperts(rt, hits)
+        self.experts = DeviceExperts(rt, hits, self._quantize)
         self._params: dict[int, tuple] = {}  # id(host array) -> (host array, its device copy)
         self._heads: dict[tuple[int, int], object] = {}
         self._mod = rt.compile(_NAMES, source=KERNELS)  # the fused row operations (device_kernels.cu)
+        self._rope_key, self._rope_cs = None, None  # the last positions' cos and sin (rope_)
 
     def _launch(self, name: str, n_threads: int, args: tuple) -> None:
         grid = max(1, min(-(-n_threads // BLOCK), 32 * self.rt.n_sm))
@@ -221,7 +228,7 @@ class DeviceBackend(CpuBackend):
         if xs is not None and (out is None or out.flags.c_contiguous):
             out = xp.empty(x.shape, F32) if out is None else out
             self._launch("dev_rmsnorm", 32 * (x.size // n), (x, np.int64(xs), self.param(gain), x, out,
-                         np.int32(x.size // n), np.int32(n), F32(eps), np.int32(f32_sums), np.int32(0)))
+                         np.int32(x.size // n), np.int32(n), F32(eps), np.int32(f32_sums), np.int32(0), np.int32(0)))
             return out
         g = x.reshape(*x.shape[:-1], n // group, group)
         if f32_sums:
@@ -238,20 +245,38 @@ class DeviceBackend(CpuBackend):
 
     def l2norm_(self, x):
         xp = self.xp
+        n = x.shape[-1]
+        xs = self._rows(x, n)
+        if xs is not None:
+            self._launch("dev_rmsnorm", 32 * (x.size // n), (x, np.int64(xs), x, x, x, np.int32(x.size // n), np.int32(n),
+                         F32(L2NORM_EPS), np.int32(0), np.int32(0), np.int32(1)))
+            return x
         ss = xp.square(x.astype(np.float64)).sum(axis=-1)
         x *= (1.0 / xp.sqrt(ss + L2NORM_EPS)).astype(F32)[..., None]
         return x
 
     def sigmoid(self, x, *, exp_form: bool = False):
         xp = self.xp
+        if x.dtype == F32:
+            x = xp.ascontiguousarray(x)
+            out = xp.empty(x.shape, F32)
+            self._launch("dev_sigmoid", x.size, (x, out, np.int64(x.size), np.int32(exp_form)))
+            return out
         if exp_form:
             return F32(1.0) / (xp.exp(-x) + F32(1.0))
         return (xp.tanh(x * F32(0.5)) + F32(1.0)) * F32(0.5)
 
     def softplus(self, x):
+        if x.dtype == F32 and x.flags.c_contiguous:
+            out = self.xp.empty(x.shape, F32)
+            self._launch("dev_softplus", x.size, (x, out, np.int64(x.size)))
+            return out
         return self.xp.logaddexp(F32(0), x).astype(x.dtype, copy=False)
 
     def gate_(self, x, z, silu: bool = False):
+        if x.dtype == F32 and x.flags.c_contiguous and z.flags.c_contiguous and z.shape == x.shape:
+            self._launch("dev_gate", x.size, (x, z, np.int64(x.size), np.int32(silu)))
+            return x
         s = self.sigmoid(z)
         if silu:
             s = z * s
@@ -262,7 +287,7 @@ class DeviceBackend(CpuBackend):
         n = o.shape[-1]
         if o.flags.c_contiguous and z.flags.c_contiguous and z.shape == o.shape and gain.shape == (n,) and o.dtype == F32:
             self._launch("dev_rmsnorm", 32 * (o.size // n), (o, np.int64(n), self.param(gain), z, o,
-                         np.int32(o.size // n), np.int32(n), F32(eps), np.int32(0), np.int32(2 if silu else 1)))
+                         np.int32(o.size // n), np.int32(n), F32(eps), np.int32(0), np.int32(2 if silu else 1), np.int32(0)))
             return o
         self.rmsnorm(o, gain, eps, out=o)
         return self.gate_(o, z, silu=silu)
@@ -272,9 +297,19 @@ class DeviceBackend(CpuBackend):
         return xp.arange(n)[None, :] <= (pos0 + xp.arange(T))[:, None]
 
     def rope_(self, rope, x, positions) -> None:
-        c, s = rope.cos_sin(np.asarray(positions))  # host: float64 angles, the CPU's values
-        c, s = self.upload(c)[:, None, :], self.upload(s)[:, None, :]
+        positions = np.asarray(positions)
+        key = (id(rope), positions.tobytes())
+        if self._rope_key != key:  # the layers of one step rotate at the same positions: computed once
+            c, s = rope.cos_sin(positions)  # host: float64 angles, the CPU's values
+            self._rope_key, self._rope_cs = key, (self.upload(np.ascontiguousarray(c)), self.upload(np.ascontiguousarray(s)))
+        c, s = self._rope_cs
         h = rope.half
+        T, heads = x.shape[0], x.shape[1]
+        xs = self._rows(x, x.shape[-1])
+        if xs is not None and x.ndim == 3:
+            self._launch("dev_rope", T * heads * h, (x, np.int64(xs), c, s, np.int32(T * heads), np.int32(heads), np.int32(h)))
+            return
+        c, s = c[:, None, :], s[:, None, :]
         x1 = x[..., :h].copy()
         x2 = x[..., h : 2 * h]
         x[..., :h] = x1 * c - x2 * s

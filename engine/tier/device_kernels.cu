@@ -29,9 +29,10 @@ __device__ __forceinline__ float sigmoid_t(float x) { return (tanhf(x * 0.5f) + 
 
 // RMSNorm of `rows` rows of n (row r at x + r * xs), then * gain [n]; with act 1 or 2 the result
 // is multiplied by sigmoid(z) or z sigmoid(z) (z, out: contiguous [rows, n]; out may be x). The
-// mean of squares in f64 (ops.rmsnorm's default) or in f32 (f32_sums). One warp per row.
+// mean of squares in f64 (ops.rmsnorm's default) or in f32 (f32_sums). l2: ops.l2norm_ instead,
+// x / sqrt(sum of squares + eps) in f64, no gain. One warp per row.
 extern "C" __global__ void dev_rmsnorm(const float* x, i64 xs, const float* gain, const float* z, float* out, int rows,
-                                       int n, float eps, int f32_sums, int act) {
+                                       int n, float eps, int f32_sums, int act, int l2) {
     const int lane = threadIdx.x & 31;
     const int nw = (int)((gridDim.x * blockDim.x) >> 5);
     for (int r = (int)((blockIdx.x * blockDim.x + threadIdx.x) >> 5); r < rows; r += nw) {
@@ -46,13 +47,13 @@ extern "C" __global__ void dev_rmsnorm(const float* x, i64 xs, const float* gain
             double s = 0.0;
             for (int i = lane; i < n; i += 32) s += (double)xr[i] * (double)xr[i];
             s = warp_sum_d(s);
-            scale = (float)(1.0 / sqrt(s / (double)n + (double)eps));
+            scale = (float)(1.0 / sqrt((l2 ? s : s / (double)n) + (double)eps));
         }
         float* orow = out + (i64)r * n;
         const float* zr = z ? z + (i64)r * n : 0;
         for (int i = lane; i < n; i += 32) {
             float y = xr[i] * scale;
-            y = y * gain[i];
+            if (!l2) y = y * gain[i];
             if (act) {
                 const float s = sigmoid_t(zr[i]);
                 y = y * (act == 2 ? zr[i] * s : s);
@@ -137,5 +138,40 @@ extern "C" __global__ void dev_combine(const float* part, const i64* slot, const
         float acc = 0.0f;
         for (int j = 0; j < k; j++) acc += w[t * k + j] * part[slot[t * k + j] * E + e];
         out[i] = acc;
+    }
+}
+
+// Elementwise, n values: ops.sigmoid (exp_form: 1 / (1 + exp(-x)), else the tanh form) into out;
+// ops.gate_: x *= sigmoid(z), or z sigmoid(z) with silu; ops.softplus: log(1 + exp(x)), stable.
+extern "C" __global__ void dev_sigmoid(const float* x, float* out, i64 n, int exp_form) {
+    for (i64 i = blockIdx.x * (i64)blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x)
+        out[i] = exp_form ? 1.0f / (expf(-x[i]) + 1.0f) : sigmoid_t(x[i]);
+}
+
+extern "C" __global__ void dev_gate(float* x, const float* z, i64 n, int silu) {
+    for (i64 i = blockIdx.x * (i64)blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x) {
+        const float s = sigmoid_t(z[i]);
+        x[i] = x[i] * (silu ? z[i] * s : s);
+    }
+}
+
+extern "C" __global__ void dev_softplus(const float* x, float* out, i64 n) {
+    for (i64 i = blockIdx.x * (i64)blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x) {
+        const float v = x[i];
+        out[i] = v > 0.0f ? v + log1pf(expf(-v)) : log1pf(expf(v));
+    }
+}
+
+// NeoX RoPE in place on `rows` rows of a head (row r at x + r xs, row r of token r / heads): the
+// first 2 half elements rotate by the token's cos/sin [T, half] (ops.Rope.apply_).
+extern "C" __global__ void dev_rope(float* x, i64 xs, const float* cs, const float* sn, int rows, int heads, int half) {
+    const i64 n = (i64)rows * half;
+    for (i64 i = blockIdx.x * (i64)blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x) {
+        const int r = (int)(i / half), j = (int)(i - (i64)r * half), t = r / heads;
+        float* xr = x + (i64)r * xs;
+        const float c = cs[(i64)t * half + j], s = sn[(i64)t * half + j];
+        const float x1 = xr[j], x2 = xr[half + j];
+        xr[j] = x1 * c - x2 * s;
+        xr[half + j] = x2 * c + x1 * s;
     }
 }

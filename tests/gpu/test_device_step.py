@@ -83,7 +83,9 @@ def test_the_device_step_gives_the_cpu_logits(model, rt, n_prompt):
         be._launch = lambda name, *a: (launched.add(name), launch(name, *a))
         got = run(model, s, toks, n_prompt)
         assert tier.stats.hits.sum() > 0 and tier.stats.misses.sum() == 0
-    assert launched == {"dev_rmsnorm", "dev_delta", "dev_conv", "dev_combine"}  # the fused kernels, not the fallbacks
+    # the fused kernels, not the array-module fallbacks
+    assert launched == {"dev_rmsnorm", "dev_delta", "dev_conv", "dev_combine", "dev_sigmoid", "dev_gate", "dev_softplus",
+                        "dev_rope"}
     assert_close(got, want)
 
 
