@@ -270,6 +270,9 @@ def start_tier(model, device: str, *, max_context: int, kv: str, chunk: int, exp
     if not ok:
         if device == "gpu":
             raise ValueError(f"--device gpu: {why}; run with --device cpu (or auto)")
+        if step == "device":
+            typer.echo(f"{who}: note: --gpu-step device places the GPU tier's blocks; on the CPU every block runs "
+                       "on the CPU", err=True)
         if expert_profile is not None or expert_cache != "auto" or vram_budget_mib is not None:
             typer.echo(f"{who}: note: no GPU tier ({why}): --expert-cache, --expert-profile and --vram-budget-mib "
                        "have nothing to size; every expert runs on the CPU", err=True)

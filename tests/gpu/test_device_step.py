@@ -146,3 +146,14 @@ def test_the_device_step_refuses_qwen4exp_and_an_unknown_step(tmp_path, rt):
         GpuTier.start(q4, TierOptions(max_context=CTX, step="device"))
     with pytest.raises(GpuTierError, match="--gpu-step 'sideways': expected host or device"):
         GpuTier.start(q4, TierOptions(max_context=CTX, step="sideways"))
+
+
+def test_the_cli_refuses_an_unknown_gpu_step_and_notes_it_on_the_cpu(model, capsys):
+    from strata.engine.cli import main
+
+    pack = str(model.pack.dir)
+    rc = main(["generate", "--pack", pack, "--prompt-ids", "1 2", "-n", "1", "--gpu-step", "sideways"])
+    assert rc == 2 and "--gpu-step 'sideways': expected host or device" in capsys.readouterr().err
+    rc = main(["generate", "--pack", pack, "--prompt-ids", "1 2", "-n", "1", "--device", "cpu", "--gpu-step", "device"])
+    out = capsys.readouterr()
+    assert rc == 0 and "note: --gpu-step device places the GPU tier's blocks; on the CPU every block runs" in out.err
