@@ -224,11 +224,15 @@ class DeviceBackend(CpuBackend):
         xp = self.xp
         n = x.shape[-1]
         group = n if group is None else group
-        xs = self._rows(x, n) if group == n and gain.shape == (n,) else None
-        if xs is not None and (out is None or out.flags.c_contiguous):
+        if group == n:
+            xs = self._rows(x, n)
+        else:  # groups splitting the last axis: rows of `group` in a contiguous array
+            xs = group if x.flags.c_contiguous and x.dtype == F32 and n % group == 0 else None
+        if xs is not None and gain.shape in ((n,), (group,)) and (out is None or out.flags.c_contiguous):
             out = xp.empty(x.shape, F32) if out is None else out
-            self._launch("dev_rmsnorm", 32 * (x.size // n), (x, np.int64(xs), self.param(gain), x, out,
-                         np.int32(x.size // n), np.int32(n), F32(eps), np.int32(f32_sums), np.int32(0), np.int32(0)))
+            rows = x.size // group
+            self._launch("dev_rmsnorm", 32 * rows, (x, np.int64(xs), self.param(gain), np.int32(gain.size // group), x, out,
+                         np.int32(rows), np.int32(group), F32(eps), np.int32(f32_sums), np.int32(0), np.int32(0)))
             return out
         g = x.reshape(*x.shape[:-1], n // group, group)
         if f32_sums:
@@ -238,17 +242,17 @@ class DeviceBackend(CpuBackend):
             r = (1.0 / xp.sqrt(ms + eps)).astype(F32)[..., None]
         if out is None:
             out = xp.empty(g.shape, F32)
-        o = out.reshape(g.shape)
-        xp.multiply(g, r, out=o)
-        o *= self.param(gain)
-        return out.reshape(x.shape)
+        xp.multiply(g, r, out=out.reshape(g.shape))
+        out = out.reshape(x.shape)
+        out *= self.param(gain)
+        return out
 
     def l2norm_(self, x):
         xp = self.xp
         n = x.shape[-1]
         xs = self._rows(x, n)
         if xs is not None:
-            self._launch("dev_rmsnorm", 32 * (x.size // n), (x, np.int64(xs), x, x, x, np.int32(x.size // n), np.int32(n),
+            self._launch("dev_rmsnorm", 32 * (x.size // n), (x, np.int64(xs), x, np.int32(1), x, x, np.int32(x.size // n), np.int32(n),
                          F32(L2NORM_EPS), np.int32(0), np.int32(0), np.int32(1)))
             return x
         ss = xp.square(x.astype(np.float64)).sum(axis=-1)
@@ -286,7 +290,7 @@ class DeviceBackend(CpuBackend):
     def gated_rmsnorm_(self, o, gain, z, eps: float, silu: bool):
         n = o.shape[-1]
         if o.flags.c_contiguous and z.flags.c_contiguous and z.shape == o.shape and gain.shape == (n,) and o.dtype == F32:
-            self._launch("dev_rmsnorm", 32 * (o.size // n), (o, np.int64(n), self.param(gain), z, o,
+            self._launch("dev_rmsnorm", 32 * (o.size // n), (o, np.int64(n), self.param(gain), np.int32(1), z, o,
                          np.int32(o.size // n), np.int32(n), F32(eps), np.int32(0), np.int32(2 if silu else 1), np.int32(0)))
             return o
         self.rmsnorm(o, gain, eps, out=o)

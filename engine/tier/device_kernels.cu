@@ -27,12 +27,14 @@ __device__ __forceinline__ double warp_sum_d(double v) {
 // ops.sigmoid's default form: (tanh(x / 2) + 1) / 2
 __device__ __forceinline__ float sigmoid_t(float x) { return (tanhf(x * 0.5f) + 1.0f) * 0.5f; }
 
-// RMSNorm of `rows` rows of n (row r at x + r * xs), then * gain [n]; with act 1 or 2 the result
+// RMSNorm of `rows` rows of n (row r at x + r * xs), then * gain (row r reads gain[(r % gp) n ..]:
+// gp = 1 for a gain of the row's length, more when the norm's groups split a longer axis whose
+// gain it is, as hyper-connections and PLE normalise each stream of hc * E); with act 1 or 2 the result
 // is multiplied by sigmoid(z) or z sigmoid(z) (z, out: contiguous [rows, n]; out may be x). The
 // mean of squares in f64 (ops.rmsnorm's default) or in f32 (f32_sums). l2: ops.l2norm_ instead,
 // x / sqrt(sum of squares + eps) in f64, no gain. One warp per row.
-extern "C" __global__ void dev_rmsnorm(const float* x, i64 xs, const float* gain, const float* z, float* out, int rows,
-                                       int n, float eps, int f32_sums, int act, int l2) {
+extern "C" __global__ void dev_rmsnorm(const float* x, i64 xs, const float* gain, int gp, const float* z, float* out,
+                                       int rows, int n, float eps, int f32_sums, int act, int l2) {
     const int lane = threadIdx.x & 31;
     const int nw = (int)((gridDim.x * blockDim.x) >> 5);
     for (int r = (int)((blockIdx.x * blockDim.x + threadIdx.x) >> 5); r < rows; r += nw) {
@@ -50,10 +52,11 @@ extern "C" __global__ void dev_rmsnorm(const float* x, i64 xs, const float* gain
             scale = (float)(1.0 / sqrt((l2 ? s : s / (double)n) + (double)eps));
         }
         float* orow = out + (i64)r * n;
+        const float* gr = gain + (i64)(r % gp) * n;
         const float* zr = z ? z + (i64)r * n : 0;
         for (int i = lane; i < n; i += 32) {
             float y = xr[i] * scale;
-            if (!l2) y = y * gain[i];
+            if (!l2) y = y * gr[i];
             if (act) {
                 const float s = sigmoid_t(zr[i]);
                 y = y * (act == 2 ? zr[i] * s : s);

@@ -134,18 +134,26 @@ def test_a_new_session_is_made_when_the_planned_one_does_not_fit(model, rt):
         assert tier.take_session(CTX, "f32") is not first  # taken once only
 
 
-def test_the_device_step_refuses_qwen4exp_and_an_unknown_step(tmp_path, rt):
+@pytest.fixture(scope="module")
+def qwen4exp(tmp_path_factory):
     from strata.tools import pack as tools_pack
     from strata.tools.synth import PRESETS, synth
 
-    (tmp_path / "src").mkdir()
-    shards = synth("qwen4exp", "tiny", tmp_path / "src" / "tiny.gguf")
-    tools_pack.convert(shards[:1], tmp_path / "q4", compress_ratio=PRESETS["tiny"].compress_ratio)
-    q4 = Model(Pack.open(tmp_path / "q4"))
+    tmp = tmp_path_factory.mktemp("device-step-q4")
+    (tmp / "src").mkdir()
+    shards = synth("qwen4exp", "tiny", tmp / "src" / "tiny.gguf")
+    tools_pack.convert(shards[:1], tmp / "q4", compress_ratio=PRESETS["tiny"].compress_ratio)
+    return Model(Pack.open(tmp / "q4"))
+
+
+def test_the_device_step_refuses_qwen4exp(qwen4exp, rt):
     with pytest.raises(GpuTierError, match="qwen35moe only; use --gpu-step host"):
-        GpuTier.start(q4, TierOptions(max_context=CTX, step="device"))
+        GpuTier.start(qwen4exp, TierOptions(max_context=CTX, step="device"))
+
+
+def test_an_unknown_step_is_refused(model, rt):
     with pytest.raises(GpuTierError, match="--gpu-step 'sideways': expected host or device"):
-        GpuTier.start(q4, TierOptions(max_context=CTX, step="sideways"))
+        GpuTier.start(model, TierOptions(max_context=CTX, step="sideways"))
 
 
 def test_the_cli_refuses_an_unknown_gpu_step_and_notes_it_on_the_cpu(model, capsys):
