@@ -10,8 +10,9 @@ asks where it runs. It calls its backend for
     rmsnorm, sigmoid, ...    the elementwise and fused row operations (route, combine, mix_tail,
                              inject, ple_conv, ple_output, topk_set: each a kernel beside its
                              reference in the block's module)
-    zeros, kv_cache,         the per-sequence states, allocated where this backend computes
+    zeros, empty, kv_cache,  the per-sequence states and buffers, allocated where this backend computes
     qsa_cache, ple_state
+    param, upload, host      a block's parameters, host values brought in, and values brought back
     scratch(key, shape)      the decode step's buffers, made once and reused
     experts                  who computes which routed experts (None: every expert on the CPU);
                              engine/moe.py owns the split and asks it
@@ -98,11 +99,33 @@ class CpuBackend:
 
     # --- the sequence and elementwise operations (engine/ops.py) ---------------------------------
 
+    # --- where arrays live ---------------------------------------------------------------------------
+    # A block's own parameters (norm gains, conv taps, decay constants) are numpy arrays made at load;
+    # `param` gives the copy this backend computes with, `upload` brings host values (an embedding
+    # row) to it, `host` brings its values back (logits). All three are the array itself on the CPU;
+    # the device step (engine/tier/device.py) keeps its copies on the GPU.
+
+    @staticmethod
+    def param(a: np.ndarray) -> np.ndarray:
+        return a
+
+    @staticmethod
+    def upload(a: np.ndarray) -> np.ndarray:
+        return a
+
+    @staticmethod
+    def host(a: np.ndarray) -> np.ndarray:
+        return a
+
     # --- the per-sequence states ------------------------------------------------------------------
 
     @staticmethod
     def zeros(shape, dtype=F32) -> np.ndarray:
         return np.zeros(shape, dtype)
+
+    @staticmethod
+    def empty(shape, dtype=F32) -> np.ndarray:
+        return np.empty(shape, dtype)
 
     kv_cache = staticmethod(KVCache)
     qsa_cache = staticmethod(qsa.QSACache.for_geometry)

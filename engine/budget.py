@@ -142,6 +142,7 @@ class BudgetOptions:
     batch: int = 1  # strata serve --batch: sessions running at once (each sized for max_context)
     cache_slots: int = 0  # strata serve --conversation-cache-slots: parked sessions at most
     cache_mib: int = 0  # strata serve --conversation-cache-mib: their host memory at most
+    device_step: bool = False  # --gpu-step device: the sessions' states and the blocks' parameters live on the card
 
     def __post_init__(self) -> None:
         if self.max_context < 1:
@@ -337,22 +338,25 @@ def _weight_items(index: PackIndex, experts: NativeExperts, g: ModelGeometry, pl
 
 
 def _session_items(g: ModelGeometry, o: BudgetOptions) -> list[Item]:
-    """The session lives where its mixers compute: on the host (attention, the delta rule, QSA's
-    selection and PLE run there; the GPU tier takes the matrices and the expert hits), so these
-    are host items, listed for the memory the run takes, never counted against the card."""
+    """The session lives where its mixers compute. With the host-driven GPU step (and on the CPU)
+    that is the host (attention, the delta rule, QSA's selection and PLE run there; the GPU tier
+    takes the matrices and the expert hits), so these are host items, listed for the memory the run
+    takes, never counted against the card. With the device step (engine/tier/device.py) the states
+    are device arrays: counted against the card, before the expert cache is sized."""
     C, nf, nl = o.max_context, len(g.full_attention_layers), len(g.linear_attention_layers)
-    items = [Item("session.kv", f"KV cache ({o.kv}, {C} tokens)", nf * C * kv_bytes_per_token(g, o.kv), WEIGHTS, HOST, count=nf),
-             Item("session.gdn_state", "GDN recurrent state (f32)", nl * gdn_state_bytes(g), WEIGHTS, HOST, count=nl),
-             Item("session.conv_state", "GDN conv state (f32)", nl * conv_state_bytes(g), WEIGHTS, HOST, count=nl)]
+    where = DEVICE if o.device_step else HOST
+    items = [Item("session.kv", f"KV cache ({o.kv}, {C} tokens)", nf * C * kv_bytes_per_token(g, o.kv), WEIGHTS, where, count=nf),
+             Item("session.gdn_state", "GDN recurrent state (f32)", nl * gdn_state_bytes(g), WEIGHTS, where, count=nl),
+             Item("session.conv_state", "GDN conv state (f32)", nl * conv_state_bytes(g), WEIGHTS, where, count=nl)]
     if g.has_qsa:
         items += [Item("session.indexer_keys", "QSA indexer key store (one key head, f32)",
-                       nf * indexer_key_bytes(g, C), WEIGHTS, HOST, count=nf),
-                  Item("session.indexer_blocks", "QSA pooled block keys (f32)", nf * pooled_block_bytes(g, C), WEIGHTS, HOST,
+                       nf * indexer_key_bytes(g, C), WEIGHTS, where, count=nf),
+                  Item("session.indexer_blocks", "QSA pooled block keys (f32)", nf * pooled_block_bytes(g, C), WEIGHTS, where,
                        count=nf)]
     if g.ple_layers:
         n = len(g.ple_layers)
-        items.append(Item("session.ple_state", "PLE conv state (f32)", n * ple_state_bytes(g), WEIGHTS, HOST, count=n))
-    items.append(Item("session.stream", "residual stream (f32)", stream_elems(g) * F32, WEIGHTS, HOST))
+        items.append(Item("session.ple_state", "PLE conv state (f32)", n * ple_state_bytes(g), WEIGHTS, where, count=n))
+    items.append(Item("session.stream", "residual stream (f32)", stream_elems(g) * F32, WEIGHTS, where))
     return items
 
 

@@ -154,6 +154,9 @@ def generate(
     expert_profile: Optional[Path] = expert_profile_option(),
     vram_budget_mib: Optional[int] = vram_budget_option(),
     vram_reserve_mib: int = vram_reserve_option(),
+    gpu_step: str = typer.Option("host", "--gpu-step", help="with the GPU tier, where the blocks compute: host (the "
+                                 "host drives every block, the device runs the products) or device (the whole forward "
+                                 "on the device, states included; qwen35moe only so far)"),
     native: Optional[Path] = native_option(),
     ple_gguf: Optional[Path] = ple_gguf_option(),
     dump_logits: Optional[Path] = typer.Option(None, "--dump-logits", help="write float32 logits of every position to OUT.npy"),
@@ -178,6 +181,10 @@ def generate(
     if (system is not None or think is not None) and not chat:
         raise _fail("--system and --think/--no-think shape the chat template's turns: give --chat too", 2)
     spec_options(spec, spec_min_p, spec_drafter)
+    if gpu_step not in ("host", "device"):
+        raise _fail(f"--gpu-step {gpu_step!r}: expected host or device", 2)
+    if spec and gpu_step == "device":
+        raise _fail("--spec drafts and verifies on the host-driven step: use --gpu-step host (or --spec 0)", 2)
     try:
         pack = resolve_pack(pack_arg, pack)
         del pack_arg
@@ -274,7 +281,7 @@ def check_context(who: str, g, kv: str, ctx: int, flag: str, extra_bytes: int = 
 
 
 def start_tier(model, device: str, *, max_context: int, kv: str, chunk: int, expert_cache: str = "auto",
-               expert_profile=None, vram_budget_mib=None, vram_reserve_mib: int = 700, who: str):
+               expert_profile=None, vram_budget_mib=None, vram_reserve_mib: int = 700, who: str, step: str = "host"):
     """The GPU tier for --device gpu, or auto when CuPy sees a GPU (without one, auto is the CPU,
     not an error, and stderr says so and why); None on the CPU. Its startup lines (each stage's
     memory) go to stderr."""
@@ -288,6 +295,9 @@ def start_tier(model, device: str, *, max_context: int, kv: str, chunk: int, exp
     if not ok:
         if device == "gpu":
             raise ValueError(f"--device gpu: {why}; run with --device cpu (or auto)")
+        if step == "device":
+            typer.echo(f"{who}: note: --gpu-step device places the GPU tier's blocks; on the CPU every block runs "
+                       "on the CPU", err=True)
         if expert_profile is not None or expert_cache != "auto" or vram_budget_mib is not None:
             typer.echo(f"{who}: note: no GPU tier ({why}): --expert-cache, --expert-profile and --vram-budget-mib "
                        "have nothing to size; every expert runs on the CPU", err=True)
@@ -299,8 +309,11 @@ def start_tier(model, device: str, *, max_context: int, kv: str, chunk: int, exp
         profile = read_expert_profile(expert_profile)
     o = TierOptions(max_context=max_context, kv=kv, prefill_chunk=chunk,
                     expert_cache=gpu_options(device, expert_cache, vram_budget_mib, vram_reserve_mib), profile=profile,
-                    vram_budget_mib=vram_budget_mib, vram_reserve_mib=vram_reserve_mib)
-    return GpuTier.start(model, o, log=lambda line: typer.echo(f"{who}: {line}", err=True))
+                    vram_budget_mib=vram_budget_mib, vram_reserve_mib=vram_reserve_mib, step=step)
+    tier = GpuTier.start(model, o, log=lambda line: typer.echo(f"{who}: {line}", err=True))
+    if step == "device":  # its kernels compile at first use: in the load, not in the first tokens
+        model.warm_up(prompt_path=chunk > 0)
+    return tier
 
 
 def prefill_chunk(option: int | None, geometry, max_context: int, device: str) -> int:
@@ -372,7 +385,7 @@ def naming_non_finite(pack):
 
 def _run(pack, prompt, prompt_file, prompt_ids, n, ignore_eos, temp, top_k, top_p, min_p, repeat_penalty, seed, chat,
          system, think, max_context, kv, prefill, pool_workers, device, expert_cache, expert_profile, vram_budget_mib,
-         vram_reserve_mib, native, ple_gguf, dump_logits, stats, spec, spec_min_p, spec_drafter) -> None:
+         vram_reserve_mib, gpu_step, native, ple_gguf, dump_logits, stats, spec, spec_min_p, spec_drafter) -> None:
     from strata.engine.arguments import check_free_space, writable_file
     from strata.engine.generate import generate as run_generation
     from strata.engine.kernels import cpu
@@ -409,8 +422,8 @@ def _run(pack, prompt, prompt_file, prompt_ids, n, ignore_eos, temp, top_k, top_
     chunk = prefill_chunk(option, p.geometry, ctx, device)
     tier = start_tier(model, device, max_context=ctx, kv=kv, chunk=chunk, expert_cache=expert_cache,
                       expert_profile=expert_profile, vram_budget_mib=vram_budget_mib, vram_reserve_mib=vram_reserve_mib,
-                      who="strata generate")
-    session = model.new_session(ctx, kv)
+                      who="strata generate", step=gpu_step)
+    session = tier.take_session(ctx, kv) if tier is not None else model.new_session(ctx, kv)
     # --ignore-eos bans the stop tokens (llama.cpp's rule), so exactly n tokens come out
     sampler = Sampler(p.geometry.n_vocab, params, banned=tok.stop_ids if ignore_eos else ())
     stream = tok.stream()

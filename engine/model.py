@@ -93,7 +93,7 @@ class GatedDeltaNet:
         mixed = be.linear(self.qkv, x, sc("gdn.qkv", (T, self.C)))
         z = be.linear(self.z, x, sc("gdn.z", (T, nv * dv))).reshape(T, nv, dv)
         beta = be.sigmoid(be.linear(self.beta, x, sc("gdn.beta", (T, nv))))
-        decay = self.a * be.softplus(be.linear(self.alpha, x, sc("gdn.alpha", (T, nv))) + self.dt_bias)
+        decay = be.param(self.a) * be.softplus(be.linear(self.alpha, x, sc("gdn.alpha", (T, nv))) + be.param(self.dt_bias))
         # one sequence's chunk takes the delta rule's own output (a copy of [T, nv, dv] per layer
         # otherwise); the decode step, the scratch; several sequences, their rows of one array
         o = sc("gdn.o", (T, nv, dv)) if T == 1 or len(seqs) > 1 else None
@@ -142,7 +142,7 @@ class GatedAttention:
         be.rope_(self.rope, q, positions)
         be.rope_(self.rope, k, positions)
         v = be.linear(self.wv, x, sc("attn.v", (T, Hkv * D))).reshape(T, Hkv, D)
-        o = None if len(seqs) == 1 else np.empty((T, H, D), F32)  # one sequence: attention's own output
+        o = None if len(seqs) == 1 else be.empty((T, H, D))  # one sequence: attention's own output
         for r in seqs:
             cache, n = r.state, r.n
             cache.write(r.pos, k[r.a : r.b], v[r.a : r.b])
@@ -246,16 +246,18 @@ class Session:
     `kv` is the KV cache kind (engine/kvcache.py): f32 (exact), f16 or int8. The Gated DeltaNet,
     conv, QSA indexer and PLE states are f32 whatever it is."""
 
-    def __init__(self, model: Model, max_context: int, kv: str = "f32"):
+    def __init__(self, model: Model, max_context: int, kv: str = "f32", backend=None):
+        """`backend`: where the states are allocated (default: the model's; the GPU tier makes the
+        device step's first session with its backend before binding it)."""
         if max_context < 1:
             raise ValueError(f"max_context {max_context}: expected at least 1")
         g = model.geometry
         self.max_context, self.kv = max_context, kv
         self.pos = 0
-        be = model.backend
+        be = model.backend if backend is None else backend
         self.states = [m.new_state(be, max_context, kv) for m in model.mixers]
         self.ple_states = {l: be.ple_state(g) for l in model.ple}
-        self.stream = np.zeros((1, stream_elems(g)), F32)  # the decode step's residual stream
+        self.stream = be.zeros((1, stream_elems(g)))  # the decode step's residual stream, where the backend computes
         self.logits = np.empty(g.n_vocab, F32)
         self.routing = np.zeros((g.n_layer, g.n_expert), np.int64)
 
@@ -414,7 +416,7 @@ class Model:
         raw = self.embd.rows(flat[0], flat[0] + 1) if T == 1 else \
             np.concatenate([self.embd.rows(t, t + 1) for t in flat])
         # the decode step's stream is the session's (strata-budget's session.stream); a batch's is its own
-        H = r.embed(dequantize(raw, self.embd.type_id, T * g.n_embd).reshape(T, g.n_embd),
+        H = r.embed(be.upload(dequantize(raw, self.embd.type_id, T * g.n_embd).reshape(T, g.n_embd)),
                     sessions[0].stream if T == 1 else None)
         ids = np.asarray(flat, np.int64)
         for l in range(g.n_layer):
@@ -443,7 +445,7 @@ class Model:
         if len(want) == 1:
             be.linear(self.head, r.final(be, rows), next(o for o in outs if o.shape[0]))
             return
-        logits = be.linear(self.head, r.final(be, rows))
+        logits = be.host(be.linear(self.head, r.final(be, rows)))
         i = 0
         for o in outs:
             o[...] = logits[i : i + o.shape[0]]

@@ -50,12 +50,14 @@ class Input:
         self.version += 1
         return self
 
-    def form(self, t: GGMLType):
-        """What a weight of type `t` multiplies: the ActQ for block types, the f32 values otherwise."""
+    def form(self, t: GGMLType, quantize=None):
+        """What a weight of type `t` multiplies: the ActQ for block types, the f32 values otherwise.
+        `quantize`: where the values are not host arrays, the quantizer of their device (the GPU's
+        ActQ kernel gives the host quantizer's bits, engine/kernels/gpu.py)."""
         if not t.quantized:
             return self.x
         if self._q is None:
-            self._q = quantize_act(self.x, where="Input")
+            self._q = quantize_act(self.x, where="Input") if quantize is None else quantize(self.x)
         return self._q
 
 

@@ -50,6 +50,8 @@ class _Lib:
 class EmuRuntime:
     """gpu.CupyRuntime's interface on the host (see that class)."""
 
+    xp = np  # the array module of this runtime's arrays: numpy (CuPy on a card)
+
     def __init__(self, n_sm: int = 1):
         self.n_sm = n_sm
         self.allocations = self.pinned_allocations = self.allocated = 0
@@ -85,14 +87,14 @@ class EmuRuntime:
     def ptr(self, a) -> int:
         return a.ctypes.data
 
-    def compile(self, names: list[str]) -> _Lib:
+    def compile(self, names: list[str], source: Path = gpu.SOURCE) -> _Lib:
         table = ",\n".join(f'    emu_entry("{n}", &{n.replace(" ", "")})' for n in names)
         unit = (
-            f'#include "{HEADER}"\n#include "{gpu.SOURCE}"\n'
+            f'#include "{HEADER}"\n#include "{source}"\n'
             f"static const EmuEntry k_table[] = {{\n{table}\n}};\n"
             "const EmuEntry* emu_table(int* n) { *n = sizeof(k_table) / sizeof(k_table[0]); return k_table; }\n"
         )
-        key = hashlib.sha256((unit + HEADER.read_text() + gpu.SOURCE.read_text() + " ".join(FLAGS)).encode()).hexdigest()[:20]
+        key = hashlib.sha256((unit + HEADER.read_text() + Path(source).read_text() + " ".join(FLAGS)).encode()).hexdigest()[:20]
         so = self.cache / f"emu_{key}.so"
         if not so.exists():
             self.cache.mkdir(parents=True, exist_ok=True)
@@ -157,7 +159,8 @@ class EmuRuntime:
 def _arg(a):
     if isinstance(a, np.ndarray):
         return ctypes.c_void_p(a.ctypes.data)
-    for np_t, c_t in ((np.int32, ctypes.c_int32), (np.int64, ctypes.c_int64), (np.uint64, ctypes.c_uint64)):
+    for np_t, c_t in ((np.int32, ctypes.c_int32), (np.int64, ctypes.c_int64), (np.uint64, ctypes.c_uint64),
+                      (np.float32, ctypes.c_float)):
         if isinstance(a, np_t):
-            return c_t(int(a))
+            return c_t(a.item())
     raise TypeError(f"emulated launch: unsupported argument {a!r} ({type(a).__name__}); pass numpy scalars of the kernel's type")

@@ -76,7 +76,7 @@ class CupyRuntime:
             raise GpuUnavailable(why)
         import cupy
 
-        self.cp = cupy
+        self.cp = self.xp = cupy  # xp: the array module of this runtime's arrays (the device step computes with it)
         self.n_sm = cupy.cuda.Device().attributes["MultiProcessorCount"]
         self._functions: dict[tuple[Any, str], Any] = {}  # (module, kernel): the module object itself, so no id is reused
 
@@ -95,8 +95,8 @@ class CupyRuntime:
     def ptr(self, a) -> int:
         return a.data.ptr
 
-    def compile(self, names: list[str]):
-        mod = self.cp.RawModule(code=SOURCE.read_text(), options=OPTIONS, name_expressions=names)
+    def compile(self, names: list[str], source: Path = SOURCE):
+        mod = self.cp.RawModule(code=source.read_text(), options=OPTIONS, name_expressions=names)
         mod.compile()
         return mod
 

@@ -54,8 +54,9 @@ from ..budget import Budget, BudgetOptions, ExpertCacheTooBig, plan_budget
 from ..expert_plan import MiB, check_profile, fill_policy_line, plan_fill
 from ..kernels import gpu
 from ..kernels.engine_form import placed_bytes
-from ..model import Model
+from ..model import Model, Session
 from .backend import TierBackend
+from .device import DeviceBackend, DeviceExperts
 from .dense import Dense
 from .hits import HitPath, HitStats
 from .memory import Carver, DeviceMemory, MemMark
@@ -76,6 +77,9 @@ class TierOptions:
     profile: ExpertProfile | None = None
     vram_budget_mib: int | None = None  # behave as on a card of this many MiB
     vram_reserve_mib: int = B.DEFAULT_RESERVE_MIB
+    # where the blocks compute: "host" (the host drives them; only the products run on the device:
+    # engine/tier/backend.py) or "device" (the whole forward on the device: engine/tier/device.py)
+    step: str = "host"
 
 
 @dataclass
@@ -87,6 +91,15 @@ class GpuTier:
     stats: HitStats
     hit_path: HitPath
     lines: list[str] = field(default_factory=list)
+    session: Session | None = None  # the device step's first session, allocated at stage 1 as planned
+
+    def take_session(self, max_context: int, kv: str) -> Session:
+        """The session the plan counted (the device step's, made at stage 1) the first time it fits
+        the request, else a new one."""
+        s, self.session = self.session, None
+        if s is not None and s.max_context == max_context and s.kv == kv and s.pos == 0:
+            return s
+        return self.model.new_session(max_context, kv)
 
     @classmethod
     def start(cls, model: Model, o: TierOptions, log: Callable[[str], None] = lambda _: None) -> GpuTier:
@@ -99,7 +112,7 @@ class GpuTier:
         s.cache_graphs()
         s.head_prompt()
         s.verifier()
-        return cls(model, s.plan, s.marks, s.slots, s.stats, s.hits, s.bind())
+        return cls(model, s.plan, s.marks, s.slots, s.stats, s.hits, s.bind(), s.session)
 
     def stop(self) -> None:
         """Unbind from the model (it runs on the CPU again) and give the device memory back."""
@@ -122,6 +135,11 @@ class _Startup:
         if o.profile is not None:
             check_profile(o.profile, pack_fingerprint=pack_fingerprint(pack.dir), n_layer=g.n_layer, n_expert=g.n_expert,
                           top_k=g.n_expert_used)
+        if o.step not in ("host", "device"):
+            raise GpuTierError(f"--gpu-step {o.step!r}: expected host or device")
+        if o.step == "device" and g.arch == "qwen4exp":
+            raise GpuTierError("--gpu-step device: the device step has no hyper-connection, QSA or PLE blocks yet, "
+                               "so it runs qwen35moe only; use --gpu-step host for this qwen4exp pack")
         rt = self.rt
         rt.use_stream()
         rt.release()  # memory a previous tier or test left cached in the pool would hide this one's
@@ -134,12 +152,15 @@ class _Startup:
         self.mem = DeviceMemory(rt, o.vram_budget_mib)
         bopts = BudgetOptions(max_context=o.max_context, kv=o.kv, vram_reserve_mib=o.vram_reserve_mib,
                               prefill_chunk=o.prefill_chunk, expert_cache=o.expert_cache,
-                              profile_pairs=o.profile.pairs if o.profile is not None else None)
+                              profile_pairs=o.profile.pairs if o.profile is not None else None,
+                              device_step=o.step == "device")
         self.free0 = self.mem.free()
         self.plan = plan_budget(pack.index, pack.experts, g, bopts, free_bytes=self.free0)
         self.say(f"gpu tier: {self.free0 / MiB:.0f} MiB free at start"
                  + (f" (--vram-budget-mib {o.vram_budget_mib})" if o.vram_budget_mib is not None else ""))
         self.n_slots = 0
+        self.device = DeviceBackend(rt, None) if o.step == "device" else None
+        self.session = None
 
     def say(self, text: str) -> None:
         self.lines.append(text)
@@ -160,16 +181,21 @@ class _Startup:
         return Carver(self.rt, self.rt.empty((n,), np.uint8) if n else None, name)
 
     def weights(self) -> None:
-        """1. The weights (the LM head among them: S7, before the cache is sized) and the session (host)."""
+        """1. The weights (the LM head among them: S7, before the cache is sized) and the session (host
+        memory, or the device step's first session on the device)."""
         plan = self.plan
         if plan.device_bytes(B.WEIGHTS) > self.free0:
             raise GpuTierError(f"the dense weights need {plan.device_bytes(B.WEIGHTS) / MiB:.1f} MiB of device memory, "
                                f"{self.free0 / MiB:.1f} MiB are free: use --device cpu or a larger card")
-        weights = self.arena([i for i in plan.items if i.stage == B.WEIGHTS], "the dense weights")
+        # the device step's session is the model's own allocation (its states are device arrays), not the arena's
+        weights = self.arena([i for i in plan.items if i.stage == B.WEIGHTS and not i.key.startswith("session.")],
+                             "the dense weights")
         self.placed = []
         for w in self.mats:
             at = weights.take(placed_bytes(w.type_id, w.n_in, w.n_out))
             self.placed.append((w, gpu.place(w.raw, w.type_id, w.n_in, w.n_out, weights.arena, at, w.name)))
+        if self.device is not None:
+            self.session = Session(self.model, self.o.max_context, self.o.kv, backend=self.device)
         self.rt.synchronize()
         self.mark(B.WEIGHTS)
 
@@ -217,6 +243,8 @@ class _Startup:
         buffers = self.arena([self.plan.item("hits.buffers")], "the hit buffers")
         exchange = self.rt.pinned(self.plan.item("hits.exchange").bytes)
         self.hits = HitPath(self.rt, self.g, self.slots, buffers, exchange, self.stats)
+        if self.device is not None:
+            self.device.experts = DeviceExperts(self.rt, self.hits, self.device._quantize)
         self.mark(B.HIT_PATH)
 
     def cache_graphs(self) -> None:
@@ -247,7 +275,7 @@ class _Startup:
         and every buffer in place. Returns the startup's lines."""
         for w, dev in self.placed:
             w.device = dev
-        self.model.backend = TierBackend(self.dense, self.hits)
+        self.model.backend = self.device if self.device is not None else TierBackend(self.dense, self.hits)
         self.say(f"hit path: ready, GPU hits beside CPU misses ({self.slots.map.used} of {self.n_slots} slots filled)"
                  if self.n_slots else "hit path: ready, but with no expert slots every expert is a CPU miss")
         return self.lines

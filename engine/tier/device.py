@@ -1,0 +1,404 @@
+"""The device step: the forward's blocks computing on the GPU, their states living there.
+
+The blocks (engine/model.py, engine/moe.py) are the CPU's, unchanged: this is a backend
+(engine/backend.py) whose arrays are device arrays. Every matrix product runs on the weights the
+tier placed (engine/kernels/gpu.py, the activations quantized on the device by the ActQ kernel, bit
+for bit the host's), every norm, gate, convolution, delta-rule step, RoPE and attention on the
+device with the runtime's array module (`rt.xp`: CuPy on a card; numpy under the host emulation,
+tests/gpu_emu.py), and the session's states (KV cache, Gated DeltaNet state, conv state, residual
+stream) are device arrays. What crosses to the host per layer is what the host must decide:
+
+    the router's logits [T, X]      -> the top-k on the host (moe.route_topk: float64, the CPU's
+                                       ranking, so the experts chosen are the CPU's)
+    the MoE input x [T, E]          -> the expert server (engine/tier/hits.py): the hits on the
+                                       device, the misses on the CPU in one grouped call; its rows
+                                       come back as one array and are combined on the device
+
+plus the embedding row in and the logits out. The expert server makes every routed expert's hidden
+activation on the host with moe.hidden_ (the function a CPU miss uses) and the combine runs on the
+device in rank order whatever computed each row, so the logits are bit-identical across expert-cache
+splits. The host-driven tier (engine/tier/backend.py) is the other choice: its blocks compute on
+the host and only the products run on the device.
+
+Not yet here (docs/gpu-tier.md): the router and the experts on the device (one grouped kernel per
+layer reading the slot table), CUDA graphs, the sampling; qwen4exp's hyper-connections, QSA and PLE
+(that architecture keeps the host-driven step).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from ..backend import CpuBackend, Scratch
+from ..kernels import gpu
+from ..kvcache import KV_BLOCK, KVCache, check_kv
+from ..moe import route_topk
+from ..ops import L2NORM_EPS
+from ..weights import Input, Weight
+
+F32 = np.float32
+KERNELS = Path(__file__).with_name("device_kernels.cu")
+_NAMES = ["dev_rmsnorm", "dev_delta", "dev_conv", "dev_combine", "dev_sigmoid", "dev_gate", "dev_softplus", "dev_rope"]
+BLOCK = 128  # threads per block of the row kernels: four warps
+
+
+class DeviceStepUnsupported(ValueError):
+    """The device step cannot run this model (an architecture whose blocks it does not have yet)."""
+
+
+class DeviceScratch(Scratch):
+    """Scratch (engine/backend.py) in device memory."""
+
+    def __init__(self, xp):
+        super().__init__()
+        self.xp = xp
+
+    def __call__(self, key: str, shape: tuple[int, ...], dtype=F32):
+        if not shape or shape[0] != 1:
+            return self.xp.empty(shape, dtype)
+        k = (key, shape, np.dtype(dtype).str)
+        buf = self._bufs.get(k)
+        if buf is None:
+            buf = self._bufs[k] = self.xp.empty(shape, dtype)
+        return buf
+
+
+class DeviceKVCache(KVCache):
+    """engine/kvcache.py's cache with its arrays on the device: the same kinds, layout and bytes
+    (strata-budget counts them on the device when the device step runs). int8 uses the same rule,
+    d = amax / 127 per 32 elements, q = rint(x / d) half to even, q = 0 where d = 0."""
+
+    def __init__(self, be, kind: str, max_context: int, n_head_kv: int, head_dim: int):
+        check_kv(kind, head_dim)
+        self.xp = be.xp
+        self.kind, self.max_context, self.n_head_kv, self.head_dim = kind, max_context, n_head_kv, head_dim
+        shape = (n_head_kv, max_context, head_dim)
+        store = {"f32": np.float32, "f16": np.float16, "int8": np.int8}[kind]
+        self.k = be.zeros(shape, store)
+        self.v = be.zeros(shape, store)
+        if kind == "int8":
+            self.k_scale = be.zeros((n_head_kv, max_context, head_dim // KV_BLOCK), F32)
+            self.v_scale = be.zeros((n_head_kv, max_context, head_dim // KV_BLOCK), F32)
+
+    def write(self, pos: int, k, v) -> None:
+        T = k.shape[0]
+        if pos + T > self.max_context:
+            raise ValueError(f"KV cache: positions {pos}..{pos + T - 1} past its {self.max_context} tokens (--ctx-size)")
+        xp = self.xp
+        for x, store, scale in ((k, self.k, "k_scale"), (v, self.v, "v_scale")):
+            x = x.transpose(1, 0, 2)  # [Hkv, T, D]
+            if self.kind == "int8":
+                b = x.reshape(*x.shape[:-1], -1, KV_BLOCK)
+                d = xp.abs(b).max(axis=-1) / F32(127)
+                safe = xp.where(d > 0, d, F32(1))
+                q = xp.where(d[..., None] > 0, xp.rint(b / safe[..., None]), F32(0))
+                store[:, pos : pos + T] = q.reshape(x.shape).astype(np.int8)
+                getattr(self, scale)[:, pos : pos + T] = d
+            else:
+                store[:, pos : pos + T] = x
+
+    def read(self, index):
+        if self.kind == "int8":
+            def deq(q, d):
+                return (q.reshape(*q.shape[:-1], -1, KV_BLOCK).astype(F32) * d[..., None]).reshape(q.shape)
+            return deq(self.k[:, index], self.k_scale[:, index]), deq(self.v[:, index], self.v_scale[:, index])
+        return self.k[:, index].astype(F32, copy=False), self.v[:, index].astype(F32, copy=False)
+
+
+class DeviceExperts:
+    """The MoE's expert server for the device step. A token whose experts the slots all hold stays
+    on the device: its ActQ (made there) feeds the hit path's products and their rows stay there
+    (HitPath.token_on_device). Otherwise the layer's input comes down once, the tier's hit path
+    computes the hits on the device beside the misses' grouped CPU call, and the rows go back up
+    once. Either way every expert's hidden activation is made on the host by moe.hidden_ (engine/
+    tier/hits.py), so a hit and a miss give the same bits."""
+
+    def __init__(self, rt, hits, quantize):
+        self.rt, self.hits, self.quantize = rt, hits, quantize
+
+    def routed(self, moe, x: Input, experts: np.ndarray, rows: np.ndarray, starts: np.ndarray):
+        if x.x.shape[0] == 1 and moe.gu.quantized and self.hits.all_held(moe.layer, experts):
+            act = x.form(moe.gu, quantize=self.quantize)
+            return self.hits.token_on_device(moe, gpu.GpuActQ(act.q[0], act.d[0], act.s16[0], None), experts)
+        host = Input(self.rt.to_host(x.x))  # its ActQ, made on the host, has the device quantizer's bits
+        return self.rt.to_device(self.hits.routed(moe, host, experts, rows, starts))
+
+
+class DeviceBackend(CpuBackend):
+    """The forward on the device (module docstring). `dense`: the tier's placed weights (their
+    GpuWeight on Weight.device); `hits`: its expert server (engine/tier/hits.py)."""
+
+    name = "gpu"
+
+    def __init__(self, rt, hits):
+        self.rt, self.xp = rt, rt.xp
+        self.scratch = DeviceScratch(self.xp)
+        self.experts = DeviceExperts(rt, hits, self._quantize)
+        self._params: dict[int, tuple] = {}  # id(host array) -> (host array, its device copy)
+        self._heads: dict[tuple[int, int], object] = {}
+        self._mod = rt.compile(_NAMES, source=KERNELS)  # the fused row operations (device_kernels.cu)
+        self._rope_key, self._rope_cs = None, None  # the last positions' cos and sin (rope_)
+
+    def _launch(self, name: str, n_threads: int, args: tuple) -> None:
+        grid = max(1, min(-(-n_threads // BLOCK), 32 * self.rt.n_sm))
+        self.rt.launch(self._mod, name, grid, BLOCK, args)
+
+    @staticmethod
+    def _rows(x, n: int) -> int | None:
+        """The element stride between consecutive n-long rows of x when every row is contiguous and
+        the rows are evenly spaced (a view like qg[:, :, :D] is), else None."""
+        if x.dtype != F32 or x.shape[-1] != n or x.strides[-1] != 4:
+            return None
+        if x.ndim == 1:
+            return n
+        for i in range(x.ndim - 2):
+            if x.strides[i] != x.strides[i + 1] * x.shape[i + 1]:
+                return None
+        return x.strides[-2] // 4
+
+    # --- where arrays live
+
+    def param(self, a):
+        if self.xp is np or not isinstance(a, np.ndarray):
+            return a  # already the device's (or the emulation's, whose device arrays are numpy's)
+        got = self._params.get(id(a))
+        if got is None or got[0] is not a:  # the host array is held: its id cannot be reused
+            got = self._params[id(a)] = (a, self.rt.to_device(np.ascontiguousarray(a)))
+        return got[1]
+
+    def upload(self, a):
+        return self.rt.to_device(a)
+
+    def host(self, a) -> np.ndarray:
+        return self.rt.to_host(a)
+
+    def zeros(self, shape, dtype=F32):
+        """A state array: the runtime's allocation (so the emulation counts it as a card would)."""
+        a = self.rt.empty(shape, dtype)
+        a.fill(0)
+        return a
+
+    def empty(self, shape, dtype=F32):
+        return self.xp.empty(shape, dtype)
+
+    def kv_cache(self, kind: str, max_context: int, n_head_kv: int, head_dim: int) -> DeviceKVCache:
+        return DeviceKVCache(self, kind, max_context, n_head_kv, head_dim)
+
+    def _unsupported(self, *_a, **_k):
+        raise DeviceStepUnsupported("the device step has no QSA, hyper-connection or PLE blocks yet (qwen4exp): "
+                                    "use the host-driven GPU step (--gpu-step host)")
+
+    qsa_cache = ple_state = rmsnorm_q = mix_tail = inject = ple_conv = ple_output = topk_set = _unsupported
+
+    # --- the products
+
+    def _quantize(self, x):
+        return gpu.quantize_act_gpu(self.xp.ascontiguousarray(x), check=False)
+
+    def linear(self, w: Weight, x, out=None):
+        """Y = X W^T on the device -> device f32 [T, n_out]; `out` may be a host array (the logits),
+        which then receives the values. A weight the tier did not place is multiplied by the CPU."""
+        x = x if isinstance(x, Input) else Input(x)
+        to_host = out is not None and not self.rt.is_array(out)
+        dev_out = None if to_host else out
+        if w.device is None:
+            y = self.upload(CpuBackend.linear(self, w, Input(self.rt.to_host(x.x))))
+            if dev_out is not None:
+                dev_out[...] = y
+                y = dev_out
+        else:
+            act = x.form(w.type, quantize=self._quantize)
+            if not w.type.quantized:
+                act = self.xp.ascontiguousarray(act)
+            y = gpu.matmul(w.device, act, out=dev_out)
+        if to_host:
+            out[...] = self.rt.to_host(y)
+            return out
+        return y
+
+    # --- the sequence and elementwise operations: engine/ops.py's formulas over device arrays
+
+    def rmsnorm(self, x, gain, eps: float, out=None, *, group: int | None = None, f32_sums: bool = False):
+        xp = self.xp
+        n = x.shape[-1]
+        group = n if group is None else group
+        if group == n:
+            xs = self._rows(x, n)
+        else:  # groups splitting the last axis: rows of `group` in a contiguous array
+            xs = group if x.flags.c_contiguous and x.dtype == F32 and n % group == 0 else None
+        if xs is not None and gain.shape in ((n,), (group,)) and (out is None or out.flags.c_contiguous):
+            out = xp.empty(x.shape, F32) if out is None else out
+            rows = x.size // group
+            self._launch("dev_rmsnorm", 32 * rows, (x, np.int64(xs), self.param(gain), np.int32(gain.size // group), x, out,
+                         np.int32(rows), np.int32(group), F32(eps), np.int32(f32_sums), np.int32(0), np.int32(0)))
+            return out
+        g = x.reshape(*x.shape[:-1], n // group, group)
+        if f32_sums:
+            r = F32(1.0) / xp.sqrt(xp.mean(xp.square(g), axis=-1, keepdims=True, dtype=F32) + F32(eps))
+        else:
+            ms = xp.square(g.astype(np.float64)).sum(axis=-1) / group
+            r = (1.0 / xp.sqrt(ms + eps)).astype(F32)[..., None]
+        if out is None:
+            out = xp.empty(g.shape, F32)
+        xp.multiply(g, r, out=out.reshape(g.shape))
+        out = out.reshape(x.shape)
+        out *= self.param(gain)
+        return out
+
+    def l2norm_(self, x):
+        xp = self.xp
+        n = x.shape[-1]
+        xs = self._rows(x, n)
+        if xs is not None:
+            self._launch("dev_rmsnorm", 32 * (x.size // n), (x, np.int64(xs), x, np.int32(1), x, x, np.int32(x.size // n), np.int32(n),
+                         F32(L2NORM_EPS), np.int32(0), np.int32(0), np.int32(1)))
+            return x
+        ss = xp.square(x.astype(np.float64)).sum(axis=-1)
+        x *= (1.0 / xp.sqrt(ss + L2NORM_EPS)).astype(F32)[..., None]
+        return x
+
+    def sigmoid(self, x, *, exp_form: bool = False):
+        xp = self.xp
+        if x.dtype == F32:
+            x = xp.ascontiguousarray(x)
+            out = xp.empty(x.shape, F32)
+            self._launch("dev_sigmoid", x.size, (x, out, np.int64(x.size), np.int32(exp_form)))
+            return out
+        if exp_form:
+            return F32(1.0) / (xp.exp(-x) + F32(1.0))
+        return (xp.tanh(x * F32(0.5)) + F32(1.0)) * F32(0.5)
+
+    def softplus(self, x):
+        if x.dtype == F32 and x.flags.c_contiguous:
+            out = self.xp.empty(x.shape, F32)
+            self._launch("dev_softplus", x.size, (x, out, np.int64(x.size)))
+            return out
+        return self.xp.logaddexp(F32(0), x).astype(x.dtype, copy=False)
+
+    def gate_(self, x, z, silu: bool = False):
+        if x.dtype == F32 and x.flags.c_contiguous and z.flags.c_contiguous and z.shape == x.shape:
+            self._launch("dev_gate", x.size, (x, z, np.int64(x.size), np.int32(silu)))
+            return x
+        s = self.sigmoid(z)
+        if silu:
+            s = z * s
+        x *= s
+        return x
+
+    def gated_rmsnorm_(self, o, gain, z, eps: float, silu: bool):
+        n = o.shape[-1]
+        if o.flags.c_contiguous and z.flags.c_contiguous and z.shape == o.shape and gain.shape == (n,) and o.dtype == F32:
+            self._launch("dev_rmsnorm", 32 * (o.size // n), (o, np.int64(n), self.param(gain), np.int32(1), z, o,
+                         np.int32(o.size // n), np.int32(n), F32(eps), np.int32(0), np.int32(2 if silu else 1), np.int32(0)))
+            return o
+        self.rmsnorm(o, gain, eps, out=o)
+        return self.gate_(o, z, silu=silu)
+
+    def causal_mask(self, pos0: int, T: int, n: int):
+        xp = self.xp
+        return xp.arange(n)[None, :] <= (pos0 + xp.arange(T))[:, None]
+
+    def rope_(self, rope, x, positions) -> None:
+        positions = np.asarray(positions)
+        key = (id(rope), positions.tobytes())
+        if self._rope_key != key:  # the layers of one step rotate at the same positions: computed once
+            c, s = rope.cos_sin(positions)  # host: float64 angles, the CPU's values
+            self._rope_key, self._rope_cs = key, (self.upload(np.ascontiguousarray(c)), self.upload(np.ascontiguousarray(s)))
+        c, s = self._rope_cs
+        h = rope.half
+        T, heads = x.shape[0], x.shape[1]
+        xs = self._rows(x, x.shape[-1])
+        if xs is not None and x.ndim == 3:
+            self._launch("dev_rope", T * heads * h, (x, np.int64(xs), c, s, np.int32(T * heads), np.int32(heads), np.int32(h)))
+            return
+        c, s = c[:, None, :], s[:, None, :]
+        x1 = x[..., :h].copy()
+        x2 = x[..., h : 2 * h]
+        x[..., :h] = x1 * c - x2 * s
+        x[..., h : 2 * h] = x2 * c + x1 * s
+
+    def conv(self, state, w, x):
+        """ops.conv_many on the device: the causal depthwise conv over the state then x, then SiLU."""
+        xp = self.xp
+        w = self.param(w)
+        K, T = w.shape[0], x.shape[0]
+        if x.strides[-1] == 4 and state.flags.c_contiguous and w.flags.c_contiguous:
+            C = x.shape[1]
+            out = xp.empty((T, C), F32)
+            self._launch("dev_conv", C, (state, w, x, np.int64(x.strides[0] // 4), out, np.int32(T), np.int32(K), np.int32(C)))
+            return out
+        hist = xp.concatenate([state, x])  # [K-1+T, C]
+        out = w[0] * hist[:T]
+        for j in range(1, K):
+            out += w[j] * hist[j : j + T]
+        state[...] = hist[T:]
+        return self.gate_(out, out.copy())  # SiLU: x sigmoid(x) (ops.silu_)
+
+    def delta_rule(self, S, q, k, v, g, beta, out=None):
+        """ops.delta_rule's recurrence, token by token, on the device (the chunked form of the prompt
+        path is not here yet): per v-head h (key head h % nk)
+            S <- S exp(g);  kv = S k;  S <- S + (beta (v - kv)) k^T;  out = S q"""
+        xp = self.xp
+        T, nv = v.shape[0], v.shape[1]
+        nk = q.shape[1]
+        _, dv, dk = S.shape
+        out = xp.empty(v.shape, F32) if out is None else out
+        if dk <= 256 and S.flags.c_contiguous and out.flags.c_contiguous \
+                and q.strides[1:] == (dk * 4, 4) and k.strides[1:] == (dk * 4, 4) and v.strides[1:] == (dv * 4, 4) \
+                and g.flags.c_contiguous and beta.flags.c_contiguous:
+            self._launch("dev_delta", 32 * nv * dv, (S, q, np.int64(q.strides[0] // 4), k, np.int64(k.strides[0] // 4), v,
+                         np.int64(v.strides[0] // 4), g, beta, out, np.int32(T), np.int32(nv), np.int32(nk),
+                         np.int32(dv), np.int32(dk)))
+            return out
+        heads = self._heads.get((nv, nk))
+        if heads is None:
+            heads = self._heads[(nv, nk)] = xp.asarray(np.arange(nv) % nk)
+        decay = xp.exp(g)  # [T, nv]
+        for t in range(T):
+            kk, qq = k[t][heads], q[t][heads]  # [nv, dk]
+            S *= decay[t][:, None, None]
+            kv = xp.matmul(S, kk[:, :, None])[..., 0]  # [nv, dv]
+            delta = (v[t] - kv) * beta[t][:, None]
+            S += delta[:, :, None] * kk[:, None, :]
+            out[t] = xp.matmul(S, qq[:, :, None])[..., 0]
+        return out
+
+    def attention(self, q, K, V, scale: float, visible=None):
+        """Softmax attention of T queries over n keys, grouped by KV head -> f32 [T, H, D]."""
+        xp = self.xp
+        T, H, D = q.shape
+        Hkv, n = K.shape[:2]
+        G = H // Hkv
+        qh = q.reshape(T, Hkv, G, D).transpose(1, 0, 2, 3).reshape(Hkv, T * G, D)
+        scores = xp.matmul(qh, K.transpose(0, 2, 1)) * F32(scale)  # [Hkv, T G, n]
+        if visible is not None:
+            vis = visible if xp is np or not isinstance(visible, np.ndarray) else self.upload(visible)
+            scores = scores.reshape(Hkv, T, G, n)
+            scores = xp.where(vis[None, :, None, :], scores, F32(-np.inf)).reshape(Hkv, T * G, n)
+        scores -= scores.max(axis=-1, keepdims=True)
+        xp.exp(scores, out=scores)
+        scores /= scores.sum(axis=-1, keepdims=True)
+        o = xp.matmul(scores, V)  # [Hkv, T G, D]
+        return xp.ascontiguousarray(o.reshape(Hkv, T, G, D).transpose(1, 0, 2, 3)).reshape(T, H, D)
+
+    def route(self, logits, k: int):
+        """The router's top-k on the host (moe.route_topk: the CPU's float64 ranking and weights), from
+        the logits brought down: which experts run is decided where the misses are computed."""
+        return route_topk(self.rt.to_host(logits), k)
+
+    def combine(self, part, slot: np.ndarray, weights: np.ndarray, out):
+        """moe.combine_reference on the device: out = sum over ranks j, from 0, of f32(w_j) part[slot_j]."""
+        xp = self.xp
+        w = self.upload(np.ascontiguousarray(weights, dtype=F32))
+        sl = self.upload(np.ascontiguousarray(slot, dtype=np.int64))
+        if part.flags.c_contiguous and out.flags.c_contiguous:
+            T, k = slot.shape
+            E = out.shape[1]
+            self._launch("dev_combine", T * E, (part, sl, w, out, np.int32(T), np.int32(k), np.int32(E)))
+            return out
+        out[...] = 0
+        for j in range(slot.shape[1]):
+            out += w[:, j : j + 1] * part[sl[:, j]]
+        return out

@@ -1,0 +1,180 @@
+// The device step's kernels (engine/tier/device.py): the fused row operations of the blocks, each
+// one launch where the array-module form took several (a norm was eight CuPy launches, the delta
+// rule's token step six per token, the MoE's combine thirty). Loaded by gpu.py's runtime as a CuPy
+// RawModule; the same source compiles on the host against tests/gpu_emu.h (STRATA_EMU), so the
+// tests run them without a GPU: no #include, every warp-collective reached by all 32 lanes (a
+// warp's loop bounds are the same for its lanes).
+//
+// Numbers: these follow engine/ops.py's formulas (the order of the sums differs: a warp adds
+// lane by lane, then folds), so the device step is the CPU engine's within float32 rounding, not
+// bit for bit (tests/gpu/test_device_step.py states the tolerance). No FMA contraction: gpu.py
+// compiles with --fmad=false and the emulation with -ffp-contract=off.
+
+typedef long long i64;
+
+#define FULL 0xffffffffu
+
+__device__ __forceinline__ float warp_sum(float v) {
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(FULL, v, o);
+    return v;
+}
+
+__device__ __forceinline__ double warp_sum_d(double v) {
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(FULL, v, o);
+    return v;
+}
+
+// ops.sigmoid's default form: (tanh(x / 2) + 1) / 2
+__device__ __forceinline__ float sigmoid_t(float x) { return (tanhf(x * 0.5f) + 1.0f) * 0.5f; }
+
+// RMSNorm of `rows` rows of n (row r at x + r * xs), then * gain (row r reads gain[(r % gp) n ..]:
+// gp = 1 for a gain of the row's length, more when the norm's groups split a longer axis whose
+// gain it is, as hyper-connections and PLE normalise each stream of hc * E); with act 1 or 2 the result
+// is multiplied by sigmoid(z) or z sigmoid(z) (z, out: contiguous [rows, n]; out may be x). The
+// mean of squares in f64 (ops.rmsnorm's default) or in f32 (f32_sums). l2: ops.l2norm_ instead,
+// x / sqrt(sum of squares + eps) in f64, no gain. One warp per row.
+extern "C" __global__ void dev_rmsnorm(const float* x, i64 xs, const float* gain, int gp, const float* z, float* out,
+                                       int rows, int n, float eps, int f32_sums, int act, int l2) {
+    const int lane = threadIdx.x & 31;
+    const int nw = (int)((gridDim.x * blockDim.x) >> 5);
+    for (int r = (int)((blockIdx.x * blockDim.x + threadIdx.x) >> 5); r < rows; r += nw) {
+        const float* xr = x + (i64)r * xs;
+        float scale;
+        if (f32_sums) {
+            float s = 0.0f;
+            for (int i = lane; i < n; i += 32) s += xr[i] * xr[i];
+            s = warp_sum(s);
+            scale = 1.0f / sqrtf(s / (float)n + eps);
+        } else {
+            double s = 0.0;
+            for (int i = lane; i < n; i += 32) s += (double)xr[i] * (double)xr[i];
+            s = warp_sum_d(s);
+            scale = (float)(1.0 / sqrt((l2 ? s : s / (double)n) + (double)eps));
+        }
+        float* orow = out + (i64)r * n;
+        const float* gr = gain + (i64)(r % gp) * n;
+        const float* zr = z ? z + (i64)r * n : 0;
+        for (int i = lane; i < n; i += 32) {
+            float y = xr[i] * scale;
+            if (!l2) y = y * gr[i];
+            if (act) {
+                const float s = sigmoid_t(zr[i]);
+                y = y * (act == 2 ? zr[i] * s : s);
+            }
+            orow[i] = y;
+        }
+    }
+}
+
+// The gated delta rule (ops.delta_rule's recurrence) for T tokens in one launch. S f32 [nv, dv, dk]:
+// each value row (h, j) of S evolves alone, so a warp holds one row in registers through all T
+// tokens: S <- S exp(g);  kv = S . k;  S <- S + k beta (v - kv);  out = S . q   (key head h % nk).
+// q, k: token t's [nk, dk] at q + t qs (k + t ks); v: token t's [nv, dv] at v + t vs; g, beta
+// [T, nv] contiguous; out [T, nv, dv] contiguous. dk at most 256 (lanes past dk hold zeros).
+extern "C" __global__ void dev_delta(float* S, const float* q, i64 qs, const float* k, i64 ks, const float* v, i64 vs,
+                                     const float* g, const float* beta, float* out, int T, int nv, int nk, int dv,
+                                     int dk) {
+    const int lane = threadIdx.x & 31;
+    const int nw = (int)((gridDim.x * blockDim.x) >> 5);
+    const int m = (dk + 31) >> 5;
+    for (int row = (int)((blockIdx.x * blockDim.x + threadIdx.x) >> 5); row < nv * dv; row += nw) {
+        const int h = row / dv, j = row - h * dv, kh = h % nk;
+        float* Sr = S + (i64)row * dk;
+        float s[8];
+        for (int a = 0; a < m; a++) s[a] = lane + 32 * a < dk ? Sr[lane + 32 * a] : 0.0f;
+        for (int t = 0; t < T; t++) {
+            const float decay = expf(g[(i64)t * nv + h]);
+            const float* kt = k + (i64)t * ks + (i64)kh * dk;
+            const float* qt = q + (i64)t * qs + (i64)kh * dk;
+            float kv = 0.0f;
+            for (int a = 0; a < m; a++) {
+                s[a] = s[a] * decay;
+                if (lane + 32 * a < dk) kv += s[a] * kt[lane + 32 * a];
+            }
+            kv = warp_sum(kv);
+            const float delta = (v[(i64)t * vs + (i64)h * dv + j] - kv) * beta[(i64)t * nv + h];
+            float o = 0.0f;
+            for (int a = 0; a < m; a++) {
+                if (lane + 32 * a < dk) {
+                    s[a] = s[a] + kt[lane + 32 * a] * delta;
+                    o += s[a] * qt[lane + 32 * a];
+                }
+            }
+            o = warp_sum(o);
+            if (lane == 0) out[((i64)t * nv + h) * dv + j] = o;
+        }
+        for (int a = 0; a < m; a++)
+            if (lane + 32 * a < dk) Sr[lane + 32 * a] = s[a];
+    }
+}
+
+// ops.conv_many: the causal depthwise conv of T inputs (row t at x + t xs) over the K - 1 before
+// them (state [K-1, C]), then SiLU, into out [T, C]; the state advances to the last K - 1 inputs.
+// One thread per channel: tap j reads the input K - 1 - j steps back.
+extern "C" __global__ void dev_conv(float* state, const float* w, const float* x, i64 xs, float* out, int T, int K,
+                                    int C) {
+    for (int c = blockIdx.x * blockDim.x + threadIdx.x; c < C; c += gridDim.x * blockDim.x) {
+        for (int t = 0; t < T; t++) {
+            float acc = 0.0f;
+            for (int j = 0; j < K; j++) {
+                const int i = t + j - (K - 1);
+                const float src = i >= 0 ? x[(i64)i * xs + c] : state[(i64)(K - 1 + i) * C + c];
+                acc = j == 0 ? w[c] * src : acc + w[(i64)j * C + c] * src;
+            }
+            out[(i64)t * C + c] = acc * sigmoid_t(acc);
+        }
+        // the new state: history rows T .. T + K - 2 (history = state then x); row T + r is read
+        // before row r is written, and T + r > r, so no row is read after it was overwritten
+        for (int r = 0; r < K - 1; r++) {
+            const int src = T + r;
+            state[(i64)r * C + c] = src < K - 1 ? state[(i64)src * C + c] : x[(i64)(src - (K - 1)) * xs + c];
+        }
+    }
+}
+
+// moe.combine_reference: out[t] = sum over ranks j, from 0, of w[t, j] part[slot[t, j]] (f32).
+extern "C" __global__ void dev_combine(const float* part, const i64* slot, const float* w, float* out, int T, int k,
+                                       int E) {
+    const i64 n = (i64)T * E;
+    for (i64 i = blockIdx.x * (i64)blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x) {
+        const int t = (int)(i / E), e = (int)(i - (i64)t * E);
+        float acc = 0.0f;
+        for (int j = 0; j < k; j++) acc += w[t * k + j] * part[slot[t * k + j] * E + e];
+        out[i] = acc;
+    }
+}
+
+// Elementwise, n values: ops.sigmoid (exp_form: 1 / (1 + exp(-x)), else the tanh form) into out;
+// ops.gate_: x *= sigmoid(z), or z sigmoid(z) with silu; ops.softplus: log(1 + exp(x)), stable.
+extern "C" __global__ void dev_sigmoid(const float* x, float* out, i64 n, int exp_form) {
+    for (i64 i = blockIdx.x * (i64)blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x)
+        out[i] = exp_form ? 1.0f / (expf(-x[i]) + 1.0f) : sigmoid_t(x[i]);
+}
+
+extern "C" __global__ void dev_gate(float* x, const float* z, i64 n, int silu) {
+    for (i64 i = blockIdx.x * (i64)blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x) {
+        const float s = sigmoid_t(z[i]);
+        x[i] = x[i] * (silu ? z[i] * s : s);
+    }
+}
+
+extern "C" __global__ void dev_softplus(const float* x, float* out, i64 n) {
+    for (i64 i = blockIdx.x * (i64)blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x) {
+        const float v = x[i];
+        out[i] = v > 0.0f ? v + log1pf(expf(-v)) : log1pf(expf(v));
+    }
+}
+
+// NeoX RoPE in place on `rows` rows of a head (row r at x + r xs, row r of token r / heads): the
+// first 2 half elements rotate by the token's cos/sin [T, half] (ops.Rope.apply_).
+extern "C" __global__ void dev_rope(float* x, i64 xs, const float* cs, const float* sn, int rows, int heads, int half) {
+    const i64 n = (i64)rows * half;
+    for (i64 i = blockIdx.x * (i64)blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x) {
+        const int r = (int)(i / half), j = (int)(i - (i64)r * half), t = r / heads;
+        float* xr = x + (i64)r * xs;
+        const float c = cs[(i64)t * half + j], s = sn[(i64)t * half + j];
+        const float x1 = xr[j], x2 = xr[half + j];
+        xr[j] = x1 * c - x2 * s;
+        xr[half + j] = x2 * c + x1 * s;
+    }
+}

@@ -1,0 +1,167 @@
+"""The device step (engine/tier/device.py): the whole forward on the device, states there too.
+
+Each test runs on CUDA (marked gpu: scripts/gpu_suite.sh) and on the host emulation (tests/gpu_emu.py,
+where the device's arrays are numpy's: the same code, numpy in place of CuPy). What must hold:
+    - its logits are the CPU engine's within float32 rounding (the norms, delta rule and attention
+      sum in another order on the device), and the greedy tokens are the same;
+    - they are bit-identical whatever the expert cache holds (hits and misses give the same bits,
+      the combine runs on the device in rank order whoever computed a row);
+    - the budget counts the session on the device and every stage's memory is what it predicts.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import engine_fixture as F
+import numpy as np
+import pytest
+from gpu_emu import EmuRuntime
+
+from strata.engine import budget as B
+from strata.engine.expert_plan import MiB
+from strata.engine.model import Model
+from strata.engine.pack_reader import Pack
+from strata.engine.tier import GpuTier, TierOptions
+from strata.engine.tier.device import DeviceBackend
+from strata.engine.tier.startup import GpuTierError
+
+CTX = 40
+# float32 rounding: the device sums in another order (f64 norms, batched products, its own exp and
+# tanh on a card). Bound on |logit difference| relative to the largest |logit| at the position. With
+# an f16 or int8 KV cache a key that rounds to the neighbouring f16 value (or int8 step), then an
+# activation that quantizes to the neighbouring int8 step, moves a logit by up to ~1% (measured on
+# the emulation: 6e-5 after attention, 1.4e-2 after the next MoE, at one position of 14).
+REL_TOL = {"f32": 2e-4, "f16": 1e-2, "int8": 1e-2}
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("device-step")
+    return Model(Pack.open(F.make_pack(tmp, types={"experts": "Q8_0", "dense": "Q8_0"})))
+
+
+def tokens(model, n, seed=7):
+    return np.random.default_rng(seed).integers(3, model.geometry.n_vocab, n).tolist()
+
+
+def run(model, session, toks, n_prompt):
+    rows = [np.array(model.forward(session, toks[:n_prompt], n_logits=n_prompt))] if n_prompt else []
+    rows += [model.step(session, t).copy()[None] for t in toks[n_prompt:]]
+    return np.concatenate(rows)
+
+
+@contextlib.contextmanager
+def device_tier(model, **opts):
+    o = {"max_context": CTX, "kv": "f32", "prefill_chunk": 16, "step": "device", **opts}
+    tier = GpuTier.start(model, TierOptions(**o))
+    try:
+        yield tier
+    finally:
+        tier.stop()
+
+
+def assert_close(got, want, kv="f32"):
+    scale = np.abs(want).max(axis=-1)
+    err = np.abs(got - want).max(axis=-1)
+    assert (err <= REL_TOL[kv] * scale).all(), f"worst relative error {(err / scale).max():.2e} at position {int((err / scale).argmax())}"
+    assert (got.argmax(-1) == want.argmax(-1)).all(), "a greedy token differs"
+
+
+@pytest.mark.parametrize("n_prompt", [0, 11])
+def test_the_device_step_gives_the_cpu_logits(model, rt, n_prompt):
+    toks = tokens(model, 20)
+    want = run(model, model.new_session(CTX, "f32"), toks, n_prompt)
+    with device_tier(model, expert_cache=None) as tier:
+        be = model.backend
+        assert isinstance(be, DeviceBackend)
+        s = tier.take_session(CTX, "f32")
+        assert not isinstance(s.states[0]["S"], np.ndarray) or isinstance(rt, EmuRuntime)  # on the card
+        launched, launch = set(), be._launch
+        be._launch = lambda name, *a: (launched.add(name), launch(name, *a))
+        got = run(model, s, toks, n_prompt)
+        assert tier.stats.hits.sum() > 0 and tier.stats.misses.sum() == 0
+    # the fused kernels, not the array-module fallbacks
+    assert launched == {"dev_rmsnorm", "dev_delta", "dev_conv", "dev_combine", "dev_sigmoid", "dev_gate", "dev_softplus",
+                        "dev_rope"}
+    assert_close(got, want)
+
+
+def test_the_device_step_is_bit_identical_whatever_the_split(model, rt):
+    toks = tokens(model, 16)
+    g = model.geometry
+    got = {}
+    for config, cache in (("none", 0), ("third", g.n_layer * g.n_expert // 3), ("all", None)):
+        with device_tier(model, expert_cache=cache) as tier:
+            got[config] = run(model, tier.take_session(CTX, "f32"), toks, 5)
+            got[config + " split"] = (int(tier.stats.hits.sum()), int(tier.stats.misses.sum()))
+    assert got["none split"][0] == 0 and got["all split"][1] == 0
+    assert min(got["third split"]) > 0, got["third split"]  # both paths ran
+    for config in ("third", "all"):
+        assert np.array_equal(got[config], got["none"]), f"{config}: max |diff| {np.abs(got[config] - got['none']).max()}"
+
+
+@pytest.mark.parametrize("kv", ["f16", "int8"])
+def test_the_device_kv_kinds_stay_close_to_the_cpu(model, rt, kv):
+    toks = tokens(model, 14, seed=3)
+    want = run(model, model.new_session(CTX, kv), toks, 6)
+    with device_tier(model, kv=kv) as tier:
+        got = run(model, tier.take_session(CTX, kv), toks, 6)
+    assert_close(got, want, kv)
+
+
+def test_the_session_is_planned_on_the_device_and_every_stage_matches(model, rt):
+    with device_tier(model, expert_cache=None) as tier:
+        marks, plan = tier.marks, tier.plan
+        session = tier.session
+    sess = [i for i in plan.items if i.key.startswith("session.")]
+    assert sess and all(i.where == B.DEVICE for i in sess)
+    assert sum(session.memory()[i.key] for i in sess) == sum(i.bytes for i in sess)  # the plan is the allocation
+    for n, m in enumerate(marks, 1):
+        if isinstance(rt, EmuRuntime):
+            assert m.used == m.predicted, m.line(n)
+        else:
+            assert abs(m.used - m.predicted) <= max(0.01 * m.card_used, 2 * MiB * n), m.line(n)
+
+
+def test_a_new_session_is_made_when_the_planned_one_does_not_fit(model, rt):
+    with device_tier(model) as tier:
+        first = tier.session
+        other = tier.take_session(CTX // 2, "f32")
+        assert other is not first and other.max_context == CTX // 2
+        assert tier.take_session(CTX, "f32") is not first  # taken once only
+
+
+@pytest.fixture(scope="module")
+def qwen4exp(tmp_path_factory):
+    from strata.tools import pack as tools_pack
+    from strata.tools.synth import PRESETS, synth
+
+    tmp = tmp_path_factory.mktemp("device-step-q4")
+    (tmp / "src").mkdir()
+    shards = synth("qwen4exp", "tiny", tmp / "src" / "tiny.gguf")
+    tools_pack.convert(shards[:1], tmp / "q4", compress_ratio=PRESETS["tiny"].compress_ratio)
+    return Model(Pack.open(tmp / "q4"))
+
+
+def test_the_device_step_refuses_qwen4exp(qwen4exp, rt):
+    with pytest.raises(GpuTierError, match="qwen35moe only; use --gpu-step host"):
+        GpuTier.start(qwen4exp, TierOptions(max_context=CTX, step="device"))
+
+
+def test_an_unknown_step_is_refused(model, rt):
+    with pytest.raises(GpuTierError, match="--gpu-step 'sideways': expected host or device"):
+        GpuTier.start(model, TierOptions(max_context=CTX, step="sideways"))
+
+
+def test_the_cli_refuses_an_unknown_gpu_step_and_notes_it_on_the_cpu(model, capsys):
+    from strata.engine.cli import main
+
+    pack = str(model.pack.dir)
+    rc = main(["generate", "--pack", pack, "--prompt-ids", "1 2", "-n", "1", "--gpu-step", "sideways"])
+    assert rc == 2 and "--gpu-step 'sideways': expected host or device" in capsys.readouterr().err
+    rc = main(["generate", "--pack", pack, "--prompt-ids", "1 2", "-n", "1", "--device", "cpu", "--gpu-step", "device"])
+    out = capsys.readouterr()
+    assert rc == 0 and "note: --gpu-step device places the GPU tier's blocks; on the CPU every block runs" in out.err
