@@ -617,11 +617,16 @@ def _panel(name: str, grouped: bool, parallel: bool):
 # (a panel of 4 rows did a whole panel's work: 0.6x).
 PANEL_FROM = 3
 PANEL_FROM_FLOAT = 8
+# The types whose panels are built straight from the raw blocks (panel.RAW) have no decode to pay
+# back: from 2 tokens (MEASURE).
+PANEL_FROM_RAW = 2
 
 
 def _use_panel(t, tokens_per_matrix: float, n_out: int) -> bool:
     if not panel.AVAILABLE:
         return False
+    if t.name in panel.RAW:
+        return tokens_per_matrix >= PANEL_FROM_RAW
     if t.quantized:
         return tokens_per_matrix >= PANEL_FROM
     return tokens_per_matrix >= PANEL_FROM_FLOAT and n_out >= panel.ROWS
