@@ -621,11 +621,22 @@ PANEL_FROM_FLOAT = 8
 # forward of 1 + N rows): 2.45x a token step's dense time for 3 rows on seed-4l, where the panel
 # kernels took 3.06x. tests/kernel_paths.py sets it to 1 to pin the row or panel kernels.
 ROWDOT_ROWS_MAX = rowdot.ROWS_MAX
+# The types whose panels are built straight from the raw blocks (panel.RAW) have no decode to pay
+# back: from 2 tokens (the LM head from memory, 1 thread, CPU time: 2 tokens 38-40 ms on the raw
+# panel against 44-62 on the row kernel, one token's matvec 28-34).
+PANEL_FROM_RAW = 2
+# matmul_grouped has no one-token kernel of its own: its row kernel decodes each row into scratch.
+# So there the raw panels take even one token per matrix (the routed experts of a serving step or
+# of one token): IQ4_NL down projections, 2560 x 640, one token per expert, 1 thread, CPU time:
+# 64 experts 7.6-9.6 -> 6.1-6.9 ms, 10 experts 1.25-1.37 -> 0.93-0.97 ms.
+GROUPED_FROM_RAW = 1
 
 
-def _use_panel(t, tokens_per_matrix: float, n_out: int) -> bool:
+def _use_panel(t, tokens_per_matrix: float, n_out: int, grouped: bool = False) -> bool:
     if not panel.AVAILABLE:
         return False
+    if t.name in panel.RAW:
+        return tokens_per_matrix >= (GROUPED_FROM_RAW if grouped else PANEL_FROM_RAW)
     if t.quantized:
         return tokens_per_matrix >= PANEL_FROM
     return tokens_per_matrix >= PANEL_FROM_FLOAT and n_out >= panel.ROWS
@@ -846,7 +857,7 @@ def matmul_grouped(raw: np.ndarray, type_id: int, n_in: int, n_out: int, offsets
     workers = numba.get_num_threads() if parallel else 1  # _launch set it
     bounds = _balance(items, starts, min(len(items), GROUP_CHUNKS * workers))
     live = np.count_nonzero(np.diff(starts))
-    kernel = _panel(t.name, True, parallel) if _use_panel(t, n_tok / live, n_out) else _grouped(t.name, parallel)
+    kernel = _panel(t.name, True, parallel) if _use_panel(t, n_tok / live, n_out, grouped=True) else _grouped(t.name, parallel)
     kernel(raw, offsets, t.type_size, t.row_bytes(n_in), starts, items, bounds, q.reshape(-1), d, s16, F16_TO_F32, out, workers)
     return out
 

@@ -70,12 +70,12 @@ def on_compile(fn):
 
 
 class _KernelCache(FunctionCache):
-    def __init__(self, py_func, name: str):
+    def __init__(self, py_func, name: str, also=()):
         super().__init__(py_func)  # raises RuntimeError when no directory is writable
         self.tag = name
         base = f"strata-{name}.py{sys.version_info[0]}{sys.version_info[1]}"
         # the function's own file too: a user outside this package (engine/ops.py) is covered
-        stamp = _KERNEL_STAMP + _stamp([Path(inspect.getfile(py_func))])
+        stamp = _KERNEL_STAMP + _stamp([Path(inspect.getfile(py_func)), *map(Path, also)])
         self._cache_file = IndexDataCacheFile(self._cache_path, base, stamp)
 
     def load_overload(self, sig, target_context):
@@ -91,12 +91,13 @@ class _KernelCache(FunctionCache):
         return (sig, codegen.magic_tuple())
 
 
-def cached(dispatcher, tag: str):
+def cached(dispatcher, tag: str, also=()):
     """Give a Numba dispatcher the disk cache described above; `tag` names the kernel uniquely
-    (type, variant). Without a writable cache directory it compiles at every start, as numba's
-    `cache=True` would refuse to import there at all."""
+    (type, variant); `also`: further source files its code compiles in (their edits invalidate it
+    too). Without a writable cache directory it compiles at every start, as numba's `cache=True`
+    would refuse to import there at all."""
     try:
-        dispatcher._cache = _KernelCache(dispatcher.py_func, f"{tag}-{FEATURES}")
+        dispatcher._cache = _KernelCache(dispatcher.py_func, f"{tag}-{FEATURES}", also)
     except RuntimeError as e:  # numba found no writable directory
         warnings.warn(f"{e}: the kernels compile at every start (set NUMBA_CACHE_DIR to a writable directory)", RuntimeWarning, stacklevel=2)
     return dispatcher

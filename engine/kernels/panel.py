@@ -16,6 +16,11 @@ act-blocks: per act-block the same term, added into the row's lane b % 32 in blo
 the same fold. So a row's result equals cpu.py's matvec bit for bit (tests/engine/test_panel.py), and
 everything that compares the batched and token paths keeps its meaning.
 
+The 32-element unit-scale types (RAW: Q8_0, Q4_0, Q5_0, IQ4_NL) skip the decode: each pair of
+act-blocks of the 16 rows unpacks in registers as rowdot.py's kernel does (values + the type's
+offset), is transposed there and stored into wp once, the scales straight into flp. That made
+them worth a panel from 2 tokens (a serving step of 2-16 streams; cpu.PANEL_FROM_RAW).
+
 Layout of a panel (per thread, `_scratch`), P = act-blocks per row rounded up to 16:
   rows     the 16 rows decoded by cpu.py's decoders: int8 values at [r * 32P + 32b ..], integer
            scales sc[i, r * P + b] (ws0, ws1, mn0, mn1), f32 factors fl[i, r * P + b] (wf, wm)
@@ -33,7 +38,7 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from . import simd
+from . import rowdot, simd
 from .actq import QA
 from .jit import JIT, cached
 
@@ -64,6 +69,21 @@ def _arg(context, builder, sig, args, k):
     return context.cast(builder, args[k], sig.args[k], types.intp)
 
 
+def _transpose(builder, rows):
+    """16 <16 x i32> rows -> the 16 columns (column c: element c of every row, row r in lane r)."""
+    rows = list(rows)
+    d = 8
+    while d:  # swap the off-diagonal d x d blocks of every 2d x 2d block
+        lo = [c if not c & d else 16 + c - d for c in range(16)]
+        hi = [c + d if not c & d else 16 + c for c in range(16)]
+        for i in range(16):
+            if not i & d:
+                a, b = rows[i], rows[i + d]
+                rows[i], rows[i + d] = builder.shuffle_vector(a, b, _mask(16, lo)), builder.shuffle_vector(a, b, _mask(16, hi))
+        d //= 2
+    return rows
+
+
 @intrinsic
 def transpose16(typingctx, src, si, stride, dst, di, flip):
     """dst[di + 16c + r] = src[si + r * stride + c] ^ flip for r, c < 16, on 4-byte elements: src
@@ -76,15 +96,7 @@ def transpose16(typingctx, src, si, stride, dst, di, flip):
         for r in range(16):
             idx = builder.add(si_, builder.mul(st, ir.Constant(I64, r)))
             rows.append(builder.load(_vec(context, builder, sig, args, 0, idx, _V16I), align=1))
-        d = 8
-        while d:  # swap the off-diagonal d x d blocks of every 2d x 2d block
-            lo = [c if not c & d else 16 + c - d for c in range(16)]
-            hi = [c + d if not c & d else 16 + c for c in range(16)]
-            for i in range(16):
-                if not i & d:
-                    a, b = rows[i], rows[i + d]
-                    rows[i], rows[i + d] = builder.shuffle_vector(a, b, _mask(16, lo)), builder.shuffle_vector(a, b, _mask(16, hi))
-            d //= 2
+        rows = _transpose(builder, rows)
         mask = _splat(builder, builder.trunc(context.cast(builder, args[5], sig.args[5], types.int64), I32), _V16I)
         base = _vec(context, builder, sig, args, 3, di_, _V16I)
         for c in range(16):
@@ -94,7 +106,10 @@ def transpose16(typingctx, src, si, stride, dst, di, flip):
     return types.void(src, si, stride, dst, di, flip), codegen
 
 
-def _block(has_min, scales):
+def _block(has_min, scales, shift=7):
+    """The block step below; the weights come offset by 1 << shift (128 for the decoded panels,
+    rowdot.TYPES' offset for the raw ones), taken back off as (1 << shift) * the half sums."""
+
     def impl(typingctx, wp, wi, scp, flp, si, plane, xq, xi, n_in, s16, s16i, xd, xdi, nb, lanes, li, n_tok):
         """Act-block b of a panel against n_tok tokens (docs/kernels.md's term, 16 rows at once):
 
@@ -129,7 +144,7 @@ def _block(has_min, scales):
                 xk = builder.add(xi_, builder.mul(k, n_in_))
                 sk = builder.add(s16i_, builder.mul(k, builder.add(nb_, nb_)))
                 s = [builder.load(_vec(context, builder, sig, args, 9, builder.add(sk, ir.Constant(I64, h)), I32), align=4) for h in (0, 1)]
-                acc = [_splat(builder, builder.neg(builder.shl(s[h], ir.Constant(I32, 7))), _V16I) for h in (0, 1)]
+                acc = [_splat(builder, builder.neg(builder.shl(s[h], ir.Constant(I32, shift))), _V16I) for h in (0, 1)]
                 for g in range(8):
                     xv = builder.load(_vec(context, builder, sig, args, 6, builder.add(xk, ir.Constant(I64, 4 * g)), I32), align=1)
                     acc[g // 4] = builder.call(dp, [acc[g // 4], w[g], _splat(builder, xv, _V16I)])
@@ -180,6 +195,129 @@ def fold16(typingctx, lanes, li, out, oi):
         return context.get_dummy_value()
 
     return types.void(lanes, li, out, oi), codegen
+
+
+# ---------------------------------------------------------------------------------------------
+# the raw panels: the 32-element unit-scale types straight from their blocks
+
+# Types whose panels are built from the raw blocks (rowdot.py's unpackers), not decoded into
+# scratch first. Why: for few tokens the decode dominated. A Q8_0 panel of the LM head cost
+# ~160 ns per row to decode (a scalar f16 lookup per block, copies, then a transpose reading the
+# copies back) against ~17 ns per row and token for the dots: 8 tokens took 4.3x one token's
+# matvec at 1 thread where the bytes read are the same. Unpacked in registers, transposed there
+# and stored once, a row's share of the panel costs ~70 ns (in cache, measured alone).
+RAW = tuple(rowdot.TYPES) if rowdot.AVAILABLE else ()
+
+
+def _raw_pair(name):
+    size, _ = rowdot.TYPES[name]
+
+    def impl(typingctx, raw, at, rb, n, b0, nb, wp, wi, flp):
+        """Act-blocks b0 and b0 + 1 of the 16 rows of a panel of the `name` matrix -> the panel:
+        row r at byte at + r rb of raw (rows r >= n repeat row n - 1, a block b0 + 1 >= nb
+        repeats block nb - 1: their sums are never stored). The values, offset as rowdot._unpack
+        gives them, transposed to wp at byte wi (the layout of the module docstring: group g of
+        row r at wi + 64 g + 4 r, b0's 8 groups then b0 + 1's); the fp16 scales, as f32, to
+        flp[16 b + r]."""
+
+        def codegen(context, builder, sig, args):
+            at_, rb_, n_, b0_, nb_, wi_ = (_arg(context, builder, sig, args, k) for k in (1, 2, 3, 4, 5, 7))
+            data = context.make_array(sig.args[0])(context, builder, args[0]).data
+
+            def load(idx, ty):
+                return builder.load(builder.bitcast(builder.gep(data, [idx]), ty.as_pointer()), align=1)
+
+            one = ir.Constant(I64, 1)
+            b1 = builder.add(b0_, one)
+            b1 = builder.select(builder.icmp_signed("<", b1, nb_), b1, builder.sub(nb_, one))
+            rows, scales = [], ([], [])
+            for r in range(ROWS):
+                rr = builder.select(builder.icmp_signed("<", ir.Constant(I64, r), n_), ir.Constant(I64, r), builder.sub(n_, one))
+                p = builder.add(at_, builder.mul(rr, rb_))
+                us = []
+                for h, b in enumerate((b0_, b1)):
+                    q = builder.add(p, builder.mul(b, ir.Constant(I64, size)))
+                    us.append(rowdot._unpack(builder, name, load, q))
+                    scales[h].append(load(q, simd.I16))
+                rows.append(builder.bitcast(builder.shuffle_vector(us[0], us[1], _mask(64, range(64))), _V16I))
+            base = _vec(context, builder, sig, args, 6, wi_, _V16I)
+            for c, col in enumerate(_transpose(builder, rows)):
+                builder.store(col, builder.gep(base, [ir.Constant(I64, c)]), align=1)
+            # (a vpgatherdd of the 16 scales instead of these loads and inserts was slower)
+            for h, b in enumerate((b0_, b1)):  # b1 = b0 (nb odd, the last pair): the same values again
+                dw = ir.Constant(ir.VectorType(simd.I16, ROWS), None)
+                for r, hb in enumerate(scales[h]):
+                    dw = builder.insert_element(dw, hb, ir.Constant(I32, r))
+                wf = builder.fpext(builder.bitcast(dw, ir.VectorType(ir.HalfType(), ROWS)), _V16F)
+                builder.store(wf, _vec(context, builder, sig, args, 8, builder.mul(b, ir.Constant(I64, ROWS)), _V16F), align=4)
+            return context.get_dummy_value()
+
+        return types.void(raw, at, rb, n, b0, nb, wp, wi, flp), codegen
+
+    return impl
+
+
+@intrinsic
+def prefetch(typingctx, raw, at):
+    """Ask for the cache line of byte `at` of raw into L2 (prefetcht1; never faults, even past the end)."""
+
+    def codegen(context, builder, sig, args):
+        data = context.make_array(sig.args[0])(context, builder, args[0]).data
+        ptr = builder.bitcast(builder.gep(data, [_arg(context, builder, sig, args, 1)]), ir.IntType(8).as_pointer())
+        fn = _fn(builder, "llvm.prefetch.p0", ir.VoidType(), [ir.IntType(8).as_pointer(), I32, I32, I32])
+        builder.call(fn, [ptr, ir.Constant(I32, 0), ir.Constant(I32, 2), ir.Constant(I32, 1)])
+        return context.get_dummy_value()
+
+    return types.void(raw, at), codegen
+
+
+def _raw_panel_rows(name):
+    """_panel_rows for a RAW type: the same arguments (the decoder's scratch wq, sc, fl and lut
+    unused) and the same dots, the panel made by _raw_pair. flp must be plane 0 of the scratch's
+    (the f32 factors wf; these types have no other). With one token tile (up to 16 tokens: a
+    serving step) each pair's two blocks are dotted right after the pair is made, from 1 KB of wp
+    in L1 (a block's terms still go to its lane in block order: the same bits); the 2 tokens of
+    the LM head from memory took 38 ms of CPU instead of 48-52 with the whole panel made first."""
+    pair = intrinsic(_raw_pair(name))
+    block = intrinsic(_block(False, "unit", rowdot.TYPES[name][1].bit_length() - 1))
+
+    @njit(**_inline)
+    def panels(raw, base, type_size, row_bytes, o0, o1, t0, t1, xq, xd, s16, lut, wq, sc, fl, wp, scp, flp, lanes, tmp, out):
+        nb = row_bytes // type_size
+        n_in = nb * QA
+        P = sc.shape[1] // ROWS
+        # the next panel's bytes, a share after each pair: a pair reads 16 rows at once, 16
+        # streams the hardware prefetcher did not follow (2 tokens of the LM head from memory
+        # took as long as 2 matvecs, where the same panels in cache took 1.4 matvecs)
+        share = (ROWS * row_bytes + 32 * nb - 1) // (32 * nb) * 64  # bytes per pair, whole lines
+        for p0 in range(o0, o1, ROWS):
+            n = min(ROWS, o1 - p0)
+            ahead = base + (p0 + 2 * ROWS) * row_bytes
+            if t1 - t0 <= TOKEN_TILE:  # one tile (a serving step): each pair's dots at once, from L1
+                m = t1 - t0
+                lanes[: m * LANES * ROWS] = 0.0
+                for b in range(0, nb, 2):
+                    pair(raw, base + p0 * row_bytes, row_bytes, n, b, nb, wp, 0, flp)
+                    for c in range(ahead + b // 2 * share, ahead + (b // 2 + 1) * share, 64):
+                        prefetch(raw, c)
+                    for k in range(b, min(b + 2, nb)):
+                        block(wp, 8 * 64 * (k - b), scp, flp, ROWS * k, ROWS * P, xq, t0 * n_in + QA * k, n_in,
+                              s16, 2 * t0 * nb + 2 * k, xd, t0 * nb + k, nb, lanes, ROWS * (k % LANES), m)  # fmt: skip
+                _fold_tile(lanes, m, n, t0, p0, tmp, out)
+                continue
+            for b in range(0, nb, 2):
+                pair(raw, base + p0 * row_bytes, row_bytes, n, b, nb, wp, 512 * b, flp)
+                for c in range(ahead + b // 2 * share, ahead + (b // 2 + 1) * share, 64):
+                    prefetch(raw, c)
+            for a in range(t0, t1, TOKEN_TILE):
+                m = min(TOKEN_TILE, t1 - a)
+                lanes[: m * LANES * ROWS] = 0.0
+                for b in range(nb):
+                    block(wp, 8 * 64 * b, scp, flp, ROWS * b, ROWS * P, xq, a * n_in + QA * b, n_in,
+                          s16, 2 * a * nb + 2 * b, xd, a * nb + b, nb, lanes, ROWS * (b % LANES), m)  # fmt: skip
+                _fold_tile(lanes, m, n, a, p0, tmp, out)
+
+    return panels
 
 
 # ---------------------------------------------------------------------------------------------
@@ -266,10 +404,17 @@ def _scratch(P, preset, tokens):
     return wq, sc, fl, wp, scp, flp, np.zeros(min(tokens, TOKEN_TILE) * LANES * ROWS, F32), np.zeros(ROWS, F32)
 
 
+def _panels(name, dec, per, has_min, scales):
+    """The panel row loop of a block type and the files its code comes from (jit.cached's `also`)."""
+    if name in RAW:
+        return _raw_panel_rows(name), (rowdot.__file__,)
+    return _panel_rows(dec, per, has_min, scales), ()
+
+
 def matmul_kernel(name, dec, per, has_min, preset, scales, parallel):
     """cpu.matmul's panel driver for one block type (cpu.py's decoder and its constants): the
     panels split into n_chunks ranges."""
-    panels = _panel_rows(dec, per, has_min, scales)
+    panels, also = _panels(name, dec, per, has_min, scales)
 
     def kernel(raw, type_size, row_bytes, xq, xd, xs, lut, out, n_chunks):
         n_tok, n_out = out.shape
@@ -280,12 +425,12 @@ def matmul_kernel(name, dec, per, has_min, preset, scales, parallel):
             o0, o1 = ROWS * (c * n_pan // n_chunks), min(n_out, ROWS * ((c + 1) * n_pan // n_chunks))
             panels(raw, 0, type_size, row_bytes, o0, o1, 0, n_tok, xq, xd, xs, lut, wq, sc, fl, wp, scp, flp, lanes, tmp, out)
 
-    return cached(njit(parallel=parallel, **JIT)(kernel), f"{name}-panel-{'par' if parallel else 'serial'}")
+    return cached(njit(parallel=parallel, **JIT)(kernel), f"{name}-panel-{'par' if parallel else 'serial'}", also)
 
 
 def grouped_kernel(name, dec, per, has_min, preset, scales, parallel):
     """cpu.matmul_grouped's panel driver: (matrix, row tile) items from a shared queue, as cpu.py's."""
-    panels = _panel_rows(dec, per, has_min, scales)
+    panels, also = _panels(name, dec, per, has_min, scales)
 
     def kernel(raw, offsets, type_size, row_bytes, starts, items, bounds, xq, xd, xs, lut, out, n_workers):
         P = (xd.shape[1] + 15) // 16 * 16
@@ -303,7 +448,7 @@ def grouped_kernel(name, dec, per, has_min, preset, scales, parallel):
                            xq, xd, xs, lut, wq, sc, fl, wp, scp, flp, lanes, tmp, out)  # fmt: skip
                 c = simd.fetch_add(queue, 0, 1)
 
-    return cached(njit(parallel=parallel, **JIT)(kernel), f"{name}-panel-grouped-{'par' if parallel else 'serial'}")
+    return cached(njit(parallel=parallel, **JIT)(kernel), f"{name}-panel-grouped-{'par' if parallel else 'serial'}", also)
 
 
 # ---------------------------------------------------------------------------------------------

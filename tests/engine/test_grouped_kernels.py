@@ -86,6 +86,24 @@ def test_expert_shapes_with_many_small_groups(name, n_in, n_out, kernel):
         _same(got, _per_group(t, raw, offsets, act, starts, n_in, n_out, cpu.matmul), f"{name} grouped vs matmul")
 
 
+def test_raw_types_take_the_panel_from_one_token_per_expert(monkeypatch):
+    # a serving step routes ~1 token to each expert; the grouped row kernel decodes each row into
+    # scratch first, the raw panel (panel.RAW: IQ4_NL, the seed-4l down projections) does not
+    from strata.engine.kernels import panel
+
+    if not panel.RAW:
+        pytest.skip("no AVX512-VNNI and F16C: no raw panels here")
+    taken = []
+    monkeypatch.setattr(cpu, "_panel", lambda *a, f=cpu._panel: taken.append("panel") or f(*a))
+    monkeypatch.setattr(cpu, "_grouped", lambda *a, f=cpu._grouped: taken.append("rows") or f(*a))
+    t, n_in, n_out = BY_NAME["IQ4_NL"], 640, cpu.GROUP_TILE + 13
+    for sizes, kernel in (([1] * 6, "panel"), ([0, 1, 1, 0, 1], "panel"), ([2, 1, 2], "panel")):
+        raw, offsets, act, starts = _case(t, n_in, n_out, sizes, 3)
+        got = cpu.matmul_grouped(raw, t.id, n_in, n_out, offsets, act, starts)
+        assert taken[-1] == kernel, sizes
+        _same(got, _per_group(t, raw, offsets, act, starts, n_in, n_out, R.dot_reference), f"IQ4_NL groups {sizes}")
+
+
 def test_a_group_of_more_tokens_than_a_tile_equals_the_reference():
     """One expert with more tokens than a tile of activations (cpu._TILE_BYTES), among small ones:
     its rows meet the tokens tile by tile."""

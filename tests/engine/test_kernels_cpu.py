@@ -362,12 +362,11 @@ from kernel_blocks import random_weights
 from strata.engine.kernels import cpu
 from strata.engine.kernels.actq import quantize_act
 from strata.index_format.ggml_types import BY_NAME
-t = BY_NAME["Q4_0"]
+t = BY_NAME["Q4_1"]  # the row kernel: Q4_0 would take rowdot.py's kernel at 1 token and a raw panel at 2
 raw = random_weights(t, 256 * 8, np.random.default_rng(0))
 x = np.linspace(-1, 1, 256, dtype=np.float32)
-cpu.ROWDOT_ROWS_MAX = 1  # 2-4 tokens would take rowdot.matmul, not the row kernel this checks
-y = cpu.matmul(raw, t.id, 256, 8, quantize_act(np.stack([x, x[::-1]])))  # 2 tokens: one would take rowdot.py's kernel
-k = cpu._kernel("Q4_0", False)
+y = cpu.matmul(raw, t.id, 256, 8, quantize_act(np.stack([x, x[::-1]])))
+k = cpu._kernel("Q4_1", False)
 print(sum(k.stats.cache_hits.values()), sum(k.stats.cache_misses.values()), y.view(np.uint32).tolist())
 """
 
@@ -389,7 +388,7 @@ def test_kernels_load_from_the_disk_cache_in_a_new_process(tmp_path):
     assert (hit1, miss1) == ("1", "0"), f"second process: {hit1} cache hits, {miss1} compilations (expected a load)"
     assert (hit2, miss2) == ("0", "1"), "narrowed SIMD features loaded the full feature set's machine code"
     assert y0 == y1 == y2
-    assert list(tmp_path.rglob("strata-Q4_0-serial-*.nbc")), sorted(p.name for p in tmp_path.rglob("*"))
+    assert list(tmp_path.rglob("strata-Q4_1-serial-*.nbc")), sorted(p.name for p in tmp_path.rglob("*"))
 
 
 @pytest.mark.parametrize("n_tok", [2, 3, 4])

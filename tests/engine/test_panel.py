@@ -99,6 +99,26 @@ def test_products_of_few_tokens_keep_the_row_kernel(monkeypatch):
     assert taken == ["rows"]
 
 
+def test_raw_types_take_the_panel_from_two_tokens(monkeypatch):
+    # the 32-element unit-scale types build their panels from the raw blocks (panel.RAW), with no
+    # decode to pay back: 2 tokens (two serving streams' step) already take the panel, which
+    # gives the same bits; one token keeps the token path (rowdot.py)
+    if not panel.RAW:
+        pytest.skip("no AVX512-VNNI and F16C: no raw panels here")
+    taken = []
+    monkeypatch.setattr(cpu, "_panel", lambda *a, f=cpu._panel: taken.append("panel") or f(*a))
+    monkeypatch.setattr(cpu, "_kernel", lambda *a, f=cpu._kernel: taken.append("rows") or f(*a))
+    for name in panel.RAW:
+        t = BY_NAME[name]
+        n_in = 32 * 45
+        raw = random_weights(t, n_in * N_OUT, np.random.default_rng(9))
+        for n_tok in (1, 2):
+            act = _acts(n_in, n_tok, n_tok)
+            _same(cpu.matmul(raw, t.id, n_in, N_OUT, act), R.dot_reference(raw, t.id, n_in, N_OUT, act), f"{name} at {n_tok} tokens")
+        assert taken == ["rows", "panel"], name
+        taken.clear()
+
+
 def test_no_fused_multiply_add_in_the_panel_kernels(monkeypatch):
     # as test_kernels_cpu's check: an FMA rounds once where the specification rounds twice
     if not panel.AVAILABLE:

@@ -11,8 +11,11 @@ from __future__ import annotations
 
 import concurrent.futures
 import io
+import os
+import pwd
 import random
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -629,3 +632,87 @@ def test_chat_ctrl_c_stops_a_reply_and_ctrl_d_exits(pack_dir):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+# --- several servers behind nginx (docs/serve.md's configuration, as written there) --------------------
+
+
+def _documented_nginx(a: str, b: str, listen: str) -> str:
+    """docs/serve.md's nginx block with the two servers at a and b and nginx on `listen`."""
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[2] / "docs" / "serve.md").read_text(encoding="utf-8")
+    block = re.search(r"## Several servers behind a load balancer.*?```nginx\n(.*?)```", text, re.S).group(1)
+    for old, new in (("10.0.0.11:8080", a), ("10.0.0.12:8080", b), ("listen 80;", f"listen {listen};")):
+        assert old in block, f"docs/serve.md's nginx block no longer has {old!r}: update this test"
+        block = block.replace(old, new)
+    return block
+
+
+@pytest.mark.skipif(shutil.which("nginx") is None, reason="nginx is not installed here: docs/serve.md's configuration "
+                                                          "is tested where it is (apt-get install nginx)")
+def test_the_documented_nginx_config_spreads_requests_and_retries_a_full_server(engine, tmp_path):
+    hold = threading.Event()
+    hold.set()
+    full = Running(engine, max_queue=0, check=lambda: hold.wait(30))  # batch 1, no queue: one request fills it
+    other = Running(engine)
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    sock.close()
+    user = f"user {pwd.getpwuid(os.geteuid()).pw_name};" if os.geteuid() == 0 else ""  # workers: not `nobody`
+    conf = tmp_path / "nginx.conf"
+    conf.write_text(f"""{user}
+worker_processes 1;
+pid {tmp_path}/nginx.pid;
+events {{ worker_connections 64; }}
+http {{
+    access_log off;
+    client_body_temp_path {tmp_path}/body;
+    proxy_temp_path {tmp_path}/proxy;
+{_documented_nginx(full.url.removeprefix("http://"), other.url.removeprefix("http://"), f"127.0.0.1:{port}")}
+}}
+""")
+    proc = subprocess.Popen([shutil.which("nginx"), "-p", str(tmp_path), "-e", str(tmp_path / "error.log"), "-c", str(conf),
+                             "-g", "daemon off;"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 20
+        while True:
+            assert proc.poll() is None, f"nginx exited: {proc.stdout.read().decode()}"
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                assert time.monotonic() < deadline, "nginx did not listen in 20 s"
+                time.sleep(0.05)
+        lb = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=60)
+        # through nginx, plain and streamed (server-sent events unbuffered), each server's greedy text
+        want = other.client().completions.create(model=NAME, prompt="hello", max_tokens=6, temperature=0).choices[0].text
+        for _ in range(2):  # both servers in turn
+            assert lb.completions.create(model=NAME, prompt="hello", max_tokens=6, temperature=0).choices[0].text == want
+            chunks = list(lb.completions.create(model=NAME, prompt="hello", max_tokens=6, temperature=0, stream=True))
+            assert "".join(c.choices[0].text for c in chunks) == want and len(chunks) > 2
+        for s in (full, other):
+            assert s.metrics().get('strata_requests_total{code="200"}', 0) >= 2, "nginx did not spread the requests"
+        # one server full (a request straight to it, held running): every request through nginx still
+        # gets its reply, the full server's 503 retried on the other
+        hold.clear()
+        body = {"prompt": [1, 2, 3], "max_tokens": 3, "ignore_eos": True}
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            held = pool.submit(httpx.post, f"{full.url}/v1/completions", json=body, timeout=60)
+            deadline = time.monotonic() + 10
+            while full.scheduler.idle:
+                assert time.monotonic() < deadline, "the held request did not start"
+                time.sleep(0.01)
+            for _ in range(4):
+                r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=60)
+                assert r.status_code == 200, r.text
+            assert full.scheduler.counters.requests_rejected >= 1, "nginx never tried the full server"
+            hold.set()
+            assert held.result().status_code == 200
+    finally:
+        hold.set()
+        proc.terminate()
+        proc.wait(10)
+        full.stop()
+        other.stop()
