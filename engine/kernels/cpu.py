@@ -765,7 +765,11 @@ def _multiply(name: str, raw, type_id: int, n_in: int, n_out: int, act, out, one
     elif not (isinstance(out, np.ndarray) and out.shape == shape and out.dtype == F32 and out.flags.c_contiguous):
         raise ValueError(f"{where}: out must be contiguous f32 {list(shape)}, got {getattr(out, 'dtype', type(out))}{list(getattr(out, 'shape', []))}")
     out2 = out.reshape(n_tok, n_out)  # a view: out is contiguous
-    if not one and n_tok <= ROWDOT_ROWS_MAX and t.name in rowdot.TYPES and rowdot.AVAILABLE:  # a verify's few rows
+    # a verify's few rows: rowdot.matmul, unless a raw panel takes them (panel.RAW: the LM head of
+    # seed-4l, Q8_0, 1 thread, CPU time: 2 / 3 / 4 tokens 36.8 / 60.0 / 70.6 ms through rowdot.matmul,
+    # 36.2 / 46.1 / 46.2 through the raw panel, the same bits; 2026-12-01)
+    if not one and n_tok <= ROWDOT_ROWS_MAX and t.name in rowdot.TYPES and rowdot.AVAILABLE \
+            and not (t.name in panel.RAW and _use_panel(t, n_tok, n_out)):
         parallel, chunks = _launch(n_out, n_in * n_out * n_tok)
         rowdot.matmul(t.name, raw, t.row_bytes(n_in), q, d, s16, out2, parallel, chunks)
         return out
