@@ -22,6 +22,24 @@ specification is total.
 
 Non-finite activations are refused (ValueError): an inf or NaN would quantize to plausible
 integers and the layer would go on with garbage.
+
+The wide form (ActQ16), for the weight types llama.cpp reads with Q8_0 activations (WIDE): the
+same rule with 16-bit integers, per 32-element block
+
+    d    = amax / 32639                      q = clip(rint(x / d), -32639, 32639)
+    hi   = (q + 128) >> 8  (in -127..127)    lo = q - 256 hi  (in -128..127)
+
+held as two int8 ActQ planes with the same d (each plane's s16 its own sums), so every kernel
+multiplies each plane exactly as it multiplies 8-bit activations, and
+
+    W x = f32(256) * (W . hi-plane) + (W . lo-plane)        (256 * y exact: one rounding)
+
+Why: with 8 bits per 32 for these types our error against transformers was llama.cpp's within
+the prompts' noise (0.97-1.06x on llama.cpp's own files: both engines quantize these activations
+alike); 16 bits put it at 0.004-0.28x (docs/conformance.md). 32639 = 127 * 257 is the largest
+bound whose q splits into two signed bytes. The planes are combined after the f32 terms, not as
+one integer sum, so that the kernels stay the 8-bit ones, bit for bit: the extra rounding
+(2^-24 relative) is far below the 16-bit step (2^-15).
 """
 
 from __future__ import annotations
@@ -36,6 +54,16 @@ from .jit import JIT, cached_njit
 
 F32 = np.float32
 QA = 32  # elements per activation block; every weight block size is a multiple of it
+Q16 = 32639  # the wide form's integer bound: q = 256 hi + lo with hi, lo signed bytes
+# Block types that read the wide form: those whose llama.cpp dot reads activations as Q8_0 (8 bits
+# per 32, the same as ours, where the two engines' errors were equal within noise). The K and IQ
+# types llama.cpp reads as Q8_K (per 256) stay 8-bit: our 32-element blocks are finer already.
+WIDE = frozenset({"Q8_0", "Q4_0", "Q5_0", "Q2_0", "IQ4_NL"})
+
+
+def is_wide(t) -> bool:
+    """Whether a weight of GGML type `t` (a GGMLType or its name) multiplies the wide form."""
+    return getattr(t, "name", t) in WIDE
 
 
 class NonFiniteActivation(ValueError):
@@ -65,9 +93,66 @@ class ActQ:
         lead = shape[:-1]
         return ActQ(np.empty(shape, np.int8), np.empty(lead + (shape[-1] // QA,), F32), np.empty(lead + (shape[-1] // 16,), np.int32))
 
+    def take(self, rows) -> ActQ:
+        """Rows `rows` (an index array) of an ActQ of T rows."""
+        return ActQ(self.q[rows], self.d[rows], self.s16[rows])
+
     def values(self) -> np.ndarray:
         """The activations this ActQ denotes, in float64 (exact)."""
         return (self.q.reshape(self.d.shape + (QA,)) * self.d[..., None].astype(np.float64)).reshape(self.q.shape)
+
+
+@dataclass(frozen=True)
+class ActQ16:
+    """Wide (16-bit) activations as two int8 planes stacked in one ActQ: `planes` has 2T rows
+    (2 for a single vector), the T hi rows then the T lo rows, each lo row with its hi row's d."""
+
+    planes: ActQ  # q int8 [2T, n]; d f32 [2T, n/32] (the halves equal); s16 int32 [2T, n/16]
+    one: bool  # a single vector: the shapes of values() are [n]
+
+    @property
+    def n(self) -> int:
+        return self.planes.q.shape[-1]
+
+    @property
+    def rows(self) -> int:
+        """T: the activation rows (1 for a single vector)."""
+        return self.planes.q.shape[0] // 2
+
+    @staticmethod
+    def empty(shape: tuple[int, ...]) -> ActQ16:
+        shape = tuple(int(s) for s in shape)
+        if len(shape) not in (1, 2) or shape[-1] % QA:
+            raise ValueError(f"ActQ16.empty: shape must be [n] or [T, n] with n a multiple of {QA}, got {list(shape)}")
+        rows = shape[0] if len(shape) == 2 else 1
+        return ActQ16(ActQ.empty((2 * rows, shape[-1])), len(shape) == 1)
+
+    def take(self, rows) -> ActQ16:
+        """Rows `rows` (an index array) of an ActQ16 of T rows, both planes."""
+        rows = np.asarray(rows, np.int64)
+        return ActQ16(self.planes.take(np.concatenate([rows, self.rows + rows])), False)
+
+    def row(self, t: int) -> ActQ16:
+        """Row t as a single vector (the matvec kernels' form)."""
+        return ActQ16(self.planes.take(np.array([t, self.rows + t])), True)
+
+    def hi(self) -> ActQ:
+        return _rows(self.planes, 0, self.rows, self.one)
+
+    def lo(self) -> ActQ:
+        return _rows(self.planes, self.rows, 2 * self.rows, self.one)
+
+    def values(self) -> np.ndarray:
+        """The activations this ActQ16 denotes, in float64 (exact)."""
+        p, T = self.planes, self.rows
+        q = p.q[:T].astype(np.int64) * 256 + p.q[T:]
+        v = (q.reshape(T, -1, QA) * p.d[:T, :, None].astype(np.float64)).reshape(T, -1)
+        return v[0] if self.one else v
+
+
+def _rows(a: ActQ, r0: int, r1: int, one: bool) -> ActQ:
+    q, d, s = a.q[r0:r1], a.d[r0:r1], a.s16[r0:r1]
+    return ActQ(q[0], d[0], s[0]) if one else ActQ(q, d, s)
 
 
 def _check_shape(x: np.ndarray, where: str) -> np.ndarray:
@@ -98,6 +183,21 @@ def quantize_act_reference(x: np.ndarray, where: str = "quantize_act_reference")
     q = np.where(d[..., None] == 0, F32(0), np.clip(r, -127, 127)).astype(np.int8).reshape(x.shape)
     s16 = q.reshape(x.shape[:-1] + (-1, 16)).sum(axis=-1, dtype=np.int32)
     return ActQ(q, d.astype(F32), s16)
+
+
+def quantize_act16_reference(x: np.ndarray, where: str = "quantize_act16_reference") -> ActQ16:
+    """The numpy statement of the wide form (module docstring)."""
+    x = _check(x, where)
+    x2 = x.reshape(-1, x.shape[-1])
+    blocks = x2.reshape(x2.shape[0], -1, QA)
+    d = np.abs(blocks).max(axis=-1) / F32(Q16)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        r = np.rint(blocks / d[..., None])
+    q = np.where(d[..., None] == 0, F32(0), np.clip(r, -Q16, Q16)).astype(np.int32).reshape(x2.shape)
+    hi = (q + 128) >> 8
+    planes = np.concatenate([hi, q - 256 * hi]).astype(np.int8)
+    s16 = planes.reshape(planes.shape[0], -1, 16).sum(axis=-1, dtype=np.int32)
+    return ActQ16(ActQ(planes, np.concatenate([d, d]).astype(F32), s16), x.ndim == 1)
 
 
 _ABS = np.int32(0x7FFFFFFF)  # f32 bits without the sign
@@ -152,6 +252,68 @@ def _quantize_rows(x, q, d, s16, qa):
         if bad >= 0:
             return t * x.shape[1] + bad
     return -1
+
+
+@cached_njit("quantize_rows16")
+def _quantize_rows16(x, q, d, s16, qa):
+    # x f32 [T, n] -> the wide planes q int8 [2T, n], d f32 [2T, n/32], s16 int32 [2T, n/16]
+    # (hi rows, then lo rows); quantize_row's steps with the bound Q16. Returns the flat index of
+    # the first non-finite x, or -1. qa = QA at run time (quantize_row says why).
+    T, n = x.shape
+    xb = x.view(np.int32)
+    half = qa // 2
+    for t in range(T):
+        for b in range(n // qa):
+            o = b * qa
+            m = np.int32(0)
+            for j in range(qa):
+                m = max(m, xb[t, o + j] & _ABS)
+            if m >= _INF:
+                for j in range(qa):
+                    if xb[t, o + j] & _ABS >= _INF:
+                        return t * n + o + j
+            db = simd.f32_from_bits(m) / F32(Q16)
+            d[t, b] = db
+            d[T + t, b] = db
+            div = db if db != F32(0) else F32(1)
+            for j in range(qa):
+                v = np.int32(min(max(np.rint(x[t, o + j] / div), F32(-Q16)), F32(Q16)))
+                h = (v + np.int32(128)) >> np.int32(8)
+                q[t, o + j] = np.int8(h)
+                q[T + t, o + j] = np.int8(v - np.int32(256) * h)
+    for r in range(2 * T):
+        for h in range(s16.shape[1]):
+            s = np.int32(0)
+            for j in range(half):
+                s += np.int32(q[r, h * half + j])
+            s16[r, h] = s
+    return -1
+
+
+def quantize_act16(x: np.ndarray, where: str = "quantize_act16", out: ActQ16 | None = None) -> ActQ16:
+    """The wide form of f32 activations [n] or [T, n] (Numba; bit-identical to
+    quantize_act16_reference). out: an ActQ16 of the same shape (ActQ16.empty) to fill."""
+    x = _check_shape(x, where)
+    if out is None:
+        out = ActQ16.empty(x.shape)
+    elif not isinstance(out, ActQ16) or out.one != (x.ndim == 1):
+        raise TypeError(f"{where}: out must be an ActQ16 (ActQ16.empty({list(x.shape)})), got {type(out).__name__}")
+    x2 = np.ascontiguousarray(x).reshape(-1, x.shape[-1])
+    _check_out(out.planes, (2 * x2.shape[0], x2.shape[1]), where)
+    bad = _quantize_rows16(x2, out.planes.q, out.planes.d, out.planes.s16, QA)
+    if bad >= 0:
+        at = np.unravel_index(bad, x.shape)
+        raise NonFiniteActivation(f"{where}: non-finite activation {x[at]} at index {tuple(int(i) for i in at)}")
+    return out
+
+
+def combine16(planes_out: np.ndarray, out: np.ndarray) -> np.ndarray:
+    """out [T, n_out] = f32(256) * planes_out[:T] + planes_out[T:]: a product of the wide form from
+    the products of its two planes (planes_out [2T, n_out] f32). 256 y is exact, so the one
+    rounding is the add's, on every backend (an FMA gives the same bits)."""
+    T = planes_out.shape[0] // 2
+    np.multiply(planes_out[:T], F32(256), out=out)
+    return np.add(out, planes_out[T:], out=out)
 
 
 def _check_out(out, shape: tuple[int, ...], where: str) -> ActQ:

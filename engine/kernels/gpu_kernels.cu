@@ -957,3 +957,50 @@ __global__ void __launch_bounds__(256) actq(const float* __restrict__ x, i8* __r
         if ((lane & 15) == 0) s16[2 * b + (lane >> 4)] = s;
     }
 }
+
+// ---------------------------------------------------------------------------------------------
+// The wide ActQ (actq.py's ActQ16, bit for bit): per 32-element block, as actq above with
+//   d = amax / 32639;  q = d == 0 ? 0 : clamp(rint(x / d), +-32639);  hi = (q + 128) >> 8;  lo = q - 256 hi
+// hi to the first plane (the T rows' blocks 0 .. nblocks - 1), lo to the second (nblocks blocks
+// later), each plane's d (the same) and its own half sums.
+//   x f32 [nblocks * 32]; q i8 [2 nblocks * 32]; d f32 [2 nblocks]; s16 i32 [4 nblocks]
+
+__global__ void __launch_bounds__(256) actq16(const float* __restrict__ x, i8* __restrict__ q, float* __restrict__ d,
+                                              i32* __restrict__ s16, i64 nblocks, u64* __restrict__ bad) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    for (i64 b = (i64)blockIdx.x * nw + warp; b < nblocks; b += (i64)gridDim.x * nw) {
+        const i64 i = 32 * b + lane;
+        const float v = x[i];
+        const u32 a = __float_as_uint(v) & 0x7fffffffu;
+        if (a >= 0x7f800000u) atomicMin(bad, (u64)i);  // inf or NaN
+        u32 amax = a;
+#pragma unroll
+        for (int w = 16; w; w >>= 1) amax = max(amax, __shfl_xor_sync(FULL, amax, w));
+        const float db = f32_div(__uint_as_float(amax), 32639.0f);
+        int qi = 0;
+        if (__float_as_uint(db) != 0u) qi = min(max(f32_rint(f32_div(v, db)), -32639), 32639);
+        const int hi = (qi + 128) >> 8, lo = qi - 256 * hi;  // arithmetic shift: floor
+        q[i] = (i8)hi;
+        q[32 * nblocks + i] = (i8)lo;
+        int sh = hi, sl = lo;
+#pragma unroll
+        for (int w = 8; w; w >>= 1) {  // stays inside each 16-lane half
+            sh += __shfl_xor_sync(FULL, sh, w);
+            sl += __shfl_xor_sync(FULL, sl, w);
+        }
+        if (lane == 0) d[b] = d[nblocks + b] = db;
+        if ((lane & 15) == 0) {
+            s16[2 * b + (lane >> 4)] = sh;
+            s16[2 * nblocks + 2 * b + (lane >> 4)] = sl;
+        }
+    }
+}
+
+// A product of the wide form from its planes' products (actq.combine16): out[i] = 256 y[i] + y[n + i]
+// for i < n (256 y is exact: one rounding, with or without an FMA).
+//   y f32 [2 n]; out f32 [n]
+
+__global__ void __launch_bounds__(256) combine16(const float* __restrict__ y, float* __restrict__ out, i64 n) {
+    for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x)
+        out[i] = f32_add(f32_mul(256.0f, y[i]), y[n + i]);
+}

@@ -225,15 +225,49 @@ def _kernel(name: str, parallel: bool, fine: bool):
     return cached(njit(parallel=parallel, **JIT)(kernel), f"{name}-rowdot{'-fine' if fine else ''}-{'par' if parallel else 'serial'}")
 
 
-_KERNELS: dict[tuple[str, bool, bool], object] = {}
+def _kernel16(name: str, parallel: bool):
+    row = ROW[name, False]
+
+    def kernel(raw, row_bytes, xq, xd, s16, out, n_chunks):
+        # the wide form's planes (actq.ActQ16, one token): xq i8 [2 n_in] (hi, then lo), xd f32
+        # [2 nb] (equal halves), s16 i32 [4 nb]; out f32 [n_out]. Each row's dot with the hi plane,
+        # then with the lo plane while the row's bytes are in L1: the weights are read from memory
+        # once (the token path is bound by that read), the result as actq.combine16 makes it.
+        nb = xq.size // (2 * QA)
+        P = (nb + 15) // 16 * 16
+        xd0 = np.zeros(P, F32)
+        xs_hi = np.zeros(P, np.int32)
+        xs_lo = np.zeros(P, np.int32)
+        for b in range(nb):
+            xd0[b] = xd[b]
+            xs_hi[b] = s16[2 * b] + s16[2 * b + 1]
+            xs_lo[b] = s16[2 * nb + 2 * b] + s16[2 * nb + 2 * b + 1]
+        q_hi, q_lo = xq[: nb * QA], xq[nb * QA :]
+        n_out = out.size
+        for c in prange(n_chunks):
+            for o in range(c * n_out // n_chunks, (c + 1) * n_out // n_chunks):
+                y = row(raw, o * row_bytes, nb, q_hi, xd0, xd0, xs_hi)
+                out[o] = F32(256) * y + row(raw, o * row_bytes, nb, q_lo, xd0, xd0, xs_lo)
+
+    return cached(njit(parallel=parallel, **JIT)(kernel), f"{name}-rowdot-wide-{'par' if parallel else 'serial'}")
+
+
+_KERNELS: dict[tuple[str, bool, object], object] = {}
 
 
 def matvec(name: str, raw: np.ndarray, row_bytes: int, xq: np.ndarray, xd: np.ndarray, s16: np.ndarray, out: np.ndarray,
-           parallel: bool, n_chunks: int) -> None:  # fmt: skip
+           parallel: bool, n_chunks: int, wide: bool = False) -> None:  # fmt: skip
     """out[o] = row o of the `name` (TYPES) matrix raw (flat u8, row_bytes per row) . the token's
     ActQ planes (xq int8 [n_in], xd f32 [n_in / 32], or [n_in / 16] for the fine form, s16 int32
     [n_in / 16], contiguous); rows split into n_chunks on the pool if `parallel`. The caller
-    (cpu.matvec) has validated the shapes."""
+    (cpu.matvec) has validated the shapes. wide: the planes of an actq.ActQ16 (xq [2 n_in], xd
+    [2 n_in / 32], s16 [2 n_in / 16]: hi, then lo), out = f32(256) (W . hi) + W . lo."""
+    if wide:
+        key = (name, parallel, "wide")
+        if key not in _KERNELS:
+            _KERNELS[key] = _kernel16(name, parallel)
+        _KERNELS[key](raw, row_bytes, xq, xd, s16, out, n_chunks)
+        return
     key = (name, parallel, xd.size == 2 * (xq.size // QA))
     if key not in _KERNELS:
         _KERNELS[key] = _kernel(*key)
