@@ -29,7 +29,8 @@ same rule with 16-bit integers, per 32-element block
     d    = amax / 32639                      q = clip(rint(x / d), -32639, 32639)
     hi   = (q + 128) >> 8  (in -127..127)    lo = q - 256 hi  (in -128..127)
 
-held as two int8 ActQ planes with the same d (each plane's s16 its own sums), so every kernel
+held as two int8 ActQ rows per activation row (hi, then lo) with the same d (each its own s16
+sums), so every kernel
 multiplies each plane exactly as it multiplies 8-bit activations, and
 
     W x = f32(256) * (W . hi-plane) + (W . lo-plane)        (256 * y exact: one rounding)
@@ -104,10 +105,11 @@ class ActQ:
 
 @dataclass(frozen=True)
 class ActQ16:
-    """Wide (16-bit) activations as two int8 planes stacked in one ActQ: `planes` has 2T rows
-    (2 for a single vector), the T hi rows then the T lo rows, each lo row with its hi row's d."""
+    """Wide (16-bit) activations as int8 planes in one ActQ: `planes` has 2T rows (2 for a single
+    vector), row 2t the hi plane of row t, row 2t + 1 its lo plane with the same d, so rows a..b
+    of the activations are planes rows 2a..2b, one contiguous block (a group of tokens, a chunk)."""
 
-    planes: ActQ  # q int8 [2T, n]; d f32 [2T, n/32] (the halves equal); s16 int32 [2T, n/16]
+    planes: ActQ  # q int8 [2T, n]; d f32 [2T, n/32] (rows 2t, 2t + 1 equal); s16 int32 [2T, n/16]
     one: bool  # a single vector: the shapes of values() are [n]
 
     @property
@@ -130,28 +132,29 @@ class ActQ16:
     def take(self, rows) -> ActQ16:
         """Rows `rows` (an index array) of an ActQ16 of T rows, both planes."""
         rows = np.asarray(rows, np.int64)
-        return ActQ16(self.planes.take(np.concatenate([rows, self.rows + rows])), False)
+        return ActQ16(self.planes.take(np.stack([2 * rows, 2 * rows + 1], axis=1).reshape(-1)), False)
 
     def row(self, t: int) -> ActQ16:
-        """Row t as a single vector (the matvec kernels' form)."""
-        return ActQ16(self.planes.take(np.array([t, self.rows + t])), True)
+        """Row t as a single vector (the matvec kernels' form): a view."""
+        p = self.planes
+        return ActQ16(ActQ(p.q[2 * t : 2 * t + 2], p.d[2 * t : 2 * t + 2], p.s16[2 * t : 2 * t + 2]), True)
 
     def hi(self) -> ActQ:
-        return _rows(self.planes, 0, self.rows, self.one)
+        return _plane(self.planes, 0, self.one)
 
     def lo(self) -> ActQ:
-        return _rows(self.planes, self.rows, 2 * self.rows, self.one)
+        return _plane(self.planes, 1, self.one)
 
     def values(self) -> np.ndarray:
         """The activations this ActQ16 denotes, in float64 (exact)."""
-        p, T = self.planes, self.rows
-        q = p.q[:T].astype(np.int64) * 256 + p.q[T:]
-        v = (q.reshape(T, -1, QA) * p.d[:T, :, None].astype(np.float64)).reshape(T, -1)
+        p = self.planes
+        q = p.q[0::2].astype(np.int64) * 256 + p.q[1::2]
+        v = (q.reshape(self.rows, -1, QA) * p.d[0::2, :, None].astype(np.float64)).reshape(self.rows, -1)
         return v[0] if self.one else v
 
 
-def _rows(a: ActQ, r0: int, r1: int, one: bool) -> ActQ:
-    q, d, s = a.q[r0:r1], a.d[r0:r1], a.s16[r0:r1]
+def _plane(a: ActQ, h: int, one: bool) -> ActQ:
+    q, d, s = (np.ascontiguousarray(v[h::2]) for v in (a.q, a.d, a.s16))
     return ActQ(q[0], d[0], s[0]) if one else ActQ(q, d, s)
 
 
@@ -195,9 +198,9 @@ def quantize_act16_reference(x: np.ndarray, where: str = "quantize_act16_referen
         r = np.rint(blocks / d[..., None])
     q = np.where(d[..., None] == 0, F32(0), np.clip(r, -Q16, Q16)).astype(np.int32).reshape(x2.shape)
     hi = (q + 128) >> 8
-    planes = np.concatenate([hi, q - 256 * hi]).astype(np.int8)
+    planes = np.stack([hi, q - 256 * hi], axis=1).reshape(-1, x2.shape[1]).astype(np.int8)  # rows hi, lo, hi, lo, ...
     s16 = planes.reshape(planes.shape[0], -1, 16).sum(axis=-1, dtype=np.int32)
-    return ActQ16(ActQ(planes, np.concatenate([d, d]).astype(F32), s16), x.ndim == 1)
+    return ActQ16(ActQ(planes, np.repeat(d, 2, axis=0).astype(F32), s16), x.ndim == 1)
 
 
 _ABS = np.int32(0x7FFFFFFF)  # f32 bits without the sign
@@ -257,7 +260,7 @@ def _quantize_rows(x, q, d, s16, qa):
 @cached_njit("quantize_rows16")
 def _quantize_rows16(x, q, d, s16, qa):
     # x f32 [T, n] -> the wide planes q int8 [2T, n], d f32 [2T, n/32], s16 int32 [2T, n/16]
-    # (hi rows, then lo rows); quantize_row's steps with the bound Q16. Returns the flat index of
+    # (row 2t: row t's hi plane, 2t + 1 its lo plane); quantize_row's steps with the bound Q16. Returns the flat index of
     # the first non-finite x, or -1. qa = QA at run time (quantize_row says why).
     T, n = x.shape
     xb = x.view(np.int32)
@@ -273,14 +276,14 @@ def _quantize_rows16(x, q, d, s16, qa):
                     if xb[t, o + j] & _ABS >= _INF:
                         return t * n + o + j
             db = simd.f32_from_bits(m) / F32(Q16)
-            d[t, b] = db
-            d[T + t, b] = db
+            d[2 * t, b] = db
+            d[2 * t + 1, b] = db
             div = db if db != F32(0) else F32(1)
             for j in range(qa):
                 v = np.int32(min(max(np.rint(x[t, o + j] / div), F32(-Q16)), F32(Q16)))
                 h = (v + np.int32(128)) >> np.int32(8)
-                q[t, o + j] = np.int8(h)
-                q[T + t, o + j] = np.int8(v - np.int32(256) * h)
+                q[2 * t, o + j] = np.int8(h)
+                q[2 * t + 1, o + j] = np.int8(v - np.int32(256) * h)
     for r in range(2 * T):
         for h in range(s16.shape[1]):
             s = np.int32(0)
@@ -308,12 +311,11 @@ def quantize_act16(x: np.ndarray, where: str = "quantize_act16", out: ActQ16 | N
 
 
 def combine16(planes_out: np.ndarray, out: np.ndarray) -> np.ndarray:
-    """out [T, n_out] = f32(256) * planes_out[:T] + planes_out[T:]: a product of the wide form from
-    the products of its two planes (planes_out [2T, n_out] f32). 256 y is exact, so the one
+    """out [T, n_out] = f32(256) * planes_out[2t] + planes_out[2t + 1]: a product of the wide form
+    from the products of its planes (planes_out [2T, n_out] f32). 256 y is exact, so the one
     rounding is the add's, on every backend (an FMA gives the same bits)."""
-    T = planes_out.shape[0] // 2
-    np.multiply(planes_out[:T], F32(256), out=out)
-    return np.add(out, planes_out[T:], out=out)
+    np.multiply(planes_out[0::2], F32(256), out=out)
+    return np.add(out, planes_out[1::2], out=out)
 
 
 def _check_out(out, shape: tuple[int, ...], where: str) -> ActQ:

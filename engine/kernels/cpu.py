@@ -777,9 +777,9 @@ def _check16(act: ActQ16, t, n_in: int, one: bool, where: str) -> None:
 
 
 def _multiply16(where: str, raw, t, n_in: int, n_out: int, act: ActQ16, out, one: bool) -> np.ndarray:
-    """A product of the wide form: its two planes' products as 2T tokens of one call (each row of
-    the weight decoded once for both), combined (actq.combine16); the token path's rowdot types
-    take both planes in one pass over the weight bytes."""
+    """A product of the wide form: its planes' products as 2T tokens of one call (each row of the
+    weight decoded once for all), combined (actq.combine16); the token path's rowdot types take
+    both planes in one pass over the weight bytes."""
     _check16(act, t, n_in, one, where)
     T = act.rows
     shape = (n_out,) if one else (T, n_out)
@@ -881,8 +881,9 @@ def matmul_grouped(raw: np.ndarray, type_id: int, n_in: int, n_out: int, offsets
 
 
 def _grouped16(raw, t, n_in: int, n_out: int, offsets, act: ActQ16, starts, out, where: str) -> np.ndarray:
-    """matmul_grouped of the wide form: each group's hi rows then its lo rows made one group of
-    twice the tokens (so each expert row is decoded once for both planes), then combined."""
+    """matmul_grouped of the wide form: a group's rows a..b are planes rows 2a..2b (hi and lo of
+    each row), one group of twice the tokens, so each expert row is decoded once for both planes;
+    then combined."""
     _check16(act, t, n_in, False, where)
     N = act.rows
     if N != starts[-1]:
@@ -891,18 +892,8 @@ def _grouped16(raw, t, n_in: int, n_out: int, offsets, act: ActQ16, starts, out,
         out = np.empty((N, n_out), F32)
     elif not (isinstance(out, np.ndarray) and out.shape == (N, n_out) and out.dtype == F32 and out.flags.c_contiguous):
         raise ValueError(f"{where}: out must be contiguous f32 {[N, n_out]}, got {_describe(out)}")
-    # row r of group g (hi plane) goes to 2 starts[g] + (r - starts[g]), its lo row n_g rows later
-    sizes = np.diff(starts)
-    g_of = np.repeat(np.arange(sizes.size), sizes)
-    at = starts[g_of] + np.arange(N)  # = 2 starts[g] + (r - starts[g])
-    order = np.empty(2 * N, np.int64)
-    order[at] = np.arange(N)
-    order[at + sizes[g_of]] = np.arange(N, 2 * N)
-    p = act.planes
-    both = matmul_grouped(raw, t.id, n_in, n_out, offsets, ActQ(p.q[order], p.d[order], p.s16[order]), 2 * starts)
-    y = np.empty((2 * N, n_out), F32)
-    y[:N], y[N:] = both[at], both[at + sizes[g_of]]
-    return combine16(y, out)
+    both = matmul_grouped(raw, t.id, n_in, n_out, offsets, act.planes, 2 * starts)
+    return combine16(both, out)
 
 
 def _groups(offsets, starts, size: int, n_bytes: int, where: str) -> tuple[np.ndarray, np.ndarray]:

@@ -11,8 +11,9 @@ actq.quantize_act.
     y = matmul(w, a)                           # f32 [T, n_out] on the device (matvec: [n_out])
 
 F32/F16/BF16 weights take the f32 activations themselves (no ActQ), as on the CPU. The types of
-actq.WIDE take the wide form (quantize_act16_gpu -> GpuActQ16): both planes as 2T tokens of one
-launch, then the combine16 kernel, as cpu.py does it.
+actq.WIDE take the wide form (quantize_act16_gpu -> GpuActQ16): one token through the matvec
+kernel that reads both planes (mv<T, KPL, 1>), more as 2T tokens of one launch, then the
+combine16 kernel, as cpu.py does it.
 
 Device work goes through a small runtime object (CuPy by default); `use_runtime` swaps it, which
 the tests do to run this module and the CUDA source on the host (tests/gpu_emu.py).
@@ -222,7 +223,8 @@ class _Module:
 
 def _names(t: GGMLType) -> list[str]:
     if t.quantized:
-        return [f"mv<{t.id}, {k}>" for k in KPLS] + [f"mm<{t.id}>", f"traits<{t.id}>"]
+        wide = [f"mv<{t.id}, {k}, 1>" for k in KPLS] if is_wide(t) else []
+        return [f"mv<{t.id}, {k}>" for k in KPLS] + wide + [f"mm<{t.id}>", f"traits<{t.id}>"]
     return [f"fmv<{_FLOAT_KIND[t.name]}>", f"fmm<{_FLOAT_KIND[t.name]}>"]
 
 
@@ -402,8 +404,8 @@ class GpuActQ:
 
 @dataclass(frozen=True)
 class GpuActQ16:
-    """actq.ActQ16 on the device: `planes` a GpuActQ of 2T rows (hi rows, then lo rows); one: a
-    single vector."""
+    """actq.ActQ16 on the device: `planes` a GpuActQ of 2T rows (row 2t: row t's hi plane, 2t + 1
+    its lo plane); one: a single vector."""
 
     planes: GpuActQ
     one: bool
@@ -443,7 +445,8 @@ def quantize_act16_gpu(x, out: GpuActQ16 | None = None, check: bool = True) -> G
     nblocks = x.size // QA
     if nblocks:
         p.bad.fill(NO_BAD)
-        rt.launch(_module("actq").mod, "actq16", _grid(rt, nblocks, 8), 256, (x, p.q, p.d, p.s16, np.int64(nblocks), p.bad))
+        rt.launch(_module("actq").mod, "actq16", _grid(rt, nblocks, 8), 256,
+                  (x, p.q, p.d, p.s16, np.int64(nblocks), np.int64(x.shape[-1] // QA), p.bad))
     if check:
         bad = int(rt.to_host(p.bad)[0]) if nblocks else int(NO_BAD)
         if bad != int(NO_BAD):
@@ -453,11 +456,11 @@ def quantize_act16_gpu(x, out: GpuActQ16 | None = None, check: bool = True) -> G
     return out
 
 
-def _combine16(y2, out) -> None:
-    """out [T, n_out] = f32(256) y2[:T] + y2[T:] (y2 [2T, n_out], device f32)."""
+def combine16(y2, out) -> None:
+    """out [T, n_out] = f32(256) y2[2t] + y2[2t + 1] (y2 [2T, n_out], device f32; not in place)."""
     rt = runtime()
     n = out.size
-    rt.launch(_module("actq").mod, "combine16", _grid(rt, n, 256), 256, (y2, out, np.int64(n)))
+    rt.launch(_module("actq").mod, "combine16", _grid(rt, n, 256), 256, (y2, out, np.int64(y2.shape[-1]), np.int64(n)))
 
 
 def _check_wide(w: "GpuWeight", act: GpuActQ16, where: str) -> None:
@@ -568,6 +571,30 @@ def _quant_plan(type_id: int, n_in: int, n_out: int, n_tok: int) -> tuple:
     return m.mod, f"mm<{type_id}>", grid, 32 * nw, tab + nw * per_warp, (np.int32(n_tok), np.int32(tab > 0))
 
 
+def _wide_mv_plan(type_id: int, n_in: int, n_out: int) -> tuple | None:
+    """The one-token launch of the wide form: matvec's, with the kernel that reads both planes
+    (mv<T, KPL, 1>); None where matvec takes the batched kernel (rows longer than mv holds)."""
+    mod, name, grid, block, smem, extra = _quant_plan(type_id, n_in, n_out, 1)
+    if not name.startswith("mv<"):
+        return None
+    return mod, name[:-1] + ", 1>", grid, block, smem, extra
+
+
+def _quant16(w: GpuWeight, act: GpuActQ16, out) -> None:
+    """out [T, n_out] = the product of the wide form: one token through mv<T, KPL, 1> (no buffer),
+    else both planes as 2T tokens of the batched kernel, then combine16."""
+    p = act.planes
+    plan = _wide_mv_plan(w.type_id, w.n_in, w.n_out) if act.rows == 1 else None
+    if plan is not None:
+        mod, name, grid, block, smem, extra = plan
+        scales = w.scales if w.scales is not None else w.rest
+        args = (w.rest, scales, p.q, p.d, p.s16, out, np.int32(w.n_out), np.int32(w.n_in // QA))
+        runtime().launch(mod, name, grid, block, args + extra, smem)
+        return
+    y2 = matmul(w, p)
+    combine16(y2, out)
+
+
 def _quant(w: GpuWeight, q, d, s16, out) -> None:
     """One launch for up to MAX_TOKENS tokens: q [T, n_in], d [T, nb], s16 [T, 2 nb], out [T, n_out]."""
     mod, name, grid, block, smem, extra = _quant_plan(w.type_id, w.n_in, w.n_out, q.shape[0])
@@ -601,9 +628,7 @@ def matvec_into(w: GpuWeight, act, out) -> None:
     startup. The same launch as matvec's, so the same bits; a few microseconds of Python less per
     product (the token path makes hundreds)."""
     if isinstance(act, GpuActQ16):
-        y2 = runtime().empty((2, w.n_out), np.float32)
-        _quant(w, act.planes.q, act.planes.d, act.planes.s16, y2)
-        _combine16(y2, out)
+        _quant16(w, act, out)
         return
     if isinstance(act, GpuActQ):
         mod, name, grid, block, smem, extra = _quant_plan(w.type_id, w.n_in, w.n_out, 1)
@@ -626,8 +651,7 @@ def matmul(w: GpuWeight, act, out=None):
         if act.one:
             raise TypeError(f"{where}: activations must be rows [T, {w.n_in}], got a single vector (use matvec)")
         out = _out(rt, out, (act.rows, w.n_out), where)
-        y2 = matmul(w, act.planes)
-        _combine16(y2, out)
+        _quant16(w, act, out)
         return out
     if t.quantized:
         if not isinstance(act, GpuActQ) or act.q.ndim != 2 or act.n != w.n_in:
@@ -656,8 +680,7 @@ def matvec(w: GpuWeight, act, out=None):
         if not act.one:
             raise TypeError(f"{where}: activations must be a single vector, got {_describe(act)} (use matmul)")
         out = _out(rt, out, (w.n_out,), where)
-        y2 = matmul(w, act.planes)
-        _combine16(y2, out.reshape(1, -1))
+        _quant16(w, act, out)
         return out
     if isinstance(act, GpuActQ):
         if act.q.ndim != 1:

@@ -43,7 +43,7 @@ pytest.importorskip("transformers")
 
 from reference import convert, hf_models, requant  # noqa: E402
 from reference.float64 import float64_casts, float64_model  # noqa: E402
-from reference.quantized import ActQInputs, EngineActQ, load_dequantized, place_tensors  # noqa: E402
+from reference.quantized import ActQInputs, EngineActQ, load_dequantized, place_tensors, wide_params  # noqa: E402
 
 from strata.engine.kernels import cpu  # noqa: E402
 from strata.engine.model import Model, QSAAttention  # noqa: E402
@@ -210,9 +210,10 @@ def run(request, bases, tmp_path_factory):
     with float64_casts(mod):
         float64_model(ref, mod)
         quantized = load_dequantized(ref, base["placements"], ggufs[0])
+        wide = wide_params(base["placements"], ggufs[0])
         for n, p in base["prompts"].items():
             layers = list(engine[n]["scores"])
-            acts = ActQInputs(ref, quantized, engine[n]["actq"], TIE_TOL)
+            acts = ActQInputs(ref, quantized, engine[n]["actq"], TIE_TOL, wide)
             with acts.active() as stats:
                 out["ref"][n] = _reference_run(ref, p, layers)
             out["stats"][n] = stats

@@ -70,6 +70,24 @@ def test_wide_products_are_bit_identical_to_the_reference(rt, name):
         _same(rt.to_host(out), ref[b], f"{name} matvec_into token {b}")
 
 
+@pytest.mark.parametrize("name", ["Q8_0", "Q2_0"])
+def test_wide_rows_longer_than_matvec_holds_and_the_combine(rt, name):
+    # 9216 elements: past mv's 8192, the one-token product takes the batched kernel on both planes
+    t = BY_NAME[name]
+    n_in, n_out = 9216, 3
+    raw = random_weights(t, n_in * n_out, np.random.default_rng(2))
+    w = gpu.upload(raw, t.id, n_in, n_out)
+    x = _acts(n_in, 1, 2)[0]
+    ref = R.dot_reference(raw, t.id, n_in, n_out, quantize_act16(x))
+    _same(rt.to_host(gpu.matvec(w, gpu.quantize_act16_gpu(rt.to_device(x)))), ref, f"{name} [{n_in} x {n_out}]")
+    # combine16 of the planes' products, several rows: rows 2t, 2t + 1 -> row t
+    xs = _acts(n_in, 3, 4)
+    y2 = gpu.matmul(w, gpu.quantize_act16_gpu(rt.to_device(xs)).planes)
+    out = rt.empty((3, n_out), np.float32)
+    gpu.combine16(y2, out)
+    _same(rt.to_host(out), R.dot_reference(raw, t.id, n_in, n_out, quantize_act16(xs)), f"{name} combined")
+
+
 def test_a_type_that_reads_8_bit_activations_refuses_the_wide_form(rt):
     t = BY_NAME["Q4_K"]
     w = gpu.upload(random_weights(t, 256 * 2, np.random.default_rng(0)), t.id, 256, 2)
