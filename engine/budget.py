@@ -182,10 +182,10 @@ def dense_dims(g: ModelGeometry) -> tuple[int, int]:
 
 def dense_staging_bytes(g: ModelGeometry) -> int:
     """The token path's device staging for the dense matrices, reused by every one of them (S12):
-    one input as f32 and as ActQ [widest input], one output f32 [widest output]; the LM head
-    writes into head.logits."""
+    one input as f32, as ActQ and as the wide form's two planes [widest input], one output f32
+    [widest output]; the LM head writes into head.logits."""
     n_in, n_out = dense_dims(g)
-    return align(n_in * F32) + actq_placed_bytes(n_in) + align(n_out * F32)
+    return align(n_in * F32) + actq_placed_bytes(n_in) + actq_placed_bytes(n_in, 2) + align(n_out * F32)
 
 
 def prompt_row_bytes(g: ModelGeometry) -> int:
@@ -251,12 +251,12 @@ def auto_prefill_chunk(available_bytes: int | None = None, *, g: ModelGeometry |
 
 
 def hit_path_bytes(g: ModelGeometry) -> int:
-    """The GPU hits of one token and layer, each buffer on its own PLANE_ALIGN boundary: x as ActQ
-    and as f32 [E] (experts of a float type), gate and up f32 [k, F], ActQ of h [k, F] (one row per
-    hit), outputs f32 [k, E]."""
+    """The GPU hits of one token and layer, each buffer on its own PLANE_ALIGN boundary: x as ActQ,
+    as the wide form's two planes and as f32 [E] (experts of a float type), gate and up f32 [k, F],
+    h as ActQ [k, F] and as wide planes [2k, F] (one row per hit), outputs f32 [k, E]."""
     E, F, k = g.n_embd, _round_up(g.n_ff_exp, 32), g.n_expert_used
-    return (actq_placed_bytes(E) + align(E * F32) + 2 * align(k * F * F32) + actq_placed_bytes(F, k)
-            + align(k * E * F32))
+    return (actq_placed_bytes(E) + actq_placed_bytes(E, 2) + align(E * F32) + 2 * align(k * F * F32)
+            + actq_placed_bytes(F, k) + actq_placed_bytes(F, 2 * k) + align(k * E * F32))
 
 
 def hit_exchange_bytes(g: ModelGeometry) -> int:

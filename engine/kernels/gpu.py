@@ -580,9 +580,10 @@ def _wide_mv_plan(type_id: int, n_in: int, n_out: int) -> tuple | None:
     return mod, name[:-1] + ", 1>", grid, block, smem, extra
 
 
-def _quant16(w: GpuWeight, act: GpuActQ16, out) -> None:
+def _quant16(w: GpuWeight, act: GpuActQ16, out, planes_out=None) -> None:
     """out [T, n_out] = the product of the wide form: one token through mv<T, KPL, 1> (no buffer),
-    else both planes as 2T tokens of the batched kernel, then combine16."""
+    else both planes as 2T tokens of the batched kernel into planes_out (device f32 [2T, n_out];
+    made if None), then combine16."""
     p = act.planes
     plan = _wide_mv_plan(w.type_id, w.n_in, w.n_out) if act.rows == 1 else None
     if plan is not None:
@@ -591,7 +592,7 @@ def _quant16(w: GpuWeight, act: GpuActQ16, out) -> None:
         args = (w.rest, scales, p.q, p.d, p.s16, out, np.int32(w.n_out), np.int32(w.n_in // QA))
         runtime().launch(mod, name, grid, block, args + extra, smem)
         return
-    y2 = matmul(w, p)
+    y2 = matmul(w, p, planes_out)
     combine16(y2, out)
 
 
@@ -640,10 +641,12 @@ def matvec_into(w: GpuWeight, act, out) -> None:
     runtime().launch(mod, name, grid, block, args + extra, smem)
 
 
-def matmul(w: GpuWeight, act, out=None):
+def matmul(w: GpuWeight, act, out=None, planes_out=None):
     """Y[t] = W X[t] for T tokens -> device f32 [T, n_out].
 
-    act: GpuActQ [T, n_in] for block types (quantize_act_gpu); device f32 [T, n_in] for F32/F16/BF16."""
+    act: GpuActQ [T, n_in] for block types (quantize_act_gpu), or GpuActQ16 (quantize_act16_gpu)
+    for the actq.WIDE types, whose planes' products go to planes_out (device f32 [2T, n_out], made
+    if None); device f32 [T, n_in] for F32/F16/BF16."""
     rt, t = runtime(), w.type
     where = f"matmul {w.label}"
     if isinstance(act, GpuActQ16):
@@ -651,7 +654,9 @@ def matmul(w: GpuWeight, act, out=None):
         if act.one:
             raise TypeError(f"{where}: activations must be rows [T, {w.n_in}], got a single vector (use matvec)")
         out = _out(rt, out, (act.rows, w.n_out), where)
-        _quant16(w, act, out)
+        if planes_out is not None:
+            planes_out = _out(rt, planes_out, (2 * act.rows, w.n_out), f"{where} (planes_out)")
+        _quant16(w, act, out, planes_out)
         return out
     if t.quantized:
         if not isinstance(act, GpuActQ) or act.q.ndim != 2 or act.n != w.n_in:

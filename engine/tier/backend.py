@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..backend import CpuBackend
-from ..kernels.actq import ActQ
+from ..kernels.actq import ActQ, ActQ16
 from ..weights import Input, Weight
 from .dense import Dense
 from .hits import HitPath
@@ -26,7 +26,7 @@ class TierBackend(CpuBackend):
         if w.device is None:
             return super().linear(w, x, out)
         act = x.form(w.type) if isinstance(x, Input) else x
-        if (act.q if isinstance(act, ActQ) else act).shape[0] == 1:
+        if (act.rows if isinstance(act, ActQ16) else (act.q if isinstance(act, ActQ) else act).shape[0]) == 1:
             row = self.dense.matvec(w, x, None if out is None else out.reshape(-1))
             return row.reshape(1, -1)
         return self.dense.matmul(w, x, out)

@@ -26,7 +26,9 @@ flip moves a matmul output by ~1e-3, far above the tolerance, so where (and only
 reference's own x / d is within `tie_tol` of the boundary, the reference takes the engine's
 decision (recorded by `EngineActQ`, matched by content: the engine activation nearest to the
 reference's, required to agree to 1e-3). Every other element must round as the engine did; a
-disagreement outside a tie is counted as a violation (the test asserts there are none).
+disagreement outside a tie is counted as a violation (the test asserts there are none). In the
+wide form a quantum is 257 times finer (32639 / 127), so the same float32 noise spans 257 times
+as many quanta: its ties are those within 257 tie_tol, counted apart (wide_ties, wide_elements).
 """
 
 from __future__ import annotations
@@ -226,6 +228,8 @@ class TieStats:
     rows: int = 0  # activation vectors quantized by the reference
     elements: int = 0
     ties: int = 0  # elements where the engine's decision was taken (within tie_tol of the boundary)
+    wide_elements: int = 0  # of the wide form (actq.ActQ16), whose ties are counted apart:
+    wide_ties: int = 0  # within 257 tie_tol (a quantum 257 times finer: the same noise, more quanta)
     max_tie: float = 0.0  # the largest such distance from the boundary, in quanta
     max_noise: float = 0.0  # max |engine x - reference x| / amax over matched vectors
     violations: list[str] = field(default_factory=list)
@@ -276,6 +280,8 @@ class ActQInputs:
         s = self.stats
         s.rows += len(x32)
         s.elements += x32.size
+        s.wide_elements += x32.size if wide else 0
+        tie_tol = self.tie_tol * (32639 / 127 if wide else 1)
         if (n, wide) not in self.engine:
             s.violations.append(f"the engine quantized no activation of width {n} in the {'wide' if wide else '8-bit'} form")
             return q
@@ -292,9 +298,12 @@ class ActQInputs:
         if len(differ):
             r, j = differ[:, 0], differ[:, 1]
             dist = np.abs(t[r, j].astype(np.float64) - (q[r, j] + theirs[r, j]) / 2)
-            tie = (np.abs(q[r, j] - theirs[r, j]) == 1) & (dist <= self.tie_tol)
-            s.ties += int(tie.sum())
-            s.max_tie = max(s.max_tie, float(dist[tie].max(initial=0)))
+            tie = (np.abs(q[r, j] - theirs[r, j]) == 1) & (dist <= tie_tol)
+            if wide:
+                s.wide_ties += int(tie.sum())
+            else:
+                s.ties += int(tie.sum())
+                s.max_tie = max(s.max_tie, float(dist[tie].max(initial=0)))
             for k in np.flatnonzero(~tie)[:5]:
                 s.violations.append(f"width {n}: element {j[k]} rounds to {q[r[k], j[k]]} here, {theirs[r[k], j[k]]} in "
                                     f"the engine, {dist[k]:.3e} quanta from the boundary (not a tie)")
