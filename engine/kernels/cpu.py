@@ -803,7 +803,8 @@ def matmul(raw: np.ndarray, type_id: int, n_in: int, n_out: int, act, out: np.nd
 
     raw: the weight's GGML bytes (n_out rows of n_in elements), e.g. a slice of the mapped GGUF.
     act: ActQ [T, n_in] for block types (quantize_act), or ActQ16 (quantize_act16) for the actq.WIDE
-    types; f32 [T, n_in] for F32/F16/BF16 weights. Small products (work under SERIAL_BELOW) run on the calling thread, the rest on the pool."""
+    types; f32 [T, n_in] for F32/F16/BF16 weights. Small products (work under SERIAL_BELOW) run on
+    the calling thread, the rest on the pool."""
     return _multiply("matmul", raw, type_id, n_in, n_out, act, out, one=False)
 
 
