@@ -88,7 +88,7 @@ class CpuBackend:
         row the same bits (tests/engine/test_kernels_cpu.py), so the choice changes speed, not numbers."""
         if isinstance(x, np.ndarray):
             x = Input(x)  # Input.form is the one place activations are quantized (engine/weights.py)
-        act = x.form(w.type) if isinstance(x, Input) else x
+        act = x.form(w.type, w.wide) if isinstance(x, Input) else x
         T = act.rows if isinstance(act, ActQ16) else (act.q if isinstance(act, ActQ) else act).shape[0]
         if out is None:
             out = np.empty((T, w.n_out), F32)

@@ -251,12 +251,12 @@ def auto_prefill_chunk(available_bytes: int | None = None, *, g: ModelGeometry |
 
 
 def hit_path_bytes(g: ModelGeometry) -> int:
-    """The GPU hits of one token and layer, each buffer on its own PLANE_ALIGN boundary: x as ActQ,
-    as the wide form's two planes and as f32 [E] (experts of a float type), gate and up f32 [k, F],
-    h as ActQ [k, F] and as wide planes [2k, F] (one row per hit), outputs f32 [k, E]."""
+    """The GPU hits of one token and layer, each buffer on its own PLANE_ALIGN boundary: x as ActQ
+    and as f32 [E] (experts of a float type), gate and up f32 [k, F], ActQ of h [k, F] (one row per
+    hit), outputs f32 [k, E]."""
     E, F, k = g.n_embd, _round_up(g.n_ff_exp, 32), g.n_expert_used
-    return (actq_placed_bytes(E) + actq_placed_bytes(E, 2) + align(E * F32) + 2 * align(k * F * F32)
-            + actq_placed_bytes(F, k) + actq_placed_bytes(F, 2 * k) + align(k * E * F32))
+    return (actq_placed_bytes(E) + align(E * F32) + 2 * align(k * F * F32) + actq_placed_bytes(F, k)
+            + align(k * E * F32))
 
 
 def hit_exchange_bytes(g: ModelGeometry) -> int:

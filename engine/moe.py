@@ -19,7 +19,7 @@ import numpy as np
 
 from .batch import seqs_of
 from .kernels import cpu
-from .kernels.actq import ActQ, ActQ16
+from .kernels.actq import ActQ
 from .kernels.jit import cached_njit
 from .ops import gate_
 from .pack_reader import Pack
@@ -137,7 +137,7 @@ class MoE:
         gate_all, up_all, down_all = self.pack.expert_tensors(self.layer)
         E, F = self.E, self.F
         act = x.form(self.gu)
-        act = act.take(rows) if isinstance(act, (ActQ, ActQ16)) else act[rows]
+        act = ActQ(act.q[rows], act.d[rows], act.s16[rows]) if isinstance(act, ActQ) else act[rows]
         gu_at = experts.astype(np.int64) * self.gu.nbytes((E, F))
         gate = cpu.matmul_grouped(gate_all, self.gu.id, E, F, gu_at, act, starts)
         h = hidden_(gate, cpu.matmul_grouped(up_all, self.gu.id, E, F, gu_at, act, starts))

@@ -7,8 +7,8 @@ the contiguous row length), so `W x` maps n_in = shape[0] features to n_out = pr
 `Input` is QUANTIZE ONCE, MULTIPLY MANY: block-type weights read activations as ActQ (S10: one
 quantizer, CPU and GPU alike), and every weight that reads the same vector (q/k/v, gate/up of all
 routed experts and the shared expert) must read the same ActQ; making it once per vector is both
-the speed and the guarantee. The types of actq.WIDE read the wide form (ActQ16, 16 bits per
-activation), made once per vector as well.
+the speed and the guarantee. The query/key projections of the types in actq.WIDE read the wide
+form (ActQ16, 16 bits per activation; actq.reads_wide), made once per vector as well.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import numpy as np
 from strata.index_format.ggml_types import GGMLType, ggml_type
 
 from .kernels import cpu
-from .kernels.actq import ActQ, ActQ16, is_wide, quantize_act, quantize_act16
+from .kernels.actq import ActQ, ActQ16, quantize_act, quantize_act16, reads_wide
 from .kernels.reference import dequantize
 
 F32 = np.float32
@@ -52,12 +52,12 @@ class Input:
         self.version += 1
         return self
 
-    def form(self, t: GGMLType):
-        """What a weight of type `t` multiplies: the ActQ16 for the actq.WIDE types, the ActQ for
-        the other block types, the f32 values otherwise."""
+    def form(self, t: GGMLType, wide: bool = False):
+        """What a weight of type `t` multiplies: the f32 values for float types, else the ActQ, or
+        the ActQ16 where `wide` (the weight's Weight.wide)."""
         if not t.quantized:
             return self.x
-        if is_wide(t):
+        if wide:
             if self._q16 is None:
                 self._q16 = quantize_act16(self.x, where="Input")
             return self._q16
@@ -69,7 +69,7 @@ class Input:
 class Weight:
     """A tensor the kernels multiply: name, shape (GGUF order), GGML type id, raw bytes."""
 
-    __slots__ = ("name", "shape", "type", "raw", "n_in", "n_out", "device")
+    __slots__ = ("name", "shape", "type", "raw", "n_in", "n_out", "device", "wide")
 
     def __init__(self, name: str, shape: tuple[int, ...], type_id: int, raw: np.ndarray):
         self.name = name
@@ -80,6 +80,7 @@ class Weight:
             raise ValueError(f"weight {name}: {self.type.name} {list(self.shape)} is {need} bytes, "
                              f"got {raw.dtype}[{raw.size}]")
         self.raw = raw
+        self.wide = reads_wide(self.type, name)  # it multiplies the wide form (actq.reads_wide)
         self.n_in = self.shape[0]
         self.n_out = prod(self.shape[1:])
         # this weight's GpuWeight once the GPU tier placed it on the device: the tier's backend
@@ -91,20 +92,20 @@ class Weight:
         return self.type.id
 
     def _act(self, x):
-        return x.form(self.type) if isinstance(x, Input) else x
+        return x.form(self.type, self.wide) if isinstance(x, Input) else x
 
     def matvec(self, x, out: np.ndarray | None = None) -> np.ndarray:
         """y = W x -> f32 [n_out]; x: an Input, an ActQ (block types) or f32 [n_in] (float types)."""
         act = self._act(x)
         if self.type.quantized and not isinstance(act, (ActQ, ActQ16)):
-            act = quantize_act16(act, where=f"weight {self.name}") if is_wide(self.type) else quantize_act(act, where=f"weight {self.name}")
+            act = quantize_act16(act, where=f"weight {self.name}") if self.wide else quantize_act(act, where=f"weight {self.name}")
         return cpu.matvec(self.raw, self.type.id, self.n_in, self.n_out, act, out)
 
     def matmul(self, X, out: np.ndarray | None = None) -> np.ndarray:
         """Y = X W^T -> f32 [T, n_out] for X f32 [T, n_in] (or an Input / ActQ of T rows)."""
         act = self._act(X)
         if self.type.quantized and not isinstance(act, (ActQ, ActQ16)):
-            act = quantize_act16(act, where=f"weight {self.name}") if is_wide(self.type) else quantize_act(act, where=f"weight {self.name}")
+            act = quantize_act16(act, where=f"weight {self.name}") if self.wide else quantize_act(act, where=f"weight {self.name}")
         return cpu.matmul(self.raw, self.type.id, self.n_in, self.n_out, act, out)
 
     def f32(self) -> np.ndarray:

@@ -62,9 +62,25 @@ Q16 = 32639  # the wide form's integer bound: q = 256 hi + lo with hi, lo signed
 WIDE = frozenset({"Q8_0", "Q4_0", "Q5_0", "Q2_0", "IQ4_NL"})
 
 
+# ... and of those, only the projections that make the mixers' queries and keys: the Gated
+# DeltaNet's in_proj_qkv (q and k are L2-normalised per head and drive the delta rule, which
+# amplifies input noise unevenly: the emulation put the whole error gap in this matrix) and
+# attention's q/k/v. Every product of the five types in the wide form cost decode 20-24% more CPU
+# per token on seed-4l (the token kernels do the integer sums and f32 terms twice); these alone
+# cost ~2% (docs/conformance.md).
+WIDE_ROLES = frozenset({"attn_qkv", "attn_q", "attn_k", "attn_v"})
+
+
 def is_wide(t) -> bool:
-    """Whether a weight of GGML type `t` (a GGMLType or its name) multiplies the wide form."""
+    """Whether GGML type `t` (a GGMLType or its name) can multiply the wide form (the kernels take
+    it for these types only)."""
     return getattr(t, "name", t) in WIDE
+
+
+def reads_wide(t, name: str) -> bool:
+    """Whether the weight `name` ("blk.N.ROLE.weight") of type `t` multiplies the wide form."""
+    parts = name.split(".")
+    return is_wide(t) and len(parts) == 4 and parts[0] == "blk" and parts[2] in WIDE_ROLES
 
 
 class NonFiniteActivation(ValueError):

@@ -25,7 +25,7 @@ class TierBackend(CpuBackend):
     def linear(self, w: Weight, x, out: np.ndarray | None = None) -> np.ndarray:
         if w.device is None:
             return super().linear(w, x, out)
-        act = x.form(w.type) if isinstance(x, Input) else x
+        act = x.form(w.type, w.wide) if isinstance(x, Input) else x
         if (act.rows if isinstance(act, ActQ16) else (act.q if isinstance(act, ActQ) else act).shape[0]) == 1:
             row = self.dense.matvec(w, x, None if out is None else out.reshape(-1))
             return row.reshape(1, -1)

@@ -8,7 +8,7 @@ import numpy as np
 from .. import budget as B
 from ..backend import _row
 from ..kernels import gpu
-from ..kernels.actq import QA, ActQ, ActQ16, is_wide, quantize_act, quantize_act16
+from ..kernels.actq import QA, ActQ, ActQ16, quantize_act, quantize_act16
 from ..weights import Input, Weight
 from .memory import Carver, act_rows, upload_act
 
@@ -42,10 +42,10 @@ class Dense:
         """The activations W reads (the host's ActQ for block types, f32 otherwise), and the Input they came from."""
         src = x if isinstance(x, Input) else None
         if w.type.quantized:
-            make = quantize_act16 if is_wide(w.type) else quantize_act
-            act = x.form(w.type) if src is not None else (x if isinstance(x, (ActQ, ActQ16)) else make(x, where=f"weight {w.name}"))
+            make = quantize_act16 if w.wide else quantize_act
+            act = x.form(w.type, w.wide) if src is not None else (x if isinstance(x, (ActQ, ActQ16)) else make(x, where=f"weight {w.name}"))
         else:
-            act = x.form(w.type) if src is not None else x
+            act = x.form(w.type, w.wide) if src is not None else x
         return act, src
 
     def _stage_vector(self, w: Weight, x):

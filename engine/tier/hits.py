@@ -17,11 +17,11 @@ import numpy as np
 from .. import budget as B
 from ..backend import _row
 from ..kernels import gpu
-from ..kernels.actq import QA, ActQ, ActQ16, is_wide, quantize_act
+from ..kernels.actq import QA, ActQ, quantize_act
 from ..kernels.engine_form import align
 from ..moe import hidden_
 from ..weights import Input
-from .memory import Carver, act_rows, upload_act
+from .memory import Carver, upload_act
 from .slots import ExpertSlots
 
 F32 = np.float32
@@ -35,20 +35,11 @@ def _select(starts: np.ndarray, groups: np.ndarray) -> tuple[np.ndarray, np.ndar
 
 
 def _rows(act, rows: np.ndarray):
-    if isinstance(act, (ActQ, ActQ16)):
-        return act.take(rows)
-    return np.ascontiguousarray(act[rows])
+    return ActQ(act.q[rows], act.d[rows], act.s16[rows]) if isinstance(act, ActQ) else np.ascontiguousarray(act[rows])
 
 
 def _slice(dev, a: int, b: int):
-    if isinstance(dev, gpu.GpuActQ16):  # rows a..b: planes rows 2a..2b
-        return gpu.GpuActQ16(_slice(dev.planes, 2 * a, 2 * b), False)
     return gpu.GpuActQ(dev.q[a:b], dev.d[a:b], dev.s16[a:b], None) if isinstance(dev, gpu.GpuActQ) else dev[a:b]
-
-
-def _planes_out(dev, p2) -> dict:
-    """gpu.matmul's planes_out for activations of the wide form (a buffer of the prompt path's)."""
-    return {"planes_out": p2} if isinstance(dev, gpu.GpuActQ16) else {}
 
 
 @dataclass
@@ -85,12 +76,10 @@ class HitPath:
         Fq = -(-F // QA) * QA
         self.rt, self.slots, self.stats = rt, slots, stats
         self.x = buffers.actq(E)
-        self.xw = gpu.GpuActQ16(buffers.actq(E, 2), True)  # x in the wide form (actq.ActQ16)
         self.xf = buffers.array((1, E), np.float32)  # x itself, for experts of a float type
         gu = buffers.array((2 * k, Fq), np.float32)  # gate rows then up rows: one download for both
         self.gate, self.up = gu[:k], gu[k:]
         self.h = buffers.actq(Fq, k)
-        hw = buffers.actq(Fq, 2 * k)  # h of each hit in the wide form: rows 2i, 2i + 1
         self.out = buffers.array((k, E), np.float32)
         f = exchange.view(np.float32)
         self.gu_host = f[: 2 * k * F].reshape(2 * k, F)
@@ -111,7 +100,6 @@ class HitPath:
         self.out_rows = [self.out[i] for i in range(k)]
         self.h_rows = [gpu.GpuActQ(self.h.q[i, :F], self.h.d[i, : F // QA], self.h.s16[i, : F // 16], None) for i in range(k)]
         self.hf_rows = [self.gate[i : i + 1] for i in range(k)]
-        self.hw_rows = [gpu.GpuActQ16(_slice(hw, 2 * i, 2 * i + 2), True) for i in range(k)]
         self.gate_n = [self.gate[:n, :F] for n in range(k + 1)]
         self.up_n = [self.up[:n, :F] for n in range(k + 1)]
         self.out_n = [self.out[:n] for n in range(k + 1)]
@@ -136,7 +124,7 @@ class HitPath:
         st.misses[layer] += miss.size
         out = np.empty((len(slots), moe.E), F32)
         if hit:
-            xdev = self._stage(_row(x.form(moe.gu)), self.x, self.xf, moe.E, self.xw)
+            xdev = self._stage(_row(x.form(moe.gu)), self.x, self.xf, moe.E)
             if self.events:
                 self.events[0].record()
             for i, j in enumerate(hit):
@@ -158,13 +146,13 @@ class HitPath:
             rt.copy_out(self.up_host[:n], self.up_n[n])
         t2 = time.perf_counter()
         h = hidden_(self.gate_host[:n], self.up_host[:n])  # the misses' function: the same bits
-        if self.one_copy and moe.d.quantized and not is_wide(moe.d):
+        if self.one_copy and moe.d.quantized:
             upload_act(rt, self.h_n[n], quantize_act(h, out=self.h_act_n[n]))
             for i, j in enumerate(hit):
                 gpu.matvec_into(self.slots.weights[slots[j]][2], self.h_rows[i], self.out_rows[i])
         else:
             for i, j in enumerate(hit):
-                hdev = self._stage(_row(Input(h[i : i + 1]).form(moe.d)), self.h_rows[i], self.hf_rows[i], F, self.hw_rows[i])
+                hdev = self._stage(_row(Input(h[i : i + 1]).form(moe.d)), self.h_rows[i], self.hf_rows[i], F)
                 gpu.matvec_into(self.slots.weights[slots[j]][2], hdev, self.out_rows[i])
         if self.events:
             self.events[1].record()
@@ -184,9 +172,7 @@ class HitPath:
         the host makes h from the downloaded gate and up exactly as the CPU path does (B2)."""
         slots = np.array([self.slots.lookup(moe.layer, int(e)) for e in experts], np.int64)
         hit_g = np.flatnonzero(slots >= 0)
-        # the wide form: its planes (twice the ActQ rows) and their products before combine16
-        wide = (2 if is_wide(moe.gu) else 1, 2 if is_wide(moe.d) else 1)
-        need = self._many_bytes(moe, int(sum(starts[g + 1] - starts[g] for g in hit_g)), wide)
+        need = self._many_bytes(moe, int(sum(starts[g + 1] - starts[g] for g in hit_g)))
         if hit_g.size == 0 or self.prompt is None or need > self.prompt.size:
             return moe.products(x, experts, rows, starts)  # nothing on the device, or no room: all CPU
         miss_g = np.flatnonzero(slots < 0)
@@ -197,13 +183,11 @@ class HitPath:
         xa = _rows(x.form(moe.gu), rows[hit_i])
         xdev = self._stage_many(buf, xa, E)
         gate, up = buf.array((n, F), np.float32), buf.array((n, F), np.float32)
-        y2 = buf.array((2 * n, max(E, F)), np.float32) if max(wide) > 1 else None  # the planes' products
         wts = [self.slots.weights[slots[g]] for g in hit_g]
         for i, (wg, wu, _) in enumerate(wts):
             a, b = hit_s[i], hit_s[i + 1]
-            p2 = None if y2 is None else y2.reshape(-1)[: 2 * (b - a) * F].reshape(2 * (b - a), F)
-            gpu.matmul(wg, _slice(xdev, a, b), out=gate[a:b], **_planes_out(xdev, p2))
-            gpu.matmul(wu, _slice(xdev, a, b), out=up[a:b], **_planes_out(xdev, p2))
+            gpu.matmul(wg, _slice(xdev, a, b), out=gate[a:b])
+            gpu.matmul(wu, _slice(xdev, a, b), out=up[a:b])
         out = np.empty((rows.size, E), F32)
         if miss_i.size:
             out[miss_i] = moe.products(x, experts[miss_g], rows[miss_i], miss_s)
@@ -216,25 +200,19 @@ class HitPath:
         y = buf.array((n, E), np.float32)
         for i, (_, _, wd) in enumerate(wts):
             a, b = hit_s[i], hit_s[i + 1]
-            p2 = None if y2 is None else y2.reshape(-1)[: 2 * (b - a) * E].reshape(2 * (b - a), E)
-            gpu.matmul(wd, _slice(hdev, a, b), out=y[a:b], **_planes_out(hdev, p2))
+            gpu.matmul(wd, _slice(hdev, a, b), out=y[a:b])
         hits = np.empty((n, E), F32)
         rt.copy_out(hits, y)
         out[hit_i] = hits
         return out
 
     @staticmethod
-    def _many_bytes(moe, n: int, wide: tuple[int, int] = (1, 1)) -> int:
+    def _many_bytes(moe, n: int) -> int:
         E, F = moe.E, moe.F
-        planes = align(2 * n * max(E, F) * 4) if max(wide) > 1 else 0
-        return B.actq_placed_bytes(E, wide[0] * n) + align(n * E * 4) + 2 * align(n * F * 4) \
-            + B.actq_placed_bytes(F, wide[1] * n) + align(n * F * 4) + align(n * E * 4) + planes
+        return B.actq_placed_bytes(E, n) + align(n * E * 4) + 2 * align(n * F * 4) + B.actq_placed_bytes(F, n) \
+            + align(n * F * 4) + align(n * E * 4)
 
     def _stage_many(self, buf: Carver, act, n: int):
-        if isinstance(act, ActQ16):
-            dev = gpu.GpuActQ16(buf.actq(n, 2 * act.rows), False)
-            upload_act(self.rt, dev.planes, act.planes)
-            return dev
         if isinstance(act, ActQ):
             dev = buf.actq(n, act.q.shape[0])
             upload_act(self.rt, dev, act)
@@ -243,13 +221,8 @@ class HitPath:
         self.rt.copy_in(dev, np.ascontiguousarray(act, dtype=F32))
         return dev
 
-    def _stage(self, act, qbuf: gpu.GpuActQ, fbuf, n: int, wbuf: gpu.GpuActQ16 | None = None):
-        """Upload the host's activations: an ActQ into `qbuf`, the wide form into `wbuf` (its n
-        columns), f32 values into a row of `fbuf`."""
-        if isinstance(act, ActQ16):
-            dev = wbuf if wbuf.n == n else gpu.GpuActQ16(act_rows(wbuf.planes, 2, n), True)
-            upload_act(self.rt, dev.planes, act.planes)
-            return dev
+    def _stage(self, act, qbuf: gpu.GpuActQ, fbuf, n: int):
+        """Upload the host's activations: an ActQ into `qbuf`, f32 values into a row of `fbuf`."""
         if isinstance(act, ActQ):
             upload_act(self.rt, qbuf, act)
             return qbuf

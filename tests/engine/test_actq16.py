@@ -155,19 +155,34 @@ def test_products_are_accurate_against_float64(name):
     assert err.max() < 64 * float(np.finfo(np.float32).eps), f"{name}: relative error {err.max():.3g}"
 
 
-def test_input_gives_each_type_its_form_once():
+def test_input_gives_each_reader_its_form_once():
     x = _acts(256, 2, 3)
     inp = Input(x.copy())
-    wide, narrow = inp.form(BY_NAME["Q8_0"]), inp.form(BY_NAME["Q4_K"])
+    wide, narrow = inp.form(BY_NAME["Q8_0"], wide=True), inp.form(BY_NAME["Q8_0"])
     assert isinstance(wide, ActQ16) and isinstance(narrow, ActQ)
-    assert inp.form(BY_NAME["IQ4_NL"]) is wide, "one wide form per vector, shared by every reader"
-    assert inp.form(BY_NAME["F32"]) is inp.x
+    assert inp.form(BY_NAME["IQ4_NL"], wide=True) is wide, "one wide form per vector, shared by every reader"
+    assert inp.form(BY_NAME["F32"], wide=True) is inp.x
     inp.set(x * 2)
-    assert inp.form(BY_NAME["Q8_0"]) is not wide, "new values make a new form"
-    # a weight given f32 rows quantizes them to its own form
+    assert inp.form(BY_NAME["Q8_0"], wide=True) is not wide, "new values make a new form"
+
+
+def test_the_query_and_key_projections_of_the_wide_types_read_the_wide_form():
     t = BY_NAME["Q8_0"]
-    W = Weight("w", (256, 3), t.id, random_weights(t, 256 * 3, np.random.default_rng(3)))
-    _same(W.matmul(x), R.dot_reference(W.raw, t.id, 256, 3, quantize_act16_reference(x)), "Weight.matmul")
+    raw = random_weights(t, 256 * 3, np.random.default_rng(3))
+    reads = {n: Weight(n, (256, 3), t.id, raw).wide for n in
+             ("blk.0.attn_qkv.weight", "blk.3.attn_q.weight", "blk.3.attn_k.weight", "blk.3.attn_v.weight",
+              "blk.0.ssm_out.weight", "blk.0.hc_attn_down.weight", "output.weight", "blk.0.ffn_down_shexp.weight")}
+    assert reads == {"blk.0.attn_qkv.weight": True, "blk.3.attn_q.weight": True, "blk.3.attn_k.weight": True,
+                     "blk.3.attn_v.weight": True, "blk.0.ssm_out.weight": False, "blk.0.hc_attn_down.weight": False,
+                     "output.weight": False, "blk.0.ffn_down_shexp.weight": False}
+    k = BY_NAME["Q4_K"]
+    assert not Weight("blk.0.attn_qkv.weight", (256, 3), k.id, random_weights(k, 256 * 3, np.random.default_rng(3))).wide
+    # a weight given f32 rows quantizes them to its own form
+    x = _acts(256, 2, 3)
+    W = Weight("blk.0.attn_qkv.weight", (256, 3), t.id, raw)
+    _same(W.matmul(x), R.dot_reference(raw, t.id, 256, 3, quantize_act16_reference(x)), "Weight.matmul (wide)")
+    W = Weight("blk.0.ssm_out.weight", (256, 3), t.id, raw)
+    _same(W.matmul(x), R.dot_reference(raw, t.id, 256, 3, quantize_act(x)), "Weight.matmul (8-bit)")
 
 
 def test_a_type_that_reads_8_bit_activations_refuses_the_wide_form():

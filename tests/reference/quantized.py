@@ -15,7 +15,7 @@ Activations. Inside `ActQInputs`, `torch.nn.functional.linear` (nn.Linear and th
 both call it) quantizes its input when the weight is a block type, as the engine does: the float64
 input rounded to f32, then per 32 elements d = amax / 127 and q = rint(x / d) in f32 (the ActQ
 specification, engine/kernels/actq.py, restated here), dequantized exactly as q * d in float64;
-for the weight types that read the wide form (actq.WIDE) d = amax / 32639 (16-bit q).
+for the weights that read the wide form (actq.reads_wide) d = amax / 32639 (16-bit q).
 The 32-blocks run over the input in the GGUF's column order, as the engine's do: ssm_out reads the
 GDN heads tiled, transformers' out_proj grouped, and blocks over the other order have other scales
 (a 5e-2 disagreement in the logits when this was missed).
@@ -147,16 +147,16 @@ def load_dequantized(model, placements: dict[str, Placement], quant_gguf: Path) 
 
 
 def wide_params(placements: dict[str, Placement], quant_gguf: Path) -> set[str]:
-    """The parameters whose block-type tensors read the wide form (actq.WIDE). A parameter fed by
-    tensors of both forms is refused."""
-    from strata.engine.kernels.actq import is_wide
+    """The parameters whose block-type tensors read the wide form (actq.reads_wide: the type and
+    the tensor's role). A parameter fed by tensors of both forms is refused."""
+    from strata.engine.kernels.actq import reads_wide
 
     forms: dict[str, set[bool]] = {}
     for shard in shard_names(Path(quant_gguf)):
         f = read_gguf(shard)
         for name, pl in placements.items():
             if name in f.tensors and BY_ID[f.tensors[name].type_id].quantized:
-                forms.setdefault(pl.param, set()).add(is_wide(BY_ID[f.tensors[name].type_id].name))
+                forms.setdefault(pl.param, set()).add(reads_wide(BY_ID[f.tensors[name].type_id].name, name))
     mixed = sorted(p for p, w in forms.items() if len(w) > 1)
     if mixed:
         raise ValueError(f"{quant_gguf}: parameters {mixed} hold tensors that read two activation forms")
