@@ -23,8 +23,9 @@ specification is total.
 Non-finite activations are refused (ValueError): an inf or NaN would quantize to plausible
 integers and the layer would go on with garbage.
 
-The wide form (ActQ16), for the weight types llama.cpp reads with Q8_0 activations (WIDE): the
-same rule with 16-bit integers, per 32-element block
+The wide form (ActQ16), read by the query/key projections (WIDE_ROLES) of the weight types
+llama.cpp reads with Q8_0 activations (WIDE; reads_wide): the same rule with 16-bit integers,
+per 32-element block
 
     d    = amax / 32639                      q = clip(rint(x / d), -32639, 32639)
     hi   = (q + 128) >> 8  (in -127..127)    lo = q - 256 hi  (in -128..127)
