@@ -68,7 +68,7 @@ WIDE = frozenset({"Q8_0", "Q4_0", "Q5_0", "Q2_0", "IQ4_NL"})
 # amplifies input noise unevenly: the emulation put the whole error gap in this matrix) and
 # attention's q/k/v. Every product of the five types in the wide form cost decode 20-24% more CPU
 # per token on seed-4l (the token kernels do the integer sums and f32 terms twice); these alone
-# cost ~2% (docs/conformance.md).
+# cost ~2.8% (docs/conformance.md).
 WIDE_ROLES = frozenset({"attn_qkv", "attn_q", "attn_k", "attn_v"})
 
 
