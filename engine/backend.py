@@ -31,7 +31,7 @@ import numpy as np
 
 from . import hyper, moe, ops, ple, qsa
 from .kvcache import KVCache
-from .kernels.actq import ActQ
+from .kernels.actq import ActQ, ActQ16
 from .kernels import cpu
 from .weights import Input, Weight
 
@@ -66,6 +66,8 @@ def _row(act):
     """Row 0 of a one-row activation (an ActQ or f32 [1, n]) as the matvec kernels take it."""
     if isinstance(act, ActQ):
         return ActQ(act.q[0], act.d[0], act.s16[0])
+    if isinstance(act, ActQ16):
+        return act.row(0)
     return act[0]
 
 
@@ -87,8 +89,8 @@ class CpuBackend:
         row the same bits (tests/engine/test_kernels_cpu.py), so the choice changes speed, not numbers."""
         if isinstance(x, np.ndarray):
             x = Input(x)  # Input.form is the one place activations are quantized (engine/weights.py)
-        act = x.form(w.type) if isinstance(x, Input) else x
-        T = (act.q if isinstance(act, ActQ) else act).shape[0]
+        act = x.form(w.type, w.wide) if isinstance(x, Input) else x
+        T = act.rows if isinstance(act, ActQ16) else (act.q if isinstance(act, ActQ) else act).shape[0]
         if out is None:
             out = np.empty((T, w.n_out), F32)
         if T == 1:

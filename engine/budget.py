@@ -183,10 +183,10 @@ def dense_dims(g: ModelGeometry) -> tuple[int, int]:
 
 def dense_staging_bytes(g: ModelGeometry) -> int:
     """The token path's device staging for the dense matrices, reused by every one of them (S12):
-    one input as f32 and as ActQ [widest input], one output f32 [widest output]; the LM head
-    writes into head.logits."""
+    one input as f32, as ActQ and as the wide form's two planes [widest input], one output f32
+    [widest output]; the LM head writes into head.logits."""
     n_in, n_out = dense_dims(g)
-    return align(n_in * F32) + actq_placed_bytes(n_in) + align(n_out * F32)
+    return align(n_in * F32) + actq_placed_bytes(n_in) + actq_placed_bytes(n_in, 2) + align(n_out * F32)
 
 
 def prompt_row_bytes(g: ModelGeometry) -> int:

@@ -41,7 +41,7 @@ from strata.index_format.ggml_types import ggml_type
 
 from . import iq_tables as T
 from . import panel, rowdot, simd, threads
-from .actq import QA, ActQ
+from .actq import QA, ActQ, ActQ16, combine16, is_wide
 from .engine_form import F16_TO_F32
 from .jit import JIT, cached
 
@@ -753,6 +753,8 @@ def _floats(act, n_in: int, one: bool, t, where: str) -> np.ndarray:
 def _multiply(name: str, raw, type_id: int, n_in: int, n_out: int, act, out, one: bool) -> np.ndarray:
     t = ggml_type(type_id, where=name)
     where = f"{name}({t.name})"
+    if isinstance(act, ActQ16):
+        return _multiply16(where, raw, t, n_in, n_out, act, out, one)
     raw = _check_raw(raw, t, n_in, n_out, where)
     if t.quantized:
         q, d, s16 = _planes(act, n_in, one, where)
@@ -768,7 +770,7 @@ def _multiply(name: str, raw, type_id: int, n_in: int, n_out: int, act, out, one
     # a verify's few rows: rowdot.matmul, unless a raw panel takes them (panel.RAW: the LM head of
     # seed-4l, Q8_0, 1 thread, CPU time: 2 / 3 / 4 tokens 36.8 / 60.0 / 70.6 ms through rowdot.matmul,
     # 36.2 / 46.1 / 46.2 through the raw panel, the same bits; 2026-12-01)
-    if not one and n_tok <= ROWDOT_ROWS_MAX and t.name in rowdot.TYPES and rowdot.AVAILABLE \
+    if not one and 2 <= n_tok <= ROWDOT_ROWS_MAX and t.name in rowdot.TYPES and rowdot.AVAILABLE \
             and not (t.name in panel.RAW and _use_panel(t, n_tok, n_out)):
         parallel, chunks = _launch(n_out, n_in * n_out * n_tok)
         rowdot.matmul(t.name, raw, t.row_bytes(n_in), q, d, s16, out2, parallel, chunks)
@@ -789,21 +791,55 @@ def _multiply(name: str, raw, type_id: int, n_in: int, n_out: int, act, out, one
     return out
 
 
+def _check16(act: ActQ16, t, n_in: int, one: bool, where: str) -> None:
+    if not is_wide(t):
+        raise TypeError(f"{where}: {t.name} weights read 8-bit activations (ActQ), got the wide form (ActQ16)")
+    if act.one != one:
+        raise TypeError(f"{where}: activations must be {'a single vector' if one else 'rows [T, n]'}, got ActQ16 of {act.rows} rows")
+    _planes(act.planes, n_in, False, where)
+
+
+def _multiply16(where: str, raw, t, n_in: int, n_out: int, act: ActQ16, out, one: bool) -> np.ndarray:
+    """A product of the wide form: its planes' products as 2T tokens of one call (each row of the
+    weight decoded once for all), combined (actq.combine16); the token path's rowdot types take
+    both planes in one pass over the weight bytes."""
+    _check16(act, t, n_in, one, where)
+    T = act.rows
+    shape = (n_out,) if one else (T, n_out)
+    if out is None:
+        out = np.empty(shape, F32)
+    elif not (isinstance(out, np.ndarray) and out.shape == shape and out.dtype == F32 and out.flags.c_contiguous):
+        raise ValueError(f"{where}: out must be contiguous f32 {list(shape)}, got {getattr(out, 'dtype', type(out))}{list(getattr(out, 'shape', []))}")
+    p = act.planes
+    if T == 1 and t.name in rowdot.TYPES and rowdot.AVAILABLE:
+        raw = _check_raw(raw, t, n_in, n_out, where)
+        parallel, chunks = _launch(n_out, 2 * n_in * n_out)
+        rowdot.matvec(t.name, raw, t.row_bytes(n_in), p.q.reshape(-1), p.d.reshape(-1), p.s16.reshape(-1), out.reshape(-1), parallel, chunks, wide=True)
+        return out
+    both = _multiply("matmul", raw, t.id, n_in, n_out, p, None, one=False)
+    combine16(both, out.reshape(T, n_out))
+    return out
+
+
 def matmul(raw: np.ndarray, type_id: int, n_in: int, n_out: int, act, out: np.ndarray | None = None) -> np.ndarray:
     """Y[t] = W X[t] for T tokens -> f32 [T, n_out] (into `out` if given).
 
     raw: the weight's GGML bytes (n_out rows of n_in elements), e.g. a slice of the mapped GGUF.
-    act: ActQ [T, n_in] for block types (quantize_act), f32 [T, n_in] for F32/F16/BF16 weights.
-    Small products (work under SERIAL_BELOW) run on the calling thread, the rest on the pool."""
+    act: ActQ [T, n_in] for block types (quantize_act), or ActQ16 (quantize_act16) for the actq.WIDE
+    types; f32 [T, n_in] for F32/F16/BF16 weights. Small products (work under SERIAL_BELOW) run on
+    the calling thread, the rest on the pool."""
     return _multiply("matmul", raw, type_id, n_in, n_out, act, out, one=False)
 
 
 def matvec(raw: np.ndarray, type_id: int, n_in: int, n_out: int, act, out: np.ndarray | None = None) -> np.ndarray:
-    """y = W x -> f32 [n_out]; act: ActQ [n_in] (block types) or f32 [n_in] (F32/F16/BF16)."""
+    """y = W x -> f32 [n_out]; act: ActQ [n_in] (block types), ActQ16 [n_in] (actq.WIDE types) or
+    f32 [n_in] (F32/F16/BF16)."""
     return _multiply("matvec", raw, type_id, n_in, n_out, act, out, one=True)
 
 
 def _describe(act) -> str:
+    if isinstance(act, ActQ16):
+        return f"ActQ16 of {act.rows} rows of {act.n}"
     if isinstance(act, ActQ):
         return f"ActQ {list(act.q.shape)}"
     return f"{type(act).__name__} {getattr(act, 'dtype', '')}{list(getattr(act, 'shape', []))}"
@@ -835,6 +871,8 @@ def matmul_grouped(raw: np.ndarray, type_id: int, n_in: int, n_out: int, offsets
     if not isinstance(raw, np.ndarray) or raw.dtype != np.uint8 or raw.ndim != 1 or not raw.flags.c_contiguous:
         raise TypeError(f"{where}: weight bytes must be a contiguous 1-D uint8 numpy array, got {_describe(raw)}")
     offsets, starts = _groups(offsets, starts, t.nbytes((n_in, n_out)), raw.size, where)
+    if isinstance(act, ActQ16):
+        return _grouped16(raw, t, n_in, n_out, offsets, act, starts, out, where)
     if t.quantized:
         q, d, s16 = _planes(act, n_in, False, where)
         n_tok = q.shape[0]
@@ -864,6 +902,22 @@ def matmul_grouped(raw: np.ndarray, type_id: int, n_in: int, n_out: int, offsets
     kernel = _panel(t.name, True, parallel) if _use_panel(t, n_tok / live, n_out, grouped=True) else _grouped(t.name, parallel)
     kernel(raw, offsets, t.type_size, t.row_bytes(n_in), starts, items, bounds, q.reshape(-1), d, s16, F16_TO_F32, out, workers)
     return out
+
+
+def _grouped16(raw, t, n_in: int, n_out: int, offsets, act: ActQ16, starts, out, where: str) -> np.ndarray:
+    """matmul_grouped of the wide form: a group's rows a..b are planes rows 2a..2b (hi and lo of
+    each row), one group of twice the tokens, so each expert row is decoded once for both planes;
+    then combined."""
+    _check16(act, t, n_in, False, where)
+    N = act.rows
+    if N != starts[-1]:
+        raise ValueError(f"{where}: starts end at {starts[-1]}, the activations have {N} rows")
+    if out is None:
+        out = np.empty((N, n_out), F32)
+    elif not (isinstance(out, np.ndarray) and out.shape == (N, n_out) and out.dtype == F32 and out.flags.c_contiguous):
+        raise ValueError(f"{where}: out must be contiguous f32 {[N, n_out]}, got {_describe(out)}")
+    both = matmul_grouped(raw, t.id, n_in, n_out, offsets, act.planes, 2 * starts)
+    return combine16(both, out)
 
 
 def _groups(offsets, starts, size: int, n_bytes: int, where: str) -> tuple[np.ndarray, np.ndarray]:

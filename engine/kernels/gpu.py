@@ -10,7 +10,10 @@ actq.quantize_act.
     a = quantize_act_gpu(x_dev)                # f32 [T, n_in] or [n_in] on the device -> GpuActQ
     y = matmul(w, a)                           # f32 [T, n_out] on the device (matvec: [n_out])
 
-F32/F16/BF16 weights take the f32 activations themselves (no ActQ), as on the CPU.
+F32/F16/BF16 weights take the f32 activations themselves (no ActQ), as on the CPU. The types of
+actq.WIDE take the wide form (quantize_act16_gpu -> GpuActQ16): one token through the matvec
+kernel that reads both planes (mv<T, KPL, 1>), more as 2T tokens of one launch, then the
+combine16 kernel, as cpu.py does it.
 
 Device work goes through a small runtime object (CuPy by default); `use_runtime` swaps it, which
 the tests do to run this module and the CUDA source on the host (tests/gpu_emu.py).
@@ -27,7 +30,7 @@ import numpy as np
 from strata.index_format.ggml_types import GGMLType, ggml_type
 
 from . import iq_tables as T
-from .actq import QA, ActQ, NonFiniteActivation
+from .actq import QA, ActQ, ActQ16, NonFiniteActivation, is_wide
 from .engine_form import align, narrow, planes, widen
 
 SOURCE = Path(__file__).with_name("gpu_kernels.cu")
@@ -220,7 +223,8 @@ class _Module:
 
 def _names(t: GGMLType) -> list[str]:
     if t.quantized:
-        return [f"mv<{t.id}, {k}>" for k in KPLS] + [f"mm<{t.id}>", f"traits<{t.id}>"]
+        wide = [f"mv<{t.id}, {k}, 1>" for k in KPLS] if is_wide(t) else []
+        return [f"mv<{t.id}, {k}>" for k in KPLS] + wide + [f"mm<{t.id}>", f"traits<{t.id}>"]
     return [f"fmv<{_FLOAT_KIND[t.name]}>", f"fmm<{_FLOAT_KIND[t.name]}>"]
 
 
@@ -235,7 +239,7 @@ def _module(key: str) -> _Module:
         return _modules[key]
     rt = runtime()
     if key == "actq":
-        m = _Module(rt.compile(["actq"]))
+        m = _Module(rt.compile(["actq", "actq16", "combine16"]))
     else:
         t = ggml_type(key, where="gpu kernels")
         m = _Module(rt.compile(_names(t)))
@@ -398,6 +402,74 @@ class GpuActQ:
         return ActQ(rt.to_host(self.q), rt.to_host(self.d), rt.to_host(self.s16))
 
 
+@dataclass(frozen=True)
+class GpuActQ16:
+    """actq.ActQ16 on the device: `planes` a GpuActQ of 2T rows (row 2t: row t's hi plane, 2t + 1
+    its lo plane); one: a single vector."""
+
+    planes: GpuActQ
+    one: bool
+
+    @property
+    def n(self) -> int:
+        return self.planes.q.shape[-1]
+
+    @property
+    def rows(self) -> int:
+        return self.planes.q.shape[0] // 2
+
+    def to_host(self) -> ActQ16:
+        return ActQ16(self.planes.to_host(), self.one)
+
+
+def empty_act16(shape: tuple[int, ...]) -> GpuActQ16:
+    """Buffers for quantize_act16_gpu(out=...): [n] or [T, n] features."""
+    shape = tuple(int(s) for s in shape)
+    if len(shape) not in (1, 2) or shape[-1] % QA:
+        raise ValueError(f"empty_act16: shape must be [n] or [T, n] with n a multiple of {QA}, got {list(shape)}")
+    rows = shape[0] if len(shape) == 2 else 1
+    return GpuActQ16(empty_act((2 * rows, shape[-1])), len(shape) == 1)
+
+
+def quantize_act16_gpu(x, out: GpuActQ16 | None = None, check: bool = True) -> GpuActQ16:
+    """The wide form of device f32 activations [n] or [T, n], bit for bit actq.quantize_act16."""
+    rt = runtime()
+    where = "quantize_act16_gpu"
+    if not rt.is_array(x) or x.dtype != np.float32 or x.ndim not in (1, 2) or x.shape[-1] % QA or not x.flags.c_contiguous:
+        raise TypeError(f"{where}: activations must be a contiguous device f32 [n] or [T, n] with n a multiple of {QA}, got {_describe(x)}")
+    if out is None:
+        out = empty_act16(x.shape)
+    elif not isinstance(out, GpuActQ16) or out.n != x.shape[-1] or out.rows != (x.shape[0] if x.ndim == 2 else 1):
+        raise ValueError(f"{where}: out must be a GpuActQ16 of {list(x.shape)} activations, got {_describe(out)}")
+    p = out.planes
+    nblocks = x.size // QA
+    if nblocks:
+        p.bad.fill(NO_BAD)
+        rt.launch(_module("actq").mod, "actq16", _grid(rt, nblocks, 8), 256,
+                  (x, p.q, p.d, p.s16, np.int64(nblocks), np.int64(x.shape[-1] // QA), p.bad))
+    if check:
+        bad = int(rt.to_host(p.bad)[0]) if nblocks else int(NO_BAD)
+        if bad != int(NO_BAD):
+            index = np.unravel_index(bad, x.shape)
+            value = rt.to_host(x.reshape(-1)[bad : bad + 1])[0]
+            raise NonFiniteActivation(f"{where}: non-finite activation {value} at index {tuple(int(i) for i in index)}")
+    return out
+
+
+def combine16(y2, out) -> None:
+    """out [T, n_out] = f32(256) y2[2t] + y2[2t + 1] (y2 [2T, n_out], device f32; not in place)."""
+    rt = runtime()
+    n = out.size
+    rt.launch(_module("actq").mod, "combine16", _grid(rt, n, 256), 256, (y2, out, np.int64(y2.shape[-1]), np.int64(n)))
+
+
+def _check_wide(w: "GpuWeight", act: GpuActQ16, where: str) -> None:
+    if not is_wide(w.type):
+        raise TypeError(f"{where}: {w.type.name} weights read 8-bit activations (GpuActQ), got the wide form (GpuActQ16)")
+    if act.n != w.n_in:
+        raise TypeError(f"{where}: activations must have {w.n_in} features, got {_describe(act)}")
+
+
 def empty_act(shape: tuple[int, ...]) -> GpuActQ:
     """Buffers for quantize_act_gpu(out=...): [n] or [T, n] features (allocated once, reused)."""
     shape = tuple(int(s) for s in shape)
@@ -499,6 +571,31 @@ def _quant_plan(type_id: int, n_in: int, n_out: int, n_tok: int) -> tuple:
     return m.mod, f"mm<{type_id}>", grid, 32 * nw, tab + nw * per_warp, (np.int32(n_tok), np.int32(tab > 0))
 
 
+def _wide_mv_plan(type_id: int, n_in: int, n_out: int) -> tuple | None:
+    """The one-token launch of the wide form: matvec's, with the kernel that reads both planes
+    (mv<T, KPL, 1>); None where matvec takes the batched kernel (rows longer than mv holds)."""
+    mod, name, grid, block, smem, extra = _quant_plan(type_id, n_in, n_out, 1)
+    if not name.startswith("mv<"):
+        return None
+    return mod, name[:-1] + ", 1>", grid, block, smem, extra
+
+
+def _quant16(w: GpuWeight, act: GpuActQ16, out, planes_out=None) -> None:
+    """out [T, n_out] = the product of the wide form: one token through mv<T, KPL, 1> (no buffer),
+    else both planes as 2T tokens of the batched kernel into planes_out (device f32 [2T, n_out];
+    made if None), then combine16."""
+    p = act.planes
+    plan = _wide_mv_plan(w.type_id, w.n_in, w.n_out) if act.rows == 1 else None
+    if plan is not None:
+        mod, name, grid, block, smem, extra = plan
+        scales = w.scales if w.scales is not None else w.rest
+        args = (w.rest, scales, p.q, p.d, p.s16, out, np.int32(w.n_out), np.int32(w.n_in // QA))
+        runtime().launch(mod, name, grid, block, args + extra, smem)
+        return
+    y2 = matmul(w, p, planes_out)
+    combine16(y2, out)
+
+
 def _quant(w: GpuWeight, q, d, s16, out) -> None:
     """One launch for up to MAX_TOKENS tokens: q [T, n_in], d [T, nb], s16 [T, 2 nb], out [T, n_out]."""
     mod, name, grid, block, smem, extra = _quant_plan(w.type_id, w.n_in, w.n_out, q.shape[0])
@@ -531,6 +628,9 @@ def matvec_into(w: GpuWeight, act, out) -> None:
     device f32 [n_in]) and `out` (device f32 [n_out]) are views the tier carved and checked at
     startup. The same launch as matvec's, so the same bits; a few microseconds of Python less per
     product (the token path makes hundreds)."""
+    if isinstance(act, GpuActQ16):
+        _quant16(w, act, out)
+        return
     if isinstance(act, GpuActQ):
         mod, name, grid, block, smem, extra = _quant_plan(w.type_id, w.n_in, w.n_out, 1)
         scales = w.scales if w.scales is not None else w.rest
@@ -541,12 +641,23 @@ def matvec_into(w: GpuWeight, act, out) -> None:
     runtime().launch(mod, name, grid, block, args + extra, smem)
 
 
-def matmul(w: GpuWeight, act, out=None):
+def matmul(w: GpuWeight, act, out=None, planes_out=None):
     """Y[t] = W X[t] for T tokens -> device f32 [T, n_out].
 
-    act: GpuActQ [T, n_in] for block types (quantize_act_gpu); device f32 [T, n_in] for F32/F16/BF16."""
+    act: GpuActQ [T, n_in] for block types (quantize_act_gpu), or GpuActQ16 (quantize_act16_gpu)
+    for the actq.WIDE types, whose planes' products go to planes_out (device f32 [2T, n_out], made
+    if None); device f32 [T, n_in] for F32/F16/BF16."""
     rt, t = runtime(), w.type
     where = f"matmul {w.label}"
+    if isinstance(act, GpuActQ16):
+        _check_wide(w, act, where)
+        if act.one:
+            raise TypeError(f"{where}: activations must be rows [T, {w.n_in}], got a single vector (use matvec)")
+        out = _out(rt, out, (act.rows, w.n_out), where)
+        if planes_out is not None:
+            planes_out = _out(rt, planes_out, (2 * act.rows, w.n_out), f"{where} (planes_out)")
+        _quant16(w, act, out, planes_out)
+        return out
     if t.quantized:
         if not isinstance(act, GpuActQ) or act.q.ndim != 2 or act.n != w.n_in:
             raise TypeError(f"{where}: activations must be a GpuActQ of shape [T, {w.n_in}], got {_describe(act)}")
@@ -568,6 +679,14 @@ def matmul(w: GpuWeight, act, out=None):
 def matvec(w: GpuWeight, act, out=None):
     """y = W x -> device f32 [n_out]; act: GpuActQ [n_in] (block types) or device f32 [n_in]."""
     rt = runtime()
+    if isinstance(act, GpuActQ16):
+        where = f"matvec {w.label}"
+        _check_wide(w, act, where)
+        if not act.one:
+            raise TypeError(f"{where}: activations must be a single vector, got {_describe(act)} (use matmul)")
+        out = _out(rt, out, (w.n_out,), where)
+        _quant16(w, act, out)
+        return out
     if isinstance(act, GpuActQ):
         if act.q.ndim != 1:
             raise TypeError(f"matvec {w.label}: activations must be a single vector, got {_describe(act)} (use matmul)")
@@ -581,6 +700,8 @@ def matvec(w: GpuWeight, act, out=None):
 
 
 def _describe(a) -> str:
+    if isinstance(a, GpuActQ16):
+        return f"GpuActQ16 of {a.rows} rows of {a.n}"
     if isinstance(a, GpuActQ):
         return f"GpuActQ {list(a.q.shape)}"
     if isinstance(a, ActQ):

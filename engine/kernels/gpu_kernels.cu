@@ -693,15 +693,18 @@ struct MvRows {
 // once per warp, not once per row.
 //   rest u8 [n_out * nblk * REST]; scales f32 [n_out * nblk * NS]; xq i8 [nb * 32];
 //   xd f32 [nb]; xs i32 [2 nb]; out f32 [n_out];  nblk = nb / APB <= 32 KPL / APB
+// WIDE = 1: one row of the wide ActQ (actq.ActQ16: xq [2, nb * 32], xd [2, nb], xs [2, 2 nb], its
+// hi plane then its lo plane): each row's dot with both, out = 256 dot(hi) + dot(lo)
+// (actq.combine16), the row's blocks decoded once for both.
 
-template <int T, int KPL>
+template <int T, int KPL, int WIDE = 0>
 __global__ void __launch_bounds__(256) mv(const u8* __restrict__ rest, const float* __restrict__ scales,
                                           const i8* __restrict__ xq, const float* __restrict__ xd,
                                           const i32* __restrict__ xs, float* __restrict__ out, int n_out, int nb,
                                           int nrows, int shared_tab) {
     typedef Ty<T> L;
     typedef Buf<T> F;
-    constexpr int RM = MvRows<T, KPL>::N, BLOCKS = RM * MvRows<T, KPL>::BLOCKS;
+    constexpr int RM = MvRows<T, KPL>::N, BLOCKS = RM * MvRows<T, KPL>::BLOCKS, NP = WIDE ? 2 : 1;
     constexpr bool S16 = L::HAS_MIN || L::OFF != 0;
     STRATA_SMEM(smem);
     const typename L::Tab* tab = load_tab<T>(smem, shared_tab);
@@ -711,22 +714,25 @@ __global__ void __launch_bounds__(256) mv(const u8* __restrict__ rest, const flo
     const i64 row_rest = (i64)nblk * L::REST, row_sc = (i64)nblk * L::NS * 4;
     const u8* sc_plane = reinterpret_cast<const u8*>(scales);
 
-    u32 x[KPL][8];
+    u32 x[NP][KPL][8];
     float ad[KPL];
-    int xs0[KPL], xs1[KPL];
+    int xs0[NP][KPL], xs1[NP][KPL];
 #pragma unroll
     for (int r = 0; r < KPL; r++) {
         const int k = lane + 32 * r;
         ad[r] = 0.0f;
-        xs0[r] = xs1[r] = 0;
-        if (k < nb) {
-            load_act(xq, 32 * (i64)k, x[r]);
-            ad[r] = __ldg(xd + k);
-            if (S16) {
-                xs0[r] = __ldg(xs + 2 * k);
-                xs1[r] = __ldg(xs + 2 * k + 1);
+#pragma unroll
+        for (int p = 0; p < NP; p++) {
+            xs0[p][r] = xs1[p][r] = 0;
+            if (k < nb) {
+                load_act(xq, 32 * ((i64)p * nb + k), x[p][r]);
+                if (S16) {
+                    xs0[p][r] = __ldg(xs + 2 * ((i64)p * nb + k));
+                    xs1[p][r] = __ldg(xs + 2 * ((i64)p * nb + k) + 1);
+                }
             }
         }
+        if (k < nb) ad[r] = __ldg(xd + k);  // the planes' d are the same
     }
     auto issue = [&](u8* buf, i64 o) {  // rows o .. o + nrows - 1 (those that exist)
         const i64 n = min((i64)nrows, n_out - o);
@@ -748,18 +754,22 @@ __global__ void __launch_bounds__(256) mv(const u8* __restrict__ rest, const flo
 #pragma unroll
         for (int i = 0; i < RM; i++) {
             if (i < nrows && o + i < n_out) {  // the same for every lane of the warp
-                float acc = 0.0f;
+                float acc[NP];
+#pragma unroll
+                for (int p = 0; p < NP; p++) acc[p] = 0.0f;
 #pragma unroll
                 for (int r = 0; r < KPL; r++) {
                     const int k = lane + 32 * r;
                     if (k < nb) {
                         const int blk = i * nblk + k / L::APB;
                         const Blk b = L::dec(Rb + blk * L::REST, k % L::APB, Sb + blk * L::NS, tab);
-                        acc = f32_add(acc, term<T>(b, x[r], ad[r], xs0[r], xs1[r]));
+#pragma unroll
+                        for (int p = 0; p < NP; p++) acc[p] = f32_add(acc[p], term<T>(b, x[p][r], ad[r], xs0[p][r], xs1[p][r]));
                     }
                 }
-                acc = fold(acc);
-                if (lane == 0) out[o + i] = acc;
+                float v = fold(acc[0]);
+                if (WIDE) v = f32_add(f32_mul(256.0f, v), fold(acc[NP - 1]));
+                if (lane == 0) out[o + i] = v;
             }
         }
         __syncwarp();  // every lane is done with this buffer before the next step refills it
@@ -955,5 +965,54 @@ __global__ void __launch_bounds__(256) actq(const float* __restrict__ x, i8* __r
         for (int w = 8; w; w >>= 1) s += __shfl_xor_sync(FULL, s, w);  // stays inside each 16-lane half
         if (lane == 0) d[b] = db;
         if ((lane & 15) == 0) s16[2 * b + (lane >> 4)] = s;
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The wide ActQ (actq.py's ActQ16, bit for bit): per 32-element block, as actq above with
+//   d = amax / 32639;  q = d == 0 ? 0 : clamp(rint(x / d), +-32639);  hi = (q + 128) >> 8;  lo = q - 256 hi
+// row t's hi plane to row 2t, its lo plane to row 2t + 1, each with the same d and its own half sums.
+//   x f32 [T, nb * 32]; q i8 [2T, nb * 32]; d f32 [2T, nb]; s16 i32 [2T, 2 nb]; nblocks = T nb
+
+__global__ void __launch_bounds__(256) actq16(const float* __restrict__ x, i8* __restrict__ q, float* __restrict__ d,
+                                              i32* __restrict__ s16, i64 nblocks, i64 nb, u64* __restrict__ bad) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    for (i64 b = (i64)blockIdx.x * nw + warp; b < nblocks; b += (i64)gridDim.x * nw) {
+        const i64 i = 32 * b + lane;
+        const i64 bh = b + (b / nb) * nb;  // block b (row t = b / nb) in the hi row 2t; + nb: in the lo row
+        const float v = x[i];
+        const u32 a = __float_as_uint(v) & 0x7fffffffu;
+        if (a >= 0x7f800000u) atomicMin(bad, (u64)i);  // inf or NaN
+        u32 amax = a;
+#pragma unroll
+        for (int w = 16; w; w >>= 1) amax = max(amax, __shfl_xor_sync(FULL, amax, w));
+        const float db = f32_div(__uint_as_float(amax), 32639.0f);
+        int qi = 0;
+        if (__float_as_uint(db) != 0u) qi = min(max(f32_rint(f32_div(v, db)), -32639), 32639);
+        const int hi = (qi + 128) >> 8, lo = qi - 256 * hi;  // arithmetic shift: floor
+        q[32 * bh + lane] = (i8)hi;
+        q[32 * (bh + nb) + lane] = (i8)lo;
+        int sh = hi, sl = lo;
+#pragma unroll
+        for (int w = 8; w; w >>= 1) {  // stays inside each 16-lane half
+            sh += __shfl_xor_sync(FULL, sh, w);
+            sl += __shfl_xor_sync(FULL, sl, w);
+        }
+        if (lane == 0) d[bh] = d[bh + nb] = db;
+        if ((lane & 15) == 0) {
+            s16[2 * bh + (lane >> 4)] = sh;
+            s16[2 * (bh + nb) + (lane >> 4)] = sl;
+        }
+    }
+}
+
+// A product of the wide form from its planes' products (actq.combine16):
+//   out[t, j] = 256 y[2t, j] + y[2t + 1, j]   (256 y is exact: one rounding, with or without an FMA)
+//   y f32 [2T, n_out]; out f32 [T, n_out]
+
+__global__ void __launch_bounds__(256) combine16(const float* __restrict__ y, float* __restrict__ out, i64 n_out, i64 n) {
+    for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x) {
+        const i64 t = i / n_out, j = i - t * n_out;
+        out[i] = f32_add(f32_mul(256.0f, y[2 * t * n_out + j]), y[(2 * t + 1) * n_out + j]);
     }
 }

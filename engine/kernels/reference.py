@@ -27,6 +27,7 @@ import numpy as np
 from strata.index_format.ggml_types import QK_K, ggml_type
 
 from . import iq_tables as T
+from .actq import ActQ16, is_wide
 
 F32 = np.float32
 
@@ -481,8 +482,15 @@ def block_terms(form: IntForm, n_out: int, q: np.ndarray, d: np.ndarray, s16: np
 def dot_reference(raw: np.ndarray, type_id: int, n_in: int, n_out: int, act) -> np.ndarray:
     """W x for raw GGML weights (n_out rows of n_in) -> f32 [n_out] (or [B, n_out] for a batch).
 
-    `act` is an ActQ for block types, f32 activations [n_in] or [B, n_in] for F32/F16/BF16."""
+    `act` is an ActQ for block types (or an ActQ16 for the actq.WIDE types: f32(256) times the
+    product of its hi plane plus that of its lo plane), f32 activations [n_in] or [B, n_in] for
+    F32/F16/BF16."""
     t = ggml_type(type_id, where="dot_reference")
+    if isinstance(act, ActQ16):
+        if not is_wide(t):
+            raise TypeError(f"dot_reference: {t.name} weights read 8-bit activations, got the wide form (ActQ16)")
+        hi, lo = dot_reference(raw, type_id, n_in, n_out, act.hi()), dot_reference(raw, type_id, n_in, n_out, act.lo())
+        return F32(256) * hi + lo
     if not t.quantized:
         w = dequantize(raw, type_id, n_in * n_out).reshape(n_out, n_in)
         x = np.asarray(act, F32)

@@ -92,14 +92,17 @@ def _row(name: str, fine: bool):
     return impl
 
 
-def _codegen(context, builder, sig, args, name, fine):
+def _codegen(context, builder, sig, args, name, fine, wide=False):
     size, offset = TYPES[name]
     f16v, i16v = ir.VectorType(ir.FloatType(), 16), ir.VectorType(I32, 16)
     v32, v64 = ir.VectorType(I8, 32), ir.VectorType(I8, 64)
     p, nb = (context.cast(builder, args[k], sig.args[k], types.intp) for k in (1, 2))
     base = {}
-    for k, arr in ((0, "raw"), (3, "xq"), (4, "xd"), (5, "xd1"), (6, "xs")):
+    # wide: args 5 and 6 are the hi and the lo plane's block sums (xs, xs_lo); xq holds both planes
+    for k, arr in ((0, "raw"), (3, "xq"), (4, "xd"), (5, "xs" if wide else "xd1"), (6, "xs_lo" if wide else "xs")):
         base[arr] = context.make_array(sig.args[k])(context, builder, args[k]).data
+    planes = 2 if wide else 1
+    n_in = builder.mul(nb, ir.Constant(I64, QA))  # the lo plane's first byte in xq
 
     def ptr(arr, idx, ty):
         return builder.bitcast(builder.gep(base[arr], [idx]), ty.as_pointer())
@@ -109,7 +112,7 @@ def _codegen(context, builder, sig, args, name, fine):
     last = builder.sub(nb, ir.Constant(I64, 1))
     neg0 = ir.Constant(f16v, [-0.0] * 16)
     iota = ir.Constant(ir.VectorType(I64, 16), list(range(16)))
-    acc = [cgutils.alloca_once_value(builder, ir.Constant(f16v, [0.0] * 16)) for _ in range(2)]
+    acc = [[cgutils.alloca_once_value(builder, ir.Constant(f16v, [0.0] * 16)) for _ in range(2)] for _ in range(planes)]
 
     def group(b, h, tail, n=16):
         """acc[h] += the terms of act-blocks b .. b + 15; `tail`: some are past nb, whose loads
@@ -122,21 +125,24 @@ def _codegen(context, builder, sig, args, name, fine):
             if tail:
                 i = builder.select(builder.icmp_unsigned("<", i, nb), i, last)
             blocks.append(i)
-        vecs, halves = [], []
+        all_vecs, halves = [[] for _ in range(planes)], []
         for j in range(n // 2):
-            w, x = [], []
+            w = []
             for i in blocks[2 * j : 2 * j + 2]:
                 at = builder.add(p, builder.mul(i, ir.Constant(I64, size)))
                 w.append(_unpack(builder, name, lambda idx, ty: builder.load(ptr("raw", idx, ty), align=1), at))
-                if tail:
-                    x.append(builder.load(ptr("xq", builder.mul(i, ir.Constant(I64, QA)), v32), align=1))
                 halves.append(builder.load(ptr("raw", at, I16), align=1))
             w = builder.shuffle_vector(w[0], w[1], simd._mask(64, range(64)))
-            if tail:
-                x = builder.shuffle_vector(x[0], x[1], simd._mask(64, range(64)))
-            else:  # the pair's activations are contiguous: one 64-byte load
-                x = builder.load(ptr("xq", builder.mul(blocks[2 * j], ir.Constant(I64, QA)), v64), align=1)
-            vecs.append(builder.call(vnni, [ir.Constant(i16v, None), builder.bitcast(w, i16v), builder.bitcast(x, i16v)]))
+            for pl in range(planes):  # the weights unpacked once, multiplied by each plane
+                o = n_in if pl else ir.Constant(I64, 0)
+                if tail:
+                    x = [builder.load(ptr("xq", builder.add(o, builder.mul(i, ir.Constant(I64, QA))), v32), align=1)
+                         for i in blocks[2 * j : 2 * j + 2]]  # fmt: skip
+                    x = builder.shuffle_vector(x[0], x[1], simd._mask(64, range(64)))
+                else:  # the pair's activations are contiguous: one 64-byte load
+                    x = builder.load(ptr("xq", builder.add(o, builder.mul(blocks[2 * j], ir.Constant(I64, QA))), v64), align=1)
+                all_vecs[pl].append(builder.call(vnni, [ir.Constant(i16v, None), builder.bitcast(w, i16v), builder.bitcast(x, i16v)]))
+        vecs = all_vecs[0]
         if not tail and n == 16:  # the group's bytes as words (all inside the row), the 16 scales picked out
             words = builder.load(ptr("raw", builder.add(p, builder.mul(b, ir.Constant(I64, size))), ir.VectorType(I16, 8 * size)), align=1)
             dw = builder.shuffle_vector(words, words, simd._mask(16, [k * size // 2 for k in range(16)]))
@@ -157,16 +163,23 @@ def _codegen(context, builder, sig, args, name, fine):
             ad0, ad1 = builder.load(ptr("xd", b, f16v), align=4), builder.load(ptr("xd1", b, f16v), align=4)
             both = builder.fadd(builder.fmul(ad0, builder.sitofp(lo, f16v)), builder.fmul(ad1, builder.sitofp(hi, f16v)))
             term = builder.fmul(wf, both)
-        else:
-            r = simd._reduce_groups(builder, vecs, 2, 8)  # lane g = block b + g (n = 8: g < 8), the weights offset
-            isum = builder.sub(r, builder.mul(builder.load(ptr("xs", b, i16v), align=4), off))
-            ad = builder.load(ptr("xd", b, f16v), align=4)
-            term = builder.fmul(builder.fmul(wf, ad), builder.sitofp(isum, f16v))
         if tail:
             live = builder.icmp_unsigned("<", builder.add(simd._splat(builder, b, ir.VectorType(I64, 16)), iota),
                                          simd._splat(builder, nb, ir.VectorType(I64, 16)))  # fmt: skip
-            term = builder.select(live, term, neg0)
-        builder.store(builder.fadd(builder.load(acc[h]), term), acc[h])
+        if fine:
+            if tail:
+                term = builder.select(live, term, neg0)
+            builder.store(builder.fadd(builder.load(acc[0][h]), term), acc[0][h])
+            return
+        ad = builder.load(ptr("xd", b, f16v), align=4)
+        wad = builder.fmul(wf, ad)
+        for pl in range(planes):
+            r = simd._reduce_groups(builder, all_vecs[pl], 2, 8)  # lane g = block b + g (n = 8: g < 8), the weights offset
+            isum = builder.sub(r, builder.mul(builder.load(ptr("xs_lo" if pl else "xs", b, i16v), align=4), off))
+            term = builder.fmul(wad, builder.sitofp(isum, f16v))
+            if tail:
+                term = builder.select(live, term, neg0)
+            builder.store(builder.fadd(builder.load(acc[pl][h]), term), acc[pl][h])
 
     def half(b, h):
         full = builder.icmp_unsigned("<=", builder.add(b, ir.Constant(I64, 16)), nb)
@@ -188,15 +201,35 @@ def _codegen(context, builder, sig, args, name, fine):
         b = builder.add(b, ir.Constant(I64, 16))
         with builder.if_then(builder.icmp_unsigned("<", b, nb)):  # a half wholly past nb adds -0.0: skipped
             half(b, 1)
-    v = builder.shuffle_vector(builder.load(acc[0]), builder.load(acc[1]), simd._mask(32, range(32)))
-    w = 16
-    while w:  # the fold: lane[l] += lane[l + w]
-        v = builder.fadd(builder.shuffle_vector(v, v, simd._mask(w, range(w))), builder.shuffle_vector(v, v, simd._mask(w, range(w, 2 * w))))
-        w //= 2
-    return builder.extract_element(v, ir.Constant(I32, 0))
+    folded = []
+    for pl in range(planes):
+        v = builder.shuffle_vector(builder.load(acc[pl][0]), builder.load(acc[pl][1]), simd._mask(32, range(32)))
+        w = 16
+        while w:  # the fold: lane[l] += lane[l + w]
+            v = builder.fadd(builder.shuffle_vector(v, v, simd._mask(w, range(w))), builder.shuffle_vector(v, v, simd._mask(w, range(w, 2 * w))))
+            w //= 2
+        folded.append(builder.extract_element(v, ir.Constant(I32, 0)))
+    if wide:  # actq.combine16: 256 y_hi (exact) + y_lo
+        return builder.fadd(builder.fmul(ir.Constant(ir.FloatType(), 256.0), folded[0]), folded[1])
+    return folded[0]
 
 
 ROW = {(name, fine): intrinsic(_row(name, fine)) for name in TYPES for fine in (False, True)}
+
+
+def _row16(name: str):
+    def impl(typingctx, raw, p, nb, xq, xd, xs, xs_lo):
+        """The dot of the `name` row at byte p of raw (nb blocks) with one token's wide ActQ
+        (actq.ActQ16): xq (int8, its hi plane's nb * 32 values then its lo plane's), xd (f32 per
+        block, the planes' common d) and xs, xs_lo (int32 block sums of each plane), readable up to
+        nb rounded up to 16 blocks. Each block's weights are unpacked once for both planes; the
+        result is f32(256) * (the row . hi) + (the row . lo), each as ROW computes it."""
+        return types.float32(raw, p, nb, xq, xd, xs, xs_lo), lambda context, builder, sig, args: _codegen(context, builder, sig, args, name, False, True)
+
+    return impl
+
+
+ROW16 = {name: intrinsic(_row16(name)) for name in TYPES}
 
 
 def _kernel(name: str, parallel: bool, fine: bool):
@@ -223,6 +256,34 @@ def _kernel(name: str, parallel: bool, fine: bool):
                 out[o] = row(raw, o * row_bytes, nb, xq, xd0, xd1, xs)
 
     return cached(njit(parallel=parallel, **JIT)(kernel), f"{name}-rowdot{'-fine' if fine else ''}-{'par' if parallel else 'serial'}")
+
+
+def _kernel16(name: str, parallel: bool):
+    row = ROW16[name]
+
+    def kernel(raw, row_bytes, xq, xd, s16, out, n_chunks):
+        # the wide form's planes (actq.ActQ16, one token): xq i8 [2 n_in] (hi, then lo), xd f32
+        # [2 nb] (equal halves), s16 i32 [4 nb]; out f32 [n_out]. Each row's blocks unpacked once
+        # for both planes (ROW16): a row's dot with the hi plane then the lo plane through ROW cost
+        # 1.9x the 8-bit kernel's CPU time for the nibble types.
+        nb = xq.size // (2 * QA)
+        P = (nb + 15) // 16 * 16
+        xd0 = np.zeros(P, F32)
+        xs_hi = np.zeros(P, np.int32)
+        xs_lo = np.zeros(P, np.int32)
+        for b in range(nb):
+            xd0[b] = xd[b]
+            xs_hi[b] = s16[2 * b] + s16[2 * b + 1]
+            xs_lo[b] = s16[2 * nb + 2 * b] + s16[2 * nb + 2 * b + 1]
+        n_out = out.size
+        for c in prange(n_chunks):
+            for o in range(c * n_out // n_chunks, (c + 1) * n_out // n_chunks):
+                out[o] = row(raw, o * row_bytes, nb, xq, xd0, xs_hi, xs_lo)
+
+    return cached(njit(parallel=parallel, **JIT)(kernel), f"{name}-rowdot-wide-{'par' if parallel else 'serial'}")
+
+
+_KERNELS: dict[tuple[str, bool, object], object] = {}
 
 
 # A few tokens (speculative decoding's verify forward: 2-4 rows): each weight row read once from
@@ -260,7 +321,6 @@ def _rows_kernel(name: str, parallel: bool, fine: bool):
     return cached(njit(parallel=parallel, **JIT)(kernel), f"{name}-rowdot-rows{'-fine' if fine else ''}-{'par' if parallel else 'serial'}")
 
 
-_KERNELS: dict[tuple[str, bool, bool], object] = {}
 _ROWS_KERNELS: dict[tuple[str, bool, bool], object] = {}
 
 
@@ -276,11 +336,18 @@ def matmul(name: str, raw: np.ndarray, row_bytes: int, xq: np.ndarray, xd: np.nd
 
 
 def matvec(name: str, raw: np.ndarray, row_bytes: int, xq: np.ndarray, xd: np.ndarray, s16: np.ndarray, out: np.ndarray,
-           parallel: bool, n_chunks: int) -> None:  # fmt: skip
+           parallel: bool, n_chunks: int, wide: bool = False) -> None:  # fmt: skip
     """out[o] = row o of the `name` (TYPES) matrix raw (flat u8, row_bytes per row) . the token's
     ActQ planes (xq int8 [n_in], xd f32 [n_in / 32], or [n_in / 16] for the fine form, s16 int32
     [n_in / 16], contiguous); rows split into n_chunks on the pool if `parallel`. The caller
-    (cpu.matvec) has validated the shapes."""
+    (cpu.matvec) has validated the shapes. wide: the planes of an actq.ActQ16 (xq [2 n_in], xd
+    [2 n_in / 32], s16 [2 n_in / 16]: hi, then lo), out = f32(256) (W . hi) + W . lo."""
+    if wide:
+        key = (name, parallel, "wide")
+        if key not in _KERNELS:
+            _KERNELS[key] = _kernel16(name, parallel)
+        _KERNELS[key](raw, row_bytes, xq, xd, s16, out, n_chunks)
+        return
     key = (name, parallel, xd.size == 2 * (xq.size // QA))
     if key not in _KERNELS:
         _KERNELS[key] = _kernel(*key)

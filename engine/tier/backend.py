@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..backend import CpuBackend
-from ..kernels.actq import ActQ
+from ..kernels.actq import ActQ, ActQ16
 from ..weights import Input, Weight
 from .dense import Dense
 from .hits import HitPath
@@ -25,8 +25,8 @@ class TierBackend(CpuBackend):
     def linear(self, w: Weight, x, out: np.ndarray | None = None) -> np.ndarray:
         if w.device is None:
             return super().linear(w, x, out)
-        act = x.form(w.type) if isinstance(x, Input) else x
-        if (act.q if isinstance(act, ActQ) else act).shape[0] == 1:
+        act = x.form(w.type, w.wide) if isinstance(x, Input) else x
+        if (act.rows if isinstance(act, ActQ16) else (act.q if isinstance(act, ActQ) else act).shape[0]) == 1:
             row = self.dense.matvec(w, x, None if out is None else out.reshape(-1))
             return row.reshape(1, -1)
         return self.dense.matmul(w, x, out)

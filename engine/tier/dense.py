@@ -8,7 +8,7 @@ import numpy as np
 from .. import budget as B
 from ..backend import _row
 from ..kernels import gpu
-from ..kernels.actq import QA, ActQ, quantize_act
+from ..kernels.actq import QA, ActQ, ActQ16, quantize_act, quantize_act16
 from ..weights import Input, Weight
 from .memory import Carver, act_rows, upload_act
 
@@ -25,6 +25,7 @@ class Dense:
         self.rt, self.head = rt, head
         self.xf = staging.array((n_in,), np.float32)
         self.xq = staging.actq(n_in)
+        self.xw = staging.actq(n_in, 2)  # the wide form's two planes (actq.ActQ16) of one input
         self.y = staging.array((n_out,), np.float32)
         self.head_dev, self.head_host = head_dev, head_host
         self._held: dict[str, tuple] = {}  # "f"/"q": (the Input, its version) whose values the staging holds
@@ -41,23 +42,24 @@ class Dense:
         """The activations W reads (the host's ActQ for block types, f32 otherwise), and the Input they came from."""
         src = x if isinstance(x, Input) else None
         if w.type.quantized:
-            act = x.form(w.type) if src is not None else (x if isinstance(x, ActQ) else quantize_act(x, where=f"weight {w.name}"))
+            make = quantize_act16 if w.wide else quantize_act
+            act = x.form(w.type, w.wide) if src is not None else (x if isinstance(x, (ActQ, ActQ16)) else make(x, where=f"weight {w.name}"))
         else:
-            act = x.form(w.type) if src is not None else x
+            act = x.form(w.type, w.wide) if src is not None else x
         return act, src
 
     def _stage_vector(self, w: Weight, x):
         act, src = self._form(w, x)
-        if (act.q if isinstance(act, ActQ) else act).ndim == 2:
+        if (not act.one) if isinstance(act, ActQ16) else (act.q if isinstance(act, ActQ) else act).ndim == 2:
             act = _row(act)  # the decode step's one row
-        kind = "q" if w.type.quantized else "f"
+        kind = ("w" if isinstance(act, ActQ16) else "q") if w.type.quantized else "f"
         key = None if src is None else (src, src.version)
         held = self._held.get(kind)
         n = w.n_in
         dev = self._view(kind, n)
-        if kind == "q":
+        if kind in "qw":
             if key is None or held is None or held[0] is not key[0] or held[1] != key[1]:
-                upload_act(self.rt, dev, act)
+                upload_act(self.rt, dev.planes if kind == "w" else dev, act.planes if kind == "w" else act)
         else:
             if key is None or held is None or held[0] is not key[0] or held[1] != key[1]:
                 self.rt.copy_in(dev, np.ascontiguousarray(act, dtype=F32).reshape(n))
@@ -69,6 +71,8 @@ class Dense:
         if v is None:
             if kind == "q":
                 v = gpu.GpuActQ(self.xq.q[:n], self.xq.d[: n // QA], self.xq.s16[: n // 16], None)
+            elif kind == "w":
+                v = gpu.GpuActQ16(act_rows(self.xw, 2, n), True)
             else:
                 v = self.xf[:n] if kind == "f" else self.y[:n]
             self._views[(kind, n)] = v
@@ -92,17 +96,33 @@ class Dense:
         """T rows, through the prompt path's buffers as many rows at a time as they hold (token by
         token through the staging when there are none: --prefill off plans no chunk buffers)."""
         act, _ = self._form(w, X)
-        T = (act.q if isinstance(act, ActQ) else act).shape[0]
+        wide = isinstance(act, ActQ16)
+        T = act.rows if wide else (act.q if isinstance(act, ActQ) else act).shape[0]
         if out is None:
             out = np.empty((T, w.n_out), F32)
-        if self.rows == 0:
+        # the wide form: r rows take 2r rows of the buffers for their planes' products and r more for the result
+        step = self.rows // 3 if wide else self.rows
+        if step == 0:
             for t in range(T):
-                row = ActQ(act.q[t], act.d[t], act.s16[t]) if isinstance(act, ActQ) else np.ascontiguousarray(act[t])
+                if wide:
+                    row = act.row(t)
+                else:
+                    row = ActQ(act.q[t], act.d[t], act.s16[t]) if isinstance(act, ActQ) else np.ascontiguousarray(act[t])
                 self.matvec(w, row, out[t])
             return out
         n = w.n_in
-        for a in range(0, T, self.rows):
-            r = min(T, a + self.rows) - a
+        for a in range(0, T, step):
+            r = min(T, a + step) - a
+            if wide:
+                p = act.planes
+                dev = act_rows(self.pq, 2 * r, n)
+                upload_act(self.rt, dev, ActQ(p.q[2 * a : 2 * (a + r)], p.d[2 * a : 2 * (a + r)], p.s16[2 * a : 2 * (a + r)]))
+                y2 = self.rt.view(self.py.view(np.uint8), 0, (2 * r, w.n_out), np.float32)
+                gpu.matmul(w.device, dev, out=y2)
+                y = self.rt.view(self.py.view(np.uint8), 4 * 2 * r * w.n_out, (r, w.n_out), np.float32)
+                gpu.combine16(y2, y)
+                self.rt.copy_out(out[a : a + r], y)
+                continue
             if isinstance(act, ActQ):
                 dev = act_rows(self.pq, r, n)
                 upload_act(self.rt, dev, ActQ(act.q[a : a + r], act.d[a : a + r], act.s16[a : a + r]))

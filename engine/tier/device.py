@@ -120,7 +120,7 @@ class DeviceExperts:
 
     def routed(self, moe, x: Input, experts: np.ndarray, rows: np.ndarray, starts: np.ndarray):
         if x.x.shape[0] == 1 and moe.gu.quantized and self.hits.all_held(moe.layer, experts):
-            act = x.form(moe.gu, quantize=self.quantize)
+            act = x.form(moe.gu, False, quantize=self.quantize)
             return self.hits.token_on_device(moe, gpu.GpuActQ(act.q[0], act.d[0], act.s16[0], None), experts)
         host = Input(self.rt.to_host(x.x))  # its ActQ, made on the host, has the device quantizer's bits
         return self.rt.to_device(self.hits.routed(moe, host, experts, rows, starts))
@@ -194,8 +194,11 @@ class DeviceBackend(CpuBackend):
 
     # --- the products
 
-    def _quantize(self, x):
-        return gpu.quantize_act_gpu(self.xp.ascontiguousarray(x), check=False)
+    def _quantize(self, x, wide: bool):
+        """Input.form's quantizer on the device: the ActQ, or the wide form (actq.ActQ16) for the
+        weights that read it (Weight.wide), each bit for bit the host's."""
+        x = self.xp.ascontiguousarray(x)
+        return gpu.quantize_act16_gpu(x, check=False) if wide else gpu.quantize_act_gpu(x, check=False)
 
     def linear(self, w: Weight, x, out=None):
         """Y = X W^T on the device -> device f32 [T, n_out]; `out` may be a host array (the logits),
@@ -209,7 +212,7 @@ class DeviceBackend(CpuBackend):
                 dev_out[...] = y
                 y = dev_out
         else:
-            act = x.form(w.type, quantize=self._quantize)
+            act = x.form(w.type, w.wide, quantize=self._quantize)
             if not w.type.quantized:
                 act = self.xp.ascontiguousarray(act)
             y = gpu.matmul(w.device, act, out=dev_out)

@@ -4,7 +4,8 @@ Used to find where the two engines' errors differ (docs/conformance.md, "The err
 float64 transformers model holding a llama.cpp-quantized file's weights reads the input of every
 block-type matmul through one of two schemes, restated here from their sources:
 
-  strata  ActQ (docs/kernels.md section 2): per 32 elements d = amax / 127 in f32, q = rint(x / d)
+  strata  8-bit ActQ (docs/kernels.md section 2): per 32 elements d = amax / 127 in f32, q = rint(x / d)
+          (what Strata did for every block type before the wide form; "int16" below is the wide form)
   llama   what ggml's CPU backend quantizes the activations to for the weight's type (vec_dot_type):
           Q8_K for the K and IQ types (per 256: iscale = -127 / the signed max, q = nearest_int,
           d = 1 / iscale), Q8_0 for the others (per 32: q = roundf(x * (1 / d)), d stored as fp16),
@@ -47,9 +48,10 @@ def strata16(x: np.ndarray) -> np.ndarray:
 
 
 def int16_32(x: np.ndarray) -> np.ndarray:
-    """A candidate not taken: int16 activations per 32 (d = amax / 32767)."""
+    """The wide form as built (actq.ActQ16, for actq.WIDE): 16-bit activations per 32, d = amax /
+    32639 (the 2026-12-01 emulation table used 32767: the same to 0.4% of a step)."""
     b = x.reshape(len(x), -1, 32)
-    d = np.abs(b).max(axis=2) / F32(32767)
+    d = np.abs(b).max(axis=2) / F32(32639)
     with np.errstate(divide="ignore", invalid="ignore"):
         q = np.where(d[:, :, None] == 0, 0, np.rint(b / d[:, :, None]))
     return (q * d[:, :, None].astype(np.float64)).reshape(x.shape)

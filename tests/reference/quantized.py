@@ -14,7 +14,8 @@ keep the checkpoint's values, which are exactly what the F32 conversion stores.
 Activations. Inside `ActQInputs`, `torch.nn.functional.linear` (nn.Linear and the eager experts
 both call it) quantizes its input when the weight is a block type, as the engine does: the float64
 input rounded to f32, then per 32 elements d = amax / 127 and q = rint(x / d) in f32 (the ActQ
-specification, engine/kernels/actq.py, restated here), dequantized exactly as q * d in float64.
+specification, engine/kernels/actq.py, restated here), dequantized exactly as q * d in float64;
+for the weights that read the wide form (actq.reads_wide) d = amax / 32639 (16-bit q).
 The 32-blocks run over the input in the GGUF's column order, as the engine's do: ssm_out reads the
 GDN heads tiled, transformers' out_proj grouped, and blocks over the other order have other scales
 (a 5e-2 disagreement in the logits when this was missed).
@@ -25,7 +26,9 @@ flip moves a matmul output by ~1e-3, far above the tolerance, so where (and only
 reference's own x / d is within `tie_tol` of the boundary, the reference takes the engine's
 decision (recorded by `EngineActQ`, matched by content: the engine activation nearest to the
 reference's, required to agree to 1e-3). Every other element must round as the engine did; a
-disagreement outside a tie is counted as a violation (the test asserts there are none).
+disagreement outside a tie is counted as a violation (the test asserts there are none). In the
+wide form a quantum is 257 times finer (32639 / 127), so the same float32 noise spans 257 times
+as many quanta: its ties are those within 257 tie_tol, counted apart (wide_ties, wide_elements).
 """
 
 from __future__ import annotations
@@ -143,13 +146,32 @@ def load_dequantized(model, placements: dict[str, Placement], quant_gguf: Path) 
 # --------------------------------------------------------------------------------------- ActQ
 
 
-def actq_reference(x32: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """f32 rows [R, n] -> (q int32 [R, n], d f32 [R, n/32], x / d f32 [R, n]): the ActQ rule."""
+def wide_params(placements: dict[str, Placement], quant_gguf: Path) -> set[str]:
+    """The parameters whose block-type tensors read the wide form (actq.reads_wide: the type and
+    the tensor's role). A parameter fed by tensors of both forms is refused."""
+    from strata.engine.kernels.actq import reads_wide
+
+    forms: dict[str, set[bool]] = {}
+    for shard in shard_names(Path(quant_gguf)):
+        f = read_gguf(shard)
+        for name, pl in placements.items():
+            if name in f.tensors and BY_ID[f.tensors[name].type_id].quantized:
+                forms.setdefault(pl.param, set()).add(reads_wide(BY_ID[f.tensors[name].type_id].name, name))
+    mixed = sorted(p for p, w in forms.items() if len(w) > 1)
+    if mixed:
+        raise ValueError(f"{quant_gguf}: parameters {mixed} hold tensors that read two activation forms")
+    return {p for p, w in forms.items() if w == {True}}
+
+
+def actq_reference(x32: np.ndarray, wide: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """f32 rows [R, n] -> (q int32 [R, n], d f32 [R, n/32], x / d f32 [R, n]): the ActQ rule
+    (wide: the 16-bit form, bound 32639)."""
+    bound = 32639 if wide else 127
     b = x32.reshape(len(x32), -1, QA)
-    d = np.abs(b).max(axis=2) / F32(127)
+    d = np.abs(b).max(axis=2) / F32(bound)
     with np.errstate(divide="ignore", invalid="ignore"):
         t = np.where(d[:, :, None] == 0, F32(0), b / d[:, :, None])
-    q = np.clip(np.rint(t), -127, 127).astype(np.int32)
+    q = np.clip(np.rint(t), -bound, bound).astype(np.int32)
     return q.reshape(x32.shape), d, t.reshape(x32.shape)
 
 
@@ -161,19 +183,28 @@ class EngineActQ:
     def __init__(self):
         self.rows: dict[int, list[tuple[np.ndarray, np.ndarray]]] = {}
 
-    def _keep(self, x, a) -> None:
+    def _keep(self, x, a, wide: bool = False) -> None:
         n = x.shape[-1]
-        self.rows.setdefault(n, []).append((np.array(x, F32).reshape(-1, n), a.q.reshape(-1, n).copy()))
+        if wide:  # the 16-bit q = 256 hi + lo of each row (planes rows 2t, 2t + 1)
+            q = a.planes.q[0::2].astype(np.int32) * 256 + a.planes.q[1::2]
+        else:
+            q = a.q
+        self.rows.setdefault((n, wide), []).append((np.array(x, F32).reshape(-1, n), q.reshape(-1, n).astype(np.int32)))
 
     @contextlib.contextmanager
     def recording(self):
         from strata.engine import hyper, weights
 
-        real, real_norm = weights.quantize_act, hyper.grouped_rmsnorm_q
+        real, real16, real_norm = weights.quantize_act, weights.quantize_act16, hyper.grouped_rmsnorm_q
 
         def record(x, where="quantize_act"):
             a = real(x, where)
             self._keep(x, a)
+            return a
+
+        def record16(x, where="quantize_act16"):
+            a = real16(x, where)
+            self._keep(x, a, wide=True)
             return a
 
         def record_norm(x, gain, group, eps):
@@ -181,14 +212,14 @@ class EngineActQ:
             self._keep(out, a)
             return out, a
 
-        weights.quantize_act, hyper.grouped_rmsnorm_q = record, record_norm
+        weights.quantize_act, weights.quantize_act16, hyper.grouped_rmsnorm_q = record, record16, record_norm
         try:
             yield self
         finally:
-            weights.quantize_act, hyper.grouped_rmsnorm_q = real, real_norm
+            weights.quantize_act, weights.quantize_act16, hyper.grouped_rmsnorm_q = real, real16, real_norm
 
-    def table(self) -> dict[int, tuple[np.ndarray, np.ndarray]]:
-        """n -> (x f32 [N, n], q int8 [N, n]) of everything recorded."""
+    def table(self) -> dict[tuple[int, bool], tuple[np.ndarray, np.ndarray]]:
+        """(n, wide) -> (x f32 [N, n], q int32 [N, n]) of everything recorded."""
         return {n: (np.concatenate([x for x, _ in v]), np.concatenate([q for _, q in v])) for n, v in self.rows.items()}
 
 
@@ -197,6 +228,8 @@ class TieStats:
     rows: int = 0  # activation vectors quantized by the reference
     elements: int = 0
     ties: int = 0  # elements where the engine's decision was taken (within tie_tol of the boundary)
+    wide_elements: int = 0  # of the wide form (actq.ActQ16), whose ties are counted apart:
+    wide_ties: int = 0  # within 257 tie_tol (a quantum 257 times finer: the same noise, more quanta)
     max_tie: float = 0.0  # the largest such distance from the boundary, in quanta
     max_noise: float = 0.0  # max |engine x - reference x| / amax over matched vectors
     violations: list[str] = field(default_factory=list)
@@ -205,11 +238,12 @@ class TieStats:
 class ActQInputs:
     """While active, block-type matmuls of the model read ActQ activations (module docstring)."""
 
-    def __init__(self, model, quantized: dict[str, np.ndarray | None], engine: dict[int, tuple[np.ndarray, np.ndarray]],
-                 tie_tol: float):
+    def __init__(self, model, quantized: dict[str, np.ndarray | None], engine: dict[tuple[int, bool], tuple[np.ndarray, np.ndarray]],
+                 tie_tol: float, wide: set[str] = frozenset()):
         # storage -> the GGUF column order: ActQ's 32-blocks run over the input in the ENGINE's order
-        # (ssm_out reads the GDN heads tiled, transformers grouped: other blocks, other scales)
-        self.storages = {model.get_parameter(p).untyped_storage().data_ptr(): c for p, c in quantized.items()}
+        # (ssm_out reads the GDN heads tiled, transformers grouped: other blocks, other scales);
+        # and whether the parameter reads the wide form (wide_params)
+        self.storages = {model.get_parameter(p).untyped_storage().data_ptr(): (c, p in wide) for p, c in quantized.items()}
         self.engine = {n: (x.astype(np.float64), q, (x.astype(np.float64) ** 2).sum(1)) for n, (x, q) in engine.items()}
         self.tie_tol = tie_tol
         self.stats = TieStats()
@@ -221,7 +255,7 @@ class ActQInputs:
         def linear(x, w, b=None):
             ptr = w.untyped_storage().data_ptr()
             if ptr in self.storages:
-                x = self.quantize(x, self.storages[ptr])
+                x = self.quantize(x, *self.storages[ptr])
             return real(x, w, b)
 
         torch.nn.functional.linear = linear
@@ -230,26 +264,28 @@ class ActQInputs:
         finally:
             torch.nn.functional.linear = real
 
-    def quantize(self, x: torch.Tensor, cols: np.ndarray | None) -> torch.Tensor:
+    def quantize(self, x: torch.Tensor, cols: np.ndarray | None, wide: bool = False) -> torch.Tensor:
         n = x.shape[-1]
         x32 = x.detach().numpy().reshape(-1, n).astype(F32)
         if cols is not None:
             x32 = x32[:, cols]  # GGUF column j is transformers' column cols[j]
-        q, d, t = actq_reference(x32)
-        q = self._settle_ties(x32, q, t, n)
+        q, d, t = actq_reference(x32, wide)
+        q = self._settle_ties(x32, q, t, n, wide)
         out = (q.reshape(len(q), -1, QA) * d[:, :, None].astype(np.float64)).reshape(len(q), n)
         if cols is not None:
             out[:, cols] = out.copy()
         return torch.from_numpy(out.reshape(x.shape))
 
-    def _settle_ties(self, x32: np.ndarray, q: np.ndarray, t: np.ndarray, n: int) -> np.ndarray:
+    def _settle_ties(self, x32: np.ndarray, q: np.ndarray, t: np.ndarray, n: int, wide: bool = False) -> np.ndarray:
         s = self.stats
         s.rows += len(x32)
         s.elements += x32.size
-        if n not in self.engine:
-            s.violations.append(f"the engine quantized no activation of width {n}")
+        s.wide_elements += x32.size if wide else 0
+        tie_tol = self.tie_tol * (32639 / 127 if wide else 1)
+        if (n, wide) not in self.engine:
+            s.violations.append(f"the engine quantized no activation of width {n} in the {'wide' if wide else '8-bit'} form")
             return q
-        ex, eq, e2 = self.engine[n]
+        ex, eq, e2 = self.engine[n, wide]
         xr = x32.astype(np.float64)
         match = ((xr**2).sum(1)[:, None] - 2 * xr @ ex.T + e2[None, :]).argmin(axis=1)
         amax = np.maximum(np.abs(xr).max(axis=1), 1e-30)
@@ -262,9 +298,12 @@ class ActQInputs:
         if len(differ):
             r, j = differ[:, 0], differ[:, 1]
             dist = np.abs(t[r, j].astype(np.float64) - (q[r, j] + theirs[r, j]) / 2)
-            tie = (np.abs(q[r, j] - theirs[r, j]) == 1) & (dist <= self.tie_tol)
-            s.ties += int(tie.sum())
-            s.max_tie = max(s.max_tie, float(dist[tie].max(initial=0)))
+            tie = (np.abs(q[r, j] - theirs[r, j]) == 1) & (dist <= tie_tol)
+            if wide:
+                s.wide_ties += int(tie.sum())
+            else:
+                s.ties += int(tie.sum())
+                s.max_tie = max(s.max_tie, float(dist[tie].max(initial=0)))
             for k in np.flatnonzero(~tie)[:5]:
                 s.violations.append(f"width {n}: element {j[k]} rounds to {q[r[k], j[k]]} here, {theirs[r[k], j[k]]} in "
                                     f"the engine, {dist[k]:.3e} quanta from the boundary (not a tie)")

@@ -44,7 +44,10 @@ if PYTHON is None:
 MODEL_SEED = 0
 PROMPT_SEED = 3
 N_PROMPTS, PROMPT_LENGTH = 6, 16  # several prompts: one prompt's error is one draw of a chaotic quantity
-MAX_RATIO = 1.25
+# No worse than llama.cpp on any file. With 8-bit activations for the types llama.cpp reads as
+# Q8_0 the two engines were level within noise (0.97-1.06x); with the wide form (actq.ActQ16) for
+# their query/key projections every file measured 0.55-0.86x (docs/conformance.md).
+MAX_RATIO = 1.0
 # Wide enough for 256-element blocks (test_quantized_reference.py's models), and with NO discrete
 # choice left: every expert is used (top-4 of 4) and qwen4exp's QSA budget (64 tokens) covers the
 # prompt. BRIEF section 5 asks for top-k gaps clearly above the noise; here the noise is 8-bit
