@@ -756,7 +756,7 @@ def _multiply(name: str, raw, type_id: int, n_in: int, n_out: int, act, out, one
     else:
         parallel, chunks = _launch(n_out, n_in * n_out * n_tok)
         kernel = _kernel(t.name, parallel)
-    if n_tok == 1 and t.name in rowdot.TYPES and rowdot.AVAILABLE:  # the token path: rowdot.py says why
+    if n_tok == 1 and t.name in rowdot.NAMES and rowdot.AVAILABLE:  # the token path: rowdot.py says why
         rowdot.matvec(t.name, raw, t.row_bytes(n_in), q.reshape(-1), d.reshape(-1), s16.reshape(-1), out2.reshape(-1), parallel, chunks)
     elif t.quantized:
         kernel(raw, t.type_size, t.row_bytes(n_in), q.reshape(-1), d, s16, F16_TO_F32, out2, chunks)

@@ -138,6 +138,37 @@ def test_token_kernel_reads_the_fine_activation_form(name, n_in):
         _same(out, want, f"{name} [{n_in} x 37] fine form, parallel={parallel}")
 
 
+@pytest.mark.parametrize("n_in", [256, 1280, 2560, 6144], ids=lambda n: f"{n // 256}-superblocks")
+@pytest.mark.parametrize("parallel", [False, True], ids=["serial", "parallel"])
+@pytest.mark.parametrize("name", ["Q4_K", "Q6_K"])
+def test_k_quant_token_kernel_equals_the_general_kernel_and_the_reference(name, n_in, parallel):
+    # qwen35moe's LM head (Q6_K), projections and shared experts (Q4_K, Q6_K) take rowdot.py's
+    # one-token K kernel: super-blocks go four to a loop turn (one lane quarter each), so 1, 5
+    # (4 + 1), 10 (4 + 4 + 2) and 24 super-blocks meet every partial turn; 37 rows split unevenly
+    rowdot = _need_rowdot()
+    t = BY_NAME[name]
+    raw = random_weights(t, n_in * 37, np.random.default_rng(n_in + t.id))
+    act = quantize_act(_acts(n_in, 1, n_in)[0])
+    with cpu_path(parallel):
+        got = cpu.matvec(raw, t.id, n_in, 37, act)
+    assert rowdot._KERNELS[name, parallel, False].signatures, "the token kernel was not taken"
+    general = np.empty((1, 37), np.float32)
+    cpu._kernel(name, False)(raw, t.type_size, t.row_bytes(n_in), act.q, act.d[None], act.s16[None], cpu.F16_TO_F32, general, 1)
+    _same(got, general[0], f"{name} [{n_in} x 37] token kernel vs the general row kernel")
+    _same(got, R.dot_reference(raw, t.id, n_in, 37, ActQ(act.q[None], act.d[None], act.s16[None]))[0], "vs the reference")
+
+
+def test_k_quant_token_kernel_refuses_the_fine_activation_form():
+    # the K kernels read one activation scale per 32 elements; a scale per 16 would be read as the
+    # wrong blocks' scales, so it is refused by name instead
+    rowdot = _need_rowdot()
+    t = BY_NAME["Q4_K"]
+    raw = random_weights(t, 256 * 2, np.random.default_rng(5))
+    q, d16, s16 = np.zeros(256, np.int8), np.ones(16, np.float32), np.zeros(16, np.int32)
+    with pytest.raises(ValueError, match="Q4_K takes activations with a scale per 32 elements, got 16 scales for 256"):
+        rowdot.matvec("Q4_K", raw, t.row_bytes(256), q, d16, s16, np.empty(2, np.float32), False, 1)
+
+
 def _accuracy(t, n_in, n_out, seed):
     """Kernel error relative to sum |w_i a_i| (scale-free), against float64 on the same inputs:
     the dequantized weights times the dequantized ActQ activations (or the f32 activations)."""
