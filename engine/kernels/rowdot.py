@@ -394,3 +394,135 @@ def _kkernel(name: str, parallel: bool):
 
 
 NAMES = frozenset(TYPES) | frozenset(KTYPES)  # the types with a one-token kernel here
+
+
+# ---------------------------------------------------------------------------------------------
+# Several products of one token in one parallel region: a decode step multiplies the same input
+# by 2-3 matrices in a row (a GDN layer's qkv and gate, a shared expert's gate and up), and each
+# product was a parallel region of its own. A region's start and end barrier cost little at 1-2
+# threads but grow with the thread count (8 threads on the device host: the small products of the
+# token path, not the LM head, kept decode at 0.75x llama.cpp). Here the rows of all the matrices
+# are one range split over the pool, each row by its own type's kernel, to the same bits.
+
+_MANY_SRC = '''
+def kernel({params}xq, xd, s16, n_chunks):
+    nb = xq.size // QA
+    P = (nb + 15) // 16 * 16
+    xd0 = np.zeros(P, F32)
+    xd1 = np.zeros(P, F32)
+    xs = np.zeros(P, np.int32)  # the 32-element kernels' padded scales and block sums
+    for b in range(nb):
+        xd0[b] = xd[b]
+        xs[b] = s16[2 * b] + s16[2 * b + 1]
+    {sizes}
+    total = {total}
+    for c in prange(n_chunks):
+        for o in range(c * total // n_chunks, (c + 1) * total // n_chunks):
+{body}
+'''
+
+
+def _many_kernel(names: tuple[str, ...], parallel: bool):
+    params = "".join(f"raw{i}, rb{i}, out{i}, " for i in range(len(names)))
+    sizes = "; ".join(f"n{i} = out{i}.size" for i in range(len(names)))
+    body, start = [], "0"
+    for i, name in enumerate(names):
+        at = f"(o - ({start})) * rb{i}"
+        call = (f"K{i}(raw{i}, {at}, nb, xq, xd, s16)" if name in KTYPES else f"R{i}(raw{i}, {at}, nb, xq, xd0, xd1, xs)")
+        test = "if" if i == 0 else "elif"
+        end = f"{start} + n{i}" if i else "n0"
+        body.append(f"            {test} o < {end}:\n                out{i}[o - ({start})] = {call}" if i < len(names) - 1 else
+                    f"            else:\n                out{i}[o - ({start})] = {call}")  # fmt: skip
+        start = end
+    src = _MANY_SRC.format(params=params, sizes=sizes, total=start, body="\n".join(body))
+    env = {"np": np, "F32": F32, "QA": QA, "prange": prange}
+    for i, name in enumerate(names):
+        env[f"K{i}" if name in KTYPES else f"R{i}"] = KROW[name] if name in KTYPES else ROW[name, False]
+    exec(compile(src, __file__, "exec"), env)  # noqa: S102 -- the source is the template above
+    return cached(njit(parallel=parallel, **JIT)(env["kernel"]), f"rowdot-many-{'-'.join(names)}-{'par' if parallel else 'serial'}")
+
+
+_MANY: dict[tuple[tuple[str, ...], bool], object] = {}
+
+
+def matvec_many(names: tuple[str, ...], raws, row_bytes, xq: np.ndarray, xd: np.ndarray, s16: np.ndarray, outs,
+                parallel: bool, n_chunks: int) -> None:  # fmt: skip
+    """outs[i] = the `names[i]` (NAMES) matrix raws[i] (row_bytes[i] per row) . one token's ActQ
+    planes with a scale per 32 elements, every row of every matrix in one range split into n_chunks
+    on the pool if `parallel`: bit for bit `matvec` of each. The caller (cpu.matvec_many) has
+    validated the shapes."""
+    if xd.size != xq.size // QA:
+        raise ValueError(f"rowdot.matvec_many: activations with a scale per 32 elements only, got {xd.size} scales for {xq.size}")
+    key = (tuple(names), parallel)
+    if key not in _MANY:
+        _MANY[key] = _many_kernel(*key)
+    args = []
+    for raw, rb, out in zip(raws, row_bytes, outs):
+        args += [raw, rb, out]
+    _MANY[key](*args, xq, xd, s16, n_chunks)
+
+
+# ---------------------------------------------------------------------------------------------
+# The routed experts of a decode step: G matrices (a layer's selected experts), one token each.
+# cpu.matmul_grouped's kernel decodes every row into scratch for the token's one dot (its rows
+# were written for a prompt chunk's few tokens per expert); for these types the row is read in
+# place as above. The work items, their chunks and the shared queue are the grouped kernel's.
+
+
+def _grouped_one_kernel(name: str, parallel: bool):
+    if name in KTYPES:
+        row = KROW[name]
+
+        def kernel(raw, offsets, row_bytes, starts, items, bounds, xq, xd, s16, out, n_workers):
+            # matrix g at byte offsets[g] against its one token, row starts[g] of xq i8 [N, n_in],
+            # xd f32 [N, nb], s16 i32 [N, 2 nb]; out f32 [N, n_out]. items i64 [n, 3]: (g, o0, o1)
+            nb = xd.shape[1]
+            queue = np.zeros(1, np.int64)
+            for _ in prange(n_workers):
+                c = simd.fetch_add(queue, 0, 1)
+                while c < bounds.size - 1:
+                    for i in range(bounds[c], bounds[c + 1]):
+                        g, o0, o1 = items[i, 0], items[i, 1], items[i, 2]
+                        r = starts[g]
+                        for o in range(o0, o1):
+                            out[r, o] = row(raw, offsets[g] + o * row_bytes, nb, xq[r], xd[r], s16[r])
+                    c = simd.fetch_add(queue, 0, 1)
+    else:
+        row = ROW[name, False]
+
+        def kernel(raw, offsets, row_bytes, starts, items, bounds, xq, xd, s16, out, n_workers):
+            nb = xd.shape[1]
+            P = (nb + 15) // 16 * 16
+            xd0 = np.zeros((xd.shape[0], P), F32)
+            xs = np.zeros((xd.shape[0], P), np.int32)  # the padded scales and block sums, as _kernel's
+            xd1 = np.zeros(P, F32)
+            for r in range(xd.shape[0]):
+                for b in range(nb):
+                    xd0[r, b] = xd[r, b]
+                    xs[r, b] = s16[r, 2 * b] + s16[r, 2 * b + 1]
+            queue = np.zeros(1, np.int64)
+            for _ in prange(n_workers):
+                c = simd.fetch_add(queue, 0, 1)
+                while c < bounds.size - 1:
+                    for i in range(bounds[c], bounds[c + 1]):
+                        g, o0, o1 = items[i, 0], items[i, 1], items[i, 2]
+                        r = starts[g]
+                        for o in range(o0, o1):
+                            out[r, o] = row(raw, offsets[g] + o * row_bytes, nb, xq[r], xd0[r], xd1, xs[r])
+                    c = simd.fetch_add(queue, 0, 1)
+
+    return cached(njit(parallel=parallel, **JIT)(kernel), f"{name}-rowdot-grouped-{'par' if parallel else 'serial'}")
+
+
+_GROUPED: dict[tuple[str, bool], object] = {}
+
+
+def matmul_grouped_one(name: str, raw: np.ndarray, offsets, row_bytes: int, starts, items, bounds, xq: np.ndarray,
+                       xd: np.ndarray, s16: np.ndarray, out: np.ndarray, parallel: bool, n_workers: int) -> None:  # fmt: skip
+    """cpu.matmul_grouped for groups of at most one token (a decode step's routed experts) of a
+    `name` (NAMES) type, activations with a scale per 32 elements ([N, ...] planes): the same
+    items, chunks and queue, each row read in place. The caller has validated everything."""
+    key = (name, parallel)
+    if key not in _GROUPED:
+        _GROUPED[key] = _grouped_one_kernel(*key)
+    _GROUPED[key](raw, offsets, row_bytes, starts, items, bounds, xq, xd, s16, out, n_workers)

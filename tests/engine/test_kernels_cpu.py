@@ -169,6 +169,42 @@ def test_k_quant_token_kernel_refuses_the_fine_activation_form():
         rowdot.matvec("Q4_K", raw, t.row_bytes(256), q, d16, s16, np.empty(2, np.float32), False, 1)
 
 
+@pytest.mark.parametrize("parallel", [False, True], ids=["serial", "parallel"])
+@pytest.mark.parametrize("names", [("Q5_0", "Q4_0"), ("IQ4_NL", "Q8_0", "Q8_0"), ("Q4_K", "Q4_K", "Q6_K"), ("Q6_K", "Q8_0")],
+                         ids="+".join)
+def test_several_products_of_one_token_in_one_region_equal_matvec_each(names, parallel):
+    # a decode step's products on one input (GDN qkv and gate, attention q/k/v, a shared expert's
+    # gate and up) run as one parallel region: every row of every matrix is its own matvec's,
+    # whichever matrix the chunk boundaries cut through (19, 37 and 5 rows)
+    rowdot = _need_rowdot()
+    n_in, sizes = 512, (19, 37, 5)
+    act = quantize_act(_acts(n_in, 1, 11)[0])
+    products, want = [], []
+    for i, name in enumerate(names):
+        t = BY_NAME[name]
+        raw = random_weights(t, n_in * sizes[i], np.random.default_rng(i))
+        products.append((raw, t.id, n_in, sizes[i], np.full(sizes[i], np.nan, np.float32)))
+        want.append(cpu.matvec(raw, t.id, n_in, sizes[i], act))
+    with cpu_path(parallel):
+        cpu.matvec_many(products, act)
+    assert rowdot._MANY[names, parallel].signatures, "the one-region kernel was not taken"
+    for (*_, out), w, name in zip(products, want, names):
+        _same(out, w, f"{name} in {'+'.join(names)}")
+
+
+def test_several_products_fall_back_to_one_matvec_each_where_a_type_has_no_token_kernel():
+    t, f = BY_NAME["Q4_0"], BY_NAME["BF16"]
+    raw_q, raw_f = random_weights(t, 256 * 3, np.random.default_rng(1)), random_weights(f, 256 * 4, np.random.default_rng(2))
+    act = quantize_act(_acts(256, 1, 3)[0])
+    out_q = np.empty(3, np.float32)
+    cpu.matvec_many([(raw_q, t.id, 256, 3, out_q)], act)
+    _same(out_q, cpu.matvec(raw_q, t.id, 256, 3, act), "one product")
+    with pytest.raises(TypeError, match=r"BF16 weights take f32 activations \[256\], got ActQ"):
+        cpu.matvec_many([(raw_q, t.id, 256, 3, out_q), (raw_f, f.id, 256, 4, np.empty(4, np.float32))], act)
+    with pytest.raises(ValueError, match=r"matvec_many\(Q4_0\): out must be contiguous f32 \[3\]"):
+        cpu.matvec_many([(raw_q, t.id, 256, 3, np.empty(4, np.float32)), (raw_q, t.id, 256, 3, out_q)], act)
+
+
 def _accuracy(t, n_in, n_out, seed):
     """Kernel error relative to sum |w_i a_i| (scale-free), against float64 on the same inputs:
     the dequantized weights times the dequantized ActQ activations (or the f32 activations)."""
