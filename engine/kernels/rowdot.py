@@ -435,7 +435,9 @@ def _many_kernel(names: tuple[str, ...], parallel: bool):
                     f"            else:\n                out{i}[o - ({start})] = {call}")  # fmt: skip
         start = end
     src = _MANY_SRC.format(params=params, sizes=sizes, total=start, body="\n".join(body))
-    env = {"np": np, "F32": F32, "QA": QA, "prange": prange}
+    # __name__: numba's disk cache rebuilds a kernel's environment by importing its module by name
+    # (None, the default of exec's globals, failed in every process after the first)
+    env = {"__name__": __name__, "np": np, "F32": F32, "QA": QA, "prange": prange}
     for i, name in enumerate(names):
         env[f"K{i}" if name in KTYPES else f"R{i}"] = KROW[name] if name in KTYPES else ROW[name, False]
     exec(compile(src, __file__, "exec"), env)  # noqa: S102 -- the source is the template above

@@ -438,6 +438,37 @@ print(sum(k.stats.cache_hits.values()), sum(k.stats.cache_misses.values()), y.vi
 """
 
 
+_MANY_CACHE_CHECK = """
+import numpy as np, sys
+sys.path.insert(0, {tests!r})
+from kernel_blocks import random_weights
+from strata.engine.kernels import cpu, rowdot
+from strata.engine.kernels.actq import quantize_act
+from strata.index_format.ggml_types import BY_NAME
+act = quantize_act(np.linspace(-1, 1, 512, dtype=np.float32))
+ps = [(random_weights(BY_NAME[n], 512 * 3, np.random.default_rng(i)), BY_NAME[n].id, 512, 3, np.empty(3, np.float32))
+      for i, n in enumerate(("Q4_K", "Q8_0"))]
+cpu.matvec_many(ps, act)
+k = rowdot._MANY[("Q4_K", "Q8_0"), False]
+print(sum(k.stats.cache_hits.values()), sum(k.stats.cache_misses.values()))
+"""
+
+
+def test_the_one_region_kernel_loads_from_the_disk_cache_in_a_new_process(tmp_path):
+    # rowdot.matvec_many's kernels are made from source text per type tuple: their cached
+    # environment names their module, or the second process failed loading it (a traceback at the
+    # first decode step of every start after the first)
+    _need_rowdot()
+    env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path))
+    code = _MANY_CACHE_CHECK.format(tests=str(Path(__file__).resolve().parents[1]))
+    runs = []
+    for _ in range(2):
+        res = subprocess.run([sys.executable, "-P", "-c", code], env=env, capture_output=True, text=True, timeout=600)
+        assert res.returncode == 0, res.stderr[-3000:]
+        runs.append(res.stdout.split())
+    assert runs == [["0", "1"], ["1", "0"]], f"(cache hits, compilations) of the two processes: {runs}"
+
+
 def test_kernels_load_from_the_disk_cache_in_a_new_process(tmp_path):
     # Compiling took 20-30 s at every start of the demo model; a second process must load the
     # machine code. A narrowed feature set compiles other code for the same CPU: it must not
