@@ -145,7 +145,8 @@ class MoE:
         N = len(rows)
         if N <= FUSE_ROWS and isinstance(act, ActQ):
             # gate and up of every expert as one grouped call: one parallel region where there were
-            # two (a region's barriers grow with the thread count; a decode step has ~3 per layer)
+            # two (at 8 threads a decode step's many small regions, not their bytes, held it at 0.75x
+            # llama.cpp: each region's wake-up and barrier costs more with every thread)
             span, g_at, u_at = self.pack.expert_gate_up(self.layer)
             both = ActQ(np.concatenate([act.q, act.q]), np.concatenate([act.d, act.d]), np.concatenate([act.s16, act.s16]))
             gu = cpu.matmul_grouped(span, self.gu.id, E, F, np.concatenate([g_at + gu_at, u_at + gu_at]), both,
