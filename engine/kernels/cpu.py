@@ -865,7 +865,8 @@ def matmul_grouped(raw: np.ndarray, type_id: int, n_in: int, n_out: int, offsets
     workers = numba.get_num_threads() if parallel else 1  # _launch set it
     bounds = _balance(items, starts, min(len(items), GROUP_CHUNKS * workers))
     sizes = np.diff(starts)
-    if t.name in rowdot.NAMES and rowdot.AVAILABLE and sizes.max() == 1:  # one token per matrix: rowdot.py says why
+    one = t.name in rowdot.NAMES and rowdot.AVAILABLE and sizes.max() == 1 and d.shape[1] == n_in // QA
+    if one:  # one token per matrix, a scale per 32 activations: rowdot.py says why
         rowdot.matmul_grouped_one(t.name, raw, offsets, t.row_bytes(n_in), starts, items, bounds, q, d, s16, out, parallel, workers)
         return out
     live = np.count_nonzero(sizes)
