@@ -1,8 +1,11 @@
-"""Before/after of the token-path kernels in one process: `Model.step` with the general row kernels
-and the one-row delta rule (before) against kernels/rowdot.py and kernels/delta.py (after), rounds
-interleaved, same token ids, wall-clock and CPU time per token, and the per-stage table of each.
+"""Before/after of the token path's latest change in one process: `Model.step` without it (before)
+and with it (after), rounds interleaved, same token ids, wall-clock and CPU time per token, and the
+per-stage table of each. The change compared: the one-token Q4_K/Q6_K kernels (rowdot.KTYPES; the
+general row kernel before) and one parallel region for several products of one input (backend
+`linears`, the routed experts' gate and up; one region per product before). The comparison of
+rowdot.py's first types and delta.py with the general kernels is `git show 2f692b5:benchmarks/decode_ab.py`.
 
-    python benchmarks/decode_ab.py [--threads 1] [--rounds 5] [--tokens 32]
+    python benchmarks/decode_ab.py [--arch qwen4exp|qwen35moe] [--threads 1] [--rounds 5] [--tokens 32]
 
 On a shared host the CPU time (this process, all threads) is the steadier figure: it is the time
 the step ran, not the time it waited for a core. Uses decode.py's model, timers and report.
@@ -22,20 +25,24 @@ import decode as D
 
 @contextlib.contextmanager
 def before():
-    """The kernels as they were: the general row kernel for every one-token product, ops._delta_rule."""
-    from strata.engine import ops
-    from strata.engine.kernels import delta, rowdot
+    """The token path as it was: K-quants through the general row kernel, a parallel region per product."""
+    from strata.engine import backend, moe
+    from strata.engine.kernels import rowdot
 
-    saved = rowdot.AVAILABLE, delta.delta_rule_serial, delta.delta_rule_parallel
-    rowdot.AVAILABLE, delta.delta_rule_serial, delta.delta_rule_parallel = False, ops._delta_rule_serial, ops._delta_rule_parallel
+    def one_by_one(self, ws, x, outs):
+        return [self.linear(w, x, out) for w, out in zip(ws, outs)]
+
+    saved = rowdot.NAMES, backend.CpuBackend.linears, moe.FUSE_ROWS
+    rowdot.NAMES, backend.CpuBackend.linears, moe.FUSE_ROWS = frozenset(rowdot.TYPES), one_by_one, 0
     try:
         yield
     finally:
-        rowdot.AVAILABLE, delta.delta_rule_serial, delta.delta_rule_parallel = saved
+        rowdot.NAMES, backend.CpuBackend.linears, moe.FUSE_ROWS = saved
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--arch", default="qwen4exp", choices=("qwen4exp", "qwen35moe"))
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--prompt", type=int, default=8)
@@ -44,13 +51,13 @@ def main(argv: list[str] | None = None) -> int:
 
     from strata.engine.kernels import cpu, rowdot
     from strata.engine.model import Model
-    from strata.engine.pack import Pack
+    from strata.engine.pack_reader import Pack
 
     if not rowdot.AVAILABLE:
         print("this host has no AVX512-VNNI/AVX512BW/F16C: rowdot.py never runs here, nothing to compare")
         return 1
     cpu.set_threads(args.threads)
-    model = Model(Pack.open(D.ensure_pack("qwen4exp")))
+    model = Model(Pack.open(D.ensure_pack(args.arch)))
     with before():
         model.warm_up(prompt_path=False)
     model.warm_up(prompt_path=False)

@@ -90,8 +90,8 @@ class GatedDeltaNet:
         rows) -> f32 [T, E]."""
         T = x.x.shape[0]
         nk, dk, nv, dv, sc = self.nk, self.dk, self.nv, self.dv, be.scratch
-        mixed = be.linear(self.qkv, x, sc("gdn.qkv", (T, self.C)))
-        z = be.linear(self.z, x, sc("gdn.z", (T, nv * dv))).reshape(T, nv, dv)
+        mixed, z = be.linears((self.qkv, self.z), x, (sc("gdn.qkv", (T, self.C)), sc("gdn.z", (T, nv * dv))))
+        z = z.reshape(T, nv, dv)
         beta = be.sigmoid(be.linear(self.beta, x, sc("gdn.beta", (T, nv))))
         decay = be.param(self.a) * be.softplus(be.linear(self.alpha, x, sc("gdn.alpha", (T, nv))) + be.param(self.dt_bias))
         # one sequence's chunk takes the delta rule's own output (a copy of [T, nv, dv] per layer
@@ -135,13 +135,13 @@ class GatedAttention:
         cached, then its queries attend together (a query sees the keys up to its own position)."""
         H, Hkv, D, T, sc = self.H, self.Hkv, self.D, x.x.shape[0], be.scratch
         positions = np.concatenate([r.pos + np.arange(r.n) for r in seqs]) if len(seqs) > 1 else seqs[0].pos + np.arange(T)
-        qg = be.linear(self.wq, x, sc("attn.qg", (T, 2 * H * D))).reshape(T, H, 2 * D)
+        qg, k, v = be.linears((self.wq, self.wk, self.wv), x, (sc("attn.qg", (T, 2 * H * D)), sc("attn.k", (T, Hkv * D)),
+                                                              sc("attn.v", (T, Hkv * D))))  # fmt: skip
+        qg, k, v = qg.reshape(T, H, 2 * D), k.reshape(T, Hkv, D), v.reshape(T, Hkv, D)
         q = be.rmsnorm(qg[:, :, :D], self.q_norm, self.eps, sc("attn.q", (T, H, D)))
-        k = be.linear(self.wk, x, sc("attn.k", (T, Hkv * D))).reshape(T, Hkv, D)
         be.rmsnorm(k, self.k_norm, self.eps, k)
         be.rope_(self.rope, q, positions)
         be.rope_(self.rope, k, positions)
-        v = be.linear(self.wv, x, sc("attn.v", (T, Hkv * D))).reshape(T, Hkv, D)
         o = None if len(seqs) == 1 else be.empty((T, H, D))  # one sequence: attention's own output
         for r in seqs:
             cache, n = r.state, r.n

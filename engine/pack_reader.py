@@ -151,6 +151,15 @@ class Pack:
         return (x.data[x.gate_off : x.gate_off + n * gb], x.data[x.up_off : x.up_off + n * gb],
                 x.data[x.down_off : x.down_off + n * db])
 
+    def expert_gate_up(self, layer: int) -> tuple[np.ndarray, int, int]:
+        """(bytes, gate at, up at): the mapped bytes from the first of `layer`'s gate and up tensors to
+        the end of the other, and where each starts in them, so that one grouped call reads both
+        (moe.MoE.products at decode)."""
+        x = self._layers[layer]
+        lo = min(x.gate_off, x.up_off)
+        end = max(x.gate_off, x.up_off) + self.geometry.n_expert * x.gate_bytes
+        return x.data[lo:end], x.gate_off - lo, x.up_off - lo
+
     def expert_types(self, layer: int) -> tuple[GGMLType, GGMLType]:
         """(gate/up type, down type) of `layer`'s experts: they vary by layer."""
         x = self._layers[layer]

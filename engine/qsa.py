@@ -315,7 +315,7 @@ class QSALayer:
         for r in seqs:
             if r.state.n + r.n > r.state.max_ctx:
                 raise ContextFull(f"layer {self.layer}: context full ({r.state.max_ctx} tokens); raise --ctx-size")
-        qg, k, v = be.linear(self.attn_q, x), be.linear(self.attn_k, x), be.linear(self.attn_v, x)
+        qg, k, v = be.linears((self.attn_q, self.attn_k, self.attn_v), x, (None, None, None))
         iq, ik = be.linear(self.idx_q, x), be.linear(self.idx_k, x)
         H, Hkv, D = self.H, self.Hkv, self.D
         # r.pos, not the cache's n: a verify forward's rows are Seqs of ONE cache, appended in turn

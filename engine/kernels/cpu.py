@@ -781,7 +781,7 @@ def _multiply(name: str, raw, type_id: int, n_in: int, n_out: int, act, out, one
     else:
         parallel, chunks = _launch(n_out, n_in * n_out * n_tok)
         kernel = _kernel(t.name, parallel)
-    if n_tok == 1 and t.name in rowdot.TYPES and rowdot.AVAILABLE:  # the token path: rowdot.py says why
+    if n_tok == 1 and t.name in rowdot.NAMES and rowdot.AVAILABLE:  # the token path: rowdot.py says why
         rowdot.matvec(t.name, raw, t.row_bytes(n_in), q.reshape(-1), d.reshape(-1), s16.reshape(-1), out2.reshape(-1), parallel, chunks)
     elif t.quantized:
         kernel(raw, t.type_size, t.row_bytes(n_in), q.reshape(-1), d, s16, F16_TO_F32, out2, chunks)
@@ -835,6 +835,33 @@ def matvec(raw: np.ndarray, type_id: int, n_in: int, n_out: int, act, out: np.nd
     """y = W x -> f32 [n_out]; act: ActQ [n_in] (block types), ActQ16 [n_in] (actq.WIDE types) or
     f32 [n_in] (F32/F16/BF16)."""
     return _multiply("matvec", raw, type_id, n_in, n_out, act, out, one=True)
+
+
+def matvec_many(products, act) -> list[np.ndarray]:
+    """y_i = W_i x for several matrices and one token's activations -> the outs. products: a list
+    of (raw, type_id, n_in, n_out, out) with out f32 [n_out]; act as `matvec` takes it. Where every
+    W_i has a one-token kernel (rowdot.NAMES) the rows of all of them are one parallel region (a
+    decode step's products on one input: rowdot.matvec_many says why); otherwise one matvec each.
+    Either way each out is bit for bit `matvec` of its matrix."""
+    names, raws, row_bytes, outs, work = [], [], [], [], 0
+    for raw, type_id, n_in, n_out, out in products:
+        t = ggml_type(type_id, where="matvec_many")
+        where = f"matvec_many({t.name})"
+        raws.append(_check_raw(raw, t, n_in, n_out, where))
+        if not (isinstance(out, np.ndarray) and out.shape == (n_out,) and out.dtype == F32 and out.flags.c_contiguous):
+            raise ValueError(f"{where}: out must be contiguous f32 [{n_out}], got {_describe(out)}")
+        names.append(t.name)
+        row_bytes.append(t.row_bytes(n_in))
+        outs.append(out)
+        work += n_in * n_out
+    fused = (len(names) > 1 and rowdot.AVAILABLE and all(n in rowdot.NAMES for n in names)
+             and len({p[2] for p in products}) == 1 and isinstance(act, ActQ) and act.d.size == act.q.size // QA)  # fmt: skip
+    if not fused:
+        return [matvec(raw, type_id, n_in, n_out, act, out) for raw, type_id, n_in, n_out, out in products]
+    q, d, s16 = _planes(act, products[0][2], True, "matvec_many")
+    parallel, chunks = _launch(sum(o.size for o in outs), work)
+    rowdot.matvec_many(tuple(names), raws, row_bytes, q.reshape(-1), d.reshape(-1), s16.reshape(-1), outs, parallel, chunks)
+    return outs
 
 
 def _describe(act) -> str:
@@ -898,8 +925,16 @@ def matmul_grouped(raw: np.ndarray, type_id: int, n_in: int, n_out: int, offsets
     parallel, _ = _launch(len(items), n_in * n_out * n_tok)
     workers = numba.get_num_threads() if parallel else 1  # _launch set it
     bounds = _balance(items, starts, min(len(items), GROUP_CHUNKS * workers))
-    live = np.count_nonzero(np.diff(starts))
-    kernel = _panel(t.name, True, parallel) if _use_panel(t, n_tok / live, n_out, grouped=True) else _grouped(t.name, parallel)
+    sizes = np.diff(starts)
+    live = np.count_nonzero(sizes)
+    if _use_panel(t, n_tok / live, n_out, grouped=True):  # the raw-panel types take the panel from one token per expert
+        kernel = _panel(t.name, True, parallel)
+    elif t.name in rowdot.NAMES and rowdot.AVAILABLE and sizes.max() == 1 and d.shape[1] == n_in // QA:
+        # one token per matrix, a scale per 32 activations, no raw panel: rowdot.py says why
+        rowdot.matmul_grouped_one(t.name, raw, offsets, t.row_bytes(n_in), starts, items, bounds, q, d, s16, out, parallel, workers)
+        return out
+    else:
+        kernel = _grouped(t.name, parallel)
     kernel(raw, offsets, t.type_size, t.row_bytes(n_in), starts, items, bounds, q.reshape(-1), d, s16, F16_TO_F32, out, workers)
     return out
 

@@ -337,7 +337,7 @@ def matmul(name: str, raw: np.ndarray, row_bytes: int, xq: np.ndarray, xd: np.nd
 
 def matvec(name: str, raw: np.ndarray, row_bytes: int, xq: np.ndarray, xd: np.ndarray, s16: np.ndarray, out: np.ndarray,
            parallel: bool, n_chunks: int, wide: bool = False) -> None:  # fmt: skip
-    """out[o] = row o of the `name` (TYPES) matrix raw (flat u8, row_bytes per row) . the token's
+    """out[o] = row o of the `name` (NAMES) matrix raw (flat u8, row_bytes per row) . the token's
     ActQ planes (xq int8 [n_in], xd f32 [n_in / 32], or [n_in / 16] for the fine form, s16 int32
     [n_in / 16], contiguous); rows split into n_chunks on the pool if `parallel`. The caller
     (cpu.matvec) has validated the shapes. wide: the planes of an actq.ActQ16 (xq [2 n_in], xd
@@ -350,5 +350,295 @@ def matvec(name: str, raw: np.ndarray, row_bytes: int, xq: np.ndarray, xd: np.nd
         return
     key = (name, parallel, xd.size == 2 * (xq.size // QA))
     if key not in _KERNELS:
-        _KERNELS[key] = _kernel(*key)
+        if name in KTYPES and key[2]:
+            raise ValueError(f"rowdot.matvec: {name} takes activations with a scale per 32 elements, got {xd.size} scales for {xq.size}")
+        _KERNELS[key] = _kkernel(name, parallel) if name in KTYPES else _kernel(*key)
     _KERNELS[key](raw, row_bytes, xq, xd, s16, out, n_chunks)
+
+
+# ---------------------------------------------------------------------------------------------
+# The K-quants (Q4_K, Q6_K): 256-element super-blocks of 8 act-blocks with integer sub-block
+# scales. qwen35moe as released keeps its LM head (Q6_K, 521 MB at vocab 248320), its GDN and
+# attention projections and its shared experts in these types; through the general row kernel
+# they read at 27-50% of bandwidth (docs/kernels.md). Same arithmetic, per act-block b of a
+# super-block (reference.block_terms; docs/kernels.md's table):
+#
+#   Q4_K  term[b] = (f32(d) * xd[b]) * f32(sc_k * S[b]) + (f32(-dmin) * xd[b]) * f32(m_k * (s16[2b] + s16[2b+1]))
+#   Q6_K  term[b] = (f32(d) * xd[b]) * f32(sc[2k] * S0[b] + sc[2k+1] * S1[b])
+#
+# S = the exact integer sum of weight x activation over the act-block (S0, S1: its halves). The
+# lanes and the fold are the 32-element types' (lane b % 32 from +0 in block order): a super-block
+# at act-block 8i fills lanes 8 (i % 4) .. + 7, so four <8 x f32> accumulators hold the 32 lanes.
+# A K row is whole super-blocks, so there is no tail inside one. Activations are read in place
+# (xq, xd, s16 as ActQ holds them): nothing is allocated per call.
+
+KTYPES = {"Q4_K": 144, "Q6_K": 210}  # name: super-block bytes
+QK = 256
+
+
+def _k_scales(builder, S):
+    """Q4_K's 6-bit scales and mins of a super-block from its 12 scale bytes (S: <16 x i8>, bytes 0..11
+    used) -> (sc, m) as <8 x i32>. Byte diagram: reference.py beside _k4_scale_min.
+        k < 4:  sc = S[k] & 63                      m = S[k + 4] & 63
+        k >= 4: sc = S[k + 4] & 15 | (S[k - 4] >> 6) << 4    m = S[k + 4] >> 4 | (S[k] >> 6) << 4"""
+    v8 = ir.VectorType(I8, 8)
+
+    def c(vals):
+        return ir.Constant(v8, [ir.Constant(I8, x) for x in vals])
+
+    def pick(idx):
+        return builder.shuffle_vector(S, S, simd._mask(8, idx))
+
+    lo = builder.and_(pick([0, 1, 2, 3, 8, 9, 10, 11]), c([63] * 4 + [15] * 4))
+    hi = builder.and_(builder.lshr(pick([0, 0, 0, 0, 0, 1, 2, 3]), c([2] * 8)), c([0] * 4 + [0x30] * 4))
+    mlo = builder.and_(builder.lshr(pick([4, 5, 6, 7, 8, 9, 10, 11]), c([0] * 4 + [4] * 4)), c([63] * 8))
+    mhi = builder.and_(builder.lshr(pick([0, 0, 0, 0, 4, 5, 6, 7]), c([2] * 8)), c([0] * 4 + [0x30] * 4))
+    i8v = ir.VectorType(I32, 8)
+    return builder.zext(builder.or_(lo, hi), i8v), builder.zext(builder.or_(mlo, mhi), i8v)
+
+
+def _k_superblock(builder, name, ptr, p, sb):
+    """The <8 x f32> terms of super-block sb of the row at byte p (act-blocks 8 sb .. 8 sb + 7)."""
+    v16, v32, v64 = ir.VectorType(I8, 16), ir.VectorType(I8, 32), ir.VectorType(I8, 64)
+    i16v, i8v, f8v = ir.VectorType(I32, 16), ir.VectorType(I32, 8), ir.VectorType(ir.FloatType(), 8)
+    vnni = simd._fn(builder, "llvm.x86.avx512.vpdpbusd.512", i16v, [i16v] * 3)
+    at = builder.add(p, builder.mul(sb, ir.Constant(I64, KTYPES[name])))
+    b = builder.mul(sb, ir.Constant(I64, 8))
+
+    def raw(off, ty):
+        return builder.load(ptr("raw", builder.add(at, ir.Constant(I64, off)), ty), align=1)
+
+    def c8(x, ty=v32):
+        return simd._splat(builder, ir.Constant(I8, x), ty)
+
+    def dot(w, k):  # vpdpbusd of the 64 unsigned weight bytes of act-blocks b + k, b + k + 1
+        x = builder.load(ptr("xq", builder.mul(builder.add(b, ir.Constant(I64, k)), ir.Constant(I64, QA)), v64), align=1)
+        return builder.call(vnni, [ir.Constant(i16v, None), builder.bitcast(w, i16v), builder.bitcast(x, i16v)])
+
+    def cat(lo, hi):
+        return builder.shuffle_vector(lo, hi, simd._mask(64, range(64)))
+
+    def half_of(v):  # lanes 0..7 of a <16 x i32>
+        return builder.shuffle_vector(v, v, simd._mask(8, range(8)))
+
+    ad = builder.load(ptr("xd", b, f8v), align=4)
+    d = builder.fpext(builder.bitcast(raw(208 if name == "Q6_K" else 0, I16), ir.HalfType()), ir.FloatType())
+    wf = builder.fmul(simd._splat(builder, d, f8v), ad)
+    hs = builder.load(ptr("xs", builder.add(b, b), i16v), align=4)  # s16 of the 16 halves
+    if name == "Q4_K":
+        # act-block 2j + h: nibble h of qs[32 j ..] (qs at byte 16); values 0..15, no offset
+        vecs = []
+        for j in range(4):
+            qs = raw(16 + 32 * j, v32)
+            vecs.append(dot(cat(builder.and_(qs, c8(15)), builder.lshr(qs, c8(4))), 2 * j))
+        s = half_of(simd._reduce_groups(builder, vecs, 2, 8))
+        sc, m = _k_scales(builder, raw(4, v16))
+        bs = builder.add(builder.shuffle_vector(hs, hs, simd._mask(8, range(0, 16, 2))),
+                         builder.shuffle_vector(hs, hs, simd._mask(8, range(1, 16, 2))))  # fmt: skip
+        dmin = builder.fpext(builder.bitcast(raw(2, I16), ir.HalfType()), ir.FloatType())
+        wm = builder.fmul(simd._splat(builder, builder.fneg(dmin), f8v), ad)
+        return builder.fadd(builder.fmul(wf, builder.sitofp(builder.mul(s, sc), f8v)),
+                            builder.fmul(wm, builder.sitofp(builder.mul(bs, m), f8v)))  # fmt: skip
+    # Q6_K: act-block 4n + j, element l: low nibble (j / 2) of ql[64 n + 32 (j % 2) + l], bits 2j
+    # of qh[32 n + l] above them: u = q + 32 in 0..63 (ql at byte 0, qh at 128, scales at 192)
+    vecs = []
+    for n in range(2):
+        A, B, H = raw(64 * n, v32), raw(64 * n + 32, v32), raw(128 + 32 * n, v32)
+        high = [builder.and_(builder.shl(H, c8(4)), c8(0x30)), builder.and_(builder.shl(H, c8(2)), c8(0x30)),
+                builder.and_(H, c8(0x30)), builder.and_(builder.lshr(H, c8(2)), c8(0x30))]  # fmt: skip
+        u = [builder.or_(builder.and_(A, c8(15)), high[0]), builder.or_(builder.and_(B, c8(15)), high[1]),
+             builder.or_(builder.lshr(A, c8(4)), high[2]), builder.or_(builder.lshr(B, c8(4)), high[3])]  # fmt: skip
+        vecs += [dot(cat(u[0], u[1]), 4 * n), dot(cat(u[2], u[3]), 4 * n + 2)]
+    h = builder.sub(simd._reduce_groups(builder, vecs, 4, 4), builder.mul(hs, simd._splat(builder, ir.Constant(I32, 32), i16v)))
+    h = builder.mul(h, builder.sext(raw(192, v16), i16v))  # each half times its int8 scale
+    s = builder.add(builder.shuffle_vector(h, h, simd._mask(8, range(0, 16, 2))), builder.shuffle_vector(h, h, simd._mask(8, range(1, 16, 2))))
+    return builder.fmul(wf, builder.sitofp(s, f8v))
+
+
+def _krow(name: str):
+    def impl(typingctx, raw, p, nb, xq, xd, xs):
+        """The dot of the `name` (KTYPES) row at byte p of raw (nb act-blocks, a multiple of 8)
+        with one token's ActQ (xq, xd, xs = s16, as ActQ holds them) -> f32, bit for bit
+        reference.dot_reference's for the row."""
+        return types.float32(raw, p, nb, xq, xd, xs), lambda context, builder, sig, args: _kcodegen(context, builder, sig, args, name)
+
+    return impl
+
+
+def _kcodegen(context, builder, sig, args, name):
+    f8v = ir.VectorType(ir.FloatType(), 8)
+    p, nb = (context.cast(builder, args[k], sig.args[k], types.intp) for k in (1, 2))
+    base = {arr: context.make_array(sig.args[k])(context, builder, args[k]).data for k, arr in ((0, "raw"), (3, "xq"), (4, "xd"), (5, "xs"))}
+
+    def ptr(arr, idx, ty):
+        return builder.bitcast(builder.gep(base[arr], [idx]), ty.as_pointer())
+
+    acc = [cgutils.alloca_once_value(builder, ir.Constant(f8v, [0.0] * 8)) for _ in range(4)]
+    nsb = builder.udiv(nb, ir.Constant(I64, 8))
+    with cgutils.for_range(builder, builder.udiv(builder.add(nsb, ir.Constant(I64, 3)), ir.Constant(I64, 4))) as loop:
+        for u in range(4):  # super-block 4i + u: lanes 8u .. 8u + 7; one past the row adds nothing
+            sb = builder.add(builder.mul(loop.index, ir.Constant(I64, 4)), ir.Constant(I64, u))
+            with builder.if_then(builder.icmp_unsigned("<", sb, nsb), likely=True):
+                builder.store(builder.fadd(builder.load(acc[u]), _k_superblock(builder, name, ptr, p, sb)), acc[u])
+    lo = builder.shuffle_vector(builder.load(acc[0]), builder.load(acc[1]), simd._mask(16, range(16)))
+    hi = builder.shuffle_vector(builder.load(acc[2]), builder.load(acc[3]), simd._mask(16, range(16)))
+    v = builder.shuffle_vector(lo, hi, simd._mask(32, range(32)))
+    w = 16
+    while w:  # the fold: lane[l] += lane[l + w]
+        v = builder.fadd(builder.shuffle_vector(v, v, simd._mask(w, range(w))), builder.shuffle_vector(v, v, simd._mask(w, range(w, 2 * w))))
+        w //= 2
+    return builder.extract_element(v, ir.Constant(I32, 0))
+
+
+KROW = {name: intrinsic(_krow(name)) for name in KTYPES}
+
+
+def _kkernel(name: str, parallel: bool):
+    row = KROW[name]
+
+    def kernel(raw, row_bytes, xq, xd, s16, out, n_chunks):
+        # raw u8 [n_out * row_bytes]; xq i8 [n_in]; xd f32 [n_in / 32]; s16 i32 [n_in / 16]; out f32 [n_out]
+        nb = xq.size // QA
+        n_out = out.size
+        for c in prange(n_chunks):
+            for o in range(c * n_out // n_chunks, (c + 1) * n_out // n_chunks):
+                out[o] = row(raw, o * row_bytes, nb, xq, xd, s16)
+
+    return cached(njit(parallel=parallel, **JIT)(kernel), f"{name}-rowdot-{'par' if parallel else 'serial'}")
+
+
+NAMES = frozenset(TYPES) | frozenset(KTYPES)  # the types with a one-token kernel here
+
+
+# ---------------------------------------------------------------------------------------------
+# Several products of one token in one parallel region: a decode step multiplies the same input
+# by 2-3 matrices in a row (a GDN layer's qkv and gate, a shared expert's gate and up), and each
+# product was a parallel region of its own. A region's start and end barrier cost little at 1-2
+# threads but grow with the thread count (8 threads on the device host: the small products of the
+# token path, not the LM head, kept decode at 0.75x llama.cpp). Here the rows of all the matrices
+# are one range split over the pool, each row by its own type's kernel, to the same bits.
+
+_MANY_SRC = '''
+def kernel({params}xq, xd, s16, n_chunks):
+    nb = xq.size // QA
+    P = (nb + 15) // 16 * 16
+    xd0 = np.zeros(P, F32)
+    xd1 = np.zeros(P, F32)
+    xs = np.zeros(P, np.int32)  # the 32-element kernels' padded scales and block sums
+    for b in range(nb):
+        xd0[b] = xd[b]
+        xs[b] = s16[2 * b] + s16[2 * b + 1]
+    {sizes}
+    total = {total}
+    for c in prange(n_chunks):
+        for o in range(c * total // n_chunks, (c + 1) * total // n_chunks):
+{body}
+'''
+
+
+def _many_kernel(names: tuple[str, ...], parallel: bool):
+    params = "".join(f"raw{i}, rb{i}, out{i}, " for i in range(len(names)))
+    sizes = "; ".join(f"n{i} = out{i}.size" for i in range(len(names)))
+    body, start = [], "0"
+    for i, name in enumerate(names):
+        at = f"(o - ({start})) * rb{i}"
+        call = (f"K{i}(raw{i}, {at}, nb, xq, xd, s16)" if name in KTYPES else f"R{i}(raw{i}, {at}, nb, xq, xd0, xd1, xs)")
+        test = "if" if i == 0 else "elif"
+        end = f"{start} + n{i}" if i else "n0"
+        body.append(f"            {test} o < {end}:\n                out{i}[o - ({start})] = {call}" if i < len(names) - 1 else
+                    f"            else:\n                out{i}[o - ({start})] = {call}")  # fmt: skip
+        start = end
+    src = _MANY_SRC.format(params=params, sizes=sizes, total=start, body="\n".join(body))
+    # __name__: numba's disk cache rebuilds a kernel's environment by importing its module by name
+    # (None, the default of exec's globals, failed in every process after the first)
+    env = {"__name__": __name__, "np": np, "F32": F32, "QA": QA, "prange": prange}
+    for i, name in enumerate(names):
+        env[f"K{i}" if name in KTYPES else f"R{i}"] = KROW[name] if name in KTYPES else ROW[name, False]
+    exec(compile(src, __file__, "exec"), env)  # noqa: S102 -- the source is the template above
+    return cached(njit(parallel=parallel, **JIT)(env["kernel"]), f"rowdot-many-{'-'.join(names)}-{'par' if parallel else 'serial'}")
+
+
+_MANY: dict[tuple[tuple[str, ...], bool], object] = {}
+
+
+def matvec_many(names: tuple[str, ...], raws, row_bytes, xq: np.ndarray, xd: np.ndarray, s16: np.ndarray, outs,
+                parallel: bool, n_chunks: int) -> None:  # fmt: skip
+    """outs[i] = the `names[i]` (NAMES) matrix raws[i] (row_bytes[i] per row) . one token's ActQ
+    planes with a scale per 32 elements, every row of every matrix in one range split into n_chunks
+    on the pool if `parallel`: bit for bit `matvec` of each. The caller (cpu.matvec_many) has
+    validated the shapes."""
+    if xd.size != xq.size // QA:
+        raise ValueError(f"rowdot.matvec_many: activations with a scale per 32 elements only, got {xd.size} scales for {xq.size}")
+    key = (tuple(names), parallel)
+    if key not in _MANY:
+        _MANY[key] = _many_kernel(*key)
+    args = []
+    for raw, rb, out in zip(raws, row_bytes, outs):
+        args += [raw, rb, out]
+    _MANY[key](*args, xq, xd, s16, n_chunks)
+
+
+# ---------------------------------------------------------------------------------------------
+# The routed experts of a decode step: G matrices (a layer's selected experts), one token each.
+# cpu.matmul_grouped's kernel decodes every row into scratch for the token's one dot (its rows
+# were written for a prompt chunk's few tokens per expert); for these types the row is read in
+# place as above. The work items, their chunks and the shared queue are the grouped kernel's.
+
+
+def _grouped_one_kernel(name: str, parallel: bool):
+    if name in KTYPES:
+        row = KROW[name]
+
+        def kernel(raw, offsets, row_bytes, starts, items, bounds, xq, xd, s16, out, n_workers):
+            # matrix g at byte offsets[g] against its one token, row starts[g] of xq i8 [N, n_in],
+            # xd f32 [N, nb], s16 i32 [N, 2 nb]; out f32 [N, n_out]. items i64 [n, 3]: (g, o0, o1)
+            nb = xd.shape[1]
+            queue = np.zeros(1, np.int64)
+            for _ in prange(n_workers):
+                c = simd.fetch_add(queue, 0, 1)
+                while c < bounds.size - 1:
+                    for i in range(bounds[c], bounds[c + 1]):
+                        g, o0, o1 = items[i, 0], items[i, 1], items[i, 2]
+                        r = starts[g]
+                        for o in range(o0, o1):
+                            out[r, o] = row(raw, offsets[g] + o * row_bytes, nb, xq[r], xd[r], s16[r])
+                    c = simd.fetch_add(queue, 0, 1)
+    else:
+        row = ROW[name, False]
+
+        def kernel(raw, offsets, row_bytes, starts, items, bounds, xq, xd, s16, out, n_workers):
+            nb = xd.shape[1]
+            P = (nb + 15) // 16 * 16
+            xd0 = np.zeros((xd.shape[0], P), F32)
+            xs = np.zeros((xd.shape[0], P), np.int32)  # the padded scales and block sums, as _kernel's
+            xd1 = np.zeros(P, F32)
+            for r in range(xd.shape[0]):
+                for b in range(nb):
+                    xd0[r, b] = xd[r, b]
+                    xs[r, b] = s16[r, 2 * b] + s16[r, 2 * b + 1]
+            queue = np.zeros(1, np.int64)
+            for _ in prange(n_workers):
+                c = simd.fetch_add(queue, 0, 1)
+                while c < bounds.size - 1:
+                    for i in range(bounds[c], bounds[c + 1]):
+                        g, o0, o1 = items[i, 0], items[i, 1], items[i, 2]
+                        r = starts[g]
+                        for o in range(o0, o1):
+                            out[r, o] = row(raw, offsets[g] + o * row_bytes, nb, xq[r], xd0[r], xd1, xs[r])
+                    c = simd.fetch_add(queue, 0, 1)
+
+    return cached(njit(parallel=parallel, **JIT)(kernel), f"{name}-rowdot-grouped-{'par' if parallel else 'serial'}")
+
+
+_GROUPED: dict[tuple[str, bool], object] = {}
+
+
+def matmul_grouped_one(name: str, raw: np.ndarray, offsets, row_bytes: int, starts, items, bounds, xq: np.ndarray,
+                       xd: np.ndarray, s16: np.ndarray, out: np.ndarray, parallel: bool, n_workers: int) -> None:  # fmt: skip
+    """cpu.matmul_grouped for groups of at most one token (a decode step's routed experts) of a
+    `name` (NAMES) type, activations with a scale per 32 elements ([N, ...] planes): the same
+    items, chunks and queue, each row read in place. The caller has validated everything."""
+    key = (name, parallel)
+    if key not in _GROUPED:
+        _GROUPED[key] = _grouped_one_kernel(*key)
+    _GROUPED[key](raw, offsets, row_bytes, starts, items, bounds, xq, xd, s16, out, n_workers)

@@ -221,6 +221,11 @@ class DeviceBackend(CpuBackend):
             return out
         return y
 
+    def linears(self, ws, x, outs):
+        """Several products of one input: one launch each (the CPU's one parallel region for all of
+        them, cpu.matvec_many, is a host kernel)."""
+        return [self.linear(w, x, out) for w, out in zip(ws, outs)]
+
     # --- the sequence and elementwise operations: engine/ops.py's formulas over device arrays
 
     def rmsnorm(self, x, gain, eps: float, out=None, *, group: int | None = None, f32_sums: bool = False):

@@ -104,6 +104,24 @@ def test_raw_types_take_the_panel_from_one_token_per_expert(monkeypatch):
         _same(got, _per_group(t, raw, offsets, act, starts, n_in, n_out, R.dot_reference), f"IQ4_NL groups {sizes}")
 
 
+@pytest.mark.parametrize("name", ["Q8_0", "Q4_K", "Q6_K", "IQ4_NL", "Q4_0"])
+@pytest.mark.parametrize("parallel", [False, True], ids=["serial", "parallel"])
+def test_one_token_per_expert_reads_the_rows_in_place(name, parallel):
+    """A decode step's routed experts (one token each, some experts idle) of a type with a one-token
+    kernel take rowdot.py's grouped form: the reference's bits, every expert on its own token."""
+    from strata.engine.kernels import rowdot
+
+    if not rowdot.AVAILABLE:
+        pytest.skip(f"rowdot.py needs AVX512-VNNI, AVX512BW and F16C; this host's features: {sorted(cpu.simd._X86) or 'none'}")
+    t = BY_NAME[name]
+    n_in, n_out = (256 * 5 if t.block_size == 256 else 32 * 25), cpu.GROUP_TILE + 13
+    raw, offsets, act, starts = _case(t, n_in, n_out, [1, 0, 1, 1, 0, 1, 1, 1, 1, 1, 1, 1], t.id + 40)
+    with cpu_path(parallel):
+        got = cpu.matmul_grouped(raw, t.id, n_in, n_out, offsets, act, starts)
+    assert rowdot._GROUPED[name, parallel].signatures, "the one-token grouped kernel was not taken"
+    _same(got, _per_group(t, raw, offsets, act, starts, n_in, n_out, R.dot_reference), f"{name} one token per expert vs reference")
+
+
 def test_a_group_of_more_tokens_than_a_tile_equals_the_reference():
     """One expert with more tokens than a tile of activations (cpu._TILE_BYTES), among small ones:
     its rows meet the tokens tile by tile."""

@@ -138,6 +138,73 @@ def test_token_kernel_reads_the_fine_activation_form(name, n_in):
         _same(out, want, f"{name} [{n_in} x 37] fine form, parallel={parallel}")
 
 
+@pytest.mark.parametrize("n_in", [256, 1280, 2560, 6144], ids=lambda n: f"{n // 256}-superblocks")
+@pytest.mark.parametrize("parallel", [False, True], ids=["serial", "parallel"])
+@pytest.mark.parametrize("name", ["Q4_K", "Q6_K"])
+def test_k_quant_token_kernel_equals_the_general_kernel_and_the_reference(name, n_in, parallel):
+    # qwen35moe's LM head (Q6_K), projections and shared experts (Q4_K, Q6_K) take rowdot.py's
+    # one-token K kernel: super-blocks go four to a loop turn (one lane quarter each), so 1, 5
+    # (4 + 1), 10 (4 + 4 + 2) and 24 super-blocks meet every partial turn; 37 rows split unevenly
+    rowdot = _need_rowdot()
+    t = BY_NAME[name]
+    raw = random_weights(t, n_in * 37, np.random.default_rng(n_in + t.id))
+    act = quantize_act(_acts(n_in, 1, n_in)[0])
+    with cpu_path(parallel):
+        got = cpu.matvec(raw, t.id, n_in, 37, act)
+    assert rowdot._KERNELS[name, parallel, False].signatures, "the token kernel was not taken"
+    general = np.empty((1, 37), np.float32)
+    cpu._kernel(name, False)(raw, t.type_size, t.row_bytes(n_in), act.q, act.d[None], act.s16[None], cpu.F16_TO_F32, general, 1)
+    _same(got, general[0], f"{name} [{n_in} x 37] token kernel vs the general row kernel")
+    _same(got, R.dot_reference(raw, t.id, n_in, 37, ActQ(act.q[None], act.d[None], act.s16[None]))[0], "vs the reference")
+
+
+def test_k_quant_token_kernel_refuses_the_fine_activation_form():
+    # the K kernels read one activation scale per 32 elements; a scale per 16 would be read as the
+    # wrong blocks' scales, so it is refused by name instead
+    rowdot = _need_rowdot()
+    t = BY_NAME["Q4_K"]
+    raw = random_weights(t, 256 * 2, np.random.default_rng(5))
+    q, d16, s16 = np.zeros(256, np.int8), np.ones(16, np.float32), np.zeros(16, np.int32)
+    with pytest.raises(ValueError, match="Q4_K takes activations with a scale per 32 elements, got 16 scales for 256"):
+        rowdot.matvec("Q4_K", raw, t.row_bytes(256), q, d16, s16, np.empty(2, np.float32), False, 1)
+
+
+@pytest.mark.parametrize("parallel", [False, True], ids=["serial", "parallel"])
+@pytest.mark.parametrize("names", [("Q5_0", "Q4_0"), ("IQ4_NL", "Q8_0", "Q8_0"), ("Q4_K", "Q4_K", "Q6_K"), ("Q6_K", "Q8_0")],
+                         ids="+".join)
+def test_several_products_of_one_token_in_one_region_equal_matvec_each(names, parallel):
+    # a decode step's products on one input (GDN qkv and gate, attention q/k/v, a shared expert's
+    # gate and up) run as one parallel region: every row of every matrix is its own matvec's,
+    # whichever matrix the chunk boundaries cut through (19, 37 and 5 rows)
+    rowdot = _need_rowdot()
+    n_in, sizes = 512, (19, 37, 5)
+    act = quantize_act(_acts(n_in, 1, 11)[0])
+    products, want = [], []
+    for i, name in enumerate(names):
+        t = BY_NAME[name]
+        raw = random_weights(t, n_in * sizes[i], np.random.default_rng(i))
+        products.append((raw, t.id, n_in, sizes[i], np.full(sizes[i], np.nan, np.float32)))
+        want.append(cpu.matvec(raw, t.id, n_in, sizes[i], act))
+    with cpu_path(parallel):
+        cpu.matvec_many(products, act)
+    assert rowdot._MANY[names, parallel].signatures, "the one-region kernel was not taken"
+    for (*_, out), w, name in zip(products, want, names):
+        _same(out, w, f"{name} in {'+'.join(names)}")
+
+
+def test_several_products_fall_back_to_one_matvec_each_where_a_type_has_no_token_kernel():
+    t, f = BY_NAME["Q4_0"], BY_NAME["BF16"]
+    raw_q, raw_f = random_weights(t, 256 * 3, np.random.default_rng(1)), random_weights(f, 256 * 4, np.random.default_rng(2))
+    act = quantize_act(_acts(256, 1, 3)[0])
+    out_q = np.empty(3, np.float32)
+    cpu.matvec_many([(raw_q, t.id, 256, 3, out_q)], act)
+    _same(out_q, cpu.matvec(raw_q, t.id, 256, 3, act), "one product")
+    with pytest.raises(TypeError, match=r"BF16 weights take f32 activations \[256\], got ActQ"):
+        cpu.matvec_many([(raw_q, t.id, 256, 3, out_q), (raw_f, f.id, 256, 4, np.empty(4, np.float32))], act)
+    with pytest.raises(ValueError, match=r"matvec_many\(Q4_0\): out must be contiguous f32 \[3\]"):
+        cpu.matvec_many([(raw_q, t.id, 256, 3, np.empty(4, np.float32)), (raw_q, t.id, 256, 3, out_q)], act)
+
+
 def _accuracy(t, n_in, n_out, seed):
     """Kernel error relative to sum |w_i a_i| (scale-free), against float64 on the same inputs:
     the dequantized weights times the dequantized ActQ activations (or the f32 activations)."""
@@ -369,6 +436,37 @@ y = cpu.matmul(raw, t.id, 256, 8, quantize_act(np.stack([x, x[::-1]])))
 k = cpu._kernel("Q4_1", False)
 print(sum(k.stats.cache_hits.values()), sum(k.stats.cache_misses.values()), y.view(np.uint32).tolist())
 """
+
+
+_MANY_CACHE_CHECK = """
+import numpy as np, sys
+sys.path.insert(0, {tests!r})
+from kernel_blocks import random_weights
+from strata.engine.kernels import cpu, rowdot
+from strata.engine.kernels.actq import quantize_act
+from strata.index_format.ggml_types import BY_NAME
+act = quantize_act(np.linspace(-1, 1, 512, dtype=np.float32))
+ps = [(random_weights(BY_NAME[n], 512 * 3, np.random.default_rng(i)), BY_NAME[n].id, 512, 3, np.empty(3, np.float32))
+      for i, n in enumerate(("Q4_K", "Q8_0"))]
+cpu.matvec_many(ps, act)
+k = rowdot._MANY[("Q4_K", "Q8_0"), False]
+print(sum(k.stats.cache_hits.values()), sum(k.stats.cache_misses.values()))
+"""
+
+
+def test_the_one_region_kernel_loads_from_the_disk_cache_in_a_new_process(tmp_path):
+    # rowdot.matvec_many's kernels are made from source text per type tuple: their cached
+    # environment names their module, or the second process failed loading it (a traceback at the
+    # first decode step of every start after the first)
+    _need_rowdot()
+    env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path))
+    code = _MANY_CACHE_CHECK.format(tests=str(Path(__file__).resolve().parents[1]))
+    runs = []
+    for _ in range(2):
+        res = subprocess.run([sys.executable, "-P", "-c", code], env=env, capture_output=True, text=True, timeout=600)
+        assert res.returncode == 0, res.stderr[-3000:]
+        runs.append(res.stdout.split())
+    assert runs == [["0", "1"], ["1", "0"]], f"(cache hits, compilations) of the two processes: {runs}"
 
 
 def test_kernels_load_from_the_disk_cache_in_a_new_process(tmp_path):

@@ -207,6 +207,28 @@ def test_quantized_blocks_are_bit_identical_and_greedy_agrees(q8, monkeypatch):
         assert out.tokens.tolist() == ref.tokens.tolist()
 
 
+def test_a_decode_steps_routed_gate_and_up_are_one_grouped_call(q8, monkeypatch):
+    """One token's routed experts: gate and up of all of them in one grouped call (one parallel
+    region), then down in one; the same bits as a call per matrix."""
+    from strata.engine import moe as moe_module
+
+    g, be, moe = q8.geometry, q8.backend, q8.moes[2]
+    x = np.random.default_rng(1).standard_normal((1, g.n_embd)).astype(np.float32)
+    monkeypatch.setattr(moe_module, "FUSE_ROWS", 0)  # the call per matrix
+    apart = moe.forward(be, Input(x.copy())).copy()
+    monkeypatch.undo()
+    calls, grouped = [], cpu.matmul_grouped
+
+    def spy(raw, type_id, n_in, n_out, offsets, act, starts, out=None):
+        calls.append(len(offsets))
+        return grouped(raw, type_id, n_in, n_out, offsets, act, starts, out)
+
+    monkeypatch.setattr(cpu, "matmul_grouped", spy)
+    together = moe.forward(be, Input(x.copy()))
+    assert calls == [2 * g.n_expert_used, g.n_expert_used], "gate + up of every routed expert, then down"
+    assert np.array_equal(together, apart)
+
+
 # --- the KV cache -----------------------------------------------------------------------------------
 
 
