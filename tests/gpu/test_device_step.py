@@ -27,12 +27,14 @@ from strata.engine.tier.device import DeviceBackend
 from strata.engine.tier.startup import GpuTierError
 
 CTX = 40
-# float32 rounding: the device sums in another order (f64 norms, batched products, its own exp and
-# tanh on a card). Bound on |logit difference| relative to the largest |logit| at the position. With
-# an f16 or int8 KV cache a key that rounds to the neighbouring f16 value (or int8 step), then an
-# activation that quantizes to the neighbouring int8 step, moves a logit by up to ~1% (measured on
-# the emulation: 6e-5 after attention, 1.4e-2 after the next MoE, at one position of 14).
-REL_TOL = {"f32": 2e-4, "f16": 1e-2, "int8": 1e-2}
+# float32 rounding: the device sums in another order (f64 norms, warp sums, its own exp and tanh on
+# a card), so its values differ from the CPU's by an ulp or so. Most positions then agree to 2e-4 of
+# the largest logit. But the engine quantizes activations (int8 per 32 elements, ActQ) and, with an
+# f16 or int8 KV cache, the keys: a value an ulp away that lands on the other side of a rounding
+# boundary moves by a whole step, and the logits with it, by up to ~1% (measured on the emulation:
+# 6e-5 after attention, 1.4e-2 after the next MoE, at one position of 14). So: every position
+# within FLIP_TOL, at least AGREE of them within REL_TOL, and the same greedy tokens.
+REL_TOL, FLIP_TOL, AGREE = 2e-4, 2e-2, 0.75
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 
@@ -63,10 +65,11 @@ def device_tier(model, **opts):
         tier.stop()
 
 
-def assert_close(got, want, kv="f32"):
+def assert_close(got, want):
     scale = np.abs(want).max(axis=-1)
-    err = np.abs(got - want).max(axis=-1)
-    assert (err <= REL_TOL[kv] * scale).all(), f"worst relative error {(err / scale).max():.2e} at position {int((err / scale).argmax())}"
+    rel = np.abs(got - want).max(axis=-1) / scale
+    assert (rel <= FLIP_TOL).all(), f"worst relative error {rel.max():.2e} at position {int(rel.argmax())}"
+    assert np.mean(rel <= REL_TOL) >= AGREE, f"only {np.mean(rel <= REL_TOL):.0%} of positions within {REL_TOL}: {rel}"
     assert (got.argmax(-1) == want.argmax(-1)).all(), "a greedy token differs"
 
 
@@ -109,7 +112,7 @@ def test_the_device_kv_kinds_stay_close_to_the_cpu(model, rt, kv):
     want = run(model, model.new_session(CTX, kv), toks, 6)
     with device_tier(model, kv=kv) as tier:
         got = run(model, tier.take_session(CTX, kv), toks, 6)
-    assert_close(got, want, kv)
+    assert_close(got, want)
 
 
 def test_the_session_is_planned_on_the_device_and_every_stage_matches(model, rt):
