@@ -33,7 +33,10 @@ CTX = 40
 # f16 or int8 KV cache, the keys: a value an ulp away that lands on the other side of a rounding
 # boundary moves by a whole step, and the logits with it, by up to ~1% (measured on the emulation:
 # 6e-5 after attention, 1.4e-2 after the next MoE, at one position of 14). So: every position
-# within FLIP_TOL, at least AGREE of them within REL_TOL, and the same greedy tokens.
+# within FLIP_TOL and the same greedy tokens; with the f32 cache at least AGREE of the positions
+# within REL_TOL. Not with f16 or int8: a key cached on the other side of a rounding boundary stays
+# in the cache, so every later position carries it (on the H200, f16: positions after the first
+# such key at 3e-3 to 1e-2, 2026-12-01).
 REL_TOL, FLIP_TOL, AGREE = 2e-4, 2e-2, 0.75
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
@@ -65,11 +68,12 @@ def device_tier(model, **opts):
         tier.stop()
 
 
-def assert_close(got, want):
+def assert_close(got, want, kv="f32"):
     scale = np.abs(want).max(axis=-1)
     rel = np.abs(got - want).max(axis=-1) / scale
     assert (rel <= FLIP_TOL).all(), f"worst relative error {rel.max():.2e} at position {int(rel.argmax())}"
-    assert np.mean(rel <= REL_TOL) >= AGREE, f"only {np.mean(rel <= REL_TOL):.0%} of positions within {REL_TOL}: {rel}"
+    if kv == "f32":
+        assert np.mean(rel <= REL_TOL) >= AGREE, f"only {np.mean(rel <= REL_TOL):.0%} of positions within {REL_TOL}: {rel}"
     assert (got.argmax(-1) == want.argmax(-1)).all(), "a greedy token differs"
 
 
@@ -112,7 +116,7 @@ def test_the_device_kv_kinds_stay_close_to_the_cpu(model, rt, kv):
     want = run(model, model.new_session(CTX, kv), toks, 6)
     with device_tier(model, kv=kv) as tier:
         got = run(model, tier.take_session(CTX, kv), toks, 6)
-    assert_close(got, want)
+    assert_close(got, want, kv)
 
 
 def test_the_session_is_planned_on_the_device_and_every_stage_matches(model, rt):
