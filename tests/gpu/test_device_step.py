@@ -74,7 +74,13 @@ def assert_close(got, want, kv="f32"):
     assert (rel <= FLIP_TOL).all(), f"worst relative error {rel.max():.2e} at position {int(rel.argmax())}"
     if kv == "f32":
         assert np.mean(rel <= REL_TOL) >= AGREE, f"only {np.mean(rel <= REL_TOL):.0%} of positions within {REL_TOL}: {rel}"
-    assert (got.argmax(-1) == want.argmax(-1)).all(), "a greedy token differs"
+        assert (got.argmax(-1) == want.argmax(-1)).all(), "a greedy token differs"
+        return
+    # f16 / int8: a greedy token can differ only where the CPU's two best logits are closer than the
+    # two errors together (on the H200 one f16 position of 14 did, 2026-12-01); everywhere else it must not
+    top2 = np.sort(want, axis=-1)[:, -2:]
+    clear = top2[:, 1] - top2[:, 0] > 2 * FLIP_TOL * scale
+    assert clear.any() and (got.argmax(-1) == want.argmax(-1))[clear].all(), "a greedy token with a clear margin differs"
 
 
 @pytest.mark.parametrize("n_prompt", [0, 11])
