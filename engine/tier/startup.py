@@ -29,7 +29,8 @@ The rooms, one job each:
     dense.py     W x of the placed dense weights (the LM head among them)
     slots.py     the expert slot storage and its one fill
     hits.py      the routed experts the slots hold, beside the CPU's misses (the MoE's expert server)
-    backend.py   the CPU backend with those plugged in
+    backend.py   the CPU backend with those plugged in (the host-driven step, --gpu-step host)
+    device.py    the device step (--gpu-step device): the blocks on device arrays, its kernels in device_kernels.cu
     startup.py   the seven stages, one method each (this module)
 
 S12: nothing is allocated on the device or in pinned memory once started; every buffer of the
