@@ -127,8 +127,9 @@ class DeviceExperts:
 
 
 class DeviceBackend(CpuBackend):
-    """The forward on the device (module docstring). `dense`: the tier's placed weights (their
-    GpuWeight on Weight.device); `hits`: its expert server (engine/tier/hits.py)."""
+    """The forward on the device (module docstring): the products on the weights the tier placed
+    (their GpuWeight on Weight.device); `hits`: the tier's hit path (engine/tier/hits.py), which
+    DeviceExperts serves the MoE through."""
 
     name = "gpu"
 
