@@ -54,7 +54,7 @@ from strata.tools.gguf_io import read_gguf  # noqa: E402
 pytestmark = pytest.mark.reference
 
 MODEL_SEED = 0
-PROMPT_SEED = 6
+PROMPT_SEED = 9  # 6 until the wide query/key form (2026-12-01): a router near-tie at layer 3; 7 and 8 had near-ties too
 PROMPT_LENGTHS = (8, 64)
 REL_TOL = 5e-5
 TIE_TOL = 1e-3  # quanta: a rounding decision this close to k + 1/2 is float32 noise's to make
