@@ -401,6 +401,14 @@ class Model:
 
     def _forward(self, sessions: list[Session], tokens: list, n_logits: list[int], outs: list[np.ndarray],
                  hidden: np.ndarray | None = None, saved: list | None = None) -> None:
+        try:
+            self._forward_rows(sessions, tokens, n_logits, outs, hidden, saved)
+        finally:
+            if self.backend.experts is not None:  # what the expert server owes the sessions (routing counts)
+                self.backend.experts.settle()
+
+    def _forward_rows(self, sessions: list[Session], tokens: list, n_logits: list[int], outs: list[np.ndarray],
+                      hidden: np.ndarray | None, saved: list | None) -> None:
         for s, t in zip(sessions, tokens):
             self._check(s, t)
         g, r, be = self.geometry, self.residual, self.backend

@@ -21,7 +21,7 @@ from .batch import keep, seqs_of
 from .kernels import cpu
 from .kernels.actq import ActQ
 from .kernels.jit import cached_njit
-from .ops import gate_
+from .ops import silu_mul_
 from .pack_reader import Pack
 from .weights import Input
 
@@ -33,9 +33,10 @@ FUSE_ROWS = 64
 
 def hidden_(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
     """up *= silu(gate), in place -> up: an expert's hidden activation, rows [n, F] (the down
-    projection's input). Every routed expert's h is made here, a CPU miss's and a GPU hit's (from its
-    downloaded gate and up) alike: one function, so the same bits."""
-    return gate_(up, gate, silu=True)
+    projection's input). Every routed expert's h on the host is made here, a CPU miss's and a GPU
+    hit's (from its downloaded gate and up) alike, and the device step's kernel makes it with the
+    same operations (ops.silu_mul_ says how): so the same bits wherever the expert sits."""
+    return silu_mul_(up, gate)
 
 
 def route_topk(logits: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
@@ -104,16 +105,20 @@ class MoE:
         states are such arrays (each sequence counts its own rows). Each (token, rank) output is
         kept apart and the sum is made rank by rank (`combine_reference`), so a token's result does
         not depend on its batch."""
-        top, weights = self.route(be, x)
-        T = top.shape[0]
-        if counts is not None:
-            for r in seqs_of(counts, T):
-                r.state[...] += np.bincount(top[r.a : r.b].reshape(-1), minlength=r.state.size)
-                keep(r)
-        grp = Groups(top)
-        part = self.routed(be, x, grp.experts, grp.rows, grp.starts)
-        out = be.scratch("moe.out", (T, self.E))
-        be.combine(part, grp.slot, weights, out)
+        T = x.x.shape[0]
+        # an expert server may take a whole token where its arrays live: routing, experts, combine
+        # (the device step's, engine/tier/device.py); None: routed here
+        out = be.experts.token(self, x, counts) if T == 1 and be.experts is not None else None
+        if out is None:
+            top, weights = self.route(be, x)
+            if counts is not None:
+                for r in seqs_of(counts, T):
+                    r.state[...] += np.bincount(top[r.a : r.b].reshape(-1), minlength=r.state.size)
+                    keep(r)
+            grp = Groups(top)
+            part = self.routed(be, x, grp.experts, grp.rows, grp.starts)
+            out = be.scratch("moe.out", (T, self.E))
+            be.combine(part, grp.slot, weights, out)
         if self.shared:
             s_gate, gate, up, down = self.shared
             sc = be.scratch

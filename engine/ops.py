@@ -153,6 +153,80 @@ def _gate(x, z, t, silu):
         x[i] = x[i] * s
 
 
+# --- the routed experts' SiLU: the same bits on the CPU and on the device -------------------------
+#
+# An expert's hidden activation h = up silu(gate) is made by whichever computes that expert: the CPU
+# for a miss, the device for a hit (the device step keeps a token's hits on the card). Logits must be
+# bit-identical whichever expert is resident, so both must make h with the same bits, and a library
+# exp or tanh is not the same function on numpy and CUDA. So this exp is written out in basic
+# float32 operations (each correctly rounded on both, no FMA: fastmath off here, --fmad=false there),
+# in one order, mirrored step for step by `silu_p` in engine/tier/device_kernels.cu:
+#     x clamped to [-87, 87] (exp cannot overflow or go subnormal)
+#     n = floor(x log2(e) + 1/2);  r = (x - n ln2_hi) - n ln2_lo   (Cody-Waite: n ln2_hi is exact)
+#     exp(x) = 2^n p(r), p the degree-7 Taylor polynomial by Horner (|r| <= ln2 / 2)
+#     silu(z) = z / (1 + exp(-z));  h = up * silu(gate)
+# tests/engine/test_host_kernels.py checks it against float64 and the device kernel against it.
+
+EXP_CLAMP = F32(87.0)
+LOG2E = F32(1.4426950408889634)
+LN2_HI = F32(0.693359375)  # 9 significant bits: n ln2_hi is exact for |n| < 2^15
+LN2_LO = F32(-2.1219444005469057e-4)
+EXP_POLY = tuple(F32(1.0 / math.factorial(i)) for i in range(7, -1, -1))  # 1/7!, ..., 1/1!, 1/0!
+POW2 = np.array([2.0 ** i for i in range(-127, 128)], F32)  # 2^n at n + 127 (n = -127 is 0: not reached)
+
+
+def exp_p_reference(x: np.ndarray) -> np.ndarray:
+    """The portable float32 exp above, in numpy, for an array: f32 -> f32."""
+    x = np.minimum(np.maximum(np.asarray(x, F32), -EXP_CLAMP), EXP_CLAMP)
+    n = np.floor(x * LOG2E + F32(0.5))
+    r = (x - n * LN2_HI) - n * LN2_LO
+    p = np.full_like(r, EXP_POLY[0])
+    for c in EXP_POLY[1:]:
+        p = p * r + c
+    return p * POW2[n.astype(np.int64) + 127]
+
+
+@njit(**JIT)
+def _exp_p(x):
+    if x < -EXP_CLAMP:
+        x = -EXP_CLAMP
+    if x > EXP_CLAMP:
+        x = EXP_CLAMP
+    n = np.floor(x * LOG2E + F32(0.5))
+    r = (x - n * LN2_HI) - n * LN2_LO
+    p = EXP_POLY[0]
+    p = p * r + EXP_POLY[1]
+    p = p * r + EXP_POLY[2]
+    p = p * r + EXP_POLY[3]
+    p = p * r + EXP_POLY[4]
+    p = p * r + EXP_POLY[5]
+    p = p * r + EXP_POLY[6]
+    p = p * r + EXP_POLY[7]
+    return p * POW2[np.int64(n) + 127]
+
+
+def silu_mul_(up: np.ndarray, gate: np.ndarray) -> np.ndarray:
+    """In place: up *= silu(gate) with the portable exp -> up (an expert's hidden activation)."""
+    if not (up.flags.c_contiguous and gate.flags.c_contiguous and up.shape == gate.shape and up.dtype == F32 == gate.dtype):
+        raise ValueError(f"silu_mul_: up and gate must be contiguous f32 of one shape, got {up.dtype}{up.shape} "
+                         f"and {gate.dtype}{gate.shape}")
+    _silu_mul(up.reshape(-1), gate.reshape(-1))
+    return up
+
+
+def silu_mul_reference(up: np.ndarray, gate: np.ndarray) -> np.ndarray:
+    """silu_mul_ in numpy (a new array)."""
+    g = np.asarray(gate, F32)
+    return np.asarray(up, F32) * (g / (F32(1) + exp_p_reference(-g)))
+
+
+@cached_njit("silu-mul")
+def _silu_mul(up, gate):
+    for i in range(up.size):
+        z = gate[i]
+        up[i] = up[i] * (z / (F32(1) + _exp_p(-z)))
+
+
 def sigmoid(x: np.ndarray, *, exp_form: bool = False) -> np.ndarray:
     """sigmoid(x) in a new buffer. Two forms, on purpose: 0.5 * (1 + tanh(x / 2)) by default, which
     cannot overflow for large |x| (the gates of qwen35moe's blocks, `gate_`'s numbers); with

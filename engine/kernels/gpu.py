@@ -224,7 +224,8 @@ class _Module:
 def _names(t: GGMLType) -> list[str]:
     if t.quantized:
         wide = [f"mv<{t.id}, {k}, 1>" for k in KPLS] if is_wide(t) else []
-        return [f"mv<{t.id}, {k}>" for k in KPLS] + wide + [f"mm<{t.id}>", f"traits<{t.id}>"]
+        grouped = [f"mvx<{t.id}, {k}>" for k in KPLS]
+        return [f"mv<{t.id}, {k}>" for k in KPLS] + wide + grouped + [f"mm<{t.id}>", f"traits<{t.id}>"]
     return [f"fmv<{_FLOAT_KIND[t.name]}>", f"fmm<{_FLOAT_KIND[t.name]}>"]
 
 
@@ -639,6 +640,28 @@ def matvec_into(w: GpuWeight, act, out) -> None:
         mod, name, grid, block, smem, extra = _float_plan(w.type_id, w.n_in, w.n_out, 1)
         args = (w.values, act, out, np.int32(w.n_out), np.int32(w.n_in))
     runtime().launch(mod, name, grid, block, args + extra, smem)
+
+
+def slot_products_fit(type_id: int, n_in: int, n_out: int) -> bool:
+    """Whether `slot_products` takes this shape (the one-token kernel holds rows of n_in)."""
+    return ggml_type(type_id).quantized and _quant_plan(type_id, n_in, n_out, 1)[1].startswith("mv<")
+
+
+def slot_products(type_id: int, n_in: int, n_out: int, arena, slot_bytes: int, at: int, mat_bytes: int, slot, k: int,
+                  R: int, act: GpuActQ, x_rank: int, out) -> bool:
+    """R one-row products on expert weights in the slot storage, in one launch (mvx, gpu_kernels.cu):
+    product j multiplies matrix j // k (at + j // k * mat_bytes within the slot) of the expert in slot
+    slot[j % k] (device int32 [k]; -1: skipped, a miss) by act's row j * x_rank into out[j] (device
+    f32 [R, n_out]). Each product has matvec's bits on that weight. False (nothing launched) where
+    matvec would take the batched kernel (rows longer than mv holds): the caller keeps its own path."""
+    mod, name, grid, block, smem, extra = _quant_plan(type_id, n_in, n_out, 1)
+    if not name.startswith("mv<"):
+        return False
+    rest, _ = planes(type_id, n_in, n_out)
+    args = (arena, np.int64(slot_bytes), np.int64(mat_bytes), np.int64(at), np.int64(at + align(rest)), slot, np.int32(k),
+            np.int32(grid), act.q, act.d, act.s16, np.int32(x_rank), out, np.int32(n_out), np.int32(n_in // QA))
+    runtime().launch(mod, "mvx" + name[2:], grid * R, block, args + extra, smem)
+    return True
 
 
 def matmul(w: GpuWeight, act, out=None, planes_out=None):

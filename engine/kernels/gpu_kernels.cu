@@ -697,11 +697,13 @@ struct MvRows {
 // hi plane then its lo plane): each row's dot with both, out = 256 dot(hi) + dot(lo)
 // (actq.combine16), the row's blocks decoded once for both.
 
-template <int T, int KPL, int WIDE = 0>
-__global__ void __launch_bounds__(256) mv(const u8* __restrict__ rest, const float* __restrict__ scales,
-                                          const i8* __restrict__ xq, const float* __restrict__ xd,
-                                          const i32* __restrict__ xs, float* __restrict__ out, int n_out, int nb,
-                                          int nrows, int shared_tab) {
+// (mv_body: the kernel's work for thread block bx of gx; mv runs it as blockIdx.x of gridDim.x, mvx
+// as one of the blocks given to one expert)
+template <int T, int KPL, int WIDE>
+__device__ __forceinline__ void mv_body(const u8* __restrict__ rest, const float* __restrict__ scales,
+                                        const i8* __restrict__ xq, const float* __restrict__ xd,
+                                        const i32* __restrict__ xs, float* __restrict__ out, int n_out, int nb,
+                                        int nrows, int shared_tab, int bx, int gx) {
     typedef Ty<T> L;
     typedef Buf<T> F;
     constexpr int RM = MvRows<T, KPL>::N, BLOCKS = RM * MvRows<T, KPL>::BLOCKS, NP = WIDE ? 2 : 1;
@@ -739,8 +741,8 @@ __global__ void __launch_bounds__(256) mv(const u8* __restrict__ rest, const flo
         stage(buf, rest, o * row_rest, n * row_rest, n_out * row_rest, lane);
         if (L::NS) stage(buf + F::rest(BLOCKS), sc_plane, o * row_sc, n * row_sc, n_out * row_sc, lane);
     };
-    const i64 step = (i64)gridDim.x * nw * nrows;
-    i64 o = ((i64)blockIdx.x * nw + warp) * nrows;
+    const i64 step = (i64)gx * nw * nrows;
+    i64 o = ((i64)bx * nw + warp) * nrows;
     if (o < n_out) issue(bufs, o);
     cp_async_commit();
     for (int cur = 0; o < n_out; o += step, cur ^= 1) {
@@ -775,6 +777,37 @@ __global__ void __launch_bounds__(256) mv(const u8* __restrict__ rest, const flo
         __syncwarp();  // every lane is done with this buffer before the next step refills it
     }
     cp_async_wait<0>();
+}
+
+template <int T, int KPL, int WIDE = 0>
+__global__ void __launch_bounds__(256) mv(const u8* __restrict__ rest, const float* __restrict__ scales,
+                                          const i8* __restrict__ xq, const float* __restrict__ xd,
+                                          const i32* __restrict__ xs, float* __restrict__ out, int n_out, int nb,
+                                          int nrows, int shared_tab) {
+    mv_body<T, KPL, WIDE>(rest, scales, xq, xd, xs, out, n_out, nb, nrows, shared_tab, blockIdx.x, gridDim.x);
+}
+
+// The routed experts of one token in one launch (the device step, engine/tier/device.py): R
+// products, product j on the expert in slot slot[j % k] of the slot storage (slot s at arena + s
+// slot_bytes, gate then up then down in engine form: engine/tier/slots.py's layout), matrix j / k
+// of it (its planes at rest_off + (j / k) mat_bytes and sc_off + (j / k) mat_bytes), each given
+// `per` of the grid's blocks, into out + j n_out. So gate and up of every expert are one launch
+// (R = 2k, one input row: x_rank 0) and the downs another (R = k, row j of x: x_rank 1). A product
+// whose slot is -1 is a miss (the CPU computes it) and is skipped. Each product is mv's on that
+// weight alone: the same bits.
+template <int T, int KPL>
+__global__ void __launch_bounds__(256) mvx(const u8* __restrict__ arena, i64 slot_bytes, i64 mat_bytes, i64 rest_off,
+                                           i64 sc_off, const int* __restrict__ slot, int k, int per,
+                                           const i8* __restrict__ xq, const float* __restrict__ xd,
+                                           const i32* __restrict__ xs, int x_rank, float* __restrict__ out, int n_out,
+                                           int nb, int nrows, int shared_tab) {
+    const int j = blockIdx.x / per;
+    const int s = slot[j % k];
+    if (s < 0) return;  // the whole block: no barrier is left waiting
+    const u8* base = arena + (i64)s * slot_bytes + (i64)(j / k) * mat_bytes;
+    const i64 r = (i64)j * x_rank;
+    mv_body<T, KPL, 0>(base + rest_off, reinterpret_cast<const float*>(base + sc_off), xq + r * nb * 32, xd + r * nb,
+                       xs + r * 2 * nb, out + (i64)j * n_out, n_out, nb, nrows, shared_tab, blockIdx.x % per, per);
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -27,12 +27,15 @@ layer reading the slot table), CUDA graphs, the sampling; qwen4exp's hyper-conne
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import numpy as np
 
 from ..backend import CpuBackend, Scratch
+from ..batch import seqs_of
 from ..kernels import gpu
+from ..kernels.engine_form import placed_bytes
 from ..kvcache import KV_BLOCK, KVCache, check_kv
 from ..moe import route_topk
 from ..ops import L2NORM_EPS
@@ -40,7 +43,8 @@ from ..weights import Input, Weight
 
 F32 = np.float32
 KERNELS = Path(__file__).with_name("device_kernels.cu")
-_NAMES = ["dev_rmsnorm", "dev_delta", "dev_conv", "dev_combine", "dev_sigmoid", "dev_gate", "dev_softplus", "dev_rope"]
+_NAMES = ["dev_rmsnorm", "dev_delta", "dev_conv", "dev_combine", "dev_sigmoid", "dev_gate", "dev_softplus", "dev_rope",
+          "dev_hidden", "dev_route", "dev_combine_slots"]
 BLOCK = 128  # threads per block of the row kernels: four warps
 
 
@@ -108,22 +112,122 @@ class DeviceKVCache(KVCache):
 
 
 class DeviceExperts:
-    """The MoE's expert server for the device step. A token whose experts the slots all hold stays
-    on the device: its ActQ (made there) feeds the hit path's products and their rows stay there
-    (HitPath.token_on_device). Otherwise the layer's input comes down once, the tier's hit path
-    computes the hits on the device beside the misses' grouped CPU call, and the rows go back up
-    once. Either way every expert's hidden activation is made on the host by moe.hidden_ (engine/
-    tier/hits.py), so a hit and a miss give the same bits."""
+    """The MoE's expert server for the device step.
 
-    def __init__(self, rt, hits, quantize):
-        self.rt, self.hits, self.quantize = rt, hits, quantize
+    One token (`token`): the whole routed part on the device. The router's top-k (dev_route: the
+    float64 softmax, ties to the lower id), the slot of each chosen expert from the slot table kept
+    on the device, gate and up of every resident expert in one launch and their downs in another
+    (mvx: each product the matvec's bits on that expert's slot), h = up silu(gate) (dev_hidden: the
+    portable SiLU of engine/ops.py, which a CPU miss uses too) and its ActQ, then the combine in rank
+    order. A layer whose experts are all resident needs nothing from the host. Otherwise the chosen
+    ids, their slots and x come down in one synchronisation, the misses run on the CPU in one
+    grouped call (MoE.products) while the device computes the hits, and the misses' rows go up in
+    one copy. Each routed row is made with the same bits wherever its expert sits, so the logits are
+    bit-identical across --expert-cache sizes. The routing counts (--stats) are the chosen ids,
+    brought down once per forward (`settle`).
+
+    A prompt chunk (`routed`): the tier's hit path (engine/tier/hits.py) with the host's routing."""
+
+    def __init__(self, rt, hits, be):
+        self.rt, self.hits, self.be = rt, hits, be
+        self.quantize = be._quantize
+        self._buf = None  # the token path's device buffers, made on first use (`_buffers`)
+        self._table_map, self._table_rows = None, None  # the slot map the device table was uploaded from
+        self._owed: list[tuple[int, np.ndarray]] = []  # (layer, routing counts) the last forward owes
 
     def routed(self, moe, x: Input, experts: np.ndarray, rows: np.ndarray, starts: np.ndarray):
-        if x.x.shape[0] == 1 and moe.gu.quantized and self.hits.all_held(moe.layer, experts):
-            act = x.form(moe.gu, False, quantize=self.quantize)
-            return self.hits.token_on_device(moe, gpu.GpuActQ(act.q[0], act.d[0], act.s16[0], None), experts)
         host = Input(self.rt.to_host(x.x))  # its ActQ, made on the host, has the device quantizer's bits
         return self.rt.to_device(self.hits.routed(moe, host, experts, rows, starts))
+
+    # --- one token on the device
+
+    def _buffers(self, moe):
+        rt, k, E, F, X = self.rt, moe.k, moe.E, moe.F, moe.router.n_out
+        n_layer = self.hits.slots.n_layer
+        b = self._buf
+        if b is None or b["shape"] != (k, E, F, X):
+            b = self._buf = {
+                "shape": (k, E, F, X),
+                "ids": rt.empty((n_layer, k), np.int32),  # every layer's chosen experts: the counts, at `settle`
+                "w": rt.empty((1, k), F32),
+                "slot": rt.empty((k,), np.int32),
+                "gu": rt.empty((2 * k, F), F32),
+                "h": rt.empty((k, F), F32),
+                "hq": gpu.empty_act((k, F)),
+                "rows": rt.empty((k, E), F32),
+                "miss": rt.empty((k, E), F32),
+                "out": rt.empty((1, E), F32),
+                "table": rt.empty((n_layer, X), np.int32),
+                "miss_host": np.empty((k, E), F32),
+            }
+        return b
+
+    def _table(self, b, layer: int):
+        """The layer's row of the slot table on the device, uploaded again whenever the host's map
+        changed (a compulsory miss admitted an expert; after the fill the map is frozen)."""
+        m = self.hits.slots.map
+        if self._table_map is not m:
+            self.rt.copy_in(b["table"], np.ascontiguousarray(m.table, np.int32))
+            self._table_map, self._table_rows = m, m.table.copy()
+        elif not m.frozen and not np.array_equal(self._table_rows[layer], m.table[layer]):
+            self.rt.copy_in(b["table"][layer], np.ascontiguousarray(m.table[layer], np.int32))
+            self._table_rows[layer] = m.table[layer]
+        return b["table"][layer]
+
+    def token(self, moe, x: Input, counts) -> object | None:
+        """MoE.forward's routed sum for one token on the device -> device f32 [1, E], or None where
+        this path does not apply (expert weights of a float type, rows longer than mv takes, a
+        verify forward's snapshots): the MoE then routes on the host."""
+        seqs = seqs_of(counts, 1) if counts is not None else []
+        if not (moe.gu.quantized and moe.d.quantized) or any(r.saved is not None for r in seqs) or moe.k > 32 \
+                or not (gpu.slot_products_fit(moe.gu.id, moe.E, moe.F) and gpu.slot_products_fit(moe.d.id, moe.F, moe.E)):
+            return None
+        be, rt, slots, layer = self.be, self.rt, self.hits.slots, moe.layer
+        k, E, F = moe.k, moe.E, moe.F
+        b = self._buffers(moe)
+        table = self._table(b, layer)
+        logits = be.linear(moe.router, x, be.scratch("moe.router", (1, moe.router.n_out)))
+        ids = b["ids"][layer]
+        be._launch("dev_route", 32, (logits, np.int32(logits.shape[-1]), np.int32(k), table, ids, b["w"], b["slot"]))
+        for r in seqs:
+            self._owed.append((layer, r.state))
+        st = self.hits.stats
+        complete = bool((self._table_rows[layer] >= 0).all())
+        miss = np.zeros(0, np.int64)
+        if not complete:  # which chosen experts are misses: one synchronisation, x with them
+            ids_host, slot_host, x_host = rt.to_host(ids), rt.to_host(b["slot"]), rt.to_host(x.x)
+            miss = np.flatnonzero(slot_host < 0)
+        st.hits[layer] += k - miss.size
+        st.misses[layer] += miss.size
+        arena, sb, gu_bytes = slots.arena, slots.slot_bytes, placed_bytes(moe.gu.id, E, F)
+        if miss.size < k:  # the hits, queued: they run while the CPU computes the misses
+            act = x.form(moe.gu, False, quantize=self.quantize)
+            xq = gpu.GpuActQ(act.q, act.d, act.s16, None)
+            gpu.slot_products(moe.gu.id, E, F, arena, sb, 0, gu_bytes, b["slot"], k, 2 * k, xq, 0, b["gu"])
+            be._launch("dev_hidden", k * F, (b["gu"], b["slot"], b["h"], np.int32(k), np.int32(F)))
+            gpu.quantize_act_gpu(b["h"], out=b["hq"], check=False)
+            gpu.slot_products(moe.d.id, F, E, arena, sb, 2 * gu_bytes, 0, b["slot"], k, k, b["hq"], 1, b["rows"])
+        if miss.size:
+            t0 = time.perf_counter()
+            mh = b["miss_host"]
+            mh[miss] = moe.products(Input(x_host), ids_host[miss].astype(np.int64), np.zeros(miss.size, np.int64),
+                                    np.arange(miss.size + 1))
+            for e in ids_host[miss]:  # a compulsory miss admits its expert for the next tokens
+                slots.lookup(layer, int(e))
+            st.cpu_s += time.perf_counter() - t0
+            rt.copy_in(b["miss"], mh)
+        be._launch("dev_combine_slots", E, (b["rows"], b["miss"], b["slot"], b["w"], b["out"], np.int32(k), np.int32(E)))
+        return b["out"]
+
+    def settle(self) -> None:
+        """After a forward: the routing counts its tokens owe (--stats, strata-profile), from the
+        chosen ids of every layer, brought down in one copy."""
+        if not self._owed:
+            return
+        ids = self.rt.to_host(self._buf["ids"])
+        for layer, state in self._owed:
+            np.add.at(state, ids[layer].astype(np.int64), 1)
+        self._owed.clear()
 
 
 class DeviceBackend(CpuBackend):
@@ -136,10 +240,10 @@ class DeviceBackend(CpuBackend):
     def __init__(self, rt, hits):
         self.rt, self.xp = rt, rt.xp
         self.scratch = DeviceScratch(self.xp)
-        self.experts = DeviceExperts(rt, hits, self._quantize)
         self._params: dict[int, tuple] = {}  # id(host array) -> (host array, its device copy)
         self._heads: dict[tuple[int, int], object] = {}
         self._mod = rt.compile(_NAMES, source=KERNELS)  # the fused row operations (device_kernels.cu)
+        self.experts = DeviceExperts(rt, hits, self)
         self._rope_key, self._rope_cs = None, None  # the last positions' cos and sin (rope_)
 
     def _launch(self, name: str, n_threads: int, args: tuple) -> None:

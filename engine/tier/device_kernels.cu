@@ -178,3 +178,93 @@ extern "C" __global__ void dev_rope(float* x, i64 xs, const float* cs, const flo
         xr[half + j] = x2 * c + x1 * s;
     }
 }
+
+// ---------------------------------------------------------------------------------------------
+// The routed experts of one token on the device (DeviceExperts.token)
+
+// engine/ops.py's portable exp and silu, operation for operation (its comment says why: a hit made
+// here and a miss made by the CPU must give an expert's hidden activation with the same bits)
+__device__ __forceinline__ float exp_p(float x) {
+    const float C = 87.0f;
+    if (x < -C) x = -C;
+    if (x > C) x = C;
+    const float n = floorf(x * 1.4426950408889634f + 0.5f);
+    const float r = (x - n * 0.693359375f) - n * -2.1219444005469057e-4f;
+    float p = 1.0f / 5040.0f;
+    p = p * r + 1.0f / 720.0f;
+    p = p * r + 1.0f / 120.0f;
+    p = p * r + 1.0f / 24.0f;
+    p = p * r + 1.0f / 6.0f;
+    p = p * r + 0.5f;
+    p = p * r + 1.0f;
+    p = p * r + 1.0f;
+    return p * __uint_as_float((unsigned)((int)n + 127) << 23);
+}
+
+// h = up * silu(gate) for the k experts whose slot is not -1 (a miss's h is the CPU's): gu f32
+// [2k, F] (gate rows, then up rows), h f32 [k, F]
+extern "C" __global__ void dev_hidden(const float* gu, const int* slot, float* h, int k, int F) {
+    const i64 n = (i64)k * F;
+    for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x) {
+        const int j = (int)(i / F);
+        if (slot[j] < 0) continue;
+        const float z = gu[i];
+        h[i] = gu[n + i] * (z / (1.0f + exp_p(-z)));
+    }
+}
+
+// The router's top-k of one token (moe.route_topk's rule): softmax of the logits [X] in float64
+// (p = exp(l - max) / sum), the k largest (ties: the lower expert id), their probabilities
+// renormalised to sum to 1. -> ids [k], w f32 [k] (the combine's f32 weights), and slot[j] =
+// table[ids[j]] (the layer's row of the slot table: the slot holding the expert, or -1). One warp.
+extern "C" __global__ void dev_route(const float* logits, int X, int k, const int* table, int* ids, float* w, int* slot) {
+    const int lane = threadIdx.x & 31;
+    if (threadIdx.x >= 32) return;
+    const float inf = __uint_as_float(0x7f800000u);
+    float m = -inf;
+    for (int i = lane; i < X; i += 32) m = fmaxf(m, logits[i]);
+    for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(FULL, m, o));
+    double sum = 0.0;
+    for (int i = lane; i < X; i += 32) sum += exp((double)(logits[i] - m));
+    sum = warp_sum_d(sum);
+    double top = 0.0;
+    double pj[32];  // k <= 32
+    int prev = -1;
+    float prev_l = inf;
+    for (int j = 0; j < k; j++) {
+        // the best below (prev_l, prev) in the order (logit descending, id ascending)
+        float bl = -inf;
+        int bi = 0x7fffffff;
+        for (int i = lane; i < X; i += 32) {
+            const float l = logits[i];
+            const bool below = l < prev_l || (l == prev_l && i > prev);
+            if (below && (l > bl || (l == bl && i < bi))) bl = l, bi = i;
+        }
+        for (int o = 16; o > 0; o >>= 1) {
+            const float ol = __shfl_xor_sync(FULL, bl, o);
+            const int oi = __shfl_xor_sync(FULL, bi, o);
+            if (ol > bl || (ol == bl && oi < bi)) bl = ol, bi = oi;
+        }
+        prev_l = bl, prev = bi;
+        pj[j] = exp((double)(bl - m)) / sum;
+        top += pj[j];
+        if (lane == 0) {
+            ids[j] = bi;
+            slot[j] = table[bi];
+        }
+    }
+    if (lane == 0)
+        for (int j = 0; j < k; j++) w[j] = (float)(pj[j] / top);
+}
+
+// moe.combine_reference for one token whose rows come from two places: rank j's row is hit[j]
+// where its slot is held (computed here) and miss[j] otherwise (the CPU's, copied up): out[e] =
+// sum over ranks j, from +0 in rank order, of w[j] row_j[e] (the CPU's _combine's order).
+extern "C" __global__ void dev_combine_slots(const float* hit, const float* miss, const int* slot, const float* w,
+                                             float* out, int k, int E) {
+    for (int e = blockIdx.x * blockDim.x + threadIdx.x; e < E; e += gridDim.x * blockDim.x) {
+        float acc = 0.0f;
+        for (int j = 0; j < k; j++) acc += w[j] * (slot[j] >= 0 ? hit : miss)[(i64)j * E + e];
+        out[e] = acc;
+    }
+}

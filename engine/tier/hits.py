@@ -115,16 +115,14 @@ class HitPath:
             return self._token(moe, x, experts)
         return self._chunk(moe, x, experts, rows, starts)
 
-    def all_held(self, layer: int, experts: np.ndarray) -> bool:
-        return all(self.slots.lookup(layer, int(e)) >= 0 for e in experts)
+    def token(self, moe, x: Input, counts) -> None:
+        """The host-driven tier routes on the host (MoE.forward then calls `routed`)."""
+        return None
 
-    def token_on_device(self, moe, xdev, experts: np.ndarray):
-        """The device step's token when the slots hold every expert it routes to (all_held): its
-        ActQ is on the device already (`xdev`, one row), and the rows stay there -> device f32 [k, E]
-        (a view of the hit buffers, valid until the next layer's experts)."""
-        return self._token(moe, None, experts, xdev=xdev, keep=True)
+    def settle(self) -> None:
+        """Nothing is owed after a forward: the routing counts were made on the host."""
 
-    def _token(self, moe, x: Input | None, experts: np.ndarray, xdev=None, keep: bool = False) -> np.ndarray:
+    def _token(self, moe, x: Input, experts: np.ndarray) -> np.ndarray:
         rt, st, layer, F = self.rt, self.stats, moe.layer, self.F
         slots = [self.slots.lookup(layer, int(e)) for e in experts]
         hit = [j for j, s in enumerate(slots) if s >= 0]
@@ -132,9 +130,8 @@ class HitPath:
         st.hits[layer] += len(hit)
         st.misses[layer] += miss.size
         out = np.empty((len(slots), moe.E), F32)
-        if hit and xdev is None:
-            xdev = self._stage(_row(x.form(moe.gu)), self.x, self.xf, moe.E)
         if hit:
+            xdev = self._stage(_row(x.form(moe.gu)), self.x, self.xf, moe.E)
             if self.events:
                 self.events[0].record()
             for i, j in enumerate(hit):
@@ -167,9 +164,6 @@ class HitPath:
         if self.events:
             self.events[1].record()
         t3 = time.perf_counter()
-        if keep:  # every expert a hit (token_on_device): the rows stay on the device, in `experts` order
-            st.wait_s += t2 - t1
-            return self.out_n[n]
         rt.copy_out(self.out_host[:n], self.out_n[n])
         st.wait_s += (t2 - t1) + (time.perf_counter() - t3)
         if self.events:

@@ -245,7 +245,7 @@ class _Startup:
         exchange = self.rt.pinned(self.plan.item("hits.exchange").bytes)
         self.hits = HitPath(self.rt, self.g, self.slots, buffers, exchange, self.stats)
         if self.device is not None:
-            self.device.experts = DeviceExperts(self.rt, self.hits, self.device._quantize)
+            self.device.experts = DeviceExperts(self.rt, self.hits, self.device)
         self.mark(B.HIT_PATH)
 
     def cache_graphs(self) -> None:

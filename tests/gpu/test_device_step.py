@@ -96,9 +96,10 @@ def test_the_device_step_gives_the_cpu_logits(model, rt, n_prompt):
         be._launch = lambda name, *a: (launched.add(name), launch(name, *a))
         got = run(model, s, toks, n_prompt)
         assert tier.stats.hits.sum() > 0 and tier.stats.misses.sum() == 0
-    # the fused kernels, not the array-module fallbacks
-    assert launched == {"dev_rmsnorm", "dev_delta", "dev_conv", "dev_combine", "dev_sigmoid", "dev_gate", "dev_softplus",
-                        "dev_rope"}
+    # the fused kernels, not the array-module fallbacks; a token's routing, experts and combine on
+    # the device (the prompt's chunk combines its host-routed rows with dev_combine)
+    assert launched == {"dev_rmsnorm", "dev_delta", "dev_conv", "dev_sigmoid", "dev_gate", "dev_softplus", "dev_rope",
+                        "dev_route", "dev_hidden", "dev_combine_slots"} | ({"dev_combine"} if n_prompt else set())
     assert_close(got, want)
 
 
