@@ -97,6 +97,29 @@ def test_gate_is_the_sigmoid_steps(rng, silu):
         ops.gate_(x.T, z.T)
 
 
+def test_the_portable_exp_is_within_two_ulp_of_float64(rng):
+    # the experts' SiLU uses it on the CPU and on the device (ops.silu_mul_ says why): its error is
+    # the degree-7 polynomial's plus the roundings, measured against float64 over the whole range
+    x = np.concatenate([rng.uniform(-87, 87, 200_000), [0.0, -0.0, 87.0, -87.0, 1e-30, -1e-30, 0.3466, -0.3466]]).astype(np.float32)
+    got = ops.exp_p_reference(x).astype(np.float64)
+    rel = np.abs(got / np.exp(x.astype(np.float64)) - 1)
+    assert rel.max() < 2 * 2.0**-23, f"worst {rel.max():.3e} at x = {x[rel.argmax()]}"
+    assert np.isfinite(ops.exp_p_reference(np.array([1e30, -1e30, 500.0], np.float32))).all()  # clamped, never inf or 0
+
+
+def test_silu_mul_is_its_reference_bit_for_bit_and_silu_within_rounding(rng):
+    up = values(rng, (10, 640))
+    gate = values(rng, (10, 640), 30.0)
+    gate[0, :4] = [0.0, -100.0, 100.0, -0.0]
+    got = ops.silu_mul_(up.copy(), gate)
+    assert same_bits(got, ops.silu_mul_reference(up, gate))
+    g = gate.astype(np.float64)
+    want = up * (g / (1 + np.exp(-g)))
+    assert np.allclose(got, want, rtol=1e-6, atol=1e-30)
+    with pytest.raises(ValueError, match="contiguous f32 of one shape"):
+        ops.silu_mul_(up.T, gate.T)
+
+
 @pytest.mark.parametrize("T", [1, 2, 3, 8])
 def test_conv_many_is_the_taps_then_silu(rng, T):
     K, C = 4, 48

@@ -181,3 +181,90 @@ def test_the_cli_refuses_an_unknown_gpu_step_and_notes_it_on_the_cpu(model, caps
     assert rc == 0 and "note: --gpu-step device places the GPU tier's blocks; on the CPU every block runs" in out.err
     rc = main(["generate", "--pack", pack, "--prompt-ids", "1 2", "-n", "1", "--gpu-step", "device", "--spec", "2"])
     assert rc == 2 and "--spec drafts and verifies on the host-driven step: use --gpu-step host" in capsys.readouterr().err
+
+
+# --- the token path's kernels, each against the host rule it mirrors ------------------------------
+
+
+def test_dev_route_picks_the_hosts_experts_and_weights(rt):
+    from strata.engine.moe import route_topk
+
+    be = DeviceBackend(rt, None)
+    rng = np.random.default_rng(5)
+    X, k = 96, 10
+    table = np.where(rng.random(X) < 0.5, np.arange(X), -1).astype(np.int32)
+    for trial in range(6):
+        logits = (rng.standard_normal(X) * (0.1 if trial else 4.0)).astype(np.float32)
+        if trial == 5:
+            logits[[3, 40, 41]] = logits.max() + 1  # a tie at the top: the lower id first
+        ids, w, slot = rt.empty((k,), np.int32), rt.empty((1, k), np.float32), rt.empty((k,), np.int32)
+        be._launch("dev_route", 32, (rt.to_device(logits), np.int32(X), np.int32(k), rt.to_device(table), ids, w, slot))
+        top, weights = route_topk(logits[None], k)
+        got = rt.to_host(ids)
+        assert np.array_equal(np.sort(got), np.sort(top[0])), (got, top[0])
+        if trial == 5:
+            assert list(got[:3]) == [3, 40, 41]
+        order = {int(e): j for j, e in enumerate(top[0])}
+        want_w = weights[0][[order[int(e)] for e in got]].astype(np.float32)
+        assert np.allclose(rt.to_host(w)[0], want_w, rtol=1e-6), "the weights: float64 softmax, renormalised"
+        assert np.array_equal(rt.to_host(slot), table[got])
+
+
+def test_dev_hidden_is_the_cpus_silu_bit_for_bit(rt):
+    from strata.engine import ops
+
+    be = DeviceBackend(rt, None)
+    rng = np.random.default_rng(6)
+    k, F = 4, 640
+    gate = (rng.standard_normal((k, F)) * 12).astype(np.float32)
+    gate[0, :3] = [0.0, 95.0, -95.0]
+    up = rng.standard_normal((k, F)).astype(np.float32)
+    slot = np.array([3, -1, 0, 7], np.int32)  # rank 1 a miss: its row is left alone
+    h = rt.to_device(np.full((k, F), 7.0, np.float32))
+    be._launch("dev_hidden", k * F, (rt.to_device(np.concatenate([gate, up])), rt.to_device(slot), h, np.int32(k), np.int32(F)))
+    got = rt.to_host(h)
+    want = ops.silu_mul_(up.copy(), gate)
+    held = slot >= 0
+    assert np.array_equal(got[held].view(np.int32), want[held].view(np.int32))
+    assert (got[~held] == 7.0).all()
+
+
+@pytest.mark.parametrize("types", [("Q8_0", "Q8_0"), ("IQ2_XS", "Q4_K")])
+def test_slot_products_are_each_experts_matvec(rt, types):
+    """mvx: gate and up of k experts in one launch, their downs in another, each the matvec's bits on
+    that expert's slot; a slot of -1 (a miss) is skipped."""
+    import strata.engine.kernels.gpu as gpu
+    from kernel_blocks import random_weights
+    from strata.engine.kernels.engine_form import placed_bytes
+    from strata.index_format.ggml_types import ggml_type
+
+    rng = np.random.default_rng(8)
+    gu, d = (ggml_type(t) for t in types)
+    E, F, S, k = 512, 256, 5, 4
+    gu_bytes = placed_bytes(gu.id, E, F)
+    slot_bytes = 2 * gu_bytes + placed_bytes(d.id, F, E)
+    arena = rt.empty((S * slot_bytes,), np.uint8)
+    w = []
+    for s_ in range(S):
+        at = s_ * slot_bytes
+        w.append([gpu.place(random_weights(gu, E * F, rng), gu.id, E, F, arena, at),
+                  gpu.place(random_weights(gu, E * F, rng), gu.id, E, F, arena, at + gu_bytes),
+                  gpu.place(random_weights(d, F * E, rng), d.id, F, E, arena, at + 2 * gu_bytes)])
+    slot = np.array([4, -1, 0, 2], np.int32)
+    x = gpu.quantize_act_gpu(rt.to_device(rng.standard_normal((1, E)).astype(np.float32)))
+    h = gpu.quantize_act_gpu(rt.to_device(rng.standard_normal((k, F)).astype(np.float32)))
+    gu_out = rt.to_device(np.full((2 * k, F), 5.0, np.float32))
+    rows = rt.to_device(np.full((k, E), 5.0, np.float32))
+    dslot = rt.to_device(slot)
+    assert gpu.slot_products(gu.id, E, F, arena, slot_bytes, 0, gu_bytes, dslot, k, 2 * k, x, 0, gu_out)
+    assert gpu.slot_products(d.id, F, E, arena, slot_bytes, 2 * gu_bytes, 0, dslot, k, k, h, 1, rows)
+    got_gu, got_rows = rt.to_host(gu_out), rt.to_host(rows)
+    x1 = gpu.GpuActQ(x.q[0], x.d[0], x.s16[0], None)
+    for j, s_ in enumerate(slot):
+        if s_ < 0:
+            assert (got_gu[[j, k + j]] == 5.0).all() and (got_rows[j] == 5.0).all()
+            continue
+        hj = gpu.GpuActQ(h.q[j], h.d[j], h.s16[j], None)
+        for got, want in ((got_gu[j], gpu.matvec(w[s_][0], x1)), (got_gu[k + j], gpu.matvec(w[s_][1], x1)),
+                          (got_rows[j], gpu.matvec(w[s_][2], hj))):
+            assert np.array_equal(got.view(np.int32), rt.to_host(want).view(np.int32))
