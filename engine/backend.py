@@ -6,7 +6,7 @@ asks where it runs. It calls its backend for
 
     linear(w, x, out)        W x for T rows: the matvec kernel for one row, the panel kernels for more
     attention, delta_rule,   the sequence operations, each choosing its one-token or T-token form
-    conv, rope_              itself (below the blocks, from T)
+    conv, rope_, attend_one  itself (below the blocks, from T)
     rmsnorm, sigmoid, ...    the elementwise and fused row operations (route, combine, mix_tail,
                              inject, ple_conv, ple_output, topk_set: each a kernel beside its
                              reference in the block's module)
@@ -174,3 +174,10 @@ class CpuBackend:
     @staticmethod
     def rope_(rope: ops.Rope, x: np.ndarray, positions: np.ndarray) -> None:
         rope.apply_(x, positions)
+
+    def attend_one(self, cache: KVCache, pos: int, q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float) -> np.ndarray:
+        """The decode step's attention (one token of one sequence): its key and value k, v [1, Hkv, D]
+        cached at pos, then its queries q [1, H, D] over positions 0..pos -> f32 [1, H, D]."""
+        cache.write(pos, k, v)
+        K, V = cache.read(slice(0, pos + 1))
+        return self.attention(q, K, V, scale, None)

@@ -145,6 +145,9 @@ class GatedAttention:
         o = None if len(seqs) == 1 else be.empty((T, H, D))  # one sequence: attention's own output
         for r in seqs:
             cache, n = r.state, r.n
+            if n == 1 and len(seqs) == 1:  # the decode step: the backend's one-token form
+                o = be.attend_one(cache, r.pos, q, k, v, D**-0.5)
+                break
             cache.write(r.pos, k[r.a : r.b], v[r.a : r.b])
             K, V = cache.read(slice(0, r.pos + n))
             visible = None if n == 1 else be.causal_mask(r.pos, n, r.pos + n)  # one token sees its whole cache
@@ -427,16 +430,18 @@ class Model:
         H = r.embed(be.upload(dequantize(raw, self.embd.type_id, T * g.n_embd).reshape(T, g.n_embd)),
                     sessions[0].stream if T == 1 else None)
         ids = np.asarray(flat, np.int64)
-        for l in range(g.n_layer):
-            if l in self.ple:  # adds to the streams before the layer's mix
-                self.ple[l].forward(be, H, ids, [Seq(s.ple_states[l], a, b, p, k and k.ple_states[l])
-                                                 for s, a, b, p, k in parts])
-            x, ctx = r.enter(be, H, l, ffn=False)
-            seqs = [Seq(s.states[l], a, b, p, k and k.states[l]) for s, a, b, p, k in parts]
-            r.leave(be, H, l, False, self.mixers[l].forward(be, seqs, x), ctx)
-            x, ctx = r.enter(be, H, l, ffn=True)
-            counts = [Seq(s.routing[l], a, b, p, k and k.routing[l]) for s, a, b, p, k in parts]
-            r.leave(be, H, l, True, self.moes[l].forward(be, x, counts), ctx)
+        step = getattr(be, "token_step", None)
+        if step is not None and T == 1 and hidden is None and saved is None:
+            # one token of one session on a backend that can replay it (the device step: a CUDA
+            # graph of the layers and the head, captured once per session)
+            def layers_and_head(logits):
+                self._layers(be, H, ids, parts)
+                be.linear(self.head, r.final(be, H), logits)
+
+            step(sessions[0], sessions[0].pos, layers_and_head, outs[0] if n_logits[0] else None, g.n_vocab)
+            sessions[0].pos += 1
+            return
+        self._layers(be, H, ids, parts)
         for s, t in zip(sessions, tokens):
             s.pos += len(t)
         if hidden is not None:  # one session: its last n_h rows' head input, the logits' rows among them
@@ -458,6 +463,20 @@ class Model:
         for o in outs:
             o[...] = logits[i : i + o.shape[0]]
             i += o.shape[0]
+
+    def _layers(self, be, H, ids: np.ndarray, parts: list) -> None:
+        """Every layer over the stream H of the rows `parts` describes (_forward_rows)."""
+        r = self.residual
+        for l in range(self.geometry.n_layer):
+            if l in self.ple:  # adds to the streams before the layer's mix
+                self.ple[l].forward(be, H, ids, [Seq(s.ple_states[l], a, b, p, k and k.ple_states[l])
+                                                 for s, a, b, p, k in parts])
+            x, ctx = r.enter(be, H, l, ffn=False)
+            seqs = [Seq(s.states[l], a, b, p, k and k.states[l]) for s, a, b, p, k in parts]
+            r.leave(be, H, l, False, self.mixers[l].forward(be, seqs, x), ctx)
+            x, ctx = r.enter(be, H, l, ffn=True)
+            counts = [Seq(s.routing[l], a, b, p, k and k.routing[l]) for s, a, b, p, k in parts]
+            r.leave(be, H, l, True, self.moes[l].forward(be, x, counts), ctx)
 
 
 def _ple_layers(pack: Pack) -> dict[int, PLELayer]:

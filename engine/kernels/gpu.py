@@ -157,6 +157,30 @@ class CupyRuntime:
         self.cp.get_default_memory_pool().free_all_blocks()
         self.cp.get_default_pinned_memory_pool().free_all_blocks()
 
+    # --- CUDA graphs (DeviceBackend.token_step): the emulation has none, so it runs every step eagerly
+
+    def graph_pool(self):
+        """A memory pool of a captured graph's own: its temporaries are allocated from it while the
+        step is captured and stay the graph's (the default pool could hand them to someone else)."""
+        return self.cp.cuda.MemoryPool()
+
+    def allocating_from(self, pool):
+        return self.cp.cuda.using_allocator(pool.malloc)
+
+    def capture(self, fn):
+        """fn's launches on the current stream, captured (not run) -> the graph."""
+        stream = self.cp.cuda.get_current_stream()
+        mode = getattr(self.cp.cuda.runtime, "streamCaptureModeRelaxed", None)
+        stream.begin_capture(mode) if mode is not None else stream.begin_capture()
+        try:
+            fn()
+        finally:
+            graph = stream.end_capture()
+        return graph
+
+    def replay(self, graph) -> None:
+        graph.launch(self.cp.cuda.get_current_stream())
+
     def use_stream(self):
         """A stream of its own for the GPU tier, made current (the hits queue on it while the CPU
         computes the misses). A blocking stream: synchronous copies elsewhere still order with it."""

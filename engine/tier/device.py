@@ -44,7 +44,8 @@ from ..weights import Input, Weight
 F32 = np.float32
 KERNELS = Path(__file__).with_name("device_kernels.cu")
 _NAMES = ["dev_rmsnorm", "dev_delta", "dev_conv", "dev_combine", "dev_sigmoid", "dev_gate", "dev_softplus", "dev_rope",
-          "dev_hidden", "dev_route", "dev_combine_slots"]
+          "dev_hidden", "dev_route", "dev_combine_slots", "dev_kv_write", "dev_attn_one"]
+KV_KIND = {"f32": 0, "f16": 1, "int8": 2}  # dev_kv_write's and dev_attn_one's `kind`
 BLOCK = 128  # threads per block of the row kernels: four warps
 
 
@@ -133,7 +134,9 @@ class DeviceExperts:
         self.quantize = be._quantize
         self._buf = None  # the token path's device buffers, made on first use (`_buffers`)
         self._table_map, self._table_rows = None, None  # the slot map the device table was uploaded from
-        self._owed: list[tuple[int, np.ndarray]] = []  # (layer, routing counts) the last forward owes
+        # per token() call (layer, the routing counts it owes, hits, misses): the counts are settled
+        # after the forward; a captured step's entries are applied again at each replay
+        self._log: list[tuple[int, tuple, int, int]] = []
 
     def routed(self, moe, x: Input, experts: np.ndarray, rows: np.ndarray, starts: np.ndarray):
         host = Input(self.rt.to_host(x.x))  # its ActQ, made on the host, has the device quantizer's bits
@@ -189,8 +192,6 @@ class DeviceExperts:
         logits = be.linear(moe.router, x, be.scratch("moe.router", (1, moe.router.n_out)))
         ids = b["ids"][layer]
         be._launch("dev_route", 32, (logits, np.int32(logits.shape[-1]), np.int32(k), table, ids, b["w"], b["slot"]))
-        for r in seqs:
-            self._owed.append((layer, r.state))
         st = self.hits.stats
         complete = bool((self._table_rows[layer] >= 0).all())
         miss = np.zeros(0, np.int64)
@@ -199,6 +200,7 @@ class DeviceExperts:
             miss = np.flatnonzero(slot_host < 0)
         st.hits[layer] += k - miss.size
         st.misses[layer] += miss.size
+        self._log.append((layer, tuple(r.state for r in seqs), k - miss.size, miss.size))
         arena, sb, gu_bytes = slots.arena, slots.slot_bytes, placed_bytes(moe.gu.id, E, F)
         if miss.size < k:  # the hits, queued: they run while the CPU computes the misses
             act = x.form(moe.gu, False, quantize=self.quantize)
@@ -222,12 +224,35 @@ class DeviceExperts:
     def settle(self) -> None:
         """After a forward: the routing counts its tokens owe (--stats, strata-profile), from the
         chosen ids of every layer, brought down in one copy."""
-        if not self._owed:
+        if not self._log:
             return
         ids = self.rt.to_host(self._buf["ids"])
-        for layer, state in self._owed:
-            np.add.at(state, ids[layer].astype(np.int64), 1)
-        self._owed.clear()
+        for layer, states, _, _ in self._log:
+            for state in states:
+                np.add.at(state, ids[layer].astype(np.int64), 1)
+        self._log.clear()
+
+    # --- what DeviceBackend.token_step needs to capture a step and replay it
+
+    def resident(self) -> bool:
+        """Every routed expert of every layer sits in a slot of a frozen map: no token can miss, so
+        a token's MoE never waits for the host."""
+        m = self.hits.slots.map
+        return m.frozen and bool((m.table >= 0).all())
+
+    def mark(self) -> int:
+        return len(self._log)
+
+    def log_since(self, mark: int) -> list:
+        return self._log[mark:]
+
+    def replayed(self, log: list) -> None:
+        """A captured step ran again: its entries count again (hits, and the routing at `settle`)."""
+        st = self.hits.stats
+        for layer, _, hits, misses in log:
+            st.hits[layer] += hits
+            st.misses[layer] += misses
+        self._log.extend(log)
 
 
 class DeviceBackend(CpuBackend):
@@ -244,7 +269,18 @@ class DeviceBackend(CpuBackend):
         self._heads: dict[tuple[int, int], object] = {}
         self._mod = rt.compile(_NAMES, source=KERNELS)  # the fused row operations (device_kernels.cu)
         self.experts = DeviceExperts(rt, hits, self)
-        self._rope_key, self._rope_cs = None, None  # the last positions' cos and sin (rope_)
+        self._rope_key, self._rope_cs = None, None  # the last positions' cos and sin (rope_, T > 1)
+        # the decode step's position-dependent inputs live at fixed device addresses, written before
+        # each step (`_at`): the position (read by dev_kv_write and dev_attn_one) and every rope's
+        # cos and sin at it; so one token step's launches serve every position (token_step's graph)
+        self._pos = None  # made at the first step (the startup's memory marks count what the budget plans)
+        self._pos_at = None
+        self._ropes: dict[int, tuple] = {}  # id(rope) -> (rope, cos [1, half], sin [1, half])
+        self._attn_sc: dict[tuple[int, int], object] = {}  # (H, ctx) -> dev_attn_one's scores [H, ctx]
+        self.graphs = True  # token_step may capture and replay (tests turn it off to compare)
+        self._graph = None  # token_step's captured step: (session, graph, pool, its MoE log)
+        self._warm = None  # the session whose token step ran once eagerly under the graph pool
+        self._logits = None  # token_step's device logits [1, n_vocab]
 
     def _launch(self, name: str, n_threads: int, args: tuple) -> None:
         grid = max(1, min(-(-n_threads // BLOCK), 32 * self.rt.n_sm))
@@ -413,8 +449,33 @@ class DeviceBackend(CpuBackend):
         xp = self.xp
         return xp.arange(n)[None, :] <= (pos0 + xp.arange(T))[:, None]
 
+    def _at(self, pos: int) -> None:
+        """The decode step's position at its fixed addresses: the position itself and, for every rope
+        the step uses, cos and sin at it (the host's float64 angles, as rope.cos_sin makes them)."""
+        if self._pos_at == pos:
+            return
+        if self._pos is None:
+            self._pos = self.rt.empty((1,), np.int32)
+        self.rt.copy_in(self._pos, np.array([pos], np.int32))
+        for rope, c, s in self._ropes.values():
+            cc, ss = rope.cos_sin(np.array([pos]))
+            self.rt.copy_in(c, np.ascontiguousarray(cc, F32))
+            self.rt.copy_in(s, np.ascontiguousarray(ss, F32))
+        self._pos_at = pos
+
     def rope_(self, rope, x, positions) -> None:
         positions = np.asarray(positions)
+        if positions.size == 1 and x.ndim == 3 and self._rows(x, x.shape[-1]) is not None:
+            got = self._ropes.get(id(rope))
+            if got is None:  # a rope seen for the first time: its buffers, filled at this position
+                c, s = rope.cos_sin(positions)
+                got = self._ropes[id(rope)] = (rope, self.upload(np.ascontiguousarray(c, F32)), self.upload(np.ascontiguousarray(s, F32)))
+            self._at(int(positions[0]))  # nothing to do when token_step set it (and inside its capture)
+            _, c, s = got
+            heads, h = x.shape[1], rope.half
+            self._launch("dev_rope", heads * h, (x, np.int64(self._rows(x, x.shape[-1])), c, s, np.int32(heads), np.int32(heads),
+                                                 np.int32(h)))
+            return
         key = (id(rope), positions.tobytes())
         if self._rope_key != key:  # the layers of one step rotate at the same positions: computed once
             c, s = rope.cos_sin(positions)  # host: float64 angles, the CPU's values
@@ -495,6 +556,61 @@ class DeviceBackend(CpuBackend):
         scores /= scores.sum(axis=-1, keepdims=True)
         o = xp.matmul(scores, V)  # [Hkv, T G, D]
         return xp.ascontiguousarray(o.reshape(Hkv, T, G, D).transpose(1, 0, 2, 3)).reshape(T, H, D)
+
+    def attend_one(self, cache, pos: int, q, k, v, scale: float):
+        """The decode step's attention on the device: k, v cached at the position `_pos` holds
+        (dev_kv_write), the queries over positions 0..pos (dev_attn_one) -> device f32 [1, H, D]."""
+        H, D = q.shape[-2:]
+        if not isinstance(cache, DeviceKVCache) or D % 32 or not all(a.flags.c_contiguous and a.dtype == F32 for a in (q, k, v)):
+            return super().attend_one(cache, pos, q, k, v, scale)
+        if pos + 1 > cache.max_context:
+            raise ValueError(f"KV cache: position {pos} past its {cache.max_context} tokens (--ctx-size)")
+        self._at(pos)
+        Hkv, ctx, kind = cache.n_head_kv, cache.max_context, KV_KIND[cache.kind]
+        ks, vs = (cache.k_scale, cache.v_scale) if cache.kind == "int8" else (cache.k, cache.v)  # (not read)
+        self._launch("dev_kv_write", 32 * 2 * Hkv * (D // 32), (k, v, cache.k, cache.v, ks, vs, self._pos, np.int32(Hkv),
+                                                               np.int32(ctx), np.int32(D), np.int32(kind)))
+        sc = self._attn_sc.get((H, ctx))
+        if sc is None:
+            sc = self._attn_sc[(H, ctx)] = self.rt.empty((H, ctx), F32)
+        out = self.scratch("attn.one", (1, H, D))
+        self._launch("dev_attn_one", 32 * H, (q, cache.k, cache.v, ks, vs, self._pos, sc, out, np.int32(H), np.int32(Hkv),
+                                              np.int32(ctx), np.int32(D), F32(scale), np.int32(kind)))
+        return out
+
+    # --- one token as one replayed graph
+
+    def token_step(self, session, pos: int, run, out, n_vocab: int) -> None:
+        """One token of `session` at `pos`: run(logits) queues the layers and the head into the device
+        logits [1, n_vocab]; `out` (host f32 [1, n_vocab], or None) receives them.
+
+        With a runtime that captures (CUDA) and every routed expert resident (no miss can call the
+        host), the session's first token runs eagerly, the second is captured as one CUDA graph, and
+        every later one replays it: the position and the ropes' cos and sin are written to their
+        fixed addresses first (`_at`), the same graph serves every position. Otherwise eagerly."""
+        if self._logits is None or self._logits.shape[1] != n_vocab:
+            self._logits = self.rt.empty((1, n_vocab), F32)
+        self._at(pos)
+        ex = self.experts
+        g = self._graph
+        if g is not None and g[0] is session:
+            self.rt.replay(g[1])
+            ex.replayed(g[3])
+        elif not (self.graphs and hasattr(self.rt, "capture") and ex.resident()):
+            run(self._logits)
+        elif self._warm is not session:  # first token: eagerly, its temporaries from the graph's pool
+            self._pool = self.rt.graph_pool()
+            with self.rt.allocating_from(self._pool):
+                run(self._logits)
+            self._warm = session
+        else:
+            with self.rt.allocating_from(self._pool):
+                mark = ex.mark()
+                graph = self.rt.capture(lambda: run(self._logits))
+            self._graph = (session, graph, self._pool, ex.log_since(mark))
+            self.rt.replay(graph)
+        if out is not None:
+            self.rt.copy_out(out, self._logits)
 
     def route(self, logits, k: int):
         """The router's top-k on the host (moe.route_topk: the CPU's float64 ranking and weights), from

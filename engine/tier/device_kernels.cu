@@ -268,3 +268,111 @@ extern "C" __global__ void dev_combine_slots(const float* hit, const float* miss
         out[e] = acc;
     }
 }
+
+// ---------------------------------------------------------------------------------------------
+// One token's attention against its cache, with the position read from device memory (`pos`, an
+// int32 the host writes before the step): the same launches serve every position, so a token step
+// can be captured once as a CUDA graph and replayed (DeviceBackend.token_step).
+
+// binary16 <-> float32 by integer manipulation, round to nearest even (the conversion CuPy's and
+// numpy's astype(float16) make): the same bits on a card and under the emulation
+__device__ __forceinline__ unsigned short f32_f16(float f) {
+    const unsigned x = __float_as_uint(f), sign = (x >> 16) & 0x8000u, ax = x & 0x7fffffffu;
+    if (ax >= 0x7f800000u) return (unsigned short)(sign | 0x7c00u | (ax > 0x7f800000u ? 0x200u : 0u));  // inf, NaN
+    if (ax >= 0x477ff000u) return (unsigned short)(sign | 0x7c00u);  // rounds to 65520 or more: inf
+    if (ax < 0x38800000u) {  // below 2^-14: an f16 subnormal (unit 2^-24) or zero
+        const unsigned e = ax >> 23;
+        if (e < 102u) return (unsigned short)sign;
+        const unsigned m = (ax & 0x7fffffu) | 0x800000u, s = 126u - e;
+        unsigned q = m >> s;
+        const unsigned rem = m & ((1u << s) - 1u), half = 1u << (s - 1u);
+        if (rem > half || (rem == half && (q & 1u))) q++;
+        return (unsigned short)(sign | q);
+    }
+    const unsigned mant = ax & 0x7fffffu;
+    unsigned q = (((ax >> 23) - 112u) << 10) | (mant >> 13);
+    const unsigned rem = mant & 0x1fffu;
+    if (rem > 0x1000u || (rem == 0x1000u && (q & 1u))) q++;  // a carry into the exponent is right
+    return (unsigned short)(sign | q);
+}
+
+__device__ __forceinline__ float f16_to_f32(unsigned h) {
+    const unsigned sign = (h & 0x8000u) << 16, e = (h >> 10) & 31u, m = h & 0x3ffu;
+    if (e == 31u) return __uint_as_float(sign | 0x7f800000u | (m << 13));
+    if (e != 0u) return __uint_as_float(sign | ((e + 112u) << 23) | (m << 13));
+    const float v = (float)m * 5.9604644775390625e-8f;  // m 2^-24: exact
+    return sign ? -v : v;
+}
+
+// the cache element i of a kind (0 f32, 1 f16, 2 int8 with a scale per 32)
+__device__ __forceinline__ float kv_at(const void* S, const float* scale, int kind, i64 i) {
+    if (kind == 0) return reinterpret_cast<const float*>(S)[i];
+    if (kind == 1) return f16_to_f32(reinterpret_cast<const unsigned short*>(S)[i]);
+    return (float)reinterpret_cast<const signed char*>(S)[i] * scale[i >> 5];
+}
+
+// k, v f32 [Hkv, D] into the caches at position *pos (DeviceKVCache's layout [Hkv, ctx, D]; int8:
+// d = amax / 127 per 32 elements, q = rint(x / d), 0 where d = 0, its scales [Hkv, ctx, D / 32]).
+// A warp per 32 elements.
+extern "C" __global__ void dev_kv_write(const float* k, const float* v, void* K, void* V, float* Ks, float* Vs,
+                                        const int* pos, int Hkv, int ctx, int D, int kind) {
+    const int lane = threadIdx.x & 31, nb = D >> 5, p = *pos;
+    const int nw = (int)((gridDim.x * blockDim.x) >> 5);
+    for (int w = (int)((blockIdx.x * blockDim.x + threadIdx.x) >> 5); w < 2 * Hkv * nb; w += nw) {
+        const int which = w / (Hkv * nb), h = (w % (Hkv * nb)) / nb, b = w % nb;
+        const float x = (which ? v : k)[(i64)h * D + 32 * b + lane];
+        const i64 at = ((i64)h * ctx + p) * D + 32 * b + lane;
+        void* S = which ? V : K;
+        if (kind == 0) {
+            reinterpret_cast<float*>(S)[at] = x;
+        } else if (kind == 1) {
+            reinterpret_cast<unsigned short*>(S)[at] = f32_f16(x);
+        } else {
+            float a = fabsf(x);
+            for (int o = 16; o > 0; o >>= 1) a = fmaxf(a, __shfl_xor_sync(FULL, a, o));
+            const float d = a / 127.0f;
+            reinterpret_cast<signed char*>(S)[at] = d > 0.0f ? (signed char)(int)rintf(x / d) : (signed char)0;
+            if (lane == 0) (which ? Vs : Ks)[((i64)h * ctx + p) * nb + b] = d;
+        }
+    }
+}
+
+// Softmax attention of one token's queries q [H, D] over the cached keys and values 0 .. *pos
+// (head h reads KV head h / (H / Hkv)) -> out [H, D]. A warp per head: lane i scores keys i, i +
+// 32, ... (into sc [H, ctx]), the warp takes their max and sum, then lane j sums dimensions j, j +
+// 32, ... of p V. Scores, max and the weights in f32, as the array form (DeviceBackend.attention).
+extern "C" __global__ void dev_attn_one(const float* q, const void* K, const void* V, const float* Ks, const float* Vs,
+                                        const int* pos, float* sc, float* out, int H, int Hkv, int ctx, int D,
+                                        float scale, int kind) {
+    const int lane = threadIdx.x & 31, n = *pos + 1;
+    const int nw = (int)((gridDim.x * blockDim.x) >> 5);
+    for (int h = (int)((blockIdx.x * blockDim.x + threadIdx.x) >> 5); h < H; h += nw) {
+        const int kv = h / (H / Hkv);
+        const float* qh = q + (i64)h * D;
+        float* s = sc + (i64)h * ctx;
+        float m = -__uint_as_float(0x7f800000u);
+        for (int i = lane; i < n; i += 32) {
+            const i64 row = ((i64)kv * ctx + i) * D;
+            float acc = 0.0f;
+            for (int d = 0; d < D; d++) acc += qh[d] * kv_at(K, Ks, kind, row + d);
+            acc = acc * scale;
+            s[i] = acc;
+            m = fmaxf(m, acc);
+        }
+        for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(FULL, m, o));
+        float sum = 0.0f;
+        for (int i = lane; i < n; i += 32) {
+            const float e = expf(s[i] - m);
+            s[i] = e;
+            sum += e;
+        }
+        sum = warp_sum(sum);
+        __syncwarp();
+        for (int d = lane; d < D; d += 32) {
+            float acc = 0.0f;
+            for (int i = 0; i < n; i++) acc += (s[i] / sum) * kv_at(V, Vs, kind, ((i64)kv * ctx + i) * D + d);
+            out[(i64)h * D + d] = acc;
+        }
+        __syncwarp();
+    }
+}

@@ -96,10 +96,12 @@ def test_the_device_step_gives_the_cpu_logits(model, rt, n_prompt):
         be._launch = lambda name, *a: (launched.add(name), launch(name, *a))
         got = run(model, s, toks, n_prompt)
         assert tier.stats.hits.sum() > 0 and tier.stats.misses.sum() == 0
-    # the fused kernels, not the array-module fallbacks; a token's routing, experts and combine on
-    # the device (the prompt's chunk combines its host-routed rows with dev_combine)
+    # the fused kernels, not the array-module fallbacks; a token's routing, experts, combine and
+    # attention by the position-independent kernels (the prompt's chunk combines its host-routed
+    # rows with dev_combine)
     assert launched == {"dev_rmsnorm", "dev_delta", "dev_conv", "dev_sigmoid", "dev_gate", "dev_softplus", "dev_rope",
-                        "dev_route", "dev_hidden", "dev_combine_slots"} | ({"dev_combine"} if n_prompt else set())
+                        "dev_route", "dev_hidden", "dev_combine_slots", "dev_kv_write", "dev_attn_one"} \
+        | ({"dev_combine"} if n_prompt else set())
     assert_close(got, want)
 
 
@@ -115,6 +117,25 @@ def test_the_device_step_is_bit_identical_whatever_the_split(model, rt):
     assert min(got["third split"]) > 0, got["third split"]  # both paths ran
     for config in ("third", "all"):
         assert np.array_equal(got[config], got["none"]), f"{config}: max |diff| {np.abs(got[config] - got['none']).max()}"
+
+
+@pytest.mark.parametrize("kv", ["f32", "f16", "int8"])
+def test_a_replayed_token_graph_gives_the_eager_steps_logits(model, rt, kv):
+    """Every expert resident: the session's second token is captured as one CUDA graph and every
+    later one replays it at its own position (token_step); the logits must be the eager steps'."""
+    if isinstance(rt, EmuRuntime):
+        pytest.skip("the emulation has no CUDA graphs (the eager step it runs is every other test here)")
+    toks = tokens(model, 12, seed=4)
+    got = {}
+    for graphs in (False, True):
+        with device_tier(model, kv=kv, expert_cache=None) as tier:
+            be = model.backend
+            be.graphs = graphs
+            got[graphs] = run(model, tier.take_session(CTX, kv), toks, 3)
+            assert (be._graph is not None) == graphs
+            got[graphs, "hits"] = int(tier.stats.hits.sum())
+    assert np.array_equal(got[True], got[False]), f"max |diff| {np.abs(got[True] - got[False]).max()}"
+    assert got[True, "hits"] == got[False, "hits"]  # a replay counts its hits as a step does
 
 
 @pytest.mark.parametrize("kv", ["f16", "int8"])
