@@ -131,11 +131,15 @@ def test_a_replayed_token_graph_gives_the_eager_steps_logits(model, rt, kv):
         with device_tier(model, kv=kv, expert_cache=None) as tier:
             be = model.backend
             be.graphs = graphs
-            got[graphs] = run(model, tier.take_session(CTX, kv), toks, 3)
+            s = tier.take_session(CTX, kv)
+            got[graphs] = run(model, s, toks, 3)
             assert (be._graph is not None) == graphs
             got[graphs, "hits"] = int(tier.stats.hits.sum())
+            got[graphs, "routing"] = s.routing.copy()
     assert np.array_equal(got[True], got[False]), f"max |diff| {np.abs(got[True] - got[False]).max()}"
-    assert got[True, "hits"] == got[False, "hits"]  # a replay counts its hits as a step does
+    # a replay counts its hits and its routing (--stats, strata-profile) as a step does
+    assert got[True, "hits"] == got[False, "hits"]
+    assert np.array_equal(got[True, "routing"], got[False, "routing"]) and got[True, "routing"].sum() > 0
 
 
 @pytest.mark.parametrize("kv", ["f16", "int8"])
