@@ -173,6 +173,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.cprofile == name:
             prof.disable()
             pstats.Stats(prof).sort_stats("tottime").print_stats(30)
+        floor = getattr(model.backend, "gpu_floor", lambda: None)()  # the captured step alone (device step, all resident)
+        if floor:
+            print(f"  {name}: GPU floor {1e3 * floor:.2f} ms per token -> {1 / floor:.2f} tok/s of GPU work "
+                  "(the token step's CUDA graph replayed back to back, no host work)", flush=True)
         st, n = tier.stats, tier.slots.slots
         worst = max(tier.marks, key=lambda m: m.error)
         split = f"{st.gpu_s:.2f} / {st.cpu_s:.2f} / {st.wait_s:.2f}" if st.events else f"- / {st.cpu_s:.2f} / {st.wait_s:.2f}"

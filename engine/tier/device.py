@@ -612,6 +612,20 @@ class DeviceBackend(CpuBackend):
         if out is not None:
             self.rt.copy_out(out, self._logits)
 
+    def gpu_floor(self, reps: int = 50) -> float | None:
+        """Seconds of device time per token step: the captured step replayed `reps` times back to back
+        with no host work between (CUDA events around them), or None before a step was captured. A
+        measurement only: each replay advances the captured session's states again."""
+        if self._graph is None:
+            return None
+        start, stop = self.rt.events(2)
+        self.rt.synchronize()
+        start.record()
+        for _ in range(reps):
+            self.rt.replay(self._graph[1])
+        stop.record()
+        return self.rt.elapsed(start, stop) / reps
+
     def route(self, logits, k: int):
         """The router's top-k on the host (moe.route_topk: the CPU's float64 ranking and weights), from
         the logits brought down: which experts run is decided where the misses are computed."""
