@@ -469,7 +469,8 @@ def quantize_act16_gpu(x, out: GpuActQ16 | None = None, check: bool = True) -> G
     p = out.planes
     nblocks = x.size // QA
     if nblocks:
-        p.bad.fill(NO_BAD)
+        if check:  # (unchecked, `bad` is not reset: the device step never reads it, one launch less)
+            p.bad.fill(NO_BAD)
         rt.launch(_module("actq").mod, "actq16", _grid(rt, nblocks, 8), 256,
                   (x, p.q, p.d, p.s16, np.int64(nblocks), np.int64(x.shape[-1] // QA), p.bad))
     if check:
@@ -509,7 +510,8 @@ def quantize_act_gpu(x, out: GpuActQ | None = None, check: bool = True) -> GpuAc
     """ActQ of device f32 activations [n] or [T, n], bit for bit actq.quantize_act.
 
     check=True reads back whether an input was non-finite and raises ValueError naming it (one
-    device synchronisation); with check=False the caller may look at `out.bad` later."""
+    device synchronisation); with check=False there is no check and `out.bad` is not reset (the
+    device step's products quantize hundreds of times a token and never read it: a launch less each)."""
     rt = runtime()
     where = "quantize_act_gpu"
     if not rt.is_array(x) or x.dtype != np.float32 or x.ndim not in (1, 2) or x.shape[-1] % QA or not x.flags.c_contiguous:
@@ -520,7 +522,8 @@ def quantize_act_gpu(x, out: GpuActQ | None = None, check: bool = True) -> GpuAc
         raise ValueError(f"{where}: out holds {list(out.q.shape)} activations, x is {list(x.shape)}")
     nblocks = x.size // QA
     if nblocks:
-        out.bad.fill(NO_BAD)
+        if check:
+            out.bad.fill(NO_BAD)
         rt.launch(_module("actq").mod, "actq", _grid(rt, nblocks, 8), 256, (x, out.q, out.d, out.s16, np.int64(nblocks), out.bad))
     if check:
         bad = int(rt.to_host(out.bad)[0]) if nblocks else int(NO_BAD)
