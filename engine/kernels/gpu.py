@@ -121,6 +121,16 @@ class CupyRuntime:
         """host -> a device array of the same shape and dtype, ordered on the current stream."""
         dev.set(host, stream=self.cp.cuda.get_current_stream())
 
+    def copy_out_async(self, host: np.ndarray, dev) -> None:
+        """device -> pinned host bytes, queued on the current stream (capturable: a CUDA graph
+        replays it); wait for it with an event recorded after it."""
+        self.cp.cuda.runtime.memcpyAsync(host.ctypes.data, dev.data.ptr, dev.nbytes, 2, self.cp.cuda.get_current_stream().ptr)
+
+    def copy_in_async(self, dev, host: np.ndarray) -> None:
+        """pinned host bytes -> device, queued on the current stream (capturable: a replay reads the
+        host bytes as they are when it runs)."""
+        self.cp.cuda.runtime.memcpyAsync(dev.data.ptr, host.ctypes.data, dev.nbytes, 1, self.cp.cuda.get_current_stream().ptr)
+
     def copy_out(self, host: np.ndarray, dev) -> None:
         """device -> host, and wait for it (so for everything queued before it on the stream)."""
         stream = self.cp.cuda.get_current_stream()
@@ -167,16 +177,15 @@ class CupyRuntime:
     def allocating_from(self, pool):
         return self.cp.cuda.using_allocator(pool.malloc)
 
-    def capture(self, fn):
-        """fn's launches on the current stream, captured (not run) -> the graph."""
-        stream = self.cp.cuda.get_current_stream()
+    def begin_capture(self) -> None:
+        """From now the current stream's work is captured (recorded, not run) until end_capture."""
         mode = getattr(self.cp.cuda.runtime, "streamCaptureModeRelaxed", None)
+        stream = self.cp.cuda.get_current_stream()
         stream.begin_capture(mode) if mode is not None else stream.begin_capture()
-        try:
-            fn()
-        finally:
-            graph = stream.end_capture()
-        return graph
+
+    def end_capture(self):
+        """-> the graph of what was queued since begin_capture."""
+        return self.cp.cuda.get_current_stream().end_capture()
 
     def replay(self, graph) -> None:
         graph.launch(self.cp.cuda.get_current_stream())

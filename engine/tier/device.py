@@ -134,9 +134,9 @@ class DeviceExperts:
         self.quantize = be._quantize
         self._buf = None  # the token path's device buffers, made on first use (`_buffers`)
         self._table_map, self._table_rows = None, None  # the slot map the device table was uploaded from
-        # per token() call (layer, the routing counts it owes, hits, misses): the counts are settled
-        # after the forward; a captured step's entries are applied again at each replay
-        self._log: list[tuple[int, tuple, int, int]] = []
+        # per token() call (layer, the routing counts it owes, hits, misses, static): the counts are
+        # settled after the forward; a captured step's static entries are applied again at each replay
+        self._log: list[tuple[int, tuple, int, int, bool]] = []
 
     def routed(self, moe, x: Input, experts: np.ndarray, rows: np.ndarray, starts: np.ndarray):
         host = Input(self.rt.to_host(x.x))  # its ActQ, made on the host, has the device quantizer's bits
@@ -161,8 +161,14 @@ class DeviceExperts:
                 "miss": rt.empty((k, E), F32),
                 "out": rt.empty((1, E), F32),
                 "table": rt.empty((n_layer, X), np.int32),
-                "miss_host": np.empty((k, E), F32),
             }
+            # what a layer that can miss exchanges with the host: pinned, so the copies are
+            # asynchronous and a CUDA graph can replay them
+            pin = rt.pinned(4 * (2 * k + E + k * E))
+            b["ids_host"], b["slot_host"] = pin[: 4 * k].view(np.int32), pin[4 * k : 8 * k].view(np.int32)
+            b["x_host"] = pin[8 * k : 8 * k + 4 * E].view(F32).reshape(1, E)
+            b["miss_pinned"] = pin[8 * k + 4 * E :].view(F32).reshape(k, E)
+            b["event"] = rt.events(1)[0] if hasattr(rt, "events") else None
         return b
 
     def _table(self, b, layer: int):
@@ -192,34 +198,55 @@ class DeviceExperts:
         logits = be.linear(moe.router, x, be.scratch("moe.router", (1, moe.router.n_out)))
         ids = b["ids"][layer]
         be._launch("dev_route", 32, (logits, np.int32(logits.shape[-1]), np.int32(k), table, ids, b["w"], b["slot"]))
-        st = self.hits.stats
+        states = tuple(r.state for r in seqs)
         complete = bool((self._table_rows[layer] >= 0).all())
-        miss = np.zeros(0, np.int64)
-        if not complete:  # which chosen experts are misses: one synchronisation, x with them
-            ids_host, slot_host, x_host = rt.to_host(ids), rt.to_host(b["slot"]), rt.to_host(x.x)
-            miss = np.flatnonzero(slot_host < 0)
-        st.hits[layer] += k - miss.size
-        st.misses[layer] += miss.size
-        self._log.append((layer, tuple(r.state for r in seqs), k - miss.size, miss.size))
-        arena, sb, gu_bytes = slots.arena, slots.slot_bytes, placed_bytes(moe.gu.id, E, F)
-        if miss.size < k:  # the hits, queued: they run while the CPU computes the misses
+        if complete:
+            self._count(layer, states, k, 0, static=True)
+        else:  # which chosen experts miss: their ids, slots and x come down, waited for once (`_misses`)
+            rt.copy_out_async(b["ids_host"], ids)
+            rt.copy_out_async(b["slot_host"], b["slot"])
+            rt.copy_out_async(b["x_host"], x.x)
+            if b["event"] is not None:
+                b["event"].record()
+        if (self._table_rows[layer] >= 0).any():
+            # the hits, queued (a rank whose slot is -1 is skipped): they run while the CPU computes the misses
+            arena, sb, gu_bytes = slots.arena, slots.slot_bytes, placed_bytes(moe.gu.id, E, F)
             act = x.form(moe.gu, False, quantize=self.quantize)
             xq = gpu.GpuActQ(act.q, act.d, act.s16, None)
             gpu.slot_products(moe.gu.id, E, F, arena, sb, 0, gu_bytes, b["slot"], k, 2 * k, xq, 0, b["gu"])
             be._launch("dev_hidden", k * F, (b["gu"], b["slot"], b["h"], np.int32(k), np.int32(F)))
             gpu.quantize_act_gpu(b["h"], out=b["hq"], check=False)
             gpu.slot_products(moe.d.id, F, E, arena, sb, 2 * gu_bytes, 0, b["slot"], k, k, b["hq"], 1, b["rows"])
-        if miss.size:
-            t0 = time.perf_counter()
-            mh = b["miss_host"]
-            mh[miss] = moe.products(Input(x_host), ids_host[miss].astype(np.int64), np.zeros(miss.size, np.int64),
-                                    np.arange(miss.size + 1))
-            for e in ids_host[miss]:  # a compulsory miss admits its expert for the next tokens
-                slots.lookup(layer, int(e))
-            st.cpu_s += time.perf_counter() - t0
-            rt.copy_in(b["miss"], mh)
+        if not complete:
+            be.at_host(lambda: self._misses(moe, states))
+            rt.copy_in_async(b["miss"], b["miss_pinned"])
         be._launch("dev_combine_slots", E, (b["rows"], b["miss"], b["slot"], b["w"], b["out"], np.int32(k), np.int32(E)))
         return b["out"]
+
+    def _misses(self, moe, states: tuple) -> None:
+        """The host's part of a layer some of whose experts may miss: wait for the chosen ids, their
+        slots and x (`token` queued their copies), compute the misses on the CPU in one grouped call
+        (MoE.products; the device computes the hits meanwhile) into the pinned rows the next launch
+        copies up, admit a compulsory miss's expert, count the layer. A captured step replays it."""
+        b, layer, k = self._buf, moe.layer, moe.k
+        if b["event"] is not None:
+            b["event"].synchronize()
+        miss = np.flatnonzero(b["slot_host"] < 0)
+        if miss.size:
+            t0 = time.perf_counter()
+            ids = b["ids_host"][miss].astype(np.int64)
+            b["miss_pinned"][miss] = moe.products(Input(b["x_host"].copy()), ids, np.zeros(miss.size, np.int64),
+                                                  np.arange(miss.size + 1))
+            for e in ids:  # a compulsory miss admits its expert for the next tokens (no graph is made then)
+                self.hits.slots.lookup(layer, int(e))
+            self.hits.stats.cpu_s += time.perf_counter() - t0
+        self._count(layer, states, k - miss.size, miss.size, static=False)
+
+    def _count(self, layer: int, states: tuple, hits: int, misses: int, static: bool) -> None:
+        st = self.hits.stats
+        st.hits[layer] += hits
+        st.misses[layer] += misses
+        self._log.append((layer, states, hits, misses, static))
 
     def settle(self) -> None:
         """After a forward: the routing counts its tokens owe (--stats, strata-profile), from the
@@ -227,29 +254,32 @@ class DeviceExperts:
         if not self._log:
             return
         ids = self.rt.to_host(self._buf["ids"])
-        for layer, states, _, _ in self._log:
+        for layer, states, *_ in self._log:
             for state in states:
                 np.add.at(state, ids[layer].astype(np.int64), 1)
         self._log.clear()
 
     # --- what DeviceBackend.token_step needs to capture a step and replay it
 
-    def resident(self) -> bool:
-        """Every routed expert of every layer sits in a slot of a frozen map: no token can miss, so
-        a token's MoE never waits for the host."""
+    def static(self) -> bool:
+        """No token can change the slot map (it is frozen after the fill, or full): the same launches
+        serve every token, so a token step can be captured and replayed (hits and misses included:
+        a layer that can miss is a cut, its host part replayed between the graph's segments)."""
         m = self.hits.slots.map
-        return m.frozen and bool((m.table >= 0).all())
+        return m.frozen or m.used == m.slots
 
     def mark(self) -> int:
         return len(self._log)
 
     def log_since(self, mark: int) -> list:
-        return self._log[mark:]
+        """The entries a replay repeats as they are: the layers that cannot miss (a layer that can
+        counts itself in `_misses`, which the replay runs)."""
+        return [e for e in self._log[mark:] if e[4]]
 
     def replayed(self, log: list) -> None:
         """A captured step ran again: its entries count again (hits, and the routing at `settle`)."""
         st = self.hits.stats
-        for layer, _, hits, misses in log:
+        for layer, _, hits, misses, _ in log:
             st.hits[layer] += hits
             st.misses[layer] += misses
         self._log.extend(log)
@@ -278,7 +308,8 @@ class DeviceBackend(CpuBackend):
         self._ropes: dict[int, tuple] = {}  # id(rope) -> (rope, cos [1, half], sin [1, half])
         self._attn_sc: dict[tuple[int, int], object] = {}  # (H, ctx) -> dev_attn_one's scores [H, ctx]
         self.graphs = True  # token_step may capture and replay (tests turn it off to compare)
-        self._graph = None  # token_step's captured step: (session, graph, pool, its MoE log)
+        self._graph = None  # token_step's captured step: (session, its segments, pool, its MoE log)
+        self._segments = None  # the segments cut so far while token_step captures (at_host)
         self._warm = None  # the session whose token step ran once eagerly under the graph pool
         self._logits = None  # token_step's device logits [1, n_vocab]
 
@@ -584,19 +615,21 @@ class DeviceBackend(CpuBackend):
         """One token of `session` at `pos`: run(logits) queues the layers and the head into the device
         logits [1, n_vocab]; `out` (host f32 [1, n_vocab], or None) receives them.
 
-        With a runtime that captures (CUDA) and every routed expert resident (no miss can call the
-        host), the session's first token runs eagerly, the second is captured as one CUDA graph, and
-        every later one replays it: the position and the ropes' cos and sin are written to their
-        fixed addresses first (`_at`), the same graph serves every position. Otherwise eagerly."""
+        On a runtime that captures (CUDA), with a slot map no token can change (`DeviceExperts.
+        static`), the session's first token runs eagerly, the second is captured and every later
+        one replays the capture: CUDA graph segments, cut where a layer that can miss needs the host
+        (`at_host`: its misses on the CPU), that host work replayed between them. The position and
+        the ropes' cos and sin are written to their fixed addresses first (`_at`), so the same
+        graphs serve every position. Otherwise every step runs eagerly."""
         if self._logits is None or self._logits.shape[1] != n_vocab:
             self._logits = self.rt.empty((1, n_vocab), F32)
         self._at(pos)
         ex = self.experts
         g = self._graph
         if g is not None and g[0] is session:
-            self.rt.replay(g[1])
+            self._replay(g[1])
             ex.replayed(g[3])
-        elif not (self.graphs and hasattr(self.rt, "capture") and ex.resident()):
+        elif not (self.graphs and hasattr(self.rt, "begin_capture") and ex.static()):
             run(self._logits)
         elif self._warm is not session:  # first token: eagerly, its temporaries from the graph's pool
             self._pool = self.rt.graph_pool()
@@ -606,23 +639,49 @@ class DeviceBackend(CpuBackend):
         else:
             with self.rt.allocating_from(self._pool):
                 mark = ex.mark()
-                graph = self.rt.capture(lambda: run(self._logits))
-            self._graph = (session, graph, self._pool, ex.log_since(mark))
-            self.rt.replay(graph)
+                self._segments = []
+                self.rt.begin_capture()
+                try:
+                    run(self._logits)
+                finally:
+                    last = self.rt.end_capture()
+                    segments, self._segments = self._segments + [last], None
+                self.rt.replay(last)  # (the segments before it ran as they were cut)
+            self._graph = (session, segments, self._pool, ex.log_since(mark))
         if out is not None:
             self.rt.copy_out(out, self._logits)
+
+    def at_host(self, fn) -> None:
+        """Host work a token step needs mid-way (a layer's misses), after what is queued so far.
+        Eagerly: now. While token_step captures: the capture so far becomes a segment, which runs,
+        then fn, and the capture goes on; a replay does the same in the same order."""
+        if self._segments is None:
+            fn()
+            return
+        graph = self.rt.end_capture()
+        self.rt.replay(graph)
+        fn()
+        self._segments += [graph, fn]
+        self.rt.begin_capture()
+
+    def _replay(self, segments: list) -> None:
+        for s in segments:
+            if hasattr(s, "launch"):  # a graph
+                self.rt.replay(s)
+            else:  # the host work of a cut
+                s()
 
     def gpu_floor(self, reps: int = 50) -> float | None:
         """Seconds of device time per token step: the captured step replayed `reps` times back to back
         with no host work between (CUDA events around them), or None before a step was captured. A
         measurement only: each replay advances the captured session's states again."""
-        if self._graph is None:
+        if self._graph is None or len(self._graph[1]) > 1:  # (with misses the host is part of a step)
             return None
         start, stop = self.rt.events(2)
         self.rt.synchronize()
         start.record()
         for _ in range(reps):
-            self.rt.replay(self._graph[1])
+            self.rt.replay(self._graph[1][0])
         stop.record()
         return self.rt.elapsed(start, stop) / reps
 

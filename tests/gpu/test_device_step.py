@@ -119,21 +119,24 @@ def test_the_device_step_is_bit_identical_whatever_the_split(model, rt):
         assert np.array_equal(got[config], got["none"]), f"{config}: max |diff| {np.abs(got[config] - got['none']).max()}"
 
 
-@pytest.mark.parametrize("kv", ["f32", "f16", "int8"])
-def test_a_replayed_token_graph_gives_the_eager_steps_logits(model, rt, kv):
-    """Every expert resident: the session's second token is captured as one CUDA graph and every
-    later one replays it at its own position (token_step); the logits must be the eager steps'."""
+@pytest.mark.parametrize("kv,cache", [("f32", None), ("f16", None), ("int8", None), ("f16", 0)])
+def test_a_replayed_token_graph_gives_the_eager_steps_logits(model, rt, kv, cache):
+    """The session's second token is captured and every later one replays it at its own position
+    (token_step): one CUDA graph with every expert resident, graph segments with the misses' host
+    work between them with none (cache 0). The logits must be the eager steps'."""
     if isinstance(rt, EmuRuntime):
         pytest.skip("the emulation has no CUDA graphs (the eager step it runs is every other test here)")
     toks = tokens(model, 12, seed=4)
     got = {}
     for graphs in (False, True):
-        with device_tier(model, kv=kv, expert_cache=None) as tier:
+        with device_tier(model, kv=kv, expert_cache=cache) as tier:
             be = model.backend
             be.graphs = graphs
             s = tier.take_session(CTX, kv)
             got[graphs] = run(model, s, toks, 3)
             assert (be._graph is not None) == graphs
+            if graphs:  # segments: one graph, or graph / host work / ... / graph, a cut per layer
+                assert len(be._graph[1]) == (1 if cache is None else 2 * model.geometry.n_layer + 1)
             got[graphs, "hits"] = int(tier.stats.hits.sum())
             got[graphs, "routing"] = s.routing.copy()
     assert np.array_equal(got[True], got[False]), f"max |diff| {np.abs(got[True] - got[False]).max()}"
