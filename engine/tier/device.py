@@ -168,7 +168,6 @@ class DeviceExperts:
             b["ids_host"], b["slot_host"] = pin[: 4 * k].view(np.int32), pin[4 * k : 8 * k].view(np.int32)
             b["x_host"] = pin[8 * k : 8 * k + 4 * E].view(F32).reshape(1, E)
             b["miss_pinned"] = pin[8 * k + 4 * E :].view(F32).reshape(k, E)
-            b["event"] = rt.events(1)[0] if hasattr(rt, "events") else None
         return b
 
     def _table(self, b, layer: int):
@@ -202,13 +201,17 @@ class DeviceExperts:
         complete = bool((self._table_rows[layer] >= 0).all())
         if complete:
             self._count(layer, states, k, 0, static=True)
-        else:  # which chosen experts miss: their ids, slots and x come down, waited for once (`_misses`)
+        else:  # which chosen experts miss: their ids, slots and x come down (pinned, asynchronous)
             rt.copy_out_async(b["ids_host"], ids)
             rt.copy_out_async(b["slot_host"], b["slot"])
             rt.copy_out_async(b["x_host"], x.x)
-            if b["event"] is not None:
-                b["event"].record()
-        if (self._table_rows[layer] >= 0).any():
+        held = bool((self._table_rows[layer] >= 0).any())
+        if not complete:
+            # the host waits for them (a cut of a captured step: no event is recorded inside a
+            # graph, where the host could not wait for it), then, with any expert held, the hits
+            # are queued before the CPU computes the misses, so the two run together
+            be.at_host(rt.synchronize if held else lambda: (rt.synchronize(), self._misses(moe, states)))
+        if held:
             # the hits, queued (a rank whose slot is -1 is skipped): they run while the CPU computes the misses
             arena, sb, gu_bytes = slots.arena, slots.slot_bytes, placed_bytes(moe.gu.id, E, F)
             act = x.form(moe.gu, False, quantize=self.quantize)
@@ -218,19 +221,18 @@ class DeviceExperts:
             gpu.quantize_act_gpu(b["h"], out=b["hq"], check=False)
             gpu.slot_products(moe.d.id, F, E, arena, sb, 2 * gu_bytes, 0, b["slot"], k, k, b["hq"], 1, b["rows"])
         if not complete:
-            be.at_host(lambda: self._misses(moe, states))
+            if held:
+                be.at_host(lambda: self._misses(moe, states))
             rt.copy_in_async(b["miss"], b["miss_pinned"])
         be._launch("dev_combine_slots", E, (b["rows"], b["miss"], b["slot"], b["w"], b["out"], np.int32(k), np.int32(E)))
         return b["out"]
 
     def _misses(self, moe, states: tuple) -> None:
-        """The host's part of a layer some of whose experts may miss: wait for the chosen ids, their
-        slots and x (`token` queued their copies), compute the misses on the CPU in one grouped call
-        (MoE.products; the device computes the hits meanwhile) into the pinned rows the next launch
-        copies up, admit a compulsory miss's expert, count the layer. A captured step replays it."""
+        """The host's part of a layer some of whose experts may miss, once the chosen ids, their slots
+        and x are here (`token` queued their copies and waited): the misses on the CPU in one grouped
+        call (MoE.products; the device computes the hits meanwhile) into the pinned rows the next
+        launch copies up, a compulsory miss's expert admitted, the layer counted. A replay runs it."""
         b, layer, k = self._buf, moe.layer, moe.k
-        if b["event"] is not None:
-            b["event"].synchronize()
         miss = np.flatnonzero(b["slot_host"] < 0)
         if miss.size:
             t0 = time.perf_counter()
