@@ -469,9 +469,13 @@ def _k_superblock(builder, name, ptr, p, sb):
 #
 # the general kernel's term to the bit (simd.row_epilogue "same" / "own": wf = d * 0.125 exactly,
 # then wf * xd, then times the exact integer sum), in the K types' lanes and fold. Sign bytes:
-# 7 stored bits and an 8th that makes their parity even (ggml's ksigns table), computed here.
+# 7 stored bits and an 8th that makes their parity even, looked up in ggml's ksigns table.
+#
+# The sign fields come out by vpmultishiftqb and vpermi2b: AVX512-VBMI (Ice Lake and Zen 4 on,
+# not Cascade Lake). Without it these types keep cpu.py's row kernel.
+IQ_AVAILABLE = AVAILABLE and bool(simd._X86.get("avx512vbmi") and simd._X86.get("avx512vl"))
 
-PREFETCH = (512, 576)  # bytes ahead of a super-block whose cache lines are asked for (8 super-blocks)
+PREFETCH = (512, 576)  # bytes ahead of a super-block whose cache lines are asked for (5-8 super-blocks)
 IQTYPES = {"IQ2_XXS": 66, "IQ2_XS": 74, "IQ3_XXS": 98}  # name: super-block bytes
 _GRIDS = {"IQ2_XXS": (T.IQ2XXS_GRID, 64), "IQ2_XS": (T.IQ2XS_GRID, 64), "IQ3_XXS": (T.IQ3XXS_GRID, 32)}
 
@@ -660,7 +664,8 @@ def _kcodegen(context, builder, sig, args, name):
     return builder.extract_element(v, ir.Constant(I32, 0))
 
 
-KTYPES.update(IQTYPES)  # the same super-block loop, lanes and fold; each its own terms
+if IQ_AVAILABLE:
+    KTYPES.update(IQTYPES)  # the same super-block loop, lanes and fold; each its own terms
 KROW = {name: intrinsic(_krow(name)) for name in KTYPES}
 
 

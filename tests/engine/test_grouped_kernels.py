@@ -50,6 +50,11 @@ def _per_group(t, raw, offsets, act, starts, n_in: int, n_out: int, multiply) ->
     return want
 
 
+def _need_iq(rowdot, name: str) -> None:
+    if name in rowdot.IQTYPES and not rowdot.IQ_AVAILABLE:
+        pytest.skip(f"rowdot.py's IQ2/IQ3 kernels need AVX512-VBMI and AVX512VL; this host's features: {sorted(cpu.simd._X86) or 'none'}")
+
+
 def _same(got: np.ndarray, want: np.ndarray, what: str) -> None:
     bad = np.argwhere(got.view(np.uint32) != want.view(np.uint32))
     assert bad.size == 0, f"{what}: {len(bad)} outputs differ, first {tuple(bad[0])}: {got[tuple(bad[0])]!r} vs {want[tuple(bad[0])]!r}"
@@ -113,6 +118,7 @@ def test_one_token_per_expert_reads_the_rows_in_place(name, parallel):
 
     if not rowdot.AVAILABLE:
         pytest.skip(f"rowdot.py needs AVX512-VNNI, AVX512BW and F16C; this host's features: {sorted(cpu.simd._X86) or 'none'}")
+    _need_iq(rowdot, name)
     t = BY_NAME[name]
     n_in, n_out = (256 * 5 if t.block_size == 256 else 32 * 25), cpu.GROUP_TILE + 13
     raw, offsets, act, starts = _case(t, n_in, n_out, [1, 0, 1, 1, 0, 1, 1, 1, 1, 1, 1, 1], t.id + 40)
@@ -132,6 +138,7 @@ def test_one_token_experts_read_in_place_beside_experts_of_more(name, parallel, 
 
     if not rowdot.AVAILABLE:
         pytest.skip(f"rowdot.py needs AVX512-VNNI, AVX512BW and F16C; this host's features: {sorted(cpu.simd._X86) or 'none'}")
+    _need_iq(rowdot, name)
     taken = []
     monkeypatch.setattr(rowdot, "matmul_grouped_one", lambda *a, f=rowdot.matmul_grouped_one: taken.append("in place") or f(*a))
     monkeypatch.setattr(cpu, "_grouped", lambda *a, f=cpu._grouped: taken.append("rows") or f(*a))

@@ -84,6 +84,13 @@ def _need_rowdot():
     return rowdot
 
 
+def _need_iq(*names):
+    rowdot = _need_rowdot()
+    if any(n in rowdot.IQTYPES for n in names) and not rowdot.IQ_AVAILABLE:
+        pytest.skip(f"rowdot.py's IQ2/IQ3 kernels need AVX512-VBMI and AVX512VL; this host's features: {sorted(cpu.simd._X86) or 'none'}")
+    return rowdot
+
+
 @pytest.mark.parametrize("n_in", [320, 544, 768, 2560], ids=lambda n: f"{n // 32}-blocks")
 @pytest.mark.parametrize("parallel", [False, True], ids=["serial", "parallel"])
 @pytest.mark.parametrize("name", ROWDOT_TYPES)
@@ -147,7 +154,7 @@ def test_k_quant_token_kernel_equals_the_general_kernel_and_the_reference(name, 
     # take rowdot.py's one-token super-block kernel: super-blocks go four to a loop turn (one lane
     # quarter each), so 1, 5 (4 + 1), 10 (4 + 4 + 2) and 24 super-blocks meet every partial turn;
     # 37 rows split unevenly; random bytes give every grid index, sign pattern and scale
-    rowdot = _need_rowdot()
+    rowdot = _need_iq(name)
     t = BY_NAME[name]
     raw = random_weights(t, n_in * 37, np.random.default_rng(n_in + t.id))
     act = quantize_act(_acts(n_in, 1, n_in)[0])
@@ -179,7 +186,7 @@ def test_several_products_of_one_token_in_one_region_equal_matvec_each(names, pa
     # a decode step's products on one input (GDN qkv and gate, attention q/k/v, a shared expert's
     # gate and up) run as one parallel region: every row of every matrix is its own matvec's,
     # whichever matrix the chunk boundaries cut through (19, 37 and 5 rows)
-    rowdot = _need_rowdot()
+    rowdot = _need_iq(*names)
     n_in, sizes = 512, (19, 37, 5)
     act = quantize_act(_acts(n_in, 1, 11)[0])
     products, want = [], []
