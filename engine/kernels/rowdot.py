@@ -372,7 +372,7 @@ def matvec(name: str, raw: np.ndarray, row_bytes: int, xq: np.ndarray, xd: np.nd
 # A K row is whole super-blocks, so there is no tail inside one. Activations are read in place
 # (xq, xd, s16 as ActQ holds them): nothing is allocated per call.
 
-KTYPES = {"Q4_K": 144, "Q6_K": 210}  # name: super-block bytes
+KTYPES = {"Q4_K": 144, "Q6_K": 210, "IQ4_XS": 136}  # name: super-block bytes
 QK = 256
 
 
@@ -439,6 +439,32 @@ def _k_superblock(builder, name, ptr, p, sb):
         wm = builder.fmul(simd._splat(builder, builder.fneg(dmin), f8v), ad)
         return builder.fadd(builder.fmul(wf, builder.sitofp(builder.mul(s, sc), f8v)),
                             builder.fmul(wm, builder.sitofp(builder.mul(bs, m), f8v)))  # fmt: skip
+    if name == "IQ4_XS":
+        # act-block k: the nibbles of qs[16 k ..] (qs at byte 8; low nibbles first, as IQ4_NL),
+        # each through the kvalues table + 128 (an in-lane byte shuffle): u = value + 128, so the
+        # exact sum is vpdpbusd(u, x) - 128 x (the block's sum of x); ls - 32 per act-block
+        pshufb = simd._fn(builder, "llvm.x86.avx512.pshuf.b.512", v64, [v64, v64])
+        kv = ir.Constant(v64, [ir.Constant(I8, k) for k in _KV_U * 4])
+        vecs = []
+        for j in range(4):  # act-blocks 2j, 2j + 1: 32 bytes
+            qs = raw(8 + 32 * j, v32)
+            lo, hi = builder.and_(qs, c8(15)), builder.lshr(qs, c8(4))
+            u = builder.shuffle_vector(lo, hi, simd._mask(64, [*range(16), *range(32, 48), *range(16, 32), *range(48, 64)]))
+            vecs.append(dot(builder.call(pshufb, [kv, u]), 2 * j))
+        s = half_of(simd._reduce_groups(builder, vecs, 2, 8))
+        bs = builder.add(builder.shuffle_vector(hs, hs, simd._mask(8, range(0, 16, 2))),
+                         builder.shuffle_vector(hs, hs, simd._mask(8, range(1, 16, 2))))  # fmt: skip
+        s = builder.sub(s, builder.shl(bs, simd._splat(builder, ir.Constant(I32, 7), i8v)))
+
+        def c32(vals):
+            return ir.Constant(i8v, [ir.Constant(I32, x) for x in vals])
+
+        sl = builder.zext(builder.shuffle_vector(raw(4, ir.VectorType(I8, 4)), raw(4, ir.VectorType(I8, 4)), simd._mask(8, [k // 2 for k in range(8)])), i8v)
+        sl = builder.and_(builder.lshr(sl, c32([4 * (k % 2) for k in range(8)])), c32([15] * 8))
+        sh = simd._splat(builder, builder.zext(raw(2, I16), I32), i8v)
+        sh = builder.shl(builder.and_(builder.lshr(sh, c32([2 * k for k in range(8)])), c32([3] * 8)), c32([4] * 8))
+        sc = builder.sub(builder.or_(sl, sh), c32([32] * 8))
+        return builder.fmul(wf, builder.sitofp(builder.mul(s, sc), f8v))
     # Q6_K: act-block 4n + j, element l: low nibble (j / 2) of ql[64 n + 32 (j % 2) + l], bits 2j
     # of qh[32 n + l] above them: u = q + 32 in 0..63 (ql at byte 0, qh at 128, scales at 192)
     vecs = []

@@ -109,7 +109,7 @@ def test_raw_types_take_the_panel_from_one_token_per_expert(monkeypatch):
         _same(got, _per_group(t, raw, offsets, act, starts, n_in, n_out, R.dot_reference), f"IQ4_NL groups {sizes}")
 
 
-@pytest.mark.parametrize("name", ["Q8_0", "Q4_K", "Q6_K", "IQ4_NL", "Q4_0", "IQ2_XXS", "IQ2_XS", "IQ3_XXS"])
+@pytest.mark.parametrize("name", ["Q8_0", "Q4_K", "Q6_K", "IQ4_NL", "Q4_0", "IQ4_XS", "IQ2_XXS", "IQ2_XS", "IQ3_XXS"])
 @pytest.mark.parametrize("parallel", [False, True], ids=["serial", "parallel"])
 def test_one_token_per_expert_reads_the_rows_in_place(name, parallel):
     """A decode step's routed experts (one token each, some experts idle) of a type with a one-token

@@ -147,10 +147,11 @@ def test_token_kernel_reads_the_fine_activation_form(name, n_in):
 
 @pytest.mark.parametrize("n_in", [256, 1280, 2560, 6144], ids=lambda n: f"{n // 256}-superblocks")
 @pytest.mark.parametrize("parallel", [False, True], ids=["serial", "parallel"])
-@pytest.mark.parametrize("name", ["Q4_K", "Q6_K", "IQ2_XXS", "IQ2_XS", "IQ3_XXS"])
+@pytest.mark.parametrize("name", ["Q4_K", "Q6_K", "IQ4_XS", "IQ2_XXS", "IQ2_XS", "IQ3_XXS"])
 def test_k_quant_token_kernel_equals_the_general_kernel_and_the_reference(name, n_in, parallel):
-    # qwen35moe's LM head (Q6_K), projections and shared experts (Q4_K, Q6_K) and the seed-4l
-    # routed experts' gate and up (IQ2_XXS, IQ2_XS, IQ3_XXS: grids, sign bits, per-half scales)
+    # qwen35moe's LM head (Q6_K), projections and shared experts (Q4_K, Q6_K), the seed-4l shared
+    # experts' gate and up (IQ4_XS) and routed experts' (IQ2_XXS, IQ2_XS, IQ3_XXS: grids, sign bits,
+    # per-half scales)
     # take rowdot.py's one-token super-block kernel: super-blocks go four to a loop turn (one lane
     # quarter each), so 1, 5 (4 + 1), 10 (4 + 4 + 2) and 24 super-blocks meet every partial turn;
     # 37 rows split unevenly; random bytes give every grid index, sign pattern and scale
@@ -180,7 +181,7 @@ def test_k_quant_token_kernel_refuses_the_fine_activation_form():
 
 @pytest.mark.parametrize("parallel", [False, True], ids=["serial", "parallel"])
 @pytest.mark.parametrize("names", [("Q5_0", "Q4_0"), ("IQ4_NL", "Q8_0", "Q8_0"), ("Q4_K", "Q4_K", "Q6_K"), ("Q6_K", "Q8_0"),
-                                   ("IQ2_XXS", "IQ2_XS", "IQ3_XXS")],
+                                   ("IQ2_XXS", "IQ2_XS", "IQ3_XXS"), ("IQ4_XS", "IQ4_XS")],
                          ids="+".join)
 def test_several_products_of_one_token_in_one_region_equal_matvec_each(names, parallel):
     # a decode step's products on one input (GDN qkv and gate, attention q/k/v, a shared expert's
