@@ -372,7 +372,7 @@ def matvec(name: str, raw: np.ndarray, row_bytes: int, xq: np.ndarray, xd: np.nd
 # A K row is whole super-blocks, so there is no tail inside one. Activations are read in place
 # (xq, xd, s16 as ActQ holds them): nothing is allocated per call.
 
-KTYPES = {"Q4_K": 144, "Q6_K": 210}  # name: super-block bytes
+KTYPES = {"Q4_K": 144, "Q6_K": 210, "IQ4_XS": 136}  # name: super-block bytes
 QK = 256
 
 
@@ -439,6 +439,32 @@ def _k_superblock(builder, name, ptr, p, sb):
         wm = builder.fmul(simd._splat(builder, builder.fneg(dmin), f8v), ad)
         return builder.fadd(builder.fmul(wf, builder.sitofp(builder.mul(s, sc), f8v)),
                             builder.fmul(wm, builder.sitofp(builder.mul(bs, m), f8v)))  # fmt: skip
+    if name == "IQ4_XS":
+        # act-block k: the nibbles of qs[16 k ..] (qs at byte 8; low nibbles first, as IQ4_NL),
+        # each through the kvalues table + 128 (an in-lane byte shuffle): u = value + 128, so the
+        # exact sum is vpdpbusd(u, x) - 128 x (the block's sum of x); ls - 32 per act-block
+        pshufb = simd._fn(builder, "llvm.x86.avx512.pshuf.b.512", v64, [v64, v64])
+        kv = ir.Constant(v64, [ir.Constant(I8, k) for k in _KV_U * 4])
+        vecs = []
+        for j in range(4):  # act-blocks 2j, 2j + 1: 32 bytes
+            qs = raw(8 + 32 * j, v32)
+            lo, hi = builder.and_(qs, c8(15)), builder.lshr(qs, c8(4))
+            u = builder.shuffle_vector(lo, hi, simd._mask(64, [*range(16), *range(32, 48), *range(16, 32), *range(48, 64)]))
+            vecs.append(dot(builder.call(pshufb, [kv, u]), 2 * j))
+        s = half_of(simd._reduce_groups(builder, vecs, 2, 8))
+        bs = builder.add(builder.shuffle_vector(hs, hs, simd._mask(8, range(0, 16, 2))),
+                         builder.shuffle_vector(hs, hs, simd._mask(8, range(1, 16, 2))))  # fmt: skip
+        s = builder.sub(s, builder.shl(bs, simd._splat(builder, ir.Constant(I32, 7), i8v)))
+
+        def c32(vals):
+            return ir.Constant(i8v, [ir.Constant(I32, x) for x in vals])
+
+        sl = builder.zext(builder.shuffle_vector(raw(4, ir.VectorType(I8, 4)), raw(4, ir.VectorType(I8, 4)), simd._mask(8, [k // 2 for k in range(8)])), i8v)
+        sl = builder.and_(builder.lshr(sl, c32([4 * (k % 2) for k in range(8)])), c32([15] * 8))
+        sh = simd._splat(builder, builder.zext(raw(2, I16), I32), i8v)
+        sh = builder.shl(builder.and_(builder.lshr(sh, c32([2 * k for k in range(8)])), c32([3] * 8)), c32([4] * 8))
+        sc = builder.sub(builder.or_(sl, sh), c32([32] * 8))
+        return builder.fmul(wf, builder.sitofp(builder.mul(s, sc), f8v))
     # Q6_K: act-block 4n + j, element l: low nibble (j / 2) of ql[64 n + 32 (j % 2) + l], bits 2j
     # of qh[32 n + l] above them: u = q + 32 in 0..63 (ql at byte 0, qh at 128, scales at 192)
     vecs = []
@@ -453,6 +479,175 @@ def _k_superblock(builder, name, ptr, p, sb):
     h = builder.mul(h, builder.sext(raw(192, v16), i16v))  # each half times its int8 scale
     s = builder.add(builder.shuffle_vector(h, h, simd._mask(8, range(0, 16, 2))), builder.shuffle_vector(h, h, simd._mask(8, range(1, 16, 2))))
     return builder.fmul(wf, builder.sitofp(s, f8v))
+
+
+# ---------------------------------------------------------------------------------------------
+# The IQ2/IQ3 grid types of the routed experts (IQ2_XXS, IQ2_XS, IQ3_XXS: seed-4l's gate and up
+# projections). The general kernel decodes each row through the grids into int8 scratch for the
+# token's one dot: ~2-3 GB/s per thread where the Q8_0 head reads at ~22 (docs/performance.md).
+# Here a super-block's grid entries are fetched straight into vectors and the signs go onto the
+# activations instead of the weights (grid values are all positive, so the grid bytes are the
+# unsigned operand of vpdpbusd as they are, with no offset to take back off):
+#
+#   x'[e] = -x[e] where the weight's sign bit e is set, else x[e]     (|x| <= 127: exact)
+#   S0, S1 = vpdpbusd(grid bytes, x') summed over each half act-block (exact integers)
+#   term[b] = (f32(d) * 2^-3 (IQ3_XXS: 2^-2) * xd[b]) * f32(ws0 S0 + ws1 S1)
+#
+# the general kernel's term to the bit (simd.row_epilogue "same" / "own": wf = d * 0.125 exactly,
+# then wf * xd, then times the exact integer sum), in the K types' lanes and fold. Sign bytes:
+# 7 stored bits and an 8th that makes their parity even, looked up in ggml's ksigns table.
+#
+# The sign fields come out by vpmultishiftqb and vpermi2b: AVX512-VBMI (Ice Lake and Zen 4 on,
+# not Cascade Lake). Without it these types keep cpu.py's row kernel.
+IQ_AVAILABLE = AVAILABLE and bool(simd._X86.get("avx512vbmi") and simd._X86.get("avx512vl"))
+
+PREFETCH = (512, 576)  # bytes ahead of a super-block whose cache lines are asked for (5-8 super-blocks)
+IQTYPES = {"IQ2_XXS": 66, "IQ2_XS": 74, "IQ3_XXS": 98}  # name: super-block bytes
+_GRIDS = {"IQ2_XXS": (T.IQ2XXS_GRID, 64), "IQ2_XS": (T.IQ2XS_GRID, 64), "IQ3_XXS": (T.IQ3XXS_GRID, 32)}
+
+
+def _grid_table(builder, name):
+    """The type's grid as a constant array in the kernel's own module (one L1-resident table)."""
+    table, bits = _GRIDS[name]
+    gname = f"strata_grid_{name.lower()}"
+    try:
+        return builder.module.get_global(gname)
+    except KeyError:
+        ty = ir.ArrayType(ir.IntType(bits), table.size)
+        g = ir.GlobalVariable(builder.module, ty, gname)
+        g.initializer = ir.Constant(ty, [int(v) for v in table])
+        g.global_constant = True
+        g.linkage = "internal"
+        return g
+
+
+def _lookup(builder, table, idxs):
+    """<64 x i8>: the 8-byte words table[i] for the 8 (i64) indices idxs, or for pairs (i, j) of
+    a 4-byte table, table[i] | table[j] << 32. Scalar loads from the L1 table (a vpgatherqq of 8
+    ran at 0.7x them on Zen 4), the words put together by LLVM's shuffles."""
+    v = ir.Constant(ir.VectorType(I64, 8), ir.Undefined)
+    for n, k in enumerate(idxs):
+        if isinstance(k, tuple):
+            lo, hi = (builder.zext(builder.load(builder.gep(table, [ir.Constant(I64, 0), i]), align=4), I64) for i in k)
+            word = builder.or_(lo, builder.shl(hi, ir.Constant(I64, 32)))
+        else:
+            word = builder.load(builder.gep(table, [ir.Constant(I64, 0), k]), align=8)
+        v = builder.insert_element(v, word, ir.Constant(I32, n))
+    return builder.bitcast(v, ir.VectorType(I8, 64))
+
+
+# ksigns: a 7-bit sign index -> the 8 sign bits (the 8th makes the parity even), as the two
+# 64-byte halves vpermi2b looks the 128 entries up in
+_KSIGNS = [[ir.Constant(I8, int(v) - 256 * (int(v) > 127)) for v in T.KSIGNS_IQ2XS[h * 64 : h * 64 + 64]] for h in range(2)]
+
+
+def _ksigns(builder, idx):
+    """<64 x i8> of 7-bit sign indices (bit 7 ignored) -> their sign bytes: one vpermi2b."""
+    v64 = ir.VectorType(I8, 64)
+    fn = simd._fn(builder, "llvm.x86.avx512.vpermi2var.qi.512", v64, [v64] * 3)
+    return builder.call(fn, [ir.Constant(v64, _KSIGNS[0]), idx, ir.Constant(v64, _KSIGNS[1])])
+
+
+def _fields(builder, data, offsets):
+    """vpmultishiftqb: byte j of qword i of the result = the 8 bits of qword i of `data` (<N x i8>)
+    from bit offsets[j % 8] (rotating): 7-bit fields out of packed words in one instruction."""
+    n = data.type.count
+    vt = ir.VectorType(I8, n)
+    fn = simd._fn(builder, f"llvm.x86.avx512.pmultishift.qb.{8 * n}", vt, [vt, vt])
+    ctrl = ir.Constant(vt, [ir.Constant(I8, offsets[j % 8]) for j in range(n)])
+    return builder.call(fn, [ctrl, data])
+
+
+def _iq_superblock(builder, name, ptr, p, sb, zero):
+    """The <8 x f32> terms of super-block sb of the `name` (IQTYPES) row at byte p (act-blocks
+    8 sb .. 8 sb + 7). Layouts: reference.py beside _iq2_xxs, _iq2_xs, _iq3_xxs. `zero`: an i64
+    0 that LLVM cannot see is 0, added to the addresses of the vector loads (see below)."""
+    v32, v64, i16v, i8v, f8v = ir.VectorType(I8, 32), ir.VectorType(I8, 64), ir.VectorType(I32, 16), ir.VectorType(I32, 8), ir.VectorType(ir.FloatType(), 8)
+    vnni = simd._fn(builder, "llvm.x86.avx512.vpdpbusd.512", i16v, [i16v] * 3)
+    at = builder.add(p, builder.mul(sb, ir.Constant(I64, IQTYPES[name])))
+    # the grid indices are read by scalar loads; a vector load of the same bytes (for the signs)
+    # from the same address let LLVM take each index out of the vector instead (vpextrb: 2 uops
+    # on Zen 4, 32 per super-block): the vector loads' address hides behind `zero`
+    at_v = builder.add(at, zero)
+    b = builder.mul(sb, ir.Constant(I64, 8))
+    table = _grid_table(builder, name)
+    # the grid loads wait on the index bytes: where those come late from memory, every super-block
+    # waits (from memory the kernel ran at 0.7x its speed on cached rows); ask for them ahead
+    pf = simd._fn(builder, "llvm.prefetch.p0", ir.VoidType(), [I8.as_pointer(), I32, I32, I32])
+    for ahead in PREFETCH:
+        builder.call(pf, [ptr("raw", builder.add(at, ir.Constant(I64, ahead)), I8), ir.Constant(I32, 0), ir.Constant(I32, 3), ir.Constant(I32, 1)])
+
+    def raw(off, ty, vec=False):
+        return builder.load(ptr("raw", builder.add(at_v if vec else at, ir.Constant(I64, off)), ty), align=1)
+
+    def index(off, wide=False):  # the grid index byte (wide: u16) at `off`, as i64
+        return builder.zext(raw(off, I16 if wide else I8), I64)
+
+    def c32(x, n=8):
+        return simd._splat(builder, ir.Constant(I32, x), ir.VectorType(I32, n))
+
+    def pick(v, idx):
+        return builder.shuffle_vector(v, v, simd._mask(len(idx), idx))
+
+    def widen(v):  # <32 x i8> -> <64 x i8>, the upper half unused
+        return builder.shuffle_vector(v, v, simd._mask(64, list(range(32)) * 2))
+
+    if name == "IQ2_XS":  # 32 x u16 at 2: 9-bit grid index | 7-bit sign index << 9; scales at 66
+        q = raw(2, ir.VectorType(I16, 32), vec=True)
+        idx = builder.trunc(builder.lshr(q, simd._splat(builder, ir.Constant(I16, 9), q.type)), v32)
+        signs = pick(_ksigns(builder, widen(idx)), range(32))
+
+        def gidx(i):  # grid index i (lane 4k + j): the low 9 bits of u16 i
+            return builder.and_(index(2 + 2 * i, True), ir.Constant(I64, 511))
+
+        s = builder.zext(raw(66, ir.VectorType(I8, 8)), i8v)
+        ws = builder.shuffle_vector(builder.and_(s, c32(15)), builder.lshr(s, c32(4)), simd._mask(16, [i // 2 + 8 * (i % 2) for i in range(16)]))
+        ws = builder.add(builder.shl(ws, c32(1, 16)), c32(1, 16))  # lane 2k + h: 2 (nibble h of scales[k]) + 1
+        scale = 0.125
+    elif name == "IQ2_XXS":  # 8 x (4 grid index bytes, u32 of 4 sign indices and ls << 28) at 2
+        w = raw(2, v64, vec=True)
+        aux = pick(builder.bitcast(w, i16v), range(1, 16, 2))
+        # qword k: the indices in bits 0..31, sign index j at bit 32 + 7 j
+        signs = pick(_ksigns(builder, _fields(builder, w, [32, 39, 46, 53] * 2)), [8 * (i // 4) + i % 4 for i in range(32)])
+
+        def gidx(i):  # grid index i (lane 4k + j): byte j of act-block k's first word
+            return index(2 + 8 * (i // 4) + i % 4)
+
+        ws = builder.add(builder.shl(builder.lshr(aux, c32(28)), c32(1)), c32(1))
+        scale = 0.125
+    else:  # IQ3_XXS: 64 grid index bytes at 2 (8 per act-block), 8 x u32 of sign indices and ls at 66
+        auxb = raw(66, v32, vec=True)
+        aux = builder.bitcast(auxb, i8v)
+        # qword i: act-blocks 2i, 2i + 1: sign index j at bit 7 j of each u32
+        signs = pick(_ksigns(builder, widen(_fields(builder, auxb, [0, 7, 14, 21, 32, 39, 46, 53]))), range(32))
+
+        def gidx(i):  # grid index i: byte i
+            return index(2 + i)
+
+        ws = builder.add(builder.shl(builder.lshr(aux, c32(28)), c32(1)), c32(1))
+        scale = 0.25
+    _, bits = _GRIDS[name]
+    sword = builder.bitcast(signs, ir.VectorType(I64, 4))  # word m: the 64 sign bits of act-blocks 2m, 2m + 1
+    vecs = []
+    for m in range(4):
+        if bits == 64:
+            g = _lookup(builder, table, [gidx(i) for i in range(8 * m, 8 * m + 8)])
+        else:  # IQ3_XXS: two 4-byte entries to a word, so the vector is built as IQ2's
+            g = _lookup(builder, table, [(gidx(i), gidx(i + 1)) for i in range(16 * m, 16 * m + 16, 2)])
+        x = builder.load(ptr("xq", builder.mul(builder.add(b, ir.Constant(I64, 2 * m)), ir.Constant(I64, QA)), v64), align=1)
+        neg = builder.bitcast(builder.extract_element(sword, ir.Constant(I32, m)), ir.VectorType(ir.IntType(1), 64))
+        x = builder.select(neg, builder.sub(ir.Constant(v64, None), x), x)
+        vecs.append(builder.call(vnni, [ir.Constant(i16v, None), builder.bitcast(g, i16v), builder.bitcast(x, i16v)]))
+    h = simd._reduce_groups(builder, vecs, 4, 4)  # lane 2k + h: half h of act-block k, exact
+    if name == "IQ2_XS":
+        h = builder.mul(h, ws)
+        isum = builder.add(pick(h, range(0, 16, 2)), pick(h, range(1, 16, 2)))
+    else:
+        isum = builder.mul(builder.add(pick(h, range(0, 16, 2)), pick(h, range(1, 16, 2))), ws)
+    d = builder.fpext(builder.bitcast(raw(0, I16), ir.HalfType()), ir.FloatType())
+    d = builder.fmul(d, ir.Constant(ir.FloatType(), scale))  # exact: a power of two
+    ad = builder.load(ptr("xd", b, f8v), align=4)
+    return builder.fmul(builder.fmul(simd._splat(builder, d, f8v), ad), builder.sitofp(isum, f8v))
 
 
 def _krow(name: str):
@@ -475,11 +670,16 @@ def _kcodegen(context, builder, sig, args, name):
 
     acc = [cgutils.alloca_once_value(builder, ir.Constant(f8v, [0.0] * 8)) for _ in range(4)]
     nsb = builder.udiv(nb, ir.Constant(I64, 8))
+    zero = builder.lshr(nb, ir.Constant(I64, 62))  # 0 for any real row; LLVM cannot know it
     with cgutils.for_range(builder, builder.udiv(builder.add(nsb, ir.Constant(I64, 3)), ir.Constant(I64, 4))) as loop:
         for u in range(4):  # super-block 4i + u: lanes 8u .. 8u + 7; one past the row adds nothing
             sb = builder.add(builder.mul(loop.index, ir.Constant(I64, 4)), ir.Constant(I64, u))
             with builder.if_then(builder.icmp_unsigned("<", sb, nsb), likely=True):
-                builder.store(builder.fadd(builder.load(acc[u]), _k_superblock(builder, name, ptr, p, sb)), acc[u])
+                if name in IQTYPES:
+                    terms = _iq_superblock(builder, name, ptr, p, sb, zero)
+                else:
+                    terms = _k_superblock(builder, name, ptr, p, sb)
+                builder.store(builder.fadd(builder.load(acc[u]), terms), acc[u])
     lo = builder.shuffle_vector(builder.load(acc[0]), builder.load(acc[1]), simd._mask(16, range(16)))
     hi = builder.shuffle_vector(builder.load(acc[2]), builder.load(acc[3]), simd._mask(16, range(16)))
     v = builder.shuffle_vector(lo, hi, simd._mask(32, range(32)))
@@ -490,6 +690,8 @@ def _kcodegen(context, builder, sig, args, name):
     return builder.extract_element(v, ir.Constant(I32, 0))
 
 
+if IQ_AVAILABLE:
+    KTYPES.update(IQTYPES)  # the same super-block loop, lanes and fold; each its own terms
 KROW = {name: intrinsic(_krow(name)) for name in KTYPES}
 
 
@@ -599,9 +801,10 @@ def _grouped_one_kernel(name: str, parallel: bool):
                 while c < bounds.size - 1:
                     for i in range(bounds[c], bounds[c + 1]):
                         g, o0, o1 = items[i, 0], items[i, 1], items[i, 2]
-                        r = starts[g]
-                        for o in range(o0, o1):
-                            out[r, o] = row(raw, offsets[g] + o * row_bytes, nb, xq[r], xd[r], s16[r])
+                        for r in range(starts[g], starts[g + 1]):  # a second token reads the tile from cache
+                            xr, dr, sr = xq[r], xd[r], s16[r]
+                            for o in range(o0, o1):
+                                out[r, o] = row(raw, offsets[g] + o * row_bytes, nb, xr, dr, sr)
                     c = simd.fetch_add(queue, 0, 1)
     else:
         row = ROW[name, False]
@@ -622,9 +825,10 @@ def _grouped_one_kernel(name: str, parallel: bool):
                 while c < bounds.size - 1:
                     for i in range(bounds[c], bounds[c + 1]):
                         g, o0, o1 = items[i, 0], items[i, 1], items[i, 2]
-                        r = starts[g]
-                        for o in range(o0, o1):
-                            out[r, o] = row(raw, offsets[g] + o * row_bytes, nb, xq[r], xd0[r], xd1, xs[r])
+                        for r in range(starts[g], starts[g + 1]):
+                            xr, dr, sr = xq[r], xd0[r], xs[r]
+                            for o in range(o0, o1):
+                                out[r, o] = row(raw, offsets[g] + o * row_bytes, nb, xr, dr, xd1, sr)
                     c = simd.fetch_add(queue, 0, 1)
 
     return cached(njit(parallel=parallel, **JIT)(kernel), f"{name}-rowdot-grouped-{'par' if parallel else 'serial'}")
@@ -635,9 +839,11 @@ _GROUPED: dict[tuple[str, bool], object] = {}
 
 def matmul_grouped_one(name: str, raw: np.ndarray, offsets, row_bytes: int, starts, items, bounds, xq: np.ndarray,
                        xd: np.ndarray, s16: np.ndarray, out: np.ndarray, parallel: bool, n_workers: int) -> None:  # fmt: skip
-    """cpu.matmul_grouped for groups of at most one token (a decode step's routed experts) of a
-    `name` (NAMES) type, activations with a scale per 32 elements ([N, ...] planes): the same
-    items, chunks and queue, each row read in place. The caller has validated everything."""
+    """cpu.matmul_grouped's items of a `name` (NAMES) type, activations with a scale per 32
+    elements ([N, ...] planes): the same items, chunks and queue, each row read in place once per
+    token of its group (each token's row is the one-token kernel's bits). cpu.py gives it the
+    one-token groups (a decode step's routed experts, most of a serving step's): for more, decoding
+    a row once costs less than reading it in place again. The caller has validated everything."""
     key = (name, parallel)
     if key not in _GROUPED:
         _GROUPED[key] = _grouped_one_kernel(*key)

@@ -50,6 +50,11 @@ def _per_group(t, raw, offsets, act, starts, n_in: int, n_out: int, multiply) ->
     return want
 
 
+def _need_iq(rowdot, name: str) -> None:
+    if name in rowdot.IQTYPES and not rowdot.IQ_AVAILABLE:
+        pytest.skip(f"rowdot.py's IQ2/IQ3 kernels need AVX512-VBMI and AVX512VL; this host's features: {sorted(cpu.simd._X86) or 'none'}")
+
+
 def _same(got: np.ndarray, want: np.ndarray, what: str) -> None:
     bad = np.argwhere(got.view(np.uint32) != want.view(np.uint32))
     assert bad.size == 0, f"{what}: {len(bad)} outputs differ, first {tuple(bad[0])}: {got[tuple(bad[0])]!r} vs {want[tuple(bad[0])]!r}"
@@ -104,7 +109,7 @@ def test_raw_types_take_the_panel_from_one_token_per_expert(monkeypatch):
         _same(got, _per_group(t, raw, offsets, act, starts, n_in, n_out, R.dot_reference), f"IQ4_NL groups {sizes}")
 
 
-@pytest.mark.parametrize("name", ["Q8_0", "Q4_K", "Q6_K", "IQ4_NL", "Q4_0"])
+@pytest.mark.parametrize("name", ["Q8_0", "Q4_K", "Q6_K", "IQ4_NL", "Q4_0", "IQ4_XS", "IQ2_XXS", "IQ2_XS", "IQ3_XXS"])
 @pytest.mark.parametrize("parallel", [False, True], ids=["serial", "parallel"])
 def test_one_token_per_expert_reads_the_rows_in_place(name, parallel):
     """A decode step's routed experts (one token each, some experts idle) of a type with a one-token
@@ -113,6 +118,7 @@ def test_one_token_per_expert_reads_the_rows_in_place(name, parallel):
 
     if not rowdot.AVAILABLE:
         pytest.skip(f"rowdot.py needs AVX512-VNNI, AVX512BW and F16C; this host's features: {sorted(cpu.simd._X86) or 'none'}")
+    _need_iq(rowdot, name)
     t = BY_NAME[name]
     n_in, n_out = (256 * 5 if t.block_size == 256 else 32 * 25), cpu.GROUP_TILE + 13
     raw, offsets, act, starts = _case(t, n_in, n_out, [1, 0, 1, 1, 0, 1, 1, 1, 1, 1, 1, 1], t.id + 40)
@@ -120,6 +126,29 @@ def test_one_token_per_expert_reads_the_rows_in_place(name, parallel):
         got = cpu.matmul_grouped(raw, t.id, n_in, n_out, offsets, act, starts)
     assert rowdot._GROUPED[name, parallel].signatures, "the one-token grouped kernel was not taken"
     _same(got, _per_group(t, raw, offsets, act, starts, n_in, n_out, R.dot_reference), f"{name} one token per expert vs reference")
+
+
+@pytest.mark.parametrize("name", ["IQ2_XXS", "IQ2_XS", "IQ3_XXS", "Q4_K"])
+@pytest.mark.parametrize("parallel", [False, True], ids=["serial", "parallel"])
+def test_one_token_experts_read_in_place_beside_experts_of_more(name, parallel, monkeypatch):
+    """A serving step's routed experts: 8 streams x 10 of 512 experts give most experts 1 token
+    and a few 2. The one-token experts take rowdot.py's grouped form, the others the grouped row
+    kernel, in the same call: every token's row is the reference's bits, whichever kernel ran."""
+    from strata.engine.kernels import rowdot
+
+    if not rowdot.AVAILABLE:
+        pytest.skip(f"rowdot.py needs AVX512-VNNI, AVX512BW and F16C; this host's features: {sorted(cpu.simd._X86) or 'none'}")
+    _need_iq(rowdot, name)
+    taken = []
+    monkeypatch.setattr(rowdot, "matmul_grouped_one", lambda *a, f=rowdot.matmul_grouped_one: taken.append("in place") or f(*a))
+    monkeypatch.setattr(cpu, "_grouped", lambda *a, f=cpu._grouped: taken.append("rows") or f(*a))
+    t = BY_NAME[name]
+    n_in, n_out = 256 * 5, cpu.GROUP_TILE + 13
+    raw, offsets, act, starts = _case(t, n_in, n_out, [2, 0, 1, 1, 2, 0, 1, 3, 1], t.id + 50)
+    with cpu_path(parallel):
+        got = cpu.matmul_grouped(raw, t.id, n_in, n_out, offsets, act, starts)
+    assert taken == ["in place", "rows"], taken
+    _same(got, _per_group(t, raw, offsets, act, starts, n_in, n_out, R.dot_reference), f"{name} mixed groups vs reference")
 
 
 def test_a_group_of_more_tokens_than_a_tile_equals_the_reference():

@@ -84,6 +84,13 @@ def _need_rowdot():
     return rowdot
 
 
+def _need_iq(*names):
+    rowdot = _need_rowdot()
+    if any(n in rowdot.IQTYPES for n in names) and not rowdot.IQ_AVAILABLE:
+        pytest.skip(f"rowdot.py's IQ2/IQ3 kernels need AVX512-VBMI and AVX512VL; this host's features: {sorted(cpu.simd._X86) or 'none'}")
+    return rowdot
+
+
 @pytest.mark.parametrize("n_in", [320, 544, 768, 2560], ids=lambda n: f"{n // 32}-blocks")
 @pytest.mark.parametrize("parallel", [False, True], ids=["serial", "parallel"])
 @pytest.mark.parametrize("name", ROWDOT_TYPES)
@@ -140,12 +147,15 @@ def test_token_kernel_reads_the_fine_activation_form(name, n_in):
 
 @pytest.mark.parametrize("n_in", [256, 1280, 2560, 6144], ids=lambda n: f"{n // 256}-superblocks")
 @pytest.mark.parametrize("parallel", [False, True], ids=["serial", "parallel"])
-@pytest.mark.parametrize("name", ["Q4_K", "Q6_K"])
+@pytest.mark.parametrize("name", ["Q4_K", "Q6_K", "IQ4_XS", "IQ2_XXS", "IQ2_XS", "IQ3_XXS"])
 def test_k_quant_token_kernel_equals_the_general_kernel_and_the_reference(name, n_in, parallel):
-    # qwen35moe's LM head (Q6_K), projections and shared experts (Q4_K, Q6_K) take rowdot.py's
-    # one-token K kernel: super-blocks go four to a loop turn (one lane quarter each), so 1, 5
-    # (4 + 1), 10 (4 + 4 + 2) and 24 super-blocks meet every partial turn; 37 rows split unevenly
-    rowdot = _need_rowdot()
+    # qwen35moe's LM head (Q6_K), projections and shared experts (Q4_K, Q6_K), the seed-4l shared
+    # experts' gate and up (IQ4_XS) and routed experts' (IQ2_XXS, IQ2_XS, IQ3_XXS: grids, sign bits,
+    # per-half scales)
+    # take rowdot.py's one-token super-block kernel: super-blocks go four to a loop turn (one lane
+    # quarter each), so 1, 5 (4 + 1), 10 (4 + 4 + 2) and 24 super-blocks meet every partial turn;
+    # 37 rows split unevenly; random bytes give every grid index, sign pattern and scale
+    rowdot = _need_iq(name)
     t = BY_NAME[name]
     raw = random_weights(t, n_in * 37, np.random.default_rng(n_in + t.id))
     act = quantize_act(_acts(n_in, 1, n_in)[0])
@@ -170,13 +180,14 @@ def test_k_quant_token_kernel_refuses_the_fine_activation_form():
 
 
 @pytest.mark.parametrize("parallel", [False, True], ids=["serial", "parallel"])
-@pytest.mark.parametrize("names", [("Q5_0", "Q4_0"), ("IQ4_NL", "Q8_0", "Q8_0"), ("Q4_K", "Q4_K", "Q6_K"), ("Q6_K", "Q8_0")],
+@pytest.mark.parametrize("names", [("Q5_0", "Q4_0"), ("IQ4_NL", "Q8_0", "Q8_0"), ("Q4_K", "Q4_K", "Q6_K"), ("Q6_K", "Q8_0"),
+                                   ("IQ2_XXS", "IQ2_XS", "IQ3_XXS"), ("IQ4_XS", "IQ4_XS")],
                          ids="+".join)
 def test_several_products_of_one_token_in_one_region_equal_matvec_each(names, parallel):
     # a decode step's products on one input (GDN qkv and gate, attention q/k/v, a shared expert's
     # gate and up) run as one parallel region: every row of every matrix is its own matvec's,
     # whichever matrix the chunk boundaries cut through (19, 37 and 5 rows)
-    rowdot = _need_rowdot()
+    rowdot = _need_iq(*names)
     n_in, sizes = 512, (19, 37, 5)
     act = quantize_act(_acts(n_in, 1, 11)[0])
     products, want = [], []
