@@ -408,11 +408,11 @@ def _run(pack, prompt, prompt_file, prompt_ids, n, ignore_eos, temp, top_k, top_
     shown = f"--ctx-size {ctx}" if flag == "--ctx-size" else f"-n {n} (+ {len(ids)} prompt tokens = {ctx})"
     dump = (len(ids) + n_new) * g.n_vocab * 4 if dump_logits else 0
     if spec:  # the snapshots, the head's KV and, when one runs first, the --spec 0 run's session
-        from strata.engine.budget import session_host_bytes
-        from strata.engine.speculative import spec_host_bytes
+        from strata.engine.budget import PREFILL_AUTO_CHUNK_CPU, session_host_bytes, spec_host_bytes
 
         plain = session_host_bytes(g, ctx, kv) if stats or spec_drafter != "mtp" else 0
-        dump += spec_host_bytes(g, ctx, kv, spec, spec_drafter == "mtp") + plain
+        chunk = option if option is not None else PREFILL_AUTO_CHUNK_CPU  # auto: at most the CPU's start
+        dump += spec_host_bytes(g, ctx, kv, spec, spec_drafter == "mtp", chunk) + plain
     what = (" and --dump-logits' buffer" if dump_logits else "") + (" and --spec's state" if spec else "")
     check_context("strata generate", g, kv, ctx, flag, dump, what, shown)
     if dump_logits:
@@ -811,11 +811,12 @@ def _serve(pack, host, port, api_key, max_queue, batch, cache_slots, cache_mib, 
     if spec and not g.n_mtp_layer:
         raise ValueError(f"--spec {spec} drafts with the pack's MTP block and {pack} has none (convert the GGUF with "
                          "its MTP block, or the MTP-only GGUF with strata-pack convert --mtp PATH)")
-    from strata.engine.speculative import spec_host_bytes
+    from strata.engine.budget import PREFILL_AUTO_CHUNK_CPU, spec_host_bytes
 
     # --batch N holds N sessions at once, each sized for the whole context (with --spec, its snapshots and head KV)
+    chunk = option if option is not None else PREFILL_AUTO_CHUNK_CPU  # auto: at most the CPU's start
     extra = (batch - 1) * session_host_bytes(g, max_context, kv) + \
-        (batch * spec_host_bytes(g, max_context, kv, spec, True) if spec else 0)
+        (batch * spec_host_bytes(g, max_context, kv, spec, True, chunk) if spec else 0)
     check_context(who, g, kv, max_context, "--ctx-size", extra_bytes=extra,
                   extra_what=f" for each of --batch {batch} requests" if batch > 1 else "")
     import uvicorn

@@ -73,20 +73,6 @@ class Snapshot:
         return gdn + sum(p.nbytes for p in self.ple_states.values()) + self.routing.nbytes
 
 
-def spec_host_bytes(g, max_context: int, kv: str, n_draft: int, mtp: bool) -> int:
-    """Host memory --spec adds to a session's: n_draft Snapshots (what `Snapshot` allocates: every
-    Gated DeltaNet layer's S and conv, every PLE state, the routing counts) and, drafting with the
-    MTP head, its KV cache (one full-attention layer of the session's kind)."""
-    from .kvcache import kv_bytes_per_token
-    from .model import conv_state_bytes, gdn_state_bytes
-    from .ple import ple_state_bytes
-
-    n_gdn = sum(not g.is_full_attention(l) for l in range(g.n_layer))
-    snap = n_gdn * (gdn_state_bytes(g) + conv_state_bytes(g)) + len(g.ple_layers) * ple_state_bytes(g) + \
-        g.n_layer * g.n_expert * 8
-    return n_draft * snap + (max_context * kv_bytes_per_token(g, kv) if mtp else 0)
-
-
 def roll_back(session: Session, snap: Snapshot | None, pos: int) -> None:
     """The session as it was after position pos - 1: `snap` taken there (None: pos is where the
     session is, nothing to undo)."""

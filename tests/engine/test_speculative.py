@@ -330,18 +330,27 @@ def test_spec_with_the_mtp_drafter_on_a_pack_without_one_says_what_to_do(models,
 
 
 def test_the_memory_check_counts_what_spec_allocates(models):
-    """strata generate's memory check before the load adds spec_host_bytes: the snapshots and the
-    MTP head's KV cache, as allocated (the PLE token windows aside: a few ints, in no plan item)."""
-    from strata.engine.speculative import Snapshot, spec_host_bytes
+    """spec_host_bytes (engine/budget.py: strata generate's and serve's memory checks, strata-budget's
+    spec.* lines) is what a SpecRun allocates: its snapshots and, drafting with the MTP head, the
+    head's KV cache and the head-input rows (the prompt chunk's or 1 + N), measured from the arrays
+    (the PLE token windows aside: a few ints, in no plan item)."""
+    from strata.engine.budget import spec_host_bytes
+
+    def run_of(m, drafter, n_draft, chunk):
+        s = m.new_session(50, "f16")
+        run = SpecRun(m, s, [1, 2], Sampler(m.geometry.n_vocab, GREEDY), 4, drafter=drafter, n_draft=n_draft,
+                      prefill=chunk)
+        return run, sum(sn.nbytes - sum(p.window.nbytes for p in sn.ple_states.values()) for sn in run.snaps)
 
     for arch, m in models.items():
-        s = m.new_session(50, "f16")
-        snap = Snapshot(s)
-        windows = sum(p.window.nbytes for p in snap.ple_states.values())
-        assert spec_host_bytes(m.geometry, 50, "f16", 3, False) == 3 * (snap.nbytes - windows), arch
+        _, snaps = run_of(m, ReferenceDrafter([1, 2, 3], m.geometry.n_vocab, 1.0), 3, 7)
+        assert spec_host_bytes(m.geometry, 50, "f16", 3, False, 7) == snaps, arch
     m = models["qwen35moe"]
-    head_kv = MTPHead(m.pack).new_state(50, "f16").nbytes
-    assert spec_host_bytes(m.geometry, 50, "f16", 2, True) == spec_host_bytes(m.geometry, 50, "f16", 2, False) + head_kv
+    for chunk in (7, 1):  # the head-input rows: the chunk's, or 1 + N when that is more
+        drafter = MTPDrafter(MTPHead(m.pack), 50, "f16", Sampler(m.geometry.n_vocab, GREEDY), 0.0)
+        run, snaps = run_of(m, drafter, 2, chunk)
+        assert run.hidden.shape[0] == max(chunk, 3)
+        assert spec_host_bytes(m.geometry, 50, "f16", 2, True, chunk) == snaps + drafter.state.nbytes + run.hidden.nbytes
 
 
 # --- strata serve --spec ---------------------------------------------------------------------------
