@@ -465,6 +465,8 @@ class Model:
         r, be = self.residual, self.backend
         need = [max(0 if h is None else h.shape[0], n) for h, n in zip(hidden, n_logits)]
         sel = [(b - k, b) for k, (_, b) in zip(need, spans) if k]
+        if not sel:  # empty hidden buffers and no logits asked
+            return
         final = r.final(be, H[sel[0][0] : sel[0][1]] if len(sel) == 1 else np.concatenate([H[a:b] for a, b in sel]))
         at, want = 0, []  # at: session i's first row in `final`
         for h, n, k in zip(hidden, n_logits, need):
