@@ -505,6 +505,27 @@ def test_serve_metrics_count_drafts_by_position(models):
     assert "strata_spec_drafted_total" not in _prometheus(Metrics(), serve_jobs(m, jobs[:1], batch=1, spec=0)[1])
 
 
+def test_serve_passes_spec_and_batch_mtp_to_the_scheduler(models, monkeypatch, capsys):
+    """strata serve --spec 2 --batch 3 --batch-mtp builds its scheduler with them (a stand-in that
+    records its arguments and stops the server before it listens)."""
+    from strata.engine import scheduler
+    from strata.engine.cli import main
+
+    seen = {}
+
+    def stand_in(*args, **kw):
+        seen.update(kw)
+        raise ValueError("stand-in scheduler: stop here")
+
+    monkeypatch.setattr(scheduler, "Scheduler", stand_in)
+    pack = str(models["qwen35moe"].pack.dir)
+    assert main(["serve", "--pack", pack, "--port", "0", "--spec", "2", "--batch", "3", "--batch-mtp"]) == 1
+    assert "stand-in scheduler: stop here" in capsys.readouterr().err
+    assert (seen["spec"], seen["batch"], seen["batch_mtp"]) == (2, 3, True)
+    assert main(["serve", "--pack", pack, "--port", "0", "--spec", "2"]) == 1
+    assert seen["batch_mtp"] is False
+
+
 def test_batch_mtp_without_spec_is_refused(models):
     from strata.engine.scheduler import ConversationCache, Scheduler
     from strata.engine.tokenizer import Tokenizer
