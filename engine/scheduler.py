@@ -379,7 +379,9 @@ class Scheduler:
             return
         feeds = [s.run.feed() for s in slots]
         try:
-            if self.spec and not self.batch_mtp:  # each request's own forward: its verify rows and head inputs
+            if self.spec and (not self.batch_mtp or len(slots) == 1):
+                # each request's own forward (its verify rows and head inputs); alone, the same work, and
+                # a plain step takes the token step, which allocates nothing
                 rows = [s.run.forward(self.model, *f) for s, f in zip(slots, feeds)]
             elif self.spec:  # --batch-mtp: one forward; a verifying request's rows each keep their snapshot
                 args = [s.run.batch_args(f[0]) for s, f in zip(slots, feeds)]
