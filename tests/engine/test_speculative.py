@@ -356,9 +356,11 @@ def test_the_memory_check_counts_what_spec_allocates(models):
 # --- strata serve --spec ---------------------------------------------------------------------------
 
 
-def test_serve_spec_gives_every_request_the_text_of_spec_0(models):
+@pytest.mark.parametrize("batch_mtp", [False, True])
+def test_serve_spec_gives_every_request_the_text_of_spec_0(models, batch_mtp):
     """Requests through a --spec 2 scheduler (the MTP head drafting, two at a time, a second turn
-    resumed from the conversation cache) get --spec 0's greedy tokens and text."""
+    resumed from the conversation cache) get --spec 0's greedy tokens and text, verified per request
+    or with --batch-mtp (the head's inputs then come from the one forward of both requests)."""
     from strata.engine.scheduler import ConversationCache, Job, Scheduler, run_and_wait
     from strata.engine.tokenizer import Tokenizer
 
@@ -369,7 +371,7 @@ def test_serve_spec_gives_every_request_the_text_of_spec_0(models):
 
     def serve(spec):
         sch = Scheduler(m, tok, max_context=96, kv="f32", chunk=8, max_queue=8, cache=ConversationCache(4, 64 << 20),
-                        batch=2, spec=spec, spec_min_p=0.0)
+                        batch=2, spec=spec, spec_min_p=0.0, batch_mtp=batch_mtp and spec > 0)
         try:
             jobs = [Job(p, k, GREEDY, ignore_eos=True) for p, k in plan]
             with concurrent.futures.ThreadPoolExecutor(3) as pool:
@@ -382,8 +384,61 @@ def test_serve_spec_gives_every_request_the_text_of_spec_0(models):
     (want, _), (got, sch) = serve(0), serve(2)
     assert got[-1].resumed > 0  # the second turn started from the parked session
     assert sch._head is not None and sch._head.routing.sum() > 0  # the head drafted
+    if batch_mtp:  # two requests' chains verified in one forward, at least once
+        assert sch.counters.verify_forwards < sch.spec_stats.verifications
     for w, g in zip(want, got):
         assert g.error is None and g.result.tokens.tolist() == w.result.tokens.tolist() and g.text == w.text
+
+
+def test_batch_mtp_gives_the_mtp_head_the_inputs_it_gets_per_request(models):
+    """The drafts do not change the output, so the text alone cannot show a head input taken from the
+    wrong rows of the one forward: every request's drafts (the random head's, which depend on its
+    input bits) must be the ones it makes with per-request verification."""
+    from strata.engine.scheduler import ConversationCache, Job, Scheduler, run_and_wait
+    from strata.engine.speculative import Drafter
+    from strata.engine.tokenizer import Tokenizer
+
+    m = models["qwen35moe"]
+    tok = Tokenizer.load(m.pack.dir / "tokenizer.txt")
+    rng = np.random.default_rng(4)
+    plan = [(rng.integers(3, 256, n).tolist(), k) for n, k in ((9, 12), (30, 10), (4, 14))]
+
+    class Recording(Drafter):
+        needs_hidden = True
+
+        def __init__(self, inner, log):
+            self.inner, self.log = inner, log
+
+        def draft(self, history, n_known, n):
+            d, q = self.inner.draft(history, n_known, n)
+            self.log.append((n_known, tuple(d)))
+            return d, q
+
+        def observe(self, hidden, pos0, history):
+            self.inner.observe(hidden, pos0, history)
+
+    def drafts(batch_mtp):
+        head, logs = MTPHead(m.pack), {}
+
+        def drafter(job, sampler):
+            inner = MTPDrafter(head, 96, "f32", sampler.fork(sampler.seed + 1), 0.0)
+            return Recording(inner, logs.setdefault(tuple(job.prompt), []))
+
+        sch = Scheduler(m, tok, max_context=96, kv="f32", chunk=8, max_queue=8, cache=ConversationCache(0, 0),
+                        batch=3, spec=2, batch_mtp=batch_mtp, drafter=drafter)
+        try:
+            jobs = [Job(p, k, GREEDY, ignore_eos=True) for p, k in plan]
+            with concurrent.futures.ThreadPoolExecutor(3) as pool:
+                list(pool.map(lambda j: run_and_wait(sch, j, 60), jobs))
+        finally:
+            sch.close()
+        assert all(j.error is None for j in jobs)
+        return logs, sch
+
+    (per_slot, _), (batched, sch) = drafts(False), drafts(True)
+    assert sch.counters.verify_forwards < sch.spec_stats.verifications  # chains shared a forward
+    assert len(per_slot) == 3 and all(len(v) > 3 for v in per_slot.values())
+    assert batched == per_slot
 
 
 # --- strata serve --spec N --batch-mtp: every request's verify rows in one forward ------------------
