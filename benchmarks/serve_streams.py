@@ -3,6 +3,7 @@ streams through `strata serve`'s scheduler (`--batch N` = the number of streams)
 
     python benchmarks/serve_streams.py PACK [--streams 1,2,4,8] [--prompt 64] [--tokens 32] [--chunk 1024]
                                        [--threads N] [--device cpu|gpu] [--rounds 2]
+                                       [--spec N [--drafters oracle,right:0.7,right:0.43] [--verify batch,slot]]
 
 Each configuration submits N requests at once (distinct random prompts of --prompt token ids, --tokens
 greedy tokens each, EOS ignored) to a scheduler with --batch N over the same loaded model, and times:
@@ -15,6 +16,11 @@ The ratio is each N's aggregate over N = 1's, measured in the same run (best of 
 the configurations interleaved round by round). Every request's tokens must equal its tokens at
 N = 1 (the benchmark fails otherwise). The scheduler is the server's without HTTP: the figures are
 the engine's and the worker's, not the network's.
+
+With --spec N (CPU) each stream count runs with --spec 0 and then with each drafter (the --spec 0
+run's tokens named right with probability P: engine/speculative.py ReferenceDrafter) verified with
+--batch-mtp ("batch": every request's verify rows in one forward) and per request ("slot"); the
+table gives each against --spec 0 at the same stream count.
 """
 
 from __future__ import annotations
@@ -30,13 +36,14 @@ import numpy as np
 CLOCK = time.perf_counter  # --clock cpu: time.process_time
 
 
-def run_streams(model, tok, n: int, prompts, tokens: int, chunk: int, ctx: int):
+def run_streams(model, tok, n: int, prompts, tokens: int, chunk: int, ctx: int, spec: int = 0, batch_mtp: bool = False,
+                drafter=None):
     from strata.engine.sampling import SamplerParams
     from strata.engine.scheduler import ConversationCache, Job, Scheduler, run_and_wait
 
     stamps: list[list[float]] = [[] for _ in range(n)]  # each request's token times (worker thread)
     sch = Scheduler(model, tok, max_context=ctx, kv="f16", chunk=chunk, max_queue=n, cache=ConversationCache(0, 0),
-                    batch=n)
+                    batch=n, spec=spec, batch_mtp=batch_mtp, drafter=drafter)
     jobs = [Job(prompt=prompts[i], max_tokens=tokens, params=SamplerParams(temperature=0), ignore_eos=True,
                 on_token=lambda _t, k=i: stamps[k].append(CLOCK())) for i in range(n)]
     t0 = CLOCK()
@@ -66,7 +73,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--clock", default="wall", choices=("wall", "cpu"),
                     help="cpu: the process's CPU time instead of wall time, for a machine other work keeps busy "
                          "(use it with --threads 1: idle OpenMP threads spin and would count)")
+    ap.add_argument("--spec", type=int, default=0, help="also run each stream count with --spec N (table: against "
+                    "--spec 0 at the same count)")
+    ap.add_argument("--drafters", default="oracle,right:0.7,right:0.43",
+                    help="with --spec: drafters from the --spec 0 tokens (oracle, wrong, right:P), comma-separated")
+    ap.add_argument("--verify", default="batch,slot", help="with --spec: batch (--batch-mtp: every request's verify "
+                    "rows in one forward) and/or slot (each request's own forward)")
     a = ap.parse_args(argv)
+    if a.spec:
+        return spec_main(a)
     global CLOCK
     if a.clock == "cpu":
         CLOCK = time.process_time
@@ -109,6 +124,66 @@ def main(argv: list[str] | None = None) -> int:
     for n in streams:
         f = sorted(ttft[n])
         print(f"| {n} | {best[n]:.2f} | {best[n] / base:.2f}x | {f[len(f) // 2]:.2f} s, {f[-1]:.2f} s |")
+    return 0
+
+
+def spec_main(a) -> int:
+    """--spec N: every stream count with --spec 0 (the baseline, and the tokens the drafters draft from)
+    and with each drafter and verification, interleaved round by round; the tokens of every run
+    must equal --spec 0's."""
+    global CLOCK
+    if a.clock == "cpu":
+        CLOCK = time.process_time
+    from strata.engine.cli import load_model
+    from strata.engine.speculative import ReferenceDrafter, parse_drafter
+    from strata.engine.tokenizer import Tokenizer
+
+    streams = [int(x) for x in a.streams.split(",")]
+    drafters = [(d, parse_drafter(d)[1]) for d in a.drafters.split(",")]
+    modes = a.verify.split(",")
+    if not set(modes) <= {"batch", "slot"}:
+        print(f"serve_streams: --verify {a.verify!r}: expected batch and/or slot", file=sys.stderr)
+        return 2
+    p, model, _ = load_model(a.pack, None, None, a.threads, "serve_streams", a.chunk if a.chunk > 1 else 0)
+    tok, g = Tokenizer.load(a.pack / "tokenizer.txt"), p.geometry
+    ctx = a.prompt + a.tokens + 1
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(300, g.n_vocab, a.prompt).tolist() for _ in range(max(streams))]
+    ref: dict[tuple, np.ndarray] = {}
+    configs = [("--spec 0", None, None)] + [(f"{d} {m}", pr, m) for d, pr in drafters for m in modes]
+    tps: dict[tuple[str, int], list[float]] = {}
+    for r in range(a.rounds):
+        for n in streams:
+            for name, pr, mode in configs:
+                drafter = None if pr is None else \
+                    (lambda job, sampler, pr=pr: ReferenceDrafter(ref[tuple(job.prompt)], g.n_vocab, pr,
+                                                                    seed=int(job.prompt[0])))
+                t, _, toks = run_streams(model, tok, n, prompts, a.tokens, a.chunk, ctx, 0 if pr is None else a.spec,
+                                         mode == "batch", drafter)
+                for i, x in enumerate(toks):
+                    key = tuple(prompts[i])
+                    if pr is None and key not in ref:
+                        ref[key] = np.array(prompts[i] + x)
+                    if x != ref[key][a.prompt:].tolist():
+                        print(f"serve_streams: request {i}'s tokens ({name}, {n} streams) differ from --spec 0's",
+                              file=sys.stderr)
+                        return 1
+                tps.setdefault((name, n), []).append(t)
+                print(f"round {r + 1}: {n} streams, {name}: {t:.2f} tok/s aggregate", file=sys.stderr)
+    print(f"{a.pack.name}: {g.arch}, {g.n_layer} layers; cpu{'' if a.threads is None else f', {a.threads} threads'}; "
+          f"prompt {a.prompt}, {a.tokens} tokens per stream, --spec {a.spec}, chunk {a.chunk}, --kv f16, "
+          f"{a.rounds} rounds (interleaved), {a.clock} clock; aggregate decode tok/s, best (median), and the best "
+          "against --spec 0's best at the same stream count")
+    print()
+    print("| streams | " + " | ".join(c[0] for c in configs) + " |")
+    print("|---|" + "---|" * len(configs))
+    for n in streams:
+        base = max(tps[("--spec 0", n)])
+        cells = []
+        for name, _, _ in configs:
+            v = sorted(tps[(name, n)])
+            cells.append(f"{v[-1]:.2f} ({v[len(v) // 2]:.2f}) {v[-1] / base:.2f}x")
+        print(f"| {n} | " + " | ".join(cells) + " |")
     return 0
 
 

@@ -377,6 +377,42 @@ def _serve_items(g: ModelGeometry, o: BudgetOptions) -> list[Item]:
     return items
 
 
+def snapshot_bytes(g: ModelGeometry) -> int:
+    """One verified row's snapshot (engine/speculative.py `Snapshot`), what a rollback restores: every
+    Gated DeltaNet layer's S and conv, every PLE conv ring, the routing counts (i64 [layers, experts])."""
+    n_gdn = len(g.linear_attention_layers)
+    return n_gdn * (gdn_state_bytes(g) + conv_state_bytes(g)) + len(g.ple_layers) * ple_state_bytes(g) + \
+        g.n_layer * g.n_expert * 8
+
+
+def spec_host_bytes(g: ModelGeometry, max_context: int, kv: str, n_draft: int, mtp: bool, chunk: int = 0) -> int:
+    """Host memory --spec adds to one session's (a request's, in strata serve): `_spec_items` with one request."""
+    o = BudgetOptions(max_context=max_context, kv=kv, spec=n_draft, prefill_chunk=chunk)
+    return sum(i.bytes for i in _spec_items(g, o, mtp))
+
+
+def _spec_items(g: ModelGeometry, o: BudgetOptions, mtp: bool) -> list[Item]:
+    """--spec N, per request (strata serve --batch B: B of each), host memory: a verify keeps the
+    state after each of its N draft rows to roll back to (N snapshots, made once per request); the
+    MTP head drafting keeps its own KV cache (one full-attention layer of the session's kind and
+    context) and the trunk's head input of the rows it feeds (f32, the prompt chunk or 1 + N rows).
+    The drafting runs on the CPU whatever the step (engine/speculative.py): host items."""
+    if not o.spec:
+        return []
+    B, C, N = o.batch, o.max_context, o.spec
+    each = f" per request, x {B}" if B > 1 else ""
+    snap = snapshot_bytes(g)
+    items = [Item("spec.snapshots", f"verify snapshots ({N} x {snap} B: GDN S and conv, PLE, routing{each})",
+                  B * N * snap, WEIGHTS, HOST, count=B * N)]
+    if mtp:
+        rows = max(o.prefill_chunk, N + 1)
+        items += [Item("spec.mtp_kv", f"MTP head KV cache ({o.kv}, {C} tokens{each})", B * C * kv_bytes_per_token(g, o.kv),
+                       WEIGHTS, HOST, count=B),
+                  Item("spec.head_input", f"MTP head input rows (f32, {rows} rows{each})", B * rows * g.n_embd * F32,
+                       WEIGHTS, HOST, count=B)]
+    return items
+
+
 def session_host_bytes(g: ModelGeometry, max_context: int, kv: str) -> int:
     """All of a session's host state for `max_context` tokens (the KV cache dominates)."""
     return sum(i.bytes for i in _session_items(g, BudgetOptions(max_context=max_context, kv=kv)))
@@ -519,7 +555,7 @@ def plan_budget(index: PackIndex, experts: NativeExperts, g: ModelGeometry, opti
     before = _weight_items(index, experts, g, ple_table_bytes)
     if o.drafter_bytes:
         before.append(Item("weights.drafter", "drafter (MTP head) weights", o.drafter_bytes, WEIGHTS))
-    before += _session_items(g, o) + _serve_items(g, o)
+    before += _session_items(g, o) + _serve_items(g, o) + _spec_items(g, o, bool(g.n_mtp_layer))
     after = _after_cache_items(g, o, slot)
     after_bytes = sum(i.bytes for i in after if i.where == DEVICE)
     if free_bytes is None:

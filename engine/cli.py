@@ -408,11 +408,11 @@ def _run(pack, prompt, prompt_file, prompt_ids, n, ignore_eos, temp, top_k, top_
     shown = f"--ctx-size {ctx}" if flag == "--ctx-size" else f"-n {n} (+ {len(ids)} prompt tokens = {ctx})"
     dump = (len(ids) + n_new) * g.n_vocab * 4 if dump_logits else 0
     if spec:  # the snapshots, the head's KV and, when one runs first, the --spec 0 run's session
-        from strata.engine.budget import session_host_bytes
-        from strata.engine.speculative import spec_host_bytes
+        from strata.engine.budget import PREFILL_AUTO_CHUNK_CPU, session_host_bytes, spec_host_bytes
 
         plain = session_host_bytes(g, ctx, kv) if stats or spec_drafter != "mtp" else 0
-        dump += spec_host_bytes(g, ctx, kv, spec, spec_drafter == "mtp") + plain
+        chunk = option if option is not None else PREFILL_AUTO_CHUNK_CPU  # auto: at most the CPU's start
+        dump += spec_host_bytes(g, ctx, kv, spec, spec_drafter == "mtp", chunk) + plain
     what = (" and --dump-logits' buffer" if dump_logits else "") + (" and --spec's state" if spec else "")
     check_context("strata generate", g, kv, ctx, flag, dump, what, shown)
     if dump_logits:
@@ -758,20 +758,26 @@ def serve(
     ple_gguf: Optional[Path] = ple_gguf_option(),
     spec: int = typer.Option(0, "--spec", help="speculative decoding: each request drafts up to N tokens with the "
                              "pack's MTP block and verifies them in one forward of its own (the output is the same; "
-                             "requests then step one after another, not in one batch); 0 is plain decoding"),
+                             "requests then step one after another, not in one batch, unless --batch-mtp); 0 is plain "
+                             "decoding"),
     spec_min_p: float = typer.Option(0.75, "--spec-min-p", help="with --spec: stop drafting when the draft's top "
                                      "probability is below P"),
+    batch_mtp: bool = typer.Option(False, "--batch-mtp", help="with --spec: verify every request's drafts in one "
+                                   "forward per step (the --batch requests together; the output is the same)"),
 ) -> None:
     """Serve a pack over an OpenAI-compatible HTTP API (chat and completions, streaming or not)."""
     who = "strata serve"
     spec_options(spec, spec_min_p, "mtp", who)
+    if batch_mtp and not spec:
+        raise _fail("--batch-mtp verifies the requests' drafts in one forward: give --spec N (N >= 1) too, or drop "
+                    "--batch-mtp", 2, who)
     try:
         pack = resolve_pack(pack_arg, pack)
         gpu_options(device, expert_cache, vram_budget_mib, vram_reserve_mib)
         tier = dict(device=device, expert_cache=expert_cache, expert_profile=expert_profile,
                     vram_budget_mib=vram_budget_mib, vram_reserve_mib=vram_reserve_mib)
         _serve(pack, host, port, api_key, max_queue, batch, cache_slots, cache_mib, model_name, max_context, kv, prefill,
-               pool_workers, native, ple_gguf, who, tier, spec, spec_min_p)
+               pool_workers, native, ple_gguf, who, tier, spec, spec_min_p, batch_mtp)
     except KeyboardInterrupt:
         typer.echo(f"\n{who}: interrupted", err=True)
         raise typer.Exit(130) from None
@@ -780,7 +786,7 @@ def serve(
 
 
 def _serve(pack, host, port, api_key, max_queue, batch, cache_slots, cache_mib, model_name, max_context, kv, prefill,
-           pool_workers, native, ple_gguf, who, tier_flags, spec=0, spec_min_p=0.75) -> None:
+           pool_workers, native, ple_gguf, who, tier_flags, spec=0, spec_min_p=0.75, batch_mtp=False) -> None:
     from strata.engine.pack_reader import read_pack_geometry
     from strata.engine.tokenizer import Tokenizer
 
@@ -805,11 +811,12 @@ def _serve(pack, host, port, api_key, max_queue, batch, cache_slots, cache_mib, 
     if spec and not g.n_mtp_layer:
         raise ValueError(f"--spec {spec} drafts with the pack's MTP block and {pack} has none (convert the GGUF with "
                          "its MTP block, or the MTP-only GGUF with strata-pack convert --mtp PATH)")
-    from strata.engine.speculative import spec_host_bytes
+    from strata.engine.budget import PREFILL_AUTO_CHUNK_CPU, spec_host_bytes
 
     # --batch N holds N sessions at once, each sized for the whole context (with --spec, its snapshots and head KV)
+    chunk = option if option is not None else PREFILL_AUTO_CHUNK_CPU  # auto: at most the CPU's start
     extra = (batch - 1) * session_host_bytes(g, max_context, kv) + \
-        (batch * spec_host_bytes(g, max_context, kv, spec, True) if spec else 0)
+        (batch * spec_host_bytes(g, max_context, kv, spec, True, chunk) if spec else 0)
     check_context(who, g, kv, max_context, "--ctx-size", extra_bytes=extra,
                   extra_what=f" for each of --batch {batch} requests" if batch > 1 else "")
     import uvicorn
@@ -823,7 +830,7 @@ def _serve(pack, host, port, api_key, max_queue, batch, cache_slots, cache_mib, 
     tier = start_tier(model, max_context=max_context, kv=kv, chunk=chunk, who=who, **tier_flags)
     cache = ConversationCache(cache_slots, cache_mib << 20)
     scheduler = Scheduler(model, tok, max_context=max_context, kv=kv, chunk=chunk, max_queue=max_queue, cache=cache,
-                          check=p.check_unchanged, batch=batch, spec=spec, spec_min_p=spec_min_p)
+                          check=p.check_unchanged, batch=batch, spec=spec, spec_min_p=spec_min_p, batch_mtp=batch_mtp)
     name = model_name or Path(pack).resolve().name
     app_ = make_app(scheduler, tok, ServeConfig(model_name=name, max_context=max_context, api_key=api_key), tier)
     typer.echo(f"{who}: {name} loaded in {load_s:.1f} s; serving http://{host}:{port}/v1 (context {max_context}, "

@@ -138,6 +138,11 @@ class Run:
             return model.step(self.session, int(tokens[0]))
         return model.forward(self.session, tokens, n_logits)
 
+    def batch_args(self, tokens: np.ndarray) -> tuple[np.ndarray | None, list | None]:
+        """What this run's feed asks of a forward beside the logits, as Model.forward_batch's per-session
+        `hidden` and `saved` entries: a plain run nothing (engine/speculative.py's SpecRun more)."""
+        return None, None
+
     def cancel(self) -> None:
         """End the run where it is (its caller went away): stop "stopped"."""
         if not self.done:

@@ -381,29 +381,38 @@ class Model:
             raise ValueError(f"forward: {hidden.shape[0]} hidden rows asked for, {len(ids)} tokens fed")
         if hidden is None and saved is None:
             return self.forward_batch([s], [ids], [n_logits])[0]
-        out = np.empty((n_logits, self.geometry.n_vocab), F32)
-        self._forward([s], [ids], [n_logits], [out], hidden, saved)
-        return out
+        return self.forward_batch([s], [ids], [n_logits], hidden=[hidden], saved=[saved])[0]
 
-    def forward_batch(self, sessions: list[Session], tokens: list, n_logits: list[int]) -> list[np.ndarray]:
+    def forward_batch(self, sessions: list[Session], tokens: list, n_logits: list[int], *,
+                      hidden: list | None = None, saved: list | None = None) -> list[np.ndarray]:
         """Feed several sequences at once (engine/batch.py): tokens[i] (at least one) at positions
         sessions[i].pos..; returns for each the logits of its last n_logits[i] positions, f32
-        [n_logits[i], n_vocab]. A sequence's numbers are the ones it gets alone."""
+        [n_logits[i], n_vocab]. A sequence's numbers are the ones it gets alone. `hidden[i]` and
+        `saved[i]` (None: not asked) are `forward`'s, per sequence: strata serve --batch-mtp verifies
+        every request's drafts in this one forward, each with its own snapshots."""
         if not (len(sessions) == len(tokens) == len(n_logits)) or not sessions:
             raise ValueError(f"forward_batch: {len(sessions)} sessions, {len(tokens)} token lists and {len(n_logits)} "
                              "logit counts, expected as many of each and at least one")
+        for name, per in (("hidden", hidden), ("saved", saved)):
+            if per is not None and len(per) != len(sessions):
+                raise ValueError(f"forward_batch: {len(per)} {name} entries for {len(sessions)} sessions")
         if len({id(s) for s in sessions}) != len(sessions):
             raise ValueError("forward_batch: a session appears twice (its rows must be consecutive)")
         ids = [np.asarray(t, np.int64).reshape(-1).tolist() for t in tokens]
-        for t, n in zip(ids, n_logits):
+        for i, (t, n) in enumerate(zip(ids, n_logits)):
             if not t or not 0 <= n <= len(t):
                 raise ValueError(f"forward: n_logits {n} outside 0..{len(t)} (the tokens fed), at least one token")
+            if hidden is not None and hidden[i] is not None and hidden[i].shape[0] > len(t):
+                raise ValueError(f"forward: {hidden[i].shape[0]} hidden rows asked for, {len(t)} tokens fed")
         outs = [np.empty((n, self.geometry.n_vocab), F32) for n in n_logits]
-        self._forward(sessions, ids, n_logits, outs)
+        self._forward(sessions, ids, n_logits, outs, hidden, saved)
         return outs
 
     def _forward(self, sessions: list[Session], tokens: list, n_logits: list[int], outs: list[np.ndarray],
-                 hidden: np.ndarray | None = None, saved: list | None = None) -> None:
+                 hidden: list | np.ndarray | None = None, saved: list | None = None) -> None:
+        """`hidden`, `saved`: per session (forward_batch's), or for `step`'s one session its array."""
+        if isinstance(hidden, np.ndarray):
+            hidden = [hidden]
         try:
             self._forward_rows(sessions, tokens, n_logits, outs, hidden, saved)
         finally:
@@ -411,7 +420,7 @@ class Model:
                 self.backend.experts.settle()
 
     def _forward_rows(self, sessions: list[Session], tokens: list, n_logits: list[int], outs: list[np.ndarray],
-                      hidden: np.ndarray | None, saved: list | None) -> None:
+                      hidden: list | None, saved: list | None) -> None:
         for s, t in zip(sessions, tokens):
             self._check(s, t)
         g, r, be = self.geometry, self.residual, self.backend
@@ -419,10 +428,13 @@ class Model:
         T = len(flat)
         ends = np.cumsum([len(t) for t in tokens]).tolist()
         spans = list(zip([0] + ends[:-1], ends))
-        # (session, rows a..b, position of row a, snapshot): one per sequence, or with `saved` one
-        # per row of the one session, each a sequence of its own over the same state
-        parts = [(s, a, b, s.pos, None) for s, (a, b) in zip(sessions, spans)] if saved is None else \
-            [(sessions[0], i, i + 1, sessions[0].pos + i, saved[i] if i < len(saved) else None) for i in range(T)]
+        # (session, rows a..b, position of row a, snapshot): one per sequence, or for a session with
+        # snapshots asked (`saved`) one per row, each a sequence of its own over the same state
+        parts = []
+        for i, (s, (a, b)) in enumerate(zip(sessions, spans)):
+            sv = None if saved is None else saved[i]
+            parts += [(s, a, b, s.pos, None)] if sv is None else \
+                [(s, j, j + 1, s.pos + j - a, sv[j - a] if j - a < len(sv) else None) for j in range(a, b)]
         # the T rows' bytes in one decode (a row decodes alone: the same values as one at a time)
         raw = self.embd.rows(flat[0], flat[0] + 1) if T == 1 else \
             np.concatenate([self.embd.rows(t, t + 1) for t in flat])
@@ -431,7 +443,7 @@ class Model:
                     sessions[0].stream if T == 1 else None)
         ids = np.asarray(flat, np.int64)
         step = getattr(be, "token_step", None)
-        if step is not None and T == 1 and hidden is None and saved is None:
+        if step is not None and T == 1 and all(h is None for h in hidden or []) and all(v is None for v in saved or []):
             # one token of one session on a backend that can replay it (the device step: a CUDA
             # graph of the layers and the head, captured once per session)
             def layers_and_head(logits):
@@ -444,12 +456,8 @@ class Model:
         self._layers(be, H, ids, parts)
         for s, t in zip(sessions, tokens):
             s.pos += len(t)
-        if hidden is not None:  # one session: its last n_h rows' head input, the logits' rows among them
-            n_h = max(hidden.shape[0], n_logits[0])
-            final = r.final(be, H[T - n_h :])
-            hidden[...] = final[n_h - hidden.shape[0] :]
-            if n_logits[0]:
-                be.linear(self.head, Input(final[n_h - n_logits[0] :]), outs[0])
+        if hidden is not None and any(h is not None for h in hidden):
+            self._head_with_hidden(spans, n_logits, outs, hidden, H)
             return
         want = [(b - n, b) for n, (_, b) in zip(n_logits, spans) if n]
         if not want:
@@ -459,6 +467,34 @@ class Model:
             be.linear(self.head, r.final(be, rows), next(o for o in outs if o.shape[0]))
             return
         logits = be.host(be.linear(self.head, r.final(be, rows)))
+        i = 0
+        for o in outs:
+            o[...] = logits[i : i + o.shape[0]]
+            i += o.shape[0]
+
+    def _head_with_hidden(self, spans, n_logits, outs, hidden, H) -> None:
+        """Each session's last n_h rows' head input into hidden[i] (None: none asked), its logits rows
+        among them: the final mix of the rows either needs, once, then one LM head product."""
+        r, be = self.residual, self.backend
+        need = [max(0 if h is None else h.shape[0], n) for h, n in zip(hidden, n_logits)]
+        sel = [(b - k, b) for k, (_, b) in zip(need, spans) if k]
+        if not sel:  # empty hidden buffers and no logits asked
+            return
+        final = r.final(be, H[sel[0][0] : sel[0][1]] if len(sel) == 1 else np.concatenate([H[a:b] for a, b in sel]))
+        at, want = 0, []  # at: session i's first row in `final`
+        for h, n, k in zip(hidden, n_logits, need):
+            if h is not None:
+                h[...] = final[at + k - h.shape[0] : at + k]
+            if n:
+                want.append((at + k - n, at + k))
+            at += k
+        if not want:
+            return
+        rows = final[want[0][0] : want[0][1]] if len(want) == 1 else np.concatenate([final[a:b] for a, b in want])
+        if len(want) == 1:
+            be.linear(self.head, Input(rows), next(o for o in outs if o.shape[0]))
+            return
+        logits = be.host(be.linear(self.head, Input(rows)))
         i = 0
         for o in outs:
             o[...] = logits[i : i + o.shape[0]]

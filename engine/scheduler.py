@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from .generate import Generation, Run
 from .model import Model, Session
 from .sampling import Sampler, SamplerParams
+from .speculative import SpecStats
 from .tokenizer import Tokenizer
 
 
@@ -179,6 +180,7 @@ class Counters:
     tokens_generated: int = 0
     prompt_tokens: int = 0
     prompt_tokens_fed: int = 0  # of those, fed to the model (the rest came from the conversation cache)
+    verify_forwards: int = 0  # --spec: forwards that verified drafts (--batch-mtp: one per step for every request)
 
 
 @dataclass
@@ -198,17 +200,28 @@ class Scheduler:
 
     def __init__(self, model: Model, tok: Tokenizer, *, max_context: int, kv: str, chunk: int, max_queue: int,
                  cache: ConversationCache, check: Callable[[], None] = lambda: None, batch: int = 1, spec: int = 0,
-                 spec_min_p: float = 0.75):
+                 spec_min_p: float = 0.75, batch_mtp: bool = False, drafter: Callable | None = None):
+        """`batch_mtp`: with `spec`, every request's verify rows (and the other requests' feeds) in one
+        forward per step; without it each drafting request runs its own. `drafter(job, sampler)`: the
+        Drafter of a request (default: the pack's MTP block; the tests and benchmarks pass reference
+        drafters, engine/speculative.py)."""
         if max_queue < 0:
             raise ValueError(f"max_queue {max_queue}: expected >= 0")
         if batch < 1:
             raise ValueError(f"batch {batch}: expected >= 1 (requests decoding together)")
+        if spec < 0:
+            raise ValueError(f"spec {spec}: expected >= 0 draft tokens (0 is plain decoding)")
+        if batch_mtp and not spec:
+            raise ValueError("--batch-mtp verifies the requests' drafts in one forward: it needs --spec N (N >= 1)")
         self.model, self.tok = model, tok
         self.max_context, self.kv, self.chunk, self.max_queue, self.batch = max_context, kv, chunk, max_queue, batch
         self.cache, self.check = cache, check
         # --spec N: each request drafts with the pack's MTP block (one head, a KV cache per request)
         self.spec, self.spec_min_p, self._head = spec, spec_min_p, None
+        self.batch_mtp, self.drafter = batch_mtp, drafter
         self.counters = Counters()
+        # every request's drafting counts in one place, for /metrics (SpecRun writes into it)
+        self.spec_stats = SpecStats(spec) if spec else None
         self._queue: queue.Queue[Job | None] = queue.Queue()
         self._lock = threading.Lock()
         self._admitted = 0  # queued + running
@@ -347,11 +360,14 @@ class Scheduler:
         from .mtp import MTPHead
         from .speculative import MTPDrafter, SpecRun
 
-        if self._head is None:
-            self._head = MTPHead(self.model.pack)  # the CPU's backend: see speculative.speculative_generate
-        drafter = MTPDrafter(self._head, self.max_context, self.kv, sampler.fork(sampler.seed + 1), self.spec_min_p)
+        if self.drafter is not None:
+            drafter = self.drafter(job, sampler)
+        else:
+            if self._head is None:
+                self._head = MTPHead(self.model.pack)  # the CPU's backend: see speculative.speculative_generate
+            drafter = MTPDrafter(self._head, self.max_context, self.kv, sampler.fork(sampler.seed + 1), self.spec_min_p)
         return SpecRun(self.model, session, job.prompt, sampler, job.max_tokens, drafter=drafter, n_draft=self.spec,
-                       stop_ids=stop_ids, on_token=on_token, prefill=self.chunk, start=start)
+                       stats=self.spec_stats, stop_ids=stop_ids, on_token=on_token, prefill=self.chunk, start=start)
 
     def _step(self) -> None:
         """One forward of every active request's next feed, then each takes its logits."""
@@ -363,8 +379,15 @@ class Scheduler:
             return
         feeds = [s.run.feed() for s in slots]
         try:
-            if self.spec:  # each request's own forward: its verify rows and head inputs are its run's
+            if self.spec and (not self.batch_mtp or len(slots) == 1):
+                # each request's own forward (its verify rows and head inputs); alone, the same work, and
+                # a plain step takes the token step, which allocates nothing
                 rows = [s.run.forward(self.model, *f) for s, f in zip(slots, feeds)]
+            elif self.spec:  # --batch-mtp: one forward; a verifying request's rows each keep their snapshot
+                args = [s.run.batch_args(f[0]) for s, f in zip(slots, feeds)]
+                rows = self.model.forward_batch([s.session for s in slots], [f[0] for f in feeds],
+                                                [f[1] for f in feeds], hidden=[a[0] for a in args],
+                                                saved=[a[1] for a in args])
             elif len(slots) == 1 and feeds[0][0].size == 1:  # the decode step: nothing allocated (S12)
                 rows = [self.model.step(slots[0].session, int(feeds[0][0][0]))]
             else:
@@ -374,6 +397,8 @@ class Scheduler:
                 s.job.error = e
                 self._finish(s)
             return
+        if self.spec and any(getattr(s.run, "drafts", None) for s in slots):
+            self.counters.verify_forwards += 1 if self.batch_mtp else sum(bool(s.run.drafts) for s in slots)
         for s, r in zip(slots, rows):
             try:
                 done = s.run.take(r)

@@ -489,6 +489,21 @@ def _prometheus(metrics: Metrics, scheduler: Scheduler, tier=None) -> str:
            [({}, cache.tokens_saved)])
     metric("strata_conversation_cache_sessions", "gauge", "sessions parked now", [({}, len(cache))])
     metric("strata_conversation_cache_bytes", "gauge", "host bytes of the parked sessions", [({}, cache.bytes)])
+    sp = scheduler.spec_stats
+    if sp is not None:  # --spec: the drafts of every request so far
+        pos = lambda a: [({"position": str(i + 1)}, int(v)) for i, v in enumerate(a)]  # noqa: E731
+        metric("strata_spec_drafted_total", "counter", "draft tokens made, by position in the chain (1: right after "
+               "the last accepted token)", pos(sp.drafted))
+        metric("strata_spec_accepted_total", "counter", "draft tokens the trunk kept, by position in the chain",
+               pos(sp.accepted))
+        metric("strata_spec_verifications_total", "counter", "draft chains verified (one per request and step)",
+               [({}, sp.verifications)])
+        metric("strata_spec_verified_tokens_total", "counter", "tokens the verifications produced (kept drafts and "
+               "the trunk's own token)", [({}, sp.produced)])
+        metric("strata_spec_tokens_per_verification", "gauge", "verified tokens / verifications since the start",
+               [({}, f"{sp.tokens_per_verification():.6f}" if sp.verifications else "NaN")])
+        metric("strata_spec_verify_forwards_total", "counter", "forwards of the trunk that verified drafts (with "
+               "--batch-mtp one per step for every request)", [({}, c.verify_forwards)])
     if tier is not None:
         st = tier.stats
         metric("strata_gpu_expert_hits_total", "counter", "routed experts computed from the GPU tier's slots",

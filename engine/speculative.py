@@ -73,20 +73,6 @@ class Snapshot:
         return gdn + sum(p.nbytes for p in self.ple_states.values()) + self.routing.nbytes
 
 
-def spec_host_bytes(g, max_context: int, kv: str, n_draft: int, mtp: bool) -> int:
-    """Host memory --spec adds to a session's: n_draft Snapshots (what `Snapshot` allocates: every
-    Gated DeltaNet layer's S and conv, every PLE state, the routing counts) and, drafting with the
-    MTP head, its KV cache (one full-attention layer of the session's kind)."""
-    from .kvcache import kv_bytes_per_token
-    from .model import conv_state_bytes, gdn_state_bytes
-    from .ple import ple_state_bytes
-
-    n_gdn = sum(not g.is_full_attention(l) for l in range(g.n_layer))
-    snap = n_gdn * (gdn_state_bytes(g) + conv_state_bytes(g)) + len(g.ple_layers) * ple_state_bytes(g) + \
-        g.n_layer * g.n_expert * 8
-    return n_draft * snap + (max_context * kv_bytes_per_token(g, kv) if mtp else 0)
-
-
 def roll_back(session: Session, snap: Snapshot | None, pos: int) -> None:
     """The session as it was after position pos - 1: `snap` taken there (None: pos is where the
     session is, nothing to undo)."""
@@ -224,7 +210,8 @@ class SpecRun(Run):
     The prompt goes as in a Run (the MTP drafter reads every position's head input)."""
 
     def __init__(self, model: Model, session: Session, prompt, sampler, max_new_tokens: int, *, drafter: Drafter,
-                 n_draft: int, **kw):
+                 n_draft: int, stats: SpecStats | None = None, **kw):
+        """`stats`: where the counts go (strata serve's requests share one, for /metrics); None: its own."""
         super().__init__(session, prompt, sampler, max_new_tokens, **kw)
         if n_draft < 1:
             raise ValueError(f"--spec {n_draft}: a speculative run drafts at least 1 token (--spec 0 is plain decoding)")
@@ -235,7 +222,9 @@ class SpecRun(Run):
         self.drafts: list[int] | None = None  # the drafts being verified
         self.qs: list = []
         self.n_fed = 0  # rows of the last feed
-        self.stats = SpecStats(n_draft)
+        if stats is not None and stats.drafted.size != n_draft:
+            raise ValueError(f"SpecRun: statistics for {stats.drafted.size} draft positions, --spec {n_draft}")
+        self.stats = SpecStats(n_draft) if stats is None else stats
 
     def feed(self):
         if self.prefilled is None:  # the prompt, as a Run feeds it
@@ -251,14 +240,19 @@ class SpecRun(Run):
         self.n_fed, self.drafts, self.qs = tokens.size, (drafts or None), qs
         return tokens, (tokens.size if drafts or self.on_logits is not None else 1)
 
+    def batch_args(self, tokens):
+        """The head input of every fed row (the MTP drafter reads it) and, verifying, the snapshots."""
+        return (None if self.hidden is None else self.hidden[: tokens.size]), \
+            (self.snaps if self.drafts is not None else None)
+
     def forward(self, model, tokens, n_logits):
-        h = None if self.hidden is None else self.hidden[: tokens.size]
-        if self.drafts is None:
+        h, saved = self.batch_args(tokens)
+        if saved is None:
             if tokens.size == 1:
                 return model.step(self.session, int(tokens[0]), h)
             return model.forward(self.session, tokens, n_logits, hidden=h)
         t0 = time.perf_counter()
-        rows = model.forward(self.session, tokens, n_logits, hidden=h, saved=self.snaps)
+        rows = model.forward(self.session, tokens, n_logits, hidden=h, saved=saved)
         self.stats.verify_s += time.perf_counter() - t0
         return rows
 

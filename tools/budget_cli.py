@@ -61,6 +61,8 @@ def budget(
     cache_slots: int = typer.Option(0, "--conversation-cache-slots", metavar="N", help="strata serve's parked sessions "
                                     "(8 there); 0: none, as strata generate"),
     cache_mib: int = typer.Option(2048, "--conversation-cache-mib", metavar="M", help="strata serve's cap on them, MiB"),
+    spec: int = typer.Option(0, "--spec", metavar="N", help="strata generate's and serve's --spec: N draft tokens per "
+                             "verification (the rollback snapshots and the MTP head's KV, per request)"),
     plot: Optional[Path] = typer.Option(None, "--plot", help="write a PNG of expected hit rate against slots"),
     version: bool = version_option(),
 ) -> None:
@@ -79,7 +81,7 @@ def budget(
 
         # inf (or 1e308, inf once in bytes) reached int() as an OverflowError traceback; 2^30 GiB is 1 EiB
         finite("--vram-budget-mib" if vram_budget_mib is not None else "--vram-gib", vram_budget_mib if vram_budget_mib is not None else vram_gib, lo=0, hi=2**40 if vram_budget_mib is not None else 2**30)
-        opts = _options(prefill, max_context, kv, expert_cache, vram_reserve_mib, batch, cache_slots, cache_mib)
+        opts = _options(prefill, max_context, kv, expert_cache, vram_reserve_mib, batch, cache_slots, cache_mib, spec)
         _check_context(pack_dir, kv, max_context)
         free = None if vram_gib is None and free_mib is None else int(vram_gib * GiB) if vram_gib is not None else free_mib * MiB
         report = _report(pack_dir, opts, free, expert_profile)
@@ -96,7 +98,7 @@ def budget(
 
 
 def _options(prefill: str, max_context: int, kv: str, expert_cache: str, reserve: int, batch: int = 1,
-             cache_slots: int = 0, cache_mib: int = 0):
+             cache_slots: int = 0, cache_mib: int = 0, spec: int = 0):
     from strata.engine.arguments import parse_prefill
     from strata.engine.budget import BudgetOptions, auto_prefill_chunk
 
@@ -104,11 +106,11 @@ def _options(prefill: str, max_context: int, kv: str, expert_cache: str, reserve
     chunk = auto_prefill_chunk() if chunk is None else chunk  # the device plan: the 256-token chunk
     slots = None if expert_cache == "auto" else _count("--expert-cache", expert_cache)
     for flag, v, lo in (("--batch", batch, 1), ("--conversation-cache-slots", cache_slots, 0),
-                        ("--conversation-cache-mib", cache_mib, 0)):
+                        ("--conversation-cache-mib", cache_mib, 0), ("--spec", spec, 0)):
         if v < lo:
             raise ValueError(f"{flag} {v}: expected at least {lo}")
     return BudgetOptions(max_context=max_context, kv=kv, vram_reserve_mib=reserve, prefill_chunk=chunk, expert_cache=slots,
-                         batch=batch, cache_slots=cache_slots, cache_mib=cache_mib)
+                         batch=batch, cache_slots=cache_slots, cache_mib=cache_mib, spec=spec)
 
 
 def _check_context(pack_dir: Path, kv: str, max_context: int) -> None:

@@ -367,6 +367,42 @@ def test_strata_serves_other_sessions_are_host_items(seed4l):
         plan(seed4l, batch=0)
 
 
+def test_spec_snapshots_and_the_mtp_heads_kv_are_host_items_per_request(seed4l):
+    """--spec N: N snapshots per request (what a rollback restores: 3 GDN layers' S [48, 128, 128] and
+    conv [3, 10240], one PLE ring [9, 4 x 2560], f32, and the routing counts i64 [4, 512]); a pack
+    with an MTP block adds per request the head's KV (one attention layer's, the session's kind) and
+    its input rows (f32 [max(chunk, 1 + N), 2560]). The sizes measured against a SpecRun's arrays:
+    tests/engine/test_speculative.py."""
+    _, _, g = seed4l
+    snap = 3 * (48 * 128 * 128 * 4 + 3 * 10240 * 4) + 9 * 4 * 2560 * 4 + 4 * 512 * 8
+    b = plan(seed4l, spec=2, batch=3, prefill_chunk=256)
+    item = b.item("spec.snapshots")
+    assert item.bytes == 3 * 2 * snap and item.count == 6 and item.where == B.HOST
+    assert b.host_bytes() - plan(seed4l, batch=3, prefill_chunk=256).host_bytes() == 6 * snap  # no MTP block here
+    assert "spec.snapshots" not in {i.key for i in plan(seed4l).items}
+    assert B.spec_host_bytes(g, 4096, "f16", 2, True, 0) == 2 * snap + 4096 * kv_bytes_per_token(g, "f16") + 3 * 2560 * 4
+    assert B.spec_host_bytes(g, 4096, "f16", 2, False, 0) == 2 * snap  # a reference drafter: no head
+
+
+def test_a_pack_with_an_mtp_block_plans_the_heads_kv_per_request():
+    from strata.tools.synth import plan_model
+
+    p = plan_model("qwen35moe", "tiny")
+    g = p.geometry
+    types = {t.name: t.ggml for t in p.tensors}
+    index = PackIndex.build("m.gguf", [(s.name, types[s.name].id, s.shape) for s in tensor_specs(g) if s.in_pool])
+    rows = [(l, types[f"blk.{l}.ffn_gate_exps.weight"].id, types[f"blk.{l}.ffn_down_exps.weight"].id,
+             blob_bytes_for(types[f"blk.{l}.ffn_gate_exps.weight"].id, types[f"blk.{l}.ffn_down_exps.weight"].id,
+                            g.n_embd, g.n_ff_exp), 8 * 10**9 * l, 8 * 10**9 * l + 10**9, 8 * 10**9 * l + 2 * 10**9, None)
+            for l in range(g.n_layer)]
+    experts = NativeExperts.build("m.gguf", g.n_expert, rows)
+    o = BudgetOptions(max_context=512, kv="f16", spec=2, batch=3, prefill_chunk=64)
+    assert "spec.mtp_kv" not in {i.key for i in plan_budget(index, experts, g, o).items}  # no MTP block
+    b = plan_budget(index, experts, dataclasses.replace(g, n_mtp_layer=1), o)
+    assert b.item("spec.mtp_kv").bytes == 3 * 512 * kv_bytes_per_token(g, "f16") and b.item("spec.mtp_kv").count == 3
+    assert b.item("spec.head_input").bytes == 3 * 64 * g.n_embd * 4
+
+
 def test_cli_plans_a_servers_sessions(tiny_pack, capsys):
     from strata.tools.budget_cli import main
 
@@ -375,3 +411,7 @@ def test_cli_plans_a_servers_sessions(tiny_pack, capsys):
     assert "the other --batch sessions (3 x" in out and "conversation cache, at most (8 parked sessions" in out
     assert main([str(tiny_pack), "--batch", "0"]) == 1
     assert "--batch 0: expected at least 1" in capsys.readouterr().err
+    assert main([str(tiny_pack), "--batch", "2", "--spec", "3"]) == 0
+    assert "verify snapshots (3 x" in capsys.readouterr().out
+    assert main([str(tiny_pack), "--spec", "-1"]) == 1
+    assert "--spec -1: expected at least 0" in capsys.readouterr().err

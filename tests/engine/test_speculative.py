@@ -330,26 +330,37 @@ def test_spec_with_the_mtp_drafter_on_a_pack_without_one_says_what_to_do(models,
 
 
 def test_the_memory_check_counts_what_spec_allocates(models):
-    """strata generate's memory check before the load adds spec_host_bytes: the snapshots and the
-    MTP head's KV cache, as allocated (the PLE token windows aside: a few ints, in no plan item)."""
-    from strata.engine.speculative import Snapshot, spec_host_bytes
+    """spec_host_bytes (engine/budget.py: strata generate's and serve's memory checks, strata-budget's
+    spec.* lines) is what a SpecRun allocates: its snapshots and, drafting with the MTP head, the
+    head's KV cache and the head-input rows (the prompt chunk's or 1 + N), measured from the arrays
+    (the PLE token windows aside: a few ints, in no plan item)."""
+    from strata.engine.budget import spec_host_bytes
+
+    def run_of(m, drafter, n_draft, chunk):
+        s = m.new_session(50, "f16")
+        run = SpecRun(m, s, [1, 2], Sampler(m.geometry.n_vocab, GREEDY), 4, drafter=drafter, n_draft=n_draft,
+                      prefill=chunk)
+        return run, sum(sn.nbytes - sum(p.window.nbytes for p in sn.ple_states.values()) for sn in run.snaps)
 
     for arch, m in models.items():
-        s = m.new_session(50, "f16")
-        snap = Snapshot(s)
-        windows = sum(p.window.nbytes for p in snap.ple_states.values())
-        assert spec_host_bytes(m.geometry, 50, "f16", 3, False) == 3 * (snap.nbytes - windows), arch
+        _, snaps = run_of(m, ReferenceDrafter([1, 2, 3], m.geometry.n_vocab, 1.0), 3, 7)
+        assert spec_host_bytes(m.geometry, 50, "f16", 3, False, 7) == snaps, arch
     m = models["qwen35moe"]
-    head_kv = MTPHead(m.pack).new_state(50, "f16").nbytes
-    assert spec_host_bytes(m.geometry, 50, "f16", 2, True) == spec_host_bytes(m.geometry, 50, "f16", 2, False) + head_kv
+    for chunk in (7, 1):  # the head-input rows: the chunk's, or 1 + N when that is more
+        drafter = MTPDrafter(MTPHead(m.pack), 50, "f16", Sampler(m.geometry.n_vocab, GREEDY), 0.0)
+        run, snaps = run_of(m, drafter, 2, chunk)
+        assert run.hidden.shape[0] == max(chunk, 3)
+        assert spec_host_bytes(m.geometry, 50, "f16", 2, True, chunk) == snaps + drafter.state.nbytes + run.hidden.nbytes
 
 
 # --- strata serve --spec ---------------------------------------------------------------------------
 
 
-def test_serve_spec_gives_every_request_the_text_of_spec_0(models):
+@pytest.mark.parametrize("batch_mtp", [False, True])
+def test_serve_spec_gives_every_request_the_text_of_spec_0(models, batch_mtp):
     """Requests through a --spec 2 scheduler (the MTP head drafting, two at a time, a second turn
-    resumed from the conversation cache) get --spec 0's greedy tokens and text."""
+    resumed from the conversation cache) get --spec 0's greedy tokens and text, verified per request
+    or with --batch-mtp (the head's inputs then come from the one forward of both requests)."""
     from strata.engine.scheduler import ConversationCache, Job, Scheduler, run_and_wait
     from strata.engine.tokenizer import Tokenizer
 
@@ -360,7 +371,7 @@ def test_serve_spec_gives_every_request_the_text_of_spec_0(models):
 
     def serve(spec):
         sch = Scheduler(m, tok, max_context=96, kv="f32", chunk=8, max_queue=8, cache=ConversationCache(4, 64 << 20),
-                        batch=2, spec=spec, spec_min_p=0.0)
+                        batch=2, spec=spec, spec_min_p=0.0, batch_mtp=batch_mtp and spec > 0)
         try:
             jobs = [Job(p, k, GREEDY, ignore_eos=True) for p, k in plan]
             with concurrent.futures.ThreadPoolExecutor(3) as pool:
@@ -373,14 +384,219 @@ def test_serve_spec_gives_every_request_the_text_of_spec_0(models):
     (want, _), (got, sch) = serve(0), serve(2)
     assert got[-1].resumed > 0  # the second turn started from the parked session
     assert sch._head is not None and sch._head.routing.sum() > 0  # the head drafted
+    if batch_mtp:  # two requests' chains verified in one forward, at least once
+        assert sch.counters.verify_forwards < sch.spec_stats.verifications
     for w, g in zip(want, got):
         assert g.error is None and g.result.tokens.tolist() == w.result.tokens.tolist() and g.text == w.text
+
+
+def test_batch_mtp_gives_the_mtp_head_the_inputs_it_gets_per_request(models):
+    """The drafts do not change the output, so the text alone cannot show a head input taken from the
+    wrong rows of the one forward: every request's drafts (the random head's, which depend on its
+    input bits) must be the ones it makes with per-request verification."""
+    from strata.engine.scheduler import ConversationCache, Job, Scheduler, run_and_wait
+    from strata.engine.speculative import Drafter
+    from strata.engine.tokenizer import Tokenizer
+
+    m = models["qwen35moe"]
+    tok = Tokenizer.load(m.pack.dir / "tokenizer.txt")
+    rng = np.random.default_rng(4)
+    plan = [(rng.integers(3, 256, n).tolist(), k) for n, k in ((9, 12), (30, 10), (4, 14))]
+
+    class Recording(Drafter):
+        needs_hidden = True
+
+        def __init__(self, inner, log):
+            self.inner, self.log = inner, log
+
+        def draft(self, history, n_known, n):
+            d, q = self.inner.draft(history, n_known, n)
+            self.log.append((n_known, tuple(d)))
+            return d, q
+
+        def observe(self, hidden, pos0, history):
+            self.inner.observe(hidden, pos0, history)
+
+    def drafts(batch_mtp):
+        head, logs = MTPHead(m.pack), {}
+
+        def drafter(job, sampler):
+            inner = MTPDrafter(head, 96, "f32", sampler.fork(sampler.seed + 1), 0.0)
+            return Recording(inner, logs.setdefault(tuple(job.prompt), []))
+
+        sch = Scheduler(m, tok, max_context=96, kv="f32", chunk=8, max_queue=8, cache=ConversationCache(0, 0),
+                        batch=3, spec=2, batch_mtp=batch_mtp, drafter=drafter)
+        try:
+            jobs = [Job(p, k, GREEDY, ignore_eos=True) for p, k in plan]
+            with concurrent.futures.ThreadPoolExecutor(3) as pool:
+                list(pool.map(lambda j: run_and_wait(sch, j, 60), jobs))
+        finally:
+            sch.close()
+        assert all(j.error is None for j in jobs)
+        return logs, sch
+
+    (per_slot, _), (batched, sch) = drafts(False), drafts(True)
+    assert sch.counters.verify_forwards < sch.spec_stats.verifications  # chains shared a forward
+    assert len(per_slot) == 3 and all(len(v) > 3 for v in per_slot.values())
+    assert batched == per_slot
+
+
+# --- strata serve --spec N --batch-mtp: every request's verify rows in one forward ------------------
+
+
+@pytest.mark.parametrize("arch", ["qwen35moe", "qwen4exp"])
+def test_one_forward_of_several_sessions_gives_each_its_own_bits(models, arch):
+    """forward_batch with per-session `hidden` and `saved`: a verifying session (3 rows, snapshots),
+    a prompt chunk asking for its head input and a plain token give the logits, head inputs,
+    snapshots and states that each gets from its own forward."""
+    from strata.engine.speculative import Snapshot
+
+    m = models[arch]
+    E, prompts = m.geometry.n_embd, [prompt_for(m, n, seed) for n, seed in ((9, 1), (5, 2), (7, 3))]
+    feeds = [prompt_for(m, 3, 4), prompt_for(m, 4, 5), prompt_for(m, 1, 6)]
+
+    def sessions():
+        out = [m.new_session(20) for _ in prompts]
+        for s, p in zip(out, prompts):
+            m.forward(s, p)
+        return out
+
+    alone, together = sessions(), sessions()
+    snaps = [[Snapshot(s) for _ in range(3)] for s in (alone[0], together[0])]
+    h_alone = [np.full((len(f), E), np.nan, np.float32) for f in feeds[:2]]
+    h_tog = [np.full((len(f), E), np.nan, np.float32) for f in feeds[:2]]
+    want = [m.forward(alone[0], feeds[0], 3, hidden=h_alone[0], saved=snaps[0]),
+            m.forward(alone[1], feeds[1], 2, hidden=h_alone[1]), m.forward(alone[2], feeds[2], 1)]
+    got = m.forward_batch(together, feeds, [3, 2, 1], hidden=[h_tog[0], h_tog[1], None], saved=[snaps[1], None, None])
+    for w, g in zip(want, got):
+        assert np.array_equal(w, g)
+    assert all(np.array_equal(a, b) for a, b in zip(h_alone, h_tog))
+    for a, b in zip(snaps[0], snaps[1]):  # every row's snapshot: the state after that row
+        assert np.array_equal(a.routing, b.routing)
+        for x, y in zip(a.states, b.states):
+            assert x is None or all(np.array_equal(x[k], y[k]) for k in x)
+    assert not np.array_equal(snaps[1][0].routing, snaps[1][2].routing)  # not vacuous: the rows differ
+    for a, b in zip(alone, together):
+        assert_same_states(a, b)
+
+
+SERVE_JOBS = [(9, 12, "oracle"), (30, 8, "wrong"), (4, 15, "half"), (17, 10, "most"), (6, 5, "oracle")]
+P_RIGHT = {"oracle": 1.0, "wrong": 0.0, "half": 0.5, "most": 0.8}
+
+
+def serve_jobs(m, jobs, *, batch, spec, batch_mtp=False, refs=None, cache_slots=8):
+    """Jobs (prompt, max tokens, drafter kind) through a scheduler, submitted at once: `batch` run
+    together, the rest join as those leave (their lengths differ). -> (jobs, scheduler)."""
+    from strata.engine.scheduler import ConversationCache, Job, Scheduler, run_and_wait
+    from strata.engine.tokenizer import Tokenizer
+
+    tok = Tokenizer.load(m.pack.dir / "tokenizer.txt")
+    kinds = {tuple(p): k for p, _, k in jobs}
+
+    def drafter(job, sampler):
+        key = tuple(job.prompt)
+        return ReferenceDrafter(refs[key], m.geometry.n_vocab, P_RIGHT[kinds[key]], seed=len(key))
+
+    sch = Scheduler(m, tok, max_context=64, kv="f32", chunk=8, max_queue=8,
+                    cache=ConversationCache(cache_slots, 256 << 20), batch=batch, spec=spec, batch_mtp=batch_mtp,
+                    drafter=drafter if spec else None)
+    try:
+        out = [Job(p, k, GREEDY, ignore_eos=True) for p, k, _ in jobs]
+        with concurrent.futures.ThreadPoolExecutor(len(out)) as pool:
+            list(pool.map(lambda j: run_and_wait(sch, j, 120), out))
+    finally:
+        sch.close()
+    return out, sch
+
+
+@pytest.mark.parametrize("arch", ["qwen35moe", "qwen4exp"])
+def test_serve_batch_mtp_gives_every_request_its_tokens_and_states_alone(models, arch):
+    """--spec 2 --batch-mtp, three slots, five requests (oracle, wrong, right half the time, right
+    0.8 of the time: every acceptance length), joining and leaving between steps: each request's
+    greedy tokens and its parked session's states are those of its --spec 0 run alone; per-slot
+    verification gives them too; the batched server verified several chains per forward."""
+    m = models[arch]
+    rng = np.random.default_rng(5)
+    jobs = [(rng.integers(3, m.geometry.n_vocab, n).tolist(), k, kind) for n, k, kind in SERVE_JOBS]
+    alone = [plain(m, p, n=k, prefill=8) for p, k, _ in jobs]
+    refs = {tuple(p): np.concatenate([r.prompt, r.tokens]) for (p, _, _), (r, _) in zip(jobs, alone)}
+    batched, sch = serve_jobs(m, jobs, batch=3, spec=2, batch_mtp=True, refs=refs)
+    per_slot, sch1 = serve_jobs(m, jobs, batch=3, spec=2, refs=refs)
+    for j, j1, (r, s) in zip(batched, per_slot, alone):
+        assert j.error is None and j1.error is None
+        assert j.result.tokens.tolist() == r.tokens.tolist() == j1.result.tokens.tolist()
+        fed = tuple(j.result.fed.tolist())
+        assert_same_states(sch.cache._parked[fed][0], s)
+    st = sch.spec_stats
+    assert 0 < st.accepted.sum() < st.drafted.sum() and st.accepted[1] > 0  # kept and rejected drafts, both positions
+    assert st.verifications == sch1.spec_stats.verifications
+    # batched: fewer forwards than chains verified (several slots in one); per slot: one each
+    assert sch.counters.verify_forwards < st.verifications and sch1.counters.verify_forwards == st.verifications
+
+
+def test_serve_metrics_count_drafts_by_position(models):
+    """/metrics with --spec 2: an oracle request and an always wrong one, 12 tokens each. By hand: the
+    first token comes from the prompt; the oracle's verifications give 3, 3, 3, then 2 (one draft:
+    one token is left), so 4 chains, 11 tokens, drafts 4 and 3 at positions 1 and 2, all kept; the
+    wrong drafter's give 1 each for tokens 2..11 (10 chains, the second draft made while 2 tokens are
+    left: 9) and the last is a plain step."""
+    from strata.engine.serve import Metrics, _prometheus
+
+    m = models["qwen4exp"]
+    rng = np.random.default_rng(8)
+    jobs = [(rng.integers(3, m.geometry.n_vocab, 10).tolist(), 12, kind) for kind in ("oracle", "wrong")]
+    refs = {tuple(p): np.concatenate([r.prompt, r.tokens]) for (p, _, _), (r, _) in
+            ((job, plain(m, job[0], n=12, prefill=8)) for job in jobs)}
+    _, sch = serve_jobs(m, jobs, batch=1, spec=2, batch_mtp=True, refs=refs)  # one after the other
+    text = _prometheus(Metrics(), sch)
+    lines = dict(line.rsplit(" ", 1) for line in text.splitlines() if not line.startswith("#"))
+    assert lines['strata_spec_drafted_total{position="1"}'] == "14"
+    assert lines['strata_spec_drafted_total{position="2"}'] == "12"
+    assert lines['strata_spec_accepted_total{position="1"}'] == "4"
+    assert lines['strata_spec_accepted_total{position="2"}'] == "3"
+    assert lines["strata_spec_verifications_total"] == "14" == lines["strata_spec_verify_forwards_total"]
+    assert lines["strata_spec_verified_tokens_total"] == "21"
+    assert float(lines["strata_spec_tokens_per_verification"]) == 1.5
+    assert "strata_spec_drafted_total" not in _prometheus(Metrics(), serve_jobs(m, jobs[:1], batch=1, spec=0)[1])
+
+
+def test_serve_passes_spec_and_batch_mtp_to_the_scheduler(models, monkeypatch, capsys):
+    """strata serve --spec 2 --batch 3 --batch-mtp builds its scheduler with them (a stand-in that
+    records its arguments and stops the server before it listens)."""
+    from strata.engine import scheduler
+    from strata.engine.cli import main
+
+    seen = {}
+
+    def stand_in(*args, **kw):
+        seen.update(kw)
+        raise ValueError("stand-in scheduler: stop here")
+
+    monkeypatch.setattr(scheduler, "Scheduler", stand_in)
+    pack = str(models["qwen35moe"].pack.dir)
+    assert main(["serve", "--pack", pack, "--port", "0", "--spec", "2", "--batch", "3", "--batch-mtp"]) == 1
+    assert "stand-in scheduler: stop here" in capsys.readouterr().err
+    assert (seen["spec"], seen["batch"], seen["batch_mtp"]) == (2, 3, True)
+    assert main(["serve", "--pack", pack, "--port", "0", "--spec", "2"]) == 1
+    assert seen["batch_mtp"] is False
+
+
+def test_batch_mtp_without_spec_is_refused(models):
+    from strata.engine.scheduler import ConversationCache, Scheduler
+    from strata.engine.tokenizer import Tokenizer
+
+    m = models["qwen4exp"]
+    with pytest.raises(ValueError, match="--batch-mtp verifies the requests' drafts in one forward: it needs --spec N"):
+        Scheduler(m, Tokenizer.load(m.pack.dir / "tokenizer.txt"), max_context=8, kv="f32", chunk=8, max_queue=1,
+                  cache=ConversationCache(0, 0), batch=2, batch_mtp=True)
 
 
 @pytest.mark.bad_input("before-load")
 @pytest.mark.parametrize("args, code, message", [
     (["--spec", "2"], 1, "--spec 2 drafts with the pack's MTP block and"),
     (["--spec", "-3"], 2, "strata serve: error: --spec -3: expected a count of draft tokens >= 0"),
+    (["--batch-mtp", "--batch", "4"], 2, "strata serve: error: --batch-mtp verifies the requests' drafts in one "
+     "forward: give --spec N (N >= 1) too"),
 ])
 def test_serve_spec_is_refused_before_the_load(models, capsys, args, code, message):
     from strata.engine.cli import main
