@@ -157,7 +157,7 @@ COMPUTE = {"attention", "delta_rule", "delta_rule_step", "chunk_delta_rule", "co
 # backend's expert server calls it for its misses); the embedding rows and the PLE table's rows are
 # host-side reads of the pack (the GPU token step takes them up in one copy), the MTP head's
 # embedding rows too
-ALLOWED = {"moe.py MoE.products", "model.py Model._forward", "model.py _BlockRows.__call__", "mtp.py MTPHead._embed"}
+ALLOWED = {"moe.py MoE.products", "model.py Model._forward_rows", "model.py _BlockRows.__call__", "mtp.py MTPHead._embed"}
 
 
 def _direct_compute_calls(path: Path) -> list[str]:

@@ -6,23 +6,21 @@ tier placed (engine/kernels/gpu.py, the activations quantized on the device by t
 for bit the host's), every norm, gate, convolution, delta-rule step, RoPE and attention on the
 device with the runtime's array module (`rt.xp`: CuPy on a card; numpy under the host emulation,
 tests/gpu_emu.py), and the session's states (KV cache, Gated DeltaNet state, conv state, residual
-stream) are device arrays. What crosses to the host per layer is what the host must decide:
+stream) are device arrays.
 
-    the router's logits [T, X]      -> the top-k on the host (moe.route_topk: float64, the CPU's
-                                       ranking, so the experts chosen are the CPU's)
-    the MoE input x [T, E]          -> the expert server (engine/tier/hits.py): the hits on the
-                                       device, the misses on the CPU in one grouped call; its rows
-                                       come back as one array and are combined on the device
+A decode token needs the host only for the embedding row in and the logits out, and for the misses
+of a layer whose experts are not all resident (DeviceExperts: the top-k, the slot lookup, the hits'
+products and the combine are on the device; the misses' ids, slots and x come down once, their rows
+go up once). Every routed expert's hidden activation has the same bits wherever it is made (the
+portable SiLU, engine/ops.py silu_mul_), so the logits are bit-identical across expert-cache splits.
+Its attention and RoPE read the position from fixed device addresses, so `token_step` captures a
+session's step once as CUDA graphs (segments cut where the host computes misses) and replays it at
+every later position. A prompt chunk routes on the host (moe.route_topk) through the tier's hit
+path. The host-driven tier (engine/tier/backend.py) is the other choice: its blocks compute on the
+host and only the products run on the device.
 
-plus the embedding row in and the logits out. The expert server makes every routed expert's hidden
-activation on the host with moe.hidden_ (the function a CPU miss uses) and the combine runs on the
-device in rank order whatever computed each row, so the logits are bit-identical across expert-cache
-splits. The host-driven tier (engine/tier/backend.py) is the other choice: its blocks compute on
-the host and only the products run on the device.
-
-Not yet here (docs/gpu-tier.md): the router and the experts on the device (one grouped kernel per
-layer reading the slot table), CUDA graphs, the sampling; qwen4exp's hyper-connections, QSA and PLE
-(that architecture keeps the host-driven step).
+Not yet here (docs/gpu-tier.md): the sampling on the device; qwen4exp's hyper-connections, QSA and
+PLE (that architecture keeps the host-driven step).
 """
 
 from __future__ import annotations
