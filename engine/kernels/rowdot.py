@@ -518,64 +518,100 @@ NAMES = frozenset(TYPES) | frozenset(KTYPES)  # the types with a one-token kerne
 # token path, not the LM head, kept decode at 0.75x llama.cpp). Here the rows of all the matrices
 # are one range split over the pool, each row by its own type's kernel, to the same bits.
 
-_MANY_SRC = '''
-def kernel({params}xq, xd, s16, n_chunks):
-    nb = xq.size // QA
-    P = (nb + 15) // 16 * 16
-    xd0 = np.zeros(P, F32)
-    xd1 = np.zeros(P, F32)
-    xs = np.zeros(P, np.int32)  # the 32-element kernels' padded scales and block sums
-    for b in range(nb):
-        xd0[b] = xd[b]
-        xs[b] = s16[2 * b] + s16[2 * b + 1]
+_MANY_SRC = """
+def kernel({params}xq, xd, s16, wq, wd, ws, n_chunks):
+    # the 8-bit form: xq i8 [n_in], xd f32 [nb], s16 i32 [2 nb]; the wide form (actq.ActQ16, one
+    # token): wq i8 [2 n_in] (hi, then lo), wd f32 [2 nb], ws i32 [4 nb]. A form no matrix reads
+    # is passed empty and never touched.
+{prologue}
     {sizes}
     total = {total}
     for c in prange(n_chunks):
         for o in range(c * total // n_chunks, (c + 1) * total // n_chunks):
 {body}
-'''
+"""
+
+# the 32-element kernels' padded scales and block sums, as _kernel's (8-bit) and _kernel16's (wide)
+_MANY_PROLOGUE = """
+    nb = xq.size // QA
+    P = (nb + 15) // 16 * 16
+    xd0 = np.zeros(P, F32)
+    xd1 = np.zeros(P, F32)
+    xs = np.zeros(P, np.int32)
+    for b in range(nb):
+        xd0[b] = xd[b]
+        xs[b] = s16[2 * b] + s16[2 * b + 1]"""
+_MANY_PROLOGUE_WIDE = """
+    nbw = wq.size // (2 * QA)
+    Pw = (nbw + 15) // 16 * 16
+    wd0 = np.zeros(Pw, F32)
+    ws_hi = np.zeros(Pw, np.int32)
+    ws_lo = np.zeros(Pw, np.int32)
+    for b in range(nbw):
+        wd0[b] = wd[b]
+        ws_hi[b] = ws[2 * b] + ws[2 * b + 1]
+        ws_lo[b] = ws[2 * nbw + 2 * b] + ws[2 * nbw + 2 * b + 1]"""
 
 
-def _many_kernel(names: tuple[str, ...], parallel: bool):
+def _many_kernel(names: tuple[str, ...], wides: tuple[bool, ...], parallel: bool):
     params = "".join(f"raw{i}, rb{i}, out{i}, " for i in range(len(names)))
     sizes = "; ".join(f"n{i} = out{i}.size" for i in range(len(names)))
+    prologue = (_MANY_PROLOGUE if not all(wides) else "") + (_MANY_PROLOGUE_WIDE if any(wides) else "")
     body, start = [], "0"
-    for i, name in enumerate(names):
+    for i, (name, wide) in enumerate(zip(names, wides)):
         at = f"(o - ({start})) * rb{i}"
-        call = (f"K{i}(raw{i}, {at}, nb, xq, xd, s16)" if name in KTYPES else f"R{i}(raw{i}, {at}, nb, xq, xd0, xd1, xs)")
+        if wide:
+            call = f"W{i}(raw{i}, {at}, nbw, wq, wd0, ws_hi, ws_lo)"
+        elif name in KTYPES:
+            call = f"K{i}(raw{i}, {at}, nb, xq, xd, s16)"
+        else:
+            call = f"R{i}(raw{i}, {at}, nb, xq, xd0, xd1, xs)"
         test = "if" if i == 0 else "elif"
         end = f"{start} + n{i}" if i else "n0"
         body.append(f"            {test} o < {end}:\n                out{i}[o - ({start})] = {call}" if i < len(names) - 1 else
                     f"            else:\n                out{i}[o - ({start})] = {call}")  # fmt: skip
         start = end
-    src = _MANY_SRC.format(params=params, sizes=sizes, total=start, body="\n".join(body))
+    src = _MANY_SRC.format(params=params, prologue=prologue, sizes=sizes, total=start, body="\n".join(body))
     # __name__: numba's disk cache rebuilds a kernel's environment by importing its module by name
     # (None, the default of exec's globals, failed in every process after the first)
     env = {"__name__": __name__, "np": np, "F32": F32, "QA": QA, "prange": prange}
-    for i, name in enumerate(names):
-        env[f"K{i}" if name in KTYPES else f"R{i}"] = KROW[name] if name in KTYPES else ROW[name, False]
+    for i, (name, wide) in enumerate(zip(names, wides)):
+        if wide:
+            env[f"W{i}"] = ROW16[name]
+        elif name in KTYPES:
+            env[f"K{i}"] = KROW[name]
+        else:
+            env[f"R{i}"] = ROW[name, False]
     exec(compile(src, __file__, "exec"), env)  # noqa: S102 -- the source is the template above
-    return cached(njit(parallel=parallel, **JIT)(env["kernel"]), f"rowdot-many-{'-'.join(names)}-{'par' if parallel else 'serial'}")
+    tag = "-".join(n + ("w" if w else "") for n, w in zip(names, wides))
+    return cached(njit(parallel=parallel, **JIT)(env["kernel"]), f"rowdot-many-{tag}-{'par' if parallel else 'serial'}")
 
 
-_MANY: dict[tuple[tuple[str, ...], bool], object] = {}
+_MANY: dict[tuple[tuple[str, ...], tuple[bool, ...], bool], object] = {}
+_NONE8 = (np.zeros(0, np.int8), np.zeros(0, F32), np.zeros(0, np.int32))  # a form no matrix of the call reads
 
 
 def matvec_many(names: tuple[str, ...], raws, row_bytes, xq: np.ndarray, xd: np.ndarray, s16: np.ndarray, outs,
-                parallel: bool, n_chunks: int) -> None:  # fmt: skip
+                parallel: bool, n_chunks: int, wides: tuple[bool, ...] | None = None, wide=None) -> None:  # fmt: skip
     """outs[i] = the `names[i]` (NAMES) matrix raws[i] (row_bytes[i] per row) . one token's ActQ
     planes with a scale per 32 elements, every row of every matrix in one range split into n_chunks
-    on the pool if `parallel`: bit for bit `matvec` of each. The caller (cpu.matvec_many) has
-    validated the shapes."""
-    if xd.size != xq.size // QA:
+    on the pool if `parallel`: bit for bit `matvec` of each. `wides[i]`: matrix i reads the wide
+    form instead (actq.ActQ16, as `matvec`'s `wide`), whose planes `wide` = (xq [2 n_in], xd, s16)
+    are; a GDN layer's qkv reads it and its gate the 8-bit form, both from one input. xq, xd, s16
+    may be None when every matrix reads the wide form. The caller (cpu.matvec_many) has validated
+    the shapes."""
+    wides = tuple(bool(w) for w in (wides or (False,) * len(names)))
+    if xq is None:
+        xq, xd, s16 = _NONE8
+    elif xd.size != xq.size // QA:
         raise ValueError(f"rowdot.matvec_many: activations with a scale per 32 elements only, got {xd.size} scales for {xq.size}")
-    key = (tuple(names), parallel)
+    key = (tuple(names), wides, parallel)
     if key not in _MANY:
         _MANY[key] = _many_kernel(*key)
     args = []
     for raw, rb, out in zip(raws, row_bytes, outs):
         args += [raw, rb, out]
-    _MANY[key](*args, xq, xd, s16, n_chunks)
+    _MANY[key](*args, xq, xd, s16, *(wide if wide is not None else _NONE8), n_chunks)
 
 
 # ---------------------------------------------------------------------------------------------
