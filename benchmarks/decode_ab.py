@@ -1,9 +1,13 @@
 """Before/after of the token path's latest change in one process: `Model.step` without it (before)
 and with it (after), rounds interleaved, same token ids, wall-clock and CPU time per token, and the
-per-stage table of each. The change compared: the one-token Q4_K/Q6_K kernels (rowdot.KTYPES; the
-general row kernel before) and one parallel region for several products of one input (backend
-`linears`, the routed experts' gate and up; one region per product before). The comparison of
-rowdot.py's first types and delta.py with the general kernels is `git show 2f692b5:benchmarks/decode_ab.py`.
+per-stage table of each. The change compared: one parallel region for the products of one input
+whatever form each reads (backend `linears` -> cpu.matvec_many: a GDN layer's qkv reads the wide
+form and its gate the 8-bit one, QSA's q/k/v the wide form, QSA's indexer q/k BF16, a shared
+expert's IQ4_XS gate and up through the pair kernel); before, only products of one 8-bit form
+shared a region (PLE's key and value, which call `linears` only since this change, share one
+either way). Earlier comparisons: the one-token Q4_K/Q6_K kernels and the first one-region
+products, `git show 6c4cd39:benchmarks/decode_ab.py`; rowdot.py's first types and delta.py,
+`git show 2f692b5:benchmarks/decode_ab.py`.
 
     python benchmarks/decode_ab.py [--arch qwen4exp|qwen35moe] [--threads 1] [--rounds 5] [--tokens 32]
 
@@ -21,23 +25,44 @@ import time
 import numpy as np
 
 import decode as D
+from strata.engine.weights import Input
+
+F32 = np.float32
 
 
 @contextlib.contextmanager
 def before():
-    """The token path as it was: K-quants through the general row kernel, a parallel region per product."""
-    from strata.engine import backend, moe
-    from strata.engine.kernels import rowdot
+    """The token path as it was: products of one input share a region only where all read one 8-bit form."""
+    from strata.engine import backend
+    from strata.engine.backend import _row
+    from strata.engine.kernels import cpu
+    from strata.engine.kernels.actq import ActQ
 
-    def one_by_one(self, ws, x, outs):
-        return [self.linear(w, x, out) for w, out in zip(ws, outs)]
+    def old_linears(self, ws, x, outs):
+        if isinstance(x, np.ndarray):
+            x = Input(x)
+        acts = [x.form(w.type, w.wide) if isinstance(x, Input) else x for w in ws]
+        one = all(a is acts[0] for a in acts) and isinstance(acts[0], ActQ) and acts[0].q.shape[0] == 1
+        if not one or any(getattr(w, "device", None) is not None for w in ws):
+            return [self.linear(w, x, out) for w, out in zip(ws, outs)]
+        outs = [np.empty((1, w.n_out), F32) if out is None else out for w, out in zip(ws, outs)]
+        if not all(w.type.name in rowdot_names() for w in ws):  # no pair kernel: one matvec each
+            return [self.linear(w, x, out) for w, out in zip(ws, outs)]
+        cpu.matvec_many([(w.raw, w.type.id, w.n_in, w.n_out, out.reshape(-1)) for w, out in zip(ws, outs)], _row(acts[0]))
+        return outs
 
-    saved = rowdot.NAMES, backend.CpuBackend.linears, moe.FUSE_ROWS
-    rowdot.NAMES, backend.CpuBackend.linears, moe.FUSE_ROWS = frozenset(rowdot.TYPES), one_by_one, 0
+    saved = backend.CpuBackend.linears
+    backend.CpuBackend.linears = old_linears
     try:
         yield
     finally:
-        rowdot.NAMES, backend.CpuBackend.linears, moe.FUSE_ROWS = saved
+        backend.CpuBackend.linears = saved
+
+
+def rowdot_names():
+    from strata.engine.kernels import rowdot
+
+    return rowdot.NAMES if rowdot.AVAILABLE else ()
 
 
 def main(argv: list[str] | None = None) -> int:
