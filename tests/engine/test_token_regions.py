@@ -42,10 +42,11 @@ def _regions(fn) -> int:
 
 # (block, its weights of one input: name, type, n_out): the released qwen4exp mix of tools/synth.py
 BLOCKS = {
-    "GDN qkv (wide) + gate": [("blk.0.attn_qkv.weight", "Q5_0", 96), ("blk.0.attn_gate.weight", "Q4_0", 64)],
-    "QSA q/k/v (all wide)": [("blk.3.attn_q.weight", "IQ4_NL", 96), ("blk.3.attn_k.weight", "Q8_0", 32),
-                             ("blk.3.attn_v.weight", "Q8_0", 32)],
-    "QSA indexer q/k (BF16)": [("blk.3.indexer.q_proj.weight", "BF16", 64), ("blk.3.indexer.k_proj.weight", "BF16", 16)],
+    "GDN qkv (wide) + gate + beta + alpha (BF16)": [("blk.0.attn_qkv.weight", "Q5_0", 96), ("blk.0.attn_gate.weight", "Q4_0", 64),
+                                                    ("blk.0.ssm_beta.weight", "BF16", 8), ("blk.0.ssm_alpha.weight", "BF16", 8)],
+    "QSA q/k/v (wide) + indexer q/k (BF16)": [("blk.3.attn_q.weight", "IQ4_NL", 96), ("blk.3.attn_k.weight", "Q8_0", 32),
+                                              ("blk.3.attn_v.weight", "Q8_0", 32), ("blk.3.indexer.q_proj.weight", "BF16", 64),
+                                              ("blk.3.indexer.k_proj.weight", "BF16", 16)],
     "shared expert up + gate (IQ4_XS)": [("blk.0.ffn_up_shexp.weight", "IQ4_XS", 40), ("blk.0.ffn_gate_shexp.weight", "IQ4_XS", 40)],
 }
 
