@@ -2,8 +2,9 @@
 and with it (after), rounds interleaved, same token ids, wall-clock and CPU time per token, and the
 per-stage table of each. The change compared: one parallel region for the products of one input
 whatever form each reads (backend `linears` -> cpu.matvec_many: a GDN layer's qkv reads the wide
-form and its gate the 8-bit one, QSA's q/k/v the wide form, QSA's indexer q/k BF16, a shared
-expert's IQ4_XS gate and up through the pair kernel); before, only products of one 8-bit form
+form, its gate the 8-bit one and its BF16 alpha and beta the f32 values, QSA's q/k/v the wide form
+and its BF16 indexer q/k the f32 values, a shared expert's IQ4_XS gate and up through the pair
+kernel); before, only products of one 8-bit form
 shared a region (PLE's key and value, which call `linears` only since this change, share one
 either way). Earlier comparisons: the one-token Q4_K/Q6_K kernels and the first one-region
 products, `git show 6c4cd39:benchmarks/decode_ab.py`; rowdot.py's first types and delta.py,
