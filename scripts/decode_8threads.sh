@@ -19,7 +19,7 @@ t0=$SECONDS
 ARCH=${ARCH:-qwen4exp}
 timeout 330 python3 benchmarks/decode.py --arch $ARCH --threads 8 --tokens 32 --rounds 2 2>&1 | grep -v compiling | tail -25
 echo "strata done at $((SECONDS - t0)) s"
-if [ -n "$AB" ]; then timeout 300 python3 benchmarks/decode_ab.py --arch $ARCH --threads 8 --rounds 3 2>&1 | grep -v compiling | tail -12; fi
+if [ -n "$AB" ]; then timeout 300 python3 benchmarks/decode_ab.py --arch $ARCH --threads 8 --rounds 3 2>&1 | grep -v compiling | tail -13; fi
 for i in $(seq 1 60); do test -f /tmp/llama-build/done && break; sleep 5; done
 echo "llama build: $(cat /tmp/llama-build/done 2>/dev/null) after $((SECONDS - t0)) s"
 G=$(ls .cache/bench/seed-4l-$ARCH-00001-of-00002.gguf)
