@@ -5,8 +5,7 @@ whatever form each reads (backend `linears` -> cpu.matvec_many: a GDN layer's qk
 form, its gate the 8-bit one and its BF16 alpha and beta the f32 values, QSA's q/k/v the wide form
 and its BF16 indexer q/k the f32 values, a shared expert's IQ4_XS gate and up through the pair
 kernel); before, only products of one 8-bit form
-shared a region (PLE's key and value, which call `linears` only since this change, share one
-either way). Earlier comparisons: the one-token Q4_K/Q6_K kernels and the first one-region
+shared a region. Earlier comparisons: the one-token Q4_K/Q6_K kernels and the first one-region
 products, `git show 6c4cd39:benchmarks/decode_ab.py`; rowdot.py's first types and delta.py,
 `git show 2f692b5:benchmarks/decode_ab.py`.
 

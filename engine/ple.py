@@ -200,12 +200,11 @@ class PLELayer:
     def _gated(self, be, streams: np.ndarray, e: np.ndarray) -> np.ndarray:
         """streams [T, HE], e [T, Pe] -> G [T, HE]."""
         T, hc, E = streams.shape[0], self.hc, self.E
-        k, v = be.linears((self.key, self.value), e, (None, None))  # one input: one parallel region for a token
-        K = be.rmsnorm(k, self.norm_key, self.eps, group=E, f32_sums=True).reshape(T, hc, E)
+        K = be.rmsnorm(be.linear(self.key, e), self.norm_key, self.eps, group=E, f32_sums=True).reshape(T, hc, E)
         Q = be.rmsnorm(streams, self.norm_query, self.eps, group=E, f32_sums=True).reshape(T, hc, E)
         g = (K * Q).sum(axis=-1, dtype=F32) / F32(math.sqrt(E))
         g = np.sign(g) * np.sqrt(np.maximum(np.abs(g), F32(1e-6)))
-        return (be.sigmoid(g, exp_form=True)[:, :, None] * v[:, None, :]).reshape(T, hc * E)
+        return (be.sigmoid(g, exp_form=True)[:, :, None] * be.linear(self.value, e)[:, None, :]).reshape(T, hc * E)
 
     def forward(self, be, streams: np.ndarray, tokens: np.ndarray, states) -> None:
         """In place: streams f32[T, HE] += PLE outputs for tokens int64[T]. `states`: one PLEState (every
