@@ -1,9 +1,13 @@
 """Before/after of the token path's latest change in one process: `Model.step` without it (before)
 and with it (after), rounds interleaved, same token ids, wall-clock and CPU time per token, and the
-per-stage table of each. The change compared: the one-token Q4_K/Q6_K kernels (rowdot.KTYPES; the
-general row kernel before) and one parallel region for several products of one input (backend
-`linears`, the routed experts' gate and up; one region per product before). The comparison of
-rowdot.py's first types and delta.py with the general kernels is `git show 2f692b5:benchmarks/decode_ab.py`.
+per-stage table of each. The change compared: one parallel region for the products of one input
+whatever form each reads (backend `linears` -> cpu.matvec_many: a GDN layer's qkv reads the wide
+form, its gate the 8-bit one and its BF16 alpha and beta the f32 values, QSA's q/k/v the wide form
+and its BF16 indexer q/k the f32 values, a shared expert's IQ4_XS gate and up through the pair
+kernel); before, only products of one 8-bit form
+shared a region. Earlier comparisons: the one-token Q4_K/Q6_K kernels and the first one-region
+products, `git show 6c4cd39:benchmarks/decode_ab.py`; rowdot.py's first types and delta.py,
+`git show 2f692b5:benchmarks/decode_ab.py`.
 
     python benchmarks/decode_ab.py [--arch qwen4exp|qwen35moe] [--threads 1] [--rounds 5] [--tokens 32]
 
@@ -21,23 +25,44 @@ import time
 import numpy as np
 
 import decode as D
+from strata.engine.weights import Input
+
+F32 = np.float32
 
 
 @contextlib.contextmanager
 def before():
-    """The token path as it was: K-quants through the general row kernel, a parallel region per product."""
-    from strata.engine import backend, moe
-    from strata.engine.kernels import rowdot
+    """The token path as it was: products of one input share a region only where all read one 8-bit form."""
+    from strata.engine import backend
+    from strata.engine.backend import _row
+    from strata.engine.kernels import cpu
+    from strata.engine.kernels.actq import ActQ
 
-    def one_by_one(self, ws, x, outs):
-        return [self.linear(w, x, out) for w, out in zip(ws, outs)]
+    def old_linears(self, ws, x, outs):
+        if isinstance(x, np.ndarray):
+            x = Input(x)
+        acts = [x.form(w.type, w.wide) if isinstance(x, Input) else x for w in ws]
+        one = all(a is acts[0] for a in acts) and isinstance(acts[0], ActQ) and acts[0].q.shape[0] == 1
+        if not one or any(getattr(w, "device", None) is not None for w in ws):
+            return [self.linear(w, x, out) for w, out in zip(ws, outs)]
+        outs = [np.empty((1, w.n_out), F32) if out is None else out for w, out in zip(ws, outs)]
+        if not all(w.type.name in rowdot_names() for w in ws):  # no pair kernel: one matvec each
+            return [self.linear(w, x, out) for w, out in zip(ws, outs)]
+        cpu.matvec_many([(w.raw, w.type.id, w.n_in, w.n_out, out.reshape(-1)) for w, out in zip(ws, outs)], _row(acts[0]))
+        return outs
 
-    saved = rowdot.NAMES, backend.CpuBackend.linears, moe.FUSE_ROWS
-    rowdot.NAMES, backend.CpuBackend.linears, moe.FUSE_ROWS = frozenset(rowdot.TYPES), one_by_one, 0
+    saved = backend.CpuBackend.linears
+    backend.CpuBackend.linears = old_linears
     try:
         yield
     finally:
-        rowdot.NAMES, backend.CpuBackend.linears, moe.FUSE_ROWS = saved
+        backend.CpuBackend.linears = saved
+
+
+def rowdot_names():
+    from strata.engine.kernels import rowdot
+
+    return rowdot.NAMES if rowdot.AVAILABLE else ()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -98,7 +123,31 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{D.machine()}; {args.threads} threads, {args.tokens} token steps after {args.prompt} prompt tokens per round, interleaved")
     print(tabulate(rows, headers=["round", "before ms/token", "after ms/token", "speed-up", "before CPU ms/token",
                                   "after CPU ms/token", "CPU speed-up"], tablefmt="github"))
+    print(per_step(model, args.prompt, 2 * args.tokens))
     return 0
+
+
+def per_step(model, prompt_len: int, n_tokens: int) -> str:
+    """Before and after alternated token step by token step (two sessions, the same ids, the order
+    swapped every step): a load that comes and goes on a shared host hits both alike, where a round
+    of 32 steps of one then the other can catch it in one only (2026-12-01: five 1-thread rounds
+    gave 0.82-0.97x, the same trees alternated per step 1.00x)."""
+    ids = np.random.default_rng(7).integers(0, model.geometry.n_vocab, prompt_len + n_tokens).tolist()
+    modes = {"before": before, "after": contextlib.nullcontext}
+    sessions = {k: model.new_session(len(ids)) for k in modes}
+    wall, cpu_s = {k: [] for k in modes}, {k: [] for k in modes}
+    for i, tok in enumerate(ids):
+        for name in (("before", "after") if i % 2 == 0 else ("after", "before")):
+            with modes[name]():
+                c0, t0 = time.process_time(), time.perf_counter()
+                model.step(sessions[name], tok)
+                if i >= prompt_len:
+                    wall[name].append(time.perf_counter() - t0)
+                    cpu_s[name].append(time.process_time() - c0)
+    b, a = (float(np.median(wall[k])) for k in ("before", "after"))
+    bc, ac = (float(np.median(cpu_s[k])) for k in ("before", "after"))
+    return (f"alternated per step, {n_tokens} steps each: median before {1e3 * b:.1f} ms, after {1e3 * a:.1f} ms = {b / a:.2f}x; "
+            f"CPU {1e3 * bc:.1f} -> {1e3 * ac:.1f} ms = {bc / ac:.2f}x")
 
 
 if __name__ == "__main__":

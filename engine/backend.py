@@ -102,15 +102,19 @@ class CpuBackend:
     def linears(self, ws, x, outs) -> list[np.ndarray]:
         """[linear(w, x, out) for w, out in zip(ws, outs)] (an out may be None): several products of one input. One row
         on the CPU goes through cpu.matvec_many (all the matrices' rows in one parallel region,
-        the same bits); a weight the backend places elsewhere (the tier's `linear`) goes one by one."""
+        the same bits; a wide weight reads its own form of the same input, so a GDN layer's qkv and
+        gate still share one region); a weight the backend places elsewhere (the tier's `linear`)
+        goes one by one."""
         if isinstance(x, np.ndarray):
             x = Input(x)
         acts = [x.form(w.type, w.wide) if isinstance(x, Input) else x for w in ws]  # a wide weight reads its own form
-        one = all(a is acts[0] for a in acts) and isinstance(acts[0], ActQ) and acts[0].q.shape[0] == 1
+        one = all(a.rows == 1 if isinstance(a, ActQ16) else (a.q if isinstance(a, ActQ) else a).shape[0] == 1 for a in acts)
         if not one or any(getattr(w, "device", None) is not None for w in ws):
             return [self.linear(w, x, out) for w, out in zip(ws, outs)]
         outs = [np.empty((1, w.n_out), F32) if out is None else out for w, out in zip(ws, outs)]
-        cpu.matvec_many([(w.raw, w.type.id, w.n_in, w.n_out, out.reshape(-1)) for w, out in zip(ws, outs)], _row(acts[0]))
+        rows = {}  # one row object per form: matvec_many fuses products whose forms are the same object
+        forms = [rows.setdefault(id(a), _row(a)) for a in acts]
+        cpu.matvec_many([(w.raw, w.type.id, w.n_in, w.n_out, out.reshape(-1)) for w, out in zip(ws, outs)], forms)
         return outs
 
     # --- the sequence and elementwise operations (engine/ops.py) ---------------------------------

@@ -164,9 +164,11 @@ class HyperConnection:
         else:
             sn = be.rmsnorm(streams, self.norm, self.eps, group=self.n_embd, f32_sums=True)
             sn_in = Input(sn)
-        d = be.linear(self.down, sn_in) / F32(self.hc)
-        u = be.linear(self.up, d * be.sigmoid(d, exp_form=True))  # silu
-        x = be.mix_tail(u, sn, be.scratch("hc.x", (T, self.n_embd)))
+        sc = be.scratch  # the token step's buffers, reused (the same values as new arrays)
+        d = be.linear(self.down, sn_in, sc("hc.d", (T, self.down.n_out)))
+        d /= F32(self.hc)
+        u = be.linear(self.up, d * be.sigmoid(d, exp_form=True), sc("hc.u", (T, self.hc * self.n_embd)))  # silu
+        x = be.mix_tail(u, sn, sc("hc.x", (T, self.n_embd)))
         if self.inject_w is None:
             return Input(x), None
         return Input(x), 2 * be.sigmoid(be.linear(self.inject_w, sn_in) / F32(self.hc), exp_form=True)

@@ -90,10 +90,13 @@ class GatedDeltaNet:
         rows) -> f32 [T, E]."""
         T = x.x.shape[0]
         nk, dk, nv, dv, sc = self.nk, self.dk, self.nv, self.dv, be.scratch
-        mixed, z = be.linears((self.qkv, self.z), x, (sc("gdn.qkv", (T, self.C)), sc("gdn.z", (T, nv * dv))))
+        # the four products of x in one parallel region for a token (backend.linears)
+        mixed, z, beta, alpha = be.linears((self.qkv, self.z, self.beta, self.alpha), x,
+                                           (sc("gdn.qkv", (T, self.C)), sc("gdn.z", (T, nv * dv)), sc("gdn.beta", (T, nv)),
+                                            sc("gdn.alpha", (T, nv))))  # fmt: skip
         z = z.reshape(T, nv, dv)
-        beta = be.sigmoid(be.linear(self.beta, x, sc("gdn.beta", (T, nv))))
-        decay = be.param(self.a) * be.softplus(be.linear(self.alpha, x, sc("gdn.alpha", (T, nv))) + be.param(self.dt_bias))
+        beta = be.sigmoid(beta)
+        decay = be.param(self.a) * be.softplus(alpha + be.param(self.dt_bias))
         # one sequence's chunk takes the delta rule's own output (a copy of [T, nv, dv] per layer
         # otherwise); the decode step, the scratch; several sequences, their rows of one array
         o = sc("gdn.o", (T, nv, dv)) if T == 1 or len(seqs) > 1 else None

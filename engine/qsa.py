@@ -315,8 +315,8 @@ class QSALayer:
         for r in seqs:
             if r.state.n + r.n > r.state.max_ctx:
                 raise ContextFull(f"layer {self.layer}: context full ({r.state.max_ctx} tokens); raise --ctx-size")
-        qg, k, v = be.linears((self.attn_q, self.attn_k, self.attn_v), x, (None, None, None))
-        iq, ik = be.linear(self.idx_q, x), be.linear(self.idx_k, x)
+        # the five products of x in one parallel region for a token (backend.linears)
+        qg, k, v, iq, ik = be.linears((self.attn_q, self.attn_k, self.attn_v, self.idx_q, self.idx_k), x, (None,) * 5)
         H, Hkv, D = self.H, self.Hkv, self.D
         # r.pos, not the cache's n: a verify forward's rows are Seqs of ONE cache, appended in turn
         pos = np.concatenate([r.pos + np.arange(r.n) for r in seqs])

@@ -563,6 +563,65 @@ def _float_kernel(name, step16, load, parallel):
     return cached(njit(parallel=parallel, **JIT)(kernel), f"{name}-{'par' if parallel else 'serial'}")
 
 
+def _quant_pair_kernel(name, dec, per, has_min, preset, parallel):
+    """Two matrices of one block type and row length against one token, their rows one range split
+    into chunks: one parallel region where a matvec of each made two (a shared expert's gate and
+    up in a type without a one-token kernel: IQ4_XS). A row's arithmetic is _quant_rows' whatever
+    the range it is in, so each out has its own matvec's bits."""
+    rows = _quant_rows(dec, per, has_min, _scales(name, preset))
+
+    def kernel(raw0, raw1, type_size, row_bytes, xq, xd, xs, lut, out0, out1, n_chunks):
+        # as _quant_kernel's for one token; out0 f32 [1, n0], out1 f32 [1, n1]: rows 0 .. n0 of
+        # the range are raw0's, the rest raw1's
+        n0 = out0.shape[1]
+        total = n0 + out1.shape[1]
+        P = (xd.shape[1] + 31) // 32 * 32
+        for c in prange(n_chunks):
+            xdp, xs0, xs1 = _padded(xd, xs, P)
+            wq, sc, fl, lo, hi = _scratch(P, preset, 1)
+            a, b = c * total // n_chunks, (c + 1) * total // n_chunks
+            if a < n0:
+                rows(raw0, 0, type_size, row_bytes, a, min(b, n0), 0, 1, xq, xs, xdp, xs0, xs1, lut, wq, sc, fl, lo, hi, out0)
+            if b > n0:
+                rows(raw1, 0, type_size, row_bytes, max(a, n0) - n0, b - n0, 0, 1, xq, xs, xdp, xs0, xs1, lut, wq, sc, fl, lo,
+                     hi, out1)  # fmt: skip
+
+    return cached(njit(parallel=parallel, **JIT)(kernel), f"{name}-pair-{'par' if parallel else 'serial'}")
+
+
+def _float_pair_kernel(name, step16, load, parallel):
+    """_quant_pair_kernel for F32/F16/BF16 weights (QSA's indexer query and key projections): each
+    row _float_kernel's lanes and fold."""
+
+    @njit(**_inline)
+    def row(w, o, x, lut, acc):
+        n_in = x.shape[1]
+        base = o * n_in
+        acc[:] = F32(0)
+        i = 0
+        while i + 16 <= n_in:
+            step16(acc, i & 31, w, base + i, x[0], i, lut)
+            i += 16
+        for j in range(i, n_in):
+            acc[j & 31] = acc[j & 31] + load(w, base + j, lut) * x[0, j]
+        return simd.fold32(acc)
+
+    def kernel(w0, w1, x, lut, out0, out1, n_chunks):
+        # w0 [n0 * n_in], w1 [n1 * n_in]; x f32 [1, n_in]; out0 f32 [1, n0], out1 f32 [1, n1]
+        # (one array picked by the row in a prange body was not written to: two branches)
+        n0 = out0.shape[1]
+        total = n0 + out1.shape[1]
+        for c in prange(n_chunks):
+            acc = np.empty(32, F32)
+            for r in range(c * total // n_chunks, (c + 1) * total // n_chunks):
+                if r < n0:
+                    out0[0, r] = row(w0, r, x, lut, acc)
+                else:
+                    out1[0, r - n0] = row(w1, r - n0, x, lut, acc)
+
+    return cached(njit(parallel=parallel, **JIT)(kernel), f"{name}-pair-{'par' if parallel else 'serial'}")
+
+
 _FLOAT = {"F32": (simd.dense16_f32, _load_f32), "F16": (simd.dense16_f16, _load_16), "BF16": (simd.dense16_bf16, _load_16)}
 
 
@@ -593,6 +652,18 @@ def _grouped(name: str, parallel: bool):
 
 
 _PANEL: dict[tuple[str, bool, bool], object] = {}
+
+
+_PAIRS: dict[tuple[str, bool], object] = {}
+
+
+def _pair_kernel(name: str, parallel: bool):
+    """_quant_pair_kernel / _float_pair_kernel of a type, as _kernel."""
+    key = (name, parallel)
+    if key not in _PAIRS:
+        _PAIRS[key] = (_quant_pair_kernel(name, *_DECODERS[name], parallel) if name in _DECODERS
+                       else _float_pair_kernel(name, *_FLOAT[name], parallel))  # fmt: skip
+    return _PAIRS[key]
 
 
 def _panel(name: str, grouped: bool, parallel: bool):
@@ -839,28 +910,79 @@ def matvec(raw: np.ndarray, type_id: int, n_in: int, n_out: int, act, out: np.nd
 
 def matvec_many(products, act) -> list[np.ndarray]:
     """y_i = W_i x for several matrices and one token's activations -> the outs. products: a list
-    of (raw, type_id, n_in, n_out, out) with out f32 [n_out]; act as `matvec` takes it. Where every
-    W_i has a one-token kernel (rowdot.NAMES) the rows of all of them are one parallel region (a
-    decode step's products on one input: rowdot.matvec_many says why); otherwise one matvec each.
-    Either way each out is bit for bit `matvec` of its matrix."""
+    of (raw, type_id, n_in, n_out, out) with out f32 [n_out]; act as `matvec` takes it, or a list of
+    one form per product (the 8-bit ActQ and the wide ActQ16 of one input: a GDN layer's qkv reads
+    the wide form, its gate the 8-bit one, its BF16 alpha and beta the f32 values). Where every
+    W_i has a one-token kernel (rowdot.NAMES; for the wide form rowdot.TYPES; F32/F16/BF16: the
+    float row) the rows of all of them are one parallel region (a decode
+    step's products on one input: rowdot.matvec_many says why); otherwise one matvec each. Either
+    way each out is bit for bit `matvec` of its matrix."""
+    acts = list(act) if isinstance(act, (list, tuple)) else [act] * len(products)
+    if len(acts) != len(products):
+        raise ValueError(f"matvec_many: {len(acts)} activation forms for {len(products)} products")
     names, raws, row_bytes, outs, work = [], [], [], [], 0
-    for raw, type_id, n_in, n_out, out in products:
+    for (raw, type_id, n_in, n_out, out), a in zip(products, acts):
         t = ggml_type(type_id, where="matvec_many")
         where = f"matvec_many({t.name})"
         raws.append(_check_raw(raw, t, n_in, n_out, where))
+        if isinstance(a, ActQ16):
+            _check16(a, t, n_in, True, where)
         if not (isinstance(out, np.ndarray) and out.shape == (n_out,) and out.dtype == F32 and out.flags.c_contiguous):
             raise ValueError(f"{where}: out must be contiguous f32 [{n_out}], got {_describe(out)}")
         names.append(t.name)
         row_bytes.append(t.row_bytes(n_in))
         outs.append(out)
         work += n_in * n_out
-    fused = (len(names) > 1 and rowdot.AVAILABLE and all(n in rowdot.NAMES for n in names)
-             and len({p[2] for p in products}) == 1 and isinstance(act, ActQ) and act.d.size == act.q.size // QA)  # fmt: skip
+    wides = [isinstance(a, ActQ16) for a in acts]
+    floats = [n in rowdot.FLOATS for n in names]
+    narrow = [a for a, w, f in zip(acts, wides, floats) if not w and not f]
+    wide = [a for a, w in zip(acts, wides) if w]
+    values = [a for a, f in zip(acts, floats) if f]
+    fused = (len(names) > 1 and rowdot.AVAILABLE and len({p[2] for p in products}) == 1
+             and all(f or n in (rowdot.TYPES if w else rowdot.NAMES) for n, w, f in zip(names, wides, floats))
+             and all(isinstance(a, ActQ) and a is narrow[0] and a.d.size == a.q.size // QA for a in narrow)
+             and all(a is wide[0] and a.one for a in wide)
+             and all(isinstance(a, np.ndarray) and a is values[0] and a.dtype == F32 and a.ndim == 1 for a in values))  # fmt: skip
     if not fused:
-        return [matvec(raw, type_id, n_in, n_out, act, out) for raw, type_id, n_in, n_out, out in products]
-    q, d, s16 = _planes(act, products[0][2], True, "matvec_many")
+        if len(names) == 2 and names[0] == names[1] and products[0][2] == products[1][2] and acts[0] is acts[1] \
+                and not isinstance(acts[0], ActQ16) and not (rowdot.AVAILABLE and names[0] in rowdot.NAMES):
+            return _matvec_pair(names[0], raws, products[0][2], outs, acts[0], work)
+        return [matvec(raw, type_id, n_in, n_out, a, out) for (raw, type_id, n_in, n_out, out), a in zip(products, acts)]
+    n_in = products[0][2]
+    q = d = s16 = None
+    if narrow:
+        q, d, s16 = (v.reshape(-1) for v in _planes(narrow[0], n_in, True, "matvec_many"))
+    planes = None
+    if wide:
+        p = wide[0].planes
+        planes = (p.q.reshape(-1), p.d.reshape(-1), p.s16.reshape(-1))
+        work += n_in * sum(o.size for o, w in zip(outs, wides) if w)  # two planes: twice the dots
+    fx = None
+    if values:
+        fx = _floats(values[0], n_in, True, ggml_type(names[floats.index(True)]), "matvec_many").reshape(-1)
+        for i, f in enumerate(floats):  # a float matrix: its values and, in row_bytes' place, its table
+            if f:
+                raws[i] = raws[i].view(F32) if names[i] == "F32" else raws[i].view(np.uint16)
+                row_bytes[i] = BF16_TO_F32 if names[i] == "BF16" else F16_TO_F32
     parallel, chunks = _launch(sum(o.size for o in outs), work)
-    rowdot.matvec_many(tuple(names), raws, row_bytes, q.reshape(-1), d.reshape(-1), s16.reshape(-1), outs, parallel, chunks)
+    rowdot.matvec_many(tuple(names), raws, row_bytes, q, d, s16, outs, parallel, chunks, tuple(wides), planes, fx)
+    return outs
+
+
+def _matvec_pair(name: str, raws, n_in: int, outs, act, work: int) -> list[np.ndarray]:
+    """matvec_many of two matrices of one type without a one-token kernel: their rows in one region
+    (_pair_kernel), each out bit for bit its matvec (the same row kernel, the same activations)."""
+    t = ggml_type(name, where="matvec_many")
+    parallel, chunks = _launch(outs[0].size + outs[1].size, work)
+    o0, o1 = outs[0].reshape(1, -1), outs[1].reshape(1, -1)
+    if t.quantized:
+        q, d, s16 = _planes(act, n_in, True, "matvec_many")
+        _pair_kernel(name, parallel)(raws[0], raws[1], t.type_size, t.row_bytes(n_in), q.reshape(-1), d.reshape(1, -1),
+                              s16.reshape(1, -1), F16_TO_F32, o0, o1, chunks)  # fmt: skip
+    else:
+        x = _floats(act, n_in, True, t, "matvec_many")
+        view = (lambda r: r.view(F32)) if name == "F32" else (lambda r: r.view(np.uint16))
+        _pair_kernel(name, parallel)(view(raws[0]), view(raws[1]), x, BF16_TO_F32 if name == "BF16" else F16_TO_F32, o0, o1, chunks)
     return outs
 
 

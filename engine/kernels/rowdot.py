@@ -720,64 +720,144 @@ NAMES = frozenset(TYPES) | frozenset(KTYPES)  # the types with a one-token kerne
 # token path, not the LM head, kept decode at 0.75x llama.cpp). Here the rows of all the matrices
 # are one range split over the pool, each row by its own type's kernel, to the same bits.
 
-_MANY_SRC = '''
-def kernel({params}xq, xd, s16, n_chunks):
+_MANY_SRC = """
+def kernel({params}xq, xd, s16, wq, wd, ws, fx, n_chunks):
+    # the 8-bit form: xq i8 [n_in], xd f32 [nb], s16 i32 [2 nb]; the wide form (actq.ActQ16, one
+    # token): wq i8 [2 n_in] (hi, then lo), wd f32 [2 nb], ws i32 [4 nb]; the f32 values fx
+    # [n_in] (F32/F16/BF16 matrices, raw{{i}} their values, lut{{i}} their table to f32). A form
+    # no matrix reads is passed empty and never touched.
+{prologue}
+    {sizes}
+    total = {total}
+    for c in prange(n_chunks):
+{chunk_init}
+        for o in range(c * total // n_chunks, (c + 1) * total // n_chunks):
+{body}
+"""
+
+# the 32-element kernels' padded scales and block sums, as _kernel's (8-bit) and _kernel16's (wide)
+_MANY_PROLOGUE = """
     nb = xq.size // QA
     P = (nb + 15) // 16 * 16
     xd0 = np.zeros(P, F32)
     xd1 = np.zeros(P, F32)
-    xs = np.zeros(P, np.int32)  # the 32-element kernels' padded scales and block sums
+    xs = np.zeros(P, np.int32)
     for b in range(nb):
         xd0[b] = xd[b]
-        xs[b] = s16[2 * b] + s16[2 * b + 1]
-    {sizes}
-    total = {total}
-    for c in prange(n_chunks):
-        for o in range(c * total // n_chunks, (c + 1) * total // n_chunks):
-{body}
-'''
+        xs[b] = s16[2 * b] + s16[2 * b + 1]"""
+_MANY_PROLOGUE_WIDE = """
+    nbw = wq.size // (2 * QA)
+    Pw = (nbw + 15) // 16 * 16
+    wd0 = np.zeros(Pw, F32)
+    ws_hi = np.zeros(Pw, np.int32)
+    ws_lo = np.zeros(Pw, np.int32)
+    for b in range(nbw):
+        wd0[b] = wd[b]
+        ws_hi[b] = ws[2 * b] + ws[2 * b + 1]
+        ws_lo[b] = ws[2 * nbw + 2 * b] + ws[2 * nbw + 2 * b + 1]"""
 
 
-def _many_kernel(names: tuple[str, ...], parallel: bool):
-    params = "".join(f"raw{i}, rb{i}, out{i}, " for i in range(len(names)))
+def _load_f32(w, i, lut):
+    return w[i]
+
+
+def _load_16(w, i, lut):
+    return lut[w[i]]
+
+
+def _float_row(kind: str):
+    """One row of an F32/F16/BF16 matrix . f32 values x: cpu._float_kernel's loop for one token
+    (lane l takes elements l, l + 32, ... in order, product rounded then added; the same fold)."""
+    step16 = getattr(simd, f"dense16_{kind}")
+    load = njit(inline="always", **JIT)(_load_f32 if kind == "f32" else _load_16)
+
+    @njit(inline="always", **JIT)
+    def row(w, o, x, lut, acc):
+        n_in = x.size
+        base = o * n_in
+        acc[:] = F32(0)
+        i = 0
+        while i + 16 <= n_in:
+            step16(acc, i & 31, w, base + i, x, i, lut)
+            i += 16
+        for j in range(i, n_in):
+            acc[j & 31] = acc[j & 31] + load(w, base + j, lut) * x[j]
+        return simd.fold32(acc)
+
+    return row
+
+
+FLOATS = ("F32", "F16", "BF16")
+FROW = {name: _float_row(name.lower()) for name in FLOATS}
+
+
+def _many_kernel(names: tuple[str, ...], wides: tuple[bool, ...], parallel: bool):
+    params = "".join(f"raw{i}, {'lut' if n in FLOATS else 'rb'}{i}, out{i}, " for i, n in enumerate(names))
     sizes = "; ".join(f"n{i} = out{i}.size" for i in range(len(names)))
+    narrow = any(not w and n not in FLOATS for n, w in zip(names, wides))
+    prologue = (_MANY_PROLOGUE if narrow else "") + (_MANY_PROLOGUE_WIDE if any(wides) else "")
     body, start = [], "0"
-    for i, name in enumerate(names):
+    for i, (name, wide) in enumerate(zip(names, wides)):
         at = f"(o - ({start})) * rb{i}"
-        call = (f"K{i}(raw{i}, {at}, nb, xq, xd, s16)" if name in KTYPES else f"R{i}(raw{i}, {at}, nb, xq, xd0, xd1, xs)")
+        if wide:
+            call = f"W{i}(raw{i}, {at}, nbw, wq, wd0, ws_hi, ws_lo)"
+        elif name in FLOATS:
+            call = f"F{i}(raw{i}, o - ({start}), fx, lut{i}, acc)"
+        elif name in KTYPES:
+            call = f"K{i}(raw{i}, {at}, nb, xq, xd, s16)"
+        else:
+            call = f"R{i}(raw{i}, {at}, nb, xq, xd0, xd1, xs)"
         test = "if" if i == 0 else "elif"
         end = f"{start} + n{i}" if i else "n0"
         body.append(f"            {test} o < {end}:\n                out{i}[o - ({start})] = {call}" if i < len(names) - 1 else
                     f"            else:\n                out{i}[o - ({start})] = {call}")  # fmt: skip
         start = end
-    src = _MANY_SRC.format(params=params, sizes=sizes, total=start, body="\n".join(body))
+    chunk_init = "        acc = np.empty(32, F32)  # a float row's lanes" if any(n in FLOATS for n in names) else ""
+    src = _MANY_SRC.format(params=params, prologue=prologue, sizes=sizes, total=start, body="\n".join(body), chunk_init=chunk_init)
     # __name__: numba's disk cache rebuilds a kernel's environment by importing its module by name
     # (None, the default of exec's globals, failed in every process after the first)
     env = {"__name__": __name__, "np": np, "F32": F32, "QA": QA, "prange": prange}
-    for i, name in enumerate(names):
-        env[f"K{i}" if name in KTYPES else f"R{i}"] = KROW[name] if name in KTYPES else ROW[name, False]
+    for i, (name, wide) in enumerate(zip(names, wides)):
+        if wide:
+            env[f"W{i}"] = ROW16[name]
+        elif name in FLOATS:
+            env[f"F{i}"] = FROW[name]
+        elif name in KTYPES:
+            env[f"K{i}"] = KROW[name]
+        else:
+            env[f"R{i}"] = ROW[name, False]
     exec(compile(src, __file__, "exec"), env)  # noqa: S102 -- the source is the template above
-    return cached(njit(parallel=parallel, **JIT)(env["kernel"]), f"rowdot-many-{'-'.join(names)}-{'par' if parallel else 'serial'}")
+    tag = "-".join(n + ("w" if w else "") for n, w in zip(names, wides))
+    return cached(njit(parallel=parallel, **JIT)(env["kernel"]), f"rowdot-many-{tag}-{'par' if parallel else 'serial'}")
 
 
-_MANY: dict[tuple[tuple[str, ...], bool], object] = {}
+_MANY: dict[tuple[tuple[str, ...], tuple[bool, ...], bool], object] = {}
+_NONE8 = (np.zeros(0, np.int8), np.zeros(0, F32), np.zeros(0, np.int32))  # a form no matrix of the call reads
 
 
 def matvec_many(names: tuple[str, ...], raws, row_bytes, xq: np.ndarray, xd: np.ndarray, s16: np.ndarray, outs,
-                parallel: bool, n_chunks: int) -> None:  # fmt: skip
+                parallel: bool, n_chunks: int, wides: tuple[bool, ...] | None = None, wide=None, fx=None) -> None:  # fmt: skip
     """outs[i] = the `names[i]` (NAMES) matrix raws[i] (row_bytes[i] per row) . one token's ActQ
     planes with a scale per 32 elements, every row of every matrix in one range split into n_chunks
-    on the pool if `parallel`: bit for bit `matvec` of each. The caller (cpu.matvec_many) has
-    validated the shapes."""
-    if xd.size != xq.size // QA:
+    on the pool if `parallel`: bit for bit `matvec` of each. `wides[i]`: matrix i reads the wide
+    form instead (actq.ActQ16, as `matvec`'s `wide`), whose planes `wide` = (xq [2 n_in], xd, s16)
+    are; a GDN layer's qkv reads it and its gate the 8-bit form, both from one input. A FLOATS
+    matrix reads the f32 values fx [n_in]: raws[i] its values (f32, or f16/bf16 bits as uint16)
+    and row_bytes[i] the table its bits go through (a GDN layer's BF16 alpha and beta, QSA's
+    indexer q/k). xq, xd, s16 may be None when no matrix reads the 8-bit form. The caller
+    (cpu.matvec_many) has validated the shapes."""
+    wides = tuple(bool(w) for w in (wides or (False,) * len(names)))
+    if xq is None:
+        xq, xd, s16 = _NONE8
+    elif xd.size != xq.size // QA:
         raise ValueError(f"rowdot.matvec_many: activations with a scale per 32 elements only, got {xd.size} scales for {xq.size}")
-    key = (tuple(names), parallel)
+    key = (tuple(names), wides, parallel)
     if key not in _MANY:
         _MANY[key] = _many_kernel(*key)
     args = []
     for raw, rb, out in zip(raws, row_bytes, outs):
         args += [raw, rb, out]
-    _MANY[key](*args, xq, xd, s16, n_chunks)
+    _MANY[key](*args, xq, xd, s16, *(wide if wide is not None else _NONE8), _NONE8[1] if fx is None else fx, n_chunks)
 
 
 # ---------------------------------------------------------------------------------------------

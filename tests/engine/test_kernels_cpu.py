@@ -198,9 +198,71 @@ def test_several_products_of_one_token_in_one_region_equal_matvec_each(names, pa
         want.append(cpu.matvec(raw, t.id, n_in, sizes[i], act))
     with cpu_path(parallel):
         cpu.matvec_many(products, act)
-    assert rowdot._MANY[names, parallel].signatures, "the one-region kernel was not taken"
+    assert rowdot._MANY[names, (False,) * len(names), parallel].signatures, "the one-region kernel was not taken"
     for (*_, out), w, name in zip(products, want, names):
         _same(out, w, f"{name} in {'+'.join(names)}")
+
+
+@pytest.mark.parametrize("parallel", [False, True], ids=["serial", "parallel"])
+@pytest.mark.parametrize("names, wides", [(("Q5_0", "Q4_0"), (True, False)), (("IQ4_NL", "Q8_0", "Q8_0"), (True, True, True)),
+                                          (("Q4_K", "Q8_0", "Q5_0"), (False, True, False)),
+                                          (("Q5_0", "Q4_0", "BF16", "BF16"), (True, False, False, False)),
+                                          (("IQ4_NL", "Q8_0", "Q8_0", "BF16", "BF16"), (True, True, True, False, False)),
+                                          (("F32", "F16"), (False, False))],
+                         ids=["gdn-qkv-wide+gate", "qsa-qkv-all-wide", "k+wide+8bit", "gdn-qkv+gate+alpha+beta",
+                              "qsa-qkv+indexer", "f32+f16"])
+def test_products_of_the_wide_and_the_8bit_form_of_one_input_share_one_region(names, wides, parallel):
+    # a GDN layer's qkv reads the wide form (ActQ16) and its gate the 8-bit one, QSA's q/k/v all
+    # the wide form: with a product per region for them (as before), a token paid 5 regions more
+    # (docs/performance.md). Each out must be bit for bit its own matvec of its own form.
+    rowdot = _need_rowdot()
+    from strata.engine.kernels.actq import quantize_act16
+
+    n_in = 512
+    sizes = (19, 37, 5, 11, 3)
+    x = _acts(n_in, 1, 12)[0]
+    act, act16 = quantize_act(x), quantize_act16(x)
+    products, forms, want = [], [], []
+    for i, (name, wide) in enumerate(zip(names, wides)):
+        t = BY_NAME[name]
+        raw = random_weights(t, n_in * sizes[i], np.random.default_rng(20 + i))
+        form = act16 if wide else act if t.quantized else x
+        products.append((raw, t.id, n_in, sizes[i], np.full(sizes[i], np.nan, np.float32)))
+        forms.append(form)
+        want.append(cpu.matvec(raw, t.id, n_in, sizes[i], form))
+    with cpu_path(parallel):
+        cpu.matvec_many(products, forms)
+    assert rowdot._MANY[names, wides, parallel].signatures, "the one-region kernel was not taken"
+    for (*_, out), w, name in zip(products, want, names):
+        _same(out, w, f"{name} in {'+'.join(names)}")
+
+
+@pytest.mark.parametrize("parallel", [False, True], ids=["serial", "parallel"])
+@pytest.mark.parametrize("name", ["IQ4_XS", "Q3_K", "BF16", "F32"])
+def test_two_products_of_a_type_without_a_token_kernel_share_one_region(name, parallel):
+    # a shared expert's gate and up (IQ4_XS in the released qwen4exp mix) and QSA's indexer q/k
+    # (BF16) were a region each: 6 more per seed-4l token. The pair kernel walks both matrices'
+    # rows as one range (the chunk cuts through either): each out is its own matvec's bits.
+    n_in, sizes = 512, (37, 19)
+    t = BY_NAME[name]
+    x = _acts(n_in, 1, 13)[0]
+    act = quantize_act(x) if t.quantized else x
+    products, want = [], []
+    for i, n_out in enumerate(sizes):
+        raw = random_weights(t, n_in * n_out, np.random.default_rng(30 + i))
+        products.append((raw, t.id, n_in, n_out, np.full(n_out, np.nan, np.float32)))
+        want.append(cpu.matvec(raw, t.id, n_in, n_out, act))
+    rowdot = cpu.rowdot
+    available = rowdot.AVAILABLE
+    rowdot.AVAILABLE = available and t.quantized  # float rows go to rowdot's kernel where it runs: the pair is the fallback's
+    try:
+        with cpu_path(parallel):
+            cpu.matvec_many(products, act)
+    finally:
+        rowdot.AVAILABLE = available
+    assert cpu._PAIRS[name, parallel].signatures, "the pair kernel was not taken"
+    for (*_, out), w, which in zip(products, want, ("first", "second")):
+        _same(out, w, f"{name} pair, {which} matrix")
 
 
 def test_several_products_fall_back_to_one_matvec_each_where_a_type_has_no_token_kernel():
@@ -460,7 +522,7 @@ act = quantize_act(np.linspace(-1, 1, 512, dtype=np.float32))
 ps = [(random_weights(BY_NAME[n], 512 * 3, np.random.default_rng(i)), BY_NAME[n].id, 512, 3, np.empty(3, np.float32))
       for i, n in enumerate(("Q4_K", "Q8_0"))]
 cpu.matvec_many(ps, act)
-k = rowdot._MANY[("Q4_K", "Q8_0"), False]
+k = rowdot._MANY[("Q4_K", "Q8_0"), (False, False), False]
 print(sum(k.stats.cache_hits.values()), sum(k.stats.cache_misses.values()))
 """
 
