@@ -179,7 +179,10 @@ def main(argv: list[str] | None = None) -> int:
                   "(the token step's CUDA graph replayed back to back, no host work)", flush=True)
         st, n = tier.stats, tier.slots.slots
         worst = max(tier.marks, key=lambda m: m.error)
-        split = f"{st.gpu_s:.2f} / {st.cpu_s:.2f} / {st.wait_s:.2f}" if st.events else f"- / {st.cpu_s:.2f} / {st.wait_s:.2f}"
+        if opts.get("step") == "device":  # its hits are not timed apart (they run inside the step's graphs): no zeros
+            split = f"- / {st.cpu_s:.2f} / -"
+        else:
+            split = f"{st.gpu_s:.2f} / {st.cpu_s:.2f} / {st.wait_s:.2f}" if st.events else f"- / {st.cpu_s:.2f} / {st.wait_s:.2f}"
         rows.append((name, n, f"{n / pairs:.0%}", opts.get("vram_budget_mib", "-"),
                      f"{expected_hit_rate(profile, n):.1%} / {expected_hit_rate(profile, n, held):.1%}",
                      f"{st.hit_rate:.1%}", f"{len(prompt) / pre:.1f}", f"{args.tokens / secs:.2f}", f"{cpu_s / secs:.2f}x", split,
