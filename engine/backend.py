@@ -119,6 +119,10 @@ class CpuBackend:
 
     # --- the sequence and elementwise operations (engine/ops.py) ---------------------------------
 
+    def boundary(self, what) -> None:
+        """Where the forward is (a layer's index before it, "head" before the LM head): nothing here;
+        the device step cuts its captured step there to time each part (DeviceBackend.gpu_floor)."""
+
     # --- where arrays live ---------------------------------------------------------------------------
     # A block's own parameters (norm gains, conv taps, decay constants) are numpy arrays made at load;
     # `param` gives the copy this backend computes with, `upload` brings host values (an embedding

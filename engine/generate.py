@@ -97,10 +97,18 @@ class Run:
         n = min(self.chunk, self.n_tokens - self.fed)  # positions whose next token is known (teacher forcing)
         return self.history[self.fed : self.fed + n], (n if self.on_logits is not None else 1)
 
-    def take(self, rows: np.ndarray) -> bool:
+    def take(self, rows: np.ndarray | int) -> bool:
         """The logits rows of the last `feed` (its last n_logits positions; one row may come as the
-        session's logits buffer itself, [n_vocab]); True when the run is over."""
+        session's logits buffer itself, [n_vocab]), or the token already picked from them (`forward`
+        on the device step); True when the run is over."""
         n = min(self.chunk, self.n_tokens - self.fed)
+        if isinstance(rows, int):  # Model.step_pick's greedy token: only after the prompt, never with on_logits
+            self.fed += n
+            if self.prefilled is None:
+                self.prefilled = time.perf_counter()
+            if self.n_tokens - self.n_prompt == self.max_new:
+                return self._end()
+            return self._add(rows)
         if self.on_logits is not None:
             for i in range(n):
                 self.on_logits(self.fed + i, rows if rows.ndim == 1 else rows[i])
@@ -135,6 +143,10 @@ class Run:
     def forward(self, model: Model, tokens: np.ndarray, n_logits: int) -> np.ndarray:
         """The model's forward of `feed`'s tokens for this run (its session alone), the rows `take` wants."""
         if tokens.size == 1:  # the decode step: the session's logits buffer, nothing allocated (S12)
+            banned = self.sampler.pick if self.on_logits is None and model.picks else None
+            if banned is not None and self.fed + 1 >= self.n_tokens:
+                # greedy on the device step: the pick is made there, only the token comes back
+                return model.step_pick(self.session, int(tokens[0]), banned)
             return model.step(self.session, int(tokens[0]))
         return model.forward(self.session, tokens, n_logits)
 

@@ -366,6 +366,23 @@ class Model:
         self._forward([s], [(int(token),)], [1], [s.logits.reshape(1, -1)], hidden)
         return s.logits
 
+    @property
+    def picks(self) -> bool:
+        """Whether `step_pick` makes the greedy pick where the logits are (the device step), so that
+        only the token comes back to the host."""
+        return getattr(self.backend, "token_step", None) is not None
+
+    def step_pick(self, s: Session, token: int, banned: np.ndarray) -> int:
+        """Feed `token` at position s.pos and return the greedy next token: the lowest id of the
+        largest logit, the `banned` ids (int32) never (the sampler's rule at temperature 0 without
+        penalties). On the device step the pick is made there and s.logits is not written; elsewhere
+        it is `step` and the argmax of its logits."""
+        if not self.picks:
+            work = self.step(s, token).copy()
+            work[banned] = -np.inf
+            return int(work.argmax())
+        return self._forward([s], [(int(token),)], [1], [s.logits.reshape(1, -1)], pick=banned)
+
     def forward(self, s: Session, tokens, n_logits: int = 1, *, hidden: np.ndarray | None = None,
                 saved: list | None = None) -> np.ndarray:
         """Feed T tokens at positions s.pos.. in one batch; returns the logits of the last `n_logits`
@@ -412,18 +429,19 @@ class Model:
         return outs
 
     def _forward(self, sessions: list[Session], tokens: list, n_logits: list[int], outs: list[np.ndarray],
-                 hidden: list | np.ndarray | None = None, saved: list | None = None) -> None:
-        """`hidden`, `saved`: per session (forward_batch's), or for `step`'s one session its array."""
+                 hidden: list | np.ndarray | None = None, saved: list | None = None, pick: np.ndarray | None = None):
+        """`hidden`, `saved`: per session (forward_batch's), or for `step`'s one session its array.
+        `pick`: step_pick's banned ids (the token step picks the next token: returned)."""
         if isinstance(hidden, np.ndarray):
             hidden = [hidden]
         try:
-            self._forward_rows(sessions, tokens, n_logits, outs, hidden, saved)
+            return self._forward_rows(sessions, tokens, n_logits, outs, hidden, saved, pick)
         finally:
             if self.backend.experts is not None:  # what the expert server owes the sessions (routing counts)
                 self.backend.experts.settle()
 
     def _forward_rows(self, sessions: list[Session], tokens: list, n_logits: list[int], outs: list[np.ndarray],
-                      hidden: list | None, saved: list | None) -> None:
+                      hidden: list | None, saved: list | None, pick: np.ndarray | None = None) -> int | None:
         for s, t in zip(sessions, tokens):
             self._check(s, t)
         g, r, be = self.geometry, self.residual, self.backend
@@ -441,21 +459,27 @@ class Model:
         # the T rows' bytes in one decode (a row decodes alone: the same values as one at a time)
         raw = self.embd.rows(flat[0], flat[0] + 1) if T == 1 else \
             np.concatenate([self.embd.rows(t, t + 1) for t in flat])
-        # the decode step's stream is the session's (strata-budget's session.stream); a batch's is its own
-        H = r.embed(be.upload(dequantize(raw, self.embd.type_id, T * g.n_embd).reshape(T, g.n_embd)),
-                    sessions[0].stream if T == 1 else None)
+        e = dequantize(raw, self.embd.type_id, T * g.n_embd).reshape(T, g.n_embd)
         ids = np.asarray(flat, np.int64)
         step = getattr(be, "token_step", None)
         if step is not None and T == 1 and all(h is None for h in hidden or []) and all(v is None for v in saved or []):
             # one token of one session on a backend that can replay it (the device step: a CUDA
-            # graph of the layers and the head, captured once per session)
+            # graph of the embedding into the stream, the layers and the head, captured once per
+            # session); the embedding row goes up to a fixed address, so the graph reads it there
+            row = be.stage_row(e)
+
             def layers_and_head(logits):
+                H = r.embed(row, sessions[0].stream)
                 self._layers(be, H, ids, parts)
+                be.boundary("head")
                 be.linear(self.head, r.final(be, H), logits)
 
-            step(sessions[0], sessions[0].pos, layers_and_head, outs[0] if n_logits[0] else None, g.n_vocab)
+            got = step(sessions[0], sessions[0].pos, layers_and_head, None if pick is not None or not n_logits[0] else outs[0],
+                       g.n_vocab, pick)
             sessions[0].pos += 1
-            return
+            return got
+        # the decode step's stream is the session's (strata-budget's session.stream); a batch's is its own
+        H = r.embed(be.upload(e), sessions[0].stream if T == 1 else None)
         self._layers(be, H, ids, parts)
         for s, t in zip(sessions, tokens):
             s.pos += len(t)
@@ -507,6 +531,7 @@ class Model:
         """Every layer over the stream H of the rows `parts` describes (_forward_rows)."""
         r = self.residual
         for l in range(self.geometry.n_layer):
+            be.boundary(l)
             if l in self.ple:  # adds to the streams before the layer's mix
                 self.ple[l].forward(be, H, ids, [Seq(s.ple_states[l], a, b, p, k and k.ple_states[l])
                                                  for s, a, b, p, k in parts])

@@ -101,6 +101,7 @@ class Sampler:
             raise ValueError(f"sampler n_vocab: found {n_vocab!r}, expected an integer >= 1")
         self.n_vocab = n_vocab
         self._banned = np.array(sorted(banned), np.int64) if len(banned) else None
+        self._pick = None  # `pick`'s int32 copy of the banned ids, made once
         self.params = params or SamplerParams()
         self.seed = self.params.seed if self.params.seed is not None else int(np.random.SeedSequence().entropy)
         self._rng = np.random.Generator(np.random.PCG64(self.seed))
@@ -114,6 +115,17 @@ class Sampler:
         self._window = np.empty(n, np.int64)
         self._window_logits = np.empty(n, np.float32)
         self._window_counts = np.empty(n, np.int32)
+
+    @property
+    def pick(self) -> np.ndarray | None:
+        """The banned ids (int32) when the next token is the greedy pick of the logits alone (greedy,
+        no penalties): Model.step_pick can then pick it where the logits are (the device step) and
+        bring back only the token. None otherwise (the logits are sampled here)."""
+        if not self.params.greedy or self.params.penalised:
+            return None
+        if self._pick is None:
+            self._pick = np.zeros(0, np.int32) if self._banned is None else self._banned.astype(np.int32)
+        return self._pick
 
     def sample(self, logits: np.ndarray, history: Sequence[int] | np.ndarray = ()) -> int:
         """The next token id from `logits` (V float32), penalising tokens in the tail of `history`."""

@@ -33,6 +33,7 @@ import numpy as np
 from ..backend import CpuBackend, Scratch
 from ..batch import seqs_of
 from ..kernels import gpu
+from ..kernels.actq import NonFiniteActivation
 from ..kernels.engine_form import placed_bytes
 from ..kvcache import KV_BLOCK, KVCache, check_kv
 from ..moe import route_topk
@@ -42,7 +43,7 @@ from ..weights import Input, Weight
 F32 = np.float32
 KERNELS = Path(__file__).with_name("device_kernels.cu")
 _NAMES = ["dev_rmsnorm", "dev_delta", "dev_conv", "dev_combine", "dev_sigmoid", "dev_gate", "dev_softplus", "dev_rope",
-          "dev_hidden", "dev_route", "dev_combine_slots", "dev_kv_write", "dev_attn_one"]
+          "dev_hidden", "dev_route", "dev_combine_slots", "dev_kv_write", "dev_attn_one", "dev_argmax"]
 KV_KIND = {"f32": 0, "f16": 1, "int8": 2}  # dev_kv_write's and dev_attn_one's `kind`
 BLOCK = 128  # threads per block of the row kernels: four warps
 
@@ -135,6 +136,7 @@ class DeviceExperts:
         # per token() call (layer, the routing counts it owes, hits, misses, static): the counts are
         # settled after the forward; a captured step's static entries are applied again at each replay
         self._log: list[tuple[int, tuple, int, int, bool]] = []
+        self._queued = False  # the ids' copy to the host is queued (queue_settle)
 
     def routed(self, moe, x: Input, experts: np.ndarray, rows: np.ndarray, starts: np.ndarray):
         host = Input(self.rt.to_host(x.x))  # its ActQ, made on the host, has the device quantizer's bits
@@ -248,12 +250,25 @@ class DeviceExperts:
         st.misses[layer] += misses
         self._log.append((layer, states, hits, misses, static))
 
-    def settle(self) -> None:
-        """After a forward: the routing counts its tokens owe (--stats, strata-profile), from the
-        chosen ids of every layer, brought down in one copy."""
+    def queue_settle(self) -> None:
+        """The chosen ids' copy to the host, queued before the step's last wait (token_step), so that
+        `settle` reads them without a synchronisation of its own."""
         if not self._log:
             return
-        ids = self.rt.to_host(self._buf["ids"])
+        b = self._buf
+        if "ids_settle" not in b:
+            b["ids_settle"] = self.rt.pinned(b["ids"].nbytes).view(np.int32).reshape(b["ids"].shape)
+        self.rt.copy_out_async(b["ids_settle"], b["ids"])
+        self._queued = True
+
+    def settle(self) -> None:
+        """After a forward: the routing counts its tokens owe (--stats, strata-profile), from the
+        chosen ids of every layer, brought down in one copy (queued by `queue_settle` before the
+        step's wait, or made now)."""
+        if not self._log:
+            return
+        ids = self._buf["ids_settle"] if self._queued else self.rt.to_host(self._buf["ids"])
+        self._queued = False
         for layer, states, *_ in self._log:
             for state in states:
                 np.add.at(state, ids[layer].astype(np.int64), 1)
@@ -312,6 +327,15 @@ class DeviceBackend(CpuBackend):
         self._segments = None  # the segments cut so far while token_step captures (at_host)
         self._warm = None  # the session whose token step ran once eagerly under the graph pool
         self._logits = None  # token_step's device logits [1, n_vocab]
+        # a token step's inputs go up from pinned host bytes by asynchronous copies into fixed device
+        # buffers (no allocation, no wait): id(device array) -> (its pinned mirror, the copy's event)
+        self._staged: dict[int, tuple] = {}
+        self._row_bufs: dict[tuple, object] = {}  # shape -> the fixed device buffer of `stage_row`
+        self._pick = None  # dev_argmax's [token, NaN seen, max bits], on the device and its pinned mirror
+        self._cuts = None  # gpu_floor's capture: [(label, graph)], cut at every `boundary`
+        self._cut_at = None  # the label of the part being captured
+        self.floor = None  # the last per-part GPU floor (`_floor_step`): [(label, seconds per step)]
+        self.floor_next = False  # the session's next replayed token step is captured in parts and timed
 
     def _launch(self, name: str, n_threads: int, args: tuple) -> None:
         grid = max(1, min(-(-n_threads // BLOCK), 32 * self.rt.n_sm))
@@ -480,6 +504,31 @@ class DeviceBackend(CpuBackend):
         xp = self.xp
         return xp.arange(n)[None, :] <= (pos0 + xp.arange(T))[:, None]
 
+    def _stage(self, dev, values) -> None:
+        """values -> the device array `dev`, through its pinned mirror by an asynchronous copy queued
+        on the stream: the host does not wait for the device. The mirror is written again only once
+        its previous copy has run (its event), so a queued copy never reads the next step's bytes."""
+        got = self._staged.get(id(dev))
+        if got is None or got[2] is not dev:
+            pin = self.rt.pinned(dev.nbytes).view(dev.dtype).reshape(dev.shape)
+            got = self._staged[id(dev)] = (pin, self.rt.events(1)[0] if hasattr(self.rt, "events") else None, dev)
+        pin, done, _ = got
+        if done is not None:
+            done.synchronize()
+        pin[...] = values
+        self.rt.copy_in_async(dev, pin)
+        if done is not None:
+            done.record()
+
+    def stage_row(self, a: np.ndarray):
+        """A token step's host row (the embedding's) on the device, at a fixed address per shape
+        (copied up asynchronously, nothing allocated after the first step)."""
+        dev = self._row_bufs.get(a.shape)
+        if dev is None:
+            dev = self._row_bufs[a.shape] = self.rt.empty(a.shape, F32)
+        self._stage(dev, a)
+        return dev
+
     def _at(self, pos: int) -> None:
         """The decode step's position at its fixed addresses: the position itself and, for every rope
         the step uses, cos and sin at it (the host's float64 angles, as rope.cos_sin makes them)."""
@@ -487,11 +536,11 @@ class DeviceBackend(CpuBackend):
             return
         if self._pos is None:
             self._pos = self.rt.empty((1,), np.int32)
-        self.rt.copy_in(self._pos, np.array([pos], np.int32))
+        self._stage(self._pos, pos)
         for rope, c, s in self._ropes.values():
             cc, ss = rope.cos_sin(np.array([pos]))
-            self.rt.copy_in(c, np.ascontiguousarray(cc, F32))
-            self.rt.copy_in(s, np.ascontiguousarray(ss, F32))
+            self._stage(c, cc)
+            self._stage(s, ss)
         self._pos_at = pos
 
     def rope_(self, rope, x, positions) -> None:
@@ -611,9 +660,11 @@ class DeviceBackend(CpuBackend):
 
     # --- one token as one replayed graph
 
-    def token_step(self, session, pos: int, run, out, n_vocab: int) -> None:
+    def token_step(self, session, pos: int, run, out, n_vocab: int, pick: np.ndarray | None = None) -> int | None:
         """One token of `session` at `pos`: run(logits) queues the layers and the head into the device
-        logits [1, n_vocab]; `out` (host f32 [1, n_vocab], or None) receives them.
+        logits [1, n_vocab]; `out` (host f32 [1, n_vocab], or None) receives them. With `pick` (the
+        banned ids, int32), the greedy pick is made on the device (dev_argmax) and only the token
+        comes back: returned (else None).
 
         On a runtime that captures (CUDA), with a slot map no token can change (`DeviceExperts.
         static`), the session's first token runs eagerly, the second is captured and every later
@@ -626,7 +677,10 @@ class DeviceBackend(CpuBackend):
         self._at(pos)
         ex = self.experts
         g = self._graph
-        if g is not None and g[0] is session:
+        if g is not None and g[0] is session and self.floor_next and len(g[1]) == 1:
+            self.floor_next = False
+            self._floor_step(run)
+        elif g is not None and g[0] is session:
             self._replay(g[1])
             ex.replayed(g[3])
         elif not (self.graphs and hasattr(self.rt, "begin_capture") and ex.static()):
@@ -648,8 +702,69 @@ class DeviceBackend(CpuBackend):
                     segments, self._segments = self._segments + [last], None
                 self.rt.replay(last)  # (the segments before it ran as they were cut)
             self._graph = (session, segments, self._pool, ex.log_since(mark))
+        ex.queue_settle()
         if out is not None:
             self.rt.copy_out(out, self._logits)
+        if pick is None:
+            return None
+        return self._greedy(pick)
+
+    def _greedy(self, banned: np.ndarray) -> int:
+        """dev_argmax over the step's logits -> the token (the sampler's greedy rule); a NaN or an
+        infinite largest logit is refused as the sampler refuses it."""
+        rt = self.rt
+        if self._pick is None or self._pick[2] is not banned:
+            dev = rt.empty((3,), np.int32)
+            ban = rt.to_device(np.ascontiguousarray(banned, np.int32)) if banned.size else rt.empty((1,), np.int32)
+            self._pick = (dev, rt.pinned(12).view(np.int32), banned, ban)
+        dev, host, _, ban = self._pick
+        rt.launch(self._mod, "dev_argmax", 1, 1024, (self._logits, np.int32(self._logits.shape[1]), ban,
+                                                      np.int32(banned.size), dev), smem=3 * 32 * 4)
+        rt.copy_out_async(host, dev)
+        rt.synchronize()
+        top = float(host[2:3].view(F32)[0])
+        if host[1] or not np.isfinite(top):
+            raise NonFiniteActivation(f"sampler: logits contain {'NaN' if host[1] else top} (max over the vocabulary); "
+                                      "refusing to sample")
+        return int(host[0])
+
+    def boundary(self, what) -> None:
+        """While `_floor_step` captures: the part captured so far becomes a graph of its own (it
+        runs), and the next part, named `what` (a layer, "head"), is captured."""
+        if self._cuts is None:
+            return
+        graph = self.rt.end_capture()
+        self.rt.replay(graph)
+        self._cuts.append((self._cut_at, graph))
+        self._cut_at = what
+        self.rt.begin_capture()
+
+    def _floor_step(self, run, reps: int = 50) -> None:
+        """This token step captured in parts (before the first layer, each layer, the head: cut at
+        every `boundary`), which run as they are cut (so the step is made), then each part replayed
+        `reps` times back to back with no host work between, timed with CUDA events -> self.floor.
+        A measurement: those replays advance the session's states again (--gpu-floor, the
+        benchmarks). Only a step with no host work inside (every expert resident) is timed so."""
+        rt = self.rt
+        with rt.allocating_from(self._pool):
+            self._cuts, self._cut_at = [], "pre"
+            rt.begin_capture()
+            try:
+                run(self._logits)
+            finally:
+                last = rt.end_capture()
+                cuts, self._cuts = self._cuts + [(self._cut_at, last)], None
+            rt.replay(last)
+        start, stop = rt.events(2)
+        floor = []
+        for label, graph in cuts:
+            rt.synchronize()
+            start.record()
+            for _ in range(reps):
+                rt.replay(graph)
+            stop.record()
+            floor.append((label, rt.elapsed(start, stop) / reps))
+        self.floor = floor
 
     def at_host(self, fn) -> None:
         """Host work a token step needs mid-way (a layer's misses), after what is queued so far.

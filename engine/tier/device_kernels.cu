@@ -13,6 +13,9 @@
 typedef long long i64;
 
 #define FULL 0xffffffffu
+#ifndef STRATA_SMEM
+#define STRATA_SMEM(name) extern __shared__ __align__(16) unsigned char name[]
+#endif
 
 __device__ __forceinline__ float warp_sum(float v) {
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(FULL, v, o);
@@ -374,5 +377,61 @@ extern "C" __global__ void dev_attn_one(const float* q, const void* K, const voi
             out[(i64)h * D + d] = acc;
         }
         __syncwarp();
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The greedy pick of a token step (engine/sampling.py's rule at temperature 0 without penalties):
+// out[0] = the lowest index of the largest of x[0..n), the nb `banned` ids counting as -inf (numpy's
+// argmax of the sampler's work array); out[1] = 1 when a value is NaN (the host then refuses to
+// sample, as the sampler does); out[2] = the largest value's bits (the host refuses +-inf too).
+// One block of whole warps; dynamic shared memory: 3 words per warp. Only these 12 bytes go back
+// to the host instead of the vocabulary's logits.
+__device__ __forceinline__ void best_of(float& bv, int& bi, float ov, int oi) {
+    if (ov > bv || (ov == bv && oi < bi)) bv = ov, bi = oi;
+}
+
+extern "C" __global__ void dev_argmax(const float* x, int n, const int* banned, int nb, int* out) {
+    STRATA_SMEM(smem);
+    float* sv = reinterpret_cast<float*>(smem);
+    int* si = reinterpret_cast<int*>(smem) + 32;
+    int* sn = reinterpret_cast<int*>(smem) + 64;
+    const float inf = __uint_as_float(0x7f800000u);
+    const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    float bv = -inf;
+    int bi = 0x7fffffff, nan = 0;
+    for (int i = threadIdx.x; i < n; i += blockDim.x) {
+        bool ban = false;
+        for (int j = 0; j < nb; j++) ban |= banned[j] == i;
+        if (ban) continue;  // (a banned NaN too: the sampler sets banned logits to -inf first)
+        const float v = x[i];
+        if (v != v)
+            nan = 1;
+        else
+            best_of(bv, bi, v, i);
+    }
+    for (int o = 16; o > 0; o >>= 1) {
+        const float ov = __shfl_xor_sync(FULL, bv, o);
+        const int oi = __shfl_xor_sync(FULL, bi, o);
+        nan |= __shfl_xor_sync(FULL, nan, o);
+        best_of(bv, bi, ov, oi);
+    }
+    if (lane == 0) sv[w] = bv, si[w] = bi, sn[w] = nan;
+    __syncthreads();
+    if (w == 0) {
+        bv = lane < nw ? sv[lane] : -inf;
+        bi = lane < nw ? si[lane] : 0x7fffffff;
+        nan = lane < nw ? sn[lane] : 0;
+        for (int o = 16; o > 0; o >>= 1) {
+            const float ov = __shfl_xor_sync(FULL, bv, o);
+            const int oi = __shfl_xor_sync(FULL, bi, o);
+            nan |= __shfl_xor_sync(FULL, nan, o);
+            best_of(bv, bi, ov, oi);
+        }
+        if (lane == 0) {
+            out[0] = bi;
+            out[1] = nan;
+            out[2] = (int)__float_as_uint(bv);
+        }
     }
 }

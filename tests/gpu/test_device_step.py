@@ -296,3 +296,107 @@ def test_slot_products_are_each_experts_matvec(rt, types):
         for got, want in ((got_gu[j], gpu.matvec(w[s_][0], x1)), (got_gu[k + j], gpu.matvec(w[s_][1], x1)),
                           (got_rows[j], gpu.matvec(w[s_][2], hj))):
             assert np.array_equal(got.view(np.int32), rt.to_host(want).view(np.int32))
+
+
+def test_dev_argmax_is_the_samplers_greedy_pick(rt):
+    """The greedy pick on the device: the lowest id of the largest logit, banned ids never (numpy's
+    argmax of the sampler's work array); a NaN (unless banned) is reported, not picked."""
+    be = DeviceBackend(rt, None)
+    rng = np.random.default_rng(9)
+    n = 5000
+    out = rt.empty((3,), np.int32)
+    cases = []
+    x = rng.standard_normal(n).astype(np.float32)
+    cases.append((x, []))
+    x = x.copy()
+    x[[17, 900, 4999]] = x.max() + 1  # a tie at the top: the lowest id
+    cases.append((x, []))
+    cases.append((x, [17, 4999]))  # banned: the next of the tie
+    cases.append((x, [17, 900, 4999]))  # the whole tie banned: the best of the rest
+    y = np.full(n, -np.inf, np.float32)
+    cases.append((y, [0]))  # all -inf: the value -inf (the host refuses it, as the sampler does)
+    for x, banned in cases:
+        ban = np.array(banned or [0], np.int32)
+        rt.launch(be._mod, "dev_argmax", 1, 1024, (rt.to_device(x), np.int32(n), rt.to_device(ban), np.int32(len(banned)), out),
+                  smem=3 * 32 * 4)
+        got = rt.to_host(out)
+        work = x.copy()
+        work[banned] = -np.inf
+        assert got[1] == 0 and got[2:3].view(np.float32)[0] == work.max(), (banned, got)
+        if np.isfinite(work.max()):
+            assert got[0] == int(work.argmax()), (banned, got)
+    z = cases[0][0].copy()
+    z[[5, 6]] = np.nan
+    for banned, nan in (([], 1), ([5, 6], 0)):
+        ban = np.array(banned or [0], np.int32)
+        rt.launch(be._mod, "dev_argmax", 1, 1024, (rt.to_device(z), np.int32(n), rt.to_device(ban), np.int32(len(banned)), out),
+                  smem=3 * 32 * 4)
+        got = rt.to_host(out)
+        assert got[1] == nan
+        if not nan:
+            assert got[0] == int(cases[0][0].argmax())
+
+
+def test_greedy_generation_picks_on_the_device_the_tokens_the_logits_give(model, rt):
+    """strata generate's greedy run on the device step brings back only the token (Model.step_pick):
+    the same tokens as sampling the logits brought down, with a banned id too."""
+    from strata.engine.generate import generate
+    from strata.engine.sampling import Sampler, SamplerParams
+
+    toks = tokens(model, 6, seed=11)
+    V = model.geometry.n_vocab
+    got = {}
+    with device_tier(model) as tier:
+        assert model.picks
+        for on_device in (True, False):
+            s = tier.take_session(CTX, "f32")
+            sampler = Sampler(V, SamplerParams(temperature=0), banned=[5])
+            # on_logits makes the run bring every row down and sample it on the host
+            hook = None if on_device else (lambda pos, row: None)
+            got[on_device] = generate(model, s, toks, sampler, 20, on_logits=hook).tokens.tolist()
+    assert got[True] == got[False] and len(got[True]) == 20
+    assert 5 not in got[True]
+
+
+def test_replayed_token_steps_allocate_nothing_on_the_device(model, rt):
+    """After the first two tokens (eager, then captured) a session's token steps replay the graph:
+    no device or pinned allocation per token (the embedding row, position and rope inputs go up to
+    fixed addresses, the greedy pick's 12 bytes come back to a fixed pinned buffer)."""
+    if isinstance(rt, EmuRuntime):
+        pytest.skip("the emulation has no CUDA graphs: its steps are eager, whose temporaries the pool serves")
+    from test_gpu_tier import counting
+
+    toks = tokens(model, 30, seed=12)
+    with device_tier(model) as tier:
+        s = tier.take_session(CTX, "f32")
+        banned = np.zeros(0, np.int32)
+        for t in toks[:3]:
+            model.step_pick(s, t, banned)
+        with counting(rt) as counts:
+            for t in toks[3:]:
+                model.step_pick(s, t, banned)
+                model.step(s, t)  # (the logits' download too)
+        assert model.backend._graph is not None
+    assert counts == [0, 0], f"{2 * (len(toks) - 3)} token steps allocated {counts[0]} device and {counts[1]} pinned buffers"
+
+
+def test_the_gpu_floor_times_every_part_of_the_step(model, rt):
+    """gpu_floor's parts: before the first layer, each layer, the head; each a positive time, and
+    together about the whole step's graph replayed alone."""
+    if isinstance(rt, EmuRuntime):
+        pytest.skip("the emulation has no CUDA graphs or events to time")
+    toks = tokens(model, 8, seed=13)
+    with device_tier(model) as tier:
+        s = tier.take_session(CTX, "f32")
+        be = model.backend
+        for t in toks[:4]:
+            model.step(s, t)
+        whole = be.gpu_floor()
+        be.floor_next = True
+        model.step(s, toks[4])
+        parts = be.floor
+    labels = [p[0] for p in parts]
+    assert labels == ["pre", *range(model.geometry.n_layer), "head"]
+    assert all(sec > 0 for _, sec in parts)
+    total = sum(sec for _, sec in parts)
+    assert 0.5 * whole < total < 3 * whole, (total, whole)
