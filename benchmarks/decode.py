@@ -167,6 +167,13 @@ def uninstrument(t: Timers) -> None:
 
 def instrument(model) -> Timers:
     """Timers around every block of the token path; keys are (component, layer)."""
+    be = model.backend
+    if getattr(be, "token_step", None) is not None and getattr(be, "graphs", False):
+        # a captured step's blocks run once, inside the capture, and every later token replays the
+        # graph: host timers would time the capture, then print plausible zeros
+        raise SystemExit("stage timers time the host's calls of each block; the device step replays its token step as "
+                         "a CUDA graph, so they would read zeros: set model.backend.graphs = False to time the eager "
+                         "step, or use the GPU floor's per-part times (benchmarks/gpu_tier.py)")
     t = Timers()
     r = model.residual
 

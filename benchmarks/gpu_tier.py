@@ -66,6 +66,47 @@ def run_decode(model, prompt: list[int], n: int, tier=None, feed=None) -> tuple[
     return prefill_s, time.perf_counter() - t0, logits
 
 
+def run_pick(model, prompt: list[int], n: int) -> float:
+    """Seconds of n greedy decode steps picked where the logits are (Model.step_pick: on the device
+    step only the token comes back, as `strata generate` decodes greedily), after the prompt."""
+    s = model.new_session(len(prompt) + n + 1, "f16")
+    tok = int(np.argmax(model.forward(s, prompt, n_logits=1)[0]))
+    banned = np.zeros(0, np.int32)
+    t0 = time.perf_counter()
+    for _ in range(n):
+        tok = model.step_pick(s, tok, banned)
+    return time.perf_counter() - t0
+
+
+LLAMA_PLACEMENTS = {"cpu": "-ngl 0", "cache 0": "-ngl 99 -ot exps=CPU", "auto ~60%": "-ngl 99 -ncmoe {half}",
+                    "all": "-ngl 99"}
+
+
+def llama_bench(binary: str, gguf: Path, placement: str, threads: int, prompt: int, tokens: int) -> tuple[float, float] | str:
+    """llama-bench on the same GGUF: (prompt tok/s, decode tok/s), or why it was not measured."""
+    import json
+    import subprocess
+
+    cmd = [binary, "-m", str(gguf), *placement.split(), "-fa", "1", "-t", str(threads), "-p", str(prompt), "-n", str(tokens),
+           "-r", "3", "-o", "json"]
+    try:
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+        rows = json.loads(p.stdout)
+        pp = [r["avg_ts"] for r in rows if r.get("n_prompt", 0) > 0 and r.get("n_gen", 0) == 0]
+        tg = [r["avg_ts"] for r in rows if r.get("n_gen", 0) > 0 and r.get("n_prompt", 0) == 0]
+        return pp[0], tg[0]
+    except (OSError, subprocess.TimeoutExpired, ValueError, KeyError, IndexError) as e:
+        return f"not measured ({type(e).__name__}: {str(e)[:120]})"
+
+
+def hbm_floor_s(model) -> float:
+    """Seconds per token to read, once, what an all-resident token step reads on the card (the dense
+    weights, k experts per layer, the LM head) at the H200's 4.8 TB/s."""
+    from decode import bytes_per_token
+
+    return sum(v for (k, _), v in bytes_per_token(model).items() if k != "other") / 4.8e12
+
+
 def budget_for(model, slots: int, chunk: int, reserve_mib: int) -> int:
     """--vram-budget-mib that leaves room for `slots` slots beside the weights and the reserve."""
     from strata.engine import budget as B
@@ -92,6 +133,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cprofile", metavar="CONFIG", help="print where the decode time of CONFIG (e.g. all) goes")
     ap.add_argument("--only", help="comma-separated configurations to run (default: all of them)")
     ap.add_argument("--emulate", action="store_true", help="the host emulation of the kernels (tests/gpu_emu.py)")
+    ap.add_argument("--llama-bench", metavar="PATH", help="llama-bench (built with CUDA) to run on the same GGUF, each "
+                    "configuration beside its llama.cpp placement (cpu -ngl 0, cache 0 -ot exps=CPU, auto ~60%% "
+                    "-ncmoe n_layer/2, all -ngl 99), same threads, in this run")
     ap.add_argument("--gpu-step", default="host", help="comma-separated: host (the host-driven step), device (the "
                     "whole forward on the device, engine/tier/device.py; qwen35moe); each configuration runs with each")
     args = ap.parse_args(argv)
@@ -173,10 +217,29 @@ def main(argv: list[str] | None = None) -> int:
         if args.cprofile == name:
             prof.disable()
             pstats.Stats(prof).sort_stats("tottime").print_stats(30)
+        picked = None
+        if getattr(model, "picks", False):  # greedy picked on the device: only the token comes back
+            picked = args.tokens / run_pick(model, prompt, args.tokens)
+            print(f"  {name}: decode with the greedy pick on the device {picked:.2f} tok/s", flush=True)
         floor = getattr(model.backend, "gpu_floor", lambda: None)()  # the captured step alone (device step, all resident)
         if floor:
+            hbm = hbm_floor_s(model)
             print(f"  {name}: GPU floor {1e3 * floor:.2f} ms per token -> {1 / floor:.2f} tok/s of GPU work "
-                  "(the token step's CUDA graph replayed back to back, no host work)", flush=True)
+                  f"(the token step's CUDA graph replayed back to back, no host work); HBM floor {1e3 * hbm:.3f} ms "
+                  f"per token -> {1 / hbm:.0f} tok/s (bytes read / 4.8 TB/s)", flush=True)
+            be = model.backend
+            s = model.new_session(8, "f16")
+            for t in prompt[:3]:
+                model.step(s, t)  # eager, captured, replayed: a new session's graph
+            be.floor_next = True
+            model.step(s, prompt[3])
+            if be.floor:
+                parts = be.floor
+                total = sum(sec for _, sec in parts)
+                layers = [sec for label, sec in parts if isinstance(label, int)]
+                print(f"  {name}: GPU floor pre+post+head {1e3 * (total - sum(layers)):.2f} ms per token, all parts "
+                      f"{1e3 * total:.2f} ms -> {1 / total:.2f} tok/s of GPU work (each part replayed apart)", flush=True)
+                print("  " + "  ".join(f"{label}: {1e3 * sec:.3f} ms" for label, sec in parts), flush=True)
         st, n = tier.stats, tier.slots.slots
         worst = max(tier.marks, key=lambda m: m.error)
         if opts.get("step") == "device":  # its hits are not timed apart (they run inside the step's graphs): no zeros
@@ -185,7 +248,8 @@ def main(argv: list[str] | None = None) -> int:
             split = f"{st.gpu_s:.2f} / {st.cpu_s:.2f} / {st.wait_s:.2f}" if st.events else f"- / {st.cpu_s:.2f} / {st.wait_s:.2f}"
         rows.append((name, n, f"{n / pairs:.0%}", opts.get("vram_budget_mib", "-"),
                      f"{expected_hit_rate(profile, n):.1%} / {expected_hit_rate(profile, n, held):.1%}",
-                     f"{st.hit_rate:.1%}", f"{len(prompt) / pre:.1f}", f"{args.tokens / secs:.2f}", f"{cpu_s / secs:.2f}x", split,
+                     f"{st.hit_rate:.1%}", f"{len(prompt) / pre:.1f}",
+                     f"{args.tokens / secs:.2f}" + (f" ({picked:.2f} picked)" if picked else ""), f"{cpu_s / secs:.2f}x", split,
                      f"{100 * worst.error:.2f}% ({(worst.used - worst.predicted) / 2**20:+.1f} MiB)",
                      "yes" if np.array_equal(got, want) else
                      f"{'within' if opts.get('step') == 'device' else 'NO:'} max |diff| {np.abs(got - want).max():.3g} "
@@ -195,6 +259,31 @@ def main(argv: list[str] | None = None) -> int:
         tier.stop()
         del tier
         gc.collect()
+    if args.llama_bench:
+        from decode import source_gguf
+
+        gguf = source_gguf(args.arch, args.preset)
+        for _ in range(60):  # a build started in the background with this run (../shared/peer/build_llama_cuda.sh)
+            if Path(args.llama_bench).exists():
+                break
+            time.sleep(5)
+        peer = [("config", "llama.cpp placement", "llama.cpp prompt tok/s", "llama.cpp decode tok/s", "Strata decode tok/s",
+                 "Strata / llama.cpp")]
+        for row in rows:
+            key = next((k for k in LLAMA_PLACEMENTS if row[0] == k or row[0].startswith(k + " [")), None)
+            if key is None:
+                continue
+            placement = LLAMA_PLACEMENTS[key].format(half=g.n_layer // 2)
+            got = llama_bench(args.llama_bench, gguf, placement, args.threads, 256, args.tokens)
+            ours = max(float(x.strip("()")) for x in row[7].split() if x.strip("()").replace(".", "").isdigit())
+            if isinstance(got, str):
+                peer.append((row[0], placement, got, "-", f"{ours:.2f}", "-"))
+            else:
+                peer.append((row[0], placement, f"{got[0]:.1f}", f"{got[1]:.2f}", f"{ours:.2f}", f"{ours / got[1]:.2f}x"))
+            print(f"llama.cpp {placement}: {peer[-1]}", flush=True)
+        print(f"\nside by side with llama.cpp (llama-bench -fa 1 -p 256 -n {args.tokens} -r 3, same GGUF, same threads; "
+              "Strata: the better of its decode with the logits brought down and with the pick on the device)\n"
+              + tabulate(peer[1:], headers=peer[0], tablefmt="github", disable_numparse=True), flush=True)
     headers = ["config", "slots", "of pairs", "--vram-budget-mib", "expected hit rate (in-sample / held-out)",
                "hit rate", "prefill tok/s", "decode tok/s", "decode vs cpu", "MoE s: GPU / CPU misses / wait",
                "worst mem_mark vs budget (% of card used)", "logits == cpu"]
