@@ -136,6 +136,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--llama-bench", metavar="PATH", help="llama-bench (built with CUDA) to run on the same GGUF, each "
                     "configuration beside its llama.cpp placement (cpu -ngl 0, cache 0 -ot exps=CPU, auto ~60%% "
                     "-ncmoe n_layer/2, all -ngl 99), same threads, in this run")
+    ap.add_argument("--floor-kernels", action="store_true", help="also time every launch of the all-resident device "
+                    "step alone (a profile of the GPU floor by kernel)")
     ap.add_argument("--gpu-step", default="host", help="comma-separated: host (the host-driven step), device (the "
                     "whole forward on the device, engine/tier/device.py; qwen35moe); each configuration runs with each")
     args = ap.parse_args(argv)
@@ -240,6 +242,19 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"  {name}: GPU floor pre+post+head {1e3 * (total - sum(layers)):.2f} ms per token, all parts "
                       f"{1e3 * total:.2f} ms -> {1 / total:.2f} tok/s of GPU work (each part replayed apart)", flush=True)
                 print("  " + "  ".join(f"{label}: {1e3 * sec:.3f} ms" for label, sec in parts), flush=True)
+            if args.floor_kernels:  # every launch replayed alone: where a step's GPU time goes, by kernel
+                be.floor_next = "kernels"
+                model.step(s, prompt[4])
+                by = {}
+                for label, sec in be.floor or []:
+                    kernel = label[1] if isinstance(label, tuple) else "-"  # (the first part: before any launch)
+                    n, t = by.get(kernel, (0, 0.0))
+                    by[kernel] = (n + 1, t + sec)
+                total = sum(t for _, t in by.values())
+                print(f"  {name}: GPU floor by kernel ({sum(n for n, _ in by.values())} parts, each replayed alone, "
+                      f"{1e3 * total:.3f} ms in all; '-': array-module work before a layer's first launch)")
+                for kernel, (n, t) in sorted(by.items(), key=lambda kv: -kv[1][1]):
+                    print(f"    {kernel:<28} x{n:<4} {1e3 * t:8.3f} ms  {1e6 * t / n:8.1f} us each", flush=True)
         st, n = tier.stats, tier.slots.slots
         worst = max(tier.marks, key=lambda m: m.error)
         if opts.get("step") == "device":  # its hits are not timed apart (they run inside the step's graphs): no zeros

@@ -336,6 +336,7 @@ class DeviceBackend(CpuBackend):
         self._cut_at = None  # the label of the part being captured
         self.floor = None  # the last per-part GPU floor (`_floor_step`): [(label, seconds per step)]
         self.floor_next = False  # the session's next replayed token step is captured in parts and timed
+        # (True: a part per layer and the head; "kernels": a part per launch, labelled (layer, kernel))
 
     def _launch(self, name: str, n_threads: int, args: tuple) -> None:
         grid = max(1, min(-(-n_threads // BLOCK), 32 * self.rt.n_sm))
@@ -678,8 +679,8 @@ class DeviceBackend(CpuBackend):
         ex = self.experts
         g = self._graph
         if g is not None and g[0] is session and self.floor_next and len(g[1]) == 1:
+            self._floor_step(run, kernels=self.floor_next == "kernels")
             self.floor_next = False
-            self._floor_step(run)
         elif g is not None and g[0] is session:
             self._replay(g[1])
             ex.replayed(g[3])
@@ -739,22 +740,40 @@ class DeviceBackend(CpuBackend):
         self._cut_at = what
         self.rt.begin_capture()
 
-    def _floor_step(self, run, reps: int = 50) -> None:
+    def _floor_step(self, run, reps: int = 50, kernels: bool = False) -> None:
         """This token step captured in parts (before the first layer, each layer, the head: cut at
         every `boundary`), which run as they are cut (so the step is made), then each part replayed
         `reps` times back to back with no host work between, timed with CUDA events -> self.floor.
         A measurement: those replays advance the session's states again (--gpu-floor, the
         benchmarks). Only a step with no host work inside (every expert resident) is timed so."""
         rt = self.rt
-        with rt.allocating_from(self._pool):
-            self._cuts, self._cut_at = [], "pre"
-            rt.begin_capture()
-            try:
-                run(self._logits)
-            finally:
-                last = rt.end_capture()
-                cuts, self._cuts = self._cuts + [(self._cut_at, last)], None
-            rt.replay(last)
+        launch = rt.launch
+        if kernels:  # every launch a part of its own, named (the part before it, the kernel): a profile
+            where = ["pre"]
+
+            def cut_launch(mod, name, *args, **kwargs):
+                self.boundary((where[0], name))
+                launch(mod, name, *args, **kwargs)
+
+            def cut_boundary(what, _b=self.boundary):
+                where[0] = what
+                _b((what, "-"))
+
+            rt.launch, self.boundary = cut_launch, cut_boundary
+        try:
+            with rt.allocating_from(self._pool):
+                self._cuts, self._cut_at = [], "pre"
+                rt.begin_capture()
+                try:
+                    run(self._logits)
+                finally:
+                    last = rt.end_capture()
+                    cuts, self._cuts = self._cuts + [(self._cut_at, last)], None
+                rt.replay(last)
+        finally:
+            if kernels:
+                rt.launch = launch
+                del self.boundary
         start, stop = rt.events(2)
         floor = []
         for label, graph in cuts:
