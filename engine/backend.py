@@ -183,6 +183,29 @@ class CpuBackend:
     def rope_(rope: ops.Rope, x: np.ndarray, positions: np.ndarray) -> None:
         rope.apply_(x, positions)
 
+    # --- several operations in one: the device step makes each one launch (engine/tier/device.py);
+    # here they are the same operations one after the other, so the CPU's bits stay its own
+
+    def gdn_gates(self, beta: np.ndarray, alpha: np.ndarray, a: np.ndarray, dt_bias: np.ndarray):
+        """A Gated DeltaNet layer's gates from its beta and alpha products [T, nv]:
+        (sigmoid(beta), a softplus(alpha + dt_bias))."""
+        return self.sigmoid(beta), self.param(a) * self.softplus(alpha + self.param(dt_bias))
+
+    def qk_l2norm_(self, c: np.ndarray, n: int, nk: int, dk: int, scale: float):
+        """The queries and keys of a Gated DeltaNet layer's conv output c [n, C] (its first nk dk
+        columns, then the next nk dk), each head l2-normalised in place, the queries then scaled ->
+        (q, k) [n, nk, dk] views of c."""
+        q = self.l2norm_(c[:, : nk * dk].reshape(n, nk, dk))
+        q *= F32(scale)
+        k = self.l2norm_(c[:, nk * dk : 2 * nk * dk].reshape(n, nk, dk))
+        return q, k
+
+    def shared_add_(self, out: np.ndarray, y: np.ndarray, g: np.ndarray) -> np.ndarray:
+        """The shared expert's gated output added to the routed sum: out += y sigmoid(g), g [T, 1]."""
+        y *= self.sigmoid(g)
+        out += y
+        return out
+
     def attend_one(self, cache: KVCache, pos: int, q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float) -> np.ndarray:
         """The decode step's attention (one token of one sequence): its key and value k, v [1, Hkv, D]
         cached at pos, then its queries q [1, H, D] over positions 0..pos -> f32 [1, H, D]."""

@@ -95,17 +95,14 @@ class GatedDeltaNet:
                                            (sc("gdn.qkv", (T, self.C)), sc("gdn.z", (T, nv * dv)), sc("gdn.beta", (T, nv)),
                                             sc("gdn.alpha", (T, nv))))  # fmt: skip
         z = z.reshape(T, nv, dv)
-        beta = be.sigmoid(beta)
-        decay = be.param(self.a) * be.softplus(alpha + be.param(self.dt_bias))
+        beta, decay = be.gdn_gates(beta, alpha, self.a, self.dt_bias)
         # one sequence's chunk takes the delta rule's own output (a copy of [T, nv, dv] per layer
         # otherwise); the decode step, the scratch; several sequences, their rows of one array
         o = sc("gdn.o", (T, nv, dv)) if T == 1 or len(seqs) > 1 else None
         for r in seqs:
             c = be.conv(r.state["conv"], self.conv_w, mixed[r.a : r.b])
             n = r.n
-            q = be.l2norm_(c[:, : nk * dk].reshape(n, nk, dk))
-            q *= F32(dk**-0.5)
-            k = be.l2norm_(c[:, nk * dk : 2 * nk * dk].reshape(n, nk, dk))
+            q, k = be.qk_l2norm_(c, n, nk, dk, dk**-0.5)
             v = c[:, 2 * nk * dk :].reshape(n, nv, dv)
             y = be.delta_rule(r.state["S"], q, k, v, decay[r.a : r.b], beta[r.a : r.b], None if o is None else o[r.a : r.b])
             o = y if o is None else o

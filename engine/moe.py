@@ -126,8 +126,7 @@ class MoE:
             u, g = be.linears((up, gate), x, (sc("moe.sh_up", (T, Fs)), sc("moe.sh_gate", (T, Fs))))
             h = be.gate_(u, g, silu=True)  # up silu(gate)
             y = be.linear(down, Input(h), sc("moe.sh_y", (T, self.E)))
-            y *= be.sigmoid(be.linear(s_gate, x, sc("moe.sh_g", (T, 1))))
-            out += y
+            be.shared_add_(out, y, be.linear(s_gate, x, sc("moe.sh_g", (T, 1))))  # out += y sigmoid(s . x)
         return out
 
     def routed(self, be, x: Input, experts: np.ndarray, rows: np.ndarray, starts: np.ndarray) -> np.ndarray:

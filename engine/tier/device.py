@@ -43,7 +43,8 @@ from ..weights import Input, Weight
 F32 = np.float32
 KERNELS = Path(__file__).with_name("device_kernels.cu")
 _NAMES = ["dev_rmsnorm", "dev_delta", "dev_conv", "dev_combine", "dev_sigmoid", "dev_gate", "dev_softplus", "dev_rope",
-          "dev_hidden", "dev_route", "dev_combine_slots", "dev_kv_write", "dev_attn_one", "dev_argmax"]
+          "dev_hidden", "dev_route", "dev_combine_slots", "dev_kv_write", "dev_attn_one", "dev_argmax",
+          "dev_gdn_gates", "dev_l2_qk", "dev_shared_add"]
 KV_KIND = {"f32": 0, "f16": 1, "int8": 2}  # dev_kv_write's and dev_attn_one's `kind`
 BLOCK = 128  # threads per block of the row kernels: four warps
 
@@ -348,12 +349,16 @@ class DeviceBackend(CpuBackend):
         the rows are evenly spaced (a view like qg[:, :, :D] is), else None."""
         if x.dtype != F32 or x.shape[-1] != n or x.strides[-1] != 4:
             return None
-        if x.ndim == 1:
+        # an axis of length 1 has no spacing to keep: one token's [1, heads, d] view of a wider row
+        # (a Gated DeltaNet's q within its conv output) is evenly spaced rows; checking that axis's
+        # stride too had sent such views to the array-module fallback (a dozen launches a norm)
+        dims = [(m, st) for m, st in zip(x.shape[:-1], x.strides[:-1]) if m != 1]
+        if not dims:
             return n
-        for i in range(x.ndim - 2):
-            if x.strides[i] != x.strides[i + 1] * x.shape[i + 1]:
+        for (_, st0), (m1, st1) in zip(dims, dims[1:]):
+            if st0 != st1 * m1:
                 return None
-        return x.strides[-2] // 4
+        return dims[-1][1] // 4
 
     # --- where arrays live
 
@@ -456,7 +461,7 @@ class DeviceBackend(CpuBackend):
         xp = self.xp
         n = x.shape[-1]
         xs = self._rows(x, n)
-        if xs is not None:
+        if xs == n:  # (in place: the kernel writes row r at r n)
             self._launch("dev_rmsnorm", 32 * (x.size // n), (x, np.int64(xs), x, np.int32(1), x, x, np.int32(x.size // n), np.int32(n),
                          F32(L2NORM_EPS), np.int32(0), np.int32(0), np.int32(1)))
             return x
@@ -491,6 +496,32 @@ class DeviceBackend(CpuBackend):
             s = z * s
         x *= s
         return x
+
+    # --- backend.py's fused sequences, one launch each (the same bits: device_kernels.cu)
+
+    def gdn_gates(self, beta, alpha, a, dt_bias):
+        if not (beta.dtype == alpha.dtype == F32 and beta.flags.c_contiguous and alpha.flags.c_contiguous
+                and beta.shape == alpha.shape and a.shape == dt_bias.shape == beta.shape[-1:]):
+            return super().gdn_gates(beta, alpha, a, dt_bias)
+        xp = self.xp
+        b, d = xp.empty(beta.shape, F32), xp.empty(beta.shape, F32)
+        self._launch("dev_gdn_gates", beta.size, (beta, alpha, self.param(a), self.param(dt_bias), b, d, np.int64(beta.size),
+                                                  np.int32(a.size)))
+        return b, d
+
+    def qk_l2norm_(self, c, n: int, nk: int, dk: int, scale: float):
+        if n != 1 or c.dtype != F32 or not c.flags.c_contiguous:  # one token: its q and k heads are 2 nk rows in a row
+            return super().qk_l2norm_(c, n, nk, dk, scale)
+        self._launch("dev_l2_qk", 32 * 2 * nk, (c, np.int32(nk), np.int32(2 * nk), np.int32(dk), F32(L2NORM_EPS), F32(scale)))
+        return c[:, : nk * dk].reshape(n, nk, dk), c[:, nk * dk : 2 * nk * dk].reshape(n, nk, dk)
+
+    def shared_add_(self, out, y, g):
+        T, E = out.shape
+        if not (out.flags.c_contiguous and y.flags.c_contiguous and g.flags.c_contiguous and y.shape == out.shape
+                and g.shape == (T, 1) and out.dtype == y.dtype == g.dtype == F32):
+            return super().shared_add_(out, y, g)
+        self._launch("dev_shared_add", out.size, (out, y, g, np.int64(out.size), np.int32(E)))
+        return out
 
     def gated_rmsnorm_(self, o, gain, z, eps: float, silu: bool):
         n = o.shape[-1]

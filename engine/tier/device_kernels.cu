@@ -168,6 +168,54 @@ extern "C" __global__ void dev_softplus(const float* x, float* out, i64 n) {
     }
 }
 
+// Fused forms of operation sequences the blocks make one after the other (engine/backend.py's
+// gdn_gates, qk_l2norm_, shared_add_): each the same float operations in the same order as the
+// separate kernels and array expressions it replaces, so the bits do not move; one launch instead
+// of three or four (a decode step's kernels are short: their number is its time).
+
+// A Gated DeltaNet layer's gates, [T, nv] (n = T nv): beta_out = sigmoid(beta) (dev_sigmoid's
+// form), decay = a * softplus(alpha + dt_bias) (dev_softplus's form; a, dt_bias [nv]).
+extern "C" __global__ void dev_gdn_gates(const float* beta, const float* alpha, const float* a, const float* dtb,
+                                         float* beta_out, float* decay, i64 n, int nv) {
+    for (i64 i = blockIdx.x * (i64)blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x) {
+        const int h = (int)(i % nv);
+        beta_out[i] = sigmoid_t(beta[i]);
+        const float v = alpha[i] + dtb[h];
+        const float sp = v > 0.0f ? v + log1pf(expf(-v)) : log1pf(expf(v));
+        decay[i] = a[h] * sp;
+    }
+}
+
+// The queries and keys of one token's Gated DeltaNet conv output, in place: `rows` contiguous rows
+// of n (the nq query heads, then the key heads), each l2-normalised as dev_rmsnorm's l2 form does
+// it, the first nq then multiplied by `qscale` (the array expression q *= scale). One warp per row.
+extern "C" __global__ void dev_l2_qk(float* x, int nq, int rows, int n, float eps, float qscale) {
+    const int lane = threadIdx.x & 31;
+    const int nw = (int)((gridDim.x * blockDim.x) >> 5);
+    for (int r = (int)((blockIdx.x * blockDim.x + threadIdx.x) >> 5); r < rows; r += nw) {
+        float* xr = x + (i64)r * n;
+        double s = 0.0;
+        for (int i = lane; i < n; i += 32) s += (double)xr[i] * (double)xr[i];
+        s = warp_sum_d(s);
+        const float scale = (float)(1.0 / sqrt(s + (double)eps));
+        for (int i = lane; i < n; i += 32) {
+            float y = xr[i] * scale;
+            if (r < nq) y = y * qscale;
+            xr[i] = y;
+        }
+    }
+}
+
+// The shared expert's gated output into the routed sum, [T, E] (n = T E): y *= sigmoid(g[t]),
+// then out += y (g [T]: the gate's one output per token).
+extern "C" __global__ void dev_shared_add(float* out, float* y, const float* g, i64 n, int E) {
+    for (i64 i = blockIdx.x * (i64)blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x) {
+        const float yy = y[i] * sigmoid_t(g[i / E]);
+        y[i] = yy;
+        out[i] = out[i] + yy;
+    }
+}
+
 // NeoX RoPE in place on `rows` rows of a head (row r at x + r xs, row r of token r / heads): the
 // first 2 half elements rotate by the token's cos/sin [T, half] (ops.Rope.apply_).
 extern "C" __global__ void dev_rope(float* x, i64 xs, const float* cs, const float* sn, int rows, int heads, int half) {

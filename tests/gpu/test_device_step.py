@@ -98,9 +98,11 @@ def test_the_device_step_gives_the_cpu_logits(model, rt, n_prompt):
         assert tier.stats.hits.sum() > 0 and tier.stats.misses.sum() == 0
     # the fused kernels, not the array-module fallbacks; a token's routing, experts, combine and
     # attention by the position-independent kernels (the prompt's chunk combines its host-routed
-    # rows with dev_combine)
-    assert launched == {"dev_rmsnorm", "dev_delta", "dev_conv", "dev_sigmoid", "dev_gate", "dev_softplus", "dev_rope",
-                        "dev_route", "dev_hidden", "dev_combine_slots", "dev_kv_write", "dev_attn_one"} \
+    # rows with dev_combine); the fused sequences (a GDN layer's gates, a token's q/k l2 norms, the
+    # shared expert's gated add) in one launch each
+    assert launched == {"dev_rmsnorm", "dev_delta", "dev_conv", "dev_sigmoid", "dev_gate", "dev_rope", "dev_route", "dev_hidden",
+                        "dev_combine_slots", "dev_kv_write", "dev_attn_one", "dev_gdn_gates", "dev_l2_qk",
+                        "dev_shared_add"} \
         | ({"dev_combine"} if n_prompt else set())
     assert_close(got, want)
 
@@ -402,3 +404,39 @@ def test_the_gpu_floor_times_every_part_of_the_step(model, rt):
     assert all(sec > 0 for _, sec in parts)
     total = sum(sec for _, sec in parts)
     assert 0.5 * whole < total < 3 * whole, (total, whole)
+
+
+def test_the_fused_sequences_keep_the_separate_launches_bits(rt):
+    """gdn_gates, qk_l2norm_ and shared_add_ in one launch each give the bits of the same operations
+    made one after the other by the device step's own kernels and array expressions
+    (engine/backend.py's sequences, run on the device backend)."""
+    from strata.engine.backend import CpuBackend
+
+    be = DeviceBackend(rt, None)
+    rng = np.random.default_rng(10)
+    T, nv = 3, 48
+    beta = rt.to_device((rng.standard_normal((T, nv)) * 4).astype(np.float32))
+    alpha = rt.to_device((rng.standard_normal((T, nv)) * 6).astype(np.float32))
+    a = -np.exp(rng.standard_normal(nv)).astype(np.float32)
+    dtb = rng.standard_normal(nv).astype(np.float32)
+    got = [rt.to_host(v) for v in be.gdn_gates(beta, alpha, a, dtb)]
+    want = [rt.to_host(v) for v in CpuBackend.gdn_gates(be, beta, alpha, a, dtb)]
+    for g_, w_ in zip(got, want):
+        assert np.array_equal(g_.view(np.int32), w_.view(np.int32))
+
+    nk, dk, C = 4, 128, 4 * 128 * 2 + 6 * 128
+    c0 = (rng.standard_normal((1, C)) * 3).astype(np.float32)
+    c1, c2 = rt.to_device(c0), rt.to_device(c0)
+    q1, k1 = be.qk_l2norm_(c1, 1, nk, dk, dk**-0.5)
+    q2, k2 = CpuBackend.qk_l2norm_(be, c2, 1, nk, dk, dk**-0.5)
+    assert np.array_equal(rt.to_host(c1).view(np.int32), rt.to_host(c2).view(np.int32))
+    assert q1.shape == q2.shape == (1, nk, dk) and k1.shape == (1, nk, dk)
+
+    E = 512
+    out0 = rng.standard_normal((2, E)).astype(np.float32)
+    y0 = rng.standard_normal((2, E)).astype(np.float32)
+    g0 = (rng.standard_normal((2, 1)) * 3).astype(np.float32)
+    o1, o2 = rt.to_device(out0), rt.to_device(out0)
+    be.shared_add_(o1, rt.to_device(y0), rt.to_device(g0))
+    CpuBackend.shared_add_(be, o2, rt.to_device(y0), rt.to_device(g0))
+    assert np.array_equal(rt.to_host(o1).view(np.int32), rt.to_host(o2).view(np.int32))
