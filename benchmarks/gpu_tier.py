@@ -282,22 +282,25 @@ def main(argv: list[str] | None = None) -> int:
             if Path(args.llama_bench).exists():
                 break
             time.sleep(5)
-        peer = [("config", "llama.cpp placement", "llama.cpp prompt tok/s", "llama.cpp decode tok/s", "Strata decode tok/s",
-                 "Strata / llama.cpp")]
+        peer = [("config", "llama.cpp placement", f"prompt tok/s llama.cpp (pp{len(prompt)})", "Strata", "ratio",
+                 "decode tok/s llama.cpp (tg)", "Strata", "ratio")]
         for row in rows:
             key = next((k for k in LLAMA_PLACEMENTS if row[0] == k or row[0].startswith(k + " [")), None)
             if key is None:
                 continue
             placement = LLAMA_PLACEMENTS[key].format(half=g.n_layer // 2)
-            got = llama_bench(args.llama_bench, gguf, placement, args.threads, 256, args.tokens)
+            got = llama_bench(args.llama_bench, gguf, placement, args.threads, len(prompt), args.tokens)
             ours = max(float(x.strip("()")) for x in row[7].split() if x.strip("()").replace(".", "").isdigit())
+            pre = float(row[6])
             if isinstance(got, str):
-                peer.append((row[0], placement, got, "-", f"{ours:.2f}", "-"))
+                peer.append((row[0], placement, got, f"{pre:.1f}", "-", "-", f"{ours:.2f}", "-"))
             else:
-                peer.append((row[0], placement, f"{got[0]:.1f}", f"{got[1]:.2f}", f"{ours:.2f}", f"{ours / got[1]:.2f}x"))
+                peer.append((row[0], placement, f"{got[0]:.1f}", f"{pre:.1f}", f"{pre / got[0]:.2f}x", f"{got[1]:.2f}",
+                             f"{ours:.2f}", f"{ours / got[1]:.2f}x"))
             print(f"llama.cpp {placement}: {peer[-1]}", flush=True)
-        print(f"\nside by side with llama.cpp (llama-bench -fa 1 -p 256 -n {args.tokens} -r 3, same GGUF, same threads; "
-              "Strata: the better of its decode with the logits brought down and with the pick on the device)\n"
+        print(f"\nside by side with llama.cpp (llama-bench -fa 1 -p {len(prompt)} -n {args.tokens} -r 3, same GGUF, same "
+              "threads; Strata's prompt: the same length, one batched forward; its decode: the better of the logits "
+              "brought down and the pick on the device)\n"
               + tabulate(peer[1:], headers=peer[0], tablefmt="github", disable_numparse=True), flush=True)
     headers = ["config", "slots", "of pairs", "--vram-budget-mib", "expected hit rate (in-sample / held-out)",
                "hit rate", "prefill tok/s", "decode tok/s", "decode vs cpu", "MoE s: GPU / CPU misses / wait",
