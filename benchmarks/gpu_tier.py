@@ -89,8 +89,12 @@ def llama_bench(binary: str, gguf: Path, placement: str, threads: int, prompt: i
 
     cmd = [binary, "-m", str(gguf), *placement.split(), "-fa", "1", "-t", str(threads), "-p", str(prompt), "-n", str(tokens),
            "-r", "3", "-o", "json"]
+    import os
+
+    # -ngl 0 on a CUDA build still sends a prompt's large products to the GPU: the CPU row hides it
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""} if placement.split()[:2] == ["-ngl", "0"] else None
     try:
-        p = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env)
         rows = json.loads(p.stdout)
         pp = [r["avg_ts"] for r in rows if r.get("n_prompt", 0) > 0 and r.get("n_gen", 0) == 0]
         tg = [r["avg_ts"] for r in rows if r.get("n_gen", 0) > 0 and r.get("n_prompt", 0) == 0]
