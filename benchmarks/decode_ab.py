@@ -1,15 +1,17 @@
 """Before/after of the token path's latest change in one process: `Model.step` without it (before)
 and with it (after), rounds interleaved, same token ids, wall-clock and CPU time per token, and the
-per-stage table of each. The change compared: one parallel region for the products of one input
-whatever form each reads (backend `linears` -> cpu.matvec_many: a GDN layer's qkv reads the wide
-form, its gate the 8-bit one and its BF16 alpha and beta the f32 values, QSA's q/k/v the wide form
-and its BF16 indexer q/k the f32 values, a shared expert's IQ4_XS gate and up through the pair
-kernel); before, only products of one 8-bit form
-shared a region. Earlier comparisons: the one-token Q4_K/Q6_K kernels and the first one-region
-products, `git show 6c4cd39:benchmarks/decode_ab.py`; rowdot.py's first types and delta.py,
-`git show 2f692b5:benchmarks/decode_ab.py`.
+per-stage table of each. The change compared: less serial Python per token (cpu.matmul_grouped
+keeps a repeated layout's work items and chunks, `cpu._grouped_plan`; the MoE's router shares the
+shared expert's region, a hyper-connection's down and inject one `linears` call). Before: no plan
+kept (`cpu.PLAN_ROWS` -1), the MoE's and the mix's code as they were. Earlier comparisons: one
+region per input whatever form each reads, `git show 9567b85:benchmarks/decode_ab.py`; the
+one-token Q4_K/Q6_K kernels and the first one-region products, `git show
+6c4cd39:benchmarks/decode_ab.py`; rowdot.py's first types and delta.py, `git show
+2f692b5:benchmarks/decode_ab.py`.
 
-    python benchmarks/decode_ab.py [--arch qwen4exp|qwen35moe] [--threads 1] [--rounds 5] [--tokens 32]
+    python benchmarks/decode_ab.py [--arch qwen4exp|qwen35moe] [--threads 1] [--rounds 5] [--tokens 32] [--preset seed-4l]
+
+(--preset tiny: kernels of a few microseconds, so a token step is nearly all the Python between them.)
 
 On a shared host the CPU time (this process, all threads) is the steadier figure: it is the time
 the step ran, not the time it waited for a core. Uses decode.py's model, timers and report.
@@ -32,37 +34,66 @@ F32 = np.float32
 
 @contextlib.contextmanager
 def before():
-    """The token path as it was: products of one input share a region only where all read one 8-bit form."""
-    from strata.engine import backend
-    from strata.engine.backend import _row
+    """The token path as it was: every grouped call remakes its plan, the router has a region of
+    its own, a mix's inject is a product of its own."""
+    from strata.engine import hyper, moe
     from strata.engine.kernels import cpu
-    from strata.engine.kernels.actq import ActQ
 
-    def old_linears(self, ws, x, outs):
-        if isinstance(x, np.ndarray):
-            x = Input(x)
-        acts = [x.form(w.type, w.wide) if isinstance(x, Input) else x for w in ws]
-        one = all(a is acts[0] for a in acts) and isinstance(acts[0], ActQ) and acts[0].q.shape[0] == 1
-        if not one or any(getattr(w, "device", None) is not None for w in ws):
-            return [self.linear(w, x, out) for w, out in zip(ws, outs)]
-        outs = [np.empty((1, w.n_out), F32) if out is None else out for w, out in zip(ws, outs)]
-        if not all(w.type.name in rowdot_names() for w in ws):  # no pair kernel: one matvec each
-            return [self.linear(w, x, out) for w, out in zip(ws, outs)]
-        cpu.matvec_many([(w.raw, w.type.id, w.n_in, w.n_out, out.reshape(-1)) for w, out in zip(ws, outs)], _row(acts[0]))
-        return outs
-
-    saved = backend.CpuBackend.linears
-    backend.CpuBackend.linears = old_linears
+    saved = (cpu.PLAN_ROWS, moe.MoE.forward, hyper.HyperConnection.mix)
+    cpu.PLAN_ROWS = -1
+    cpu._PLANS.clear()
+    moe.MoE.forward, hyper.HyperConnection.mix = old_moe_forward, old_mix
     try:
         yield
     finally:
-        backend.CpuBackend.linears = saved
+        cpu.PLAN_ROWS, moe.MoE.forward, hyper.HyperConnection.mix = saved
 
 
-def rowdot_names():
-    from strata.engine.kernels import rowdot
+def old_moe_forward(self, be, x: Input, counts=None) -> np.ndarray:
+    from strata.engine.batch import keep, seqs_of
+    from strata.engine.moe import Groups
 
-    return rowdot.NAMES if rowdot.AVAILABLE else ()
+    T = x.x.shape[0]
+    out = be.experts.token(self, x, counts) if T == 1 and be.experts is not None else None
+    if out is None:
+        top, weights = self.route(be, x)
+        if counts is not None:
+            for r in seqs_of(counts, T):
+                r.state[...] += np.bincount(top[r.a : r.b].reshape(-1), minlength=r.state.size)
+                keep(r)
+        grp = Groups(top)
+        part = self.routed(be, x, grp.experts, grp.rows, grp.starts)
+        out = be.scratch("moe.out", (T, self.E))
+        be.combine(part, grp.slot, weights, out)
+    if self.shared:
+        s_gate, gate, up, down = self.shared
+        sc = be.scratch
+        Fs = gate.n_out
+        u, g = be.linears((up, gate), x, (sc("moe.sh_up", (T, Fs)), sc("moe.sh_gate", (T, Fs))))
+        h = be.gate_(u, g, silu=True)
+        y = be.linear(down, Input(h), sc("moe.sh_y", (T, self.E)))
+        y *= be.sigmoid(be.linear(s_gate, x, sc("moe.sh_g", (T, 1))))
+        out += y
+    return out
+
+
+def old_mix(self, be, streams: np.ndarray):
+    self._check(streams)
+    T = streams.shape[0]
+    if self.down.type.quantized:
+        sn, act = be.rmsnorm_q(streams, self.norm, self.n_embd, self.eps)
+        sn_in = Input(sn, act)
+    else:
+        sn = be.rmsnorm(streams, self.norm, self.eps, group=self.n_embd, f32_sums=True)
+        sn_in = Input(sn)
+    sc = be.scratch
+    d = be.linear(self.down, sn_in, sc("hc.d", (T, self.down.n_out)))
+    d /= F32(self.hc)
+    u = be.linear(self.up, d * be.sigmoid(d, exp_form=True), sc("hc.u", (T, self.hc * self.n_embd)))
+    x = be.mix_tail(u, sn, sc("hc.x", (T, self.n_embd)))
+    if self.inject_w is None:
+        return Input(x), None
+    return Input(x), 2 * be.sigmoid(be.linear(self.inject_w, sn_in) / F32(self.hc), exp_form=True)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -72,17 +103,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--prompt", type=int, default=8)
     ap.add_argument("--tokens", type=int, default=32)
+    ap.add_argument("--preset", default=D.PRESET, help="synthetic model preset (tools/synth.py)")
     args = ap.parse_args(argv)
 
-    from strata.engine.kernels import cpu, rowdot
+    from strata.engine.kernels import cpu
     from strata.engine.model import Model
     from strata.engine.pack_reader import Pack
 
-    if not rowdot.AVAILABLE:
-        print("this host has no AVX512-VNNI/AVX512BW/F16C: rowdot.py never runs here, nothing to compare")
-        return 1
     cpu.set_threads(args.threads)
-    model = Model(Pack.open(D.ensure_pack(args.arch)))
+    model = Model(Pack.open(D.ensure_pack(args.arch, args.preset)))
     with before():
         model.warm_up(prompt_path=False)
     model.warm_up(prompt_path=False)
@@ -103,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
         with ctx():
             timers = D.instrument(model)
             steps = D.decode(model, args.prompt, args.tokens, timers)
-            print(f"--- {name} (instrumented pass)\n" + D.report(model, timers, steps, bw, args.threads, D.PRESET) + "\n")
+            print(f"--- {name} (instrumented pass)\n" + D.report(model, timers, steps, bw, args.threads, args.preset) + "\n")
             D.uninstrument(timers)
     rows, res = [], {"before": ([], []), "after": ([], [])}
     for r in range(args.rounds):

@@ -165,13 +165,16 @@ class HyperConnection:
             sn = be.rmsnorm(streams, self.norm, self.eps, group=self.n_embd, f32_sums=True)
             sn_in = Input(sn)
         sc = be.scratch  # the token step's buffers, reused (the same values as new arrays)
-        d = be.linear(self.down, sn_in, sc("hc.d", (T, self.down.n_out)))
+        if self.inject_w is None:
+            d = be.linear(self.down, sn_in, sc("hc.d", (T, self.down.n_out)))
+        else:  # down and inject both read sn: one parallel region for a token (backend.linears, the same bits)
+            d, inj = be.linears((self.down, self.inject_w), sn_in, (sc("hc.d", (T, self.down.n_out)), sc("hc.inj", (T, self.hc))))
         d /= F32(self.hc)
         u = be.linear(self.up, d * be.sigmoid(d, exp_form=True), sc("hc.u", (T, self.hc * self.n_embd)))  # silu
         x = be.mix_tail(u, sn, sc("hc.x", (T, self.n_embd)))
         if self.inject_w is None:
             return Input(x), None
-        return Input(x), 2 * be.sigmoid(be.linear(self.inject_w, sn_in) / F32(self.hc), exp_form=True)
+        return Input(x), 2 * be.sigmoid(inj / F32(self.hc), exp_form=True)
 
     def inject(self, be, streams: np.ndarray, block_out: np.ndarray, w: np.ndarray) -> None:
         """In place: stream c of token t += w[t, c] * block_out[t]."""

@@ -90,14 +90,19 @@ class MoE:
                 pack.weight(f"{b}.ffn_down_shexp.weight"),
             )
 
-    def route(self, be, x: Input) -> tuple[np.ndarray, np.ndarray]:
+    def route(self, be, x: Input, logits: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
         """(expert ids int64 [T, k], weights f64 [T, k]): each token's experts ranked by router
-        probability, weights summing to 1 (`route_topk`)."""
-        # the layer's own buffer (not one shared by every layer): `logits` stays the last batch's
-        # router logits [T, X] for diagnostics and tests
-        logits = be.linear(self.router, x, be.scratch(f"moe.router.{self.layer}", (x.x.shape[0], self.router.n_out)))
+        probability, weights summing to 1 (`route_topk`). logits: the router's product of x when
+        the caller made it (`forward`, beside the shared expert's)."""
+        if logits is None:
+            logits = be.linear(self.router, x, self._router_out(be, x))
         self.logits = logits
         return be.route(logits, self.k)
+
+    def _router_out(self, be, x: Input) -> np.ndarray:
+        # the layer's own buffer (not one shared by every layer): `logits` stays the last batch's
+        # router logits [T, X] for diagnostics and tests
+        return be.scratch(f"moe.router.{self.layer}", (x.x.shape[0], self.router.n_out))
 
     def forward(self, be, x: Input, counts=None) -> np.ndarray:
         """y = sum_e w_e down_e(silu(gate_e x) * up_e x) + sigmoid(s . x) shared(x) for T tokens ->
@@ -109,8 +114,18 @@ class MoE:
         # an expert server may take a whole token where its arrays live: routing, experts, combine
         # (the device step's, engine/tier/device.py); None: routed here
         out = be.experts.token(self, x, counts) if T == 1 and be.experts is not None else None
+        sc, shared = be.scratch, None
         if out is None:
-            top, weights = self.route(be, x)
+            logits = None
+            if self.shared and T == 1:
+                # the router and the shared expert's up, gate and gate logit all read x: one
+                # parallel region for a token where the router took one of its own (backend.linears,
+                # each product the bits of its own linear)
+                s_gate, gate, up, _ = self.shared
+                logits, *shared = be.linears((self.router, up, gate, s_gate), x,
+                                             (self._router_out(be, x), sc("moe.sh_up", (T, gate.n_out)),
+                                              sc("moe.sh_gate", (T, gate.n_out)), sc("moe.sh_g", (T, 1))))  # fmt: skip
+            top, weights = self.route(be, x, logits)
             if counts is not None:
                 for r in seqs_of(counts, T):
                     r.state[...] += np.bincount(top[r.a : r.b].reshape(-1), minlength=r.state.size)
@@ -121,12 +136,13 @@ class MoE:
             be.combine(part, grp.slot, weights, out)
         if self.shared:
             s_gate, gate, up, down = self.shared
-            sc = be.scratch
             Fs = gate.n_out
-            u, g = be.linears((up, gate), x, (sc("moe.sh_up", (T, Fs)), sc("moe.sh_gate", (T, Fs))))
+            if shared is None:
+                shared = be.linears((up, gate, s_gate), x, (sc("moe.sh_up", (T, Fs)), sc("moe.sh_gate", (T, Fs)), sc("moe.sh_g", (T, 1))))
+            u, g, s = shared
             h = be.gate_(u, g, silu=True)  # up silu(gate)
             y = be.linear(down, Input(h), sc("moe.sh_y", (T, self.E)))
-            be.shared_add_(out, y, be.linear(s_gate, x, sc("moe.sh_g", (T, 1))))  # out += y sigmoid(s . x)
+            be.shared_add_(out, y, s)  # out += y sigmoid(s . x)
         return out
 
     def routed(self, be, x: Input, experts: np.ndarray, rows: np.ndarray, starts: np.ndarray) -> np.ndarray:

@@ -1041,35 +1041,78 @@ def matmul_grouped(raw: np.ndarray, type_id: int, n_in: int, n_out: int, offsets
             if a < b:
                 matmul(raw[off : off + size], type_id, n_in, n_out, x[a:b], out[a:b])
         return out
-    items = _tiles(starts, n_out)
+    parallel, workers, calls = _grouped_plan(t, n_in, n_out, starts, d.shape[1] == n_in // QA)
+    xq = q.reshape(-1)
+    for kind, items, bounds in calls:
+        if kind == "one":  # the one-token matrices: rowdot reads their rows in place
+            rowdot.matmul_grouped_one(t.name, raw, offsets, t.row_bytes(n_in), starts, items, bounds, q, d, s16, out, parallel, workers)
+        else:  # both kernels take the same arguments
+            kernel = _panel(t.name, True, parallel) if kind == "panel" else _grouped(t.name, parallel)
+            kernel(raw, offsets, t.type_size, t.row_bytes(n_in), starts, items, bounds, xq, d, s16, F16_TO_F32, out, workers)
+    return out
+
+
+# A decode step's grouped calls repeat one layout token after token (its k experts of one token
+# each: starts 0..k, or 0..2k for gate and up in one call), so the work items of a layout, and
+# per launch (parallel or not, threads) their chunks and the kernel choice, are kept rather than
+# remade: ~30 numpy calls a call, 8 calls a token of seed-4l, were a share of the token's serial
+# Python (docs/performance.md). Only layouts of a few rows are kept (a prompt chunk's items run
+# to a MB and never repeat); PLANS_MAX bounds the dict. The key holds every setting the choice
+# reads, so a test or benchmark that changes one gets a new plan.
+PLAN_ROWS = 128
+PLANS_MAX = 512
+_PLANS: dict[tuple, tuple[np.ndarray, dict]] = {}
+
+
+def _grouped_plan(t, n_in: int, n_out: int, starts: np.ndarray, coarse: bool) -> tuple[bool, int, list]:
+    """(parallel, workers, calls) of a quantized matmul_grouped: calls = [(kind, items, bounds)],
+    kind "one" (rowdot.matmul_grouped_one), "panel" (_panel) or "rows" (_grouped). A function of
+    its arguments, the launch and the settings in the key only, so a kept plan is the one a fresh
+    call would make."""
+    n_tok = int(starts[-1])
+    key = (t.name, n_in, n_out, coarse, starts.tobytes(), GROUPED_FROM_RAW, PANEL_FROM, PANEL_FROM_FLOAT, panel.AVAILABLE,
+           rowdot.AVAILABLE, t.name in rowdot.NAMES, GROUP_TILE, GROUP_CHUNKS)  # fmt: skip
+    entry = _PLANS.get(key)
+    if entry is None:
+        entry = (_tiles(starts, n_out), {})
+        if n_tok <= PLAN_ROWS:
+            if len(_PLANS) >= PLANS_MAX:
+                _PLANS.clear()
+            _PLANS[key] = entry
+    items, by_launch = entry
     if len(items) == 0:
-        return out
+        return False, 1, []
+    # every call: it applies the thread count where this call runs, and it is the region counted
     parallel, _ = _launch(len(items), n_in * n_out * n_tok)
     workers = numba.get_num_threads() if parallel else 1  # _launch set it
-    bounds = _balance(items, starts, min(len(items), GROUP_CHUNKS * workers))
+    calls = by_launch.get((parallel, workers))
+    if calls is None:
+        calls = by_launch[parallel, workers] = _make_calls(t, n_out, starts, items, coarse, parallel, workers, n_tok)
+    return parallel, workers, calls
+
+
+def _make_calls(t, n_out: int, starts: np.ndarray, items: np.ndarray, coarse: bool, parallel: bool, workers: int,
+                n_tok: int) -> list:  # fmt: skip
     sizes = np.diff(starts)
     live = np.count_nonzero(sizes)
     if _use_panel(t, n_tok / live, n_out, grouped=True):  # the raw-panel types take the panel from one token per expert
-        kernel = _panel(t.name, True, parallel)
-    else:
-        if t.name in rowdot.NAMES and rowdot.AVAILABLE and d.shape[1] == n_in // QA:
-            # the one-token matrices (all of a decode step's; most of a serving step's, where 8
-            # streams x 10 of 512 experts give a few experts 2 tokens) read their rows in place
-            # (rowdot.py says why); the others decode each row once for their tokens (IQ2_XS, 48
-            # experts of 2 tokens, 1 thread: 9.9 ms read in place twice, 10.7 decoded; IQ3_XXS
-            # 19.5 against 14.0), in a second region
-            one = sizes[items[:, 0]] == 1
-            if one.any():
-                first = items[one]
-                rowdot.matmul_grouped_one(t.name, raw, offsets, t.row_bytes(n_in), starts, first,
-                                          _balance(first, starts, min(len(first), GROUP_CHUNKS * workers)), q, d, s16, out, parallel, workers)  # fmt: skip
-                items = items[~one]
-                if len(items) == 0:
-                    return out
-                bounds = _balance(items, starts, min(len(items), GROUP_CHUNKS * workers))
-        kernel = _grouped(t.name, parallel)
-    kernel(raw, offsets, t.type_size, t.row_bytes(n_in), starts, items, bounds, q.reshape(-1), d, s16, F16_TO_F32, out, workers)
-    return out
+        return [("panel", items, _balance(items, starts, min(len(items), GROUP_CHUNKS * workers)))]
+    calls = []
+    if t.name in rowdot.NAMES and rowdot.AVAILABLE and coarse:
+        # the one-token matrices (all of a decode step's; most of a serving step's, where 8
+        # streams x 10 of 512 experts give a few experts 2 tokens) read their rows in place
+        # (rowdot.py says why); the others decode each row once for their tokens (IQ2_XS, 48
+        # experts of 2 tokens, 1 thread: 9.9 ms read in place twice, 10.7 decoded; IQ3_XXS
+        # 19.5 against 14.0), in a second region
+        one = sizes[items[:, 0]] == 1
+        if one.any():
+            first = items[one]
+            calls.append(("one", first, _balance(first, starts, min(len(first), GROUP_CHUNKS * workers))))
+            items = items[~one]
+            if len(items) == 0:
+                return calls
+    calls.append(("rows", items, _balance(items, starts, min(len(items), GROUP_CHUNKS * workers))))
+    return calls
 
 
 def _grouped16(raw, t, n_in: int, n_out: int, offsets, act: ActQ16, starts, out, where: str) -> np.ndarray:
@@ -1097,14 +1140,15 @@ def _groups(offsets, starts, size: int, n_bytes: int, where: str) -> tuple[np.nd
         raise TypeError(f"{where}: offsets must be a 1-D integer array, got {_describe(offsets)}")
     if starts.ndim != 1 or starts.dtype.kind not in "iu" or starts.size != offsets.size + 1:
         raise TypeError(f"{where}: starts must be a 1-D integer array of {offsets.size + 1} (groups + 1), got {_describe(starts)}")
-    offsets, starts = offsets.astype(np.int64), starts.astype(np.int64)
-    bad = np.flatnonzero((offsets < 0) | (offsets > n_bytes - size))
-    if bad.size:
-        g = int(bad[0])
+    # no copy of int64 arrays, and the bounds by min and max: the token path makes 8 calls a token
+    offsets = np.ascontiguousarray(offsets, dtype=np.int64)
+    starts = np.ascontiguousarray(starts, dtype=np.int64)
+    if offsets.size and (offsets.min() < 0 or offsets.max() > n_bytes - size):
+        g = int(np.flatnonzero((offsets < 0) | (offsets > n_bytes - size))[0])
         raise ValueError(f"{where}: matrix {g} at byte {offsets[g]} ({size} bytes) is outside the {n_bytes} weight bytes")
-    if starts[0] != 0 or (np.diff(starts) < 0).any():
+    if starts[0] != 0 or (starts[1:] < starts[:-1]).any():
         raise ValueError(f"{where}: starts must run from 0 and never decrease, got {starts[:8].tolist()}...")
-    return np.ascontiguousarray(offsets), np.ascontiguousarray(starts)
+    return offsets, starts
 
 
 def _tiles(starts: np.ndarray, n_out: int) -> np.ndarray:

@@ -208,3 +208,35 @@ def test_no_fused_multiply_add_in_the_grouped_kernels(monkeypatch):
         asm = "\n".join(kernel.inspect_asm().values())
         assert "vmulss" in asm or "vmulps" in asm, "no f32 multiply found: the check itself is broken"
         assert not re.search(r"\bv?f(n)?m(add|sub)\d", asm), "FMA instruction in the grouped kernel"
+
+
+def test_a_repeated_layout_makes_its_plan_once_with_the_same_bits(monkeypatch):
+    # the decode step's grouped calls repeat one layout every token (k experts of one token each):
+    # the work items and chunks are made once, and a kept plan gives what a fresh one gives
+    t = BY_NAME["IQ4_NL"]
+    made, chunked = [], []
+    monkeypatch.setattr(cpu, "_tiles", lambda *a, f=cpu._tiles: made.append(1) or f(*a))
+    monkeypatch.setattr(cpu, "_balance", lambda *a, f=cpu._balance: chunked.append(1) or f(*a))
+    monkeypatch.setattr(cpu, "_PLANS", {}, raising=False)
+    n_in, n_out = 32 * 4, cpu.GROUP_TILE + 5
+    outs = []
+    for seed in (11, 12, 13):  # new experts and activations each "token", the layout the same
+        raw, offsets, act, starts = _case(t, n_in, n_out, [1] * 6, seed)
+        with cpu_path(parallel=True):
+            outs.append(cpu.matmul_grouped(raw, t.id, n_in, n_out, offsets, act, starts))
+        _same(outs[-1], _per_group(t, raw, offsets, act, starts, n_in, n_out, R.dot_reference), f"token {seed}")
+    assert len(made) == 1, f"{len(made)} plans made for 3 calls of one layout, expected 1"
+    n_chunked = len(chunked)
+    with cpu_path(parallel=False):  # another launch (the serial kernel): its own chunks
+        got = cpu.matmul_grouped(raw, t.id, n_in, n_out, offsets, act, starts)
+    assert len(chunked) > n_chunked, "the serial call reused the parallel call's chunks"
+    _same(got, outs[-1], "serial vs parallel")
+
+
+def test_a_prompt_chunk_s_layout_is_not_kept(monkeypatch):
+    t = BY_NAME["Q8_0"]
+    monkeypatch.setattr(cpu, "_PLANS", {})
+    raw, offsets, act, starts = _case(t, 64, 5, [cpu.PLAN_ROWS, 1], 3)
+    got = cpu.matmul_grouped(raw, t.id, 64, 5, offsets, act, starts)
+    assert cpu._PLANS == {}, "a layout of more than PLAN_ROWS rows was kept"
+    _same(got, _per_group(t, raw, offsets, act, starts, 64, 5, R.dot_reference), "a chunk's layout")

@@ -66,3 +66,71 @@ def test_a_token_s_products_of_one_input_are_one_parallel_region(block):
     assert n == 1, f"{block}: {n} parallel regions for one token, expected 1"
     for w, g, r in zip(ws, got, want):
         assert np.array_equal(g.view(np.uint32), r.view(np.uint32)), f"{block}: {w.name} differs from its own linear"
+
+
+class _OneByOne(CpuBackend):
+    """The backend with `linears` as one `linear` per weight: what the blocks computed before their
+    products of one input shared a region."""
+
+    def linears(self, ws, x, outs):
+        return [self.linear(w, x, out) for w, out in zip(ws, outs)]
+
+
+def _need_rowdot():
+    if not rowdot.AVAILABLE:
+        pytest.skip(f"rowdot.py needs AVX512-VNNI, AVX512BW and F16C; this host's features: {sorted(cpu.simd._X86) or 'none'}")
+
+
+def test_a_hyper_connection_s_down_and_inject_are_one_region():
+    # both read the normed streams: one region for a token, where they took two (and up, which
+    # needs down's result, its own)
+    from strata.engine.hyper import HyperConnection
+
+    _need_rowdot()
+    hc, E, R = 4, 64, 32
+    rng = np.random.default_rng(5)
+    w = lambda *shape: (rng.standard_normal(shape) / np.sqrt(shape[-1])).astype(np.float32)  # noqa: E731
+    h = HyperConnection("blk.0.hc_attn", 1 + 0.1 * w(hc * E), w(R, hc * E), w(hc * E, R), w(hc, hc * E), hc=hc, n_embd=E,
+                        lowrank=R, eps=1e-6)  # fmt: skip
+    streams = w(1, hc * E)
+    with cpu_path(parallel=True):
+        want = [a.x if hasattr(a, "x") else a for a in h.mix(_OneByOne(), streams.copy())]
+        got = []
+        n = _regions(lambda: got.extend(h.mix(CpuBackend(), streams.copy())))
+    assert n == 2, f"{n} parallel regions for a mix of one token, expected 2 (down + inject, then up)"
+    for name, g, r in zip(("block input", "injection weights"), (got[0].x, got[1]), want):
+        assert np.array_equal(g.view(np.uint32), r.view(np.uint32)), f"{name} differs from the products one by one"
+
+
+@pytest.fixture(scope="module")
+def tiny_qwen4exp(tmp_path_factory):
+    from strata.engine.model import Model
+    from strata.engine.pack_reader import Pack
+    from strata.tools import pack
+    from strata.tools.synth import PRESETS, synth
+
+    tmp = tmp_path_factory.mktemp("regions")
+    shards = synth("qwen4exp", "tiny", tmp / "tiny.gguf")
+    pack.convert(shards[:1], tmp / "pack", ple_gguf=shards[-1], compress_ratio=PRESETS["tiny"].compress_ratio)
+    return Model(Pack.open(tmp / "pack"))
+
+
+def test_a_token_s_router_shares_the_shared_expert_s_region(tiny_qwen4exp):
+    # the router and the shared expert's up, gate and gate logit read the same x: one region for
+    # a token, where the router took one of its own; the layer's output is the same bits
+    _need_rowdot()
+    moe = tiny_qwen4exp.moes[0]
+    assert moe.shared, "the tiny qwen4exp has no shared expert: nothing to test"
+    x = np.random.default_rng(9).standard_normal((1, moe.E)).astype(np.float32)
+    from strata.engine.moe import Groups
+
+    with cpu_path(parallel=True):
+        want = moe.forward(_OneByOne(), Input(x)).copy()
+        grp = Groups(moe.route(CpuBackend(), Input(x))[0])
+        routed = _regions(lambda: moe.products(Input(x), grp.experts, grp.rows, grp.starts))
+        got = []
+        n = _regions(lambda: got.append(moe.forward(CpuBackend(), Input(x)).copy()))
+    # the routed experts' regions, then one for the router and the shared up/gate/gate logit and
+    # one for the shared down (the gate logit alone, one output, runs serial either way)
+    assert n == routed + 2, f"{n} parallel regions for one token's MoE, expected {routed} (routed experts) + 2"
+    assert np.array_equal(got[0].view(np.uint32), want.view(np.uint32)), "the MoE output differs from the products one by one"
