@@ -52,7 +52,13 @@ _KV_U = [((int(v) + 128) & 0xFF) - 256 * (((int(v) + 128) & 0xFF) > 127) for v i
 # name: (block bytes, offset): each block is an fp16 scale at byte 0 and 32 values; the unpacker
 # gives them as unsigned bytes u = value + offset, so the exact integer sum is
 # vpdpbusd(u, x) - offset * (sum of x)
-TYPES = {"Q8_0": (34, 128), "Q4_0": (18, 8), "Q5_0": (22, 16), "IQ4_NL": (18, 128)}
+TYPES = {"Q8_0": (34, 128), "Q4_0": (18, 8), "Q5_0": (22, 16), "IQ4_NL": (18, 128), "Q2_0": (18, 1)}
+# Q2_0's block is 64 elements (an fp16 scale and 16 bytes of 2-bit fields): two act-blocks with
+# one scale, which its unpacker gives at once (_unpack_q2), so its act-blocks go in even pairs.
+# The routed experts' down projections of seed-4l's layers 1 and 3 are Q2_0 (640-long rows, 10
+# blocks); decoded row by row into scratch they read at ~4 GB/s per thread (docs/performance.md).
+PAIRED = frozenset({"Q2_0"})
+_VBMI = bool(simd._X86.get("avx512vbmi"))
 
 
 def _unpack(builder, name, load, at):
@@ -78,6 +84,27 @@ def _unpack(builder, name, load, at):
         fn = simd._fn(builder, "llvm.x86.avx2.pshuf.b", v32, [v32, v32])
         u = builder.call(fn, [ir.Constant(v32, [ir.Constant(I8, k) for k in _KV_U * 2]), u])
     return u
+
+
+def _unpack_q2(builder, load, at):
+    """The 64 values of the Q2_0 block at byte `at` as <64 x i8> holding value + 1 (its 2-bit
+    fields as stored: element 4j + k is bits 2k.. of byte j of the 16 at byte 2; w = (q - 1) d).
+    With AVX512-VBMI: bytes 2m, 2m + 1 spread to the start of qword m, then one vpmultishiftqb takes
+    field r of the qword from bit 2r (3 instructions for 64 values); elsewhere four shifts and a
+    byte interleave, as simd.crumbs64 decodes them."""
+    v16, v64 = ir.VectorType(I8, 16), ir.VectorType(I8, 64)
+    qs = load(builder.add(at, ir.Constant(I64, 2)), v16)
+    three = simd._splat(builder, ir.Constant(I8, 3), v64)
+    if _VBMI:
+        spread = builder.shuffle_vector(qs, qs, simd._mask(64, [2 * (i // 8) + min(i % 8, 1) for i in range(64)]))
+        return builder.and_(_fields(builder, spread, [2 * r for r in range(8)]), three)
+    v32 = ir.VectorType(I8, 32)
+    parts = [builder.and_(builder.lshr(qs, simd._splat(builder, ir.Constant(I8, 2 * k), v16)), simd._splat(builder, ir.Constant(I8, 3), v16))
+             for k in range(4)]  # fmt: skip
+    pair01 = builder.shuffle_vector(parts[0], parts[1], simd._mask(32, range(32)))
+    pair23 = builder.shuffle_vector(parts[2], parts[3], simd._mask(32, range(32)))
+    assert pair01.type == v32
+    return builder.shuffle_vector(pair01, pair23, simd._mask(64, [16 * (i % 4) + i // 4 for i in range(64)]))
 
 
 def _row(name: str, fine: bool):
@@ -110,6 +137,8 @@ def _codegen(context, builder, sig, args, name, fine, wide=False):
     vnni = simd._fn(builder, "llvm.x86.avx512.vpdpbusd.512", i16v, [i16v] * 3)
     off = simd._splat(builder, ir.Constant(I32, offset), i16v)
     last = builder.sub(nb, ir.Constant(I64, 1))
+    paired = name in PAIRED
+    last2 = builder.sub(nb, ir.Constant(I64, 2))
     neg0 = ir.Constant(f16v, [-0.0] * 16)
     iota = ir.Constant(ir.VectorType(I64, 16), list(range(16)))
     acc = [[cgutils.alloca_once_value(builder, ir.Constant(f16v, [0.0] * 16)) for _ in range(2)] for _ in range(planes)]
@@ -122,20 +151,25 @@ def _codegen(context, builder, sig, args, name, fine, wide=False):
         blocks = []
         for k in range(n):
             i = builder.add(b, ir.Constant(I64, k))
-            if tail:
-                i = builder.select(builder.icmp_unsigned("<", i, nb), i, last)
+            if tail:  # a paired type's pair past nb reads the last pair (nb is even)
+                i = builder.select(builder.icmp_unsigned("<", i, nb), i, last2 if paired and k % 2 == 0 else last)
             blocks.append(i)
         all_vecs, halves = [[] for _ in range(planes)], []
         for j in range(n // 2):
             w = []
-            for i in blocks[2 * j : 2 * j + 2]:
-                at = builder.add(p, builder.mul(i, ir.Constant(I64, size)))
-                w.append(_unpack(builder, name, lambda idx, ty: builder.load(ptr("raw", idx, ty), align=1), at))
-                halves.append(builder.load(ptr("raw", at, I16), align=1))
-            w = builder.shuffle_vector(w[0], w[1], simd._mask(64, range(64)))
+            if paired:  # act-blocks 2j, 2j + 1 of the group: one block, one scale (b is even)
+                at = builder.add(p, builder.mul(blocks[2 * j], ir.Constant(I64, size // 2)))
+                w = _unpack_q2(builder, lambda idx, ty: builder.load(ptr("raw", idx, ty), align=1), at)
+                halves += [builder.load(ptr("raw", at, I16), align=1)] * 2
+            else:
+                for i in blocks[2 * j : 2 * j + 2]:
+                    at = builder.add(p, builder.mul(i, ir.Constant(I64, size)))
+                    w.append(_unpack(builder, name, lambda idx, ty: builder.load(ptr("raw", idx, ty), align=1), at))
+                    halves.append(builder.load(ptr("raw", at, I16), align=1))
+                w = builder.shuffle_vector(w[0], w[1], simd._mask(64, range(64)))
             for pl in range(planes):  # the weights unpacked once, multiplied by each plane
                 o = n_in if pl else ir.Constant(I64, 0)
-                if tail:
+                if tail and not paired:
                     x = [builder.load(ptr("xq", builder.add(o, builder.mul(i, ir.Constant(I64, QA))), v32), align=1)
                          for i in blocks[2 * j : 2 * j + 2]]  # fmt: skip
                     x = builder.shuffle_vector(x[0], x[1], simd._mask(64, range(64)))
@@ -144,8 +178,12 @@ def _codegen(context, builder, sig, args, name, fine, wide=False):
                 all_vecs[pl].append(builder.call(vnni, [ir.Constant(i16v, None), builder.bitcast(w, i16v), builder.bitcast(x, i16v)]))
         vecs = all_vecs[0]
         if not tail and n == 16:  # the group's bytes as words (all inside the row), the 16 scales picked out
-            words = builder.load(ptr("raw", builder.add(p, builder.mul(b, ir.Constant(I64, size))), ir.VectorType(I16, 8 * size)), align=1)
-            dw = builder.shuffle_vector(words, words, simd._mask(16, [k * size // 2 for k in range(16)]))
+            if paired:  # 8 blocks, each scale twice
+                words = builder.load(ptr("raw", builder.add(p, builder.mul(b, ir.Constant(I64, size // 2))), ir.VectorType(I16, 4 * size)), align=1)
+                dw = builder.shuffle_vector(words, words, simd._mask(16, [(k // 2) * size // 2 for k in range(16)]))
+            else:
+                words = builder.load(ptr("raw", builder.add(p, builder.mul(b, ir.Constant(I64, size))), ir.VectorType(I16, 8 * size)), align=1)
+                dw = builder.shuffle_vector(words, words, simd._mask(16, [k * size // 2 for k in range(16)]))
         else:
             dw = ir.Constant(ir.VectorType(I16, 16), None)
             for k, hb in enumerate(halves):
