@@ -596,10 +596,13 @@ def _fields(builder, data, offsets):
     return builder.call(fn, [ctrl, data])
 
 
-def _iq_superblock(builder, name, ptr, p, sb, zero):
+def _iq_superblock(builder, name, ptr, p, sb, zero, xptrs=None):
     """The <8 x f32> terms of super-block sb of the `name` (IQTYPES) row at byte p (act-blocks
     8 sb .. 8 sb + 7). Layouts: reference.py beside _iq2_xxs, _iq2_xs, _iq3_xxs. `zero`: an i64
-    0 that LLVM cannot see is 0, added to the addresses of the vector loads (see below)."""
+    0 that LLVM cannot see is 0, added to the addresses of the vector loads (see below).
+    xptrs: several tokens (a list of `ptr`s, each reading one token's xq and xd): the grid words,
+    signs and scales are fetched once and each token's terms (the one-token ops, in the same
+    order: the same bits) come back as a list."""
     v32, v64, i16v, i8v, f8v = ir.VectorType(I8, 32), ir.VectorType(I8, 64), ir.VectorType(I32, 16), ir.VectorType(I32, 8), ir.VectorType(ir.FloatType(), 8)
     vnni = simd._fn(builder, "llvm.x86.avx512.vpdpbusd.512", i16v, [i16v] * 3)
     at = builder.add(p, builder.mul(sb, ir.Constant(I64, IQTYPES[name])))
@@ -666,26 +669,31 @@ def _iq_superblock(builder, name, ptr, p, sb, zero):
         scale = 0.25
     _, bits = _GRIDS[name]
     sword = builder.bitcast(signs, ir.VectorType(I64, 4))  # word m: the 64 sign bits of act-blocks 2m, 2m + 1
-    vecs = []
+    grid, negs = [], []
     for m in range(4):
         if bits == 64:
-            g = _lookup(builder, table, [gidx(i) for i in range(8 * m, 8 * m + 8)])
+            grid.append(_lookup(builder, table, [gidx(i) for i in range(8 * m, 8 * m + 8)]))
         else:  # IQ3_XXS: two 4-byte entries to a word, so the vector is built as IQ2's
-            g = _lookup(builder, table, [(gidx(i), gidx(i + 1)) for i in range(16 * m, 16 * m + 16, 2)])
-        x = builder.load(ptr("xq", builder.mul(builder.add(b, ir.Constant(I64, 2 * m)), ir.Constant(I64, QA)), v64), align=1)
-        neg = builder.bitcast(builder.extract_element(sword, ir.Constant(I32, m)), ir.VectorType(ir.IntType(1), 64))
-        x = builder.select(neg, builder.sub(ir.Constant(v64, None), x), x)
-        vecs.append(builder.call(vnni, [ir.Constant(i16v, None), builder.bitcast(g, i16v), builder.bitcast(x, i16v)]))
-    h = simd._reduce_groups(builder, vecs, 4, 4)  # lane 2k + h: half h of act-block k, exact
-    if name == "IQ2_XS":
-        h = builder.mul(h, ws)
-        isum = builder.add(pick(h, range(0, 16, 2)), pick(h, range(1, 16, 2)))
-    else:
-        isum = builder.mul(builder.add(pick(h, range(0, 16, 2)), pick(h, range(1, 16, 2))), ws)
+            grid.append(_lookup(builder, table, [(gidx(i), gidx(i + 1)) for i in range(16 * m, 16 * m + 16, 2)]))
+        negs.append(builder.bitcast(builder.extract_element(sword, ir.Constant(I32, m)), ir.VectorType(ir.IntType(1), 64)))
     d = builder.fpext(builder.bitcast(raw(0, I16), ir.HalfType()), ir.FloatType())
     d = builder.fmul(d, ir.Constant(ir.FloatType(), scale))  # exact: a power of two
-    ad = builder.load(ptr("xd", b, f8v), align=4)
-    return builder.fmul(builder.fmul(simd._splat(builder, d, f8v), ad), builder.sitofp(isum, f8v))
+    terms = []
+    for xptr in xptrs or [ptr]:
+        vecs = []
+        for m in range(4):
+            x = builder.load(xptr("xq", builder.mul(builder.add(b, ir.Constant(I64, 2 * m)), ir.Constant(I64, QA)), v64), align=1)
+            x = builder.select(negs[m], builder.sub(ir.Constant(v64, None), x), x)
+            vecs.append(builder.call(vnni, [ir.Constant(i16v, None), builder.bitcast(grid[m], i16v), builder.bitcast(x, i16v)]))
+        h = simd._reduce_groups(builder, vecs, 4, 4)  # lane 2k + h: half h of act-block k, exact
+        if name == "IQ2_XS":
+            h = builder.mul(h, ws)
+            isum = builder.add(pick(h, range(0, 16, 2)), pick(h, range(1, 16, 2)))
+        else:
+            isum = builder.mul(builder.add(pick(h, range(0, 16, 2)), pick(h, range(1, 16, 2))), ws)
+        ad = builder.load(xptr("xd", b, f8v), align=4)
+        terms.append(builder.fmul(builder.fmul(simd._splat(builder, d, f8v), ad), builder.sitofp(isum, f8v)))
+    return terms if xptrs else terms[0]
 
 
 def _krow(name: str):
@@ -731,6 +739,71 @@ def _kcodegen(context, builder, sig, args, name):
 if IQ_AVAILABLE:
     KTYPES.update(IQTYPES)  # the same super-block loop, lanes and fold; each its own terms
 KROW = {name: intrinsic(_krow(name)) for name in KTYPES}
+
+
+# A few tokens of one IQ row: a serving step gives a few experts 2-4 tokens. Read in place once
+# per token, the row's grid words were fetched again for every token (the scalar loads and
+# inserts that bound these kernels, docs/kernels.md); decoded into scratch, its bytes went
+# through cpu.py's decoder. Here each super-block's grid words, signs and scales are fetched once
+# and dotted with every token's activations: per token the one-token kernel's ops, lanes and
+# fold, so every token's result is its bits.
+FEW_MAX = 4
+
+
+def _krow_few(name: str, T: int):
+    def impl(typingctx, raw, p, nb, xq, xd, xs, r0):
+        """The dots of the `name` (IQTYPES) row at byte p of raw (nb act-blocks) with T tokens,
+        rows r0 .. r0 + T - 1 of the C-contiguous xq i8 [N, 32 nb] and xd f32 [N, nb] (xs, as
+        s16 [N, 2 nb], unused: these types have no offset) -> a T-tuple of f32, each bit for bit
+        KROW's for its token."""
+        return types.UniTuple(types.float32, T)(raw, p, nb, xq, xd, xs, r0), lambda context, builder, sig, args: _kcodegen_few(context, builder, sig, args, name, T)
+
+    return impl
+
+
+def _kcodegen_few(context, builder, sig, args, name, T):
+    f8v = ir.VectorType(ir.FloatType(), 8)
+    p, nb, r0 = (context.cast(builder, args[k], sig.args[k], types.intp) for k in (1, 2, 6))
+    base = {arr: context.make_array(sig.args[k])(context, builder, args[k]).data for k, arr in ((0, "raw"), (3, "xq"), (4, "xd"))}
+
+    def ptr(arr, idx, ty):
+        return builder.bitcast(builder.gep(base[arr], [idx]), ty.as_pointer())
+
+    def token(t):  # token t's xq, xd: row r0 + t of the [N, ...] planes
+        r = builder.add(r0, ir.Constant(I64, t))
+        first = {"xq": builder.mul(r, builder.mul(nb, ir.Constant(I64, QA))), "xd": builder.mul(r, nb)}
+        return lambda arr, idx, ty: ptr(arr, builder.add(first[arr], idx), ty)
+
+    xptrs = [token(t) for t in range(T)]
+    acc = [[cgutils.alloca_once_value(builder, ir.Constant(f8v, [0.0] * 8)) for _ in range(4)] for _ in range(T)]
+    nsb = builder.udiv(nb, ir.Constant(I64, 8))
+    zero = builder.lshr(nb, ir.Constant(I64, 62))  # as _kcodegen's
+    with cgutils.for_range(builder, builder.udiv(builder.add(nsb, ir.Constant(I64, 3)), ir.Constant(I64, 4))) as loop:
+        for u in range(4):
+            sb = builder.add(builder.mul(loop.index, ir.Constant(I64, 4)), ir.Constant(I64, u))
+            with builder.if_then(builder.icmp_unsigned("<", sb, nsb), likely=True):
+                for t, terms in enumerate(_iq_superblock(builder, name, ptr, p, sb, zero, xptrs)):
+                    builder.store(builder.fadd(builder.load(acc[t][u]), terms), acc[t][u])
+    out = []
+    for t in range(T):
+        lo = builder.shuffle_vector(builder.load(acc[t][0]), builder.load(acc[t][1]), simd._mask(16, range(16)))
+        hi = builder.shuffle_vector(builder.load(acc[t][2]), builder.load(acc[t][3]), simd._mask(16, range(16)))
+        v = builder.shuffle_vector(lo, hi, simd._mask(32, range(32)))
+        w = 16
+        while w:  # the fold: lane[l] += lane[l + w]
+            v = builder.fadd(builder.shuffle_vector(v, v, simd._mask(w, range(w))), builder.shuffle_vector(v, v, simd._mask(w, range(w, 2 * w))))
+            w //= 2
+        out.append(builder.extract_element(v, ir.Constant(I32, 0)))
+    return context.make_tuple(builder, sig.return_type, out)
+
+
+KROW_FEW = {(name, T): intrinsic(_krow_few(name, T)) for name in (IQTYPES if IQ_AVAILABLE else ()) for T in range(2, FEW_MAX + 1)}
+
+
+def few_max(name: str) -> int:
+    """The most tokens per matrix that matmul_grouped_one takes for type `name`: FEW_MAX for the
+    IQ types (their few-token rows), 1 for the others."""
+    return FEW_MAX if (name, 2) in KROW_FEW else 1
 
 
 def _kkernel(name: str, parallel: bool):
@@ -906,6 +979,32 @@ def matvec_many(names: tuple[str, ...], raws, row_bytes, xq: np.ndarray, xd: np.
 
 
 def _grouped_one_kernel(name: str, parallel: bool):
+    if few_max(name) > 1:
+        row, row2, row3, row4 = KROW[name], KROW_FEW[name, 2], KROW_FEW[name, 3], KROW_FEW[name, 4]
+
+        def kernel(raw, offsets, row_bytes, starts, items, bounds, xq, xd, s16, out, n_workers):
+            # as below, groups of 1 .. FEW_MAX tokens: each row read once for all of them
+            nb = xd.shape[1]
+            queue = np.zeros(1, np.int64)
+            for _ in prange(n_workers):
+                c = simd.fetch_add(queue, 0, 1)
+                while c < bounds.size - 1:
+                    for i in range(bounds[c], bounds[c + 1]):
+                        g, o0, o1 = items[i, 0], items[i, 1], items[i, 2]
+                        r, n = starts[g], starts[g + 1] - starts[g]
+                        for o in range(o0, o1):
+                            at = offsets[g] + o * row_bytes
+                            if n == 1:
+                                out[r, o] = row(raw, at, nb, xq[r], xd[r], s16[r])
+                            elif n == 2:
+                                out[r, o], out[r + 1, o] = row2(raw, at, nb, xq, xd, s16, r)
+                            elif n == 3:
+                                out[r, o], out[r + 1, o], out[r + 2, o] = row3(raw, at, nb, xq, xd, s16, r)
+                            else:
+                                out[r, o], out[r + 1, o], out[r + 2, o], out[r + 3, o] = row4(raw, at, nb, xq, xd, s16, r)
+                    c = simd.fetch_add(queue, 0, 1)
+
+        return cached(njit(parallel=parallel, **JIT)(kernel), f"{name}-rowdot-grouped-few-{'par' if parallel else 'serial'}")
     if name in KTYPES:
         row = KROW[name]
 
@@ -958,10 +1057,11 @@ _GROUPED: dict[tuple[str, bool], object] = {}
 def matmul_grouped_one(name: str, raw: np.ndarray, offsets, row_bytes: int, starts, items, bounds, xq: np.ndarray,
                        xd: np.ndarray, s16: np.ndarray, out: np.ndarray, parallel: bool, n_workers: int) -> None:  # fmt: skip
     """cpu.matmul_grouped's items of a `name` (NAMES) type, activations with a scale per 32
-    elements ([N, ...] planes): the same items, chunks and queue, each row read in place once per
-    token of its group (each token's row is the one-token kernel's bits). cpu.py gives it the
-    one-token groups (a decode step's routed experts, most of a serving step's): for more, decoding
-    a row once costs less than reading it in place again. The caller has validated everything."""
+    elements ([N, ...] planes): the same items, chunks and queue, each row read in place (each
+    token's row is the one-token kernel's bits). cpu.py gives it the groups of at most
+    few_max(name) tokens: one token (a decode step's routed experts, most of a serving step's), and
+    for the IQ types 2-4 (each row's grid words fetched once for all the group's tokens); for more,
+    decoding a row once costs less. The caller has validated everything."""
     key = (name, parallel)
     if key not in _GROUPED:
         _GROUPED[key] = _grouped_one_kernel(*key)
