@@ -978,8 +978,8 @@ def matvec_many(names: tuple[str, ...], raws, row_bytes, xq: np.ndarray, xd: np.
 # place as above. The work items, their chunks and the shared queue are the grouped kernel's.
 
 
-def _grouped_one_kernel(name: str, parallel: bool):
-    if few_max(name) > 1:
+def _grouped_one_kernel(name: str, parallel: bool, few: bool = False):
+    if few:
         row, row2, row3, row4 = KROW[name], KROW_FEW[name, 2], KROW_FEW[name, 3], KROW_FEW[name, 4]
 
         def kernel(raw, offsets, row_bytes, starts, items, bounds, xq, xd, s16, out, n_workers):
@@ -991,17 +991,20 @@ def _grouped_one_kernel(name: str, parallel: bool):
                 while c < bounds.size - 1:
                     for i in range(bounds[c], bounds[c + 1]):
                         g, o0, o1 = items[i, 0], items[i, 1], items[i, 2]
-                        r, n = starts[g], starts[g + 1] - starts[g]
-                        for o in range(o0, o1):
-                            at = offsets[g] + o * row_bytes
-                            if n == 1:
-                                out[r, o] = row(raw, at, nb, xq[r], xd[r], s16[r])
-                            elif n == 2:
-                                out[r, o], out[r + 1, o] = row2(raw, at, nb, xq, xd, s16, r)
-                            elif n == 3:
-                                out[r, o], out[r + 1, o], out[r + 2, o] = row3(raw, at, nb, xq, xd, s16, r)
-                            else:
-                                out[r, o], out[r + 1, o], out[r + 2, o], out[r + 3, o] = row4(raw, at, nb, xq, xd, s16, r)
+                        r, n, at = starts[g], starts[g + 1] - starts[g], offsets[g]
+                        if n == 1:  # the views made once per item: in the row loop they cost reference counts
+                            xr, dr, sr = xq[r], xd[r], s16[r]
+                            for o in range(o0, o1):
+                                out[r, o] = row(raw, at + o * row_bytes, nb, xr, dr, sr)
+                        elif n == 2:
+                            for o in range(o0, o1):
+                                out[r, o], out[r + 1, o] = row2(raw, at + o * row_bytes, nb, xq, xd, s16, r)
+                        elif n == 3:
+                            for o in range(o0, o1):
+                                out[r, o], out[r + 1, o], out[r + 2, o] = row3(raw, at + o * row_bytes, nb, xq, xd, s16, r)
+                        else:
+                            for o in range(o0, o1):
+                                out[r, o], out[r + 1, o], out[r + 2, o], out[r + 3, o] = row4(raw, at + o * row_bytes, nb, xq, xd, s16, r)
                     c = simd.fetch_add(queue, 0, 1)
 
         return cached(njit(parallel=parallel, **JIT)(kernel), f"{name}-rowdot-grouped-few-{'par' if parallel else 'serial'}")
@@ -1051,7 +1054,7 @@ def _grouped_one_kernel(name: str, parallel: bool):
     return cached(njit(parallel=parallel, **JIT)(kernel), f"{name}-rowdot-grouped-{'par' if parallel else 'serial'}")
 
 
-_GROUPED: dict[tuple[str, bool], object] = {}
+_GROUPED: dict[tuple, object] = {}
 
 
 def matmul_grouped_one(name: str, raw: np.ndarray, offsets, row_bytes: int, starts, items, bounds, xq: np.ndarray,
@@ -1063,6 +1066,11 @@ def matmul_grouped_one(name: str, raw: np.ndarray, offsets, row_bytes: int, star
     for the IQ types 2-4 (each row's grid words fetched once for all the group's tokens); for more,
     decoding a row once costs less. The caller has validated everything."""
     key = (name, parallel)
+    # more rows than matrices: some matrix has several tokens (the few-token kernel); otherwise (a
+    # decode step) the one-token kernel, whose code the few-token branches would share. Either
+    # kernel gives every group's bits whatever its size: this picks only the faster.
+    if few_max(name) > 1 and xq.shape[0] > offsets.size:
+        key = (name, parallel, True)
     if key not in _GROUPED:
         _GROUPED[key] = _grouped_one_kernel(*key)
     _GROUPED[key](raw, offsets, row_bytes, starts, items, bounds, xq, xd, s16, out, n_workers)

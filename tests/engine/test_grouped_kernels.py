@@ -175,6 +175,7 @@ def test_few_token_iq_experts_fetch_each_grid_word_once_for_all_their_tokens(nam
         with cpu_path(parallel):
             got = cpu.matmul_grouped(raw, t.id, n_in, n_out, offsets, act, starts)
         assert taken == (["rows"] if 5 in sizes else []), (sizes, taken)
+        assert rowdot._GROUPED[name, parallel, True].signatures, "the few-token kernel was not taken"
         taken.clear()
         _same(got, _per_group(t, raw, offsets, act, starts, n_in, n_out, R.dot_reference), f"{name} groups {sizes} vs reference")
         with cpu_path(False, kernel="rows"):
