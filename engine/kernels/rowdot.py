@@ -539,6 +539,7 @@ def _k_superblock(builder, name, ptr, p, sb):
 # not Cascade Lake). Without it these types keep cpu.py's row kernel.
 IQ_AVAILABLE = AVAILABLE and bool(simd._X86.get("avx512vbmi") and simd._X86.get("avx512vl"))
 
+PERMUTE_IQ3 = True  # IQ3_XXS's grid entries by register permutes (_lookup_perm), not scalar loads
 PREFETCH = (512, 576)  # bytes ahead of a super-block whose cache lines are asked for (5-8 super-blocks)
 IQTYPES = {"IQ2_XXS": 66, "IQ2_XS": 74, "IQ3_XXS": 98}  # name: super-block bytes
 _GRIDS = {"IQ2_XXS": (T.IQ2XXS_GRID, 64), "IQ2_XS": (T.IQ2XS_GRID, 64), "IQ3_XXS": (T.IQ3XXS_GRID, 32)}
@@ -572,6 +573,25 @@ def _lookup(builder, table, idxs):
             word = builder.load(builder.gep(table, [ir.Constant(I64, 0), k]), align=8)
         v = builder.insert_element(v, word, ir.Constant(I32, n))
     return builder.bitcast(v, ir.VectorType(I8, 64))
+
+
+def _lookup_perm(builder, name, idx16):
+    """<64 x i8>: the 4-byte entries table[i] of the 16 grid indices in idx16 (<16 x i8>, IQ3_XXS's
+    256-entry table), by register permutes instead of scalar loads: the table is 16 vectors of 16
+    entries, vpermi2d picks from each pair of them by the index's low 5 bits, then a select tree
+    on bits 5, 6, 7 (8 permutes and 7 selects per 16 entries, where the scalar form took 16 loads
+    of indices, 16 of entries and their inserts)."""
+    table, _ = _GRIDS[name]
+    i16v = ir.VectorType(I32, 16)
+    fn = simd._fn(builder, "llvm.x86.avx512.vpermi2var.d.512", i16v, [i16v] * 3)
+    idx = builder.zext(idx16, i16v)
+    parts = [builder.call(fn, [ir.Constant(i16v, [ir.Constant(I32, int(v) - (1 << 32) * (int(v) >> 31)) for v in table[32 * k : 32 * k + 16]]), idx,
+                               ir.Constant(i16v, [ir.Constant(I32, int(v) - (1 << 32) * (int(v) >> 31)) for v in table[32 * k + 16 : 32 * k + 32]])])
+             for k in range(8)]  # fmt: skip
+    for bit in (5, 6, 7):
+        on = builder.icmp_unsigned("!=", builder.and_(idx, simd._splat(builder, ir.Constant(I32, 1 << bit), i16v)), ir.Constant(i16v, None))
+        parts = [builder.select(on, parts[2 * k + 1], parts[2 * k]) for k in range(len(parts) // 2)]
+    return builder.bitcast(parts[0], ir.VectorType(I8, 64))
 
 
 # ksigns: a 7-bit sign index -> the 8 sign bits (the 8th makes the parity even), as the two
@@ -673,6 +693,8 @@ def _iq_superblock(builder, name, ptr, p, sb, zero, xptrs=None):
     for m in range(4):
         if bits == 64:
             grid.append(_lookup(builder, table, [gidx(i) for i in range(8 * m, 8 * m + 8)]))
+        elif PERMUTE_IQ3:  # IQ3_XXS: the 16 index bytes of act-blocks 2m, 2m + 1 in one load
+            grid.append(_lookup_perm(builder, name, raw(2 + 16 * m, ir.VectorType(I8, 16), vec=True)))
         else:  # IQ3_XXS: two 4-byte entries to a word, so the vector is built as IQ2's
             grid.append(_lookup(builder, table, [(gidx(i), gidx(i + 1)) for i in range(16 * m, 16 * m + 16, 2)]))
         negs.append(builder.bitcast(builder.extract_element(sword, ir.Constant(I32, m)), ir.VectorType(ir.IntType(1), 64)))
