@@ -452,7 +452,9 @@ for name in ("Q2_K", "IQ4_NL", "Q2_0"):
 """
 
 
-@pytest.mark.parametrize("features", ["", "ssse3,avx2", "ssse3,avx2,avx512bw,f16c"], ids=["portable", "avx2", "avx512bw-no-vnni"])
+# the last: rowdot.py and the raw panels without AVX512-VBMI (Q2_0's fields by shifts, not vpmultishiftqb)
+@pytest.mark.parametrize("features", ["", "ssse3,avx2", "ssse3,avx2,avx512bw,f16c", "ssse3,avx2,avx512f,avx512bw,avx512vnni,f16c"],
+                         ids=["portable", "avx2", "avx512bw-no-vnni", "avx512-vnni-no-vbmi"])
 def test_fallback_simd_paths_give_the_same_bits(features):
     # Each host compiles one path per primitive (VNNI, vpmaddwd, pshufb, F16C ...); the others
     # would first run on someone else's machine. Narrow the features and check them here.
