@@ -6,7 +6,9 @@ engine makes:
 - decode:  one decode step's routed experts: gate and up of k experts, one token each, in one
            grouped call, then their down projections in another (moe.MoE.products, T = 1);
 - serve8:  a serving step of 8 sequences: 8 tokens x k experts, the experts they share grouped
-           (an expert chosen twice gets 2 tokens), gate+up then down.
+           (an expert chosen twice gets 2 tokens), gate+up then down;
+- few3:    k experts of 3 tokens each (the experts a serving step's streams share; routers that
+           agree more than random choices give more of them), gate+up then down.
 
     python benchmarks/expert_kernels.py PACK [--rounds 5] [--layers 0,1,2,3] [--threads 1]
 
@@ -89,12 +91,15 @@ def main(argv=None) -> int:
         mv_calls = [(int(e),) for e in rng.permutation(g.n_expert)[: a.calls]]
         dec_calls = [(np.sort(rng.choice(g.n_expert, k, replace=False)), np.ones(k, np.int64)) for _ in range(a.calls)]
         srv_calls = [serve8() for _ in range(max(4, a.calls // 6))]
+        few_calls = [(c[0], np.full(k, 3, np.int64)) for c in dec_calls[: max(4, a.calls // 3)]]
         cases = [
             ("matvec gate", gu.name, matvec, mv_calls, gb),
             ("decode gate+up", gu.name, gu_only, dec_calls, 2 * k * gb),
             ("decode down", dt.name, down_only, dec_calls, k * db),
             ("serve8 gate+up", gu.name, gu_only, srv_calls, None),
             ("serve8 down", dt.name, down_only, srv_calls, None),
+            ("few3 gate+up", gu.name, gu_only, few_calls, 2 * k * gb),
+            ("few3 down", dt.name, down_only, few_calls, k * db),
         ]
         for name, tname, fn, calls, per in cases:
             fn(*calls[0])  # compile or load

@@ -1103,8 +1103,9 @@ def _make_calls(t, n_out: int, starts: np.ndarray, items: np.ndarray, coarse: bo
         # streams x 10 of 512 experts give a few experts 2 tokens) read their rows in place
         # (rowdot.py says why); the others decode each row once for their tokens (IQ2_XS, 48
         # experts of 2 tokens, 1 thread: 9.9 ms read in place twice, 10.7 decoded; IQ3_XXS
-        # 19.5 against 14.0), in a second region
-        one = sizes[items[:, 0]] == 1
+        # 19.5 against 14.0), in a second region. The IQ types read 2-4 tokens' rows in place
+        # too, each row's grid words fetched once for all of them (rowdot.few_max)
+        one = sizes[items[:, 0]] <= rowdot.few_max(t.name)
         if one.any():
             first = items[one]
             calls.append(("one", first, _balance(first, starts, min(len(first), GROUP_CHUNKS * workers))))

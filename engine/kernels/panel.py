@@ -16,7 +16,7 @@ act-blocks: per act-block the same term, added into the row's lane b % 32 in blo
 the same fold. So a row's result equals cpu.py's matvec bit for bit (tests/engine/test_panel.py), and
 everything that compares the batched and token paths keeps its meaning.
 
-The 32-element unit-scale types (RAW: Q8_0, Q4_0, Q5_0, IQ4_NL) skip the decode: each pair of
+The unit-scale types (RAW: Q8_0, Q4_0, Q5_0, IQ4_NL, and Q2_0's 64-element blocks) skip the decode: each pair of
 act-blocks of the 16 rows unpacks in registers as rowdot.py's kernel does (values + the type's
 offset), is transposed there and stored into wp once, the scales straight into flp. That made
 them worth a panel from 2 tokens (a serving step of 2-16 streams; cpu.PANEL_FROM_RAW).
@@ -234,6 +234,12 @@ def _raw_pair(name):
             for r in range(ROWS):
                 rr = builder.select(builder.icmp_signed("<", ir.Constant(I64, r), n_), ir.Constant(I64, r), builder.sub(n_, one))
                 p = builder.add(at_, builder.mul(rr, rb_))
+                if name in rowdot.PAIRED:  # b0 even, nb even: the pair is one block, one scale
+                    q = builder.add(p, builder.mul(b0_, ir.Constant(I64, size // 2)))
+                    rows.append(builder.bitcast(rowdot._unpack_q2(builder, load, q), _V16I))
+                    for h in (0, 1):
+                        scales[h].append(load(q, simd.I16))
+                    continue
                 us = []
                 for h, b in enumerate((b0_, b1)):
                     q = builder.add(p, builder.mul(b, ir.Constant(I64, size)))
@@ -279,11 +285,12 @@ def _raw_panel_rows(name):
     in L1 (a block's terms still go to its lane in block order: the same bits); the 2 tokens of
     the LM head from memory took 38 ms of CPU instead of 48-52 with the whole panel made first."""
     pair = intrinsic(_raw_pair(name))
+    per = 2 if name in rowdot.PAIRED else 1  # act-blocks per block
     block = intrinsic(_block(False, "unit", rowdot.TYPES[name][1].bit_length() - 1))
 
     @njit(**_inline)
     def panels(raw, base, type_size, row_bytes, o0, o1, t0, t1, xq, xd, s16, lut, wq, sc, fl, wp, scp, flp, lanes, tmp, out):
-        nb = row_bytes // type_size
+        nb = row_bytes // type_size * per
         n_in = nb * QA
         P = sc.shape[1] // ROWS
         # the next panel's bytes, a share after each pair: a pair reads 16 rows at once, 16

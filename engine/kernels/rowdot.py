@@ -52,7 +52,13 @@ _KV_U = [((int(v) + 128) & 0xFF) - 256 * (((int(v) + 128) & 0xFF) > 127) for v i
 # name: (block bytes, offset): each block is an fp16 scale at byte 0 and 32 values; the unpacker
 # gives them as unsigned bytes u = value + offset, so the exact integer sum is
 # vpdpbusd(u, x) - offset * (sum of x)
-TYPES = {"Q8_0": (34, 128), "Q4_0": (18, 8), "Q5_0": (22, 16), "IQ4_NL": (18, 128)}
+TYPES = {"Q8_0": (34, 128), "Q4_0": (18, 8), "Q5_0": (22, 16), "IQ4_NL": (18, 128), "Q2_0": (18, 1)}
+# Q2_0's block is 64 elements (an fp16 scale and 16 bytes of 2-bit fields): two act-blocks with
+# one scale, which its unpacker gives at once (_unpack_q2), so its act-blocks go in even pairs.
+# The routed experts' down projections of seed-4l's layers 1 and 3 are Q2_0 (640-long rows, 10
+# blocks); decoded row by row into scratch they read at ~4 GB/s per thread (docs/performance.md).
+PAIRED = frozenset({"Q2_0"})
+_VBMI = bool(simd._X86.get("avx512vbmi"))
 
 
 def _unpack(builder, name, load, at):
@@ -78,6 +84,27 @@ def _unpack(builder, name, load, at):
         fn = simd._fn(builder, "llvm.x86.avx2.pshuf.b", v32, [v32, v32])
         u = builder.call(fn, [ir.Constant(v32, [ir.Constant(I8, k) for k in _KV_U * 2]), u])
     return u
+
+
+def _unpack_q2(builder, load, at):
+    """The 64 values of the Q2_0 block at byte `at` as <64 x i8> holding value + 1 (its 2-bit
+    fields as stored: element 4j + k is bits 2k.. of byte j of the 16 at byte 2; w = (q - 1) d).
+    With AVX512-VBMI: bytes 2m, 2m + 1 spread to the start of qword m, then one vpmultishiftqb takes
+    field r of the qword from bit 2r (3 instructions for 64 values); elsewhere four shifts and a
+    byte interleave, as simd.crumbs64 decodes them."""
+    v16, v64 = ir.VectorType(I8, 16), ir.VectorType(I8, 64)
+    qs = load(builder.add(at, ir.Constant(I64, 2)), v16)
+    three = simd._splat(builder, ir.Constant(I8, 3), v64)
+    if _VBMI:
+        spread = builder.shuffle_vector(qs, qs, simd._mask(64, [2 * (i // 8) + min(i % 8, 1) for i in range(64)]))
+        return builder.and_(_fields(builder, spread, [2 * r for r in range(8)]), three)
+    v32 = ir.VectorType(I8, 32)
+    parts = [builder.and_(builder.lshr(qs, simd._splat(builder, ir.Constant(I8, 2 * k), v16)), simd._splat(builder, ir.Constant(I8, 3), v16))
+             for k in range(4)]  # fmt: skip
+    pair01 = builder.shuffle_vector(parts[0], parts[1], simd._mask(32, range(32)))
+    pair23 = builder.shuffle_vector(parts[2], parts[3], simd._mask(32, range(32)))
+    assert pair01.type == v32
+    return builder.shuffle_vector(pair01, pair23, simd._mask(64, [16 * (i % 4) + i // 4 for i in range(64)]))
 
 
 def _row(name: str, fine: bool):
@@ -110,6 +137,8 @@ def _codegen(context, builder, sig, args, name, fine, wide=False):
     vnni = simd._fn(builder, "llvm.x86.avx512.vpdpbusd.512", i16v, [i16v] * 3)
     off = simd._splat(builder, ir.Constant(I32, offset), i16v)
     last = builder.sub(nb, ir.Constant(I64, 1))
+    paired = name in PAIRED
+    last2 = builder.sub(nb, ir.Constant(I64, 2))
     neg0 = ir.Constant(f16v, [-0.0] * 16)
     iota = ir.Constant(ir.VectorType(I64, 16), list(range(16)))
     acc = [[cgutils.alloca_once_value(builder, ir.Constant(f16v, [0.0] * 16)) for _ in range(2)] for _ in range(planes)]
@@ -122,20 +151,25 @@ def _codegen(context, builder, sig, args, name, fine, wide=False):
         blocks = []
         for k in range(n):
             i = builder.add(b, ir.Constant(I64, k))
-            if tail:
-                i = builder.select(builder.icmp_unsigned("<", i, nb), i, last)
+            if tail:  # a paired type's pair past nb reads the last pair (nb is even)
+                i = builder.select(builder.icmp_unsigned("<", i, nb), i, last2 if paired and k % 2 == 0 else last)
             blocks.append(i)
         all_vecs, halves = [[] for _ in range(planes)], []
         for j in range(n // 2):
             w = []
-            for i in blocks[2 * j : 2 * j + 2]:
-                at = builder.add(p, builder.mul(i, ir.Constant(I64, size)))
-                w.append(_unpack(builder, name, lambda idx, ty: builder.load(ptr("raw", idx, ty), align=1), at))
-                halves.append(builder.load(ptr("raw", at, I16), align=1))
-            w = builder.shuffle_vector(w[0], w[1], simd._mask(64, range(64)))
+            if paired:  # act-blocks 2j, 2j + 1 of the group: one block, one scale (b is even)
+                at = builder.add(p, builder.mul(blocks[2 * j], ir.Constant(I64, size // 2)))
+                w = _unpack_q2(builder, lambda idx, ty: builder.load(ptr("raw", idx, ty), align=1), at)
+                halves += [builder.load(ptr("raw", at, I16), align=1)] * 2
+            else:
+                for i in blocks[2 * j : 2 * j + 2]:
+                    at = builder.add(p, builder.mul(i, ir.Constant(I64, size)))
+                    w.append(_unpack(builder, name, lambda idx, ty: builder.load(ptr("raw", idx, ty), align=1), at))
+                    halves.append(builder.load(ptr("raw", at, I16), align=1))
+                w = builder.shuffle_vector(w[0], w[1], simd._mask(64, range(64)))
             for pl in range(planes):  # the weights unpacked once, multiplied by each plane
                 o = n_in if pl else ir.Constant(I64, 0)
-                if tail:
+                if tail and not paired:
                     x = [builder.load(ptr("xq", builder.add(o, builder.mul(i, ir.Constant(I64, QA))), v32), align=1)
                          for i in blocks[2 * j : 2 * j + 2]]  # fmt: skip
                     x = builder.shuffle_vector(x[0], x[1], simd._mask(64, range(64)))
@@ -144,8 +178,12 @@ def _codegen(context, builder, sig, args, name, fine, wide=False):
                 all_vecs[pl].append(builder.call(vnni, [ir.Constant(i16v, None), builder.bitcast(w, i16v), builder.bitcast(x, i16v)]))
         vecs = all_vecs[0]
         if not tail and n == 16:  # the group's bytes as words (all inside the row), the 16 scales picked out
-            words = builder.load(ptr("raw", builder.add(p, builder.mul(b, ir.Constant(I64, size))), ir.VectorType(I16, 8 * size)), align=1)
-            dw = builder.shuffle_vector(words, words, simd._mask(16, [k * size // 2 for k in range(16)]))
+            if paired:  # 8 blocks, each scale twice
+                words = builder.load(ptr("raw", builder.add(p, builder.mul(b, ir.Constant(I64, size // 2))), ir.VectorType(I16, 4 * size)), align=1)
+                dw = builder.shuffle_vector(words, words, simd._mask(16, [(k // 2) * size // 2 for k in range(16)]))
+            else:
+                words = builder.load(ptr("raw", builder.add(p, builder.mul(b, ir.Constant(I64, size))), ir.VectorType(I16, 8 * size)), align=1)
+                dw = builder.shuffle_vector(words, words, simd._mask(16, [k * size // 2 for k in range(16)]))
         else:
             dw = ir.Constant(ir.VectorType(I16, 16), None)
             for k, hb in enumerate(halves):
@@ -501,6 +539,7 @@ def _k_superblock(builder, name, ptr, p, sb):
 # not Cascade Lake). Without it these types keep cpu.py's row kernel.
 IQ_AVAILABLE = AVAILABLE and bool(simd._X86.get("avx512vbmi") and simd._X86.get("avx512vl"))
 
+PERMUTE_IQ3 = True  # IQ3_XXS's grid entries by register permutes (_lookup_perm), not scalar loads
 PREFETCH = (512, 576)  # bytes ahead of a super-block whose cache lines are asked for (5-8 super-blocks)
 IQTYPES = {"IQ2_XXS": 66, "IQ2_XS": 74, "IQ3_XXS": 98}  # name: super-block bytes
 _GRIDS = {"IQ2_XXS": (T.IQ2XXS_GRID, 64), "IQ2_XS": (T.IQ2XS_GRID, 64), "IQ3_XXS": (T.IQ3XXS_GRID, 32)}
@@ -536,6 +575,25 @@ def _lookup(builder, table, idxs):
     return builder.bitcast(v, ir.VectorType(I8, 64))
 
 
+def _lookup_perm(builder, name, idx16):
+    """<64 x i8>: the 4-byte entries table[i] of the 16 grid indices in idx16 (<16 x i8>, IQ3_XXS's
+    256-entry table), by register permutes instead of scalar loads: the table is 16 vectors of 16
+    entries, vpermi2d picks from each pair of them by the index's low 5 bits, then a select tree
+    on bits 5, 6, 7 (8 permutes and 7 selects per 16 entries, where the scalar form took 16 loads
+    of indices, 16 of entries and their inserts)."""
+    table, _ = _GRIDS[name]
+    i16v = ir.VectorType(I32, 16)
+    fn = simd._fn(builder, "llvm.x86.avx512.vpermi2var.d.512", i16v, [i16v] * 3)
+    idx = builder.zext(idx16, i16v)
+    parts = [builder.call(fn, [ir.Constant(i16v, [ir.Constant(I32, int(v) - (1 << 32) * (int(v) >> 31)) for v in table[32 * k : 32 * k + 16]]), idx,
+                               ir.Constant(i16v, [ir.Constant(I32, int(v) - (1 << 32) * (int(v) >> 31)) for v in table[32 * k + 16 : 32 * k + 32]])])
+             for k in range(8)]  # fmt: skip
+    for bit in (5, 6, 7):
+        on = builder.icmp_unsigned("!=", builder.and_(idx, simd._splat(builder, ir.Constant(I32, 1 << bit), i16v)), ir.Constant(i16v, None))
+        parts = [builder.select(on, parts[2 * k + 1], parts[2 * k]) for k in range(len(parts) // 2)]
+    return builder.bitcast(parts[0], ir.VectorType(I8, 64))
+
+
 # ksigns: a 7-bit sign index -> the 8 sign bits (the 8th makes the parity even), as the two
 # 64-byte halves vpermi2b looks the 128 entries up in
 _KSIGNS = [[ir.Constant(I8, int(v) - 256 * (int(v) > 127)) for v in T.KSIGNS_IQ2XS[h * 64 : h * 64 + 64]] for h in range(2)]
@@ -558,10 +616,13 @@ def _fields(builder, data, offsets):
     return builder.call(fn, [ctrl, data])
 
 
-def _iq_superblock(builder, name, ptr, p, sb, zero):
+def _iq_superblock(builder, name, ptr, p, sb, zero, xptrs=None):
     """The <8 x f32> terms of super-block sb of the `name` (IQTYPES) row at byte p (act-blocks
     8 sb .. 8 sb + 7). Layouts: reference.py beside _iq2_xxs, _iq2_xs, _iq3_xxs. `zero`: an i64
-    0 that LLVM cannot see is 0, added to the addresses of the vector loads (see below)."""
+    0 that LLVM cannot see is 0, added to the addresses of the vector loads (see below).
+    xptrs: several tokens (a list of `ptr`s, each reading one token's xq and xd): the grid words,
+    signs and scales are fetched once and each token's terms (the one-token ops, in the same
+    order: the same bits) come back as a list."""
     v32, v64, i16v, i8v, f8v = ir.VectorType(I8, 32), ir.VectorType(I8, 64), ir.VectorType(I32, 16), ir.VectorType(I32, 8), ir.VectorType(ir.FloatType(), 8)
     vnni = simd._fn(builder, "llvm.x86.avx512.vpdpbusd.512", i16v, [i16v] * 3)
     at = builder.add(p, builder.mul(sb, ir.Constant(I64, IQTYPES[name])))
@@ -628,26 +689,33 @@ def _iq_superblock(builder, name, ptr, p, sb, zero):
         scale = 0.25
     _, bits = _GRIDS[name]
     sword = builder.bitcast(signs, ir.VectorType(I64, 4))  # word m: the 64 sign bits of act-blocks 2m, 2m + 1
-    vecs = []
+    grid, negs = [], []
     for m in range(4):
         if bits == 64:
-            g = _lookup(builder, table, [gidx(i) for i in range(8 * m, 8 * m + 8)])
+            grid.append(_lookup(builder, table, [gidx(i) for i in range(8 * m, 8 * m + 8)]))
+        elif PERMUTE_IQ3:  # IQ3_XXS: the 16 index bytes of act-blocks 2m, 2m + 1 in one load
+            grid.append(_lookup_perm(builder, name, raw(2 + 16 * m, ir.VectorType(I8, 16), vec=True)))
         else:  # IQ3_XXS: two 4-byte entries to a word, so the vector is built as IQ2's
-            g = _lookup(builder, table, [(gidx(i), gidx(i + 1)) for i in range(16 * m, 16 * m + 16, 2)])
-        x = builder.load(ptr("xq", builder.mul(builder.add(b, ir.Constant(I64, 2 * m)), ir.Constant(I64, QA)), v64), align=1)
-        neg = builder.bitcast(builder.extract_element(sword, ir.Constant(I32, m)), ir.VectorType(ir.IntType(1), 64))
-        x = builder.select(neg, builder.sub(ir.Constant(v64, None), x), x)
-        vecs.append(builder.call(vnni, [ir.Constant(i16v, None), builder.bitcast(g, i16v), builder.bitcast(x, i16v)]))
-    h = simd._reduce_groups(builder, vecs, 4, 4)  # lane 2k + h: half h of act-block k, exact
-    if name == "IQ2_XS":
-        h = builder.mul(h, ws)
-        isum = builder.add(pick(h, range(0, 16, 2)), pick(h, range(1, 16, 2)))
-    else:
-        isum = builder.mul(builder.add(pick(h, range(0, 16, 2)), pick(h, range(1, 16, 2))), ws)
+            grid.append(_lookup(builder, table, [(gidx(i), gidx(i + 1)) for i in range(16 * m, 16 * m + 16, 2)]))
+        negs.append(builder.bitcast(builder.extract_element(sword, ir.Constant(I32, m)), ir.VectorType(ir.IntType(1), 64)))
     d = builder.fpext(builder.bitcast(raw(0, I16), ir.HalfType()), ir.FloatType())
     d = builder.fmul(d, ir.Constant(ir.FloatType(), scale))  # exact: a power of two
-    ad = builder.load(ptr("xd", b, f8v), align=4)
-    return builder.fmul(builder.fmul(simd._splat(builder, d, f8v), ad), builder.sitofp(isum, f8v))
+    terms = []
+    for xptr in xptrs or [ptr]:
+        vecs = []
+        for m in range(4):
+            x = builder.load(xptr("xq", builder.mul(builder.add(b, ir.Constant(I64, 2 * m)), ir.Constant(I64, QA)), v64), align=1)
+            x = builder.select(negs[m], builder.sub(ir.Constant(v64, None), x), x)
+            vecs.append(builder.call(vnni, [ir.Constant(i16v, None), builder.bitcast(grid[m], i16v), builder.bitcast(x, i16v)]))
+        h = simd._reduce_groups(builder, vecs, 4, 4)  # lane 2k + h: half h of act-block k, exact
+        if name == "IQ2_XS":
+            h = builder.mul(h, ws)
+            isum = builder.add(pick(h, range(0, 16, 2)), pick(h, range(1, 16, 2)))
+        else:
+            isum = builder.mul(builder.add(pick(h, range(0, 16, 2)), pick(h, range(1, 16, 2))), ws)
+        ad = builder.load(xptr("xd", b, f8v), align=4)
+        terms.append(builder.fmul(builder.fmul(simd._splat(builder, d, f8v), ad), builder.sitofp(isum, f8v)))
+    return terms if xptrs else terms[0]
 
 
 def _krow(name: str):
@@ -693,6 +761,71 @@ def _kcodegen(context, builder, sig, args, name):
 if IQ_AVAILABLE:
     KTYPES.update(IQTYPES)  # the same super-block loop, lanes and fold; each its own terms
 KROW = {name: intrinsic(_krow(name)) for name in KTYPES}
+
+
+# A few tokens of one IQ row: a serving step gives a few experts 2-4 tokens. Read in place once
+# per token, the row's grid words were fetched again for every token (the scalar loads and
+# inserts that bound these kernels, docs/kernels.md); decoded into scratch, its bytes went
+# through cpu.py's decoder. Here each super-block's grid words, signs and scales are fetched once
+# and dotted with every token's activations: per token the one-token kernel's ops, lanes and
+# fold, so every token's result is its bits.
+FEW_MAX = 4
+
+
+def _krow_few(name: str, T: int):
+    def impl(typingctx, raw, p, nb, xq, xd, xs, r0):
+        """The dots of the `name` (IQTYPES) row at byte p of raw (nb act-blocks) with T tokens,
+        rows r0 .. r0 + T - 1 of the C-contiguous xq i8 [N, 32 nb] and xd f32 [N, nb] (xs, as
+        s16 [N, 2 nb], unused: these types have no offset) -> a T-tuple of f32, each bit for bit
+        KROW's for its token."""
+        return types.UniTuple(types.float32, T)(raw, p, nb, xq, xd, xs, r0), lambda context, builder, sig, args: _kcodegen_few(context, builder, sig, args, name, T)
+
+    return impl
+
+
+def _kcodegen_few(context, builder, sig, args, name, T):
+    f8v = ir.VectorType(ir.FloatType(), 8)
+    p, nb, r0 = (context.cast(builder, args[k], sig.args[k], types.intp) for k in (1, 2, 6))
+    base = {arr: context.make_array(sig.args[k])(context, builder, args[k]).data for k, arr in ((0, "raw"), (3, "xq"), (4, "xd"))}
+
+    def ptr(arr, idx, ty):
+        return builder.bitcast(builder.gep(base[arr], [idx]), ty.as_pointer())
+
+    def token(t):  # token t's xq, xd: row r0 + t of the [N, ...] planes
+        r = builder.add(r0, ir.Constant(I64, t))
+        first = {"xq": builder.mul(r, builder.mul(nb, ir.Constant(I64, QA))), "xd": builder.mul(r, nb)}
+        return lambda arr, idx, ty: ptr(arr, builder.add(first[arr], idx), ty)
+
+    xptrs = [token(t) for t in range(T)]
+    acc = [[cgutils.alloca_once_value(builder, ir.Constant(f8v, [0.0] * 8)) for _ in range(4)] for _ in range(T)]
+    nsb = builder.udiv(nb, ir.Constant(I64, 8))
+    zero = builder.lshr(nb, ir.Constant(I64, 62))  # as _kcodegen's
+    with cgutils.for_range(builder, builder.udiv(builder.add(nsb, ir.Constant(I64, 3)), ir.Constant(I64, 4))) as loop:
+        for u in range(4):
+            sb = builder.add(builder.mul(loop.index, ir.Constant(I64, 4)), ir.Constant(I64, u))
+            with builder.if_then(builder.icmp_unsigned("<", sb, nsb), likely=True):
+                for t, terms in enumerate(_iq_superblock(builder, name, ptr, p, sb, zero, xptrs)):
+                    builder.store(builder.fadd(builder.load(acc[t][u]), terms), acc[t][u])
+    out = []
+    for t in range(T):
+        lo = builder.shuffle_vector(builder.load(acc[t][0]), builder.load(acc[t][1]), simd._mask(16, range(16)))
+        hi = builder.shuffle_vector(builder.load(acc[t][2]), builder.load(acc[t][3]), simd._mask(16, range(16)))
+        v = builder.shuffle_vector(lo, hi, simd._mask(32, range(32)))
+        w = 16
+        while w:  # the fold: lane[l] += lane[l + w]
+            v = builder.fadd(builder.shuffle_vector(v, v, simd._mask(w, range(w))), builder.shuffle_vector(v, v, simd._mask(w, range(w, 2 * w))))
+            w //= 2
+        out.append(builder.extract_element(v, ir.Constant(I32, 0)))
+    return context.make_tuple(builder, sig.return_type, out)
+
+
+KROW_FEW = {(name, T): intrinsic(_krow_few(name, T)) for name in (IQTYPES if IQ_AVAILABLE else ()) for T in range(2, FEW_MAX + 1)}
+
+
+def few_max(name: str) -> int:
+    """The most tokens per matrix that matmul_grouped_one takes for type `name`: FEW_MAX for the
+    IQ types (their few-token rows), 1 for the others."""
+    return FEW_MAX if (name, 2) in KROW_FEW else 1
 
 
 def _kkernel(name: str, parallel: bool):
@@ -867,7 +1000,36 @@ def matvec_many(names: tuple[str, ...], raws, row_bytes, xq: np.ndarray, xd: np.
 # place as above. The work items, their chunks and the shared queue are the grouped kernel's.
 
 
-def _grouped_one_kernel(name: str, parallel: bool):
+def _grouped_one_kernel(name: str, parallel: bool, few: bool = False):
+    if few:
+        row, row2, row3, row4 = KROW[name], KROW_FEW[name, 2], KROW_FEW[name, 3], KROW_FEW[name, 4]
+
+        def kernel(raw, offsets, row_bytes, starts, items, bounds, xq, xd, s16, out, n_workers):
+            # as below, groups of 1 .. FEW_MAX tokens: each row read once for all of them
+            nb = xd.shape[1]
+            queue = np.zeros(1, np.int64)
+            for _ in prange(n_workers):
+                c = simd.fetch_add(queue, 0, 1)
+                while c < bounds.size - 1:
+                    for i in range(bounds[c], bounds[c + 1]):
+                        g, o0, o1 = items[i, 0], items[i, 1], items[i, 2]
+                        r, n, at = starts[g], starts[g + 1] - starts[g], offsets[g]
+                        if n == 1:  # the views made once per item: in the row loop they cost reference counts
+                            xr, dr, sr = xq[r], xd[r], s16[r]
+                            for o in range(o0, o1):
+                                out[r, o] = row(raw, at + o * row_bytes, nb, xr, dr, sr)
+                        elif n == 2:
+                            for o in range(o0, o1):
+                                out[r, o], out[r + 1, o] = row2(raw, at + o * row_bytes, nb, xq, xd, s16, r)
+                        elif n == 3:
+                            for o in range(o0, o1):
+                                out[r, o], out[r + 1, o], out[r + 2, o] = row3(raw, at + o * row_bytes, nb, xq, xd, s16, r)
+                        else:
+                            for o in range(o0, o1):
+                                out[r, o], out[r + 1, o], out[r + 2, o], out[r + 3, o] = row4(raw, at + o * row_bytes, nb, xq, xd, s16, r)
+                    c = simd.fetch_add(queue, 0, 1)
+
+        return cached(njit(parallel=parallel, **JIT)(kernel), f"{name}-rowdot-grouped-few-{'par' if parallel else 'serial'}")
     if name in KTYPES:
         row = KROW[name]
 
@@ -914,17 +1076,23 @@ def _grouped_one_kernel(name: str, parallel: bool):
     return cached(njit(parallel=parallel, **JIT)(kernel), f"{name}-rowdot-grouped-{'par' if parallel else 'serial'}")
 
 
-_GROUPED: dict[tuple[str, bool], object] = {}
+_GROUPED: dict[tuple, object] = {}
 
 
 def matmul_grouped_one(name: str, raw: np.ndarray, offsets, row_bytes: int, starts, items, bounds, xq: np.ndarray,
                        xd: np.ndarray, s16: np.ndarray, out: np.ndarray, parallel: bool, n_workers: int) -> None:  # fmt: skip
     """cpu.matmul_grouped's items of a `name` (NAMES) type, activations with a scale per 32
-    elements ([N, ...] planes): the same items, chunks and queue, each row read in place once per
-    token of its group (each token's row is the one-token kernel's bits). cpu.py gives it the
-    one-token groups (a decode step's routed experts, most of a serving step's): for more, decoding
-    a row once costs less than reading it in place again. The caller has validated everything."""
+    elements ([N, ...] planes): the same items, chunks and queue, each row read in place (each
+    token's row is the one-token kernel's bits). cpu.py gives it the groups of at most
+    few_max(name) tokens: one token (a decode step's routed experts, most of a serving step's), and
+    for the IQ types 2-4 (each row's grid words fetched once for all the group's tokens); for more,
+    decoding a row once costs less. The caller has validated everything."""
     key = (name, parallel)
+    # more rows than matrices: some matrix has several tokens (the few-token kernel); otherwise (a
+    # decode step) the one-token kernel, whose code the few-token branches would share. Either
+    # kernel gives every group's bits whatever its size: this picks only the faster.
+    if few_max(name) > 1 and xq.shape[0] > offsets.size:
+        key = (name, parallel, True)
     if key not in _GROUPED:
         _GROUPED[key] = _grouped_one_kernel(*key)
     _GROUPED[key](raw, offsets, row_bytes, starts, items, bounds, xq, xd, s16, out, n_workers)

@@ -103,14 +103,14 @@ def test_products_equal_the_reference_bit_for_bit(name, kernel):
 
 
 @pytest.mark.parametrize("parallel", [False, True], ids=["serial", "parallel"])
-@pytest.mark.parametrize("name", ["Q8_0", "Q4_0", "Q5_0", "IQ4_NL"])
+@pytest.mark.parametrize("name", ["Q8_0", "Q4_0", "Q5_0", "IQ4_NL", "Q2_0"])
 def test_token_kernel_reads_both_planes(name, parallel):
     from strata.engine.kernels import rowdot
 
     if not rowdot.AVAILABLE:
         pytest.skip(f"rowdot.py needs AVX512-VNNI, AVX512BW and F16C; this host's features: {sorted(cpu.simd._X86) or 'none'}")
     t = BY_NAME[name]
-    n_in = 544  # a 16-block group and a tail of 1
+    n_in = 640 if name == "Q2_0" else 544  # a 16-block group and a tail of 1 (Q2_0's pairs: of 4)
     raw = random_weights(t, n_in * 37, np.random.default_rng(7))
     act = quantize_act16(_acts(n_in, 1, 7)[0])
     with cpu_path(parallel):

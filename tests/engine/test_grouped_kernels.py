@@ -91,9 +91,11 @@ def test_expert_shapes_with_many_small_groups(name, n_in, n_out, kernel):
         _same(got, _per_group(t, raw, offsets, act, starts, n_in, n_out, cpu.matmul), f"{name} grouped vs matmul")
 
 
-def test_raw_types_take_the_panel_from_one_token_per_expert(monkeypatch):
+@pytest.mark.parametrize("name", ["IQ4_NL", "Q2_0"])
+def test_raw_types_take_the_panel_from_one_token_per_expert(name, monkeypatch):
     # a serving step routes ~1 token to each expert; the grouped row kernel decodes each row into
-    # scratch first, the raw panel (panel.RAW: IQ4_NL, the seed-4l down projections) does not
+    # scratch first, the raw panel (panel.RAW: IQ4_NL and Q2_0, the seed-4l down projections, 640
+    # long: Q2_0's 10 blocks of 64 are 20 act-blocks in pairs) does not
     from strata.engine.kernels import panel
 
     if not panel.RAW:
@@ -101,15 +103,15 @@ def test_raw_types_take_the_panel_from_one_token_per_expert(monkeypatch):
     taken = []
     monkeypatch.setattr(cpu, "_panel", lambda *a, f=cpu._panel: taken.append("panel") or f(*a))
     monkeypatch.setattr(cpu, "_grouped", lambda *a, f=cpu._grouped: taken.append("rows") or f(*a))
-    t, n_in, n_out = BY_NAME["IQ4_NL"], 640, cpu.GROUP_TILE + 13
-    for sizes, kernel in (([1] * 6, "panel"), ([0, 1, 1, 0, 1], "panel"), ([2, 1, 2], "panel")):
+    t, n_in, n_out = BY_NAME[name], 640, cpu.GROUP_TILE + 13
+    for sizes, kernel in (([1] * 6, "panel"), ([0, 1, 1, 0, 1], "panel"), ([2, 1, 2], "panel"), ([3, 4, 1, 2], "panel")):
         raw, offsets, act, starts = _case(t, n_in, n_out, sizes, 3)
         got = cpu.matmul_grouped(raw, t.id, n_in, n_out, offsets, act, starts)
         assert taken[-1] == kernel, sizes
-        _same(got, _per_group(t, raw, offsets, act, starts, n_in, n_out, R.dot_reference), f"IQ4_NL groups {sizes}")
+        _same(got, _per_group(t, raw, offsets, act, starts, n_in, n_out, R.dot_reference), f"{name} groups {sizes}")
 
 
-@pytest.mark.parametrize("name", ["Q8_0", "Q4_K", "Q6_K", "IQ4_NL", "Q4_0", "IQ4_XS", "IQ2_XXS", "IQ2_XS", "IQ3_XXS"])
+@pytest.mark.parametrize("name", ["Q8_0", "Q4_K", "Q6_K", "IQ4_NL", "Q4_0", "IQ4_XS", "IQ2_XXS", "IQ2_XS", "IQ3_XXS", "Q2_0"])
 @pytest.mark.parametrize("parallel", [False, True], ids=["serial", "parallel"])
 def test_one_token_per_expert_reads_the_rows_in_place(name, parallel):
     """A decode step's routed experts (one token each, some experts idle) of a type with a one-token
@@ -120,7 +122,7 @@ def test_one_token_per_expert_reads_the_rows_in_place(name, parallel):
         pytest.skip(f"rowdot.py needs AVX512-VNNI, AVX512BW and F16C; this host's features: {sorted(cpu.simd._X86) or 'none'}")
     _need_iq(rowdot, name)
     t = BY_NAME[name]
-    n_in, n_out = (256 * 5 if t.block_size == 256 else 32 * 25), cpu.GROUP_TILE + 13
+    n_in, n_out = {256: 256 * 5, 64: 64 * 13, 32: 32 * 25}[t.block_size], cpu.GROUP_TILE + 13
     raw, offsets, act, starts = _case(t, n_in, n_out, [1, 0, 1, 1, 0, 1, 1, 1, 1, 1, 1, 1], t.id + 40)
     with cpu_path(parallel):
         got = cpu.matmul_grouped(raw, t.id, n_in, n_out, offsets, act, starts)
@@ -132,8 +134,9 @@ def test_one_token_per_expert_reads_the_rows_in_place(name, parallel):
 @pytest.mark.parametrize("parallel", [False, True], ids=["serial", "parallel"])
 def test_one_token_experts_read_in_place_beside_experts_of_more(name, parallel, monkeypatch):
     """A serving step's routed experts: 8 streams x 10 of 512 experts give most experts 1 token
-    and a few 2. The one-token experts take rowdot.py's grouped form, the others the grouped row
-    kernel, in the same call: every token's row is the reference's bits, whichever kernel ran."""
+    and a few 2. The one-token experts (the IQ types: up to rowdot.FEW_MAX tokens) take rowdot.py's
+    grouped form, the others the grouped row kernel, in the same call: every token's row is the
+    reference's bits, whichever kernel ran."""
     from strata.engine.kernels import rowdot
 
     if not rowdot.AVAILABLE:
@@ -144,11 +147,39 @@ def test_one_token_experts_read_in_place_beside_experts_of_more(name, parallel, 
     monkeypatch.setattr(cpu, "_grouped", lambda *a, f=cpu._grouped: taken.append("rows") or f(*a))
     t = BY_NAME[name]
     n_in, n_out = 256 * 5, cpu.GROUP_TILE + 13
-    raw, offsets, act, starts = _case(t, n_in, n_out, [2, 0, 1, 1, 2, 0, 1, 3, 1], t.id + 50)
+    raw, offsets, act, starts = _case(t, n_in, n_out, [2, 0, 1, 1, 6, 0, 1, 3, 1], t.id + 50)
     with cpu_path(parallel):
         got = cpu.matmul_grouped(raw, t.id, n_in, n_out, offsets, act, starts)
     assert taken == ["in place", "rows"], taken
     _same(got, _per_group(t, raw, offsets, act, starts, n_in, n_out, R.dot_reference), f"{name} mixed groups vs reference")
+
+
+@pytest.mark.parametrize("name", ["IQ2_XXS", "IQ2_XS", "IQ3_XXS"])
+@pytest.mark.parametrize("parallel", [False, True], ids=["serial", "parallel"])
+@pytest.mark.parametrize("n_in", [256, 256 * 5, 2560], ids=lambda n: f"{n // 256}-superblocks")
+def test_few_token_iq_experts_fetch_each_grid_word_once_for_all_their_tokens(name, parallel, n_in, monkeypatch):
+    """Experts of 2-4 tokens of an IQ type (a serving step's shared experts) take rowdot.py's
+    few-token rows, beside one-token experts, in one region; a group of 5 keeps the grouped row
+    kernel. Super-block counts 1 (a loop turn with 3 idle slots), 5 and 10; 45 rows (a whole and
+    a partial row tile). Every token's row is the reference's bits and matmul's of its expert alone."""
+    from strata.engine.kernels import rowdot
+
+    if not rowdot.AVAILABLE:
+        pytest.skip(f"rowdot.py needs AVX512-VNNI, AVX512BW and F16C; this host's features: {sorted(cpu.simd._X86) or 'none'}")
+    _need_iq(rowdot, name)
+    taken = []
+    monkeypatch.setattr(cpu, "_grouped", lambda *a, f=cpu._grouped: taken.append("rows") or f(*a))
+    t, n_out = BY_NAME[name], cpu.GROUP_TILE + 13
+    for sizes in ([2, 3, 0, 4, 1, 2], [4, 1, 5, 3]):
+        raw, offsets, act, starts = _case(t, n_in, n_out, sizes, t.id + n_in + len(sizes))
+        with cpu_path(parallel):
+            got = cpu.matmul_grouped(raw, t.id, n_in, n_out, offsets, act, starts)
+        assert taken == (["rows"] if 5 in sizes else []), (sizes, taken)
+        assert rowdot._GROUPED[name, parallel, True].signatures, "the few-token kernel was not taken"
+        taken.clear()
+        _same(got, _per_group(t, raw, offsets, act, starts, n_in, n_out, R.dot_reference), f"{name} groups {sizes} vs reference")
+        with cpu_path(False, kernel="rows"):
+            _same(got, _per_group(t, raw, offsets, act, starts, n_in, n_out, cpu.matmul), f"{name} groups {sizes} vs matmul")
 
 
 def test_a_group_of_more_tokens_than_a_tile_equals_the_reference():

@@ -74,6 +74,10 @@ def test_expert_shapes_equal_the_reference(name, n_in, n_out):
 
 
 ROWDOT_TYPES = ["Q8_0", "Q4_0", "Q5_0", "IQ4_NL"]
+# Q2_0's 64-element blocks go in act-block pairs: 2 blocks (an 8-block tail group of 4), 10 (the
+# expert down projections' 640: a whole group and a tail of 4), 12 (16 + 8), 18 (two groups and 4),
+# 40 (whole groups only)
+Q2_SIZES = [128, 640, 768, 1152, 2560]
 
 
 def _need_rowdot():
@@ -91,9 +95,9 @@ def _need_iq(*names):
     return rowdot
 
 
-@pytest.mark.parametrize("n_in", [320, 544, 768, 2560], ids=lambda n: f"{n // 32}-blocks")
 @pytest.mark.parametrize("parallel", [False, True], ids=["serial", "parallel"])
-@pytest.mark.parametrize("name", ROWDOT_TYPES)
+@pytest.mark.parametrize("name,n_in", [(n, k) for n in ROWDOT_TYPES for k in (320, 544, 768, 2560)] + [("Q2_0", k) for k in Q2_SIZES],
+                         ids=lambda v: v if isinstance(v, str) else f"{v // 32}-blocks")
 def test_token_kernel_equals_the_general_kernel_and_the_reference(name, n_in, parallel):
     # rowdot.py's one-token kernel (the LM head, hyper-connections, GDN projections) reads the
     # blocks in place: its 16-block groups meet a tail of 9-15 (10 blocks), an 8-block tail group
@@ -126,8 +130,8 @@ def _fine_reference(raw: np.ndarray, t, n_in: int, n_out: int, q: np.ndarray, d1
     return R.fold_lanes(R.accumulate_lanes(term))
 
 
-@pytest.mark.parametrize("n_in", [320, 544, 2560], ids=lambda n: f"{n // 32}-blocks")
-@pytest.mark.parametrize("name", ROWDOT_TYPES)
+@pytest.mark.parametrize("name,n_in", [(n, k) for n in ROWDOT_TYPES for k in (320, 544, 2560)] + [("Q2_0", k) for k in Q2_SIZES],
+                         ids=lambda v: v if isinstance(v, str) else f"{v // 32}-blocks")
 def test_token_kernel_reads_the_fine_activation_form(name, n_in):
     # The fine ActQ (a scale per 16 elements: what llama.cpp's Q8_0-activation types read) has
     # twice the scales: the token kernel takes each block's two halves with their own scale
@@ -448,7 +452,9 @@ for name in ("Q2_K", "IQ4_NL", "Q2_0"):
 """
 
 
-@pytest.mark.parametrize("features", ["", "ssse3,avx2", "ssse3,avx2,avx512bw,f16c"], ids=["portable", "avx2", "avx512bw-no-vnni"])
+# the last: rowdot.py and the raw panels without AVX512-VBMI (Q2_0's fields by shifts, not vpmultishiftqb)
+@pytest.mark.parametrize("features", ["", "ssse3,avx2", "ssse3,avx2,avx512bw,f16c", "ssse3,avx2,avx512f,avx512bw,avx512vnni,f16c"],
+                         ids=["portable", "avx2", "avx512bw-no-vnni", "avx512-vnni-no-vbmi"])
 def test_fallback_simd_paths_give_the_same_bits(features):
     # Each host compiles one path per primitive (VNNI, vpmaddwd, pshufb, F16C ...); the others
     # would first run on someone else's machine. Narrow the features and check them here.

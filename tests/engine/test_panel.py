@@ -53,7 +53,7 @@ def test_panel_equals_the_reference_bit_for_bit(t):
     _same(got, R.dot_reference(raw, t.id, n_in, N_OUT, act), f"{t.name} panel")
 
 
-@pytest.mark.parametrize("name,n_in", [("Q8_0", 320), ("Q4_K", 256), ("IQ4_NL", 32)])
+@pytest.mark.parametrize("name,n_in", [("Q8_0", 320), ("Q4_K", 256), ("IQ4_NL", 32), ("Q2_0", 64), ("Q2_0", 640)])
 def test_short_rows_equal_the_reference(name, n_in):
     # fewer act-blocks than lanes (10, 8, 1): untouched lanes stay +0.0 into the fold
     t = BY_NAME[name]
@@ -110,7 +110,7 @@ def test_raw_types_take_the_panel_from_two_tokens(monkeypatch):
     monkeypatch.setattr(cpu, "_kernel", lambda *a, f=cpu._kernel: taken.append("rows") or f(*a))
     for name in panel.RAW:
         t = BY_NAME[name]
-        n_in = 32 * 45
+        n_in = 32 * 45 if t.block_size == 32 else 64 * 23  # an odd count of blocks (Q2_0: of act-block pairs)
         raw = random_weights(t, n_in * N_OUT, np.random.default_rng(9))
         for n_tok in (1, 2):
             act = _acts(n_in, n_tok, n_tok)
