@@ -1,0 +1,83 @@
+"""The staging area: a prompt chunk's experts that no slot holds, streamed to the device.
+
+A prompt chunk routes many tokens to some experts. Where one that is not resident gets at least
+`min_tokens` of them, the hit path (hits.py) copies its blocks from the mapped GGUF (the pages the
+CPU would read) into one of two device slots here and computes it with the hits' kernels, so its
+rows have the hits' bits, which are the CPU's. Below the threshold the CPU computes it beside the
+device in the misses' one grouped call.
+
+Double-buffered: buffer b's blocks are widened to engine form into pinned host slot b (host work)
+and copied to device slot b on a second stream while the current stream runs the products of the
+other buffer's expert. Markers (CUDA events) order the two: a copy into device slot b waits for the
+products that read its previous expert (`free[b]`), the products wait for their copy (`copied[b]`),
+and the host writes pinned slot b again only once its previous copy is done. Both buffers, device
+and pinned, are plan items (engine/budget.py: stream.staging and stream.pinned).
+"""
+
+from __future__ import annotations
+
+import math
+
+from ..budget import STAGING_BUFFERS
+from ..kernels import gpu
+from ..kernels.engine_form import placed_bytes
+
+# --stream-min-tokens auto, a rough model until the card measures it (docs/gpu-tier.md): streaming
+# an expert costs its bytes over the bus once per chunk; the CPU costs about 3 E F multiply-adds per
+# token routed to it (plus decoding its blocks once per chunk, which streaming also spares). With
+# ~4.5 bits per weight the copy is ~0.56 B per multiply-add of one token, so streaming pays from
+#   T >= 0.56 * cpu_rate / bus_rate tokens,
+# about 2 for 8 threads at ~10 G int8 multiply-adds/s each against a 25 GB/s pinned copy. The
+# default takes twice that: a partly measured model should err towards the CPU, whose time is known.
+STREAM_BUS_BYTES_S = 25e9  # a pinned host->device copy over PCIe 4.0/5.0 x16, of the order measured
+STREAM_CPU_MACS_S = 10e9  # int8 multiply-adds per second of one CPU thread in the grouped expert kernels
+
+
+def auto_min_tokens(slot_bytes: int, n_embd: int, n_ff: int, threads: int) -> int:
+    """--stream-min-tokens auto: the tokens from which streaming an expert beats the CPU (x2, above)."""
+    bytes_per_mac = slot_bytes / (3 * n_embd * n_ff)
+    return max(1, 2 * math.ceil(bytes_per_mac * threads * STREAM_CPU_MACS_S / STREAM_BUS_BYTES_S))
+
+
+class Staging:
+    """Two device slots and two pinned host slots (plan items stream.staging, stream.pinned)."""
+
+    def __init__(self, rt, pack, arena, pinned, slot_bytes: int, n_embd: int, n_ff: int, min_tokens: int):
+        if arena is None or arena.size < STAGING_BUFFERS * slot_bytes or pinned.size < STAGING_BUFFERS * slot_bytes:
+            raise RuntimeError("the staging area's plan items do not hold two slots: engine/budget.py and "
+                               "engine/tier/ disagree")
+        self.rt, self.pack, self.arena, self.pinned, self.slot = rt, pack, arena, pinned, slot_bytes
+        self.E, self.F, self.min_tokens = n_embd, n_ff, min_tokens
+        self.stream = rt.copy_stream()
+        self.copied = [rt.marker() for _ in range(STAGING_BUFFERS)]  # buffer b's last copy is done
+        self.free = [rt.marker() for _ in range(STAGING_BUFFERS)]  # the products reading buffer b ran
+        self.used = [False] * STAGING_BUFFERS
+        self.turn = 0
+
+    def load(self, layer: int, e: int, down: bool) -> tuple[int, list, int]:
+        """Expert e of `layer` into the next buffer: its gate and up, or its down. -> (buffer, the
+        GpuWeights, bytes copied). The current stream's later work waits for the copy; call
+        `done(buffer)` once the products that read it are queued."""
+        rt, b = self.rt, self.turn
+        self.turn = (b + 1) % STAGING_BUFFERS
+        if self.used[b]:
+            rt.host_wait(self.copied[b])  # pinned slot b is still being read by its previous copy until then
+            rt.stream_wait(self.stream, self.free[b])  # device slot b is read by its previous expert's products
+        gu, d = self.pack.expert_types(layer)
+        gate, up, dn = self.pack.expert(layer, e)
+        E, F, name = self.E, self.F, f"blk.{layer} expert {e} (streamed)"
+        mats = [(dn, d.id, F, E, "down")] if down else [(gate, gu.id, E, F, "gate"), (up, gu.id, E, F, "up")]
+        at, out = b * self.slot, []
+        for raw, t, n_in, n_out, what in mats:
+            n = placed_bytes(t, n_in, n_out)
+            out.append(gpu.place(raw, t, n_in, n_out, self.arena, at, f"{name} {what}", self.pinned[at : at + n],
+                                 stream=self.stream))
+            at += n
+        rt.mark_on(self.copied[b], self.stream)
+        rt.stream_wait(None, self.copied[b])  # the products queued from now on read the copied blocks
+        self.used[b] = True
+        return b, out, at - b * self.slot
+
+    def done(self, b: int) -> None:
+        """The products reading buffer b are queued: its next copy waits for them."""
+        self.rt.mark_on(self.free[b])
