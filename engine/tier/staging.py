@@ -17,26 +17,30 @@ and pinned, are plan items (engine/budget.py: stream.staging and stream.pinned).
 from __future__ import annotations
 
 import math
+import time
 
 from ..budget import STAGING_BUFFERS
 from ..kernels import gpu
 from ..kernels.engine_form import placed_bytes
 
 # --stream-min-tokens auto, a rough model until the card measures it (docs/gpu-tier.md): streaming
-# an expert costs its bytes over the bus once per chunk; the CPU costs about 3 E F multiply-adds per
-# token routed to it (plus decoding its blocks once per chunk, which streaming also spares). With
-# ~4.5 bits per weight the copy is ~0.56 B per multiply-add of one token, so streaming pays from
-#   T >= 0.56 * cpu_rate / bus_rate tokens,
-# about 2 for 8 threads at ~10 G int8 multiply-adds/s each against a 25 GB/s pinned copy. The
-# default takes twice that: a partly measured model should err towards the CPU, whose time is known.
+# an expert costs its bytes once per chunk, at the slower of the bus and the host's widening of its
+# blocks into the pinned slot (measured at startup: numpy, one thread, ~0.9 GB/s for seed-4l's
+# IQ2_XS/IQ4_NL experts on the 2-core dev machine, far below a 25 GB/s pinned copy, so the host,
+# not the bus, is the cost); the CPU costs about 3 E F multiply-adds per token routed to it. So
+# streaming pays from
+#   T >= bytes_per_mac * threads * cpu_rate / min(bus_rate, widen_rate)
+# tokens, and the default takes twice that: a partly measured model should err towards the CPU,
+# whose time is known. (The widening also runs on the thread that computes the CPU's experts.)
 STREAM_BUS_BYTES_S = 25e9  # a pinned host->device copy over PCIe 4.0/5.0 x16, of the order measured
 STREAM_CPU_MACS_S = 10e9  # int8 multiply-adds per second of one CPU thread in the grouped expert kernels
 
 
-def auto_min_tokens(slot_bytes: int, n_embd: int, n_ff: int, threads: int) -> int:
+def auto_min_tokens(slot_bytes: int, n_embd: int, n_ff: int, threads: int, widen_bytes_s: float = STREAM_BUS_BYTES_S) -> int:
     """--stream-min-tokens auto: the tokens from which streaming an expert beats the CPU (x2, above)."""
     bytes_per_mac = slot_bytes / (3 * n_embd * n_ff)
-    return max(1, 2 * math.ceil(bytes_per_mac * threads * STREAM_CPU_MACS_S / STREAM_BUS_BYTES_S))
+    rate = min(STREAM_BUS_BYTES_S, widen_bytes_s)
+    return max(1, 2 * math.ceil(bytes_per_mac * threads * STREAM_CPU_MACS_S / rate))
 
 
 class Staging:
@@ -77,6 +81,18 @@ class Staging:
         rt.stream_wait(None, self.copied[b])  # the products queued from now on read the copied blocks
         self.used[b] = True
         return b, out, at - b * self.slot
+
+    def widen_rate(self, layer: int = 0, reps: int = 3) -> float:
+        """Bytes per second the host widens an expert into a pinned slot (the best of `reps` loads of
+        expert 0 of `layer`, its copies waited for); leaves the buffers as new."""
+        best = math.inf
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            n = self.load(layer, 0, down=False)[2] + self.load(layer, 0, down=True)[2]
+            best = min(best, time.perf_counter() - t0)
+        self.rt.synchronize()
+        self.used, self.turn = [False] * STAGING_BUFFERS, 0
+        return n / max(best, 1e-9)
 
     def done(self, b: int) -> None:
         """The products reading buffer b are queued: its next copy waits for them."""

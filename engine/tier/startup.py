@@ -271,11 +271,14 @@ class _Startup:
             arena = self.arena([staging], "the streamed experts' staging").arena
             pinned = rt.pinned(plan.item("stream.pinned").bytes)
             if dense.rows:
-                n = o.stream_min_tokens
-                if n is None:
-                    n = auto_min_tokens(plan.slot_bytes, g.n_embd, g.n_ff_exp, cpu.get_threads())
-                self.hits.staging = Staging(rt, self.model.pack, arena, pinned, plan.slot_bytes, g.n_embd, g.n_ff_exp, n)
-                how = "auto" if o.stream_min_tokens is None else "--stream-min-tokens"
+                st = Staging(rt, self.model.pack, arena, pinned, plan.slot_bytes, g.n_embd, g.n_ff_exp,
+                             o.stream_min_tokens or 0)
+                how = "--stream-min-tokens"
+                if o.stream_min_tokens is None:
+                    rate = st.widen_rate()
+                    st.min_tokens = auto_min_tokens(plan.slot_bytes, g.n_embd, g.n_ff_exp, cpu.get_threads(), rate)
+                    how = f"auto: the host widens an expert at {rate / 1e9:.2f} GB/s, {cpu.get_threads()} CPU threads"
+                self.hits.staging, n = st, st.min_tokens
                 self.say(f"prompt path: a chunk's non-resident expert routed {n} or more of its tokens is streamed "
                          f"to the device ({how}; {staging.count} staging slots of {plan.slot_bytes / MiB:.1f} MiB)")
         self.mark(B.HEAD_PROMPT)

@@ -455,3 +455,6 @@ def test_auto_min_tokens_by_hand():
     assert auto_min_tokens(q4k, E, F, 8) == 4
     assert auto_min_tokens(q4k, E, F, 1) == 2  # 0.225 -> 1, doubled
     assert auto_min_tokens(3 * E * F * 34 // 32, E, F, 64) == 2 * 28  # Q8_0 at 64 threads: 27.2 -> 28
+    # a host that widens the blocks at 1 GB/s is the limit, not the 25 GB/s bus: 0.5625 x 8 x 10 = 45 -> 90
+    assert auto_min_tokens(q4k, E, F, 8, 1e9) == 90
+    assert auto_min_tokens(q4k, E, F, 8, 100e9) == 4  # a faster widening than the bus: the bus
