@@ -201,6 +201,10 @@ class HitPath:
             stream = (slots < 0) & (counts >= self.staging.min_tokens)
         dev_g = np.flatnonzero((slots >= 0) | stream)
         need = self._many_bytes(moe, int(counts[dev_g].sum()))
+        if stream.any() and self.prompt is not None and need > self.prompt.size:  # no room: the hits alone
+            stream[:] = False
+            dev_g = np.flatnonzero(slots >= 0)
+            need = self._many_bytes(moe, int(counts[dev_g].sum()))
         if dev_g.size == 0 or self.prompt is None or need > self.prompt.size:
             st.chunk_cpu[layer] += experts.size
             return moe.products(x, experts, rows, starts)  # nothing on the device, or no room: all CPU

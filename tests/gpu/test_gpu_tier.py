@@ -458,3 +458,22 @@ def test_auto_min_tokens_by_hand():
     # a host that widens the blocks at 1 GB/s is the limit, not the 25 GB/s bus: 0.5625 x 8 x 10 = 45 -> 90
     assert auto_min_tokens(q4k, E, F, 8, 1e9) == 90
     assert auto_min_tokens(q4k, E, F, 8, 100e9) == 4  # a faster widening than the bus: the bus
+
+
+def test_a_chunk_whose_streamed_rows_do_not_fit_keeps_its_hits_on_the_device(models, rt, monkeypatch):
+    """The prompt path's buffers are sized for a chunk's rows; where the resident and streamed
+    experts' rows together do not fit, the streamed ones go back to the CPU, not the hits too."""
+    from strata.engine.tier.hits import HitPath
+
+    model = models["qwen35moe"]
+    toks = tokens(model, 10)
+    want = run_chunks(model, toks, 10, 5)
+    k, real = model.geometry.n_expert_used, HitPath._many_bytes
+    # with --stream-min-tokens 1 every expert a chunk routes to is resident or streamed, so its rows
+    # are all 5 k of them: make exactly that not fit
+    monkeypatch.setattr(HitPath, "_many_bytes", staticmethod(lambda moe, n: 1 << 60 if n == 5 * k else real(moe, n)))
+    with tier_of(model, stream_min_tokens=1, **cache_options(model, "profile")) as tier:
+        got = run_chunks(model, toks, 10, 5)
+        st = tier.stats
+    assert np.array_equal(got, want)
+    assert st.chunk_streamed.sum() == 0 and st.chunk_resident.sum() > 0 and st.chunk_cpu.sum() > 0
