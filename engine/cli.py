@@ -269,16 +269,9 @@ def gpu_options(device: str, expert_cache: str, vram_budget_mib: int | None, vra
 
 
 def stream_option(value: str) -> int | None:
-    """--stream-min-tokens: auto -> None, off -> 0, else a count >= 1."""
-    if value == "auto":
-        return None
-    if value == "off":
-        return 0
-    from strata.engine.arguments import is_count
+    from strata.engine.arguments import parse_stream_min_tokens
 
-    if not is_count(value) or int(value) < 1:
-        raise ValueError(f"--stream-min-tokens {value!r}: expected auto, off or a number of tokens >= 1")
-    return int(value)
+    return parse_stream_min_tokens(value)
 
 
 def check_context(who: str, g, kv: str, ctx: int, flag: str, extra_bytes: int = 0, extra_what: str = "",

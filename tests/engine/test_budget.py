@@ -350,6 +350,20 @@ def test_cli_refusals(tiny_pack, tmp_path, capsys, monkeypatch):
     assert "pip install 'strata[plot]'" in capsys.readouterr().err and not (tmp_path / "x.png").exists()
 
 
+def test_cli_plans_the_streamed_experts_staging_unless_streaming_is_off(tiny_pack, capsys):
+    from strata.tools.budget_cli import main
+
+    assert main([str(tiny_pack), "--free-mib", "4000"]) == 0
+    on = capsys.readouterr().out
+    assert main([str(tiny_pack), "--free-mib", "4000", "--stream-min-tokens", "off"]) == 0
+    off = capsys.readouterr().out
+    line = [l for l in on.splitlines() if "streamed experts' staging (2 slots)" in l]
+    assert len(line) == 1 and line[0].split()[-1] != "0", on
+    assert [l.split()[-1] for l in off.splitlines() if "streamed experts' staging" in l] == ["0"], off
+    assert main([str(tiny_pack), "--stream-min-tokens", "0"]) == 1
+    assert "--stream-min-tokens '0': expected auto, off or a number of tokens >= 1" in capsys.readouterr().err
+
+
 def test_cli_without_free_memory_lists_the_fixed_items(tiny_pack, capsys):
     from strata.tools.budget_cli import main
 
