@@ -5,7 +5,9 @@ hits' gate/up products are queued on the tier's stream, all of the layer's misse
 meanwhile in one grouped call (MoE.products: Numba, the GIL released), then the host makes each
 hit's silu(gate) * up with moe.hidden_, the function a miss uses, and its ActQ exactly as a miss
 does, the down products run on the device, and the rows go back to the MoE in its order. A prompt
-chunk does the same through the prompt path's buffers."""
+chunk does the same through the prompt path's buffers, and also computes on the device the
+non-resident experts it routes enough tokens to, their blocks streamed to the staging area
+(staging.py)."""
 
 from __future__ import annotations
 

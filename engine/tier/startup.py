@@ -29,6 +29,7 @@ The rooms, one job each:
     dense.py     W x of the placed dense weights (the LM head among them)
     slots.py     the expert slot storage and its one fill
     hits.py      the routed experts the slots hold, beside the CPU's misses (the MoE's expert server)
+    staging.py   a prompt chunk's non-resident experts streamed to the device (two slots, double-buffered)
     backend.py   the CPU backend with those plugged in (the host-driven step, --gpu-step host)
     device.py    the device step (--gpu-step device): the blocks on device arrays, its kernels in device_kernels.cu
     startup.py   the seven stages, one method each (this module)
