@@ -181,8 +181,8 @@ def main(argv: list[str] | None = None) -> int:
 
             prof = cProfile.Profile()
             prof.enable()
-        split = ["-"] * 4
-        pre, secs, got = run_decode(model, prompt, args.tokens, tier, feed=want.argmax(axis=1), split=split)
+        prompt_split = ["-"] * 4
+        pre, secs, got = run_decode(model, prompt, args.tokens, tier, feed=want.argmax(axis=1), split=prompt_split)
         if args.cprofile == name:
             prof.disable()
             pstats.Stats(prof).sort_stats("tottime").print_stats(30)
@@ -199,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
         rows.append((name, n, f"{n / pairs:.0%}", opts.get("vram_budget_mib", "-"),
                      f"{expected_hit_rate(profile, n):.1%} / {expected_hit_rate(profile, n, held):.1%}",
                      f"{st.hit_rate:.1%}", f"{len(prompt) / pre:.1f}",
-                     f"{split[0]} / {split[1]} / {split[2]}, {split[3]:.1f} MiB" if split[0] != "-" else "-",
+                     "{} / {} / {}, {:.1f} MiB".format(*prompt_split) if prompt_split[0] != "-" else "-",
                      f"{args.tokens / secs:.2f}", f"{cpu_s / secs:.2f}x", split,
                      f"{100 * worst.error:.2f}% ({(worst.used - worst.predicted) / 2**20:+.1f} MiB)",
                      "yes" if np.array_equal(got, want) else

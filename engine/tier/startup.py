@@ -298,5 +298,6 @@ class _Startup:
             w.device = dev
         self.model.backend = self.device if self.device is not None else TierBackend(self.dense, self.hits)
         self.say(f"hit path: ready, GPU hits beside CPU misses ({self.slots.map.used} of {self.n_slots} slots filled)"
-                 if self.n_slots else "hit path: ready, but with no expert slots every expert is a CPU miss")
+                 if self.n_slots else "hit path: ready, but with no expert slots every expert is a CPU miss"
+                 + (" (a prompt chunk's streamed ones aside)" if self.hits.staging is not None else ""))
         return self.lines
