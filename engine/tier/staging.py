@@ -25,15 +25,18 @@ from ..kernels.engine_form import placed_bytes
 
 # --stream-min-tokens auto, a rough model until the card measures it (docs/gpu-tier.md): streaming
 # an expert costs its bytes once per chunk, at the slower of the bus and the host's widening of its
-# blocks into the pinned slot (measured at startup: numpy, one thread, ~0.9 GB/s for seed-4l's
+# blocks into the pinned slot (measured at startup: numpy, one thread, ~1.3 GB/s for seed-4l's
 # IQ2_XS/IQ4_NL experts on the 2-core dev machine, far below a 25 GB/s pinned copy, so the host,
-# not the bus, is the cost); the CPU costs about 3 E F multiply-adds per token routed to it. So
+# not the bus, is the cost: it took ~1.8 ms an expert, what the CPU takes for ~15 of its tokens on
+# one thread); the CPU costs about 3 E F multiply-adds per token routed to it. So
 # streaming pays from
 #   T >= bytes_per_mac * threads * cpu_rate / min(bus_rate, widen_rate)
 # tokens, and the default takes twice that: a partly measured model should err towards the CPU,
 # whose time is known. (The widening also runs on the thread that computes the CPU's experts.)
 STREAM_BUS_BYTES_S = 25e9  # a pinned host->device copy over PCIe 4.0/5.0 x16, of the order measured
-STREAM_CPU_MACS_S = 10e9  # int8 multiply-adds per second of one CPU thread in the grouped expert kernels
+# int8 multiply-adds per second of one CPU thread in the grouped expert kernels: seed-4l's IQ2_XS/IQ4_NL
+# expert on this 2-core machine did 21-40 G per thread at 4-16 tokens (1 thread), 12-49 G at 2 threads
+STREAM_CPU_MACS_S = 30e9
 
 
 def auto_min_tokens(slot_bytes: int, n_embd: int, n_ff: int, threads: int, widen_bytes_s: float = STREAM_BUS_BYTES_S) -> int:

@@ -451,13 +451,13 @@ def test_auto_min_tokens_by_hand():
 
     E, F = 4096, 1024
     q4k = 3 * E * F * 144 // 256  # Q4_K: 144 bytes per 256 weights, 0.5625 B each
-    # 0.5625 B per multiply-add x 8 threads x 10e9 / 25e9 B/s = 1.8 -> 2 tokens, doubled
-    assert auto_min_tokens(q4k, E, F, 8) == 4
-    assert auto_min_tokens(q4k, E, F, 1) == 2  # 0.225 -> 1, doubled
-    assert auto_min_tokens(3 * E * F * 34 // 32, E, F, 64) == 2 * 28  # Q8_0 at 64 threads: 27.2 -> 28
-    # a host that widens the blocks at 1 GB/s is the limit, not the 25 GB/s bus: 0.5625 x 8 x 10 = 45 -> 90
-    assert auto_min_tokens(q4k, E, F, 8, 1e9) == 90
-    assert auto_min_tokens(q4k, E, F, 8, 100e9) == 4  # a faster widening than the bus: the bus
+    # 0.5625 B per multiply-add x 8 threads x 30e9 / 25e9 B/s = 5.4 -> 6 tokens, doubled
+    assert auto_min_tokens(q4k, E, F, 8) == 12
+    assert auto_min_tokens(q4k, E, F, 1) == 2  # 0.675 -> 1, doubled
+    assert auto_min_tokens(3 * E * F * 34 // 32, E, F, 64) == 2 * 82  # Q8_0 at 64 threads: 81.6 -> 82
+    # a host that widens the blocks at 1 GB/s is the limit, not the 25 GB/s bus: 0.5625 x 8 x 30 = 135 -> 270
+    assert auto_min_tokens(q4k, E, F, 8, 1e9) == 270
+    assert auto_min_tokens(q4k, E, F, 8, 100e9) == 12  # a faster widening than the bus: the bus
 
 
 def test_a_chunk_whose_streamed_rows_do_not_fit_keeps_its_hits_on_the_device(models, rt, monkeypatch):
