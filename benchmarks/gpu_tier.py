@@ -3,6 +3,7 @@ against the all-CPU engine in the same run, on the `seed-4l` synthetic model (is
 
     python benchmarks/gpu_tier.py [--arch qwen4exp] [--threads 8] [--prompt 64] [--tokens 32]
                                   [--md OUT.md] [--preset seed-4l] [--emulate]   (tiny + emulation: a smoke run)
+                                  [--stream-min-tokens auto,off,8]  (prompt tok/s with streaming at each setting)
 
 Calibration: --calib tokens of the repository's docs (*.md) through the pack's tokenizer; the first 3/4
 build the routing profile (the batched path, as strata-profile does), the last 1/4 is held out and
@@ -47,19 +48,24 @@ def routing_counts(model, ids: list[int], chunk: int = 256) -> np.ndarray:
     return s.routing.copy()
 
 
-def run_decode(model, prompt: list[int], n: int, tier=None, feed=None) -> tuple[float, float, np.ndarray]:
+def run_decode(model, prompt: list[int], n: int, tier=None, feed=None, split: list | None = None) -> tuple[float, float, np.ndarray]:
     """(prefill seconds, decode seconds, logits of every decoded position): greedy, the prompt batched first.
     `feed`: the tokens to feed instead of each step's own argmax (the CPU run's greedy tokens), so
     that a configuration whose logits differ by rounding (the device step) is compared position by
     position on the same text: fed its own argmax, one near-tie flipped early makes every later
-    position another text (2026-12-01: max |diff| 28.9 from one flip, every op within 1e-3)."""
+    position another text (2026-12-01: max |diff| 28.9 from one flip, every op within 1e-3).
+    `split`: filled with the prompt's expert-chunks resident / streamed / on the CPU and the MiB streamed."""
     s = model.new_session(len(prompt) + n + 1, "f16")
     logits = np.empty((n + 1, model.geometry.n_vocab), np.float32)
     t0 = time.perf_counter()
     logits[0] = model.forward(s, prompt, n_logits=1)[0]
     prefill_s = time.perf_counter() - t0
     if tier is not None:
-        tier.stats.reset()  # the token path's hits only
+        st = tier.stats
+        if split is not None:
+            split[:] = [int(st.chunk_resident.sum()), int(st.chunk_streamed.sum()), int(st.chunk_cpu.sum()),
+                        st.streamed_bytes / 2**20]
+        st.reset()  # the token path's hits only
     t0 = time.perf_counter()
     for i in range(n):
         logits[i + 1] = model.step(s, int(np.argmax(logits[i])) if feed is None else int(feed[i]))
@@ -142,6 +148,8 @@ def main(argv: list[str] | None = None) -> int:
                     "-ncmoe n_layer/2, all -ngl 99), same threads, in this run")
     ap.add_argument("--floor-kernels", action="store_true", help="also time every launch of the all-resident device "
                     "step alone (a profile of the GPU floor by kernel)")
+    ap.add_argument("--stream-min-tokens", default="auto", help="comma-separated: auto, off or N (a prompt chunk's "
+                    "non-resident expert routed N+ tokens is streamed to the device); each configuration runs with each")
     ap.add_argument("--gpu-step", default="host", help="comma-separated: host (the host-driven step), device (the "
                     "whole forward on the device, engine/tier/device.py; qwen35moe); each configuration runs with each")
     args = ap.parse_args(argv)
@@ -192,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
     chunk = 256
 
     cpu_p, cpu_s, want = run_decode(model, prompt, args.tokens)
-    rows = [("cpu", "-", "-", "-", "-", "-", f"{len(prompt) / cpu_p:.1f}", f"{args.tokens / cpu_s:.2f}", "1.00x", "-", "-", "yes")]
+    rows = [("cpu", "-", "-", "-", "-", "-", f"{len(prompt) / cpu_p:.1f}", "-", f"{args.tokens / cpu_s:.2f}", "1.00x", "-", "-", "yes")]
     print(f"cpu: {args.tokens / cpu_s:.2f} tok/s", flush=True)
     configs = [("cache 0", {"expert_cache": 0})]
     configs += [(f"auto ~{s:.0%}", {"vram_budget_mib": budget_for(model, round(s * pairs), chunk, args.reserve_mib)})
@@ -203,6 +211,10 @@ def main(argv: list[str] | None = None) -> int:
     steps = args.gpu_step.split(",")
     if len(steps) > 1 or steps != ["host"]:  # the same configurations, once per step, side by side
         configs = [(f"{name} [{step}]", {**opts, "step": step}) for name, opts in configs for step in steps]
+    streams = args.stream_min_tokens.split(",")
+    if streams != ["auto"]:  # prompt tok/s with streaming on and off, side by side
+        value = {m: None if m == "auto" else 0 if m == "off" else int(m) for m in streams}
+        configs = [(f"{name} [stream {m}]", {**opts, "stream_min_tokens": value[m]}) for name, opts in configs for m in streams]
     for name, opts in configs:
         o = TierOptions(max_context=args.prompt + args.tokens + 1, kv="f16", prefill_chunk=chunk, profile=profile,
                         vram_reserve_mib=args.reserve_mib, **opts)
@@ -219,7 +231,8 @@ def main(argv: list[str] | None = None) -> int:
 
             prof = cProfile.Profile()
             prof.enable()
-        pre, secs, got = run_decode(model, prompt, args.tokens, tier, feed=want.argmax(axis=1))
+        prompt_split = ["-"] * 4
+        pre, secs, got = run_decode(model, prompt, args.tokens, tier, feed=want.argmax(axis=1), split=prompt_split)
         if args.cprofile == name:
             prof.disable()
             pstats.Stats(prof).sort_stats("tottime").print_stats(30)
@@ -268,6 +281,7 @@ def main(argv: list[str] | None = None) -> int:
         rows.append((name, n, f"{n / pairs:.0%}", opts.get("vram_budget_mib", "-"),
                      f"{expected_hit_rate(profile, n):.1%} / {expected_hit_rate(profile, n, held):.1%}",
                      f"{st.hit_rate:.1%}", f"{len(prompt) / pre:.1f}",
+                     "{} / {} / {}, {:.1f} MiB".format(*prompt_split) if prompt_split[0] != "-" else "-",
                      f"{args.tokens / secs:.2f}" + (f" ({picked:.2f} picked)" if picked else ""), f"{cpu_s / secs:.2f}x", split,
                      f"{100 * worst.error:.2f}% ({(worst.used - worst.predicted) / 2**20:+.1f} MiB)",
                      "yes" if np.array_equal(got, want) else
@@ -294,7 +308,7 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             placement = LLAMA_PLACEMENTS[key].format(half=g.n_layer // 2)
             got = llama_bench(args.llama_bench, gguf, placement, args.threads, len(prompt), args.tokens)
-            ours = max(float(x.strip("()")) for x in row[7].split() if x.strip("()").replace(".", "").isdigit())
+            ours = max(float(x.strip("()")) for x in row[8].split() if x.strip("()").replace(".", "").isdigit())
             pre = float(row[6])
             if isinstance(got, str):
                 peer.append((row[0], placement, got, f"{pre:.1f}", "-", "-", f"{ours:.2f}", "-"))
@@ -307,7 +321,7 @@ def main(argv: list[str] | None = None) -> int:
               "brought down and the pick on the device)\n"
               + tabulate(peer[1:], headers=peer[0], tablefmt="github", disable_numparse=True), flush=True)
     headers = ["config", "slots", "of pairs", "--vram-budget-mib", "expected hit rate (in-sample / held-out)",
-               "hit rate", "prefill tok/s", "decode tok/s", "decode vs cpu", "MoE s: GPU / CPU misses / wait",
+               "hit rate", "prefill tok/s", "prompt expert-chunks resident / streamed / CPU, streamed", "decode tok/s", "decode vs cpu", "MoE s: GPU / CPU misses / wait",
                "worst mem_mark vs budget (% of card used)", "logits == cpu"]
     table = tabulate(rows, headers=headers, tablefmt="github", disable_numparse=True)
     head = (f"{args.preset} {args.arch}, {pairs} pairs, prompt {len(prompt)} tokens (held-out text), {args.tokens} "

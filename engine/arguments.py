@@ -68,6 +68,18 @@ def parse_prefill(text: str) -> int | None:
     return int(text)
 
 
+def parse_stream_min_tokens(text: str) -> int | None:
+    """`--stream-min-tokens auto|N|off` -> None (auto: engine/tier/staging.py's auto_min_tokens), N >= 1
+    tokens, or 0 (off: a prompt chunk's non-resident experts run on the CPU)."""
+    if text == "auto":
+        return None
+    if text == "off":
+        return 0
+    if not is_count(text) or int(text) < 1:
+        raise ValueError(f"--stream-min-tokens {text!r}: expected auto, off or a number of tokens >= 1")
+    return int(text)
+
+
 def read_text(flag: str, path: Path) -> str:
     """A UTF-8 text file; an undecodable byte is reported with the file and its byte offset."""
     try:

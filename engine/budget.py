@@ -25,7 +25,8 @@ Stages, in startup order (S6, seed 6.4), and what each allocates:
  3. the profile fill: a pinned staging buffer of one slot (host).
  4. the hit path: the GPU hits' buffers for one token and layer, and their pinned exchange buffers.
  5. the expert cache and the graphs: the slot table (host) and the dense path's staging.
- 6. the head and the prompt path: the logits and the prompt path's chunk buffers.
+ 6. the head and the prompt path: the logits, the prompt path's chunk buffers, and the staging area
+    of the experts a prompt chunk streams (two slots on the device, two pinned on the host).
  7. the verifier and the drafter's binding: the draft head's binding and the verifier's logits.
 
 Stages 3..7 come out of the reserve (S8), which therefore names the chunk buffers and the draft
@@ -143,6 +144,7 @@ class BudgetOptions:
     cache_slots: int = 0  # strata serve --conversation-cache-slots: parked sessions at most
     cache_mib: int = 0  # strata serve --conversation-cache-mib: their host memory at most
     device_step: bool = False  # --gpu-step device: the sessions' states and the blocks' parameters live on the card
+    stream_experts: bool = True  # a prompt chunk's non-resident experts may be streamed (--stream-min-tokens off: False)
 
     def __post_init__(self) -> None:
         if self.max_context < 1:
@@ -265,6 +267,21 @@ def hit_exchange_bytes(g: ModelGeometry) -> int:
     silu(gate) * up and its ActQ, as the CPU misses do: B2), outputs f32 [k, E]."""
     k = g.n_expert_used
     return k * (2 * g.n_ff_exp + g.n_embd) * F32
+
+
+STAGING_BUFFERS = 2  # double-buffered: one expert's copy is in flight while the other's products run
+
+
+def _staging_items(o: BudgetOptions, slot: int) -> list[Item]:
+    """The staging area of a prompt chunk's streamed experts (engine/tier/staging.py): two slots on
+    the device and two pinned host slots the widened blocks are copied through (a slot holds any
+    layer's expert in engine form). None without a prompt path or with streaming off."""
+    on = o.stream_experts and o.prefill_chunk > 0
+    n = STAGING_BUFFERS if on else 0
+    why = "" if on else (" (no --prefill chunk)" if o.stream_experts else " (--stream-min-tokens off)")
+    return [Item("stream.staging", f"streamed experts' staging ({n} slots){why}", n * slot, HEAD_PROMPT, count=n),
+            Item("stream.pinned", f"streamed experts' copy buffers ({n} slots, pinned){why}", n * slot, HEAD_PROMPT,
+                 HOST, count=n)]
 
 
 def _round_up(n: int, m: int) -> int:
@@ -632,6 +649,7 @@ def _after_cache_items(g: ModelGeometry, o: BudgetOptions, slot: int) -> list[It
         Item("head.logits", "logits (f32)", g.n_vocab * F32, HEAD_PROMPT),
         Item("head.logits_host", "logits download (pinned)", g.n_vocab * F32, HEAD_PROMPT, HOST),
         Item("prompt.chunk", chunk, pf * MiB, HEAD_PROMPT),
+        *_staging_items(o, slot),
         Item("draft.bind", "draft head binding" + ("" if o.draft_bind_bytes else " (no --mtp)"), o.draft_bind_bytes, VERIFIER),
         Item("verify.logits", f"verifier logits ({o.spec + 1} positions)" if o.spec else "verifier logits (no --spec)",
              (o.spec + 1) * g.n_vocab * F32 if o.spec else 0, VERIFIER),

@@ -157,6 +157,10 @@ def generate(
     gpu_step: str = typer.Option("host", "--gpu-step", help="with the GPU tier, where the blocks compute: host (the "
                                  "host drives every block, the device runs the products) or device (the whole forward "
                                  "on the device, states included; qwen35moe only so far)"),
+    stream_min_tokens: str = typer.Option("auto", "--stream-min-tokens", help="with the GPU tier, a prompt chunk's "
+                                          "expert that no slot holds is copied to the device and computed there when "
+                                          "the chunk routes at least N of its tokens to it, else on the CPU: N, auto "
+                                          "(from a rough CPU-against-copy model) or off"),
     native: Optional[Path] = native_option(),
     ple_gguf: Optional[Path] = ple_gguf_option(),
     dump_logits: Optional[Path] = typer.Option(None, "--dump-logits", help="write float32 logits of every position to OUT.npy"),
@@ -190,6 +194,7 @@ def generate(
         del pack_arg
         engine_options(kv, prefill)
         gpu_options(device, expert_cache, vram_budget_mib, vram_reserve_mib)
+        stream_option(stream_min_tokens)
         _run(**locals())
     except KeyboardInterrupt:
         typer.echo("\nstrata generate: interrupted", err=True)
@@ -263,6 +268,12 @@ def gpu_options(device: str, expert_cache: str, vram_budget_mib: int | None, vra
     return int(expert_cache)
 
 
+def stream_option(value: str) -> int | None:
+    from strata.engine.arguments import parse_stream_min_tokens
+
+    return parse_stream_min_tokens(value)
+
+
 def check_context(who: str, g, kv: str, ctx: int, flag: str, extra_bytes: int = 0, extra_what: str = "",
                   shown: str | None = None) -> None:
     """A context size before the load: beyond the model's trained context, a warning; a session (and
@@ -281,7 +292,8 @@ def check_context(who: str, g, kv: str, ctx: int, flag: str, extra_bytes: int = 
 
 
 def start_tier(model, device: str, *, max_context: int, kv: str, chunk: int, expert_cache: str = "auto",
-               expert_profile=None, vram_budget_mib=None, vram_reserve_mib: int = 700, who: str, step: str = "host"):
+               expert_profile=None, vram_budget_mib=None, vram_reserve_mib: int = 700, who: str, step: str = "host",
+               stream_min_tokens: int | None = None):
     """The GPU tier for --device gpu, or auto when CuPy sees a GPU (without one, auto is the CPU,
     not an error, and stderr says so and why); None on the CPU. Its startup lines (each stage's
     memory) go to stderr."""
@@ -309,7 +321,8 @@ def start_tier(model, device: str, *, max_context: int, kv: str, chunk: int, exp
         profile = read_expert_profile(expert_profile)
     o = TierOptions(max_context=max_context, kv=kv, prefill_chunk=chunk,
                     expert_cache=gpu_options(device, expert_cache, vram_budget_mib, vram_reserve_mib), profile=profile,
-                    vram_budget_mib=vram_budget_mib, vram_reserve_mib=vram_reserve_mib, step=step)
+                    vram_budget_mib=vram_budget_mib, vram_reserve_mib=vram_reserve_mib, step=step,
+                    stream_min_tokens=stream_min_tokens)
     tier = GpuTier.start(model, o, log=lambda line: typer.echo(f"{who}: {line}", err=True))
     if step == "device":  # its kernels compile at first use: in the load, not in the first tokens
         model.warm_up(prompt_path=chunk > 0)
@@ -385,7 +398,8 @@ def naming_non_finite(pack):
 
 def _run(pack, prompt, prompt_file, prompt_ids, n, ignore_eos, temp, top_k, top_p, min_p, repeat_penalty, seed, chat,
          system, think, max_context, kv, prefill, pool_workers, device, expert_cache, expert_profile, vram_budget_mib,
-         vram_reserve_mib, gpu_step, native, ple_gguf, dump_logits, stats, spec, spec_min_p, spec_drafter) -> None:
+         vram_reserve_mib, gpu_step, stream_min_tokens, native, ple_gguf, dump_logits, stats, spec, spec_min_p,
+         spec_drafter) -> None:
     from strata.engine.arguments import check_free_space, writable_file
     from strata.engine.generate import generate as run_generation
     from strata.engine.kernels import cpu
@@ -422,7 +436,7 @@ def _run(pack, prompt, prompt_file, prompt_ids, n, ignore_eos, temp, top_k, top_
     chunk = prefill_chunk(option, p.geometry, ctx, device)
     tier = start_tier(model, device, max_context=ctx, kv=kv, chunk=chunk, expert_cache=expert_cache,
                       expert_profile=expert_profile, vram_budget_mib=vram_budget_mib, vram_reserve_mib=vram_reserve_mib,
-                      who="strata generate", step=gpu_step)
+                      who="strata generate", step=gpu_step, stream_min_tokens=stream_option(stream_min_tokens))
     session = tier.take_session(ctx, kv) if tier is not None else model.new_session(ctx, kv)
     # --ignore-eos bans the stop tokens (llama.cpp's rule), so exactly n tokens come out
     sampler = Sampler(p.geometry.n_vocab, params, banned=tok.stop_ids if ignore_eos else ())
@@ -598,9 +612,20 @@ def hit_table(tier) -> str:
     h, m = int(st.hits.sum()), int(st.misses.sum())
     rows.append(("total", h, m, f"{st.hit_rate:.1%}" if h + m else "-"))
     gpu_s = f"{st.gpu_s:.3f} s" if st.events else "not measured (no CUDA events)"
-    return (f"expert cache: {tier.slots.slots} slots, {tier.slots.map.used} filled; token-path hits (GPU) and misses (CPU):\n"
+    text = (f"expert cache: {tier.slots.slots} slots, {tier.slots.map.used} filled; token-path hits (GPU) and misses (CPU):\n"
             + tabulate(rows, headers=["layer", "hits", "misses", "hit rate"], tablefmt="simple", disable_numparse=True)
             + f"\nMoE time split: GPU work {gpu_s}, CPU misses {st.cpu_s:.3f} s, waiting for the GPU {st.wait_s:.3f} s")
+    if not (st.chunk_resident.sum() + st.chunk_streamed.sum() + st.chunk_cpu.sum()):
+        return text
+    rows = [(l, int(r), int(s), int(c)) for l, (r, s, c) in enumerate(zip(st.chunk_resident, st.chunk_streamed, st.chunk_cpu))]
+    rows.append(("total", int(st.chunk_resident.sum()), int(st.chunk_streamed.sum()), int(st.chunk_cpu.sum())))
+    staging = tier.hit_path.staging if tier.hit_path is not None else None
+    how = (f"streamed when a chunk routes {staging.min_tokens} or more tokens to it" if staging is not None
+           else "none streamed (--stream-min-tokens off, or no prompt path)")
+    return (text + f"\nprompt path: expert-chunks (an expert a chunk routes tokens to) resident, streamed to the device "
+            f"({how}), on the CPU:\n"
+            + tabulate(rows, headers=["layer", "resident", "streamed", "cpu"], tablefmt="simple", disable_numparse=True)
+            + f"\nstreamed {st.streamed_bytes} B ({st.streamed_bytes / 2**20:.1f} MiB) to the device")
 
 
 def memory_table(pack, session) -> str:

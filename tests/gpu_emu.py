@@ -130,9 +130,27 @@ class EmuRuntime:
             raise ValueError(f"emulated copy_out: {dev.dtype}{list(dev.shape)} into {host.dtype}{list(host.shape)}")
         host[...] = dev
 
-    # (the emulation runs every launch at once: an asynchronous copy is a copy)
+    # (the emulation runs every launch at once: an asynchronous copy is a copy, and a second stream
+    # or a marker orders nothing that is not already done)
     copy_out_async = copy_out
-    copy_in_async = copy_in
+
+    def copy_in_async(self, dev, host: np.ndarray, stream=None) -> None:
+        self.copy_in(dev, host)
+
+    def copy_stream(self):
+        return "copy stream"
+
+    def marker(self):
+        return "marker"
+
+    def mark_on(self, marker, stream=None) -> None:
+        pass
+
+    def stream_wait(self, stream, marker) -> None:
+        pass
+
+    def host_wait(self, marker) -> None:
+        pass
 
     def view(self, arena, offset: int, shape, dtype):
         n = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize

@@ -53,6 +53,8 @@ def budget(
                                            help="device memory free before the engine starts (nvidia-smi's free)"),
     vram_reserve_mib: int = typer.Option(700, "--vram-reserve-mib", min=0, help="device memory kept free beside the slots"),
     prefill: str = typer.Option("auto", "--prefill", help="the prompt path's chunk: auto (256), a token count, or off (0) for none"),
+    stream_min_tokens: str = typer.Option("auto", "--stream-min-tokens", help="strata generate's: off plans no staging "
+                                          "for the prompt's streamed experts; auto or N plans two slots of it"),
     max_context: int = ctx_option(4096, "--max-context", "the context (KV cache size) in tokens"),
     kv: str = typer.Option("f16", "--kv", help="KV cache type: f16, int8 (f32 scale per 32 elements) or f32"),
     expert_cache: str = typer.Option("auto", "--expert-cache", help="GPU expert slots: auto (what fits beside the reserve) or a slot count to check"),
@@ -81,7 +83,8 @@ def budget(
 
         # inf (or 1e308, inf once in bytes) reached int() as an OverflowError traceback; 2^30 GiB is 1 EiB
         finite("--vram-budget-mib" if vram_budget_mib is not None else "--vram-gib", vram_budget_mib if vram_budget_mib is not None else vram_gib, lo=0, hi=2**40 if vram_budget_mib is not None else 2**30)
-        opts = _options(prefill, max_context, kv, expert_cache, vram_reserve_mib, batch, cache_slots, cache_mib, spec)
+        opts = _options(prefill, max_context, kv, expert_cache, vram_reserve_mib, batch, cache_slots, cache_mib, spec,
+                        stream_min_tokens)
         _check_context(pack_dir, kv, max_context)
         free = None if vram_gib is None and free_mib is None else int(vram_gib * GiB) if vram_gib is not None else free_mib * MiB
         report = _report(pack_dir, opts, free, expert_profile)
@@ -98,8 +101,8 @@ def budget(
 
 
 def _options(prefill: str, max_context: int, kv: str, expert_cache: str, reserve: int, batch: int = 1,
-             cache_slots: int = 0, cache_mib: int = 0, spec: int = 0):
-    from strata.engine.arguments import parse_prefill
+             cache_slots: int = 0, cache_mib: int = 0, spec: int = 0, stream: str = "auto"):
+    from strata.engine.arguments import parse_prefill, parse_stream_min_tokens
     from strata.engine.budget import BudgetOptions, auto_prefill_chunk
 
     chunk = parse_prefill(prefill)
@@ -110,7 +113,8 @@ def _options(prefill: str, max_context: int, kv: str, expert_cache: str, reserve
         if v < lo:
             raise ValueError(f"{flag} {v}: expected at least {lo}")
     return BudgetOptions(max_context=max_context, kv=kv, vram_reserve_mib=reserve, prefill_chunk=chunk, expert_cache=slots,
-                         batch=batch, cache_slots=cache_slots, cache_mib=cache_mib, spec=spec)
+                         batch=batch, cache_slots=cache_slots, cache_mib=cache_mib, spec=spec,
+                         stream_experts=parse_stream_min_tokens(stream) != 0)
 
 
 def _check_context(pack_dir: Path, kv: str, max_context: int) -> None:

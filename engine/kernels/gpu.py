@@ -126,10 +126,31 @@ class CupyRuntime:
         replays it); wait for it with an event recorded after it."""
         self.cp.cuda.runtime.memcpyAsync(host.ctypes.data, dev.data.ptr, dev.nbytes, 2, self.cp.cuda.get_current_stream().ptr)
 
-    def copy_in_async(self, dev, host: np.ndarray) -> None:
-        """pinned host bytes -> device, queued on the current stream (capturable: a replay reads the
-        host bytes as they are when it runs)."""
-        self.cp.cuda.runtime.memcpyAsync(dev.data.ptr, host.ctypes.data, dev.nbytes, 1, self.cp.cuda.get_current_stream().ptr)
+    def copy_in_async(self, dev, host: np.ndarray, stream=None) -> None:
+        """pinned host bytes -> device, queued on `stream` (default: the current stream; capturable:
+        a replay reads the host bytes as they are when it runs)."""
+        stream = stream or self.cp.cuda.get_current_stream()
+        self.cp.cuda.runtime.memcpyAsync(dev.data.ptr, host.ctypes.data, dev.nbytes, 1, stream.ptr)
+
+    # --- a second stream for copies that overlap the current stream's kernels (the prompt's streamed
+    # experts, engine/tier/staging.py), ordered against it by markers (events without timing)
+
+    def copy_stream(self):
+        return self.cp.cuda.Stream(non_blocking=True)
+
+    def marker(self):
+        return self.cp.cuda.Event(block=False, disable_timing=True)
+
+    def mark_on(self, marker, stream=None) -> None:
+        """`marker` is reached once everything queued so far on `stream` (default: current) ran."""
+        marker.record(stream or self.cp.cuda.get_current_stream())
+
+    def stream_wait(self, stream, marker) -> None:
+        """Work queued later on `stream` (default: current) starts after `marker` is reached."""
+        (stream or self.cp.cuda.get_current_stream()).wait_event(marker)
+
+    def host_wait(self, marker) -> None:
+        marker.synchronize()
 
     def copy_out(self, host: np.ndarray, dev) -> None:
         """device -> host, and wait for it (so for everything queued before it on the stream)."""
@@ -382,11 +403,12 @@ def upload(raw: np.ndarray, type_id: int, n_in: int, n_out: int, name: str | Non
 
 
 def place(raw: np.ndarray, type_id: int, n_in: int, n_out: int, arena, offset: int, name: str | None = None,
-          staging: np.ndarray | None = None) -> GpuWeight:
+          staging: np.ndarray | None = None, stream=None) -> GpuWeight:
     """`upload`, into arena bytes at `offset` (placed_bytes of them) instead of new allocations:
     the GPU tier allocates what engine/budget.py plans, in one piece per item, and carves weights
     out of it. `staging`: pinned host bytes (at least placed_bytes) to copy through, else the
-    widened planes are copied from pageable memory."""
+    widened planes are copied from pageable memory. `stream` (with staging): the copies are queued
+    on it and not waited for; the caller keeps the staging bytes until they are done."""
     t, rt = ggml_type(type_id, where=f"place {name or ''}".strip()), runtime()
     if raw.dtype != np.uint8 or raw.size != t.nbytes((n_in, n_out)):
         raise ValueError(f"place {name}: {t.name} [{n_in} x {n_out}] is {t.nbytes((n_in, n_out))} bytes, got {raw.dtype}[{raw.size}]")
@@ -407,10 +429,13 @@ def place(raw: np.ndarray, type_id: int, n_in: int, n_out: int, arena, offset: i
             stage = staging[at : at + nbytes].view(dtype)
             stage[...] = values
             values = stage
-        rt.copy_in(view, values)
+        if staging is not None and stream is not None:
+            rt.copy_in_async(view, values, stream)
+        else:
+            rt.copy_in(view, values)
         dev.append(view)
         at += align(nbytes)
-    if staging is not None:
+    if staging is not None and stream is None:
         rt.synchronize()  # the staging buffer is reused by the next call
     if t.quantized:
         return GpuWeight(type_id, n_in, n_out, rest=dev[0], scales=dev[1], name=name)

@@ -5,7 +5,9 @@ hits' gate/up products are queued on the tier's stream, all of the layer's misse
 meanwhile in one grouped call (MoE.products: Numba, the GIL released), then the host makes each
 hit's silu(gate) * up with moe.hidden_, the function a miss uses, and its ActQ exactly as a miss
 does, the down products run on the device, and the rows go back to the MoE in its order. A prompt
-chunk does the same through the prompt path's buffers."""
+chunk does the same through the prompt path's buffers, and also computes on the device the
+non-resident experts it routes enough tokens to, their blocks streamed to the staging area
+(staging.py)."""
 
 from __future__ import annotations
 
@@ -52,15 +54,27 @@ class HitStats:
     cpu_s: float = 0.0  # the CPU misses, computed while the hits' products run
     wait_s: float = 0.0  # waiting for the device's results
     events: bool = False
+    # the prompt path, per layer: expert-chunks (an expert a chunk routes tokens to) computed in a
+    # slot, streamed to the staging area, on the CPU; and the bytes the streaming copied (engine form)
+    chunk_resident: np.ndarray | None = None
+    chunk_streamed: np.ndarray | None = None
+    chunk_cpu: np.ndarray | None = None
+    streamed_bytes: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("chunk_resident", "chunk_streamed", "chunk_cpu"):
+            if getattr(self, name) is None:
+                setattr(self, name, np.zeros_like(self.hits))
 
     @classmethod
     def empty(cls, n_layer: int) -> HitStats:
         return cls(np.zeros(n_layer, np.int64), np.zeros(n_layer, np.int64))
 
     def reset(self) -> None:
-        self.hits[:] = 0
-        self.misses[:] = 0
+        for a in (self.hits, self.misses, self.chunk_resident, self.chunk_streamed, self.chunk_cpu):
+            a[:] = 0
         self.gpu_s = self.cpu_s = self.wait_s = 0.0
+        self.streamed_bytes = 0
 
     @property
     def hit_rate(self) -> float:
@@ -105,6 +119,7 @@ class HitPath:
         self.out_n = [self.out[:n] for n in range(k + 1)]
         self.events = rt.events(2) if hasattr(rt, "events") else None
         self.prompt = None  # the prompt path's buffers (bytes of prompt.chunk, lent by Dense), set at stage 6
+        self.staging = None  # the prompt chunk's streamed experts (staging.py), set at stage 6 unless off
         stats.events = self.events is not None
 
     def routed(self, moe, x: Input, experts: np.ndarray, rows: np.ndarray, starts: np.ndarray) -> np.ndarray:
@@ -174,30 +189,54 @@ class HitPath:
     # --- the prompt path: a chunk's routed experts, hits on the GPU beside the misses' grouped CPU call
 
     def _chunk(self, moe, x: Input, experts: np.ndarray, rows: np.ndarray, starts: np.ndarray) -> np.ndarray:
-        """MoE.products with the hits on the device: their tokens' activations go up once, every
-        hit's gate/up (then down) product is queued, the misses' grouped CPU call runs meanwhile, and
-        the host makes h from the downloaded gate and up exactly as the CPU path does (B2)."""
-        slots = np.array([self.slots.lookup(moe.layer, int(e)) for e in experts], np.int64)
-        hit_g = np.flatnonzero(slots >= 0)
-        need = self._many_bytes(moe, int(sum(starts[g + 1] - starts[g] for g in hit_g)))
-        if hit_g.size == 0 or self.prompt is None or need > self.prompt.size:
+        """MoE.products with the device's experts beside the CPU's: the hits (resident) and the
+        streamed (not resident, routed at least staging.min_tokens of the chunk's tokens: their
+        blocks copied to the staging area) on the device, the rest on the CPU in one grouped call.
+        The device rows' activations go up once, every gate/up (then down) product is queued, the
+        CPU's grouped call runs meanwhile, and the host makes h from the downloaded gate and up
+        exactly as the CPU path does, so every row has the CPU's bits wherever its expert ran."""
+        st, layer = self.stats, moe.layer
+        slots = np.array([self.slots.lookup(layer, int(e)) for e in experts], np.int64)
+        counts = np.diff(starts)[: experts.size]
+        stream = np.zeros(experts.size, bool)
+        if self.staging is not None:
+            stream = (slots < 0) & (counts >= self.staging.min_tokens)
+        dev_g = np.flatnonzero((slots >= 0) | stream)
+        need = self._many_bytes(moe, int(counts[dev_g].sum()))
+        if stream.any() and self.prompt is not None and need > self.prompt.size:  # no room: the hits alone
+            stream[:] = False
+            dev_g = np.flatnonzero(slots >= 0)
+            need = self._many_bytes(moe, int(counts[dev_g].sum()))
+        if dev_g.size == 0 or self.prompt is None or need > self.prompt.size:
+            st.chunk_cpu[layer] += experts.size
             return moe.products(x, experts, rows, starts)  # nothing on the device, or no room: all CPU
-        miss_g = np.flatnonzero(slots < 0)
-        hit_i, hit_s = _select(starts, hit_g)
-        miss_i, miss_s = _select(starts, miss_g)
-        rt, E, F, n = self.rt, moe.E, moe.F, hit_i.size
+        cpu_g = np.flatnonzero((slots < 0) & ~stream)
+        st.chunk_resident[layer] += int((slots >= 0).sum())
+        st.chunk_streamed[layer] += int(stream.sum())
+        st.chunk_cpu[layer] += cpu_g.size
+        dev_i, dev_s = _select(starts, dev_g)
+        cpu_i, cpu_s = _select(starts, cpu_g)
+        rt, E, F, n = self.rt, moe.E, moe.F, dev_i.size
         buf = Carver(rt, self.prompt, "the prompt path's hit buffers")
-        xa = _rows(x.form(moe.gu), rows[hit_i])
+        xa = _rows(x.form(moe.gu), rows[dev_i])
         xdev = self._stage_many(buf, xa, E)
         gate, up = buf.array((n, F), np.float32), buf.array((n, F), np.float32)
-        wts = [self.slots.weights[slots[g]] for g in hit_g]
-        for i, (wg, wu, _) in enumerate(wts):
-            a, b = hit_s[i], hit_s[i + 1]
+        # the hits first (nothing to wait for), then the streamed experts, each as its copy lands; the
+        # CPU's call once as many are queued as the staging holds (loading more waits for the device)
+        order = sorted(range(dev_g.size), key=lambda i: bool(stream[dev_g[i]]))
+        cpu_at = int((slots[dev_g] >= 0).sum()) + B.STAGING_BUFFERS
+        out = np.empty((rows.size, E), F32)
+        for j, i in enumerate(order + [None]):
+            if j == min(cpu_at, len(order)) and cpu_i.size:
+                out[cpu_i] = moe.products(x, experts[cpu_g], rows[cpu_i], cpu_s)
+            if i is None:
+                break
+            a, b, g = dev_s[i], dev_s[i + 1], dev_g[i]
+            wg, wu, b_stage = self._weights(layer, int(experts[g]), int(slots[g]), down=False)
             gpu.matmul(wg, _slice(xdev, a, b), out=gate[a:b])
             gpu.matmul(wu, _slice(xdev, a, b), out=up[a:b])
-        out = np.empty((rows.size, E), F32)
-        if miss_i.size:
-            out[miss_i] = moe.products(x, experts[miss_g], rows[miss_i], miss_s)
+            if b_stage is not None:
+                self.staging.done(b_stage)
         g = np.empty((n, F), F32)
         h = np.empty((n, F), F32)
         rt.copy_out(g, gate)
@@ -205,13 +244,26 @@ class HitPath:
         hidden_(g, h)  # up silu(gate): the misses' function, the same bits
         hdev = self._stage_many(buf, Input(h).form(moe.d), F)
         y = buf.array((n, E), np.float32)
-        for i, (_, _, wd) in enumerate(wts):
-            a, b = hit_s[i], hit_s[i + 1]
+        for i in order:
+            a, b, gi = dev_s[i], dev_s[i + 1], dev_g[i]
+            wd, b_stage = self._weights(layer, int(experts[gi]), int(slots[gi]), down=True)
             gpu.matmul(wd, _slice(hdev, a, b), out=y[a:b])
-        hits = np.empty((n, E), F32)
-        rt.copy_out(hits, y)
-        out[hit_i] = hits
+            if b_stage is not None:
+                self.staging.done(b_stage)
+        rows_dev = np.empty((n, E), F32)
+        rt.copy_out(rows_dev, y)
+        out[dev_i] = rows_dev
         return out
+
+    def _weights(self, layer: int, e: int, slot: int, down: bool) -> tuple:
+        """(gate, up, staging buffer) or (down, staging buffer) of expert e: its slot's (buffer
+        None), or copied to the staging area now."""
+        if slot >= 0:
+            w = self.slots.weights[slot]
+            return (w[2], None) if down else (w[0], w[1], None)
+        b, ws, nbytes = self.staging.load(layer, e, down)
+        self.stats.streamed_bytes += nbytes
+        return (ws[0], b) if down else (ws[0], ws[1], b)
 
     @staticmethod
     def _many_bytes(moe, n: int) -> int:

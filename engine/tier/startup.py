@@ -29,6 +29,7 @@ The rooms, one job each:
     dense.py     W x of the placed dense weights (the LM head among them)
     slots.py     the expert slot storage and its one fill
     hits.py      the routed experts the slots hold, beside the CPU's misses (the MoE's expert server)
+    staging.py   a prompt chunk's non-resident experts streamed to the device (two slots, double-buffered)
     backend.py   the CPU backend with those plugged in (the host-driven step, --gpu-step host)
     device.py    the device step (--gpu-step device): the blocks on device arrays, its kernels in device_kernels.cu
     startup.py   the seven stages, one method each (this module)
@@ -53,7 +54,7 @@ from .. import budget as B
 from ..backend import CpuBackend
 from ..budget import Budget, BudgetOptions, ExpertCacheTooBig, plan_budget
 from ..expert_plan import MiB, check_profile, fill_policy_line, plan_fill
-from ..kernels import gpu
+from ..kernels import cpu, gpu
 from ..kernels.engine_form import placed_bytes
 from ..model import Model, Session
 from .backend import TierBackend
@@ -62,6 +63,7 @@ from .dense import Dense
 from .hits import HitPath, HitStats
 from .memory import Carver, DeviceMemory, MemMark
 from .slots import ExpertSlots
+from .staging import Staging, auto_min_tokens
 
 
 class GpuTierError(ValueError):
@@ -81,6 +83,9 @@ class TierOptions:
     # where the blocks compute: "host" (the host drives them; only the products run on the device:
     # engine/tier/backend.py) or "device" (the whole forward on the device: engine/tier/device.py)
     step: str = "host"
+    # a prompt chunk's non-resident expert routed at least this many of its tokens is streamed to the
+    # device (engine/tier/staging.py); None: auto (staging.auto_min_tokens); 0: never (off)
+    stream_min_tokens: int | None = None
 
 
 @dataclass
@@ -154,7 +159,7 @@ class _Startup:
         bopts = BudgetOptions(max_context=o.max_context, kv=o.kv, vram_reserve_mib=o.vram_reserve_mib,
                               prefill_chunk=o.prefill_chunk, expert_cache=o.expert_cache,
                               profile_pairs=o.profile.pairs if o.profile is not None else None,
-                              device_step=o.step == "device")
+                              device_step=o.step == "device", stream_experts=o.stream_min_tokens != 0)
         self.free0 = self.mem.free()
         self.plan = plan_budget(pack.index, pack.experts, g, bopts, free_bytes=self.free0)
         self.say(f"gpu tier: {self.free0 / MiB:.0f} MiB free at start"
@@ -255,13 +260,28 @@ class _Startup:
 
     def head_prompt(self) -> None:
         """6. The head's logits and the prompt path's chunk buffers."""
-        rt, g, plan = self.rt, self.g, self.plan
+        rt, g, plan, o = self.rt, self.g, self.plan, self.o
         head_dev = rt.empty((g.n_vocab,), np.float32)
         head_host = rt.pinned(plan.item("head.logits_host").bytes).view(np.float32)
         prompt = self.arena([plan.item("prompt.chunk")], "the prompt chunk buffers")
         self.dense = dense = Dense(rt, g, self.staging, self.model.head, head_dev, head_host, prompt)
         if dense.rows:  # the prompt path's experts borrow its output rows: a chunk's matrices run one at a time
             self.hits.prompt = rt.view(dense.py.reshape(-1).view(np.uint8), 0, (dense.py.size * 4,), np.uint8)
+        staging = plan.item("stream.staging")
+        if staging.bytes:
+            arena = self.arena([staging], "the streamed experts' staging").arena
+            pinned = rt.pinned(plan.item("stream.pinned").bytes)
+            if dense.rows:
+                st = Staging(rt, self.model.pack, arena, pinned, plan.slot_bytes, g.n_embd, g.n_ff_exp,
+                             o.stream_min_tokens or 0)
+                how = "--stream-min-tokens"
+                if o.stream_min_tokens is None:
+                    rate = st.widen_rate()
+                    st.min_tokens = auto_min_tokens(plan.slot_bytes, g.n_embd, g.n_ff_exp, cpu.get_threads(), rate)
+                    how = f"auto: the host widens an expert at {rate / 1e9:.2f} GB/s, {cpu.get_threads()} CPU threads"
+                self.hits.staging, n = st, st.min_tokens
+                self.say(f"prompt path: a chunk's non-resident expert routed {n} or more of its tokens is streamed "
+                         f"to the device ({how}; {staging.count} staging slots of {plan.slot_bytes / MiB:.1f} MiB)")
         self.mark(B.HEAD_PROMPT)
 
     def verifier(self) -> None:
@@ -278,5 +298,6 @@ class _Startup:
             w.device = dev
         self.model.backend = self.device if self.device is not None else TierBackend(self.dense, self.hits)
         self.say(f"hit path: ready, GPU hits beside CPU misses ({self.slots.map.used} of {self.n_slots} slots filled)"
-                 if self.n_slots else "hit path: ready, but with no expert slots every expert is a CPU miss")
+                 if self.n_slots else "hit path: ready, but with no expert slots every expert is a CPU miss"
+                 + (" (a prompt chunk's streamed ones aside)" if self.hits.staging is not None else ""))
         return self.lines

@@ -190,6 +190,19 @@ def test_prompt_chunk_and_draft_head_in_the_reserve(seed4l):
     assert none.item("verify.logits").bytes == 0 and none.reserve.bytes == 700 * MIB
 
 
+def test_the_streamed_experts_staging_is_two_slots_on_the_device_and_two_pinned(seed4l):
+    b = plan(seed4l, free=64 * GIB)
+    dev, pinned = b.item("stream.staging"), b.item("stream.pinned")
+    assert (dev.bytes, dev.count, dev.stage, dev.where) == (2 * 2_304_000, 2, B.HEAD_PROMPT, B.DEVICE)
+    assert (pinned.bytes, pinned.count, pinned.stage, pinned.where) == (2 * 2_304_000, 2, B.HEAD_PROMPT, B.HOST)
+    # in the stage's figure and out of the reserve, beside the chunk buffers
+    assert b.used_after(B.HEAD_PROMPT) - b.used_after(B.CACHE_GRAPHS) == \
+        b.item("head.logits").bytes + b.item("prompt.chunk").bytes + 2 * 2_304_000
+    for off in (plan(seed4l, free=64 * GIB, stream_experts=False), plan(seed4l, free=64 * GIB, prefill_chunk=0)):
+        assert off.item("stream.staging").bytes == 0 and off.item("stream.pinned").bytes == 0
+        assert b.device_bytes() - off.device_bytes() == 2 * 2_304_000 + b.item("prompt.chunk").bytes - off.item("prompt.chunk").bytes
+
+
 def test_explicit_slots_that_do_not_fit_are_refused_with_both_numbers(seed4l):
     ok = plan(seed4l, free=8 * GIB, expert_cache=100)
     assert ok.slots == 100 and not ok.problems
@@ -335,6 +348,20 @@ def test_cli_refusals(tiny_pack, tmp_path, capsys, monkeypatch):
                         lambda name, *a, **k: (_ for _ in ()).throw(ImportError(name)) if name == "matplotlib" else real(name, *a, **k))
     assert main([str(tiny_pack), "--expert-profile", str(prof), "--plot", str(tmp_path / "x.png")]) == 2
     assert "pip install 'strata[plot]'" in capsys.readouterr().err and not (tmp_path / "x.png").exists()
+
+
+def test_cli_plans_the_streamed_experts_staging_unless_streaming_is_off(tiny_pack, capsys):
+    from strata.tools.budget_cli import main
+
+    assert main([str(tiny_pack), "--free-mib", "4000"]) == 0
+    on = capsys.readouterr().out
+    assert main([str(tiny_pack), "--free-mib", "4000", "--stream-min-tokens", "off"]) == 0
+    off = capsys.readouterr().out
+    line = [l for l in on.splitlines() if "streamed experts' staging (2 slots)" in l]
+    assert len(line) == 1 and line[0].split()[-1] != "0", on
+    assert [l.split()[-1] for l in off.splitlines() if "streamed experts' staging" in l] == ["0"], off
+    assert main([str(tiny_pack), "--stream-min-tokens", "0"]) == 1
+    assert "--stream-min-tokens '0': expected auto, off or a number of tokens >= 1" in capsys.readouterr().err
 
 
 def test_cli_without_free_memory_lists_the_fixed_items(tiny_pack, capsys):

@@ -121,6 +121,22 @@ def test_the_device_step_is_bit_identical_whatever_the_split(model, rt):
         assert np.array_equal(got[config], got["none"]), f"{config}: max |diff| {np.abs(got[config] - got['none']).max()}"
 
 
+def test_the_device_steps_prompt_streams_experts_with_the_same_bits(model, rt):
+    """A prompt chunk of the device step goes through the hit path: its streamed experts' rows have
+    the CPU's bits, so streaming on or off gives the same logits (chunks that do not divide it)."""
+    toks = tokens(model, 14)
+    got = {}
+    for n in (1, 0):
+        with device_tier(model, expert_cache=0, stream_min_tokens=n) as tier:
+            s = tier.take_session(CTX, "f32")
+            rows = [np.array(model.forward(s, toks[a : a + 4], n_logits=len(toks[a : a + 4]))) for a in range(0, 10, 4)]
+            rows += [model.step(s, t).copy()[None] for t in toks[10:]]
+            got[n] = np.concatenate(rows)
+            got[f"{n} streamed"] = int(tier.stats.chunk_streamed.sum())
+    assert got["1 streamed"] > 0 and got["0 streamed"] == 0
+    assert np.array_equal(got[1], got[0]), f"max |diff| {np.abs(got[1] - got[0]).max()}"
+
+
 @pytest.mark.parametrize("kv,cache", [("f32", None), ("f16", None), ("int8", None), ("f16", 0)])
 def test_a_replayed_token_graph_gives_the_eager_steps_logits(model, rt, kv, cache):
     """The session's second token is captured and every later one replays it at its own position

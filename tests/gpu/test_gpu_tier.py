@@ -112,7 +112,8 @@ def test_logits_are_bit_identical_whatever_the_split_qwen35moe(models, rt, confi
         return real(self, x, e, rows, s)
 
     monkeypatch.setattr(MoE, "products", products)
-    with tier_of(model, **cache_options(model, config)) as tier:
+    # streaming off: a non-resident expert of the prompt is a CPU miss (streaming: the tests below)
+    with tier_of(model, stream_min_tokens=0, **cache_options(model, config)) as tier:
         got, s = run(model, toks, 8)
         hits, misses = int(tier.stats.hits.sum()), int(tier.stats.misses.sum())
     assert np.array_equal(got, want), f"{config}: max |diff| {np.abs(got - want).max()}"
@@ -297,6 +298,8 @@ def test_cli_refuses_bad_gpu_flags(models, capsys):
 
     pack = str(models["qwen35moe"].pack.dir)
     for flags, want in ((["--expert-cache", "lots"], "--expert-cache 'lots': expected auto or a number"),
+                        (["--stream-min-tokens", "0"], "--stream-min-tokens '0': expected auto, off or a number"),
+                        (["--stream-min-tokens", "some"], "--stream-min-tokens 'some': expected auto, off or a number"),
                         (["--vram-budget-mib", "0"], "--vram-budget-mib 0: expected a card size"),
                         (["--device", "tpu"], "--device 'tpu': expected one of cpu, gpu, auto")):
         rc = main(["generate", "--pack", pack, "--prompt-ids", "1 2", "-n", "1"] + flags)
@@ -339,3 +342,138 @@ def test_the_tools_refuse_device_gpu_without_a_gpu(models, tmp_path, capsys):
     assert "--device gpu:" in capsys.readouterr().err
     assert profile_main([pack, "--prompts", str(text), "-o", str(tmp_path / "p.bin"), "--held-out", "0", "--device", "gpu"]) == 1
     assert "--device gpu:" in capsys.readouterr().err and not (tmp_path / "p.bin").exists()
+
+
+# --- the prompt's missing experts streamed to the device (engine/tier/staging.py) ---------------------------
+
+
+def run_chunks(model, toks, n_prompt, chunk):
+    """Every position's logits: the prompt in chunks of `chunk` (the last one shorter), then token by token."""
+    s = model.new_session(CTX, "f32")
+    rows = [model.forward(s, toks[a : a + chunk], n_logits=len(toks[a : a + chunk])).copy()
+            for a in range(0, n_prompt, chunk)]
+    rows += [model.step(s, t).copy()[None] for t in toks[n_prompt:]]
+    return np.concatenate(rows)
+
+
+def counting_cpu_rows(monkeypatch) -> list:
+    """The prompt path's rows the CPU computes (a chunk's x has more than one row), appended per call."""
+    rows, real = [], MoE.products
+
+    def products(self, x, e, r, s):
+        if x.x.shape[0] > 1:
+            rows.append(r.size)
+        return real(self, x, e, r, s)
+
+    monkeypatch.setattr(MoE, "products", products)
+    return rows
+
+
+def expert_bytes(model, layer: int) -> tuple[int, int]:
+    """(gate + up, down) bytes of one expert of `layer` in engine form, from the pack's types."""
+    from strata.engine.kernels.engine_form import placed_bytes
+
+    g = model.geometry
+    gu, d = model.pack.expert_types(layer)
+    return 2 * placed_bytes(gu.id, g.n_embd, g.n_ff_exp), placed_bytes(d.id, g.n_ff_exp, g.n_embd)
+
+
+@pytest.mark.parametrize("config", ["none", "third", "profile"])
+def test_streamed_experts_give_the_cpu_logits_qwen35moe(models, rt, config, monkeypatch):
+    """A streamed expert runs the hits' kernels on the same quantized activations: its rows are the
+    CPU's bits, so the logits are the all-CPU engine's with streaming on or off, at any cache size,
+    in chunks that do not divide the prompt."""
+    model = models["qwen35moe"]
+    toks = tokens(model, 19)
+    want = run_chunks(model, toks, 13, 5)  # the all-CPU engine: chunks of 5, 5, 3
+    cpu_rows = counting_cpu_rows(monkeypatch)
+    got = {}
+    for n in (1, 2, 0):  # stream every non-resident expert; those routed 2+ tokens; none
+        cpu_rows.clear()
+        with tier_of(model, stream_min_tokens=n, **cache_options(model, config)) as tier:
+            got[n] = run_chunks(model, toks, 13, 5)
+            st = tier.stats
+            streamed, cpu, bytes_ = int(st.chunk_streamed.sum()), int(st.chunk_cpu.sum()), st.streamed_bytes
+            want_bytes = sum(int(st.chunk_streamed[l]) * sum(expert_bytes(model, l)) for l in range(model.geometry.n_layer))
+        assert np.array_equal(got[n], want), f"{config}, --stream-min-tokens {n}: max |diff| {np.abs(got[n] - want).max()}"
+        assert bytes_ == want_bytes  # gate and up, then the down: each copied once per expert-chunk
+        if n == 1:  # every expert a chunk routes to is resident or streamed: the CPU computes no prompt row
+            assert streamed > 0 and cpu == 0 and sum(cpu_rows) == 0, (streamed, cpu, cpu_rows)
+        if n == 0:
+            assert streamed == 0 and bytes_ == 0 and cpu > 0 and sum(cpu_rows) > 0
+        if n == 2:  # only the experts routed 2+ tokens of a chunk; the ones routed one stay on the CPU
+            assert streamed > 0 and cpu > 0, (streamed, cpu)
+
+
+def test_streamed_experts_give_the_cpu_logits_qwen4exp(models, rt):
+    model = models["qwen4exp"]
+    toks = tokens(model, 11)
+    want = run_chunks(model, toks, 7, 4)
+    with tier_of(model, stream_min_tokens=1, **cache_options(model, "profile")) as tier:
+        got = run_chunks(model, toks, 7, 4)
+        streamed = int(tier.stats.chunk_streamed.sum())
+    assert streamed > 0
+    assert np.array_equal(got, want), f"max |diff| {np.abs(got - want).max()}"
+
+
+def test_the_staging_area_is_planned_and_allocated_at_stage_6(models, rt):
+    model = models["qwen35moe"]
+    for n in (None, 0):
+        with tier_of(model, expert_cache=4, stream_min_tokens=n) as tier:
+            item, pinned, marks = tier.plan.item("stream.staging"), tier.plan.item("stream.pinned"), tier.marks
+            staging = tier.hit_path.staging
+        want = 2 * tier.plan.slot_bytes if n is None else 0  # two slots, double-buffered; none when off
+        assert (item.bytes, item.stage, item.where) == (want, B.HEAD_PROMPT, B.DEVICE)
+        assert (pinned.bytes, pinned.where) == (want, B.HOST)
+        assert (staging is None) == (n == 0)
+        m = marks[B.STAGES.index(B.HEAD_PROMPT)]
+        if isinstance(rt, EmuRuntime):
+            assert m.used == m.predicted, m.line(6)
+
+
+def test_stats_report_the_prompts_resident_streamed_and_cpu_expert_chunks(models, rt):
+    model = models["qwen35moe"]
+    with tier_of(model, expert_cache=4, stream_min_tokens=2) as tier:
+        run_chunks(model, tokens(model, 14), 14, 6)
+        text = hit_table(tier)
+        st = tier.stats
+    assert "prompt path: expert-chunks" in text and "streamed when a chunk routes 2 or more tokens to it" in text
+    total = [line for line in text.splitlines() if line.startswith("total")][-1].split()
+    assert total[1:] == [str(st.chunk_resident.sum()), str(st.chunk_streamed.sum()), str(st.chunk_cpu.sum())]
+    assert st.chunk_streamed.sum() > 0 and f"streamed {st.streamed_bytes} B" in text
+    # every (chunk, layer, expert routed) is counted once: 3 chunks of a 14-token prompt, each layer
+    g = model.geometry
+    assert 0 < st.chunk_resident.sum() + st.chunk_streamed.sum() + st.chunk_cpu.sum() <= 3 * g.n_layer * g.n_expert
+
+
+def test_auto_min_tokens_by_hand():
+    from strata.engine.tier.staging import auto_min_tokens
+
+    E, F = 4096, 1024
+    q4k = 3 * E * F * 144 // 256  # Q4_K: 144 bytes per 256 weights, 0.5625 B each
+    # 0.5625 B per multiply-add x 8 threads x 30e9 / 25e9 B/s = 5.4 -> 6 tokens, doubled
+    assert auto_min_tokens(q4k, E, F, 8) == 12
+    assert auto_min_tokens(q4k, E, F, 1) == 2  # 0.675 -> 1, doubled
+    assert auto_min_tokens(3 * E * F * 34 // 32, E, F, 64) == 2 * 82  # Q8_0 at 64 threads: 81.6 -> 82
+    # a host that widens the blocks at 1 GB/s is the limit, not the 25 GB/s bus: 0.5625 x 8 x 30 = 135 -> 270
+    assert auto_min_tokens(q4k, E, F, 8, 1e9) == 270
+    assert auto_min_tokens(q4k, E, F, 8, 100e9) == 12  # a faster widening than the bus: the bus
+
+
+def test_a_chunk_whose_streamed_rows_do_not_fit_keeps_its_hits_on_the_device(models, rt, monkeypatch):
+    """The prompt path's buffers are sized for a chunk's rows; where the resident and streamed
+    experts' rows together do not fit, the streamed ones go back to the CPU, not the hits too."""
+    from strata.engine.tier.hits import HitPath
+
+    model = models["qwen35moe"]
+    toks = tokens(model, 10)
+    want = run_chunks(model, toks, 10, 5)
+    k, real = model.geometry.n_expert_used, HitPath._many_bytes
+    # with --stream-min-tokens 1 every expert a chunk routes to is resident or streamed, so its rows
+    # are all 5 k of them: make exactly that not fit
+    monkeypatch.setattr(HitPath, "_many_bytes", staticmethod(lambda moe, n: 1 << 60 if n == 5 * k else real(moe, n)))
+    with tier_of(model, stream_min_tokens=1, **cache_options(model, "profile")) as tier:
+        got = run_chunks(model, toks, 10, 5)
+        st = tier.stats
+    assert np.array_equal(got, want)
+    assert st.chunk_streamed.sum() == 0 and st.chunk_resident.sum() > 0 and st.chunk_cpu.sum() > 0
