@@ -156,7 +156,7 @@ def generate(
     vram_reserve_mib: int = vram_reserve_option(),
     gpu_step: str = typer.Option("host", "--gpu-step", help="with the GPU tier, where the blocks compute: host (the "
                                  "host drives every block, the device runs the products) or device (the whole forward "
-                                 "on the device, states included; qwen35moe only so far)"),
+                                 "on the device, states included)"),
     native: Optional[Path] = native_option(),
     ple_gguf: Optional[Path] = ple_gguf_option(),
     dump_logits: Optional[Path] = typer.Option(None, "--dump-logits", help="write float32 logits of every position to OUT.npy"),
