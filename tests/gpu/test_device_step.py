@@ -231,6 +231,7 @@ def test_qwen4exp_blocks_on_the_device_are_the_cpus(qwen4exp, rt):
     a prompt chunk then token steps that select a strict subset of the blocks. What the device
     computes itself differs by float32 rounding only (its own exp, sums in another order)."""
     from strata.engine.backend import CpuBackend
+    from strata.engine.weights import Input
 
     g, host, dev = qwen4exp.geometry, CpuBackend(), DeviceBackend(rt, None)
     launched, launch = set(), dev._launch
@@ -266,12 +267,12 @@ def test_qwen4exp_blocks_on_the_device_are_the_cpus(qwen4exp, rt):
     n0, n1 = qsa.ratio * (qsa.block_topk + 1) + 3, qsa.ratio * (qsa.block_topk + 2) + 2
     cc, cd = host.qsa_cache(g, n1, "f32"), dev.qsa_cache(g, n1, "f32")
     X = rng.standard_normal((n1, g.n_embd)).astype(np.float32)
-    assert rel(qsa.forward(dev, rt.to_device(X[:n0]), cd), qsa.forward(host, X[:n0], cc)) < tol
+    assert rel(qsa.forward(dev, Input(rt.to_device(X[:n0])), cd), qsa.forward(host, X[:n0], cc)) < tol
     strict = 0
     for t in range(n0, n1):
         want = qsa.forward(host, X[t : t + 1], cc)
         sel, scores = qsa.selected, np.sort(qsa.block_scores)[::-1]
-        got = qsa.forward(dev, rt.to_device(X[t : t + 1]), cd)
+        got = qsa.forward(dev, Input(rt.to_device(X[t : t + 1])), cd)
         k = qsa.block_topk
         if scores[k - 1] - scores[k] > 1e-4 * scores[0]:  # a clear boundary: the same blocks
             assert np.array_equal(qsa.selected, sel), f"QSA selection at position {t}"
