@@ -55,10 +55,6 @@ KV_KIND = {"f32": 0, "f16": 1, "int8": 2}  # dev_kv_write's and dev_attn_one's `
 BLOCK = 128  # threads per block of the row kernels: four warps
 
 
-class DeviceStepUnsupported(ValueError):
-    """The device step cannot run this model (an architecture whose blocks it does not have yet)."""
-
-
 class DeviceScratch(Scratch):
     """Scratch (engine/backend.py) in device memory."""
 
