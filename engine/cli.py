@@ -156,7 +156,7 @@ def generate(
     vram_reserve_mib: int = vram_reserve_option(),
     gpu_step: str = typer.Option("host", "--gpu-step", help="with the GPU tier, where the blocks compute: host (the "
                                  "host drives every block, the device runs the products) or device (the whole forward "
-                                 "on the device, states included; qwen35moe only so far)"),
+                                 "on the device, states included)"),
     stream_min_tokens: str = typer.Option("auto", "--stream-min-tokens", help="with the GPU tier, a prompt chunk's "
                                           "expert that no slot holds is copied to the device and computed there when "
                                           "the chunk routes at least N of its tokens to it, else on the CPU: N, auto "

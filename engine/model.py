@@ -224,9 +224,10 @@ class HyperResidual:
     def embed(self, e: np.ndarray, out: np.ndarray | None) -> np.ndarray:
         """The streams of T tokens from their embeddings [T, E] (into `out` when given): every stream
         starts as the token's embedding (transformers: embedding.repeat(1, 1, hc))."""
-        H = np.empty((e.shape[0], self.hc * self.E), F32) if out is None else out
-        H.reshape(-1, self.hc, self.E)[...] = e[:, None, :]
-        return H
+        if out is None:  # (np.tile: a device array's own module makes the streams where e lives)
+            return np.tile(e, (1, self.hc))
+        out.reshape(-1, self.hc, self.E)[...] = e[:, None, :]
+        return out
 
     def enter(self, be, H: np.ndarray, layer: int, ffn: bool) -> tuple[Input, np.ndarray]:
         x, w = (self.ffn if ffn else self.attn)[layer].mix(be, H)

@@ -221,7 +221,9 @@ class PLELayer:
             r.state.window[:] = np.concatenate([r.state.window, tokens[r.a : r.b]])[r.n :]
             if r.saved is not None:  # the window now, the ring once the conv below has advanced it
                 r.saved.window[:] = r.state.window
-        G = self._gated(be, streams, self._embed(self.hash.rows(ctx[0] if len(ctx) == 1 else np.concatenate(ctx))))
+        # the rows of the host's table, in one copy to where the backend computes (the device step's)
+        e = be.upload(self._embed(self.hash.rows(ctx[0] if len(ctx) == 1 else np.concatenate(ctx))))
+        G = self._gated(be, streams, e)
         X = be.rmsnorm(G, self.norm_conv, self.eps, group=self.E, f32_sums=True)
         y = self._conv(be, X, seqs[0].state) if len(seqs) == 1 else \
             np.concatenate([self._conv(be, X[r.a : r.b], r.state, r.saved) for r in seqs])
@@ -231,7 +233,7 @@ class PLELayer:
         """Depthwise causal conv of X [T, HE], dilation N, over the ring's history; advances the ring
         (and copies it into `saved` when given)."""
         L, T = state.ring.shape[0], X.shape[0]
-        y = np.empty_like(X)
+        y = be.empty(X.shape)
         be.ple_conv(state.ring, state.t, X, self.conv_taps, self.dil, y)
         keep = min(T, L)
         slots = (state.t + T - keep + np.arange(keep)) % L

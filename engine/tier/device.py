@@ -8,7 +8,8 @@ device with the runtime's array module (`rt.xp`: CuPy on a card; numpy under the
 tests/gpu_emu.py), and the session's states (KV cache, Gated DeltaNet state, conv state, residual
 stream) are device arrays.
 
-A decode token needs the host only for the embedding row in and the logits out, and for the misses
+A decode token needs the host only for the embedding row in and the logits out (only the token with a
+greedy pick, dev_argmax), and for the misses
 of a layer whose experts are not all resident (DeviceExperts: the top-k, the slot lookup, the hits'
 products and the combine are on the device; the misses' ids, slots and x come down once, their rows
 go up once). Every routed expert's hidden activation has the same bits wherever it is made (the
@@ -19,8 +20,13 @@ every later position. A prompt chunk routes on the host (moe.route_topk) through
 path. The host-driven tier (engine/tier/backend.py) is the other choice: its blocks compute on the
 host and only the products run on the device.
 
-Not yet here (docs/gpu-tier.md): the sampling on the device; qwen4exp's hyper-connections, QSA and
-PLE (that architecture keeps the host-driven step).
+qwen4exp's hyper-connections, PLE and QSA compute here through the backend's hooks (the same f32
+steps as the CPU's kernels); their states are device arrays. Its token step still needs the host
+for PLE's hash and table rows (one copy up per token) and for each QSA layer's top-k (the block
+scores come down, the selected keys are gathered by host indices), so it is never captured
+(`host_steps`).
+
+Not yet here (docs/gpu-tier.md): sampling other than greedy on the device; CUDA graphs for qwen4exp.
 """
 
 from __future__ import annotations
@@ -38,19 +44,17 @@ from ..kernels.engine_form import placed_bytes
 from ..kvcache import KV_BLOCK, KVCache, check_kv
 from ..moe import route_topk
 from ..ops import L2NORM_EPS
+from ..ple import PLEState
+from ..qsa import QSACache
 from ..weights import Input, Weight
 
 F32 = np.float32
 KERNELS = Path(__file__).with_name("device_kernels.cu")
 _NAMES = ["dev_rmsnorm", "dev_delta", "dev_conv", "dev_combine", "dev_sigmoid", "dev_gate", "dev_softplus", "dev_rope",
           "dev_hidden", "dev_route", "dev_combine_slots", "dev_kv_write", "dev_attn_one", "dev_argmax",
-          "dev_gdn_gates", "dev_l2_qk", "dev_shared_add"]
+          "dev_gdn_gates", "dev_l2_qk", "dev_shared_add", "dev_mix_tail", "dev_inject", "dev_ple_output"]
 KV_KIND = {"f32": 0, "f16": 1, "int8": 2}  # dev_kv_write's and dev_attn_one's `kind`
 BLOCK = 128  # threads per block of the row kernels: four warps
-
-
-class DeviceStepUnsupported(ValueError):
-    """The device step cannot run this model (an architecture whose blocks it does not have yet)."""
 
 
 class DeviceScratch(Scratch):
@@ -105,11 +109,39 @@ class DeviceKVCache(KVCache):
                 store[:, pos : pos + T] = x
 
     def read(self, index):
+        if isinstance(index, np.ndarray) and self.xp is not np:  # QSA's selection, made on the host
+            index = self.xp.asarray(index)
         if self.kind == "int8":
             def deq(q, d):
                 return (q.reshape(*q.shape[:-1], -1, KV_BLOCK).astype(F32) * d[..., None]).reshape(q.shape)
             return deq(self.k[:, index], self.k_scale[:, index]), deq(self.v[:, index], self.v_scale[:, index])
         return self.k[:, index].astype(F32, copy=False), self.v[:, index].astype(F32, copy=False)
+
+
+class DeviceQSACache(QSACache):
+    """engine/qsa.py's QSACache with its stores on the device: the KV cache (DeviceKVCache), the raw
+    indexer keys, the pooled block keys and the block scores, the bytes strata-budget plans; the
+    top-k's index scratch stays on the host, where the selection is made (DeviceBackend.topk_set)."""
+
+    def __init__(self, be, g, max_ctx: int, kv: str = "f32"):
+        super().__init__(1, n_head_kv=g.n_head_kv, head_dim=g.head_dim, idx_head_dim=g.idx_head_dim,
+                         compress_ratio=1, kv="f32")  # (the host stores of one token, replaced below)
+        nb = max_ctx // g.idx_compress_ratio
+        self.max_ctx, self.ratio = max_ctx, g.idx_compress_ratio
+        self.kv = DeviceKVCache(be, kv, max_ctx, g.n_head_kv, g.head_dim)
+        self.idx_keys = be.zeros((max_ctx, g.idx_head_dim))
+        self.idx_blocks = be.zeros((nb, g.idx_head_dim))
+        self._vbuf = be.zeros((nb,))
+        self._ibuf = np.zeros(nb, np.int64)
+
+
+class DevicePLEState(PLEState):
+    """engine/ple.py's PLEState with its conv ring on the device (the budget's session.ple_state);
+    the token window, which the host hashes, stays on the host."""
+
+    def __init__(self, be, g):
+        super().__init__(ngram_size=g.ple_ngram_size, eos_token_id=g.ple_eos_token_id, conv_kernel=1, channels=1)
+        self.ring = be.zeros(((g.ple_conv_kernel - 1) * g.ple_ngram_size, g.hc * g.n_embd))
 
 
 class DeviceExperts:
@@ -338,6 +370,7 @@ class DeviceBackend(CpuBackend):
         self.floor = None  # the last per-part GPU floor (`_floor_step`): [(label, seconds per step)]
         self.floor_next = False  # the session's next replayed token step is captured in parts and timed
         # (True: a part per layer and the head; "kernels": a part per launch, labelled (layer, kernel))
+        self.host_steps = False  # a block's token step has host work a replay cannot repeat (qsa_cache)
 
     def _launch(self, name: str, n_threads: int, args: tuple) -> None:
         grid = max(1, min(-(-n_threads // BLOCK), 32 * self.rt.n_sm))
@@ -388,11 +421,87 @@ class DeviceBackend(CpuBackend):
     def kv_cache(self, kind: str, max_context: int, n_head_kv: int, head_dim: int) -> DeviceKVCache:
         return DeviceKVCache(self, kind, max_context, n_head_kv, head_dim)
 
-    def _unsupported(self, *_a, **_k):
-        raise DeviceStepUnsupported("the device step has no QSA, hyper-connection or PLE blocks yet (qwen4exp): "
-                                    "use the host-driven GPU step (--gpu-step host)")
+    # QSA and PLE do host work inside a token step that a replay could not repeat: QSA's top-k on the
+    # host (the block scores come down, the selected keys are gathered by host indices), the pooled
+    # key of a block made only at the token that completes it, the indexer key written at a host
+    # slice; PLE's hash of the token ids and its table's rows uploaded, its ring indexed by the
+    # host's count. So a session with either state is never captured (`token_step` runs it eagerly).
 
-    qsa_cache = ple_state = rmsnorm_q = mix_tail = inject = ple_conv = ple_output = topk_set = _unsupported
+    def qsa_cache(self, g, max_ctx: int, kv: str = "f32") -> "DeviceQSACache":
+        self.host_steps = True
+        return DeviceQSACache(self, g, max_ctx, kv)
+
+    def ple_state(self, g) -> "DevicePLEState":
+        self.host_steps = True
+        return DevicePLEState(self, g)
+
+    # --- qwen4exp's hyper-connection, PLE and QSA passes (engine/hyper.py, ple.py, qsa.py): the
+    # same f32 steps in the same order as the CPU's kernels beside their references
+
+    def rmsnorm_q(self, x, gain, group: int, eps: float):
+        """hyper.grouped_rmsnorm_q on the device: the grouped norm with f32 sums, then its ActQ."""
+        out = self.rmsnorm(x, gain, eps, group=group, f32_sums=True)
+        return out, self._quantize(out, False)
+
+    def mix_tail(self, u, sn, out):
+        """hyper.mix_tail: mean over the streams of sigmoid(u) sn, the streams summed from 0 in f32,
+        divided by hc in float64 (np.mean's intp count) -> out f32 [T, E]; u is overwritten."""
+        xp = self.xp
+        T, E = out.shape
+        hc = u.shape[1] // E
+        if all(a.dtype == F32 and a.flags.c_contiguous for a in (u, sn, out)):
+            self._launch("dev_mix_tail", T * E, (u, sn, out, np.int32(T), np.int32(hc), np.int32(E)))
+            return out
+        xp.exp(xp.negative(u, out=u), out=u)
+        u += F32(1)
+        xp.divide(F32(1), u, out=u)
+        u *= sn
+        s = u.reshape(T, hc, E)
+        acc = s[:, 0].copy()
+        for c in range(1, hc):
+            acc += s[:, c]
+        out[...] = (acc.astype(np.float64) / np.float64(hc)).astype(F32)
+        return out
+
+    def inject(self, streams, y, w) -> None:
+        """hyper.inject: stream c of token t += w[t, c] y[t] (the f32 product, then the add)."""
+        T, hc = w.shape
+        if all(a.dtype == F32 and a.flags.c_contiguous for a in (streams, y, w)):
+            self._launch("dev_inject", streams.size, (streams, y, w, np.int32(T), np.int32(hc), np.int32(y.shape[1])))
+            return
+        streams.reshape(T, hc, -1)[...] += w[:, :, None] * y[:, None, :]
+
+    def ple_conv(self, ring, t0: int, X, taps, dil: int, y) -> None:
+        """ple.conv_taps: y[t] = sum over taps j, from 0, of taps[j] times the input (Pk-1-j) dil
+        tokens back, from the chunk or the ring (token i at ring[i % L])."""
+        taps = self.param(taps)
+        L, T, Pk = ring.shape[0], X.shape[0], taps.shape[0]
+        y[...] = 0
+        for t in range(T):
+            for j in range(Pk):
+                back = t - (Pk - 1 - j) * dil
+                y[t] += taps[j] * (X[back] if back >= 0 else ring[(t0 + L + back) % L])
+
+    def ple_output(self, streams, G, y) -> None:
+        """ple.add_output: streams += G + y sigmoid(y), sigmoid as 1 / (exp(-y) + 1)."""
+        xp = self.xp
+        if all(a.dtype == F32 and a.flags.c_contiguous for a in (streams, G, y)):
+            self._launch("dev_ple_output", streams.size, (streams, G, y, np.int64(streams.size)))
+            return
+        s = xp.exp(xp.negative(y))
+        s += F32(1)
+        xp.divide(F32(1), s, out=s)
+        s *= y
+        s += G
+        streams += s
+
+    def topk_set(self, scores, k: int, vbuf, ibuf):
+        """qsa.torch_topk_set on the host: the block scores come down (torch's choice among ties is
+        libstdc++'s selection, which runs on the host)."""
+        from ..qsa import torch_topk_set
+
+        s = self.rt.to_host(scores)
+        return torch_topk_set(s, k, np.empty(s.size, F32), ibuf)
 
     # --- the products
 
@@ -577,7 +686,10 @@ class DeviceBackend(CpuBackend):
 
     def rope_(self, rope, x, positions) -> None:
         positions = np.asarray(positions)
-        if positions.size == 1 and x.ndim == 3 and self._rows(x, x.shape[-1]) is not None:
+        # the step's own position at the fixed addresses; another one (QSA's pooled block key, at its
+        # block's first position) takes the general path, so it does not move the step's position
+        if positions.size == 1 and x.ndim == 3 and self._rows(x, x.shape[-1]) is not None \
+                and self._pos_at in (None, int(positions[0])):
             got = self._ropes.get(id(rope))
             if got is None:  # a rope seen for the first time: its buffers, filled at this position
                 c, s = rope.cos_sin(positions)
@@ -715,7 +827,7 @@ class DeviceBackend(CpuBackend):
         elif g is not None and g[0] is session:
             self._replay(g[1])
             ex.replayed(g[3])
-        elif not (self.graphs and hasattr(self.rt, "begin_capture") and ex.static()):
+        elif not (self.graphs and not self.host_steps and hasattr(self.rt, "begin_capture") and ex.static()):
             run(self._logits)
         elif self._warm is not session:  # first token: eagerly, its temporaries from the graph's pool
             self._pool = self.rt.graph_pool()

@@ -161,6 +161,38 @@ extern "C" __global__ void dev_gate(float* x, const float* z, i64 n, int silu) {
     }
 }
 
+// qwen4exp's hyper-connection and PLE passes (engine/hyper.py, engine/ple.py), each one launch where
+// the array-module form took several (mix_tail was 3 + hc + 2, once per block and layer), the same
+// f32 steps in the same order as their CPU kernels, sigmoid as 1 / (exp(-x) + 1):
+// dev_mix_tail: out[t, e] = f32(f64(sum over streams c from 0 of sigmoid(u[t, c E + e]) sn[..]) / hc)
+// (hyper._mix_tail); dev_inject: streams[t, c E + e] += w[t, c] y[t, e] (hyper._inject);
+// dev_ple_output: streams += G + y sigmoid(y) (ple._add_output). All contiguous.
+extern "C" __global__ void dev_mix_tail(const float* u, const float* sn, float* out, int T, int hc, int E) {
+    const i64 n = (i64)T * E;
+    for (i64 i = blockIdx.x * (i64)blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x) {
+        const i64 t = i / E, e = i - t * E;
+        float acc = 0.0f;
+        for (int c = 0; c < hc; c++) {
+            const i64 j = t * hc * E + (i64)c * E + e;
+            acc += (1.0f / (expf(-u[j]) + 1.0f)) * sn[j];
+        }
+        out[i] = (float)((double)acc / (double)hc);
+    }
+}
+
+extern "C" __global__ void dev_inject(float* streams, const float* y, const float* w, int T, int hc, int E) {
+    const i64 n = (i64)T * hc * E;
+    for (i64 i = blockIdx.x * (i64)blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x) {
+        const i64 t = i / ((i64)hc * E), r = i - t * hc * E, c = r / E, e = r - c * E;
+        streams[i] += w[t * hc + c] * y[t * E + e];
+    }
+}
+
+extern "C" __global__ void dev_ple_output(float* streams, const float* G, const float* y, i64 n) {
+    for (i64 i = blockIdx.x * (i64)blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x)
+        streams[i] += G[i] + y[i] * (1.0f / (expf(-y[i]) + 1.0f));
+}
+
 extern "C" __global__ void dev_softplus(const float* x, float* out, i64 n) {
     for (i64 i = blockIdx.x * (i64)blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x) {
         const float v = x[i];
