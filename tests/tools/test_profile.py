@@ -88,8 +88,8 @@ def direct_run(model: Model, tok: Tokenizer, docs: list[str], monkeypatch) -> np
     seen: list[tuple[int, np.ndarray]] = []
     original = MoE.route
 
-    def route(self, be, x):
-        top, w = original(self, be, x)
+    def route(self, be, x, logits=None):  # (logits: the router's product when forward made it beside the shared expert's)
+        top, w = original(self, be, x, logits)
         seen.append((self.layer, np.array(top).reshape(-1)))  # one token: top is [1, k]
         return top, w
 
