@@ -52,7 +52,7 @@ F32 = np.float32
 KERNELS = Path(__file__).with_name("device_kernels.cu")
 _NAMES = ["dev_rmsnorm", "dev_delta", "dev_conv", "dev_combine", "dev_sigmoid", "dev_gate", "dev_softplus", "dev_rope",
           "dev_hidden", "dev_route", "dev_combine_slots", "dev_kv_write", "dev_attn_one", "dev_argmax",
-          "dev_gdn_gates", "dev_l2_qk", "dev_shared_add", "dev_mix_tail", "dev_inject", "dev_ple_output"]
+          "dev_gdn_gates", "dev_l2_qk", "dev_shared_add", "dev_attn_split", "dev_attn_merge", "dev_mix_tail", "dev_inject", "dev_ple_output"]
 KV_KIND = {"f32": 0, "f16": 1, "int8": 2}  # dev_kv_write's and dev_attn_one's `kind`
 BLOCK = 128  # threads per block of the row kernels: four warps
 
@@ -356,6 +356,7 @@ class DeviceBackend(CpuBackend):
         self._ropes: dict[int, tuple] = {}  # id(rope) -> (rope, cos [1, half], sin [1, half])
         self._attn_sc: dict[tuple[int, int], object] = {}  # (H, ctx) -> dev_attn_one's scores [H, ctx]
         self.graphs = True  # token_step may capture and replay (tests turn it off to compare)
+        self.split_attention = True  # one token's attention with its keys split among warps (dev_attn_split)
         self._graph = None  # token_step's captured step: (session, its segments, pool, its MoE log)
         self._segments = None  # the segments cut so far while token_step captures (at_host)
         self._warm = None  # the session whose token step ran once eagerly under the graph pool
@@ -794,10 +795,23 @@ class DeviceBackend(CpuBackend):
         ks, vs = (cache.k_scale, cache.v_scale) if cache.kind == "int8" else (cache.k, cache.v)  # (not read)
         self._launch("dev_kv_write", 32 * 2 * Hkv * (D // 32), (k, v, cache.k, cache.v, ks, vs, self._pos, np.int32(Hkv),
                                                                np.int32(ctx), np.int32(D), np.int32(kind)))
+        out = self.scratch("attn.one", (1, H, D))
+        if self.split_attention and D <= 256:
+            # keys split among warps (dev_attn_split, then dev_attn_merge): L keys a warp, L a
+            # multiple of 32 keeping the parts [H, S, D + 2] at S <= 256 splits whatever the context
+            L = max(32, -(-ctx // (256 * 32)) * 32)
+            S = -(-ctx // L)
+            part = self._attn_sc.get((H, ctx, "split"))
+            if part is None:
+                part = self._attn_sc[(H, ctx, "split")] = self.rt.empty((H, S, D + 2), F32)
+            self._launch("dev_attn_split", 32 * H * S, (q, cache.k, cache.v, ks, vs, self._pos, part, np.int32(H), np.int32(Hkv),
+                                                        np.int32(ctx), np.int32(D), np.int32(L), np.int32(S), F32(scale),
+                                                        np.int32(kind)))
+            self._launch("dev_attn_merge", H * D, (part, self._pos, out, np.int32(H), np.int32(D), np.int32(L), np.int32(S)))
+            return out
         sc = self._attn_sc.get((H, ctx))
         if sc is None:
             sc = self._attn_sc[(H, ctx)] = self.rt.empty((H, ctx), F32)
-        out = self.scratch("attn.one", (1, H, D))
         self._launch("dev_attn_one", 32 * H, (q, cache.k, cache.v, ks, vs, self._pos, sc, out, np.int32(H), np.int32(Hkv),
                                               np.int32(ctx), np.int32(D), F32(scale), np.int32(kind)))
         return out

@@ -460,6 +460,62 @@ extern "C" __global__ void dev_attn_one(const float* q, const void* K, const voi
     }
 }
 
+// The same attention with the keys split among warps (flash-decode): dev_attn_one is a warp per
+// head, each lane scoring whole keys one after another, so its time grew with the context (~4 us a
+// position on the H200 at 24 heads, docs/performance.md). Here a warp takes (head h, split s): the
+// keys s L .. s L + L - 1 below n = *pos + 1, scored one at a time by the whole warp (lane j holds
+// dimensions j, j + 32, ...: coalesced rows, a warp sum per key), their running max m, sum l and
+// the weighted values o (lane j's dimensions) kept as in a flash-attention pass; -> part [h, s] =
+// (m, l, o[D]). dev_attn_merge then joins a head's splits: M = max m_s, out = sum o_s e^(m_s - M) /
+// sum l_s e^(m_s - M). The splits past n write nothing and are not read. Parts: [H, S, D + 2]
+// with S = ceil(ctx / L) (DeviceBackend sizes L so that S stays small).
+extern "C" __global__ void dev_attn_split(const float* q, const void* K, const void* V, const float* Ks, const float* Vs,
+                                          const int* pos, float* part, int H, int Hkv, int ctx, int D, int L, int S,
+                                          float scale, int kind) {
+    const int lane = threadIdx.x & 31, n = *pos + 1, ns = (n + L - 1) / L;
+    const int nw = (int)((gridDim.x * blockDim.x) >> 5);
+    const float inf = __uint_as_float(0x7f800000u);
+    for (int w = (int)((blockIdx.x * blockDim.x + threadIdx.x) >> 5); w < H * ns; w += nw) {
+        const int h = w / ns, sp = w % ns, kv = h / (H / Hkv);
+        const float* qh = q + (i64)h * D;
+        float o[8];  // dimensions lane + 32 t, t < D / 32 <= 8
+        for (int t = 0; t < 8; t++) o[t] = 0.0f;
+        float m = -inf, l = 0.0f;
+        const int i1 = (sp + 1) * L < n ? (sp + 1) * L : n;
+        for (int i = sp * L; i < i1; i++) {
+            const i64 row = ((i64)kv * ctx + i) * D;
+            float acc = 0.0f;
+            for (int d = lane; d < D; d += 32) acc += qh[d] * kv_at(K, Ks, kind, row + d);
+            acc = warp_sum(acc) * scale;
+            const float mn = fmaxf(m, acc);
+            const float c = expf(m - mn), e = expf(acc - mn);  // (m = -inf at the first key: c = 0)
+            l = l * c + e;
+            for (int t = 0, d = lane; d < D; t++, d += 32) o[t] = o[t] * c + e * kv_at(V, Vs, kind, row + d);
+            m = mn;
+        }
+        float* pp = part + ((i64)h * S + sp) * (D + 2);
+        for (int t = 0, d = lane; d < D; t++, d += 32) pp[2 + d] = o[t];
+        if (lane == 0) pp[0] = m, pp[1] = l;
+    }
+}
+
+extern "C" __global__ void dev_attn_merge(const float* part, const int* pos, float* out, int H, int D, int L, int S) {
+    const int n = *pos + 1, ns = (n + L - 1) / L;
+    for (i64 i = blockIdx.x * (i64)blockDim.x + threadIdx.x; i < (i64)H * D; i += (i64)gridDim.x * blockDim.x) {
+        const int h = (int)(i / D), d = (int)(i % D);
+        const float* ph = part + (i64)h * S * (D + 2);
+        float M = ph[0];
+        for (int s = 1; s < ns; s++) M = fmaxf(M, ph[(i64)s * (D + 2)]);
+        float l = 0.0f, o = 0.0f;
+        for (int s = 0; s < ns; s++) {
+            const float c = expf(ph[(i64)s * (D + 2)] - M);
+            l += ph[(i64)s * (D + 2) + 1] * c;
+            o += ph[(i64)s * (D + 2) + 2 + d] * c;
+        }
+        out[i] = o / l;
+    }
+}
+
 // ---------------------------------------------------------------------------------------------
 // The greedy pick of a token step (engine/sampling.py's rule at temperature 0 without penalties):
 // out[0] = the lowest index of the largest of x[0..n), the nb `banned` ids counting as -inf (numpy's

@@ -101,7 +101,7 @@ def test_the_device_step_gives_the_cpu_logits(model, rt, n_prompt):
     # rows with dev_combine); the fused sequences (a GDN layer's gates, a token's q/k l2 norms, the
     # shared expert's gated add) in one launch each
     assert launched == {"dev_rmsnorm", "dev_delta", "dev_conv", "dev_sigmoid", "dev_gate", "dev_rope", "dev_route", "dev_hidden",
-                        "dev_combine_slots", "dev_kv_write", "dev_attn_one", "dev_gdn_gates", "dev_l2_qk",
+                        "dev_combine_slots", "dev_kv_write", "dev_attn_split", "dev_attn_merge", "dev_gdn_gates", "dev_l2_qk",
                         "dev_shared_add"} \
         | ({"dev_combine"} if n_prompt else set())
     assert_close(got, want)
@@ -578,3 +578,35 @@ def test_the_fused_sequences_keep_the_separate_launches_bits(rt):
     be.shared_add_(o1, rt.to_device(y0), rt.to_device(g0))
     CpuBackend.shared_add_(be, o2, rt.to_device(y0), rt.to_device(g0))
     assert np.array_equal(rt.to_host(o1).view(np.int32), rt.to_host(o2).view(np.int32))
+
+
+@pytest.mark.parametrize("kind", [0, 1, 2])
+def test_split_key_attention_is_the_one_warp_forms(rt, kind):
+    """dev_attn_split + dev_attn_merge (keys split among warps, flash-decode) against dev_attn_one
+    (a warp per head) on the same cache: within float32 rounding, at positions inside one split,
+    at a split's end and past it (L = 32 keys a split)."""
+    be = DeviceBackend(rt, None)
+    rng = np.random.default_rng(14)
+    H, Hkv, D, ctx = 8, 2, 64, 100
+    L, S = 32, 4
+    q = rt.to_device(rng.standard_normal((H, D)).astype(np.float32))
+    if kind == 0:
+        K, V = (rt.to_device(rng.standard_normal((Hkv, ctx, D)).astype(np.float32)) for _ in range(2))
+        Ks = Vs = K
+    elif kind == 1:
+        K, V = (rt.to_device(rng.standard_normal((Hkv, ctx, D)).astype(np.float16).view(np.uint16)) for _ in range(2))
+        Ks = Vs = rt.to_device(np.zeros(1, np.float32))
+    else:
+        K, V = (rt.to_device(rng.integers(-127, 128, (Hkv, ctx, D)).astype(np.int8)) for _ in range(2))
+        Ks, Vs = (rt.to_device((rng.random((Hkv, ctx, D // 32)) * 0.02).astype(np.float32)) for _ in range(2))
+    for p in (0, 17, 31, 32, 63, 99):
+        pos = rt.to_device(np.array([p], np.int32))
+        want, got = rt.empty((H, D), np.float32), rt.empty((H, D), np.float32)
+        sc, part = rt.empty((H, ctx), np.float32), rt.empty((H, S, D + 2), np.float32)
+        be._launch("dev_attn_one", 32 * H, (q, K, V, Ks, Vs, pos, sc, want, np.int32(H), np.int32(Hkv), np.int32(ctx),
+                                            np.int32(D), np.float32(D**-0.5), np.int32(kind)))
+        be._launch("dev_attn_split", 32 * H * S, (q, K, V, Ks, Vs, pos, part, np.int32(H), np.int32(Hkv), np.int32(ctx),
+                                                  np.int32(D), np.int32(L), np.int32(S), np.float32(D**-0.5), np.int32(kind)))
+        be._launch("dev_attn_merge", H * D, (part, pos, got, np.int32(H), np.int32(D), np.int32(L), np.int32(S)))
+        w, g = rt.to_host(want), rt.to_host(got)
+        assert np.allclose(g, w, rtol=2e-5, atol=2e-6 * np.abs(w).max()), (p, np.abs(g - w).max())
