@@ -72,16 +72,21 @@ def run_decode(model, prompt: list[int], n: int, tier=None, feed=None, split: li
     return prefill_s, time.perf_counter() - t0, logits
 
 
-def run_pick(model, prompt: list[int], n: int) -> float:
+def run_pick(model, prompt: list[int], n: int, prof=None) -> float:
     """Seconds of n greedy decode steps picked where the logits are (Model.step_pick: on the device
     step only the token comes back, as `strata generate` decodes greedily), after the prompt."""
     s = model.new_session(len(prompt) + n + 1, "f16")
     tok = int(np.argmax(model.forward(s, prompt, n_logits=1)[0]))
     banned = np.zeros(0, np.int32)
+    if prof is not None:  # --cprofile: the decode steps only
+        prof.enable()
     t0 = time.perf_counter()
     for _ in range(n):
         tok = model.step_pick(s, tok, banned)
-    return time.perf_counter() - t0
+    t = time.perf_counter() - t0
+    if prof is not None:
+        prof.disable()
+    return t
 
 
 LLAMA_PLACEMENTS = {"cpu": "-ngl 0", "cache 0": "-ngl 99 -ot exps=CPU", "auto ~60%": "-ngl 99 -ncmoe {half}",
@@ -141,6 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reserve-mib", type=int, default=700)
     ap.add_argument("--md", type=Path, help="also write the table here (markdown)")
     ap.add_argument("--cprofile", metavar="CONFIG", help="print where the decode time of CONFIG (e.g. all) goes")
+    ap.add_argument("--cprofile-prompt", metavar="CONFIG", help="print where the prompt time of CONFIG goes")
     ap.add_argument("--only", help="comma-separated configurations to run (default: all of them)")
     ap.add_argument("--emulate", action="store_true", help="the host emulation of the kernels (tests/gpu_emu.py)")
     ap.add_argument("--llama-bench", metavar="PATH", help="llama-bench (built with CUDA) to run on the same GGUF, each "
@@ -225,20 +231,32 @@ def main(argv: list[str] | None = None) -> int:
         # variant no earlier configuration had needed (2026-11-30, auto ~60%: 7.1 prefill tok/s,
         # then 216 and 221 in two more runs)
         run_decode(model, prompt, 1, tier)
-        if args.cprofile == name:
-            import cProfile
-            import pstats
+        import cProfile
+        import pstats
 
-            prof = cProfile.Profile()
+        prof = cProfile.Profile()
+        picks = getattr(model, "picks", False)
+        if args.cprofile == name and not picks:
             prof.enable()
+        if args.cprofile_prompt == name:
+            prof_p = cProfile.Profile()
+            s = model.new_session(len(prompt) + 1, "f16")
+            prof_p.enable()
+            model.forward(s, prompt, n_logits=1)
+            prof_p.disable()
+            pstats.Stats(prof_p).sort_stats("tottime").print_stats(30)
+            del s
         prompt_split = ["-"] * 4
         pre, secs, got = run_decode(model, prompt, args.tokens, tier, feed=want.argmax(axis=1), split=prompt_split)
-        if args.cprofile == name:
+        if args.cprofile == name and not picks:
             prof.disable()
             pstats.Stats(prof).sort_stats("tottime").print_stats(30)
         picked = None
-        if getattr(model, "picks", False):  # greedy picked on the device: only the token comes back
+        if picks:  # greedy picked on the device: only the token comes back (what --cprofile profiles then)
             picked = args.tokens / run_pick(model, prompt, args.tokens)
+            if args.cprofile == name:
+                run_pick(model, prompt, args.tokens, prof)
+                pstats.Stats(prof).sort_stats("tottime").print_stats(30)
             print(f"  {name}: decode with the greedy pick on the device {picked:.2f} tok/s", flush=True)
         floor = getattr(model.backend, "gpu_floor", lambda: None)()  # the captured step alone (device step, all resident)
         if floor:
