@@ -217,10 +217,11 @@ class DeviceExperts:
 
     def token(self, moe, x: Input, counts) -> object | None:
         """MoE.forward's routed sum for one token on the device -> device f32 [1, E], or None where
-        this path does not apply (expert weights of a float type, rows longer than mv takes, a
-        verify forward's snapshots): the MoE then routes on the host."""
+        this path does not apply (expert weights of a float type, rows longer than mv takes, more
+        than 1024 experts (dev_route's registers), a verify forward's snapshots): the MoE then routes on the host."""
         seqs = seqs_of(counts, 1) if counts is not None else []
         if not (moe.gu.quantized and moe.d.quantized) or any(r.saved is not None for r in seqs) or moe.k > 32 \
+                or moe.router.n_out > 1024 \
                 or not (gpu.slot_products_fit(moe.gu.id, moe.E, moe.F) and gpu.slot_products_fit(moe.d.id, moe.F, moe.E)):
             return None
         be, rt, slots, layer = self.be, self.rt, self.hits.slots, moe.layer
@@ -373,9 +374,15 @@ class DeviceBackend(CpuBackend):
         # (True: a part per layer and the head; "kernels": a part per launch, labelled (layer, kernel))
         self.host_steps = False  # a block's token step has host work a replay cannot repeat (qsa_cache)
 
-    def _launch(self, name: str, n_threads: int, args: tuple) -> None:
-        grid = max(1, min(-(-n_threads // BLOCK), 32 * self.rt.n_sm))
-        self.rt.launch(self._mod, name, grid, BLOCK, args)
+    def _launch(self, name: str, n_threads: int, args: tuple, block: int = BLOCK, smem: int = 0) -> None:
+        grid = max(1, min(-(-n_threads // block), 32 * self.rt.n_sm))
+        self.rt.launch(self._mod, name, grid, block, args, smem)
+
+    def _norm(self, rows: int, n: int, args: tuple) -> None:
+        """dev_rmsnorm over `rows` rows of n: a block per row, a warp per 128 of its elements
+        (a few loads a thread), at most 1024 threads."""
+        warps = max(1, min(32, -(-n // 128)))
+        self._launch("dev_rmsnorm", 32 * warps * rows, args, 32 * warps, 8 * warps)
 
     @staticmethod
     def _rows(x, n: int) -> int | None:
@@ -551,7 +558,7 @@ class DeviceBackend(CpuBackend):
         if xs is not None and gain.shape in ((n,), (group,)) and (out is None or out.flags.c_contiguous):
             out = xp.empty(x.shape, F32) if out is None else out
             rows = x.size // group
-            self._launch("dev_rmsnorm", 32 * rows, (x, np.int64(xs), self.param(gain), np.int32(gain.size // group), x, out,
+            self._norm(rows, group, (x, np.int64(xs), self.param(gain), np.int32(gain.size // group), x, out,
                          np.int32(rows), np.int32(group), F32(eps), np.int32(f32_sums), np.int32(0), np.int32(0)))
             return out
         g = x.reshape(*x.shape[:-1], n // group, group)
@@ -572,7 +579,7 @@ class DeviceBackend(CpuBackend):
         n = x.shape[-1]
         xs = self._rows(x, n)
         if xs == n:  # (in place: the kernel writes row r at r n)
-            self._launch("dev_rmsnorm", 32 * (x.size // n), (x, np.int64(xs), x, np.int32(1), x, x, np.int32(x.size // n), np.int32(n),
+            self._norm(x.size // n, n, (x, np.int64(xs), x, np.int32(1), x, x, np.int32(x.size // n), np.int32(n),
                          F32(L2NORM_EPS), np.int32(0), np.int32(0), np.int32(1)))
             return x
         ss = xp.square(x.astype(np.float64)).sum(axis=-1)
@@ -636,7 +643,7 @@ class DeviceBackend(CpuBackend):
     def gated_rmsnorm_(self, o, gain, z, eps: float, silu: bool):
         n = o.shape[-1]
         if o.flags.c_contiguous and z.flags.c_contiguous and z.shape == o.shape and gain.shape == (n,) and o.dtype == F32:
-            self._launch("dev_rmsnorm", 32 * (o.size // n), (o, np.int64(n), self.param(gain), np.int32(1), z, o,
+            self._norm(o.size // n, n, (o, np.int64(n), self.param(gain), np.int32(1), z, o,
                          np.int32(o.size // n), np.int32(n), F32(eps), np.int32(0), np.int32(2 if silu else 1), np.int32(0)))
             return o
         self.rmsnorm(o, gain, eps, out=o)

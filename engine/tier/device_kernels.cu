@@ -35,29 +35,42 @@ __device__ __forceinline__ float sigmoid_t(float x) { return (tanhf(x * 0.5f) + 
 // gain it is, as hyper-connections and PLE normalise each stream of hc * E); with act 1 or 2 the result
 // is multiplied by sigmoid(z) or z sigmoid(z) (z, out: contiguous [rows, n]; out may be x). The
 // mean of squares in f64 (ops.rmsnorm's default) or in f32 (f32_sums). l2: ops.l2norm_ instead,
-// x / sqrt(sum of squares + eps) in f64, no gain. One warp per row.
+// x / sqrt(sum of squares + eps) in f64, no gain.
 extern "C" __global__ void dev_rmsnorm(const float* x, i64 xs, const float* gain, int gp, const float* z, float* out,
                                        int rows, int n, float eps, int f32_sums, int act, int l2) {
-    const int lane = threadIdx.x & 31;
-    const int nw = (int)((gridDim.x * blockDim.x) >> 5);
-    for (int r = (int)((blockIdx.x * blockDim.x + threadIdx.x) >> 5); r < rows; r += nw) {
+    // A block per row (DeviceBackend.norm_launch sizes it to the row: a few elements a thread).
+    // It was a warp per row: one token's 3072-long norm then took ~13 us of one warp's serial
+    // loads (2026-12-02, the H200's per-kernel floor: 14 norms, 0.18 ms of a 1.0 ms step).
+    STRATA_SMEM(smem);
+    double* red = reinterpret_cast<double*>(smem);  // a partial sum per warp
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    for (int r = blockIdx.x; r < rows; r += gridDim.x) {
         const float* xr = x + (i64)r * xs;
         float scale;
         if (f32_sums) {
             float s = 0.0f;
-            for (int i = lane; i < n; i += 32) s += xr[i] * xr[i];
+            for (int i = threadIdx.x; i < n; i += blockDim.x) s += xr[i] * xr[i];
             s = warp_sum(s);
-            scale = 1.0f / sqrtf(s / (float)n + eps);
+            if (lane == 0) red[warp] = (double)s;  // (exact: a float widened)
+            __syncthreads();
+            float t = 0.0f;
+            for (int w = 0; w < nw; w++) t += (float)red[w];
+            scale = 1.0f / sqrtf(t / (float)n + eps);
         } else {
             double s = 0.0;
-            for (int i = lane; i < n; i += 32) s += (double)xr[i] * (double)xr[i];
+            for (int i = threadIdx.x; i < n; i += blockDim.x) s += (double)xr[i] * (double)xr[i];
             s = warp_sum_d(s);
-            scale = (float)(1.0 / sqrt((l2 ? s : s / (double)n) + (double)eps));
+            if (lane == 0) red[warp] = s;
+            __syncthreads();
+            double t = 0.0;
+            for (int w = 0; w < nw; w++) t += red[w];
+            scale = (float)(1.0 / sqrt((l2 ? t : t / (double)n) + (double)eps));
         }
+        __syncthreads();  // every thread has read red before the next row writes it
         float* orow = out + (i64)r * n;
         const float* gr = gain + (i64)(r % gp) * n;
         const float* zr = z ? z + (i64)r * n : 0;
-        for (int i = lane; i < n; i += 32) {
+        for (int i = threadIdx.x; i < n; i += blockDim.x) {
             float y = xr[i] * scale;
             if (!l2) y = y * gr[i];
             if (act) {
@@ -301,14 +314,24 @@ extern "C" __global__ void dev_hidden(const float* gu, const int* slot, float* h
 // renormalised to sum to 1. -> ids [k], w f32 [k] (the combine's f32 weights), and slot[j] =
 // table[ids[j]] (the layer's row of the slot table: the slot holding the expert, or -1). One warp.
 extern "C" __global__ void dev_route(const float* logits, int X, int k, const int* table, int* ids, float* w, int* slot) {
+    // Lane l holds logits l + 32 c in registers (X <= 1024; DeviceExperts.token routes larger
+    // routers on the host): the k rounds of the top-k scan registers instead of re-reading the
+    // logits, which took ~19 us a layer (2026-12-02, H200). The sums keep their order (lane by
+    // lane, c ascending, then the warp fold): the same bits as before.
     const int lane = threadIdx.x & 31;
     if (threadIdx.x >= 32) return;
     const float inf = __uint_as_float(0x7f800000u);
+    float lv[32];
+#pragma unroll
+    for (int c = 0; c < 32; c++) lv[c] = lane + 32 * c < X ? logits[lane + 32 * c] : -inf;
     float m = -inf;
-    for (int i = lane; i < X; i += 32) m = fmaxf(m, logits[i]);
+#pragma unroll
+    for (int c = 0; c < 32; c++) m = fmaxf(m, lv[c]);
     for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(FULL, m, o));
     double sum = 0.0;
-    for (int i = lane; i < X; i += 32) sum += exp((double)(logits[i] - m));
+#pragma unroll
+    for (int c = 0; c < 32; c++)
+        if (lane + 32 * c < X) sum += exp((double)(lv[c] - m));
     sum = warp_sum_d(sum);
     double top = 0.0;
     double pj[32];  // k <= 32
@@ -318,10 +341,12 @@ extern "C" __global__ void dev_route(const float* logits, int X, int k, const in
         // the best below (prev_l, prev) in the order (logit descending, id ascending)
         float bl = -inf;
         int bi = 0x7fffffff;
-        for (int i = lane; i < X; i += 32) {
-            const float l = logits[i];
+#pragma unroll
+        for (int c = 0; c < 32; c++) {
+            const int i = lane + 32 * c;
+            const float l = lv[c];
             const bool below = l < prev_l || (l == prev_l && i > prev);
-            if (below && (l > bl || (l == bl && i < bi))) bl = l, bi = i;
+            if (i < X && below && (l > bl || (l == bl && i < bi))) bl = l, bi = i;
         }
         for (int o = 16; o > 0; o >>= 1) {
             const float ol = __shfl_xor_sync(FULL, bl, o);
