@@ -21,6 +21,7 @@ the tests do to run this module and the CUDA source on the host (tests/gpu_emu.p
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -37,6 +38,8 @@ SOURCE = Path(__file__).with_name("gpu_kernels.cu")
 # --fmad=false: no FMA contraction (a fused a*b+c rounds differently). The kernels' f32 operations
 # are inline PTX anyway, which no flag changes: CuPy appends -ftz=true to every compile.
 OPTIONS = ("--std=c++17", "--fmad=false")
+if os.environ.get("STRATA_MV_STEP"):  # a benchmark's knob: the matvec's staged bytes per warp step (gpu_kernels.cu)
+    OPTIONS += (f"-DSTRATA_MV_STEP={int(os.environ['STRATA_MV_STEP'])}",)
 KPLS = (1, 2, 3, 4, 6, 8)  # act-blocks per lane the matvec kernel holds: rows up to 8192 elements
 MAX_TOKENS = 64  # tokens per matmul pass (shared-memory accumulators); more are done in groups
 SMEM_LIMIT = 48 * 1024  # dynamic shared memory a block may take without an opt-in

@@ -680,10 +680,16 @@ __device__ __forceinline__ const typename Ty<T>::Tab* load_tab(u8* smem, int sha
 // Rows of the longest row matvec<KPL> takes that one warp step handles: up to 4 rows of 4 KiB
 // of blocks in all, so that short rows (IQ1_S: 480 bytes at 2560 elements) do not leave the
 // warp's fixed per-row costs (wait, fold) exposed.
+// The bytes of weight rows a matvec warp stages per step (at most 4 rows): what it has in flight
+// while it computes the step before.
+#ifndef STRATA_MV_STEP
+#define STRATA_MV_STEP 4096
+#endif
+
 template <int T, int KPL>
 struct MvRows {
     static constexpr int BLOCKS = (32 * KPL + Ty<T>::APB - 1) / Ty<T>::APB;  // of one row
-    static constexpr int N = 4096 / (BLOCKS * Ty<T>::REST) < 1 ? 1 : (4096 / (BLOCKS * Ty<T>::REST) > 4 ? 4 : 4096 / (BLOCKS * Ty<T>::REST));
+    static constexpr int N = STRATA_MV_STEP / (BLOCKS * Ty<T>::REST) < 1 ? 1 : (STRATA_MV_STEP / (BLOCKS * Ty<T>::REST) > 4 ? 4 : STRATA_MV_STEP / (BLOCKS * Ty<T>::REST));
 };
 
 // ---------------------------------------------------------------------------------------------

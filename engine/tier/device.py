@@ -304,8 +304,9 @@ class DeviceExperts:
         ids = self._buf["ids_settle"] if self._queued else self.rt.to_host(self._buf["ids"])
         self._queued = False
         for layer, states, *_ in self._log:
+            chosen = ids[layer]  # a token's top-k: distinct ids, so a fancy-indexed add counts each once
             for state in states:
-                np.add.at(state, ids[layer].astype(np.int64), 1)
+                state[chosen] += 1  # (np.add.at, for repeated ids, took ~10 us a layer a token)
         self._log.clear()
 
     # --- what DeviceBackend.token_step needs to capture a step and replay it
