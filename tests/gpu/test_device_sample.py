@@ -190,3 +190,47 @@ def test_sampled_generation_on_the_device_step_is_the_hosts(model, rt):
     lo, hi = sorted((got["cpu"][j], got[True][j]))
     gap = np.abs(np.cumsum(cpu)[lo:hi] - r).min()
     assert gap <= np.abs(cpu - dev).sum(), (j, gap, np.abs(cpu - dev).sum())
+
+
+def test_min_p_keeps_what_the_host_keeps_at_its_threshold(be, rt):
+    """min-p's threshold is top + log(min_p) in f64 rounded once to f32 (numpy compares the f32
+    logits with a Python float that way): logits at it and an ulp either side, for thresholds where
+    adding in f32 would round elsewhere, are kept or dropped as on the host."""
+    rng = np.random.default_rng(6)
+    found = 0
+    for min_p in rng.uniform(0.01, 0.5, 400):
+        top = np.float32(rng.uniform(-3, 8))
+        thr = np.float32(float(top) + np.log(min_p))
+        if thr == np.float32(top + np.float32(np.log(min_p))):
+            continue  # (f32 addition would round the same: no check of the rounding here)
+        x = np.full(V, -30.0, np.float32)
+        x[0] = top
+        x[1:4] = [np.nextafter(thr, -np.inf), thr, np.nextafter(thr, np.inf)]
+        x[4:8] = x[1:4].mean()  # (a few more near it)
+        _, _, differ, _ = picks(be, rt, SamplerParams(temperature=1.0, top_k=0, top_p=1.0, min_p=float(min_p), seed=found), [x], [])
+        assert differ == 0, (min_p, top, thr)
+        found += 1
+        if found == 6:
+            break
+    assert found == 6
+
+
+def test_the_sampled_pick_allocates_nothing_per_token(be, rt):
+    """After a sampler's first pick (its buffers, the staging's pinned mirrors), the picks of a run
+    allocate no device or pinned memory: the uniform and a changed window go up through fixed
+    buffers, the 16 bytes come back into a fixed pinned one (so a captured step could replay it)."""
+    from test_gpu_tier import counting
+
+    rng = np.random.default_rng(8)
+    params = SamplerParams(seed=3, **PENALTIES)
+    dev = Sampler(V, params, banned=[1])
+    row = np.empty(V, np.float32)
+    be._logits = rt.to_device(rows(rng, "normal")[None])
+    hist = [4, 5, 6]
+    hist.append(be._sample(dev.device_draw(np.array(hist), row)))
+    with counting(rt) as counts:
+        for i in range(6):
+            if i == 3:
+                hist = [9, 9]  # another history: the window goes up again, into the same buffer
+            hist.append(be._sample(dev.device_draw(np.array(hist), row)))
+    assert counts == [0, 0], counts
