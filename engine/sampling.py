@@ -22,6 +22,11 @@ scales by temperature first; the two differ whenever a filter is active and T !=
 `Sampler.distribution` returns the filtered distribution a draw uses (for tests and for judging
 drafted tokens), without drawing.
 
+On the device step (engine/tier/device.py) the same chain runs where the logits are (`dev_sample`,
+through `device_draw`): the host draws the uniform here, from the same stream, so a seed picks the
+same token there as here (up to a draw that lands within float rounding of a token boundary: the
+device's exp and sums round differently from numpy's).
+
 S12, the token path allocates nothing: every vocabulary-sized buffer is created once in the Sampler
 and each step works in it in place (thresholds come from an in-place partition of a scratch copy, the
 filters are masks), so a step makes at most a few window-sized (repeat_last_n) temporaries.
@@ -121,7 +126,7 @@ class Sampler:
     def pick(self) -> np.ndarray | None:
         """The banned ids (int32) when the next token is the greedy pick of the logits alone (greedy,
         no penalties): Model.step_pick can then pick it where the logits are (the device step) and
-        bring back only the token. None otherwise (the logits are sampled here)."""
+        bring back only the token. None otherwise (Model.step_sample: `device_draw`)."""
         if not self.params.greedy or self.params.penalised:
             return None
         if self._pick is None:
