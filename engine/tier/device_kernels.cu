@@ -638,15 +638,17 @@ __device__ int block_int(int v, int op, int* si) {
 }
 
 // The k-th largest (1-based, counting equal values) of a[0..n) as an okey: a radix select, 8 bits a
-// pass from the top; exact, as numpy's partition's k-th value is. hist: 256 + 2 ints of shared memory.
-__device__ unsigned kth_largest(const float* a, int n, int k, int* hist) {
+// pass from the top; exact, as numpy's partition's k-th value is. Only keys >= lo are counted (lo at
+// most the answer: the ones below it are below the answer, so no pass picks another bin).
+// hist: 256 + 2 ints of shared memory.
+__device__ unsigned kth_largest(const float* a, int n, int k, int* hist, unsigned lo) {
     unsigned prefix = 0, mask = 0;
     for (int shift = 24; shift >= 0; shift -= 8) {
         for (int b = threadIdx.x; b < 256; b += blockDim.x) hist[b] = 0;
         __syncthreads();
         for (int i = threadIdx.x; i < n; i += blockDim.x) {
             const unsigned key = okey(a[i]);
-            if ((key & mask) == prefix) atomicAdd(&hist[(key >> shift) & 255u], 1);
+            if (key >= lo && (key & mask) == prefix) atomicAdd(&hist[(key >> shift) & 255u], 1);
         }
         __syncthreads();
         if (threadIdx.x == 0) {
@@ -662,6 +664,19 @@ __device__ unsigned kth_largest(const float* a, int n, int k, int* hist) {
         __syncthreads();
     }
     return prefix;
+}
+
+// kth_largest of a vocabulary's values: first the k-th largest of the threads' own maxima (k <=
+// blockDim.x; k of the values are at least it), so the select counts the few values above that
+// bound, not the whole vocabulary (a shared-memory atomic per logit, most of them into the same
+// few bins of the first pass, serialise). tm: blockDim.x floats of shared memory.
+__device__ unsigned kth_largest_bounded(const float* a, int n, int k, int* hist, float* tm) {
+    unsigned mk = 0;
+    for (int i = threadIdx.x; i < n; i += blockDim.x) mk = max(mk, okey(a[i]));
+    tm[threadIdx.x] = okey_f(mk == 0 ? okey(-__uint_as_float(0x7f800000u)) : mk);  // (no values: -inf)
+    __syncthreads();
+    const unsigned lo = k <= (int)blockDim.x ? kth_largest(tm, blockDim.x, k, hist, 0u) : 0u;
+    return kth_largest(a, n, k, hist, lo);
 }
 
 extern "C" __global__ void dev_sample(const float* x, int n, const int* banned, int nb, float* work, float* prob, int* hist,
@@ -730,7 +745,7 @@ extern "C" __global__ void dev_sample(const float* x, int n, const int* banned, 
     int token = best;
     if (!greedy) {
         if (top_k > 0 && top_k < n) {  // drop below the k-th largest; every token tied with it stays
-            const float t = okey_f(kth_largest(work, n, top_k, hi));
+            const float t = okey_f(kth_largest_bounded(work, n, top_k, hi, reinterpret_cast<float*>(part)));
             for (int i = tid; i < n; i += nt)
                 if (work[i] < t) work[i] = -inf;
             __syncthreads();
@@ -749,7 +764,7 @@ extern "C" __global__ void dev_sample(const float* x, int n, const int* banned, 
             live = block_int(live, 0, si);
             const int head = min(live, SAMPLE_HEAD);
             // the `head` largest probabilities, sorted down; only their values matter (ties are equal)
-            const float t = okey_f(kth_largest(prob, n, head, hi));
+            const float t = okey_f(kth_largest_bounded(prob, n, head, hi, reinterpret_cast<float*>(part)));
             if (tid == 0) hi[0] = 0;
             __syncthreads();
             for (int i = tid; i < n; i += nt)

@@ -34,6 +34,7 @@ SETTINGS = {
     "temperature alone": {**OFF, "temperature": 0.8},
     "hot": {**OFF, "temperature": 1.7},
     "top-k alone": {**OFF, "top_k": 40},
+    "top-k above the block's threads": {**OFF, "top_k": 1500},  # (dev_sample's select then counts every logit)
     "top-p alone": {**OFF, "top_p": 0.9},
     "min-p alone": {**OFF, "min_p": 0.1},
     "penalties alone": {**OFF, **PENALTIES},
