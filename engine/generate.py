@@ -102,7 +102,7 @@ class Run:
         session's logits buffer itself, [n_vocab]), or the token already picked from them (`forward`
         on the device step); True when the run is over."""
         n = min(self.chunk, self.n_tokens - self.fed)
-        if isinstance(rows, int):  # Model.step_pick's greedy token: only after the prompt, never with on_logits
+        if isinstance(rows, int):  # Model.step_pick's / step_sample's token: only after the prompt, never with on_logits
             self.fed += n
             if self.prefilled is None:
                 self.prefilled = time.perf_counter()
@@ -143,10 +143,13 @@ class Run:
     def forward(self, model: Model, tokens: np.ndarray, n_logits: int) -> np.ndarray:
         """The model's forward of `feed`'s tokens for this run (its session alone), the rows `take` wants."""
         if tokens.size == 1:  # the decode step: the session's logits buffer, nothing allocated (S12)
-            banned = self.sampler.pick if self.on_logits is None and model.picks else None
-            if banned is not None and self.fed + 1 >= self.n_tokens:
-                # greedy on the device step: the pick is made there, only the token comes back
-                return model.step_pick(self.session, int(tokens[0]), banned)
+            if self.on_logits is None and model.picks and self.fed + 1 >= self.n_tokens:
+                # on the device step the pick is made there, only the token comes back: greedy
+                # (dev_argmax), else the sampler's chain with its own uniform draw (dev_sample)
+                banned = self.sampler.pick
+                if banned is not None:
+                    return model.step_pick(self.session, int(tokens[0]), banned)
+                return model.step_sample(self.session, int(tokens[0]), self.sampler, self.history[: self.n_tokens])
             return model.step(self.session, int(tokens[0]))
         return model.forward(self.session, tokens, n_logits)
 

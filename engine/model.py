@@ -366,8 +366,8 @@ class Model:
 
     @property
     def picks(self) -> bool:
-        """Whether `step_pick` makes the greedy pick where the logits are (the device step), so that
-        only the token comes back to the host."""
+        """Whether `step_pick` and `step_sample` make the pick where the logits are (the device step),
+        so that only the token comes back to the host."""
         return getattr(self.backend, "token_step", None) is not None
 
     def step_pick(self, s: Session, token: int, banned: np.ndarray) -> int:
@@ -380,6 +380,15 @@ class Model:
             work[banned] = -np.inf
             return int(work.argmax())
         return self._forward([s], [(int(token),)], [1], [s.logits.reshape(1, -1)], pick=banned)
+
+    def step_sample(self, s: Session, token: int, sampler, history) -> int:
+        """Feed `token` at position s.pos and return `sampler`'s next token (Sampler.sample of the
+        logits with `history`). On the device step the pick is made there (DeviceBackend._sample,
+        the sampler's own uniform draw passed up) and only the token comes back; elsewhere it is
+        `step` and the sampler on the host."""
+        if not self.picks:
+            return sampler.sample(self.step(s, token), history)
+        return self._forward([s], [(int(token),)], [1], [s.logits.reshape(1, -1)], pick=sampler.device_draw(history, s.logits))
 
     def forward(self, s: Session, tokens, n_logits: int = 1, *, hidden: np.ndarray | None = None,
                 saved: list | None = None) -> np.ndarray:
@@ -429,7 +438,8 @@ class Model:
     def _forward(self, sessions: list[Session], tokens: list, n_logits: list[int], outs: list[np.ndarray],
                  hidden: list | np.ndarray | None = None, saved: list | None = None, pick: np.ndarray | None = None):
         """`hidden`, `saved`: per session (forward_batch's), or for `step`'s one session its array.
-        `pick`: step_pick's banned ids (the token step picks the next token: returned)."""
+        `pick`: step_pick's banned ids or step_sample's DeviceDraw (the token step picks the next
+        token: returned)."""
         if isinstance(hidden, np.ndarray):
             hidden = [hidden]
         try:

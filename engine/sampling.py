@@ -22,6 +22,11 @@ scales by temperature first; the two differ whenever a filter is active and T !=
 `Sampler.distribution` returns the filtered distribution a draw uses (for tests and for judging
 drafted tokens), without drawing.
 
+On the device step (engine/tier/device.py) the same chain runs where the logits are (`dev_sample`,
+through `device_draw`): the host draws the uniform here, from the same stream, so a seed picks the
+same token there as here (up to a draw that lands within float rounding of a token boundary: the
+device's exp and sums round differently from numpy's).
+
 S12, the token path allocates nothing: every vocabulary-sized buffer is created once in the Sampler
 and each step works in it in place (thresholds come from an in-place partition of a scratch copy, the
 filters are masks), so a step makes at most a few window-sized (repeat_last_n) temporaries.
@@ -102,6 +107,7 @@ class Sampler:
         self.n_vocab = n_vocab
         self._banned = np.array(sorted(banned), np.int64) if len(banned) else None
         self._pick = None  # `pick`'s int32 copy of the banned ids, made once
+        self._device = None  # device_draw's DeviceDraw, made once and reused
         self.params = params or SamplerParams()
         self.seed = self.params.seed if self.params.seed is not None else int(np.random.SeedSequence().entropy)
         self._rng = np.random.Generator(np.random.PCG64(self.seed))
@@ -120,20 +126,66 @@ class Sampler:
     def pick(self) -> np.ndarray | None:
         """The banned ids (int32) when the next token is the greedy pick of the logits alone (greedy,
         no penalties): Model.step_pick can then pick it where the logits are (the device step) and
-        bring back only the token. None otherwise (the logits are sampled here)."""
+        bring back only the token. None otherwise (Model.step_sample: `device_draw`)."""
         if not self.params.greedy or self.params.penalised:
             return None
         if self._pick is None:
             self._pick = np.zeros(0, np.int32) if self._banned is None else self._banned.astype(np.int32)
         return self._pick
 
+    def device_draw(self, history: Sequence[int] | np.ndarray, row: np.ndarray) -> "DeviceDraw":
+        """This token's pick to be made where the logits are (Model.step_sample on the device step,
+        DeviceBackend._sample): the draw `sample` would make, taken from the same random stream now
+        (None when greedy: no draw), so the same seed picks the same token as `sample` on the host.
+        `row`: the host f32 [V] the logits come down into when the device hands the pick back."""
+        d = self._device
+        if d is None:
+            d = self._device = DeviceDraw(self)
+        d.history, d.row = history, row
+        d.r = None if self.params.greedy else self._rng.random()
+        return d
+
+    def device_settings(self) -> tuple[np.ndarray, int, int]:
+        """dev_sample's settings: (f64 [r (0 here), temperature, top_p, min_p, log(min_p),
+        repeat_penalty, frequency_penalty, presence_penalty], top_k, the penalty window: repeat_last_n,
+        0 when the penalties are off)."""
+        p = self.params
+        log_min_p = math.log(p.min_p) if p.min_p > 0 else 0.0
+        sp = np.array([0.0, p.temperature, p.top_p, p.min_p, log_min_p, p.repeat_penalty, p.frequency_penalty,
+                       p.presence_penalty], np.float64)
+        return sp, p.top_k, p.repeat_last_n if p.penalised else 0
+
+    @property
+    def banned(self) -> np.ndarray:
+        """The banned ids, int32 (empty when none)."""
+        return np.zeros(0, np.int32) if self._banned is None else self._banned.astype(np.int32)
+
+    def check_history(self, ids: np.ndarray) -> None:
+        """The penalty window's ids must be in the vocabulary (as `_penalise` checks them)."""
+        if ids.size:
+            lo, hi = int(ids.min()), int(ids.max())
+            if lo < 0 or hi >= self.n_vocab:
+                raise ValueError(f"sampler history: token id {lo if lo < 0 else hi} outside the vocabulary 0..{self.n_vocab - 1}")
+
     def sample(self, logits: np.ndarray, history: Sequence[int] | np.ndarray = ()) -> int:
         """The next token id from `logits` (V float32), penalising tokens in the tail of `history`."""
         top = self._filter(logits, history)
         if self.params.greedy:
             return int(self._work.argmax())
+        return self._draw(top, self._rng.random())
+
+    def sample_drawn(self, logits: np.ndarray, history: Sequence[int] | np.ndarray, r: float | None) -> int:
+        """`sample` with its uniform already drawn (`device_draw`'s r): the host's pick where the
+        device hands it back."""
+        top = self._filter(logits, history)
+        if self.params.greedy:
+            return int(self._work.argmax())
+        return self._draw(top, r)
+
+    def _draw(self, top: float, r: float) -> int:
+        """The inverse-CDF draw with the uniform r in [0, 1) over the filtered weights."""
         cdf = np.cumsum(self._weights(top), out=self._cdf)
-        u = self._rng.random() * cdf[-1]
+        u = r * cdf[-1]
         i = int(np.searchsorted(cdf, u, side="right"))
         # u < total always, but u * total can round up to total: the draw is then the last live token.
         return i if i < self.n_vocab else int(np.searchsorted(cdf, cdf[-1], side="left"))
@@ -278,3 +330,14 @@ class Sampler:
         # Copied to f64 before summing: a cumsum (or a ufunc) that casts f32 to f64 makes a temporary.
         np.copyto(self._cdf, self._probabilities(top, self.params.temperature, self._scratch))
         return self._cdf
+
+
+class DeviceDraw:
+    """One token's sampled pick made on the device (Sampler.device_draw): the sampler, the history
+    its penalties read, the uniform r of its draw (None: greedy) and the host row the logits come
+    down into when the device hands the pick back to the host."""
+
+    __slots__ = ("sampler", "history", "r", "row")
+
+    def __init__(self, sampler: Sampler):
+        self.sampler, self.history, self.r, self.row = sampler, (), None, None

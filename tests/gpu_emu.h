@@ -242,6 +242,12 @@ inline float __uint_as_float(unsigned u) {
     memcpy(&f, &u, 4);
     return f;
 }
+// (a fiber runs until it reaches a barrier: a read-modify-write between two is atomic)
+inline int atomicAdd(int* p, int v) {
+    const int old = *p;
+    *p = old + v;
+    return old;
+}
 inline unsigned long long atomicMin(unsigned long long* p, unsigned long long v) {
     const unsigned long long old = *p;
     if (v < old) *p = v;

@@ -52,7 +52,8 @@ F32 = np.float32
 KERNELS = Path(__file__).with_name("device_kernels.cu")
 _NAMES = ["dev_rmsnorm", "dev_delta", "dev_conv", "dev_combine", "dev_sigmoid", "dev_gate", "dev_softplus", "dev_rope",
           "dev_hidden", "dev_route", "dev_combine_slots", "dev_kv_write", "dev_attn_one", "dev_argmax",
-          "dev_gdn_gates", "dev_l2_qk", "dev_shared_add", "dev_attn_split", "dev_attn_merge", "dev_mix_tail", "dev_inject", "dev_ple_output"]
+          "dev_gdn_gates", "dev_l2_qk", "dev_shared_add", "dev_attn_split", "dev_attn_merge", "dev_mix_tail", "dev_inject", "dev_ple_output",
+          "dev_sample"]
 KV_KIND = {"f32": 0, "f16": 1, "int8": 2}  # dev_kv_write's and dev_attn_one's `kind`
 BLOCK = 128  # threads per block of the row kernels: four warps
 
@@ -368,6 +369,7 @@ class DeviceBackend(CpuBackend):
         self._staged: dict[int, tuple] = {}
         self._row_bufs: dict[tuple, object] = {}  # shape -> the fixed device buffer of `stage_row`
         self._pick = None  # dev_argmax's [token, NaN seen, max bits], on the device and its pinned mirror
+        self._sampling = None  # dev_sample's settings and buffers for one sampler (`_sample`; [8]: work)
         self._cuts = None  # gpu_floor's capture: [(label, graph)], cut at every `boundary`
         self._cut_at = None  # the label of the part being captured
         self.floor = None  # the last per-part GPU floor (`_floor_step`): [(label, seconds per step)]
@@ -873,7 +875,7 @@ class DeviceBackend(CpuBackend):
             self.rt.copy_out(out, self._logits)
         if pick is None:
             return None
-        return self._greedy(pick)
+        return self._greedy(pick) if isinstance(pick, np.ndarray) else self._sample(pick)
 
     def _greedy(self, banned: np.ndarray) -> int:
         """dev_argmax over the step's logits -> the token (the sampler's greedy rule); a NaN or an
@@ -893,6 +895,59 @@ class DeviceBackend(CpuBackend):
             raise NonFiniteActivation(f"sampler: logits contain {'NaN' if host[1] else top} (max over the vocabulary); "
                                       "refusing to sample")
         return int(host[0])
+
+    def _sample(self, draw) -> int:
+        """dev_sample over the step's logits -> the token Sampler.sample picks from them with the
+        uniform draw.r (engine/sampling.py's DeviceDraw): only the token (and the refusal flags) come
+        back. The uniform goes up with the step's staged inputs; the penalty window lives on the
+        device as a ring the kernel appends its pick to, uploaded only when the history is not the
+        one it holds (a new run). Where the top-p set reaches beyond the 512 most probable tokens
+        the device hands the pick back: the logits come down and the host samples them with the
+        same r."""
+        rt, sampler = self.rt, draw.sampler
+        V = self._logits.shape[1]
+        st = self._sampling
+        if st is None or st[0] is not sampler or st[1] != V:
+            sp, top_k, N = sampler.device_settings()
+            banned = sampler.banned
+            ban = rt.to_device(banned) if banned.size else rt.empty((1,), np.int32)
+            mirror = np.zeros(N + 1, np.int32)
+            mirror[N] = -1  # (the device's ring is not yet written)
+            # work: the filtered logits the draw reads (Sampler._work's values, kept for the tests)
+            st = self._sampling = (sampler, V, sp, np.int32(top_k), N, ban, np.int32(banned.size), mirror,
+                                   rt.empty((V,), F32), rt.empty((V,), F32), rt.empty((max(N, 1),), F32),
+                                   rt.empty((N + 1,), np.int32), rt.empty((8,), np.float64), rt.empty((4,), np.int32),
+                                   rt.pinned(16).view(np.int32))
+        _, _, sp, top_k, N, ban, nb, mirror, work, prob, pen, hist, spd, dev, host = st
+        if N:
+            h = draw.history
+            L = len(h)
+            m = min(N, L)
+            at = np.arange(L - m, L) % N  # (window-sized, as Sampler._penalise's temporaries)
+            if mirror[N] != L or not np.array_equal(mirror[at], h[L - m :]):
+                win = np.asarray(h[L - m :], np.int64)
+                sampler.check_history(win)
+                mirror[at] = win
+                mirror[N] = L
+                self._stage(hist, mirror)
+        sp[0] = 0.0 if draw.r is None else draw.r
+        self._stage(spd, sp)
+        rt.launch(self._mod, "dev_sample", 1, 1024, (self._logits, np.int32(V), ban, nb, work, prob, hist, np.int32(N), pen,
+                                                      spd, top_k, dev), smem=8 * (34 + 1024) + 4 * (34 + 258 + 512))
+        rt.copy_out_async(host, dev)
+        rt.synchronize()
+        top = float(host[2:3].view(F32)[0])
+        if host[1] or not np.isfinite(top):
+            raise NonFiniteActivation(f"sampler: logits contain {'NaN' if host[1] else top} (max over the vocabulary); "
+                                      "refusing to sample")
+        if host[3]:  # the top-p set is wider than the device's sort: the host samples (the ring is resent next)
+            rt.copy_out(draw.row.reshape(1, -1), self._logits)
+            return sampler.sample_drawn(draw.row, draw.history, draw.r)
+        token = int(host[0])
+        if N:
+            mirror[mirror[N] % N] = token
+            mirror[N] += 1
+        return token
 
     def boundary(self, what) -> None:
         """While `_floor_step` captures: the part captured so far becomes a graph of its own (it

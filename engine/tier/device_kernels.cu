@@ -596,3 +596,291 @@ extern "C" __global__ void dev_argmax(const float* x, int n, const int* banned, 
         }
     }
 }
+
+// ---------------------------------------------------------------------------------------------
+// The sampled pick of a token step: engine/sampling.py's Sampler.sample on the device, the same
+// chain in the same order and float types (banned -> penalties -> top-k -> top-p -> min-p ->
+// temperature -> the inverse-CDF draw), with the host's uniform `sp[0]` (one Sampler._rng.random()
+// per token, staged with the step's inputs) so a seed picks the same token as on the host. One block;
+// dynamic shared memory: dev_sample_smem(blockDim.x) bytes.
+//   sp (f64): [r, temperature, top_p, min_p, log(min_p), repeat_penalty, frequency_penalty,
+//              presence_penalty]; top_k as on the host (0: off); N: repeat_last_n, 0 when the
+//   penalties are off. hist [N + 1]: the last N history ids as a ring (id of history index h at
+//   h % N) and hist[N] = the history's length; the picked token is appended there, so the host
+//   uploads the window only when its history is not the one the device holds.
+//   work, prob: [n] f32 scratch; pen: [N] f32 scratch.
+//   out: [token, 1 when a logit is NaN, the largest penalised logit's bits (the host refuses NaN and
+//   +-inf as Sampler._filter does), 1 when the top-p set is not within the 512 most probable: the
+//   host then samples the logits itself with the same r (Sampler._top_p sorts beyond its first
+//   512 too; the device does not sort the whole vocabulary)].
+// Where the device's float results can differ from the host's: expf (the device's, and numpy's own
+// SIMD exp on the host, are each within an ulp or two, not correctly rounded), the top-p mass
+// (numpy sums f32 pairwise, the device in f64) and the draw's running sum (f64 in chunks here, one
+// sequential f64 cumsum there): the picked token differs only when r lands within such rounding of
+// a boundary between two tokens (counted in tests/gpu/test_device_sample.py).
+#define SAMPLE_HEAD 512  // Sampler's _TOP_P_FIRST_TRY
+
+__device__ __forceinline__ unsigned okey(float f) {  // float order as unsigned order (no NaN here)
+    const unsigned u = __float_as_uint(f);
+    return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+__device__ __forceinline__ float okey_f(unsigned k) { return __uint_as_float((k & 0x80000000u) ? (k & 0x7fffffffu) : ~k); }
+
+// block reductions, every thread gets the result; sd: 33 doubles of shared memory (deterministic order)
+__device__ double block_sum_d(double v, double* sd) {
+    const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(FULL, v, o);
+    if (lane == 0) sd[w] = v;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        double s = 0.0;
+        for (int i = 0; i < nw; i++) s += sd[i];
+        sd[32] = s;
+    }
+    __syncthreads();
+    const double r = sd[32];
+    __syncthreads();
+    return r;
+}
+// op 0: sum, 1: min, 2: max
+__device__ int block_int(int v, int op, int* si) {
+    const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    for (int o = 16; o > 0; o >>= 1) {
+        const int u = __shfl_xor_sync(FULL, v, o);
+        v = op == 0 ? v + u : op == 1 ? min(v, u) : max(v, u);
+    }
+    if (lane == 0) si[w] = v;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        int s = si[0];
+        for (int i = 1; i < nw; i++) s = op == 0 ? s + si[i] : op == 1 ? min(s, si[i]) : max(s, si[i]);
+        si[32] = s;
+    }
+    __syncthreads();
+    const int r = si[32];
+    __syncthreads();
+    return r;
+}
+
+// The k-th largest (1-based, counting equal values) of a[0..n) as an okey: a radix select, 8 bits a
+// pass from the top; exact, as numpy's partition's k-th value is. Only keys >= lo are counted (lo at
+// most the answer: the ones below it are below the answer, so no pass picks another bin).
+// hist: 256 + 2 ints of shared memory.
+__device__ unsigned kth_largest(const float* a, int n, int k, int* hist, unsigned lo) {
+    unsigned prefix = 0, mask = 0;
+    for (int shift = 24; shift >= 0; shift -= 8) {
+        for (int b = threadIdx.x; b < 256; b += blockDim.x) hist[b] = 0;
+        __syncthreads();
+        for (int i = threadIdx.x; i < n; i += blockDim.x) {
+            const unsigned key = okey(a[i]);
+            if (key >= lo && (key & mask) == prefix) atomicAdd(&hist[(key >> shift) & 255u], 1);
+        }
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            int b = 255;
+            for (; b > 0 && hist[b] < k; b--) k -= hist[b];
+            hist[256] = (int)(prefix | ((unsigned)b << shift));
+            hist[257] = k;
+        }
+        __syncthreads();
+        prefix = (unsigned)hist[256];
+        k = hist[257];
+        mask |= 255u << shift;
+        __syncthreads();
+    }
+    return prefix;
+}
+
+// kth_largest of a vocabulary's values: first the k-th largest of the threads' own maxima (k <=
+// blockDim.x; k of the values are at least it), so the select counts the few values above that
+// bound, not the whole vocabulary (a shared-memory atomic per logit, most of them into the same
+// few bins of the first pass, serialise). tm: blockDim.x floats of shared memory.
+__device__ unsigned kth_largest_bounded(const float* a, int n, int k, int* hist, float* tm) {
+    unsigned mk = 0;
+    for (int i = threadIdx.x; i < n; i += blockDim.x) mk = max(mk, okey(a[i]));
+    tm[threadIdx.x] = okey_f(mk == 0 ? okey(-__uint_as_float(0x7f800000u)) : mk);  // (no values: -inf)
+    __syncthreads();
+    const unsigned lo = k <= (int)blockDim.x ? kth_largest(tm, blockDim.x, k, hist, 0u) : 0u;
+    return kth_largest(a, n, k, hist, lo);
+}
+
+extern "C" __global__ void dev_sample(const float* x, int n, const int* banned, int nb, float* work, float* prob, int* hist,
+                                      int N, float* pen, const double* sp, int top_k, int* out) {
+    STRATA_SMEM(smem);
+    double* sd = reinterpret_cast<double*>(smem);                 // 33 doubles
+    double* part = sd + 34;                                       // blockDim.x doubles
+    int* si = reinterpret_cast<int*>(part + blockDim.x);          // 33 ints
+    int* hi = si + 34;                                            // 258 ints
+    float* cand = reinterpret_cast<float*>(hi + 258);             // SAMPLE_HEAD floats
+    const float inf = __uint_as_float(0x7f800000u);
+    const int tid = threadIdx.x, nt = blockDim.x;
+    const double temperature = sp[1], top_p = sp[2], min_p = sp[3];
+    const bool greedy = temperature <= 0.0 || top_k == 1;
+    for (int i = tid; i < n; i += nt) work[i] = x[i];
+    __syncthreads();
+    for (int j = tid; j < nb; j += nt) work[banned[j]] = -inf;
+    __syncthreads();
+    // penalties over the last min(N, length) ids: every occurrence of an id writes the same value,
+    // made from the logit before any write (Sampler._penalise's take, then put)
+    const int len = N > 0 ? hist[N] : 0, m = min(N, len);
+    if (m > 0) {
+        const float rp = (float)sp[5];  // numpy: f32 logits with a Python float compute in f32
+        for (int j = tid; j < m; j += nt) {
+            const int id = hist[j];
+            int c = 0;
+            for (int q = 0; q < m; q++) c += hist[q] == id;
+            const float l = work[id];
+            const float v = l > 0.0f ? l / rp : l * rp;
+            // counts * frequency + presence is f64 (int32 times a Python float), subtracted in f64
+            pen[j] = (float)((double)v - ((double)c * sp[6] + sp[7]));
+        }
+        __syncthreads();
+        for (int j = tid; j < m; j += nt) work[hist[j]] = pen[j];
+        __syncthreads();
+    }
+    // the largest logit (NaN reported) and, greedy, the lowest id holding it
+    float bv = -inf;
+    int bi = 0x7fffffff, nan = 0;
+    for (int i = tid; i < n; i += nt) {
+        const float v = work[i];
+        if (v != v)
+            nan = 1;
+        else
+            best_of(bv, bi, v, i);
+    }
+    for (int o = 16; o > 0; o >>= 1) {
+        const float ov = __shfl_xor_sync(FULL, bv, o);
+        const int oi = __shfl_xor_sync(FULL, bi, o);
+        best_of(bv, bi, ov, oi);
+    }
+    if ((tid & 31) == 0) cand[tid >> 5] = bv, hi[tid >> 5] = bi;
+    __syncthreads();
+    if (tid == 0) {
+        for (int w = 1; w < (nt >> 5); w++) best_of(bv, bi, cand[w], hi[w]);
+        cand[32] = bv, hi[32] = bi;
+    }
+    __syncthreads();
+    const float top = cand[32];
+    const int best = hi[32];
+    nan = block_int(nan, 2, si);
+    if (nan || !(top > -inf && top < inf)) {
+        if (tid == 0) out[0] = -1, out[1] = nan, out[2] = (int)__float_as_uint(top), out[3] = 0;
+        return;  // (uniform: every thread read the same shared values)
+    }
+    int token = best;
+    if (!greedy) {
+        if (top_k > 0 && top_k < n) {  // drop below the k-th largest; every token tied with it stays
+            const float t = okey_f(kth_largest_bounded(work, n, top_k, hi, reinterpret_cast<float*>(part)));
+            for (int i = tid; i < n; i += nt)
+                if (work[i] < t) work[i] = -inf;
+            __syncthreads();
+        }
+        if (top_p < 1.0) {
+            // the temperature-1 probabilities, unnormalised (f32, as Sampler._probabilities)
+            double s = 0.0;
+            int live = 0;
+            for (int i = tid; i < n; i += nt) {
+                const float p = expf(work[i] - top);
+                prob[i] = p;
+                s += (double)p;
+                live += p > 0.0f;
+            }
+            const double need = top_p * (double)(float)block_sum_d(s, sd);  // numpy sums the f32 probs in f32
+            live = block_int(live, 0, si);
+            const int head = min(live, SAMPLE_HEAD);
+            // the `head` largest probabilities, sorted down; only their values matter (ties are equal)
+            const float t = okey_f(kth_largest_bounded(prob, n, head, hi, reinterpret_cast<float*>(part)));
+            if (tid == 0) hi[0] = 0;
+            __syncthreads();
+            for (int i = tid; i < n; i += nt)
+                if (prob[i] > t) cand[atomicAdd(&hi[0], 1)] = prob[i];
+            __syncthreads();
+            const int gt = hi[0];
+            int S = 1;
+            while (S < head) S <<= 1;
+            for (int i = gt + tid; i < S; i += nt) cand[i] = i < head ? t : -1.0f;
+            __syncthreads();
+            for (int size = 2; size <= S; size <<= 1)  // bitonic sort, descending
+                for (int stride = size >> 1; stride > 0; stride >>= 1) {
+                    for (int q = tid; q < S / 2; q += nt) {
+                        const int i = 2 * q - (q & (stride - 1)), j = i + stride;
+                        const float a = cand[i], b = cand[j];
+                        if ((i & size) == 0 ? a < b : a > b) cand[i] = b, cand[j] = a;
+                    }
+                    __syncthreads();
+                }
+            if (tid == 0) {  // Sampler._mass_cutoff: the first running mass (f64, in order) >= need
+                double cum = 0.0;
+                int i = 0;
+                for (; i < head; i++) {
+                    cum += (double)cand[i];
+                    if (cum >= need) break;
+                }
+                hi[0] = i < head ? 1 : head < live ? 2 : 0;
+                cand[SAMPLE_HEAD - 1] = i < head ? cand[i] : 0.0f;  // (cand[i] read before the write)
+            }
+            __syncthreads();
+            const int found = hi[0];
+            const float cut = cand[SAMPLE_HEAD - 1];
+            __syncthreads();
+            if (found == 2) {  // the set reaches beyond the 512 most probable: the host samples
+                if (tid == 0) out[0] = -1, out[1] = 0, out[2] = (int)__float_as_uint(top), out[3] = 1;
+                return;
+            }
+            if (found == 1)
+                for (int i = tid; i < n; i += nt)
+                    if (prob[i] < cut) work[i] = -inf;
+            __syncthreads();
+        }
+        if (min_p > 0.0) {  // logit >= top + log(min_p), the threshold rounded to f32 as numpy compares
+            const float thr = (float)((double)top + sp[4]);
+            for (int i = tid; i < n; i += nt)
+                if (work[i] < thr) work[i] = -inf;
+            __syncthreads();
+        }
+        // the weights exp((work - top) / T) in f32, then the inverse CDF in f64: each thread sums a
+        // contiguous chunk, the chunks' running totals in order, then the first index whose running
+        // mass exceeds r * total (numpy's searchsorted side="right")
+        const float T = (float)temperature;
+        const int C = (n + nt - 1) / nt, a = min(tid * C, n), b = min(a + C, n);
+        double s = 0.0;
+        int last = -1;
+        for (int i = a; i < b; i++) {
+            const float d = work[i] - top;
+            const float w = expf(temperature != 1.0 ? d / T : d);
+            prob[i] = w;
+            s += (double)w;
+            if (w > 0.0f) last = i;
+        }
+        part[tid] = s;
+        __syncthreads();
+        if (tid == 0) {
+            double run = 0.0;
+            for (int q = 0; q < nt; q++) {
+                const double c = part[q];
+                part[q] = run;
+                run += c;
+            }
+            sd[33] = run;
+        }
+        __syncthreads();
+        const double u = sp[0] * sd[33];
+        double run = part[tid];
+        int first = 0x7fffffff;
+        for (int i = a; i < b; i++) {
+            run += (double)prob[i];
+            if (run > u) {
+                first = i;
+                break;
+            }
+        }
+        first = block_int(first, 1, si);
+        last = block_int(last, 2, si);
+        // u < total always, but r * total can round up to it: the draw is then the last live token
+        token = first < n ? first : last;
+    }
+    if (tid == 0) {
+        out[0] = token, out[1] = 0, out[2] = (int)__float_as_uint(top), out[3] = 0;
+        if (N > 0) hist[len % N] = token, hist[N] = len + 1;
+    }
+}
