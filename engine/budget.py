@@ -59,7 +59,7 @@ from strata.index_format.pack_index import PackIndex, TensorEntry
 from .expert_plan import MiB, auto_line, auto_slots, prefill_mib
 from .kernels.engine_form import PLANE_ALIGN, align, placed_bytes
 from .kvcache import KV_TYPES, kv_bytes_per_token
-from .model import conv_state_bytes, gdn_state_bytes, stream_elems
+from .model import EMBD_ROWS_BYTES, conv_state_bytes, gdn_state_bytes, stream_elems
 from .ple import ple_state_bytes
 from .ops import ATTN_TILE_BYTES
 from .qsa import indexer_key_bytes, pooled_block_bytes
@@ -374,6 +374,10 @@ def _session_items(g: ModelGeometry, o: BudgetOptions) -> list[Item]:
         n = len(g.ple_layers)
         items.append(Item("session.ple_state", "PLE conv state (f32)", n * ple_state_bytes(g), WEIGHTS, where, count=n))
     items.append(Item("session.stream", "residual stream (f32)", stream_elems(g) * F32, WEIGHTS, where))
+    if o.device_step:  # Model._embd_row: the token step's decoded embedding rows, kept up to a cap
+        rows = min(g.n_vocab, max(1, EMBD_ROWS_BYTES // (F32 * g.n_embd)))
+        items.append(Item("host.embedding_rows", f"decoded embedding rows kept for the token step (at most {rows})",
+                          rows * g.n_embd * F32, WEIGHTS, HOST, count=rows))
     return items
 
 

@@ -39,6 +39,7 @@ from .qsa import QSACache, QSALayer
 from .weights import Input
 
 F32 = np.float32
+EMBD_ROWS_BYTES = 16 << 20  # the device step's decoded embedding rows kept (Model._embd_row)
 # Model.warm_up's prompt chunks: copies of one token (routed nearly alike: many tokens per
 # matrix) and distinct tokens (about one per routed expert)
 WARM_SAME, WARM_DISTINCT = 16, 8
@@ -309,6 +310,7 @@ class Model:
         self.residual = HyperResidual(pack) if qwen4exp else PreNormResidual(pack)
         self.ple = _ple_layers(pack)  # {layer: PLELayer}, qwen4exp only
         self.embd = pack.weight("token_embd.weight")
+        self._embd_rows: dict[int, np.ndarray] = {}  # `_embd_row`'s decoded rows, oldest first
         self.head = pack.weight("output.weight")
 
     def new_session(self, max_context: int, kv: str = "f32") -> Session:
@@ -348,6 +350,21 @@ class Model:
         self.forward(s, np.arange(1, WARM_DISTINCT + 1) % self.geometry.n_vocab, n_logits=1)
         if select:
             self.step(s, 0)
+
+    def _embd_row(self, token: int) -> np.ndarray:
+        """The device step's embedding row of `token`, f32 [1, n_embd] (read-only: the step copies
+        it up). Decoded rows are kept, up to EMBD_ROWS_BYTES: the reference decoder takes 30-70 us a
+        row (Q4_0 .. Q4_K, 3072 wide), on the host's critical path between two device steps, and
+        generated text repeats its tokens. A kept row is the decode's own bits."""
+        row = self._embd_rows.get(token)
+        if row is None:
+            g = self.geometry
+            row = dequantize(self.embd.rows(token, token + 1), self.embd.type_id, g.n_embd).reshape(1, g.n_embd)
+            row.flags.writeable = False
+            if len(self._embd_rows) >= max(1, EMBD_ROWS_BYTES // (4 * g.n_embd)):
+                del self._embd_rows[next(iter(self._embd_rows))]  # the oldest kept row
+            self._embd_rows[token] = row
+        return row
 
     def _check(self, s: Session, tokens) -> None:
         if s.pos + len(tokens) > s.max_context:
@@ -464,17 +481,13 @@ class Model:
             sv = None if saved is None else saved[i]
             parts += [(s, a, b, s.pos, None)] if sv is None else \
                 [(s, j, j + 1, s.pos + j - a, sv[j - a] if j - a < len(sv) else None) for j in range(a, b)]
-        # the T rows' bytes in one decode (a row decodes alone: the same values as one at a time)
-        raw = self.embd.rows(flat[0], flat[0] + 1) if T == 1 else \
-            np.concatenate([self.embd.rows(t, t + 1) for t in flat])
-        e = dequantize(raw, self.embd.type_id, T * g.n_embd).reshape(T, g.n_embd)
         ids = np.asarray(flat, np.int64)
         step = getattr(be, "token_step", None)
         if step is not None and T == 1 and all(h is None for h in hidden or []) and all(v is None for v in saved or []):
             # one token of one session on a backend that can replay it (the device step: a CUDA
             # graph of the embedding into the stream, the layers and the head, captured once per
             # session); the embedding row goes up to a fixed address, so the graph reads it there
-            row = be.stage_row(e)
+            row = be.stage_row(self._embd_row(flat[0]))
 
             def layers_and_head(logits):
                 H = r.embed(row, sessions[0].stream)
@@ -486,6 +499,10 @@ class Model:
                        g.n_vocab, pick)
             sessions[0].pos += 1
             return got
+        # the T rows' bytes in one decode (a row decodes alone: the same values as one at a time)
+        raw = self.embd.rows(flat[0], flat[0] + 1) if T == 1 else \
+            np.concatenate([self.embd.rows(t, t + 1) for t in flat])
+        e = dequantize(raw, self.embd.type_id, T * g.n_embd).reshape(T, g.n_embd)
         # the decode step's stream is the session's (strata-budget's session.stream); a batch's is its own
         H = r.embed(be.upload(e), sessions[0].stream if T == 1 else None)
         self._layers(be, H, ids, parts)

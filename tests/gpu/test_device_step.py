@@ -498,6 +498,44 @@ def test_greedy_generation_picks_on_the_device_the_tokens_the_logits_give(model,
     assert 5 not in got[True]
 
 
+def test_a_picked_step_stages_the_next_position_while_the_device_runs(model, rt):
+    """DeviceBackend._ahead: after a picked step at p the device's position buffer holds p + 1
+    already, and the next step at p + 1 stages nothing more; a step elsewhere stages its own."""
+    toks = tokens(model, 6, seed=3)
+    banned = np.zeros(0, np.int32)
+    with device_tier(model) as tier:
+        be = model.backend
+        s = tier.take_session(CTX, "f32")
+        model.forward(s, toks[:4], n_logits=1)
+        tok = model.step_pick(s, toks[4], banned)
+        assert be._pos_at == s.pos and int(rt.to_host(be._pos)[0]) == s.pos  # (s.pos: the next position)
+        staged, stage = [], be._stage
+        be._stage = lambda dev, values: (staged.append(dev), stage(dev, values))
+        model.step_pick(s, tok, banned)  # at the staged position: only its embedding row goes up
+        # the row, then (_ahead, behind the step) the next position and the ropes' cos and sin
+        assert staged[0] is not be._pos and sum(d is be._pos for d in staged) == 1 and len(staged) == 2 + 2 * len(be._ropes)
+        s2 = tier.take_session(CTX, "f32")
+        model.forward(s2, toks[:2], n_logits=1)
+        model.step_pick(s2, toks[2], banned)  # position 2, not the staged one: staged again
+        assert int(rt.to_host(be._pos)[0]) == s2.pos
+
+
+def test_the_step_keeps_decoded_embedding_rows_up_to_its_cap(model, monkeypatch):
+    """Model._embd_row: the reference decoder's row, kept read-only; the oldest goes at the cap."""
+    from strata.engine import model as M
+    from strata.engine.kernels.reference import dequantize
+
+    g = model.geometry
+    monkeypatch.setattr(M, "EMBD_ROWS_BYTES", 3 * 4 * g.n_embd)
+    model._embd_rows.clear()
+    for t in (7, 3, 7, 9, 11):
+        row = model._embd_row(t)
+        want = dequantize(model.embd.rows(t, t + 1), model.embd.type_id, g.n_embd).reshape(1, -1)
+        assert np.array_equal(row, want) and not row.flags.writeable
+    assert list(model._embd_rows) == [3, 9, 11]  # 7, the oldest, went when 11 came
+    model._embd_rows.clear()
+
+
 def test_replayed_token_steps_allocate_nothing_on_the_device(model, rt):
     """After the first two tokens (eager, then captured) a session's token steps replay the graph:
     no device or pinned allocation per token (the embedding row, position and rope inputs go up to
