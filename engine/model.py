@@ -148,6 +148,11 @@ class GatedAttention:
             if n == 1 and len(seqs) == 1:  # the decode step: the backend's one-token form
                 o = be.attend_one(cache, r.pos, q, k, v, D**-0.5)
                 break
+            if n == 1 and be.rows_attend_one:
+                # a verify row (or a batch's decoding request) on a backend whose one-token form sums
+                # in another order than its `attention` (the device step): the token step's bits
+                o[r.a : r.b] = be.attend_one(cache, r.pos, q[r.a : r.b], k[r.a : r.b], v[r.a : r.b], D**-0.5)
+                continue
             cache.write(r.pos, k[r.a : r.b], v[r.a : r.b])
             K, V = cache.read(slice(0, r.pos + n))
             visible = None if n == 1 else be.causal_mask(r.pos, n, r.pos + n)  # one token sees its whole cache
@@ -508,8 +513,8 @@ class Model:
         final = r.final(be, H[sel[0][0] : sel[0][1]] if len(sel) == 1 else np.concatenate([H[a:b] for a, b in sel]))
         at, want = 0, []  # at: session i's first row in `final`
         for h, n, k in zip(hidden, n_logits, need):
-            if h is not None:
-                h[...] = final[at + k - h.shape[0] : at + k]
+            if h is not None:  # (the host's array: the device step's rows come down)
+                h[...] = be.host(final[at + k - h.shape[0] : at + k])
             if n:
                 want.append((at + k - n, at + k))
             at += k

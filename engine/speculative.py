@@ -59,10 +59,13 @@ F32 = np.float32
 class Snapshot:
     """The state of a session after one verified row, for what is not indexed by position: per layer
     the Gated DeltaNet conv and S (None for attention layers), the PLE states, the routing counts.
-    Made once per draft position (the verify forward copies into it; nothing is allocated per token)."""
+    Made once per draft position (the verify forward copies into it; nothing is allocated per token).
+    `backend`: where the states live (the model's): the device step's snapshots are device arrays,
+    so the verify's copies and the rollback stay on the device."""
 
-    def __init__(self, session: Session):
-        self.states = [{k: np.empty_like(v) for k, v in st.items()} if isinstance(st, dict) else None
+    def __init__(self, session: Session, backend=None):
+        alloc = (lambda v: np.empty_like(v)) if backend is None else (lambda v: backend.zeros(v.shape, v.dtype))
+        self.states = [{k: alloc(v) for k, v in st.items()} if isinstance(st, dict) else None
                        for st in session.states]
         self.ple_states = {l: copy.deepcopy(st) for l, st in session.ple_states.items()}
         self.routing = np.empty_like(session.routing)
@@ -216,7 +219,7 @@ class SpecRun(Run):
         if n_draft < 1:
             raise ValueError(f"--spec {n_draft}: a speculative run drafts at least 1 token (--spec 0 is plain decoding)")
         self.drafter, self.n_draft = drafter, n_draft
-        self.snaps = [Snapshot(session) for _ in range(n_draft)]
+        self.snaps = [Snapshot(session, model.backend) for _ in range(n_draft)]
         rows = max(self.chunk, n_draft + 1)
         self.hidden = np.empty((rows, model.geometry.n_embd), F32) if drafter.needs_hidden else None
         self.drafts: list[int] | None = None  # the drafts being verified

@@ -339,6 +339,7 @@ class DeviceBackend(CpuBackend):
     DeviceExperts serves the MoE through."""
 
     name = "gpu"
+    rows_attend_one = True  # dev_attn_split's order is not `attention`'s: a verify row takes the token step's
 
     def __init__(self, rt, hits):
         self.rt, self.xp = rt, rt.xp
