@@ -3,6 +3,7 @@ token step, and the decode speed-up of --spec N against --spec 0 in the same pro
 
     python benchmarks/spec.py [--pack DIR] [--threads 1] [--prompt 32] [--tokens 48] [--rounds 3]
                               [--mtp-preset demo | --no-mtp] [--work DIR] [--cost-only]
+                              [--device-step [--emulate]]
 
 1. The trunk (default: the seed-4l qwen4exp pack of benchmarks/decode.py, made under .cache/bench/
    unless --pack names one): after a prompt, per round, one token step and one verify forward of
@@ -16,6 +17,13 @@ token step, and the decode speed-up of --spec N against --spec 0 in the same pro
    --mtp-preset carrying the block (strata-pack synth --mtp, under --work): a draft step's cost
    against a token step, and --spec 2 with the head against --spec 0. The synthetic weights are
    random, so the head's drafts are almost never right: this measures its cost, not its acceptance.
+
+--device-step: the same on the GPU tier's device step (--gpu-step device) with every expert resident
+(--expert-cache all): the trunk is seed-4l qwen35moe (benchmarks/decode.py synthesizes it) unless
+--pack names one; the verify forward, its snapshots and the rollback run on the device; the MTP
+head drafts on the CPU (engine/speculative.py: the tier places none of its weights), so its part
+measures that head beside the device's trunk. --emulate: the host emulation of the kernels
+(tests/gpu_emu.py), a smoke run on a tiny pack (--pack).
 
 Target (issue 17): >= 1.25x at acceptance 0.43 and N = 2. With acceptance a per draft and N drafts a
 verification yields (1 - a^(N+1)) / (1 - a) tokens (1.62 at a = 0.43, N = 2), so the target needs
@@ -55,7 +63,7 @@ def verify_cost(model, n_prompt: int, rounds: int, rng) -> dict[int, list[float]
     V = model.geometry.n_vocab
     s = model.new_session(n_prompt + (rounds + 1) * 10 + 4)
     model.forward(s, rng.integers(3, V, n_prompt), n_logits=1)
-    snaps = [Snapshot(s) for _ in range(3)]
+    snaps = [Snapshot(s, model.backend) for _ in range(3)]
     out: dict[int, list[float]] = {T: [] for T in (1, 2, 3, 4)}
     for r in range(rounds + 1):  # round 0 warms up: the verify's row counts compile on first use
         for T in out:
@@ -98,7 +106,16 @@ def decode_runs(model, prompt, n_tokens: int, rounds: int, configs) -> tuple[lis
     return plains, res
 
 
-def mtp_part(preset: str, work: Path, n_prompt: int, n_tokens: int, rounds: int) -> list[str]:
+def device_tier(model, max_context: int):
+    """The GPU tier's device step on `model`, every expert resident (--gpu-step device --expert-cache all)."""
+    from strata.engine.tier import GpuTier, TierOptions
+
+    g = model.geometry
+    o = TierOptions(max_context=max_context, kv="f32", prefill_chunk=64, step="device", expert_cache=g.n_layer * g.n_expert)
+    return GpuTier.start(model, o)
+
+
+def mtp_part(preset: str, work: Path, n_prompt: int, n_tokens: int, rounds: int, device: bool = False) -> list[str]:
     from strata.engine.generate import drive, generate
     from strata.engine.model import Model
     from strata.engine.mtp import MTPHead
@@ -114,11 +131,26 @@ def mtp_part(preset: str, work: Path, n_prompt: int, n_tokens: int, rounds: int)
         ggufs = synth.synth("qwen35moe", preset, work / f"{preset}-qwen35moe-mtp.gguf", force=True, mtp=True)
         pack.convert(ggufs[:1], out)
     model = Model(Pack.open(out))
+    tier = device_tier(model, n_prompt + max(n_tokens, (rounds + 1) * 10 + 4)) if device else None
+    try:
+        return _mtp_lines(model, preset, n_prompt, n_tokens, rounds, device)
+    finally:
+        if tier is not None:
+            tier.stop()
+
+
+def _mtp_lines(model, preset: str, n_prompt: int, n_tokens: int, rounds: int, device: bool) -> list[str]:
+    from strata.engine.generate import drive, generate
+    from strata.engine.mtp import MTPHead
+    from strata.engine.sampling import Sampler, SamplerParams
+    from strata.engine.speculative import MTPDrafter, SpecRun
+
     model.warm_up()
     V, E = model.geometry.n_vocab, model.geometry.n_embd
     rng = np.random.default_rng(1)
     cost = verify_cost(model, n_prompt, rounds, rng)
-    head = MTPHead(model.pack, model.backend)
+    # the head on the CPU's backend on the device step (as speculative_generate makes it there)
+    head = MTPHead(model.pack) if device else MTPHead(model.pack, model.backend)
     state = head.new_state(n_prompt + rounds + 4)
     h = rng.standard_normal((1, E)).astype(np.float32)
     draft = []
@@ -128,7 +160,8 @@ def mtp_part(preset: str, work: Path, n_prompt: int, n_tokens: int, rounds: int)
         draft.append(time.perf_counter() - t0)
     draft = draft[1:]  # the first compiles what the trunk's warm-up did not
     step = statistics.median(cost[1])
-    lines = [f"MTP head ({preset} qwen35moe synth with --mtp, {model.geometry.n_layer} layers, vocab {V}): "
+    lines = [f"MTP head ({preset} qwen35moe synth with --mtp, {model.geometry.n_layer} layers, vocab {V}"
+             f"{', trunk on the device step, head on the CPU' if device else ''}): "
              f"token step {step * 1e3:.1f} ms, one draft {statistics.median(draft) * 1e3:.1f} ms "
              f"({statistics.median(draft) / step:.2f} steps), verify 1+2 rows "
              f"{statistics.median(cost[3]) * 1e3:.1f} ms ({statistics.median(cost[3]) / step:.2f} steps)"]
@@ -162,6 +195,10 @@ def main(argv=None) -> int:
     ap.add_argument("--no-mtp", action="store_true")
     ap.add_argument("--cost-only", action="store_true", help="the forward costs only (part 1's first table)")
     ap.add_argument("--work", type=Path, default=REPO / ".cache" / "bench")
+    ap.add_argument("--device-step", action="store_true", help="on the GPU tier's device step, every expert resident "
+                    "(default pack: seed-4l qwen35moe)")
+    ap.add_argument("--emulate", action="store_true", help="with --device-step: the host emulation of the kernels "
+                    "(tests/gpu_emu.py; a smoke run on a tiny --pack)")
     a = ap.parse_args(argv)
 
     from strata.engine.kernels import cpu
@@ -169,16 +206,42 @@ def main(argv=None) -> int:
     from strata.engine.pack_reader import Pack
 
     cpu.set_threads(a.threads)
+    if a.device_step:
+        from strata.engine.kernels import gpu
+
+        if a.emulate:
+            sys.path.insert(0, str(REPO / "tests"))
+            from gpu_emu import EmuRuntime
+
+            gpu.use_runtime(EmuRuntime())
+        elif not gpu.available()[0]:
+            print(f"spec benchmark: --device-step needs a GPU ({gpu.available()[1]}); --emulate for a smoke run",
+                  file=sys.stderr)
+            return 1
     if a.pack is None:
         from decode import ensure_pack
 
-        a.pack = ensure_pack("qwen4exp")
+        a.pack = ensure_pack("qwen35moe" if a.device_step else "qwen4exp")
     model = Model(Pack.open(a.pack))
+    tier = device_tier(model, a.prompt + max(a.tokens, (max(a.rounds, 5) + 1) * 10 + 4)) if a.device_step else None
+    try:
+        rc = _measure(a, model, tier)
+    finally:
+        if tier is not None:  # one tier at a time: the MTP part starts its own
+            tier.stop()
+    if rc == 0 and not a.cost_only and not a.no_mtp:
+        for line in mtp_part(a.mtp_preset, a.work, a.prompt, a.tokens, a.rounds, device=a.device_step):
+            print(line)
+    return rc
+
+
+def _measure(a, model, tier) -> int:
     model.warm_up()
     g = model.geometry
+    where = "; the device step, every expert resident" + (" (EMULATED)" if a.emulate else "") if tier else ""
     print(f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; {platform.node()}, {platform.processor() or platform.machine()}, "
           f"{a.threads} thread(s); {a.pack.name}: {g.arch}, {g.n_layer} layers, {g.n_expert} experts (top-{g.n_expert_used}), "
-          f"vocab {g.n_vocab}")
+          f"vocab {g.n_vocab}{where}")
     rng = np.random.default_rng(0)
     cost = verify_cost(model, a.prompt, max(a.rounds, 5), rng)
     step = statistics.median(cost[1])
@@ -201,9 +264,6 @@ def main(argv=None) -> int:
               f"{statistics.median(sp):>14.2f}x {max(sp):>5.2f}x")
     at = statistics.median([r[0] for r in res[(2, 0.43)]])
     print(f"target >= {TARGET}x at acceptance 0.43, N = 2: {'MET' if at >= TARGET else 'MISSED'} ({at:.2f}x median)")
-    if not a.no_mtp:
-        for line in mtp_part(a.mtp_preset, a.work, a.prompt, a.tokens, a.rounds):
-            print(line)
     return 0
 
 

@@ -213,13 +213,17 @@ class SpecRun(Run):
     The prompt goes as in a Run (the MTP drafter reads every position's head input)."""
 
     def __init__(self, model: Model, session: Session, prompt, sampler, max_new_tokens: int, *, drafter: Drafter,
-                 n_draft: int, stats: SpecStats | None = None, **kw):
-        """`stats`: where the counts go (strata serve's requests share one, for /metrics); None: its own."""
+                 n_draft: int, stats: SpecStats | None = None, snapshots: list | None = None, **kw):
+        """`stats`: where the counts go (strata serve's requests share one, for /metrics); None: its own.
+        `snapshots`: n_draft Snapshots of this session's shapes made already (the GPU tier's, placed at
+        its startup: GpuTier.snapshots); None or empty: made here."""
         super().__init__(session, prompt, sampler, max_new_tokens, **kw)
         if n_draft < 1:
             raise ValueError(f"--spec {n_draft}: a speculative run drafts at least 1 token (--spec 0 is plain decoding)")
+        if snapshots and len(snapshots) != n_draft:
+            raise ValueError(f"SpecRun: {len(snapshots)} snapshots given for --spec {n_draft}")
         self.drafter, self.n_draft = drafter, n_draft
-        self.snaps = [Snapshot(session, model.backend) for _ in range(n_draft)]
+        self.snaps = list(snapshots) if snapshots else [Snapshot(session, model.backend) for _ in range(n_draft)]
         rows = max(self.chunk, n_draft + 1)
         self.hidden = np.empty((rows, model.geometry.n_embd), F32) if drafter.needs_hidden else None
         self.drafts: list[int] | None = None  # the drafts being verified
@@ -319,9 +323,9 @@ def parse_drafter(text: str) -> tuple[str, float]:
 
 def speculative_generate(model: Model, session: Session, prompt, sampler, max_new_tokens: int, *, n_draft: int,
                          drafter: str = "mtp", min_p: float = 0.75, kv: str = "f32", measure: bool = False,
-                         **kw):
+                         snapshots: list | None = None, **kw):
     """`generate` (engine/generate.py, whose keyword arguments `kw` are) with --spec n_draft.
-    -> (the Generation, SpecStats, the --spec 0 Generation or None).
+    -> (the Generation, SpecStats, the --spec 0 Generation or None). `snapshots`: SpecRun's.
 
     A --spec 0 run of the same prompt and sampler settings (its own session, the same seed, silent)
     comes first when the drafter needs its continuation (oracle, wrong, right:P) or `measure` asks
@@ -341,5 +345,5 @@ def speculative_generate(model: Model, session: Session, prompt, sampler, max_ne
         d = MTPDrafter(MTPHead(model.pack), session.max_context, kv, sampler.fork(sampler.seed + 1), min_p)
     else:
         d = ReferenceDrafter(np.concatenate([plain.prompt, plain.tokens]), model.geometry.n_vocab, p, seed=sampler.seed)
-    run = SpecRun(model, session, prompt, sampler, max_new_tokens, drafter=d, n_draft=n_draft, **kw)
+    run = SpecRun(model, session, prompt, sampler, max_new_tokens, drafter=d, n_draft=n_draft, snapshots=snapshots, **kw)
     return drive(model, run), run.stats, plain

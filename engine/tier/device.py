@@ -373,6 +373,7 @@ class DeviceBackend(CpuBackend):
         self.floor_next = False  # the session's next replayed token step is captured in parts and timed
         # (True: a part per layer and the head; "kernels": a part per launch, labelled (layer, kernel))
         self.host_steps = False  # a block's token step has host work a replay cannot repeat (qsa_cache)
+        self.verify_logits = None  # --spec N: the verify's logits rows [1 + N, n_vocab], placed at the tier's stage 7
 
     def _launch(self, name: str, n_threads: int, args: tuple) -> None:
         grid = max(1, min(-(-n_threads // BLOCK), 32 * self.rt.n_sm))
@@ -519,6 +520,9 @@ class DeviceBackend(CpuBackend):
         x = x if isinstance(x, Input) else Input(x)
         to_host = out is not None and not self.rt.is_array(out)
         dev_out = None if to_host else out
+        vl = self.verify_logits
+        if to_host and vl is not None and out.ndim == 2 and out.shape[0] <= vl.shape[0] and out.shape[1] == vl.shape[1]:
+            dev_out = vl[: out.shape[0]]  # the LM head's rows for the host (a verify's): the planned buffer
         if w.device is None:
             y = self.upload(CpuBackend.linear(self, w, Input(self.rt.to_host(x.x))))
             if dev_out is not None:

@@ -18,6 +18,10 @@ import engine_fixture as F
 import numpy as np
 import pytest
 
+from gpu_emu import EmuRuntime
+
+from strata.engine import budget as B
+from strata.engine.expert_plan import MiB
 from strata.engine.generate import drive, generate
 from strata.engine.model import Model
 from strata.engine.mtp import MTPHead
@@ -44,8 +48,9 @@ def model(tmp_path_factory):
 
 
 @contextlib.contextmanager
-def device_tier(model):
-    tier = GpuTier.start(model, TierOptions(max_context=CTX, kv="f32", prefill_chunk=8, step="device", expert_cache=None))
+def device_tier(model, spec=0):
+    tier = GpuTier.start(model, TierOptions(max_context=CTX, kv="f32", prefill_chunk=8, step="device", expert_cache=None,
+                                            spec=spec))
     try:
         assert isinstance(model.backend, DeviceBackend)
         yield tier
@@ -123,7 +128,7 @@ REFERENCE: dict = {}  # runtime type -> (--spec 0's Generation, its session's po
 def test_greedy_spec_on_the_device_step_is_plain_decoding(model, rt, kind, n_draft):
     prompt = prompt_for(model)
     V = model.geometry.n_vocab
-    with device_tier(model):
+    with device_tier(model, spec=n_draft) as tier:
         be = model.backend
         if type(rt) not in REFERENCE:  # --spec 0's run, once per runtime (the emulation takes seconds a token)
             ref_session = model.new_session(CTX)
@@ -135,7 +140,10 @@ def test_greedy_spec_on_the_device_step_is_plain_decoding(model, rt, kind, n_dra
         else:
             drafter = ReferenceDrafter(np.concatenate([ref.prompt, ref.tokens]), V, {"oracle": 1.0, "wrong": 0.0}[kind])
         s = model.new_session(CTX)
-        run = SpecRun(model, s, prompt, Sampler(V, GREEDY), N_NEW, drafter=drafter, n_draft=n_draft, prefill=8)
+        # the snapshots the tier placed at its startup (strata generate --spec N --gpu-step device hands them so)
+        run = SpecRun(model, s, prompt, Sampler(V, GREEDY), N_NEW, drafter=drafter, n_draft=n_draft, prefill=8,
+                      snapshots=tier.snapshots)
+        assert run.snaps == tier.snapshots
         out = drive(model, run)
         st = run.stats
         assert out.tokens.tolist() == ref.tokens.tolist()
@@ -147,3 +155,24 @@ def test_greedy_spec_on_the_device_step_is_plain_decoding(model, rt, kind, n_dra
         assert s.pos == ref_pos
         for x, y in zip(host_states(be, s), ref_states):
             assert np.array_equal(x, y)
+
+
+def test_the_verifier_is_planned_and_placed_at_startup(model, rt):
+    """--spec 2 on the device step: stage 7 places the verify's logits rows and its two snapshots of
+    the states on the device, as the plan says (the routing counts' part on the host)."""
+    with device_tier(model, spec=2) as tier:
+        plan, marks, snaps = tier.plan, tier.marks, tier.snapshots
+        logits = model.backend.verify_logits
+    item = plan.item("verify.snapshots")
+    assert item.where == B.DEVICE and item.stage == B.VERIFIER and item.bytes == 2 * B.snapshot_state_bytes(model.geometry) > 0
+    assert plan.item("spec.snapshots").where == B.HOST
+    assert plan.item("spec.snapshots").bytes == 2 * model.geometry.n_layer * model.geometry.n_expert * 8
+    assert len(snaps) == 2 and logits.shape == (3, model.geometry.n_vocab)
+    assert sum(a.nbytes for sn in snaps for st in sn.states if st for a in st.values()) == item.bytes
+    assert marks[-1].stage == B.VERIFIER and marks[-1].predicted - marks[-2].predicted == \
+        item.bytes + plan.item("verify.logits").bytes
+    for n, m in enumerate(marks, 1):
+        if isinstance(rt, EmuRuntime):
+            assert m.used == m.predicted, m.line(n)
+        else:
+            assert abs(m.used - m.predicted) <= max(0.01 * m.card_used, 2 * MiB * n), m.line(n)
