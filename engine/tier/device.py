@@ -37,7 +37,7 @@ from pathlib import Path
 import numpy as np
 
 from ..backend import CpuBackend, Scratch
-from ..batch import seqs_of
+from ..batch import keep, seqs_of
 from ..kernels import gpu
 from ..kernels.actq import NonFiniteActivation
 from ..kernels.engine_form import placed_bytes
@@ -217,11 +217,11 @@ class DeviceExperts:
 
     def token(self, moe, x: Input, counts) -> object | None:
         """MoE.forward's routed sum for one token on the device -> device f32 [1, E], or None where
-        this path does not apply (expert weights of a float type, rows longer than mv takes, a
-        verify forward's snapshots): the MoE then routes on the host."""
+        this path does not apply (expert weights of a float type, rows longer than mv takes): the MoE
+        then routes on the host. A verify row (its Seq's `saved`) settles its routing counts at once
+        and copies them into its snapshot."""
         seqs = seqs_of(counts, 1) if counts is not None else []
-        if not (moe.gu.quantized and moe.d.quantized) or any(r.saved is not None for r in seqs) or moe.k > 32 \
-                or not (gpu.slot_products_fit(moe.gu.id, moe.E, moe.F) and gpu.slot_products_fit(moe.d.id, moe.F, moe.E)):
+        if not self.fits(moe):
             return None
         be, rt, slots, layer = self.be, self.rt, self.hits.slots, moe.layer
         k, E, F = moe.k, moe.E, moe.F
@@ -258,7 +258,31 @@ class DeviceExperts:
                 be.at_host(lambda: self._misses(moe, states))
             rt.copy_in_async(b["miss"], b["miss_pinned"])
         be._launch("dev_combine_slots", E, (b["rows"], b["miss"], b["slot"], b["w"], b["out"], np.int32(k), np.int32(E)))
+        if any(r.saved is not None for r in seqs):
+            # a verify row's snapshot holds the routing counts up to it: they are settled now (the ids
+            # come down: one wait), not after the forward, then copied with the row's state
+            self.settle()
+            for r in seqs:
+                keep(r)
         return b["out"]
+
+    def fits(self, moe) -> bool:
+        """Whether `token` takes this MoE's routed part (quantized experts, rows mv takes, k <= 32)."""
+        return moe.gu.quantized and moe.d.quantized and moe.k <= 32 and \
+            gpu.slot_products_fit(moe.gu.id, moe.E, moe.F) and gpu.slot_products_fit(moe.d.id, moe.F, moe.E)
+
+    def rows(self, moe, x: Input, seqs: list) -> object | None:
+        """MoE.forward's routed sum for T one-token sequences (a verify's rows) -> device f32 [T, E]:
+        `token` row by row, so each row is routed, computed and combined on the device as a token
+        step does it (its bits), with no round trip of the routing through the host; None where
+        `token` does not apply."""
+        if not self.fits(moe):
+            return None
+        T = x.x.shape[0]
+        out = self.be.scratch("moe.rows", (T, moe.E))
+        for i, r in enumerate(seqs):
+            out[i : i + 1] = self.token(moe, Input(x.x[i : i + 1]), [r._replace(a=0, b=1)])  # (token's buffer: copied)
+        return out
 
     def _misses(self, moe, states: tuple) -> None:
         """The host's part of a layer some of whose experts may miss, once the chosen ids, their slots

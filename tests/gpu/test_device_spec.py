@@ -84,7 +84,15 @@ def test_the_verify_rows_have_the_bits_of_the_device_token_step(model, rt):
         model.forward(b, prompt, n_logits=0)
         steps = np.stack([model.step(a, t).copy() for t in toks])
         snaps = [Snapshot(b, be) for _ in toks[:-1]]
-        rows = model.forward(b, toks, n_logits=3, saved=snaps)
+        launched, launch = [], be._launch
+        be._launch = lambda name, *a: (launched.append(name), launch(name, *a))
+        try:
+            rows = model.forward(b, toks, n_logits=3, saved=snaps)
+        finally:
+            del be._launch
+        # each row's MoE by the token path on the device (routing included), not routed on the host
+        # (whose rows dev_combine sums): no routing comes down
+        assert launched.count("dev_route") == len(toks) * model.geometry.n_layer and "dev_combine" not in launched
         assert np.array_equal(rows, steps), f"max |diff| {np.abs(rows - steps).max()}"
         for x, y in zip(host_states(be, b), host_states(be, a)):
             assert np.array_equal(x, y)
