@@ -258,8 +258,10 @@ class SpecRun(Run):
             if tokens.size == 1:
                 return model.step(self.session, int(tokens[0]), h)
             return model.forward(self.session, tokens, n_logits, hidden=h)
+        # greedy on the device step: each row's pick is made there and only the ids come back
+        banned = self.sampler.pick if self.on_logits is None and model.picks else None
         t0 = time.perf_counter()
-        rows = model.forward(self.session, tokens, n_logits, hidden=h, saved=saved)
+        rows = model.forward(self.session, tokens, n_logits, hidden=h, saved=saved, pick=banned)
         self.stats.verify_s += time.perf_counter() - t0
         return rows
 
@@ -279,15 +281,20 @@ class SpecRun(Run):
         st.verifications += 1
         st.drafted[:n] += 1
         done = False
+        picked = rows.ndim == 1  # the greedy picks of the rows (made on the device), not their logits
         for i in range(n + 1):
             self.fed = P + i + 1  # rows 0..i fed for good
             if self.on_logits is not None:
                 self.on_logits(P + i, rows[i])
             if i < n:
                 st.judged[i] += 1
-                token, kept = self.sampler.judge(rows[i], self.history[: self.n_tokens], d[i], self.qs[i])
+                if picked:  # greedy judging: the draft is kept when it is the pick
+                    token, kept = int(rows[i]), int(rows[i]) == d[i]
+                else:
+                    token, kept = self.sampler.judge(rows[i], self.history[: self.n_tokens], d[i], self.qs[i])
             else:
-                token, kept = self.sampler.sample(rows[n], self.history[: self.n_tokens]), False
+                token = int(rows[n]) if picked else self.sampler.sample(rows[n], self.history[: self.n_tokens])
+                kept = False
             if kept:
                 st.accepted[i] += 1
             st.produced += 1

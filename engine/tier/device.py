@@ -398,6 +398,7 @@ class DeviceBackend(CpuBackend):
         # (True: a part per layer and the head; "kernels": a part per launch, labelled (layer, kernel))
         self.host_steps = False  # a block's token step has host work a replay cannot repeat (qsa_cache)
         self.verify_logits = None  # --spec N: the verify's logits rows [1 + N, n_vocab], placed at the tier's stage 7
+        self._rows_pick = None  # pick_rows' (rows, banned ids, device picks [rows, 3], their pinned mirror, ids on the device)
 
     def _launch(self, name: str, n_threads: int, args: tuple) -> None:
         grid = max(1, min(-(-n_threads // BLOCK), 32 * self.rt.n_sm))
@@ -914,6 +915,29 @@ class DeviceBackend(CpuBackend):
             raise NonFiniteActivation(f"sampler: logits contain {'NaN' if host[1] else top} (max over the vocabulary); "
                                       "refusing to sample")
         return int(host[0])
+
+    def pick_rows(self, logits, banned: np.ndarray) -> np.ndarray:
+        """The greedy token of each row of the device logits [n, n_vocab] (a verify's): dev_argmax per
+        row, `_greedy`'s rule, the banned ids never -> int64 [n]; only the picks come down, in one copy
+        after one wait. A NaN or an infinite largest logit is refused as the sampler refuses it."""
+        rt = self.rt
+        n, V = logits.shape
+        got = self._rows_pick
+        if got is None or got[0] < n or got[1] is not banned:
+            ban = rt.to_device(np.ascontiguousarray(banned, np.int32)) if banned.size else rt.empty((1,), np.int32)
+            got = self._rows_pick = (n, banned, rt.empty((n, 3), np.int32), rt.pinned(12 * n).view(np.int32).reshape(n, 3), ban)
+        _, _, dev, host, ban = got
+        for i in range(n):
+            rt.launch(self._mod, "dev_argmax", 1, 1024, (logits[i], np.int32(V), ban, np.int32(banned.size), dev[i]),
+                      smem=3 * 32 * 4)
+        rt.copy_out_async(host[:n], dev[:n])
+        rt.synchronize()
+        for i in range(n):
+            top = float(host[i, 2:3].view(F32)[0])
+            if host[i, 1] or not np.isfinite(top):
+                raise NonFiniteActivation(f"sampler: logits row {i} of {n} contain {'NaN' if host[i, 1] else top} (max "
+                                          "over the vocabulary); refusing to sample")
+        return host[:n, 0].astype(np.int64)
 
     def boundary(self, what) -> None:
         """While `_floor_step` captures: the part captured so far becomes a graph of its own (it

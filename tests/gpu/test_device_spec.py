@@ -7,7 +7,8 @@ What must hold, with --gpu-step device and every expert resident:
       and the pack's MTP head, and after the run every state of the session is the --spec 0
       session's, bit for bit (the rollback restores them);
     - the snapshots are device arrays, and a rollback copies them on the device: nothing of the
-      states comes down to the host.
+      states comes down to the host; greedy verification picks each row's token on the device
+      (DeviceBackend.pick_rows): only the ids come down, never a logits row.
 """
 
 from __future__ import annotations
@@ -152,8 +153,16 @@ def test_greedy_spec_on_the_device_step_is_plain_decoding(model, rt, kind, n_dra
         run = SpecRun(model, s, prompt, Sampler(V, GREEDY), N_NEW, drafter=drafter, n_draft=n_draft, prefill=8,
                       snapshots=tier.snapshots)
         assert run.snaps == tier.snapshots
-        out = drive(model, run)
+        # each verification picks its rows' tokens on the device: ids come down, never a logits row
+        picks, pick_rows, to_host, down = [], be.pick_rows, rt.to_host, []
+        be.pick_rows = lambda logits, banned: (picks.append(logits.shape[0]), pick_rows(logits, banned))[1]
+        rt.to_host = lambda x: (down.append(x.shape), to_host(x))[1]
+        try:
+            out = drive(model, run)
+        finally:
+            del be.pick_rows, rt.to_host
         st = run.stats
+        assert len(picks) == st.verifications and not [d for d in down if d[-1] == V], down
         assert out.tokens.tolist() == ref.tokens.tolist()
         assert st.verifications > 0 and st.drafted[0] > 0
         if kind == "oracle":
