@@ -418,7 +418,9 @@ def _spec_items(g: ModelGeometry, o: BudgetOptions, mtp: bool) -> list[Item]:
     state after each of its N draft rows to roll back to (N snapshots, made once per request); the
     MTP head drafting keeps its own KV cache (one full-attention layer of the session's kind and
     context) and the trunk's head input of the rows it feeds (f32, the prompt chunk or 1 + N rows).
-    The drafting runs on the CPU whatever the step (engine/speculative.py): host items."""
+    The drafting runs on the CPU whatever the step (engine/speculative.py): host items. With the
+    device step the snapshots' states are on the device (`verify.snapshots`, stage 7): only their
+    routing counts are here."""
     if not o.spec:
         return []
     B, C, N = o.batch, o.max_context, o.spec

@@ -30,6 +30,9 @@ EXACT, not within rounding: the verify forward runs each row as a one-token sequ
 a verified row has the bits the token step gives it and greedy output with --spec N is the output
 of --spec 0 (tests/engine/test_speculative.py). The weights, the cost of a CPU step, are read once
 for the 1 + n rows; attention's KV and the delta rule's S are read once per row, as token steps do.
+On the device step (--gpu-step device) the same holds with the device's token step: a row attends
+and runs its MoE by the token step's kernels, the snapshots are device arrays (the rollback copies
+there) and a greedy verification brings back only each row's pick (tests/gpu/test_device_spec.py).
 
 Drafters: `MTPDrafter` (the pack's MTP block, engine/mtp.py) is the real one. `ReferenceDrafter`s
 know the continuation of a --spec 0 run and name its tokens right always ("oracle"), never
