@@ -56,23 +56,37 @@ def expected_tokens(a: float, n: int) -> float:
     return float(sum(a**i for i in range(n + 1)))
 
 
-def verify_cost(model, n_prompt: int, rounds: int, rng) -> dict[int, list[float]]:
-    """{T: seconds of each round's forward of T rows}: T = 1 the token step, T = 1 + N a verify."""
+def verify_cost(model, n_prompt: int, rounds: int, rng) -> dict:
+    """{T: seconds of each round's forward of T rows}: T = 1 the token step, T = 1 + N a verify. On
+    the device step both pick greedily there (as decoding does: only ids come back), and "eager" is
+    the token step run without its CUDA graph (a verification runs eagerly: what capture would win)."""
     from strata.engine.speculative import Snapshot
 
-    V = model.geometry.n_vocab
+    V, be = model.geometry.n_vocab, model.backend
+    ban = np.zeros(0, np.int32) if model.picks else None
     s = model.new_session(n_prompt + (rounds + 1) * 10 + 4)
     model.forward(s, rng.integers(3, V, n_prompt), n_logits=1)
-    snaps = [Snapshot(s, model.backend) for _ in range(3)]
-    out: dict[int, list[float]] = {T: [] for T in (1, 2, 3, 4)}
+    snaps = [Snapshot(s, be) for _ in range(3)]
+    out: dict = {T: [] for T in (1, 2, 3, 4)}
+    eager = None
+    if model.picks:
+        out["eager"], eager = [], model.new_session(n_prompt + rounds + 2)
+        model.forward(eager, rng.integers(3, V, n_prompt), n_logits=1)
     for r in range(rounds + 1):  # round 0 warms up: the verify's row counts compile on first use
         for T in out:
-            tokens = rng.integers(3, V, T)
+            tokens = rng.integers(3, V, 4)
             t0 = time.perf_counter()
-            if T == 1:
-                model.step(s, int(tokens[0]))
+            if T == "eager":
+                be.graphs = False
+                try:
+                    t0 = time.perf_counter()
+                    model.step_pick(eager, int(tokens[0]), ban)
+                finally:
+                    be.graphs = True
+            elif T == 1:
+                model.step(s, int(tokens[0])) if ban is None else model.step_pick(s, int(tokens[0]), ban)
             else:
-                model.forward(s, tokens, n_logits=T, saved=snaps[: T - 1])
+                model.forward(s, tokens[:T], n_logits=T, saved=snaps[: T - 1], pick=ban)
             if r:
                 out[T].append(time.perf_counter() - t0)
     return out
@@ -247,7 +261,8 @@ def _measure(a, model, tier) -> int:
     step = statistics.median(cost[1])
     print("forward cost (median / best ms, and median against the token step):")
     for T, ts in cost.items():
-        print(f"  {'token step' if T == 1 else f'verify 1+{T - 1}':>11}  {statistics.median(ts) * 1e3:8.1f} / "
+        name = "token step" if T == 1 else "step, eager" if T == "eager" else f"verify 1+{T - 1}"
+        print(f"  {name:>11}  {statistics.median(ts) * 1e3:8.1f} / "
               f"{min(ts) * 1e3:8.1f} ms  {statistics.median(ts) / step:5.2f}x")
     if a.cost_only:
         return 0
