@@ -130,12 +130,8 @@ def device_tier(model, max_context: int):
 
 
 def mtp_part(preset: str, work: Path, n_prompt: int, n_tokens: int, rounds: int, device: bool = False) -> list[str]:
-    from strata.engine.generate import drive, generate
     from strata.engine.model import Model
-    from strata.engine.mtp import MTPHead
     from strata.engine.pack_reader import Pack
-    from strata.engine.sampling import Sampler, SamplerParams
-    from strata.engine.speculative import MTPDrafter, SpecRun
     from strata.tools import pack, synth
 
     out = work / f"{preset}-qwen35moe-mtp-pack"

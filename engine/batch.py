@@ -14,8 +14,6 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
-import numpy as np
-
 
 class Seq(NamedTuple):
     """Rows [a, b) of a batch: one sequence's tokens at positions pos .. pos + b - a - 1, and this
