@@ -3,6 +3,7 @@ token step, and the decode speed-up of --spec N against --spec 0 in the same pro
 
     python benchmarks/spec.py [--pack DIR] [--threads 1] [--prompt 32] [--tokens 48] [--rounds 3]
                               [--mtp-preset demo | --no-mtp] [--work DIR] [--cost-only]
+                              [--device-step [--emulate]]
 
 1. The trunk (default: the seed-4l qwen4exp pack of benchmarks/decode.py, made under .cache/bench/
    unless --pack names one): after a prompt, per round, one token step and one verify forward of
@@ -16,6 +17,13 @@ token step, and the decode speed-up of --spec N against --spec 0 in the same pro
    --mtp-preset carrying the block (strata-pack synth --mtp, under --work): a draft step's cost
    against a token step, and --spec 2 with the head against --spec 0. The synthetic weights are
    random, so the head's drafts are almost never right: this measures its cost, not its acceptance.
+
+--device-step: the same on the GPU tier's device step (--gpu-step device) with every expert resident
+(--expert-cache all): the trunk is seed-4l qwen35moe (benchmarks/decode.py synthesizes it) unless
+--pack names one; the verify forward, its snapshots and the rollback run on the device; the MTP
+head drafts on the CPU (engine/speculative.py: the tier places none of its weights), so its part
+measures that head beside the device's trunk. --emulate: the host emulation of the kernels
+(tests/gpu_emu.py), a smoke run on a tiny pack (--pack).
 
 Target (issue 17): >= 1.25x at acceptance 0.43 and N = 2. With acceptance a per draft and N drafts a
 verification yields (1 - a^(N+1)) / (1 - a) tokens (1.62 at a = 0.43, N = 2), so the target needs
@@ -48,23 +56,37 @@ def expected_tokens(a: float, n: int) -> float:
     return float(sum(a**i for i in range(n + 1)))
 
 
-def verify_cost(model, n_prompt: int, rounds: int, rng) -> dict[int, list[float]]:
-    """{T: seconds of each round's forward of T rows}: T = 1 the token step, T = 1 + N a verify."""
+def verify_cost(model, n_prompt: int, rounds: int, rng) -> dict:
+    """{T: seconds of each round's forward of T rows}: T = 1 the token step, T = 1 + N a verify. On
+    the device step both pick greedily there (as decoding does: only ids come back), and "eager" is
+    the token step run without its CUDA graph (a verification runs eagerly: what capture would win)."""
     from strata.engine.speculative import Snapshot
 
-    V = model.geometry.n_vocab
+    V, be = model.geometry.n_vocab, model.backend
+    ban = np.zeros(0, np.int32) if model.picks else None
     s = model.new_session(n_prompt + (rounds + 1) * 10 + 4)
     model.forward(s, rng.integers(3, V, n_prompt), n_logits=1)
-    snaps = [Snapshot(s) for _ in range(3)]
-    out: dict[int, list[float]] = {T: [] for T in (1, 2, 3, 4)}
+    snaps = [Snapshot(s, be) for _ in range(3)]
+    out: dict = {T: [] for T in (1, 2, 3, 4)}
+    eager = None
+    if model.picks:
+        out["eager"], eager = [], model.new_session(n_prompt + rounds + 2)
+        model.forward(eager, rng.integers(3, V, n_prompt), n_logits=1)
     for r in range(rounds + 1):  # round 0 warms up: the verify's row counts compile on first use
         for T in out:
-            tokens = rng.integers(3, V, T)
+            tokens = rng.integers(3, V, 4)
             t0 = time.perf_counter()
-            if T == 1:
-                model.step(s, int(tokens[0]))
+            if T == "eager":
+                be.graphs = False
+                try:
+                    t0 = time.perf_counter()
+                    model.step_pick(eager, int(tokens[0]), ban)
+                finally:
+                    be.graphs = True
+            elif T == 1:
+                model.step(s, int(tokens[0])) if ban is None else model.step_pick(s, int(tokens[0]), ban)
             else:
-                model.forward(s, tokens, n_logits=T, saved=snaps[: T - 1])
+                model.forward(s, tokens[:T], n_logits=T, saved=snaps[: T - 1], pick=ban)
             if r:
                 out[T].append(time.perf_counter() - t0)
     return out
@@ -98,13 +120,18 @@ def decode_runs(model, prompt, n_tokens: int, rounds: int, configs) -> tuple[lis
     return plains, res
 
 
-def mtp_part(preset: str, work: Path, n_prompt: int, n_tokens: int, rounds: int) -> list[str]:
-    from strata.engine.generate import drive, generate
+def device_tier(model, max_context: int):
+    """The GPU tier's device step on `model`, every expert resident (--gpu-step device --expert-cache all)."""
+    from strata.engine.tier import GpuTier, TierOptions
+
+    g = model.geometry
+    o = TierOptions(max_context=max_context, kv="f32", prefill_chunk=64, step="device", expert_cache=g.n_layer * g.n_expert)
+    return GpuTier.start(model, o)
+
+
+def mtp_part(preset: str, work: Path, n_prompt: int, n_tokens: int, rounds: int, device: bool = False) -> list[str]:
     from strata.engine.model import Model
-    from strata.engine.mtp import MTPHead
     from strata.engine.pack_reader import Pack
-    from strata.engine.sampling import Sampler, SamplerParams
-    from strata.engine.speculative import MTPDrafter, SpecRun
     from strata.tools import pack, synth
 
     out = work / f"{preset}-qwen35moe-mtp-pack"
@@ -114,11 +141,26 @@ def mtp_part(preset: str, work: Path, n_prompt: int, n_tokens: int, rounds: int)
         ggufs = synth.synth("qwen35moe", preset, work / f"{preset}-qwen35moe-mtp.gguf", force=True, mtp=True)
         pack.convert(ggufs[:1], out)
     model = Model(Pack.open(out))
+    tier = device_tier(model, n_prompt + max(n_tokens, (rounds + 1) * 10 + 4)) if device else None
+    try:
+        return _mtp_lines(model, preset, n_prompt, n_tokens, rounds, device)
+    finally:
+        if tier is not None:
+            tier.stop()
+
+
+def _mtp_lines(model, preset: str, n_prompt: int, n_tokens: int, rounds: int, device: bool) -> list[str]:
+    from strata.engine.generate import drive, generate
+    from strata.engine.mtp import MTPHead
+    from strata.engine.sampling import Sampler, SamplerParams
+    from strata.engine.speculative import MTPDrafter, SpecRun
+
     model.warm_up()
     V, E = model.geometry.n_vocab, model.geometry.n_embd
     rng = np.random.default_rng(1)
     cost = verify_cost(model, n_prompt, rounds, rng)
-    head = MTPHead(model.pack, model.backend)
+    # the head on the CPU's backend on the device step (as speculative_generate makes it there)
+    head = MTPHead(model.pack) if device else MTPHead(model.pack, model.backend)
     state = head.new_state(n_prompt + rounds + 4)
     h = rng.standard_normal((1, E)).astype(np.float32)
     draft = []
@@ -128,7 +170,8 @@ def mtp_part(preset: str, work: Path, n_prompt: int, n_tokens: int, rounds: int)
         draft.append(time.perf_counter() - t0)
     draft = draft[1:]  # the first compiles what the trunk's warm-up did not
     step = statistics.median(cost[1])
-    lines = [f"MTP head ({preset} qwen35moe synth with --mtp, {model.geometry.n_layer} layers, vocab {V}): "
+    lines = [f"MTP head ({preset} qwen35moe synth with --mtp, {model.geometry.n_layer} layers, vocab {V}"
+             f"{', trunk on the device step, head on the CPU' if device else ''}): "
              f"token step {step * 1e3:.1f} ms, one draft {statistics.median(draft) * 1e3:.1f} ms "
              f"({statistics.median(draft) / step:.2f} steps), verify 1+2 rows "
              f"{statistics.median(cost[3]) * 1e3:.1f} ms ({statistics.median(cost[3]) / step:.2f} steps)"]
@@ -162,6 +205,10 @@ def main(argv=None) -> int:
     ap.add_argument("--no-mtp", action="store_true")
     ap.add_argument("--cost-only", action="store_true", help="the forward costs only (part 1's first table)")
     ap.add_argument("--work", type=Path, default=REPO / ".cache" / "bench")
+    ap.add_argument("--device-step", action="store_true", help="on the GPU tier's device step, every expert resident "
+                    "(default pack: seed-4l qwen35moe)")
+    ap.add_argument("--emulate", action="store_true", help="with --device-step: the host emulation of the kernels "
+                    "(tests/gpu_emu.py; a smoke run on a tiny --pack)")
     a = ap.parse_args(argv)
 
     from strata.engine.kernels import cpu
@@ -169,22 +216,49 @@ def main(argv=None) -> int:
     from strata.engine.pack_reader import Pack
 
     cpu.set_threads(a.threads)
+    if a.device_step:
+        from strata.engine.kernels import gpu
+
+        if a.emulate:
+            sys.path.insert(0, str(REPO / "tests"))
+            from gpu_emu import EmuRuntime
+
+            gpu.use_runtime(EmuRuntime())
+        elif not gpu.available()[0]:
+            print(f"spec benchmark: --device-step needs a GPU ({gpu.available()[1]}); --emulate for a smoke run",
+                  file=sys.stderr)
+            return 1
     if a.pack is None:
         from decode import ensure_pack
 
-        a.pack = ensure_pack("qwen4exp")
+        a.pack = ensure_pack("qwen35moe" if a.device_step else "qwen4exp")
     model = Model(Pack.open(a.pack))
+    tier = device_tier(model, a.prompt + max(a.tokens, (max(a.rounds, 5) + 1) * 10 + 4)) if a.device_step else None
+    try:
+        rc = _measure(a, model, tier)
+    finally:
+        if tier is not None:  # one tier at a time: the MTP part starts its own
+            tier.stop()
+    if rc == 0 and not a.cost_only and not a.no_mtp:
+        for line in mtp_part(a.mtp_preset, a.work, a.prompt, a.tokens, a.rounds, device=a.device_step):
+            print(line)
+    return rc
+
+
+def _measure(a, model, tier) -> int:
     model.warm_up()
     g = model.geometry
+    where = "; the device step, every expert resident" + (" (EMULATED)" if a.emulate else "") if tier else ""
     print(f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; {platform.node()}, {platform.processor() or platform.machine()}, "
           f"{a.threads} thread(s); {a.pack.name}: {g.arch}, {g.n_layer} layers, {g.n_expert} experts (top-{g.n_expert_used}), "
-          f"vocab {g.n_vocab}")
+          f"vocab {g.n_vocab}{where}")
     rng = np.random.default_rng(0)
     cost = verify_cost(model, a.prompt, max(a.rounds, 5), rng)
     step = statistics.median(cost[1])
     print("forward cost (median / best ms, and median against the token step):")
     for T, ts in cost.items():
-        print(f"  {'token step' if T == 1 else f'verify 1+{T - 1}':>11}  {statistics.median(ts) * 1e3:8.1f} / "
+        name = "token step" if T == 1 else "step, eager" if T == "eager" else f"verify 1+{T - 1}"
+        print(f"  {name:>11}  {statistics.median(ts) * 1e3:8.1f} / "
               f"{min(ts) * 1e3:8.1f} ms  {statistics.median(ts) / step:5.2f}x")
     if a.cost_only:
         return 0
@@ -201,9 +275,6 @@ def main(argv=None) -> int:
               f"{statistics.median(sp):>14.2f}x {max(sp):>5.2f}x")
     at = statistics.median([r[0] for r in res[(2, 0.43)]])
     print(f"target >= {TARGET}x at acceptance 0.43, N = 2: {'MET' if at >= TARGET else 'MISSED'} ({at:.2f}x median)")
-    if not a.no_mtp:
-        for line in mtp_part(a.mtp_preset, a.work, a.prompt, a.tokens, a.rounds):
-            print(line)
     return 0
 
 

@@ -77,6 +77,9 @@ class CpuBackend:
     name = "cpu"
     xp = np
     experts = None  # engine/moe.py computes every routed expert on the CPU
+    # a one-token sequence of a batch (a verify row) attends by `attend_one`, not `attention`: for a
+    # backend whose two forms sum in another order (the device step), so a row has the token step's bits
+    rows_attend_one = False
 
     def __init__(self):
         self.scratch = Scratch()

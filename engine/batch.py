@@ -14,8 +14,6 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
-import numpy as np
-
 
 class Seq(NamedTuple):
     """Rows [a, b) of a batch: one sequence's tokens at positions pos .. pos + b - a - 1, and this
@@ -36,15 +34,16 @@ class Seq(NamedTuple):
 
 
 def copy_state(src, dst) -> None:
-    """dst <- src for a block's state: an array, a dict of arrays (Gated DeltaNet's conv and S), or
-    an object with `copy_to` (PLEState)."""
-    if isinstance(src, np.ndarray):
-        np.copyto(dst, src)
-    elif isinstance(src, dict):
+    """dst <- src for a block's state: an array (a host array, or the device step's, copied where it
+    lives: a rollback on the device brings nothing to the host), a dict of arrays (Gated DeltaNet's
+    conv and S), or an object with `copy_to` (PLEState)."""
+    if isinstance(src, dict):
         for k, v in src.items():
             copy_state(v, dst[k])
-    else:
+    elif hasattr(src, "copy_to"):
         src.copy_to(dst)
+    else:  # (a CuPy array is no np.ndarray: it had gone to `copy_to`, which it has not)
+        dst[...] = src
 
 
 def keep(r: Seq) -> None:

@@ -401,9 +401,14 @@ def _serve_items(g: ModelGeometry, o: BudgetOptions) -> list[Item]:
 def snapshot_bytes(g: ModelGeometry) -> int:
     """One verified row's snapshot (engine/speculative.py `Snapshot`), what a rollback restores: every
     Gated DeltaNet layer's S and conv, every PLE conv ring, the routing counts (i64 [layers, experts])."""
+    return snapshot_state_bytes(g) + g.n_layer * g.n_expert * 8
+
+
+def snapshot_state_bytes(g: ModelGeometry) -> int:
+    """The part of a snapshot that lives where the session's states do (on the device with the device
+    step): every Gated DeltaNet layer's S and conv, every PLE conv ring; the routing counts stay on the host."""
     n_gdn = len(g.linear_attention_layers)
-    return n_gdn * (gdn_state_bytes(g) + conv_state_bytes(g)) + len(g.ple_layers) * ple_state_bytes(g) + \
-        g.n_layer * g.n_expert * 8
+    return n_gdn * (gdn_state_bytes(g) + conv_state_bytes(g)) + len(g.ple_layers) * ple_state_bytes(g)
 
 
 def spec_host_bytes(g: ModelGeometry, max_context: int, kv: str, n_draft: int, mtp: bool, chunk: int = 0) -> int:
@@ -417,14 +422,21 @@ def _spec_items(g: ModelGeometry, o: BudgetOptions, mtp: bool) -> list[Item]:
     state after each of its N draft rows to roll back to (N snapshots, made once per request); the
     MTP head drafting keeps its own KV cache (one full-attention layer of the session's kind and
     context) and the trunk's head input of the rows it feeds (f32, the prompt chunk or 1 + N rows).
-    The drafting runs on the CPU whatever the step (engine/speculative.py): host items."""
+    The drafting runs on the CPU whatever the step (engine/speculative.py): host items. With the
+    device step the snapshots' states are on the device (`verify.snapshots`, stage 7): only their
+    routing counts are here."""
     if not o.spec:
         return []
     B, C, N = o.batch, o.max_context, o.spec
     each = f" per request, x {B}" if B > 1 else ""
-    snap = snapshot_bytes(g)
-    items = [Item("spec.snapshots", f"verify snapshots ({N} x {snap} B: GDN S and conv, PLE, routing{each})",
-                  B * N * snap, WEIGHTS, HOST, count=B * N)]
+    if o.device_step:  # the states' part is on the device (verify.snapshots); the routing counts here
+        snap = g.n_layer * g.n_expert * 8
+        items = [Item("spec.snapshots", f"verify snapshots' routing counts ({N} x {snap} B{each}; their states are "
+                      "on the device)", B * N * snap, WEIGHTS, HOST, count=B * N)]
+    else:
+        snap = snapshot_bytes(g)
+        items = [Item("spec.snapshots", f"verify snapshots ({N} x {snap} B: GDN S and conv, PLE, routing{each})",
+                      B * N * snap, WEIGHTS, HOST, count=B * N)]
     if mtp:
         rows = max(o.prefill_chunk, N + 1)
         items += [Item("spec.mtp_kv", f"MTP head KV cache ({o.kv}, {C} tokens{each})", B * C * kv_bytes_per_token(g, o.kv),
@@ -657,5 +669,10 @@ def _after_cache_items(g: ModelGeometry, o: BudgetOptions, slot: int) -> list[It
         Item("draft.bind", "draft head binding" + ("" if o.draft_bind_bytes else " (no --mtp)"), o.draft_bind_bytes, VERIFIER),
         Item("verify.logits", f"verifier logits ({o.spec + 1} positions)" if o.spec else "verifier logits (no --spec)",
              (o.spec + 1) * g.n_vocab * F32 if o.spec else 0, VERIFIER),
+        # the device step keeps a verify's per-row snapshots beside the session's states, so the
+        # rollback is a copy on the device (engine/speculative.py); the host-driven step, on the host
+        Item("verify.snapshots", f"verify snapshots on the device ({o.spec} x {snapshot_state_bytes(g)} B: GDN S and "
+             "conv, PLE)" if o.spec and o.device_step else "verify snapshots on the device (no --spec or the host-driven "
+             "step)", o.spec * snapshot_state_bytes(g) if o.device_step else 0, VERIFIER, count=max(o.spec, 1)),
     ]
 

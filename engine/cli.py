@@ -187,8 +187,6 @@ def generate(
     spec_options(spec, spec_min_p, spec_drafter)
     if gpu_step not in ("host", "device"):
         raise _fail(f"--gpu-step {gpu_step!r}: expected host or device", 2)
-    if spec and gpu_step == "device":
-        raise _fail("--spec drafts and verifies on the host-driven step: use --gpu-step host (or --spec 0)", 2)
     try:
         pack = resolve_pack(pack_arg, pack)
         del pack_arg
@@ -293,10 +291,10 @@ def check_context(who: str, g, kv: str, ctx: int, flag: str, extra_bytes: int = 
 
 def start_tier(model, device: str, *, max_context: int, kv: str, chunk: int, expert_cache: str = "auto",
                expert_profile=None, vram_budget_mib=None, vram_reserve_mib: int = 700, who: str, step: str = "host",
-               stream_min_tokens: int | None = None):
+               stream_min_tokens: int | None = None, spec: int = 0):
     """The GPU tier for --device gpu, or auto when CuPy sees a GPU (without one, auto is the CPU,
     not an error, and stderr says so and why); None on the CPU. Its startup lines (each stage's
-    memory) go to stderr."""
+    memory) go to stderr. `spec`: --spec N, whose verifier the device step places at startup."""
     from strata.engine.tier import GpuTier, TierOptions
     from strata.engine.kernels import gpu
 
@@ -322,7 +320,7 @@ def start_tier(model, device: str, *, max_context: int, kv: str, chunk: int, exp
     o = TierOptions(max_context=max_context, kv=kv, prefill_chunk=chunk,
                     expert_cache=gpu_options(device, expert_cache, vram_budget_mib, vram_reserve_mib), profile=profile,
                     vram_budget_mib=vram_budget_mib, vram_reserve_mib=vram_reserve_mib, step=step,
-                    stream_min_tokens=stream_min_tokens)
+                    stream_min_tokens=stream_min_tokens, spec=spec if step == "device" else 0)
     tier = GpuTier.start(model, o, log=lambda line: typer.echo(f"{who}: {line}", err=True))
     if step == "device":  # its kernels compile at first use: in the load, not in the first tokens
         model.warm_up(prompt_path=chunk > 0)
@@ -417,6 +415,10 @@ def _run(pack, prompt, prompt_file, prompt_ids, n, ignore_eos, temp, top_k, top_
         raise ValueError(f"--spec {spec} drafts with the pack's MTP block and {pack} has none (convert the GGUF with "
                          "its MTP block, or the MTP-only GGUF with strata-pack convert --mtp PATH); --spec-drafter "
                          "oracle, wrong or right:P draft from a --spec 0 run instead, for measuring")
+    if spec and gpu_step == "device" and (g.has_qsa or g.ple_layers):
+        # the verify's QSA and PLE rows on the device are not checked against its token step yet
+        raise ValueError(f"--spec {spec} with --gpu-step device runs qwen35moe packs; {pack} is {g.arch} (QSA, PLE): "
+                         "use --gpu-step host (or --spec 0)")
     ctx, n_new = context_and_count(len(ids), n, max_context)
     flag = "--ctx-size" if max_context is not None or n == -1 else "-n"
     shown = f"--ctx-size {ctx}" if flag == "--ctx-size" else f"-n {n} (+ {len(ids)} prompt tokens = {ctx})"
@@ -436,7 +438,8 @@ def _run(pack, prompt, prompt_file, prompt_ids, n, ignore_eos, temp, top_k, top_
     chunk = prefill_chunk(option, p.geometry, ctx, device)
     tier = start_tier(model, device, max_context=ctx, kv=kv, chunk=chunk, expert_cache=expert_cache,
                       expert_profile=expert_profile, vram_budget_mib=vram_budget_mib, vram_reserve_mib=vram_reserve_mib,
-                      who="strata generate", step=gpu_step, stream_min_tokens=stream_option(stream_min_tokens))
+                      who="strata generate", step=gpu_step, stream_min_tokens=stream_option(stream_min_tokens),
+                      spec=spec)
     session = tier.take_session(ctx, kv) if tier is not None else model.new_session(ctx, kv)
     # --ignore-eos bans the stop tokens (llama.cpp's rule), so exactly n tokens come out
     sampler = Sampler(p.geometry.n_vocab, params, banned=tok.stop_ids if ignore_eos else ())
@@ -457,7 +460,7 @@ def _run(pack, prompt, prompt_file, prompt_ids, n, ignore_eos, temp, top_k, top_
             result, spec_stats, plain = speculative_generate(
                 model, session, ids, sampler, n_new, n_draft=spec, drafter=spec_drafter, min_p=spec_min_p, kv=kv,
                 measure=stats, stop_ids=tok.stop_ids, on_token=emit, on_logits=logits.record if logits else None,
-                prefill=chunk)
+                prefill=chunk, snapshots=tier.snapshots if tier is not None else None)
         else:
             result = run_generation(model, session, ids, sampler, n_new, stop_ids=tok.stop_ids, on_token=emit,
                                     on_logits=logits.record if logits else None, prefill=chunk)

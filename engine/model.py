@@ -149,6 +149,11 @@ class GatedAttention:
             if n == 1 and len(seqs) == 1:  # the decode step: the backend's one-token form
                 o = be.attend_one(cache, r.pos, q, k, v, D**-0.5)
                 break
+            if n == 1 and be.rows_attend_one:
+                # a verify row (or a batch's decoding request) on a backend whose one-token form sums
+                # in another order than its `attention` (the device step): the token step's bits
+                o[r.a : r.b] = be.attend_one(cache, r.pos, q[r.a : r.b], k[r.a : r.b], v[r.a : r.b], D**-0.5)
+                continue
             cache.write(r.pos, k[r.a : r.b], v[r.a : r.b])
             K, V = cache.read(slice(0, r.pos + n))
             visible = None if n == 1 else be.causal_mask(r.pos, n, r.pos + n)  # one token sees its whole cache
@@ -408,7 +413,7 @@ class Model:
         return self._forward([s], [(int(token),)], [1], [s.logits.reshape(1, -1)], pick=sampler.device_draw(history, s.logits))
 
     def forward(self, s: Session, tokens, n_logits: int = 1, *, hidden: np.ndarray | None = None,
-                saved: list | None = None) -> np.ndarray:
+                saved: list | None = None, pick: np.ndarray | None = None) -> np.ndarray:
         """Feed T tokens at positions s.pos.. in one batch; returns the logits of the last `n_logits`
         positions, f32 [n_logits, n_vocab] (0 <= n_logits <= T: the LM head runs only for those).
 
@@ -417,12 +422,19 @@ class Model:
         qwen4exp), what an MTP head drafts from. saved: speculative decoding's verify forward
         (engine/speculative.py): the rows run as one-token sequences of this session in turn, each
         with the token step's own arithmetic (so a verified row has the bits decoding gives it), and
-        the state after row i is copied into saved[i] (a Snapshot; None: not kept)."""
+        the state after row i is copied into saved[i] (a Snapshot; None: not kept). pick: the banned
+        ids (int32, Sampler.pick): returns instead the greedy token of each of the n_logits rows,
+        int64 [n_logits], picked where the logits are (the device step: only the ids come back)."""
         ids = np.asarray(tokens, np.int64).reshape(-1).tolist()
         if not ids or not 0 <= n_logits <= len(ids):
             raise ValueError(f"forward: n_logits {n_logits} outside 0..{len(ids)} (the tokens fed), at least one token")
         if hidden is not None and hidden.shape[0] > len(ids):
             raise ValueError(f"forward: {hidden.shape[0]} hidden rows asked for, {len(ids)} tokens fed")
+        if pick is not None and n_logits:
+            if len(ids) == 1 and hidden is None and not saved:  # one token: the token step's own pick
+                return np.array([self.step_pick(s, ids[0], pick)], np.int64)
+            return self._forward([s], [ids], [n_logits], [np.empty((n_logits, 0), F32)], [hidden], [saved], pick=pick,
+                                 rows_pick=True)
         if hidden is None and saved is None:
             return self.forward_batch([s], [ids], [n_logits])[0]
         return self.forward_batch([s], [ids], [n_logits], hidden=[hidden], saved=[saved])[0]
@@ -453,20 +465,25 @@ class Model:
         return outs
 
     def _forward(self, sessions: list[Session], tokens: list, n_logits: list[int], outs: list[np.ndarray],
-                 hidden: list | np.ndarray | None = None, saved: list | None = None, pick: np.ndarray | None = None):
+                 hidden: list | np.ndarray | None = None, saved: list | None = None, pick: np.ndarray | None = None,
+                 rows_pick: bool = False):
         """`hidden`, `saved`: per session (forward_batch's), or for `step`'s one session its array.
         `pick`: step_pick's banned ids or step_sample's DeviceDraw (the token step picks the next
-        token: returned)."""
+        token: returned); with `rows_pick`, forward's banned ids (one session: the greedy token of
+        each logits row, returned)."""
         if isinstance(hidden, np.ndarray):
             hidden = [hidden]
         try:
+            if rows_pick:
+                return self._forward_rows(sessions, tokens, n_logits, outs, hidden, saved, None, pick)
             return self._forward_rows(sessions, tokens, n_logits, outs, hidden, saved, pick)
         finally:
             if self.backend.experts is not None:  # what the expert server owes the sessions (routing counts)
                 self.backend.experts.settle()
 
     def _forward_rows(self, sessions: list[Session], tokens: list, n_logits: list[int], outs: list[np.ndarray],
-                      hidden: list | None, saved: list | None, pick: np.ndarray | None = None) -> int | None:
+                      hidden: list | None, saved: list | None, pick: np.ndarray | None = None,
+                      rows_pick: np.ndarray | None = None) -> int | np.ndarray | None:
         for s, t in zip(sessions, tokens):
             self._check(s, t)
         g, r, be = self.geometry, self.residual, self.backend
@@ -509,22 +526,37 @@ class Model:
         for s, t in zip(sessions, tokens):
             s.pos += len(t)
         if hidden is not None and any(h is not None for h in hidden):
-            self._head_with_hidden(spans, n_logits, outs, hidden, H)
-            return
+            return self._head_with_hidden(spans, n_logits, outs, hidden, H, rows_pick)
         want = [(b - n, b) for n, (_, b) in zip(n_logits, spans) if n]
         if not want:
             return
         rows = H[want[0][0] : want[0][1]] if len(want) == 1 else np.concatenate([H[a:b] for a, b in want])
         if len(want) == 1:
-            be.linear(self.head, r.final(be, rows), next(o for o in outs if o.shape[0]))
-            return
+            return self._head_rows(r.final(be, rows), next(o for o in outs if o.shape[0]), rows_pick)
         logits = be.host(be.linear(self.head, r.final(be, rows)))
         i = 0
         for o in outs:
             o[...] = logits[i : i + o.shape[0]]
             i += o.shape[0]
 
-    def _head_with_hidden(self, spans, n_logits, outs, hidden, H) -> None:
+    def _head_rows(self, x, out: np.ndarray, pick: np.ndarray | None) -> np.ndarray | None:
+        """The LM head of one session's rows x into `out`; with `pick` (the banned ids) the greedy
+        token of each row instead, returned: picked on the device step (DeviceBackend.pick_rows,
+        only the ids come down), else from the logits here (the sampler's greedy rule)."""
+        be = self.backend
+        if pick is None:
+            be.linear(self.head, x, out)
+            return None
+        n, V = out.shape[0], self.geometry.n_vocab
+        buf = getattr(be, "verify_logits", None)  # the tier's planned rows, when it placed them
+        logits = be.linear(self.head, x, buf[:n] if buf is not None and buf.shape[0] >= n else None)
+        if getattr(be, "pick_rows", None) is not None:
+            return be.pick_rows(logits, pick)
+        work = np.array(be.host(logits), F32).reshape(n, V)
+        work[:, pick] = -np.inf
+        return work.argmax(axis=-1).astype(np.int64)
+
+    def _head_with_hidden(self, spans, n_logits, outs, hidden, H, pick: np.ndarray | None = None):
         """Each session's last n_h rows' head input into hidden[i] (None: none asked), its logits rows
         among them: the final mix of the rows either needs, once, then one LM head product."""
         r, be = self.residual, self.backend
@@ -535,8 +567,8 @@ class Model:
         final = r.final(be, H[sel[0][0] : sel[0][1]] if len(sel) == 1 else np.concatenate([H[a:b] for a, b in sel]))
         at, want = 0, []  # at: session i's first row in `final`
         for h, n, k in zip(hidden, n_logits, need):
-            if h is not None:
-                h[...] = final[at + k - h.shape[0] : at + k]
+            if h is not None:  # (the host's array: the device step's rows come down)
+                h[...] = be.host(final[at + k - h.shape[0] : at + k])
             if n:
                 want.append((at + k - n, at + k))
             at += k
@@ -544,8 +576,7 @@ class Model:
             return
         rows = final[want[0][0] : want[0][1]] if len(want) == 1 else np.concatenate([final[a:b] for a, b in want])
         if len(want) == 1:
-            be.linear(self.head, Input(rows), next(o for o in outs if o.shape[0]))
-            return
+            return self._head_rows(Input(rows), next(o for o in outs if o.shape[0]), pick)
         logits = be.host(be.linear(self.head, Input(rows)))
         i = 0
         for o in outs:

@@ -114,6 +114,11 @@ class MoE:
         # an expert server may take a whole token where its arrays live: routing, experts, combine
         # (the device step's, engine/tier/device.py); None: routed here
         out = be.experts.token(self, x, counts) if T == 1 and be.experts is not None else None
+        if out is None and T > 1 and getattr(be.experts, "rows", None) is not None and isinstance(counts, list) \
+                and all(r.n == 1 for r in counts):
+            # one-token sequences (a verify's rows): the server's token path row by row, where it has
+            # one (the device step: no round trip of the routing through the host, the token's bits)
+            out = be.experts.rows(self, x, counts)
         sc, shared = be.scratch, None
         if out is None:
             logits = None

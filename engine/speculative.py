@@ -30,6 +30,9 @@ EXACT, not within rounding: the verify forward runs each row as a one-token sequ
 a verified row has the bits the token step gives it and greedy output with --spec N is the output
 of --spec 0 (tests/engine/test_speculative.py). The weights, the cost of a CPU step, are read once
 for the 1 + n rows; attention's KV and the delta rule's S are read once per row, as token steps do.
+On the device step (--gpu-step device) the same holds with the device's token step: a row attends
+and runs its MoE by the token step's kernels, the snapshots are device arrays (the rollback copies
+there) and a greedy verification brings back only each row's pick (tests/gpu/test_device_spec.py).
 
 Drafters: `MTPDrafter` (the pack's MTP block, engine/mtp.py) is the real one. `ReferenceDrafter`s
 know the continuation of a --spec 0 run and name its tokens right always ("oracle"), never
@@ -59,10 +62,13 @@ F32 = np.float32
 class Snapshot:
     """The state of a session after one verified row, for what is not indexed by position: per layer
     the Gated DeltaNet conv and S (None for attention layers), the PLE states, the routing counts.
-    Made once per draft position (the verify forward copies into it; nothing is allocated per token)."""
+    Made once per draft position (the verify forward copies into it; nothing is allocated per token).
+    `backend`: where the states live (the model's): the device step's snapshots are device arrays,
+    so the verify's copies and the rollback stay on the device."""
 
-    def __init__(self, session: Session):
-        self.states = [{k: np.empty_like(v) for k, v in st.items()} if isinstance(st, dict) else None
+    def __init__(self, session: Session, backend=None):
+        alloc = (lambda v: np.empty_like(v)) if backend is None else (lambda v: backend.zeros(v.shape, v.dtype))
+        self.states = [{k: alloc(v) for k, v in st.items()} if isinstance(st, dict) else None
                        for st in session.states]
         self.ple_states = {l: copy.deepcopy(st) for l, st in session.ple_states.items()}
         self.routing = np.empty_like(session.routing)
@@ -210,13 +216,17 @@ class SpecRun(Run):
     The prompt goes as in a Run (the MTP drafter reads every position's head input)."""
 
     def __init__(self, model: Model, session: Session, prompt, sampler, max_new_tokens: int, *, drafter: Drafter,
-                 n_draft: int, stats: SpecStats | None = None, **kw):
-        """`stats`: where the counts go (strata serve's requests share one, for /metrics); None: its own."""
+                 n_draft: int, stats: SpecStats | None = None, snapshots: list | None = None, **kw):
+        """`stats`: where the counts go (strata serve's requests share one, for /metrics); None: its own.
+        `snapshots`: n_draft Snapshots of this session's shapes made already (the GPU tier's, placed at
+        its startup: GpuTier.snapshots); None or empty: made here."""
         super().__init__(session, prompt, sampler, max_new_tokens, **kw)
         if n_draft < 1:
             raise ValueError(f"--spec {n_draft}: a speculative run drafts at least 1 token (--spec 0 is plain decoding)")
+        if snapshots and len(snapshots) != n_draft:
+            raise ValueError(f"SpecRun: {len(snapshots)} snapshots given for --spec {n_draft}")
         self.drafter, self.n_draft = drafter, n_draft
-        self.snaps = [Snapshot(session) for _ in range(n_draft)]
+        self.snaps = list(snapshots) if snapshots else [Snapshot(session, model.backend) for _ in range(n_draft)]
         rows = max(self.chunk, n_draft + 1)
         self.hidden = np.empty((rows, model.geometry.n_embd), F32) if drafter.needs_hidden else None
         self.drafts: list[int] | None = None  # the drafts being verified
@@ -251,8 +261,10 @@ class SpecRun(Run):
             if tokens.size == 1:
                 return model.step(self.session, int(tokens[0]), h)
             return model.forward(self.session, tokens, n_logits, hidden=h)
+        # greedy on the device step: each row's pick is made there and only the ids come back
+        banned = self.sampler.pick if self.on_logits is None and model.picks else None
         t0 = time.perf_counter()
-        rows = model.forward(self.session, tokens, n_logits, hidden=h, saved=saved)
+        rows = model.forward(self.session, tokens, n_logits, hidden=h, saved=saved, pick=banned)
         self.stats.verify_s += time.perf_counter() - t0
         return rows
 
@@ -272,15 +284,20 @@ class SpecRun(Run):
         st.verifications += 1
         st.drafted[:n] += 1
         done = False
+        picked = rows.ndim == 1  # the greedy picks of the rows (made on the device), not their logits
         for i in range(n + 1):
             self.fed = P + i + 1  # rows 0..i fed for good
             if self.on_logits is not None:
                 self.on_logits(P + i, rows[i])
             if i < n:
                 st.judged[i] += 1
-                token, kept = self.sampler.judge(rows[i], self.history[: self.n_tokens], d[i], self.qs[i])
+                if picked:  # greedy judging: the draft is kept when it is the pick
+                    token, kept = int(rows[i]), int(rows[i]) == d[i]
+                else:
+                    token, kept = self.sampler.judge(rows[i], self.history[: self.n_tokens], d[i], self.qs[i])
             else:
-                token, kept = self.sampler.sample(rows[n], self.history[: self.n_tokens]), False
+                token = int(rows[n]) if picked else self.sampler.sample(rows[n], self.history[: self.n_tokens])
+                kept = False
             if kept:
                 st.accepted[i] += 1
             st.produced += 1
@@ -316,9 +333,9 @@ def parse_drafter(text: str) -> tuple[str, float]:
 
 def speculative_generate(model: Model, session: Session, prompt, sampler, max_new_tokens: int, *, n_draft: int,
                          drafter: str = "mtp", min_p: float = 0.75, kv: str = "f32", measure: bool = False,
-                         **kw):
+                         snapshots: list | None = None, **kw):
     """`generate` (engine/generate.py, whose keyword arguments `kw` are) with --spec n_draft.
-    -> (the Generation, SpecStats, the --spec 0 Generation or None).
+    -> (the Generation, SpecStats, the --spec 0 Generation or None). `snapshots`: SpecRun's.
 
     A --spec 0 run of the same prompt and sampler settings (its own session, the same seed, silent)
     comes first when the drafter needs its continuation (oracle, wrong, right:P) or `measure` asks
@@ -338,5 +355,5 @@ def speculative_generate(model: Model, session: Session, prompt, sampler, max_ne
         d = MTPDrafter(MTPHead(model.pack), session.max_context, kv, sampler.fork(sampler.seed + 1), min_p)
     else:
         d = ReferenceDrafter(np.concatenate([plain.prompt, plain.tokens]), model.geometry.n_vocab, p, seed=sampler.seed)
-    run = SpecRun(model, session, prompt, sampler, max_new_tokens, drafter=d, n_draft=n_draft, **kw)
+    run = SpecRun(model, session, prompt, sampler, max_new_tokens, drafter=d, n_draft=n_draft, snapshots=snapshots, **kw)
     return drive(model, run), run.stats, plain

@@ -37,7 +37,7 @@ from pathlib import Path
 import numpy as np
 
 from ..backend import CpuBackend, Scratch
-from ..batch import seqs_of
+from ..batch import keep, seqs_of
 from ..kernels import gpu
 from ..kernels.actq import NonFiniteActivation
 from ..kernels.engine_form import placed_bytes
@@ -218,12 +218,11 @@ class DeviceExperts:
 
     def token(self, moe, x: Input, counts) -> object | None:
         """MoE.forward's routed sum for one token on the device -> device f32 [1, E], or None where
-        this path does not apply (expert weights of a float type, rows longer than mv takes, more
-        than 1024 experts (dev_route's registers), a verify forward's snapshots): the MoE then routes on the host."""
+        this path does not apply (expert weights of a float type, rows longer than mv takes, more than
+        1024 experts: dev_route's registers): the MoE then routes on the host. A verify row (its Seq's `saved`) settles its routing counts at once
+        and copies them into its snapshot."""
         seqs = seqs_of(counts, 1) if counts is not None else []
-        if not (moe.gu.quantized and moe.d.quantized) or any(r.saved is not None for r in seqs) or moe.k > 32 \
-                or moe.router.n_out > 1024 \
-                or not (gpu.slot_products_fit(moe.gu.id, moe.E, moe.F) and gpu.slot_products_fit(moe.d.id, moe.F, moe.E)):
+        if not self.fits(moe):
             return None
         be, rt, slots, layer = self.be, self.rt, self.hits.slots, moe.layer
         k, E, F = moe.k, moe.E, moe.F
@@ -260,7 +259,32 @@ class DeviceExperts:
                 be.at_host(lambda: self._misses(moe, states))
             rt.copy_in_async(b["miss"], b["miss_pinned"])
         be._launch("dev_combine_slots", E, (b["rows"], b["miss"], b["slot"], b["w"], b["out"], np.int32(k), np.int32(E)))
+        if any(r.saved is not None for r in seqs):
+            # a verify row's snapshot holds the routing counts up to it: they are settled now (the ids
+            # come down: one wait), not after the forward, then copied with the row's state
+            self.settle()
+            for r in seqs:
+                keep(r)
         return b["out"]
+
+    def fits(self, moe) -> bool:
+        """Whether `token` takes this MoE's routed part (quantized experts, rows mv takes, k <= 32, at
+        most 1024 experts)."""
+        return moe.gu.quantized and moe.d.quantized and moe.k <= 32 and moe.router.n_out <= 1024 and \
+            gpu.slot_products_fit(moe.gu.id, moe.E, moe.F) and gpu.slot_products_fit(moe.d.id, moe.F, moe.E)
+
+    def rows(self, moe, x: Input, seqs: list) -> object | None:
+        """MoE.forward's routed sum for T one-token sequences (a verify's rows) -> device f32 [T, E]:
+        `token` row by row, so each row is routed, computed and combined on the device as a token
+        step does it (its bits), with no round trip of the routing through the host; None where
+        `token` does not apply."""
+        if not self.fits(moe):
+            return None
+        T = x.x.shape[0]
+        out = self.be.scratch("moe.rows", (T, moe.E))
+        for i, r in enumerate(seqs):
+            out[i : i + 1] = self.token(moe, Input(x.x[i : i + 1]), [r._replace(a=0, b=1)])  # (token's buffer: copied)
+        return out
 
     def _misses(self, moe, states: tuple) -> None:
         """The host's part of a layer some of whose experts may miss, once the chosen ids, their slots
@@ -342,6 +366,7 @@ class DeviceBackend(CpuBackend):
     DeviceExperts serves the MoE through."""
 
     name = "gpu"
+    rows_attend_one = True  # dev_attn_split's order is not `attention`'s: a verify row takes the token step's
 
     def __init__(self, rt, hits):
         self.rt, self.xp = rt, rt.xp
@@ -377,6 +402,8 @@ class DeviceBackend(CpuBackend):
         self.floor_next = False  # the session's next replayed token step is captured in parts and timed
         # (True: a part per layer and the head; "kernels": a part per launch, labelled (layer, kernel))
         self.host_steps = False  # a block's token step has host work a replay cannot repeat (qsa_cache)
+        self.verify_logits = None  # --spec N: the verify's logits rows [1 + N, n_vocab], placed at the tier's stage 7
+        self._rows_pick = None  # pick_rows' (rows, banned ids, device picks [rows, 3], their pinned mirror, ids on the device)
 
     def _launch(self, name: str, n_threads: int, args: tuple, block: int = BLOCK, smem: int = 0) -> None:
         grid = max(1, min(-(-n_threads // block), 32 * self.rt.n_sm))
@@ -529,6 +556,9 @@ class DeviceBackend(CpuBackend):
         x = x if isinstance(x, Input) else Input(x)
         to_host = out is not None and not self.rt.is_array(out)
         dev_out = None if to_host else out
+        vl = self.verify_logits
+        if to_host and vl is not None and out.ndim == 2 and out.shape[0] <= vl.shape[0] and out.shape[1] == vl.shape[1]:
+            dev_out = vl[: out.shape[0]]  # the LM head's rows for the host (a verify's): the planned buffer
         if w.device is None:
             y = self.upload(CpuBackend.linear(self, w, Input(self.rt.to_host(x.x))))
             if dev_out is not None:
@@ -962,6 +992,29 @@ class DeviceBackend(CpuBackend):
             mirror[mirror[N] % N] = token
             mirror[N] += 1
         return token
+
+    def pick_rows(self, logits, banned: np.ndarray) -> np.ndarray:
+        """The greedy token of each row of the device logits [n, n_vocab] (a verify's): dev_argmax per
+        row, `_greedy`'s rule, the banned ids never -> int64 [n]; only the picks come down, in one copy
+        after one wait. A NaN or an infinite largest logit is refused as the sampler refuses it."""
+        rt = self.rt
+        n, V = logits.shape
+        got = self._rows_pick
+        if got is None or got[0] < n or got[1] is not banned:
+            ban = rt.to_device(np.ascontiguousarray(banned, np.int32)) if banned.size else rt.empty((1,), np.int32)
+            got = self._rows_pick = (n, banned, rt.empty((n, 3), np.int32), rt.pinned(12 * n).view(np.int32).reshape(n, 3), ban)
+        _, _, dev, host, ban = got
+        for i in range(n):
+            rt.launch(self._mod, "dev_argmax", 1, 1024, (logits[i], np.int32(V), ban, np.int32(banned.size), dev[i]),
+                      smem=3 * 32 * 4)
+        rt.copy_out_async(host[:n], dev[:n])
+        rt.synchronize()
+        for i in range(n):
+            top = float(host[i, 2:3].view(F32)[0])
+            if host[i, 1] or not np.isfinite(top):
+                raise NonFiniteActivation(f"sampler: logits row {i} of {n} contain {'NaN' if host[i, 1] else top} (max "
+                                          "over the vocabulary); refusing to sample")
+        return host[:n, 0].astype(np.int64)
 
     def boundary(self, what) -> None:
         """While `_floor_step` captures: the part captured so far becomes a graph of its own (it

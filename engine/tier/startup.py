@@ -86,6 +86,9 @@ class TierOptions:
     # a prompt chunk's non-resident expert routed at least this many of its tokens is streamed to the
     # device (engine/tier/staging.py); None: auto (staging.auto_min_tokens); 0: never (off)
     stream_min_tokens: int | None = None
+    # --spec N: the verifier's buffers are placed at stage 7 (the logits of 1 + N rows; with the
+    # device step, the N per-row snapshots of the states, `GpuTier.snapshots`)
+    spec: int = 0
 
 
 @dataclass
@@ -98,6 +101,7 @@ class GpuTier:
     hit_path: HitPath
     lines: list[str] = field(default_factory=list)
     session: Session | None = None  # the device step's first session, allocated at stage 1 as planned
+    snapshots: list = field(default_factory=list)  # its verify snapshots, allocated at stage 7 (--spec N, device step)
 
     def take_session(self, max_context: int, kv: str) -> Session:
         """The session the plan counted (the device step's, made at stage 1) the first time it fits
@@ -118,7 +122,7 @@ class GpuTier:
         s.cache_graphs()
         s.head_prompt()
         s.verifier()
-        return cls(model, s.plan, s.marks, s.slots, s.stats, s.hits, s.bind(), s.session)
+        return cls(model, s.plan, s.marks, s.slots, s.stats, s.hits, s.bind(), s.session, s.snapshots)
 
     def stop(self) -> None:
         """Unbind from the model (it runs on the CPU again) and give the device memory back."""
@@ -156,7 +160,7 @@ class _Startup:
         bopts = BudgetOptions(max_context=o.max_context, kv=o.kv, vram_reserve_mib=o.vram_reserve_mib,
                               prefill_chunk=o.prefill_chunk, expert_cache=o.expert_cache,
                               profile_pairs=o.profile.pairs if o.profile is not None else None,
-                              device_step=o.step == "device", stream_experts=o.stream_min_tokens != 0)
+                              device_step=o.step == "device", stream_experts=o.stream_min_tokens != 0, spec=o.spec)
         self.free0 = self.mem.free()
         self.plan = plan_budget(pack.index, pack.experts, g, bopts, free_bytes=self.free0)
         self.say(f"gpu tier: {self.free0 / MiB:.0f} MiB free at start"
@@ -282,7 +286,17 @@ class _Startup:
         self.mark(B.HEAD_PROMPT)
 
     def verifier(self) -> None:
-        """7. The verifier and the drafter's binding: none without --spec / --mtp."""
+        """7. The verifier and the drafter's binding: none without --spec / --mtp. With --spec N the
+        verify's logits (1 + N rows) and, with the device step, its N snapshots of the session's
+        states (engine/speculative.py Snapshot), device arrays a verify copies into and a rollback
+        copies from."""
+        self.snapshots = []
+        if self.o.spec and self.device is not None:
+            from ..speculative import Snapshot
+
+            self.device.verify_logits = self.rt.empty((self.o.spec + 1, self.model.geometry.n_vocab), np.float32)
+            self.snapshots = [Snapshot(self.session, self.device) for _ in range(self.o.spec)]
+        self.rt.synchronize()
         self.mark(B.VERIFIER)
         low = B.low_memory_warning(self.mem.free())
         if low:

@@ -1,0 +1,195 @@
+"""Speculative decoding on the device step (engine/speculative.py over engine/tier/device.py).
+
+Each test runs on CUDA (marked gpu: scripts/gpu_suite.sh) and on the host emulation (tests/gpu_emu.py).
+What must hold, with --gpu-step device and every expert resident:
+    - the verify forward's rows (T = 1 + N) have the bits the device's one-token step gives them;
+    - greedy output with --spec 1 and 2 is --spec 0's, for a drafter always right, one always wrong
+      and the pack's MTP head, and after the run every state of the session is the --spec 0
+      session's, bit for bit (the rollback restores them);
+    - the snapshots are device arrays, and a rollback copies them on the device: nothing of the
+      states comes down to the host; greedy verification picks each row's token on the device
+      (DeviceBackend.pick_rows): only the ids come down, never a logits row.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import engine_fixture as F
+import numpy as np
+import pytest
+
+from gpu_emu import EmuRuntime
+
+from strata.engine import budget as B
+from strata.engine.expert_plan import MiB
+from strata.engine.generate import drive, generate
+from strata.engine.model import Model
+from strata.engine.mtp import MTPHead
+from strata.engine.pack_reader import Pack
+from strata.engine.sampling import Sampler, SamplerParams
+from strata.engine.speculative import MTPDrafter, ReferenceDrafter, SpecRun, Snapshot, roll_back
+from strata.engine.tier import GpuTier, TierOptions
+from strata.engine.tier.device import DeviceBackend
+
+GREEDY = SamplerParams(temperature=0)
+N_PROMPT, N_NEW = 9, 8
+CTX = N_PROMPT + N_NEW
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("device-spec")
+    # two layers, a Gated DeltaNet and an attention one: the emulation runs a launch's every thread
+    # on the host (about 50 ms a product), so a layer costs seconds a test
+    return Model(Pack.open(F.make_pack(tmp, types={"experts": "Q8_0", "dense": "Q8_0"}, n_layer=2, full_attention_interval=2,
+                                       recurrent_layers=(1, 0), n_mtp_layer=1, mtp_shared_head_norm=1)))
+
+
+@contextlib.contextmanager
+def device_tier(model, spec=0):
+    tier = GpuTier.start(model, TierOptions(max_context=CTX, kv="f32", prefill_chunk=8, step="device", expert_cache=None,
+                                            spec=spec))
+    try:
+        assert isinstance(model.backend, DeviceBackend)
+        yield tier
+    finally:
+        tier.stop()
+
+
+def prompt_for(model, seed=3):
+    return np.random.default_rng(seed).integers(3, model.geometry.n_vocab, N_PROMPT).tolist()
+
+
+def host_states(be, s):
+    """Every state of session s on the host, for comparing: GDN conv and S, the KV cache up to pos,
+    the routing counts."""
+    out = []
+    for st in s.states:
+        if isinstance(st, dict):
+            out += [be.host(st["conv"]), be.host(st["S"])]
+        else:
+            out += [be.host(a) for a in st.read(slice(0, s.pos))]
+    return out + [s.routing.copy()]
+
+
+def test_the_verify_rows_have_the_bits_of_the_device_token_step(model, rt):
+    prompt = prompt_for(model)
+    toks = [5, 77, 140]
+    with device_tier(model):
+        be = model.backend
+        a, b = model.new_session(CTX), model.new_session(CTX)
+        model.forward(a, prompt, n_logits=0)
+        model.forward(b, prompt, n_logits=0)
+        steps = np.stack([model.step(a, t).copy() for t in toks])
+        snaps = [Snapshot(b, be) for _ in toks[:-1]]
+        launched, launch = [], be._launch
+        be._launch = lambda name, *a: (launched.append(name), launch(name, *a))
+        try:
+            rows = model.forward(b, toks, n_logits=3, saved=snaps)
+        finally:
+            del be._launch
+        # each row's MoE by the token path on the device (routing included), not routed on the host
+        # (whose rows dev_combine sums): no routing comes down
+        assert launched.count("dev_route") == len(toks) * model.geometry.n_layer and "dev_combine" not in launched
+        assert np.array_equal(rows, steps), f"max |diff| {np.abs(rows - steps).max()}"
+        for x, y in zip(host_states(be, b), host_states(be, a)):
+            assert np.array_equal(x, y)
+
+
+def test_a_rollback_copies_the_snapshot_on_the_device(model, rt):
+    """The snapshots are the runtime's arrays and a rollback brings nothing down: the session after
+    rolling back to the first verified row is the session fed that row alone."""
+    prompt = prompt_for(model, seed=4)
+    with device_tier(model):
+        be = model.backend
+        a, b = model.new_session(CTX), model.new_session(CTX)
+        model.forward(a, prompt + [9], n_logits=0)
+        model.forward(b, prompt, n_logits=0)
+        made = getattr(rt, "allocations", None)  # (the emulation counts the runtime's allocations)
+        snaps = [Snapshot(b, be), Snapshot(b, be)]
+        gdn = [l for l, st in enumerate(b.states) if isinstance(st, dict)]
+        assert gdn and all(rt.is_array(snaps[0].states[l]["S"]) for l in gdn)
+        if made is not None:  # each snapshot's conv and S of every GDN layer: the runtime's arrays
+            assert rt.allocations - made == 2 * 2 * len(gdn)
+        model.forward(b, [9, 31, 200], n_logits=3, saved=snaps)
+        down, to_host, copy_out, copy_out_async = [], rt.to_host, rt.copy_out, rt.copy_out_async
+        rt.to_host = lambda x: (down.append(x.nbytes), to_host(x))[1]
+        rt.copy_out = lambda h, d: (down.append(h.nbytes), copy_out(h, d))[1]
+        rt.copy_out_async = lambda h, d: (down.append(h.nbytes), copy_out_async(h, d))[1]
+        try:
+            roll_back(b, snaps[0], N_PROMPT + 1)
+        finally:
+            del rt.to_host, rt.copy_out, rt.copy_out_async
+        assert down == [], f"a rollback brought {down} bytes down"
+        assert b.pos == a.pos
+        for x, y in zip(host_states(be, b), host_states(be, a)):
+            assert np.array_equal(x, y)
+
+
+REFERENCE: dict = {}  # runtime type -> (--spec 0's Generation, its session's position and states)
+
+
+@pytest.mark.parametrize("n_draft", [1, 2])
+@pytest.mark.parametrize("kind", ["oracle", "wrong", "mtp"])
+def test_greedy_spec_on_the_device_step_is_plain_decoding(model, rt, kind, n_draft):
+    prompt = prompt_for(model)
+    V = model.geometry.n_vocab
+    with device_tier(model, spec=n_draft) as tier:
+        be = model.backend
+        if type(rt) not in REFERENCE:  # --spec 0's run, once per runtime (the emulation takes seconds a token)
+            ref_session = model.new_session(CTX)
+            ref = generate(model, ref_session, prompt, Sampler(V, GREEDY), N_NEW, prefill=8)
+            REFERENCE[type(rt)] = ref, ref_session.pos, host_states(be, ref_session)
+        ref, ref_pos, ref_states = REFERENCE[type(rt)]
+        if kind == "mtp":
+            drafter = MTPDrafter(MTPHead(model.pack), CTX, "f32", Sampler(V, GREEDY), min_p=0.0)
+        else:
+            drafter = ReferenceDrafter(np.concatenate([ref.prompt, ref.tokens]), V, {"oracle": 1.0, "wrong": 0.0}[kind])
+        s = model.new_session(CTX)
+        # the snapshots the tier placed at its startup (strata generate --spec N --gpu-step device hands them so)
+        run = SpecRun(model, s, prompt, Sampler(V, GREEDY), N_NEW, drafter=drafter, n_draft=n_draft, prefill=8,
+                      snapshots=tier.snapshots)
+        assert run.snaps == tier.snapshots
+        # each verification picks its rows' tokens on the device: ids come down, never a logits row
+        picks, pick_rows, to_host, down = [], be.pick_rows, rt.to_host, []
+        be.pick_rows = lambda logits, banned: (picks.append(logits.shape[0]), pick_rows(logits, banned))[1]
+        rt.to_host = lambda x: (down.append(x.shape), to_host(x))[1]
+        try:
+            out = drive(model, run)
+        finally:
+            del be.pick_rows, rt.to_host
+        st = run.stats
+        assert len(picks) == st.verifications and not [d for d in down if d[-1] == V], down
+        assert out.tokens.tolist() == ref.tokens.tolist()
+        assert st.verifications > 0 and st.drafted[0] > 0
+        if kind == "oracle":
+            assert (st.accepted == st.drafted).all()
+        elif kind == "wrong":
+            assert st.accepted.sum() == 0
+        assert s.pos == ref_pos
+        for x, y in zip(host_states(be, s), ref_states):
+            assert np.array_equal(x, y)
+
+
+def test_the_verifier_is_planned_and_placed_at_startup(model, rt):
+    """--spec 2 on the device step: stage 7 places the verify's logits rows and its two snapshots of
+    the states on the device, as the plan says (the routing counts' part on the host)."""
+    with device_tier(model, spec=2) as tier:
+        plan, marks, snaps = tier.plan, tier.marks, tier.snapshots
+        logits = model.backend.verify_logits
+    item = plan.item("verify.snapshots")
+    assert item.where == B.DEVICE and item.stage == B.VERIFIER and item.bytes == 2 * B.snapshot_state_bytes(model.geometry) > 0
+    assert plan.item("spec.snapshots").where == B.HOST
+    assert plan.item("spec.snapshots").bytes == 2 * model.geometry.n_layer * model.geometry.n_expert * 8
+    assert len(snaps) == 2 and logits.shape == (3, model.geometry.n_vocab)
+    assert sum(a.nbytes for sn in snaps for st in sn.states if st for a in st.values()) == item.bytes
+    assert marks[-1].stage == B.VERIFIER and marks[-1].predicted - marks[-2].predicted == \
+        item.bytes + plan.item("verify.logits").bytes
+    for n, m in enumerate(marks, 1):
+        if isinstance(rt, EmuRuntime):
+            assert m.used == m.predicted, m.line(n)
+        else:
+            assert abs(m.used - m.predicted) <= max(0.01 * m.card_used, 2 * MiB * n), m.line(n)
