@@ -47,6 +47,7 @@ from ..ops import L2NORM_EPS
 from ..ple import PLEState
 from ..qsa import QSACache
 from ..weights import Input, Weight
+from .device_chunk import DeviceChunk
 
 F32 = np.float32
 KERNELS = Path(__file__).with_name("device_kernels.cu")
@@ -159,7 +160,9 @@ class DeviceExperts:
     bit-identical across --expert-cache sizes. The routing counts (--stats) are the chosen ids,
     brought down once per forward (`settle`).
 
-    A prompt chunk (`routed`): the tier's hit path (engine/tier/hits.py) with the host's routing."""
+    A prompt chunk (`routed`), routed on the host: its experts in grouped launches on the device, the
+    misses on the CPU beside them (engine/tier/device_chunk.py); where that does not apply, the
+    tier's hit path (engine/tier/hits.py)."""
 
     def __init__(self, rt, hits, be):
         self.rt, self.hits, self.be = rt, hits, be
@@ -170,8 +173,12 @@ class DeviceExperts:
         # settled after the forward; a captured step's static entries are applied again at each replay
         self._log: list[tuple[int, tuple, int, int, bool]] = []
         self._queued = False  # the ids' copy to the host is queued (queue_settle)
+        # a prompt chunk's routed experts in grouped launches; None: the hit path's host-driven chunk
+        self.chunk = DeviceChunk(rt, hits, be)
 
     def routed(self, moe, x: Input, experts: np.ndarray, rows: np.ndarray, starts: np.ndarray):
+        if self.chunk is not None and self.chunk.fits(moe, rows.size):  # grouped launches (device_chunk.py)
+            return self.chunk.routed(moe, x, experts, rows, starts)
         host = Input(self.rt.to_host(x.x))  # its ActQ, made on the host, has the device quantizer's bits
         return self.rt.to_device(self.hits.routed(moe, host, experts, rows, starts))
 

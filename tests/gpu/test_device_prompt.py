@@ -53,3 +53,64 @@ def test_grouped_products_are_each_experts_matmul(rt, types):
         assert np.array_equal(got[a : a + c].view(np.int32), want.view(np.int32))
         want_s = rt.to_host(gpu.matmul(w, gpu.GpuActQ(xs.q[a : a + c], xs.d[a : a + c], xs.s16[a : a + c], None)))
         assert np.array_equal(got_big[perm[a : a + c]].view(np.int32), want_s.view(np.int32))
+
+
+# --- the chunk path against the host-driven hit path, through the model
+
+CTX = 40
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    import engine_fixture as F
+
+    from strata.engine.model import Model
+    from strata.engine.pack_reader import Pack
+
+    return Model(Pack.open(F.make_pack(tmp_path_factory.mktemp("device-prompt"), types={"experts": "Q8_0", "dense": "Q8_0"})))
+
+
+def prompt_logits(model, rt, toks, chunk: int, host_path: bool, **opts):
+    """The logits of every prompt position, the prompt fed in chunks of `chunk` (the last one
+    shorter where it does not divide), then two decode steps; and (launched kernel names, stats)."""
+    from strata.engine.tier import GpuTier, TierOptions
+
+    o = {"max_context": CTX, "kv": "f32", "prefill_chunk": 16, "step": "device", **opts}
+    tier = GpuTier.start(model, TierOptions(**o))
+    try:
+        if host_path:
+            model.backend.experts.chunk = None  # the hit path's host-driven chunk (hits.py), as before
+        s = tier.take_session(CTX, "f32")
+        launched, launch = [], rt.launch
+        rt.launch = lambda mod, name, *a, **k: (launched.append(name), launch(mod, name, *a, **k))
+        try:
+            rows = [np.array(model.forward(s, toks[a : a + chunk], n_logits=len(toks[a : a + chunk])))
+                    for a in range(0, len(toks) - 2, chunk)]
+            rows += [model.step(s, t).copy()[None] for t in toks[len(toks) - 2 :]]
+        finally:
+            del rt.launch
+        st = tier.stats
+        return np.concatenate(rows), launched, (int(st.chunk_resident.sum()), int(st.chunk_streamed.sum()), int(st.chunk_cpu.sum()))
+    finally:
+        tier.stop()
+
+
+@pytest.mark.parametrize("cache,stream", [("all", 0), ("third", 0), ("none", 2), ("third", 2)])
+def test_the_chunk_path_has_the_host_paths_bits(model, rt, cache, stream):
+    """The device step's prompt chunk in grouped launches gives the host-driven hit path's logits bit
+    for bit: every expert resident, some missing (the CPU's rows beside the device's), some streamed,
+    none resident; chunks of 4 over 11 prompt tokens (the last chunk of 3)."""
+    g = model.geometry
+    size = {"all": None, "third": g.n_layer * g.n_expert // 3, "none": 0}[cache]
+    toks = np.random.default_rng(5).integers(3, g.n_vocab, 13).tolist()
+    opts = {"expert_cache": size, "stream_min_tokens": stream}
+    want, old, _ = prompt_logits(model, rt, toks, 4, True, **opts)
+    got, new, (res, strm, cpu) = prompt_logits(model, rt, toks, 4, False, **opts)
+    assert not any(n.startswith("mmx") for n in old)
+    if cache != "none":
+        assert res > 0 and any(n.startswith("mmx") for n in new), (res, set(new))
+    if cache == "third":
+        assert cpu > 0  # both sides ran
+    if stream:
+        assert strm > 0
+    assert np.array_equal(got, want), f"max |diff| {np.abs(got - want).max()}"
