@@ -42,11 +42,23 @@ def hidden_(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
 def route_topk(logits: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
     """Router logits f32 [T, X] -> (expert ids int64 [T, k], weights f64 [T, k]) ranked by probability,
     the weights renormalised to sum to 1. The softmax is in float64, so the ranking and the weights
-    come from the probabilities transformers has; argpartition then a stable argsort."""
+    come from the probabilities transformers has. Equal probabilities rank the lower expert id first,
+    in the top-k and at its edge: the device's routing kernels (engine/tier/device_kernels.cu
+    dev_route, dev_route_rows) follow the same rule. (argpartition alone left the order of ties to
+    its partitioning, so a tie at the edge or within the k could pick or rank another expert than
+    the device did.)"""
     p = np.exp(logits - logits.max(axis=1, keepdims=True), dtype=np.float64)
     p /= p.sum(axis=1, keepdims=True)
-    top = np.argpartition(-p, k - 1, axis=1)[:, :k]
-    order = np.argsort(-np.take_along_axis(p, top, axis=1), axis=1, kind="stable")
+    T = p.shape[0]
+    kth = -np.partition(-p, k - 1, axis=1)[:, k - 1 : k]  # each row's k-th largest probability
+    above, tied = p > kth, p == kth
+    need = k - above.sum(axis=1, keepdims=True)  # the places left to the ties at the edge, lowest ids first
+    chosen = above | (tied & (np.cumsum(tied, axis=1) <= need))
+    if chosen.sum() != T * k:  # a NaN compares false to everything
+        t = int(np.flatnonzero(chosen.sum(axis=1) != k)[0])
+        raise ValueError(f"router logits of token {t} are not finite: no top-{k} of {p.shape[1]} experts")
+    top = np.nonzero(chosen)[1].reshape(T, k)  # ids ascending
+    order = np.argsort(-np.take_along_axis(p, top, axis=1), axis=1, kind="stable")  # ties keep the lower id first
     top = np.take_along_axis(top, order, axis=1)
     weights = np.take_along_axis(p, top, axis=1)
     weights /= weights.sum(axis=1, keepdims=True)
@@ -111,9 +123,11 @@ class MoE:
         kept apart and the sum is made rank by rank (`combine_reference`), so a token's result does
         not depend on its batch."""
         T = x.x.shape[0]
-        # an expert server may take a whole token where its arrays live: routing, experts, combine
-        # (the device step's, engine/tier/device.py); None: routed here
-        out = be.experts.token(self, x, counts) if T == 1 and be.experts is not None else None
+        # an expert server may take a whole token (or a prompt chunk) where its arrays live: routing,
+        # experts, combine (the device step's, engine/tier/device.py); None: routed here
+        out = None
+        if be.experts is not None:
+            out = be.experts.token(self, x, counts) if T == 1 else be.experts.tokens(self, x, counts)
         sc, shared = be.scratch, None
         if out is None:
             logits = None

@@ -922,6 +922,7 @@ __global__ void __launch_bounds__(256) mmx(const i64* __restrict__ tiles, int pe
     const i64* t = tiles + 5 * (i64)(blockIdx.x / per);
     const i64 first = t[2];
     const int n = (int)t[3];
+    if (n == 0) return;  // an unused tile of a table sized for the most a chunk can have (dev_group)
     (void)ntok_max;  // the launch's shared memory is sized for it; every tile has at most that many
     mm_body<T>(reinterpret_cast<const u8*>(t[0]), reinterpret_cast<const float*>(t[1]), xq, xd, xs,
                xrow ? xrow + first : nullptr, first, orow ? orow + first : nullptr, t[4] + first, out, n_out, nb, n,

@@ -1,8 +1,10 @@
 """A prompt chunk's routed experts on the device step: grouped launches in place of one per expert.
 
-MoE.forward routes the chunk (its router logits come down once: moe.route_topk's float64 rule on
-the host) and asks the expert server for the rows of every (token, rank) pair, expert by expert
-(MoE.routed). Here, with the chunk's activations left on the device:
+A layer whose experts are all resident runs wholly on the device (`forward`: routing, grouping,
+products, combine; nothing comes down). Otherwise MoE.forward routes the chunk (its router logits
+come down once: moe.route_topk's float64 rule on the host) and asks the expert server for the rows
+of every (token, rank) pair, expert by expert (MoE.routed). Here (`routed`), with the chunk's
+activations left on the device:
 
     - the tables of the layer (for each resident expert's tile of up to gpu.MAX_TOKENS pairs: its
       slot's weight addresses; each pair's token and the row MoE.routed wants it in) go up in ONE copy;
@@ -28,7 +30,7 @@ import numpy as np
 
 from .. import budget as B
 from ..kernels import gpu
-from ..kernels.engine_form import align
+from ..kernels.engine_form import align, placed_bytes, planes
 from ..weights import Input
 from .hits import _select
 from .memory import Carver
@@ -55,8 +57,56 @@ class DeviceChunk:
         if not (moe.gu.quantized and moe.d.quantized) or hp.prompt is None:
             return False
         tiles = 2 * (n_pairs + moe.router.n_out)  # at most: one per expert and one per MAX_TOKENS pairs
-        table = align(3 * 5 * 8 * tiles) + 3 * align(4 * n_pairs) + align(8)
+        # the tiles, the pairs' tokens, positions (i64), rows and zeros, dev_group's scratch, the marker
+        table = align(3 * 5 * 8 * tiles) + 5 * align(4 * n_pairs) + align(4 * (3 * moe.router.n_out + 1)) + align(8)
         return chunk_bytes(moe.E, moe.F, n_pairs) + table <= hp.prompt.size
+
+    def forward(self, moe, x: Input, table):
+        """MoE.forward's routed sum for the chunk x of a layer whose experts are all resident, wholly
+        on the device -> (device f32 [T, E], device ids int32 [T, k]: the routing, for the counts the
+        forward owes), or None where the chunk path does not take it. table: the layer's row of the
+        slot table on the device (DeviceExperts._table). The router's product (the device linear),
+        each token's top-k (dev_route_rows: dev_route's rule, moe.route_topk's experts and f32
+        weights), the grouping and the tiles (dev_group: Groups' order), gate and up in one launch,
+        h and its ActQ, the downs in one launch (rows in Groups' order) and dev_combine: no copy
+        and no wait on the host."""
+        T, k, X, E, F = x.x.shape[0], moe.k, moe.router.n_out, moe.E, moe.F
+        N = T * k
+        if not self.fits(moe, N):
+            return None
+        be, rt, xp, hp = self.be, self.rt, self.be.xp, self.hits
+        logits = be.linear(moe.router, x, moe._router_out(be, x))
+        moe.logits = logits  # as MoE.route keeps it (diagnostics)
+        ids, w = xp.empty((T, k), np.int32), xp.empty((T, k), F32)
+        rt.launch(be._mod, "dev_route_rows", T, 32, (logits, np.int32(X), np.int32(k), ids, w))
+        M = -(-N // gpu.MAX_TOKENS) + min(X, N)  # the most tiles N pairs can make
+        buf = Carver(rt, hp.prompt, "the prompt path's chunk buffers")
+        gu = buf.array((2 * N, F), F32)
+        h = buf.array((N, F), F32)
+        q = buf.actq(F, N)
+        hq = gpu.GpuActQ(q.q, q.d, q.s16, buf.array((1,), np.uint64))  # the quantizer's non-finite marker (unread)
+        t_gu, t_d = buf.array((2 * M, 5), np.int64), buf.array((M, 5), np.int64)
+        tok, pos = buf.array((N,), np.int32), buf.array((N,), np.int64)
+        scratch = buf.array((3 * X + 1,), np.int32)
+        zero = buf.array((N,), np.int32)
+        zero[...] = 0
+        gu_t, d_t = moe.gu.id, moe.d.id
+        slots = hp.slots
+        gu_bytes = placed_bytes(gu_t, E, F)
+        rt.launch(be._mod, "dev_group", 1, 256,
+                  (ids, np.int32(N), np.int32(k), np.int32(X), table, slots.arena, np.int64(slots.slot_bytes),
+                   np.int64(gu_bytes), np.int64(align(planes(gu_t, E, F)[0])), np.int64(align(planes(d_t, F, E)[0])),
+                   np.int32(gpu.MAX_TOKENS), np.int32(M), tok, pos, t_gu, t_d, scratch[:X], scratch[X : 2 * X],
+                   scratch[2 * X :]))
+        act = x.form(moe.gu, False, quantize=be._quantize)
+        xq = gpu.GpuActQ(act.q, act.d, act.s16, None)
+        gpu.grouped_products(gu_t, E, F, t_gu, 2 * M, xq, tok, None, gu)
+        self._hidden(gu, zero, h, hq, 0, N, F)
+        part = be.scratch("moe.part", (N, E))
+        gpu.grouped_products(d_t, F, E, t_d, M, hq, None, None, part)
+        out = be.scratch("moe.out", (T, E))
+        be._launch("dev_combine", T * E, (part, pos, w, out, np.int32(T), np.int32(k), np.int32(E)))
+        return out, ids
 
     def routed(self, moe, x: Input, experts: np.ndarray, rows: np.ndarray, starts: np.ndarray):
         """MoE.routed's rows (device f32 [len(rows), E], in its order) for the chunk x (device)."""

@@ -55,6 +55,55 @@ def test_grouped_products_are_each_experts_matmul(rt, types):
         assert np.array_equal(got_big[perm[a : a + c]].view(np.int32), want_s.view(np.int32))
 
 
+def test_dev_route_rows_and_dev_group_are_route_topk_and_groups(rt):
+    """A chunk's routing on the device: each token's experts and f32 weights are moe.route_topk's
+    (ties included: to the lower id), the grouped order and each pair's place are Groups', and the
+    tiles cover each expert's pairs in MAX_TOKENS pieces on its slot's planes (unused ones empty)."""
+    from strata.engine.moe import Groups, route_topk
+    from strata.engine.tier.device import KERNELS, _NAMES
+
+    mod = rt.compile(_NAMES, KERNELS)
+    rng = np.random.default_rng(3)
+    T, X, k = 150, 24, 4
+    logits = rng.standard_normal((T, X)).astype(np.float32)
+    logits[:, 5] = logits[:, 9]  # ties: the lower id first
+    logits[:100, 2] += 3.0  # expert 2 takes more than a tile of pairs
+    ids, w = rt.to_device(np.zeros((T, k), np.int32)), rt.to_device(np.zeros((T, k), np.float32))
+    rt.launch(mod, "dev_route_rows", T, 32, (rt.to_device(logits), np.int32(X), np.int32(k), ids, w))
+    top, weights = route_topk(logits, k)
+    assert np.array_equal(rt.to_host(ids), top)
+    assert np.array_equal(rt.to_host(w).view(np.int32), weights.astype(np.float32).view(np.int32))
+    N, M, tile = T * k, -(-T * k // gpu.MAX_TOKENS) + X, gpu.MAX_TOKENS
+    table = rng.permutation(X).astype(np.int32)  # expert e in slot table[e]
+    arena = rt.to_device(np.zeros(64, np.uint8))
+    sb, gub, gsc, dsc = 1000, 300, 100, 50
+    tok, pos = rt.to_device(np.full(N, -1, np.int32)), rt.to_device(np.full(N, -1, np.int64))
+    t_gu, t_d = rt.to_device(np.full((2 * M, 5), 7, np.int64)), rt.to_device(np.full((M, 5), 7, np.int64))
+    scratch = rt.to_device(np.zeros(3 * X + 1, np.int32))
+    rt.launch(mod, "dev_group", 1, 256, (ids, np.int32(N), np.int32(k), np.int32(X), rt.to_device(table), arena,
+                                         np.int64(sb), np.int64(gub), np.int64(gsc), np.int64(dsc), np.int32(tile),
+                                         np.int32(M), tok, pos, t_gu, t_d, scratch[:X], scratch[X : 2 * X], scratch[2 * X :]))
+    grp = Groups(top)
+    assert np.array_equal(rt.to_host(tok), grp.rows)
+    assert np.array_equal(rt.to_host(pos).reshape(T, k), grp.slot)
+    base = rt.ptr(arena)
+    want_g, want_u, want_d = [], [], []
+    for g, e in enumerate(grp.experts):
+        a, b = int(grp.starts[g]), int(grp.starts[g + 1])
+        s_ = base + int(table[e]) * sb
+        for f in range(a, b, tile):
+            n = min(tile, b - f)
+            want_g.append((s_, s_ + gsc, f, n, 0))
+            want_u.append((s_ + gub, s_ + gub + gsc, f, n, N))
+            want_d.append((s_ + 2 * gub, s_ + 2 * gub + dsc, f, n, 0))
+    got_gu, got_d = rt.to_host(t_gu), rt.to_host(t_d)
+    used = len(want_g)
+    assert any(r[3] == tile for r in want_g) and used < M
+    assert np.array_equal(got_gu[:used], np.array(want_g)) and np.array_equal(got_gu[M : M + used], np.array(want_u))
+    assert np.array_equal(got_d[:used], np.array(want_d))
+    assert (got_gu[used:M, 3] == 0).all() and (got_gu[M + used :, 3] == 0).all() and (got_d[used:, 3] == 0).all()
+
+
 # --- the chunk path against the host-driven hit path, through the model
 
 CTX = 40
@@ -95,11 +144,12 @@ def prompt_logits(model, rt, toks, chunk: int, host_path: bool, **opts):
         tier.stop()
 
 
-@pytest.mark.parametrize("cache,stream", [("all", 0), ("third", 0), ("none", 2), ("third", 2)])
+@pytest.mark.parametrize("cache,stream", [("all", 0), ("none", 2), ("third", 2)])
 def test_the_chunk_path_has_the_host_paths_bits(model, rt, cache, stream):
     """The device step's prompt chunk in grouped launches gives the host-driven hit path's logits bit
-    for bit: every expert resident, some missing (the CPU's rows beside the device's), some streamed,
-    none resident; chunks of 4 over 11 prompt tokens (the last chunk of 3)."""
+    for bit: every expert resident (routed on the device), none resident (some streamed), a third
+    resident (the CPU's rows and streamed ones beside the device's); chunks of 4 over 11 prompt
+    tokens (the last chunk of 3)."""
     g = model.geometry
     size = {"all": None, "third": g.n_layer * g.n_expert // 3, "none": 0}[cache]
     toks = np.random.default_rng(5).integers(3, g.n_vocab, 13).tolist()
@@ -109,8 +159,42 @@ def test_the_chunk_path_has_the_host_paths_bits(model, rt, cache, stream):
     assert not any(n.startswith("mmx") for n in old)
     if cache != "none":
         assert res > 0 and any(n.startswith("mmx") for n in new), (res, set(new))
+    # a layer whose experts are all resident routes and groups on the device, the others on the host
+    assert ("dev_group" in new) == (cache == "all") and "dev_group" not in old
     if cache == "third":
         assert cpu > 0  # both sides ran
     if stream:
         assert strm > 0
+    assert np.array_equal(got, want), f"max |diff| {np.abs(got - want).max()}"
+
+
+@pytest.fixture(scope="module")
+def qwen4exp(tmp_path_factory):
+    from strata.engine.model import Model
+    from strata.engine.pack_reader import Pack
+    from strata.tools import pack as tools_pack
+    from strata.tools.synth import PRESETS, synth
+
+    tmp = tmp_path_factory.mktemp("device-prompt-q4")
+    (tmp / "src").mkdir()
+    shards = synth("qwen4exp", "tiny", tmp / "src" / "tiny.gguf")
+    tools_pack.convert(shards[:1], tmp / "q4", compress_ratio=PRESETS["tiny"].compress_ratio)
+    return Model(Pack.open(tmp / "q4"))
+
+
+@pytest.mark.slow  # the emulated products of the tiny qwen4exp: ~25 s a token step on the CI's 2 cores
+@pytest.mark.parametrize("cache", ["all", "third"])
+def test_the_qwen4exp_chunk_path_has_the_host_paths_bits(qwen4exp, rt, cache):
+    """qwen4exp's prompt on the device step: a chunk of 3 then one of 2 (then two steps), the same
+    logits bit for bit as the host-driven hit path, every expert resident (routed on the device) or
+    a third (routed on the host, misses on the CPU)."""
+    g = qwen4exp.geometry
+    size = {"all": None, "third": g.n_layer * g.n_expert // 3}[cache]
+    toks = np.random.default_rng(5).integers(3, g.n_vocab, 7).tolist()
+    want, _, _ = prompt_logits(qwen4exp, rt, toks, 3, True, expert_cache=size, stream_min_tokens=0)
+    got, new, (res, _, cpu) = prompt_logits(qwen4exp, rt, toks, 3, False, expert_cache=size, stream_min_tokens=0)
+    assert res > 0 and any(n.startswith("mmx") for n in new)
+    assert ("dev_group" in new) == (cache == "all")
+    if cache == "third":
+        assert cpu > 0
     assert np.array_equal(got, want), f"max |diff| {np.abs(got - want).max()}"
