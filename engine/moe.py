@@ -49,20 +49,33 @@ def route_topk(logits: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
     the device did.)"""
     p = np.exp(logits - logits.max(axis=1, keepdims=True), dtype=np.float64)
     p /= p.sum(axis=1, keepdims=True)
-    T = p.shape[0]
-    kth = -np.partition(-p, k - 1, axis=1)[:, k - 1 : k]  # each row's k-th largest probability
-    above, tied = p > kth, p == kth
-    need = k - above.sum(axis=1, keepdims=True)  # the places left to the ties at the edge, lowest ids first
-    chosen = above | (tied & (np.cumsum(tied, axis=1) <= need))
-    if chosen.sum() != T * k:  # a NaN compares false to everything
-        t = int(np.flatnonzero(chosen.sum(axis=1) != k)[0])
-        raise ValueError(f"router logits of token {t} are not finite: no top-{k} of {p.shape[1]} experts")
-    top = np.nonzero(chosen)[1].reshape(T, k)  # ids ascending
-    order = np.argsort(-np.take_along_axis(p, top, axis=1), axis=1, kind="stable")  # ties keep the lower id first
+    top = np.argpartition(-p, k - 1, axis=1)[:, :k]  # position k - 1 holds each row's k-th largest
+    if p.shape[0] == 1:  # the decode step: scalar work (each numpy call on a row costs microseconds)
+        edge = np.count_nonzero(p >= p[0, top[0, k - 1]]) != k
+    else:
+        edge = (np.count_nonzero(p >= np.take_along_axis(p, top[:, k - 1 : k], axis=1), axis=1) != k).any()
+    if edge:
+        top = _edge_ties(p, k)  # rare: a probability equal to the k-th outside the k (or a NaN)
+    top.sort(axis=1)  # equal probabilities inside the k: the lower id first (the argsort is stable)
+    order = np.argsort(-np.take_along_axis(p, top, axis=1), axis=1, kind="stable")
     top = np.take_along_axis(top, order, axis=1)
     weights = np.take_along_axis(p, top, axis=1)
     weights /= weights.sum(axis=1, keepdims=True)
     return top, weights
+
+
+def _edge_ties(p: np.ndarray, k: int) -> np.ndarray:
+    """route_topk's k experts of each row where a probability equal to the k-th lies beyond it: all
+    those above the k-th, then the equal ones lowest id first -> ids [T, k] (ascending)."""
+    T = p.shape[0]
+    kth = -np.partition(-p, k - 1, axis=1)[:, k - 1 : k]
+    above, tied = p > kth, p == kth
+    need = k - above.sum(axis=1, keepdims=True)
+    chosen = above | (tied & (np.cumsum(tied, axis=1) <= need))
+    if chosen.sum() != T * k:  # a NaN compares false to everything
+        t = int(np.flatnonzero(chosen.sum(axis=1) != k)[0])
+        raise ValueError(f"router logits of token {t} are not finite: no top-{k} of {p.shape[1]} experts")
+    return np.nonzero(chosen)[1].reshape(T, k)
 
 
 class Groups:

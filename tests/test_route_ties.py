@@ -22,6 +22,7 @@ def test_ties_rank_the_lower_expert_first():
         p = np.exp(logits[t].astype(np.float64) - logits[t].max())
         want = sorted(range(X), key=lambda i: (-p[i], i))[:k]
         assert top[t].tolist() == want, t
+        assert route_topk(logits[t : t + 1], k)[0][0].tolist() == want, t  # one row: the decode step's form
     assert np.allclose(w.sum(axis=1), 1.0)
 
 
