@@ -88,8 +88,6 @@ class DeviceChunk:
         t_gu, t_d = buf.array((2 * M, 5), np.int64), buf.array((M, 5), np.int64)
         tok, pos = buf.array((N,), np.int32), buf.array((N,), np.int64)
         scratch = buf.array((3 * X + 1,), np.int32)
-        zero = buf.array((N,), np.int32)
-        zero[...] = 0
         gu_t, d_t = moe.gu.id, moe.d.id
         slots = hp.slots
         gu_bytes = placed_bytes(gu_t, E, F)
@@ -101,7 +99,7 @@ class DeviceChunk:
         act = x.form(moe.gu, False, quantize=be._quantize)
         xq = gpu.GpuActQ(act.q, act.d, act.s16, None)
         gpu.grouped_products(gu_t, E, F, t_gu, 2 * M, xq, tok, None, gu)
-        self._hidden(gu, zero, h, hq, 0, N, F)
+        self._hidden(gu, tok, h, hq, 0, N, F)  # (dev_hidden skips a row whose "slot" is < 0: no token is)
         part = be.scratch("moe.part", (N, E))
         gpu.grouped_products(d_t, F, E, t_d, M, hq, None, None, part)
         out = be.scratch("moe.out", (T, E))
