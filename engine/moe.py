@@ -42,15 +42,40 @@ def hidden_(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
 def route_topk(logits: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
     """Router logits f32 [T, X] -> (expert ids int64 [T, k], weights f64 [T, k]) ranked by probability,
     the weights renormalised to sum to 1. The softmax is in float64, so the ranking and the weights
-    come from the probabilities transformers has; argpartition then a stable argsort."""
+    come from the probabilities transformers has. Equal probabilities rank the lower expert id first,
+    in the top-k and at its edge: the device's routing kernels (engine/tier/device_kernels.cu
+    dev_route, dev_route_rows) follow the same rule. (argpartition alone left the order of ties to
+    its partitioning, so a tie at the edge or within the k could pick or rank another expert than
+    the device did.)"""
     p = np.exp(logits - logits.max(axis=1, keepdims=True), dtype=np.float64)
     p /= p.sum(axis=1, keepdims=True)
-    top = np.argpartition(-p, k - 1, axis=1)[:, :k]
+    top = np.argpartition(-p, k - 1, axis=1)[:, :k]  # position k - 1 holds each row's k-th largest
+    if p.shape[0] == 1:  # the decode step: scalar work (each numpy call on a row costs microseconds)
+        edge = np.count_nonzero(p >= p[0, top[0, k - 1]]) != k
+    else:
+        edge = (np.count_nonzero(p >= np.take_along_axis(p, top[:, k - 1 : k], axis=1), axis=1) != k).any()
+    if edge:
+        top = _edge_ties(p, k)  # rare: a probability equal to the k-th outside the k (or a NaN)
+    top.sort(axis=1)  # equal probabilities inside the k: the lower id first (the argsort is stable)
     order = np.argsort(-np.take_along_axis(p, top, axis=1), axis=1, kind="stable")
     top = np.take_along_axis(top, order, axis=1)
     weights = np.take_along_axis(p, top, axis=1)
     weights /= weights.sum(axis=1, keepdims=True)
     return top, weights
+
+
+def _edge_ties(p: np.ndarray, k: int) -> np.ndarray:
+    """route_topk's k experts of each row where a probability equal to the k-th lies beyond it: all
+    those above the k-th, then the equal ones lowest id first -> ids [T, k] (ascending)."""
+    T = p.shape[0]
+    kth = -np.partition(-p, k - 1, axis=1)[:, k - 1 : k]
+    above, tied = p > kth, p == kth
+    need = k - above.sum(axis=1, keepdims=True)
+    chosen = above | (tied & (np.cumsum(tied, axis=1) <= need))
+    if chosen.sum() != T * k:  # a NaN compares false to everything
+        t = int(np.flatnonzero(chosen.sum(axis=1) != k)[0])
+        raise ValueError(f"router logits of token {t} are not finite: no top-{k} of {p.shape[1]} experts")
+    return np.nonzero(chosen)[1].reshape(T, k)
 
 
 class Groups:
@@ -111,14 +136,18 @@ class MoE:
         kept apart and the sum is made rank by rank (`combine_reference`), so a token's result does
         not depend on its batch."""
         T = x.x.shape[0]
-        # an expert server may take a whole token where its arrays live: routing, experts, combine
-        # (the device step's, engine/tier/device.py); None: routed here
-        out = be.experts.token(self, x, counts) if T == 1 and be.experts is not None else None
-        if out is None and T > 1 and getattr(be.experts, "rows", None) is not None and isinstance(counts, list) \
-                and all(r.n == 1 for r in counts):
-            # one-token sequences (a verify's rows): the server's token path row by row, where it has
-            # one (the device step: no round trip of the routing through the host, the token's bits)
-            out = be.experts.rows(self, x, counts)
+        # an expert server may take a whole token (or a prompt chunk) where its arrays live: routing,
+        # experts, combine (the device step's, engine/tier/device.py); None: routed here
+        out = None
+        if be.experts is not None:
+            if T == 1:
+                out = be.experts.token(self, x, counts)
+            elif getattr(be.experts, "rows", None) is not None and isinstance(counts, list) and all(r.n == 1 for r in counts):
+                # one-token sequences (a verify's rows): the server's token path row by row, where it
+                # has one (the device step: no round trip of the routing through the host, the token's bits)
+                out = be.experts.rows(self, x, counts)
+            else:
+                out = be.experts.tokens(self, x, counts)
         sc, shared = be.scratch, None
         if out is None:
             logits = None

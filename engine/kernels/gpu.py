@@ -282,7 +282,7 @@ def _names(t: GGMLType) -> list[str]:
     if t.quantized:
         wide = [f"mv<{t.id}, {k}, 1>" for k in KPLS] if is_wide(t) else []
         grouped = [f"mvx<{t.id}, {k}>" for k in KPLS]
-        return [f"mv<{t.id}, {k}>" for k in KPLS] + wide + grouped + [f"mm<{t.id}>", f"traits<{t.id}>"]
+        return [f"mv<{t.id}, {k}>" for k in KPLS] + wide + grouped + [f"mm<{t.id}>", f"mmx<{t.id}>", f"traits<{t.id}>"]
     return [f"fmv<{_FLOAT_KIND[t.name]}>", f"fmm<{_FLOAT_KIND[t.name]}>"]
 
 
@@ -726,6 +726,35 @@ def slot_products(type_id: int, n_in: int, n_out: int, arena, slot_bytes: int, a
             np.int32(grid), act.q, act.d, act.s16, np.int32(x_rank), out, np.int32(n_out), np.int32(n_in // QA))
     runtime().launch(mod, "mvx" + name[2:], grid * R, block, args + extra, smem)
     return True
+
+
+def tile_rows(weights: list, firsts, counts, bases) -> np.ndarray:
+    """The tile table of `grouped_products` (host i64 [n_tiles, 5]): group g multiplies weights[g] (a
+    block-type GpuWeight) on pairs firsts[g] .. firsts[g] + counts[g] - 1, its output rows from
+    bases[g] (0: row = pair); a group of more than MAX_TOKENS pairs is several tiles."""
+    rt, rows = runtime(), []
+    for w, a, n, base in zip(weights, firsts, counts, bases):
+        rest = rt.ptr(w.rest)
+        sc = rt.ptr(w.scales) if w.scales is not None else rest  # IQ1_M: never read
+        for t in range(int(a), int(a) + int(n), MAX_TOKENS):
+            rows.append((rest, sc, t, min(MAX_TOKENS, int(a) + int(n) - t), int(base)))
+    return np.array(rows, np.int64).reshape(-1, 5)
+
+
+def grouped_products(type_id: int, n_in: int, n_out: int, tiles, n_tiles: int, act: GpuActQ, xrow, orow, out) -> None:
+    """Many experts' products of a prompt chunk in one launch (mmx, gpu_kernels.cu): tile i of
+    `tiles` (device i64 [n_tiles, 5], rows of `tile_rows`) multiplies its weight by act's rows
+    xrow[p] (device int32; None: row p) for its pairs p into out's rows orow[p] (device int32; None:
+    its base + p). Each row has matmul's bits on that weight alone (the batched kernel's arithmetic,
+    the CPU's). Block types only (the ActQ; not the wide form)."""
+    if n_tiles == 0:
+        return
+    mod, name, grid, block, smem, (_, tab) = _quant_plan(type_id, n_in, n_out, MAX_TOKENS)
+    rt = runtime()
+    null = np.uint64(0)  # a null pointer argument
+    args = (tiles, np.int32(grid), act.q, act.d, act.s16, null if xrow is None else xrow, null if orow is None else orow, out, np.int32(n_out), np.int32(n_in // QA),
+            np.int32(MAX_TOKENS), tab)
+    rt.launch(mod, "mmx" + name[2:], grid * n_tiles, block, args, smem)
 
 
 def matmul(w: GpuWeight, act, out=None, planes_out=None):

@@ -825,11 +825,15 @@ __global__ void __launch_bounds__(256) mvx(const u8* __restrict__ arena, i64 slo
 
 #define MM_ROUNDS 2
 
+// (mm_body: the kernel's work for thread block bx of gx; token t reads activation row xrow[t] (or
+// x0 + t where xrow is null) and writes output row orow[t] (or o0 + t): mm runs it on rows 0 .. ntok
+// - 1 as blockIdx.x of gridDim.x, mmx on one tile of a chunk's grouped experts)
 template <int T>
-__global__ void __launch_bounds__(256) mm(const u8* __restrict__ rest, const float* __restrict__ scales,
-                                          const i8* __restrict__ xq, const float* __restrict__ xd,
-                                          const i32* __restrict__ xs, float* __restrict__ out, int n_out, int nb,
-                                          int ntok, int shared_tab) {
+__device__ __forceinline__ void mm_body(const u8* __restrict__ rest, const float* __restrict__ scales,
+                                        const i8* __restrict__ xq, const float* __restrict__ xd,
+                                        const i32* __restrict__ xs, const int* __restrict__ xrow, i64 x0,
+                                        const int* __restrict__ orow, i64 o0, float* __restrict__ out, int n_out,
+                                        int nb, int ntok, int shared_tab, int bx, int gx) {
     typedef Ty<T> L;
     typedef Buf<T> F;
     constexpr int CA = 32 * MM_ROUNDS, BLOCKS = CA / L::APB;  // act-blocks and blocks per chunk
@@ -843,7 +847,7 @@ __global__ void __launch_bounds__(256) mm(const u8* __restrict__ rest, const flo
     const int nblk = nb / L::APB, nchunk = (nb + CA - 1) / CA;
     const i64 n_in = 32 * (i64)nb, all_rest = (i64)n_out * nblk * L::REST, all_sc = (i64)n_out * nblk * L::NS * 4;
     const u8* sc_plane = reinterpret_cast<const u8*>(scales);
-    const i64 step = (i64)gridDim.x * nw;
+    const i64 step = (i64)gx * nw;
 
     // work item = (row o, chunk c); the chunk's first block b0 and block count
     auto issue = [&](u8* buf, i64 o, int c) {
@@ -851,7 +855,7 @@ __global__ void __launch_bounds__(256) mm(const u8* __restrict__ rest, const flo
         stage(buf, rest, (o * nblk + b0) * L::REST, (i64)n * L::REST, all_rest, lane);
         if (L::NS) stage(buf + F::rest(BLOCKS), sc_plane, (o * nblk + b0) * L::NS * 4, (i64)n * L::NS * 4, all_sc, lane);
     };
-    i64 o = (i64)blockIdx.x * nw + warp;
+    i64 o = (i64)bx * nw + warp;
     int c = 0;
     if (o < n_out) issue(bufs, o, 0);
     cp_async_commit();
@@ -876,27 +880,59 @@ __global__ void __launch_bounds__(256) mm(const u8* __restrict__ rest, const flo
                 const int blk = k / L::APB - c * BLOCKS;
                 const Blk b = L::dec(Rb + blk * L::REST, k % L::APB, Sb + blk * L::NS, tab);
                 for (int t = 0; t < ntok; t++) {
+                    const i64 xr = xrow ? (i64)__ldg(xrow + t) : x0 + t;
                     u32 x[8];
-                    load_act(xq, t * n_in + 32 * (i64)k, x);
+                    load_act(xq, xr * n_in + 32 * (i64)k, x);
                     int xs0 = 0, xs1 = 0;
                     if (S16) {
-                        xs0 = __ldg(xs + 2 * (t * (i64)nb + k));
-                        xs1 = __ldg(xs + 2 * (t * (i64)nb + k) + 1);
+                        xs0 = __ldg(xs + 2 * (xr * nb + k));
+                        xs1 = __ldg(xs + 2 * (xr * nb + k) + 1);
                     }
-                    acc[32 * t] = f32_add(acc[32 * t], term<T>(b, x, __ldg(xd + t * (i64)nb + k), xs0, xs1));
+                    acc[32 * t] = f32_add(acc[32 * t], term<T>(b, x, __ldg(xd + xr * nb + k), xs0, xs1));
                 }
             }
         }
         if (last)
             for (int t = 0; t < ntok; t++) {
                 const float v = fold(acc[32 * t]);
-                if (lane == 0) out[t * (i64)n_out + o] = v;
+                if (lane == 0) out[(orow ? (i64)__ldg(orow + t) : o0 + t) * n_out + o] = v;
             }
         __syncwarp();
         o = on;
         c = cn;
     }
     cp_async_wait<0>();
+}
+
+template <int T>
+__global__ void __launch_bounds__(256) mm(const u8* __restrict__ rest, const float* __restrict__ scales,
+                                          const i8* __restrict__ xq, const float* __restrict__ xd,
+                                          const i32* __restrict__ xs, float* __restrict__ out, int n_out, int nb,
+                                          int ntok, int shared_tab) {
+    mm_body<T>(rest, scales, xq, xd, xs, nullptr, 0, nullptr, 0, out, n_out, nb, ntok, shared_tab, blockIdx.x, gridDim.x);
+}
+
+// A prompt chunk's routed experts in one launch (the device step, engine/tier/device.py): tile i of
+// `tiles` (i64 [n_tiles, 5]: the weight's rest plane address, its scale plane address, the first
+// pair, the pairs (<= the launch's ntok), the output row base) is given `per` of the grid's blocks
+// and computes pairs first .. first + n - 1 as mm does: pair p reads activation row xrow[p] (or p
+// where xrow is null) and writes output row orow[p] (or base + p where orow is null). So gate and
+// up of every expert a chunk routes to are one launch (xrow: the pairs' tokens; base: 0 for gate,
+// the pairs for up) and their downs another (the pairs' h rows; orow: where MoE.routed wants each
+// row). Each row is mm's, hence matmul's and the CPU's, on that expert alone: the same bits.
+template <int T>
+__global__ void __launch_bounds__(256) mmx(const i64* __restrict__ tiles, int per, const i8* __restrict__ xq,
+                                           const float* __restrict__ xd, const i32* __restrict__ xs,
+                                           const int* __restrict__ xrow, const int* __restrict__ orow,
+                                           float* __restrict__ out, int n_out, int nb, int ntok_max, int shared_tab) {
+    const i64* t = tiles + 5 * (i64)(blockIdx.x / per);
+    const i64 first = t[2];
+    const int n = (int)t[3];
+    if (n == 0) return;  // an unused tile of a table sized for the most a chunk can have (dev_group)
+    (void)ntok_max;  // the launch's shared memory is sized for it; every tile has at most that many
+    mm_body<T>(reinterpret_cast<const u8*>(t[0]), reinterpret_cast<const float*>(t[1]), xq, xd, xs,
+               xrow ? xrow + first : nullptr, first, orow ? orow + first : nullptr, t[4] + first, out, n_out, nb, n,
+               shared_tab, blockIdx.x % per, per);
 }
 
 // What gpu.py checks against index_format.ggml_types (the one table) and sizes launches by:

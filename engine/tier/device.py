@@ -16,8 +16,8 @@ go up once). Every routed expert's hidden activation has the same bits wherever 
 portable SiLU, engine/ops.py silu_mul_), so the logits are bit-identical across expert-cache splits.
 Its attention and RoPE read the position from fixed device addresses, so `token_step` captures a
 session's step once as CUDA graphs (segments cut where the host computes misses) and replays it at
-every later position. A prompt chunk routes on the host (moe.route_topk) through the tier's hit
-path. The host-driven tier (engine/tier/backend.py) is the other choice: its blocks compute on the
+every later position. A prompt chunk's experts run in grouped launches (device_chunk.py): routed on
+the device where the layer's experts are all resident, else on the host with the misses on the CPU. The host-driven tier (engine/tier/backend.py) is the other choice: its blocks compute on the
 host and only the products run on the device.
 
 qwen4exp's hyper-connections, PLE and QSA compute here through the backend's hooks (the same f32
@@ -47,13 +47,14 @@ from ..ops import L2NORM_EPS
 from ..ple import PLEState
 from ..qsa import QSACache
 from ..weights import Input, Weight
+from .device_chunk import DeviceChunk
 
 F32 = np.float32
 KERNELS = Path(__file__).with_name("device_kernels.cu")
 _NAMES = ["dev_rmsnorm", "dev_delta", "dev_conv", "dev_combine", "dev_sigmoid", "dev_gate", "dev_softplus", "dev_rope",
           "dev_hidden", "dev_route", "dev_combine_slots", "dev_kv_write", "dev_attn_one", "dev_argmax",
           "dev_gdn_gates", "dev_l2_qk", "dev_shared_add", "dev_attn_split", "dev_attn_merge", "dev_mix_tail", "dev_inject", "dev_ple_output",
-          "dev_sample"]
+          "dev_sample", "dev_route_rows", "dev_group"]
 KV_KIND = {"f32": 0, "f16": 1, "int8": 2}  # dev_kv_write's and dev_attn_one's `kind`
 BLOCK = 128  # threads per block of the row kernels: four warps
 
@@ -160,7 +161,10 @@ class DeviceExperts:
     bit-identical across --expert-cache sizes. The routing counts (--stats) are the chosen ids,
     brought down once per forward (`settle`).
 
-    A prompt chunk (`routed`): the tier's hit path (engine/tier/hits.py) with the host's routing."""
+    A prompt chunk (`tokens`): a layer whose experts are all resident wholly on the device, routing
+    included; otherwise (`routed`) routed on the host, its experts in grouped launches on the device,
+    the misses on the CPU beside them (engine/tier/device_chunk.py); where neither applies, the
+    tier's hit path (engine/tier/hits.py)."""
 
     def __init__(self, rt, hits, be):
         self.rt, self.hits, self.be = rt, hits, be
@@ -171,8 +175,13 @@ class DeviceExperts:
         # settled after the forward; a captured step's static entries are applied again at each replay
         self._log: list[tuple[int, tuple, int, int, bool]] = []
         self._queued = False  # the ids' copy to the host is queued (queue_settle)
+        # a prompt chunk's routed experts in grouped launches; None: the hit path's host-driven chunk
+        self.chunk = DeviceChunk(rt, hits, be)
+        self._chunk_log: list[tuple[int, list, object]] = []  # per `tokens` call: (layer, Seqs, device ids [T, k])
 
     def routed(self, moe, x: Input, experts: np.ndarray, rows: np.ndarray, starts: np.ndarray):
+        if self.chunk is not None and self.chunk.fits(moe, rows.size):  # grouped launches (device_chunk.py)
+            return self.chunk.routed(moe, x, experts, rows, starts)
         host = Input(self.rt.to_host(x.x))  # its ActQ, made on the host, has the device quantizer's bits
         return self.rt.to_device(self.hits.routed(moe, host, experts, rows, starts))
 
@@ -286,6 +295,23 @@ class DeviceExperts:
             out[i : i + 1] = self.token(moe, Input(x.x[i : i + 1]), [r._replace(a=0, b=1)])  # (token's buffer: copied)
         return out
 
+    def tokens(self, moe, x: Input, counts) -> object | None:
+        """MoE.forward's routed sum for a prompt chunk on the device (device_chunk.py `forward`: a
+        layer whose experts are all resident routes, groups and combines there), or None: the
+        MoE routes on the host and calls `routed`."""
+        seqs = seqs_of(counts, x.x.shape[0]) if counts is not None else []
+        if self.chunk is None or any(r.saved is not None for r in seqs) or moe.k > 32:
+            return None
+        b = self._buffers(moe)
+        table = self._table(b, moe.layer)
+        if not (self._table_rows[moe.layer] >= 0).all():
+            return None
+        out = self.chunk.forward(moe, x, table)
+        if out is not None:
+            self._chunk_log.append((moe.layer, seqs, out[1]))
+            return out[0]
+        return None
+
     def _misses(self, moe, states: tuple) -> None:
         """The host's part of a layer some of whose experts may miss, once the chosen ids, their slots
         and x are here (`token` queued their copies and waited): the misses on the CPU in one grouped
@@ -323,7 +349,16 @@ class DeviceExperts:
     def settle(self) -> None:
         """After a forward: the routing counts its tokens owe (--stats, strata-profile), from the
         chosen ids of every layer, brought down in one copy (queued by `queue_settle` before the
-        step's wait, or made now)."""
+        step's wait, or made now); a prompt chunk's routed on the device (`tokens`), each layer's
+        ids brought down now (after the forward: its first copy waits for the forward, the rest
+        do not wait), also counted as the chunk's resident expert-chunks (--stats)."""
+        for layer, seqs, ids_dev in self._chunk_log:
+            ids = self.rt.to_host(ids_dev).astype(np.int64)
+            self.hits.stats.chunk_resident[layer] += np.unique(ids).size
+            for r in seqs:
+                r.state[...] += np.bincount(ids[r.a : r.b].reshape(-1), minlength=r.state.size)
+                keep(r)
+        self._chunk_log.clear()
         if not self._log:
             return
         ids = self._buf["ids_settle"] if self._queued else self.rt.to_host(self._buf["ids"])

@@ -313,13 +313,13 @@ extern "C" __global__ void dev_hidden(const float* gu, const int* slot, float* h
 // (p = exp(l - max) / sum), the k largest (ties: the lower expert id), their probabilities
 // renormalised to sum to 1. -> ids [k], w f32 [k] (the combine's f32 weights), and slot[j] =
 // table[ids[j]] (the layer's row of the slot table: the slot holding the expert, or -1). One warp.
-extern "C" __global__ void dev_route(const float* logits, int X, int k, const int* table, int* ids, float* w, int* slot) {
+// (route_one: the work of dev_route's warp; slot may be null: dev_route_rows, where nothing is looked up)
+__device__ __forceinline__ void route_one(const float* logits, int X, int k, const int* table, int* ids, float* w,
+                                          int* slot) {
     // Lane l holds logits l + 32 c in registers (X <= 1024; DeviceExperts.token routes larger
     // routers on the host): the k rounds of the top-k scan registers instead of re-reading the
-    // logits, which took ~19 us a layer (2026-12-02, H200). The sums keep their order (lane by
-    // lane, c ascending, then the warp fold): the same bits as before.
+    // logits. The sums keep their order (lane by lane, c ascending, then the warp fold).
     const int lane = threadIdx.x & 31;
-    if (threadIdx.x >= 32) return;
     const float inf = __uint_as_float(0x7f800000u);
     float lv[32];
 #pragma unroll
@@ -358,11 +358,82 @@ extern "C" __global__ void dev_route(const float* logits, int X, int k, const in
         top += pj[j];
         if (lane == 0) {
             ids[j] = bi;
-            slot[j] = table[bi];
+            if (slot) slot[j] = table[bi];
         }
     }
     if (lane == 0)
         for (int j = 0; j < k; j++) w[j] = (float)(pj[j] / top);
+}
+
+extern "C" __global__ void dev_route(const float* logits, int X, int k, const int* table, int* ids, float* w, int* slot) {
+    if (threadIdx.x >= 32) return;
+    route_one(logits, X, k, table, ids, w, slot);
+}
+
+// dev_route for each of T tokens (a prompt chunk): block t's first warp routes logits row t [X]
+// into ids [t k, t k + k) and w [t k, t k + k) (the same rule: the same experts and weights).
+extern "C" __global__ void dev_route_rows(const float* logits, int X, int k, int* ids, float* w) {
+    if (threadIdx.x >= 32) return;
+    const i64 t = blockIdx.x;
+    route_one(logits + t * X, X, k, nullptr, ids + t * k, w + t * k, nullptr);
+}
+
+// engine/moe.py's Groups of a chunk's routing on the device, and the tiles of its grouped products
+// (gpu_kernels.cu mmx) on the slots of a layer whose experts are all resident. ids [N]: pair i is
+// (token i / k, rank i % k). -> tok [N]: the token of grouped pair p (Groups.rows: expert by expert,
+// pairs in order within one); pos i64 [N]: where pair i sits (Groups.slot, what dev_combine reads);
+// tiles (i64 rows of 5: rest plane address, scale plane address, first pair, pairs, output base):
+// gate tiles_gu[0, M), up tiles_gu[M, 2M) (base N: the up rows follow the gate rows), down
+// tiles_d[0, M); tiles of up to `tile` pairs, expert by expert, and n = 0 (mmx skips them) from
+// the last one to M. A slot is slot_bytes at arena + table[e] slot_bytes: gate, up (gu_bytes each,
+// their scales gu_sc into each), down (scales d_sc into it): engine/tier/slots.py's layout.
+// cnt, start: scratch int [X]; tstart int [X + 1]. One block; thread e (stride blockDim) counts
+// and places expert e's pairs by reading every id: deterministic, no atomics.
+extern "C" __global__ void dev_group(const int* ids, int N, int k, int X, const int* table, const unsigned char* arena,
+                                     i64 slot_bytes, i64 gu_bytes, i64 gu_sc, i64 d_sc, int tile, int M, int* tok,
+                                     i64* pos, i64* tiles_gu, i64* tiles_d, int* cnt, int* start, int* tstart) {
+    if (blockIdx.x) return;
+    for (int e = threadIdx.x; e < X; e += blockDim.x) {
+        int c = 0;
+        for (int i = 0; i < N; i++) c += ids[i] == e;
+        cnt[e] = c;
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        int s = 0, ts = 0;
+        for (int e = 0; e < X; e++) {
+            start[e] = s, tstart[e] = ts;
+            s += cnt[e];
+            ts += (cnt[e] + tile - 1) / tile;
+        }
+        tstart[X] = ts;
+    }
+    __syncthreads();
+    for (int e = threadIdx.x; e < X; e += blockDim.x) {
+        const int c = cnt[e];
+        if (!c) continue;
+        int p = start[e];
+        for (int i = 0; i < N; i++)
+            if (ids[i] == e) {
+                tok[p] = i / k;
+                pos[i] = p++;
+            }
+        const i64 base = (i64)arena + (i64)table[e] * slot_bytes;
+        for (int t = 0; t * tile < c; t++) {
+            const i64 first = start[e] + (i64)t * tile, n = min(tile, c - t * tile), r = tstart[e] + t;
+            i64* g = tiles_gu + 5 * r;
+            i64* u = tiles_gu + 5 * (M + r);
+            i64* d = tiles_d + 5 * r;
+            g[0] = base, g[1] = base + gu_sc, g[2] = first, g[3] = n, g[4] = 0;
+            u[0] = base + gu_bytes, u[1] = base + gu_bytes + gu_sc, u[2] = first, u[3] = n, u[4] = N;
+            d[0] = base + 2 * gu_bytes, d[1] = base + 2 * gu_bytes + d_sc, d[2] = first, d[3] = n, d[4] = 0;
+        }
+    }
+    for (int r = tstart[X] + threadIdx.x; r < M; r += blockDim.x) {
+        tiles_gu[5 * r + 3] = 0;
+        tiles_gu[5 * (M + r) + 3] = 0;
+        tiles_d[5 * r + 3] = 0;
+    }
 }
 
 // moe.combine_reference for one token whose rows come from two places: rank j's row is hit[j]

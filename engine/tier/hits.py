@@ -134,6 +134,10 @@ class HitPath:
         """The host-driven tier routes on the host (MoE.forward then calls `routed`)."""
         return None
 
+    def tokens(self, moe, x: Input, counts) -> None:
+        """A chunk too (MoE.forward then calls `routed`)."""
+        return None
+
     def settle(self) -> None:
         """Nothing is owed after a forward: the routing counts were made on the host."""
 

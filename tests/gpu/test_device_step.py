@@ -97,7 +97,7 @@ def test_the_device_step_gives_the_cpu_logits(model, rt, n_prompt):
         got = run(model, s, toks, n_prompt)
         assert tier.stats.hits.sum() > 0 and tier.stats.misses.sum() == 0
     # the fused kernels, not the array-module fallbacks; a token's routing, experts, combine and
-    # attention by the position-independent kernels (the prompt's chunk combines its host-routed
+    # attention by the position-independent kernels (the prompt's chunk combines its grouped
     # rows with dev_combine); the fused sequences (a GDN layer's gates, a token's q/k l2 norms, the
     # shared expert's gated add) in one launch each
     assert launched == {"dev_rmsnorm", "dev_delta", "dev_conv", "dev_sigmoid", "dev_gate", "dev_rope", "dev_route", "dev_hidden",

@@ -1,0 +1,200 @@
+"""The device step's prompt chunk: its routed experts on the device (engine/tier/device.py
+DeviceExperts.routed), grouped kernels in place of a launch per expert.
+
+Each test runs on CUDA (marked gpu: scripts/gpu_suite.sh) and on the host emulation (tests/gpu_emu.py).
+What must hold: every grouped product row is the batched kernel's (gpu.matmul's, the CPU's) on its
+expert alone, bit for bit; the chunk's routed rows are the host-driven hit path's bit for bit
+whether the experts are resident, missing or streamed, whatever the chunk size.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import strata.engine.kernels.gpu as gpu
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
+
+
+@pytest.mark.parametrize("types", [("Q8_0", "Q8_0"), ("IQ2_XS", "Q4_K")])
+def test_grouped_products_are_each_experts_matmul(rt, types):
+    """mmx: the products of several experts on their own rows of a chunk in one launch (a group of
+    more than MAX_TOKENS pairs spans tiles; rows gathered by xrow, scattered by orow), each row the
+    bits of gpu.matmul on that expert's rows alone."""
+    from kernel_blocks import random_weights
+    from strata.index_format.ggml_types import ggml_type
+
+    rng = np.random.default_rng(11)
+    t = ggml_type(types[1])
+    E, F, T = 256, 128, 9
+    ws = [gpu.upload(random_weights(t, E * F, rng), t.id, E, F) for _ in range(3)]
+    counts = [gpu.MAX_TOKENS + 3, 2, 5]  # the first group spans two tiles
+    firsts = np.concatenate(([0], np.cumsum(counts)[:-1]))
+    n = sum(counts)
+    tok = rng.integers(0, T, n).astype(np.int32)  # the pair's token (repeats: the same token twice)
+    x = gpu.quantize_act_gpu(rt.to_device(rng.standard_normal((T, E)).astype(np.float32)))
+    # gather: out row = pair
+    tiles = gpu.tile_rows(ws, firsts, counts, [0, 0, 0])
+    assert len(tiles) == 4
+    out = rt.to_device(np.full((n, F), 5.0, np.float32))
+    gpu.grouped_products(t.id, E, F, rt.to_device(tiles), len(tiles), x, rt.to_device(tok), None, out)
+    got = rt.to_host(out)
+    # scatter: pair p (input row p) into row perm[p] of a bigger output, the rest untouched
+    perm = rng.permutation(n + 4)[:n].astype(np.int32)
+    big = rt.to_device(np.full((n + 4, F), 5.0, np.float32))
+    xs = gpu.quantize_act_gpu(rt.to_device(rng.standard_normal((n, E)).astype(np.float32)))
+    gpu.grouped_products(t.id, E, F, rt.to_device(tiles), len(tiles), xs, None, rt.to_device(perm), big)
+    got_big = rt.to_host(big)
+    assert (np.delete(got_big, perm, axis=0) == 5.0).all()
+    for w, a, c in zip(ws, firsts, counts):
+        rows = tok[a : a + c]
+        want = rt.to_host(gpu.matmul(w, gpu.GpuActQ(x.q[rows], x.d[rows], x.s16[rows], None)))
+        assert np.array_equal(got[a : a + c].view(np.int32), want.view(np.int32))
+        want_s = rt.to_host(gpu.matmul(w, gpu.GpuActQ(xs.q[a : a + c], xs.d[a : a + c], xs.s16[a : a + c], None)))
+        assert np.array_equal(got_big[perm[a : a + c]].view(np.int32), want_s.view(np.int32))
+
+
+def test_dev_route_rows_and_dev_group_are_route_topk_and_groups(rt):
+    """A chunk's routing on the device: each token's experts and f32 weights are moe.route_topk's
+    (ties included: to the lower id), the grouped order and each pair's place are Groups', and the
+    tiles cover each expert's pairs in MAX_TOKENS pieces on its slot's planes (unused ones empty)."""
+    from strata.engine.moe import Groups, route_topk
+    from strata.engine.tier.device import KERNELS, _NAMES
+
+    mod = rt.compile(_NAMES, KERNELS)
+    rng = np.random.default_rng(3)
+    T, X, k = 150, 24, 4
+    logits = rng.standard_normal((T, X)).astype(np.float32)
+    logits[:, 5] = logits[:, 9]  # ties: the lower id first
+    logits[:100, 2] += 3.0  # expert 2 takes more than a tile of pairs
+    ids, w = rt.to_device(np.zeros((T, k), np.int32)), rt.to_device(np.zeros((T, k), np.float32))
+    rt.launch(mod, "dev_route_rows", T, 32, (rt.to_device(logits), np.int32(X), np.int32(k), ids, w))
+    top, weights = route_topk(logits, k)
+    assert np.array_equal(rt.to_host(ids), top)
+    assert np.array_equal(rt.to_host(w).view(np.int32), weights.astype(np.float32).view(np.int32))
+    N, M, tile = T * k, -(-T * k // gpu.MAX_TOKENS) + X, gpu.MAX_TOKENS
+    table = rng.permutation(X).astype(np.int32)  # expert e in slot table[e]
+    arena = rt.to_device(np.zeros(64, np.uint8))
+    sb, gub, gsc, dsc = 1000, 300, 100, 50
+    tok, pos = rt.to_device(np.full(N, -1, np.int32)), rt.to_device(np.full(N, -1, np.int64))
+    t_gu, t_d = rt.to_device(np.full((2 * M, 5), 7, np.int64)), rt.to_device(np.full((M, 5), 7, np.int64))
+    scratch = rt.to_device(np.zeros(3 * X + 1, np.int32))
+    rt.launch(mod, "dev_group", 1, 256, (ids, np.int32(N), np.int32(k), np.int32(X), rt.to_device(table), arena,
+                                         np.int64(sb), np.int64(gub), np.int64(gsc), np.int64(dsc), np.int32(tile),
+                                         np.int32(M), tok, pos, t_gu, t_d, scratch[:X], scratch[X : 2 * X], scratch[2 * X :]))
+    grp = Groups(top)
+    assert np.array_equal(rt.to_host(tok), grp.rows)
+    assert np.array_equal(rt.to_host(pos).reshape(T, k), grp.slot)
+    base = rt.ptr(arena)
+    want_g, want_u, want_d = [], [], []
+    for g, e in enumerate(grp.experts):
+        a, b = int(grp.starts[g]), int(grp.starts[g + 1])
+        s_ = base + int(table[e]) * sb
+        for f in range(a, b, tile):
+            n = min(tile, b - f)
+            want_g.append((s_, s_ + gsc, f, n, 0))
+            want_u.append((s_ + gub, s_ + gub + gsc, f, n, N))
+            want_d.append((s_ + 2 * gub, s_ + 2 * gub + dsc, f, n, 0))
+    got_gu, got_d = rt.to_host(t_gu), rt.to_host(t_d)
+    used = len(want_g)
+    assert any(r[3] == tile for r in want_g) and used < M
+    assert np.array_equal(got_gu[:used], np.array(want_g)) and np.array_equal(got_gu[M : M + used], np.array(want_u))
+    assert np.array_equal(got_d[:used], np.array(want_d))
+    assert (got_gu[used:M, 3] == 0).all() and (got_gu[M + used :, 3] == 0).all() and (got_d[used:, 3] == 0).all()
+
+
+# --- the chunk path against the host-driven hit path, through the model
+
+CTX = 40
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    import engine_fixture as F
+
+    from strata.engine.model import Model
+    from strata.engine.pack_reader import Pack
+
+    return Model(Pack.open(F.make_pack(tmp_path_factory.mktemp("device-prompt"), types={"experts": "Q8_0", "dense": "Q8_0"})))
+
+
+def prompt_logits(model, rt, toks, chunk: int, host_path: bool, **opts):
+    """The logits of every prompt position, the prompt fed in chunks of `chunk` (the last one
+    shorter where it does not divide), then two decode steps; and (launched kernel names, stats)."""
+    from strata.engine.tier import GpuTier, TierOptions
+
+    o = {"max_context": CTX, "kv": "f32", "prefill_chunk": 16, "step": "device", **opts}
+    tier = GpuTier.start(model, TierOptions(**o))
+    try:
+        if host_path:
+            model.backend.experts.chunk = None  # the hit path's host-driven chunk (hits.py), as before
+        s = tier.take_session(CTX, "f32")
+        launched, launch = [], rt.launch
+        rt.launch = lambda mod, name, *a, **k: (launched.append(name), launch(mod, name, *a, **k))
+        try:
+            rows = [np.array(model.forward(s, toks[a : a + chunk], n_logits=len(toks[a : a + chunk])))
+                    for a in range(0, len(toks) - 2, chunk)]
+            rows += [model.step(s, t).copy()[None] for t in toks[len(toks) - 2 :]]
+        finally:
+            del rt.launch
+        st = tier.stats
+        return np.concatenate(rows), launched, (int(st.chunk_resident.sum()), int(st.chunk_streamed.sum()), int(st.chunk_cpu.sum()))
+    finally:
+        tier.stop()
+
+
+@pytest.mark.parametrize("cache,stream", [("all", 0), ("none", 2), ("third", 2)])
+def test_the_chunk_path_has_the_host_paths_bits(model, rt, cache, stream):
+    """The device step's prompt chunk in grouped launches gives the host-driven hit path's logits bit
+    for bit: every expert resident (routed on the device), none resident (some streamed), a third
+    resident (the CPU's rows and streamed ones beside the device's); chunks of 4 over 11 prompt
+    tokens (the last chunk of 3)."""
+    g = model.geometry
+    size = {"all": None, "third": g.n_layer * g.n_expert // 3, "none": 0}[cache]
+    toks = np.random.default_rng(5).integers(3, g.n_vocab, 13).tolist()
+    opts = {"expert_cache": size, "stream_min_tokens": stream}
+    want, old, _ = prompt_logits(model, rt, toks, 4, True, **opts)
+    got, new, (res, strm, cpu) = prompt_logits(model, rt, toks, 4, False, **opts)
+    assert not any(n.startswith("mmx") for n in old)
+    if cache != "none":
+        assert res > 0 and any(n.startswith("mmx") for n in new), (res, set(new))
+    # a layer whose experts are all resident routes and groups on the device, the others on the host
+    assert ("dev_group" in new) == (cache == "all") and "dev_group" not in old
+    if cache == "third":
+        assert cpu > 0  # both sides ran
+    if stream:
+        assert strm > 0
+    assert np.array_equal(got, want), f"max |diff| {np.abs(got - want).max()}"
+
+
+@pytest.fixture(scope="module")
+def qwen4exp(tmp_path_factory):
+    from strata.engine.model import Model
+    from strata.engine.pack_reader import Pack
+    from strata.tools import pack as tools_pack
+    from strata.tools.synth import PRESETS, synth
+
+    tmp = tmp_path_factory.mktemp("device-prompt-q4")
+    (tmp / "src").mkdir()
+    shards = synth("qwen4exp", "tiny", tmp / "src" / "tiny.gguf")
+    tools_pack.convert(shards[:1], tmp / "q4", compress_ratio=PRESETS["tiny"].compress_ratio)
+    return Model(Pack.open(tmp / "q4"))
+
+
+@pytest.mark.slow  # the emulated products of the tiny qwen4exp: ~25 s a token step on the CI's 2 cores
+@pytest.mark.parametrize("cache", ["all", "third"])
+def test_the_qwen4exp_chunk_path_has_the_host_paths_bits(qwen4exp, rt, cache):
+    """qwen4exp's prompt on the device step: a chunk of 3 then one of 2 (then two steps), the same
+    logits bit for bit as the host-driven hit path, every expert resident (routed on the device) or
+    a third (routed on the host, misses on the CPU)."""
+    g = qwen4exp.geometry
+    size = {"all": None, "third": g.n_layer * g.n_expert // 3}[cache]
+    toks = np.random.default_rng(5).integers(3, g.n_vocab, 7).tolist()
+    want, _, _ = prompt_logits(qwen4exp, rt, toks, 3, True, expert_cache=size, stream_min_tokens=0)
+    got, new, (res, _, cpu) = prompt_logits(qwen4exp, rt, toks, 3, False, expert_cache=size, stream_min_tokens=0)
+    assert res > 0 and any(n.startswith("mmx") for n in new)
+    assert ("dev_group" in new) == (cache == "all")
+    if cache == "third":
+        assert cpu > 0
+    assert np.array_equal(got, want), f"max |diff| {np.abs(got - want).max()}"
