@@ -8,7 +8,7 @@
 # bench_kernels_gpu.log/.md, bench_gpu_tier.log/.md, bench_serve.log. The last thing printed is the summary table.
 # Exit status: 0 when the GPU tests ran (not all skipped) and passed, else 1; the benchmarks never fail it.
 # SKIP_KERNEL_BENCH=1 leaves out the kernel benchmark (its table is in docs/performance.md already);
-# SKIP_SERVE_BENCH=1 the serving benchmark.
+# SKIP_SERVE_BENCH=1 the serving benchmark, SKIP_SAMPLE_BENCH=1 the sampled pick's, SKIP_SPEC_BENCH=1 the --spec one.
 set -u
 cd "$(dirname "$0")/.." || exit 2
 # The machine reaches no package index: what it lacks travels as wheels in .whl/ (device README): gguf,
@@ -56,6 +56,19 @@ echo "== GPU benchmark: benchmarks/gpu_tier.py (seed-4l: synthesized and packed 
 LEFT=$(( ${SUITE_SECONDS:-570} - SECONDS ))
 timeout ${TIER_BENCH_TIMEOUT:-$(( LEFT > 60 ? LEFT : 60 ))} python3 benchmarks/gpu_tier.py --threads ${TIER_THREADS:-8} --md "$LOG/bench_gpu_tier.md" 2>&1 | tee "$LOG/bench_gpu_tier.log"
 BENCH_RC=${PIPESTATUS[0]}
+
+if [ -z "${SKIP_SAMPLE_BENCH:-}" ]; then
+    # the device step's sampled pick (dev_sample) against the logits brought down and the host's sampler
+    echo "== GPU benchmark: benchmarks/device_sample.py"
+    timeout 90 python3 benchmarks/device_sample.py 2>&1 | tee "$LOG/bench_device_sample.log"
+fi
+
+if [ -z "${SKIP_SPEC_BENCH:-}" ]; then
+    # --spec N on the device step: a verify of 1 + N rows against a token step, and the speed-up at
+    # acceptance 0.43 / 0.7 / 1 (seed-4l qwen35moe, synthesized by the tier benchmark above)
+    echo "== GPU benchmark: benchmarks/spec.py --device-step"
+    timeout ${SPEC_BENCH_TIMEOUT:-240} python3 benchmarks/spec.py --device-step --no-mtp --rounds 3 --tokens 48 --prompt 32 2>&1 | tee "$LOG/bench_spec.log"
+fi
 
 if [ -z "${SKIP_KERNEL_BENCH:-}" ]; then
     echo "== GPU benchmark: benchmarks/kernels_gpu.py"
