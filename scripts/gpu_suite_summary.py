@@ -84,13 +84,25 @@ def serve_rows(log: Path) -> list[tuple[str, str]]:
     return out + [("  " + c[0], ", ".join(c[1:])) for c in ([x.strip() for x in r.strip("|").split("|")] for r in rows)]
 
 
+def line_rows(log: Path, name: str, label: str, keep) -> list[tuple[str, str]]:
+    """The lines of a benchmark's log that `keep` picks (informational: not in PASS)."""
+    path = log / name
+    if not path.is_file():
+        return [(label, "not run")]
+    lines = [l.strip() for l in path.read_text(errors="replace").splitlines() if keep(l)]
+    return [(label, lines[0][:200])] + [("", l[:200]) for l in lines[1:]] if lines else [(label, f"no result: see {name}")]
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     log, test_rc, bench_rc = Path(argv[0]), int(argv[1]), int(argv[2])
     rows, ok = test_rows(log, test_rc)
     tier, tier_ok = tier_rows(log, bench_rc)
     ok = ok and tier_ok
-    rows += tier + bench_rows(log, 0) + serve_rows(log) + [("logs", str(log)), ("result", "PASS" if ok else "FAIL")]
+    rows += tier + bench_rows(log, 0) + serve_rows(log)
+    rows += line_rows(log, "bench_device_sample.log", "sample bench", lambda l: "ms/token" in l)
+    rows += line_rows(log, "bench_spec.log", "spec bench", lambda l: l.startswith(("target", "--spec 0")) or "verify" in l)
+    rows += [("logs", str(log)), ("result", "PASS" if ok else "FAIL")]
     width = max(len(k) for k, _ in rows)
     print("\n== gpu_suite summary")
     for k, v in rows:
