@@ -219,7 +219,7 @@ class DeviceExperts:
     def token(self, moe, x: Input, counts) -> object | None:
         """MoE.forward's routed sum for one token on the device -> device f32 [1, E], or None where
         this path does not apply (expert weights of a float type, rows longer than mv takes, more
-        than 1024 experts (dev_route's registers), a verify forward's snapshots): the MoE then routes on the host."""
+        than 1024 experts (dev_route's block: a thread a logit), a verify forward's snapshots): the MoE then routes on the host."""
         seqs = seqs_of(counts, 1) if counts is not None else []
         if not (moe.gu.quantized and moe.d.quantized) or any(r.saved is not None for r in seqs) or moe.k > 32 \
                 or moe.router.n_out > 1024 \
@@ -231,7 +231,7 @@ class DeviceExperts:
         table = self._table(b, layer)
         logits = be.linear(moe.router, x, be.scratch("moe.router", (1, moe.router.n_out)))
         ids = b["ids"][layer]
-        be._launch("dev_route", 32, (logits, np.int32(logits.shape[-1]), np.int32(k), table, ids, b["w"], b["slot"]))
+        self.route(logits, k, table, ids, b["w"], b["slot"])
         states = tuple(r.state for r in seqs)
         complete = bool((self._table_rows[layer] >= 0).all())
         if complete:
@@ -261,6 +261,14 @@ class DeviceExperts:
             rt.copy_in_async(b["miss"], b["miss_pinned"])
         be._launch("dev_combine_slots", E, (b["rows"], b["miss"], b["slot"], b["w"], b["out"], np.int32(k), np.int32(E)))
         return b["out"]
+
+    def route(self, logits, k: int, table, ids, w, slot) -> None:
+        """dev_route: one token's top-k of its router logits [1, X] (X <= 1024, k <= 32) -> ids [k],
+        w [1, k], slot [k]. A thread a logit (the block rounded up to whole warps)."""
+        X = logits.shape[-1]
+        block = 32 * -(-X // 32)
+        smem = 512 + 4 * block + 8 * (block // 32) * k  # red, pj (f64 [32] each), the logits, the candidates
+        self.be._launch("dev_route", block, (logits, np.int32(X), np.int32(k), table, ids, w, slot), block, smem)
 
     def _misses(self, moe, states: tuple) -> None:
         """The host's part of a layer some of whose experts may miss, once the chosen ids, their slots

@@ -312,57 +312,74 @@ extern "C" __global__ void dev_hidden(const float* gu, const int* slot, float* h
 // The router's top-k of one token (moe.route_topk's rule): softmax of the logits [X] in float64
 // (p = exp(l - max) / sum), the k largest (ties: the lower expert id), their probabilities
 // renormalised to sum to 1. -> ids [k], w f32 [k] (the combine's f32 weights), and slot[j] =
-// table[ids[j]] (the layer's row of the slot table: the slot holding the expert, or -1). One warp.
+// table[ids[j]] (the layer's row of the slot table: the slot holding the expert, or -1).
+// A block of blockDim >= X threads (a logit each, X <= 1024), k <= 32, dynamic shared memory
+// route_smem(blockDim, k) bytes (DeviceExperts.route sizes the launch).
+//
+// It was one warp making k rounds of a scan over its 32 logits a lane, each round a serial chain
+// of compares, two shuffles per fold step and a float64 exp on every lane, into `double pj[32]`
+// indexed by the round (local memory), after 16 float64 exps in a row a lane for the sum: ~20 us
+// a layer on the H200 (2026-12-02, the per-kernel floor), one warp of one SM doing it all in
+// series. Now every step is wide: the max and the sum a logit a thread (one float64 exp each, in
+// parallel); each warp ranks its own 32 logits (32 independent shared-memory reads a lane), its
+// best k go to a candidate list, and each candidate's rank among the nw k candidates (a loop of
+// independent reads) is its place in ids. The order is total (logit descending, then id
+// ascending: distinct ids), so the ranks are distinct and exactly the host's selection. The sum
+// over the logits folds in another order than before (the float64 weights may differ in the
+// last bits; w is their f32 rounding).
 extern "C" __global__ void dev_route(const float* logits, int X, int k, const int* table, int* ids, float* w, int* slot) {
-    // Lane l holds logits l + 32 c in registers (X <= 1024; DeviceExperts.token routes larger
-    // routers on the host): the k rounds of the top-k scan registers instead of re-reading the
-    // logits, which took ~19 us a layer (2026-12-02, H200). The sums keep their order (lane by
-    // lane, c ascending, then the warp fold): the same bits as before.
-    const int lane = threadIdx.x & 31;
-    if (threadIdx.x >= 32) return;
+    STRATA_SMEM(smem);
+    const int t = threadIdx.x, lane = t & 31, warp = t >> 5, nw = blockDim.x >> 5, C = nw * k;
+    double* red = reinterpret_cast<double*>(smem);  // [32] a partial max, then a partial sum, per warp
+    double* pj = red + 32;                           // [32] the chosen experts' probabilities, by rank
+    float* lv = reinterpret_cast<float*>(pj + 32);   // [blockDim] the logits (-inf past X)
+    float* cl = lv + blockDim.x;                     // [nw k] each warp's best k: logit,
+    int* ci = reinterpret_cast<int*>(cl + C);        //   and id (0x7fffffff: none, after every real one)
     const float inf = __uint_as_float(0x7f800000u);
-    float lv[32];
-#pragma unroll
-    for (int c = 0; c < 32; c++) lv[c] = lane + 32 * c < X ? logits[lane + 32 * c] : -inf;
-    float m = -inf;
-#pragma unroll
-    for (int c = 0; c < 32; c++) m = fmaxf(m, lv[c]);
+    const bool valid = t < X;
+    const float l = valid ? logits[t] : -inf;
+    lv[t] = l;
+    if (lane < k) cl[warp * k + lane] = -inf, ci[warp * k + lane] = 0x7fffffff;
+    float m = l;
     for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(FULL, m, o));
+    if (lane == 0) red[warp] = (double)m;  // (exact: a float widened)
+    __syncthreads();
+    m = -inf;
+    for (int v = 0; v < nw; v++) m = fmaxf(m, (float)red[v]);
+    // this logit's rank among its warp's (the logits before it in the order)
+    int r = 0;
+    for (int j = 0; j < 32; j++) {
+        const int i = 32 * warp + j;
+        const float o = lv[i];
+        r += i < X && (o > l || (o == l && i < t));
+    }
+    __syncthreads();  // every thread has read red's maxima
+    const double s = warp_sum_d(valid ? exp((double)(l - m)) : 0.0);
+    if (lane == 0) red[warp] = s;
+    if (valid && r < k) cl[warp * k + r] = l, ci[warp * k + r] = t;
+    __syncthreads();
     double sum = 0.0;
-#pragma unroll
-    for (int c = 0; c < 32; c++)
-        if (lane + 32 * c < X) sum += exp((double)(lv[c] - m));
-    sum = warp_sum_d(sum);
-    double top = 0.0;
-    double pj[32];  // k <= 32
-    int prev = -1;
-    float prev_l = inf;
-    for (int j = 0; j < k; j++) {
-        // the best below (prev_l, prev) in the order (logit descending, id ascending)
-        float bl = -inf;
-        int bi = 0x7fffffff;
-#pragma unroll
-        for (int c = 0; c < 32; c++) {
-            const int i = lane + 32 * c;
-            const float l = lv[c];
-            const bool below = l < prev_l || (l == prev_l && i > prev);
-            if (i < X && below && (l > bl || (l == bl && i < bi))) bl = l, bi = i;
+    for (int v = 0; v < nw; v++) sum += red[v];
+    if (t < C && ci[t] != 0x7fffffff) {  // a candidate: its rank among all the candidates
+        const float cv = cl[t];
+        const int cid = ci[t];
+        int rank = 0;
+        for (int j = 0; j < C; j++) {
+            const float o = cl[j];
+            rank += o > cv || (o == cv && ci[j] < cid);
         }
-        for (int o = 16; o > 0; o >>= 1) {
-            const float ol = __shfl_xor_sync(FULL, bl, o);
-            const int oi = __shfl_xor_sync(FULL, bi, o);
-            if (ol > bl || (ol == bl && oi < bi)) bl = ol, bi = oi;
-        }
-        prev_l = bl, prev = bi;
-        pj[j] = exp((double)(bl - m)) / sum;
-        top += pj[j];
-        if (lane == 0) {
-            ids[j] = bi;
-            slot[j] = table[bi];
+        if (rank < k) {
+            ids[rank] = cid;
+            slot[rank] = table[cid];
+            pj[rank] = exp((double)(cv - m)) / sum;
         }
     }
-    if (lane == 0)
-        for (int j = 0; j < k; j++) w[j] = (float)(pj[j] / top);
+    __syncthreads();
+    if (t < k) {
+        double top = 0.0;  // in rank order, as moe.route_topk's renormalisation
+        for (int j = 0; j < k; j++) top += pj[j];
+        w[t] = (float)(pj[t] / top);
+    }
 }
 
 // moe.combine_reference for one token whose rows come from two places: rank j's row is hit[j]
