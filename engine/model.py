@@ -199,7 +199,7 @@ class PreNormResidual:
 
     def enter(self, be, H: np.ndarray, layer: int, ffn: bool) -> tuple[Input, None]:
         gain = (self.ffn_norm if ffn else self.attn_norm)[layer]
-        return Input(be.rmsnorm(H, gain, self.eps, be.scratch("residual.x", H.shape))), None
+        return be.norm_input(H, gain, self.eps, be.scratch("residual.x", H.shape)), None
 
     def leave(self, be, H: np.ndarray, layer: int, ffn: bool, Y: np.ndarray, ctx: None) -> None:
         H += Y

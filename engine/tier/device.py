@@ -53,7 +53,7 @@ KERNELS = Path(__file__).with_name("device_kernels.cu")
 _NAMES = ["dev_rmsnorm", "dev_delta", "dev_conv", "dev_combine", "dev_sigmoid", "dev_gate", "dev_softplus", "dev_rope",
           "dev_hidden", "dev_route", "dev_combine_slots", "dev_kv_write", "dev_attn_one", "dev_argmax",
           "dev_gdn_gates", "dev_l2_qk", "dev_shared_add", "dev_attn_split", "dev_attn_merge", "dev_mix_tail", "dev_inject", "dev_ple_output",
-          "dev_sample"]
+          "dev_sample", "dev_rmsnorm_q"]
 KV_KIND = {"f32": 0, "f16": 1, "int8": 2}  # dev_kv_write's and dev_attn_one's `kind`
 BLOCK = 128  # threads per block of the row kernels: four warps
 
@@ -384,6 +384,10 @@ class DeviceBackend(CpuBackend):
         self.floor_next = False  # the session's next replayed token step is captured in parts and timed
         # (True: a part per layer and the head; "kernels": a part per launch, labelled (layer, kernel))
         self.host_steps = False  # a block's token step has host work a replay cannot repeat (qsa_cache)
+        # a norm that feeds products makes their ActQ in the same launch (norm_input, rmsnorm_q;
+        # tests turn it off to compare); one token's ActQ buffers: (output's address, shape) -> GpuActQ
+        self.fuse_norm_q = True
+        self._norm_acts: dict[tuple, object] = {}
 
     def _launch(self, name: str, n_threads: int, args: tuple, block: int = BLOCK, smem: int = 0) -> None:
         grid = max(1, min(-(-n_threads // block), 32 * self.rt.n_sm))
@@ -458,9 +462,41 @@ class DeviceBackend(CpuBackend):
     # same f32 steps in the same order as the CPU's kernels beside their references
 
     def rmsnorm_q(self, x, gain, group: int, eps: float):
-        """hyper.grouped_rmsnorm_q on the device: the grouped norm with f32 sums, then its ActQ."""
+        """hyper.grouped_rmsnorm_q on the device: the grouped norm with f32 sums and its ActQ (one
+        launch, dev_rmsnorm_q, where the rows allow it)."""
+        if self.fuse_norm_q and x.flags.c_contiguous and x.dtype == F32 and x.shape[-1] % group == 0 \
+                and group % 32 == 0 and gain.shape in ((x.shape[-1],), (group,)) and x.ndim <= 2:
+            out = self.scratch("rmsnorm_q.out", x.shape)  # (one token's at a fixed address: its ActQ's key)
+            return out, self._norm_q(x, group, gain, group, out, eps, f32_sums=True)
         out = self.rmsnorm(x, gain, eps, group=group, f32_sums=True)
         return out, self._quantize(out, False)
+
+    def norm_input(self, x, gain, eps: float, out) -> Input:
+        """backend.norm_input: the norm and its ActQ in one launch (dev_rmsnorm_q), the ActQ the
+        separate quantizer's bits; the products of the Input read it instead of quantizing again."""
+        n = x.shape[-1]
+        xs = self._rows(x, n) if self.fuse_norm_q and n % 32 == 0 else None
+        if xs is None or gain.shape != (n,) or not out.flags.c_contiguous or out.shape != x.shape or out.ndim > 2:
+            return Input(self.rmsnorm(x, gain, eps, out))
+        return Input(out, self._norm_q(x, xs, gain, n, out, eps, f32_sums=False))
+
+    def _norm_q(self, x, xs: int, gain, group: int, out, eps: float, f32_sums: bool):
+        """dev_rmsnorm_q over the rows of `group` of x (stride xs) into out and its ActQ -> GpuActQ.
+        One token's ActQ lives in a buffer kept per output buffer (out: a scratch buffer, whose
+        address is fixed, so a captured step replays it), a chunk's is new, as the scratch's are."""
+        rows, shape = x.size // group, out.shape  # (the ActQ of out's shape, as _quantize(out) makes it)
+        if len(shape) == 1 or shape[0] == 1:
+            key = (self.rt.ptr(out), shape)
+            act = self._norm_acts.get(key)
+            if act is None:
+                act = self._norm_acts[key] = gpu.empty_act(shape)
+        else:
+            act = gpu.empty_act(shape)
+        warps = max(1, min(32, -(-group // 128)))
+        self._launch("dev_rmsnorm_q", 32 * warps * rows, (x, np.int64(xs), self.param(gain), np.int32(gain.size // group), out,
+                                                           act.q, act.d, act.s16, np.int32(rows), np.int32(group), F32(eps),
+                                                           np.int32(f32_sums)), 32 * warps, 8 * warps)
+        return act
 
     def mix_tail(self, u, sn, out):
         """hyper.mix_tail: mean over the streams of sigmoid(u) sn, the streams summed from 0 in f32,

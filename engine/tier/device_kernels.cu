@@ -17,6 +17,21 @@ typedef long long i64;
 #define STRATA_SMEM(name) extern __shared__ __align__(16) unsigned char name[]
 #endif
 
+#ifndef STRATA_EMU
+// ActQ's operations as gpu_kernels.cu has them (the emulation's header provides the same): IEEE
+// division whatever the compiler's flags; round half to even, saturating, NaN -> 0
+__device__ __forceinline__ float f32_div(float a, float b) {
+    float r;
+    asm("div.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+    return r;
+}
+__device__ __forceinline__ int f32_rint(float a) {
+    int r;
+    asm("cvt.rni.s32.f32 %0, %1;" : "=r"(r) : "f"(a));
+    return r;
+}
+#endif
+
 __device__ __forceinline__ float warp_sum(float v) {
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(FULL, v, o);
     return v;
@@ -29,6 +44,31 @@ __device__ __forceinline__ double warp_sum_d(double v) {
 
 // ops.sigmoid's default form: (tanh(x / 2) + 1) / 2
 __device__ __forceinline__ float sigmoid_t(float x) { return (tanhf(x * 0.5f) + 1.0f) * 0.5f; }
+
+// The scale of one row of n at xr for dev_rmsnorm and dev_rmsnorm_q: 1 / sqrt(mean of squares + eps)
+// (or of the sum of squares, l2), the sums in f64 or, f32_sums, in f32; red: a double per warp of
+// shared memory. Every thread of the block calls it; the caller syncs before red is written again.
+__device__ __forceinline__ float norm_scale(const float* xr, int n, float eps, int f32_sums, int l2, double* red) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    if (f32_sums) {
+        float s = 0.0f;
+        for (int i = threadIdx.x; i < n; i += blockDim.x) s += xr[i] * xr[i];
+        s = warp_sum(s);
+        if (lane == 0) red[warp] = (double)s;  // (exact: a float widened)
+        __syncthreads();
+        float t = 0.0f;
+        for (int w = 0; w < nw; w++) t += (float)red[w];
+        return 1.0f / sqrtf(t / (float)n + eps);
+    }
+    double s = 0.0;
+    for (int i = threadIdx.x; i < n; i += blockDim.x) s += (double)xr[i] * (double)xr[i];
+    s = warp_sum_d(s);
+    if (lane == 0) red[warp] = s;
+    __syncthreads();
+    double t = 0.0;
+    for (int w = 0; w < nw; w++) t += red[w];
+    return (float)(1.0 / sqrt((l2 ? t : t / (double)n) + (double)eps));
+}
 
 // RMSNorm of `rows` rows of n (row r at x + r * xs), then * gain (row r reads gain[(r % gp) n ..]:
 // gp = 1 for a gain of the row's length, more when the norm's groups split a longer axis whose
@@ -43,29 +83,9 @@ extern "C" __global__ void dev_rmsnorm(const float* x, i64 xs, const float* gain
     // loads (2026-12-02, the H200's per-kernel floor: 14 norms, 0.18 ms of a 1.0 ms step).
     STRATA_SMEM(smem);
     double* red = reinterpret_cast<double*>(smem);  // a partial sum per warp
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
     for (int r = blockIdx.x; r < rows; r += gridDim.x) {
         const float* xr = x + (i64)r * xs;
-        float scale;
-        if (f32_sums) {
-            float s = 0.0f;
-            for (int i = threadIdx.x; i < n; i += blockDim.x) s += xr[i] * xr[i];
-            s = warp_sum(s);
-            if (lane == 0) red[warp] = (double)s;  // (exact: a float widened)
-            __syncthreads();
-            float t = 0.0f;
-            for (int w = 0; w < nw; w++) t += (float)red[w];
-            scale = 1.0f / sqrtf(t / (float)n + eps);
-        } else {
-            double s = 0.0;
-            for (int i = threadIdx.x; i < n; i += blockDim.x) s += (double)xr[i] * (double)xr[i];
-            s = warp_sum_d(s);
-            if (lane == 0) red[warp] = s;
-            __syncthreads();
-            double t = 0.0;
-            for (int w = 0; w < nw; w++) t += red[w];
-            scale = (float)(1.0 / sqrt((l2 ? t : t / (double)n) + (double)eps));
-        }
+        const float scale = norm_scale(xr, n, eps, f32_sums, l2, red);
         __syncthreads();  // every thread has read red before the next row writes it
         float* orow = out + (i64)r * n;
         const float* gr = gain + (i64)(r % gp) * n;
@@ -78,6 +98,43 @@ extern "C" __global__ void dev_rmsnorm(const float* x, i64 xs, const float* gain
                 y = y * (act == 2 ? zr[i] * s : s);
             }
             orow[i] = y;
+        }
+    }
+}
+
+// dev_rmsnorm's plain norm (no gate, not l2) that also writes its output's ActQ: the actq kernel of
+// engine/kernels/gpu_kernels.cu (actq.py's bits) on each 32-element block as the block is written,
+// so a norm that only feeds products is one launch where it was two (the layers' input norms: 2
+// a layer; 21 ActQ launches a qwen35moe token, most of them right after a norm). x, gain, gp,
+// rows, n, eps, f32_sums: as dev_rmsnorm; out [rows, n], q i8 [rows, n], d f32 [rows, n / 32],
+// s16 i32 [rows, n / 16], all contiguous; n a multiple of 32 (the loop's stride is a whole number of
+// warps, so a warp's 32 elements are one block and its lanes go round the loop together).
+//   amax = max |y|;  d = amax / 127;  q = d == 0 ? 0 : clamp(rint(y / d), +-127);  s16[h] = sum of q over half h
+extern "C" __global__ void dev_rmsnorm_q(const float* x, i64 xs, const float* gain, int gp, float* out, signed char* q,
+                                         float* d, int* s16, int rows, int n, float eps, int f32_sums) {
+    STRATA_SMEM(smem);
+    double* red = reinterpret_cast<double*>(smem);  // a partial sum per warp
+    const int lane = threadIdx.x & 31;
+    for (int r = blockIdx.x; r < rows; r += gridDim.x) {
+        const float* xr = x + (i64)r * xs;
+        const float scale = norm_scale(xr, n, eps, f32_sums, 0, red);
+        __syncthreads();  // every thread has read red before the next row writes it
+        const float* gr = gain + (i64)(r % gp) * n;
+        for (int i = threadIdx.x; i < n; i += blockDim.x) {
+            float y = xr[i] * scale;
+            y = y * gr[i];  // (dev_rmsnorm's two roundings)
+            const i64 at = (i64)r * n + i, b = at >> 5;
+            out[at] = y;
+            unsigned amax = __float_as_uint(y) & 0x7fffffffu;
+            for (int o = 16; o > 0; o >>= 1) amax = max(amax, __shfl_xor_sync(FULL, amax, o));
+            const float db = f32_div(__uint_as_float(amax), 127.0f);
+            int qi = 0;
+            if (__float_as_uint(db) != 0u) qi = min(max(f32_rint(f32_div(y, db)), -127), 127);
+            q[at] = (signed char)qi;
+            int sq = qi;
+            for (int o = 8; o > 0; o >>= 1) sq += __shfl_xor_sync(FULL, sq, o);  // stays inside each 16-lane half
+            if (lane == 0) d[b] = db;
+            if ((lane & 15) == 0) s16[2 * b + (lane >> 4)] = sq;
         }
     }
 }

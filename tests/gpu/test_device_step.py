@@ -99,10 +99,10 @@ def test_the_device_step_gives_the_cpu_logits(model, rt, n_prompt):
     # the fused kernels, not the array-module fallbacks; a token's routing, experts, combine and
     # attention by the position-independent kernels (the prompt's chunk combines its host-routed
     # rows with dev_combine); the fused sequences (a GDN layer's gates, a token's q/k l2 norms, the
-    # shared expert's gated add) in one launch each
+    # shared expert's gated add, an input norm and its ActQ) in one launch each
     assert launched == {"dev_rmsnorm", "dev_delta", "dev_conv", "dev_sigmoid", "dev_gate", "dev_rope", "dev_route", "dev_hidden",
                         "dev_combine_slots", "dev_kv_write", "dev_attn_split", "dev_attn_merge", "dev_gdn_gates", "dev_l2_qk",
-                        "dev_shared_add"} \
+                        "dev_shared_add", "dev_rmsnorm_q"} \
         | ({"dev_combine"} if n_prompt else set())
     assert_close(got, want)
 
@@ -351,6 +351,45 @@ def test_the_cli_refuses_an_unknown_gpu_step_and_notes_it_on_the_cpu(model, caps
     assert rc == 2 and "--spec drafts and verifies on the host-driven step: use --gpu-step host" in capsys.readouterr().err
 
 
+def test_the_fused_norms_leave_the_logits_bit_for_bit_and_save_a_launch_each(model, rt):
+    """A layer's input norms make their ActQ in the norm's launch (dev_rmsnorm_q): the logits are
+    the same bits as with the norm and the quantizer launched apart, and a decode token needs no
+    ActQ launch of its own for an input norm's output (up to two launches a layer fewer)."""
+    toks, n_prompt = tokens(model, 7), 3
+    got, per_token = {}, {}
+    for fuse in (True, False):
+        with device_tier(model, expert_cache=None) as tier:
+            be = model.backend
+            be.fuse_norm_q, be.graphs = fuse, False  # (eager: every token's launches are counted)
+            s = tier.take_session(CTX, "f32")
+            rows = [np.array(model.forward(s, toks[:n_prompt], n_logits=n_prompt))]
+            n, launch = {}, rt.launch
+            normed = rt.ptr(be.scratch("residual.x", (1, model.geometry.n_embd)))  # the input norms' output
+
+            def counted(mod, name, grid, block, args, *a):
+                n[name] = n.get(name, 0) + 1
+                if name == "actq" and rt.ptr(args[0]) == normed:  # an ActQ of an input norm's output
+                    n["actq of a norm"] = n.get("actq of a norm", 0) + 1
+                launch(mod, name, grid, block, args, *a)
+
+            rt.launch = counted
+            try:
+                rows += [model.step(s, t).copy()[None] for t in toks[n_prompt:]]
+            finally:
+                del rt.launch  # (the runtime's own method again)
+            got[fuse] = np.concatenate(rows)
+            per_token[fuse] = {name: c / (len(toks) - n_prompt) for name, c in n.items()}
+    assert np.array_equal(got[True].view(np.int32), got[False].view(np.int32)), f"max |diff| {np.abs(got[True] - got[False]).max()}"
+    on, off = per_token[True], per_token[False]
+    L = model.geometry.n_layer
+    # every layer's two input norms fused; the ActQ launches they replace: the MoE's input's in each
+    # layer, the mixer's where it reads the plain ActQ (attention's q/k/v of Q8_0 read the wide form)
+    saved = off.pop("actq of a norm")
+    assert on["dev_rmsnorm_q"] == 2 * L and "dev_rmsnorm_q" not in off and "actq of a norm" not in on
+    assert L <= saved <= 2 * L and on["actq"] == off["actq"] - saved and on["dev_rmsnorm"] == off["dev_rmsnorm"] - 2 * L
+    assert sum(on.values()) == sum(off.values()) - saved, (on, off)
+
+
 # --- the token path's kernels, each against the host rule it mirrors ------------------------------
 
 
@@ -394,6 +433,39 @@ def test_dev_route_picks_the_hosts_experts_and_weights(rt, X):
         want_w = p[got] / p[got].sum()
         assert np.allclose(rt.to_host(w)[0], want_w.astype(np.float32), rtol=1e-6), "the weights: float64 softmax, renormalised"
         assert np.array_equal(rt.to_host(slot), table[got])
+
+
+@pytest.mark.parametrize("rows,n,stride,group,f32_sums", [(1, 96, 96, 96, False), (3, 640, 700, 640, False),
+                                                          (2, 256, 256, 64, True)])
+def test_the_fused_norm_makes_the_separate_quantizers_actq(rt, rows, n, stride, group, f32_sums):
+    """dev_rmsnorm_q (a norm that feeds products, and its ActQ in the same launch) gives the bits of
+    the two launches it replaces, dev_rmsnorm then the actq kernel: one token and a chunk, rows
+    spaced wider than they are long, a grouped norm with f32 sums (hyper's), a block of zeros (d = 0)."""
+    from strata.engine.kernels import gpu
+    from strata.index_format.ggml_types import ggml_type
+
+    be = DeviceBackend(rt, None)
+    rng = np.random.default_rng(9)
+    x = (rng.standard_normal((rows, stride)) * 3).astype(np.float32)
+    x[0, 32:64] = 0.0
+    gain = (rng.standard_normal(n) + 1).astype(np.float32)
+    xv = rt.to_device(x)[:, :n]
+    calls, launch = [], be._launch
+    be._launch = lambda name, *a: (calls.append(name), launch(name, *a))
+    out = rt.to_device(np.full((rows, n), 7.0, np.float32))
+    if group == n:
+        got_x, got = out, be.norm_input(xv, gain, 1e-6, out).form(ggml_type("Q8_0"))
+        want_x = be.rmsnorm(xv, gain, 1e-6)
+    else:
+        got_x, got = be.rmsnorm_q(rt.to_device(x), gain, group, 1e-6)
+        want_x = be.rmsnorm(rt.to_device(x), gain, 1e-6, group=group, f32_sums=True)
+    assert calls[0] == "dev_rmsnorm_q" and len(calls) == 2, calls  # (then the separate norm, above)
+    want = gpu.quantize_act_gpu(rt.xp.ascontiguousarray(want_x), check=False)
+    assert np.array_equal(rt.to_host(got_x).view(np.int32), rt.to_host(want_x).view(np.int32))
+    for part in ("q", "d", "s16"):
+        a, b = rt.to_host(getattr(got, part)), rt.to_host(getattr(want, part))
+        assert a.shape == b.shape and np.array_equal(a.view(np.uint8), b.view(np.uint8)), part
+    assert (rt.to_host(got.d)[0, 1] == 0) and not rt.to_host(got.q)[0, 32:64].any()
 
 
 def test_dev_hidden_is_the_cpus_silu_bit_for_bit(rt):
