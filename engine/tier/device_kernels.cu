@@ -576,24 +576,55 @@ extern "C" __global__ void dev_attn_split(const float* q, const void* K, const v
     const float inf = __uint_as_float(0x7f800000u);
     for (int w = (int)((blockIdx.x * blockDim.x + threadIdx.x) >> 5); w < H * ns; w += nw) {
         const int h = w / ns, sp = w % ns, kv = h / (H / Hkv);
-        const float* qh = q + (i64)h * D;
-        float o[8];  // dimensions lane + 32 t, t < D / 32 <= 8
-        for (int t = 0; t < 8; t++) o[t] = 0.0f;
+        // Lane j's dimensions j + 32 t (t < 8, D <= 256) in registers: its query, the key and value
+        // rows of the key being scored, those of the next key (loaded while this one is scored) and
+        // o. It took ~21 us at 5 positions on the H200 (2026-12-02): o[t] indexed by a loop whose
+        // bound is D (not a constant) lived in local memory, and each key was a chain of dependent
+        // loads: the key's row, a warp sum, then only after the exps its value row. Now every
+        // loop over t is unrolled (the predicate d < D instead of the bound) and the next key's
+        // rows are in flight during this key's arithmetic. The same operations in the same order
+        // as before: the same bits.
+        float qr[8], o[8], kr[8], vr[8];
+        const int i0 = sp * L, i1 = (sp + 1) * L < n ? (sp + 1) * L : n;
+#pragma unroll
+        for (int t = 0; t < 8; t++) {
+            const int d = lane + 32 * t;
+            const i64 row = ((i64)kv * ctx + i0) * D;
+            qr[t] = d < D ? q[(i64)h * D + d] : 0.0f;
+            o[t] = 0.0f;
+            kr[t] = d < D && i0 < i1 ? kv_at(K, Ks, kind, row + d) : 0.0f;
+            vr[t] = d < D && i0 < i1 ? kv_at(V, Vs, kind, row + d) : 0.0f;
+        }
         float m = -inf, l = 0.0f;
-        const int i1 = (sp + 1) * L < n ? (sp + 1) * L : n;
-        for (int i = sp * L; i < i1; i++) {
-            const i64 row = ((i64)kv * ctx + i) * D;
+        for (int i = i0; i < i1; i++) {
+            float kn[8], vn[8];
+            const bool more = i + 1 < i1;
+            const i64 next = ((i64)kv * ctx + i + 1) * D;
+#pragma unroll
+            for (int t = 0; t < 8; t++) {
+                const int d = lane + 32 * t;
+                kn[t] = more && d < D ? kv_at(K, Ks, kind, next + d) : 0.0f;
+                vn[t] = more && d < D ? kv_at(V, Vs, kind, next + d) : 0.0f;
+            }
             float acc = 0.0f;
-            for (int d = lane; d < D; d += 32) acc += qh[d] * kv_at(K, Ks, kind, row + d);
+#pragma unroll
+            for (int t = 0; t < 8; t++)
+                if (lane + 32 * t < D) acc += qr[t] * kr[t];
             acc = warp_sum(acc) * scale;
             const float mn = fmaxf(m, acc);
             const float c = expf(m - mn), e = expf(acc - mn);  // (m = -inf at the first key: c = 0)
             l = l * c + e;
-            for (int t = 0, d = lane; d < D; t++, d += 32) o[t] = o[t] * c + e * kv_at(V, Vs, kind, row + d);
+#pragma unroll
+            for (int t = 0; t < 8; t++) {
+                if (lane + 32 * t < D) o[t] = o[t] * c + e * vr[t];
+                kr[t] = kn[t], vr[t] = vn[t];
+            }
             m = mn;
         }
         float* pp = part + ((i64)h * S + sp) * (D + 2);
-        for (int t = 0, d = lane; d < D; t++, d += 32) pp[2 + d] = o[t];
+#pragma unroll
+        for (int t = 0; t < 8; t++)
+            if (lane + 32 * t < D) pp[2 + lane + 32 * t] = o[t];
         if (lane == 0) pp[0] = m, pp[1] = l;
     }
 }

@@ -671,13 +671,14 @@ def test_the_fused_sequences_keep_the_separate_launches_bits(rt):
 
 
 @pytest.mark.parametrize("kind", [0, 1, 2])
-def test_split_key_attention_is_the_one_warp_forms(rt, kind):
+@pytest.mark.parametrize("D", [64, 256])
+def test_split_key_attention_is_the_one_warp_forms(rt, kind, D):
     """dev_attn_split + dev_attn_merge (keys split among warps, flash-decode) against dev_attn_one
     (a warp per head) on the same cache: within float32 rounding, at positions inside one split,
-    at a split's end and past it (L = 32 keys a split)."""
+    at a split's end and past it (L = 32 keys a split); a head of 64 and of 256 (8 dimensions a lane)."""
     be = DeviceBackend(rt, None)
     rng = np.random.default_rng(14)
-    H, Hkv, D, ctx = 8, 2, 64, 100
+    H, Hkv, ctx = 8 if D == 64 else 4, 2, 100
     L, S = 32, 4
     q = rt.to_device(rng.standard_normal((H, D)).astype(np.float32))
     if kind == 0:
