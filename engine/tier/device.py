@@ -480,23 +480,34 @@ class DeviceBackend(CpuBackend):
             return Input(self.rmsnorm(x, gain, eps, out))
         return Input(out, self._norm_q(x, xs, gain, n, out, eps, f32_sums=False))
 
-    def _norm_q(self, x, xs: int, gain, group: int, out, eps: float, f32_sums: bool):
+    def gated_norm_input(self, o, gain, z, eps: float, silu: bool) -> Input:
+        """backend.gated_norm_input: the gated norm of o [T, heads, n] in place and its ActQ in one
+        launch (dev_rmsnorm_q), as the Input [T, heads n] of the out projection."""
+        n, T = o.shape[-1], o.shape[0]
+        if not (self.fuse_norm_q and n % 32 == 0 and o.dtype == F32 and o.flags.c_contiguous and z.flags.c_contiguous
+                and z.shape == o.shape and gain.shape == (n,)):
+            return super().gated_norm_input(o, gain, z, eps, silu)
+        flat = o.reshape(T, o.size // T)
+        return Input(flat, self._norm_q(o, n, gain, n, flat, eps, f32_sums=False, z=z, act=2 if silu else 1))
+
+    def _norm_q(self, x, xs: int, gain, group: int, out, eps: float, f32_sums: bool, z=None, act: int = 0):
         """dev_rmsnorm_q over the rows of `group` of x (stride xs) into out and its ActQ -> GpuActQ.
         One token's ActQ lives in a buffer kept per output buffer (out: a scratch buffer, whose
         address is fixed, so a captured step replays it), a chunk's is new, as the scratch's are."""
         rows, shape = x.size // group, out.shape  # (the ActQ of out's shape, as _quantize(out) makes it)
         if len(shape) == 1 or shape[0] == 1:
             key = (self.rt.ptr(out), shape)
-            act = self._norm_acts.get(key)
-            if act is None:
-                act = self._norm_acts[key] = gpu.empty_act(shape)
+            q = self._norm_acts.get(key)
+            if q is None:
+                q = self._norm_acts[key] = gpu.empty_act(shape)
         else:
-            act = gpu.empty_act(shape)
+            q = gpu.empty_act(shape)
         warps = max(1, min(32, -(-group // 128)))
-        self._launch("dev_rmsnorm_q", 32 * warps * rows, (x, np.int64(xs), self.param(gain), np.int32(gain.size // group), out,
-                                                           act.q, act.d, act.s16, np.int32(rows), np.int32(group), F32(eps),
-                                                           np.int32(f32_sums)), 32 * warps, 8 * warps)
-        return act
+        self._launch("dev_rmsnorm_q", 32 * warps * rows, (x, np.int64(xs), self.param(gain), np.int32(gain.size // group),
+                                                           x if z is None else z, np.int32(act), out, q.q, q.d, q.s16,
+                                                           np.int32(rows), np.int32(group), F32(eps), np.int32(f32_sums)),
+                     32 * warps, 8 * warps)
+        return q
 
     def mix_tail(self, u, sn, out):
         """hyper.mix_tail: mean over the streams of sigmoid(u) sn, the streams summed from 0 in f32,

@@ -102,16 +102,18 @@ extern "C" __global__ void dev_rmsnorm(const float* x, i64 xs, const float* gain
     }
 }
 
-// dev_rmsnorm's plain norm (no gate, not l2) that also writes its output's ActQ: the actq kernel of
+// dev_rmsnorm (not l2) that also writes its output's ActQ: the actq kernel of
 // engine/kernels/gpu_kernels.cu (actq.py's bits) on each 32-element block as the block is written,
 // so a norm that only feeds products is one launch where it was two (the layers' input norms: 2
-// a layer; 21 ActQ launches a qwen35moe token, most of them right after a norm). x, gain, gp,
-// rows, n, eps, f32_sums: as dev_rmsnorm; out [rows, n], q i8 [rows, n], d f32 [rows, n / 32],
+// a layer, a Gated DeltaNet's gated norm before its out projection; 21 ActQ launches a qwen35moe
+// token, most of them right after a norm). x, gain, gp, z, act, rows, n, eps, f32_sums: as
+// dev_rmsnorm; out [rows, n], q i8 [rows, n], d f32 [rows, n / 32],
 // s16 i32 [rows, n / 16], all contiguous; n a multiple of 32 (the loop's stride is a whole number of
 // warps, so a warp's 32 elements are one block and its lanes go round the loop together).
 //   amax = max |y|;  d = amax / 127;  q = d == 0 ? 0 : clamp(rint(y / d), +-127);  s16[h] = sum of q over half h
-extern "C" __global__ void dev_rmsnorm_q(const float* x, i64 xs, const float* gain, int gp, float* out, signed char* q,
-                                         float* d, int* s16, int rows, int n, float eps, int f32_sums) {
+extern "C" __global__ void dev_rmsnorm_q(const float* x, i64 xs, const float* gain, int gp, const float* z, int act,
+                                         float* out, signed char* q, float* d, int* s16, int rows, int n, float eps,
+                                         int f32_sums) {
     STRATA_SMEM(smem);
     double* red = reinterpret_cast<double*>(smem);  // a partial sum per warp
     const int lane = threadIdx.x & 31;
@@ -120,9 +122,14 @@ extern "C" __global__ void dev_rmsnorm_q(const float* x, i64 xs, const float* ga
         const float scale = norm_scale(xr, n, eps, f32_sums, 0, red);
         __syncthreads();  // every thread has read red before the next row writes it
         const float* gr = gain + (i64)(r % gp) * n;
+        const float* zr = z ? z + (i64)r * n : 0;
         for (int i = threadIdx.x; i < n; i += blockDim.x) {
-            float y = xr[i] * scale;
-            y = y * gr[i];  // (dev_rmsnorm's two roundings)
+            float y = xr[i] * scale;  // (dev_rmsnorm's operations in its order)
+            y = y * gr[i];
+            if (act) {
+                const float sg = sigmoid_t(zr[i]);
+                y = y * (act == 2 ? zr[i] * sg : sg);
+            }
             const i64 at = (i64)r * n + i, b = at >> 5;
             out[at] = y;
             unsigned amax = __float_as_uint(y) & 0x7fffffffu;

@@ -363,12 +363,13 @@ def test_the_fused_norms_leave_the_logits_bit_for_bit_and_save_a_launch_each(mod
             be.fuse_norm_q, be.graphs = fuse, False  # (eager: every token's launches are counted)
             s = tier.take_session(CTX, "f32")
             rows = [np.array(model.forward(s, toks[:n_prompt], n_logits=n_prompt))]
-            n, launch = {}, rt.launch
-            normed = rt.ptr(be.scratch("residual.x", (1, model.geometry.n_embd)))  # the input norms' output
+            n, launch, normed = {}, rt.launch, [None]
 
             def counted(mod, name, grid, block, args, *a):
                 n[name] = n.get(name, 0) + 1
-                if name == "actq" and rt.ptr(args[0]) == normed:  # an ActQ of an input norm's output
+                if name == "dev_rmsnorm":
+                    normed[0] = rt.ptr(args[5])  # its output
+                if name == "actq" and rt.ptr(args[0]) == normed[0]:  # an ActQ of the last norm's output
                     n["actq of a norm"] = n.get("actq of a norm", 0) + 1
                 launch(mod, name, grid, block, args, *a)
 
@@ -382,11 +383,14 @@ def test_the_fused_norms_leave_the_logits_bit_for_bit_and_save_a_launch_each(mod
     assert np.array_equal(got[True].view(np.int32), got[False].view(np.int32)), f"max |diff| {np.abs(got[True] - got[False]).max()}"
     on, off = per_token[True], per_token[False]
     L = model.geometry.n_layer
-    # every layer's two input norms fused; the ActQ launches they replace: the MoE's input's in each
-    # layer, the mixer's where it reads the plain ActQ (attention's q/k/v of Q8_0 read the wide form)
-    saved = off.pop("actq of a norm")
-    assert on["dev_rmsnorm_q"] == 2 * L and "dev_rmsnorm_q" not in off and "actq of a norm" not in on
-    assert L <= saved <= 2 * L and on["actq"] == off["actq"] - saved and on["dev_rmsnorm"] == off["dev_rmsnorm"] - 2 * L
+    # fused: every layer's two input norms (a Gated DeltaNet's gated norm too where its heads are
+    # whole ActQ blocks: not this fixture's). The ActQ launches they replace: those of the MoE's
+    # input in each layer, of the mixer's input where it reads the plain ActQ (attention's q/k/v of
+    # Q8_0 read the wide form); the final norm's (the LM head's) stays
+    saved = off.pop("actq of a norm") - on.pop("actq of a norm")
+    assert "dev_rmsnorm_q" not in off
+    assert on["dev_rmsnorm_q"] >= 2 * L and on["dev_rmsnorm"] + on["dev_rmsnorm_q"] == off["dev_rmsnorm"]
+    assert L < saved <= on["dev_rmsnorm_q"] and on["actq"] == off["actq"] - saved
     assert sum(on.values()) == sum(off.values()) - saved, (on, off)
 
 
@@ -466,6 +470,30 @@ def test_the_fused_norm_makes_the_separate_quantizers_actq(rt, rows, n, stride, 
         a, b = rt.to_host(getattr(got, part)), rt.to_host(getattr(want, part))
         assert a.shape == b.shape and np.array_equal(a.view(np.uint8), b.view(np.uint8)), part
     assert (rt.to_host(got.d)[0, 1] == 0) and not rt.to_host(got.q)[0, 32:64].any()
+
+
+@pytest.mark.parametrize("silu", [False, True])
+def test_the_fused_gated_norm_makes_the_separate_quantizers_actq(rt, silu):
+    """A Gated DeltaNet's gated norm (o [T, heads, dv] normalised per head, times sigmoid(z) or
+    z sigmoid(z)) and the ActQ of its output in one launch: the bits of dev_rmsnorm's gated form
+    then the actq kernel, one token and a chunk."""
+    from strata.engine.kernels import gpu
+    from strata.index_format.ggml_types import ggml_type
+
+    be = DeviceBackend(rt, None)
+    rng = np.random.default_rng(10)
+    for T in (1, 3):
+        o = (rng.standard_normal((T, 4, 64)) * 2).astype(np.float32)
+        z = (rng.standard_normal((T, 4, 64)) * 3).astype(np.float32)
+        gain = (rng.standard_normal(64) + 1).astype(np.float32)
+        got = be.gated_norm_input(rt.to_device(o), gain, rt.to_device(z), 1e-6, silu)
+        want_x = be.gated_rmsnorm_(rt.to_device(o), gain, rt.to_device(z), 1e-6, silu).reshape(T, 256)
+        want = gpu.quantize_act_gpu(want_x, check=False)
+        assert got.x.shape == (T, 256) and np.array_equal(rt.to_host(got.x).view(np.int32), rt.to_host(want_x).view(np.int32))
+        act = got.form(ggml_type("Q8_0"))
+        for part in ("q", "d", "s16"):
+            a, b = rt.to_host(getattr(act, part)), rt.to_host(getattr(want, part))
+            assert a.shape == b.shape and np.array_equal(a.view(np.uint8), b.view(np.uint8)), part
 
 
 def test_dev_hidden_is_the_cpus_silu_bit_for_bit(rt):
