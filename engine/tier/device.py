@@ -53,7 +53,7 @@ KERNELS = Path(__file__).with_name("device_kernels.cu")
 _NAMES = ["dev_rmsnorm", "dev_delta", "dev_conv", "dev_combine", "dev_sigmoid", "dev_gate", "dev_softplus", "dev_rope",
           "dev_hidden", "dev_route", "dev_combine_slots", "dev_kv_write", "dev_attn_one", "dev_argmax",
           "dev_gdn_gates", "dev_l2_qk", "dev_shared_add", "dev_attn_split", "dev_attn_merge", "dev_mix_tail", "dev_inject", "dev_ple_output",
-          "dev_sample", "dev_rmsnorm_q"]
+          "dev_sample", "dev_rmsnorm_q", "dev_hidden_q"]
 KV_KIND = {"f32": 0, "f16": 1, "int8": 2}  # dev_kv_write's and dev_attn_one's `kind`
 BLOCK = 128  # threads per block of the row kernels: four warps
 
@@ -151,9 +151,9 @@ class DeviceExperts:
     One token (`token`): the whole routed part on the device. The router's top-k (dev_route: the
     float64 softmax, ties to the lower id), the slot of each chosen expert from the slot table kept
     on the device, gate and up of every resident expert in one launch and their downs in another
-    (mvx: each product the matvec's bits on that expert's slot), h = up silu(gate) (dev_hidden: the
-    portable SiLU of engine/ops.py, which a CPU miss uses too) and its ActQ, then the combine in rank
-    order. A layer whose experts are all resident needs nothing from the host. Otherwise the chosen
+    (mvx: each product the matvec's bits on that expert's slot), h = up silu(gate) (the portable
+    SiLU of engine/ops.py, which a CPU miss uses too) and its ActQ in one launch (dev_hidden_q), then
+    the combine in rank order. A layer whose experts are all resident needs nothing from the host. Otherwise the chosen
     ids, their slots and x come down in one synchronisation, the misses run on the CPU in one
     grouped call (MoE.products) while the device computes the hits, and the misses' rows go up in
     one copy. Each routed row is made with the same bits wherever its expert sits, so the logits are
@@ -252,8 +252,12 @@ class DeviceExperts:
             act = x.form(moe.gu, False, quantize=self.quantize)
             xq = gpu.GpuActQ(act.q, act.d, act.s16, None)
             gpu.slot_products(moe.gu.id, E, F, arena, sb, 0, gu_bytes, b["slot"], k, 2 * k, xq, 0, b["gu"])
-            be._launch("dev_hidden", k * F, (b["gu"], b["slot"], b["h"], np.int32(k), np.int32(F)))
-            gpu.quantize_act_gpu(b["h"], out=b["hq"], check=False)
+            if be.fuse_actq:  # h and its ActQ in one launch
+                hq = b["hq"]
+                be._launch("dev_hidden_q", k * F, (b["gu"], b["slot"], b["h"], hq.q, hq.d, hq.s16, np.int32(k), np.int32(F)))
+            else:
+                be._launch("dev_hidden", k * F, (b["gu"], b["slot"], b["h"], np.int32(k), np.int32(F)))
+                gpu.quantize_act_gpu(b["h"], out=b["hq"], check=False)
             gpu.slot_products(moe.d.id, F, E, arena, sb, 2 * gu_bytes, 0, b["slot"], k, k, b["hq"], 1, b["rows"])
         if not complete:
             if held:
@@ -384,9 +388,10 @@ class DeviceBackend(CpuBackend):
         self.floor_next = False  # the session's next replayed token step is captured in parts and timed
         # (True: a part per layer and the head; "kernels": a part per launch, labelled (layer, kernel))
         self.host_steps = False  # a block's token step has host work a replay cannot repeat (qsa_cache)
-        # a norm that feeds products makes their ActQ in the same launch (norm_input, rmsnorm_q;
-        # tests turn it off to compare); one token's ActQ buffers: (output's address, shape) -> GpuActQ
-        self.fuse_norm_q = True
+        # a norm that feeds products makes their ActQ in the same launch (norm_input, rmsnorm_q,
+        # gated_norm_input), as does a token's expert hidden activation (DeviceExperts.token); tests
+        # turn it off to compare. One token's norms' ActQ buffers: (output's address, shape) -> GpuActQ
+        self.fuse_actq = True
         self._norm_acts: dict[tuple, object] = {}
 
     def _launch(self, name: str, n_threads: int, args: tuple, block: int = BLOCK, smem: int = 0) -> None:
@@ -464,7 +469,7 @@ class DeviceBackend(CpuBackend):
     def rmsnorm_q(self, x, gain, group: int, eps: float):
         """hyper.grouped_rmsnorm_q on the device: the grouped norm with f32 sums and its ActQ (one
         launch, dev_rmsnorm_q, where the rows allow it)."""
-        if self.fuse_norm_q and x.flags.c_contiguous and x.dtype == F32 and x.shape[-1] % group == 0 \
+        if self.fuse_actq and x.flags.c_contiguous and x.dtype == F32 and x.shape[-1] % group == 0 \
                 and group % 32 == 0 and gain.shape in ((x.shape[-1],), (group,)) and x.ndim <= 2:
             out = self.scratch("rmsnorm_q.out", x.shape)  # (one token's at a fixed address: its ActQ's key)
             return out, self._norm_q(x, group, gain, group, out, eps, f32_sums=True)
@@ -475,7 +480,7 @@ class DeviceBackend(CpuBackend):
         """backend.norm_input: the norm and its ActQ in one launch (dev_rmsnorm_q), the ActQ the
         separate quantizer's bits; the products of the Input read it instead of quantizing again."""
         n = x.shape[-1]
-        xs = self._rows(x, n) if self.fuse_norm_q and n % 32 == 0 else None
+        xs = self._rows(x, n) if self.fuse_actq and n % 32 == 0 else None
         if xs is None or gain.shape != (n,) or not out.flags.c_contiguous or out.shape != x.shape or out.ndim > 2:
             return Input(self.rmsnorm(x, gain, eps, out))
         return Input(out, self._norm_q(x, xs, gain, n, out, eps, f32_sums=False))
@@ -484,7 +489,7 @@ class DeviceBackend(CpuBackend):
         """backend.gated_norm_input: the gated norm of o [T, heads, n] in place and its ActQ in one
         launch (dev_rmsnorm_q), as the Input [T, heads n] of the out projection."""
         n, T = o.shape[-1], o.shape[0]
-        if not (self.fuse_norm_q and n % 32 == 0 and o.dtype == F32 and o.flags.c_contiguous and z.flags.c_contiguous
+        if not (self.fuse_actq and n % 32 == 0 and o.dtype == F32 and o.flags.c_contiguous and z.flags.c_contiguous
                 and z.shape == o.shape and gain.shape == (n,)):
             return super().gated_norm_input(o, gain, z, eps, silu)
         flat = o.reshape(T, o.size // T)

@@ -102,6 +102,22 @@ extern "C" __global__ void dev_rmsnorm(const float* x, i64 xs, const float* gain
     }
 }
 
+// One 32-element ActQ block, lane j holding y = element j (all 32 lanes call it): the actq kernel
+// of gpu_kernels.cu's operations, to q [32] at qb, d[b], s16[2 b], s16[2 b + 1]
+__device__ __forceinline__ void actq_block(float y, signed char* qb, float* d, int* s16, i64 b) {
+    const int lane = threadIdx.x & 31;
+    unsigned amax = __float_as_uint(y) & 0x7fffffffu;
+    for (int o = 16; o > 0; o >>= 1) amax = max(amax, __shfl_xor_sync(FULL, amax, o));
+    const float db = f32_div(__uint_as_float(amax), 127.0f);
+    int qi = 0;
+    if (__float_as_uint(db) != 0u) qi = min(max(f32_rint(f32_div(y, db)), -127), 127);
+    qb[lane] = (signed char)qi;
+    int sq = qi;
+    for (int o = 8; o > 0; o >>= 1) sq += __shfl_xor_sync(FULL, sq, o);  // stays inside each 16-lane half
+    if (lane == 0) d[b] = db;
+    if ((lane & 15) == 0) s16[2 * b + (lane >> 4)] = sq;
+}
+
 // dev_rmsnorm (not l2) that also writes its output's ActQ: the actq kernel of
 // engine/kernels/gpu_kernels.cu (actq.py's bits) on each 32-element block as the block is written,
 // so a norm that only feeds products is one launch where it was two (the layers' input norms: 2
@@ -130,18 +146,9 @@ extern "C" __global__ void dev_rmsnorm_q(const float* x, i64 xs, const float* ga
                 const float sg = sigmoid_t(zr[i]);
                 y = y * (act == 2 ? zr[i] * sg : sg);
             }
-            const i64 at = (i64)r * n + i, b = at >> 5;
+            const i64 at = (i64)r * n + i;
             out[at] = y;
-            unsigned amax = __float_as_uint(y) & 0x7fffffffu;
-            for (int o = 16; o > 0; o >>= 1) amax = max(amax, __shfl_xor_sync(FULL, amax, o));
-            const float db = f32_div(__uint_as_float(amax), 127.0f);
-            int qi = 0;
-            if (__float_as_uint(db) != 0u) qi = min(max(f32_rint(f32_div(y, db)), -127), 127);
-            q[at] = (signed char)qi;
-            int sq = qi;
-            for (int o = 8; o > 0; o >>= 1) sq += __shfl_xor_sync(FULL, sq, o);  // stays inside each 16-lane half
-            if (lane == 0) d[b] = db;
-            if ((lane & 15) == 0) s16[2 * b + (lane >> 4)] = sq;
+            actq_block(y, q + (at - lane), d, s16, at >> 5);
         }
     }
 }
@@ -370,6 +377,24 @@ extern "C" __global__ void dev_hidden(const float* gu, const int* slot, float* h
         if (slot[j] < 0) continue;
         const float z = gu[i];
         h[i] = gu[n + i] * (z / (1.0f + exp_p(-z)));
+    }
+}
+
+// dev_hidden and the ActQ of h (the downs' input) in one launch: a warp per 32-element block of
+// h (F a multiple of 32, so a block lies in one expert's row), each block quantized as it is
+// written, the actq kernel's bits (actq_block); a miss's rows are skipped (the CPU's). q i8 [k, F],
+// d f32 [k, F / 32], s16 i32 [k, F / 16].
+extern "C" __global__ void dev_hidden_q(const float* gu, const int* slot, float* h, signed char* q, float* d, int* s16,
+                                        int k, int F) {
+    const int lane = threadIdx.x & 31;
+    const i64 n = (i64)k * F, nb = n >> 5, nw = ((i64)gridDim.x * blockDim.x) >> 5;
+    for (i64 b = ((i64)blockIdx.x * blockDim.x + threadIdx.x) >> 5; b < nb; b += nw) {
+        const i64 i = 32 * b + lane;
+        if (slot[(int)(i / F)] < 0) continue;  // (the same for the warp's lanes)
+        const float z = gu[i];
+        const float y = gu[n + i] * (z / (1.0f + exp_p(-z)));
+        h[i] = y;
+        actq_block(y, q + 32 * b, d, s16, b);
     }
 }
 

@@ -100,7 +100,7 @@ def test_the_device_step_gives_the_cpu_logits(model, rt, n_prompt):
     # attention by the position-independent kernels (the prompt's chunk combines its host-routed
     # rows with dev_combine); the fused sequences (a GDN layer's gates, a token's q/k l2 norms, the
     # shared expert's gated add, an input norm and its ActQ) in one launch each
-    assert launched == {"dev_rmsnorm", "dev_delta", "dev_conv", "dev_sigmoid", "dev_gate", "dev_rope", "dev_route", "dev_hidden",
+    assert launched == {"dev_rmsnorm", "dev_delta", "dev_conv", "dev_sigmoid", "dev_gate", "dev_rope", "dev_route", "dev_hidden_q",
                         "dev_combine_slots", "dev_kv_write", "dev_attn_split", "dev_attn_merge", "dev_gdn_gates", "dev_l2_qk",
                         "dev_shared_add", "dev_rmsnorm_q"} \
         | ({"dev_combine"} if n_prompt else set())
@@ -352,24 +352,24 @@ def test_the_cli_refuses_an_unknown_gpu_step_and_notes_it_on_the_cpu(model, caps
 
 
 def test_the_fused_norms_leave_the_logits_bit_for_bit_and_save_a_launch_each(model, rt):
-    """A layer's input norms make their ActQ in the norm's launch (dev_rmsnorm_q): the logits are
-    the same bits as with the norm and the quantizer launched apart, and a decode token needs no
-    ActQ launch of its own for an input norm's output (up to two launches a layer fewer)."""
+    """A layer's input norms make their ActQ in the norm's launch (dev_rmsnorm_q), the experts'
+    hidden activation in dev_hidden_q's: the logits are the same bits as with the quantizer
+    launched apart, and a decode token needs no ActQ launch of its own for those outputs."""
     toks, n_prompt = tokens(model, 7), 3
     got, per_token = {}, {}
     for fuse in (True, False):
         with device_tier(model, expert_cache=None) as tier:
             be = model.backend
-            be.fuse_norm_q, be.graphs = fuse, False  # (eager: every token's launches are counted)
+            be.fuse_actq, be.graphs = fuse, False  # (eager: every token's launches are counted)
             s = tier.take_session(CTX, "f32")
             rows = [np.array(model.forward(s, toks[:n_prompt], n_logits=n_prompt))]
             n, launch, normed = {}, rt.launch, [None]
 
             def counted(mod, name, grid, block, args, *a):
                 n[name] = n.get(name, 0) + 1
-                if name == "dev_rmsnorm":
-                    normed[0] = rt.ptr(args[5])  # its output
-                if name == "actq" and rt.ptr(args[0]) == normed[0]:  # an ActQ of the last norm's output
+                if name in ("dev_rmsnorm", "dev_hidden"):
+                    normed[0] = rt.ptr(args[5 if name == "dev_rmsnorm" else 2])  # its output
+                if name == "actq" and rt.ptr(args[0]) == normed[0]:  # an ActQ of the last norm's (or h's) output
                     n["actq of a norm"] = n.get("actq of a norm", 0) + 1
                 launch(mod, name, grid, block, args, *a)
 
@@ -384,13 +384,15 @@ def test_the_fused_norms_leave_the_logits_bit_for_bit_and_save_a_launch_each(mod
     on, off = per_token[True], per_token[False]
     L = model.geometry.n_layer
     # fused: every layer's two input norms (a Gated DeltaNet's gated norm too where its heads are
-    # whole ActQ blocks: not this fixture's). The ActQ launches they replace: those of the MoE's
-    # input in each layer, of the mixer's input where it reads the plain ActQ (attention's q/k/v of
-    # Q8_0 read the wide form); the final norm's (the LM head's) stays
+    # whole ActQ blocks: not this fixture's) and the experts' hidden activation. The ActQ launches
+    # they replace: those of the MoE's input and of h in each layer, of the mixer's input where it
+    # reads the plain ActQ (attention's q/k/v of Q8_0 read the wide form); the final norm's (the LM
+    # head's) stays
     saved = off.pop("actq of a norm") - on.pop("actq of a norm")
-    assert "dev_rmsnorm_q" not in off
+    assert "dev_rmsnorm_q" not in off and "dev_hidden_q" not in off and "dev_hidden" not in on
     assert on["dev_rmsnorm_q"] >= 2 * L and on["dev_rmsnorm"] + on["dev_rmsnorm_q"] == off["dev_rmsnorm"]
-    assert L < saved <= on["dev_rmsnorm_q"] and on["actq"] == off["actq"] - saved
+    assert on["dev_hidden_q"] == off["dev_hidden"] == L
+    assert 2 * L < saved <= on["dev_rmsnorm_q"] + L and on["actq"] == off["actq"] - saved
     assert sum(on.values()) == sum(off.values()) - saved, (on, off)
 
 
@@ -513,6 +515,28 @@ def test_dev_hidden_is_the_cpus_silu_bit_for_bit(rt):
     held = slot >= 0
     assert np.array_equal(got[held].view(np.int32), want[held].view(np.int32))
     assert (got[~held] == 7.0).all()
+
+
+def test_dev_hidden_q_is_dev_hidden_then_its_actq(rt):
+    """dev_hidden_q: h = up silu(gate) and h's ActQ in one launch, the bits of dev_hidden then the
+    actq kernel on every held rank (a miss's rows are the CPU's: left alone)."""
+    from strata.engine.kernels import gpu
+
+    be = DeviceBackend(rt, None)
+    rng = np.random.default_rng(16)
+    k, F = 4, 640
+    gu = rt.to_device((rng.standard_normal((2 * k, F)) * 6).astype(np.float32))
+    slot = rt.to_device(np.array([3, -1, 0, 7], np.int32))
+    h, hq = rt.to_device(np.full((k, F), 7.0, np.float32)), gpu.empty_act((k, F))
+    be._launch("dev_hidden_q", k * F, (gu, slot, h, hq.q, hq.d, hq.s16, np.int32(k), np.int32(F)))
+    want_h = rt.to_device(np.full((k, F), 7.0, np.float32))
+    be._launch("dev_hidden", k * F, (gu, slot, want_h, np.int32(k), np.int32(F)))
+    want = gpu.quantize_act_gpu(want_h, check=False)
+    held = np.array([True, False, True, True])
+    assert np.array_equal(rt.to_host(h).view(np.int32), rt.to_host(want_h).view(np.int32))
+    for part in ("q", "d", "s16"):
+        a, b = rt.to_host(getattr(hq, part)), rt.to_host(getattr(want, part))
+        assert np.array_equal(a[held].view(np.uint8), b[held].view(np.uint8)), part
 
 
 @pytest.mark.parametrize("types", [("Q8_0", "Q8_0"), ("IQ2_XS", "Q4_K")])
