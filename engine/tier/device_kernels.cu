@@ -403,7 +403,7 @@ extern "C" __global__ void dev_hidden_q(const float* gu, const int* slot, float*
 // renormalised to sum to 1. -> ids [k], w f32 [k] (the combine's f32 weights), and slot[j] =
 // table[ids[j]] (the layer's row of the slot table: the slot holding the expert, or -1).
 // A block of blockDim >= X threads (a logit each, X <= 1024), k <= 32, dynamic shared memory
-// route_smem(blockDim, k) bytes (DeviceExperts.route sizes the launch).
+// 512 + 4 blockDim + 8 (blockDim / 32) k bytes (DeviceExperts.route sizes the launch).
 //
 // It was one warp making k rounds of a scan over its 32 logits a lane, each round a serial chain
 // of compares, two shuffles per fold step and a float64 exp on every lane, into `double pj[32]`
