@@ -176,6 +176,17 @@ class CpuBackend:
     ple_output = staticmethod(ple.add_output)
     topk_set = staticmethod(qsa.torch_topk_set)
 
+    def norm_input(self, x: np.ndarray, gain: np.ndarray, eps: float, out: np.ndarray) -> Input:
+        """rmsnorm of x into `out` as the Input of the products that read it (a layer's input norm):
+        a backend may make the ActQ with the norm (DeviceBackend: one launch)."""
+        return Input(self.rmsnorm(x, gain, eps, out))
+
+    def gated_norm_input(self, o: np.ndarray, gain: np.ndarray, z: np.ndarray, eps: float, silu: bool) -> Input:
+        """gated_rmsnorm_ of o [T, heads, n] in place, as the Input [T, heads n] of the product that
+        reads it (a Gated DeltaNet's out projection); a backend may make the ActQ with the norm."""
+        self.gated_rmsnorm_(o, gain, z, eps, silu)
+        return Input(o.reshape(o.shape[0], -1))
+
     @staticmethod
     def rmsnorm_q(x: np.ndarray, gain: np.ndarray, group: int, eps: float):
         """rmsnorm with f32 sums of rows [T, n] and its ActQ in one pass (hyper.grouped_rmsnorm_q,

@@ -108,8 +108,7 @@ class GatedDeltaNet:
             y = be.delta_rule(r.state["S"], q, k, v, decay[r.a : r.b], beta[r.a : r.b], None if o is None else o[r.a : r.b])
             o = y if o is None else o
             keep(r)
-        be.gated_rmsnorm_(o, self.norm, z, self.eps, self.silu_gate)
-        return be.linear(self.out, Input(o.reshape(T, nv * dv)), sc("gdn.y", (T, self.E)))
+        return be.linear(self.out, be.gated_norm_input(o, self.norm, z, self.eps, self.silu_gate), sc("gdn.y", (T, self.E)))
 
 
 class GatedAttention:
@@ -205,7 +204,7 @@ class PreNormResidual:
 
     def enter(self, be, H: np.ndarray, layer: int, ffn: bool) -> tuple[Input, None]:
         gain = (self.ffn_norm if ffn else self.attn_norm)[layer]
-        return Input(be.rmsnorm(H, gain, self.eps, be.scratch("residual.x", H.shape))), None
+        return be.norm_input(H, gain, self.eps, be.scratch("residual.x", H.shape)), None
 
     def leave(self, be, H: np.ndarray, layer: int, ffn: bool, Y: np.ndarray, ctx: None) -> None:
         H += Y

@@ -54,7 +54,7 @@ KERNELS = Path(__file__).with_name("device_kernels.cu")
 _NAMES = ["dev_rmsnorm", "dev_delta", "dev_conv", "dev_combine", "dev_sigmoid", "dev_gate", "dev_softplus", "dev_rope",
           "dev_hidden", "dev_route", "dev_combine_slots", "dev_kv_write", "dev_attn_one", "dev_argmax",
           "dev_gdn_gates", "dev_l2_qk", "dev_shared_add", "dev_attn_split", "dev_attn_merge", "dev_mix_tail", "dev_inject", "dev_ple_output",
-          "dev_sample", "dev_route_rows", "dev_group"]
+          "dev_sample", "dev_route_rows", "dev_group", "dev_rmsnorm_q", "dev_hidden_q"]
 KV_KIND = {"f32": 0, "f16": 1, "int8": 2}  # dev_kv_write's and dev_attn_one's `kind`
 BLOCK = 128  # threads per block of the row kernels: four warps
 
@@ -152,9 +152,9 @@ class DeviceExperts:
     One token (`token`): the whole routed part on the device. The router's top-k (dev_route: the
     float64 softmax, ties to the lower id), the slot of each chosen expert from the slot table kept
     on the device, gate and up of every resident expert in one launch and their downs in another
-    (mvx: each product the matvec's bits on that expert's slot), h = up silu(gate) (dev_hidden: the
-    portable SiLU of engine/ops.py, which a CPU miss uses too) and its ActQ, then the combine in rank
-    order. A layer whose experts are all resident needs nothing from the host. Otherwise the chosen
+    (mvx: each product the matvec's bits on that expert's slot), h = up silu(gate) (the portable
+    SiLU of engine/ops.py, which a CPU miss uses too) and its ActQ in one launch (dev_hidden_q), then
+    the combine in rank order. A layer whose experts are all resident needs nothing from the host. Otherwise the chosen
     ids, their slots and x come down in one synchronisation, the misses run on the CPU in one
     grouped call (MoE.products) while the device computes the hits, and the misses' rows go up in
     one copy. Each routed row is made with the same bits wherever its expert sits, so the logits are
@@ -227,9 +227,10 @@ class DeviceExperts:
 
     def token(self, moe, x: Input, counts) -> object | None:
         """MoE.forward's routed sum for one token on the device -> device f32 [1, E], or None where
-        this path does not apply (expert weights of a float type, rows longer than mv takes, more than
-        1024 experts: dev_route's registers): the MoE then routes on the host. A verify row (its Seq's `saved`) settles its routing counts at once
-        and copies them into its snapshot."""
+        this path does not apply (expert weights of a float type, rows longer than mv takes, more
+        than 1024 experts: dev_route's block, a thread a logit): the MoE then routes on the host. A
+        verify row (its Seq's `saved`) settles its routing counts at once and copies them into its
+        snapshot."""
         seqs = seqs_of(counts, 1) if counts is not None else []
         if not self.fits(moe):
             return None
@@ -239,7 +240,7 @@ class DeviceExperts:
         table = self._table(b, layer)
         logits = be.linear(moe.router, x, be.scratch("moe.router", (1, moe.router.n_out)))
         ids = b["ids"][layer]
-        be._launch("dev_route", 32, (logits, np.int32(logits.shape[-1]), np.int32(k), table, ids, b["w"], b["slot"]))
+        self.route(logits, k, table, ids, b["w"], b["slot"])
         states = tuple(r.state for r in seqs)
         complete = bool((self._table_rows[layer] >= 0).all())
         if complete:
@@ -260,8 +261,12 @@ class DeviceExperts:
             act = x.form(moe.gu, False, quantize=self.quantize)
             xq = gpu.GpuActQ(act.q, act.d, act.s16, None)
             gpu.slot_products(moe.gu.id, E, F, arena, sb, 0, gu_bytes, b["slot"], k, 2 * k, xq, 0, b["gu"])
-            be._launch("dev_hidden", k * F, (b["gu"], b["slot"], b["h"], np.int32(k), np.int32(F)))
-            gpu.quantize_act_gpu(b["h"], out=b["hq"], check=False)
+            if be.fuse_actq:  # h and its ActQ in one launch
+                hq = b["hq"]
+                be._launch("dev_hidden_q", k * F, (b["gu"], b["slot"], b["h"], hq.q, hq.d, hq.s16, np.int32(k), np.int32(F)))
+            else:
+                be._launch("dev_hidden", k * F, (b["gu"], b["slot"], b["h"], np.int32(k), np.int32(F)))
+                gpu.quantize_act_gpu(b["h"], out=b["hq"], check=False)
             gpu.slot_products(moe.d.id, F, E, arena, sb, 2 * gu_bytes, 0, b["slot"], k, k, b["hq"], 1, b["rows"])
         if not complete:
             if held:
@@ -311,6 +316,14 @@ class DeviceExperts:
             self._chunk_log.append((moe.layer, seqs, out[1]))
             return out[0]
         return None
+
+    def route(self, logits, k: int, table, ids, w, slot) -> None:
+        """dev_route: one token's top-k of its router logits [1, X] (X <= 1024, k <= 32) -> ids [k],
+        w [1, k], slot [k]. A thread a logit (the block rounded up to whole warps)."""
+        X = logits.shape[-1]
+        block = 32 * -(-X // 32)
+        smem = 512 + 4 * block + 8 * (block // 32) * k  # red, pj (f64 [32] each), the logits, the candidates
+        self.be._launch("dev_route", block, (logits, np.int32(X), np.int32(k), table, ids, w, slot), block, smem)
 
     def _misses(self, moe, states: tuple) -> None:
         """The host's part of a layer some of whose experts may miss, once the chosen ids, their slots
@@ -439,6 +452,11 @@ class DeviceBackend(CpuBackend):
         self.host_steps = False  # a block's token step has host work a replay cannot repeat (qsa_cache)
         self.verify_logits = None  # --spec N: the verify's logits rows [1 + N, n_vocab], placed at the tier's stage 7
         self._rows_pick = None  # pick_rows' (rows, banned ids, device picks [rows, 3], their pinned mirror, ids on the device)
+        # a norm that feeds products makes their ActQ in the same launch (norm_input, rmsnorm_q,
+        # gated_norm_input), as does a token's expert hidden activation (DeviceExperts.token); tests
+        # turn it off to compare. One token's norms' ActQ buffers: (output's address, shape) -> GpuActQ
+        self.fuse_actq = True
+        self._norm_acts: dict[tuple, object] = {}
 
     def _launch(self, name: str, n_threads: int, args: tuple, block: int = BLOCK, smem: int = 0) -> None:
         grid = max(1, min(-(-n_threads // block), 32 * self.rt.n_sm))
@@ -513,9 +531,52 @@ class DeviceBackend(CpuBackend):
     # same f32 steps in the same order as the CPU's kernels beside their references
 
     def rmsnorm_q(self, x, gain, group: int, eps: float):
-        """hyper.grouped_rmsnorm_q on the device: the grouped norm with f32 sums, then its ActQ."""
+        """hyper.grouped_rmsnorm_q on the device: the grouped norm with f32 sums and its ActQ (one
+        launch, dev_rmsnorm_q, where the rows allow it)."""
+        if self.fuse_actq and x.flags.c_contiguous and x.dtype == F32 and x.shape[-1] % group == 0 \
+                and group % 32 == 0 and gain.shape in ((x.shape[-1],), (group,)) and x.ndim <= 2:
+            out = self.scratch("rmsnorm_q.out", x.shape)  # (one token's at a fixed address: its ActQ's key)
+            return out, self._norm_q(x, group, gain, group, out, eps, f32_sums=True)
         out = self.rmsnorm(x, gain, eps, group=group, f32_sums=True)
         return out, self._quantize(out, False)
+
+    def norm_input(self, x, gain, eps: float, out) -> Input:
+        """backend.norm_input: the norm and its ActQ in one launch (dev_rmsnorm_q), the ActQ the
+        separate quantizer's bits; the products of the Input read it instead of quantizing again."""
+        n = x.shape[-1]
+        xs = self._rows(x, n) if self.fuse_actq and n % 32 == 0 else None
+        if xs is None or gain.shape != (n,) or not out.flags.c_contiguous or out.shape != x.shape or out.ndim > 2:
+            return Input(self.rmsnorm(x, gain, eps, out))
+        return Input(out, self._norm_q(x, xs, gain, n, out, eps, f32_sums=False))
+
+    def gated_norm_input(self, o, gain, z, eps: float, silu: bool) -> Input:
+        """backend.gated_norm_input: the gated norm of o [T, heads, n] in place and its ActQ in one
+        launch (dev_rmsnorm_q), as the Input [T, heads n] of the out projection."""
+        n, T = o.shape[-1], o.shape[0]
+        if not (self.fuse_actq and n % 32 == 0 and o.dtype == F32 and o.flags.c_contiguous and z.flags.c_contiguous
+                and z.shape == o.shape and gain.shape == (n,)):
+            return super().gated_norm_input(o, gain, z, eps, silu)
+        flat = o.reshape(T, o.size // T)
+        return Input(flat, self._norm_q(o, n, gain, n, flat, eps, f32_sums=False, z=z, act=2 if silu else 1))
+
+    def _norm_q(self, x, xs: int, gain, group: int, out, eps: float, f32_sums: bool, z=None, act: int = 0):
+        """dev_rmsnorm_q over the rows of `group` of x (stride xs) into out and its ActQ -> GpuActQ.
+        One token's ActQ lives in a buffer kept per output buffer (out: a scratch buffer, whose
+        address is fixed, so a captured step replays it), a chunk's is new, as the scratch's are."""
+        rows, shape = x.size // group, out.shape  # (the ActQ of out's shape, as _quantize(out) makes it)
+        if len(shape) == 1 or shape[0] == 1:
+            key = (self.rt.ptr(out), shape)
+            q = self._norm_acts.get(key)
+            if q is None:
+                q = self._norm_acts[key] = gpu.empty_act(shape)
+        else:
+            q = gpu.empty_act(shape)
+        warps = max(1, min(32, -(-group // 128)))
+        self._launch("dev_rmsnorm_q", 32 * warps * rows, (x, np.int64(xs), self.param(gain), np.int32(gain.size // group),
+                                                           x if z is None else z, np.int32(act), out, q.q, q.d, q.s16,
+                                                           np.int32(rows), np.int32(group), F32(eps), np.int32(f32_sums)),
+                     32 * warps, 8 * warps)
+        return q
 
     def mix_tail(self, u, sn, out):
         """hyper.mix_tail: mean over the streams of sigmoid(u) sn, the streams summed from 0 in f32,

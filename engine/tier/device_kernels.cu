@@ -17,6 +17,21 @@ typedef long long i64;
 #define STRATA_SMEM(name) extern __shared__ __align__(16) unsigned char name[]
 #endif
 
+#ifndef STRATA_EMU
+// ActQ's operations as gpu_kernels.cu has them (the emulation's header provides the same): IEEE
+// division whatever the compiler's flags; round half to even, saturating, NaN -> 0
+__device__ __forceinline__ float f32_div(float a, float b) {
+    float r;
+    asm("div.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+    return r;
+}
+__device__ __forceinline__ int f32_rint(float a) {
+    int r;
+    asm("cvt.rni.s32.f32 %0, %1;" : "=r"(r) : "f"(a));
+    return r;
+}
+#endif
+
 __device__ __forceinline__ float warp_sum(float v) {
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(FULL, v, o);
     return v;
@@ -29,6 +44,31 @@ __device__ __forceinline__ double warp_sum_d(double v) {
 
 // ops.sigmoid's default form: (tanh(x / 2) + 1) / 2
 __device__ __forceinline__ float sigmoid_t(float x) { return (tanhf(x * 0.5f) + 1.0f) * 0.5f; }
+
+// The scale of one row of n at xr for dev_rmsnorm and dev_rmsnorm_q: 1 / sqrt(mean of squares + eps)
+// (or of the sum of squares, l2), the sums in f64 or, f32_sums, in f32; red: a double per warp of
+// shared memory. Every thread of the block calls it; the caller syncs before red is written again.
+__device__ __forceinline__ float norm_scale(const float* xr, int n, float eps, int f32_sums, int l2, double* red) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    if (f32_sums) {
+        float s = 0.0f;
+        for (int i = threadIdx.x; i < n; i += blockDim.x) s += xr[i] * xr[i];
+        s = warp_sum(s);
+        if (lane == 0) red[warp] = (double)s;  // (exact: a float widened)
+        __syncthreads();
+        float t = 0.0f;
+        for (int w = 0; w < nw; w++) t += (float)red[w];
+        return 1.0f / sqrtf(t / (float)n + eps);
+    }
+    double s = 0.0;
+    for (int i = threadIdx.x; i < n; i += blockDim.x) s += (double)xr[i] * (double)xr[i];
+    s = warp_sum_d(s);
+    if (lane == 0) red[warp] = s;
+    __syncthreads();
+    double t = 0.0;
+    for (int w = 0; w < nw; w++) t += red[w];
+    return (float)(1.0 / sqrt((l2 ? t : t / (double)n) + (double)eps));
+}
 
 // RMSNorm of `rows` rows of n (row r at x + r * xs), then * gain (row r reads gain[(r % gp) n ..]:
 // gp = 1 for a gain of the row's length, more when the norm's groups split a longer axis whose
@@ -43,29 +83,9 @@ extern "C" __global__ void dev_rmsnorm(const float* x, i64 xs, const float* gain
     // loads (2026-12-02, the H200's per-kernel floor: 14 norms, 0.18 ms of a 1.0 ms step).
     STRATA_SMEM(smem);
     double* red = reinterpret_cast<double*>(smem);  // a partial sum per warp
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
     for (int r = blockIdx.x; r < rows; r += gridDim.x) {
         const float* xr = x + (i64)r * xs;
-        float scale;
-        if (f32_sums) {
-            float s = 0.0f;
-            for (int i = threadIdx.x; i < n; i += blockDim.x) s += xr[i] * xr[i];
-            s = warp_sum(s);
-            if (lane == 0) red[warp] = (double)s;  // (exact: a float widened)
-            __syncthreads();
-            float t = 0.0f;
-            for (int w = 0; w < nw; w++) t += (float)red[w];
-            scale = 1.0f / sqrtf(t / (float)n + eps);
-        } else {
-            double s = 0.0;
-            for (int i = threadIdx.x; i < n; i += blockDim.x) s += (double)xr[i] * (double)xr[i];
-            s = warp_sum_d(s);
-            if (lane == 0) red[warp] = s;
-            __syncthreads();
-            double t = 0.0;
-            for (int w = 0; w < nw; w++) t += red[w];
-            scale = (float)(1.0 / sqrt((l2 ? t : t / (double)n) + (double)eps));
-        }
+        const float scale = norm_scale(xr, n, eps, f32_sums, l2, red);
         __syncthreads();  // every thread has read red before the next row writes it
         float* orow = out + (i64)r * n;
         const float* gr = gain + (i64)(r % gp) * n;
@@ -78,6 +98,57 @@ extern "C" __global__ void dev_rmsnorm(const float* x, i64 xs, const float* gain
                 y = y * (act == 2 ? zr[i] * s : s);
             }
             orow[i] = y;
+        }
+    }
+}
+
+// One 32-element ActQ block, lane j holding y = element j (all 32 lanes call it): the actq kernel
+// of gpu_kernels.cu's operations, to q [32] at qb, d[b], s16[2 b], s16[2 b + 1]
+__device__ __forceinline__ void actq_block(float y, signed char* qb, float* d, int* s16, i64 b) {
+    const int lane = threadIdx.x & 31;
+    unsigned amax = __float_as_uint(y) & 0x7fffffffu;
+    for (int o = 16; o > 0; o >>= 1) amax = max(amax, __shfl_xor_sync(FULL, amax, o));
+    const float db = f32_div(__uint_as_float(amax), 127.0f);
+    int qi = 0;
+    if (__float_as_uint(db) != 0u) qi = min(max(f32_rint(f32_div(y, db)), -127), 127);
+    qb[lane] = (signed char)qi;
+    int sq = qi;
+    for (int o = 8; o > 0; o >>= 1) sq += __shfl_xor_sync(FULL, sq, o);  // stays inside each 16-lane half
+    if (lane == 0) d[b] = db;
+    if ((lane & 15) == 0) s16[2 * b + (lane >> 4)] = sq;
+}
+
+// dev_rmsnorm (not l2) that also writes its output's ActQ: the actq kernel of
+// engine/kernels/gpu_kernels.cu (actq.py's bits) on each 32-element block as the block is written,
+// so a norm that only feeds products is one launch where it was two (the layers' input norms: 2
+// a layer, a Gated DeltaNet's gated norm before its out projection; 21 ActQ launches a qwen35moe
+// token, most of them right after a norm). x, gain, gp, z, act, rows, n, eps, f32_sums: as
+// dev_rmsnorm; out [rows, n], q i8 [rows, n], d f32 [rows, n / 32],
+// s16 i32 [rows, n / 16], all contiguous; n a multiple of 32 (the loop's stride is a whole number of
+// warps, so a warp's 32 elements are one block and its lanes go round the loop together).
+//   amax = max |y|;  d = amax / 127;  q = d == 0 ? 0 : clamp(rint(y / d), +-127);  s16[h] = sum of q over half h
+extern "C" __global__ void dev_rmsnorm_q(const float* x, i64 xs, const float* gain, int gp, const float* z, int act,
+                                         float* out, signed char* q, float* d, int* s16, int rows, int n, float eps,
+                                         int f32_sums) {
+    STRATA_SMEM(smem);
+    double* red = reinterpret_cast<double*>(smem);  // a partial sum per warp
+    const int lane = threadIdx.x & 31;
+    for (int r = blockIdx.x; r < rows; r += gridDim.x) {
+        const float* xr = x + (i64)r * xs;
+        const float scale = norm_scale(xr, n, eps, f32_sums, 0, red);
+        __syncthreads();  // every thread has read red before the next row writes it
+        const float* gr = gain + (i64)(r % gp) * n;
+        const float* zr = z ? z + (i64)r * n : 0;
+        for (int i = threadIdx.x; i < n; i += blockDim.x) {
+            float y = xr[i] * scale;  // (dev_rmsnorm's operations in its order)
+            y = y * gr[i];
+            if (act) {
+                const float sg = sigmoid_t(zr[i]);
+                y = y * (act == 2 ? zr[i] * sg : sg);
+            }
+            const i64 at = (i64)r * n + i;
+            out[at] = y;
+            actq_block(y, q + (at - lane), d, s16, at >> 5);
         }
     }
 }
@@ -309,11 +380,99 @@ extern "C" __global__ void dev_hidden(const float* gu, const int* slot, float* h
     }
 }
 
+// dev_hidden and the ActQ of h (the downs' input) in one launch: a warp per 32-element block of
+// h (F a multiple of 32, so a block lies in one expert's row), each block quantized as it is
+// written, the actq kernel's bits (actq_block); a miss's rows are skipped (the CPU's). q i8 [k, F],
+// d f32 [k, F / 32], s16 i32 [k, F / 16].
+extern "C" __global__ void dev_hidden_q(const float* gu, const int* slot, float* h, signed char* q, float* d, int* s16,
+                                        int k, int F) {
+    const int lane = threadIdx.x & 31;
+    const i64 n = (i64)k * F, nb = n >> 5, nw = ((i64)gridDim.x * blockDim.x) >> 5;
+    for (i64 b = ((i64)blockIdx.x * blockDim.x + threadIdx.x) >> 5; b < nb; b += nw) {
+        const i64 i = 32 * b + lane;
+        if (slot[(int)(i / F)] < 0) continue;  // (the same for the warp's lanes)
+        const float z = gu[i];
+        const float y = gu[n + i] * (z / (1.0f + exp_p(-z)));
+        h[i] = y;
+        actq_block(y, q + 32 * b, d, s16, b);
+    }
+}
+
 // The router's top-k of one token (moe.route_topk's rule): softmax of the logits [X] in float64
 // (p = exp(l - max) / sum), the k largest (ties: the lower expert id), their probabilities
 // renormalised to sum to 1. -> ids [k], w f32 [k] (the combine's f32 weights), and slot[j] =
-// table[ids[j]] (the layer's row of the slot table: the slot holding the expert, or -1). One warp.
-// (route_one: the work of dev_route's warp; slot may be null: dev_route_rows, where nothing is looked up)
+// table[ids[j]] (the layer's row of the slot table: the slot holding the expert, or -1).
+// A block of blockDim >= X threads (a logit each, X <= 1024), k <= 32, dynamic shared memory
+// 512 + 4 blockDim + 8 (blockDim / 32) k bytes (DeviceExperts.route sizes the launch).
+//
+// It was one warp making k rounds of a scan over its 32 logits a lane, each round a serial chain
+// of compares, two shuffles per fold step and a float64 exp on every lane, into `double pj[32]`
+// indexed by the round (local memory), after 16 float64 exps in a row a lane for the sum: ~20 us
+// a layer on the H200 (2026-12-02, the per-kernel floor), one warp of one SM doing it all in
+// series. Now every step is wide: the max and the sum a logit a thread (one float64 exp each, in
+// parallel); each warp ranks its own 32 logits (32 independent shared-memory reads a lane), its
+// best k go to a candidate list, and each candidate's rank among the nw k candidates (a loop of
+// independent reads) is its place in ids. The order is total (logit descending, then id
+// ascending: distinct ids), so the ranks are distinct and exactly the host's selection. The sum
+// over the logits folds in another order than before (the float64 weights may differ in the
+// last bits; w is their f32 rounding).
+extern "C" __global__ void dev_route(const float* logits, int X, int k, const int* table, int* ids, float* w, int* slot) {
+    STRATA_SMEM(smem);
+    const int t = threadIdx.x, lane = t & 31, warp = t >> 5, nw = blockDim.x >> 5, C = nw * k;
+    double* red = reinterpret_cast<double*>(smem);  // [32] a partial max, then a partial sum, per warp
+    double* pj = red + 32;                           // [32] the chosen experts' probabilities, by rank
+    float* lv = reinterpret_cast<float*>(pj + 32);   // [blockDim] the logits (-inf past X)
+    float* cl = lv + blockDim.x;                     // [nw k] each warp's best k: logit,
+    int* ci = reinterpret_cast<int*>(cl + C);        //   and id (0x7fffffff: none, after every real one)
+    const float inf = __uint_as_float(0x7f800000u);
+    const bool valid = t < X;
+    const float l = valid ? logits[t] : -inf;
+    lv[t] = l;
+    if (lane < k) cl[warp * k + lane] = -inf, ci[warp * k + lane] = 0x7fffffff;
+    float m = l;
+    for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(FULL, m, o));
+    if (lane == 0) red[warp] = (double)m;  // (exact: a float widened)
+    __syncthreads();
+    m = -inf;
+    for (int v = 0; v < nw; v++) m = fmaxf(m, (float)red[v]);
+    // this logit's rank among its warp's (the logits before it in the order)
+    int r = 0;
+    for (int j = 0; j < 32; j++) {
+        const int i = 32 * warp + j;
+        const float o = lv[i];
+        r += i < X && (o > l || (o == l && i < t));
+    }
+    __syncthreads();  // every thread has read red's maxima
+    const double s = warp_sum_d(valid ? exp((double)(l - m)) : 0.0);
+    if (lane == 0) red[warp] = s;
+    if (valid && r < k) cl[warp * k + r] = l, ci[warp * k + r] = t;
+    __syncthreads();
+    double sum = 0.0;
+    for (int v = 0; v < nw; v++) sum += red[v];
+    if (t < C && ci[t] != 0x7fffffff) {  // a candidate: its rank among all the candidates
+        const float cv = cl[t];
+        const int cid = ci[t];
+        int rank = 0;
+        for (int j = 0; j < C; j++) {
+            const float o = cl[j];
+            rank += o > cv || (o == cv && ci[j] < cid);
+        }
+        if (rank < k) {
+            ids[rank] = cid;
+            slot[rank] = table[cid];
+            pj[rank] = exp((double)(cv - m)) / sum;
+        }
+    }
+    __syncthreads();
+    if (t < k) {
+        double top = 0.0;  // in rank order, as moe.route_topk's renormalisation
+        for (int j = 0; j < k; j++) top += pj[j];
+        w[t] = (float)(pj[t] / top);
+    }
+}
+
+// (route_one: one warp routing one token by the same rule, the warp form dev_route had, for the
+// chunk's rows: dev_route_rows, a block a token; slot may be null, where nothing is looked up)
 __device__ __forceinline__ void route_one(const float* logits, int X, int k, const int* table, int* ids, float* w,
                                           int* slot) {
     // Lane l holds logits l + 32 c in registers (X <= 1024; DeviceExperts.token routes larger
@@ -363,11 +522,6 @@ __device__ __forceinline__ void route_one(const float* logits, int X, int k, con
     }
     if (lane == 0)
         for (int j = 0; j < k; j++) w[j] = (float)(pj[j] / top);
-}
-
-extern "C" __global__ void dev_route(const float* logits, int X, int k, const int* table, int* ids, float* w, int* slot) {
-    if (threadIdx.x >= 32) return;
-    route_one(logits, X, k, table, ids, w, slot);
 }
 
 // dev_route for each of T tokens (a prompt chunk): block t's first warp routes logits row t [X]
@@ -573,24 +727,55 @@ extern "C" __global__ void dev_attn_split(const float* q, const void* K, const v
     const float inf = __uint_as_float(0x7f800000u);
     for (int w = (int)((blockIdx.x * blockDim.x + threadIdx.x) >> 5); w < H * ns; w += nw) {
         const int h = w / ns, sp = w % ns, kv = h / (H / Hkv);
-        const float* qh = q + (i64)h * D;
-        float o[8];  // dimensions lane + 32 t, t < D / 32 <= 8
-        for (int t = 0; t < 8; t++) o[t] = 0.0f;
+        // Lane j's dimensions j + 32 t (t < 8, D <= 256) in registers: its query, the key and value
+        // rows of the key being scored, those of the next key (loaded while this one is scored) and
+        // o. It took ~21 us at 5 positions on the H200 (2026-12-02): o[t] indexed by a loop whose
+        // bound is D (not a constant) lived in local memory, and each key was a chain of dependent
+        // loads: the key's row, a warp sum, then only after the exps its value row. Now every
+        // loop over t is unrolled (the predicate d < D instead of the bound) and the next key's
+        // rows are in flight during this key's arithmetic. The same operations in the same order
+        // as before: the same bits.
+        float qr[8], o[8], kr[8], vr[8];
+        const int i0 = sp * L, i1 = (sp + 1) * L < n ? (sp + 1) * L : n;
+#pragma unroll
+        for (int t = 0; t < 8; t++) {
+            const int d = lane + 32 * t;
+            const i64 row = ((i64)kv * ctx + i0) * D;
+            qr[t] = d < D ? q[(i64)h * D + d] : 0.0f;
+            o[t] = 0.0f;
+            kr[t] = d < D && i0 < i1 ? kv_at(K, Ks, kind, row + d) : 0.0f;
+            vr[t] = d < D && i0 < i1 ? kv_at(V, Vs, kind, row + d) : 0.0f;
+        }
         float m = -inf, l = 0.0f;
-        const int i1 = (sp + 1) * L < n ? (sp + 1) * L : n;
-        for (int i = sp * L; i < i1; i++) {
-            const i64 row = ((i64)kv * ctx + i) * D;
+        for (int i = i0; i < i1; i++) {
+            float kn[8], vn[8];
+            const bool more = i + 1 < i1;
+            const i64 next = ((i64)kv * ctx + i + 1) * D;
+#pragma unroll
+            for (int t = 0; t < 8; t++) {
+                const int d = lane + 32 * t;
+                kn[t] = more && d < D ? kv_at(K, Ks, kind, next + d) : 0.0f;
+                vn[t] = more && d < D ? kv_at(V, Vs, kind, next + d) : 0.0f;
+            }
             float acc = 0.0f;
-            for (int d = lane; d < D; d += 32) acc += qh[d] * kv_at(K, Ks, kind, row + d);
+#pragma unroll
+            for (int t = 0; t < 8; t++)
+                if (lane + 32 * t < D) acc += qr[t] * kr[t];
             acc = warp_sum(acc) * scale;
             const float mn = fmaxf(m, acc);
             const float c = expf(m - mn), e = expf(acc - mn);  // (m = -inf at the first key: c = 0)
             l = l * c + e;
-            for (int t = 0, d = lane; d < D; t++, d += 32) o[t] = o[t] * c + e * kv_at(V, Vs, kind, row + d);
+#pragma unroll
+            for (int t = 0; t < 8; t++) {
+                if (lane + 32 * t < D) o[t] = o[t] * c + e * vr[t];
+                kr[t] = kn[t], vr[t] = vn[t];
+            }
             m = mn;
         }
         float* pp = part + ((i64)h * S + sp) * (D + 2);
-        for (int t = 0, d = lane; d < D; t++, d += 32) pp[2 + d] = o[t];
+#pragma unroll
+        for (int t = 0; t < 8; t++)
+            if (lane + 32 * t < D) pp[2 + lane + 32 * t] = o[t];
         if (lane == 0) pp[0] = m, pp[1] = l;
     }
 }

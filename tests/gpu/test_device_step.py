@@ -99,10 +99,10 @@ def test_the_device_step_gives_the_cpu_logits(model, rt, n_prompt):
     # the fused kernels, not the array-module fallbacks; a token's routing, experts, combine and
     # attention by the position-independent kernels (the prompt's chunk combines its grouped
     # rows with dev_combine); the fused sequences (a GDN layer's gates, a token's q/k l2 norms, the
-    # shared expert's gated add) in one launch each
-    assert launched == {"dev_rmsnorm", "dev_delta", "dev_conv", "dev_sigmoid", "dev_gate", "dev_rope", "dev_route", "dev_hidden",
+    # shared expert's gated add, an input norm and its ActQ) in one launch each
+    assert launched == {"dev_rmsnorm", "dev_delta", "dev_conv", "dev_sigmoid", "dev_gate", "dev_rope", "dev_route", "dev_hidden_q",
                         "dev_combine_slots", "dev_kv_write", "dev_attn_split", "dev_attn_merge", "dev_gdn_gates", "dev_l2_qk",
-                        "dev_shared_add"} \
+                        "dev_shared_add", "dev_rmsnorm_q"} \
         | ({"dev_combine"} if n_prompt else set())
     assert_close(got, want)
 
@@ -353,31 +353,151 @@ def test_the_cli_refuses_an_unknown_gpu_step_and_notes_it_on_the_cpu(model, caps
     assert rc == 0 and "note: --gpu-step device places the GPU tier's blocks" in capsys.readouterr().err
 
 
+def test_the_fused_norms_leave_the_logits_bit_for_bit_and_save_a_launch_each(model, rt):
+    """A layer's input norms make their ActQ in the norm's launch (dev_rmsnorm_q), the experts'
+    hidden activation in dev_hidden_q's: the logits are the same bits as with the quantizer
+    launched apart, and a decode token needs no ActQ launch of its own for those outputs."""
+    toks, n_prompt = tokens(model, 7), 3
+    got, per_token = {}, {}
+    for fuse in (True, False):
+        with device_tier(model, expert_cache=None) as tier:
+            be = model.backend
+            be.fuse_actq, be.graphs = fuse, False  # (eager: every token's launches are counted)
+            s = tier.take_session(CTX, "f32")
+            rows = [np.array(model.forward(s, toks[:n_prompt], n_logits=n_prompt))]
+            n, launch, normed = {}, rt.launch, [None]
+
+            def counted(mod, name, grid, block, args, *a):
+                n[name] = n.get(name, 0) + 1
+                if name in ("dev_rmsnorm", "dev_hidden"):
+                    normed[0] = rt.ptr(args[5 if name == "dev_rmsnorm" else 2])  # its output
+                if name == "actq" and rt.ptr(args[0]) == normed[0]:  # an ActQ of the last norm's (or h's) output
+                    n["actq of a norm"] = n.get("actq of a norm", 0) + 1
+                launch(mod, name, grid, block, args, *a)
+
+            rt.launch = counted
+            try:
+                rows += [model.step(s, t).copy()[None] for t in toks[n_prompt:]]
+            finally:
+                del rt.launch  # (the runtime's own method again)
+            got[fuse] = np.concatenate(rows)
+            per_token[fuse] = {name: c / (len(toks) - n_prompt) for name, c in n.items()}
+    assert np.array_equal(got[True].view(np.int32), got[False].view(np.int32)), f"max |diff| {np.abs(got[True] - got[False]).max()}"
+    on, off = per_token[True], per_token[False]
+    L = model.geometry.n_layer
+    # fused: every layer's two input norms (a Gated DeltaNet's gated norm too where its heads are
+    # whole ActQ blocks: not this fixture's) and the experts' hidden activation. The ActQ launches
+    # they replace: those of the MoE's input and of h in each layer, of the mixer's input where it
+    # reads the plain ActQ (attention's q/k/v of Q8_0 read the wide form); the final norm's (the LM
+    # head's) stays
+    saved = off.pop("actq of a norm") - on.pop("actq of a norm")
+    assert "dev_rmsnorm_q" not in off and "dev_hidden_q" not in off and "dev_hidden" not in on
+    assert on["dev_rmsnorm_q"] >= 2 * L and on["dev_rmsnorm"] + on["dev_rmsnorm_q"] == off["dev_rmsnorm"]
+    assert on["dev_hidden_q"] == off["dev_hidden"] == L
+    assert 2 * L < saved <= on["dev_rmsnorm_q"] + L and on["actq"] == off["actq"] - saved
+    assert sum(on.values()) == sum(off.values()) - saved, (on, off)
+
+
 # --- the token path's kernels, each against the host rule it mirrors ------------------------------
 
 
-def test_dev_route_picks_the_hosts_experts_and_weights(rt):
+@pytest.mark.parametrize("X", [96, 100, 512])
+def test_dev_route_picks_the_hosts_experts_and_weights(rt, X):
+    """The router's top-k on the device (a block: a logit a thread, each warp's best k ranked
+    among all the warps' candidates) is moe.route_topk's: the same ids in the same order (ties to
+    the lower id, at the top and at the k-th place, within a warp and across warps), the float64
+    softmax's weights, the slot of each; X not a multiple of 32 (the last warp part empty)."""
     from strata.engine.moe import route_topk
 
     be = DeviceBackend(rt, None)
     rng = np.random.default_rng(5)
-    X, k = 96, 10
+    k = 10
     table = np.where(rng.random(X) < 0.5, np.arange(X), -1).astype(np.int32)
-    for trial in range(6):
+    for trial in range(8):
         logits = (rng.standard_normal(X) * (0.1 if trial else 4.0)).astype(np.float32)
         if trial == 5:
             logits[[3, 40, 41]] = logits.max() + 1  # a tie at the top: the lower id first
+        if trial in (6, 7):  # a tie at the k-th place: k - 2 above it, four tied, only the two lower ids make it
+            # across warps; then within one warp that holds them all, more than k (the tie at its own k-th place)
+            tied = [X - 1, 33, 7, 34] if trial == 6 else [2, 5, 9, 30]
+            above = rng.choice(np.setdiff1d(np.arange(X if trial == 6 else 32), tied), k - 2, replace=False)
+            logits[above] = 3 + rng.random(k - 2).astype(np.float32)
+            logits[tied] = 2.0
         ids, w, slot = rt.empty((k,), np.int32), rt.empty((1, k), np.float32), rt.empty((k,), np.int32)
-        be._launch("dev_route", 32, (rt.to_device(logits), np.int32(X), np.int32(k), rt.to_device(table), ids, w, slot))
+        be.experts.route(rt.to_device(logits[None]), k, rt.to_device(table), ids, w, slot)
         top, weights = route_topk(logits[None], k)
         got = rt.to_host(ids)
-        assert np.array_equal(np.sort(got), np.sort(top[0])), (got, top[0])
+        # the rule: logit descending, ties to the lower id (stated directly: route_topk's argpartition
+        # may order or choose tied ids either way; without ties it is the host's order)
+        assert list(got) == list(np.lexsort((np.arange(X), -logits))[:k]), (trial, got)
         if trial == 5:
             assert list(got[:3]) == [3, 40, 41]
-        order = {int(e): j for j, e in enumerate(top[0])}
-        want_w = weights[0][[order[int(e)] for e in got]].astype(np.float32)
-        assert np.allclose(rt.to_host(w)[0], want_w, rtol=1e-6), "the weights: float64 softmax, renormalised"
+        if trial in (6, 7):
+            assert list(got[-2:]) == sorted(tied)[:2], (trial, got)
+        if trial < 5:
+            assert list(got) == list(top[0]), (trial, got, top[0])
+        p = np.exp(logits - logits.max(), dtype=np.float64)
+        p /= p.sum()
+        want_w = p[got] / p[got].sum()
+        assert np.allclose(rt.to_host(w)[0], want_w.astype(np.float32), rtol=1e-6), "the weights: float64 softmax, renormalised"
         assert np.array_equal(rt.to_host(slot), table[got])
+
+
+@pytest.mark.parametrize("rows,n,stride,group,f32_sums", [(1, 96, 96, 96, False), (3, 640, 700, 640, False),
+                                                          (2, 256, 256, 64, True)])
+def test_the_fused_norm_makes_the_separate_quantizers_actq(rt, rows, n, stride, group, f32_sums):
+    """dev_rmsnorm_q (a norm that feeds products, and its ActQ in the same launch) gives the bits of
+    the two launches it replaces, dev_rmsnorm then the actq kernel: one token and a chunk, rows
+    spaced wider than they are long, a grouped norm with f32 sums (hyper's), a block of zeros (d = 0)."""
+    from strata.engine.kernels import gpu
+    from strata.index_format.ggml_types import ggml_type
+
+    be = DeviceBackend(rt, None)
+    rng = np.random.default_rng(9)
+    x = (rng.standard_normal((rows, stride)) * 3).astype(np.float32)
+    x[0, 32:64] = 0.0
+    gain = (rng.standard_normal(n) + 1).astype(np.float32)
+    xv = rt.to_device(x)[:, :n]
+    calls, launch = [], be._launch
+    be._launch = lambda name, *a: (calls.append(name), launch(name, *a))
+    out = rt.to_device(np.full((rows, n), 7.0, np.float32))
+    if group == n:
+        got_x, got = out, be.norm_input(xv, gain, 1e-6, out).form(ggml_type("Q8_0"))
+        want_x = be.rmsnorm(xv, gain, 1e-6)
+    else:
+        got_x, got = be.rmsnorm_q(rt.to_device(x), gain, group, 1e-6)
+        want_x = be.rmsnorm(rt.to_device(x), gain, 1e-6, group=group, f32_sums=True)
+    assert calls[0] == "dev_rmsnorm_q" and len(calls) == 2, calls  # (then the separate norm, above)
+    want = gpu.quantize_act_gpu(rt.xp.ascontiguousarray(want_x), check=False)
+    assert np.array_equal(rt.to_host(got_x).view(np.int32), rt.to_host(want_x).view(np.int32))
+    for part in ("q", "d", "s16"):
+        a, b = rt.to_host(getattr(got, part)), rt.to_host(getattr(want, part))
+        assert a.shape == b.shape and np.array_equal(a.view(np.uint8), b.view(np.uint8)), part
+    assert (rt.to_host(got.d)[0, 1] == 0) and not rt.to_host(got.q)[0, 32:64].any()
+
+
+@pytest.mark.parametrize("silu", [False, True])
+def test_the_fused_gated_norm_makes_the_separate_quantizers_actq(rt, silu):
+    """A Gated DeltaNet's gated norm (o [T, heads, dv] normalised per head, times sigmoid(z) or
+    z sigmoid(z)) and the ActQ of its output in one launch: the bits of dev_rmsnorm's gated form
+    then the actq kernel, one token and a chunk."""
+    from strata.engine.kernels import gpu
+    from strata.index_format.ggml_types import ggml_type
+
+    be = DeviceBackend(rt, None)
+    rng = np.random.default_rng(10)
+    for T in (1, 3):
+        o = (rng.standard_normal((T, 4, 64)) * 2).astype(np.float32)
+        z = (rng.standard_normal((T, 4, 64)) * 3).astype(np.float32)
+        gain = (rng.standard_normal(64) + 1).astype(np.float32)
+        got = be.gated_norm_input(rt.to_device(o), gain, rt.to_device(z), 1e-6, silu)
+        want_x = be.gated_rmsnorm_(rt.to_device(o), gain, rt.to_device(z), 1e-6, silu).reshape(T, 256)
+        want = gpu.quantize_act_gpu(want_x, check=False)
+        assert got.x.shape == (T, 256) and np.array_equal(rt.to_host(got.x).view(np.int32), rt.to_host(want_x).view(np.int32))
+        act = got.form(ggml_type("Q8_0"))
+        for part in ("q", "d", "s16"):
+            a, b = rt.to_host(getattr(act, part)), rt.to_host(getattr(want, part))
+            assert a.shape == b.shape and np.array_equal(a.view(np.uint8), b.view(np.uint8)), part
 
 
 def test_dev_hidden_is_the_cpus_silu_bit_for_bit(rt):
@@ -397,6 +517,28 @@ def test_dev_hidden_is_the_cpus_silu_bit_for_bit(rt):
     held = slot >= 0
     assert np.array_equal(got[held].view(np.int32), want[held].view(np.int32))
     assert (got[~held] == 7.0).all()
+
+
+def test_dev_hidden_q_is_dev_hidden_then_its_actq(rt):
+    """dev_hidden_q: h = up silu(gate) and h's ActQ in one launch, the bits of dev_hidden then the
+    actq kernel on every held rank (a miss's rows are the CPU's: left alone)."""
+    from strata.engine.kernels import gpu
+
+    be = DeviceBackend(rt, None)
+    rng = np.random.default_rng(16)
+    k, F = 4, 640
+    gu = rt.to_device((rng.standard_normal((2 * k, F)) * 6).astype(np.float32))
+    slot = rt.to_device(np.array([3, -1, 0, 7], np.int32))
+    h, hq = rt.to_device(np.full((k, F), 7.0, np.float32)), gpu.empty_act((k, F))
+    be._launch("dev_hidden_q", k * F, (gu, slot, h, hq.q, hq.d, hq.s16, np.int32(k), np.int32(F)))
+    want_h = rt.to_device(np.full((k, F), 7.0, np.float32))
+    be._launch("dev_hidden", k * F, (gu, slot, want_h, np.int32(k), np.int32(F)))
+    want = gpu.quantize_act_gpu(want_h, check=False)
+    held = np.array([True, False, True, True])
+    assert np.array_equal(rt.to_host(h).view(np.int32), rt.to_host(want_h).view(np.int32))
+    for part in ("q", "d", "s16"):
+        a, b = rt.to_host(getattr(hq, part)), rt.to_host(getattr(want, part))
+        assert np.array_equal(a[held].view(np.uint8), b[held].view(np.uint8)), part
 
 
 @pytest.mark.parametrize("types", [("Q8_0", "Q8_0"), ("IQ2_XS", "Q4_K")])
@@ -621,13 +763,14 @@ def test_the_fused_sequences_keep_the_separate_launches_bits(rt):
 
 
 @pytest.mark.parametrize("kind", [0, 1, 2])
-def test_split_key_attention_is_the_one_warp_forms(rt, kind):
+@pytest.mark.parametrize("D", [64, 256])
+def test_split_key_attention_is_the_one_warp_forms(rt, kind, D):
     """dev_attn_split + dev_attn_merge (keys split among warps, flash-decode) against dev_attn_one
     (a warp per head) on the same cache: within float32 rounding, at positions inside one split,
-    at a split's end and past it (L = 32 keys a split)."""
+    at a split's end and past it (L = 32 keys a split); a head of 64 and of 256 (8 dimensions a lane)."""
     be = DeviceBackend(rt, None)
     rng = np.random.default_rng(14)
-    H, Hkv, D, ctx = 8, 2, 64, 100
+    H, Hkv, ctx = 8 if D == 64 else 4, 2, 100
     L, S = 32, 4
     q = rt.to_device(rng.standard_normal((H, D)).astype(np.float32))
     if kind == 0:
