@@ -212,6 +212,10 @@ class PreNormResidual:
     def final(self, be, H: np.ndarray) -> np.ndarray:
         return be.rmsnorm(H, self.out_norm, self.eps, be.scratch("residual.head_in", H.shape))
 
+    def final_input(self, be, H: np.ndarray) -> Input:
+        """`final` as the LM head's Input: the device step makes its ActQ in the norm's launch."""
+        return be.norm_input(H, self.out_norm, self.eps, be.scratch("residual.head_in", H.shape))
+
 
 class HyperResidual:
     """qwen4exp: hc residual streams (engine/hyper.py), H f32 [T, hc*E]. Before each block its
@@ -243,6 +247,10 @@ class HyperResidual:
 
     def final(self, be, H: np.ndarray) -> np.ndarray:
         return self.out.mix(be, H)[0].x
+
+    def final_input(self, be, H: np.ndarray) -> Input:
+        """`final` as the LM head's Input (the mix's, with the ActQ its norm made)."""
+        return self.out.mix(be, H)[0]
 
 
 # --- the model ---------------------------------------------------------------------------------------
@@ -509,7 +517,7 @@ class Model:
                 H = r.embed(row, sessions[0].stream)
                 self._layers(be, H, ids, parts)
                 be.boundary("head")
-                be.linear(self.head, r.final(be, H), logits)
+                be.linear(self.head, r.final_input(be, H), logits)
 
             got = step(sessions[0], sessions[0].pos, layers_and_head, None if pick is not None or not n_logits[0] else outs[0],
                        g.n_vocab, pick)

@@ -103,7 +103,7 @@ def test_the_device_step_gives_the_cpu_logits(model, rt, n_prompt):
     assert launched == {"dev_rmsnorm", "dev_delta", "dev_conv", "dev_sigmoid", "dev_gate", "dev_rope", "dev_route", "dev_hidden_q",
                         "dev_combine_slots", "dev_kv_write", "dev_attn_split", "dev_attn_merge", "dev_gdn_gates", "dev_l2_qk",
                         "dev_shared_add", "dev_rmsnorm_q"} \
-        | ({"dev_combine"} if n_prompt else set())
+        | ({"dev_combine", "dev_hidden"} if n_prompt else set())  # (the chunk's grouped experts: device_chunk.py)
     assert_close(got, want)
 
 
