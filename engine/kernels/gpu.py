@@ -201,6 +201,12 @@ class CupyRuntime:
     def allocating_from(self, pool):
         return self.cp.cuda.using_allocator(pool.malloc)
 
+    def capturable(self) -> bool:
+        """Whether the current stream can be captured: not the legacy default stream. (2026-12-02,
+        H200: a plain decode on a tier started with --spec found the legacy stream current at its
+        second token, whose capture then raised; the cause is not found yet.)"""
+        return self.cp.cuda.get_current_stream().ptr != 0
+
     def begin_capture(self) -> None:
         """From now the current stream's work is captured (recorded, not run) until end_capture."""
         mode = getattr(self.cp.cuda.runtime, "streamCaptureModeRelaxed", None)

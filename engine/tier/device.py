@@ -978,7 +978,8 @@ class DeviceBackend(CpuBackend):
         elif g is not None and g[0] is session:
             self._replay(g[1])
             ex.replayed(g[3])
-        elif not (self.graphs and not self.host_steps and hasattr(self.rt, "begin_capture") and ex.static()):
+        elif not (self.graphs and not self.host_steps and hasattr(self.rt, "begin_capture") and ex.static()
+                  and self.rt.capturable()):  # (on the legacy stream a capture raises: eagerly then)
             run(self._logits)
         elif self._warm is not session:  # first token: eagerly, its temporaries from the graph's pool
             self._pool = self.rt.graph_pool()

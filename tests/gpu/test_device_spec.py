@@ -140,7 +140,7 @@ def test_greedy_spec_on_the_device_step_is_plain_decoding(model, rt, kind, n_dra
     with device_tier(model, spec=n_draft) as tier:
         be = model.backend
         if type(rt) not in REFERENCE:  # --spec 0's run, once per runtime (the emulation takes seconds a token)
-            ref_session = model.new_session(CTX)
+            ref_session = tier.take_session(CTX, "f32")  # (its own stream: a plain step is captured there)
             ref = generate(model, ref_session, prompt, Sampler(V, GREEDY), N_NEW, prefill=8)
             REFERENCE[type(rt)] = ref, ref_session.pos, host_states(be, ref_session)
         ref, ref_pos, ref_states = REFERENCE[type(rt)]
@@ -148,19 +148,28 @@ def test_greedy_spec_on_the_device_step_is_plain_decoding(model, rt, kind, n_dra
             drafter = MTPDrafter(MTPHead(model.pack), CTX, "f32", Sampler(V, GREEDY), min_p=0.0)
         else:
             drafter = ReferenceDrafter(np.concatenate([ref.prompt, ref.tokens]), V, {"oracle": 1.0, "wrong": 0.0}[kind])
-        s = model.new_session(CTX)
+        s = tier.take_session(CTX, "f32")
         # the snapshots the tier placed at its startup (strata generate --spec N --gpu-step device hands them so)
         run = SpecRun(model, s, prompt, Sampler(V, GREEDY), N_NEW, drafter=drafter, n_draft=n_draft, prefill=8,
                       snapshots=tier.snapshots)
         assert run.snaps == tier.snapshots
-        # each verification picks its rows' tokens on the device: ids come down, never a logits row
-        picks, pick_rows, to_host, down = [], be.pick_rows, rt.to_host, []
+        # each verification picks its rows' tokens on the device: ids come down, not logits rows
+        picks, pick_rows, to_host, down, forward, verifying = [], be.pick_rows, rt.to_host, [], model.forward, [False]
         be.pick_rows = lambda logits, banned: (picks.append(logits.shape[0]), pick_rows(logits, banned))[1]
-        rt.to_host = lambda x: (down.append(x.shape), to_host(x))[1]
+        rt.to_host = lambda x: (verifying[0] and down.append(x.shape), to_host(x))[1]
+
+        def verify_aware(s, tokens, n_logits=1, **kw):  # what comes down while a verification runs
+            verifying[0] = kw.get("saved") is not None
+            try:
+                return forward(s, tokens, n_logits, **kw)
+            finally:
+                verifying[0] = False
+
+        model.forward = verify_aware
         try:
             out = drive(model, run)
         finally:
-            del be.pick_rows, rt.to_host
+            del be.pick_rows, rt.to_host, model.forward
         st = run.stats
         assert len(picks) == st.verifications and not [d for d in down if d[-1] == V], down
         assert out.tokens.tolist() == ref.tokens.tolist()
