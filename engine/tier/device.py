@@ -1018,13 +1018,18 @@ class DeviceBackend(CpuBackend):
         rt.launch(self._mod, "dev_argmax", 1, 1024, (self._logits, np.int32(self._logits.shape[1]), ban,
                                                       np.int32(banned.size), dev), smem=3 * 32 * 4)
         rt.copy_out_async(host, dev)
+        self._wait_pick(host)
+        return int(host[0])
+
+    def _wait_pick(self, host) -> None:
+        """A pick's wait (the next position staged first, `_ahead`): [token, NaN seen, max bits, ..]
+        in `host`; a NaN or an infinite largest logit is refused as the sampler refuses it."""
         self._ahead()
-        rt.synchronize()
+        self.rt.synchronize()
         top = float(host[2:3].view(F32)[0])
         if host[1] or not np.isfinite(top):
             raise NonFiniteActivation(f"sampler: logits contain {'NaN' if host[1] else top} (max over the vocabulary); "
                                       "refusing to sample")
-        return int(host[0])
 
     def _ahead(self) -> None:
         """While the device still runs a picked step: the next position's inputs (`_at`) staged now,
@@ -1075,12 +1080,7 @@ class DeviceBackend(CpuBackend):
         rt.launch(self._mod, "dev_sample", 1, 1024, (self._logits, np.int32(V), ban, nb, work, prob, hist, np.int32(N), pen,
                                                       spd, top_k, dev), smem=8 * (34 + 1024) + 4 * (34 + 258 + 512))
         rt.copy_out_async(host, dev)
-        self._ahead()
-        rt.synchronize()
-        top = float(host[2:3].view(F32)[0])
-        if host[1] or not np.isfinite(top):
-            raise NonFiniteActivation(f"sampler: logits contain {'NaN' if host[1] else top} (max over the vocabulary); "
-                                      "refusing to sample")
+        self._wait_pick(host)
         if host[3]:  # the top-p set is wider than the device's sort: the host samples (the ring is resent next)
             rt.copy_out(draw.row.reshape(1, -1), self._logits)
             return sampler.sample_drawn(draw.row, draw.history, draw.r)
