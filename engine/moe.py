@@ -19,7 +19,7 @@ import numpy as np
 
 from .batch import keep, seqs_of
 from .kernels import cpu
-from .kernels.actq import ActQ
+from .kernels.actq import ActQ, NonFiniteActivation
 from .kernels.jit import cached_njit
 from .ops import silu_mul_
 from .pack_reader import Pack
@@ -74,7 +74,9 @@ def _edge_ties(p: np.ndarray, k: int) -> np.ndarray:
     chosen = above | (tied & (np.cumsum(tied, axis=1) <= need))
     if chosen.sum() != T * k:  # a NaN compares false to everything
         t = int(np.flatnonzero(chosen.sum(axis=1) != k)[0])
-        raise ValueError(f"router logits of token {t} are not finite: no top-{k} of {p.shape[1]} experts")
+        # a NonFiniteActivation, as the quantizers raise: the commands then name the weight it came
+        # from (a NaN in an F32 router's input reaches here before any quantizer sees it)
+        raise NonFiniteActivation(f"router logits of token {t}: non-finite activation, no top-{k} of {p.shape[1]} experts")
     return np.nonzero(chosen)[1].reshape(T, k)
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from strata.engine.kernels.actq import NonFiniteActivation
 from strata.engine.moe import route_topk
 
 
@@ -29,5 +30,6 @@ def test_ties_rank_the_lower_expert_first():
 def test_non_finite_router_logits_are_named():
     logits = np.zeros((3, 8), np.float32)
     logits[1, 2] = np.nan
-    with pytest.raises(ValueError, match="token 1 are not finite"):
+    # a NonFiniteActivation (the commands name the weight it came from: tests/test_bad_input.py)
+    with pytest.raises(NonFiniteActivation, match="token 1: non-finite activation"):
         route_topk(logits, 2)
