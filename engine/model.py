@@ -440,8 +440,7 @@ class Model:
         if pick is not None and n_logits:
             if len(ids) == 1 and hidden is None and not saved:  # one token: the token step's own pick
                 return np.array([self.step_pick(s, ids[0], pick)], np.int64)
-            return self._forward([s], [ids], [n_logits], [np.empty((n_logits, 0), F32)], [hidden], [saved], pick=pick,
-                                 rows_pick=True)
+            return self._forward([s], [ids], [n_logits], [np.empty((n_logits, 0), F32)], [hidden], [saved], rows_pick=pick)
         if hidden is None and saved is None:
             return self.forward_batch([s], [ids], [n_logits])[0]
         return self.forward_batch([s], [ids], [n_logits], hidden=[hidden], saved=[saved])[0]
@@ -473,17 +472,15 @@ class Model:
 
     def _forward(self, sessions: list[Session], tokens: list, n_logits: list[int], outs: list[np.ndarray],
                  hidden: list | np.ndarray | None = None, saved: list | None = None, pick: np.ndarray | None = None,
-                 rows_pick: bool = False):
+                 rows_pick: np.ndarray | None = None):
         """`hidden`, `saved`: per session (forward_batch's), or for `step`'s one session its array.
         `pick`: step_pick's banned ids or step_sample's DeviceDraw (the token step picks the next
-        token: returned); with `rows_pick`, forward's banned ids (one session: the greedy token of
+        token: returned); `rows_pick`: forward's banned ids (one session: the greedy token of
         each logits row, returned)."""
         if isinstance(hidden, np.ndarray):
             hidden = [hidden]
         try:
-            if rows_pick:
-                return self._forward_rows(sessions, tokens, n_logits, outs, hidden, saved, None, pick)
-            return self._forward_rows(sessions, tokens, n_logits, outs, hidden, saved, pick)
+            return self._forward_rows(sessions, tokens, n_logits, outs, hidden, saved, pick, rows_pick)
         finally:
             if self.backend.experts is not None:  # what the expert server owes the sessions (routing counts)
                 self.backend.experts.settle()

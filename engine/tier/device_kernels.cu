@@ -808,6 +808,15 @@ __device__ __forceinline__ void best_of(float& bv, int& bi, float ov, int oi) {
     if (ov > bv || (ov == bv && oi < bi)) bv = ov, bi = oi;
 }
 
+// a warp's best (value, lowest index) by best_of's order, in every lane
+__device__ __forceinline__ void warp_best(float& bv, int& bi) {
+    for (int o = 16; o > 0; o >>= 1) {
+        const float ov = __shfl_xor_sync(FULL, bv, o);
+        const int oi = __shfl_xor_sync(FULL, bi, o);
+        best_of(bv, bi, ov, oi);
+    }
+}
+
 extern "C" __global__ void dev_argmax(const float* x, int n, const int* banned, int nb, int* out) {
     STRATA_SMEM(smem);
     float* sv = reinterpret_cast<float*>(smem);
@@ -827,24 +836,16 @@ extern "C" __global__ void dev_argmax(const float* x, int n, const int* banned, 
         else
             best_of(bv, bi, v, i);
     }
-    for (int o = 16; o > 0; o >>= 1) {
-        const float ov = __shfl_xor_sync(FULL, bv, o);
-        const int oi = __shfl_xor_sync(FULL, bi, o);
-        nan |= __shfl_xor_sync(FULL, nan, o);
-        best_of(bv, bi, ov, oi);
-    }
+    warp_best(bv, bi);
+    for (int o = 16; o > 0; o >>= 1) nan |= __shfl_xor_sync(FULL, nan, o);
     if (lane == 0) sv[w] = bv, si[w] = bi, sn[w] = nan;
     __syncthreads();
     if (w == 0) {
         bv = lane < nw ? sv[lane] : -inf;
         bi = lane < nw ? si[lane] : 0x7fffffff;
         nan = lane < nw ? sn[lane] : 0;
-        for (int o = 16; o > 0; o >>= 1) {
-            const float ov = __shfl_xor_sync(FULL, bv, o);
-            const int oi = __shfl_xor_sync(FULL, bi, o);
-            nan |= __shfl_xor_sync(FULL, nan, o);
-            best_of(bv, bi, ov, oi);
-        }
+        warp_best(bv, bi);
+        for (int o = 16; o > 0; o >>= 1) nan |= __shfl_xor_sync(FULL, nan, o);
         if (lane == 0) {
             out[0] = bi;
             out[1] = nan;
@@ -1004,11 +1005,7 @@ extern "C" __global__ void dev_sample(const float* x, int n, const int* banned, 
         else
             best_of(bv, bi, v, i);
     }
-    for (int o = 16; o > 0; o >>= 1) {
-        const float ov = __shfl_xor_sync(FULL, bv, o);
-        const int oi = __shfl_xor_sync(FULL, bi, o);
-        best_of(bv, bi, ov, oi);
-    }
+    warp_best(bv, bi);
     if ((tid & 31) == 0) cand[tid >> 5] = bv, hi[tid >> 5] = bi;
     __syncthreads();
     if (tid == 0) {
