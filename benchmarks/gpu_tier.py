@@ -72,6 +72,42 @@ def run_decode(model, prompt: list[int], n: int, tier=None, feed=None, split: li
     return prefill_s, time.perf_counter() - t0, logits
 
 
+def prompt_kernels(model, prompt: list[int]) -> None:
+    """Where one prompt's device time goes, by kernel: every launch of gpu.py's runtime bracketed by
+    CUDA events (a wait after each, so the figures are each kernel's own device time, and the wall
+    time of this run is not the prompt's speed), beside the wall time of the same prompt unprofiled."""
+    from strata.engine.kernels import gpu
+
+    rt = gpu.runtime()
+    s = model.new_session(len(prompt) + 1, "f16")
+    rt.synchronize()
+    t0 = time.perf_counter()
+    model.forward(s, prompt, n_logits=1)
+    rt.synchronize()
+    wall = time.perf_counter() - t0
+    launch, by = rt.launch, {}
+    start, stop = rt.events(2)
+
+    def timed(mod, name, *a, **k):
+        start.record()
+        launch(mod, name, *a, **k)
+        stop.record()
+        n, t = by.get(name, (0, 0.0))
+        by[name] = (n + 1, t + rt.elapsed(start, stop))
+
+    rt.launch = timed
+    try:
+        s = model.new_session(len(prompt) + 1, "f16")
+        model.forward(s, prompt, n_logits=1)
+    finally:
+        rt.launch = launch
+    total = sum(t for _, t in by.values())
+    print(f"prompt kernels ({len(prompt)} tokens): wall {1e3 * wall:.2f} ms unprofiled; kernels {1e3 * total:.2f} ms "
+          f"in {sum(n for n, _ in by.values())} launches (each timed alone); the rest is host work and copies")
+    for name, (n, t) in sorted(by.items(), key=lambda kv: -kv[1][1]):
+        print(f"    {name:<28} x{n:<5} {1e3 * t:9.3f} ms  {1e6 * t / n:9.1f} us each", flush=True)
+
+
 def run_pick(model, prompt: list[int], n: int, prof=None) -> float:
     """Seconds of n greedy decode steps picked where the logits are (Model.step_pick: on the device
     step only the token comes back, as `strata generate` decodes greedily), after the prompt."""
@@ -146,6 +182,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reserve-mib", type=int, default=700)
     ap.add_argument("--md", type=Path, help="also write the table here (markdown)")
     ap.add_argument("--cprofile", metavar="CONFIG", help="print where the decode time of CONFIG (e.g. all) goes")
+    ap.add_argument("--prompt-kernels", metavar="CONFIG", help="time every launch of CONFIG's prompt on the device, by kernel")
     ap.add_argument("--cprofile-prompt", metavar="CONFIG", help="print where the prompt time of CONFIG goes")
     ap.add_argument("--only", help="comma-separated configurations to run (default: all of them)")
     ap.add_argument("--emulate", action="store_true", help="the host emulation of the kernels (tests/gpu_emu.py)")
@@ -246,6 +283,8 @@ def main(argv: list[str] | None = None) -> int:
             prof_p.disable()
             pstats.Stats(prof_p).sort_stats("tottime").print_stats(30)
             del s
+        if args.prompt_kernels == name:
+            prompt_kernels(model, prompt)
         prompt_split = ["-"] * 4
         pre, secs, got = run_decode(model, prompt, args.tokens, tier, feed=want.argmax(axis=1), split=prompt_split)
         if args.cprofile == name and not picks:
