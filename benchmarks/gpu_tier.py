@@ -283,7 +283,7 @@ def main(argv: list[str] | None = None) -> int:
             prof_p.disable()
             pstats.Stats(prof_p).sort_stats("tottime").print_stats(30)
             del s
-        if args.prompt_kernels == name:
+        if args.prompt_kernels in (name, name.split(" [")[0]):  # ('all' names 'all [device]' too)
             prompt_kernels(model, prompt)
         prompt_split = ["-"] * 4
         pre, secs, got = run_decode(model, prompt, args.tokens, tier, feed=want.argmax(axis=1), split=prompt_split)
