@@ -675,6 +675,9 @@ def _quant(w: GpuWeight, q, d, s16, out) -> None:
     runtime().launch(mod, name, grid, block, args + extra, smem)
 
 
+FMM_R, FMM_T = 8, 8  # gpu_kernels.cu's fmm tile: weight rows x tokens a warp sums in registers
+
+
 @_planned
 def _float_plan(type_id: int, n_in: int, n_out: int, n_tok: int) -> tuple:
     t = ggml_type(type_id)
@@ -683,9 +686,8 @@ def _float_plan(type_id: int, n_in: int, n_out: int, n_tok: int) -> tuple:
     if n_tok == 1:
         nw = _warps(0, n_out, rt.n_sm)
         return m.mod, f"fmv<{kind}>", _grid(rt, n_out, nw), 32 * nw, 0, ()
-    per_warp = 4 * 32 * n_tok
-    nw = _warps(per_warp, n_out, rt.n_sm, most=4)
-    return m.mod, f"fmm<{kind}>", _grid(rt, n_out, nw), 32 * nw, nw * per_warp, (np.int32(n_tok),)
+    tiles = -(-n_out // FMM_R) * -(-n_tok // FMM_T)  # (fmm's tile of rows x tokens a warp)
+    return m.mod, f"fmm<{kind}>", _grid(rt, tiles, 8), 256, 0, (np.int32(n_tok),)
 
 
 def _float(w: GpuWeight, x, out) -> None:

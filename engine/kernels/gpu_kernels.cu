@@ -1003,23 +1003,50 @@ __global__ void __launch_bounds__(256) fmv(const void* __restrict__ w, const flo
     }
 }
 
+// fmm: T tokens. A warp takes a tile of FMM_R weight rows x FMM_T tokens, its FMM_R x FMM_T sums in
+// registers: each weight element it loads serves FMM_T tokens and each activation element FMM_R
+// rows. Every sum is still lane j's products of elements j, j + 32, ... in element order, then the
+// fold: fmv's bits. (The first fmm gave a warp one row and re-read all T activation rows for each
+// row, with its sums in shared memory: a 256-token chunk's 512-row router read ~1.3 GB through L2,
+// ~480 us a launch, 40% of the all-resident prompt's device time on the H200, 2026-12-02.)
+#define FMM_R 8
+#define FMM_T 8
+
 template <int WT>
 __global__ void __launch_bounds__(256) fmm(const void* __restrict__ w, const float* __restrict__ x,
                                            float* __restrict__ out, int n_out, int n_in, int ntok) {
-    STRATA_SMEM(smem);
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
-    float* acc = reinterpret_cast<float*>(smem) + warp * ntok * 32 + lane;
-    for (i64 o = (i64)blockIdx.x * nw + warp; o < n_out; o += (i64)gridDim.x * nw) {
-        const i64 base = o * n_in;
-        for (int t = 0; t < ntok; t++) acc[32 * t] = 0.0f;
+    const i64 row_tiles = (n_out + FMM_R - 1) / FMM_R, tiles = row_tiles * ((ntok + FMM_T - 1) / FMM_T);
+    for (i64 tile = (i64)blockIdx.x * nw + warp; tile < tiles; tile += (i64)gridDim.x * nw) {
+        const int o0 = (int)(tile % row_tiles) * FMM_R, t0 = (int)(tile / row_tiles) * FMM_T;
+        i64 wrow[FMM_R], xrow[FMM_T];  // past the edge: the last row / token again, never written
+#pragma unroll
+        for (int r = 0; r < FMM_R; r++) wrow[r] = (i64)min(o0 + r, n_out - 1) * n_in;
+#pragma unroll
+        for (int t = 0; t < FMM_T; t++) xrow[t] = (i64)min(t0 + t, ntok - 1) * n_in;
+        float acc[FMM_R][FMM_T];
+#pragma unroll
+        for (int r = 0; r < FMM_R; r++)
+#pragma unroll
+            for (int t = 0; t < FMM_T; t++) acc[r][t] = 0.0f;
         for (int k = lane; k < n_in; k += 32) {
-            const float wv = load_w<WT>(w, base + k);
-            for (int t = 0; t < ntok; t++) acc[32 * t] = f32_add(acc[32 * t], f32_mul(wv, __ldg(x + t * (i64)n_in + k)));
+            float wv[FMM_R], xv[FMM_T];
+#pragma unroll
+            for (int r = 0; r < FMM_R; r++) wv[r] = load_w<WT>(w, wrow[r] + k);
+#pragma unroll
+            for (int t = 0; t < FMM_T; t++) xv[t] = __ldg(x + xrow[t] + k);
+#pragma unroll
+            for (int r = 0; r < FMM_R; r++)
+#pragma unroll
+                for (int t = 0; t < FMM_T; t++) acc[r][t] = f32_add(acc[r][t], f32_mul(wv[r], xv[t]));
         }
-        for (int t = 0; t < ntok; t++) {
-            const float v = fold(acc[32 * t]);
-            if (lane == 0) out[t * (i64)n_out + o] = v;
-        }
+#pragma unroll
+        for (int r = 0; r < FMM_R; r++)
+#pragma unroll
+            for (int t = 0; t < FMM_T; t++) {
+                const float v = fold(acc[r][t]);
+                if (lane == 0 && o0 + r < n_out && t0 + t < ntok) out[(i64)(t0 + t) * n_out + o0 + r] = v;
+            }
     }
 }
 
