@@ -51,6 +51,7 @@ from .device_chunk import DeviceChunk
 
 F32 = np.float32
 KERNELS = Path(__file__).with_name("device_kernels.cu")
+DELTA_R = 4  # device_kernels.cu: value rows of one head a warp of dev_delta carries
 _NAMES = ["dev_rmsnorm", "dev_delta", "dev_conv", "dev_combine", "dev_sigmoid", "dev_gate", "dev_softplus", "dev_rope",
           "dev_hidden", "dev_route", "dev_combine_slots", "dev_kv_write", "dev_attn_one", "dev_argmax",
           "dev_gdn_gates", "dev_l2_qk", "dev_shared_add", "dev_attn_split", "dev_attn_merge", "dev_mix_tail", "dev_inject", "dev_ple_output",
@@ -884,7 +885,7 @@ class DeviceBackend(CpuBackend):
         if dk <= 256 and S.flags.c_contiguous and out.flags.c_contiguous \
                 and q.strides[1:] == (dk * 4, 4) and k.strides[1:] == (dk * 4, 4) and v.strides[1:] == (dv * 4, 4) \
                 and g.flags.c_contiguous and beta.flags.c_contiguous:
-            self._launch("dev_delta", 32 * nv * dv, (S, q, np.int64(q.strides[0] // 4), k, np.int64(k.strides[0] // 4), v,
+            self._launch("dev_delta", 32 * nv * -(-dv // DELTA_R), (S, q, np.int64(q.strides[0] // 4), k, np.int64(k.strides[0] // 4), v,
                          np.int64(v.strides[0] // 4), g, beta, out, np.int32(T), np.int32(nv), np.int32(nk),
                          np.int32(dv), np.int32(dk)))
             return out

@@ -154,44 +154,86 @@ extern "C" __global__ void dev_rmsnorm_q(const float* x, i64 xs, const float* ga
 }
 
 // The gated delta rule (ops.delta_rule's recurrence) for T tokens in one launch. S f32 [nv, dv, dk]:
-// each value row (h, j) of S evolves alone, so a warp holds one row in registers through all T
-// tokens: S <- S exp(g);  kv = S . k;  S <- S + k beta (v - kv);  out = S . q   (key head h % nk).
-// q, k: token t's [nk, dk] at q + t qs (k + t ks); v: token t's [nv, dv] at v + t vs; g, beta
-// [T, nv] contiguous; out [T, nv, dv] contiguous. dk at most 256 (lanes past dk hold zeros).
+// each value row (h, j) of S evolves alone, so a warp holds DELTA_R rows of one head in registers
+// through all T tokens: S <- S exp(g);  kv = S . k;  S <- S + k beta (v - kv);  out = S . q   (key
+// head h % nk). q, k: token t's [nk, dk] at q + t qs (k + t ks); v: token t's [nv, dv] at v + t vs;
+// g, beta [T, nv] contiguous; out [T, nv, dv] contiguous. dk at most 256 (lanes past dk hold zeros).
+// Each row's operations are the one-row form's, in its order. (The one-row form was latency-bound:
+// two dependent warp sums a token and a row, its state in local memory through a loop bound only
+// known at run time: ~600 us for a 256-token chunk's 4096 rows on the H200, 2026-12-02; the rows
+// of a head share k and q, and their sums interleave.)
+#define DELTA_R 4
 extern "C" __global__ void dev_delta(float* S, const float* q, i64 qs, const float* k, i64 ks, const float* v, i64 vs,
                                      const float* g, const float* beta, float* out, int T, int nv, int nk, int dv,
                                      int dk) {
     const int lane = threadIdx.x & 31;
     const int nw = (int)((gridDim.x * blockDim.x) >> 5);
-    const int m = (dk + 31) >> 5;
-    for (int row = (int)((blockIdx.x * blockDim.x + threadIdx.x) >> 5); row < nv * dv; row += nw) {
-        const int h = row / dv, j = row - h * dv, kh = h % nk;
-        float* Sr = S + (i64)row * dk;
-        float s[8];
-        for (int a = 0; a < m; a++) s[a] = lane + 32 * a < dk ? Sr[lane + 32 * a] : 0.0f;
+    const int per_head = (dv + DELTA_R - 1) / DELTA_R;
+    for (int grp = (int)((blockIdx.x * blockDim.x + threadIdx.x) >> 5); grp < nv * per_head; grp += nw) {
+        const int h = grp / per_head, j0 = (grp - h * per_head) * DELTA_R, kh = h % nk;
+        float s[DELTA_R][8];
+        bool in[8];
+#pragma unroll
+        for (int a = 0; a < 8; a++) in[a] = lane + 32 * a < dk;
+#pragma unroll
+        for (int r = 0; r < DELTA_R; r++) {
+            const float* Sr = S + ((i64)h * dv + min(j0 + r, dv - 1)) * dk;  // (a row past dv: never written)
+#pragma unroll
+            for (int a = 0; a < 8; a++) s[r][a] = in[a] ? Sr[lane + 32 * a] : 0.0f;
+        }
         for (int t = 0; t < T; t++) {
             const float decay = expf(g[(i64)t * nv + h]);
+            const float bt = beta[(i64)t * nv + h];
             const float* kt = k + (i64)t * ks + (i64)kh * dk;
             const float* qt = q + (i64)t * qs + (i64)kh * dk;
-            float kv = 0.0f;
-            for (int a = 0; a < m; a++) {
-                s[a] = s[a] * decay;
-                if (lane + 32 * a < dk) kv += s[a] * kt[lane + 32 * a];
+            float kk[8], qq[8];
+#pragma unroll
+            for (int a = 0; a < 8; a++) {
+                kk[a] = in[a] ? kt[lane + 32 * a] : 0.0f;
+                qq[a] = in[a] ? qt[lane + 32 * a] : 0.0f;
             }
-            kv = warp_sum(kv);
-            const float delta = (v[(i64)t * vs + (i64)h * dv + j] - kv) * beta[(i64)t * nv + h];
-            float o = 0.0f;
-            for (int a = 0; a < m; a++) {
-                if (lane + 32 * a < dk) {
-                    s[a] = s[a] + kt[lane + 32 * a] * delta;
-                    o += s[a] * qt[lane + 32 * a];
+            float kv[DELTA_R], o[DELTA_R];
+#pragma unroll
+            for (int r = 0; r < DELTA_R; r++) {
+                kv[r] = 0.0f;
+#pragma unroll
+                for (int a = 0; a < 8; a++) {
+                    s[r][a] = s[r][a] * decay;
+                    if (in[a]) kv[r] += s[r][a] * kk[a];
                 }
             }
-            o = warp_sum(o);
-            if (lane == 0) out[((i64)t * nv + h) * dv + j] = o;
+#pragma unroll
+            for (int w = 16; w > 0; w >>= 1)
+#pragma unroll
+                for (int r = 0; r < DELTA_R; r++) kv[r] += __shfl_xor_sync(FULL, kv[r], w);  // warp_sum's tree
+#pragma unroll
+            for (int r = 0; r < DELTA_R; r++) {
+                const float vt = v[(i64)t * vs + (i64)h * dv + min(j0 + r, dv - 1)];
+                const float delta = (vt - kv[r]) * bt;
+                o[r] = 0.0f;
+#pragma unroll
+                for (int a = 0; a < 8; a++) {
+                    if (in[a]) {
+                        s[r][a] = s[r][a] + kk[a] * delta;
+                        o[r] += s[r][a] * qq[a];
+                    }
+                }
+            }
+#pragma unroll
+            for (int w = 16; w > 0; w >>= 1)
+#pragma unroll
+                for (int r = 0; r < DELTA_R; r++) o[r] += __shfl_xor_sync(FULL, o[r], w);
+            if (lane == 0)
+#pragma unroll
+                for (int r = 0; r < DELTA_R; r++)
+                    if (j0 + r < dv) out[((i64)t * nv + h) * dv + j0 + r] = o[r];
         }
-        for (int a = 0; a < m; a++)
-            if (lane + 32 * a < dk) Sr[lane + 32 * a] = s[a];
+#pragma unroll
+        for (int r = 0; r < DELTA_R; r++)
+            if (j0 + r < dv)
+#pragma unroll
+                for (int a = 0; a < 8; a++)
+                    if (in[a]) S[((i64)h * dv + j0 + r) * dk + lane + 32 * a] = s[r][a];
     }
 }
 

@@ -793,3 +793,30 @@ def test_split_key_attention_is_the_one_warp_forms(rt, kind, D):
         be._launch("dev_attn_merge", H * D, (part, pos, got, np.int32(H), np.int32(D), np.int32(L), np.int32(S)))
         w, g = rt.to_host(want), rt.to_host(got)
         assert np.allclose(g, w, rtol=2e-5, atol=2e-6 * np.abs(w).max()), (p, np.abs(g - w).max())
+
+
+@pytest.mark.parametrize("T,nv,nk,dv,dk", [(1, 2, 1, 6, 40), (9, 4, 2, 7, 64)])
+def test_dev_delta_is_the_delta_rule(rt, T, nv, nk, dv, dk):
+    """dev_delta (a warp carries several value rows of one head through the tokens) against the
+    recurrence in float64: one token and a chunk, dv not a multiple of the rows a warp carries (the
+    last warp's spare rows must not be written), dk not a multiple of 32, two value heads a key head.
+    And the state it leaves, which the next token starts from."""
+    be = DeviceBackend(rt, None)
+    rng = np.random.default_rng(11)
+    S0 = (rng.standard_normal((nv, dv, dk)) * 0.3).astype(np.float32)
+    q = rng.standard_normal((T, nk, dk)).astype(np.float32)
+    k = (rng.standard_normal((T, nk, dk)) / np.sqrt(dk)).astype(np.float32)
+    v = rng.standard_normal((T, nv, dv)).astype(np.float32)
+    g = -rng.random((T, nv)).astype(np.float32)
+    beta = rng.random((T, nv)).astype(np.float32)
+    S = rt.to_device(S0)
+    out = rt.to_host(be.delta_rule(S, *(rt.to_device(a) for a in (q, k, v, g, beta))))
+    want, St = np.empty((T, nv, dv)), S0.astype(np.float64)
+    for t in range(T):
+        for h in range(nv):
+            kk, qq = k[t, h % nk].astype(np.float64), q[t, h % nk].astype(np.float64)
+            St[h] *= np.exp(np.float64(g[t, h]))
+            St[h] += np.outer((v[t, h] - St[h] @ kk) * beta[t, h], kk)
+            want[t, h] = St[h] @ qq
+    assert np.allclose(out, want, rtol=1e-4, atol=1e-5), np.abs(out - want).max()
+    assert np.allclose(rt.to_host(S), St, rtol=1e-4, atol=1e-5), np.abs(rt.to_host(S) - St).max()
