@@ -51,6 +51,7 @@ from .device_chunk import DeviceChunk
 
 F32 = np.float32
 KERNELS = Path(__file__).with_name("device_kernels.cu")
+CONV_T = 16  # device_kernels.cu: the tokens a thread of dev_conv takes
 DELTA_R = 4  # device_kernels.cu: value rows of one head a warp of dev_delta carries
 _NAMES = ["dev_rmsnorm", "dev_delta", "dev_conv", "dev_combine", "dev_sigmoid", "dev_gate", "dev_softplus", "dev_rope",
           "dev_hidden", "dev_route", "dev_combine_slots", "dev_kv_write", "dev_attn_one", "dev_argmax",
@@ -861,10 +862,10 @@ class DeviceBackend(CpuBackend):
         xp = self.xp
         w = self.param(w)
         K, T = w.shape[0], x.shape[0]
-        if x.strides[-1] == 4 and state.flags.c_contiguous and w.flags.c_contiguous:
+        if x.strides[-1] == 4 and state.flags.c_contiguous and w.flags.c_contiguous and K - 1 <= CONV_T:
             C = x.shape[1]
             out = xp.empty((T, C), F32)
-            self._launch("dev_conv", C, (state, w, x, np.int64(x.strides[0] // 4), out, np.int32(T), np.int32(K), np.int32(C)))
+            self._launch("dev_conv", C * -(-T // CONV_T), (state, w, x, np.int64(x.strides[0] // 4), out, np.int32(T), np.int32(K), np.int32(C)))
             return out
         hist = xp.concatenate([state, x])  # [K-1+T, C]
         out = w[0] * hist[:T]

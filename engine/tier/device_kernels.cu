@@ -239,11 +239,16 @@ extern "C" __global__ void dev_delta(float* S, const float* q, i64 qs, const flo
 
 // ops.conv_many: the causal depthwise conv of T inputs (row t at x + t xs) over the K - 1 before
 // them (state [K-1, C]), then SiLU, into out [T, C]; the state advances to the last K - 1 inputs.
-// One thread per channel: tap j reads the input K - 1 - j steps back.
+// A thread per channel and CONV_T tokens (a thread per channel alone left a 256-token chunk's ~10K
+// channels on too few threads, ~170 us, 2026-12-02): tap j reads the input K - 1 - j steps back.
+// Only a channel's first thread reads the state (CONV_T >= K - 1), and it alone then advances it.
+#define CONV_T 16
 extern "C" __global__ void dev_conv(float* state, const float* w, const float* x, i64 xs, float* out, int T, int K,
                                     int C) {
-    for (int c = blockIdx.x * blockDim.x + threadIdx.x; c < C; c += gridDim.x * blockDim.x) {
-        for (int t = 0; t < T; t++) {
+    const int parts = (T + CONV_T - 1) / CONV_T;
+    for (i64 it = blockIdx.x * (i64)blockDim.x + threadIdx.x; it < (i64)C * parts; it += (i64)gridDim.x * blockDim.x) {
+        const int c = (int)(it % C), part = (int)(it / C);
+        for (int t = part * CONV_T; t < min(T, (part + 1) * CONV_T); t++) {
             float acc = 0.0f;
             for (int j = 0; j < K; j++) {
                 const int i = t + j - (K - 1);
@@ -252,6 +257,7 @@ extern "C" __global__ void dev_conv(float* state, const float* w, const float* x
             }
             out[(i64)t * C + c] = acc * sigmoid_t(acc);
         }
+        if (part) continue;
         // the new state: history rows T .. T + K - 2 (history = state then x); row T + r is read
         // before row r is written, and T + r > r, so no row is read after it was overwritten
         for (int r = 0; r < K - 1; r++) {

@@ -820,3 +820,23 @@ def test_dev_delta_is_the_delta_rule(rt, T, nv, nk, dv, dk):
             want[t, h] = St[h] @ qq
     assert np.allclose(out, want, rtol=1e-4, atol=1e-5), np.abs(out - want).max()
     assert np.allclose(rt.to_host(S), St, rtol=1e-4, atol=1e-5), np.abs(rt.to_host(S) - St).max()
+
+
+@pytest.mark.parametrize("T", [1, 2, 37])
+def test_dev_conv_is_the_hosts_conv(rt, T):
+    """dev_conv (a thread per channel and 16 tokens; a channel's first thread alone reads and then
+    advances the state) gives ops.conv_many's outputs and state: one token, fewer tokens than the
+    state holds, and a chunk whose last thread's tokens are ragged; input rows spaced wider than C."""
+    from strata.engine.ops import conv_many
+
+    be = DeviceBackend(rt, None)
+    rng = np.random.default_rng(T)
+    K, C = 4, 70
+    state = rng.standard_normal((K - 1, C)).astype(np.float32)
+    w = rng.standard_normal((K, C)).astype(np.float32)
+    xw = rng.standard_normal((T, C + 6)).astype(np.float32)
+    dev_state = rt.to_device(state)
+    got = rt.to_host(be.conv(dev_state, w, rt.to_device(xw)[:, :C]))
+    want = conv_many(state, w, np.ascontiguousarray(xw[:, :C]))
+    assert np.allclose(got, want, rtol=1e-5, atol=1e-6), np.abs(got - want).max()
+    assert np.array_equal(rt.to_host(dev_state), state), "the state advanced as the host's"
