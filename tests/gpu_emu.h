@@ -139,8 +139,8 @@ inline T shfl(T v, int src_of_lane_fn_kind, int d) {
     memcpy(&bits, &v, sizeof(T));
     buf[lane] = bits;
     wait(warp_bars[w], 32);
-    const int src = src_of_lane_fn_kind == 0 ? lane + d : (lane ^ d);
-    const uint64_t r = src < 32 ? buf[src] : bits;
+    const int src = src_of_lane_fn_kind == 0 ? lane + d : src_of_lane_fn_kind == 1 ? (lane ^ d) : lane - d;
+    const uint64_t r = src >= 0 && src < 32 ? buf[src] : bits;
     wait(warp_bars[w], 32);
     T out;
     memcpy(&out, &r, sizeof(T));
@@ -162,6 +162,13 @@ template <class T>
 inline T __shfl_down_sync(unsigned, T v, int d) { return emu::shfl(v, 0, d); }
 template <class T>
 inline T __shfl_xor_sync(unsigned, T v, int d) { return emu::shfl(v, 1, d); }
+template <class T>
+inline T __shfl_up_sync(unsigned, T v, int d) { return emu::shfl(v, 2, d); }
+inline unsigned __ballot_sync(unsigned, int pred) {  // every lane's predicate, bit `lane`
+    unsigned m = 0;
+    for (int d = 0; d < 32; d++) m |= (unsigned)(__shfl_xor_sync(0xffffffffu, pred ? 1 : 0, d) & 1) << ((emu::cur & 31) ^ d);
+    return m;
+}
 
 template <class T>
 inline T __ldg(const T* p) { return *p; }

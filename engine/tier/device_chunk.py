@@ -44,6 +44,9 @@ def chunk_bytes(E: int, F: int, n: int) -> int:
     return 2 * align(n * F * 4) + align(n * F * 4) + B.actq_placed_bytes(F, n)
 
 
+GROUP_SMEM_IDS = 8192  # dev_group's ids in shared memory (32 KiB), when a chunk's pairs fit
+
+
 class DeviceChunk:
     """The device step's chunk path (module docstring). `be`: the DeviceBackend (its launches and
     quantizer); `hits`: the tier's HitPath (slots, staging, stats, the prompt path's buffers)."""
@@ -91,11 +94,11 @@ class DeviceChunk:
         gu_t, d_t = moe.gu.id, moe.d.id
         slots = hp.slots
         gu_bytes = placed_bytes(gu_t, E, F)
-        rt.launch(be._mod, "dev_group", 1, 256,
+        rt.launch(be._mod, "dev_group", 1, 1024,
                   (ids, np.int32(N), np.int32(k), np.int32(X), table, slots.arena, np.int64(slots.slot_bytes),
                    np.int64(gu_bytes), np.int64(align(planes(gu_t, E, F)[0])), np.int64(align(planes(d_t, F, E)[0])),
                    np.int32(gpu.MAX_TOKENS), np.int32(M), tok, pos, t_gu, t_d, scratch[:X], scratch[X : 2 * X],
-                   scratch[2 * X :]))
+                   scratch[2 * X :], np.int32(GROUP_SMEM_IDS)), smem=4 * GROUP_SMEM_IDS)
         act = x.form(moe.gu, False, quantize=be._quantize)
         xq = gpu.GpuActQ(act.q, act.d, act.s16, None)
         gpu.grouped_products(gu_t, E, F, t_gu, 2 * M, xq, tok, None, gu)

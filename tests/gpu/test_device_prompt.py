@@ -56,10 +56,12 @@ def test_grouped_products_are_each_experts_matmul(rt, types):
         assert np.array_equal(got_big[perm[a : a + c]].view(np.int32), want_s.view(np.int32))
 
 
-def test_dev_route_rows_and_dev_group_are_route_topk_and_groups(rt):
+@pytest.mark.parametrize("smem_ids", [8192, 0])
+def test_dev_route_rows_and_dev_group_are_route_topk_and_groups(rt, smem_ids):
     """A chunk's routing on the device: each token's experts and f32 weights are moe.route_topk's
     (ties included: to the lower id), the grouped order and each pair's place are Groups', and the
-    tiles cover each expert's pairs in MAX_TOKENS pieces on its slot's planes (unused ones empty)."""
+    tiles cover each expert's pairs in MAX_TOKENS pieces on its slot's planes (unused ones empty);
+    dev_group with its ids in shared memory and without."""
     from strata.engine.moe import Groups, route_topk
     from strata.engine.tier.device import KERNELS, _NAMES
 
@@ -81,9 +83,10 @@ def test_dev_route_rows_and_dev_group_are_route_topk_and_groups(rt):
     tok, pos = rt.to_device(np.full(N, -1, np.int32)), rt.to_device(np.full(N, -1, np.int64))
     t_gu, t_d = rt.to_device(np.full((2 * M, 5), 7, np.int64)), rt.to_device(np.full((M, 5), 7, np.int64))
     scratch = rt.to_device(np.zeros(3 * X + 1, np.int32))
-    rt.launch(mod, "dev_group", 1, 256, (ids, np.int32(N), np.int32(k), np.int32(X), rt.to_device(table), arena,
-                                         np.int64(sb), np.int64(gub), np.int64(gsc), np.int64(dsc), np.int32(tile),
-                                         np.int32(M), tok, pos, t_gu, t_d, scratch[:X], scratch[X : 2 * X], scratch[2 * X :]))
+    rt.launch(mod, "dev_group", 1, 1024, (ids, np.int32(N), np.int32(k), np.int32(X), rt.to_device(table), arena,
+                                          np.int64(sb), np.int64(gub), np.int64(gsc), np.int64(dsc), np.int32(tile),
+                                          np.int32(M), tok, pos, t_gu, t_d, scratch[:X], scratch[X : 2 * X], scratch[2 * X :],
+                                          np.int32(smem_ids)), smem=4 * smem_ids)  # (0: the ids read from global memory)
     grp = Groups(top)
     assert np.array_equal(rt.to_host(tok), grp.rows)
     assert np.array_equal(rt.to_host(pos).reshape(T, k), grp.slot)
