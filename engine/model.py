@@ -96,12 +96,15 @@ class GatedDeltaNet:
                                            (sc("gdn.qkv", (T, self.C)), sc("gdn.z", (T, nv * dv)), sc("gdn.beta", (T, nv)),
                                             sc("gdn.alpha", (T, nv))))  # fmt: skip
         z = z.reshape(T, nv, dv)
-        beta, decay = be.gdn_gates(beta, alpha, self.a, self.dt_bias)
+        if len(seqs) == 1:  # the gates and the one sequence's conv: one launch on the device
+            (beta, decay), c1 = be.gates_conv(beta, alpha, self.a, self.dt_bias, seqs[0].state["conv"], self.conv_w, mixed)
+        else:
+            beta, decay = be.gdn_gates(beta, alpha, self.a, self.dt_bias)
         # one sequence's chunk takes the delta rule's own output (a copy of [T, nv, dv] per layer
         # otherwise); the decode step, the scratch; several sequences, their rows of one array
         o = sc("gdn.o", (T, nv, dv)) if T == 1 or len(seqs) > 1 else None
         for r in seqs:
-            c = be.conv(r.state["conv"], self.conv_w, mixed[r.a : r.b])
+            c = c1 if len(seqs) == 1 else be.conv(r.state["conv"], self.conv_w, mixed[r.a : r.b])
             n = r.n
             q, k = be.qk_l2norm_(c, n, nk, dk, dk**-0.5)
             v = c[:, 2 * nk * dk :].reshape(n, nv, dv)
@@ -161,8 +164,8 @@ class GatedAttention:
                 o = y
             else:
                 o[r.a : r.b] = y
-        o *= be.sigmoid(qg[:, :, D:])
-        return be.linear(self.wo, Input(o.reshape(T, H * D)), sc("attn.y", (T, self.E)))
+        # o *= sigmoid(gate), as wo's Input (the device makes its ActQ in the same launch)
+        return be.linear(self.wo, be.gate_input(o, qg[:, :, D:], False, self.wo), sc("attn.y", (T, self.E)))
 
 
 class QSAAttention:

@@ -198,25 +198,29 @@ extern "C" __global__ void dev_delta(float* S, const float* q, i64 qs, const flo
 // ops.conv_many: the causal depthwise conv of T inputs (row t at x + t xs) over the K - 1 before
 // them (state [K-1, C]), then SiLU, into out [T, C]; the state advances to the last K - 1 inputs.
 // One thread per channel: tap j reads the input K - 1 - j steps back.
+__device__ __forceinline__ void conv_channel(int c, float* state, const float* w, const float* x, i64 xs, float* out,
+                                             int T, int K, int C) {
+    for (int t = 0; t < T; t++) {
+        float acc = 0.0f;
+        for (int j = 0; j < K; j++) {
+            const int i = t + j - (K - 1);
+            const float src = i >= 0 ? x[(i64)i * xs + c] : state[(i64)(K - 1 + i) * C + c];
+            acc = j == 0 ? w[c] * src : acc + w[(i64)j * C + c] * src;
+        }
+        out[(i64)t * C + c] = acc * sigmoid_t(acc);
+    }
+    // the new state: history rows T .. T + K - 2 (history = state then x); row T + r is read
+    // before row r is written, and T + r > r, so no row is read after it was overwritten
+    for (int r = 0; r < K - 1; r++) {
+        const int src = T + r;
+        state[(i64)r * C + c] = src < K - 1 ? state[(i64)src * C + c] : x[(i64)(src - (K - 1)) * xs + c];
+    }
+}
+
 extern "C" __global__ void dev_conv(float* state, const float* w, const float* x, i64 xs, float* out, int T, int K,
                                     int C) {
-    for (int c = blockIdx.x * blockDim.x + threadIdx.x; c < C; c += gridDim.x * blockDim.x) {
-        for (int t = 0; t < T; t++) {
-            float acc = 0.0f;
-            for (int j = 0; j < K; j++) {
-                const int i = t + j - (K - 1);
-                const float src = i >= 0 ? x[(i64)i * xs + c] : state[(i64)(K - 1 + i) * C + c];
-                acc = j == 0 ? w[c] * src : acc + w[(i64)j * C + c] * src;
-            }
-            out[(i64)t * C + c] = acc * sigmoid_t(acc);
-        }
-        // the new state: history rows T .. T + K - 2 (history = state then x); row T + r is read
-        // before row r is written, and T + r > r, so no row is read after it was overwritten
-        for (int r = 0; r < K - 1; r++) {
-            const int src = T + r;
-            state[(i64)r * C + c] = src < K - 1 ? state[(i64)src * C + c] : x[(i64)(src - (K - 1)) * xs + c];
-        }
-    }
+    for (int c = blockIdx.x * blockDim.x + threadIdx.x; c < C; c += gridDim.x * blockDim.x)
+        conv_channel(c, state, w, x, xs, out, T, K, C);
 }
 
 // moe.combine_reference: out[t] = sum over ranks j, from 0, of w[t, j] part[slot[t, j]] (f32).
@@ -291,14 +295,32 @@ extern "C" __global__ void dev_softplus(const float* x, float* out, i64 n) {
 
 // A Gated DeltaNet layer's gates, [T, nv] (n = T nv): beta_out = sigmoid(beta) (dev_sigmoid's
 // form), decay = a * softplus(alpha + dt_bias) (dev_softplus's form; a, dt_bias [nv]).
+__device__ __forceinline__ void gdn_gate(i64 i, const float* beta, const float* alpha, const float* a, const float* dtb,
+                                         float* beta_out, float* decay, int nv) {
+    const int h = (int)(i % nv);
+    beta_out[i] = sigmoid_t(beta[i]);
+    const float v = alpha[i] + dtb[h];
+    const float sp = v > 0.0f ? v + log1pf(expf(-v)) : log1pf(expf(v));
+    decay[i] = a[h] * sp;
+}
+
 extern "C" __global__ void dev_gdn_gates(const float* beta, const float* alpha, const float* a, const float* dtb,
                                          float* beta_out, float* decay, i64 n, int nv) {
-    for (i64 i = blockIdx.x * (i64)blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x) {
-        const int h = (int)(i % nv);
-        beta_out[i] = sigmoid_t(beta[i]);
-        const float v = alpha[i] + dtb[h];
-        const float sp = v > 0.0f ? v + log1pf(expf(-v)) : log1pf(expf(v));
-        decay[i] = a[h] * sp;
+    for (i64 i = blockIdx.x * (i64)blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x)
+        gdn_gate(i, beta, alpha, a, dtb, beta_out, decay, nv);
+}
+
+// dev_conv and dev_gdn_gates in one launch (a Gated DeltaNet layer's one sequence, its token step
+// among them: two independent pieces of work, one launch where there were two): index i < C is
+// the conv's channel i, C + i the gates' value i; each the separate kernel's operations.
+extern "C" __global__ void dev_gates_conv(const float* beta, const float* alpha, const float* a, const float* dtb,
+                                          float* beta_out, float* decay, i64 n, int nv, float* state, const float* w,
+                                          const float* x, i64 xs, float* out, int T, int K, int C) {
+    for (i64 i = blockIdx.x * (i64)blockDim.x + threadIdx.x; i < C + n; i += (i64)gridDim.x * blockDim.x) {
+        if (i < C)
+            conv_channel((int)i, state, w, x, xs, out, T, K, C);
+        else
+            gdn_gate(i - C, beta, alpha, a, dtb, beta_out, decay, nv);
     }
 }
 
@@ -394,6 +416,26 @@ extern "C" __global__ void dev_hidden_q(const float* gu, const int* slot, float*
         const float z = gu[i];
         const float y = gu[n + i] * (z / (1.0f + exp_p(-z)));
         h[i] = y;
+        actq_block(y, q + 32 * b, d, s16, b);
+    }
+}
+
+// dev_gate (x *= sigmoid(z), or z sigmoid(z) with silu) and the ActQ of x (the next product's
+// input) in one launch: the shared expert's up * silu(gate) before its down, gated attention's
+// output gate before its out projection (each was a gate and an actq launch; the attention's, a
+// dev_sigmoid, an array multiply and an actq). x contiguous [rows, n], n a multiple of 32 (a
+// warp's 32-element block lies in one row); row r of z at z + r zs (a strided view: qg[:, :, D:]);
+// q i8, d f32 [total / 32], s16 i32 [total / 16]: x's ActQ, actq_block's bits. A warp per block.
+extern "C" __global__ void dev_gate_q(float* x, const float* z, i64 zs, int n, int silu, signed char* q, float* d,
+                                      int* s16, i64 total) {
+    const int lane = threadIdx.x & 31;
+    const i64 nb = total >> 5, nw = ((i64)gridDim.x * blockDim.x) >> 5;
+    for (i64 b = ((i64)blockIdx.x * blockDim.x + threadIdx.x) >> 5; b < nb; b += nw) {
+        const i64 i = 32 * b + lane, r = i / n;
+        const float zz = z[r * zs + (i - r * n)];
+        const float s = sigmoid_t(zz);
+        const float y = x[i] * (silu ? zz * s : s);
+        x[i] = y;
         actq_block(y, q + 32 * b, d, s16, b);
     }
 }
