@@ -181,6 +181,12 @@ class CpuBackend:
         a backend may make the ActQ with the norm (DeviceBackend: one launch)."""
         return Input(self.rmsnorm(x, gain, eps, out))
 
+    def add_norm_input(self, H: np.ndarray, Y: np.ndarray, gain: np.ndarray, eps: float, out: np.ndarray) -> Input:
+        """H += Y (a block's output into the residual stream), then norm_input of H into `out`: a
+        backend may make the two in one launch (DeviceBackend)."""
+        H += Y
+        return self.norm_input(H, gain, eps, out)
+
     def gated_norm_input(self, o: np.ndarray, gain: np.ndarray, z: np.ndarray, eps: float, silu: bool) -> Input:
         """gated_rmsnorm_ of o [T, heads, n] in place, as the Input [T, heads n] of the product that
         reads it (a Gated DeltaNet's out projection); a backend may make the ActQ with the norm."""

@@ -55,7 +55,7 @@ _NAMES = ["dev_rmsnorm", "dev_delta", "dev_conv", "dev_combine", "dev_sigmoid", 
           "dev_hidden", "dev_route", "dev_combine_slots", "dev_kv_write", "dev_attn_one", "dev_argmax",
           "dev_gdn_gates", "dev_l2_qk", "dev_shared_add", "dev_attn_split", "dev_attn_merge", "dev_mix_tail", "dev_inject", "dev_ple_output",
           "dev_sample", "dev_route_rows", "dev_group", "dev_rmsnorm_q", "dev_hidden_q",
-          "dev_gate_q", "dev_gates_conv"]
+          "dev_gate_q", "dev_gates_conv", "dev_add_rmsnorm_q"]
 KV_KIND = {"f32": 0, "f16": 1, "int8": 2}  # dev_kv_write's and dev_attn_one's `kind`
 BLOCK = 128  # threads per block of the row kernels: four warps
 
@@ -549,6 +549,20 @@ class DeviceBackend(CpuBackend):
         if xs is None or gain.shape != (n,) or not out.flags.c_contiguous or out.shape != x.shape or out.ndim > 2:
             return Input(self.rmsnorm(x, gain, eps, out))
         return Input(out, self._norm_q(x, xs, gain, n, out, eps, f32_sums=False))
+
+    def add_norm_input(self, H, Y, gain, eps: float, out) -> Input:
+        """backend.add_norm_input: the residual add and the next norm with its ActQ in one launch
+        (dev_add_rmsnorm_q); the add was an array expression, a launch of its own."""
+        n = H.shape[-1]
+        if not (self.fuse_actq and n % 32 == 0 and H.ndim == 2 and H.dtype == Y.dtype == F32 and H.flags.c_contiguous
+                and Y.flags.c_contiguous and Y.shape == H.shape == out.shape and out.flags.c_contiguous
+                and gain.shape == (n,)):
+            return super().add_norm_input(H, Y, gain, eps, out)
+        rows, q = H.shape[0], self._act_of(out)
+        warps = max(1, min(32, -(-n // 128)))
+        self._launch("dev_add_rmsnorm_q", 32 * warps * rows, (H, Y, self.param(gain), out, q.q, q.d, q.s16, np.int32(rows),
+                                                               np.int32(n), F32(eps)), 32 * warps, 8 * warps)
+        return Input(out, q)
 
     def gated_norm_input(self, o, gain, z, eps: float, silu: bool) -> Input:
         """backend.gated_norm_input: the gated norm of o [T, heads, n] in place and its ActQ in one

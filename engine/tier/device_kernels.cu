@@ -118,6 +118,29 @@ __device__ __forceinline__ void actq_block(float y, signed char* qb, float* d, i
     if ((lane & 15) == 0) s16[2 * b + (lane >> 4)] = sq;
 }
 
+// one row of dev_rmsnorm_q (below)
+__device__ __forceinline__ void rmsnorm_q_row(int r, const float* x, i64 xs, const float* gain, int gp, const float* z,
+                                              int act, float* out, signed char* q, float* d, int* s16, int n, float eps,
+                                              int f32_sums, double* red) {
+    const int lane = threadIdx.x & 31;
+    const float* xr = x + (i64)r * xs;
+    const float scale = norm_scale(xr, n, eps, f32_sums, 0, red);
+    __syncthreads();  // every thread has read red before the next row writes it
+    const float* gr = gain + (i64)(r % gp) * n;
+    const float* zr = z ? z + (i64)r * n : 0;
+    for (int i = threadIdx.x; i < n; i += blockDim.x) {
+        float y = xr[i] * scale;  // (dev_rmsnorm's operations in its order)
+        y = y * gr[i];
+        if (act) {
+            const float sg = sigmoid_t(zr[i]);
+            y = y * (act == 2 ? zr[i] * sg : sg);
+        }
+        const i64 at = (i64)r * n + i;
+        out[at] = y;
+        actq_block(y, q + (at - lane), d, s16, at >> 5);
+    }
+}
+
 // dev_rmsnorm (not l2) that also writes its output's ActQ: the actq kernel of
 // engine/kernels/gpu_kernels.cu (actq.py's bits) on each 32-element block as the block is written,
 // so a norm that only feeds products is one launch where it was two (the layers' input norms: 2
@@ -132,24 +155,22 @@ extern "C" __global__ void dev_rmsnorm_q(const float* x, i64 xs, const float* ga
                                          int f32_sums) {
     STRATA_SMEM(smem);
     double* red = reinterpret_cast<double*>(smem);  // a partial sum per warp
-    const int lane = threadIdx.x & 31;
+    for (int r = blockIdx.x; r < rows; r += gridDim.x)
+        rmsnorm_q_row(r, x, xs, gain, gp, z, act, out, q, d, s16, n, eps, f32_sums, red);
+}
+
+// The residual add before a layer's input norm and that norm with its ActQ, in one launch:
+// x += y (the array add `H += Y` the block's leave made, a launch of its own), then dev_rmsnorm_q
+// of x (gain [n], f64 sums, no gate). x, y contiguous [rows, n]. A thread adds the elements it
+// then reads (norm_scale and the output loop go round the row with the same stride), so no sync.
+extern "C" __global__ void dev_add_rmsnorm_q(float* x, const float* y, const float* gain, float* out, signed char* q,
+                                             float* d, int* s16, int rows, int n, float eps) {
+    STRATA_SMEM(smem);
+    double* red = reinterpret_cast<double*>(smem);  // a partial sum per warp
     for (int r = blockIdx.x; r < rows; r += gridDim.x) {
-        const float* xr = x + (i64)r * xs;
-        const float scale = norm_scale(xr, n, eps, f32_sums, 0, red);
-        __syncthreads();  // every thread has read red before the next row writes it
-        const float* gr = gain + (i64)(r % gp) * n;
-        const float* zr = z ? z + (i64)r * n : 0;
-        for (int i = threadIdx.x; i < n; i += blockDim.x) {
-            float y = xr[i] * scale;  // (dev_rmsnorm's operations in its order)
-            y = y * gr[i];
-            if (act) {
-                const float sg = sigmoid_t(zr[i]);
-                y = y * (act == 2 ? zr[i] * sg : sg);
-            }
-            const i64 at = (i64)r * n + i;
-            out[at] = y;
-            actq_block(y, q + (at - lane), d, s16, at >> 5);
-        }
+        float* xr = x + (i64)r * n;
+        for (int i = threadIdx.x; i < n; i += blockDim.x) xr[i] = xr[i] + y[(i64)r * n + i];
+        rmsnorm_q_row(r, x, n, gain, 1, 0, 0, out, q, d, s16, n, eps, 0, red);
     }
 }
 
@@ -163,25 +184,31 @@ extern "C" __global__ void dev_delta(float* S, const float* q, i64 qs, const flo
                                      int dk) {
     const int lane = threadIdx.x & 31;
     const int nw = (int)((gridDim.x * blockDim.x) >> 5);
-    const int m = (dk + 31) >> 5;
     for (int row = (int)((blockIdx.x * blockDim.x + threadIdx.x) >> 5); row < nv * dv; row += nw) {
         const int h = row / dv, j = row - h * dv, kh = h % nk;
         float* Sr = S + (i64)row * dk;
+        // s[a] in registers: every loop over a is unrolled to the constant 8 with the predicate
+        // lane + 32 a < dk (the loops bounded by m, a runtime value, left s in local memory, as
+        // dev_attn_split's o[] was: its cause of ~21 us at 5 positions on the H200). The same
+        // terms in the same order: the same bits (a past m only scales the zeros it holds).
         float s[8];
-        for (int a = 0; a < m; a++) s[a] = lane + 32 * a < dk ? Sr[lane + 32 * a] : 0.0f;
+#pragma unroll
+        for (int a = 0; a < 8; a++) s[a] = lane + 32 * a < dk ? Sr[lane + 32 * a] : 0.0f;
         for (int t = 0; t < T; t++) {
             const float decay = expf(g[(i64)t * nv + h]);
             const float* kt = k + (i64)t * ks + (i64)kh * dk;
             const float* qt = q + (i64)t * qs + (i64)kh * dk;
             float kv = 0.0f;
-            for (int a = 0; a < m; a++) {
+#pragma unroll
+            for (int a = 0; a < 8; a++) {
                 s[a] = s[a] * decay;
                 if (lane + 32 * a < dk) kv += s[a] * kt[lane + 32 * a];
             }
             kv = warp_sum(kv);
             const float delta = (v[(i64)t * vs + (i64)h * dv + j] - kv) * beta[(i64)t * nv + h];
             float o = 0.0f;
-            for (int a = 0; a < m; a++) {
+#pragma unroll
+            for (int a = 0; a < 8; a++) {
                 if (lane + 32 * a < dk) {
                     s[a] = s[a] + kt[lane + 32 * a] * delta;
                     o += s[a] * qt[lane + 32 * a];
@@ -190,7 +217,8 @@ extern "C" __global__ void dev_delta(float* S, const float* q, i64 qs, const flo
             o = warp_sum(o);
             if (lane == 0) out[((i64)t * nv + h) * dv + j] = o;
         }
-        for (int a = 0; a < m; a++)
+#pragma unroll
+        for (int a = 0; a < 8; a++)
             if (lane + 32 * a < dk) Sr[lane + 32 * a] = s[a];
     }
 }

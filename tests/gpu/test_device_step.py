@@ -99,11 +99,11 @@ def test_the_device_step_gives_the_cpu_logits(model, rt, n_prompt):
     # the fused kernels, not the array-module fallbacks; a token's routing, experts, combine and
     # attention by the position-independent kernels (the prompt's chunk combines its grouped
     # rows with dev_combine); the fused sequences (a GDN layer's gates and conv, a token's q/k l2
-    # norms, the shared expert's gated add, an input norm and its ActQ, a gate and its ActQ) in one
-    # launch each
+    # norms, the shared expert's gated add, an input norm and its ActQ, a gate and its ActQ, a
+    # residual add and the next norm) in one launch each
     assert launched == {"dev_rmsnorm", "dev_delta", "dev_gates_conv", "dev_gate_q", "dev_rope", "dev_route", "dev_hidden_q",
                         "dev_combine_slots", "dev_kv_write", "dev_attn_split", "dev_attn_merge", "dev_l2_qk",
-                        "dev_shared_add", "dev_rmsnorm_q"} \
+                        "dev_shared_add", "dev_rmsnorm_q", "dev_add_rmsnorm_q"} \
         | ({"dev_combine", "dev_hidden"} if n_prompt else set())  # (the chunk's grouped experts: device_chunk.py)
     assert_close(got, want)
 
@@ -356,7 +356,8 @@ def test_the_cli_refuses_an_unknown_gpu_step_and_notes_it_on_the_cpu(model, caps
 
 def test_the_fused_norms_leave_the_logits_bit_for_bit_and_save_a_launch_each(model, rt):
     """A layer's input norms make their ActQ in the norm's launch (dev_rmsnorm_q), the experts'
-    hidden activation in dev_hidden_q's, a gate before a product in dev_gate_q's: the logits are
+    hidden activation in dev_hidden_q's, a gate before a product in dev_gate_q's, a residual add
+    in the next norm's (dev_add_rmsnorm_q): the logits are
     the same bits as with the quantizer
     launched apart, and a decode token needs no ActQ launch of its own for those outputs."""
     toks, n_prompt = tokens(model, 7), 3
@@ -397,14 +398,16 @@ def test_the_fused_norms_leave_the_logits_bit_for_bit_and_save_a_launch_each(mod
     # reads the plain ActQ (attention's q/k/v of Q8_0 read the wide form); the final norm's (the LM
     # head's) stays
     saved = off.pop("actq of a norm") - on.pop("actq of a norm")
-    assert "dev_rmsnorm_q" not in off and "dev_hidden_q" not in off and "dev_hidden" not in on
-    assert on["dev_rmsnorm_q"] >= 2 * L and on["dev_rmsnorm"] + on["dev_rmsnorm_q"] == off["dev_rmsnorm"]
+    assert "dev_rmsnorm_q" not in off and "dev_add_rmsnorm_q" not in off and "dev_hidden_q" not in off and "dev_hidden" not in on
+    # every layer's input norm but the first's makes the residual add before it (dev_add_rmsnorm_q)
+    fq = on["dev_rmsnorm_q"] + on["dev_add_rmsnorm_q"]
+    assert on["dev_add_rmsnorm_q"] == 2 * L - 1 and fq >= 2 * L and on["dev_rmsnorm"] + fq == off["dev_rmsnorm"]
     assert on["dev_hidden_q"] == off["dev_hidden"] == L
     # and the gates before a product (dev_gate_q): the shared expert's up silu(gate) and gated
     # attention's output gate, whose dev_sigmoid goes too (its array multiply is no launch of the runtime's)
     gated = off.pop("actq of a gate") - on.pop("actq of a gate", 0)
     assert on["dev_gate_q"] == gated == off["dev_gate"] + off["dev_sigmoid"] and "dev_sigmoid" not in on
-    assert 2 * L < saved <= on["dev_rmsnorm_q"] + L and on["actq"] == off["actq"] - saved - gated
+    assert 2 * L < saved <= fq + L and on["actq"] == off["actq"] - saved - gated
     assert sum(on.values()) == sum(off.values()) - saved - gated, (on, off)
 
 
@@ -444,6 +447,9 @@ def test_a_qwen35moe_token_step_makes_its_pinned_launches(model, rt):
     assert sum(per.values()) == QWEN35MOE_LAUNCHES, per
     assert "dev_gates_conv" in per and "dev_gdn_gates" not in per and "dev_conv" not in per
     assert "dev_gate_q" in per and "dev_gate" not in per and "dev_sigmoid" not in per
+    # the residual adds (array expressions: launches the runtime does not count) made by the next
+    # layer input norm's launch, all but the last layer's (the head's norm reads the rows it picks)
+    assert per["dev_add_rmsnorm_q"] == 2 * model.geometry.n_layer - 1
 
 
 @pytest.mark.slow  # the emulated products of the tiny qwen4exp: ~25 s a token step on the CI's 2 cores
@@ -593,6 +599,29 @@ def test_dev_hidden_q_is_dev_hidden_then_its_actq(rt):
     for part in ("q", "d", "s16"):
         a, b = rt.to_host(getattr(hq, part)), rt.to_host(getattr(want, part))
         assert np.array_equal(a[held].view(np.uint8), b[held].view(np.uint8)), part
+
+
+@pytest.mark.parametrize("n", [96, 640])
+@pytest.mark.parametrize("T", [1, 3])
+def test_dev_add_rmsnorm_q_is_the_add_then_the_norm_and_its_actq(rt, n, T):
+    """add_norm_input on the device (dev_add_rmsnorm_q): H += Y, then H's RMSNorm and its ActQ in
+    one launch, the bits of the array add then dev_rmsnorm_q (a block of one warp, and of five)."""
+    from strata.engine.backend import CpuBackend
+
+    be = DeviceBackend(rt, None)
+    rng = np.random.default_rng(18)
+    H0, Y0 = (rng.standard_normal((2, T, n)) * 3).astype(np.float32)
+    gain = (rng.random(n) + 0.5).astype(np.float32)
+    H1, H2 = rt.to_device(H0), rt.to_device(H0)
+    out1, out2 = rt.to_device(np.zeros((T, n), np.float32)), rt.to_device(np.zeros((T, n), np.float32))
+    calls, launch = [], be._launch
+    be._launch = lambda name, *a: (calls.append(name), launch(name, *a))
+    got = be.add_norm_input(H1, rt.to_device(Y0), gain, 1e-6, out1)
+    assert calls == ["dev_add_rmsnorm_q"]
+    want = CpuBackend.add_norm_input(be, H2, rt.to_device(Y0), gain, 1e-6, out2)
+    assert calls == ["dev_add_rmsnorm_q", "dev_rmsnorm_q"]
+    for g_, w_ in ((H1, H2), (got.x, want.x), *((getattr(got._q, p), getattr(want._q, p)) for p in ("q", "d", "s16"))):
+        assert np.array_equal(rt.to_host(g_).view(np.uint8), rt.to_host(w_).view(np.uint8))
 
 
 @pytest.mark.parametrize("silu", [True, False])
