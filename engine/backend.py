@@ -181,11 +181,27 @@ class CpuBackend:
         a backend may make the ActQ with the norm (DeviceBackend: one launch)."""
         return Input(self.rmsnorm(x, gain, eps, out))
 
+    def add_norm_input(self, H: np.ndarray, Y: np.ndarray, gain: np.ndarray, eps: float, out: np.ndarray) -> Input:
+        """H += Y (a block's output into the residual stream), then norm_input of H into `out`: a
+        backend may make the two in one launch (DeviceBackend)."""
+        H += Y
+        return self.norm_input(H, gain, eps, out)
+
     def gated_norm_input(self, o: np.ndarray, gain: np.ndarray, z: np.ndarray, eps: float, silu: bool) -> Input:
         """gated_rmsnorm_ of o [T, heads, n] in place, as the Input [T, heads n] of the product that
         reads it (a Gated DeltaNet's out projection); a backend may make the ActQ with the norm."""
         self.gated_rmsnorm_(o, gain, z, eps, silu)
         return Input(o.reshape(o.shape[0], -1))
+
+    def gate_input(self, x: np.ndarray, z: np.ndarray, silu: bool, w: Weight) -> Input:
+        """x *= silu(z) (`gate_`) or, without silu, x *= sigmoid(z), in place, as the Input [T, n] of
+        the product w that reads it (the shared expert's down, gated attention's out projection;
+        z may be a strided view of x's shape); a backend may make w's ActQ in the same launch."""
+        if silu:
+            self.gate_(x, z, silu=True)
+        else:
+            x *= self.sigmoid(z)
+        return Input(x.reshape(x.shape[0], -1))
 
     @staticmethod
     def rmsnorm_q(x: np.ndarray, gain: np.ndarray, group: int, eps: float):
@@ -204,6 +220,11 @@ class CpuBackend:
         """A Gated DeltaNet layer's gates from its beta and alpha products [T, nv]:
         (sigmoid(beta), a softplus(alpha + dt_bias))."""
         return self.sigmoid(beta), self.param(a) * self.softplus(alpha + self.param(dt_bias))
+
+    def gates_conv(self, beta, alpha, a, dt_bias, state, w, x):
+        """gdn_gates, then conv of one sequence's rows x over its state -> ((beta, decay), conv
+        output): a backend may make the two in one launch (the device step)."""
+        return self.gdn_gates(beta, alpha, a, dt_bias), self.conv(state, w, x)
 
     def qk_l2norm_(self, c: np.ndarray, n: int, nk: int, dk: int, scale: float):
         """The queries and keys of a Gated DeltaNet layer's conv output c [n, C] (its first nk dk

@@ -96,12 +96,15 @@ class GatedDeltaNet:
                                            (sc("gdn.qkv", (T, self.C)), sc("gdn.z", (T, nv * dv)), sc("gdn.beta", (T, nv)),
                                             sc("gdn.alpha", (T, nv))))  # fmt: skip
         z = z.reshape(T, nv, dv)
-        beta, decay = be.gdn_gates(beta, alpha, self.a, self.dt_bias)
+        if len(seqs) == 1:  # the gates and the one sequence's conv: one launch on the device
+            (beta, decay), c1 = be.gates_conv(beta, alpha, self.a, self.dt_bias, seqs[0].state["conv"], self.conv_w, mixed)
+        else:
+            beta, decay = be.gdn_gates(beta, alpha, self.a, self.dt_bias)
         # one sequence's chunk takes the delta rule's own output (a copy of [T, nv, dv] per layer
         # otherwise); the decode step, the scratch; several sequences, their rows of one array
         o = sc("gdn.o", (T, nv, dv)) if T == 1 or len(seqs) > 1 else None
         for r in seqs:
-            c = be.conv(r.state["conv"], self.conv_w, mixed[r.a : r.b])
+            c = c1 if len(seqs) == 1 else be.conv(r.state["conv"], self.conv_w, mixed[r.a : r.b])
             n = r.n
             q, k = be.qk_l2norm_(c, n, nk, dk, dk**-0.5)
             v = c[:, 2 * nk * dk :].reshape(n, nv, dv)
@@ -161,8 +164,8 @@ class GatedAttention:
                 o = y
             else:
                 o[r.a : r.b] = y
-        o *= be.sigmoid(qg[:, :, D:])
-        return be.linear(self.wo, Input(o.reshape(T, H * D)), sc("attn.y", (T, self.E)))
+        # o *= sigmoid(gate), as wo's Input (the device makes its ActQ in the same launch)
+        return be.linear(self.wo, be.gate_input(o, qg[:, :, D:], False, self.wo), sc("attn.y", (T, self.E)))
 
 
 class QSAAttention:
@@ -209,6 +212,13 @@ class PreNormResidual:
     def leave(self, be, H: np.ndarray, layer: int, ffn: bool, Y: np.ndarray, ctx: None) -> None:
         H += Y
 
+    def move(self, be, H: np.ndarray, layer: int, ffn: bool, Y: np.ndarray, ctx: None,
+             to: tuple[int, bool]) -> tuple[Input, None]:
+        """leave (layer, ffn) with Y, then enter `to` (layer, ffn): the add and the next norm, one
+        launch on the device (a decode token's adds were launches of their own)."""
+        gain = (self.ffn_norm if to[1] else self.attn_norm)[to[0]]
+        return be.add_norm_input(H, Y, gain, self.eps, be.scratch("residual.x", H.shape)), None
+
     def final(self, be, H: np.ndarray) -> np.ndarray:
         return be.rmsnorm(H, self.out_norm, self.eps, be.scratch("residual.head_in", H.shape))
 
@@ -244,6 +254,11 @@ class HyperResidual:
 
     def leave(self, be, H: np.ndarray, layer: int, ffn: bool, Y: np.ndarray, w: np.ndarray) -> None:
         (self.ffn if ffn else self.attn)[layer].inject(be, H, Y, w)
+
+    def move(self, be, H: np.ndarray, layer: int, ffn: bool, Y: np.ndarray, w: np.ndarray, to: tuple[int, bool]):
+        """leave (layer, ffn), then enter `to` (layer, ffn)."""
+        self.leave(be, H, layer, ffn, Y, w)
+        return self.enter(be, H, *to)
 
     def final(self, be, H: np.ndarray) -> np.ndarray:
         return self.out.mix(be, H)[0].x
@@ -589,18 +604,24 @@ class Model:
 
     def _layers(self, be, H, ids: np.ndarray, parts: list) -> None:
         """Every layer over the stream H of the rows `parts` describes (_forward_rows)."""
-        r = self.residual
-        for l in range(self.geometry.n_layer):
+        r, L = self.residual, self.geometry.n_layer
+        x = ctx = None  # the next block's Input, made with the last block's leave (r.move), or None
+        for l in range(L):
             be.boundary(l)
             if l in self.ple:  # adds to the streams before the layer's mix
                 self.ple[l].forward(be, H, ids, [Seq(s.ple_states[l], a, b, p, k and k.ple_states[l])
                                                  for s, a, b, p, k in parts])
-            x, ctx = r.enter(be, H, l, ffn=False)
+            if x is None:
+                x, ctx = r.enter(be, H, l, ffn=False)
             seqs = [Seq(s.states[l], a, b, p, k and k.states[l]) for s, a, b, p, k in parts]
-            r.leave(be, H, l, False, self.mixers[l].forward(be, seqs, x), ctx)
-            x, ctx = r.enter(be, H, l, ffn=True)
+            x, ctx = r.move(be, H, l, False, self.mixers[l].forward(be, seqs, x), ctx, (l, True))
             counts = [Seq(s.routing[l], a, b, p, k and k.routing[l]) for s, a, b, p, k in parts]
-            r.leave(be, H, l, True, self.moes[l].forward(be, x, counts), ctx)
+            Y = self.moes[l].forward(be, x, counts)
+            if l + 1 < L and l + 1 not in self.ple:  # (PLE adds to the streams between the two)
+                x, ctx = r.move(be, H, l, True, Y, ctx, (l + 1, False))
+            else:
+                r.leave(be, H, l, True, Y, ctx)
+                x = ctx = None
 
 
 def _ple_layers(pack: Pack) -> dict[int, PLELayer]:

@@ -176,8 +176,8 @@ class MoE:
             if shared is None:
                 shared = be.linears((up, gate, s_gate), x, (sc("moe.sh_up", (T, Fs)), sc("moe.sh_gate", (T, Fs)), sc("moe.sh_g", (T, 1))))
             u, g, s = shared
-            h = be.gate_(u, g, silu=True)  # up silu(gate)
-            y = be.linear(down, Input(h), sc("moe.sh_y", (T, self.E)))
+            h = be.gate_input(u, g, True, down)  # up silu(gate) (the device makes down's ActQ in the same launch)
+            y = be.linear(down, h, sc("moe.sh_y", (T, self.E)))
             be.shared_add_(out, y, s)  # out += y sigmoid(s . x)
         return out
 

@@ -56,7 +56,8 @@ DELTA_R = 4  # device_kernels.cu: value rows of one head a warp of dev_delta car
 _NAMES = ["dev_rmsnorm", "dev_delta", "dev_conv", "dev_combine", "dev_sigmoid", "dev_gate", "dev_softplus", "dev_rope",
           "dev_hidden", "dev_route", "dev_combine_slots", "dev_kv_write", "dev_attn_one", "dev_argmax",
           "dev_gdn_gates", "dev_l2_qk", "dev_shared_add", "dev_attn_split", "dev_attn_merge", "dev_mix_tail", "dev_inject", "dev_ple_output",
-          "dev_sample", "dev_route_rows", "dev_group", "dev_rmsnorm_q", "dev_hidden_q"]
+          "dev_sample", "dev_route_rows", "dev_group", "dev_rmsnorm_q", "dev_hidden_q",
+          "dev_gate_q", "dev_gates_conv", "dev_add_rmsnorm_q"]
 KV_KIND = {"f32": 0, "f16": 1, "int8": 2}  # dev_kv_write's and dev_attn_one's `kind`
 BLOCK = 128  # threads per block of the row kernels: four warps
 
@@ -551,6 +552,20 @@ class DeviceBackend(CpuBackend):
             return Input(self.rmsnorm(x, gain, eps, out))
         return Input(out, self._norm_q(x, xs, gain, n, out, eps, f32_sums=False))
 
+    def add_norm_input(self, H, Y, gain, eps: float, out) -> Input:
+        """backend.add_norm_input: the residual add and the next norm with its ActQ in one launch
+        (dev_add_rmsnorm_q); the add was an array expression, a launch of its own."""
+        n = H.shape[-1]
+        if not (self.fuse_actq and n % 32 == 0 and H.ndim == 2 and H.dtype == Y.dtype == F32 and H.flags.c_contiguous
+                and Y.flags.c_contiguous and Y.shape == H.shape == out.shape and out.flags.c_contiguous
+                and gain.shape == (n,)):
+            return super().add_norm_input(H, Y, gain, eps, out)
+        rows, q = H.shape[0], self._act_of(out)
+        warps = max(1, min(32, -(-n // 128)))
+        self._launch("dev_add_rmsnorm_q", 32 * warps * rows, (H, Y, self.param(gain), out, q.q, q.d, q.s16, np.int32(rows),
+                                                               np.int32(n), F32(eps)), 32 * warps, 8 * warps)
+        return Input(out, q)
+
     def gated_norm_input(self, o, gain, z, eps: float, silu: bool) -> Input:
         """backend.gated_norm_input: the gated norm of o [T, heads, n] in place and its ActQ in one
         launch (dev_rmsnorm_q), as the Input [T, heads n] of the out projection."""
@@ -561,18 +576,37 @@ class DeviceBackend(CpuBackend):
         flat = o.reshape(T, o.size // T)
         return Input(flat, self._norm_q(o, n, gain, n, flat, eps, f32_sums=False, z=z, act=2 if silu else 1))
 
-    def _norm_q(self, x, xs: int, gain, group: int, out, eps: float, f32_sums: bool, z=None, act: int = 0):
-        """dev_rmsnorm_q over the rows of `group` of x (stride xs) into out and its ActQ -> GpuActQ.
-        One token's ActQ lives in a buffer kept per output buffer (out: a scratch buffer, whose
-        address is fixed, so a captured step replays it), a chunk's is new, as the scratch's are."""
-        rows, shape = x.size // group, out.shape  # (the ActQ of out's shape, as _quantize(out) makes it)
+    def _act_of(self, out):
+        """The ActQ buffer (out's shape, as _quantize(out) makes it) of a fused launch's output: one
+        token's kept per output buffer (out: a scratch buffer, whose address is fixed, so a captured
+        step replays it), a chunk's new, as the scratch's are."""
+        shape = out.shape
         if len(shape) == 1 or shape[0] == 1:
             key = (self.rt.ptr(out), shape)
             q = self._norm_acts.get(key)
             if q is None:
                 q = self._norm_acts[key] = gpu.empty_act(shape)
-        else:
-            q = gpu.empty_act(shape)
+            return q
+        return gpu.empty_act(shape)
+
+    def gate_input(self, x, z, silu: bool, w: Weight) -> Input:
+        """backend.gate_input: the gate and the ActQ of its output in one launch (dev_gate_q), where w
+        reads the plain ActQ; the attention's output gate was three launches (sigmoid, multiply, actq)."""
+        n, T = x.shape[-1], x.shape[0]
+        zs = self._rows(z, n) if self.fuse_actq and n % 32 == 0 and w.type.quantized and not w.wide else None
+        if zs is None or x.dtype != F32 or not x.flags.c_contiguous or z.shape != x.shape:
+            return super().gate_input(x, z, silu, w)
+        flat = x.reshape(T, x.size // T)
+        q = self._act_of(flat)
+        self._launch("dev_gate_q", x.size, (x, z, np.int64(zs), np.int32(n), np.int32(silu), q.q, q.d, q.s16,
+                                            np.int64(x.size)))
+        return Input(flat, q)
+
+    def _norm_q(self, x, xs: int, gain, group: int, out, eps: float, f32_sums: bool, z=None, act: int = 0):
+        """dev_rmsnorm_q over the rows of `group` of x (stride xs) into out and its ActQ -> GpuActQ.
+        One token's ActQ lives in a buffer kept per output buffer (out: a scratch buffer, whose
+        address is fixed, so a captured step replays it), a chunk's is new, as the scratch's are."""
+        rows, q = x.size // group, self._act_of(out)
         warps = max(1, min(32, -(-group // 128)))
         self._launch("dev_rmsnorm_q", 32 * warps * rows, (x, np.int64(xs), self.param(gain), np.int32(gain.size // group),
                                                            x if z is None else z, np.int32(act), out, q.q, q.d, q.s16,
@@ -757,6 +791,20 @@ class DeviceBackend(CpuBackend):
         self._launch("dev_gdn_gates", beta.size, (beta, alpha, self.param(a), self.param(dt_bias), b, d, np.int64(beta.size),
                                                   np.int32(a.size)))
         return b, d
+
+    def gates_conv(self, beta, alpha, a, dt_bias, state, w, x):
+        wd = self.param(w)
+        if not (beta.dtype == alpha.dtype == F32 and beta.flags.c_contiguous and alpha.flags.c_contiguous
+                and beta.shape == alpha.shape and a.shape == dt_bias.shape == beta.shape[-1:]
+                and x.strides[-1] == 4 and state.flags.c_contiguous and wd.flags.c_contiguous and x.shape[0] == 1):
+            # (a chunk: the two launches, dev_conv spreading its tokens over threads; here a thread per channel)
+            return super().gates_conv(beta, alpha, a, dt_bias, state, w, x)
+        xp, (K, C), T = self.xp, wd.shape, x.shape[0]
+        b, d, out = xp.empty(beta.shape, F32), xp.empty(beta.shape, F32), xp.empty((T, C), F32)
+        self._launch("dev_gates_conv", C + beta.size, (beta, alpha, self.param(a), self.param(dt_bias), b, d,
+                                                       np.int64(beta.size), np.int32(a.size), state, wd, x,
+                                                       np.int64(x.strides[0] // 4), out, np.int32(T), np.int32(K), np.int32(C)))
+        return (b, d), out
 
     def qk_l2norm_(self, c, n: int, nk: int, dk: int, scale: float):
         if n != 1 or c.dtype != F32 or not c.flags.c_contiguous:  # one token: its q and k heads are 2 nk rows in a row

@@ -118,6 +118,29 @@ __device__ __forceinline__ void actq_block(float y, signed char* qb, float* d, i
     if ((lane & 15) == 0) s16[2 * b + (lane >> 4)] = sq;
 }
 
+// one row of dev_rmsnorm_q (below)
+__device__ __forceinline__ void rmsnorm_q_row(int r, const float* x, i64 xs, const float* gain, int gp, const float* z,
+                                              int act, float* out, signed char* q, float* d, int* s16, int n, float eps,
+                                              int f32_sums, double* red) {
+    const int lane = threadIdx.x & 31;
+    const float* xr = x + (i64)r * xs;
+    const float scale = norm_scale(xr, n, eps, f32_sums, 0, red);
+    __syncthreads();  // every thread has read red before the next row writes it
+    const float* gr = gain + (i64)(r % gp) * n;
+    const float* zr = z ? z + (i64)r * n : 0;
+    for (int i = threadIdx.x; i < n; i += blockDim.x) {
+        float y = xr[i] * scale;  // (dev_rmsnorm's operations in its order)
+        y = y * gr[i];
+        if (act) {
+            const float sg = sigmoid_t(zr[i]);
+            y = y * (act == 2 ? zr[i] * sg : sg);
+        }
+        const i64 at = (i64)r * n + i;
+        out[at] = y;
+        actq_block(y, q + (at - lane), d, s16, at >> 5);
+    }
+}
+
 // dev_rmsnorm (not l2) that also writes its output's ActQ: the actq kernel of
 // engine/kernels/gpu_kernels.cu (actq.py's bits) on each 32-element block as the block is written,
 // so a norm that only feeds products is one launch where it was two (the layers' input norms: 2
@@ -132,24 +155,22 @@ extern "C" __global__ void dev_rmsnorm_q(const float* x, i64 xs, const float* ga
                                          int f32_sums) {
     STRATA_SMEM(smem);
     double* red = reinterpret_cast<double*>(smem);  // a partial sum per warp
-    const int lane = threadIdx.x & 31;
+    for (int r = blockIdx.x; r < rows; r += gridDim.x)
+        rmsnorm_q_row(r, x, xs, gain, gp, z, act, out, q, d, s16, n, eps, f32_sums, red);
+}
+
+// The residual add before a layer's input norm and that norm with its ActQ, in one launch:
+// x += y (the array add `H += Y` the block's leave made, a launch of its own), then dev_rmsnorm_q
+// of x (gain [n], f64 sums, no gate). x, y contiguous [rows, n]. A thread adds the elements it
+// then reads (norm_scale and the output loop go round the row with the same stride), so no sync.
+extern "C" __global__ void dev_add_rmsnorm_q(float* x, const float* y, const float* gain, float* out, signed char* q,
+                                             float* d, int* s16, int rows, int n, float eps) {
+    STRATA_SMEM(smem);
+    double* red = reinterpret_cast<double*>(smem);  // a partial sum per warp
     for (int r = blockIdx.x; r < rows; r += gridDim.x) {
-        const float* xr = x + (i64)r * xs;
-        const float scale = norm_scale(xr, n, eps, f32_sums, 0, red);
-        __syncthreads();  // every thread has read red before the next row writes it
-        const float* gr = gain + (i64)(r % gp) * n;
-        const float* zr = z ? z + (i64)r * n : 0;
-        for (int i = threadIdx.x; i < n; i += blockDim.x) {
-            float y = xr[i] * scale;  // (dev_rmsnorm's operations in its order)
-            y = y * gr[i];
-            if (act) {
-                const float sg = sigmoid_t(zr[i]);
-                y = y * (act == 2 ? zr[i] * sg : sg);
-            }
-            const i64 at = (i64)r * n + i;
-            out[at] = y;
-            actq_block(y, q + (at - lane), d, s16, at >> 5);
-        }
+        float* xr = x + (i64)r * n;
+        for (int i = threadIdx.x; i < n; i += blockDim.x) xr[i] = xr[i] + y[(i64)r * n + i];
+        rmsnorm_q_row(r, x, n, gain, 1, 0, 0, out, q, d, s16, n, eps, 0, red);
     }
 }
 
@@ -239,31 +260,45 @@ extern "C" __global__ void dev_delta(float* S, const float* q, i64 qs, const flo
 
 // ops.conv_many: the causal depthwise conv of T inputs (row t at x + t xs) over the K - 1 before
 // them (state [K-1, C]), then SiLU, into out [T, C]; the state advances to the last K - 1 inputs.
-// A thread per channel and CONV_T tokens (a thread per channel alone left a 256-token chunk's ~10K
-// channels on too few threads, ~170 us, 2026-12-02): tap j reads the input K - 1 - j steps back.
-// Only a channel's first thread reads the state (CONV_T >= K - 1), and it alone then advances it.
+// conv_out: output (t, c), tap j reading the input K - 1 - j steps back; conv_advance: channel c's
+// state once its outputs are made (history rows T .. T + K - 2, history = state then x; row T + r
+// is read before row r is written, and T + r > r, so no row is read after it was overwritten).
+__device__ __forceinline__ void conv_out(int c, int t, const float* state, const float* w, const float* x, i64 xs,
+                                         float* out, int K, int C) {
+    float acc = 0.0f;
+    for (int j = 0; j < K; j++) {
+        const int i = t + j - (K - 1);
+        const float src = i >= 0 ? x[(i64)i * xs + c] : state[(i64)(K - 1 + i) * C + c];
+        acc = j == 0 ? w[c] * src : acc + w[(i64)j * C + c] * src;
+    }
+    out[(i64)t * C + c] = acc * sigmoid_t(acc);
+}
+
+__device__ __forceinline__ void conv_advance(int c, float* state, const float* x, i64 xs, int T, int K, int C) {
+    for (int r = 0; r < K - 1; r++) {
+        const int src = T + r;
+        state[(i64)r * C + c] = src < K - 1 ? state[(i64)src * C + c] : x[(i64)(src - (K - 1)) * xs + c];
+    }
+}
+
+// (dev_gates_conv's token step: a thread per channel)
+__device__ __forceinline__ void conv_channel(int c, float* state, const float* w, const float* x, i64 xs, float* out,
+                                             int T, int K, int C) {
+    for (int t = 0; t < T; t++) conv_out(c, t, state, w, x, xs, out, K, C);
+    conv_advance(c, state, x, xs, T, K, C);
+}
+
+// dev_conv: a thread per channel and CONV_T tokens (a thread per channel alone left a 256-token
+// chunk's ~10K channels on too few threads, ~170 us on the H200, 2026-12-02). Only a channel's
+// first thread reads the state (CONV_T >= K - 1), and it alone then advances it.
 #define CONV_T 16
 extern "C" __global__ void dev_conv(float* state, const float* w, const float* x, i64 xs, float* out, int T, int K,
                                     int C) {
     const int parts = (T + CONV_T - 1) / CONV_T;
     for (i64 it = blockIdx.x * (i64)blockDim.x + threadIdx.x; it < (i64)C * parts; it += (i64)gridDim.x * blockDim.x) {
         const int c = (int)(it % C), part = (int)(it / C);
-        for (int t = part * CONV_T; t < min(T, (part + 1) * CONV_T); t++) {
-            float acc = 0.0f;
-            for (int j = 0; j < K; j++) {
-                const int i = t + j - (K - 1);
-                const float src = i >= 0 ? x[(i64)i * xs + c] : state[(i64)(K - 1 + i) * C + c];
-                acc = j == 0 ? w[c] * src : acc + w[(i64)j * C + c] * src;
-            }
-            out[(i64)t * C + c] = acc * sigmoid_t(acc);
-        }
-        if (part) continue;
-        // the new state: history rows T .. T + K - 2 (history = state then x); row T + r is read
-        // before row r is written, and T + r > r, so no row is read after it was overwritten
-        for (int r = 0; r < K - 1; r++) {
-            const int src = T + r;
-            state[(i64)r * C + c] = src < K - 1 ? state[(i64)src * C + c] : x[(i64)(src - (K - 1)) * xs + c];
-        }
+        for (int t = part * CONV_T; t < min(T, (part + 1) * CONV_T); t++) conv_out(c, t, state, w, x, xs, out, K, C);
+        if (!part) conv_advance(c, state, x, xs, T, K, C);
     }
 }
 
@@ -339,14 +374,32 @@ extern "C" __global__ void dev_softplus(const float* x, float* out, i64 n) {
 
 // A Gated DeltaNet layer's gates, [T, nv] (n = T nv): beta_out = sigmoid(beta) (dev_sigmoid's
 // form), decay = a * softplus(alpha + dt_bias) (dev_softplus's form; a, dt_bias [nv]).
+__device__ __forceinline__ void gdn_gate(i64 i, const float* beta, const float* alpha, const float* a, const float* dtb,
+                                         float* beta_out, float* decay, int nv) {
+    const int h = (int)(i % nv);
+    beta_out[i] = sigmoid_t(beta[i]);
+    const float v = alpha[i] + dtb[h];
+    const float sp = v > 0.0f ? v + log1pf(expf(-v)) : log1pf(expf(v));
+    decay[i] = a[h] * sp;
+}
+
 extern "C" __global__ void dev_gdn_gates(const float* beta, const float* alpha, const float* a, const float* dtb,
                                          float* beta_out, float* decay, i64 n, int nv) {
-    for (i64 i = blockIdx.x * (i64)blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x) {
-        const int h = (int)(i % nv);
-        beta_out[i] = sigmoid_t(beta[i]);
-        const float v = alpha[i] + dtb[h];
-        const float sp = v > 0.0f ? v + log1pf(expf(-v)) : log1pf(expf(v));
-        decay[i] = a[h] * sp;
+    for (i64 i = blockIdx.x * (i64)blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x)
+        gdn_gate(i, beta, alpha, a, dtb, beta_out, decay, nv);
+}
+
+// dev_conv and dev_gdn_gates in one launch (a Gated DeltaNet layer's one sequence, its token step
+// among them: two independent pieces of work, one launch where there were two): index i < C is
+// the conv's channel i, C + i the gates' value i; each the separate kernel's operations.
+extern "C" __global__ void dev_gates_conv(const float* beta, const float* alpha, const float* a, const float* dtb,
+                                          float* beta_out, float* decay, i64 n, int nv, float* state, const float* w,
+                                          const float* x, i64 xs, float* out, int T, int K, int C) {
+    for (i64 i = blockIdx.x * (i64)blockDim.x + threadIdx.x; i < C + n; i += (i64)gridDim.x * blockDim.x) {
+        if (i < C)
+            conv_channel((int)i, state, w, x, xs, out, T, K, C);
+        else
+            gdn_gate(i - C, beta, alpha, a, dtb, beta_out, decay, nv);
     }
 }
 
@@ -442,6 +495,26 @@ extern "C" __global__ void dev_hidden_q(const float* gu, const int* slot, float*
         const float z = gu[i];
         const float y = gu[n + i] * (z / (1.0f + exp_p(-z)));
         h[i] = y;
+        actq_block(y, q + 32 * b, d, s16, b);
+    }
+}
+
+// dev_gate (x *= sigmoid(z), or z sigmoid(z) with silu) and the ActQ of x (the next product's
+// input) in one launch: the shared expert's up * silu(gate) before its down, gated attention's
+// output gate before its out projection (each was a gate and an actq launch; the attention's, a
+// dev_sigmoid, an array multiply and an actq). x contiguous [rows, n], n a multiple of 32 (a
+// warp's 32-element block lies in one row); row r of z at z + r zs (a strided view: qg[:, :, D:]);
+// q i8, d f32 [total / 32], s16 i32 [total / 16]: x's ActQ, actq_block's bits. A warp per block.
+extern "C" __global__ void dev_gate_q(float* x, const float* z, i64 zs, int n, int silu, signed char* q, float* d,
+                                      int* s16, i64 total) {
+    const int lane = threadIdx.x & 31;
+    const i64 nb = total >> 5, nw = ((i64)gridDim.x * blockDim.x) >> 5;
+    for (i64 b = ((i64)blockIdx.x * blockDim.x + threadIdx.x) >> 5; b < nb; b += nw) {
+        const i64 i = 32 * b + lane, r = i / n;
+        const float zz = z[r * zs + (i - r * n)];
+        const float s = sigmoid_t(zz);
+        const float y = x[i] * (silu ? zz * s : s);
+        x[i] = y;
         actq_block(y, q + 32 * b, d, s16, b);
     }
 }

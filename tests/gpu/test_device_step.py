@@ -98,11 +98,12 @@ def test_the_device_step_gives_the_cpu_logits(model, rt, n_prompt):
         assert tier.stats.hits.sum() > 0 and tier.stats.misses.sum() == 0
     # the fused kernels, not the array-module fallbacks; a token's routing, experts, combine and
     # attention by the position-independent kernels (the prompt's chunk combines its grouped
-    # rows with dev_combine); the fused sequences (a GDN layer's gates, a token's q/k l2 norms, the
-    # shared expert's gated add, an input norm and its ActQ) in one launch each
-    assert launched == {"dev_rmsnorm", "dev_delta", "dev_conv", "dev_sigmoid", "dev_gate", "dev_rope", "dev_route", "dev_hidden_q",
-                        "dev_combine_slots", "dev_kv_write", "dev_attn_split", "dev_attn_merge", "dev_gdn_gates", "dev_l2_qk",
-                        "dev_shared_add", "dev_rmsnorm_q"} \
+    # rows with dev_combine); the fused sequences (a GDN layer's gates and conv, a token's q/k l2
+    # norms, the shared expert's gated add, an input norm and its ActQ, a gate and its ActQ, a
+    # residual add and the next norm) in one launch each
+    assert launched == {"dev_rmsnorm", "dev_delta", "dev_gates_conv", "dev_gate_q", "dev_rope", "dev_route", "dev_hidden_q",
+                        "dev_combine_slots", "dev_kv_write", "dev_attn_split", "dev_attn_merge", "dev_l2_qk",
+                        "dev_shared_add", "dev_rmsnorm_q", "dev_add_rmsnorm_q"} \
         | ({"dev_combine", "dev_hidden"} if n_prompt else set())  # (the chunk's grouped experts: device_chunk.py)
     assert_close(got, want)
 
@@ -355,7 +356,9 @@ def test_the_cli_refuses_an_unknown_gpu_step_and_notes_it_on_the_cpu(model, caps
 
 def test_the_fused_norms_leave_the_logits_bit_for_bit_and_save_a_launch_each(model, rt):
     """A layer's input norms make their ActQ in the norm's launch (dev_rmsnorm_q), the experts'
-    hidden activation in dev_hidden_q's: the logits are the same bits as with the quantizer
+    hidden activation in dev_hidden_q's, a gate before a product in dev_gate_q's, a residual add
+    in the next norm's (dev_add_rmsnorm_q): the logits are
+    the same bits as with the quantizer
     launched apart, and a decode token needs no ActQ launch of its own for those outputs."""
     toks, n_prompt = tokens(model, 7), 3
     got, per_token = {}, {}
@@ -369,10 +372,14 @@ def test_the_fused_norms_leave_the_logits_bit_for_bit_and_save_a_launch_each(mod
 
             def counted(mod, name, grid, block, args, *a):
                 n[name] = n.get(name, 0) + 1
-                if name in ("dev_rmsnorm", "dev_hidden"):
-                    normed[0] = rt.ptr(args[5 if name == "dev_rmsnorm" else 2])  # its output
-                if name == "actq" and rt.ptr(args[0]) == normed[0]:  # an ActQ of the last norm's (or h's) output
-                    n["actq of a norm"] = n.get("actq of a norm", 0) + 1
+                if name in ("dev_rmsnorm", "dev_hidden", "dev_gate", "dev_attn_merge"):
+                    # its output (the attention's, which the output gate multiplies in place)
+                    at = {"dev_rmsnorm": 5, "dev_hidden": 2, "dev_gate": 0, "dev_attn_merge": 2}[name]
+                    normed[0] = (name, rt.ptr(args[at]))
+                if name == "actq" and normed[0] is not None and rt.ptr(args[0]) == normed[0][1]:
+                    # an ActQ of the last norm's (or h's) output, or of a gate's
+                    of = "actq of a gate" if normed[0][0] in ("dev_gate", "dev_attn_merge") else "actq of a norm"
+                    n[of] = n.get(of, 0) + 1
                 launch(mod, name, grid, block, args, *a)
 
             rt.launch = counted
@@ -391,11 +398,64 @@ def test_the_fused_norms_leave_the_logits_bit_for_bit_and_save_a_launch_each(mod
     # reads the plain ActQ (attention's q/k/v of Q8_0 read the wide form); the final norm's (the LM
     # head's) stays
     saved = off.pop("actq of a norm") - on.pop("actq of a norm")
-    assert "dev_rmsnorm_q" not in off and "dev_hidden_q" not in off and "dev_hidden" not in on
-    assert on["dev_rmsnorm_q"] >= 2 * L and on["dev_rmsnorm"] + on["dev_rmsnorm_q"] == off["dev_rmsnorm"]
+    assert "dev_rmsnorm_q" not in off and "dev_add_rmsnorm_q" not in off and "dev_hidden_q" not in off and "dev_hidden" not in on
+    # every layer's input norm but the first's makes the residual add before it (dev_add_rmsnorm_q)
+    fq = on["dev_rmsnorm_q"] + on["dev_add_rmsnorm_q"]
+    assert on["dev_add_rmsnorm_q"] == 2 * L - 1 and fq >= 2 * L and on["dev_rmsnorm"] + fq == off["dev_rmsnorm"]
     assert on["dev_hidden_q"] == off["dev_hidden"] == L
-    assert 2 * L < saved <= on["dev_rmsnorm_q"] + L and on["actq"] == off["actq"] - saved
-    assert sum(on.values()) == sum(off.values()) - saved, (on, off)
+    # and the gates before a product (dev_gate_q): the shared expert's up silu(gate) and gated
+    # attention's output gate, whose dev_sigmoid goes too (its array multiply is no launch of the runtime's)
+    gated = off.pop("actq of a gate") - on.pop("actq of a gate", 0)
+    assert on["dev_gate_q"] == gated == off["dev_gate"] + off["dev_sigmoid"] and "dev_sigmoid" not in on
+    assert 2 * L < saved <= fq + L and on["actq"] == off["actq"] - saved - gated
+    assert sum(on.values()) == sum(off.values()) - saved - gated, (on, off)
+
+
+def launches_per_token(model, rt, n_prompt: int = 3, n: int = 2) -> dict:
+    """The runtime's launches of each kernel in one eager decode token step (every expert resident)."""
+    toks = tokens(model, n_prompt + n, seed=3)
+    with device_tier(model, expert_cache=None) as tier:
+        model.backend.graphs = False  # (eager: every token's launches are counted)
+        s = tier.take_session(CTX, "f32")
+        model.forward(s, toks[:n_prompt], n_logits=1)
+        count, launch = {}, rt.launch
+
+        def counted(mod, name, *a):
+            count[name] = count.get(name, 0) + 1
+            launch(mod, name, *a)
+
+        rt.launch = counted
+        try:
+            for t in toks[n_prompt:]:
+                model.step(s, t)
+        finally:
+            del rt.launch  # (the runtime's own method again)
+    return {name: c / n for name, c in count.items()}
+
+
+# A decode token's launches, pinned, so that a change which adds launches to the token step shows
+# here (each costs ~2-4 us of the GPU floor on the H200, whatever its work). Fused away so far: the
+# gates before a product with their ActQ (dev_gate_q: the shared expert's and the attention's
+# output gate, 5 launches a token here: 4 actq and a dev_sigmoid), a Gated DeltaNet layer's gates
+# with its conv (dev_gates_conv: 3). The fixture's 4 layers: 3 Gated DeltaNet, 1 attention.
+QWEN35MOE_LAUNCHES = 104
+QWEN4EXP_LAUNCHES = 361
+
+
+def test_a_qwen35moe_token_step_makes_its_pinned_launches(model, rt):
+    per = launches_per_token(model, rt)
+    assert sum(per.values()) == QWEN35MOE_LAUNCHES, per
+    assert "dev_gates_conv" in per and "dev_gdn_gates" not in per and "dev_conv" not in per
+    assert "dev_gate_q" in per and "dev_gate" not in per and "dev_sigmoid" not in per
+    # the residual adds (array expressions: launches the runtime does not count) made by the next
+    # layer input norm's launch, all but the last layer's (the head's norm reads the rows it picks)
+    assert per["dev_add_rmsnorm_q"] == 2 * model.geometry.n_layer - 1
+
+
+@pytest.mark.slow  # the emulated products of the tiny qwen4exp: ~25 s a token step on the CI's 2 cores
+def test_a_qwen4exp_token_step_makes_its_pinned_launches(qwen4exp, rt):
+    per = launches_per_token(qwen4exp, rt, n=1)
+    assert sum(per.values()) == QWEN4EXP_LAUNCHES, per
 
 
 # --- the token path's kernels, each against the host rule it mirrors ------------------------------
@@ -539,6 +599,66 @@ def test_dev_hidden_q_is_dev_hidden_then_its_actq(rt):
     for part in ("q", "d", "s16"):
         a, b = rt.to_host(getattr(hq, part)), rt.to_host(getattr(want, part))
         assert np.array_equal(a[held].view(np.uint8), b[held].view(np.uint8)), part
+
+
+@pytest.mark.parametrize("n", [96, 640])
+@pytest.mark.parametrize("T", [1, 3])
+def test_dev_add_rmsnorm_q_is_the_add_then_the_norm_and_its_actq(rt, n, T):
+    """add_norm_input on the device (dev_add_rmsnorm_q): H += Y, then H's RMSNorm and its ActQ in
+    one launch, the bits of the array add then dev_rmsnorm_q (a block of one warp, and of five)."""
+    from strata.engine.backend import CpuBackend
+
+    be = DeviceBackend(rt, None)
+    rng = np.random.default_rng(18)
+    H0, Y0 = (rng.standard_normal((2, T, n)) * 3).astype(np.float32)
+    gain = (rng.random(n) + 0.5).astype(np.float32)
+    H1, H2 = rt.to_device(H0), rt.to_device(H0)
+    out1, out2 = rt.to_device(np.zeros((T, n), np.float32)), rt.to_device(np.zeros((T, n), np.float32))
+    calls, launch = [], be._launch
+    be._launch = lambda name, *a: (calls.append(name), launch(name, *a))
+    got = be.add_norm_input(H1, rt.to_device(Y0), gain, 1e-6, out1)
+    assert calls == ["dev_add_rmsnorm_q"]
+    want = CpuBackend.add_norm_input(be, H2, rt.to_device(Y0), gain, 1e-6, out2)
+    assert calls == ["dev_add_rmsnorm_q", "dev_rmsnorm_q"]
+    for g_, w_ in ((H1, H2), (got.x, want.x), *((getattr(got._q, p), getattr(want._q, p)) for p in ("q", "d", "s16"))):
+        assert np.array_equal(rt.to_host(g_).view(np.uint8), rt.to_host(w_).view(np.uint8))
+
+
+@pytest.mark.parametrize("silu", [True, False])
+@pytest.mark.parametrize("T", [1, 3])
+def test_dev_gate_q_is_the_gate_then_its_actq(rt, silu, T):
+    """gate_input on the device (dev_gate_q): x *= silu(z) (the shared expert's hidden) or x *=
+    sigmoid(z) with z a strided view (gated attention's qg[:, :, D:]) and the ActQ of x in one
+    launch: the bits of the backend's separate launches (dev_gate, or dev_sigmoid and the array
+    multiply) then the actq kernel; a product that reads the wide form gets no fused ActQ."""
+    from types import SimpleNamespace
+
+    from strata.engine.backend import CpuBackend
+
+    be = DeviceBackend(rt, None)
+    rng = np.random.default_rng(17)
+    H, D = 3, 64
+    x0 = (rng.standard_normal((T, H, D)) * 5).astype(np.float32)
+    z0 = (rng.standard_normal((T, H, 2 * D)) * 6).astype(np.float32)
+    if silu:  # the shared expert: z contiguous, of x's shape [T, F]
+        x0, z0 = x0.reshape(T, H * D), z0[:, :, :D].reshape(T, H * D).copy()
+    zview = (lambda z: z) if silu else (lambda z: z[:, :, D:])
+    w = SimpleNamespace(type=SimpleNamespace(quantized=True), wide=False)
+    x1, x2 = rt.to_device(x0), rt.to_device(x0)
+    calls, launch = [], be._launch
+    be._launch = lambda name, *a: (calls.append(name), launch(name, *a))
+    got = be.gate_input(x1, zview(rt.to_device(z0)), silu, w)
+    assert calls == ["dev_gate_q"]
+    want = CpuBackend.gate_input(be, x2, zview(rt.to_device(z0)), silu, w)
+    assert got.x.shape == want.x.shape == (T, H * D)
+    assert np.array_equal(rt.to_host(got.x).view(np.int32), rt.to_host(want.x).view(np.int32))
+    gq, wq = got.form(w.type, False), want.form(w.type, False, quantize=be._quantize)
+    for part in ("q", "d", "s16"):
+        a, b = rt.to_host(getattr(gq, part)), rt.to_host(getattr(wq, part))
+        assert np.array_equal(a.view(np.uint8), b.view(np.uint8)), part
+    calls.clear()
+    be.gate_input(rt.to_device(x0), zview(rt.to_device(z0)), silu, SimpleNamespace(type=w.type, wide=True))
+    assert "dev_gate_q" not in calls, calls
 
 
 @pytest.mark.parametrize("types", [("Q8_0", "Q8_0"), ("IQ2_XS", "Q4_K")])
@@ -743,6 +863,24 @@ def test_the_fused_sequences_keep_the_separate_launches_bits(rt):
     want = [rt.to_host(v) for v in CpuBackend.gdn_gates(be, beta, alpha, a, dtb)]
     for g_, w_ in zip(got, want):
         assert np.array_equal(g_.view(np.int32), w_.view(np.int32))
+
+    # the gates and a sequence's conv in one launch (dev_gates_conv): T = 1 (the token step) and a
+    # chunk of 3 rows read at a stride (mixed[r.a : r.b] of a wider product), the state advanced
+    K, C = 4, 200
+    w = rng.standard_normal((K, C)).astype(np.float32)
+    for n in (1, T):
+        x0 = (rng.standard_normal((n, C + 8)) * 2).astype(np.float32)
+        st0 = rng.standard_normal((K - 1, C)).astype(np.float32)
+        b_, al = beta[:n], alpha[:n]
+        s1, s2 = rt.to_device(st0), rt.to_device(st0)
+        calls, launch = [], be._launch
+        be._launch = lambda name, *a: (calls.append(name), launch(name, *a))
+        (gb, gd), gc = be.gates_conv(b_, al, a, dtb, s1, w, rt.to_device(x0)[:, :C])
+        del be._launch
+        assert calls == ["dev_gates_conv"]
+        (wb, wd), wc = CpuBackend.gates_conv(be, b_, al, a, dtb, s2, w, rt.to_device(x0)[:, :C])
+        for g_, w_ in ((gb, wb), (gd, wd), (gc, wc), (s1, s2)):
+            assert np.array_equal(rt.to_host(g_).view(np.int32), rt.to_host(w_).view(np.int32))
 
     nk, dk, C = 4, 128, 4 * 128 * 2 + 6 * 128
     c0 = (rng.standard_normal((1, C)) * 3).astype(np.float32)
