@@ -104,7 +104,8 @@ def test_the_device_step_gives_the_cpu_logits(model, rt, n_prompt):
     assert launched == {"dev_rmsnorm", "dev_delta", "dev_gates_conv", "dev_gate_q", "dev_rope", "dev_route", "dev_hidden_q",
                         "dev_combine_slots", "dev_kv_write", "dev_attn_split", "dev_attn_merge", "dev_l2_qk",
                         "dev_shared_add", "dev_rmsnorm_q", "dev_add_rmsnorm_q"} \
-        | ({"dev_combine", "dev_hidden"} if n_prompt else set())  # (the chunk's grouped experts: device_chunk.py)
+        | ({"dev_combine", "dev_hidden", "dev_conv", "dev_gdn_gates"} if n_prompt else set())  # (the chunk's grouped
+    # experts: device_chunk.py; its conv spread over tokens, apart from the gates)
     assert_close(got, want)
 
 
@@ -864,8 +865,8 @@ def test_the_fused_sequences_keep_the_separate_launches_bits(rt):
     for g_, w_ in zip(got, want):
         assert np.array_equal(g_.view(np.int32), w_.view(np.int32))
 
-    # the gates and a sequence's conv in one launch (dev_gates_conv): T = 1 (the token step) and a
-    # chunk of 3 rows read at a stride (mixed[r.a : r.b] of a wider product), the state advanced
+    # the gates and a token's conv in one launch (dev_gates_conv): T = 1 (the token step); and a
+    # chunk of 3 rows read at a stride (two launches) (mixed[r.a : r.b] of a wider product), the state advanced
     K, C = 4, 200
     w = rng.standard_normal((K, C)).astype(np.float32)
     for n in (1, T):
@@ -877,7 +878,8 @@ def test_the_fused_sequences_keep_the_separate_launches_bits(rt):
         be._launch = lambda name, *a: (calls.append(name), launch(name, *a))
         (gb, gd), gc = be.gates_conv(b_, al, a, dtb, s1, w, rt.to_device(x0)[:, :C])
         del be._launch
-        assert calls == ["dev_gates_conv"]
+        assert calls == (["dev_gates_conv"] if n == 1 else ["dev_gdn_gates", "dev_conv"])  # (a chunk: the conv's
+        # tokens spread over threads)
         (wb, wd), wc = CpuBackend.gates_conv(be, b_, al, a, dtb, s2, w, rt.to_device(x0)[:, :C])
         for g_, w_ in ((gb, wb), (gd, wd), (gc, wc), (s1, s2)):
             assert np.array_equal(rt.to_host(g_).view(np.int32), rt.to_host(w_).view(np.int32))
