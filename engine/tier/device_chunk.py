@@ -36,6 +36,13 @@ from .hits import _select
 from .memory import Carver
 
 F32 = np.float32
+GROUP_SEG = 2048  # ids dev_group holds in shared memory at a time (a 256-token chunk of top-8: all)
+
+
+def group_smem(X: int, seg: int = GROUP_SEG) -> int:
+    """dev_group's shared bytes for X experts: a segment of `seg` ids, then counts, starts, cursors
+    and tile starts (device_kernels.cu)."""
+    return 4 * (seg + 4 * X + 1)
 
 
 def chunk_bytes(E: int, F: int, n: int) -> int:
@@ -54,7 +61,7 @@ class DeviceChunk:
     def fits(self, moe, n_pairs: int) -> bool:
         """Whether the chunk path takes this layer's chunk of n_pairs (token, rank) pairs."""
         hp = self.hits
-        if not (moe.gu.quantized and moe.d.quantized) or hp.prompt is None:
+        if not (moe.gu.quantized and moe.d.quantized) or hp.prompt is None or group_smem(moe.router.n_out) > gpu.SMEM_LIMIT:
             return False
         tiles = 2 * (n_pairs + moe.router.n_out)  # at most: one per expert and one per MAX_TOKENS pairs
         # the tiles, the pairs' tokens, positions (i64), rows and zeros, dev_group's scratch, the marker
@@ -95,7 +102,7 @@ class DeviceChunk:
                   (ids, np.int32(N), np.int32(k), np.int32(X), table, slots.arena, np.int64(slots.slot_bytes),
                    np.int64(gu_bytes), np.int64(align(planes(gu_t, E, F)[0])), np.int64(align(planes(d_t, F, E)[0])),
                    np.int32(gpu.MAX_TOKENS), np.int32(M), tok, pos, t_gu, t_d, scratch[:X], scratch[X : 2 * X],
-                   scratch[2 * X :]))
+                   scratch[2 * X :], np.int32(GROUP_SEG)), group_smem(X))
         act = x.form(moe.gu, False, quantize=be._quantize)
         xq = gpu.GpuActQ(act.q, act.d, act.s16, None)
         gpu.grouped_products(gu_t, E, F, t_gu, 2 * M, xq, tok, None, gu)

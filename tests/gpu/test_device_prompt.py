@@ -14,6 +14,7 @@ import pytest
 from gpu_emu import EmuRuntime
 
 import strata.engine.kernels.gpu as gpu
+import strata.engine.tier.device_chunk as DC
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 
@@ -56,7 +57,8 @@ def test_grouped_products_are_each_experts_matmul(rt, types):
         assert np.array_equal(got_big[perm[a : a + c]].view(np.int32), want_s.view(np.int32))
 
 
-def test_dev_route_rows_and_dev_group_are_route_topk_and_groups(rt):
+@pytest.mark.parametrize("seg", [DC.GROUP_SEG, 64], ids=["one_segment", "ids_in_segments"])  # 64: 600 ids in 10 pieces, the last short
+def test_dev_route_rows_and_dev_group_are_route_topk_and_groups(rt, seg):
     """A chunk's routing on the device: each token's experts and f32 weights are moe.route_topk's
     (ties included: to the lower id), the grouped order and each pair's place are Groups', and the
     tiles cover each expert's pairs in MAX_TOKENS pieces on its slot's planes (unused ones empty)."""
@@ -83,7 +85,8 @@ def test_dev_route_rows_and_dev_group_are_route_topk_and_groups(rt):
     scratch = rt.to_device(np.zeros(3 * X + 1, np.int32))
     rt.launch(mod, "dev_group", 1, 256, (ids, np.int32(N), np.int32(k), np.int32(X), rt.to_device(table), arena,
                                          np.int64(sb), np.int64(gub), np.int64(gsc), np.int64(dsc), np.int32(tile),
-                                         np.int32(M), tok, pos, t_gu, t_d, scratch[:X], scratch[X : 2 * X], scratch[2 * X :]))
+                                         np.int32(M), tok, pos, t_gu, t_d, scratch[:X], scratch[X : 2 * X], scratch[2 * X :],
+                                         np.int32(seg)), DC.group_smem(X, seg))
     grp = Groups(top)
     assert np.array_equal(rt.to_host(tok), grp.rows)
     assert np.array_equal(rt.to_host(pos).reshape(T, k), grp.slot)
