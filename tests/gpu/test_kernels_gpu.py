@@ -212,6 +212,8 @@ def test_matmul_work_items_with_ragged_edges(rt, t):
 def test_matmul_with_other_work_items(rt, t, rows, tok, monkeypatch):
     # The benchmark's knobs STRATA_MM_ROWS / STRATA_MM_TOK (gpu.py) recompile the batched kernel
     # with another warp item; every size must keep the bits (the card measures which is fastest).
+    if _on_device(rt) and t.name != "Q4_K":
+        pytest.skip("on the card Q4_K alone: each item size is another NVRTC compile of the type's module (the emulation runs all four types)")
     monkeypatch.setattr(gpu, "OPTIONS", gpu.OPTIONS + (f"-DSTRATA_MM_ROWS={rows}", f"-DSTRATA_MM_TOK={tok}"))
     gpu.use_runtime(rt)  # drops the compiled modules: the next launch compiles with the knobs
     try:
