@@ -1,7 +1,7 @@
 """GPU kernel benchmark: weight bytes per second of `gpu.matvec`, per block type, against the
 device's streaming-read bandwidth measured in the same run.
 
-    python benchmarks/kernels_gpu.py [--types all|Q8_0,Q6_K,...] [--md FILE]
+    python benchmarks/kernels_gpu.py [--types all|Q8_0,Q6_K,...] [--md FILE] [--matmul]
 
 Reference bandwidth: a pure read kernel (16-byte loads, XOR-reduced so they are not dropped)
 over a 4 GiB buffer, best of 5; a device-to-device copy is printed beside it (read + write
@@ -14,6 +14,11 @@ a down projection) are a few MB each, so they are timed over a pool of distinct 
 than 3x the L2, as the engine meets them. Launches are captured in a CUDA graph and replayed,
 timed with CUDA events: a Python launch takes longer than a small matvec runs. Issue target: every type >= 60% of the read bandwidth on the
 head shape. Weights are random bytes and scales (timing does not depend on the values).
+
+--matmul adds a prompt chunk's dense projection: `gpu.matmul` of MATMUL_TOKENS tokens through one
+MATMUL (n_in, n_out) weight (gpu_kernels.cu mm: the batched kernel), microseconds per product
+(all its launches) and tokens per second. STRATA_MM_ROWS / STRATA_MM_TOK (gpu.py) set the rows and
+tokens of the kernel's warp item.
 """
 
 from __future__ import annotations
@@ -26,6 +31,8 @@ import numpy as np
 
 HEAD = (2560, 248320)  # (n_in, n_out)
 EXPERTS = {"gate/up": (2560, 640), "down": (640, 2560)}
+MATMUL = (2560, 8192)  # (n_in, n_out) of --matmul: seed-4l qwen35moe's widest dense projection
+MATMUL_TOKENS = 256
 TARGET = 0.60
 
 _BENCH_SRC = r"""
@@ -138,11 +145,21 @@ class Bench:
         sec, graphed = self.per_call(calls)
         return sec, ws[0].nbytes, graphed
 
+    def matmul_rate(self, t, n_in: int, n_out: int, n_tok: int) -> tuple[float, bool]:
+        """(seconds per matmul of n_tok tokens, graph used) on one weight (a prompt chunk's
+        projection: its weight stays in the L2 across the launches, as the engine meets it)."""
+        w = self.weight(t, n_in, n_out, 7)
+        x = self.cp.asarray(np.random.default_rng(0).standard_normal((n_tok, n_in)).astype(np.float32))
+        a = self.gpu.quantize_act_gpu(x) if t.quantized else x
+        out = self.cp.empty((n_tok, n_out), self.cp.float32)
+        return self.per_call([lambda: self.gpu.matmul(w, a, out)] * 4)
+
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--types", default="all", help="comma-separated GGML type names, or 'all'")
     ap.add_argument("--md", help="also write the table (markdown) and the summary to this file")
+    ap.add_argument("--matmul", action="store_true", help=f"also time a {MATMUL_TOKENS}-token matmul of {MATMUL[1]} x {MATMUL[0]} per type")
     args = ap.parse_args(argv)
 
     from tabulate import tabulate
@@ -177,11 +194,17 @@ def main(argv: list[str] | None = None) -> int:
             esec, ebytes, graphed = b.matvec_rate(t, n_in, n_out)
             graphed_all &= graphed
             row += [f"{esec * 1e6:.1f}", f"{100 * ebytes / esec / bw:.0f}%"]
+        if args.matmul:
+            msec, graphed = b.matmul_rate(t, *MATMUL, MATMUL_TOKENS)
+            graphed_all &= graphed
+            row += [f"{msec * 1e6:.0f}", f"{MATMUL_TOKENS / msec:.0f}"]
         rows.append(row)
         print(" | ".join(row), flush=True)
         b.cp.get_default_memory_pool().free_all_blocks()
 
     headers = ["type", "head MiB", "head us", "head GB/s", "head % read", "gate/up us", "% read", "down us", "% read"]
+    if args.matmul:
+        headers += [f"mm {MATMUL_TOKENS}x{MATMUL[1]}x{MATMUL[0]} us", "tok/s"]
     table = tabulate(rows, headers=headers)
     summary = (
         f"summary: head {HEAD[1]}x{HEAD[0]} matvec: {len(rows) - len(misses)}/{len(rows)} types >= {TARGET:.0%} of the "
