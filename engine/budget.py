@@ -588,6 +588,10 @@ def plan_budget(index: PackIndex, experts: NativeExperts, g: ModelGeometry, opti
     before = _weight_items(index, experts, g, ple_table_bytes)
     if o.drafter_bytes:
         before.append(Item("weights.drafter", "drafter (MTP head) weights", o.drafter_bytes, WEIGHTS))
+    if o.device_step:  # the embedding's blocks on the device too: the run-ahead gathers a row there
+        embd = sum(align(t.nbytes) for t in index.tensors if t.name == "token_embd.weight")
+        before.append(Item("weights.embedding", "embedding table in its blocks (the device step's run-ahead gathers rows)",
+                           embd, WEIGHTS))
     before += _session_items(g, o) + _serve_items(g, o) + _spec_items(g, o, bool(g.n_mtp_layer))
     after = _after_cache_items(g, o, slot)
     after_bytes = sum(i.bytes for i in after if i.where == DEVICE)
