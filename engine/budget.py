@@ -573,6 +573,13 @@ class Budget:
         return None if self.free_bytes is None else self.free_bytes - self.device_bytes()
 
 
+def embedding_on_device(g: ModelGeometry, device_step: bool) -> bool:
+    """Whether the GPU tier places the embedding in its blocks on the device (weights.embedding): with
+    the device step, for the run-ahead (Model.decode_ahead), which a model with QSA or PLE never
+    uses (their token steps need the host: DeviceBackend.can_run_ahead)."""
+    return device_step and not (g.has_qsa or g.ple_layers)
+
+
 def plan_budget(index: PackIndex, experts: NativeExperts, g: ModelGeometry, options: BudgetOptions, *,
                 free_bytes: int | None = None, ple_table_bytes: int | None = None) -> Budget:
     """Everything the GPU engine will allocate for this pack and these options, stage by stage.
@@ -588,6 +595,10 @@ def plan_budget(index: PackIndex, experts: NativeExperts, g: ModelGeometry, opti
     before = _weight_items(index, experts, g, ple_table_bytes)
     if o.drafter_bytes:
         before.append(Item("weights.drafter", "drafter (MTP head) weights", o.drafter_bytes, WEIGHTS))
+    if embedding_on_device(g, o.device_step):  # the run-ahead gathers the next step's row there
+        embd = sum(align(t.nbytes) for t in index.tensors if t.name == "token_embd.weight")
+        before.append(Item("weights.embedding", "embedding table in its blocks (the device step's run-ahead gathers rows)",
+                           embd, WEIGHTS))
     before += _session_items(g, o) + _serve_items(g, o) + _spec_items(g, o, bool(g.n_mtp_layer))
     after = _after_cache_items(g, o, slot)
     after_bytes = sum(i.bytes for i in after if i.where == DEVICE)

@@ -463,7 +463,7 @@ def _run(pack, prompt, prompt_file, prompt_ids, n, ignore_eos, temp, top_k, top_
                 prefill=chunk, snapshots=tier.snapshots if tier is not None else None)
         else:
             result = run_generation(model, session, ids, sampler, n_new, stop_ids=tok.stop_ids, on_token=emit,
-                                    on_logits=logits.record if logits else None, prefill=chunk)
+                                    on_logits=logits.record if logits else None, prefill=chunk, ahead=True)
     sys.stdout.write(stream.flush() + "\n")
     sys.stdout.flush()
     if logits:

@@ -153,6 +153,26 @@ class Run:
             return model.step(self.session, int(tokens[0]))
         return model.forward(self.session, tokens, n_logits)
 
+    def take_ahead(self, model: Model, tokens: np.ndarray) -> bool:
+        """The rest of a greedy run on the device step, one step ahead (Model.decode_ahead): each token
+        taken (streamed, the stop rules) while the device runs the step that feeds it. False, having
+        fed nothing, where it does not apply (the prompt not yet fed, logits asked for, a sampler
+        that is not greedy: penalties and the draws follow the history, a backend or session that
+        cannot). Only for a session discarded afterwards: a stop token or string leaves it spent."""
+        banned = self.sampler.pick
+        if tokens.size != 1 or self.fed + 1 < self.n_tokens or self.on_logits is not None or banned is None \
+                or not model.picks or not model.runs_ahead(self.session):
+            return False
+        n = min(self.max_new - (self.n_tokens - self.n_prompt), self.session.max_context - self.fed)
+        picked = model.decode_ahead(self.session, int(tokens[0]), banned, n)
+        try:
+            for token in picked:
+                if self.take(token):
+                    break
+        finally:
+            picked.close()  # (stopped early: the step queued past the last token is dropped)
+        return self.done
+
     def batch_args(self, tokens: np.ndarray) -> tuple[np.ndarray | None, list | None]:
         """What this run's feed asks of a forward beside the logits, as Model.forward_batch's per-session
         `hidden` and `saved` entries: a plain run nothing (engine/speculative.py's SpecRun more)."""
@@ -180,7 +200,7 @@ class Run:
 def generate(model: Model, session: Session, prompt: Sequence[int], sampler: Sampler, max_new_tokens: int, *,
              stop_ids: Collection[int] = (), on_token: Callable[[int], None] | None = None,
              on_logits: Callable[[int, np.ndarray], None] | None = None, prefill: int = 1,
-             start: int = 0) -> Generation:
+             start: int = 0, ahead: bool = False) -> Generation:
     """Run `prompt` then up to `max_new_tokens` sampled tokens through `session`.
 
     on_token(id) is called for each sampled token as it is chosen (streaming); when it returns True
@@ -188,14 +208,18 @@ def generate(model: Model, session: Session, prompt: Sequence[int], sampler: Sam
     fed position with the f32 logits it produced (a view, valid until the next step).
     `prefill`: the prompt path's chunk in tokens (1 or 0: token by token). `start`: how many of the
     prompt's tokens the session holds already (a resumed conversation: session.pos == start); only
-    the rest is fed."""
+    the rest is fed. `ahead`: the session is discarded afterwards, so a greedy run on the device step
+    may run one step ahead of the host (Run.take_ahead; a stop token leaves the session spent)."""
     return drive(model, Run(session, prompt, sampler, max_new_tokens, stop_ids=stop_ids, on_token=on_token,
-                            on_logits=on_logits, prefill=prefill, start=start))
+                            on_logits=on_logits, prefill=prefill, start=start), ahead)
 
 
-def drive(model: Model, run: Run) -> Generation:
-    """One run to its end, alone: feed, its forward, take (a Run or engine/speculative.py's SpecRun)."""
+def drive(model: Model, run: Run, ahead: bool = False) -> Generation:
+    """One run to its end, alone: feed, its forward, take (a Run or engine/speculative.py's SpecRun);
+    `ahead`: `generate`'s."""
     while True:
         tokens, n_logits = run.feed()
+        if ahead and run.take_ahead(model, tokens):
+            return run.result()
         if run.take(run.forward(model, tokens, n_logits)):
             return run.result()

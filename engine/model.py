@@ -292,6 +292,7 @@ class Session:
         self.stream = be.zeros((1, stream_elems(g)))  # the decode step's residual stream, where the backend computes
         self.logits = np.empty(g.n_vocab, F32)
         self.routing = np.zeros((g.n_layer, g.n_expert), np.int64)
+        self.spent = None  # why the session can take no more tokens (Model.decode_ahead), or None
 
     def memory(self) -> dict[str, int]:
         """Bytes of the session's state, measured from its arrays, under the keys of strata-budget's
@@ -394,6 +395,8 @@ class Model:
         return row
 
     def _check(self, s: Session, tokens) -> None:
+        if s.spent:
+            raise ValueError(f"this session cannot take more tokens: {s.spent}; start a new session")
         if s.pos + len(tokens) > s.max_context:
             raise ContextFull(f"position {s.pos + len(tokens) - 1}: the session's context is {s.max_context} tokens "
                               "(--ctx-size)")
@@ -524,15 +527,8 @@ class Model:
             # graph of the embedding into the stream, the layers and the head, captured once per
             # session); the embedding row goes up to a fixed address, so the graph reads it there
             row = be.stage_row(self._embd_row(flat[0]))
-
-            def layers_and_head(logits):
-                H = r.embed(row, sessions[0].stream)
-                self._layers(be, H, ids, parts)
-                be.boundary("head")
-                be.linear(self.head, r.final_input(be, H), logits)
-
-            got = step(sessions[0], sessions[0].pos, layers_and_head, None if pick is not None or not n_logits[0] else outs[0],
-                       g.n_vocab, pick)
+            got = step(sessions[0], sessions[0].pos, self._layers_and_head(row, ids, parts),
+                       None if pick is not None or not n_logits[0] else outs[0], g.n_vocab, pick)
             sessions[0].pos += 1
             return got
         # the T rows' bytes in one decode (a row decodes alone: the same values as one at a time)
@@ -557,6 +553,71 @@ class Model:
         for o in outs:
             o[...] = logits[i : i + o.shape[0]]
             i += o.shape[0]
+
+    def _layers_and_head(self, row, ids: np.ndarray, parts: list):
+        """The device token step's work (DeviceBackend.token_step's `run`): the embedding row (at its
+        fixed device address) into the session's stream, the layers, the head into `logits`."""
+        r, be = self.residual, self.backend
+
+        def run(logits):
+            H = r.embed(row, parts[0][0].stream)
+            self._layers(be, H, ids, parts)
+            be.boundary("head")
+            be.linear(self.head, r.final_input(be, H), logits)
+
+        return run
+
+    def runs_ahead(self, s: Session) -> bool:
+        """Whether `decode_ahead` can run `s` one step ahead (DeviceBackend.can_run_ahead)."""
+        ahead = getattr(self.backend, "can_run_ahead", None)
+        return ahead is not None and ahead(s)
+
+    def decode_ahead(self, s: Session, token: int, banned: np.ndarray, n: int):
+        """Greedy decoding on the device step, one step ahead of the host: feeds `token` at s.pos,
+        then each picked token, and yields the n picked tokens in order (`step_pick`'s, the same
+        bits). Step t + 1 is queued (its embedding row gathered on the device from the device's
+        pick of token t: DeviceBackend.embed_picked) BEFORE token t is read, so the device always
+        has a step queued while the host takes token t (streams it, checks the stop rules): the
+        host's part of a step was on the critical path between two graphs (2026-12-02, H200: ~0.4 ms
+        a token beside a ~1.06 ms GPU floor).
+
+        The n-th token is never fed (as the plain loop: nothing reads its logits). A caller that
+        stops earlier (a stop token, a stop string: it closes the generator) leaves one step
+        queued past its last token: that step is not rolled back (the Gated DeltaNet and conv
+        states change in place; a snapshot per token would cost more than the run-ahead saves),
+        so the session is SPENT: its --stats counts are the plain loop's (the step's hits, misses
+        and routing not counted) but any later forward of it is refused. So only a session
+        discarded afterwards runs ahead (strata generate's; serve's and chat's are parked and
+        reused: they keep the plain loop)."""
+        if not self.runs_ahead(s):
+            raise ValueError("decode_ahead: this session cannot run ahead on this backend (runs_ahead)")
+        if n < 1:
+            return
+        be, g = self.backend, self.geometry
+        self._check(s, [int(token)] * min(n, s.max_context - s.pos + 1))
+        ids = np.zeros(1, np.int64)  # (PLE alone reads the ids on the host: never run ahead, can_run_ahead)
+
+        def queue(row):
+            parts = [(s, 0, 1, s.pos, None)]
+            got = be.token_step(s, s.pos, self._layers_and_head(row, ids, parts), None, g.n_vocab, banned, wait=False)
+            s.pos += 1
+            return got
+
+        pending = queue(be.stage_row(self._embd_row(int(token))))
+        done = 0
+        try:
+            while True:
+                ahead = queue(be.embed_picked((1, g.n_embd))) if done + 1 < n else None
+                got = be.wait_picked(pending)
+                pending, done = ahead, done + 1
+                yield got
+                if pending is None:
+                    return
+        finally:
+            if pending is not None:  # stopped early: the queued step is past the last token
+                be.drop_picked(pending)
+                s.pos -= 1
+                s.spent = "it ran one step ahead (Model.decode_ahead) past its last token"
 
     def _head_rows(self, x, out: np.ndarray, pick: np.ndarray | None) -> np.ndarray | None:
         """The LM head of one session's rows x into `out`; with `pick` (the banned ids) the greedy

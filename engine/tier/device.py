@@ -57,7 +57,9 @@ _NAMES = ["dev_rmsnorm", "dev_delta", "dev_conv", "dev_combine", "dev_sigmoid", 
           "dev_hidden", "dev_route", "dev_combine_slots", "dev_kv_write", "dev_attn_one", "dev_argmax",
           "dev_gdn_gates", "dev_l2_qk", "dev_shared_add", "dev_attn_split", "dev_attn_merge", "dev_mix_tail", "dev_inject", "dev_ple_output",
           "dev_sample", "dev_route_rows", "dev_group", "dev_rmsnorm_q", "dev_hidden_q",
-          "dev_gate_q", "dev_gates_conv", "dev_add_rmsnorm_q"]
+          "dev_gate_q", "dev_gates_conv", "dev_add_rmsnorm_q", "dev_embd_row"]
+# the embedding's GGML types dev_embd_row decodes (F32 F16 Q4_0 Q4_1 Q5_0 Q5_1 Q8_0 Q4_K Q5_K Q6_K BF16)
+EMBD_ROW_TYPES = frozenset({0, 1, 2, 3, 6, 7, 8, 12, 13, 14, 30})
 KV_KIND = {"f32": 0, "f16": 1, "int8": 2}  # dev_kv_write's and dev_attn_one's `kind`
 BLOCK = 128  # threads per block of the row kernels: four warps
 
@@ -362,6 +364,31 @@ class DeviceExperts:
         self.rt.copy_out_async(b["ids_settle"], b["ids"])
         self._queued = True
 
+    def detach(self) -> tuple:
+        """The run-ahead: the routing this step owes, kept aside (its log and the pinned copy of its
+        chosen ids) while the next step is queued, which copies its ids into the other pinned buffer
+        (`settle_detached` counts it once the step's pick is read, `forget` drops it)."""
+        log, self._log = self._log, []
+        if not self._queued:
+            return log, None
+        b, self._queued = self._buf, False
+        ids = b["ids_settle"]
+        if "ids_settle_2" not in b:
+            b["ids_settle_2"] = self.rt.pinned(ids.nbytes).view(np.int32).reshape(ids.shape)
+        b["ids_settle"], b["ids_settle_2"] = b["ids_settle_2"], ids
+        return log, ids
+
+    def settle_detached(self, owed: tuple) -> None:
+        log, ids = owed
+        if log:
+            self._add_routing(log, ids if ids is not None else self.rt.to_host(self._buf["ids"]))
+
+    def forget(self, owed: tuple) -> None:
+        st = self.hits.stats
+        for layer, _, hits, misses, _ in owed[0]:
+            st.hits[layer] -= hits
+            st.misses[layer] -= misses
+
     def settle(self) -> None:
         """After a forward: the routing counts its tokens owe (--stats, strata-profile), from the
         chosen ids of every layer, brought down in one copy (queued by `queue_settle` before the
@@ -379,11 +406,15 @@ class DeviceExperts:
             return
         ids = self._buf["ids_settle"] if self._queued else self.rt.to_host(self._buf["ids"])
         self._queued = False
-        for layer, states, *_ in self._log:
+        self._add_routing(self._log, ids)
+        self._log.clear()
+
+    @staticmethod
+    def _add_routing(log: list, ids) -> None:
+        for layer, states, *_ in log:
             chosen = ids[layer]  # a token's top-k: distinct ids, so a fancy-indexed add counts each once
             for state in states:
                 state[chosen] += 1  # (np.add.at, for repeated ids, took ~10 us a layer a token)
-        self._log.clear()
 
     # --- what DeviceBackend.token_step needs to capture a step and replay it
 
@@ -446,6 +477,10 @@ class DeviceBackend(CpuBackend):
         self._staged: dict[int, tuple] = {}
         self._row_bufs: dict[tuple, object] = {}  # shape -> the fixed device buffer of `stage_row`
         self._pick = None  # dev_argmax's [token, NaN seen, max bits], on the device and its pinned mirror
+        self._ahead_picks = None  # the run-ahead's two pinned picks and their events (`queue_greedy`), and which is next
+        # the embedding table in its GGUF blocks (startup's weights stage places it): (bytes, type id,
+        # row bytes, rows); the run-ahead gathers the next step's row from it (`embed_picked`)
+        self.embd_table = None
         self._sampling = None  # dev_sample's settings and buffers for one sampler (`_sample`; [8]: work)
         self._cuts = None  # gpu_floor's capture: [(label, graph)], cut at every `boundary`
         self._cut_at = None  # the label of the part being captured
@@ -1005,7 +1040,8 @@ class DeviceBackend(CpuBackend):
 
     # --- one token as one replayed graph
 
-    def token_step(self, session, pos: int, run, out, n_vocab: int, pick: np.ndarray | None = None) -> int | None:
+    def token_step(self, session, pos: int, run, out, n_vocab: int, pick: np.ndarray | None = None,
+                   wait: bool = True) -> int | tuple | None:
         """One token of `session` at `pos`: run(logits) queues the layers and the head into the device
         logits [1, n_vocab]; `out` (host f32 [1, n_vocab], or None) receives them. With `pick` (the
         banned ids, int32), the greedy pick is made on the device (dev_argmax) and only the token
@@ -1016,7 +1052,8 @@ class DeviceBackend(CpuBackend):
         one replays the capture: CUDA graph segments, cut where a layer that can miss needs the host
         (`at_host`: its misses on the CPU), that host work replayed between them. The position and
         the ropes' cos and sin are written to their fixed addresses first (`_at`), so the same
-        graphs serve every position. Otherwise every step runs eagerly."""
+        graphs serve every position. Otherwise every step runs eagerly. `wait` False (the run-ahead,
+        a greedy pick): the pick is queued, not waited for: returns `queue_greedy`'s pending pick."""
         if self._logits is None or self._logits.shape[1] != n_vocab:
             self._logits = self.rt.empty((1, n_vocab), F32)
         self._at(pos)
@@ -1053,29 +1090,42 @@ class DeviceBackend(CpuBackend):
             self.rt.copy_out(out, self._logits)
         if pick is None:
             return None
+        if not wait:
+            return self.queue_greedy(pick)
         self._next_pos = pos + 1
         return self._greedy(pick) if isinstance(pick, np.ndarray) else self._sample(pick)
 
     def _greedy(self, banned: np.ndarray) -> int:
         """dev_argmax over the step's logits -> the token (the sampler's greedy rule); a NaN or an
         infinite largest logit is refused as the sampler refuses it."""
+        host = self._argmax(banned)
+        self._wait_pick(host)
+        return int(host[0])
+
+    def _argmax(self, banned: np.ndarray, host=None):
+        """dev_argmax over the step's logits into the device's pick, copied (queued) into `host` (a
+        pinned [3] int32; default the pick's own) -> that host buffer."""
         rt = self.rt
         if self._pick is None or self._pick[2] is not banned:
             dev = rt.empty((3,), np.int32)
             ban = rt.to_device(np.ascontiguousarray(banned, np.int32)) if banned.size else rt.empty((1,), np.int32)
             self._pick = (dev, rt.pinned(12).view(np.int32), banned, ban)
-        dev, host, _, ban = self._pick
+        dev, own, _, ban = self._pick
+        host = own if host is None else host
         rt.launch(self._mod, "dev_argmax", 1, 1024, (self._logits, np.int32(self._logits.shape[1]), ban,
                                                       np.int32(banned.size), dev), smem=3 * 32 * 4)
         rt.copy_out_async(host, dev)
-        self._wait_pick(host)
-        return int(host[0])
+        return host
 
     def _wait_pick(self, host) -> None:
         """A pick's wait (the next position staged first, `_ahead`): [token, NaN seen, max bits, ..]
         in `host`; a NaN or an infinite largest logit is refused as the sampler refuses it."""
         self._ahead()
         self.rt.synchronize()
+        self._refuse(host)
+
+    @staticmethod
+    def _refuse(host) -> None:
         top = float(host[2:3].view(F32)[0])
         if host[1] or not np.isfinite(top):
             raise NonFiniteActivation(f"sampler: logits contain {'NaN' if host[1] else top} (max over the vocabulary); "
@@ -1090,6 +1140,62 @@ class DeviceBackend(CpuBackend):
         if self._next_pos is not None:
             self._at(self._next_pos)
             self._next_pos = None
+
+    # --- the run-ahead: step t + 1 queued before token t is read (Model.decode_ahead)
+
+    def can_run_ahead(self, session) -> bool:
+        """Whether this backend can queue `session`'s next step before its last pick comes back: the
+        embedding table on the device in a type dev_embd_row decodes, no host work that needs the
+        token (PLE hashes the token ids on the host; QSA selects on the host), and a slot map no
+        token changes (an extra step queued past the last token must not admit experts)."""
+        t = self.embd_table
+        return t is not None and t[1] in EMBD_ROW_TYPES and not self.host_steps and self.experts.static()
+
+    def embed_picked(self, shape: tuple):
+        """The next token step's embedding row, gathered on the device (dev_embd_row) from the token
+        the last greedy pick left in device memory into `stage_row`'s fixed buffer (the graph reads
+        it there): the reference decoder's bits, no host decode, no copy up, no wait."""
+        table, type_id, row_bytes, rows = self.embd_table
+        dev = self._row_bufs.get(shape)
+        if dev is None:
+            dev = self._row_bufs[shape] = self.rt.empty(shape, F32)
+        n = shape[-1]
+        self._launch("dev_embd_row", n, (table, np.int64(row_bytes), np.int32(rows), np.int32(type_id), np.int32(n),
+                                         self._pick[0], dev))
+        return dev
+
+    def queue_greedy(self, banned: np.ndarray) -> tuple:
+        """`_greedy`'s pick queued, not waited for -> (pinned pick, its event, the step's routing owed):
+        `wait_picked` reads it. Two pinned picks in turn, so the next step's pick (queued before this
+        one is read) lands in the other; the device's pick stays where `embed_picked` reads it."""
+        rt = self.rt
+        if self._ahead_picks is None:
+            ev = rt.events(2) if hasattr(rt, "events") else [None, None]
+            self._ahead_picks = [[rt.pinned(12).view(np.int32) for _ in range(2)], ev, 0]
+        hosts, events, i = self._ahead_picks
+        self._ahead_picks[2] = 1 - i
+        self._argmax(banned, hosts[i])
+        if events[i] is not None:
+            events[i].record()
+        return hosts[i], events[i], self.experts.detach()
+
+    def wait_picked(self, pending: tuple) -> int:
+        """A queued pick's token (`queue_greedy`), once its copy has landed (the steps queued after it
+        may still run), the step's routing counted; refused as `_greedy` refuses a NaN or infinity."""
+        host, done, owed = pending
+        if done is None:
+            self.rt.synchronize()
+        else:
+            done.synchronize()
+        self._refuse(host)
+        self.experts.settle_detached(owed)
+        return int(host[0])
+
+    def drop_picked(self, pending: tuple) -> None:
+        """A queued step nobody reads (the run-ahead's step past its last token): its hit and miss
+        counts taken back and its routing never counted, so --stats are the plain loop's."""
+        self.rt.synchronize()
+        self.experts.forget(pending[2])
 
     def _sample(self, draw) -> int:
         """dev_sample over the step's logits -> the token Sampler.sample picks from them with the

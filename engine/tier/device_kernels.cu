@@ -1282,3 +1282,70 @@ extern "C" __global__ void dev_sample(const float* x, int n, const int* banned, 
         if (N > 0) hist[len % N] = token, hist[N] = len + 1;
     }
 }
+
+// ---------------------------------------------------------------------------------------------
+// The next token step's embedding row, gathered on the device from the token a pick left in device
+// memory (tok[0]: dev_argmax's / dev_sample's out[0]), so the host queues step t+1 before token t
+// comes back (DeviceBackend.embed_picked, the run-ahead). `table`: the embedding's GGUF bytes as
+// they are in the file (row_bytes a row, rows rows); `type`: the GGML type id. Each element is the
+// reference decoder's (engine/kernels/reference.py: dequantize) bit for bit: the same f32
+// products and sums in the same order (no FMA: --fmad=false), so the row is what Model._embd_row
+// stages for the plain step. Bytes are read one at a time (a block's halves and words need not be
+// aligned). A token outside 0..rows-1 (only a refused pick leaves one) reads row 0: that step's
+// result is never used (the pick's refusal raises first).
+
+__device__ __forceinline__ unsigned embd_u16(const unsigned char* p) { return (unsigned)p[0] | ((unsigned)p[1] << 8); }
+__device__ __forceinline__ float embd_h(const unsigned char* p) { return f16_to_f32(embd_u16(p)); }
+
+__device__ __forceinline__ float embd_elem(const unsigned char* R, int type, int i) {
+    if (type == 0) return __uint_as_float(embd_u16(R + 4 * i) | (embd_u16(R + 4 * i + 2) << 16));  // F32
+    if (type == 1) return embd_h(R + 2 * i);  // F16
+    if (type == 30) return __uint_as_float(embd_u16(R + 2 * i) << 16);  // BF16
+    const int j = i & 31;
+    if (type == 8) {  // Q8_0  | d | qs i8 x32 |  w = q * d
+        const unsigned char* B = R + 34 * (i >> 5);
+        return (float)(signed char)B[2 + j] * embd_h(B);
+    }
+    if (type == 2 || type == 3 || type == 6 || type == 7) {  // Q4_0 Q4_1 Q5_0 Q5_1: low nibbles, then high
+        const int size = type == 2 ? 18 : type == 3 ? 20 : type == 6 ? 22 : 24;
+        const unsigned char* B = R + size * (i >> 5);
+        const bool has_m = type == 3 || type == 7, five = type >= 6;
+        const unsigned char* qs = B + (has_m ? 4 : 2) + (five ? 4 : 0);
+        int q = (qs[j & 15] >> (j < 16 ? 0 : 4)) & 15;
+        if (five) q |= ((B[(has_m ? 4 : 2) + (j >> 3)] >> (j & 7)) & 1) << 4;  // bit j of qh
+        const float d = embd_h(B);
+        if (has_m) return d * (float)q + embd_h(B + 2);  // w = d * q + m
+        return d * (float)(q - (five ? 16 : 8));  // w = d * (q - 8 | 16)
+    }
+    const int k = i & 255;
+    if (type == 12 || type == 13) {  // Q4_K Q5_K  w = (d * sc) * q - dmin * m, 8 sub-blocks of 32
+        const bool five = type == 13;
+        const unsigned char* B = R + (five ? 176 : 144) * (i >> 8);
+        const unsigned char* S = B + 4;
+        const int s = k >> 5, l = k & 31;
+        int sc, mn;
+        if (s < 4) sc = S[s] & 63, mn = S[s + 4] & 63;
+        else sc = (S[s + 4] & 15) | ((S[s - 4] >> 6) << 4), mn = (S[s + 4] >> 4) | ((S[s] >> 6) << 4);
+        const unsigned char* qs = B + (five ? 48 : 16);
+        int q = (qs[32 * (s >> 1) + l] >> (4 * (s & 1))) & 15;
+        if (five) q |= ((B[16 + l] >> s) & 1) << 4;
+        return (embd_h(B) * (float)sc) * (float)q - embd_h(B + 2) * (float)mn;
+    }
+    if (type == 14) {  // Q6_K  | ql x128 | qh x64 | scales i8 x16 | d |  w = (d * sc) * q
+        const unsigned char* B = R + 210 * (i >> 8);
+        const int n = k >> 7, jj = (k >> 5) & 3, l = k & 31;
+        const int lo = (B[64 * n + 32 * (jj & 1) + l] >> (4 * (jj >> 1))) & 15;
+        const int hi = (B[128 + 32 * n + l] >> (2 * jj)) & 3;
+        const int sc = (signed char)B[192 + (k >> 4)];
+        return (embd_h(B + 208) * (float)sc) * (float)((lo | (hi << 4)) - 32);
+    }
+    return 0.0f;  // (DeviceBackend.embed_picked refuses other types before launching)
+}
+
+extern "C" __global__ void dev_embd_row(const unsigned char* table, i64 row_bytes, int rows, int type, int n, const int* tok,
+                                        float* out) {
+    int t = tok[0];
+    if (t < 0 || t >= rows) t = 0;
+    const unsigned char* R = table + (i64)t * row_bytes;
+    for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) out[i] = embd_elem(R, type, i);
+}

@@ -203,6 +203,13 @@ class _Startup:
             self.placed.append((w, gpu.place(w.raw, w.type_id, w.n_in, w.n_out, weights.arena, at, w.name)))
         if self.device is not None:
             self.session = Session(self.model, self.o.max_context, self.o.kv, backend=self.device)
+        if self.device is not None and B.embedding_on_device(self.g, True):
+            # the embedding in its GGUF blocks (budget: weights.embedding): the run-ahead gathers the
+            # next token's row on the device from the device's pick (DeviceBackend.embed_picked)
+            e = self.model.embd
+            table = self.rt.view(weights.arena, weights.take(e.raw.nbytes), (e.raw.nbytes,), np.uint8)
+            self.rt.copy_in(table, np.ascontiguousarray(e.raw).view(np.uint8).reshape(-1))
+            self.device.embd_table = (table, e.type.id, e.type.row_bytes(e.n_in), e.n_out)
         self.rt.synchronize()
         self.mark(B.WEIGHTS)
 

@@ -1,0 +1,192 @@
+"""The device step one step ahead of the host (Model.decode_ahead, DeviceBackend.embed_picked): step
+t + 1 is queued, its embedding row gathered on the device from the device's pick of token t, before
+token t is read. What must hold: the row is the reference decoder's bit for bit; the tokens, the
+states and the counts are the plain loop's (Model.step_pick one token at a time) and the CPU engine's
+greedy tokens; a run stopped early leaves its session spent (refused), with the plain loop's counts;
+strata generate's loop uses it; no allocation per token after warm-up (on a card)."""
+
+from __future__ import annotations
+
+import engine_fixture as F
+import numpy as np
+import pytest
+from gpu_emu import EmuRuntime
+from test_device_step import CTX, device_tier, tokens
+
+from strata.engine.model import Model
+from strata.engine.pack_reader import Pack
+from strata.engine.tier.device import EMBD_ROW_TYPES, DeviceBackend
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
+
+# every embedding type dev_embd_row decodes, the packs' Q4_K, Q6_K, Q8_0 among them
+EMBD_TYPES = ["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K"]
+BANNED = np.array([5], np.int32)
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("device-ahead")
+    return Model(Pack.open(F.make_pack(tmp, types={"experts": "Q8_0", "dense": "Q8_0"})))
+
+
+@pytest.mark.parametrize("type_name", EMBD_TYPES)
+def test_dev_embd_row_is_the_reference_decoders_row_bit_for_bit(rt, type_name):
+    """The run-ahead's embedding row, gathered on the device from the token in device memory: the
+    bits of Model._embd_row (reference.dequantize of the row's bytes), for random blocks of every
+    field (kernel_blocks: subnormal scales too), at the first, a middle and the last row."""
+    from kernel_blocks import random_weights
+
+    from strata.engine.kernels.reference import dequantize
+    from strata.index_format.ggml_types import BY_NAME
+
+    t = BY_NAME[type_name]
+    assert t.id in EMBD_ROW_TYPES
+    n, rows = 512, 5  # two super-blocks a row
+    raw = random_weights(t, n * rows, np.random.default_rng(t.id))
+    be = DeviceBackend(rt, None)
+    be.embd_table = (rt.to_device(raw), t.id, t.row_bytes(n), rows)
+    for token in (0, 2, rows - 1):
+        be._pick = (rt.to_device(np.array([token, 0, 0], np.int32)),)
+        got = rt.to_host(be.embed_picked((1, n)))
+        want = dequantize(raw[token * t.row_bytes(n) : (token + 1) * t.row_bytes(n)], t.id, n).reshape(1, n)
+        assert np.array_equal(got.view(np.uint32), want.view(np.uint32)), (type_name, token)
+
+
+def cpu_greedy(model, toks, n):
+    s = model.new_session(CTX)
+    work = model.forward(s, toks[:-1], n_logits=0) if len(toks) > 1 else None
+    out, t = [], toks[-1]
+    for _ in range(n):
+        work = model.step(s, t).copy()
+        work[BANNED] = -np.inf
+        t = int(work.argmax())
+        out.append(t)
+    return out
+
+
+def counts(tier, s):
+    return s.routing.copy(), tier.stats.hits.copy(), tier.stats.misses.copy()
+
+
+def plain_loop(model, tier, toks, n):
+    """toks[:-1] as a prompt, then n greedy picks one at a time (Model.step_pick) -> (the session, the
+    tokens, what the picks added to the routing, hit and miss counts)."""
+    s = tier.take_session(CTX, "f32")
+    model.forward(s, toks[:-1], n_logits=0)
+    before = counts(tier, s)
+    got, t = [], toks[-1]
+    for _ in range(n):
+        t = model.step_pick(s, t, BANNED)
+        got.append(t)
+    return s, got, [a - b for a, b in zip(counts(tier, s), before)]
+
+
+def test_run_ahead_gives_the_plain_loops_tokens_states_and_counts(model, rt, monkeypatch):
+    toks, n = tokens(model, 6, seed=21), 6
+    want = cpu_greedy(model, toks, n)
+    with device_tier(model, expert_cache=model.geometry.n_layer * model.geometry.n_expert // 3) as tier:
+        be = model.backend
+        plain, got, plain_counts = plain_loop(model, tier, toks, n)
+        ahead = tier.take_session(CTX, "f32")
+        model.forward(ahead, toks[:-1], n_logits=0)
+        assert model.runs_ahead(ahead)
+        gathered, embed = [], be.embed_picked
+        monkeypatch.setattr(be, "embed_picked", lambda shape: (gathered.append(shape), embed(shape))[1])
+        before = counts(tier, ahead)
+        got_ahead = list(model.decode_ahead(ahead, toks[-1], BANNED, n))
+        ahead_counts = [a - b for a, b in zip(counts(tier, ahead), before)]
+        assert got_ahead == got == want
+        assert len(gathered) == n - 1  # every step after the first took its row from the device's pick
+        assert ahead.pos == plain.pos and not ahead.spent  # the last token never fed, as the plain loop
+        for a, b in zip(ahead_counts, plain_counts):
+            assert np.array_equal(a, b)
+        assert plain_counts[1].sum() > 0 and plain_counts[2].sum() > 0  # hits and misses both counted
+        # the states are the plain loop's: the next step of each gives the same bits
+        assert np.array_equal(model.step(ahead, got[-1]).copy(), model.step(plain, got[-1]).copy())
+
+
+def test_a_run_ahead_stopped_early_leaves_its_session_spent_with_the_plain_counts(model, rt):
+    toks, k = tokens(model, 5, seed=22), 3
+    with device_tier(model) as tier:
+        plain, got, plain_counts = plain_loop(model, tier, toks, k)
+        s = tier.take_session(CTX, "f32")
+        model.forward(s, toks[:-1], n_logits=0)
+        before = counts(tier, s)
+        picked = model.decode_ahead(s, toks[-1], BANNED, 20)
+        got_ahead = [next(picked) for _ in range(k)]
+        picked.close()  # a stop token: the step queued for token k + 1 is past the last
+        ahead_counts = [a - b for a, b in zip(counts(tier, s), before)]
+        assert got_ahead == got
+        assert s.spent and s.pos == plain.pos
+        for a, b in zip(ahead_counts, plain_counts):
+            assert np.array_equal(a, b)
+        with pytest.raises(ValueError, match="cannot take more tokens: it ran one step ahead"):
+            model.step(s, 0)
+
+
+@pytest.mark.slow  # three emulated runs of a tier: ~1 min on the CI's 2 cores (decode_ahead's exactness: the test above)
+def test_generate_runs_ahead_on_the_device_with_the_plain_tokens(model, rt, monkeypatch):
+    """strata generate's loop (generate(ahead=True)): a greedy run on the device step runs ahead, and
+    gives the plain loop's tokens whether it ends at its length or at a stop token."""
+    from strata.engine.generate import generate
+    from strata.engine.sampling import Sampler, SamplerParams
+
+    toks, n = tokens(model, 4, seed=11), 8
+    V = model.geometry.n_vocab
+    with device_tier(model) as tier:
+        be = model.backend
+        gathered, embed = [], be.embed_picked
+        monkeypatch.setattr(be, "embed_picked", lambda shape: (gathered.append(shape), embed(shape))[1])
+
+        def run(ahead, **kw):
+            sampler = Sampler(V, SamplerParams(temperature=0), banned=[5])
+            return generate(model, tier.take_session(CTX, "f32"), toks, sampler, n, prefill=4, ahead=ahead, **kw)
+
+        plain, got = run(False), run(True)
+        # n tokens: the first from the prompt's chunk, n - 1 from the run ahead, whose first step's row
+        # is the host's (the token it feeds is the one the chunk's logits gave), the other n - 2 gathered
+        assert len(gathered) == n - 2 and got.tokens.tolist() == plain.tokens.tolist()
+        assert got.stop == plain.stop == "length" and got.positions == plain.positions
+        stop = int(plain.tokens[3])  # a stop token in the middle: the run ends there, one step queued past it
+        streamed = []
+        got = run(True, stop_ids=[stop], on_token=streamed.append)
+        want = plain.tokens[: plain.tokens.tolist().index(stop) + 1].tolist()
+        assert got.stop == "eos" and got.tokens.tolist() == streamed == want  # streamed token by token
+
+
+def test_what_cannot_run_ahead_is_refused(rt):
+    """PLE hashes the token ids and QSA selects blocks on the host (qwen4exp's device step: host_steps),
+    an embedding type dev_embd_row does not decode, no table on the device: no run-ahead."""
+
+    class Static:
+        static = staticmethod(lambda: True)
+
+    be = DeviceBackend(rt, None)
+    be.experts = Static()
+    assert not be.can_run_ahead(None)  # no table placed
+    be.embd_table = (None, 12, 144, 1)
+    assert be.can_run_ahead(None)
+    be.host_steps = True
+    assert not be.can_run_ahead(None)
+    be.host_steps, be.embd_table = False, (None, 16, 66, 1)  # IQ2_XXS
+    assert not be.can_run_ahead(None)
+
+
+def test_run_ahead_allocates_nothing_per_token_after_warm_up(model, rt):
+    """After a first run ahead (its pinned picks, events and second routing copy made once), a run
+    ahead replays the graph with no device or pinned allocation per token (the row is gathered into
+    the fixed row buffer, the picks land in the two fixed pinned buffers)."""
+    if isinstance(rt, EmuRuntime):
+        pytest.skip("the emulation has no CUDA graphs: its steps are eager, whose temporaries the pool serves")
+    from test_gpu_tier import counting
+
+    toks = tokens(model, 4, seed=12)
+    with device_tier(model) as tier:
+        s = tier.take_session(CTX, "f32")
+        model.forward(s, toks, n_logits=0)
+        got = list(model.decode_ahead(s, toks[-1], BANNED, 4))
+        with counting(rt) as n:
+            got = list(model.decode_ahead(s, got[-1], BANNED, CTX - s.pos))
+        assert model.backend._graph is not None and len(got) > 20
+    assert n == [0, 0], f"{len(got)} token steps ahead allocated {n[0]} device and {n[1]} pinned buffers"
