@@ -17,8 +17,7 @@ head shape. Weights are random bytes and scales (timing does not depend on the v
 
 --matmul adds a prompt chunk's dense projection: `gpu.matmul` of MATMUL_TOKENS tokens through one
 MATMUL (n_in, n_out) weight (gpu_kernels.cu mm: the batched kernel), microseconds per product
-(all its launches) and tokens per second. STRATA_MM_ROWS / STRATA_MM_TOK (gpu.py) set the rows and
-tokens of the kernel's warp item.
+(all its launches) and tokens per second.
 """
 
 from __future__ import annotations

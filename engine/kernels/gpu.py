@@ -40,11 +40,8 @@ SOURCE = Path(__file__).with_name("gpu_kernels.cu")
 OPTIONS = ("--std=c++17", "--fmad=false")
 if os.environ.get("STRATA_MV_STEP"):  # a benchmark's knob: the matvec's staged bytes per warp step (gpu_kernels.cu)
     OPTIONS += (f"-DSTRATA_MV_STEP={int(os.environ['STRATA_MV_STEP'])}",)
-for _knob in ("STRATA_MM_ROWS", "STRATA_MM_TOK"):  # a benchmark's knobs: rows and tokens of a matmul warp's item
-    if os.environ.get(_knob):
-        OPTIONS += (f"-D{_knob}={int(os.environ[_knob])}",)
 KPLS = (1, 2, 3, 4, 6, 8)  # act-blocks per lane the matvec kernel holds: rows up to 8192 elements
-MAX_TOKENS = 64  # tokens per matmul pass (fmm: shared-memory accumulators; mm: token tiles); more are done in groups
+MAX_TOKENS = 64  # tokens per matmul pass (shared-memory accumulators); more are done in groups
 SMEM_LIMIT = 48 * 1024  # dynamic shared memory a block may take without an opt-in
 SHARED_TABLE_ROWS = 64  # rows per thread block from which an IQ grid is copied to shared memory
 NO_BAD = np.uint64(0xFFFFFFFFFFFFFFFF)
@@ -282,9 +279,7 @@ class _Module:
     mod: Any
     apb: int = 0  # block types: act-blocks per block
     tab: int = 0  # shared-memory bytes of the grid copy (IQ grid types)
-    mm_buf: int = 0  # bytes of one row's chunk image in an mm staging buffer
-    mm_rows: int = 1  # rows of an mm warp's item (STRATA_MM_ROWS)
-    mm_tok: int = 1  # tokens of an mm warp's item (STRATA_MM_TOK)
+    mm_buf: int = 0  # bytes of one mm staging buffer
     mv_rows: tuple[int, ...] = ()  # most rows per mv warp step, for KPL = 1 .. 8
     mv_buf: tuple[int, ...] = ()  # bytes of one mv staging buffer, for KPL = 1 .. 8
 
@@ -316,7 +311,7 @@ def _module(key: str) -> _Module:
             _check_tables()
             for sym, table in _TABLES.items():
                 rt.set_global(m.mod, sym, table)
-            m.apb, m.tab, m.mm_buf, m.mv_rows, m.mv_buf, (m.mm_rows, m.mm_tok) = _traits(rt, m.mod, t)
+            m.apb, m.tab, m.mm_buf, m.mv_rows, m.mv_buf = _traits(rt, m.mod, t)
     _modules[key] = m
     return m
 
@@ -324,7 +319,7 @@ def _module(key: str) -> _Module:
 def _traits(rt, mod, t: GGMLType) -> tuple:
     """The kernel's own layout constants, held to the GGML type table (a drift is refused here,
     not discovered as wrong outputs), and its shared-memory sizes."""
-    out = rt.empty(24, np.int32)
+    out = rt.empty(22, np.int32)
     rt.launch(mod, f"traits<{t.id}>", 1, 32, (out,))
     v = [int(x) for x in rt.to_host(out)]
     want = (t.block_size // QA, t.rest_bytes, t.n_scales, t.name in _HAS_MIN)
@@ -333,7 +328,7 @@ def _traits(rt, mod, t: GGMLType) -> tuple:
             f"gpu_kernels.cu: {t.name} has (act-blocks, rest bytes, scales, min term) per block = "
             f"{tuple(v[:3]) + (bool(v[3]),)}, the GGML type table and reference.py say {want}"
         )
-    return v[0], v[4], v[5], tuple(v[6:22:2]), tuple(v[7:22:2]), (v[22], v[23])
+    return v[0], v[4], v[5], tuple(v[6::2]), tuple(v[7::2])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -641,12 +636,9 @@ def _quant_plan(type_id: int, n_in: int, n_out: int, n_tok: int) -> tuple:
             rows -= 1
         grid = _grid(rt, n_out, nw * rows, per_sm)
         return m.mod, f"mv<{type_id}, {kpl}>", grid, 32 * nw, tab + nw * per_warp, (np.int32(rows), np.int32(tab > 0))
-    # a warp's item: mm_rows rows x mm_tok tokens, its sums in registers; two staging buffers
-    # (this chunk of the item's rows and the next) of one chunk image per row
-    items = -(-n_out // m.mm_rows) * -(-n_tok // m.mm_tok)
-    per_warp = 2 * m.mm_rows * m.mm_buf
-    nw = _warps(per_warp, items, rt.n_sm, fixed_smem=tab)
-    grid = _grid(rt, items, nw, per_sm)
+    per_warp = 2 * m.mm_buf + 4 * 32 * n_tok
+    nw = _warps(per_warp, n_out, rt.n_sm, most=4, fixed_smem=tab)
+    grid = _grid(rt, n_out, nw, per_sm)
     return m.mod, f"mm<{type_id}>", grid, 32 * nw, tab + nw * per_warp, (np.int32(n_tok), np.int32(tab > 0))
 
 

@@ -817,29 +817,13 @@ __global__ void __launch_bounds__(256) mvx(const u8* __restrict__ arena, i64 slo
 }
 
 // ---------------------------------------------------------------------------------------------
-// Small-batch matrix: T tokens in one pass over the weight. A warp's work item is MM_ROWS
-// consecutive rows x MM_TOK consecutive tokens (items grid-stride, the row groups of one token
-// tile consecutive, so a block's warps read the same tokens' activations); the rows are taken
-// MM_ROUNDS x 32 act-blocks (a chunk) at a time, the next chunk (of these rows or the next item's)
-// staged while this one is computed. Lane l decodes its act-block of each of the MM_ROWS rows into
-// registers once per chunk, then loads each token's activation once and applies it to every row:
-// the item's MM_ROWS x MM_TOK running sums live in registers. One row per warp with every token's
-// sum in shared memory (the kernel before) re-read the whole activation matrix once PER ROW: a
-// 256-token chunk moved gigabytes through L2 for a 10 MB weight and took ~150 us per Q4_K
-// projection. Now the activations are read once per MM_ROWS rows and the weight once per MM_TOK
-// tokens. Each (row, token) still adds the same terms in the same order (lane l: act-blocks l,
-// l + 32, ... to +0.0f, then the fold): the bits of matvec, of reference.dot_reference.
+// Small-batch matrix: T tokens in one pass over the weight. One warp per row (grid-stride); the
+// row is taken MM_ROUNDS x 32 act-blocks (a chunk) at a time, the next chunk (of this row or the
+// next) staged while this one is computed. Each act-block is decoded once and applied to every
+// token; lane l's running sums of the T tokens live in shared memory (acc[t][l]).
 //   xq i8 [T, nb * 32]; xd f32 [T, nb]; xs i32 [T, 2 nb]; out f32 [T, n_out]
 
 #define MM_ROUNDS 2
-// rows and tokens of a warp's item: its MM_ROWS x MM_TOK sums and MM_ROWS decoded act-blocks are
-// registers (a benchmark's knobs, as STRATA_MV_STEP; gpu.py reads them back through `traits`)
-#ifndef STRATA_MM_ROWS
-#define STRATA_MM_ROWS 4
-#endif
-#ifndef STRATA_MM_TOK
-#define STRATA_MM_TOK 16
-#endif
 
 // (mm_body: the kernel's work for thread block bx of gx; token t reads activation row xrow[t] (or
 // x0 + t where xrow is null) and writes output row orow[t] (or o0 + t): mm runs it on rows 0 .. ntok
@@ -853,98 +837,68 @@ __device__ __forceinline__ void mm_body(const u8* __restrict__ rest, const float
     typedef Ty<T> L;
     typedef Buf<T> F;
     constexpr int CA = 32 * MM_ROUNDS, BLOCKS = CA / L::APB;  // act-blocks and blocks per chunk
-    constexpr int RW = STRATA_MM_ROWS, TT = STRATA_MM_TOK, RB = F::bytes(BLOCKS);  // RB: one row's chunk image
     constexpr bool S16 = L::HAS_MIN || L::OFF != 0;
     STRATA_SMEM(smem);
     const typename L::Tab* tab = load_tab<T>(smem, shared_tab);
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
-    u8* bufs = smem + (shared_tab ? F::tab() : 0) + warp * 2 * RW * RB;
+    u8* const base = smem + (shared_tab ? F::tab() : 0);
+    u8* bufs = base + warp * 2 * F::bytes(BLOCKS);
+    float* acc = reinterpret_cast<float*>(base + nw * 2 * F::bytes(BLOCKS)) + warp * ntok * 32 + lane;
     const int nblk = nb / L::APB, nchunk = (nb + CA - 1) / CA;
     const i64 n_in = 32 * (i64)nb, all_rest = (i64)n_out * nblk * L::REST, all_sc = (i64)n_out * nblk * L::NS * 4;
     const u8* sc_plane = reinterpret_cast<const u8*>(scales);
-    const i64 groups = (n_out + RW - 1) / RW, items = groups * ((ntok + TT - 1) / TT), step = (i64)gx * nw;
+    const i64 step = (i64)gx * nw;
 
-    // item it = (row group it % groups, token tile it / groups); chunk c of each of its rows that
-    // exists goes to its own image (RB bytes) of the buffer
-    auto issue = [&](u8* buf, i64 it, int c) {
-        const i64 o = it % groups * RW;
+    // work item = (row o, chunk c); the chunk's first block b0 and block count
+    auto issue = [&](u8* buf, i64 o, int c) {
         const int b0 = c * BLOCKS, n = min(BLOCKS, nblk - b0);
-        for (int i = 0; i < RW && o + i < n_out; i++) {
-            stage(buf + i * RB, rest, ((o + i) * nblk + b0) * L::REST, (i64)n * L::REST, all_rest, lane);
-            if (L::NS)
-                stage(buf + i * RB + F::rest(BLOCKS), sc_plane, ((o + i) * nblk + b0) * L::NS * 4, (i64)n * L::NS * 4,
-                      all_sc, lane);
-        }
+        stage(buf, rest, (o * nblk + b0) * L::REST, (i64)n * L::REST, all_rest, lane);
+        if (L::NS) stage(buf + F::rest(BLOCKS), sc_plane, (o * nblk + b0) * L::NS * 4, (i64)n * L::NS * 4, all_sc, lane);
     };
-    float acc[RW][TT];
-    i64 it = (i64)bx * nw + warp;
+    i64 o = (i64)bx * nw + warp;
     int c = 0;
-    if (it < items) issue(bufs, it, 0);
+    if (o < n_out) issue(bufs, o, 0);
     cp_async_commit();
-    for (int cur = 0; it < items; cur ^= 1) {
+    for (int cur = 0; o < n_out; cur ^= 1) {
         const bool last = c + 1 == nchunk;
-        const i64 itn = last ? it + step : it;
+        const i64 on = last ? o + step : o;
         const int cn = last ? 0 : c + 1;
-        if (itn < items) issue(bufs + (cur ^ 1) * RW * RB, itn, cn);
+        if (on < n_out) issue(bufs + (cur ^ 1) * F::bytes(BLOCKS), on, cn);
         cp_async_commit();
         cp_async_wait<1>();
         __syncwarp();
-        const i64 o = it % groups * RW;
-        const int t0 = (int)(it / groups) * TT, nt = min(TT, ntok - t0), nr = (int)min((i64)RW, n_out - o);
-        if (c == 0) {
-#pragma unroll
-            for (int i = 0; i < RW; i++)
-#pragma unroll
-                for (int t = 0; t < TT; t++) acc[i][t] = 0.0f;
-        }
-        const u8* R = bufs + cur * RW * RB;
+        if (c == 0)
+            for (int t = 0; t < ntok; t++) acc[32 * t] = 0.0f;
+        const u8* R = bufs + cur * F::bytes(BLOCKS);
+        const i64 first = o * nblk + c * BLOCKS;
+        const u8* Rb = R + ((first * L::REST) & 15);
+        const float* Sb = reinterpret_cast<const float*>(R + F::rest(BLOCKS) + ((first * L::NS * 4) & 15));
 #pragma unroll
         for (int r = 0; r < MM_ROUNDS; r++) {
             const int k = c * CA + lane + 32 * r;
             if (k < nb) {
                 const int blk = k / L::APB - c * BLOCKS;
-                Blk b[RW];
-#pragma unroll
-                for (int i = 0; i < RW; i++)
-                    if (i < nr) {
-                        const i64 first = (o + i) * nblk + c * BLOCKS;
-                        const u8* Rb = R + i * RB + ((first * L::REST) & 15);
-                        const float* Sb = reinterpret_cast<const float*>(R + i * RB + F::rest(BLOCKS) + ((first * L::NS * 4) & 15));
-                        b[i] = L::dec(Rb + blk * L::REST, k % L::APB, Sb + blk * L::NS, tab);
+                const Blk b = L::dec(Rb + blk * L::REST, k % L::APB, Sb + blk * L::NS, tab);
+                for (int t = 0; t < ntok; t++) {
+                    const i64 xr = xrow ? (i64)__ldg(xrow + t) : x0 + t;
+                    u32 x[8];
+                    load_act(xq, xr * n_in + 32 * (i64)k, x);
+                    int xs0 = 0, xs1 = 0;
+                    if (S16) {
+                        xs0 = __ldg(xs + 2 * (xr * nb + k));
+                        xs1 = __ldg(xs + 2 * (xr * nb + k) + 1);
                     }
-#pragma unroll
-                for (int t = 0; t < TT; t++)
-                    if (t < nt) {
-                        const i64 xr = xrow ? (i64)__ldg(xrow + t0 + t) : x0 + t0 + t;
-                        u32 x[8];
-                        load_act(xq, xr * n_in + 32 * (i64)k, x);
-                        int xs0 = 0, xs1 = 0;
-                        if (S16) {
-                            xs0 = __ldg(xs + 2 * (xr * nb + k));
-                            xs1 = __ldg(xs + 2 * (xr * nb + k) + 1);
-                        }
-                        const float ad = __ldg(xd + xr * nb + k);
-#pragma unroll
-                        for (int i = 0; i < RW; i++)
-                            if (i < nr) acc[i][t] = f32_add(acc[i][t], term<T>(b[i], x, ad, xs0, xs1));
-                    }
+                    acc[32 * t] = f32_add(acc[32 * t], term<T>(b, x, __ldg(xd + xr * nb + k), xs0, xs1));
+                }
             }
         }
-        if (last) {
-#pragma unroll
-            for (int t = 0; t < TT; t++)
-                if (t < nt) {  // nt, nr: the same for every lane of the warp (fold is a warp collective)
-                    const i64 row = orow ? (i64)__ldg(orow + t0 + t) : o0 + t0 + t;
-#pragma unroll
-                    for (int i = 0; i < RW; i++)
-                        if (i < nr) {
-                            const float v = fold(acc[i][t]);
-                            if (lane == 0) out[row * n_out + o + i] = v;
-                        }
-                }
-        }
+        if (last)
+            for (int t = 0; t < ntok; t++) {
+                const float v = fold(acc[32 * t]);
+                if (lane == 0) out[(orow ? (i64)__ldg(orow + t) : o0 + t) * n_out + o] = v;
+            }
         __syncwarp();
-        it = itn;
+        o = on;
         c = cn;
     }
     cp_async_wait<0>();
@@ -982,8 +936,8 @@ __global__ void __launch_bounds__(256) mmx(const i64* __restrict__ tiles, int pe
 }
 
 // What gpu.py checks against index_format.ggml_types (the one table) and sizes launches by:
-// [APB, REST, NS, HAS_MIN, table bytes, mm bytes of one row's chunk image, then for KPL = 1 .. 8:
-// rows per mv step, mv buffer bytes, then mm's rows and tokens per warp item].
+// [APB, REST, NS, HAS_MIN, table bytes, mm buffer bytes, then for KPL = 1 .. 8: rows per mv
+// step, mv buffer bytes].
 template <int KPL, int T>
 __device__ void mv_traits(int* out) {
     out[4 + 2 * KPL] = MvRows<T, KPL>::N;
@@ -1000,8 +954,6 @@ __global__ void traits(int* out) {
         out[3] = L::HAS_MIN;
         out[4] = Buf<T>::tab();
         out[5] = Buf<T>::bytes(32 * MM_ROUNDS / L::APB);
-        out[22] = STRATA_MM_ROWS;
-        out[23] = STRATA_MM_TOK;
         mv_traits<1, T>(out);
         mv_traits<2, T>(out);
         mv_traits<3, T>(out);

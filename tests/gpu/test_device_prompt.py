@@ -14,7 +14,6 @@ import pytest
 from gpu_emu import EmuRuntime
 
 import strata.engine.kernels.gpu as gpu
-import strata.engine.tier.device_chunk as DC
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 
@@ -29,9 +28,9 @@ def test_grouped_products_are_each_experts_matmul(rt, types):
 
     rng = np.random.default_rng(11)
     t = ggml_type(types[1])
-    E, F, T = 256, 126, 9  # F: not whole row groups of a warp's item (gpu_kernels.cu mm_body)
+    E, F, T = 256, 126, 9  # F: not a multiple of 4 (rows a warp step takes in some launch plans)
     ws = [gpu.upload(random_weights(t, E * F, rng), t.id, E, F) for _ in range(3)]
-    counts = [gpu.MAX_TOKENS + 3, 2, 21]  # the first group spans two tiles; the last, token tiles and a ragged one
+    counts = [gpu.MAX_TOKENS + 3, 2, 21]  # the first group spans two tiles
     firsts = np.concatenate(([0], np.cumsum(counts)[:-1]))
     n = sum(counts)
     tok = rng.integers(0, T, n).astype(np.int32)  # the pair's token (repeats: the same token twice)
