@@ -108,9 +108,10 @@ def prompt_kernels(model, prompt: list[int]) -> None:
         print(f"    {name:<28} x{n:<5} {1e3 * t:9.3f} ms  {1e6 * t / n:9.1f} us each", flush=True)
 
 
-def run_pick(model, prompt: list[int], n: int, prof=None) -> float:
+def run_pick(model, prompt: list[int], n: int, prof=None, picks: list | None = None) -> float:
     """Seconds of n greedy decode steps picked where the logits are (Model.step_pick: on the device
-    step only the token comes back, as `strata generate` decodes greedily), after the prompt."""
+    step only the token comes back, as `strata generate` decodes greedily), after the prompt;
+    `picks` receives the tokens."""
     s = model.new_session(len(prompt) + n + 1, "f16")
     tok = int(np.argmax(model.forward(s, prompt, n_logits=1)[0]))
     banned = np.zeros(0, np.int32)
@@ -119,23 +120,26 @@ def run_pick(model, prompt: list[int], n: int, prof=None) -> float:
     t0 = time.perf_counter()
     for _ in range(n):
         tok = model.step_pick(s, tok, banned)
+        if picks is not None:
+            picks.append(tok)
     t = time.perf_counter() - t0
     if prof is not None:
         prof.disable()
     return t
 
 
-def run_ahead(model, prompt: list[int], n: int) -> float | None:
+def run_ahead(model, prompt: list[int], n: int, picks: list) -> float | None:
     """Seconds of `run_pick`'s n greedy steps run one step ahead of the host (Model.decode_ahead: step
     t + 1 queued, its embedding row gathered on the device, before token t is read; as `strata
-    generate --gpu-step device` decodes greedily), or None where the session cannot run ahead."""
+    generate --gpu-step device` decodes greedily), or None where the session cannot run ahead;
+    `picks` receives the tokens."""
     s = model.new_session(len(prompt) + n + 1, "f16")
     if not model.runs_ahead(s):
         return None
     tok = int(np.argmax(model.forward(s, prompt, n_logits=1)[0]))
     t0 = time.perf_counter()
     for tok in model.decode_ahead(s, tok, np.zeros(0, np.int32), n):
-        pass
+        picks.append(tok)
     return time.perf_counter() - t0
 
 
@@ -306,14 +310,16 @@ def main(argv: list[str] | None = None) -> int:
             pstats.Stats(prof).sort_stats("tottime").print_stats(30)
         picked = None
         if picks:  # greedy picked on the device: only the token comes back (what --cprofile profiles then)
-            picked = args.tokens / run_pick(model, prompt, args.tokens)
+            plain, ahead_picks = [], []
+            picked = args.tokens / run_pick(model, prompt, args.tokens, picks=plain)
             if args.cprofile == name:
                 run_pick(model, prompt, args.tokens, prof)
                 pstats.Stats(prof).sort_stats("tottime").print_stats(30)
             print(f"  {name}: decode with the greedy pick on the device {picked:.2f} tok/s", flush=True)
-            ahead = run_ahead(model, prompt, args.tokens)
+            ahead = run_ahead(model, prompt, args.tokens, ahead_picks)
+            same = "the plain loop's tokens" if ahead_picks == plain else "TOKENS DIFFER from the plain loop's"
             print(f"  {name}: decode with the greedy pick on the device, one step ahead of the host "
-                  + (f"{args.tokens / ahead:.2f} tok/s ({args.tokens / ahead / picked:.2f}x the plain loop's tok/s)"
+                  + (f"{args.tokens / ahead:.2f} tok/s ({args.tokens / ahead / picked:.2f}x the plain loop's tok/s; {same})"
                      if ahead else "(not run: the session cannot run ahead here)"), flush=True)
         floor = getattr(model.backend, "gpu_floor", lambda: None)()  # the captured step alone (device step, all resident)
         if floor:
