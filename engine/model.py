@@ -205,9 +205,11 @@ class PreNormResidual:
         out[...] = e
         return out
 
+    def _gain(self, layer: int, ffn: bool) -> np.ndarray:
+        return (self.ffn_norm if ffn else self.attn_norm)[layer]
+
     def enter(self, be, H: np.ndarray, layer: int, ffn: bool) -> tuple[Input, None]:
-        gain = (self.ffn_norm if ffn else self.attn_norm)[layer]
-        return be.norm_input(H, gain, self.eps, be.scratch("residual.x", H.shape)), None
+        return be.norm_input(H, self._gain(layer, ffn), self.eps, be.scratch("residual.x", H.shape)), None
 
     def leave(self, be, H: np.ndarray, layer: int, ffn: bool, Y: np.ndarray, ctx: None) -> None:
         H += Y
@@ -216,8 +218,7 @@ class PreNormResidual:
              to: tuple[int, bool]) -> tuple[Input, None]:
         """leave (layer, ffn) with Y, then enter `to` (layer, ffn): the add and the next norm, one
         launch on the device (a decode token's adds were launches of their own)."""
-        gain = (self.ffn_norm if to[1] else self.attn_norm)[to[0]]
-        return be.add_norm_input(H, Y, gain, self.eps, be.scratch("residual.x", H.shape)), None
+        return be.add_norm_input(H, Y, self._gain(*to), self.eps, be.scratch("residual.x", H.shape)), None
 
     def final(self, be, H: np.ndarray) -> np.ndarray:
         return be.rmsnorm(H, self.out_norm, self.eps, be.scratch("residual.head_in", H.shape))

@@ -887,10 +887,16 @@ class DeviceBackend(CpuBackend):
     def stage_row(self, a: np.ndarray):
         """A token step's host row (the embedding's) on the device, at a fixed address per shape
         (copied up asynchronously, nothing allocated after the first step)."""
-        dev = self._row_bufs.get(a.shape)
-        if dev is None:
-            dev = self._row_bufs[a.shape] = self.rt.empty(a.shape, F32)
+        dev = self._row_buf(a.shape)
         self._stage(dev, a)
+        return dev
+
+    def _row_buf(self, shape: tuple):
+        """The token step's embedding row buffer of `shape`: one fixed device address (the graph reads
+        the row there), written by `stage_row` from the host or by `embed_picked` on the device."""
+        dev = self._row_bufs.get(shape)
+        if dev is None:
+            dev = self._row_bufs[shape] = self.rt.empty(shape, F32)
         return dev
 
     def _at(self, pos: int) -> None:
@@ -1156,9 +1162,7 @@ class DeviceBackend(CpuBackend):
         the last greedy pick left in device memory into `stage_row`'s fixed buffer (the graph reads
         it there): the reference decoder's bits, no host decode, no copy up, no wait."""
         table, type_id, row_bytes, rows = self.embd_table
-        dev = self._row_bufs.get(shape)
-        if dev is None:
-            dev = self._row_bufs[shape] = self.rt.empty(shape, F32)
+        dev = self._row_buf(shape)
         n = shape[-1]
         self._launch("dev_embd_row", n, (table, np.int64(row_bytes), np.int32(rows), np.int32(type_id), np.int32(n),
                                          self._pick[0], dev))
