@@ -108,10 +108,10 @@ def prompt_kernels(model, prompt: list[int]) -> None:
         print(f"    {name:<28} x{n:<5} {1e3 * t:9.3f} ms  {1e6 * t / n:9.1f} us each", flush=True)
 
 
-def run_pick(model, prompt: list[int], n: int, prof=None, picks: list | None = None) -> float:
+def run_pick(model, prompt: list[int], n: int, prof=None, picks: list | None = None, marks: list | None = None) -> float:
     """Seconds of n greedy decode steps picked where the logits are (Model.step_pick: on the device
     step only the token comes back, as `strata generate` decodes greedily), after the prompt;
-    `picks` receives the tokens."""
+    `picks` receives the tokens, `marks` the perf_counter after each (`steady`)."""
     s = model.new_session(len(prompt) + n + 1, "f16")
     tok = int(np.argmax(model.forward(s, prompt, n_logits=1)[0]))
     banned = np.zeros(0, np.int32)
@@ -122,17 +122,32 @@ def run_pick(model, prompt: list[int], n: int, prof=None, picks: list | None = N
         tok = model.step_pick(s, tok, banned)
         if picks is not None:
             picks.append(tok)
+        if marks is not None:
+            marks.append(time.perf_counter())
     t = time.perf_counter() - t0
     if prof is not None:
         prof.disable()
     return t
 
 
-def run_ahead(model, prompt: list[int], n: int, picks: list) -> float | None:
+# A new session's first token step runs eagerly and its second is captured as a CUDA graph
+# (DeviceBackend.token_step); the replays start at the third. The capture costs several steps' time,
+# so a short run's tok/s understates the steady rate: both are printed.
+WARM_STEPS = 2
+
+
+def steady(marks: list) -> float | None:
+    """Tokens per second after the first WARM_STEPS steps (from `marks`), or None for a short run."""
+    if len(marks) < WARM_STEPS + 4:
+        return None
+    return (len(marks) - WARM_STEPS) / (marks[-1] - marks[WARM_STEPS - 1])
+
+
+def run_ahead(model, prompt: list[int], n: int, picks: list, marks: list | None = None) -> float | None:
     """Seconds of `run_pick`'s n greedy steps run one step ahead of the host (Model.decode_ahead: step
     t + 1 queued, its embedding row gathered on the device, before token t is read; as `strata
     generate --gpu-step device` decodes greedily), or None where the session cannot run ahead;
-    `picks` receives the tokens."""
+    `picks` receives the tokens, `marks` the perf_counter as each arrives."""
     s = model.new_session(len(prompt) + n + 1, "f16")
     if not model.runs_ahead(s):
         return None
@@ -140,6 +155,8 @@ def run_ahead(model, prompt: list[int], n: int, picks: list) -> float | None:
     t0 = time.perf_counter()
     for tok in model.decode_ahead(s, tok, np.zeros(0, np.int32), n):
         picks.append(tok)
+        if marks is not None:
+            marks.append(time.perf_counter())
     return time.perf_counter() - t0
 
 
@@ -311,15 +328,20 @@ def main(argv: list[str] | None = None) -> int:
         picked = None
         if picks:  # greedy picked on the device: only the token comes back (what --cprofile profiles then)
             plain, ahead_picks = [], []
-            picked = args.tokens / run_pick(model, prompt, args.tokens, picks=plain)
+            plain_marks, ahead_marks = [], []
+            picked = args.tokens / run_pick(model, prompt, args.tokens, picks=plain, marks=plain_marks)
             if args.cprofile == name:
                 run_pick(model, prompt, args.tokens, prof)
                 pstats.Stats(prof).sort_stats("tottime").print_stats(30)
-            print(f"  {name}: decode with the greedy pick on the device {picked:.2f} tok/s", flush=True)
-            ahead = run_ahead(model, prompt, args.tokens, ahead_picks)
+            st = steady(plain_marks)
+            print(f"  {name}: decode with the greedy pick on the device {picked:.2f} tok/s"
+                  + (f"; {st:.2f} tok/s after the first {WARM_STEPS} steps (eager, capture)" if st else ""), flush=True)
+            ahead = run_ahead(model, prompt, args.tokens, ahead_picks, ahead_marks)
+            st_ahead = steady(ahead_marks)
             same = "the plain loop's tokens" if ahead_picks == plain else "TOKENS DIFFER from the plain loop's"
             print(f"  {name}: decode with the greedy pick on the device, one step ahead of the host "
                   + (f"{args.tokens / ahead:.2f} tok/s ({args.tokens / ahead / picked:.2f}x the plain loop's tok/s; {same})"
+                     + (f"; {st_ahead:.2f} tok/s after the first {WARM_STEPS} steps" if st_ahead else "")
                      if ahead else "(not run: the session cannot run ahead here)"), flush=True)
         floor = getattr(model.backend, "gpu_floor", lambda: None)()  # the captured step alone (device step, all resident)
         if floor:
