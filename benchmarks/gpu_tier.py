@@ -212,7 +212,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--stream-min-tokens", default="auto", help="comma-separated: auto, off or N (a prompt chunk's "
                     "non-resident expert routed N+ tokens is streamed to the device); each configuration runs with each")
     ap.add_argument("--gpu-step", default="host", help="comma-separated: host (the host-driven step), device (the "
-                    "whole forward on the device, engine/tier/device.py; qwen35moe); each configuration runs with each")
+                    "whole forward on the device, engine/tier/device.py); each configuration runs with each")
     args = ap.parse_args(argv)
 
     from decode import ensure_pack
@@ -316,6 +316,17 @@ def main(argv: list[str] | None = None) -> int:
                 run_pick(model, prompt, args.tokens, prof)
                 pstats.Stats(prof).sort_stats("tottime").print_stats(30)
             print(f"  {name}: decode with the greedy pick on the device {picked:.2f} tok/s", flush=True)
+            be = model.backend
+            if getattr(be, "graphs", False):  # the same steps eager (no CUDA graph): what the capture saves
+                eager_picks = []
+                be.graphs = False
+                try:
+                    eager = args.tokens / run_pick(model, prompt, args.tokens, picks=eager_picks)
+                finally:
+                    be.graphs = True
+                same = "the same tokens" if eager_picks == plain else "TOKENS DIFFER from the captured steps'"
+                print(f"  {name}: decode with the greedy pick on the device, eager (graphs off) {eager:.2f} tok/s; "
+                      f"captured {picked:.2f} tok/s = {picked / eager:.2f}x ({same})", flush=True)
             ahead = run_ahead(model, prompt, args.tokens, ahead_picks)
             same = "the plain loop's tokens" if ahead_picks == plain else "TOKENS DIFFER from the plain loop's"
             print(f"  {name}: decode with the greedy pick on the device, one step ahead of the host "
