@@ -869,30 +869,43 @@ def test_replayed_token_steps_allocate_nothing_on_the_device(request, rt, arch):
     """After the first two tokens (eager, then captured) a session's token steps replay the graph:
     no device or pinned allocation per token (the embedding row, position and rope inputs go up to
     fixed addresses, qwen4exp's PLE rows too, the greedy pick's 12 bytes come back to a fixed pinned
-    buffer). The emulation has no graphs: its steps are eager and their array-module temporaries
-    are numpy's, which it does not count; it counts the runtime's own allocations (a buffer made,
-    an upload, pinned memory), so there it checks that no step input goes up by a new allocation
-    (qwen4exp's PLE rows did, one a PLE layer a token, before they were staged)."""
+    buffer). The emulation has no graphs: its steps are eager, and an eager step's temporaries and
+    product outputs are new buffers (the graph's pool serves them on the card); so there it counts
+    the uploads (a host array sent up in a new buffer) and the pinned allocations: no step input
+    goes up but by a staged copy to a fixed address (qwen4exp's PLE rows went up in a new buffer,
+    one a PLE layer a token, before they were staged)."""
     from test_gpu_tier import counting
 
     model = request.getfixturevalue("model" if arch == "qwen35moe" else "qwen4exp")
     emu = isinstance(rt, EmuRuntime)
-    # (emulated qwen4exp: ~25 s a step on the CI's 2 cores; its QSA blocks complete at 16 and 32)
-    n = CTX if not emu or arch == "qwen35moe" else 6
+    n = CTX if not emu or arch == "qwen35moe" else 6  # (emulated qwen4exp: ~25 s a step on the CI's 2 cores)
     toks = tokens(model, n, seed=12)
     with device_tier(model) as tier:
         s = tier.take_session(CTX, "f32")
         banned = np.zeros(0, np.int32)
         for t in toks[:3]:
             model.step_pick(s, t, banned)
-        with counting(rt) as counts:
+        with (uploads(rt) if emu else counting(rt)) as counts:
             for i, t in enumerate(toks[3:]):
                 if i % 2:
                     model.step_pick(s, t, banned)
                 else:
                     model.step(s, t)  # (the logits' download too)
         assert (model.backend._graph is not None) == (not emu)
-    assert counts == [0, 0], f"{len(toks) - 3} token steps allocated {counts[0]} device and {counts[1]} pinned buffers"
+    what = "uploads" if emu else "device buffers"
+    assert counts == [0, 0], f"{len(toks) - 3} token steps made {counts[0]} {what} and {counts[1]} pinned buffers"
+
+
+@contextlib.contextmanager
+def uploads(rt):
+    """The emulation's uploads (rt.to_device calls) and pinned allocations inside the block: [uploads, pinned]."""
+    counts, to_device, pinned = [0, 0], rt.to_device, rt.pinned_allocations
+    rt.to_device = lambda a: (counts.__setitem__(0, counts[0] + 1), to_device(a))[1]
+    try:
+        yield counts
+    finally:
+        del rt.to_device  # (the runtime's own method again)
+        counts[1] = rt.pinned_allocations - pinned
 
 
 def test_the_gpu_floor_times_every_part_of_the_step(model, rt):
