@@ -871,9 +871,11 @@ def test_replayed_token_steps_allocate_nothing_on_the_device(request, rt, arch):
     fixed addresses, qwen4exp's PLE rows too, the greedy pick's 12 bytes come back to a fixed pinned
     buffer). The emulation has no graphs: its steps are eager, and an eager step's temporaries and
     product outputs are new buffers (the graph's pool serves them on the card); so there it counts
-    the uploads (a host array sent up in a new buffer) and the pinned allocations: no step input
-    goes up but by a staged copy to a fixed address (qwen4exp's PLE rows went up in a new buffer,
-    one a PLE layer a token, before they were staged)."""
+    the transfers a capture could not hold (an upload: a host array sent up in a new buffer; a
+    download for a host decision) and the pinned allocations: no step input goes up but by a staged
+    copy to a fixed address, nothing comes down but the logits or the pick (qwen4exp's PLE rows went
+    up in a new buffer, one a PLE layer a token, before they were staged; a QSA layer's block scores
+    came down once blocks were complete: past these emulated positions, the card's run reaches them)."""
     from test_gpu_tier import counting
 
     model = request.getfixturevalue("model" if arch == "qwen35moe" else "qwen4exp")
@@ -892,19 +894,25 @@ def test_replayed_token_steps_allocate_nothing_on_the_device(request, rt, arch):
                 else:
                     model.step(s, t)  # (the logits' download too)
         assert (model.backend._graph is not None) == (not emu)
-    what = "uploads" if emu else "device buffers"
+    what = "uploads and downloads" if emu else "device buffers"
     assert counts == [0, 0], f"{len(toks) - 3} token steps made {counts[0]} {what} and {counts[1]} pinned buffers"
 
 
 @contextlib.contextmanager
 def uploads(rt):
-    """The emulation's uploads (rt.to_device calls) and pinned allocations inside the block: [uploads, pinned]."""
-    counts, to_device, pinned = [0, 0], rt.to_device, rt.pinned_allocations
-    rt.to_device = lambda a: (counts.__setitem__(0, counts[0] + 1), to_device(a))[1]
+    """The emulation's uploads and downloads (rt.to_device, rt.to_host: the logits' and the pick's
+    copies are copy_out's) and pinned allocations inside the block: [transfers, pinned]."""
+    counts, pinned = [0, 0], rt.pinned_allocations
+    for name in ("to_device", "to_host"):
+        def counted(a, real=getattr(rt, name)):
+            counts[0] += 1
+            return real(a)
+
+        setattr(rt, name, counted)
     try:
         yield counts
     finally:
-        del rt.to_device  # (the runtime's own method again)
+        del rt.to_device, rt.to_host  # (the runtime's own methods again)
         counts[1] = rt.pinned_allocations - pinned
 
 
