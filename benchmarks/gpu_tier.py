@@ -229,7 +229,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--stream-min-tokens", default="auto", help="comma-separated: auto, off or N (a prompt chunk's "
                     "non-resident expert routed N+ tokens is streamed to the device); each configuration runs with each")
     ap.add_argument("--gpu-step", default="host", help="comma-separated: host (the host-driven step), device (the "
-                    "whole forward on the device, engine/tier/device.py; qwen35moe); each configuration runs with each")
+                    "whole forward on the device, engine/tier/device.py); each configuration runs with each")
     args = ap.parse_args(argv)
 
     from decode import ensure_pack
@@ -336,6 +336,20 @@ def main(argv: list[str] | None = None) -> int:
             st = steady(plain_marks)
             print(f"  {name}: decode with the greedy pick on the device {picked:.2f} tok/s"
                   + (f"; {st:.2f} tok/s after the first {WARM_STEPS} steps (eager, capture)" if st else ""), flush=True)
+            be = model.backend
+            if getattr(be, "graphs", False):  # the same steps eager (no CUDA graph): what the capture saves
+                eager_picks, eager_marks = [], []
+                be.graphs = False
+                try:
+                    eager = args.tokens / run_pick(model, prompt, args.tokens, picks=eager_picks, marks=eager_marks)
+                finally:
+                    be.graphs = True
+                same = "the same tokens" if eager_picks == plain else "TOKENS DIFFER from the captured steps'"
+                st_eager = steady(eager_marks)
+                print(f"  {name}: decode with the greedy pick on the device, eager (graphs off) {eager:.2f} tok/s; "
+                      f"captured {picked:.2f} tok/s = {picked / eager:.2f}x ({same})"
+                      + (f"; after the first {WARM_STEPS} steps {st_eager:.2f} vs {st:.2f} tok/s = {st / st_eager:.2f}x"
+                         if st and st_eager else ""), flush=True)
             ahead = run_ahead(model, prompt, args.tokens, ahead_picks, ahead_marks)
             st_ahead = steady(ahead_marks)
             same = "the plain loop's tokens" if ahead_picks == plain else "TOKENS DIFFER from the plain loop's"

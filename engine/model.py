@@ -528,7 +528,8 @@ class Model:
             # graph of the embedding into the stream, the layers and the head, captured once per
             # session); the embedding row goes up to a fixed address, so the graph reads it there
             row = be.stage_row(self._embd_row(flat[0]))
-            got = step(sessions[0], sessions[0].pos, self._layers_and_head(row, ids, parts),
+            staged = self._stage_ple(sessions[0], flat[0]) if self.ple else None
+            got = step(sessions[0], sessions[0].pos, self._layers_and_head(row, ids, parts, staged),
                        None if pick is not None or not n_logits[0] else outs[0], g.n_vocab, pick)
             sessions[0].pos += 1
             return got
@@ -555,14 +556,27 @@ class Model:
             o[...] = logits[i : i + o.shape[0]]
             i += o.shape[0]
 
-    def _layers_and_head(self, row, ids: np.ndarray, parts: list):
+    def _stage_ple(self, s: Session, token: int) -> dict:
+        """The device token step's PLE rows, one fixed device buffer per PLE layer, made and staged
+        from the step's input token before the step (PLELayer.step_rows: the host's hash and table),
+        so the step (a replayed graph) reads them there -> {layer: device rows}."""
+        be, staged = self.backend, {}
+        for l, ple in self.ple.items():
+            st = s.ple_states[l]
+            if st.t != s.pos:
+                raise ValueError(f"layer {l}: the PLE state has seen {st.t} tokens, the session {s.pos}")
+            staged[l] = be.stage_ple(l, ple.step_rows(token, st))
+        return staged
+
+    def _layers_and_head(self, row, ids: np.ndarray, parts: list, staged: dict | None = None):
         """The device token step's work (DeviceBackend.token_step's `run`): the embedding row (at its
-        fixed device address) into the session's stream, the layers, the head into `logits`."""
+        fixed device address) into the session's stream, the layers, the head into `logits`;
+        `staged`: the PLE rows of `_stage_ple`."""
         r, be = self.residual, self.backend
 
         def run(logits):
             H = r.embed(row, parts[0][0].stream)
-            self._layers(be, H, ids, parts)
+            self._layers(be, H, ids, parts, staged)
             be.boundary("head")
             be.linear(self.head, r.final_input(be, H), logits)
 
@@ -664,15 +678,16 @@ class Model:
             o[...] = logits[i : i + o.shape[0]]
             i += o.shape[0]
 
-    def _layers(self, be, H, ids: np.ndarray, parts: list) -> None:
-        """Every layer over the stream H of the rows `parts` describes (_forward_rows)."""
+    def _layers(self, be, H, ids: np.ndarray, parts: list, staged: dict | None = None) -> None:
+        """Every layer over the stream H of the rows `parts` describes (_forward_rows); `staged`: a
+        device token step's PLE rows (`_stage_ple`), which the PLE layers read instead of hashing."""
         r, L = self.residual, self.geometry.n_layer
         x = ctx = None  # the next block's Input, made with the last block's leave (r.move), or None
         for l in range(L):
             be.boundary(l)
             if l in self.ple:  # adds to the streams before the layer's mix
                 self.ple[l].forward(be, H, ids, [Seq(s.ple_states[l], a, b, p, k and k.ple_states[l])
-                                                 for s, a, b, p, k in parts])
+                                                 for s, a, b, p, k in parts], None if staged is None else staged[l])
             if x is None:
                 x, ctx = r.enter(be, H, l, ffn=False)
             seqs = [Seq(s.states[l], a, b, p, k and k.states[l]) for s, a, b, p, k in parts]

@@ -206,10 +206,29 @@ class PLELayer:
         g = np.sign(g) * np.sqrt(np.maximum(np.abs(g), F32(1e-6)))
         return (be.sigmoid(g, exp_form=True)[:, :, None] * be.linear(self.value, e)[:, None, :]).reshape(T, hc * E)
 
-    def forward(self, be, streams: np.ndarray, tokens: np.ndarray, states) -> None:
+    def step_rows(self, token: int, state: PLEState) -> np.ndarray:
+        """The device token step's rows, made before the step from its input token: e f32 [1, Pe], the
+        window and the ring's count advanced as `forward` advances them (forward with `e` does
+        neither), so that the step itself reads nothing of the host's (a captured step replays it)."""
+        tokens = np.array([token], np.int64)
+        ctx = self.hash.contexts(state.window, tokens)
+        state.window[:] = np.concatenate([state.window, tokens])[1:]
+        state.t += 1
+        return self._embed(self.hash.rows(ctx))
+
+    def forward(self, be, streams: np.ndarray, tokens: np.ndarray, states, e=None) -> None:
         """In place: streams f32[T, HE] += PLE outputs for tokens int64[T]. `states`: one PLEState (every
         row its sequence's) or a list of Seq (engine/batch.py) with theirs; each advances by its rows.
-        The n-gram windows and the conv run per sequence, the products and norms over all rows."""
+        The n-gram windows and the conv run per sequence, the products and norms over all rows.
+
+        `e`: the device token step's rows, staged from `step_rows` (one token of one sequence): the
+        conv then reads and writes the ring at the device's position (DeviceBackend.ple_conv_step)."""
+        if e is not None:
+            state = seqs_of(states, 1)[0].state
+            G = self._gated(be, streams, e)
+            X = be.rmsnorm(G, self.norm_conv, self.eps, group=self.E, f32_sums=True)
+            be.ple_output(streams, G, be.ple_conv_step(state.ring, X, self.conv_taps, self.dil))
+            return
         T, HE = streams.shape
         if HE != self.hc * self.E or tokens.shape != (T,):
             raise ValueError(f"layer {self.layer}: PLE got streams {streams.shape} and tokens {tokens.shape}, "

@@ -342,6 +342,12 @@ class QSALayer:
         """One sequence's T queries (normed, roped) and keys: the keys appended, the selections made,
         the queries attending them -> f32 [T, H, D]."""
         T, p0 = q.shape[0], cache.n
+        step = getattr(be, "qsa_token", None)
+        if T == 1 and step is not None:
+            # the device step: keys, pooling, scores, selection and attention at the device's
+            # position, so a captured step replays at every position (DeviceBackend.qsa_token; its
+            # selection is not brought down: `selected` is the host path's)
+            return step(self, cache, q, k, v, iq, ik)
         self._append(be, cache, k, v, ik)
         if T == 1:
             keys, visible = self.select(be, iq[0], cache), None

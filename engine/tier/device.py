@@ -21,12 +21,12 @@ the device where the layer's experts are all resident, else on the host with the
 host and only the products run on the device.
 
 qwen4exp's hyper-connections, PLE and QSA compute here through the backend's hooks (the same f32
-steps as the CPU's kernels); their states are device arrays. Its token step still needs the host
-for PLE's hash and table rows (one copy up per token) and for each QSA layer's top-k (the block
-scores come down, the selected keys are gathered by host indices), so it is never captured
-(`host_steps`).
-
-Not yet here (docs/gpu-tier.md): sampling other than greedy on the device; CUDA graphs for qwen4exp.
+steps as the CPU's kernels); their states are device arrays. Its token step reads nothing of the
+host's inside the step: PLE's rows are hashed and looked up by the host from the input token
+before the step and staged to fixed addresses (`stage_ple`), its conv ring is indexed at the
+device position (`ple_conv_step`), and each QSA layer writes its keys, pools its block, scores,
+takes torch.topk's set and attends there (`qsa_token`); so it is captured and replayed as
+qwen35moe's is. Only the run-ahead cannot take it (the host hashes the input token: `needs_token`).
 """
 
 from __future__ import annotations
@@ -57,7 +57,8 @@ _NAMES = ["dev_rmsnorm", "dev_delta", "dev_conv", "dev_combine", "dev_sigmoid", 
           "dev_hidden", "dev_route", "dev_combine_slots", "dev_kv_write", "dev_attn_one", "dev_argmax",
           "dev_gdn_gates", "dev_l2_qk", "dev_shared_add", "dev_attn_split", "dev_attn_merge", "dev_mix_tail", "dev_inject", "dev_ple_output",
           "dev_sample", "dev_route_rows", "dev_group", "dev_rmsnorm_q", "dev_hidden_q",
-          "dev_gate_q", "dev_gates_conv", "dev_add_rmsnorm_q", "dev_embd_row"]
+          "dev_gate_q", "dev_gates_conv", "dev_add_rmsnorm_q", "dev_embd_row", "dev_ple_conv", "dev_qsa_key",
+          "dev_qsa_scores", "dev_qsa_select", "dev_attn_sel"]
 # the embedding's GGML types dev_embd_row decodes (F32 F16 Q4_0 Q4_1 Q5_0 Q5_1 Q8_0 Q4_K Q5_K Q6_K BF16)
 EMBD_ROW_TYPES = frozenset({0, 1, 2, 3, 6, 7, 8, 12, 13, 14, 30})
 KV_KIND = {"f32": 0, "f16": 1, "int8": 2}  # dev_kv_write's and dev_attn_one's `kind`
@@ -128,7 +129,8 @@ class DeviceKVCache(KVCache):
 class DeviceQSACache(QSACache):
     """engine/qsa.py's QSACache with its stores on the device: the KV cache (DeviceKVCache), the raw
     indexer keys, the pooled block keys and the block scores, the bytes strata-budget plans; the
-    top-k's index scratch stays on the host, where the selection is made (DeviceBackend.topk_set)."""
+    top-k's index scratch stays on the host, where a prompt chunk's selection is made
+    (DeviceBackend.topk_set; a token step selects on the device, DeviceBackend.qsa_token)."""
 
     def __init__(self, be, g, max_ctx: int, kv: str = "f32"):
         super().__init__(1, n_head_kv=g.n_head_kv, head_dim=g.head_dim, idx_head_dim=g.idx_head_dim,
@@ -468,7 +470,7 @@ class DeviceBackend(CpuBackend):
         self._attn_sc: dict[tuple[int, int], object] = {}  # (H, ctx) -> dev_attn_one's scores [H, ctx]
         self.graphs = True  # token_step may capture and replay (tests turn it off to compare)
         self.split_attention = True  # one token's attention with its keys split among warps (dev_attn_split)
-        self._graph = None  # token_step's captured step: (session, its segments, pool, its MoE log)
+        self._graph = None  # token_step's captured step: (session, its segments, pool, its MoE log, its bookkeeping)
         self._segments = None  # the segments cut so far while token_step captures (at_host)
         self._warm = None  # the session whose token step ran once eagerly under the graph pool
         self._logits = None  # token_step's device logits [1, n_vocab]
@@ -487,7 +489,13 @@ class DeviceBackend(CpuBackend):
         self.floor = None  # the last per-part GPU floor (`_floor_step`): [(label, seconds per step)]
         self.floor_next = False  # the session's next replayed token step is captured in parts and timed
         # (True: a part per layer and the head; "kernels": a part per launch, labelled (layer, kernel))
-        self.host_steps = False  # a block's token step has host work a replay cannot repeat (qsa_cache)
+        # the host must know a step's input token before the step (PLE hashes it: ple_state), so the
+        # run-ahead, whose next token is known only on the device, cannot take the session
+        self.needs_token = False
+        self._block_ropes: dict[int, list] = {}  # id(rope) -> [rope, r, cos, sin, block start staged]: QSA's pooled key
+        self._qsa_bufs: dict[tuple, tuple] = {}  # (blocks, tokens selected at most, H) -> qsa_token's scratch
+        self._ple_rows: dict[tuple, object] = {}  # (PLE layer, shape) -> the fixed device buffer of its staged rows
+        self._books = None  # while token_step captures: the host bookkeeping a replay repeats (`bookkeep`)
         self.verify_logits = None  # --spec N: the verify's logits rows [1 + N, n_vocab], placed at the tier's stage 7
         self._rows_pick = None  # pick_rows' (rows, banned ids, device picks [rows, 3], their pinned mirror, ids on the device)
         # a norm that feeds products makes their ActQ in the same launch (norm_input, rmsnorm_q,
@@ -551,18 +559,18 @@ class DeviceBackend(CpuBackend):
     def kv_cache(self, kind: str, max_context: int, n_head_kv: int, head_dim: int) -> DeviceKVCache:
         return DeviceKVCache(self, kind, max_context, n_head_kv, head_dim)
 
-    # QSA and PLE do host work inside a token step that a replay could not repeat: QSA's top-k on the
-    # host (the block scores come down, the selected keys are gathered by host indices), the pooled
-    # key of a block made only at the token that completes it, the indexer key written at a host
-    # slice; PLE's hash of the token ids and its table's rows uploaded, its ring indexed by the
-    # host's count. So a session with either state is never captured (`token_step` runs it eagerly).
+    # QSA's and PLE's token step reads nothing of the host's inside the step: PLE's rows are staged
+    # before it (Model stages them from the input token: `stage_ple`), QSA writes its keys, pools its
+    # block, scores, selects and attends at the device position (`qsa_token`), the PLE conv reads
+    # its ring there (`ple_conv_step`); their host counters advance by `bookkeep`, which a replay
+    # repeats. So a qwen4exp session is captured like qwen35moe's (`token_step`). A prompt chunk
+    # still selects on the host (not captured).
 
     def qsa_cache(self, g, max_ctx: int, kv: str = "f32") -> "DeviceQSACache":
-        self.host_steps = True
         return DeviceQSACache(self, g, max_ctx, kv)
 
     def ple_state(self, g) -> "DevicePLEState":
-        self.host_steps = True
+        self.needs_token = True
         return DevicePLEState(self, g)
 
     # --- qwen4exp's hyper-connection, PLE and QSA passes (engine/hyper.py, ple.py, qsa.py): the
@@ -708,6 +716,112 @@ class DeviceBackend(CpuBackend):
 
         s = self.rt.to_host(scores)
         return torch_topk_set(s, k, np.empty(s.size, F32), ibuf)
+
+    # --- qwen4exp's token step at the device position (`token_step` captures and replays it)
+
+    def bookkeep(self, fn) -> None:
+        """Host bookkeeping of a token step that no device work reads (a cache's token count): run
+        now, and at every replay of the step being captured (the step's Python does not run then)."""
+        fn()
+        if self._books is not None:
+            self._books.append(fn)
+
+    def stage_ple(self, layer: int, e: np.ndarray):
+        """A token step's PLE rows of `layer` (f32 [1, Pe], made by the host from the step's input
+        token before the step: PLELayer.step_rows) into the layer's fixed device buffer, which the
+        step reads (copied up asynchronously, nothing allocated after the first step)."""
+        dev = self._ple_rows.get((layer, e.shape))
+        if dev is None:
+            dev = self._ple_rows[(layer, e.shape)] = self.rt.empty(e.shape, F32)
+        self._stage(dev, e)
+        return dev
+
+    def ple_conv_step(self, ring, X, taps, dil: int):
+        """ple.conv_taps of one token X [1, HE] at the device position (dev_ple_conv: its bits), the
+        ring's slot of that position then taking X -> y [1, HE] (a fixed buffer)."""
+        taps = self.param(taps)
+        (L, HE), Pk = ring.shape, taps.shape[0]
+        X = self.xp.ascontiguousarray(X)
+        y = self.scratch("ple.conv", (1, HE))
+        self._launch("dev_ple_conv", HE, (ring, self._pos, X, taps, np.int32(dil), y, np.int32(L), np.int32(HE), np.int32(Pk)))
+        return y
+
+    def _block_rope(self, rope, r: int):
+        """cos and sin [1, half] at the start of the block in progress, at fixed addresses (`_at`
+        stages them when the position enters another block)."""
+        got = self._block_ropes.get(id(rope))
+        if got is None or got[0] is not rope:
+            at = self._pos_at // r * r
+            c, s = rope.cos_sin(np.array([at]))
+            got = self._block_ropes[id(rope)] = [rope, r, self.upload(np.ascontiguousarray(c, F32)),
+                                                 self.upload(np.ascontiguousarray(s, F32)), at]
+        return got[2], got[3]
+
+    def qsa_token(self, layer, cache, q, k, v, iq, ik):
+        """QSALayer._attend of one token on the device, at the position `_pos` holds (cache.n): k, v
+        cached (dev_kv_write), the raw indexer key written and its block pooled (dev_qsa_key: the
+        block in progress at every token, so that no launch depends on whether this token
+        completes it), the complete blocks scored (dev_qsa_scores), torch.topk's set of them taken
+        with its tie rule and the tokens listed (dev_qsa_select), the queries attending them
+        (dev_attn_sel) -> f32 [1, H, D]; cache.n advances by `bookkeep`. q [1, H, D], k, v [1, Hkv,
+        D], iq [1, Ih, Id], ik [1, Id], normed and roped where the layer ropes them.
+
+        A NaN score is not refused here as the host's selection refuses it (no value comes down
+        inside the step): it comes from a NaN in the layer's input, which reaches the logits, and
+        the pick refuses those."""
+        xp, p = self.xp, cache.n
+        kv, r, H, D, Id = cache.kv, layer.ratio, layer.H, layer.D, layer.Id
+        if D % 32 or Id > 1024 or not isinstance(kv, DeviceKVCache):
+            raise ValueError(f"layer {layer.layer}: the device's QSA step needs head dim a multiple of 32 (got {D}), "
+                             f"indexer dim <= 1024 (got {Id}) and a device KV cache")
+        self._at(p)
+        q, k, v, iq, ik = (xp.ascontiguousarray(a) for a in (q, k, v, iq, ik))
+        Hkv, ctx, kind = kv.n_head_kv, kv.max_context, KV_KIND[kv.kind]
+        ks, vs = (kv.k_scale, kv.v_scale) if kv.kind == "int8" else (kv.k, kv.v)  # (not read)
+        self._launch("dev_kv_write", 32 * 2 * Hkv * (D // 32), (k, v, kv.k, kv.v, ks, vs, self._pos, np.int32(Hkv),
+                                                               np.int32(ctx), np.int32(D), np.int32(kind)))
+        c, s = self._block_rope(layer.rope, r)
+        threads = 32 * -(-Id // 32)
+        nb = cache.idx_blocks.shape[0]
+        self._launch("dev_qsa_key", threads, (ik, cache.idx_keys, cache.idx_blocks, np.int32(nb), self._pos, np.int32(r),
+                                              np.int32(Id), self.param(layer.idx_k_norm), F32(layer.eps), c, s,
+                                              np.int32(layer.rope.half)), threads, 8 * 32 + 4 * Id)  # (one block)
+        most = min(ctx, layer.block_topk * r + r - 1)  # the blocks the budget keeps and the longest tail
+        scores, ix, toks, count, sc = self._qsa_scratch(nb, most, H)
+        self._launch("dev_qsa_scores", 32 * nb, (iq, cache.idx_blocks, self._pos, np.int32(r), np.int32(layer.Ih),
+                                                 np.int32(Id), F32(np.sqrt(Id)), scores))
+        self._launch("dev_qsa_select", 32, (scores, self._pos, np.int32(r), np.int32(layer.block_topk), cache._vbuf, ix, toks,
+                                            count), 32)  # (one thread works)
+        out = self.scratch("qsa.out", (1, H, D))
+        self._launch("dev_attn_sel", 32 * H, (q, kv.k, kv.v, ks, vs, toks, count, sc, np.int32(most), out, np.int32(H),
+                                              np.int32(Hkv), np.int32(ctx), np.int32(D), F32(D**-0.5), np.int32(kind)))
+
+        def advance():
+            cache.n += 1
+
+        self.bookkeep(advance)
+        return out
+
+    def _qsa_scratch(self, nb: int, most: int, H: int) -> tuple:
+        """qsa_token's buffers (made at the first step, then fixed, so a captured step replays them;
+        the QSA layers of a step take them in turn): scores f32 [nb], the top-k's indices i32 [nb],
+        the tokens selected i32 [most] and their count, the attention's scores f32 [H, most]."""
+        got = self._qsa_bufs.get((nb, most, H))
+        if got is None:
+            rt = self.rt
+            got = self._qsa_bufs[(nb, most, H)] = (rt.empty((max(nb, 1),), F32), rt.empty((max(nb, 1),), np.int32),
+                                                   rt.empty((most,), np.int32), rt.empty((1,), np.int32),
+                                                   rt.empty((H, most), F32))
+        return got
+
+    def qsa_selection(self) -> np.ndarray:
+        """The tokens the last qsa_token attended (ascending blocks, then the tail), brought down:
+        diagnostics and tests (QSALayer.selected on the host path)."""
+        if not self._qsa_bufs:
+            return np.zeros(0, np.int64)
+        *_, toks, count, _ = next(reversed(self._qsa_bufs.values()))
+        n = int(self.rt.to_host(count)[0])
+        return self.rt.to_host(toks)[:n].astype(np.int64)
 
     # --- the products
 
@@ -911,6 +1025,13 @@ class DeviceBackend(CpuBackend):
             cc, ss = rope.cos_sin(np.array([pos]))
             self._stage(c, cc)
             self._stage(s, ss)
+        for got in self._block_ropes.values():  # QSA's pooled key: cos and sin at its block's start
+            rope, r, c, s, at = got
+            if at != pos // r * r:
+                cc, ss = rope.cos_sin(np.array([pos // r * r]))
+                self._stage(c, cc)
+                self._stage(s, ss)
+                got[4] = pos // r * r
         self._pos_at = pos
 
     def rope_(self, rope, x, positions) -> None:
@@ -1071,7 +1192,9 @@ class DeviceBackend(CpuBackend):
         elif g is not None and g[0] is session:
             self._replay(g[1])
             ex.replayed(g[3])
-        elif not (self.graphs and not self.host_steps and hasattr(self.rt, "begin_capture") and ex.static()
+            for fn in g[4]:
+                fn()
+        elif not (self.graphs and hasattr(self.rt, "begin_capture") and ex.static()
                   and self.rt.capturable()):  # (on the legacy stream a capture raises: eagerly then)
             run(self._logits)
         elif self._warm is not session:  # first token: eagerly, its temporaries from the graph's pool
@@ -1082,15 +1205,16 @@ class DeviceBackend(CpuBackend):
         else:
             with self.rt.allocating_from(self._pool):
                 mark = ex.mark()
-                self._segments = []
+                self._segments, self._books = [], []
                 self.rt.begin_capture()
                 try:
                     run(self._logits)
                 finally:
                     last = self.rt.end_capture()
                     segments, self._segments = self._segments + [last], None
+                    books, self._books = self._books, None
                 self.rt.replay(last)  # (the segments before it ran as they were cut)
-            self._graph = (session, segments, self._pool, ex.log_since(mark))
+            self._graph = (session, segments, self._pool, ex.log_since(mark), books)
         ex.queue_settle()
         if out is not None:
             self.rt.copy_out(out, self._logits)
@@ -1152,10 +1276,10 @@ class DeviceBackend(CpuBackend):
     def can_run_ahead(self, session) -> bool:
         """Whether this backend can queue `session`'s next step before its last pick comes back: the
         embedding table on the device in a type dev_embd_row decodes, no host work that needs the
-        token (PLE hashes the token ids on the host; QSA selects on the host), and a slot map no
+        token (PLE hashes the token ids on the host: `needs_token`), and a slot map no
         token changes (an extra step queued past the last token must not admit experts)."""
         t = self.embd_table
-        return t is not None and t[1] in EMBD_ROW_TYPES and not self.host_steps and self.experts.static()
+        return t is not None and t[1] in EMBD_ROW_TYPES and not self.needs_token and self.experts.static()
 
     def embed_picked(self, shape: tuple):
         """The next token step's embedding row, gathered on the device (dev_embd_row) from the token

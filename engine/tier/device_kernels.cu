@@ -1349,3 +1349,291 @@ extern "C" __global__ void dev_embd_row(const unsigned char* table, i64 row_byte
     const unsigned char* R = table + (i64)t * row_bytes;
     for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) out[i] = embd_elem(R, type, i);
 }
+
+// ---------------------------------------------------------------------------------------------
+// qwen4exp's token step at the device position (DeviceBackend.qsa_token, ple_conv_step): what the
+// host did inside a step with the position as a Python int (a slice of the raw keys, the block a
+// token completes, the ring's slot, the number of complete blocks, the selection), made here from
+// *pos, so that one captured step replays at every position
+
+// PLE's depthwise causal conv of one token at p = *pos (ple.conv_taps with T = 1: each tap's
+// product added from 0 in tap order, its bits), then the ring's slot p % L takes X. ring [L, HE]
+// (token i at slot i % L), X and y [HE], taps [Pk, HE]. Tap 0 reads the input L tokens back, which
+// is that same slot: the thread of a channel reads it before it writes it.
+extern "C" __global__ void dev_ple_conv(float* ring, const int* pos, const float* X, const float* taps, int dil, float* y,
+                                        int L, int HE, int Pk) {
+    const int p = *pos;
+    for (i64 c = blockIdx.x * (i64)blockDim.x + threadIdx.x; c < HE; c += (i64)gridDim.x * blockDim.x) {
+        float acc = 0.0f;
+        for (int j = 0; j < Pk; j++) {
+            const int back = (Pk - 1 - j) * dil;  // tokens back (<= L)
+            const float src = back == 0 ? X[c] : ring[(i64)((p + L - back) % L) * HE + c];
+            acc += taps[(i64)j * HE + c] * src;
+        }
+        y[c] = acc;
+        ring[(i64)(p % L) * HE + c] = X[c];
+    }
+}
+
+// QSA's indexer key of one token at p = *pos (QSALayer._append for one token): ik [Id] into row p
+// of the raw keys [C, Id], then block b = p / r pooled from its r rows into blocks [b]: kb =
+// rope_{b r}(rmsnorm(mean of the rows)). The block in progress is pooled at EVERY token: its rows
+// past p hold an older token's key or zeros, but no selection reads block b before it is complete
+// (select reads the (p + 1) / r complete blocks), and at the token that completes it the key is
+// made from its r rows, as the host path makes it then. The mean: the rows added in order from the
+// first, then divided by r in f32 (numpy's mean over axis 0, dtype f32); the norm: dev_rmsnorm's
+// f32 sums and order (x scale, then gain); the rope: cs, sn [half] at b r, staged by the host
+// (DeviceBackend._at), dims past 2 half unrotated. blocks holds nb = C / r: a block the context
+// cannot complete (C not a multiple of r) has no row and is not pooled (reading its r rows ran past
+// the keys and wrote past the blocks: a heap corruption on the emulation). One block; smem: 32
+// doubles, then Id floats.
+extern "C" __global__ void dev_qsa_key(const float* ik, float* keys, float* blocks, int nb, const int* pos, int r, int Id,
+                                       const float* gain, float eps, const float* cs, const float* sn, int half) {
+    STRATA_SMEM(smem);
+    double* red = reinterpret_cast<double*>(smem);
+    float* kb = reinterpret_cast<float*>(smem + 32 * sizeof(double));
+    const int p = *pos, b = p / r;
+    for (int i = threadIdx.x; i < Id; i += blockDim.x) keys[(i64)p * Id + i] = ik[i];
+    if (b >= nb) return;  // (the whole block returns: no barrier is left waiting)
+    __syncthreads();
+    for (int i = threadIdx.x; i < Id; i += blockDim.x) {
+        float s = keys[(i64)b * r * Id + i];
+        for (int j = 1; j < r; j++) s += keys[((i64)b * r + j) * Id + i];
+        kb[i] = s / (float)r;
+    }
+    __syncthreads();
+    const float scale = norm_scale(kb, Id, eps, 1, 0, red);
+    __syncthreads();
+    for (int i = threadIdx.x; i < Id; i += blockDim.x) kb[i] = kb[i] * scale * gain[i];
+    __syncthreads();
+    float* out = blocks + (i64)b * Id;
+    for (int i = threadIdx.x; i < Id; i += blockDim.x) {
+        if (i < half) {
+            out[i] = kb[i] * cs[i] - kb[half + i] * sn[i];
+        } else if (i < 2 * half) {
+            out[i] = kb[i] * cs[i - half] + kb[i - half] * sn[i - half];
+        } else {
+            out[i] = kb[i];
+        }
+    }
+}
+
+// QSA's block scores of one token's indexer queries iq [Ih, Id] at p = *pos (QSALayer.select):
+// s_b = (sum over heads h, from the first, of relu(iq_h . kb)) / rs (rs = f32 sqrt(Id)) for the
+// n = (p + 1) / r complete blocks -> scores [n]. A warp a block, lane j summing dimensions j, j +
+// 32, ... A NaN dot stays NaN (np.maximum's rule, which fmaxf would drop).
+extern "C" __global__ void dev_qsa_scores(const float* iq, const float* blocks, const int* pos, int r, int Ih, int Id,
+                                          float rs, float* scores) {
+    const int lane = threadIdx.x & 31, n = (*pos + 1) / r;
+    const int nw = (int)((gridDim.x * blockDim.x) >> 5);
+    for (int b = (int)((blockIdx.x * blockDim.x + threadIdx.x) >> 5); b < n; b += nw) {
+        const float* kb = blocks + (i64)b * Id;
+        float s = 0.0f;
+        for (int h = 0; h < Ih; h++) {
+            float dot = 0.0f;
+            for (int d = lane; d < Id; d += 32) dot += iq[(i64)h * Id + d] * kb[d];
+            dot = warp_sum(dot);
+            s += (dot > 0.0f || dot != dot) ? dot : 0.0f;
+        }
+        if (lane == 0) scores[b] = s / rs;
+    }
+}
+
+// torch.topk's choice among ties, as engine/qsa.py reproduces it (its comment says why): libstdc++'s
+// std::partial_sort (k 64 <= n) or std::nth_element over (score, index) pairs with comp(x, y) =
+// x > y, step for step as qsa.py's port (_adjust_heap, _heap_select, _insertion_sort,
+// _median_to_first, _introselect), so the same set whatever the ties. One thread: the algorithms
+// are sequential, and n is the context over the block size (a few thousand blocks at most).
+__device__ void tk_swap(float* v, int* ix, int a, int b) {
+    const float t = v[a];
+    v[a] = v[b];
+    v[b] = t;
+    const int u = ix[a];
+    ix[a] = ix[b];
+    ix[b] = u;
+}
+
+__device__ void tk_adjust_heap(float* v, int* ix, int first, int hole, int n, float val, int vi) {
+    const int top = hole;
+    int child = hole;
+    while (child < (n - 1) / 2) {
+        child = 2 * (child + 1);
+        if (v[first + child] > v[first + child - 1]) child--;
+        v[first + hole] = v[first + child];
+        ix[first + hole] = ix[first + child];
+        hole = child;
+    }
+    if ((n & 1) == 0 && child == (n - 2) / 2) {
+        child = 2 * (child + 1);
+        v[first + hole] = v[first + child - 1];
+        ix[first + hole] = ix[first + child - 1];
+        hole = child - 1;
+    }
+    int parent = (hole - 1) / 2;  // __push_heap (hole > top >= 0 whenever parent is used)
+    while (hole > top && v[first + parent] > val) {
+        v[first + hole] = v[first + parent];
+        ix[first + hole] = ix[first + parent];
+        hole = parent;
+        parent = (hole - 1) / 2;
+    }
+    v[first + hole] = val;
+    ix[first + hole] = vi;
+}
+
+__device__ void tk_heap_select(float* v, int* ix, int first, int middle, int last) {
+    const int n = middle - first;
+    if (n >= 2) {  // __make_heap
+        for (int parent = (n - 2) / 2;; parent--) {
+            tk_adjust_heap(v, ix, first, parent, n, v[first + parent], ix[first + parent]);
+            if (parent == 0) break;
+        }
+    }
+    for (int i = middle; i < last; i++) {
+        if (v[i] > v[first]) {  // __pop_heap(first, middle, i)
+            const float val = v[i];
+            const int vi = ix[i];
+            v[i] = v[first];
+            ix[i] = ix[first];
+            tk_adjust_heap(v, ix, first, 0, n, val, vi);
+        }
+    }
+}
+
+__device__ void tk_insertion_sort(float* v, int* ix, int first, int last) {
+    for (int i = first + 1; i < last; i++) {
+        const float val = v[i];
+        const int vi = ix[i];
+        if (val > v[first]) {
+            for (int j = i; j > first; j--) {
+                v[j] = v[j - 1];
+                ix[j] = ix[j - 1];
+            }
+            v[first] = val;
+            ix[first] = vi;
+        } else {
+            int j = i;
+            while (val > v[j - 1]) {
+                v[j] = v[j - 1];
+                ix[j] = ix[j - 1];
+                j--;
+            }
+            v[j] = val;
+            ix[j] = vi;
+        }
+    }
+}
+
+__device__ void tk_median_to_first(float* v, int* ix, int r, int a, int b, int c) {
+    if (v[a] > v[b]) {
+        if (v[b] > v[c]) tk_swap(v, ix, r, b);
+        else if (v[a] > v[c]) tk_swap(v, ix, r, c);
+        else tk_swap(v, ix, r, a);
+    } else if (v[a] > v[c]) {
+        tk_swap(v, ix, r, a);
+    } else if (v[b] > v[c]) {
+        tk_swap(v, ix, r, c);
+    } else {
+        tk_swap(v, ix, r, b);
+    }
+}
+
+__device__ void tk_introselect(float* v, int* ix, int first, int nth, int last, int depth) {
+    while (last - first > 3) {
+        if (depth == 0) {
+            tk_heap_select(v, ix, first, nth + 1, last);
+            tk_swap(v, ix, first, nth);
+            return;
+        }
+        depth--;
+        tk_median_to_first(v, ix, first, first + 1, first + (last - first) / 2, last - 1);
+        int lo = first + 1, hi = last;  // __unguarded_partition around v[first]
+        while (true) {
+            while (v[lo] > v[first]) lo++;
+            hi--;
+            while (v[first] > v[hi]) hi--;
+            if (!(lo < hi)) break;
+            tk_swap(v, ix, lo, hi);
+            lo++;
+        }
+        if (lo <= nth) first = lo;
+        else last = lo;
+    }
+    tk_insertion_sort(v, ix, first, last);
+}
+
+// One token's QSA selection at p = *pos (QSALayer.select): the top min(kmax, n) of the n = (p + 1)
+// / r complete blocks' scores by torch.topk's rule (above; v f32 [n], ix i32 [n]: its scratch),
+// in ascending block order, each block's r tokens, then the tail n r .. p -> toks, *count tokens.
+// Thread 0 of one block.
+extern "C" __global__ void dev_qsa_select(const float* scores, const int* pos, int r, int kmax, float* v, int* ix,
+                                          int* toks, int* count) {
+    if (blockIdx.x != 0 || threadIdx.x != 0) return;
+    const int p = *pos, n = (p + 1) / r;
+    int m = 0;
+    if (n > 0) {
+        const int k = kmax < n ? kmax : n;
+        for (int i = 0; i < n; i++) {
+            v[i] = scores[i];
+            ix[i] = i;
+        }
+        if (k * 64 <= n) {
+            tk_heap_select(v, ix, 0, k, n);
+        } else {
+            int depth = 0;
+            for (int w = n; w > 1; w >>= 1) depth++;  // libstdc++'s __lg
+            tk_introselect(v, ix, 0, k - 1, n, 2 * depth);
+        }
+        for (int i = 1; i < k; i++) {  // the set ascending (qsa.torch_topk_set sorts it)
+            const int b = ix[i];
+            int j = i;
+            while (j > 0 && ix[j - 1] > b) {
+                ix[j] = ix[j - 1];
+                j--;
+            }
+            ix[j] = b;
+        }
+        for (int i = 0; i < k; i++)
+            for (int j = 0; j < r; j++) toks[m++] = ix[i] * r + j;
+    }
+    for (int t = n * r; t <= p; t++) toks[m++] = t;
+    *count = m;
+}
+
+// Softmax attention of one token's queries q [H, D] over the cached tokens toks[0 .. *count) (QSA's
+// selection, dev_qsa_select) -> out [H, D]: dev_attn_one's operations in its order, the key and
+// value rows read at the selected positions. sc [H, M], M >= *count.
+extern "C" __global__ void dev_attn_sel(const float* q, const void* K, const void* V, const float* Ks, const float* Vs,
+                                        const int* toks, const int* count, float* sc, int M, float* out, int H, int Hkv,
+                                        int ctx, int D, float scale, int kind) {
+    const int lane = threadIdx.x & 31, n = *count;
+    const int nw = (int)((gridDim.x * blockDim.x) >> 5);
+    for (int h = (int)((blockIdx.x * blockDim.x + threadIdx.x) >> 5); h < H; h += nw) {
+        const int kv = h / (H / Hkv);
+        const float* qh = q + (i64)h * D;
+        float* s = sc + (i64)h * M;
+        float m = -__uint_as_float(0x7f800000u);
+        for (int i = lane; i < n; i += 32) {
+            const i64 row = ((i64)kv * ctx + toks[i]) * D;
+            float acc = 0.0f;
+            for (int d = 0; d < D; d++) acc += qh[d] * kv_at(K, Ks, kind, row + d);
+            acc = acc * scale;
+            s[i] = acc;
+            m = fmaxf(m, acc);
+        }
+        for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(FULL, m, o));
+        float sum = 0.0f;
+        for (int i = lane; i < n; i += 32) {
+            const float e = expf(s[i] - m);
+            s[i] = e;
+            sum += e;
+        }
+        sum = warp_sum(sum);
+        __syncwarp();
+        for (int d = lane; d < D; d += 32) {
+            float acc = 0.0f;
+            for (int i = 0; i < n; i++) acc += (s[i] / sum) * kv_at(V, Vs, kind, ((i64)kv * ctx + toks[i]) * D + d);
+            out[(i64)h * D + d] = acc;
+        }
+        __syncwarp();
+    }
+}

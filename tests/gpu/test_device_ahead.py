@@ -156,8 +156,8 @@ def test_generate_runs_ahead_on_the_device_with_the_plain_tokens(model, rt, monk
 
 
 def test_what_cannot_run_ahead_is_refused(rt):
-    """PLE hashes the token ids and QSA selects blocks on the host (qwen4exp's device step: host_steps),
-    an embedding type dev_embd_row does not decode, no table on the device: no run-ahead."""
+    """PLE hashes the step's input token on the host (qwen4exp's device step: needs_token), an
+    embedding type dev_embd_row does not decode, no table on the device: no run-ahead."""
 
     class Static:
         static = staticmethod(lambda: True)
@@ -167,9 +167,9 @@ def test_what_cannot_run_ahead_is_refused(rt):
     assert not be.can_run_ahead(None)  # no table placed
     be.embd_table = (None, 12, 144, 1)
     assert be.can_run_ahead(None)
-    be.host_steps = True
+    be.needs_token = True
     assert not be.can_run_ahead(None)
-    be.host_steps, be.embd_table = False, (None, 16, 66, 1)  # IQ2_XXS
+    be.needs_token, be.embd_table = False, (None, 16, 66, 1)  # IQ2_XXS
     assert not be.can_run_ahead(None)
 
 

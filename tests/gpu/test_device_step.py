@@ -241,8 +241,10 @@ def test_the_device_step_gives_the_cpu_logits_for_qwen4exp(qwen4exp, rt):
         be._launch = lambda name, *a: (launched.add(name), launch(name, *a))
         got = run(qwen4exp, tier.take_session(CTX, "f32"), toks, 3 if emu else 4)
         assert tier.stats.hits.sum() > 0 and tier.stats.misses.sum() == 0
-        assert be._graph is None  # QSA's and PLE's host work: never captured (DeviceBackend.qsa_cache)
+        assert (be._graph is not None) == (not emu)  # the card captures the step (the emulation has no graphs)
     assert {"dev_rmsnorm", "dev_sigmoid", "dev_rope", "dev_delta", "dev_route", "dev_combine_slots"} <= launched
+    # PLE's conv and QSA's step at the device position (what a captured step replays)
+    assert {"dev_ple_conv", "dev_qsa_key", "dev_qsa_scores", "dev_qsa_select", "dev_attn_sel"} <= launched
     assert_close_q4(got, want)
 
 
@@ -275,14 +277,20 @@ def test_qwen4exp_blocks_on_the_device_are_the_cpus(qwen4exp, rt):
 
     layer = min(qwen4exp.ple)
     ple = qwen4exp.ple[layer]
-    sc, sd = host.ple_state(g), dev.ple_state(g)
+    sc, sd, ss = host.ple_state(g), dev.ple_state(g), dev.ple_state(g)
     for t in range(3 * g.ple_ngram_size * g.ple_conv_kernel):  # past the ring's length
         S = rng.standard_normal((1, g.hc * g.n_embd)).astype(np.float32)
         tok = rng.integers(3, g.n_vocab, 1)
-        Sd = rt.to_device(S)
+        Sd, Ss = rt.to_device(S), rt.to_device(S)
+        # the token step's form: the rows staged from the token first, the conv at the device position
+        e = dev.stage_ple(layer, ple.step_rows(int(tok[0]), ss))
+        dev._at(t)
+        ple.forward(dev, Ss, tok, ss, e)
         ple.forward(host, S, tok, sc)
         ple.forward(dev, Sd, tok, sd)
         assert rel(Sd, S) < tol, f"PLE, token {t}"
+        assert rel(Ss, S) < tol, f"PLE staged, token {t}"
+        assert ss.t == sc.t and np.array_equal(ss.window, sc.window)
 
     qsa = next(m for m in qwen4exp.mixers if hasattr(m, "qsa")).qsa
     n0, n1 = qsa.ratio * (qsa.block_topk + 1) + 3, qsa.ratio * (qsa.block_topk + 2) + 2
@@ -293,32 +301,83 @@ def test_qwen4exp_blocks_on_the_device_are_the_cpus(qwen4exp, rt):
     for t in range(n0, n1):
         want = qsa.forward(host, X[t : t + 1], cc)
         sel, scores = qsa.selected, np.sort(qsa.block_scores)[::-1]
-        got = qsa.forward(dev, Input(rt.to_device(X[t : t + 1])), cd)
+        got = qsa.forward(dev, Input(rt.to_device(X[t : t + 1])), cd)  # (DeviceBackend.qsa_token)
+        assert cd.n == cc.n == t + 1
         k = qsa.block_topk
         if scores[k - 1] - scores[k] > 1e-4 * scores[0]:  # a clear boundary: the same blocks
-            assert np.array_equal(qsa.selected, sel), f"QSA selection at position {t}"
+            assert np.array_equal(dev.qsa_selection(), sel), f"QSA selection at position {t}"
             assert rel(got, want) < tol, f"QSA at position {t}"
             strict += len(sel) < t + 1
     assert strict >= 3  # steps that kept a strict subset were checked
     # the fused kernels were what ran, not the array-module fallbacks
-    assert {"dev_mix_tail", "dev_inject", "dev_ple_output", "dev_rmsnorm", "dev_rope"} <= launched
+    assert {"dev_mix_tail", "dev_inject", "dev_ple_output", "dev_rmsnorm", "dev_rope", "dev_ple_conv", "dev_qsa_key",
+            "dev_qsa_scores", "dev_qsa_select", "dev_attn_sel"} <= launched
 
 
-def test_a_qwen4exp_session_is_not_captured_and_gives_the_eager_steps_logits(qwen4exp, rt):
-    """QSA's top-k and PLE's rows are host work inside the step that a graph replay would not redo
-    (DeviceBackend.qsa_cache): with graphs allowed and every expert resident, a qwen4exp session
-    still runs eagerly, and its logits are those of graphs turned off."""
+@pytest.mark.parametrize("n,k", [(300, 4), (64, 1), (40, 4), (17, 16), (9, 4), (5, 5), (1, 1)])
+def test_dev_qsa_select_keeps_torch_topks_set_among_ties(rt, n, k):
+    """QSA's top-k on the device (dev_qsa_select: libstdc++'s partial_sort when k 64 <= n, else
+    nth_element, as torch.topk runs them) keeps the set qsa.torch_topk_set keeps (the host's port,
+    itself checked against torch.topk: tests/engine/test_qwen4exp_components.py), on crafted ties:
+    all scores zero (relu's common case), a few positive and a tie of zeros at the k-th place, three
+    values only, the top value shared by more than k; then lists the set's tokens and the tail."""
+    from strata.engine.qsa import torch_topk_set
+
+    be = DeviceBackend(rt, None)
+    rng = np.random.default_rng(n * 100 + k)
+    r = 4
+    cases = [np.zeros(n, np.float32)]
+    few = np.zeros(n, np.float32)
+    few[rng.choice(n, max(0, k - 2), replace=False)] = rng.random(max(0, k - 2)).astype(np.float32) + 1
+    cases += [few, rng.integers(0, 3, n).astype(np.float32)]
+    top = rng.random(n).astype(np.float32)
+    top[rng.choice(n, min(n, k + 3), replace=False)] = 2.0
+    cases += [top, rng.standard_normal(n).astype(np.float32)]
+    for tail in (0, r - 1):
+        p = n * r + tail - 1
+        most = k * r + r - 1
+        for i, scores in enumerate(cases):
+            v, ix = rt.to_device(np.zeros(n, np.float32)), rt.to_device(np.zeros(n, np.int32))
+            toks, count = rt.to_device(np.full(most, -1, np.int32)), rt.to_device(np.zeros(1, np.int32))
+            be._launch("dev_qsa_select", 32, (rt.to_device(scores), rt.to_device(np.array([p], np.int32)), np.int32(r),
+                                              np.int32(k), v, ix, toks, count), 32)
+            want = torch_topk_set(scores.copy(), k, np.empty(n, np.float32), np.empty(n, np.int64))
+            want_toks = np.concatenate([(want[:, None] * r + np.arange(r)).reshape(-1), np.arange(n * r, p + 1)])
+            m = int(rt.to_host(count)[0])
+            assert m == want_toks.size and np.array_equal(rt.to_host(toks)[:m], want_toks), (i, tail, rt.to_host(toks)[:m])
+
+
+@pytest.mark.parametrize("cache", [None, 0])
+def test_a_replayed_qwen4exp_token_graph_gives_the_eager_steps_logits(qwen4exp, rt, cache):
+    """A qwen4exp session's token step is captured like qwen35moe's (token_step): its PLE rows are
+    staged before the step, QSA keys, pools, selects and attends at the device position, so the
+    replays at later positions give the eager steps' logits bit for bit: over 96 positions, so QSA
+    blocks complete (every 16 tokens) and, past 80, more blocks are complete than the budget keeps
+    (a strict selection, made on the device), and the PLE ring wraps. One graph with every expert
+    resident, segments with the misses' host work between them with none (cache 0). Hits and
+    routing counted as the eager steps count them."""
     if isinstance(rt, EmuRuntime):
         pytest.skip("the emulation has no CUDA graphs (the eager step it runs is every other test here)")
-    toks = tokens(qwen4exp, 8, seed=4)
+    ctx = 96
+    g = qwen4exp.geometry
+    assert ctx // g.idx_compress_ratio > g.idx_top_k // g.idx_compress_ratio  # a strict selection at the end
+    toks = tokens(qwen4exp, ctx, seed=4)
     got = {}
     for graphs in (False, True):
-        with device_tier(qwen4exp, expert_cache=None) as tier:
+        with device_tier(qwen4exp, expert_cache=cache, max_context=ctx) as tier:
             be = qwen4exp.backend
             be.graphs = graphs
-            got[graphs] = run(qwen4exp, tier.take_session(CTX, "f32"), toks, 3)
-            assert be._graph is None and be.host_steps
+            s = tier.take_session(ctx, "f32")
+            got[graphs] = run(qwen4exp, s, toks, 3)
+            assert (be._graph is not None) == graphs and not be.can_run_ahead(s)  # (PLE: the host hashes the token)
+            if graphs:
+                assert len(be._graph[1]) == (1 if cache is None else 2 * qwen4exp.geometry.n_layer + 1)
+            got[graphs, "hits"] = int(tier.stats.hits.sum())
+            got[graphs, "routing"] = s.routing.copy()
+            got[graphs, "n"] = [st.n for st in s.states if hasattr(st, "idx_blocks")]
     assert np.array_equal(got[True], got[False]), f"max |diff| {np.abs(got[True] - got[False]).max()}"
+    assert got[True, "hits"] == got[False, "hits"] and np.array_equal(got[True, "routing"], got[False, "routing"])
+    assert got[True, "n"] == got[False, "n"] == [ctx] * len(got[True, "n"])  # the replays advanced the QSA caches
 
 
 @pytest.mark.slow  # as above, three tiers
@@ -441,7 +500,10 @@ def launches_per_token(model, rt, n_prompt: int = 3, n: int = 2) -> dict:
 # output gate, 5 launches a token here: 4 actq and a dev_sigmoid), a Gated DeltaNet layer's gates
 # with its conv (dev_gates_conv: 3). The fixture's 4 layers: 3 Gated DeltaNet, 1 attention.
 QWEN35MOE_LAUNCHES = 104
-QWEN4EXP_LAUNCHES = 361
+# qwen4exp: 361 + 11 since its step reads nothing of the host's inside it (capturable): a QSA layer's
+# five (dev_kv_write, dev_qsa_key, dev_qsa_scores, dev_qsa_select, dev_attn_sel; its K/V write,
+# selection and attention had been array-module work and host work) x 2 layers, the PLE conv (1 layer)
+QWEN4EXP_LAUNCHES = 372
 
 
 def test_a_qwen35moe_token_step_makes_its_pinned_launches(model, rt):
@@ -802,28 +864,56 @@ def test_the_step_keeps_decoded_embedding_rows_up_to_its_cap(model, monkeypatch)
     model._embd_rows.clear()
 
 
-def test_replayed_token_steps_allocate_nothing_on_the_device(model, rt):
+@pytest.mark.parametrize("arch", ["qwen35moe", pytest.param("qwen4exp", marks=pytest.mark.slow)])
+def test_replayed_token_steps_allocate_nothing_on_the_device(request, rt, arch):
     """After the first two tokens (eager, then captured) a session's token steps replay the graph:
     no device or pinned allocation per token (the embedding row, position and rope inputs go up to
-    fixed addresses, the greedy pick's 12 bytes come back to a fixed pinned buffer)."""
-    if isinstance(rt, EmuRuntime):
-        pytest.skip("the emulation has no CUDA graphs: its steps are eager, whose temporaries the pool serves")
+    fixed addresses, qwen4exp's PLE rows too, the greedy pick's 12 bytes come back to a fixed pinned
+    buffer). The emulation has no graphs: its steps are eager, and an eager step's temporaries and
+    product outputs are new buffers (the graph's pool serves them on the card); so there it counts
+    the transfers a capture could not hold (an upload: a host array sent up in a new buffer; a
+    download for a host decision) and the pinned allocations: no step input goes up but by a staged
+    copy to a fixed address, nothing comes down but the logits or the pick (qwen4exp's PLE rows went
+    up in a new buffer, one a PLE layer a token, before they were staged; a QSA layer's block scores
+    came down once blocks were complete: past these emulated positions, the card's run reaches them)."""
     from test_gpu_tier import counting
 
-    toks = tokens(model, CTX, seed=12)
+    model = request.getfixturevalue("model" if arch == "qwen35moe" else "qwen4exp")
+    emu = isinstance(rt, EmuRuntime)
+    n = CTX if not emu or arch == "qwen35moe" else 6  # (emulated qwen4exp: ~25 s a step on the CI's 2 cores)
+    toks = tokens(model, n, seed=12)
     with device_tier(model) as tier:
         s = tier.take_session(CTX, "f32")
         banned = np.zeros(0, np.int32)
         for t in toks[:3]:
             model.step_pick(s, t, banned)
-        with counting(rt) as counts:
+        with (uploads(rt) if emu else counting(rt)) as counts:
             for i, t in enumerate(toks[3:]):
                 if i % 2:
                     model.step_pick(s, t, banned)
                 else:
                     model.step(s, t)  # (the logits' download too)
-        assert model.backend._graph is not None
-    assert counts == [0, 0], f"{len(toks) - 3} token steps allocated {counts[0]} device and {counts[1]} pinned buffers"
+        assert (model.backend._graph is not None) == (not emu)
+    what = "uploads and downloads" if emu else "device buffers"
+    assert counts == [0, 0], f"{len(toks) - 3} token steps made {counts[0]} {what} and {counts[1]} pinned buffers"
+
+
+@contextlib.contextmanager
+def uploads(rt):
+    """The emulation's uploads and downloads (rt.to_device, rt.to_host: the logits' and the pick's
+    copies are copy_out's) and pinned allocations inside the block: [transfers, pinned]."""
+    counts, pinned = [0, 0], rt.pinned_allocations
+    for name in ("to_device", "to_host"):
+        def counted(a, real=getattr(rt, name)):
+            counts[0] += 1
+            return real(a)
+
+        setattr(rt, name, counted)
+    try:
+        yield counts
+    finally:
+        del rt.to_device, rt.to_host  # (the runtime's own methods again)
+        counts[1] = rt.pinned_allocations - pinned
 
 
 def test_the_gpu_floor_times_every_part_of_the_step(model, rt):
