@@ -223,9 +223,8 @@ def batched_kernel(request, monkeypatch):
     dropped, so they are made again for it)."""
     kinds = frozenset(t.name for t in TYPES if t.quantized) if request.param == "mmq" else frozenset()
     monkeypatch.setattr(gpu, "MMA_TYPES", kinds)
-    gpu._plans.clear()
-    yield request.param
-    gpu._plans.clear()
+    monkeypatch.setattr(gpu, "_plans", {})  # launch plans made for this choice, dropped after
+    return request.param
 
 
 # mmq's item is 16 rows x 8 nw tokens and its chunk 32 act-blocks: rows 5 (< one group), 17 (one
