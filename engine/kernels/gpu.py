@@ -38,8 +38,9 @@ SOURCE = Path(__file__).with_name("gpu_kernels.cu")
 # --fmad=false: no FMA contraction (a fused a*b+c rounds differently). The kernels' f32 operations
 # are inline PTX anyway, which no flag changes: CuPy appends -ftz=true to every compile.
 OPTIONS = ("--std=c++17", "--fmad=false")
-if os.environ.get("STRATA_MV_STEP"):  # a benchmark's knob: the matvec's staged bytes per warp step (gpu_kernels.cu)
-    OPTIONS += (f"-DSTRATA_MV_STEP={int(os.environ['STRATA_MV_STEP'])}",)
+for _knob in ("STRATA_MV_STEP", "STRATA_MQ_WARPS", "STRATA_MQ_MINB"):  # a benchmark's knobs (gpu_kernels.cu):
+    if os.environ.get(_knob):  # the matvec's staged bytes per warp step; mmq's warps and blocks per multiprocessor
+        OPTIONS += (f"-D{_knob}={int(os.environ[_knob])}",)
 KPLS = (1, 2, 3, 4, 6, 8)  # act-blocks per lane the matvec kernel holds: rows up to 8192 elements
 MAX_TOKENS = 64  # tokens per matmul pass (shared-memory accumulators); more are done in groups
 SMEM_LIMIT = 48 * 1024  # dynamic shared memory a block may take without an opt-in
@@ -64,7 +65,6 @@ def _mma_types(spec: str | None) -> frozenset[str]:
 # Until the card has measured which is faster per type: the kernels are chosen here, per process
 # (STRATA_MMA, above), or by a test or benchmark setting it (then dropping `_plans`).
 MMA_TYPES = _mma_types(os.environ.get("STRATA_MMA"))
-MMA_WARPS = 4  # warps of an mmq block: its item is 16 rows x 8 MMA_WARPS tokens (gpu_kernels.cu mq_body)
 _HAS_MIN = {"Q4_1", "Q5_1", "Q2_K", "Q4_K", "Q5_K"}  # docs/kernels.md: the types with a min term
 
 
@@ -302,6 +302,7 @@ class _Module:
     mv_rows: tuple[int, ...] = ()  # most rows per mv warp step, for KPL = 1 .. 8
     mv_buf: tuple[int, ...] = ()  # bytes of one mv staging buffer, for KPL = 1 .. 8
     mq_smem: int = 0  # shared bytes of an mmq block (its decoded chunk and scales), the grid copy aside
+    mq_warps: int = 4  # most warps of an mmq block (STRATA_MQ_WARPS): its item is 16 rows x 8 warps tokens
 
 
 def _names(t: GGMLType) -> list[str]:
@@ -332,7 +333,7 @@ def _module(key: str) -> _Module:
             _check_tables()
             for sym, table in _TABLES.items():
                 rt.set_global(m.mod, sym, table)
-            m.apb, m.tab, m.mm_buf, m.mv_rows, m.mv_buf, m.mq_smem = _traits(rt, m.mod, t)
+            m.apb, m.tab, m.mm_buf, m.mv_rows, m.mv_buf, m.mq_smem, m.mq_warps = _traits(rt, m.mod, t)
     _modules[key] = m
     return m
 
@@ -340,7 +341,7 @@ def _module(key: str) -> _Module:
 def _traits(rt, mod, t: GGMLType) -> tuple:
     """The kernel's own layout constants, held to the GGML type table (a drift is refused here,
     not discovered as wrong outputs), and its shared-memory sizes."""
-    out = rt.empty(23, np.int32)
+    out = rt.empty(24, np.int32)
     rt.launch(mod, f"traits<{t.id}>", 1, 32, (out,))
     v = [int(x) for x in rt.to_host(out)]
     want = (t.block_size // QA, t.rest_bytes, t.n_scales, t.name in _HAS_MIN)
@@ -349,7 +350,7 @@ def _traits(rt, mod, t: GGMLType) -> tuple:
             f"gpu_kernels.cu: {t.name} has (act-blocks, rest bytes, scales, min term) per block = "
             f"{tuple(v[:3]) + (bool(v[3]),)}, the GGML type table and reference.py say {want}"
         )
-    return v[0], v[4], v[5], tuple(v[6:22:2]), tuple(v[7:22:2]), v[22]
+    return v[0], v[4], v[5], tuple(v[6:22:2]), tuple(v[7:22:2]), v[22], v[23]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -658,7 +659,7 @@ def _quant_plan(type_id: int, n_in: int, n_out: int, n_tok: int) -> tuple:
         grid = _grid(rt, n_out, nw * rows, per_sm)
         return m.mod, f"mv<{type_id}, {kpl}>", grid, 32 * nw, tab + nw * per_warp, (np.int32(rows), np.int32(tab > 0))
     if t.name in MMA_TYPES:  # the int8 tensor cores: a block's item is 16 rows x 8 nw tokens
-        nw = max(1, min(MMA_WARPS, -(-n_tok // 8)))
+        nw = max(1, min(m.mq_warps, -(-n_tok // 8)))
         items = -(-n_out // 16) * -(-n_tok // (8 * nw))
         return m.mod, f"mmq<{type_id}>", _grid(rt, items, 1, 8), 32 * nw, tab + m.mq_smem, (np.int32(n_tok), np.int32(tab > 0))
     per_warp = 2 * m.mm_buf + 4 * 32 * n_tok
@@ -784,7 +785,7 @@ def grouped_products(type_id: int, n_in: int, n_out: int, tiles, n_tiles: int, a
         return
     mod, name, grid, block, smem, (_, tab) = _quant_plan(type_id, n_in, n_out, MAX_TOKENS)
     rt = runtime()
-    if name.startswith("mmq<"):  # a tile of up to 8 MMA_WARPS pairs (most) is one item per 16 rows: a block each
+    if name.startswith("mmq<"):  # a tile of up to 8 x warps pairs (most tiles) is one item per 16 rows: a block each
         grid = min(grid, -(-n_out // 16))
     null = np.uint64(0)  # a null pointer argument
     args = (tiles, np.int32(grid), act.q, act.d, act.s16, null if xrow is None else xrow, null if orow is None else orow, out, np.int32(n_out), np.int32(n_in // QA),

@@ -974,6 +974,16 @@ __global__ void __launch_bounds__(256) mmx(const i64* __restrict__ tiles, int pe
 // reads (word 8 l + q of row g) fall in 8 distinct banks, not all in one
 #define MQ_RS (8 * 32 + 4)
 #define MQ_SS 33  // row stride of the per-(row, act-block) scale arrays: 8 rows, 8 banks
+// Warps of an mmq block (at most) and the blocks per multiprocessor its registers are bounded for:
+// a benchmark's knobs (gpu.py compiles with STRATA_MQ_WARPS / STRATA_MQ_MINB when set). The 4 x 32
+// partials are most of a thread's ~190 registers; (4 warps, 3 blocks) bounds it to 168, where sm_90
+// compiles mmq without spills and mmqx with ~50 bytes of them.
+#ifndef STRATA_MQ_WARPS
+#define STRATA_MQ_WARPS 4
+#endif
+#ifndef STRATA_MQ_MINB
+#define STRATA_MQ_MINB 1
+#endif
 
 template <int T>
 struct Mq {
@@ -1084,7 +1094,7 @@ __device__ __forceinline__ void mq_body(const u8* __restrict__ rest, const float
 }
 
 template <int T>
-__global__ void __launch_bounds__(256) mmq(const u8* __restrict__ rest, const float* __restrict__ scales,
+__global__ void __launch_bounds__(32 * STRATA_MQ_WARPS, STRATA_MQ_MINB) mmq(const u8* __restrict__ rest, const float* __restrict__ scales,
                                            const i8* __restrict__ xq, const float* __restrict__ xd,
                                            const i32* __restrict__ xs, float* __restrict__ out, int n_out, int nb,
                                            int ntok, int shared_tab) {
@@ -1093,7 +1103,7 @@ __global__ void __launch_bounds__(256) mmq(const u8* __restrict__ rest, const fl
 
 // mmx's tiles (the same table and arguments) through mq_body
 template <int T>
-__global__ void __launch_bounds__(256) mmqx(const i64* __restrict__ tiles, int per, const i8* __restrict__ xq,
+__global__ void __launch_bounds__(32 * STRATA_MQ_WARPS, STRATA_MQ_MINB) mmqx(const i64* __restrict__ tiles, int per, const i8* __restrict__ xq,
                                             const float* __restrict__ xd, const i32* __restrict__ xs,
                                             const int* __restrict__ xrow, const int* __restrict__ orow,
                                             float* __restrict__ out, int n_out, int nb, int ntok_max, int shared_tab) {
@@ -1120,7 +1130,7 @@ __global__ void mma_probe(const i8* __restrict__ A, const i8* __restrict__ Bt, i
 
 // What gpu.py checks against index_format.ggml_types (the one table) and sizes launches by:
 // [APB, REST, NS, HAS_MIN, table bytes, mm buffer bytes, then for KPL = 1 .. 8: rows per mv
-// step, mv buffer bytes, then mmq's shared bytes (the grid copy aside)].
+// step, mv buffer bytes, then mmq's shared bytes (the grid copy aside) and most warps].
 template <int KPL, int T>
 __device__ void mv_traits(int* out) {
     out[4 + 2 * KPL] = MvRows<T, KPL>::N;
@@ -1146,6 +1156,7 @@ __global__ void traits(int* out) {
         mv_traits<7, T>(out);
         mv_traits<8, T>(out);
         out[22] = Mq<T>::bytes();
+        out[23] = STRATA_MQ_WARPS;
     }
 }
 
