@@ -973,11 +973,11 @@ __global__ void __launch_bounds__(256) mmx(const i64* __restrict__ tiles, int pe
 // words per row of the decoded chunk (32 act-blocks x 8 words) + 4: the 8 rows g a fragment load
 // reads (word 8 l + q of row g) fall in 8 distinct banks, not all in one
 #define MQ_RS (8 * 32 + 4)
-#define MQ_SS 33  // row stride of the per-(row, act-block) scale arrays: 8 rows, 8 banks
+#define MQ_SS 33  // row stride (uint4) of the per-(row, act-block) scales
 // Warps of an mmq block (at most) and the blocks per multiprocessor its registers are bounded for:
 // a benchmark's knobs (gpu.py compiles with STRATA_MQ_WARPS / STRATA_MQ_MINB when set). The 4 x 32
-// partials are most of a thread's ~190 registers; (4 warps, 3 blocks) bounds it to 168, where sm_90
-// compiles mmq without spills and mmqx with ~50 bytes of them.
+// partials are most of a thread's ~190-210 registers; (4 warps, 3 blocks) bounds it to 168, where
+// sm_90 spills a few bytes in mmq and 20-80 in mmqx (Q4_K, Q6_K).
 #ifndef STRATA_MQ_WARPS
 #define STRATA_MQ_WARPS 4
 #endif
@@ -987,9 +987,17 @@ __global__ void __launch_bounds__(256) mmx(const i64* __restrict__ tiles, int pe
 
 template <int T>
 struct Mq {
-    static constexpr int NSC = Ty<T>::HAS_MIN ? 6 : 3;  // ws0, ws1, wf [, mn0, mn1, wm]
-    static __host__ __device__ constexpr int bytes() { return MQ_ROWS * MQ_RS * 4 + NSC * MQ_ROWS * MQ_SS * 4; }
+    static __host__ __device__ constexpr int bytes() { return MQ_ROWS * MQ_RS * 4 + MQ_ROWS * MQ_SS * 16; }
 };
+
+// A (row, act-block)'s scales in one 16-byte word, read by one load: ws0 | ws1 << 16, wf, mn0 |
+// mn1 << 16, wm (every type's ws and mn are within int16: at most 6 bits and a sign)
+__device__ __forceinline__ uint4 mq_pack(const Blk& b) {
+    return make_uint4(((u32)b.ws0 & 0xffffu) | ((u32)b.ws1 << 16), __float_as_uint(b.wf),
+                      ((u32)b.mn0 & 0xffffu) | ((u32)b.mn1 << 16), __float_as_uint(b.wm));
+}
+__device__ __forceinline__ int lo16(u32 v) { return (int)(v << 16) >> 16; }
+__device__ __forceinline__ int hi16(u32 v) { return (int)v >> 16; }
 
 // one level of fold's tree on 32 partials held by one thread: v[l] += v[l + W] (W a constant: with
 // the level as a loop variable NVCC kept the partials in local memory)
@@ -1007,16 +1015,10 @@ __device__ __forceinline__ void mq_body(const u8* __restrict__ rest, const float
                                         int nb, int ntok, int shared_tab, int bx, int gx) {
     typedef Ty<T> L;
     constexpr bool S16 = L::HAS_MIN || L::OFF != 0;
-    constexpr int SN = MQ_ROWS * MQ_SS;
     STRATA_SMEM(smem);
     const typename L::Tab* tab = load_tab<T>(smem, shared_tab);
     u32* const aq = reinterpret_cast<u32*>(smem + (shared_tab ? Buf<T>::tab() : 0));
-    int* const sws0 = reinterpret_cast<int*>(aq + MQ_ROWS * MQ_RS);
-    int* const sws1 = sws0 + SN;
-    float* const swf = reinterpret_cast<float*>(sws1 + SN);
-    int* const smn0 = reinterpret_cast<int*>(swf + SN);  // (HAS_MIN only)
-    int* const smn1 = smn0 + SN;
-    float* const swm = reinterpret_cast<float*>(smn1 + SN);
+    uint4* const ssc = reinterpret_cast<uint4*>(aq + MQ_ROWS * MQ_RS);  // [16][MQ_SS]: mq_pack
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5, g = lane >> 2, q = lane & 3;
     const int nblk = nb / L::APB, nchunk = (nb + 31) / 32, groups = (n_out + MQ_ROWS - 1) / MQ_ROWS;
     const i64 n_in = 32 * (i64)nb, items = (i64)groups * ((ntok + 8 * nw - 1) / (8 * nw));
@@ -1043,12 +1045,10 @@ __device__ __forceinline__ void mq_body(const u8* __restrict__ rest, const float
                     const Blk b = L::dec(rest + blk * L::REST, k % L::APB, scales + blk * L::NS, tab);
                     dst[0] = make_uint4(b.q[0], b.q[1], b.q[2], b.q[3]);
                     dst[1] = make_uint4(b.q[4], b.q[5], b.q[6], b.q[7]);
-                    sws0[si] = b.ws0, sws1[si] = b.ws1, swf[si] = b.wf;
-                    if (L::HAS_MIN) smn0[si] = b.mn0, smn1[si] = b.mn1, swm[si] = b.wm;
+                    ssc[si] = mq_pack(b);
                 } else {  // never written out (row) or never read (act-block)
                     dst[0] = dst[1] = make_uint4(0u, 0u, 0u, 0u);
-                    sws0[si] = sws1[si] = 0, swf[si] = 0.0f;
-                    if (L::HAS_MIN) smn0[si] = smn1[si] = 0, swm[si] = 0.0f;
+                    ssc[si] = make_uint4(0u, 0u, 0u, 0u);
                 }
             }
             __syncthreads();
@@ -1073,12 +1073,13 @@ __device__ __forceinline__ void mq_body(const u8* __restrict__ rest, const float
                             s1[j] = __ldg(xs + 2 * (xc * nb + k) + 1);
                         }
                     }
+                    const uint4 sc[2] = {ssc[g * MQ_SS + l], ssc[(g + 8) * MQ_SS + l]};
 #pragma unroll
                     for (int i = 0; i < 4; i++) {  // output i: row g + 8 (i >> 1), token 2q + (i & 1)
-                        const int si = (g + 8 * (i >> 1)) * MQ_SS + l, j = i & 1;
-                        const float c_ = L::HAS_MIN ? scaled<T>(lo[i], hi[i], sws0[si], sws1[si], smn0[si], smn1[si], swf[si], swm[si], ad[j], s0[j], s1[j])
-                                                    : scaled<T>(lo[i], hi[i], sws0[si], sws1[si], 0, 0, swf[si], 0.0f, ad[j], s0[j], s1[j]);
-                        p[i][l] = f32_add(p[i][l], c_);
+                        const uint4 v = sc[i >> 1];
+                        const int j = i & 1;
+                        p[i][l] = f32_add(p[i][l], scaled<T>(lo[i], hi[i], lo16(v.x), hi16(v.x), lo16(v.z), hi16(v.z),
+                                                             __uint_as_float(v.y), __uint_as_float(v.w), ad[j], s0[j], s1[j]));
                     }
                 }
             }
