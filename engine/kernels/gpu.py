@@ -776,7 +776,7 @@ def tile_rows(weights: list, firsts, counts, bases) -> np.ndarray:
 
 
 def grouped_products(type_id: int, n_in: int, n_out: int, tiles, n_tiles: int, act: GpuActQ, xrow, orow, out) -> None:
-    """Many experts' products of a prompt chunk in one launch (mmx, gpu_kernels.cu): tile i of
+    """Many experts' products of a prompt chunk in one launch (mmx, or mmqx for MMA_TYPES: gpu_kernels.cu): tile i of
     `tiles` (device i64 [n_tiles, 5], rows of `tile_rows`) multiplies its weight by act's rows
     xrow[p] (device int32; None: row p) for its pairs p into out's rows orow[p] (device int32; None:
     its base + p). Each row has matmul's bits on that weight alone (the batched kernel's arithmetic,
