@@ -991,7 +991,7 @@ struct Mq {
 };
 
 // A (row, act-block)'s scales in one 16-byte word, read by one load: ws0 | ws1 << 16, wf, mn0 |
-// mn1 << 16, wm (every type's ws and mn are within int16: at most 6 bits and a sign)
+// mn1 << 16, wm (every type's ws and mn are within int16: int8 at most, Q6_K's)
 __device__ __forceinline__ uint4 mq_pack(const Blk& b) {
     return make_uint4(((u32)b.ws0 & 0xffffu) | ((u32)b.ws1 << 16), __float_as_uint(b.wf),
                       ((u32)b.mn0 & 0xffffu) | ((u32)b.mn1 << 16), __float_as_uint(b.wm));

@@ -189,8 +189,9 @@ def test_products_are_bit_identical_to_the_reference(rt, t):
 
 
 @pytest.mark.parametrize("t", [t for t in TYPES if t.name.startswith(("IQ1", "IQ2", "IQ3"))], ids=lambda t: t.name)
-def test_grid_types_with_the_grid_in_shared_memory(rt, t, monkeypatch):
-    # Head-sized matrices read the IQ grid from a per-block shared copy; force it on a small one.
+def test_grid_types_with_the_grid_in_shared_memory(rt, t, monkeypatch, batched_kernel):
+    # Head-sized matrices read the IQ grid from a per-block shared copy; force it on a small one
+    # (mmq's decoded chunk then follows the copy in shared memory).
     monkeypatch.setattr(gpu, "SHARED_TABLE_ROWS", 0)
     _check_products(rt, t, 2048, 33, (1, 3), seed=t.id)
 
