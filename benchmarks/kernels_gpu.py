@@ -23,6 +23,9 @@ cores), whichever gpu.MMA_TYPES says a run takes (STRATA_MMA); "mmq/mm" < 1: mmq
 GROUPED_EXPERTS distinct experts of the gate/up shape (and of the down shape, rounded up to whole
 blocks) with 5-20 pairs each (seeded), on mmx and on mmqx, microseconds per launch.
 --no-matvec leaves out the matvec columns (the head and expert matvecs), for the batched kernels alone.
+mmq's knobs (environment, docs/gpu-kernels.md): STRATA_MQ_WARPS (warps a block, compiled; 4),
+STRATA_MQ_MINB (blocks a multiprocessor its registers are bounded for; 1), STRATA_MQX_WARPS
+(mmqx's warps a block, at most STRATA_MQ_WARPS; 4).
 """
 
 from __future__ import annotations

@@ -65,6 +65,9 @@ def _mma_types(spec: str | None) -> frozenset[str]:
 # Until the card has measured which is faster per type: the kernels are chosen here, per process
 # (STRATA_MMA, above), or by a test or benchmark setting it (then dropping `_plans`).
 MMA_TYPES = _mma_types(os.environ.get("STRATA_MMA"))
+# Warps of an mmqx block (at most the compiled STRATA_MQ_WARPS): a grouped tile has 5-20 pairs where
+# a prompt's dense product has 64 a launch, so the card may prefer fewer (a benchmark's knob).
+MMQX_WARPS = int(os.environ.get("STRATA_MQX_WARPS", "4"))
 _HAS_MIN = {"Q4_1", "Q5_1", "Q2_K", "Q4_K", "Q5_K"}  # docs/kernels.md: the types with a min term
 
 
@@ -787,6 +790,7 @@ def grouped_products(type_id: int, n_in: int, n_out: int, tiles, n_tiles: int, a
     rt = runtime()
     if name.startswith("mmq<"):  # a tile of up to 8 x warps pairs (most tiles) is one item per 16 rows: a block each
         grid = min(grid, -(-n_out // 16))
+        block = 32 * max(1, min(MMQX_WARPS, block // 32))
     null = np.uint64(0)  # a null pointer argument
     args = (tiles, np.int32(grid), act.q, act.d, act.s16, null if xrow is None else xrow, null if orow is None else orow, out, np.int32(n_out), np.int32(n_in // QA),
             np.int32(MAX_TOKENS), tab)
