@@ -1,7 +1,7 @@
 """GPU kernel benchmark: weight bytes per second of `gpu.matvec`, per block type, against the
 device's streaming-read bandwidth measured in the same run.
 
-    python benchmarks/kernels_gpu.py [--types all|Q8_0,Q6_K,...] [--md FILE] [--matmul]
+    python benchmarks/kernels_gpu.py [--types all|Q8_0,Q6_K,...] [--md FILE] [--matmul] [--grouped] [--no-matvec]
 
 Reference bandwidth: a pure read kernel (16-byte loads, XOR-reduced so they are not dropped)
 over a 4 GiB buffer, best of 5; a device-to-device copy is printed beside it (read + write
@@ -16,8 +16,16 @@ timed with CUDA events: a Python launch takes longer than a small matvec runs. I
 head shape. Weights are random bytes and scales (timing does not depend on the values).
 
 --matmul adds a prompt chunk's dense projection: `gpu.matmul` of MATMUL_TOKENS tokens through one
-MATMUL (n_in, n_out) weight (gpu_kernels.cu mm: the batched kernel), microseconds per product
-(all its launches) and tokens per second.
+MATMUL (n_in, n_out) weight, microseconds per product (all its launches) and tokens per second,
+for a block type on both batched kernels: mm (__dp4a, a warp per row) and mmq (the int8 tensor
+cores), whichever gpu.MMA_TYPES says a run takes (STRATA_MMA); "mmq/mm" < 1: mmq is faster.
+--grouped adds a prompt chunk's routed experts: one `gpu.grouped_products` launch over
+GROUPED_EXPERTS distinct experts of the gate/up shape (and of the down shape, rounded up to whole
+blocks) with 5-20 pairs each (seeded), on mmx and on mmqx, microseconds per launch.
+--no-matvec leaves out the matvec columns (the head and expert matvecs), for the batched kernels alone.
+mmq's knobs (environment, docs/gpu-kernels.md): STRATA_MQ_WARPS (warps a block, compiled; 4),
+STRATA_MQ_MINB (blocks a multiprocessor its registers are bounded for; 1), STRATA_MQX_WARPS
+(mmqx's warps a block, at most STRATA_MQ_WARPS; 4).
 """
 
 from __future__ import annotations
@@ -32,6 +40,7 @@ HEAD = (2560, 248320)  # (n_in, n_out)
 EXPERTS = {"gate/up": (2560, 640), "down": (640, 2560)}
 MATMUL = (2560, 8192)  # (n_in, n_out) of --matmul: seed-4l qwen35moe's widest dense projection
 MATMUL_TOKENS = 256
+GROUPED_EXPERTS = 128  # a 256-token chunk routed to 8 experts of 256: ~2000 pairs over ~128-256 experts
 TARGET = 0.60
 
 _BENCH_SRC = r"""
@@ -144,6 +153,24 @@ class Bench:
         sec, graphed = self.per_call(calls)
         return sec, ws[0].nbytes, graphed
 
+    def kernels(self, mma: bool) -> None:
+        """The batched kernel of the next launches: mmq / mmqx for every block type, or mm / mmx."""
+        gpu = self.gpu
+        gpu.MMA_TYPES = gpu._mma_types("all" if mma else "none")
+        gpu._plans.clear()  # the launch plans name the kernel
+
+    def grouped_rate(self, t, n_in: int, n_out: int, counts) -> tuple[float, bool]:
+        """(seconds per grouped_products launch, graph used): one tile table over len(counts) distinct
+        experts, expert g on counts[g] pairs (pair p reads activation row p, writes output row p)."""
+        cp, gpu = self.cp, self.gpu
+        ws = [self.weight(t, n_in, n_out, 300 + i) for i in range(len(counts))]
+        firsts = np.concatenate(([0], np.cumsum(counts)[:-1]))
+        tiles = gpu.tile_rows(ws, firsts, counts, [0] * len(ws))
+        n = int(sum(counts))
+        x = gpu.quantize_act_gpu(cp.asarray(np.random.default_rng(1).standard_normal((n, n_in)).astype(np.float32)))
+        out, dev_tiles = cp.empty((n, n_out), cp.float32), cp.asarray(tiles)
+        return self.per_call([lambda: gpu.grouped_products(t.id, n_in, n_out, dev_tiles, len(tiles), x, None, None, out)] * 4)
+
     def matmul_rate(self, t, n_in: int, n_out: int, n_tok: int) -> tuple[float, bool]:
         """(seconds per matmul of n_tok tokens, graph used) on one weight (a prompt chunk's
         projection: its weight stays in the L2 across the launches, as the engine meets it)."""
@@ -158,7 +185,9 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--types", default="all", help="comma-separated GGML type names, or 'all'")
     ap.add_argument("--md", help="also write the table (markdown) and the summary to this file")
-    ap.add_argument("--matmul", action="store_true", help=f"also time a {MATMUL_TOKENS}-token matmul of {MATMUL[1]} x {MATMUL[0]} per type")
+    ap.add_argument("--matmul", action="store_true", help=f"also time a {MATMUL_TOKENS}-token matmul of {MATMUL[1]} x {MATMUL[0]} per type, on mm and on mmq")
+    ap.add_argument("--grouped", action="store_true", help=f"also time one grouped-experts launch ({GROUPED_EXPERTS} experts, 5-20 pairs each) per type, on mmx and on mmqx")
+    ap.add_argument("--no-matvec", action="store_true", help="leave out the head and expert matvecs")
     args = ap.parse_args(argv)
 
     from tabulate import tabulate
@@ -178,37 +207,64 @@ def main(argv: list[str] | None = None) -> int:
     print(head_line, flush=True)
 
     rows, misses, graphed_all = [], [], True
+    counts = np.random.default_rng(0).integers(5, 21, GROUPED_EXPERTS)
     for name in names:
         t = ggml_type(name)
-        sec, nbytes, graphed = b.matvec_rate(t, *HEAD)
-        graphed_all &= graphed
-        ratio = nbytes / sec / bw
-        row = [name, f"{nbytes / 2**20:.0f}", f"{sec * 1e6:.0f}", f"{nbytes / sec / 1e9:.0f}", f"{100 * ratio:.0f}%"]
-        if ratio < TARGET:
-            misses.append(f"{name} {100 * ratio:.0f}%")
-        for n_in, n_out in EXPERTS.values():
-            if n_in % t.block_size:
-                row += ["-", "-"]
-                continue
-            esec, ebytes, graphed = b.matvec_rate(t, n_in, n_out)
+        row = [name]
+        if not args.no_matvec:
+            sec, nbytes, graphed = b.matvec_rate(t, *HEAD)
             graphed_all &= graphed
-            row += [f"{esec * 1e6:.1f}", f"{100 * ebytes / esec / bw:.0f}%"]
+            ratio = nbytes / sec / bw
+            row += [f"{nbytes / 2**20:.0f}", f"{sec * 1e6:.0f}", f"{nbytes / sec / 1e9:.0f}", f"{100 * ratio:.0f}%"]
+            if ratio < TARGET:
+                misses.append(f"{name} {100 * ratio:.0f}%")
+            for n_in, n_out in EXPERTS.values():
+                if n_in % t.block_size:
+                    row += ["-", "-"]
+                    continue
+                esec, ebytes, graphed = b.matvec_rate(t, n_in, n_out)
+                graphed_all &= graphed
+                row += [f"{esec * 1e6:.1f}", f"{100 * ebytes / esec / bw:.0f}%"]
         if args.matmul:
-            msec, graphed = b.matmul_rate(t, *MATMUL, MATMUL_TOKENS)
-            graphed_all &= graphed
-            row += [f"{msec * 1e6:.0f}", f"{MATMUL_TOKENS / msec:.0f}"]
+            both = []
+            for mma in (False, True) if t.quantized else (False,):
+                b.kernels(mma)
+                msec, graphed = b.matmul_rate(t, *MATMUL, MATMUL_TOKENS)
+                graphed_all &= graphed
+                both.append(msec)
+            row += [f"{both[0] * 1e6:.0f}", f"{MATMUL_TOKENS / both[0]:.0f}"]
+            row += [f"{both[1] * 1e6:.0f}", f"{both[1] / both[0]:.2f}"] if t.quantized else ["-", "-"]
+        if args.grouped:
+            for n_in, n_out in EXPERTS.values():
+                n_in = -(-n_in // t.block_size) * t.block_size
+                if not t.quantized:
+                    row += ["-", "-", "-"]
+                    continue
+                both = []
+                for mma in (False, True):
+                    b.kernels(mma)
+                    gsec, graphed = b.grouped_rate(t, n_in, n_out, counts)
+                    graphed_all &= graphed
+                    both.append(gsec)
+                row += [f"{both[0] * 1e6:.0f}", f"{both[1] * 1e6:.0f}", f"{both[1] / both[0]:.2f}"]
         rows.append(row)
         print(" | ".join(row), flush=True)
         b.cp.get_default_memory_pool().free_all_blocks()
 
-    headers = ["type", "head MiB", "head us", "head GB/s", "head % read", "gate/up us", "% read", "down us", "% read"]
+    headers = ["type"]
+    if not args.no_matvec:
+        headers += ["head MiB", "head us", "head GB/s", "head % read", "gate/up us", "% read", "down us", "% read"]
     if args.matmul:
-        headers += [f"mm {MATMUL_TOKENS}x{MATMUL[1]}x{MATMUL[0]} us", "tok/s"]
+        headers += [f"mm {MATMUL_TOKENS}x{MATMUL[1]}x{MATMUL[0]} us", "tok/s", "mmq us", "mmq/mm"]
+    if args.grouped:
+        for what, (n_in, n_out) in EXPERTS.items():
+            headers += [f"mmx {what} {n_out}x{n_in} us", "mmqx us", "mmqx/mmx"]
     table = tabulate(rows, headers=headers)
-    summary = (
+    summary = ("summary: the batched kernels alone (--no-matvec)" if args.no_matvec else (
         f"summary: head {HEAD[1]}x{HEAD[0]} matvec: {len(rows) - len(misses)}/{len(rows)} types >= {TARGET:.0%} of the "
-        f"{bw / 1e9:.0f} GB/s streaming read" + (f"; below: {', '.join(misses)}" if misses else "")
-        + ("" if graphed_all else " (times include Python launch overhead: no CUDA graph capture)")
+        f"{bw / 1e9:.0f} GB/s streaming read" + (f"; below: {', '.join(misses)}" if misses else "")))
+    summary += (
+        ("" if graphed_all else " (times include Python launch overhead: no CUDA graph capture)")
         + f" [{time.perf_counter() - t0:.0f} s]"
     )  # fmt: skip
     print()

@@ -24,7 +24,7 @@
 #define __host__
 #define __constant__
 #define __forceinline__ inline
-#define __launch_bounds__(n)
+#define __launch_bounds__(...)
 
 struct uint2 {
     unsigned int x, y;
@@ -53,6 +53,7 @@ inline std::vector<Fiber> fibers;
 inline std::vector<std::vector<char>> stacks;
 inline std::vector<Bar> warp_bars;
 inline std::vector<uint64_t> xbuf;  // 32 shuffle slots per warp
+inline std::vector<uint32_t> mbuf;  // 3 mma fragment words per thread
 inline Bar block_bar;
 inline ucontext_t sched;
 inline int cur = 0;  // the running fiber = threadIdx.x
@@ -104,6 +105,7 @@ inline bool run_block(int threads, char* err, int errlen) {
     if ((int)stacks.size() < threads) stacks.resize(threads, std::vector<char>(stack));
     warp_bars.assign(threads / 32, Bar{});
     xbuf.assign(threads, 0);
+    mbuf.assign(3 * threads, 0);
     block_bar = Bar{};
     for (int i = 0; i < threads; i++) {
         getcontext(&fibers[i].ctx);
@@ -178,6 +180,7 @@ inline int min(int a, int b) { return a < b ? a : b; }
 inline int max(int a, int b) { return a > b ? a : b; }
 inline unsigned max(unsigned a, unsigned b) { return a > b ? a : b; }
 inline uint2 make_uint2(unsigned x, unsigned y) { return {x, y}; }
+inline uint4 make_uint4(unsigned x, unsigned y, unsigned z, unsigned w) { return {x, y, z, w}; }
 inline unsigned __funnelshift_r(unsigned lo, unsigned hi, unsigned s) {
     return (unsigned)((((uint64_t)hi << 32) | lo) >> (s & 31));
 }
@@ -201,6 +204,28 @@ inline unsigned __byte_perm(unsigned x, unsigned y, unsigned s) {
 inline int __dp4a(int a, int b, int c) {
     for (int i = 0; i < 32; i += 8) c += (int)(int8_t)(a >> i) * (int)(int8_t)(b >> i);
     return c;
+}
+
+// mma.sync.aligned.m16n8k16.row.col.s32.s8.s8.s32 with a zero accumulator, a warp-collective: every
+// lane puts its fragment words in, then each takes its four sums. Written from the PTX ISA's
+// layout as "which lane holds an element" (gpu_kernels.cu's mma_s8 says what a lane loads):
+//   A[r][k]: lane 4 (r % 8) + k / 4, register a(r / 8), byte k % 4;  B[k][n]: lane 4 n + k / 4, byte k % 4;
+//   D[r][n]: lane 4 (r % 8) + n / 2, register d(2 (r / 8) + n % 2).
+inline void mma_s8(unsigned a0, unsigned a1, unsigned b, int* d) {
+    const int lane = emu::cur & 31, w = emu::cur >> 5;
+    uint32_t* buf = &emu::mbuf[96 * w];
+    buf[3 * lane] = a0, buf[3 * lane + 1] = a1, buf[3 * lane + 2] = b;
+    emu::wait(emu::warp_bars[w], 32);
+    for (int i = 0; i < 4; i++) {
+        const int r = 8 * (i >> 1) + (lane >> 2), n = 2 * (lane & 3) + (i & 1);
+        int s = 0;
+        for (int k = 0; k < 16; k++) {
+            const uint32_t aw = buf[3 * (4 * (r % 8) + k / 4) + r / 8], bw = buf[3 * (4 * n + k / 4) + 2];
+            s += (int)(int8_t)(aw >> (8 * (k % 4))) * (int)(int8_t)(bw >> (8 * (k % 4)));
+        }
+        d[i] = s;
+    }
+    emu::wait(emu::warp_bars[w], 32);
 }
 
 // the kernels' f32 operations (PTX mul.rn / add.rn / div.rn / cvt on the device)

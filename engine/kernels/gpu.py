@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from strata.index_format.ggml_types import GGMLType, ggml_type
+from strata.index_format.ggml_types import TYPES, GGMLType, ggml_type
 
 from . import iq_tables as T
 from .actq import QA, ActQ, ActQ16, NonFiniteActivation, is_wide
@@ -38,14 +38,36 @@ SOURCE = Path(__file__).with_name("gpu_kernels.cu")
 # --fmad=false: no FMA contraction (a fused a*b+c rounds differently). The kernels' f32 operations
 # are inline PTX anyway, which no flag changes: CuPy appends -ftz=true to every compile.
 OPTIONS = ("--std=c++17", "--fmad=false")
-if os.environ.get("STRATA_MV_STEP"):  # a benchmark's knob: the matvec's staged bytes per warp step (gpu_kernels.cu)
-    OPTIONS += (f"-DSTRATA_MV_STEP={int(os.environ['STRATA_MV_STEP'])}",)
+for _knob in ("STRATA_MV_STEP", "STRATA_MQ_WARPS", "STRATA_MQ_MINB"):  # a benchmark's knobs (gpu_kernels.cu):
+    if os.environ.get(_knob):  # the matvec's staged bytes per warp step; mmq's warps and blocks per multiprocessor
+        OPTIONS += (f"-D{_knob}={int(os.environ[_knob])}",)
 KPLS = (1, 2, 3, 4, 6, 8)  # act-blocks per lane the matvec kernel holds: rows up to 8192 elements
 MAX_TOKENS = 64  # tokens per matmul pass (shared-memory accumulators); more are done in groups
 SMEM_LIMIT = 48 * 1024  # dynamic shared memory a block may take without an opt-in
 SHARED_TABLE_ROWS = 64  # rows per thread block from which an IQ grid is copied to shared memory
 NO_BAD = np.uint64(0xFFFFFFFFFFFFFFFF)
 _FLOAT_KIND = {"F32": 0, "F16": 1, "BF16": 2}
+
+
+def _mma_types(spec: str | None) -> frozenset[str]:
+    """The block types whose batched products (matmul, grouped_products) take the int8 tensor-core
+    kernels (mmq, mmqx: mm's bits); the others keep mm / mmx. STRATA_MMA: unset -> Q4_K and Q6_K,
+    "0" or "none" -> none, "all" -> every block type, else type names "Q4_K,Q6_K"."""
+    if spec is None or spec == "":
+        return frozenset({"Q4_K", "Q6_K"})
+    if spec.strip().lower() in ("0", "none"):
+        return frozenset()
+    if spec.strip().lower() == "all":
+        return frozenset(t.name for t in TYPES if t.quantized)
+    return frozenset(ggml_type(n.strip(), where="STRATA_MMA").name for n in spec.split(","))
+
+
+# Until the card has measured which is faster per type: the kernels are chosen here, per process
+# (STRATA_MMA, above), or by a test or benchmark setting it (then dropping `_plans`).
+MMA_TYPES = _mma_types(os.environ.get("STRATA_MMA"))
+# Warps of an mmqx block (at most the compiled STRATA_MQ_WARPS): a grouped tile has 5-20 pairs where
+# a prompt's dense product has 64 a launch, so the card may prefer fewer (a benchmark's knob).
+MMQX_WARPS = int(os.environ.get("STRATA_MQX_WARPS", "4"))
 _HAS_MIN = {"Q4_1", "Q5_1", "Q2_K", "Q4_K", "Q5_K"}  # docs/kernels.md: the types with a min term
 
 
@@ -282,13 +304,16 @@ class _Module:
     mm_buf: int = 0  # bytes of one mm staging buffer
     mv_rows: tuple[int, ...] = ()  # most rows per mv warp step, for KPL = 1 .. 8
     mv_buf: tuple[int, ...] = ()  # bytes of one mv staging buffer, for KPL = 1 .. 8
+    mq_smem: int = 0  # shared bytes of an mmq block (its decoded chunk and scales), the grid copy aside
+    mq_warps: int = 4  # most warps of an mmq block (STRATA_MQ_WARPS): its item is 16 rows x 8 warps tokens
 
 
 def _names(t: GGMLType) -> list[str]:
     if t.quantized:
         wide = [f"mv<{t.id}, {k}, 1>" for k in KPLS] if is_wide(t) else []
         grouped = [f"mvx<{t.id}, {k}>" for k in KPLS]
-        return [f"mv<{t.id}, {k}>" for k in KPLS] + wide + grouped + [f"mm<{t.id}>", f"mmx<{t.id}>", f"traits<{t.id}>"]
+        batched = [f"mm<{t.id}>", f"mmx<{t.id}>", f"mmq<{t.id}>", f"mmqx<{t.id}>"]
+        return [f"mv<{t.id}, {k}>" for k in KPLS] + wide + grouped + batched + [f"traits<{t.id}>"]
     return [f"fmv<{_FLOAT_KIND[t.name]}>", f"fmm<{_FLOAT_KIND[t.name]}>"]
 
 
@@ -311,7 +336,7 @@ def _module(key: str) -> _Module:
             _check_tables()
             for sym, table in _TABLES.items():
                 rt.set_global(m.mod, sym, table)
-            m.apb, m.tab, m.mm_buf, m.mv_rows, m.mv_buf = _traits(rt, m.mod, t)
+            m.apb, m.tab, m.mm_buf, m.mv_rows, m.mv_buf, m.mq_smem, m.mq_warps = _traits(rt, m.mod, t)
     _modules[key] = m
     return m
 
@@ -319,7 +344,7 @@ def _module(key: str) -> _Module:
 def _traits(rt, mod, t: GGMLType) -> tuple:
     """The kernel's own layout constants, held to the GGML type table (a drift is refused here,
     not discovered as wrong outputs), and its shared-memory sizes."""
-    out = rt.empty(22, np.int32)
+    out = rt.empty(24, np.int32)
     rt.launch(mod, f"traits<{t.id}>", 1, 32, (out,))
     v = [int(x) for x in rt.to_host(out)]
     want = (t.block_size // QA, t.rest_bytes, t.n_scales, t.name in _HAS_MIN)
@@ -328,7 +353,7 @@ def _traits(rt, mod, t: GGMLType) -> tuple:
             f"gpu_kernels.cu: {t.name} has (act-blocks, rest bytes, scales, min term) per block = "
             f"{tuple(v[:3]) + (bool(v[3]),)}, the GGML type table and reference.py say {want}"
         )
-    return v[0], v[4], v[5], tuple(v[6::2]), tuple(v[7::2])
+    return v[0], v[4], v[5], tuple(v[6:22:2]), tuple(v[7:22:2]), v[22], v[23]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -636,6 +661,10 @@ def _quant_plan(type_id: int, n_in: int, n_out: int, n_tok: int) -> tuple:
             rows -= 1
         grid = _grid(rt, n_out, nw * rows, per_sm)
         return m.mod, f"mv<{type_id}, {kpl}>", grid, 32 * nw, tab + nw * per_warp, (np.int32(rows), np.int32(tab > 0))
+    if t.name in MMA_TYPES:  # the int8 tensor cores: a block's item is 16 rows x 8 nw tokens
+        nw = max(1, min(m.mq_warps, -(-n_tok // 8)))
+        items = -(-n_out // 16) * -(-n_tok // (8 * nw))
+        return m.mod, f"mmq<{type_id}>", _grid(rt, items, 1, 8), 32 * nw, tab + m.mq_smem, (np.int32(n_tok), np.int32(tab > 0))
     per_warp = 2 * m.mm_buf + 4 * 32 * n_tok
     nw = _warps(per_warp, n_out, rt.n_sm, most=4, fixed_smem=tab)
     grid = _grid(rt, n_out, nw, per_sm)
@@ -750,7 +779,7 @@ def tile_rows(weights: list, firsts, counts, bases) -> np.ndarray:
 
 
 def grouped_products(type_id: int, n_in: int, n_out: int, tiles, n_tiles: int, act: GpuActQ, xrow, orow, out) -> None:
-    """Many experts' products of a prompt chunk in one launch (mmx, gpu_kernels.cu): tile i of
+    """Many experts' products of a prompt chunk in one launch (mmx, or mmqx for MMA_TYPES: gpu_kernels.cu): tile i of
     `tiles` (device i64 [n_tiles, 5], rows of `tile_rows`) multiplies its weight by act's rows
     xrow[p] (device int32; None: row p) for its pairs p into out's rows orow[p] (device int32; None:
     its base + p). Each row has matmul's bits on that weight alone (the batched kernel's arithmetic,
@@ -759,10 +788,13 @@ def grouped_products(type_id: int, n_in: int, n_out: int, tiles, n_tiles: int, a
         return
     mod, name, grid, block, smem, (_, tab) = _quant_plan(type_id, n_in, n_out, MAX_TOKENS)
     rt = runtime()
+    if name.startswith("mmq<"):  # a tile of up to 8 x warps pairs (most tiles) is one item per 16 rows: a block each
+        grid = min(grid, -(-n_out // 16))
+        block = 32 * max(1, min(MMQX_WARPS, block // 32))
     null = np.uint64(0)  # a null pointer argument
     args = (tiles, np.int32(grid), act.q, act.d, act.s16, null if xrow is None else xrow, null if orow is None else orow, out, np.int32(n_out), np.int32(n_in // QA),
             np.int32(MAX_TOKENS), tab)
-    rt.launch(mod, "mmx" + name[2:], grid * n_tiles, block, args, smem)
+    rt.launch(mod, name.replace("<", "x<", 1), grid * n_tiles, block, args, smem)
 
 
 def matmul(w: GpuWeight, act, out=None, planes_out=None):

@@ -85,6 +85,16 @@ __device__ __forceinline__ void cp_async16(void* dst, const void* src, u32 n) {
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
+// d = A B on the int8 tensor cores (a warp-collective; the host emulation has its own from the PTX
+// ISA): m16n8k16, s8 x s8 -> s32, A 16 x 16 row-major, B 16 x 8 column-major, no accumulator.
+// Lane (g, q) = (lane / 4, lane % 4) holds a0 = A[g][4q .. 4q + 3], a1 = A[g + 8][4q .. 4q + 3],
+// b = B[4q .. 4q + 3][g] (four s8 a word, the first in the low byte) and gets d0, d1 = D[g][2q],
+// D[g][2q + 1], d2, d3 = D[g + 8][2q], D[g + 8][2q + 1]. Exact: a sum of 16 products of s8 is below 2^18.
+__device__ __forceinline__ void mma_s8(u32 a0, u32 a1, u32 b, int* d) {
+    asm("mma.sync.aligned.m16n8k16.row.col.s32.s8.s8.s32 {%0, %1, %2, %3}, {%4, %5}, {%6}, {%7, %7, %7, %7};"
+        : "=r"(d[0]), "=r"(d[1]), "=r"(d[2]), "=r"(d[3])
+        : "r"(a0), "r"(a1), "r"(b), "r"(0));
+}
 #endif
 
 // ---------------------------------------------------------------------------------------------
@@ -606,22 +616,29 @@ template <> struct Ty<23> : NoTab {  // IQ4_XS  rest: | scales_h u16 | scales_l 
 // ---------------------------------------------------------------------------------------------
 // the specified f32 arithmetic
 
+// c_k from the exact half sums lo, hi (however they were made: __dp4a here, mma.sync in mmq)
+template <int T>
+__device__ __forceinline__ float scaled(int lo, int hi, int ws0, int ws1, int mn0, int mn1, float wf, float wm, float ad,
+                                        int xs0, int xs1) {
+    typedef Ty<T> L;
+    if (L::OFF) {
+        lo -= L::OFF * xs0;
+        hi -= L::OFF * xs1;
+    }
+    float c = f32_mul(f32_mul(wf, ad), i32_f32(ws0 * lo + ws1 * hi));
+    if (L::HAS_MIN) c = f32_add(c, f32_mul(f32_mul(wm, ad), i32_f32(mn0 * xs0 + mn1 * xs1)));
+    return c;
+}
+
 template <int T>
 __device__ __forceinline__ float term(const Blk& b, const u32* x, float ad, int xs0, int xs1) {
-    typedef Ty<T> L;
     int lo = 0, hi = 0;
 #pragma unroll
     for (int i = 0; i < 4; i++) {
         lo = __dp4a((int)b.q[i], (int)x[i], lo);
         hi = __dp4a((int)b.q[4 + i], (int)x[4 + i], hi);
     }
-    if (L::OFF) {
-        lo -= L::OFF * xs0;
-        hi -= L::OFF * xs1;
-    }
-    float c = f32_mul(f32_mul(b.wf, ad), i32_f32(b.ws0 * lo + b.ws1 * hi));
-    if (L::HAS_MIN) c = f32_add(c, f32_mul(f32_mul(b.wm, ad), i32_f32(b.mn0 * xs0 + b.mn1 * xs1)));
-    return c;
+    return scaled<T>(lo, hi, b.ws0, b.ws1, b.mn0, b.mn1, b.wf, b.wm, ad, xs0, xs1);
 }
 
 // lane[l] += lane[l + w], w = 16, 8, 4, 2, 1; lane 0 holds reference.fold_lanes' result
@@ -935,9 +952,186 @@ __global__ void __launch_bounds__(256) mmx(const i64* __restrict__ tiles, int pe
                shared_tab, blockIdx.x % per, per);
 }
 
+// ---------------------------------------------------------------------------------------------
+// The batched product on the int8 tensor cores (mmq, mmqx): mm's bits, with the exact half sums
+// lo, hi of each (row, token, act-block) made by mma.sync instead of __dp4a. A thread block's
+// item is 16 rows x 8 nw tokens (nw warps, warp w the tokens 8w .. 8w + 7, n = 8 of one mma);
+// the rows are taken 32 act-blocks (a chunk) at a time:
+//   1. the block decodes the chunk of its 16 rows (Ty<T>::dec from the planes in global memory,
+//      any type) into shared memory: q as int8 words (the mma's A), the scales per (row, act-block);
+//   2. for act-block l = 0 .. 31 of the chunk, each warp makes lo and hi of its 16 x 8 outputs (two
+//      mma, B: the tokens' ActQ words read from global memory) and lane (g, q) applies scaled<T>
+//      (term's f32 steps) to its four outputs (rows g, g + 8; tokens 2q, 2q + 1), adding the term
+//      to partial l of each: p[.][l] is mm's lane l (act-blocks l, l + 32, ... in that order from
+//      +0.0f), held in registers;
+//   3. after the last chunk, each output folds its 32 partials in fold's tree (w = 16 .. 1).
+// The same additions of the same terms in the same order as mm_body: the same bits, whatever the
+// tile. A row or token past the edge decodes / reads as something valid and is never written.
+//   xq i8 [T, nb * 32]; xd f32 [T, nb]; xs i32 [T, 2 nb]; out f32 [T, n_out]
+
+#define MQ_ROWS 16
+// words per row of the decoded chunk (32 act-blocks x 8 words) + 4: the 8 rows g a fragment load
+// reads (word 8 l + q of row g) fall in 8 distinct banks, not all in one
+#define MQ_RS (8 * 32 + 4)
+#define MQ_SS 33  // row stride (uint4) of the per-(row, act-block) scales
+// Warps of an mmq block (at most) and the blocks per multiprocessor its registers are bounded for:
+// a benchmark's knobs (gpu.py compiles with STRATA_MQ_WARPS / STRATA_MQ_MINB when set). The 4 x 32
+// partials are most of a thread's ~190-210 registers; (4 warps, 3 blocks) bounds it to 168, where
+// sm_90 spills a few bytes in mmq and 20-80 in mmqx (Q4_K, Q6_K).
+#ifndef STRATA_MQ_WARPS
+#define STRATA_MQ_WARPS 4
+#endif
+#ifndef STRATA_MQ_MINB
+#define STRATA_MQ_MINB 1
+#endif
+
+template <int T>
+struct Mq {
+    static __host__ __device__ constexpr int bytes() { return MQ_ROWS * MQ_RS * 4 + MQ_ROWS * MQ_SS * 16; }
+};
+
+// A (row, act-block)'s scales in one 16-byte word, read by one load: ws0 | ws1 << 16, wf, mn0 |
+// mn1 << 16, wm (every type's ws and mn are within int16: int8 at most, Q6_K's)
+__device__ __forceinline__ uint4 mq_pack(const Blk& b) {
+    return make_uint4(((u32)b.ws0 & 0xffffu) | ((u32)b.ws1 << 16), __float_as_uint(b.wf),
+                      ((u32)b.mn0 & 0xffffu) | ((u32)b.mn1 << 16), __float_as_uint(b.wm));
+}
+__device__ __forceinline__ int lo16(u32 v) { return (int)(v << 16) >> 16; }
+__device__ __forceinline__ int hi16(u32 v) { return (int)v >> 16; }
+
+// one level of fold's tree on 32 partials held by one thread: v[l] += v[l + W] (W a constant: with
+// the level as a loop variable NVCC kept the partials in local memory)
+template <int W>
+__device__ __forceinline__ void fold_step(float* v) {
+#pragma unroll
+    for (int l = 0; l < W; l++) v[l] = f32_add(v[l], v[l + W]);
+}
+
+template <int T>
+__device__ __forceinline__ void mq_body(const u8* __restrict__ rest, const float* __restrict__ scales,
+                                        const i8* __restrict__ xq, const float* __restrict__ xd,
+                                        const i32* __restrict__ xs, const int* __restrict__ xrow, i64 x0,
+                                        const int* __restrict__ orow, i64 o0, float* __restrict__ out, int n_out,
+                                        int nb, int ntok, int shared_tab, int bx, int gx) {
+    typedef Ty<T> L;
+    constexpr bool S16 = L::HAS_MIN || L::OFF != 0;
+    STRATA_SMEM(smem);
+    const typename L::Tab* tab = load_tab<T>(smem, shared_tab);
+    u32* const aq = reinterpret_cast<u32*>(smem + (shared_tab ? Buf<T>::tab() : 0));
+    uint4* const ssc = reinterpret_cast<uint4*>(aq + MQ_ROWS * MQ_RS);  // [16][MQ_SS]: mq_pack
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5, g = lane >> 2, q = lane & 3;
+    const int nblk = nb / L::APB, nchunk = (nb + 31) / 32, groups = (n_out + MQ_ROWS - 1) / MQ_ROWS;
+    const i64 n_in = 32 * (i64)nb, items = (i64)groups * ((ntok + 8 * nw - 1) / (8 * nw));
+
+    for (i64 it = bx; it < items; it += gx) {  // the same for every thread of the block
+        const int ob = (int)(it % groups) * MQ_ROWS, tw = (int)(it / groups) * 8 * nw + 8 * warp;
+        const bool active = tw < ntok;  // the same for every lane of the warp
+        // the lane's B token (g) and its output tokens (2q, 2q + 1), the last token past the edge
+        const int tb = min(tw + g, ntok - 1), tc0 = min(tw + 2 * q, ntok - 1), tc1 = min(tw + 2 * q + 1, ntok - 1);
+        const i64 xb = xrow ? (i64)__ldg(xrow + tb) : x0 + tb;
+        const i64 xc0 = xrow ? (i64)__ldg(xrow + tc0) : x0 + tc0, xc1 = xrow ? (i64)__ldg(xrow + tc1) : x0 + tc1;
+        float p[4][32];
+#pragma unroll
+        for (int i = 0; i < 4; i++)
+#pragma unroll
+            for (int l = 0; l < 32; l++) p[i][l] = 0.0f;
+        for (int c = 0; c < nchunk; c++) {
+            __syncthreads();  // every warp is done with the chunk before
+            for (int i = threadIdx.x; i < MQ_ROWS * 32; i += blockDim.x) {
+                const int rr = i >> 5, kk = i & 31, o = ob + rr, k = 32 * c + kk, si = rr * MQ_SS + kk;
+                uint4* dst = reinterpret_cast<uint4*>(STRATA_ALIGNED(aq + rr * MQ_RS + 8 * kk, 16));
+                if (o < n_out && k < nb) {
+                    const i64 blk = (i64)o * nblk + k / L::APB;
+                    const Blk b = L::dec(rest + blk * L::REST, k % L::APB, scales + blk * L::NS, tab);
+                    dst[0] = make_uint4(b.q[0], b.q[1], b.q[2], b.q[3]);
+                    dst[1] = make_uint4(b.q[4], b.q[5], b.q[6], b.q[7]);
+                    ssc[si] = mq_pack(b);
+                } else {  // never written out (row) or never read (act-block)
+                    dst[0] = dst[1] = make_uint4(0u, 0u, 0u, 0u);
+                    ssc[si] = make_uint4(0u, 0u, 0u, 0u);
+                }
+            }
+            __syncthreads();
+            if (!active) continue;
+#pragma unroll
+            for (int l = 0; l < 32; l++) {
+                const int k = 32 * c + l;
+                if (k < nb) {  // the same for every lane
+                    const u32* a = aq + g * MQ_RS + 8 * l + q;
+                    const u32* x = reinterpret_cast<const u32*>(STRATA_ALIGNED(xq + xb * n_in + 32 * (i64)k + 4 * q, 4));
+                    int lo[4], hi[4];
+                    mma_s8(a[0], a[8 * MQ_RS], __ldg(x), lo);
+                    mma_s8(a[4], a[8 * MQ_RS + 4], __ldg(x + 4), hi);
+                    float ad[2];
+                    int s0[2] = {0, 0}, s1[2] = {0, 0};
+#pragma unroll
+                    for (int j = 0; j < 2; j++) {
+                        const i64 xc = j ? xc1 : xc0;
+                        ad[j] = __ldg(xd + xc * nb + k);
+                        if (S16) {
+                            s0[j] = __ldg(xs + 2 * (xc * nb + k));
+                            s1[j] = __ldg(xs + 2 * (xc * nb + k) + 1);
+                        }
+                    }
+                    const uint4 sc[2] = {ssc[g * MQ_SS + l], ssc[(g + 8) * MQ_SS + l]};
+#pragma unroll
+                    for (int i = 0; i < 4; i++) {  // output i: row g + 8 (i >> 1), token 2q + (i & 1)
+                        const uint4 v = sc[i >> 1];
+                        const int j = i & 1;
+                        p[i][l] = f32_add(p[i][l], scaled<T>(lo[i], hi[i], lo16(v.x), hi16(v.x), lo16(v.z), hi16(v.z),
+                                                             __uint_as_float(v.y), __uint_as_float(v.w), ad[j], s0[j], s1[j]));
+                    }
+                }
+            }
+        }
+        if (!active) continue;
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            fold_step<16>(p[i]), fold_step<8>(p[i]), fold_step<4>(p[i]), fold_step<2>(p[i]), fold_step<1>(p[i]);
+            const int o = ob + g + 8 * (i >> 1), t = tw + 2 * q + (i & 1);
+            if (o < n_out && t < ntok) out[(orow ? (i64)__ldg(orow + t) : o0 + t) * n_out + o] = p[i][0];
+        }
+    }
+}
+
+template <int T>
+__global__ void __launch_bounds__(32 * STRATA_MQ_WARPS, STRATA_MQ_MINB) mmq(const u8* __restrict__ rest, const float* __restrict__ scales,
+                                           const i8* __restrict__ xq, const float* __restrict__ xd,
+                                           const i32* __restrict__ xs, float* __restrict__ out, int n_out, int nb,
+                                           int ntok, int shared_tab) {
+    mq_body<T>(rest, scales, xq, xd, xs, nullptr, 0, nullptr, 0, out, n_out, nb, ntok, shared_tab, blockIdx.x, gridDim.x);
+}
+
+// mmx's tiles (the same table and arguments) through mq_body
+template <int T>
+__global__ void __launch_bounds__(32 * STRATA_MQ_WARPS, STRATA_MQ_MINB) mmqx(const i64* __restrict__ tiles, int per, const i8* __restrict__ xq,
+                                            const float* __restrict__ xd, const i32* __restrict__ xs,
+                                            const int* __restrict__ xrow, const int* __restrict__ orow,
+                                            float* __restrict__ out, int n_out, int nb, int ntok_max, int shared_tab) {
+    const i64* t = tiles + 5 * (i64)(blockIdx.x / per);
+    const i64 first = t[2];
+    const int n = (int)t[3];
+    if (n == 0) return;  // the whole block: no barrier is left waiting
+    (void)ntok_max;
+    mq_body<T>(reinterpret_cast<const u8*>(t[0]), reinterpret_cast<const float*>(t[1]), xq, xd, xs,
+               xrow ? xrow + first : nullptr, first, orow ? orow + first : nullptr, t[4] + first, out, n_out, nb, n,
+               shared_tab, blockIdx.x % per, per);
+}
+
+// The fragment layout of mma_s8 as mq_body uses it, against a plain integer product (the tests):
+//   A i8 [16, 16] row-major; Bt i8 [8, 16] (B's columns); D i32 [16, 8]; one warp
+__global__ void mma_probe(const i8* __restrict__ A, const i8* __restrict__ Bt, int* __restrict__ D) {
+    const int lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
+    const u32* a = reinterpret_cast<const u32*>(A);
+    const u32* b = reinterpret_cast<const u32*>(Bt);
+    int d[4];
+    mma_s8(a[4 * g + q], a[4 * (g + 8) + q], b[4 * g + q], d);
+    for (int i = 0; i < 4; i++) D[(g + 8 * (i >> 1)) * 8 + 2 * q + (i & 1)] = d[i];
+}
+
 // What gpu.py checks against index_format.ggml_types (the one table) and sizes launches by:
 // [APB, REST, NS, HAS_MIN, table bytes, mm buffer bytes, then for KPL = 1 .. 8: rows per mv
-// step, mv buffer bytes].
+// step, mv buffer bytes, then mmq's shared bytes (the grid copy aside) and most warps].
 template <int KPL, int T>
 __device__ void mv_traits(int* out) {
     out[4 + 2 * KPL] = MvRows<T, KPL>::N;
@@ -962,6 +1156,8 @@ __global__ void traits(int* out) {
         mv_traits<6, T>(out);
         mv_traits<7, T>(out);
         mv_traits<8, T>(out);
+        out[22] = Mq<T>::bytes();
+        out[23] = STRATA_MQ_WARPS;
     }
 }
 

@@ -8,7 +8,7 @@ activations left on the device:
 
     - the tables of the layer (for each resident expert's tile of up to gpu.MAX_TOKENS pairs: its
       slot's weight addresses; each pair's token and the row MoE.routed wants it in) go up in ONE copy;
-    - gate and up of every resident expert are ONE launch (gpu.grouped_products, mmx: each row the
+    - gate and up of every resident expert are ONE launch (gpu.grouped_products, mmx or mmqx: each row the
       batched kernel's bits on that expert alone, which are the CPU's), h = up silu(gate) ONE launch
       (dev_hidden: the portable SiLU the CPU's hidden_ uses), its ActQ one, the downs ONE launch that
       writes each row where MoE.routed wants it;
@@ -162,7 +162,7 @@ class DeviceChunk:
 
     def _streamed(self, moe, xq, experts, str_g, s, tok, dev_i, gu, h, hq, zero, n, n_res, part) -> None:
         """The streamed experts: each one's gate and up copied to a staging buffer and multiplied on its
-        gathered rows (gpu.matmul: the batched kernel mmx runs per tile, so the same bits), then h and
+        gathered rows (gpu.matmul: the batched kernel mmx / mmqx runs per tile, so the same bits), then h and
         its ActQ for all of their rows, then each one's down copied and multiplied, its rows scattered
         to where MoE.routed wants them."""
         hp, layer, F = self.hits, moe.layer, moe.F

@@ -18,23 +18,34 @@ import strata.engine.kernels.gpu as gpu
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 
 
-@pytest.mark.parametrize("types", [("Q8_0", "Q8_0"), ("IQ2_XS", "Q4_K")])
-def test_grouped_products_are_each_experts_matmul(rt, types):
-    """mmx: the products of several experts on their own rows of a chunk in one launch (a group of
-    more than MAX_TOKENS pairs spans tiles; rows gathered by xrow, scattered by orow), each row the
-    bits of gpu.matmul on that expert's rows alone."""
+@pytest.mark.parametrize("mma", [0, 4, 1], ids=["mmx", "mmqx", "mmqx-1warp"])  # mmqx's warps a block (MMQX_WARPS)
+@pytest.mark.parametrize("name", ["Q8_0", "Q4_K", "Q6_K"])
+def test_grouped_products_are_each_experts_matmul(rt, name, mma, monkeypatch):
+    """mmx / mmqx (gpu.MMA_TYPES): the products of several experts on their own rows of a chunk in
+    one launch (a group of more than MAX_TOKENS pairs spans tiles; rows gathered by xrow, scattered
+    by orow), each row the bits of gpu.matmul on that expert's rows alone, and of the reference."""
     from kernel_blocks import random_weights
+    from strata.engine.kernels import reference as R
+    from strata.engine.kernels.actq import quantize_act
     from strata.index_format.ggml_types import ggml_type
 
     rng = np.random.default_rng(11)
-    t = ggml_type(types[1])
-    E, F, T = 256, 126, 9  # F: not a multiple of 4 (rows a warp step takes in some launch plans)
-    ws = [gpu.upload(random_weights(t, E * F, rng), t.id, E, F) for _ in range(3)]
-    counts = [gpu.MAX_TOKENS + 3, 2, 21]  # the first group spans two tiles
+    t = ggml_type(name)
+    monkeypatch.setattr(gpu, "MMA_TYPES", frozenset({name}) if mma else frozenset())
+    monkeypatch.setattr(gpu, "MMQX_WARPS", mma or 4)
+    monkeypatch.setattr(gpu, "_plans", {})  # launch plans made for this choice, dropped after
+    assert gpu._quant_plan(t.id, 256, 126, gpu.MAX_TOKENS)[1].startswith("mmq<" if mma else "mm<")
+    # F: not whole 16-row groups (mmqx) nor a multiple of 4 (rows a warp step takes in some launch
+    # plans); E: 8 act-blocks, a partial chunk
+    E, F, T = 256, 126, 9
+    raws = [random_weights(t, E * F, rng) for _ in range(3)]
+    ws = [gpu.upload(r, t.id, E, F) for r in raws]
+    counts = [gpu.MAX_TOKENS + 3, 2, 21]  # the first group spans two tiles (the second of 3 pairs)
     firsts = np.concatenate(([0], np.cumsum(counts)[:-1]))
     n = sum(counts)
     tok = rng.integers(0, T, n).astype(np.int32)  # the pair's token (repeats: the same token twice)
-    x = gpu.quantize_act_gpu(rt.to_device(rng.standard_normal((T, E)).astype(np.float32)))
+    xh = rng.standard_normal((T, E)).astype(np.float32)
+    x = gpu.quantize_act_gpu(rt.to_device(xh))
     # gather: out row = pair
     tiles = gpu.tile_rows(ws, firsts, counts, [0, 0, 0])
     assert len(tiles) == 4
@@ -44,10 +55,17 @@ def test_grouped_products_are_each_experts_matmul(rt, types):
     # scatter: pair p (input row p) into row perm[p] of a bigger output, the rest untouched
     perm = rng.permutation(n + 4)[:n].astype(np.int32)
     big = rt.to_device(np.full((n + 4, F), 5.0, np.float32))
-    xs = gpu.quantize_act_gpu(rt.to_device(rng.standard_normal((n, E)).astype(np.float32)))
+    xsh = rng.standard_normal((n, E)).astype(np.float32)
+    xs = gpu.quantize_act_gpu(rt.to_device(xsh))
     gpu.grouped_products(t.id, E, F, rt.to_device(tiles), len(tiles), xs, None, rt.to_device(perm), big)
     got_big = rt.to_host(big)
     assert (np.delete(got_big, perm, axis=0) == 5.0).all()
+    for r, a, c in zip(raws, firsts, counts):
+        rows = tok[a : a + c]
+        ref = R.dot_reference(r, t.id, E, F, quantize_act(xh[rows]))
+        assert np.array_equal(got[a : a + c].view(np.int32), ref.view(np.int32)), f"{name} group at {a}: gathered rows"
+        ref_s = R.dot_reference(r, t.id, E, F, quantize_act(xsh[a : a + c]))
+        assert np.array_equal(got_big[perm[a : a + c]].view(np.int32), ref_s.view(np.int32)), f"{name} group at {a}: scattered rows"
     for w, a, c in zip(ws, firsts, counts):
         rows = tok[a : a + c]
         want = rt.to_host(gpu.matmul(w, gpu.GpuActQ(x.q[rows], x.d[rows], x.s16[rows], None)))

@@ -189,10 +189,67 @@ def test_products_are_bit_identical_to_the_reference(rt, t):
 
 
 @pytest.mark.parametrize("t", [t for t in TYPES if t.name.startswith(("IQ1", "IQ2", "IQ3"))], ids=lambda t: t.name)
-def test_grid_types_with_the_grid_in_shared_memory(rt, t, monkeypatch):
-    # Head-sized matrices read the IQ grid from a per-block shared copy; force it on a small one.
+def test_grid_types_with_the_grid_in_shared_memory(rt, t, monkeypatch, batched_kernel):
+    # Head-sized matrices read the IQ grid from a per-block shared copy; force it on a small one
+    # (mmq's decoded chunk then follows the copy in shared memory).
     monkeypatch.setattr(gpu, "SHARED_TABLE_ROWS", 0)
     _check_products(rt, t, 2048, 33, (1, 3), seed=t.id)
+
+
+# ---------------------------------------------------------------------------------------------
+# the batched products on the int8 tensor cores (mmq: gpu.MMA_TYPES) and on __dp4a (mm)
+
+
+def test_mma_fragment_layout_is_a_plain_integer_product(rt):
+    # mma_s8's fragments as gpu_kernels.cu loads them, through the instruction (the card's, or the
+    # emulation's, written from the PTX ISA on its own), against numpy: a wrong layout on either
+    # side moves or mixes sums. Extreme values included (-128 x -128, 127 x -128).
+    rng = np.random.default_rng(5)
+    A = rng.integers(-128, 128, (16, 16), dtype=np.int8)
+    Bt = rng.integers(-128, 128, (8, 16), dtype=np.int8)
+    A[0, :], Bt[0, :] = -128, -128
+    A[15, :], Bt[7, :] = 127, -128
+    mod = rt.compile(["mma_probe"])
+    D = rt.to_device(np.zeros((16, 8), np.int32))
+    rt.launch(mod, "mma_probe", 1, 32, (rt.to_device(A), rt.to_device(Bt), D))
+    want = A.astype(np.int32) @ Bt.astype(np.int32).T
+    got = rt.to_host(D)
+    bad = np.argwhere(got != want)
+    assert len(bad) == 0, f"{len(bad)} of 128 sums differ, first D{tuple(bad[0])}: {got[tuple(bad[0])]} vs {want[tuple(bad[0])]}"
+
+
+@pytest.fixture(params=["mm", "mmq"])
+def batched_kernel(request, monkeypatch):
+    """Which kernel gpu.matmul's batched launches take for every block type (the launch plans are
+    dropped, so they are made again for it)."""
+    kinds = frozenset(t.name for t in TYPES if t.quantized) if request.param == "mmq" else frozenset()
+    monkeypatch.setattr(gpu, "MMA_TYPES", kinds)
+    monkeypatch.setattr(gpu, "_plans", {})  # launch plans made for this choice, dropped after
+    return request.param
+
+
+# mmq's item is 16 rows x 8 nw tokens and its chunk 32 act-blocks: rows 5 (< one group), 17 (one
+# past) and 37; tokens 2 .. 40 (one n-block short, whole, one past, several warps and a ragged one);
+# nb 24 (256-blocks x 3: one partial chunk) and 40 (x 5: a whole chunk and a partial one), 11 / 44
+# for 32-blocks, 10 for 64-blocks
+_RAGGED = {32: (32 * 11, 32 * 44), 64: (64 * 5,), 256: (256 * 3, 256 * 5)}
+
+
+@pytest.mark.parametrize("name", ["Q4_K", "Q6_K"])
+def test_batched_kernels_with_ragged_tiles(rt, name, batched_kernel):
+    t = BY_NAME[name]
+    for n_in in _RAGGED[t.block_size]:
+        for n_out in (5, 17, 37):
+            assert gpu._quant_plan(t.id, n_in, n_out, 9)[1] == f"{batched_kernel}<{t.id}>"
+            _check_products(rt, t, n_in, n_out, (2, 7, 8, 9, 17, 33, 40), seed=t.id * 100 + n_in + n_out)
+
+
+@pytest.mark.parametrize("t", [t for t in TYPES if t.quantized and t.name not in ("Q4_K", "Q6_K")], ids=lambda t: t.name)
+def test_batched_kernels_every_type(rt, t, batched_kernel):
+    # mmq is generic over Ty<T>::dec: every block type keeps mm's bits through it (a type may then
+    # be switched to it with STRATA_MMA once the card says it is faster)
+    assert gpu._quant_plan(t.id, _RAGGED[t.block_size][0], 17, 9)[1] == f"{batched_kernel}<{t.id}>"
+    _check_products(rt, t, _RAGGED[t.block_size][-1], 17, (3, 9, 40), seed=t.id * 31)
 
 
 def test_out_buffer_is_filled_in_place(rt):
