@@ -1,13 +1,16 @@
 """Before/after of the token path's latest change in one process: `Model.step` without it (before)
 and with it (after), rounds interleaved, same token ids, wall-clock and CPU time per token, and the
-per-stage table of each. The change compared: less serial Python per token (cpu.matmul_grouped
-keeps a repeated layout's work items and chunks, `cpu._grouped_plan`; the MoE's router shares the
-shared expert's region, a hyper-connection's down and inject one `linears` call). Before: no plan
-kept (`cpu.PLAN_ROWS` -1), the MoE's and the mix's code as they were. Earlier comparisons: one
-region per input whatever form each reads, `git show 9567b85:benchmarks/decode_ab.py`; the
-one-token Q4_K/Q6_K kernels and the first one-region products, `git show
-6c4cd39:benchmarks/decode_ab.py`; rowdot.py's first types and delta.py, `git show
-2f692b5:benchmarks/decode_ab.py`.
+per-stage table of each. The change compared: a token's host passes on the CPU (a Gated DeltaNet
+layer's conv, gates, q/k norms and gated output norm, kernels/delta.py; a hyper-connection's gates
+between its products, hyper.lowrank_gates; the routing's selection and groups of one row,
+moe._top_one). Before: the CPU backend owning none of the hooks those passes replace (every hook
+one by one, as the device step still takes them), the routing through route_topk_reference and
+Groups(one_row=False). (The grouped norm's mean, moved into its kernel in the same change, is the
+new code in both.) Earlier comparisons: the grouped calls' kept plans, the router in the shared
+expert's region, `git show e876792:benchmarks/decode_ab.py`; one region per input whatever form
+each reads, `git show 9567b85:benchmarks/decode_ab.py`; the one-token Q4_K/Q6_K kernels and the
+first one-region products, `git show 6c4cd39:benchmarks/decode_ab.py`; rowdot.py's first types and
+delta.py, `git show 2f692b5:benchmarks/decode_ab.py`.
 
     python benchmarks/decode_ab.py [--arch qwen4exp|qwen35moe] [--threads 1] [--rounds 5] [--tokens 32] [--preset seed-4l]
 
@@ -27,73 +30,25 @@ import time
 import numpy as np
 
 import decode as D
-from strata.engine.weights import Input
 
 F32 = np.float32
 
 
 @contextlib.contextmanager
 def before():
-    """The token path as it was: every grouped call remakes its plan, the router has a region of
-    its own, a mix's inject is a product of its own."""
-    from strata.engine import hyper, moe
-    from strata.engine.kernels import cpu
+    """The token path as it was: every hook one by one, the routing and its groups through numpy."""
+    from strata.engine import moe
+    from strata.engine.backend import CpuBackend
 
-    saved = (cpu.PLAN_ROWS, moe.MoE.forward, hyper.HyperConnection.mix)
-    cpu.PLAN_ROWS = -1
-    cpu._PLANS.clear()
-    moe.MoE.forward, hyper.HyperConnection.mix = old_moe_forward, old_mix
+    saved = (CpuBackend.owns, CpuBackend.route, moe.Groups)
+    groups = moe.Groups
+    CpuBackend.owns = lambda self, *hooks: False
+    CpuBackend.route = staticmethod(moe.route_topk_reference)
+    moe.Groups = lambda top: groups(top, one_row=False)
     try:
         yield
     finally:
-        cpu.PLAN_ROWS, moe.MoE.forward, hyper.HyperConnection.mix = saved
-
-
-def old_moe_forward(self, be, x: Input, counts=None) -> np.ndarray:
-    from strata.engine.batch import keep, seqs_of
-    from strata.engine.moe import Groups
-
-    T = x.x.shape[0]
-    out = be.experts.token(self, x, counts) if T == 1 and be.experts is not None else None
-    if out is None:
-        top, weights = self.route(be, x)
-        if counts is not None:
-            for r in seqs_of(counts, T):
-                r.state[...] += np.bincount(top[r.a : r.b].reshape(-1), minlength=r.state.size)
-                keep(r)
-        grp = Groups(top)
-        part = self.routed(be, x, grp.experts, grp.rows, grp.starts)
-        out = be.scratch("moe.out", (T, self.E))
-        be.combine(part, grp.slot, weights, out)
-    if self.shared:
-        s_gate, gate, up, down = self.shared
-        sc = be.scratch
-        Fs = gate.n_out
-        u, g = be.linears((up, gate), x, (sc("moe.sh_up", (T, Fs)), sc("moe.sh_gate", (T, Fs))))
-        h = be.gate_(u, g, silu=True)
-        y = be.linear(down, Input(h), sc("moe.sh_y", (T, self.E)))
-        y *= be.sigmoid(be.linear(s_gate, x, sc("moe.sh_g", (T, 1))))
-        out += y
-    return out
-
-
-def old_mix(self, be, streams: np.ndarray):
-    self._check(streams)
-    T = streams.shape[0]
-    if self.down.type.quantized:
-        sn, act = be.rmsnorm_q(streams, self.norm, self.n_embd, self.eps)
-        sn_in = Input(sn, act)
-    else:
-        sn = be.rmsnorm(streams, self.norm, self.eps, group=self.n_embd, f32_sums=True)
-        sn_in = Input(sn)
-    sc = be.scratch
-    d = be.linear(self.down, sn_in, sc("hc.d", (T, self.down.n_out)))
-    d /= F32(self.hc)
-    u = be.linear(self.up, d * be.sigmoid(d, exp_form=True), sc("hc.u", (T, self.hc * self.n_embd)))
-    x = be.mix_tail(u, sn, sc("hc.x", (T, self.n_embd)))
-    if self.inject_w is None:
-        return Input(x), None
-    return Input(x), 2 * be.sigmoid(be.linear(self.inject_w, sn_in) / F32(self.hc), exp_form=True)
+        CpuBackend.owns, CpuBackend.route, moe.Groups = saved[0], staticmethod(moe.route_topk), saved[2]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -71,6 +71,9 @@ def _row(act):
     return act[0]
 
 
+_OWNS: dict[tuple, bool] = {}  # (backend class, hooks) -> CpuBackend.owns
+
+
 class CpuBackend:
     """numpy and the Numba kernels."""
 
@@ -83,6 +86,19 @@ class CpuBackend:
 
     def __init__(self):
         self.scratch = Scratch()
+
+    def owns(self, *hooks: str) -> bool:
+        """Whether every hook named is this class's as CpuBackend defines it (none overridden). A
+        block may replace a token's run of such hooks by a fused host form (a few Numba passes in
+        the step's buffers) only then: a backend that computes one of them elsewhere (the device
+        step, whose arrays the emulation keeps in numpy too) gets every call as before."""
+        # kept per class: checked at every call it cost ~4-8 us a GDN layer (11 hooks). So a hook
+        # patched onto a class after its first token is not seen: subclass, or patch `owns` itself
+        key = (type(self), hooks)
+        got = _OWNS.get(key)
+        if got is None:
+            got = _OWNS[key] = all(getattr(type(self), h) is getattr(CpuBackend, h) for h in hooks)
+        return got
 
     # --- matrix products -------------------------------------------------------------------------
 

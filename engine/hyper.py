@@ -83,9 +83,11 @@ def grouped_rmsnorm_q(x: np.ndarray, gain: np.ndarray, group: int, eps: float) -
     stay numpy's (pairwise sums, which a Numba loop did not vectorize)."""
     T, n = x.shape
     out = np.square(x)
-    r = 1.0 / np.sqrt(np.mean(out.reshape(T, -1, group), axis=-1, dtype=F32) + F32(eps))  # [T, n / group]
+    # np.mean's own sum (add.reduce, pairwise), the rest of the mean and of the norm's factor in
+    # the kernel (np.mean, the add and the root were 8-10 numpy calls a mix of a token)
+    sums = np.add.reduce(out.reshape(T, -1, group), axis=-1, dtype=F32)  # [T, n / group]
     act = ActQ.empty(x.shape)
-    bad = _scale_quantize(x, r, gain, out, act.q, act.d, act.s16, QA)
+    bad = _scale_quantize(x, sums, F32(eps), gain, out, act.q, act.d, act.s16, QA)
     if bad >= 0:
         at = np.unravel_index(bad, x.shape)
         raise NonFiniteActivation(f"grouped_rmsnorm_q: non-finite activation {out[at]} at index {tuple(int(i) for i in at)}")
@@ -93,14 +95,18 @@ def grouped_rmsnorm_q(x: np.ndarray, gain: np.ndarray, group: int, eps: float) -
 
 
 @cached_njit("grouped-rmsnorm-q")
-def _scale_quantize(x, r, gain, out, q, d, s16, qa):
-    # out = (x r) gain, grouped_rmsnorm's last two steps, then the row's ActQ while it is in cache:
-    # one pass where numpy's two and quantize_act's read made three over a [T, 10240] chunk
+def _scale_quantize(x, sums, eps, gain, out, q, d, s16, qa):
+    # r = 1 / sqrt(mean + eps) from the f32 sums of squares, as grouped_rmsnorm makes it: np.mean
+    # divides its f32 sum by an intp count, i.e. in float64, rounded to f32; then the f32 add,
+    # root and division. Then out = (x r) gain, grouped_rmsnorm's last two steps, and the row's
+    # ActQ while it is in cache: one pass where numpy's two and quantize_act's read made three
+    # over a [T, 10240] chunk
     T, n = x.shape
-    group = n // r.shape[1]
+    group = n // sums.shape[1]
     for t in range(T):
-        for g in range(r.shape[1]):
-            rg = r[t, g]
+        for g in range(sums.shape[1]):
+            mean = F32(np.float64(sums[t, g]) / np.float64(group))
+            rg = F32(1) / np.sqrt(mean + eps)
             o = g * group
             for i in range(group):  # from 0: a loop from g * group did not vectorize (10x slower)
                 out[t, o + i] = (x[t, o + i] * rg) * gain[o + i]
@@ -165,16 +171,23 @@ class HyperConnection:
             sn = be.rmsnorm(streams, self.norm, self.eps, group=self.n_embd, f32_sums=True)
             sn_in = Input(sn)
         sc = be.scratch  # the token step's buffers, reused (the same values as new arrays)
+        R = self.down.n_out
         if self.inject_w is None:
-            d = be.linear(self.down, sn_in, sc("hc.d", (T, self.down.n_out)))
+            d, inj = be.linear(self.down, sn_in, sc("hc.d", (T, R))), None
         else:  # down and inject both read sn: one parallel region for a token (backend.linears, the same bits)
-            d, inj = be.linears((self.down, self.inject_w), sn_in, (sc("hc.d", (T, self.down.n_out)), sc("hc.inj", (T, self.hc))))
-        d /= F32(self.hc)
-        u = be.linear(self.up, d * be.sigmoid(d, exp_form=True), sc("hc.u", (T, self.hc * self.n_embd)))  # silu
+            d, inj = be.linears((self.down, self.inject_w), sn_in, (sc("hc.d", (T, R)), sc("hc.inj", (T, self.hc))))
+        if T == 1 and be.owns("sigmoid"):
+            # a token's gates of the low-rank and the inject in two passes and numpy's exp, into
+            # the step's buffers (their numpy steps were 12 calls and 5 temporaries a mix)
+            a, w = sc("hc.a", (1, R)), None if inj is None else sc("hc.w", (1, self.hc))
+            lowrank_gates(d, inj, F32(self.hc), a, w, sc("hc.ex", (1, R)), None if inj is None else sc("hc.exw", (1, self.hc)))
+        else:
+            d /= F32(self.hc)
+            a = d * be.sigmoid(d, exp_form=True)  # silu
+            w = None if inj is None else 2 * be.sigmoid(inj / F32(self.hc), exp_form=True)
+        u = be.linear(self.up, a, sc("hc.u", (T, self.hc * self.n_embd)))
         x = be.mix_tail(u, sn, sc("hc.x", (T, self.n_embd)))
-        if self.inject_w is None:
-            return Input(x), None
-        return Input(x), 2 * be.sigmoid(inj / F32(self.hc), exp_form=True)
+        return Input(x), w
 
     def inject(self, be, streams: np.ndarray, block_out: np.ndarray, w: np.ndarray) -> None:
         """In place: stream c of token t += w[t, c] * block_out[t]."""
@@ -184,6 +197,55 @@ class HyperConnection:
             if a.shape != shape or a.dtype != F32:
                 raise ValueError(f"{self.name}: {name} {a.dtype}{list(a.shape)}, expected float32{list(shape)}")
         be.inject(streams, block_out, w)
+
+
+def lowrank_gates_reference(d: np.ndarray, inj: np.ndarray | None, hc: int) -> tuple[np.ndarray, np.ndarray | None]:
+    """(silu(d / hc), 2 sigmoid(inj / hc)) of down's and inject's outputs: `mix`'s steps between
+    its products for T rows (sigmoid: the exp form), new arrays."""
+    d = d / F32(hc)
+    w = None if inj is None else 2 * sigmoid(inj / F32(hc))
+    return d * sigmoid(d), w
+
+
+def lowrank_gates(d: np.ndarray, inj: np.ndarray | None, hc: F32, a: np.ndarray, w: np.ndarray | None,
+                  ex: np.ndarray, exw: np.ndarray | None) -> None:
+    """lowrank_gates_reference into a and w (inj and w None: output_hc), with ex and exw buffers of
+    d's and inj's shapes; d and inj are overwritten. The exp is numpy's, one call per array as the
+    reference makes it (its SIMD exp is not libm's, which a Numba loop would call)."""
+    _scale_neg(d, hc, ex)
+    np.exp(ex, out=ex)
+    if inj is not None:
+        _scale_neg(inj, hc, exw)
+        np.exp(exw, out=exw)
+        _inject_weights(exw, w)
+    _silu_from_exp(d, ex, a)
+
+
+@cached_njit("hc-scale-neg")
+def _scale_neg(x, hc, neg):
+    # x /= hc (f32), neg = -x: the reference's division and sigmoid's negation (exact)
+    x = x.reshape(-1)
+    neg = neg.reshape(-1)
+    for i in range(x.size):
+        x[i] = x[i] / hc
+        neg[i] = -x[i]
+
+
+@cached_njit("hc-silu-from-exp")
+def _silu_from_exp(d, ex, a):
+    # sigmoid's last steps from ex = exp(-d): 1 / (ex + 1) in f32, then d times it (the reference's
+    # d * sigmoid(d))
+    d, ex, a = d.reshape(-1), ex.reshape(-1), a.reshape(-1)
+    for i in range(d.size):
+        a[i] = d[i] * (F32(1) / (ex[i] + F32(1)))
+
+
+@cached_njit("hc-inject-weights")
+def _inject_weights(ex, w):
+    # 2 sigmoid from ex = exp(-x): 2 (1 / (ex + 1)), each step f32
+    ex, w = ex.reshape(-1), w.reshape(-1)
+    for i in range(ex.size):
+        w[i] = F32(2) * (F32(1) / (ex[i] + F32(1)))
 
 
 def mix_tail_reference(u: np.ndarray, sn: np.ndarray, hc: int) -> np.ndarray:

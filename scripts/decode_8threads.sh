@@ -8,7 +8,7 @@
 # ARCH=qwen35moe measures the qwen35moe of the same geometry instead (K-quant mix; its GGUF is
 # synthesized there too: ~6.5 GB, about a minute). THREADS (default "8 1") lists llama-bench's runs.
 # AB=1 also runs benchmarks/decode_ab.py at 8 threads: the token path with and without its latest
-# change (one parallel region for the products of one input, whatever form each reads), same process, interleaved.
+# change (decode_ab.py's docstring names it), same process, interleaved.
 cd "$(dirname "$0")/.."
 bash ${BUILD_SCRIPT:-../shared/peer/build_llama_cuda.sh} .peer/llama.cpp /tmp/llama-build
 if ls .whl/*.whl >/dev/null 2>&1; then python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl; fi

@@ -21,7 +21,7 @@ import math
 import numpy as np
 from numba import njit, prange
 
-from .jit import JIT, cached
+from .jit import JIT, cached, cached_njit
 
 F32 = np.float32
 ROWS = 8  # independent add chains per pass: enough to cover the f32 add latency on 2 pipes
@@ -88,3 +88,77 @@ def _rule(S, q, k, v, g, beta, out):
 # two dispatchers of one function, each with its own disk-cache entry (see ops.py's delta rule)
 delta_rule_serial = cached(njit(**JIT)(_rule), "delta-rule8-serial")
 delta_rule_parallel = cached(njit(parallel=True, **JIT)(_rule), "delta-rule8-parallel")
+
+
+# --- a Gated DeltaNet token's host passes around the rule ---------------------------------------------
+#
+# One token of one sequence (engine/model.py GatedDeltaNet.forward, T = 1) made the conv, the gates,
+# the q/k l2-norms and the gated output norm through ~50 numpy calls and temporaries per layer, in the
+# order of ops.py's functions (gdn_gates, conv_many, qk_l2norm_, gated_rmsnorm_: the reference,
+# which the prompt and the device keep). These passes make the same values in the step's buffers:
+# every f32 step the same operation in the same order (no FMA: fastmath off), and the steps whose
+# bits are numpy's own stay numpy calls on arrays of the reference's shapes, between the passes:
+# tanh and logaddexp (numpy's SIMD functions are not libm's, which a Numba loop calls) and the
+# float64 sums of squares (einsum's summation order). tests/engine/test_host_kernels.py compares
+# the token's outputs and states with the reference's bit for bit.
+
+
+@cached_njit("gdn-token-prep")
+def token_prep(state, w, x, c, th, beta, bt, alpha, dt_bias, ad, z, zt):
+    # the conv taps of ops._conv_taps for T = 1 (tap j < K - 1 reads state row j, the last tap x),
+    # the state advanced by x (conv_many's shift), and what numpy's steps read: c / 2 and beta / 2
+    # (tanh's inputs: sigmoid's and gate_'s), alpha + dt_bias (softplus's), z / 2 (the output gate's)
+    K, C = w.shape
+    for i in range(C):
+        acc = w[0, i] * state[0, i]
+        for j in range(1, K - 1):
+            acc += w[j, i] * state[j, i]
+        acc += w[K - 1, i] * x[i]
+        for j in range(K - 2):
+            state[j, i] = state[j + 1, i]
+        state[K - 2, i] = x[i]
+        c[i] = acc
+        th[i] = acc * F32(0.5)
+    for h in range(beta.size):
+        bt[h] = beta[h] * F32(0.5)
+        ad[h] = alpha[h] + dt_bias[h]
+    for i in range(z.size):
+        zt[i] = z[i] * F32(0.5)
+
+
+@cached_njit("gdn-token-gates")
+def token_gates(c, th, bt, a, ad, beta, decay):
+    # silu(c) = c sigmoid(c) from th = tanh(c / 2) (gate_'s steps); beta = sigmoid(beta) from
+    # bt = tanh(beta / 2) (sigmoid's); decay = a softplus(alpha + dt_bias) from ad = that softplus
+    for i in range(c.size):
+        c[i] = c[i] * ((th[i] + F32(1)) * F32(0.5))
+    for h in range(bt.size):
+        beta[h] = (bt[h] + F32(1)) * F32(0.5)
+        decay[h] = a[h] * ad[h]
+
+
+@cached_njit("gdn-token-qk")
+def token_qk(c, ssq, ssk, nk, dk, scale):
+    # l2norm_ of each key head's query and key from their float64 sums of squares, the queries then
+    # scaled: q = (q r) scale, k = k r, r = f32(1 / sqrt(ss + 1e-6)) in float64 (ops.l2norm_'s steps)
+    for h in range(nk):
+        rq = F32(1.0 / np.sqrt(ssq[h] + 1e-6))
+        rk = F32(1.0 / np.sqrt(ssk[h] + 1e-6))
+        for i in range(dk):
+            c[h * dk + i] = (c[h * dk + i] * rq) * scale
+            c[(nk + h) * dk + i] = c[(nk + h) * dk + i] * rk
+
+
+@cached_njit("gdn-token-out")
+def token_out(o, ms, gain, eps, z, zt, silu):
+    # gated_rmsnorm_ of each value head's output row from its float64 sum of squares: r = f32(1 /
+    # sqrt(ms / dv + eps)) in float64, o = (o r) gain, then the gate: s = (tanh(z / 2) + 1) / 2,
+    # times z for SiLU, o = o s (rmsnorm's and gate_'s steps)
+    nv, dv = o.shape
+    for h in range(nv):
+        r = F32(1.0 / np.sqrt(ms[h] / np.float64(dv) + eps))
+        for j in range(dv):
+            s = (zt[h, j] + F32(1)) * F32(0.5)
+            if silu:
+                s = z[h, j] * s
+            o[h, j] = ((o[h, j] * r) * gain[j]) * s

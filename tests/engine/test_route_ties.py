@@ -33,3 +33,34 @@ def test_non_finite_router_logits_are_named():
     # a NonFiniteActivation (the commands name the weight it came from: tests/test_bad_input.py)
     with pytest.raises(NonFiniteActivation, match="token 1: non-finite activation"):
         route_topk(logits, 2)
+
+
+def test_one_row_routing_is_the_numpy_selection():
+    # route_topk's one-row kernel (the decode step's) against the numpy selection it replaces
+    # (route_topk_reference): the same experts, ranks and weights to the bit, on rows with ties
+    # inside the k and at its edge, every expert tied, and probabilities that underflow to 0
+    from strata.engine.moe import Groups, route_topk_reference
+
+    rng = np.random.default_rng(8)
+    X, k = 64, 10
+    rows = rng.standard_normal((300, X)).astype(np.float32)
+    rows[:60, 7] = rows[:60, 40]  # ties
+    rows[60:120] = np.round(rows[60:120])  # many ties, at the edge too
+    rows[120:130] = 0.25  # all tied
+    rows[130:160, ::2] = -2000.0  # half of them underflow to probability 0 ...
+    rows[160:170, 11:] = -2000.0  # ... and more than X - k: the edge among zeros
+    for t, row in enumerate(rows):
+        got, want = route_topk(row[None], k), route_topk_reference(row[None], k)
+        assert got[0].tolist() == want[0].tolist(), t
+        assert got[1].dtype == want[1].dtype and np.array_equal(got[1].view(np.uint64), want[1].view(np.uint64)), t
+        g, r = Groups(got[0]), Groups(got[0], one_row=False)
+        for name in ("experts", "rows", "starts", "slot"):
+            a, b = getattr(g, name), getattr(r, name)
+            assert a.dtype == b.dtype and np.array_equal(a, b), (t, name)
+
+
+def test_a_non_finite_logit_of_one_row_is_named():
+    logits = np.zeros((1, 8), np.float32)
+    logits[0, 2] = np.nan
+    with pytest.raises(NonFiniteActivation, match="token 0: non-finite activation"):
+        route_topk(logits, 2)
