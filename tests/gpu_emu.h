@@ -24,7 +24,7 @@
 #define __host__
 #define __constant__
 #define __forceinline__ inline
-#define __launch_bounds__(n)
+#define __launch_bounds__(...)
 
 struct uint2 {
     unsigned int x, y;
