@@ -1009,6 +1009,7 @@ __global__ void __launch_bounds__(256) fmv(const void* __restrict__ w, const flo
 // fold: fmv's bits. (The first fmm gave a warp one row and re-read all T activation rows for each
 // row, with its sums in shared memory: a 256-token chunk's 512-row router read ~1.3 GB through L2,
 // ~480 us a launch, 40% of the all-resident prompt's device time on the H200, 2026-12-02.)
+// Replaced by fmt below; kept (STRATA_FMM=8x8, gpu.use_fmm) to be measured against it.
 #define FMM_R 8
 #define FMM_T 8
 
