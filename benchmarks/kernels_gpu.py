@@ -26,6 +26,12 @@ blocks) with 5-20 pairs each (seeded), on mmx and on mmqx, microseconds per laun
 mmq's knobs (environment, docs/gpu-kernels.md): STRATA_MQ_WARPS (warps a block, compiled; 4),
 STRATA_MQ_MINB (blocks a multiprocessor its registers are bounded for; 1), STRATA_MQX_WARPS
 (mmqx's warps a block, at most STRATA_MQ_WARPS; 4).
+
+--fmm times the batched float product instead (F32 routers, the shared expert's one-row gate, the
+BF16/F16 GDN gates; FMM_SHAPES at FMM_TOKENS tokens): the kernel before (gpu.use_fmm("8x8"): fmm,
+64 tokens a launch) against the tiled one ("tiles": fmt), microseconds per product (all its
+launches, from a CUDA graph), the speed-up, whether the two outputs are the same bits, and the
+tiled plan (kernel, grid).
 """
 
 from __future__ import annotations
@@ -42,6 +48,14 @@ MATMUL = (2560, 8192)  # (n_in, n_out) of --matmul: seed-4l qwen35moe's widest d
 MATMUL_TOKENS = 256
 GROUPED_EXPERTS = 128  # a 256-token chunk routed to 8 experts of 256: ~2000 pairs over ~128-256 experts
 TARGET = 0.60
+# (type, n_in, n_out) of the float products of a prompt chunk (seed-4l qwen35moe, n_embd 2048)
+FMM_SHAPES = {
+    "router": ("F32", 2048, 256),
+    "shared-expert gate": ("F32", 2048, 1),
+    "GDN alpha/beta": ("BF16", 2048, 32),
+    "GDN alpha/beta (F16 file)": ("F16", 2048, 32),
+}
+FMM_TOKENS = (256, 4096)
 
 _BENCH_SRC = r"""
 extern "C" __global__ void read_xor(const uint4* __restrict__ p, unsigned long long n, unsigned* out) {
@@ -180,6 +194,41 @@ class Bench:
         out = self.cp.empty((n_tok, n_out), self.cp.float32)
         return self.per_call([lambda: self.gpu.matmul(w, a, out)] * 4)
 
+    def float_weight(self, t, n_in: int, n_out: int, seed: int):
+        """A GpuWeight of finite random values (the bit comparison of two kernels means something)."""
+        v = (np.random.default_rng(seed).standard_normal(n_in * n_out) * 0.05).astype(np.float32)
+        vals = v if t.name == "F32" else v.astype(np.float16).view(np.uint16) if t.name == "F16" else (v.view(np.uint32) >> 16).astype(np.uint16)
+        return self.gpu.GpuWeight(t.id, n_in, n_out, values=self.cp.asarray(vals))
+
+    def fmm_rows(self) -> tuple[list, bool]:
+        """Rows of the --fmm table: each FMM_SHAPES product at each FMM_TOKENS, old against new."""
+        from strata.index_format.ggml_types import ggml_type
+
+        cp, gpu = self.cp, self.gpu
+        rows, graphed_all, before = [], True, gpu.FMM
+        try:
+            for label, (tname, n_in, n_out) in FMM_SHAPES.items():
+                t = ggml_type(tname)
+                w = self.float_weight(t, n_in, n_out, 11)
+                for n_tok in FMM_TOKENS:
+                    x = cp.asarray(np.random.default_rng(n_tok).standard_normal((n_tok, n_in)).astype(np.float32))
+                    got = {}
+                    for kind in ("8x8", "tiles"):
+                        gpu.use_fmm(kind)
+                        out = cp.empty((n_tok, n_out), cp.float32)
+                        sec, graphed = self.per_call([lambda: gpu.matmul(w, x, out)] * 4)
+                        graphed_all &= graphed
+                        got[kind] = (sec, out.view(cp.uint32).copy())
+                    mod, name, grid, block, _, extra = gpu._float_plan(t.id, n_in, n_out, n_tok)
+                    (old, y_old), (new, y_new) = got["8x8"], got["tiles"]
+                    same = bool(cp.all(y_old == y_new))
+                    rows.append([label, f"{tname} {n_out}x{n_in}", n_tok, f"{old * 1e6:.1f}", f"{new * 1e6:.1f}",
+                                 f"{old / new:.2f}x", "yes" if same else "NO", f"{name} grid {grid}x{block}"])
+                    print(" | ".join(str(c) for c in rows[-1]), flush=True)
+        finally:
+            gpu.use_fmm(before)
+        return rows, graphed_all
+
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -188,6 +237,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--matmul", action="store_true", help=f"also time a {MATMUL_TOKENS}-token matmul of {MATMUL[1]} x {MATMUL[0]} per type, on mm and on mmq")
     ap.add_argument("--grouped", action="store_true", help=f"also time one grouped-experts launch ({GROUPED_EXPERTS} experts, 5-20 pairs each) per type, on mmx and on mmqx")
     ap.add_argument("--no-matvec", action="store_true", help="leave out the head and expert matvecs")
+    ap.add_argument("--fmm", action="store_true", help="time the batched float product, the kernel before against the tiled one, instead")
     args = ap.parse_args(argv)
 
     from tabulate import tabulate
@@ -205,6 +255,8 @@ def main(argv: list[str] | None = None) -> int:
     bw, copy_bw = b.read_bandwidth(), b.copy_bandwidth()
     head_line = f"{b.name}, {b.n_sm} SMs, L2 {b.l2 >> 20} MiB: streaming read {bw / 1e9:.0f} GB/s (read kernel, 4 GiB); d2d copy {copy_bw / 1e9:.0f} GB/s (read + write bytes)"
     print(head_line, flush=True)
+    if args.fmm:
+        return _fmm_table(b, head_line, args.md, t0)
 
     rows, misses, graphed_all = [], [], True
     counts = np.random.default_rng(0).integers(5, 21, GROUPED_EXPERTS)
@@ -274,6 +326,28 @@ def main(argv: list[str] | None = None) -> int:
         with open(args.md, "w") as f:
             f.write(f"{head_line}\n\n{tabulate(rows, headers=headers, tablefmt='github')}\n\n{summary}\n")
     return 0
+
+
+def _fmm_table(b: Bench, head_line: str, md: str | None, t0: float) -> int:
+    from tabulate import tabulate
+
+    rows, graphed = b.fmm_rows()
+    headers = ["product", "weight", "tokens", "8x8 us", "tiles us", "speed-up", "same bits", "tiles plan"]
+    bad = [f"{r[0]} T={r[2]}" for r in rows if r[6] != "yes"]
+    summary = (
+        f"summary: the tiled float product {min(float(r[5][:-1]) for r in rows):.2f}x .. "
+        f"{max(float(r[5][:-1]) for r in rows):.2f}x the 8x8 kernel's speed; "
+        + (f"DIFFERENT BITS: {', '.join(bad)}" if bad else "the same bits in every case")
+        + ("" if graphed else " (times include Python launch overhead: no CUDA graph capture)")
+        + f" [{time.perf_counter() - t0:.0f} s]"
+    )  # fmt: skip
+    print()
+    print(tabulate(rows, headers=headers))
+    print(summary)
+    if md:
+        with open(md, "w") as f:
+            f.write(f"{head_line}\n\n{tabulate(rows, headers=headers, tablefmt='github')}\n\n{summary}\n")
+    return 1 if bad else 0
 
 
 if __name__ == "__main__":

@@ -314,7 +314,8 @@ def _names(t: GGMLType) -> list[str]:
         grouped = [f"mvx<{t.id}, {k}>" for k in KPLS]
         batched = [f"mm<{t.id}>", f"mmx<{t.id}>", f"mmq<{t.id}>", f"mmqx<{t.id}>"]
         return [f"mv<{t.id}, {k}>" for k in KPLS] + wide + grouped + batched + [f"traits<{t.id}>"]
-    return [f"fmv<{_FLOAT_KIND[t.name]}>", f"fmm<{_FLOAT_KIND[t.name]}>"]
+    kind = _FLOAT_KIND[t.name]
+    return [f"fmv<{kind}>", f"fmm<{kind}>"] + [f"fmt<{kind}, {r}, {c}>" for r in FMT_SIDES for c in FMT_SIDES]
 
 
 def compile_module(key: str) -> None:
@@ -705,6 +706,38 @@ def _quant(w: GpuWeight, q, d, s16, out) -> None:
 
 
 FMM_R, FMM_T = 8, 8  # gpu_kernels.cu's fmm tile: weight rows x tokens a warp sums in registers
+FMT_SIDES = (8, 4, 2, 1)  # the rows R and tokens C of fmt's warp tile (each pair is compiled)
+# The batched float product: "tiles" (fmt, all T tokens in one launch, the tile sized to the shape)
+# or "8x8" (fmm, the kernel before it: 64 tokens a launch), kept to measure one against the other.
+FMM_KERNELS = ("tiles", "8x8")
+FMM = os.environ.get("STRATA_FMM", "tiles")
+if FMM not in FMM_KERNELS:
+    raise ValueError(f"STRATA_FMM={FMM!r}: expected one of {', '.join(FMM_KERNELS)}")
+
+
+def use_fmm(kind: str) -> str:
+    """Pick the batched float kernel ("tiles" or "8x8", see FMM); returns the previous choice.
+    The same bits either way (tested); a benchmark's switch."""
+    global FMM
+    if kind not in FMM_KERNELS:
+        raise ValueError(f"use_fmm: {kind!r} is not one of {', '.join(FMM_KERNELS)}")
+    before, FMM = FMM, kind
+    _plans.clear()
+    return before
+
+
+def fmt_tile(n_out: int, n_tok: int, n_sm: int) -> tuple[int, int]:
+    """(R, C) of fmt's warp tile: the largest of FMT_SIDES that covers the shape (each load serves
+    R x C products), halved, the longer side first, until the warp tiles give each of the n_sm
+    multiprocessors 4 warps (one a scheduler) or the tile is one output."""
+    r = next(s for s in reversed(FMT_SIDES) if s >= min(n_out, FMT_SIDES[0]))
+    c = next(s for s in reversed(FMT_SIDES) if s >= min(n_tok, FMT_SIDES[0]))
+    while -(-n_out // r) * -(-n_tok // c) < 4 * n_sm and r * c > 1:
+        if r >= c:
+            r //= 2
+        else:
+            c //= 2
+    return r, c
 
 
 @_planned
@@ -715,12 +748,18 @@ def _float_plan(type_id: int, n_in: int, n_out: int, n_tok: int) -> tuple:
     if n_tok == 1:
         nw = _warps(0, n_out, rt.n_sm)
         return m.mod, f"fmv<{kind}>", _grid(rt, n_out, nw), 32 * nw, 0, ()
-    tiles = -(-n_out // FMM_R) * -(-n_tok // FMM_T)  # (fmm's tile of rows x tokens a warp)
-    return m.mod, f"fmm<{kind}>", _grid(rt, tiles, 8), 256, 0, (np.int32(n_tok),)
+    if FMM == "8x8":
+        tiles = -(-n_out // FMM_R) * -(-n_tok // FMM_T)  # (fmm's tile of rows x tokens a warp)
+        return m.mod, f"fmm<{kind}>", _grid(rt, tiles, 8), 256, 0, (np.int32(n_tok),)
+    r, c = fmt_tile(n_out, n_tok, rt.n_sm)
+    row_tiles, tok_tiles = -(-n_out // r), -(-n_tok // c)
+    br = 2 if row_tiles > 1 else 1  # a block's 8 warps: br row tiles x 8 / br token tiles
+    groups = -(-row_tiles // br) * -(-tok_tiles // (8 // br))
+    return m.mod, f"fmt<{kind}, {r}, {c}>", _grid(rt, groups, 1), 256, 0, (np.int32(n_tok), np.int32(br))
 
 
 def _float(w: GpuWeight, x, out) -> None:
-    """x f32 [T, n_in] (T <= MAX_TOKENS), out [T, n_out]."""
+    """x f32 [T, n_in], out [T, n_out]: one launch (fmm: T <= MAX_TOKENS)."""
     mod, name, grid, block, smem, extra = _float_plan(w.type_id, w.n_in, w.n_out, x.shape[0])
     runtime().launch(mod, name, grid, block, (w.values, x, out, np.int32(w.n_out), np.int32(w.n_in)) + extra, smem)
 
@@ -823,6 +862,9 @@ def matmul(w: GpuWeight, act, out=None, planes_out=None):
         raise TypeError(f"{where}: {t.name} weights take contiguous device f32 activations [T, {w.n_in}], got {_describe(act)}")
     n_tok = act.q.shape[0] if t.quantized else act.shape[0]
     out = _out(rt, out, (n_tok, w.n_out), where)
+    if not t.quantized and FMM == "tiles" and n_tok:  # fmt holds no per-token state: one launch
+        _float(w, act, out)
+        return out
     for a in range(0, n_tok, MAX_TOKENS):
         b = min(n_tok, a + MAX_TOKENS)
         if t.quantized:

@@ -1205,6 +1205,7 @@ __global__ void __launch_bounds__(256) fmv(const void* __restrict__ w, const flo
 // fold: fmv's bits. (The first fmm gave a warp one row and re-read all T activation rows for each
 // row, with its sums in shared memory: a 256-token chunk's 512-row router read ~1.3 GB through L2,
 // ~480 us a launch, 40% of the all-resident prompt's device time on the H200, 2026-12-02.)
+// Replaced by fmt below; kept (STRATA_FMM=8x8, gpu.use_fmm) to be measured against it.
 #define FMM_R 8
 #define FMM_T 8
 
@@ -1240,6 +1241,92 @@ __global__ void __launch_bounds__(256) fmm(const void* __restrict__ w, const flo
         for (int r = 0; r < FMM_R; r++)
 #pragma unroll
             for (int t = 0; t < FMM_T; t++) {
+                const float v = fold(acc[r][t]);
+                if (lane == 0 && o0 + r < n_out && t0 + t < ntok) out[(i64)(t0 + t) * n_out + o0 + r] = v;
+            }
+    }
+}
+
+// fmt: fmm's arithmetic, tiled for the whole launch (gpu.py picks it unless STRATA_FMM=8x8 asks for
+// fmm). A warp takes R weight rows x C tokens, lane j the partial of elements j, j + 32, ... of each
+// of its R x C outputs in element order (fmv's chain, so fmv's and fmm's bits), then the fold.
+// Why it is faster than fmm (2026-12-02 on the H200, ~130 us a 64-token launch whatever the shape):
+// - gpu.py takes all T tokens in one launch (fmm was launched per 64) and shrinks R and C until the
+//   tiles give every multiprocessor warps: a router of 64 tokens made 256 warps, two GDN gates 32,
+//   the shared expert's one-row gate 8, each a 64-step chain of load-then-add on few multiprocessors.
+// - U steps' loads go out before their adds (fmv's lesson): the adds stay one chain per output in
+//   element order, the loads of the next steps do not wait on them.
+// - A block's 8 warps take BR row tiles x 8 / BR token tiles (BR = 2 where there are two row
+//   tiles): they share both their weight rows and their activation rows through L1, 48 rows of
+//   loads for 16 x 32 outputs at 8 x 8 where a column of 8 row tiles needed 72 for 64 x 8.
+// Tiles past n_out / ntok repeat the last row / token (never written); whole warp tiles past the
+// edge are skipped (no barrier: only the warp's own shuffles).
+template <int WT> struct FloatW { typedef u16 E; };
+template <> struct FloatW<0> { typedef float E; };
+
+template <int WT>
+__device__ __forceinline__ float w_f32(typename FloatW<WT>::E v) {
+    if (WT == 0) return (float)v;
+    return WT == 1 ? f16_f32((u32)v) : __uint_as_float((u32)v << 16);
+}
+
+template <int WT, int R, int C>
+__global__ void __launch_bounds__(256, 2) fmt(const void* __restrict__ w, const float* __restrict__ x,
+                                              float* __restrict__ out, int n_out, int n_in, int ntok, int br) {
+    typedef typename FloatW<WT>::E E;
+    constexpr int U = R + C >= 16 ? 1 : 32 / (R + C);  // steps whose loads go out together (8 x 8: 2 spilled)
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5, bc = nw / br;
+    const int row_tiles = (n_out + R - 1) / R, tok_tiles = (ntok + C - 1) / C;
+    const int row_groups = (row_tiles + br - 1) / br;
+    const i64 groups = (i64)row_groups * ((tok_tiles + bc - 1) / bc);
+    for (i64 g = blockIdx.x; g < groups; g += gridDim.x) {
+        const int rt = (int)(g % row_groups) * br + warp % br, tt = (int)(g / row_groups) * bc + warp / br;
+        if (rt >= row_tiles || tt >= tok_tiles) continue;  // (the whole warp)
+        const int o0 = rt * R, t0 = tt * C;
+        u32 wo[R], xo[C];  // element offsets from row o0 / token t0
+#pragma unroll
+        for (int r = 0; r < R; r++) wo[r] = (u32)(min(o0 + r, n_out - 1) - o0) * (u32)n_in;
+#pragma unroll
+        for (int t = 0; t < C; t++) xo[t] = (u32)(min(t0 + t, ntok - 1) - t0) * (u32)n_in;
+        const E* wp = reinterpret_cast<const E*>(w) + (i64)o0 * n_in + lane;
+        const float* xp = x + (i64)t0 * n_in + lane;
+        float acc[R][C];
+#pragma unroll
+        for (int r = 0; r < R; r++)
+#pragma unroll
+            for (int t = 0; t < C; t++) acc[r][t] = 0.0f;
+        int k = lane;
+        for (; k + 32 * (U - 1) < n_in; k += 32 * U, wp += 32 * U, xp += 32 * U) {
+            float wv[U][R], xv[U][C];
+#pragma unroll
+            for (int u = 0; u < U; u++) {
+#pragma unroll
+                for (int r = 0; r < R; r++) wv[u][r] = w_f32<WT>(__ldg(wp + wo[r] + 32 * u));
+#pragma unroll
+                for (int t = 0; t < C; t++) xv[u][t] = __ldg(xp + xo[t] + 32 * u);
+            }
+#pragma unroll
+            for (int u = 0; u < U; u++)
+#pragma unroll
+                for (int r = 0; r < R; r++)
+#pragma unroll
+                    for (int t = 0; t < C; t++) acc[r][t] = f32_add(acc[r][t], f32_mul(wv[u][r], xv[u][t]));
+        }
+        for (; k < n_in; k += 32, wp += 32, xp += 32) {
+            float wv[R], xv[C];
+#pragma unroll
+            for (int r = 0; r < R; r++) wv[r] = w_f32<WT>(__ldg(wp + wo[r]));
+#pragma unroll
+            for (int t = 0; t < C; t++) xv[t] = __ldg(xp + xo[t]);
+#pragma unroll
+            for (int r = 0; r < R; r++)
+#pragma unroll
+                for (int t = 0; t < C; t++) acc[r][t] = f32_add(acc[r][t], f32_mul(wv[r], xv[t]));
+        }
+#pragma unroll
+        for (int r = 0; r < R; r++)
+#pragma unroll
+            for (int t = 0; t < C; t++) {
                 const float v = fold(acc[r][t]);
                 if (lane == 0 && o0 + r < n_out && t0 + t < ntok) out[(i64)(t0 + t) * n_out + o0 + r] = v;
             }

@@ -263,6 +263,71 @@ def test_out_buffer_is_filled_in_place(rt):
 
 
 # ---------------------------------------------------------------------------------------------
+# the batched float products (F32 routers, BF16/F16 GDN gates): fmt, and fmm kept beside it to be
+# measured against it (gpu.FMM). Each output is fmv's chain, so T tokens must give each token's
+# single-vector bits: checked on ragged shapes (n_out not a multiple of the tile, n_in not a
+# multiple of 32 or of a lane's 32 x 8, fewer than 32 elements: lanes that add nothing).
+
+FLOAT_TYPES = [t for t in TYPES if not t.quantized]
+FMT_TILES = [(r, c) for r in gpu.FMT_SIDES for c in gpu.FMT_SIDES]
+
+
+def _check_float(rt, t, n_in, n_out, tokens, seed):
+    raw = random_weights(t, n_in * n_out, np.random.default_rng(seed))
+    w = gpu.upload(raw, t.id, n_in, n_out)
+    x = _acts(n_in, max(tokens), seed + 1)
+    if n_in >= 8:  # a token of exact zeros (+0 and -0): a lane's sum of signed zeros keeps its sign
+        x[0, : n_in // 2], x[0, n_in // 2 :] = 0.0, -0.0
+    step = max(1, (1 << 24) // (n_out * n_in))  # the reference's products in pieces of <= 64 MB
+    ref = np.concatenate([R.dot_reference(raw, t.id, n_in, n_out, x[a : a + step]) for a in range(0, len(x), step)])
+    x_dev = rt.to_device(x)
+    for n in tokens:
+        got = rt.to_host(gpu.matmul(w, x_dev[:n]))
+        _assert_same(got, ref[:n], f"{t.name} [{n_in} x {n_out}] {gpu.FMM} T={n}")
+
+
+@pytest.mark.parametrize("tile", FMT_TILES, ids=lambda rc: f"{rc[0]}x{rc[1]}")
+@pytest.mark.parametrize("t", FLOAT_TYPES, ids=lambda t: t.name)
+def test_float_products_every_fmt_tile(rt, t, tile, monkeypatch):
+    # every compiled warp tile, forced (gpu.py picks one per shape and device), on rows of 100
+    # elements (lanes of 4 and 3 steps: the U-step loop and the step-by-step tail) and of 2080
+    # (65 steps a lane), 13 rows (ragged for every R), token counts ragged for every C
+    monkeypatch.setattr(gpu, "fmt_tile", lambda n_out, n_tok, n_sm: tile)
+    monkeypatch.setattr(gpu, "_plans", {})
+    monkeypatch.setattr(gpu, "FMM", "tiles")
+    _check_float(rt, t, 100, 13, (2, 3, 9, 17), seed=t.id)
+    _check_float(rt, t, 2080, 13, (5,), seed=t.id + 1)
+
+
+@pytest.mark.parametrize("kernel", gpu.FMM_KERNELS)
+@pytest.mark.parametrize("t", FLOAT_TYPES, ids=lambda t: t.name)
+def test_float_products_on_ragged_shapes(rt, t, kernel, monkeypatch):
+    # the plan gpu.py makes: T = 1 .. 70 (fmm, kept for measuring, a subset), then wider ragged
+    # rows, 300 tokens (fmm's 64-token launches, several of fmt's token tiles), then the plans for
+    # the card's 132 multiprocessors on the emulation as well (its small tiles for few rows or
+    # tokens). (The emulation's cost is the fold's shuffles: a fiber switch each, per output.)
+    monkeypatch.setattr(gpu, "_plans", {})
+    monkeypatch.setattr(gpu, "FMM", kernel)
+    sweep = tuple(range(1, 71)) if kernel == "tiles" else (1, 2, 3, 8, 9, 63, 64, 65, 70)
+    _check_float(rt, t, 352, 3, sweep, seed=t.id)
+    _check_float(rt, t, 352, 37, (2, 9, 65, 70), seed=t.id + 1)
+    _check_float(rt, t, 352, 9, (300,), seed=t.id + 3)
+    if not _on_device(rt):
+        monkeypatch.setattr(rt, "n_sm", 132)
+        monkeypatch.setattr(gpu, "_plans", {})
+    for n_in, n_out, tokens in ((20, 5, (2, 7, 65)), (2080, 1, (2, 7, 65)), (2080, 35, (2, 65)), (100, 256, (7,))):
+        _check_float(rt, t, n_in, n_out, tokens, seed=t.id + n_in + n_out)
+    if _on_device(rt):  # the model's shapes: routers, the shared expert's gate, the GDN gates
+        for n_out, tokens in ((256, (3, 256)), (1, (3, 256, 4096)), (32, (3, 256, 4096))):
+            _check_float(rt, t, 2048, n_out, tokens, seed=t.id + n_out)
+
+
+def test_fmm_kernel_choice_is_checked():
+    with pytest.raises(ValueError, match="'4x4' is not one of tiles, 8x8"):
+        gpu.use_fmm("4x4")
+
+
+# ---------------------------------------------------------------------------------------------
 # refusals
 
 
