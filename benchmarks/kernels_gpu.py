@@ -18,7 +18,7 @@ head shape. Weights are random bytes and scales (timing does not depend on the v
 --matmul adds a prompt chunk's dense projection: `gpu.matmul` of MATMUL_TOKENS tokens through one
 MATMUL (n_in, n_out) weight, microseconds per product (all its launches) and tokens per second,
 for a block type on both batched kernels: mm (__dp4a, a warp per row) and mmq (the int8 tensor
-cores), whichever gpu.MMA_TYPES says a run takes (STRATA_MMA); "mmq/mm" < 1: mmq is faster.
+cores), whichever gpu.MMA_TYPES says a run takes (STRATA_MMA; gpu.MMAX_TYPES, STRATA_MMAX, for the grouped ones); "mmq/mm" < 1: mmq is faster.
 --grouped adds a prompt chunk's routed experts: one `gpu.grouped_products` launch over
 GROUPED_EXPERTS distinct experts of the gate/up shape (and of the down shape, rounded up to whole
 blocks) with 5-20 pairs each (seeded), on mmx and on mmqx, microseconds per launch.
@@ -170,7 +170,7 @@ class Bench:
     def kernels(self, mma: bool) -> None:
         """The batched kernel of the next launches: mmq / mmqx for every block type, or mm / mmx."""
         gpu = self.gpu
-        gpu.MMA_TYPES = gpu._mma_types("all" if mma else "none")
+        gpu.MMA_TYPES = gpu.MMAX_TYPES = gpu._mma_types("all" if mma else "none", frozenset())
         gpu._plans.clear()  # the launch plans name the kernel
 
     def grouped_rate(self, t, n_in: int, n_out: int, counts) -> tuple[float, bool]:

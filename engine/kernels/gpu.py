@@ -49,22 +49,29 @@ NO_BAD = np.uint64(0xFFFFFFFFFFFFFFFF)
 _FLOAT_KIND = {"F32": 0, "F16": 1, "BF16": 2}
 
 
-def _mma_types(spec: str | None) -> frozenset[str]:
-    """The block types whose batched products (matmul, grouped_products) take the int8 tensor-core
-    kernels (mmq, mmqx: mm's bits); the others keep mm / mmx. STRATA_MMA: unset -> Q4_K and Q6_K,
-    "0" or "none" -> none, "all" -> every block type, else type names "Q4_K,Q6_K"."""
+def _mma_types(spec: str | None, default: frozenset[str], var: str = "STRATA_MMA") -> frozenset[str]:
+    """Block types from a setting: unset -> `default`, "0" or "none" -> none, "all" -> every block
+    type, else type names "Q4_K,Q6_K"."""
     if spec is None or spec == "":
-        return frozenset({"Q4_K", "Q6_K"})
+        return default
     if spec.strip().lower() in ("0", "none"):
         return frozenset()
     if spec.strip().lower() == "all":
         return frozenset(t.name for t in TYPES if t.quantized)
-    return frozenset(ggml_type(n.strip(), where="STRATA_MMA").name for n in spec.split(","))
+    return frozenset(ggml_type(n.strip(), where=var).name for n in spec.split(","))
 
 
-# Until the card has measured which is faster per type: the kernels are chosen here, per process
-# (STRATA_MMA, above), or by a test or benchmark setting it (then dropping `_plans`).
-MMA_TYPES = _mma_types(os.environ.get("STRATA_MMA"))
+# The block types whose batched products take the int8 tensor-core kernels (mm's bits): MMA_TYPES
+# for a chunk's dense products (matmul: mmq, else mm), MMAX_TYPES for its grouped experts
+# (grouped_products: mmqx, else mmx). Measured on the H200 (2026-12-02, benchmarks/kernels_gpu.py
+# and the seed-4l prompt by kernel): mmq took 0.37-0.53x mm's time on every type tried (Q4_K,
+# Q6_K, Q8_0, Q2_0, IQ3_XXS; the prompt's dense products 14.5 -> 8.2 ms), so every type; mmqx beat
+# mmx only on Q8_0 (4.9 against 6.2 ms a prompt) and lost on the others (Q4_K 9.5 against 3.8 ms,
+# IQ3_XXS 8.6 against 3.5: a grouped tile of 5-20 pairs leaves most of a block's warps idle after the
+# decode), so Q8_0 alone. STRATA_MMA / STRATA_MMAX choose per process (a test or benchmark may set
+# them, then drop `_plans`).
+MMA_TYPES = _mma_types(os.environ.get("STRATA_MMA"), frozenset(t.name for t in TYPES if t.quantized))
+MMAX_TYPES = _mma_types(os.environ.get("STRATA_MMAX"), frozenset({"Q8_0"}), "STRATA_MMAX")
 # Warps of an mmqx block (at most the compiled STRATA_MQ_WARPS): a grouped tile has 5-20 pairs where
 # a prompt's dense product has 64 a launch, so the card may prefer fewer (a benchmark's knob).
 MMQX_WARPS = int(os.environ.get("STRATA_MQX_WARPS", "4"))
@@ -647,6 +654,17 @@ def _planned(make):
 
 @_planned
 def _quant_plan(type_id: int, n_in: int, n_out: int, n_tok: int) -> tuple:
+    """matvec's and matmul's launch (mmq for MMA_TYPES)."""
+    return _quant_launch(type_id, n_in, n_out, n_tok, ggml_type(type_id).name in MMA_TYPES)
+
+
+@_planned
+def _grouped_plan(type_id: int, n_in: int, n_out: int, n_tok: int) -> tuple:
+    """grouped_products' launch, before its tiles' share of the grid (mmqx for MMAX_TYPES)."""
+    return _quant_launch(type_id, n_in, n_out, n_tok, ggml_type(type_id).name in MMAX_TYPES)
+
+
+def _quant_launch(type_id: int, n_in: int, n_out: int, n_tok: int, mma: bool) -> tuple:
     t = ggml_type(type_id)
     rt, m = runtime(), _module(t.name)
     nb = n_in // QA
@@ -662,7 +680,7 @@ def _quant_plan(type_id: int, n_in: int, n_out: int, n_tok: int) -> tuple:
             rows -= 1
         grid = _grid(rt, n_out, nw * rows, per_sm)
         return m.mod, f"mv<{type_id}, {kpl}>", grid, 32 * nw, tab + nw * per_warp, (np.int32(rows), np.int32(tab > 0))
-    if t.name in MMA_TYPES:  # the int8 tensor cores: a block's item is 16 rows x 8 nw tokens
+    if mma:  # the int8 tensor cores: a block's item is 16 rows x 8 nw tokens
         nw = max(1, min(m.mq_warps, -(-n_tok // 8)))
         items = -(-n_out // 16) * -(-n_tok // (8 * nw))
         return m.mod, f"mmq<{type_id}>", _grid(rt, items, 1, 8), 32 * nw, tab + m.mq_smem, (np.int32(n_tok), np.int32(tab > 0))
@@ -818,14 +836,14 @@ def tile_rows(weights: list, firsts, counts, bases) -> np.ndarray:
 
 
 def grouped_products(type_id: int, n_in: int, n_out: int, tiles, n_tiles: int, act: GpuActQ, xrow, orow, out) -> None:
-    """Many experts' products of a prompt chunk in one launch (mmx, or mmqx for MMA_TYPES: gpu_kernels.cu): tile i of
+    """Many experts' products of a prompt chunk in one launch (mmx, or mmqx for MMAX_TYPES: gpu_kernels.cu): tile i of
     `tiles` (device i64 [n_tiles, 5], rows of `tile_rows`) multiplies its weight by act's rows
     xrow[p] (device int32; None: row p) for its pairs p into out's rows orow[p] (device int32; None:
     its base + p). Each row has matmul's bits on that weight alone (the batched kernel's arithmetic,
     the CPU's). Block types only (the ActQ; not the wide form)."""
     if n_tiles == 0:
         return
-    mod, name, grid, block, smem, (_, tab) = _quant_plan(type_id, n_in, n_out, MAX_TOKENS)
+    mod, name, grid, block, smem, (_, tab) = _grouped_plan(type_id, n_in, n_out, MAX_TOKENS)
     rt = runtime()
     if name.startswith("mmq<"):  # a tile of up to 8 x warps pairs (most tiles) is one item per 16 rows: a block each
         grid = min(grid, -(-n_out // 16))

@@ -21,7 +21,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 @pytest.mark.parametrize("mma", [0, 4, 1], ids=["mmx", "mmqx", "mmqx-1warp"])  # mmqx's warps a block (MMQX_WARPS)
 @pytest.mark.parametrize("name", ["Q8_0", "Q4_K", "Q6_K"])
 def test_grouped_products_are_each_experts_matmul(rt, name, mma, monkeypatch):
-    """mmx / mmqx (gpu.MMA_TYPES): the products of several experts on their own rows of a chunk in
+    """mmx / mmqx (gpu.MMAX_TYPES): the products of several experts on their own rows of a chunk in
     one launch (a group of more than MAX_TOKENS pairs spans tiles; rows gathered by xrow, scattered
     by orow), each row the bits of gpu.matmul on that expert's rows alone, and of the reference."""
     from kernel_blocks import random_weights
@@ -31,10 +31,10 @@ def test_grouped_products_are_each_experts_matmul(rt, name, mma, monkeypatch):
 
     rng = np.random.default_rng(11)
     t = ggml_type(name)
-    monkeypatch.setattr(gpu, "MMA_TYPES", frozenset({name}) if mma else frozenset())
+    monkeypatch.setattr(gpu, "MMAX_TYPES", frozenset({name}) if mma else frozenset())
     monkeypatch.setattr(gpu, "MMQX_WARPS", mma or 4)
     monkeypatch.setattr(gpu, "_plans", {})  # launch plans made for this choice, dropped after
-    assert gpu._quant_plan(t.id, 256, 126, gpu.MAX_TOKENS)[1].startswith("mmq<" if mma else "mm<")
+    assert gpu._grouped_plan(t.id, 256, 126, gpu.MAX_TOKENS)[1].startswith("mmq<" if mma else "mm<")
     # F: not whole 16-row groups (mmqx) nor a multiple of 4 (rows a warp step takes in some launch
     # plans); E: 8 act-blocks, a partial chunk
     E, F, T = 256, 126, 9
