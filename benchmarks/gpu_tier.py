@@ -72,6 +72,31 @@ def run_decode(model, prompt: list[int], n: int, tier=None, feed=None, split: li
     return prefill_s, time.perf_counter() - t0, logits
 
 
+def long_prompt(model, text_ids: list[int], n: int, name: str, piece: int = 1024) -> None:
+    """An n-token prompt fed in `piece`-token forwards (the text repeated past its end), each timed to
+    the device's completion: the time per 1K tokens at the prompt's start against its end is what
+    attention and QSA over the growing context cost."""
+    ids = (text_ids * (n // len(text_ids) + 1))[:n]
+    s = model.new_session(n + 1, "f16")
+    sync = getattr(getattr(model.backend, "rt", None), "synchronize", lambda: None)
+    times = []
+    t_all = time.perf_counter()
+    for a in range(0, n, piece):
+        t0 = time.perf_counter()
+        model.forward(s, ids[a : a + piece], n_logits=1 if a + piece >= n else 0)
+        sync()
+        times.append((a, min(piece, n - a), time.perf_counter() - t0))
+    wall = time.perf_counter() - t_all
+    print(f"  {name}: a {n}-token prompt in {piece}-token pieces: {wall:.2f} s, {n / wall:.1f} tok/s", flush=True)
+    shown = times if len(times) <= 8 else times[:3] + times[-3:]
+    for a, m, t in shown:
+        print(f"    tokens {a:>6}-{a + m:<6} {1e3 * t * 1024 / m:9.1f} ms per 1K tokens ({m / t:9.1f} tok/s)", flush=True)
+    if len(times) > 1:
+        first, last = times[0], times[-1]
+        print(f"  {name}: per 1K tokens, last piece / first piece = "
+              f"{(last[2] / last[1]) / (first[2] / first[1]):.2f}x", flush=True)
+
+
 def prompt_kernels(model, prompt: list[int]) -> None:
     """Where one prompt's device time goes, by kernel: every launch of gpu.py's runtime bracketed by
     CUDA events (a wait after each, so the figures are each kernel's own device time, and the wall
@@ -143,21 +168,46 @@ def steady(marks: list) -> float | None:
     return (len(marks) - WARM_STEPS) / (marks[-1] - marks[WARM_STEPS - 1])
 
 
-def run_ahead(model, prompt: list[int], n: int, picks: list, marks: list | None = None) -> float | None:
+def run_ahead(model, prompt: list[int], n: int, picks: list, marks: list | None = None,
+              busy: list | None = None, prof=None) -> float | None:
     """Seconds of `run_pick`'s n greedy steps run one step ahead of the host (Model.decode_ahead: step
     t + 1 queued, its embedding row gathered on the device, before token t is read; as `strata
     generate --gpu-step device` decodes greedily), or None where the session cannot run ahead;
-    `picks` receives the tokens, `marks` the perf_counter as each arrives."""
+    `picks` receives the tokens, `marks` the perf_counter as each arrives, `busy` the main thread's
+    CPU time then, less its time waiting for the picks (a CUDA wait may spin): where it keeps pace
+    with `marks`, the host, not the device, sets the rate; `prof` (cProfile) profiles the loop."""
     s = model.new_session(len(prompt) + n + 1, "f16")
     if not model.runs_ahead(s):
         return None
     tok = int(np.argmax(model.forward(s, prompt, n_logits=1)[0]))
+    be = model.backend
+    waited = [0.0]  # the main thread's CPU time inside the picks' waits (a CUDA wait may spin: not host work)
+    wait = be.wait_picked
+
+    def timed_wait(pending):
+        t = time.thread_time()
+        try:
+            return wait(pending)
+        finally:
+            waited[0] += time.thread_time() - t
+
+    be.wait_picked = timed_wait
+    if prof is not None:
+        prof.enable()
     t0 = time.perf_counter()
-    for tok in model.decode_ahead(s, tok, np.zeros(0, np.int32), n):
-        picks.append(tok)
-        if marks is not None:
-            marks.append(time.perf_counter())
-    return time.perf_counter() - t0
+    try:
+        for tok in model.decode_ahead(s, tok, np.zeros(0, np.int32), n):
+            picks.append(tok)
+            if marks is not None:
+                marks.append(time.perf_counter())
+            if busy is not None:
+                busy.append(time.thread_time() - waited[0])
+    finally:
+        del be.wait_picked
+    t = time.perf_counter() - t0
+    if prof is not None:
+        prof.disable()
+    return t
 
 
 LLAMA_PLACEMENTS = {"cpu": "-ngl 0", "cache 0": "-ngl 99 -ot exps=CPU", "auto ~60%": "-ngl 99 -ncmoe {half}",
@@ -214,6 +264,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompt", type=int, default=256, help="prompt tokens from the held-out text")
     ap.add_argument("--tokens", type=int, default=32, help="greedy decode steps timed")
     ap.add_argument("--calib", type=int, default=2048, help="calibration tokens (3/4 profiled, 1/4 held out)")
+    ap.add_argument("--chunk", type=int, default=256, help="prompt chunk (tokens a batched forward takes at once)")
+    ap.add_argument("--long-prompt", type=int, default=0, metavar="N",
+                    help="also feed each configuration an N-token prompt in 1024-token pieces (the text repeated "
+                         "as needed) and print the time per 1K tokens as the prompt grows")
     ap.add_argument("--reserve-mib", type=int, default=700)
     ap.add_argument("--md", type=Path, help="also write the table here (markdown)")
     ap.add_argument("--cprofile", metavar="CONFIG", help="print where the decode time of CONFIG (e.g. all) goes")
@@ -265,7 +319,8 @@ def main(argv: list[str] | None = None) -> int:
     g = model.geometry
     print(f"loaded {pack_dir} in {time.perf_counter() - t0:.1f} s", flush=True)
 
-    ids = calibration_ids(Tokenizer.load(model.pack.tokenizer_path), g.n_vocab)[: args.calib]
+    text_ids = calibration_ids(Tokenizer.load(model.pack.tokenizer_path), g.n_vocab)
+    ids = text_ids[: args.calib]
     cut = len(ids) * 3 // 4
     fp = pack_fingerprint(pack_dir)
     t0 = time.perf_counter()
@@ -273,9 +328,10 @@ def main(argv: list[str] | None = None) -> int:
     held = ExpertProfile.from_counts(fp, routing_counts(model, ids[cut:]), tokens=len(ids) - cut, top_k=g.n_expert_used)
     print(f"profile: {cut} calibration tokens, {len(ids) - cut} held out, {profile.pairs} pairs routed "
           f"({time.perf_counter() - t0:.1f} s)", flush=True)
-    prompt = ids[cut : cut + args.prompt]
+    # the held-out text, then the text past the calibration tokens (none of it profiled)
+    prompt = text_ids[cut : cut + args.prompt]
     pairs = g.n_layer * g.n_expert
-    chunk = 256
+    chunk = args.chunk
 
     cpu_p, cpu_s, want = run_decode(model, prompt, args.tokens)
     rows = [("cpu", "-", "-", "-", "-", "-", f"{len(prompt) / cpu_p:.1f}", "-", f"{args.tokens / cpu_s:.2f}", "1.00x", "-", "-", "yes")]
@@ -294,7 +350,8 @@ def main(argv: list[str] | None = None) -> int:
         value = {m: None if m == "auto" else 0 if m == "off" else int(m) for m in streams}
         configs = [(f"{name} [stream {m}]", {**opts, "stream_min_tokens": value[m]}) for name, opts in configs for m in streams]
     for name, opts in configs:
-        o = TierOptions(max_context=args.prompt + args.tokens + 1, kv="f16", prefill_chunk=chunk, profile=profile,
+        cprofiled = args.cprofile in (name, name.split(" [")[0])  # ('all' names 'all [device]' too)
+        o = TierOptions(max_context=max(args.prompt + args.tokens, args.long_prompt) + 1, kv="f16", prefill_chunk=chunk, profile=profile,
                         vram_reserve_mib=args.reserve_mib, **opts)
         tier = GpuTier.start(model, o)
         for line in tier.lines:
@@ -308,9 +365,9 @@ def main(argv: list[str] | None = None) -> int:
 
         prof = cProfile.Profile()
         picks = getattr(model, "picks", False)
-        if args.cprofile == name and not picks:
+        if cprofiled and not picks:
             prof.enable()
-        if args.cprofile_prompt == name:
+        if args.cprofile_prompt in (name, name.split(" [")[0]):
             prof_p = cProfile.Profile()
             s = model.new_session(len(prompt) + 1, "f16")
             prof_p.enable()
@@ -322,7 +379,7 @@ def main(argv: list[str] | None = None) -> int:
             prompt_kernels(model, prompt)
         prompt_split = ["-"] * 4
         pre, secs, got = run_decode(model, prompt, args.tokens, tier, feed=want.argmax(axis=1), split=prompt_split)
-        if args.cprofile == name and not picks:
+        if cprofiled and not picks:
             prof.disable()
             pstats.Stats(prof).sort_stats("tottime").print_stats(30)
         picked = None
@@ -330,7 +387,7 @@ def main(argv: list[str] | None = None) -> int:
             plain, ahead_picks = [], []
             plain_marks, ahead_marks = [], []
             picked = args.tokens / run_pick(model, prompt, args.tokens, picks=plain, marks=plain_marks)
-            if args.cprofile == name:
+            if cprofiled:
                 run_pick(model, prompt, args.tokens, prof)
                 pstats.Stats(prof).sort_stats("tottime").print_stats(30)
             st = steady(plain_marks)
@@ -350,13 +407,27 @@ def main(argv: list[str] | None = None) -> int:
                       f"captured {picked:.2f} tok/s = {picked / eager:.2f}x ({same})"
                       + (f"; after the first {WARM_STEPS} steps {st_eager:.2f} vs {st:.2f} tok/s = {st / st_eager:.2f}x"
                          if st and st_eager else ""), flush=True)
-            ahead = run_ahead(model, prompt, args.tokens, ahead_picks, ahead_marks)
+            ahead_busy = []
+            ahead = run_ahead(model, prompt, args.tokens, ahead_picks, ahead_marks, ahead_busy)
             st_ahead = steady(ahead_marks)
+            if st_ahead:  # the host's CPU time a step against the step's wall time, after the warm steps
+                k = WARM_STEPS - 1
+                wall_ms = 1e3 * (ahead_marks[-1] - ahead_marks[k]) / (len(ahead_marks) - 1 - k)
+                busy_ms = 1e3 * (ahead_busy[-1] - ahead_busy[k]) / (len(ahead_busy) - 1 - k)
+                print(f"  {name}: one step ahead, after the first {WARM_STEPS} steps: {wall_ms:.3f} ms a token, "
+                      f"the host's main thread busy {busy_ms:.3f} ms of it (CPU time outside the picks' waits)", flush=True)
+            if cprofiled and ahead:
+                prof = cProfile.Profile()
+                run_ahead(model, prompt, args.tokens, [], prof=prof)
+                print(f"  {name}: where the host's time goes one step ahead (cProfile, {args.tokens} tokens)")
+                pstats.Stats(prof).sort_stats("tottime").print_stats(25)
             same = "the plain loop's tokens" if ahead_picks == plain else "TOKENS DIFFER from the plain loop's"
             print(f"  {name}: decode with the greedy pick on the device, one step ahead of the host "
                   + (f"{args.tokens / ahead:.2f} tok/s ({args.tokens / ahead / picked:.2f}x the plain loop's tok/s; {same})"
                      + (f"; {st_ahead:.2f} tok/s after the first {WARM_STEPS} steps" if st_ahead else "")
                      if ahead else "(not run: the session cannot run ahead here)"), flush=True)
+        if args.long_prompt:
+            long_prompt(model, text_ids, args.long_prompt, name)
         floor = getattr(model.backend, "gpu_floor", lambda: None)()  # the captured step alone (device step, all resident)
         if floor:
             hbm = hbm_floor_s(model)
