@@ -753,8 +753,7 @@ class DeviceBackend(CpuBackend):
         if got is None or got[0] is not rope:
             at = self._pos_at // r * r
             c, s = rope.cos_sin(np.array([at]))
-            got = self._block_ropes[id(rope)] = [rope, r, self.upload(np.ascontiguousarray(c, F32)),
-                                                 self.upload(np.ascontiguousarray(s, F32)), at]
+            got = self._block_ropes[id(rope)] = [rope, r, self._fixed(c), self._fixed(s), at]
         return got[2], got[3]
 
     def qsa_token(self, layer, cache, q, k, v, iq, ik):
@@ -998,6 +997,17 @@ class DeviceBackend(CpuBackend):
         if done is not None:
             done.record()
 
+    def _fixed(self, values):
+        """A new fixed device buffer of a token step's input, filled through `_stage`: its pinned
+        mirror is made now, at the step that first needs it (eager), so restaging it later makes
+        nothing. (An uploaded buffer got its mirror at its first restage: QSA's block cos and sin,
+        restaged when the position enters the next block, made 4 pinned buffers in replayed steps
+        on the H200.)"""
+        values = np.ascontiguousarray(values, F32)
+        dev = self.rt.empty(values.shape, F32)
+        self._stage(dev, values)
+        return dev
+
     def stage_row(self, a: np.ndarray):
         """A token step's host row (the embedding's) on the device, at a fixed address per shape
         (copied up asynchronously, nothing allocated after the first step)."""
@@ -1043,7 +1053,7 @@ class DeviceBackend(CpuBackend):
             got = self._ropes.get(id(rope))
             if got is None:  # a rope seen for the first time: its buffers, filled at this position
                 c, s = rope.cos_sin(positions)
-                got = self._ropes[id(rope)] = (rope, self.upload(np.ascontiguousarray(c, F32)), self.upload(np.ascontiguousarray(s, F32)))
+                got = self._ropes[id(rope)] = (rope, self._fixed(c), self._fixed(s))
             self._at(int(positions[0]))  # nothing to do when token_step set it (and inside its capture)
             _, c, s = got
             heads, h = x.shape[1], rope.half

@@ -898,6 +898,31 @@ def test_replayed_token_steps_allocate_nothing_on_the_device(request, rt, arch):
     assert counts == [0, 0], f"{len(toks) - 3} token steps made {counts[0]} {what} and {counts[1]} pinned buffers"
 
 
+def test_a_token_steps_position_inputs_make_no_pinned_buffer_past_the_first_step(rt):
+    """The position's fixed inputs (a rope's cos and sin, and QSA's at its block's start, restaged
+    when the position enters the next block) get their pinned mirrors at the step that first needs
+    them: later positions restage them and make nothing. (QSA's block cos and sin were uploaded,
+    their mirrors made at the first block change: 4 pinned buffers in the H200's replayed steps,
+    which the emulated step test, 6 positions of a 16-token block, never reached.)"""
+    from test_gpu_tier import counting
+
+    from strata.engine.ops import Rope
+
+    be, r = DeviceBackend(rt, None), 4
+    rope, block = Rope(8, 10000.0, f32_angles=True), Rope(8, 500.0, f32_angles=True)
+    be._at(0)
+    be.rope_(rope, rt.to_device(np.ones((1, 2, 8), np.float32)), np.array([0]))
+    be._block_rope(block, r)
+    with counting(rt) as counts:
+        for p in range(1, 3 * r + 1):
+            be._at(p)
+    assert counts == [0, 0], f"{counts[0]} device buffers and {counts[1]} pinned buffers"
+    # what the fixed addresses hold: the host's cos and sin at the position and at its block's start
+    for rp, at, (c, s) in ((rope, 3 * r, be._ropes[id(rope)][1:]), (block, 3 * r, be._block_ropes[id(block)][2:4])):
+        want = rp.cos_sin(np.array([at]))
+        assert np.array_equal(rt.to_host(c), want[0]) and np.array_equal(rt.to_host(s), want[1])
+
+
 @contextlib.contextmanager
 def uploads(rt):
     """The emulation's uploads and downloads (rt.to_device, rt.to_host: the logits' and the pick's
