@@ -58,7 +58,7 @@ _NAMES = ["dev_rmsnorm", "dev_delta", "dev_conv", "dev_combine", "dev_sigmoid", 
           "dev_gdn_gates", "dev_l2_qk", "dev_shared_add", "dev_attn_split", "dev_attn_merge", "dev_mix_tail", "dev_inject", "dev_ple_output",
           "dev_sample", "dev_route_rows", "dev_group", "dev_rmsnorm_q", "dev_hidden_q",
           "dev_gate_q", "dev_gates_conv", "dev_add_rmsnorm_q", "dev_embd_row", "dev_ple_conv", "dev_qsa_key",
-          "dev_qsa_scores", "dev_qsa_select", "dev_attn_sel"]
+          "dev_qsa_scores", "dev_qsa_select", "dev_attn_sel", "dev_attn_split_sel", "dev_attn_merge_sel"]
 # the embedding's GGML types dev_embd_row decodes (F32 F16 Q4_0 Q4_1 Q5_0 Q5_1 Q8_0 Q4_K Q5_K Q6_K BF16)
 EMBD_ROW_TYPES = frozenset({0, 1, 2, 3, 6, 7, 8, 12, 13, 14, 30})
 KV_KIND = {"f32": 0, "f16": 1, "int8": 2}  # dev_kv_write's and dev_attn_one's `kind`
@@ -792,8 +792,19 @@ class DeviceBackend(CpuBackend):
         self._launch("dev_qsa_select", 32, (scores, self._pos, np.int32(r), np.int32(layer.block_topk), cache._vbuf, ix, toks,
                                             count), 32)  # (one thread works)
         out = self.scratch("qsa.out", (1, H, D))
-        self._launch("dev_attn_sel", 32 * H, (q, kv.k, kv.v, ks, vs, toks, count, sc, np.int32(most), out, np.int32(H),
-                                              np.int32(Hkv), np.int32(ctx), np.int32(D), F32(D**-0.5), np.int32(kind)))
+        if self.split_attention and D <= 256:  # the selection split among warps, as attend_one splits positions
+            L = max(32, -(-most // (256 * 32)) * 32)
+            S = -(-most // L)
+            part = self._attn_sc.get((H, most, "sel"))
+            if part is None:
+                part = self._attn_sc[(H, most, "sel")] = self.rt.empty((H, S, D + 2), F32)
+            self._launch("dev_attn_split_sel", 32 * H * S, (q, kv.k, kv.v, ks, vs, toks, count, part, np.int32(H),
+                                                            np.int32(Hkv), np.int32(ctx), np.int32(D), np.int32(L),
+                                                            np.int32(S), F32(D**-0.5), np.int32(kind)))
+            self._launch("dev_attn_merge_sel", H * D, (part, count, out, np.int32(H), np.int32(D), np.int32(L), np.int32(S)))
+        else:
+            self._launch("dev_attn_sel", 32 * H, (q, kv.k, kv.v, ks, vs, toks, count, sc, np.int32(most), out, np.int32(H),
+                                                  np.int32(Hkv), np.int32(ctx), np.int32(D), F32(D**-0.5), np.int32(kind)))
 
         def advance():
             cache.n += 1

@@ -244,7 +244,7 @@ def test_the_device_step_gives_the_cpu_logits_for_qwen4exp(qwen4exp, rt):
         assert (be._graph is not None) == (not emu)  # the card captures the step (the emulation has no graphs)
     assert {"dev_rmsnorm", "dev_sigmoid", "dev_rope", "dev_delta", "dev_route", "dev_combine_slots"} <= launched
     # PLE's conv and QSA's step at the device position (what a captured step replays)
-    assert {"dev_ple_conv", "dev_qsa_key", "dev_qsa_scores", "dev_qsa_select", "dev_attn_sel"} <= launched
+    assert {"dev_ple_conv", "dev_qsa_key", "dev_qsa_scores", "dev_qsa_select", "dev_attn_split_sel", "dev_attn_merge_sel"} <= launched
     assert_close_q4(got, want)
 
 
@@ -311,7 +311,7 @@ def test_qwen4exp_blocks_on_the_device_are_the_cpus(qwen4exp, rt):
     assert strict >= 3  # steps that kept a strict subset were checked
     # the fused kernels were what ran, not the array-module fallbacks
     assert {"dev_mix_tail", "dev_inject", "dev_ple_output", "dev_rmsnorm", "dev_rope", "dev_ple_conv", "dev_qsa_key",
-            "dev_qsa_scores", "dev_qsa_select", "dev_attn_sel"} <= launched
+            "dev_qsa_scores", "dev_qsa_select", "dev_attn_split_sel", "dev_attn_merge_sel"} <= launched
 
 
 @pytest.mark.parametrize("n,k", [(300, 4), (64, 1), (40, 4), (17, 16), (9, 4), (5, 5), (1, 1)])
@@ -502,8 +502,10 @@ def launches_per_token(model, rt, n_prompt: int = 3, n: int = 2) -> dict:
 QWEN35MOE_LAUNCHES = 104
 # qwen4exp: 361 + 11 since its step reads nothing of the host's inside it (capturable): a QSA layer's
 # five (dev_kv_write, dev_qsa_key, dev_qsa_scores, dev_qsa_select, dev_attn_sel; its K/V write,
-# selection and attention had been array-module work and host work) x 2 layers, the PLE conv (1 layer)
-QWEN4EXP_LAUNCHES = 372
+# selection and attention had been array-module work and host work) x 2 layers, the PLE conv (1 layer);
+# + 2: a QSA layer's attention split among warps then merged (dev_attn_split_sel, dev_attn_merge_sel),
+# where dev_attn_sel's one warp a head grew with the selection (38 us at 5 tokens on the H200)
+QWEN4EXP_LAUNCHES = 374
 
 
 def test_a_qwen35moe_token_step_makes_its_pinned_launches(model, rt):
@@ -1049,6 +1051,42 @@ def test_split_key_attention_is_the_one_warp_forms(rt, kind, D):
         be._launch("dev_attn_merge", H * D, (part, pos, got, np.int32(H), np.int32(D), np.int32(L), np.int32(S)))
         w, g = rt.to_host(want), rt.to_host(got)
         assert np.allclose(g, w, rtol=2e-5, atol=2e-6 * np.abs(w).max()), (p, np.abs(g - w).max())
+
+
+@pytest.mark.parametrize("kind", [0, 1, 2])
+@pytest.mark.parametrize("D", [64, 256])
+def test_split_selection_attention_is_the_one_warp_forms(rt, kind, D):
+    """dev_attn_split_sel + dev_attn_merge_sel (QSA's selected keys split among warps) against
+    dev_attn_sel (a warp per head, each lane scoring whole keys) on the same cache and selection:
+    within float32 rounding, for selections inside one split, at a split's end and past it (L = 32),
+    of positions out of order with the cache's (blocks, then a tail)."""
+    be = DeviceBackend(rt, None)
+    rng = np.random.default_rng(15)
+    H, Hkv, ctx, M = 8 if D == 64 else 4, 2, 200, 100
+    L, S = 32, 4
+    q = rt.to_device(rng.standard_normal((H, D)).astype(np.float32))
+    if kind == 0:
+        K, V = (rt.to_device(rng.standard_normal((Hkv, ctx, D)).astype(np.float32)) for _ in range(2))
+        Ks = Vs = K
+    elif kind == 1:
+        K, V = (rt.to_device(rng.standard_normal((Hkv, ctx, D)).astype(np.float16).view(np.uint16)) for _ in range(2))
+        Ks = Vs = rt.to_device(np.zeros(1, np.float32))
+    else:
+        K, V = (rt.to_device(rng.integers(-127, 128, (Hkv, ctx, D)).astype(np.int8)) for _ in range(2))
+        Ks, Vs = (rt.to_device((rng.random((Hkv, ctx, D // 32)) * 0.02).astype(np.float32)) for _ in range(2))
+    for n in (1, 17, 32, 33, 100):
+        sel = np.sort(rng.choice(ctx, n, replace=False)).astype(np.int32)
+        toks, count = rt.to_device(np.concatenate([sel, np.zeros(M - n, np.int32)])), rt.to_device(np.array([n], np.int32))
+        want, got = rt.empty((H, D), np.float32), rt.empty((H, D), np.float32)
+        sc, part = rt.empty((H, M), np.float32), rt.empty((H, S, D + 2), np.float32)
+        args = (np.int32(H), np.int32(Hkv), np.int32(ctx), np.int32(D))
+        be._launch("dev_attn_sel", 32 * H, (q, K, V, Ks, Vs, toks, count, sc, np.int32(M), want, *args,
+                                            np.float32(D**-0.5), np.int32(kind)))
+        be._launch("dev_attn_split_sel", 32 * H * S, (q, K, V, Ks, Vs, toks, count, part, *args, np.int32(L), np.int32(S),
+                                                      np.float32(D**-0.5), np.int32(kind)))
+        be._launch("dev_attn_merge_sel", H * D, (part, count, got, np.int32(H), np.int32(D), np.int32(L), np.int32(S)))
+        w, g = rt.to_host(want), rt.to_host(got)
+        assert np.allclose(g, w, rtol=2e-5, atol=2e-6 * np.abs(w).max()), (n, np.abs(g - w).max())
 
 
 @pytest.mark.parametrize("T,nv,nk,dv,dk", [(1, 2, 1, 6, 40), (9, 4, 2, 7, 64)])
