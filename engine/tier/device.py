@@ -58,7 +58,8 @@ _NAMES = ["dev_rmsnorm", "dev_delta", "dev_conv", "dev_combine", "dev_sigmoid", 
           "dev_gdn_gates", "dev_l2_qk", "dev_shared_add", "dev_attn_split", "dev_attn_merge", "dev_mix_tail", "dev_inject", "dev_ple_output",
           "dev_sample", "dev_route_rows", "dev_group", "dev_rmsnorm_q", "dev_hidden_q",
           "dev_gate_q", "dev_gates_conv", "dev_add_rmsnorm_q", "dev_embd_row", "dev_ple_conv", "dev_qsa_key",
-          "dev_qsa_scores", "dev_qsa_select", "dev_attn_sel", "dev_attn_split_sel", "dev_attn_merge_sel"]
+          "dev_qsa_scores", "dev_qsa_select", "dev_attn_sel", "dev_attn_split_sel", "dev_attn_merge_sel",
+          "dev_hc_gates_q"]
 # the embedding's GGML types dev_embd_row decodes (F32 F16 Q4_0 Q4_1 Q5_0 Q5_1 Q8_0 Q4_K Q5_K Q6_K BF16)
 EMBD_ROW_TYPES = frozenset({0, 1, 2, 3, 6, 7, 8, 12, 13, 14, 30})
 KV_KIND = {"f32": 0, "f16": 1, "int8": 2}  # dev_kv_write's and dev_attn_one's `kind`
@@ -644,6 +645,22 @@ class DeviceBackend(CpuBackend):
         self._launch("dev_gate_q", x.size, (x, z, np.int64(zs), np.int32(n), np.int32(silu), q.q, q.d, q.s16,
                                             np.int64(x.size)))
         return Input(flat, q)
+
+    def lowrank_gates_input(self, d, inj, hc: int, w: Weight) -> tuple:
+        """backend.lowrank_gates_input in one launch (dev_hc_gates_q: both gates and the ActQ of
+        silu(d / hc), where w reads the plain ActQ); the array-module form was 7 launches a mix
+        (2 dev_sigmoid, 4 elementwise, an actq), 9 mixes a seed-4l token."""
+        T, R = d.shape
+        if not (self.fuse_actq and R % 32 == 0 and w.type.quantized and not w.wide and d.dtype == F32
+                and d.flags.c_contiguous and (inj is None or (inj.dtype == F32 and inj.flags.c_contiguous))):
+            return super().lowrank_gates_input(d, inj, hc, w)
+        a = self.scratch("hc.a", (T, R))
+        wt = None if inj is None else self.scratch("hc.w", (T, hc))
+        q = self._act_of(a)
+        nw = 0 if inj is None else T * hc
+        self._launch("dev_hc_gates_q", max(T * R, nw), (d, a if inj is None else inj, a, a if wt is None else wt, q.q, q.d,
+                                                        q.s16, np.int64(T * R), np.int64(nw), F32(hc)))
+        return Input(a, q), wt
 
     def _norm_q(self, x, xs: int, gain, group: int, out, eps: float, f32_sums: bool, z=None, act: int = 0):
         """dev_rmsnorm_q over the rows of `group` of x (stride xs) into out and its ActQ -> GpuActQ.

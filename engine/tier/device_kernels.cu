@@ -519,6 +519,26 @@ extern "C" __global__ void dev_gate_q(float* x, const float* z, i64 zs, int n, i
     }
 }
 
+// A hyper-connection mix's gates (hyper.lowrank_gates_reference) in one launch: a = silu(d / hc)
+// with its ActQ (the up product's input; n = T R values, a multiple of 32: a warp a 32-element
+// block, actq_block's bits) and w = 2 sigmoid(inj / hc) (nw = T hc values; 0: output_hc, no inject),
+// sigmoid as dev_sigmoid's exp form, 1 / (exp(-x) + 1): the steps the array-module form made in 7
+// launches (2 dev_sigmoid, 4 elementwise, an actq).
+extern "C" __global__ void dev_hc_gates_q(const float* d, const float* inj, float* a, float* w, signed char* q, float* qd,
+                                          int* s16, i64 n, i64 nw, float hc) {
+    const int lane = threadIdx.x & 31;
+    const i64 nb = n >> 5, warps = ((i64)gridDim.x * blockDim.x) >> 5;
+    for (i64 b = ((i64)blockIdx.x * blockDim.x + threadIdx.x) >> 5; b < nb; b += warps) {
+        const i64 i = 32 * b + lane;
+        const float x = d[i] / hc;
+        const float y = x * (1.0f / (expf(-x) + 1.0f));
+        a[i] = y;
+        actq_block(y, q + 32 * b, qd, s16, b);
+    }
+    for (i64 i = blockIdx.x * (i64)blockDim.x + threadIdx.x; i < nw; i += (i64)gridDim.x * blockDim.x)
+        w[i] = 2.0f * (1.0f / (expf(-(inj[i] / hc)) + 1.0f));
+}
+
 // The router's top-k of one token (moe.route_topk's rule): softmax of the logits [X] in float64
 // (p = exp(l - max) / sum), the k largest (ties: the lower expert id), their probabilities
 // renormalised to sum to 1. -> ids [k], w f32 [k] (the combine's f32 weights), and slot[j] =

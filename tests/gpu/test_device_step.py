@@ -504,8 +504,10 @@ QWEN35MOE_LAUNCHES = 104
 # five (dev_kv_write, dev_qsa_key, dev_qsa_scores, dev_qsa_select, dev_attn_sel; its K/V write,
 # selection and attention had been array-module work and host work) x 2 layers, the PLE conv (1 layer);
 # + 2: a QSA layer's attention split among warps then merged (dev_attn_split_sel, dev_attn_merge_sel),
-# where dev_attn_sel's one warp a head grew with the selection (38 us at 5 tokens on the H200)
-QWEN4EXP_LAUNCHES = 374
+# where dev_attn_sel's one warp a head grew with the selection (38 us at 5 tokens on the H200);
+# - 33: a mix's gates with the up product's ActQ in one launch (dev_hc_gates_q), where 2 dev_sigmoid
+# and an actq were (and 4 array-module passes, not counted here): 16 mixes with an inject, output_hc's
+QWEN4EXP_LAUNCHES = 341
 
 
 def test_a_qwen35moe_token_step_makes_its_pinned_launches(model, rt):
@@ -522,6 +524,7 @@ def test_a_qwen35moe_token_step_makes_its_pinned_launches(model, rt):
 def test_a_qwen4exp_token_step_makes_its_pinned_launches(qwen4exp, rt):
     per = launches_per_token(qwen4exp, rt, n=1)
     assert sum(per.values()) == QWEN4EXP_LAUNCHES, per
+    assert per["dev_hc_gates_q"] == 2 * qwen4exp.geometry.n_layer + 1 and per["dev_sigmoid"] == 1, per  # (PLE's)
 
 
 # --- the token path's kernels, each against the host rule it mirrors ------------------------------
@@ -1087,6 +1090,45 @@ def test_split_selection_attention_is_the_one_warp_forms(rt, kind, D):
         be._launch("dev_attn_merge_sel", H * D, (part, count, got, np.int32(H), np.int32(D), np.int32(L), np.int32(S)))
         w, g = rt.to_host(want), rt.to_host(got)
         assert np.allclose(g, w, rtol=2e-5, atol=2e-6 * np.abs(w).max()), (n, np.abs(g - w).max())
+
+
+@pytest.mark.parametrize("inject", [True, False])
+def test_a_mixs_gates_in_one_launch_are_the_array_module_steps(rt, inject):
+    """dev_hc_gates_q (a hyper-connection mix's silu(d / hc) with its ActQ and 2 sigmoid(inj / hc),
+    one launch) against the array-module form of the same steps (dev_sigmoid and elementwise
+    operations, then the ActQ kernel): the same bits; output_hc has no inject. And the host's
+    reference within float32 rounding (the device's exp is its own)."""
+    from kernel_blocks import random_weights
+
+    from strata.engine.hyper import lowrank_gates_reference
+    from strata.engine.kernels.actq import quantize_act
+    from strata.engine.weights import Weight
+    from strata.index_format.ggml_types import BY_NAME
+
+    rng = np.random.default_rng(16)
+    R, hc = 96, 4
+    t = BY_NAME["Q8_0"]
+    up = Weight("up", (R, 8), t.id, random_weights(t, R * 8, rng))
+    d = (rng.standard_normal((1, R)) * 6).astype(np.float32)
+    inj = (rng.standard_normal((1, hc)) * 6).astype(np.float32) if inject else None
+    got = {}
+    for fused in (True, False):
+        be = DeviceBackend(rt, None)
+        be.fuse_actq = fused
+        launched, launch = [], be._launch
+        be._launch = lambda name, *a: (launched.append(name), launch(name, *a))
+        a, w = be.lowrank_gates_input(rt.to_device(d), None if inj is None else rt.to_device(inj), hc, up)
+        act = a.form(up.type, quantize=be._quantize)
+        got[fused] = [rt.to_host(v) for v in (a.x, act.q, act.d, act.s16)] + ([] if w is None else [rt.to_host(w)])
+        assert ("dev_hc_gates_q" in launched) == fused and (w is None) == (inj is None)
+    for g, want in zip(got[True], got[False]):
+        assert g.dtype == want.dtype and np.array_equal(g.view(np.uint8), want.view(np.uint8))
+    ref_a, ref_w = lowrank_gates_reference(d, inj, hc)
+    assert np.allclose(got[True][0], ref_a, rtol=1e-6, atol=1e-7)
+    q = quantize_act(got[True][0])
+    assert np.array_equal(got[True][1], q.q) and np.array_equal(got[True][2], q.d)
+    if inject:
+        assert np.allclose(got[True][4], ref_w, rtol=1e-6)
 
 
 @pytest.mark.parametrize("T,nv,nk,dv,dk", [(1, 2, 1, 6, 40), (9, 4, 2, 7, 64)])
