@@ -524,7 +524,9 @@ def test_a_qwen35moe_token_step_makes_its_pinned_launches(model, rt):
 def test_a_qwen4exp_token_step_makes_its_pinned_launches(qwen4exp, rt):
     per = launches_per_token(qwen4exp, rt, n=1)
     assert sum(per.values()) == QWEN4EXP_LAUNCHES, per
-    assert per["dev_hc_gates_q"] == 2 * qwen4exp.geometry.n_layer + 1 and per["dev_sigmoid"] == 1, per  # (PLE's)
+    # a mix's gates in one launch each (2 a layer and output_hc's); dev_sigmoid left for PLE's gate
+    # (1 layer) and each QSA layer's output gate (2)
+    assert per["dev_hc_gates_q"] == 2 * qwen4exp.geometry.n_layer + 1 and per["dev_sigmoid"] == 3, per
 
 
 # --- the token path's kernels, each against the host rule it mirrors ------------------------------
