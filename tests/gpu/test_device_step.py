@@ -1025,6 +1025,21 @@ def test_the_fused_sequences_keep_the_separate_launches_bits(rt):
     assert np.array_equal(rt.to_host(o1).view(np.int32), rt.to_host(o2).view(np.int32))
 
 
+def kv_cache_of_kind(rt, rng, kind: int, Hkv: int, ctx: int, D: int) -> tuple:
+    """Random cached keys and values of a KV_KIND (f32, f16 bits, int8 with its scales) on the
+    device -> (K, V, K scales, V scales); the scales are not read but for int8."""
+    if kind == 0:
+        K, V = (rt.to_device(rng.standard_normal((Hkv, ctx, D)).astype(np.float32)) for _ in range(2))
+        Ks = Vs = K
+    elif kind == 1:
+        K, V = (rt.to_device(rng.standard_normal((Hkv, ctx, D)).astype(np.float16).view(np.uint16)) for _ in range(2))
+        Ks = Vs = rt.to_device(np.zeros(1, np.float32))
+    else:
+        K, V = (rt.to_device(rng.integers(-127, 128, (Hkv, ctx, D)).astype(np.int8)) for _ in range(2))
+        Ks, Vs = (rt.to_device((rng.random((Hkv, ctx, D // 32)) * 0.02).astype(np.float32)) for _ in range(2))
+    return K, V, Ks, Vs
+
+
 @pytest.mark.parametrize("kind", [0, 1, 2])
 @pytest.mark.parametrize("D", [64, 256])
 def test_split_key_attention_is_the_one_warp_forms(rt, kind, D):
@@ -1036,15 +1051,7 @@ def test_split_key_attention_is_the_one_warp_forms(rt, kind, D):
     H, Hkv, ctx = 8 if D == 64 else 4, 2, 100
     L, S = 32, 4
     q = rt.to_device(rng.standard_normal((H, D)).astype(np.float32))
-    if kind == 0:
-        K, V = (rt.to_device(rng.standard_normal((Hkv, ctx, D)).astype(np.float32)) for _ in range(2))
-        Ks = Vs = K
-    elif kind == 1:
-        K, V = (rt.to_device(rng.standard_normal((Hkv, ctx, D)).astype(np.float16).view(np.uint16)) for _ in range(2))
-        Ks = Vs = rt.to_device(np.zeros(1, np.float32))
-    else:
-        K, V = (rt.to_device(rng.integers(-127, 128, (Hkv, ctx, D)).astype(np.int8)) for _ in range(2))
-        Ks, Vs = (rt.to_device((rng.random((Hkv, ctx, D // 32)) * 0.02).astype(np.float32)) for _ in range(2))
+    K, V, Ks, Vs = kv_cache_of_kind(rt, rng, kind, Hkv, ctx, D)
     for p in (0, 17, 31, 32, 63, 99):
         pos = rt.to_device(np.array([p], np.int32))
         want, got = rt.empty((H, D), np.float32), rt.empty((H, D), np.float32)
@@ -1070,15 +1077,7 @@ def test_split_selection_attention_is_the_one_warp_forms(rt, kind, D):
     H, Hkv, ctx, M = 8 if D == 64 else 4, 2, 200, 100
     L, S = 32, 4
     q = rt.to_device(rng.standard_normal((H, D)).astype(np.float32))
-    if kind == 0:
-        K, V = (rt.to_device(rng.standard_normal((Hkv, ctx, D)).astype(np.float32)) for _ in range(2))
-        Ks = Vs = K
-    elif kind == 1:
-        K, V = (rt.to_device(rng.standard_normal((Hkv, ctx, D)).astype(np.float16).view(np.uint16)) for _ in range(2))
-        Ks = Vs = rt.to_device(np.zeros(1, np.float32))
-    else:
-        K, V = (rt.to_device(rng.integers(-127, 128, (Hkv, ctx, D)).astype(np.int8)) for _ in range(2))
-        Ks, Vs = (rt.to_device((rng.random((Hkv, ctx, D // 32)) * 0.02).astype(np.float32)) for _ in range(2))
+    K, V, Ks, Vs = kv_cache_of_kind(rt, rng, kind, Hkv, ctx, D)
     for n in (1, 17, 32, 33, 100):
         sel = np.sort(rng.choice(ctx, n, replace=False)).astype(np.int32)
         toks, count = rt.to_device(np.concatenate([sel, np.zeros(M - n, np.int32)])), rt.to_device(np.array([n], np.int32))
