@@ -46,10 +46,11 @@ MAX_TOKENS = 64  # tokens per matmul pass (shared-memory accumulators); more are
 # The most activation rows a product gives the few-row kernel (mvf, gpu_kernels.cu: at most its
 # MVF_TOKENS, 8) in place of the batched one; a single row always takes it when mv cannot hold the
 # row (the H200: mmq's one-token tile ran 107 us for qwen4exp's 320 x 10240 hyper-connection down).
-# 1 until the card has timed mvf against mmq at 2-8 rows (STRATA_MVF_TOKENS=8 to measure).
+# 1 until the card has timed mvf against mmq at 2-8 rows (STRATA_MVF_TOKENS=8 to measure; 0: never,
+# the batched kernel as before).
 MVF_TOKENS = int(os.environ.get("STRATA_MVF_TOKENS", "1"))
-if not 1 <= MVF_TOKENS <= 8:
-    raise ValueError(f"STRATA_MVF_TOKENS={MVF_TOKENS}: expected 1 to 8 (the few-row kernel's registers)")
+if not 0 <= MVF_TOKENS <= 8:
+    raise ValueError(f"STRATA_MVF_TOKENS={MVF_TOKENS}: expected 0 to 8 (the few-row kernel's registers)")
 SMEM_LIMIT = 48 * 1024  # dynamic shared memory a block may take without an opt-in
 SHARED_TABLE_ROWS = 64  # rows per thread block from which an IQ grid is copied to shared memory
 NO_BAD = np.uint64(0xFFFFFFFFFFFFFFFF)
@@ -687,7 +688,7 @@ def _quant_launch(type_id: int, n_in: int, n_out: int, n_tok: int, mma: bool) ->
             rows -= 1
         grid = _grid(rt, n_out, nw * rows, per_sm)
         return m.mod, f"mv<{type_id}, {kpl}>", grid, 32 * nw, tab + nw * per_warp, (np.int32(rows), np.int32(tab > 0))
-    if n_tok <= MVF_TOKENS and (n_tok > 1 or nb > 32 * KPLS[-1]):  # few rows, or one mv cannot hold: a warp a row
+    if 0 < n_tok <= MVF_TOKENS and (n_tok > 1 or nb > 32 * KPLS[-1]):  # few rows, or one mv cannot hold: a warp a row
         nw = _warps(0, n_out, rt.n_sm, fixed_smem=tab)
         return m.mod, f"mvf<{type_id}>", _grid(rt, n_out, nw, per_sm), 32 * nw, tab, (np.int32(n_tok), np.int32(tab > 0))
     if mma:  # the int8 tensor cores: a block's item is 16 rows x 8 nw tokens

@@ -266,6 +266,9 @@ def test_few_row_products_take_mvf_with_mm_bits(rt, name, monkeypatch):
         assert all(gpu._quant_plan(t.id, n_in, n_out, n)[1] == f"mvf<{t.id}>" for n in range(2, 9))
         assert gpu._quant_plan(t.id, n_in, n_out, 9)[1] != f"mvf<{t.id}>"
         _check_products(rt, t, n_in, n_out, (1, 2, 3, 8), seed=t.id * 7 + n_in)
+    monkeypatch.setattr(gpu, "MVF_TOKENS", 0)  # (a benchmark's switch: the batched kernel as before)
+    monkeypatch.setattr(gpu, "_plans", {})
+    assert gpu._quant_plan(t.id, long_in, 7, 1)[1] in (f"mmq<{t.id}>", f"mm<{t.id}>")
 
 
 def test_out_buffer_is_filled_in_place(rt):
