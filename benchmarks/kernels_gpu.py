@@ -22,6 +22,9 @@ cores), whichever gpu.MMA_TYPES says a run takes (STRATA_MMA; gpu.MMAX_TYPES, ST
 --grouped adds a prompt chunk's routed experts: one `gpu.grouped_products` launch over
 GROUPED_EXPERTS distinct experts of the gate/up shape (and of the down shape, rounded up to whole
 blocks) with 5-20 pairs each (seeded), on mmx and on mmqx, microseconds per launch.
+--few adds the few-row products: `gpu.matmul` of 1, 2, 4 and 8 tokens through the FEW weight (qwen4exp's
+hyper-connection down, rows longer than mv holds) on mvf (gpu.MVF_TOKENS 8) and on mmq (0),
+microseconds per product; where mvf wins at 2-8 tokens, STRATA_MVF_TOKENS's default can rise.
 --no-matvec leaves out the matvec columns (the head and expert matvecs), for the batched kernels alone.
 mmq's knobs (environment, docs/gpu-kernels.md): STRATA_MQ_WARPS (warps a block, compiled; 4),
 STRATA_MQ_MINB (blocks a multiprocessor its registers are bounded for; 1), STRATA_MQX_WARPS
@@ -46,6 +49,8 @@ HEAD = (2560, 248320)  # (n_in, n_out)
 EXPERTS = {"gate/up": (2560, 640), "down": (640, 2560)}
 MATMUL = (2560, 8192)  # (n_in, n_out) of --matmul: seed-4l qwen35moe's widest dense projection
 MATMUL_TOKENS = 256
+FEW = (10240, 320)  # (n_in, n_out) of --few: qwen4exp's hyper-connection down (4 streams of 2560 in)
+FEW_TOKENS = (1, 2, 4, 8)
 GROUPED_EXPERTS = 128  # a 256-token chunk routed to 8 experts of 256: ~2000 pairs over ~128-256 experts
 TARGET = 0.60
 # (type, n_in, n_out) of the float products of a prompt chunk (seed-4l qwen35moe, n_embd 2048)
@@ -194,6 +199,11 @@ class Bench:
         out = self.cp.empty((n_tok, n_out), self.cp.float32)
         return self.per_call([lambda: self.gpu.matmul(w, a, out)] * 4)
 
+    def few_rows(self, few: bool) -> None:
+        """The kernel of the next few-row products: mvf up to 8 rows, or none (mmq for every block type)."""
+        self.kernels(True)
+        self.gpu.MVF_TOKENS = 8 if few else 0
+
     def float_weight(self, t, n_in: int, n_out: int, seed: int):
         """A GpuWeight of finite random values (the bit comparison of two kernels means something)."""
         v = (np.random.default_rng(seed).standard_normal(n_in * n_out) * 0.05).astype(np.float32)
@@ -236,6 +246,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--md", help="also write the table (markdown) and the summary to this file")
     ap.add_argument("--matmul", action="store_true", help=f"also time a {MATMUL_TOKENS}-token matmul of {MATMUL[1]} x {MATMUL[0]} per type, on mm and on mmq")
     ap.add_argument("--grouped", action="store_true", help=f"also time one grouped-experts launch ({GROUPED_EXPERTS} experts, 5-20 pairs each) per type, on mmx and on mmqx")
+    ap.add_argument("--few", action="store_true", help=f"also time {', '.join(map(str, FEW_TOKENS))}-token products of "
+                    f"{FEW[1]} x {FEW[0]} per block type, on mvf and on mmq")
     ap.add_argument("--no-matvec", action="store_true", help="leave out the head and expert matvecs")
     ap.add_argument("--fmm", action="store_true", help="time the batched float product, the kernel before against the tiled one, instead")
     args = ap.parse_args(argv)
@@ -299,6 +311,18 @@ def main(argv: list[str] | None = None) -> int:
                     graphed_all &= graphed
                     both.append(gsec)
                 row += [f"{both[0] * 1e6:.0f}", f"{both[1] * 1e6:.0f}", f"{both[1] / both[0]:.2f}"]
+        if args.few:
+            for n_tok in FEW_TOKENS:
+                if not t.quantized or FEW[0] % t.block_size:
+                    row += ["-", "-"]
+                    continue
+                both = []
+                for few in (True, False):
+                    b.few_rows(few)
+                    fsec, graphed = b.matmul_rate(t, *FEW, n_tok)
+                    graphed_all &= graphed
+                    both.append(fsec)
+                row += [f"{both[0] * 1e6:.1f}", f"{both[1] * 1e6:.1f}"]
         rows.append(row)
         print(" | ".join(row), flush=True)
         b.cp.get_default_memory_pool().free_all_blocks()
@@ -311,6 +335,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.grouped:
         for what, (n_in, n_out) in EXPERTS.items():
             headers += [f"mmx {what} {n_out}x{n_in} us", "mmqx us", "mmqx/mmx"]
+    if args.few:
+        for n_tok in FEW_TOKENS:
+            headers += [f"mvf {n_tok}x{FEW[1]}x{FEW[0]} us", "mmq us"]
     table = tabulate(rows, headers=headers)
     summary = ("summary: the batched kernels alone (--no-matvec)" if args.no_matvec else (
         f"summary: head {HEAD[1]}x{HEAD[0]} matvec: {len(rows) - len(misses)}/{len(rows)} types >= {TARGET:.0%} of the "

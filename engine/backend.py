@@ -219,6 +219,23 @@ class CpuBackend:
             x *= self.sigmoid(z)
         return Input(x.reshape(x.shape[0], -1))
 
+    def lowrank_gates_input(self, d: np.ndarray, inj: np.ndarray | None, hc: int, w: Weight) -> tuple:
+        """A hyper-connection mix's gates (hyper.lowrank_gates_reference) of down's and inject's
+        outputs d [T, R] and inj [T, hc] (None: output_hc) -> (silu(d / hc) as the Input of the
+        product w that reads it, 2 sigmoid(inj / hc) or None); d and inj may be overwritten. A
+        token on a backend that owns `sigmoid`: the host's fused passes into the step's buffers
+        (their numpy steps were 12 calls and 5 temporaries a mix); a backend may make w's ActQ in
+        the same launch."""
+        T, R = d.shape
+        if T == 1 and self.owns("sigmoid"):
+            sc = self.scratch
+            a, wt = sc("hc.a", (1, R)), None if inj is None else sc("hc.w", (1, hc))
+            hyper.lowrank_gates(d, inj, F32(hc), a, wt, sc("hc.ex", (1, R)), None if inj is None else sc("hc.exw", (1, hc)))
+            return Input(a), wt
+        d /= F32(hc)
+        a = d * self.sigmoid(d, exp_form=True)  # silu
+        return Input(a), None if inj is None else 2 * self.sigmoid(inj / F32(hc), exp_form=True)
+
     @staticmethod
     def rmsnorm_q(x: np.ndarray, gain: np.ndarray, group: int, eps: float):
         """rmsnorm with f32 sums of rows [T, n] and its ActQ in one pass (hyper.grouped_rmsnorm_q,

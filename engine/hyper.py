@@ -176,15 +176,7 @@ class HyperConnection:
             d, inj = be.linear(self.down, sn_in, sc("hc.d", (T, R))), None
         else:  # down and inject both read sn: one parallel region for a token (backend.linears, the same bits)
             d, inj = be.linears((self.down, self.inject_w), sn_in, (sc("hc.d", (T, R)), sc("hc.inj", (T, self.hc))))
-        if T == 1 and be.owns("sigmoid"):
-            # a token's gates of the low-rank and the inject in two passes and numpy's exp, into
-            # the step's buffers (their numpy steps were 12 calls and 5 temporaries a mix)
-            a, w = sc("hc.a", (1, R)), None if inj is None else sc("hc.w", (1, self.hc))
-            lowrank_gates(d, inj, F32(self.hc), a, w, sc("hc.ex", (1, R)), None if inj is None else sc("hc.exw", (1, self.hc)))
-        else:
-            d /= F32(self.hc)
-            a = d * be.sigmoid(d, exp_form=True)  # silu
-            w = None if inj is None else 2 * be.sigmoid(inj / F32(self.hc), exp_form=True)
+        a, w = be.lowrank_gates_input(d, inj, self.hc, self.up)
         u = be.linear(self.up, a, sc("hc.u", (T, self.hc * self.n_embd)))
         x = be.mix_tail(u, sn, sc("hc.x", (T, self.n_embd)))
         return Input(x), w

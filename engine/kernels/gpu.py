@@ -43,6 +43,14 @@ for _knob in ("STRATA_MV_STEP", "STRATA_MQ_WARPS", "STRATA_MQ_MINB"):  # a bench
         OPTIONS += (f"-D{_knob}={int(os.environ[_knob])}",)
 KPLS = (1, 2, 3, 4, 6, 8)  # act-blocks per lane the matvec kernel holds: rows up to 8192 elements
 MAX_TOKENS = 64  # tokens per matmul pass (shared-memory accumulators); more are done in groups
+# The most activation rows a product gives the few-row kernel (mvf, gpu_kernels.cu: at most its
+# MVF_TOKENS, 8) in place of the batched one; a single row always takes it when mv cannot hold the
+# row (the H200: mmq's one-token tile ran 107 us for qwen4exp's 320 x 10240 hyper-connection down).
+# 1 until the card has timed mvf against mmq at 2-8 rows (STRATA_MVF_TOKENS=8 to measure; 0: never,
+# the batched kernel as before).
+MVF_TOKENS = int(os.environ.get("STRATA_MVF_TOKENS", "1"))
+if not 0 <= MVF_TOKENS <= 8:
+    raise ValueError(f"STRATA_MVF_TOKENS={MVF_TOKENS}: expected 0 to 8 (the few-row kernel's registers)")
 SMEM_LIMIT = 48 * 1024  # dynamic shared memory a block may take without an opt-in
 SHARED_TABLE_ROWS = 64  # rows per thread block from which an IQ grid is copied to shared memory
 NO_BAD = np.uint64(0xFFFFFFFFFFFFFFFF)
@@ -319,7 +327,7 @@ def _names(t: GGMLType) -> list[str]:
     if t.quantized:
         wide = [f"mv<{t.id}, {k}, 1>" for k in KPLS] if is_wide(t) else []
         grouped = [f"mvx<{t.id}, {k}>" for k in KPLS]
-        batched = [f"mm<{t.id}>", f"mmx<{t.id}>", f"mmq<{t.id}>", f"mmqx<{t.id}>"]
+        batched = [f"mvf<{t.id}>", f"mm<{t.id}>", f"mmx<{t.id}>", f"mmq<{t.id}>", f"mmqx<{t.id}>"]
         return [f"mv<{t.id}, {k}>" for k in KPLS] + wide + grouped + batched + [f"traits<{t.id}>"]
     kind = _FLOAT_KIND[t.name]
     return [f"fmv<{kind}>", f"fmm<{kind}>"] + [f"fmt<{kind}, {r}, {c}>" for r in FMT_SIDES for c in FMT_SIDES]
@@ -680,6 +688,9 @@ def _quant_launch(type_id: int, n_in: int, n_out: int, n_tok: int, mma: bool) ->
             rows -= 1
         grid = _grid(rt, n_out, nw * rows, per_sm)
         return m.mod, f"mv<{type_id}, {kpl}>", grid, 32 * nw, tab + nw * per_warp, (np.int32(rows), np.int32(tab > 0))
+    if 0 < n_tok <= MVF_TOKENS and (n_tok > 1 or nb > 32 * KPLS[-1]):  # few rows, or one mv cannot hold: a warp a row
+        nw = _warps(0, n_out, rt.n_sm, fixed_smem=tab)
+        return m.mod, f"mvf<{type_id}>", _grid(rt, n_out, nw, per_sm), 32 * nw, tab, (np.int32(n_tok), np.int32(tab > 0))
     if mma:  # the int8 tensor cores: a block's item is 16 rows x 8 nw tokens
         nw = max(1, min(m.mq_warps, -(-n_tok // 8)))
         items = -(-n_out // 16) * -(-n_tok // (8 * nw))

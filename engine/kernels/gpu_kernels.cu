@@ -834,6 +834,58 @@ __global__ void __launch_bounds__(256) mvx(const u8* __restrict__ arena, i64 slo
 }
 
 // ---------------------------------------------------------------------------------------------
+// Few-row matrix: ntok <= MVF_TOKENS activation rows against weight rows of any length. A warp per
+// weight row, grid-stride, its blocks read straight from global memory (no staging, no activation
+// held in registers, so no limit on the row's length). It serves the products mv cannot hold (rows
+// over 32 x 8 act-blocks): qwen4exp's hyper-connection down, 10240 elements in, took mmq's
+// tensor-core tile of 16 rows x 8 tokens for its one token, 107 us a launch on the H200 for 320 rows.
+// Lane l adds act-blocks l, l + 32, ... of each token in that order, then the fold: mv's and mm's bits.
+//   xq i8 [ntok, nb * 32]; xd f32 [ntok, nb]; xs i32 [ntok, 2 nb]; out f32 [ntok, n_out]
+#define MVF_TOKENS 8
+
+template <int T>
+__global__ void __launch_bounds__(256) mvf(const u8* __restrict__ rest, const float* __restrict__ scales,
+                                           const i8* __restrict__ xq, const float* __restrict__ xd,
+                                           const i32* __restrict__ xs, float* __restrict__ out, int n_out, int nb,
+                                           int ntok, int shared_tab) {
+    typedef Ty<T> L;
+    constexpr bool S16 = L::HAS_MIN || L::OFF != 0;
+    STRATA_SMEM(smem);
+    const typename L::Tab* tab = load_tab<T>(smem, shared_tab);
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    const int nblk = nb / L::APB;
+    // (a plane starts 16-byte aligned, so a block's address has the alignment mv's staged copy gives it)
+    for (i64 o = (i64)blockIdx.x * nw + warp; o < n_out; o += (i64)gridDim.x * nw) {
+        const u8* Rb = rest + o * nblk * L::REST;
+        const float* Sb = scales + o * nblk * L::NS;
+        float acc[MVF_TOKENS];
+#pragma unroll
+        for (int t = 0; t < MVF_TOKENS; t++) acc[t] = 0.0f;
+        for (int k = lane; k < nb; k += 32) {
+            const int blk = k / L::APB;
+            const Blk b = L::dec(Rb + blk * L::REST, k % L::APB, Sb + blk * L::NS, tab);
+#pragma unroll
+            for (int t = 0; t < MVF_TOKENS; t++) {
+                if (t < ntok) {  // the same for every lane
+                    const i64 at = (i64)t * nb + k;
+                    u32 x[8];
+                    load_act(xq, 32 * at, x);
+                    const int xs0 = S16 ? __ldg(xs + 2 * at) : 0, xs1 = S16 ? __ldg(xs + 2 * at + 1) : 0;
+                    acc[t] = f32_add(acc[t], term<T>(b, x, __ldg(xd + at), xs0, xs1));
+                }
+            }
+        }
+#pragma unroll
+        for (int t = 0; t < MVF_TOKENS; t++) {
+            if (t < ntok) {
+                const float v = fold(acc[t]);
+                if (lane == 0) out[(i64)t * n_out + o] = v;
+            }
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
 // Small-batch matrix: T tokens in one pass over the weight. One warp per row (grid-stride); the
 // row is taken MM_ROUNDS x 32 act-blocks (a chunk) at a time, the next chunk (of this row or the
 // next) staged while this one is computed. Each act-block is decoded once and applied to every

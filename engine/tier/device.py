@@ -58,7 +58,8 @@ _NAMES = ["dev_rmsnorm", "dev_delta", "dev_conv", "dev_combine", "dev_sigmoid", 
           "dev_gdn_gates", "dev_l2_qk", "dev_shared_add", "dev_attn_split", "dev_attn_merge", "dev_mix_tail", "dev_inject", "dev_ple_output",
           "dev_sample", "dev_route_rows", "dev_group", "dev_rmsnorm_q", "dev_hidden_q",
           "dev_gate_q", "dev_gates_conv", "dev_add_rmsnorm_q", "dev_embd_row", "dev_ple_conv", "dev_qsa_key",
-          "dev_qsa_scores", "dev_qsa_select", "dev_attn_sel"]
+          "dev_qsa_scores", "dev_qsa_select", "dev_attn_sel", "dev_attn_split_sel", "dev_attn_merge_sel",
+          "dev_hc_gates_q"]
 # the embedding's GGML types dev_embd_row decodes (F32 F16 Q4_0 Q4_1 Q5_0 Q5_1 Q8_0 Q4_K Q5_K Q6_K BF16)
 EMBD_ROW_TYPES = frozenset({0, 1, 2, 3, 6, 7, 8, 12, 13, 14, 30})
 KV_KIND = {"f32": 0, "f16": 1, "int8": 2}  # dev_kv_write's and dev_attn_one's `kind`
@@ -645,6 +646,22 @@ class DeviceBackend(CpuBackend):
                                             np.int64(x.size)))
         return Input(flat, q)
 
+    def lowrank_gates_input(self, d, inj, hc: int, w: Weight) -> tuple:
+        """backend.lowrank_gates_input in one launch (dev_hc_gates_q: both gates and the ActQ of
+        silu(d / hc), where w reads the plain ActQ); the array-module form was 7 launches a mix
+        (2 dev_sigmoid, 4 elementwise, an actq), 9 mixes a seed-4l token."""
+        T, R = d.shape
+        if not (self.fuse_actq and R % 32 == 0 and w.type.quantized and not w.wide and d.dtype == F32
+                and d.flags.c_contiguous and (inj is None or (inj.dtype == F32 and inj.flags.c_contiguous))):
+            return super().lowrank_gates_input(d, inj, hc, w)
+        a = self.scratch("hc.a", (T, R))
+        wt = None if inj is None else self.scratch("hc.w", (T, hc))
+        q = self._act_of(a)
+        nw = 0 if inj is None else T * hc
+        self._launch("dev_hc_gates_q", max(T * R, nw), (d, a if inj is None else inj, a, a if wt is None else wt, q.q, q.d,
+                                                        q.s16, np.int64(T * R), np.int64(nw), F32(hc)))
+        return Input(a, q), wt
+
     def _norm_q(self, x, xs: int, gain, group: int, out, eps: float, f32_sums: bool, z=None, act: int = 0):
         """dev_rmsnorm_q over the rows of `group` of x (stride xs) into out and its ActQ -> GpuActQ.
         One token's ActQ lives in a buffer kept per output buffer (out: a scratch buffer, whose
@@ -753,8 +770,7 @@ class DeviceBackend(CpuBackend):
         if got is None or got[0] is not rope:
             at = self._pos_at // r * r
             c, s = rope.cos_sin(np.array([at]))
-            got = self._block_ropes[id(rope)] = [rope, r, self.upload(np.ascontiguousarray(c, F32)),
-                                                 self.upload(np.ascontiguousarray(s, F32)), at]
+            got = self._block_ropes[id(rope)] = [rope, r, self._fixed(c), self._fixed(s), at]
         return got[2], got[3]
 
     def qsa_token(self, layer, cache, q, k, v, iq, ik):
@@ -793,8 +809,19 @@ class DeviceBackend(CpuBackend):
         self._launch("dev_qsa_select", 32, (scores, self._pos, np.int32(r), np.int32(layer.block_topk), cache._vbuf, ix, toks,
                                             count), 32)  # (one thread works)
         out = self.scratch("qsa.out", (1, H, D))
-        self._launch("dev_attn_sel", 32 * H, (q, kv.k, kv.v, ks, vs, toks, count, sc, np.int32(most), out, np.int32(H),
-                                              np.int32(Hkv), np.int32(ctx), np.int32(D), F32(D**-0.5), np.int32(kind)))
+        if self.split_attention and D <= 256:  # the selection split among warps, as attend_one splits positions
+            L = max(32, -(-most // (256 * 32)) * 32)
+            S = -(-most // L)
+            part = self._attn_sc.get((H, most, "sel"))
+            if part is None:
+                part = self._attn_sc[(H, most, "sel")] = self.rt.empty((H, S, D + 2), F32)
+            self._launch("dev_attn_split_sel", 32 * H * S, (q, kv.k, kv.v, ks, vs, toks, count, part, np.int32(H),
+                                                            np.int32(Hkv), np.int32(ctx), np.int32(D), np.int32(L),
+                                                            np.int32(S), F32(D**-0.5), np.int32(kind)))
+            self._launch("dev_attn_merge_sel", H * D, (part, count, out, np.int32(H), np.int32(D), np.int32(L), np.int32(S)))
+        else:
+            self._launch("dev_attn_sel", 32 * H, (q, kv.k, kv.v, ks, vs, toks, count, sc, np.int32(most), out, np.int32(H),
+                                                  np.int32(Hkv), np.int32(ctx), np.int32(D), F32(D**-0.5), np.int32(kind)))
 
         def advance():
             cache.n += 1
@@ -998,6 +1025,17 @@ class DeviceBackend(CpuBackend):
         if done is not None:
             done.record()
 
+    def _fixed(self, values):
+        """A new fixed device buffer of a token step's input, filled through `_stage`: its pinned
+        mirror is made now, at the step that first needs it (eager), so restaging it later makes
+        nothing. (An uploaded buffer got its mirror at its first restage: QSA's block cos and sin,
+        restaged when the position enters the next block, made 4 pinned buffers in replayed steps
+        on the H200.)"""
+        values = np.ascontiguousarray(values, F32)
+        dev = self.rt.empty(values.shape, F32)
+        self._stage(dev, values)
+        return dev
+
     def stage_row(self, a: np.ndarray):
         """A token step's host row (the embedding's) on the device, at a fixed address per shape
         (copied up asynchronously, nothing allocated after the first step)."""
@@ -1043,7 +1081,7 @@ class DeviceBackend(CpuBackend):
             got = self._ropes.get(id(rope))
             if got is None:  # a rope seen for the first time: its buffers, filled at this position
                 c, s = rope.cos_sin(positions)
-                got = self._ropes[id(rope)] = (rope, self.upload(np.ascontiguousarray(c, F32)), self.upload(np.ascontiguousarray(s, F32)))
+                got = self._ropes[id(rope)] = (rope, self._fixed(c), self._fixed(s))
             self._at(int(positions[0]))  # nothing to do when token_step set it (and inside its capture)
             _, c, s = got
             heads, h = x.shape[1], rope.half

@@ -519,6 +519,26 @@ extern "C" __global__ void dev_gate_q(float* x, const float* z, i64 zs, int n, i
     }
 }
 
+// A hyper-connection mix's gates (hyper.lowrank_gates_reference) in one launch: a = silu(d / hc)
+// with its ActQ (the up product's input; n = T R values, a multiple of 32: a warp a 32-element
+// block, actq_block's bits) and w = 2 sigmoid(inj / hc) (nw = T hc values; 0: output_hc, no inject),
+// sigmoid as dev_sigmoid's exp form, 1 / (exp(-x) + 1): the steps the array-module form made in 7
+// launches (2 dev_sigmoid, 4 elementwise, an actq).
+extern "C" __global__ void dev_hc_gates_q(const float* d, const float* inj, float* a, float* w, signed char* q, float* qd,
+                                          int* s16, i64 n, i64 nw, float hc) {
+    const int lane = threadIdx.x & 31;
+    const i64 nb = n >> 5, warps = ((i64)gridDim.x * blockDim.x) >> 5;
+    for (i64 b = ((i64)blockIdx.x * blockDim.x + threadIdx.x) >> 5; b < nb; b += warps) {
+        const i64 i = 32 * b + lane;
+        const float x = d[i] / hc;
+        const float y = x * (1.0f / (expf(-x) + 1.0f));
+        a[i] = y;
+        actq_block(y, q + 32 * b, qd, s16, b);
+    }
+    for (i64 i = blockIdx.x * (i64)blockDim.x + threadIdx.x; i < nw; i += (i64)gridDim.x * blockDim.x)
+        w[i] = 2.0f * (1.0f / (expf(-(inj[i] / hc)) + 1.0f));
+}
+
 // The router's top-k of one token (moe.route_topk's rule): softmax of the logits [X] in float64
 // (p = exp(l - max) / sum), the k largest (ties: the lower expert id), their probabilities
 // renormalised to sum to 1. -> ids [k], w f32 [k] (the combine's f32 weights), and slot[j] =
@@ -864,10 +884,12 @@ extern "C" __global__ void dev_attn_one(const float* q, const void* K, const voi
 // (m, l, o[D]). dev_attn_merge then joins a head's splits: M = max m_s, out = sum o_s e^(m_s - M) /
 // sum l_s e^(m_s - M). The splits past n write nothing and are not read. Parts: [H, S, D + 2]
 // with S = ceil(ctx / L) (DeviceBackend sizes L so that S stays small).
-extern "C" __global__ void dev_attn_split(const float* q, const void* K, const void* V, const float* Ks, const float* Vs,
-                                          const int* pos, float* part, int H, int Hkv, int ctx, int D, int L, int S,
-                                          float scale, int kind) {
-    const int lane = threadIdx.x & 31, n = *pos + 1, ns = (n + L - 1) / L;
+// (attn_split: the kernel's work over n keys, key i at position toks[i], or at i where toks is null:
+// dev_attn_split takes positions 0 .. *pos, dev_attn_split_sel QSA's selection)
+__device__ __forceinline__ void attn_split(const float* q, const void* K, const void* V, const float* Ks, const float* Vs,
+                                           const int* toks, int n, float* part, int H, int Hkv, int ctx, int D, int L,
+                                           int S, float scale, int kind) {
+    const int lane = threadIdx.x & 31, ns = (n + L - 1) / L;
     const int nw = (int)((gridDim.x * blockDim.x) >> 5);
     const float inf = __uint_as_float(0x7f800000u);
     for (int w = (int)((blockIdx.x * blockDim.x + threadIdx.x) >> 5); w < H * ns; w += nw) {
@@ -885,7 +907,7 @@ extern "C" __global__ void dev_attn_split(const float* q, const void* K, const v
 #pragma unroll
         for (int t = 0; t < 8; t++) {
             const int d = lane + 32 * t;
-            const i64 row = ((i64)kv * ctx + i0) * D;
+            const i64 row = ((i64)kv * ctx + (toks && i0 < i1 ? toks[i0] : i0)) * D;
             qr[t] = d < D ? q[(i64)h * D + d] : 0.0f;
             o[t] = 0.0f;
             kr[t] = d < D && i0 < i1 ? kv_at(K, Ks, kind, row + d) : 0.0f;
@@ -895,7 +917,7 @@ extern "C" __global__ void dev_attn_split(const float* q, const void* K, const v
         for (int i = i0; i < i1; i++) {
             float kn[8], vn[8];
             const bool more = i + 1 < i1;
-            const i64 next = ((i64)kv * ctx + i + 1) * D;
+            const i64 next = ((i64)kv * ctx + (toks && more ? toks[i + 1] : i + 1)) * D;
 #pragma unroll
             for (int t = 0; t < 8; t++) {
                 const int d = lane + 32 * t;
@@ -925,8 +947,26 @@ extern "C" __global__ void dev_attn_split(const float* q, const void* K, const v
     }
 }
 
-extern "C" __global__ void dev_attn_merge(const float* part, const int* pos, float* out, int H, int D, int L, int S) {
-    const int n = *pos + 1, ns = (n + L - 1) / L;
+extern "C" __global__ void dev_attn_split(const float* q, const void* K, const void* V, const float* Ks, const float* Vs,
+                                          const int* pos, float* part, int H, int Hkv, int ctx, int D, int L, int S,
+                                          float scale, int kind) {
+    attn_split(q, K, V, Ks, Vs, nullptr, *pos + 1, part, H, Hkv, ctx, D, L, S, scale, kind);
+}
+
+// QSA's attention over its selection toks[0 .. *count) (dev_qsa_select) split among warps as
+// dev_attn_split splits positions; dev_attn_merge_sel joins the splits. dev_attn_sel, a warp a head
+// with each lane scoring whole keys one after another, took 38 us at 5 selected tokens on the H200
+// and grew with the selection (up to block_topk r + r - 1 tokens): the token step's floor, timed at
+// ~290 positions, was 1.3 ms above its parts, timed on a new session at position 4.
+extern "C" __global__ void dev_attn_split_sel(const float* q, const void* K, const void* V, const float* Ks,
+                                              const float* Vs, const int* toks, const int* count, float* part, int H,
+                                              int Hkv, int ctx, int D, int L, int S, float scale, int kind) {
+    attn_split(q, K, V, Ks, Vs, toks, *count, part, H, Hkv, ctx, D, L, S, scale, kind);
+}
+
+// (attn_merge: dev_attn_merge's work over n keys in splits of L)
+__device__ __forceinline__ void attn_merge(const float* part, int n, float* out, int H, int D, int L, int S) {
+    const int ns = (n + L - 1) / L;
     for (i64 i = blockIdx.x * (i64)blockDim.x + threadIdx.x; i < (i64)H * D; i += (i64)gridDim.x * blockDim.x) {
         const int h = (int)(i / D), d = (int)(i % D);
         const float* ph = part + (i64)h * S * (D + 2);
@@ -940,6 +980,14 @@ extern "C" __global__ void dev_attn_merge(const float* part, const int* pos, flo
         }
         out[i] = o / l;
     }
+}
+
+extern "C" __global__ void dev_attn_merge(const float* part, const int* pos, float* out, int H, int D, int L, int S) {
+    attn_merge(part, *pos + 1, out, H, D, L, S);
+}
+
+extern "C" __global__ void dev_attn_merge_sel(const float* part, const int* count, float* out, int H, int D, int L, int S) {
+    attn_merge(part, *count, out, H, D, L, S);
 }
 
 // ---------------------------------------------------------------------------------------------

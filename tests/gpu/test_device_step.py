@@ -244,7 +244,7 @@ def test_the_device_step_gives_the_cpu_logits_for_qwen4exp(qwen4exp, rt):
         assert (be._graph is not None) == (not emu)  # the card captures the step (the emulation has no graphs)
     assert {"dev_rmsnorm", "dev_sigmoid", "dev_rope", "dev_delta", "dev_route", "dev_combine_slots"} <= launched
     # PLE's conv and QSA's step at the device position (what a captured step replays)
-    assert {"dev_ple_conv", "dev_qsa_key", "dev_qsa_scores", "dev_qsa_select", "dev_attn_sel"} <= launched
+    assert {"dev_ple_conv", "dev_qsa_key", "dev_qsa_scores", "dev_qsa_select", "dev_attn_split_sel", "dev_attn_merge_sel"} <= launched
     assert_close_q4(got, want)
 
 
@@ -311,7 +311,7 @@ def test_qwen4exp_blocks_on_the_device_are_the_cpus(qwen4exp, rt):
     assert strict >= 3  # steps that kept a strict subset were checked
     # the fused kernels were what ran, not the array-module fallbacks
     assert {"dev_mix_tail", "dev_inject", "dev_ple_output", "dev_rmsnorm", "dev_rope", "dev_ple_conv", "dev_qsa_key",
-            "dev_qsa_scores", "dev_qsa_select", "dev_attn_sel"} <= launched
+            "dev_qsa_scores", "dev_qsa_select", "dev_attn_split_sel", "dev_attn_merge_sel"} <= launched
 
 
 @pytest.mark.parametrize("n,k", [(300, 4), (64, 1), (40, 4), (17, 16), (9, 4), (5, 5), (1, 1)])
@@ -502,8 +502,12 @@ def launches_per_token(model, rt, n_prompt: int = 3, n: int = 2) -> dict:
 QWEN35MOE_LAUNCHES = 104
 # qwen4exp: 361 + 11 since its step reads nothing of the host's inside it (capturable): a QSA layer's
 # five (dev_kv_write, dev_qsa_key, dev_qsa_scores, dev_qsa_select, dev_attn_sel; its K/V write,
-# selection and attention had been array-module work and host work) x 2 layers, the PLE conv (1 layer)
-QWEN4EXP_LAUNCHES = 372
+# selection and attention had been array-module work and host work) x 2 layers, the PLE conv (1 layer);
+# + 2: a QSA layer's attention split among warps then merged (dev_attn_split_sel, dev_attn_merge_sel),
+# where dev_attn_sel's one warp a head grew with the selection (38 us at 5 tokens on the H200);
+# - 33: a mix's gates with the up product's ActQ in one launch (dev_hc_gates_q), where 2 dev_sigmoid
+# and an actq were (and 4 array-module passes, not counted here): 16 mixes with an inject, output_hc's
+QWEN4EXP_LAUNCHES = 341
 
 
 def test_a_qwen35moe_token_step_makes_its_pinned_launches(model, rt):
@@ -520,6 +524,9 @@ def test_a_qwen35moe_token_step_makes_its_pinned_launches(model, rt):
 def test_a_qwen4exp_token_step_makes_its_pinned_launches(qwen4exp, rt):
     per = launches_per_token(qwen4exp, rt, n=1)
     assert sum(per.values()) == QWEN4EXP_LAUNCHES, per
+    # a mix's gates in one launch each (2 a layer and output_hc's); dev_sigmoid left for PLE's gate
+    # (1 layer) and each QSA layer's output gate (2)
+    assert per["dev_hc_gates_q"] == 2 * qwen4exp.geometry.n_layer + 1 and per["dev_sigmoid"] == 3, per
 
 
 # --- the token path's kernels, each against the host rule it mirrors ------------------------------
@@ -898,6 +905,31 @@ def test_replayed_token_steps_allocate_nothing_on_the_device(request, rt, arch):
     assert counts == [0, 0], f"{len(toks) - 3} token steps made {counts[0]} {what} and {counts[1]} pinned buffers"
 
 
+def test_a_token_steps_position_inputs_make_no_pinned_buffer_past_the_first_step(rt):
+    """The position's fixed inputs (a rope's cos and sin, and QSA's at its block's start, restaged
+    when the position enters the next block) get their pinned mirrors at the step that first needs
+    them: later positions restage them and make nothing. (QSA's block cos and sin were uploaded,
+    their mirrors made at the first block change: 4 pinned buffers in the H200's replayed steps,
+    which the emulated step test, 6 positions of a 16-token block, never reached.)"""
+    from test_gpu_tier import counting
+
+    from strata.engine.ops import Rope
+
+    be, r = DeviceBackend(rt, None), 4
+    rope, block = Rope(8, 10000.0, f32_angles=True), Rope(8, 500.0, f32_angles=True)
+    be._at(0)
+    be.rope_(rope, rt.to_device(np.ones((1, 2, 8), np.float32)), np.array([0]))
+    be._block_rope(block, r)
+    with counting(rt) as counts:
+        for p in range(1, 3 * r + 1):
+            be._at(p)
+    assert counts == [0, 0], f"{counts[0]} device buffers and {counts[1]} pinned buffers"
+    # what the fixed addresses hold: the host's cos and sin at the position and at its block's start
+    for rp, at, (c, s) in ((rope, 3 * r, be._ropes[id(rope)][1:]), (block, 3 * r, be._block_ropes[id(block)][2:4])):
+        want = rp.cos_sin(np.array([at]))
+        assert np.array_equal(rt.to_host(c), want[0]) and np.array_equal(rt.to_host(s), want[1])
+
+
 @contextlib.contextmanager
 def uploads(rt):
     """The emulation's uploads and downloads (rt.to_device, rt.to_host: the logits' and the pick's
@@ -993,6 +1025,21 @@ def test_the_fused_sequences_keep_the_separate_launches_bits(rt):
     assert np.array_equal(rt.to_host(o1).view(np.int32), rt.to_host(o2).view(np.int32))
 
 
+def kv_cache_of_kind(rt, rng, kind: int, Hkv: int, ctx: int, D: int) -> tuple:
+    """Random cached keys and values of a KV_KIND (f32, f16 bits, int8 with its scales) on the
+    device -> (K, V, K scales, V scales); the scales are not read but for int8."""
+    if kind == 0:
+        K, V = (rt.to_device(rng.standard_normal((Hkv, ctx, D)).astype(np.float32)) for _ in range(2))
+        Ks = Vs = K
+    elif kind == 1:
+        K, V = (rt.to_device(rng.standard_normal((Hkv, ctx, D)).astype(np.float16).view(np.uint16)) for _ in range(2))
+        Ks = Vs = rt.to_device(np.zeros(1, np.float32))
+    else:
+        K, V = (rt.to_device(rng.integers(-127, 128, (Hkv, ctx, D)).astype(np.int8)) for _ in range(2))
+        Ks, Vs = (rt.to_device((rng.random((Hkv, ctx, D // 32)) * 0.02).astype(np.float32)) for _ in range(2))
+    return K, V, Ks, Vs
+
+
 @pytest.mark.parametrize("kind", [0, 1, 2])
 @pytest.mark.parametrize("D", [64, 256])
 def test_split_key_attention_is_the_one_warp_forms(rt, kind, D):
@@ -1004,15 +1051,7 @@ def test_split_key_attention_is_the_one_warp_forms(rt, kind, D):
     H, Hkv, ctx = 8 if D == 64 else 4, 2, 100
     L, S = 32, 4
     q = rt.to_device(rng.standard_normal((H, D)).astype(np.float32))
-    if kind == 0:
-        K, V = (rt.to_device(rng.standard_normal((Hkv, ctx, D)).astype(np.float32)) for _ in range(2))
-        Ks = Vs = K
-    elif kind == 1:
-        K, V = (rt.to_device(rng.standard_normal((Hkv, ctx, D)).astype(np.float16).view(np.uint16)) for _ in range(2))
-        Ks = Vs = rt.to_device(np.zeros(1, np.float32))
-    else:
-        K, V = (rt.to_device(rng.integers(-127, 128, (Hkv, ctx, D)).astype(np.int8)) for _ in range(2))
-        Ks, Vs = (rt.to_device((rng.random((Hkv, ctx, D // 32)) * 0.02).astype(np.float32)) for _ in range(2))
+    K, V, Ks, Vs = kv_cache_of_kind(rt, rng, kind, Hkv, ctx, D)
     for p in (0, 17, 31, 32, 63, 99):
         pos = rt.to_device(np.array([p], np.int32))
         want, got = rt.empty((H, D), np.float32), rt.empty((H, D), np.float32)
@@ -1024,6 +1063,73 @@ def test_split_key_attention_is_the_one_warp_forms(rt, kind, D):
         be._launch("dev_attn_merge", H * D, (part, pos, got, np.int32(H), np.int32(D), np.int32(L), np.int32(S)))
         w, g = rt.to_host(want), rt.to_host(got)
         assert np.allclose(g, w, rtol=2e-5, atol=2e-6 * np.abs(w).max()), (p, np.abs(g - w).max())
+
+
+@pytest.mark.parametrize("kind", [0, 1, 2])
+@pytest.mark.parametrize("D", [64, 256])
+def test_split_selection_attention_is_the_one_warp_forms(rt, kind, D):
+    """dev_attn_split_sel + dev_attn_merge_sel (QSA's selected keys split among warps) against
+    dev_attn_sel (a warp per head, each lane scoring whole keys) on the same cache and selection:
+    within float32 rounding, for selections inside one split, at a split's end and past it (L = 32),
+    of positions out of order with the cache's (blocks, then a tail)."""
+    be = DeviceBackend(rt, None)
+    rng = np.random.default_rng(15)
+    H, Hkv, ctx, M = 8 if D == 64 else 4, 2, 200, 100
+    L, S = 32, 4
+    q = rt.to_device(rng.standard_normal((H, D)).astype(np.float32))
+    K, V, Ks, Vs = kv_cache_of_kind(rt, rng, kind, Hkv, ctx, D)
+    for n in (1, 17, 32, 33, 100):
+        sel = np.sort(rng.choice(ctx, n, replace=False)).astype(np.int32)
+        toks, count = rt.to_device(np.concatenate([sel, np.zeros(M - n, np.int32)])), rt.to_device(np.array([n], np.int32))
+        want, got = rt.empty((H, D), np.float32), rt.empty((H, D), np.float32)
+        sc, part = rt.empty((H, M), np.float32), rt.empty((H, S, D + 2), np.float32)
+        args = (np.int32(H), np.int32(Hkv), np.int32(ctx), np.int32(D))
+        be._launch("dev_attn_sel", 32 * H, (q, K, V, Ks, Vs, toks, count, sc, np.int32(M), want, *args,
+                                            np.float32(D**-0.5), np.int32(kind)))
+        be._launch("dev_attn_split_sel", 32 * H * S, (q, K, V, Ks, Vs, toks, count, part, *args, np.int32(L), np.int32(S),
+                                                      np.float32(D**-0.5), np.int32(kind)))
+        be._launch("dev_attn_merge_sel", H * D, (part, count, got, np.int32(H), np.int32(D), np.int32(L), np.int32(S)))
+        w, g = rt.to_host(want), rt.to_host(got)
+        assert np.allclose(g, w, rtol=2e-5, atol=2e-6 * np.abs(w).max()), (n, np.abs(g - w).max())
+
+
+@pytest.mark.parametrize("inject", [True, False])
+def test_a_mixs_gates_in_one_launch_are_the_array_module_steps(rt, inject):
+    """dev_hc_gates_q (a hyper-connection mix's silu(d / hc) with its ActQ and 2 sigmoid(inj / hc),
+    one launch) against the array-module form of the same steps (dev_sigmoid and elementwise
+    operations, then the ActQ kernel): the same bits; output_hc has no inject. And the host's
+    reference within float32 rounding (the device's exp is its own)."""
+    from kernel_blocks import random_weights
+
+    from strata.engine.hyper import lowrank_gates_reference
+    from strata.engine.kernels.actq import quantize_act
+    from strata.engine.weights import Weight
+    from strata.index_format.ggml_types import BY_NAME
+
+    rng = np.random.default_rng(16)
+    R, hc = 96, 4
+    t = BY_NAME["Q8_0"]
+    up = Weight("up", (R, 8), t.id, random_weights(t, R * 8, rng))
+    d = (rng.standard_normal((1, R)) * 6).astype(np.float32)
+    inj = (rng.standard_normal((1, hc)) * 6).astype(np.float32) if inject else None
+    got = {}
+    for fused in (True, False):
+        be = DeviceBackend(rt, None)
+        be.fuse_actq = fused
+        launched, launch = [], be._launch
+        be._launch = lambda name, *a: (launched.append(name), launch(name, *a))
+        a, w = be.lowrank_gates_input(rt.to_device(d), None if inj is None else rt.to_device(inj), hc, up)
+        act = a.form(up.type, quantize=be._quantize)
+        got[fused] = [rt.to_host(v) for v in (a.x, act.q, act.d, act.s16)] + ([] if w is None else [rt.to_host(w)])
+        assert ("dev_hc_gates_q" in launched) == fused and (w is None) == (inj is None)
+    for g, want in zip(got[True], got[False]):
+        assert g.dtype == want.dtype and np.array_equal(g.view(np.uint8), want.view(np.uint8))
+    ref_a, ref_w = lowrank_gates_reference(d, inj, hc)
+    assert np.allclose(got[True][0], ref_a, rtol=1e-6, atol=1e-7)
+    q = quantize_act(got[True][0])
+    assert np.array_equal(got[True][1], q.q) and np.array_equal(got[True][2], q.d)
+    if inject:
+        assert np.allclose(got[True][4], ref_w, rtol=1e-6)
 
 
 @pytest.mark.parametrize("T,nv,nk,dv,dk", [(1, 2, 1, 6, 40), (9, 4, 2, 7, 64)])

@@ -252,6 +252,25 @@ def test_batched_kernels_every_type(rt, t, batched_kernel):
     _check_products(rt, t, _RAGGED[t.block_size][-1], 17, (3, 9, 40), seed=t.id * 31)
 
 
+@pytest.mark.parametrize("name", ["Q8_0", "Q4_K", "IQ4_XS", "IQ2_XS", "Q5_1"])
+def test_few_row_products_take_mvf_with_mm_bits(rt, name, monkeypatch):
+    # mvf (a warp a row, blocks read from global memory) for 1..8 activation rows: rows longer
+    # than mv holds (qwen4exp's hyper-connection down reads 4 x 2560 elements) and short ones,
+    # a ragged lane count (nb not a multiple of 32) and an odd row count; the reference's bits
+    t = BY_NAME[name]
+    monkeypatch.setattr(gpu, "MVF_TOKENS", 8)
+    monkeypatch.setattr(gpu, "_plans", {})
+    long_in = -(-(8192 + 2048 + 32) // t.block_size) * t.block_size
+    for n_in, n_out in ((long_in, 7), (_small_shape(t)[0], 9)):
+        assert gpu._quant_plan(t.id, n_in, n_out, 1)[1].startswith(f"mvf<{t.id}>" if n_in > 8192 else f"mv<{t.id}, ")
+        assert all(gpu._quant_plan(t.id, n_in, n_out, n)[1] == f"mvf<{t.id}>" for n in range(2, 9))
+        assert gpu._quant_plan(t.id, n_in, n_out, 9)[1] != f"mvf<{t.id}>"
+        _check_products(rt, t, n_in, n_out, (1, 2, 3, 8), seed=t.id * 7 + n_in)
+    monkeypatch.setattr(gpu, "MVF_TOKENS", 0)  # (a benchmark's switch: the batched kernel as before)
+    monkeypatch.setattr(gpu, "_plans", {})
+    assert gpu._quant_plan(t.id, long_in, 7, 1)[1] in (f"mmq<{t.id}>", f"mm<{t.id}>")
+
+
 def test_out_buffer_is_filled_in_place(rt):
     t = BY_NAME["Q6_K"]
     raw = random_weights(t, 512 * 6, np.random.default_rng(0))
