@@ -502,6 +502,9 @@ class DeviceBackend(CpuBackend):
         # gated_norm_input), as does a token's expert hidden activation (DeviceExperts.token); tests
         # turn it off to compare. One token's norms' ActQ buffers: (output's address, shape) -> GpuActQ
         self.fuse_actq = True
+        # one token's products of one input and one type in one launch (`linears`); tests turn it
+        # off to compare with a launch each
+        self.fuse_many = True
         self._norm_acts: dict[tuple, object] = {}
 
     def _launch(self, name: str, n_threads: int, args: tuple, block: int = BLOCK, smem: int = 0) -> None:
@@ -856,9 +859,33 @@ class DeviceBackend(CpuBackend):
         return y
 
     def linears(self, ws, x, outs):
-        """Several products of one input: one launch each (the CPU's one parallel region for all of
-        them, cpu.matvec_many, is a host kernel)."""
-        return [self.linear(w, x, out) for w, out in zip(ws, outs)]
+        """Several products of one input (the CPU's one parallel region for all of them,
+        cpu.matvec_many): for one token, those of one type in one launch (gpu.matvec_many: each row
+        matvec's bits), the rest one launch each."""
+        x = x if isinstance(x, Input) else Input(x)
+        ys = [None] * len(ws)
+        if self.fuse_many and x.x.shape[0] == 1:
+            groups: dict[int, list[int]] = {}
+            for i, (w, out) in enumerate(zip(ws, outs)):
+                if w.device is not None and not w.wide and (out is None or self._plain_out(out, w.n_out)):
+                    groups.setdefault(w.type_id, []).append(i)
+            for idx in groups.values():
+                for a in range(0, len(idx) - 1, gpu.MANY):
+                    part = idx[a : a + gpu.MANY]
+                    if len(part) < 2:
+                        continue
+                    act = x.form(ws[part[0]].type, False, quantize=self._quantize)
+                    if not ws[part[0]].type.quantized:
+                        act = self.xp.ascontiguousarray(act)
+                    got = [outs[i] if outs[i] is not None else self.rt.empty((1, ws[i].n_out), F32) for i in part]
+                    if gpu.matvec_many([ws[i].device for i in part], act, got):
+                        for i, y in zip(part, got):
+                            ys[i] = y
+        return [y if y is not None else self.linear(w, x, out) for w, out, y in zip(ws, outs, ys)]
+
+    def _plain_out(self, out, n: int) -> bool:
+        # a device row the launch writes directly (a host array, the logits, goes through `linear`)
+        return self.rt.is_array(out) and out.dtype == F32 and out.shape == (1, n) and out.flags.c_contiguous
 
     # --- the sequence and elementwise operations: engine/ops.py's formulas over device arrays
 

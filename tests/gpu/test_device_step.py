@@ -494,12 +494,48 @@ def launches_per_token(model, rt, n_prompt: int = 3, n: int = 2) -> dict:
     return {name: c / n for name, c in count.items()}
 
 
+def test_one_inputs_products_in_one_launch_keep_the_logits_bits(model, rt):
+    """linears' products of one type on one token's input in one launch (mvm / fmvm: a GDN layer's
+    qkv and z, and its beta and alpha; attention's q, k, v; the shared expert's up and gate) give the
+    logits of a launch each, bit for bit, with fewer launches."""
+    toks, n_prompt = tokens(model, 6), 3
+    got, per = {}, {}
+    for many in (True, False):
+        with device_tier(model, expert_cache=None) as tier:
+            be = model.backend
+            be.fuse_many, be.graphs = many, False  # (eager: every token's launches are counted)
+            s = tier.take_session(CTX, "f32")
+            model.forward(s, toks[:n_prompt], n_logits=1)
+            n, launch = {}, rt.launch
+
+            def counted(mod, name, *a):
+                kind = name.split("<")[0]
+                n[kind] = n.get(kind, 0) + 1
+                launch(mod, name, *a)
+
+            rt.launch = counted
+            try:
+                got[many] = np.concatenate([model.step(s, t).copy()[None] for t in toks[n_prompt:]])
+            finally:
+                del rt.launch  # (the runtime's own method again)
+            per[many] = n
+    assert np.array_equal(got[True].view(np.int32), got[False].view(np.int32)), f"max |diff| {np.abs(got[True] - got[False]).max()}"
+    on, off = per[True], per[False]
+    assert "mvm" not in off and "fmvm" not in off and on.get("mvm", 0) > 0
+    # each grouped launch stands for two or more of matvec's own
+    grouped = on.get("mvm", 0) + on.get("fmvm", 0)
+    saved = off.get("mv", 0) + off.get("fmv", 0) - on.get("mv", 0) - on.get("fmv", 0) - grouped
+    assert saved >= grouped and sum(on.values()) == sum(off.values()) - saved
+
+
 # A decode token's launches, pinned, so that a change which adds launches to the token step shows
 # here (each costs ~2-4 us of the GPU floor on the H200, whatever its work). Fused away so far: the
 # gates before a product with their ActQ (dev_gate_q: the shared expert's and the attention's
 # output gate, 5 launches a token here: 4 actq and a dev_sigmoid), a Gated DeltaNet layer's gates
-# with its conv (dev_gates_conv: 3). The fixture's 4 layers: 3 Gated DeltaNet, 1 attention.
-QWEN35MOE_LAUNCHES = 104
+# with its conv (dev_gates_conv: 3), one input's products of one type (mvm / fmvm, DeviceBackend.linears:
+# 10, a GDN layer's qkv and z and its beta and alpha, attention's q/k/v, the shared expert's up and
+# gate). The fixture's 4 layers: 3 Gated DeltaNet, 1 attention.
+QWEN35MOE_LAUNCHES = 94
 # qwen4exp: 361 + 11 since its step reads nothing of the host's inside it (capturable): a QSA layer's
 # five (dev_kv_write, dev_qsa_key, dev_qsa_scores, dev_qsa_select, dev_attn_sel; its K/V write,
 # selection and attention had been array-module work and host work) x 2 layers, the PLE conv (1 layer)
