@@ -54,7 +54,7 @@ KERNELS = Path(__file__).with_name("device_kernels.cu")
 CONV_T = 16  # device_kernels.cu: the tokens a thread of dev_conv takes
 DELTA_R = 4  # device_kernels.cu: value rows of one head a warp of dev_delta carries
 _NAMES = ["dev_rmsnorm", "dev_delta", "dev_conv", "dev_combine", "dev_sigmoid", "dev_gate", "dev_softplus", "dev_rope",
-          "dev_hidden", "dev_route", "dev_combine_slots", "dev_kv_write", "dev_attn_one", "dev_argmax",
+          "dev_hidden", "dev_route", "dev_combine_slots", "dev_combine_shared", "dev_kv_write", "dev_attn_one", "dev_argmax",
           "dev_gdn_gates", "dev_l2_qk", "dev_shared_add", "dev_attn_split", "dev_attn_merge", "dev_mix_tail", "dev_inject", "dev_ple_output",
           "dev_sample", "dev_route_rows", "dev_group", "dev_rmsnorm_q", "dev_hidden_q",
           "dev_gate_q", "dev_gates_conv", "dev_add_rmsnorm_q", "dev_embd_row", "dev_ple_conv", "dev_qsa_key",
@@ -232,12 +232,18 @@ class DeviceExperts:
             self._table_rows[layer] = m.table[layer]
         return b["table"][layer]
 
-    def token(self, moe, x: Input, counts) -> object | None:
+    # MoE.forward makes a token's router logits and shared expert output before `token` (the combine
+    # adds the shared output in its launch)
+    adds_shared = True
+
+    def token(self, moe, x: Input, counts, logits=None, shared=None) -> object | None:
         """MoE.forward's routed sum for one token on the device -> device f32 [1, E], or None where
         this path does not apply (expert weights of a float type, rows longer than mv takes, more
         than 1024 experts: dev_route's block, a thread a logit): the MoE then routes on the host. A
         verify row (its Seq's `saved`) settles its routing counts at once and copies them into its
-        snapshot."""
+        snapshot. logits: the router's product of x where the caller made it; shared: the shared
+        expert's (y [1, E], gate logit [1, 1]) added to the sum (BaseBackend.shared_add_'s
+        out += y sigmoid(s), y scaled in place), the routed sum and the add in one launch."""
         seqs = seqs_of(counts, 1) if counts is not None else []
         if not self.fits(moe):
             return None
@@ -245,7 +251,8 @@ class DeviceExperts:
         k, E, F = moe.k, moe.E, moe.F
         b = self._buffers(moe)
         table = self._table(b, layer)
-        logits = be.linear(moe.router, x, be.scratch("moe.router", (1, moe.router.n_out)))
+        if logits is None:
+            logits = be.linear(moe.router, x, be.scratch("moe.router", (1, moe.router.n_out)))
         ids = b["ids"][layer]
         self.route(logits, k, table, ids, b["w"], b["slot"])
         states = tuple(r.state for r in seqs)
@@ -279,7 +286,13 @@ class DeviceExperts:
             if held:
                 be.at_host(lambda: self._misses(moe, states))
             rt.copy_in_async(b["miss"], b["miss_pinned"])
-        be._launch("dev_combine_slots", E, (b["rows"], b["miss"], b["slot"], b["w"], b["out"], np.int32(k), np.int32(E)))
+        y, g = shared if shared is not None else (None, None)
+        if y is not None and be.fuse_many and y.shape == (1, E) and g.shape == (1, 1) and y.flags.c_contiguous:
+            be._launch("dev_combine_shared", E, (b["rows"], b["miss"], b["slot"], b["w"], b["out"], np.int32(k), np.int32(E), y, g))
+        else:
+            be._launch("dev_combine_slots", E, (b["rows"], b["miss"], b["slot"], b["w"], b["out"], np.int32(k), np.int32(E)))
+            if y is not None:
+                be.shared_add_(b["out"], y, g)
         if any(r.saved is not None for r in seqs):
             # a verify row's snapshot holds the routing counts up to it: they are settled now (the ids
             # come down: one wait), not after the forward, then copied with the row's state

@@ -764,6 +764,20 @@ extern "C" __global__ void dev_combine_slots(const float* hit, const float* miss
     }
 }
 
+// dev_combine_slots, then dev_shared_add on its output, in one launch (one token whose shared
+// expert's y [E] and gate logit g [1] are made before the routed sum: MoE.forward): the sum's
+// value, y *= sigmoid(g), out = sum + y. The same operations in the same order: the two launches' bits.
+extern "C" __global__ void dev_combine_shared(const float* hit, const float* miss, const int* slot, const float* w,
+                                              float* out, int k, int E, float* y, const float* g) {
+    for (int e = blockIdx.x * blockDim.x + threadIdx.x; e < E; e += gridDim.x * blockDim.x) {
+        float acc = 0.0f;
+        for (int j = 0; j < k; j++) acc += w[j] * (slot[j] >= 0 ? hit : miss)[(i64)j * E + e];
+        const float yy = y[e] * sigmoid_t(g[0]);
+        y[e] = yy;
+        out[e] = acc + yy;
+    }
+}
+
 // ---------------------------------------------------------------------------------------------
 // One token's attention against its cache, with the position read from device memory (`pos`, an
 // int32 the host writes before the step): the same launches serve every position, so a token step
