@@ -473,11 +473,13 @@ def test_the_fused_norms_leave_the_logits_bit_for_bit_and_save_a_launch_each(mod
     assert sum(on.values()) == sum(off.values()) - saved - gated, (on, off)
 
 
-def launches_per_token(model, rt, n_prompt: int = 3, n: int = 2) -> dict:
-    """The runtime's launches of each kernel in one eager decode token step (every expert resident)."""
+def launches_per_token(model, rt, n_prompt: int = 3, n: int = 2, *, many: bool = True, logits: list | None = None) -> dict:
+    """The runtime's launches of each kernel in one eager decode token step (every expert resident);
+    many: DeviceBackend.fuse_many; `logits` (a list) receives each step's logits."""
     toks = tokens(model, n_prompt + n, seed=3)
     with device_tier(model, expert_cache=None) as tier:
         model.backend.graphs = False  # (eager: every token's launches are counted)
+        model.backend.fuse_many = many
         s = tier.take_session(CTX, "f32")
         model.forward(s, toks[:n_prompt], n_logits=1)
         count, launch = {}, rt.launch
@@ -489,7 +491,9 @@ def launches_per_token(model, rt, n_prompt: int = 3, n: int = 2) -> dict:
         rt.launch = counted
         try:
             for t in toks[n_prompt:]:
-                model.step(s, t)
+                y = model.step(s, t)
+                if logits is not None:
+                    logits.append(y.copy())
         finally:
             del rt.launch  # (the runtime's own method again)
     return {name: c / n for name, c in count.items()}
@@ -500,28 +504,15 @@ def test_one_inputs_products_in_one_launch_keep_the_logits_bits(model, rt):
     qkv and z, and its beta and alpha; attention's q, k, v; the shared expert's up and gate, the
     router and the shared gate's logit), and the routed combine with the shared expert's add
     (dev_combine_shared), give the logits of a launch each, bit for bit, with fewer launches."""
-    toks, n_prompt = tokens(model, 6), 3
     got, per = {}, {}
     for many in (True, False):
-        with device_tier(model, expert_cache=None) as tier:
-            be = model.backend
-            be.fuse_many, be.graphs = many, False  # (eager: every token's launches are counted)
-            s = tier.take_session(CTX, "f32")
-            model.forward(s, toks[:n_prompt], n_logits=1)
-            n, launch = {}, rt.launch
-
-            def counted(mod, name, *a):
-                kind = name.split("<")[0]
-                n[kind] = n.get(kind, 0) + 1
-                launch(mod, name, *a)
-
-            rt.launch = counted
-            try:
-                got[many] = np.concatenate([model.step(s, t).copy()[None] for t in toks[n_prompt:]])
-            finally:
-                del rt.launch  # (the runtime's own method again)
-            per[many] = n
-    assert np.array_equal(got[True].view(np.int32), got[False].view(np.int32)), f"max |diff| {np.abs(got[True] - got[False]).max()}"
+        got[many] = []
+        per[many] = {}
+        for name, c in launches_per_token(model, rt, n=3, many=many, logits=got[many]).items():
+            kind = name.split("<")[0]
+            per[many][kind] = per[many].get(kind, 0) + c
+    on_y, off_y = np.concatenate(got[True]), np.concatenate(got[False])
+    assert np.array_equal(on_y.view(np.int32), off_y.view(np.int32)), f"max |diff| {np.abs(on_y - off_y).max()}"
     on, off = per[True], per[False]
     assert "mvm" not in off and "fmvm" not in off and on.get("mvm", 0) > 0
     # each grouped launch stands for two or more of matvec's own
@@ -529,10 +520,9 @@ def test_one_inputs_products_in_one_launch_keep_the_logits_bits(model, rt):
     saved = off.get("mv", 0) + off.get("fmv", 0) - on.get("mv", 0) - on.get("fmv", 0) - grouped
     assert saved >= grouped
     L = model.geometry.n_layer
-    n = len(toks) - n_prompt  # (the counts are of n tokens)
-    assert on["dev_combine_shared"] == n * L and "dev_combine_shared" not in off and off["dev_shared_add"] == n * L
+    assert on["dev_combine_shared"] == L and "dev_combine_shared" not in off and off["dev_shared_add"] == L
     assert "dev_shared_add" not in on and "dev_combine_slots" not in on
-    assert sum(on.values()) == sum(off.values()) - saved - n * L
+    assert sum(on.values()) == sum(off.values()) - saved - L
 
 
 # A decode token's launches, pinned, so that a change which adds launches to the token step shows
