@@ -243,7 +243,8 @@ def test_the_device_step_gives_the_cpu_logits_for_qwen4exp(qwen4exp, rt):
         got = run(qwen4exp, tier.take_session(CTX, "f32"), toks, 3 if emu else 4)
         assert tier.stats.hits.sum() > 0 and tier.stats.misses.sum() == 0
         assert (be._graph is not None) == (not emu)  # the card captures the step (the emulation has no graphs)
-    assert {"dev_rmsnorm", "dev_sigmoid", "dev_rope", "dev_delta", "dev_route", "dev_combine_slots"} <= launched
+    # (a token's combine adds the shared expert's output: dev_combine_shared)
+    assert {"dev_rmsnorm", "dev_sigmoid", "dev_rope", "dev_delta", "dev_route", "dev_combine_shared"} <= launched
     # PLE's conv and QSA's step at the device position (what a captured step replays)
     assert {"dev_ple_conv", "dev_qsa_key", "dev_qsa_scores", "dev_qsa_select", "dev_attn_sel"} <= launched
     assert_close_q4(got, want)
