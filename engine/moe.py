@@ -188,27 +188,29 @@ class MoE:
         T = x.x.shape[0]
         # an expert server may take a whole token (or a prompt chunk) where its arrays live: routing,
         # experts, combine (the device step's, engine/tier/device.py); None: routed here
-        out = None
+        out, logits, shared, y_s = None, None, None, None
         if be.experts is not None:
             if T == 1:
-                out = be.experts.token(self, x, counts)
+                if self.shared and getattr(be.experts, "adds_shared", False):
+                    # the router and the shared expert first (their products of x grouped by type),
+                    # so that the server's combine adds the shared output in its own launch
+                    logits, shared = self._router_and_shared(be, x)
+                    y_s = self._shared_out(be, shared)
+                out = be.experts.token(self, x, counts, logits, y_s)
+                if out is not None and y_s is not None:
+                    return out
             elif getattr(be.experts, "rows", None) is not None and isinstance(counts, list) and all(r.n == 1 for r in counts):
                 # one-token sequences (a verify's rows): the server's token path row by row, where it
                 # has one (the device step: no round trip of the routing through the host, the token's bits)
                 out = be.experts.rows(self, x, counts)
             else:
                 out = be.experts.tokens(self, x, counts)
-        sc, shared = be.scratch, None
         if out is None:
-            logits = None
-            if self.shared and T == 1:
+            if self.shared and T == 1 and logits is None:
                 # the router and the shared expert's up, gate and gate logit all read x: one
                 # parallel region for a token where the router took one of its own (backend.linears,
                 # each product the bits of its own linear)
-                s_gate, gate, up, _ = self.shared
-                logits, *shared = be.linears((self.router, up, gate, s_gate), x,
-                                             (self._router_out(be, x), sc("moe.sh_up", (T, gate.n_out)),
-                                              sc("moe.sh_gate", (T, gate.n_out)), sc("moe.sh_g", (T, 1))))  # fmt: skip
+                logits, shared = self._router_and_shared(be, x)
             top, weights = self.route(be, x, logits)
             if counts is not None:
                 for r in seqs_of(counts, T):
@@ -219,15 +221,28 @@ class MoE:
             out = be.scratch("moe.out", (T, self.E))
             be.combine(part, grp.slot, weights, out)
         if self.shared:
-            s_gate, gate, up, down = self.shared
-            Fs = gate.n_out
             if shared is None:
+                s_gate, gate, up, _ = self.shared
+                sc, Fs = be.scratch, gate.n_out
                 shared = be.linears((up, gate, s_gate), x, (sc("moe.sh_up", (T, Fs)), sc("moe.sh_gate", (T, Fs)), sc("moe.sh_g", (T, 1))))
-            u, g, s = shared
-            h = be.gate_input(u, g, True, down)  # up silu(gate) (the device makes down's ActQ in the same launch)
-            y = be.linear(down, h, sc("moe.sh_y", (T, self.E)))
-            be.shared_add_(out, y, s)  # out += y sigmoid(s . x)
+            be.shared_add_(out, *(y_s or self._shared_out(be, shared)))  # out += y sigmoid(s . x)
         return out
+
+    def _router_and_shared(self, be, x: Input) -> tuple:
+        """One token's router logits and the shared expert's (up, gate, gate logit): all of x."""
+        s_gate, gate, up, _ = self.shared
+        sc, Fs = be.scratch, gate.n_out
+        logits, *shared = be.linears((self.router, up, gate, s_gate), x,
+                                     (self._router_out(be, x), sc("moe.sh_up", (1, Fs)), sc("moe.sh_gate", (1, Fs)),
+                                      sc("moe.sh_g", (1, 1))))  # fmt: skip
+        return logits, shared
+
+    def _shared_out(self, be, shared) -> tuple:
+        """(y, s): the shared expert's output before its gate, down(up silu(gate)), and its gate logit."""
+        u, g, s = shared
+        down = self.shared[3]
+        h = be.gate_input(u, g, True, down)  # up silu(gate) (the device makes down's ActQ in the same launch)
+        return be.linear(down, h, be.scratch("moe.sh_y", (u.shape[0], self.E))), s
 
     def routed(self, be, x: Input, experts: np.ndarray, rows: np.ndarray, starts: np.ndarray) -> np.ndarray:
         """Expert experts[g] on the tokens rows[starts[g]:starts[g + 1]] of x, for every g -> f32

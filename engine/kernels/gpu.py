@@ -326,11 +326,11 @@ class _Module:
 def _names(t: GGMLType) -> list[str]:
     if t.quantized:
         wide = [f"mv<{t.id}, {k}, 1>" for k in KPLS] if is_wide(t) else []
-        grouped = [f"mvx<{t.id}, {k}>" for k in KPLS]
+        grouped = [f"mvx<{t.id}, {k}>" for k in KPLS] + [f"mvm<{t.id}, {k}>" for k in KPLS]
         batched = [f"mvf<{t.id}>", f"mm<{t.id}>", f"mmx<{t.id}>", f"mmq<{t.id}>", f"mmqx<{t.id}>"]
         return [f"mv<{t.id}, {k}>" for k in KPLS] + wide + grouped + batched + [f"traits<{t.id}>"]
     kind = _FLOAT_KIND[t.name]
-    return [f"fmv<{kind}>", f"fmm<{kind}>"] + [f"fmt<{kind}, {r}, {c}>" for r in FMT_SIDES for c in FMT_SIDES]
+    return [f"fmv<{kind}>", f"fmvm<{kind}>", f"fmm<{kind}>"] + [f"fmt<{kind}, {r}, {c}>" for r in FMT_SIDES for c in FMT_SIDES]
 
 
 def compile_module(key: str) -> None:
@@ -809,6 +809,54 @@ def matvec_into(w: GpuWeight, act, out) -> None:
         mod, name, grid, block, smem, extra = _float_plan(w.type_id, w.n_in, w.n_out, 1)
         args = (w.values, act, out, np.int32(w.n_out), np.int32(w.n_in))
     runtime().launch(mod, name, grid, block, args + extra, smem)
+
+
+MANY = 4  # most matrices of one mvm / fmvm launch (gpu_kernels.cu)
+
+
+def matvec_many(ws: list, act, outs: list) -> bool:
+    """`matvec_into` of several weights of ONE type on the same one-token input, in one launch
+    (mvm, or fmvm for the float types): ws (GpuWeights, at most MANY), act (a GpuActQ of their
+    n_in, or device f32 [n_in]), outs (device f32 [n_out] each). Each matrix keeps its own mv
+    launch's rows a warp step, so every row has matvec's bits. False (nothing launched) where
+    matvec would not take mv (the wide form, rows longer than mv holds): the caller launches each."""
+    if not 1 < len(ws) <= MANY or isinstance(act, GpuActQ16) or len({w.type_id for w in ws}) != 1:
+        return False
+    rt, t = runtime(), ws[0].type
+    if t.quantized != isinstance(act, GpuActQ) or len({w.n_in for w in ws}) != 1:
+        return False
+    if not t.quantized:
+        mod, name, _, block, _, _ = _float_plan(t.id, ws[0].n_in, ws[0].n_out, 1)
+        nw = max(_warps(0, w.n_out, rt.n_sm) for w in ws)
+        table = ()
+        for w, out in zip(ws, outs):
+            table += (w.values, out, np.int32(w.n_out), np.int32(_grid(rt, w.n_out, nw)))
+        grid = sum(int(g) for g in table[3::4])
+        table += (ws[0].values, outs[0], np.int32(0), np.int32(0)) * (MANY - len(ws))
+        rt.launch(mod, "fmvm" + name[3:], grid, 32 * nw, (act, np.int32(ws[0].n_in)) + table)
+        return True
+    plans = [_quant_plan(w.type_id, w.n_in, w.n_out, 1) for w in ws]
+    if not all(p[1].startswith("mv<") for p in plans):
+        return False
+    mod, name = plans[0][0], plans[0][1]
+    # one block shape for all: the widest plan's warps; the grid copy in shared memory only where
+    # every plan takes it (else each reads it from global memory: the same table, the same bits)
+    m, block = _module(t.name), max(p[3] for p in plans)
+    tab = min(int(p[5][1]) for p in plans)
+    per_warp = (plans[0][4] - (m.tab if plans[0][5][1] else 0)) // (plans[0][3] // 32)
+    smem = (m.tab if tab else 0) + block // 32 * per_warp
+    per_sm = 8 if tab else 32
+    table = ()
+    for w, out, p in zip(ws, outs, plans):
+        rows = int(p[5][0])
+        scales = w.scales if w.scales is not None else w.rest
+        table += (w.rest, scales, out, np.int32(w.n_out), np.int32(_grid(rt, w.n_out, block // 32 * rows, per_sm)), np.int32(rows))
+    grid = sum(int(g) for g in table[4::6])
+    w0 = ws[0]
+    table += (w0.rest, w0.scales if w0.scales is not None else w0.rest, outs[0], np.int32(0), np.int32(0), np.int32(1)) * (MANY - len(ws))
+    args = (act.q, act.d, act.s16, np.int32(w0.n_in // QA), np.int32(tab))
+    rt.launch(mod, "mvm" + name[2:], grid, block, args + table, smem)
+    return True
 
 
 def slot_products_fit(type_id: int, n_in: int, n_out: int) -> bool:

@@ -833,6 +833,29 @@ __global__ void __launch_bounds__(256) mvx(const u8* __restrict__ arena, i64 slo
                        xs + r * 2 * nb, out + (i64)j * n_out, n_out, nb, nrows, shared_tab, blockIdx.x % per, per);
 }
 
+// Up to 4 one-row products of ONE input in one launch (the device step's linears: a Gated DeltaNet
+// layer's in-projections, attention's q/k/v, the shared expert's gate and up): matrix j (rest rj,
+// scales sj -> oj [nj]) takes gj of the grid's blocks, after those of the matrices before it, with
+// nrj rows a warp step. Each is mv_body on that weight alone, whose rows' arithmetic does not
+// depend on the grid: mv's bits. (One launch a matrix cost a graph node each, ~2.5 us on the H200
+// beside a product of ~3 us, 2026-12-02.) Unused entries have gj = 0.
+template <int T, int KPL>
+__global__ void __launch_bounds__(256) mvm(const i8* __restrict__ xq, const float* __restrict__ xd,
+                                           const i32* __restrict__ xs, int nb, int shared_tab,
+                                           const u8* r0, const float* s0, float* o0, int n0, int g0, int nr0,
+                                           const u8* r1, const float* s1, float* o1, int n1, int g1, int nr1,
+                                           const u8* r2, const float* s2, float* o2, int n2, int g2, int nr2,
+                                           const u8* r3, const float* s3, float* o3, int n3, int g3, int nr3) {
+    int b = blockIdx.x;
+    if (b < g0) return mv_body<T, KPL, 0>(r0, s0, xq, xd, xs, o0, n0, nb, nr0, shared_tab, b, g0);
+    b -= g0;
+    if (b < g1) return mv_body<T, KPL, 0>(r1, s1, xq, xd, xs, o1, n1, nb, nr1, shared_tab, b, g1);
+    b -= g1;
+    if (b < g2) return mv_body<T, KPL, 0>(r2, s2, xq, xd, xs, o2, n2, nb, nr2, shared_tab, b, g2);
+    b -= g2;
+    if (b < g3) mv_body<T, KPL, 0>(r3, s3, xq, xd, xs, o3, n3, nb, nr3, shared_tab, b, g3);
+}
+
 // ---------------------------------------------------------------------------------------------
 // Few-row matrix: ntok <= MVF_TOKENS activation rows against weight rows of any length. A warp per
 // weight row, grid-stride, its blocks read straight from global memory (no staging, no activation
@@ -1225,16 +1248,18 @@ __device__ __forceinline__ float load_w(const void* w, i64 i) {
     return WT == 1 ? f16_f32(h) : __uint_as_float(h << 16);
 }
 
+// (fmv_rows: fmv's work for thread block bx of gx; fmv runs it as blockIdx.x of gridDim.x, fmvm
+// as one of the blocks given to one matrix)
 template <int WT>
-__global__ void __launch_bounds__(256) fmv(const void* __restrict__ w, const float* __restrict__ x,
-                                           float* __restrict__ out, int n_out, int n_in) {
+__device__ __forceinline__ void fmv_rows(const void* __restrict__ w, const float* __restrict__ x,
+                                         float* __restrict__ out, int n_out, int n_in, int bx, int gx) {
     // A lane's loads go out 16 at a time before its (ordered) sum takes them: the adds must stay
     // one chain in element order, and with the loads interleaved in that chain a warp waited on
     // memory for each few (2026-12-02, H200: ~9 us for a 3072-long router or gate row set of a
     // token, a handful of warps on 132 multiprocessors).
     constexpr int C = 16;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
-    for (i64 o = (i64)blockIdx.x * nw + warp; o < n_out; o += (i64)gridDim.x * nw) {
+    for (i64 o = (i64)bx * nw + warp; o < n_out; o += (i64)gx * nw) {
         const i64 base = o * n_in;
         float acc = 0.0f;
         int k = lane;
@@ -1249,6 +1274,29 @@ __global__ void __launch_bounds__(256) fmv(const void* __restrict__ w, const flo
         acc = fold(acc);
         if (lane == 0) out[o] = acc;
     }
+}
+
+template <int WT>
+__global__ void __launch_bounds__(256) fmv(const void* __restrict__ w, const float* __restrict__ x,
+                                           float* __restrict__ out, int n_out, int n_in) {
+    fmv_rows<WT>(w, x, out, n_out, n_in, blockIdx.x, gridDim.x);
+}
+
+// fmv of up to 4 matrices of one input in one launch (mvm's table: matrix j, weights wj -> oj [nj],
+// takes gj blocks; a router and the shared expert's gate logit, a Gated DeltaNet's beta and alpha):
+// each row fmv's bits.
+template <int WT>
+__global__ void __launch_bounds__(256) fmvm(const float* __restrict__ x, int n_in,
+                                            const void* w0, float* o0, int n0, int g0, const void* w1, float* o1, int n1, int g1,
+                                            const void* w2, float* o2, int n2, int g2, const void* w3, float* o3, int n3, int g3) {
+    int b = blockIdx.x;
+    if (b < g0) return fmv_rows<WT>(w0, x, o0, n0, n_in, b, g0);
+    b -= g0;
+    if (b < g1) return fmv_rows<WT>(w1, x, o1, n1, n_in, b, g1);
+    b -= g1;
+    if (b < g2) return fmv_rows<WT>(w2, x, o2, n2, n_in, b, g2);
+    b -= g2;
+    if (b < g3) fmv_rows<WT>(w3, x, o3, n3, n_in, b, g3);
 }
 
 // fmm: T tokens. A warp takes a tile of FMM_R weight rows x FMM_T tokens, its FMM_R x FMM_T sums in

@@ -54,7 +54,7 @@ KERNELS = Path(__file__).with_name("device_kernels.cu")
 CONV_T = 16  # device_kernels.cu: the tokens a thread of dev_conv takes
 DELTA_R = 4  # device_kernels.cu: value rows of one head a warp of dev_delta carries
 _NAMES = ["dev_rmsnorm", "dev_delta", "dev_conv", "dev_combine", "dev_sigmoid", "dev_gate", "dev_softplus", "dev_rope",
-          "dev_hidden", "dev_route", "dev_combine_slots", "dev_kv_write", "dev_attn_one", "dev_argmax",
+          "dev_hidden", "dev_route", "dev_combine_slots", "dev_combine_shared", "dev_kv_write", "dev_attn_one", "dev_argmax",
           "dev_gdn_gates", "dev_l2_qk", "dev_shared_add", "dev_attn_split", "dev_attn_merge", "dev_mix_tail", "dev_inject", "dev_ple_output",
           "dev_sample", "dev_route_rows", "dev_group", "dev_rmsnorm_q", "dev_hidden_q",
           "dev_gate_q", "dev_gates_conv", "dev_add_rmsnorm_q", "dev_embd_row", "dev_ple_conv", "dev_qsa_key",
@@ -233,12 +233,18 @@ class DeviceExperts:
             self._table_rows[layer] = m.table[layer]
         return b["table"][layer]
 
-    def token(self, moe, x: Input, counts) -> object | None:
+    # MoE.forward makes a token's router logits and shared expert output before `token` (the combine
+    # adds the shared output in its launch)
+    adds_shared = True
+
+    def token(self, moe, x: Input, counts, logits=None, shared=None) -> object | None:
         """MoE.forward's routed sum for one token on the device -> device f32 [1, E], or None where
         this path does not apply (expert weights of a float type, rows longer than mv takes, more
         than 1024 experts: dev_route's block, a thread a logit): the MoE then routes on the host. A
         verify row (its Seq's `saved`) settles its routing counts at once and copies them into its
-        snapshot."""
+        snapshot. logits: the router's product of x where the caller made it; shared: the shared
+        expert's (y [1, E], gate logit [1, 1]) added to the sum (BaseBackend.shared_add_'s
+        out += y sigmoid(s), y scaled in place), the routed sum and the add in one launch."""
         seqs = seqs_of(counts, 1) if counts is not None else []
         if not self.fits(moe):
             return None
@@ -246,7 +252,8 @@ class DeviceExperts:
         k, E, F = moe.k, moe.E, moe.F
         b = self._buffers(moe)
         table = self._table(b, layer)
-        logits = be.linear(moe.router, x, be.scratch("moe.router", (1, moe.router.n_out)))
+        if logits is None:
+            logits = be.linear(moe.router, x, be.scratch("moe.router", (1, moe.router.n_out)))
         ids = b["ids"][layer]
         self.route(logits, k, table, ids, b["w"], b["slot"])
         states = tuple(r.state for r in seqs)
@@ -280,7 +287,13 @@ class DeviceExperts:
             if held:
                 be.at_host(lambda: self._misses(moe, states))
             rt.copy_in_async(b["miss"], b["miss_pinned"])
-        be._launch("dev_combine_slots", E, (b["rows"], b["miss"], b["slot"], b["w"], b["out"], np.int32(k), np.int32(E)))
+        y, g = shared if shared is not None else (None, None)
+        if y is not None and be.fuse_many and y.shape == (1, E) and g.shape == (1, 1) and y.flags.c_contiguous:
+            be._launch("dev_combine_shared", E, (b["rows"], b["miss"], b["slot"], b["w"], b["out"], np.int32(k), np.int32(E), y, g))
+        else:
+            be._launch("dev_combine_slots", E, (b["rows"], b["miss"], b["slot"], b["w"], b["out"], np.int32(k), np.int32(E)))
+            if y is not None:
+                be.shared_add_(b["out"], y, g)
         if any(r.saved is not None for r in seqs):
             # a verify row's snapshot holds the routing counts up to it: they are settled now (the ids
             # come down: one wait), not after the forward, then copied with the row's state
@@ -503,6 +516,9 @@ class DeviceBackend(CpuBackend):
         # gated_norm_input), as does a token's expert hidden activation (DeviceExperts.token); tests
         # turn it off to compare. One token's norms' ActQ buffers: (output's address, shape) -> GpuActQ
         self.fuse_actq = True
+        # one token's products of one input and one type in one launch (`linears`); tests turn it
+        # off to compare with a launch each
+        self.fuse_many = True
         self._norm_acts: dict[tuple, object] = {}
 
     def _launch(self, name: str, n_threads: int, args: tuple, block: int = BLOCK, smem: int = 0) -> None:
@@ -883,9 +899,33 @@ class DeviceBackend(CpuBackend):
         return y
 
     def linears(self, ws, x, outs):
-        """Several products of one input: one launch each (the CPU's one parallel region for all of
-        them, cpu.matvec_many, is a host kernel)."""
-        return [self.linear(w, x, out) for w, out in zip(ws, outs)]
+        """Several products of one input (the CPU's one parallel region for all of them,
+        cpu.matvec_many): for one token, those of one type in one launch (gpu.matvec_many: each row
+        matvec's bits), the rest one launch each."""
+        x = x if isinstance(x, Input) else Input(x)
+        ys = [None] * len(ws)
+        if self.fuse_many and x.x.shape[0] == 1:
+            groups: dict[int, list[int]] = {}
+            for i, (w, out) in enumerate(zip(ws, outs)):
+                if w.device is not None and not w.wide and (out is None or self._plain_out(out, w.n_out)):
+                    groups.setdefault(w.type_id, []).append(i)
+            for idx in groups.values():
+                for a in range(0, len(idx) - 1, gpu.MANY):
+                    part = idx[a : a + gpu.MANY]
+                    if len(part) < 2:
+                        continue
+                    act = x.form(ws[part[0]].type, False, quantize=self._quantize)
+                    if not ws[part[0]].type.quantized:
+                        act = self.xp.ascontiguousarray(act)
+                    got = [outs[i] if outs[i] is not None else self.rt.empty((1, ws[i].n_out), F32) for i in part]
+                    if gpu.matvec_many([ws[i].device for i in part], act, got):
+                        for i, y in zip(part, got):
+                            ys[i] = y
+        return [y if y is not None else self.linear(w, x, out) for w, out, y in zip(ws, outs, ys)]
+
+    def _plain_out(self, out, n: int) -> bool:
+        # a device row the launch writes directly (a host array, the logits, goes through `linear`)
+        return self.rt.is_array(out) and out.dtype == F32 and out.shape == (1, n) and out.flags.c_contiguous
 
     # --- the sequence and elementwise operations: engine/ops.py's formulas over device arrays
 

@@ -552,8 +552,8 @@ extern "C" __global__ void dev_hc_gates_q(const float* d, const float* inj, floa
 // a layer on the H200 (2026-12-02, the per-kernel floor), one warp of one SM doing it all in
 // series. Now every step is wide: the max and the sum a logit a thread (one float64 exp each, in
 // parallel); each warp ranks its own 32 logits (32 independent shared-memory reads a lane), its
-// best k go to a candidate list, and each candidate's rank among the nw k candidates (a loop of
-// independent reads) is its place in ids. The order is total (logit descending, then id
+// best k go to a candidate list, and each candidate up to the edge (below) is ranked among the nw
+// k candidates by a warp's ballots: its place in ids. The order is total (logit descending, then id
 // ascending: distinct ids), so the ranks are distinct and exactly the host's selection. The sum
 // over the logits folds in another order than before (the float64 weights may differ in the
 // last bits; w is their f32 rounding).
@@ -590,15 +590,32 @@ extern "C" __global__ void dev_route(const float* logits, int X, int k, const in
     __syncthreads();
     double sum = 0.0;
     for (int v = 0; v < nw; v++) sum += red[v];
-    if (t < C && ci[t] != 0x7fffffff) {  // a candidate: its rank among all the candidates
-        const float cv = cl[t];
-        const int cid = ci[t];
+    // The edge: the first in the order of the warps' k-th candidates (lanes < nw read one each, a
+    // warp fold; a warp of fewer than k logits has the empty entry there, last in the order). The
+    // k logits of its warp up to it precede everything after it, so only candidates up to it can
+    // make the k. (Each candidate ranked by one thread over all nw k candidates, C compares in a
+    // serial chain on a few warps, was most of ~11 us a layer at X = 512 on the H200, 2026-12-02.)
+    float ev = lane < nw ? cl[lane * k + k - 1] : -inf;
+    int ei = lane < nw ? ci[lane * k + k - 1] : 0x7fffffff;
+    for (int o = 16; o > 0; o >>= 1) {
+        const float ov = __shfl_xor_sync(FULL, ev, o);
+        const int oi = __shfl_xor_sync(FULL, ei, o);
+        if (ov > ev || (ov == ev && oi < ei)) ev = ov, ei = oi;
+    }
+    // each warp ranks the candidates c = warp, warp + nw, ... up to the edge: lane j of a round
+    // compares candidate j0 + j with it, a ballot counts those before it
+    for (int c = warp; c < C; c += nw) {
+        const float cv = cl[c];
+        const int cid = ci[c];
+        if (cid == 0x7fffffff || cv < ev || (cv == ev && cid > ei)) continue;  // (the same for the whole warp)
         int rank = 0;
-        for (int j = 0; j < C; j++) {
-            const float o = cl[j];
-            rank += o > cv || (o == cv && ci[j] < cid);
+        for (int j0 = 0; j0 < C; j0 += 32) {
+            const int j = j0 + lane;
+            const float o = j < C ? cl[j] : -inf;
+            const int oi = j < C ? ci[j] : 0x7fffffff;
+            rank += __popc(__ballot_sync(FULL, o > cv || (o == cv && oi < cid)));
         }
-        if (rank < k) {
+        if (lane == 0 && rank < k) {
             ids[rank] = cid;
             slot[rank] = table[cid];
             pj[rank] = exp((double)(cv - m)) / sum;
@@ -764,6 +781,20 @@ extern "C" __global__ void dev_combine_slots(const float* hit, const float* miss
         float acc = 0.0f;
         for (int j = 0; j < k; j++) acc += w[j] * (slot[j] >= 0 ? hit : miss)[(i64)j * E + e];
         out[e] = acc;
+    }
+}
+
+// dev_combine_slots, then dev_shared_add on its output, in one launch (one token whose shared
+// expert's y [E] and gate logit g [1] are made before the routed sum: MoE.forward): the sum's
+// value, y *= sigmoid(g), out = sum + y. The same operations in the same order: the two launches' bits.
+extern "C" __global__ void dev_combine_shared(const float* hit, const float* miss, const int* slot, const float* w,
+                                              float* out, int k, int E, float* y, const float* g) {
+    for (int e = blockIdx.x * blockDim.x + threadIdx.x; e < E; e += gridDim.x * blockDim.x) {
+        float acc = 0.0f;
+        for (int j = 0; j < k; j++) acc += w[j] * (slot[j] >= 0 ? hit : miss)[(i64)j * E + e];
+        const float yy = y[e] * sigmoid_t(g[0]);
+        y[e] = yy;
+        out[e] = acc + yy;
     }
 }
 

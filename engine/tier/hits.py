@@ -130,7 +130,7 @@ class HitPath:
             return self._token(moe, x, experts)
         return self._chunk(moe, x, experts, rows, starts)
 
-    def token(self, moe, x: Input, counts) -> None:
+    def token(self, moe, x: Input, counts, logits=None, shared=None) -> None:
         """The host-driven tier routes on the host (MoE.forward then calls `routed`)."""
         return None
 

@@ -101,11 +101,12 @@ def test_the_device_step_gives_the_cpu_logits(model, rt, n_prompt):
     # rows with dev_combine); the fused sequences (a GDN layer's gates and conv, a token's q/k l2
     # norms, the shared expert's gated add, an input norm and its ActQ, a gate and its ActQ, a
     # residual add and the next norm) in one launch each
+    # (a token's combine adds the shared expert's output: dev_combine_shared)
     assert launched == {"dev_rmsnorm", "dev_delta", "dev_gates_conv", "dev_gate_q", "dev_rope", "dev_route", "dev_hidden_q",
-                        "dev_combine_slots", "dev_kv_write", "dev_attn_split", "dev_attn_merge", "dev_l2_qk",
-                        "dev_shared_add", "dev_rmsnorm_q", "dev_add_rmsnorm_q"} \
-        | ({"dev_combine", "dev_hidden", "dev_conv", "dev_gdn_gates"} if n_prompt else set())  # (the chunk's grouped
-    # experts: device_chunk.py; its conv spread over tokens, apart from the gates)
+                        "dev_combine_shared", "dev_kv_write", "dev_attn_split", "dev_attn_merge", "dev_l2_qk",
+                        "dev_rmsnorm_q", "dev_add_rmsnorm_q"} \
+        | ({"dev_combine", "dev_hidden", "dev_conv", "dev_gdn_gates", "dev_shared_add"} if n_prompt else set())  # (the
+    # chunk's grouped experts: device_chunk.py; its conv spread over tokens, apart from the gates)
     assert_close(got, want)
 
 
@@ -242,7 +243,8 @@ def test_the_device_step_gives_the_cpu_logits_for_qwen4exp(qwen4exp, rt):
         got = run(qwen4exp, tier.take_session(CTX, "f32"), toks, 3 if emu else 4)
         assert tier.stats.hits.sum() > 0 and tier.stats.misses.sum() == 0
         assert (be._graph is not None) == (not emu)  # the card captures the step (the emulation has no graphs)
-    assert {"dev_rmsnorm", "dev_sigmoid", "dev_rope", "dev_delta", "dev_route", "dev_combine_slots"} <= launched
+    # (a token's combine adds the shared expert's output: dev_combine_shared)
+    assert {"dev_rmsnorm", "dev_sigmoid", "dev_rope", "dev_delta", "dev_route", "dev_combine_shared"} <= launched
     # PLE's conv and QSA's step at the device position (what a captured step replays)
     assert {"dev_ple_conv", "dev_qsa_key", "dev_qsa_scores", "dev_qsa_select", "dev_attn_split_sel", "dev_attn_merge_sel"} <= launched
     assert_close_q4(got, want)
@@ -472,11 +474,13 @@ def test_the_fused_norms_leave_the_logits_bit_for_bit_and_save_a_launch_each(mod
     assert sum(on.values()) == sum(off.values()) - saved - gated, (on, off)
 
 
-def launches_per_token(model, rt, n_prompt: int = 3, n: int = 2) -> dict:
-    """The runtime's launches of each kernel in one eager decode token step (every expert resident)."""
+def launches_per_token(model, rt, n_prompt: int = 3, n: int = 2, *, many: bool = True, logits: list | None = None) -> dict:
+    """The runtime's launches of each kernel in one eager decode token step (every expert resident);
+    many: DeviceBackend.fuse_many; `logits` (a list) receives each step's logits."""
     toks = tokens(model, n_prompt + n, seed=3)
     with device_tier(model, expert_cache=None) as tier:
         model.backend.graphs = False  # (eager: every token's launches are counted)
+        model.backend.fuse_many = many
         s = tier.take_session(CTX, "f32")
         model.forward(s, toks[:n_prompt], n_logits=1)
         count, launch = {}, rt.launch
@@ -488,26 +492,59 @@ def launches_per_token(model, rt, n_prompt: int = 3, n: int = 2) -> dict:
         rt.launch = counted
         try:
             for t in toks[n_prompt:]:
-                model.step(s, t)
+                y = model.step(s, t)
+                if logits is not None:
+                    logits.append(y.copy())
         finally:
             del rt.launch  # (the runtime's own method again)
     return {name: c / n for name, c in count.items()}
+
+
+def test_one_inputs_products_in_one_launch_keep_the_logits_bits(model, rt):
+    """linears' products of one type on one token's input in one launch (mvm / fmvm: a GDN layer's
+    qkv and z, and its beta and alpha; attention's q, k, v; the shared expert's up and gate, the
+    router and the shared gate's logit), and the routed combine with the shared expert's add
+    (dev_combine_shared), give the logits of a launch each, bit for bit, with fewer launches."""
+    got, per = {}, {}
+    for many in (True, False):
+        got[many] = []
+        per[many] = {}
+        for name, c in launches_per_token(model, rt, n=3, many=many, logits=got[many]).items():
+            kind = name.split("<")[0]
+            per[many][kind] = per[many].get(kind, 0) + c
+    on_y, off_y = np.concatenate(got[True]), np.concatenate(got[False])
+    assert np.array_equal(on_y.view(np.int32), off_y.view(np.int32)), f"max |diff| {np.abs(on_y - off_y).max()}"
+    on, off = per[True], per[False]
+    assert "mvm" not in off and "fmvm" not in off and on.get("mvm", 0) > 0
+    # each grouped launch stands for two or more of matvec's own
+    grouped = on.get("mvm", 0) + on.get("fmvm", 0)
+    saved = off.get("mv", 0) + off.get("fmv", 0) - on.get("mv", 0) - on.get("fmv", 0) - grouped
+    assert saved >= grouped
+    L = model.geometry.n_layer
+    assert on["dev_combine_shared"] == L and "dev_combine_shared" not in off and off["dev_shared_add"] == L
+    assert "dev_shared_add" not in on and "dev_combine_slots" not in on
+    assert sum(on.values()) == sum(off.values()) - saved - L
 
 
 # A decode token's launches, pinned, so that a change which adds launches to the token step shows
 # here (each costs ~2-4 us of the GPU floor on the H200, whatever its work). Fused away so far: the
 # gates before a product with their ActQ (dev_gate_q: the shared expert's and the attention's
 # output gate, 5 launches a token here: 4 actq and a dev_sigmoid), a Gated DeltaNet layer's gates
-# with its conv (dev_gates_conv: 3). The fixture's 4 layers: 3 Gated DeltaNet, 1 attention.
-QWEN35MOE_LAUNCHES = 104
+# with its conv (dev_gates_conv: 3), one input's products of one type (mvm / fmvm, DeviceBackend.linears:
+# 14, a GDN layer's qkv and z and its beta and alpha, attention's q/k/v, the shared expert's up and
+# gate, the router and the shared gate's logit), the routed combine and the shared expert's add
+# (dev_combine_shared: 4). The fixture's 4 layers: 3 Gated DeltaNet, 1 attention.
+QWEN35MOE_LAUNCHES = 86
 # qwen4exp: 361 + 11 since its step reads nothing of the host's inside it (capturable): a QSA layer's
 # five (dev_kv_write, dev_qsa_key, dev_qsa_scores, dev_qsa_select, dev_attn_sel; its K/V write,
 # selection and attention had been array-module work and host work) x 2 layers, the PLE conv (1 layer);
 # + 2: a QSA layer's attention split among warps then merged (dev_attn_split_sel, dev_attn_merge_sel),
 # where dev_attn_sel's one warp a head grew with the selection (38 us at 5 tokens on the H200);
 # - 33: a mix's gates with the up product's ActQ in one launch (dev_hc_gates_q), where 2 dev_sigmoid
-# and an actq were (and 4 array-module passes, not counted here): 16 mixes with an inject, output_hc's
-QWEN4EXP_LAUNCHES = 341
+# and an actq were (and 4 array-module passes, not counted here): 16 mixes with an inject, output_hc's;
+# - 32: one input's products of one type in one launch (mvm / fmvm, DeviceBackend.linears) and the
+# routed combine with the shared expert's add (dev_combine_shared)
+QWEN4EXP_LAUNCHES = 309
 
 
 def test_a_qwen35moe_token_step_makes_its_pinned_launches(model, rt):

@@ -196,6 +196,41 @@ def test_grid_types_with_the_grid_in_shared_memory(rt, t, monkeypatch, batched_k
     _check_products(rt, t, 2048, 33, (1, 3), seed=t.id)
 
 
+@pytest.mark.parametrize("name", ["Q4_K", "Q6_K", "Q8_0", "IQ2_XXS", "F32", "F16"])
+@pytest.mark.parametrize("n_outs", [(37, 5), (300, 1, 64), (33, 96, 7, 2)], ids=str)
+def test_matvec_many_gives_each_matrix_its_own_bits(rt, name, n_outs, monkeypatch):
+    # several matrices of one input in one launch (mvm / fmvm: each its share of the grid) against
+    # each one's reference product; rows of different counts, so the plans' rows a warp step and
+    # warps differ (the launch takes the widest block), and for a grid type the shared copy
+    t = BY_NAME[name]
+    if t.name == "IQ2_XXS":
+        monkeypatch.setattr(gpu, "SHARED_TABLE_ROWS", 0)
+    n_in = 2560
+    rng = np.random.default_rng(t.id + len(n_outs))
+    raws = [random_weights(t, n_in * n, rng) for n in n_outs]
+    ws = [gpu.upload(raw, t.id, n_in, n) for raw, n in zip(raws, n_outs)]
+    x = _acts(n_in, 1, 7)
+    act = gpu.quantize_act_gpu(rt.to_device(x)) if t.quantized else rt.to_device(x)
+    outs = [rt.to_device(np.full((1, n), np.nan, np.float32)) for n in n_outs]
+    assert gpu.matvec_many(ws, act, outs)
+    host_act = quantize_act(x) if t.quantized else x
+    for j, (raw, n, out) in enumerate(zip(raws, n_outs, outs)):
+        ref = R.dot_reference(raw, t.id, n_in, n, host_act)
+        _assert_same(rt.to_host(out), ref, f"{name} matrix {j} of {len(n_outs)} [{n_in} x {n}]")
+
+
+def test_matvec_many_refuses_what_one_launch_cannot_hold(rt):
+    rng = np.random.default_rng(3)
+    q4, q6 = BY_NAME["Q4_K"], BY_NAME["Q6_K"]
+    a = gpu.upload(random_weights(q4, 256 * 4, rng), q4.id, 256, 4)
+    b = gpu.upload(random_weights(q6, 256 * 4, rng), q6.id, 256, 4)
+    act = gpu.quantize_act_gpu(rt.to_device(_acts(256, 1, 1)))
+    outs = [rt.empty((1, 4), np.float32) for _ in range(gpu.MANY + 1)]
+    assert not gpu.matvec_many([a, b], act, outs[:2])  # two types
+    assert not gpu.matvec_many([a], act, outs[:1])  # one matrix: matvec's own launch
+    assert not gpu.matvec_many([a] * (gpu.MANY + 1), act, outs)  # more than the kernel's table
+
+
 # ---------------------------------------------------------------------------------------------
 # the batched products on the int8 tensor cores (mmq: gpu.MMA_TYPES) and on __dp4a (mm)
 
