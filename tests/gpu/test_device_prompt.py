@@ -18,12 +18,22 @@ import strata.engine.kernels.gpu as gpu
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 
 
-@pytest.mark.parametrize("mma", [0, 4, 1], ids=["mmx", "mmqx", "mmqx-1warp"])  # mmqx's warps a block (MMQX_WARPS)
+def _grouped_kernel(monkeypatch, kernel: str, name: str) -> None:
+    """grouped_products takes `kernel` ("mmx", "mmqx", "mmqx-1warp": one warp a block, "mmqw") for
+    type `name`; the launch plans are dropped, so they are made again for it."""
+    kind = kernel.split("-")[0]
+    monkeypatch.setattr(gpu, "MMAX_TYPES", frozenset({name}) if kind == "mmqx" else frozenset())
+    monkeypatch.setattr(gpu, "MMQW_TYPES", frozenset({name}) if kind == "mmqw" else frozenset())
+    monkeypatch.setattr(gpu, "MMQX_WARPS", 1 if kernel.endswith("1warp") else 4)
+    monkeypatch.setattr(gpu, "_plans", {})
+
+
+@pytest.mark.parametrize("kernel", ["mmx", "mmqx", "mmqx-1warp", "mmqw"])
 @pytest.mark.parametrize("name", ["Q8_0", "Q4_K", "Q6_K"])
-def test_grouped_products_are_each_experts_matmul(rt, name, mma, monkeypatch):
-    """mmx / mmqx (gpu.MMAX_TYPES): the products of several experts on their own rows of a chunk in
-    one launch (a group of more than MAX_TOKENS pairs spans tiles; rows gathered by xrow, scattered
-    by orow), each row the bits of gpu.matmul on that expert's rows alone, and of the reference."""
+def test_grouped_products_are_each_experts_matmul(rt, name, kernel, monkeypatch):
+    """mmx / mmqx / mmqw (gpu.grouped_kernel): the products of several experts on their own rows of a
+    chunk in one launch (a group of more than MAX_TOKENS pairs spans tiles; rows gathered by xrow,
+    scattered by orow), each row the bits of gpu.matmul on that expert's rows alone, and of the reference."""
     from kernel_blocks import random_weights
     from strata.engine.kernels import reference as R
     from strata.engine.kernels.actq import quantize_act
@@ -31,10 +41,8 @@ def test_grouped_products_are_each_experts_matmul(rt, name, mma, monkeypatch):
 
     rng = np.random.default_rng(11)
     t = ggml_type(name)
-    monkeypatch.setattr(gpu, "MMAX_TYPES", frozenset({name}) if mma else frozenset())
-    monkeypatch.setattr(gpu, "MMQX_WARPS", mma or 4)
-    monkeypatch.setattr(gpu, "_plans", {})  # launch plans made for this choice, dropped after
-    assert gpu._grouped_plan(t.id, 256, 126, gpu.MAX_TOKENS)[1].startswith("mmq<" if mma else "mm<")
+    _grouped_kernel(monkeypatch, kernel, name)
+    assert gpu._grouped_plan(t.id, 256, 126, gpu.MAX_TOKENS)[1] == f"{kernel.split('-')[0]}<{t.id}>"
     # F: not whole 16-row groups (mmqx) nor a multiple of 4 (rows a warp step takes in some launch
     # plans); E: 8 act-blocks, a partial chunk
     E, F, T = 256, 126, 9
@@ -178,7 +186,7 @@ def test_the_chunk_path_has_the_host_paths_bits(model, rt, cache, stream):
     opts = {"expert_cache": size, "stream_min_tokens": stream}
     want, old, _ = prompt_logits(model, rt, toks, 4, True, **opts)
     got, new, (res, strm, cpu) = prompt_logits(model, rt, toks, 4, False, **opts)
-    grouped = lambda names: any(n.startswith(("mmx<", "mmqx<")) for n in names)  # noqa: E731 (gpu.MMAX_TYPES picks which)
+    grouped = lambda names: any(n.startswith(("mmx<", "mmqx<", "mmqw<")) for n in names)  # noqa: E731 (gpu.grouped_kernel picks which)
     assert not grouped(old)
     if cache != "none":
         assert res > 0 and grouped(new), (res, set(new))
@@ -219,7 +227,7 @@ def test_the_qwen4exp_chunk_path_has_the_host_paths_bits(qwen4exp, rt, cache):
     toks = np.random.default_rng(5).integers(3, g.n_vocab, 7).tolist()
     want, _, _ = prompt_logits(qwen4exp, rt, toks, 3, True, expert_cache=size, stream_min_tokens=0)
     got, new, (res, _, cpu) = prompt_logits(qwen4exp, rt, toks, 3, False, expert_cache=size, stream_min_tokens=0)
-    assert res > 0 and any(n.startswith(("mmx<", "mmqx<")) for n in new)  # (gpu.MMAX_TYPES picks which)
+    assert res > 0 and any(n.startswith(("mmx<", "mmqx<", "mmqw<")) for n in new)  # (gpu.grouped_kernel picks which)
     assert ("dev_group" in new) == (cache == "all")
     if cache == "third":
         assert cpu > 0
