@@ -38,7 +38,7 @@ SOURCE = Path(__file__).with_name("gpu_kernels.cu")
 # --fmad=false: no FMA contraction (a fused a*b+c rounds differently). The kernels' f32 operations
 # are inline PTX anyway, which no flag changes: CuPy appends -ftz=true to every compile.
 OPTIONS = ("--std=c++17", "--fmad=false")
-for _knob in ("STRATA_MV_STEP", "STRATA_MQ_WARPS", "STRATA_MQ_MINB", "STRATA_MQW_WARPS"):  # a benchmark's knobs (gpu_kernels.cu):
+for _knob in ("STRATA_MV_STEP", "STRATA_MQ_WARPS", "STRATA_MQ_MINB", "STRATA_MQW_WARPS", "STRATA_MQW_UNROLL"):  # a benchmark's knobs (gpu_kernels.cu):
     if os.environ.get(_knob):  # the matvec's staged bytes per warp step; mmq's warps and blocks per multiprocessor
         OPTIONS += (f"-D{_knob}={int(os.environ[_knob])}",)
 KPLS = (1, 2, 3, 4, 6, 8)  # act-blocks per lane the matvec kernel holds: rows up to 8192 elements

@@ -1011,11 +1011,16 @@ __device__ __forceinline__ void fold_step(float* v) {
 // (aq: q words, ssc: mq_pack), by threads tid = 0 .. nthr - 1 of whoever shares the image (mq_body:
 // the block; mqw_body: one warp); entry i = 32 row + act-block, so a warp's lanes read consecutive
 // act-blocks of one row. A row or act-block past the edge is zeros: never written out / never read.
-template <int T>
+// NTHR: nthr when known at compile time (mqw_body: 32, each lane 16 entries), the loop then unrolled
+// UNROLL times so that many entries' loads are in flight at once: each entry's bytes come from global
+// memory, and one at a time a lane would wait out a memory latency per entry.
+template <int T, int NTHR = 0, int UNROLL = 1>
 __device__ __forceinline__ void mq_decode(u32* aq, uint4* ssc, const u8* __restrict__ rest, const float* __restrict__ scales,
                                           const typename Ty<T>::Tab* tab, int ob, int c, int n_out, int nb, int tid, int nthr) {
     typedef Ty<T> L;
     const int nblk = nb / L::APB;
+    if (NTHR) nthr = NTHR;
+#pragma unroll UNROLL
     for (int i = tid; i < MQ_ROWS * 32; i += nthr) {
         const int rr = i >> 5, kk = i & 31, o = ob + rr, k = 32 * c + kk, si = rr * MQ_SS + kk;
         uint4* dst = reinterpret_cast<uint4*>(STRATA_ALIGNED(aq + rr * MQ_RS + 8 * kk, 16));
@@ -1175,6 +1180,10 @@ __global__ void __launch_bounds__(32 * STRATA_MQ_WARPS, STRATA_MQ_MINB) mmqx(con
 #ifndef STRATA_MQW_WARPS
 #define STRATA_MQW_WARPS 1
 #endif
+// entries of its decode a lane has in flight (mq_decode's UNROLL; a benchmark's knob)
+#ifndef STRATA_MQW_UNROLL
+#define STRATA_MQW_UNROLL 4
+#endif
 
 template <int T>
 __device__ __forceinline__ void mqw_body(const u8* __restrict__ rest, const float* __restrict__ scales,
@@ -1199,7 +1208,7 @@ __device__ __forceinline__ void mqw_body(const u8* __restrict__ rest, const floa
             for (int c = 0; c < nchunk; c++) {
                 if (nchunk > 1 || tw == 0) {
                     __syncwarp();  // every lane is done with the image before
-                    mq_decode<T>(aq, ssc, rest, scales, tab, ob, c, n_out, nb, lane, 32);
+                    mq_decode<T, 32, STRATA_MQW_UNROLL>(aq, ssc, rest, scales, tab, ob, c, n_out, nb, lane, 32);
                     __syncwarp();
                 }
                 mq_steps<T>(p, aq, ssc, xq, xd, xs, c, nb, tk.xb, tk.xc0, tk.xc1, g, q);
