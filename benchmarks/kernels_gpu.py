@@ -27,7 +27,8 @@ mmx, mmqx, mmqw; --grouped-kernels picks, the first the baseline), microseconds 
 --no-matvec leaves out the matvec columns (the head and expert matvecs), for the batched kernels alone.
 mmq's knobs (environment, docs/gpu-kernels.md): STRATA_MQ_WARPS (warps a block, compiled; 4),
 STRATA_MQ_MINB (blocks a multiprocessor its registers are bounded for; 1), STRATA_MQX_WARPS
-(mmqx's warps a block, at most STRATA_MQ_WARPS; 4).
+(mmqx's warps a block, at most STRATA_MQ_WARPS; 4), STRATA_MQW_UNROLL (decode entries an mmqw lane
+has in flight, compiled; 4).
 
 --fmm times the batched float product instead (F32 routers, the shared expert's one-row gate, the
 BF16/F16 GDN gates; FMM_SHAPES at FMM_TOKENS tokens): the kernel before (gpu.use_fmm("8x8"): fmm,
