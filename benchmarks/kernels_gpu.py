@@ -23,12 +23,13 @@ cores), whichever gpu.MMA_TYPES says a run takes (STRATA_MMA; gpu.MMAX_TYPES, ST
 GROUPED_EXPERTS distinct experts of the gate/up shape (and of the down shape, rounded up to whole
 blocks) at each GROUPED_PAIRS range of pairs an expert (seeded: 5-20, a 256-token prompt's ~5 a
 top-10 expert; 64-96, a 4096-token one's ~80), on each grouped kernel (GROUPED_KERNELS, gpu.grouped_kernel's choices:
-mmx, mmqx, mmqw; --grouped-kernels picks, the first the baseline), microseconds per launch, each kernel's time over mmx's, and whether all gave the same bits.
+mmx, mmqx, mmqw, mmqk; --grouped-kernels picks, the first the baseline), microseconds per launch, each kernel's time over mmx's, and whether all gave the same bits.
 --no-matvec leaves out the matvec columns (the head and expert matvecs), for the batched kernels alone.
 mmq's knobs (environment, docs/gpu-kernels.md): STRATA_MQ_WARPS (warps a block, compiled; 4),
 STRATA_MQ_MINB (blocks a multiprocessor its registers are bounded for; 1), STRATA_MQX_WARPS
 (mmqx's warps a block, at most STRATA_MQ_WARPS; 4), STRATA_MQW_UNROLL (decode entries an mmqw lane
-has in flight, compiled; 4).
+has in flight, compiled; 4), STRATA_MQK_NT (n-tiles of 8 tokens an mmqk warp holds over one decode,
+compiled; 1), STRATA_MQK_MINB (blocks a multiprocessor mmqk's registers are bounded for; 1).
 
 --fmm times the batched float product instead (F32 routers, the shared expert's one-row gate, the
 BF16/F16 GDN gates; FMM_SHAPES at FMM_TOKENS tokens): the kernel before (gpu.use_fmm("8x8"): fmm,
@@ -51,7 +52,7 @@ MATMUL = (2560, 8192)  # (n_in, n_out) of --matmul: seed-4l qwen35moe's widest d
 MATMUL_TOKENS = 256
 GROUPED_EXPERTS = 128  # a 256-token chunk routed to 8 experts of 256: ~2000 pairs over ~128-256 experts
 GROUPED_PAIRS = ((5, 20), (64, 96))  # pairs an expert (inclusive), one table column group each
-GROUPED_KERNELS = ("mmx", "mmqx", "mmqw")  # gpu.grouped_kernel's choices
+GROUPED_KERNELS = ("mmx", "mmqx", "mmqw", "mmqk")  # gpu.grouped_kernel's choices
 TARGET = 0.60
 # (type, n_in, n_out) of the float products of a prompt chunk (seed-4l qwen35moe, n_embd 2048)
 FMM_SHAPES = {
@@ -176,7 +177,7 @@ class Bench:
         """The batched kernel of the next launches: mmq / mmqx for every block type, or mm / mmx."""
         gpu = self.gpu
         gpu.MMA_TYPES = gpu.MMAX_TYPES = gpu._mma_types("all" if mma else "none", frozenset())
-        gpu.MMQW_TYPES = frozenset()
+        gpu.MMQW_TYPES = gpu.MMQK_TYPES = frozenset()
         gpu._plans.clear()  # the launch plans name the kernel
 
     def grouped_kernel(self, kind: str) -> None:
@@ -184,6 +185,7 @@ class Bench:
         gpu, every = self.gpu, self.gpu._mma_types("all", frozenset())
         gpu.MMAX_TYPES = every if kind == "mmqx" else frozenset()
         gpu.MMQW_TYPES = every if kind == "mmqw" else frozenset()
+        gpu.MMQK_TYPES = every if kind == "mmqk" else frozenset()
         gpu._plans.clear()
 
     def grouped_rate(self, t, n_in: int, n_out: int, counts) -> tuple[float, bool, object]:

@@ -38,7 +38,7 @@ SOURCE = Path(__file__).with_name("gpu_kernels.cu")
 # --fmad=false: no FMA contraction (a fused a*b+c rounds differently). The kernels' f32 operations
 # are inline PTX anyway, which no flag changes: CuPy appends -ftz=true to every compile.
 OPTIONS = ("--std=c++17", "--fmad=false")
-for _knob in ("STRATA_MV_STEP", "STRATA_MQ_WARPS", "STRATA_MQ_MINB", "STRATA_MQW_WARPS", "STRATA_MQW_UNROLL"):  # a benchmark's knobs (gpu_kernels.cu):
+for _knob in ("STRATA_MV_STEP", "STRATA_MQ_WARPS", "STRATA_MQ_MINB", "STRATA_MQW_WARPS", "STRATA_MQW_UNROLL", "STRATA_MQK_NT", "STRATA_MQK_MINB"):  # a benchmark's knobs (gpu_kernels.cu):
     if os.environ.get(_knob):  # the matvec's staged bytes per warp step; mmq's warps and blocks per multiprocessor
         OPTIONS += (f"-D{_knob}={int(os.environ[_knob])}",)
 KPLS = (1, 2, 3, 4, 6, 8)  # act-blocks per lane the matvec kernel holds: rows up to 8192 elements
@@ -76,6 +76,9 @@ MMAX_TYPES = _mma_types(os.environ.get("STRATA_MMAX"), frozenset({"Q8_0"}), "STR
 # rows: gpu_kernels.cu says why), ahead of MMAX_TYPES. Not yet timed on a card, so none unless
 # STRATA_MMQW names them (the same forms as STRATA_MMAX).
 MMQW_TYPES = _mma_types(os.environ.get("STRATA_MMQW"), frozenset(), "STRATA_MMQW")
+# ... and mmqk (the chunk's act-blocks split between a block's four warps), ahead of both: the same
+# (not yet timed; STRATA_MMQK).
+MMQK_TYPES = _mma_types(os.environ.get("STRATA_MMQK"), frozenset(), "STRATA_MMQK")
 # Warps of an mmqx block (at most the compiled STRATA_MQ_WARPS): a grouped tile has 5-20 pairs where
 # a prompt's dense product has 64 a launch, so the card may prefer fewer (a benchmark's knob).
 MMQX_WARPS = int(os.environ.get("STRATA_MQX_WARPS", "4"))
@@ -318,13 +321,14 @@ class _Module:
     mq_smem: int = 0  # shared bytes of an mmq block (its decoded chunk and scales), the grid copy aside
     mq_warps: int = 4  # most warps of an mmq block (STRATA_MQ_WARPS): its item is 16 rows x 8 warps tokens
     mqw_warps: int = 1  # warps of an mmqw block (STRATA_MQW_WARPS), each with its own decoded image (mq_smem)
+    mqk_smem: int = 0  # shared bytes of an mmqk block (its image, or its fold scratch over it), the grid copy aside
 
 
 def _names(t: GGMLType) -> list[str]:
     if t.quantized:
         wide = [f"mv<{t.id}, {k}, 1>" for k in KPLS] if is_wide(t) else []
         grouped = [f"mvx<{t.id}, {k}>" for k in KPLS]
-        batched = [f"mm<{t.id}>", f"mmx<{t.id}>", f"mmq<{t.id}>", f"mmqx<{t.id}>", f"mmqw<{t.id}>"]
+        batched = [f"mm<{t.id}>", f"mmx<{t.id}>", f"mmq<{t.id}>", f"mmqx<{t.id}>", f"mmqw<{t.id}>", f"mmqk<{t.id}>"]
         return [f"mv<{t.id}, {k}>" for k in KPLS] + wide + grouped + batched + [f"traits<{t.id}>"]
     kind = _FLOAT_KIND[t.name]
     return [f"fmv<{kind}>", f"fmm<{kind}>"] + [f"fmt<{kind}, {r}, {c}>" for r in FMT_SIDES for c in FMT_SIDES]
@@ -349,7 +353,7 @@ def _module(key: str) -> _Module:
             _check_tables()
             for sym, table in _TABLES.items():
                 rt.set_global(m.mod, sym, table)
-            m.apb, m.tab, m.mm_buf, m.mv_rows, m.mv_buf, m.mq_smem, m.mq_warps, m.mqw_warps = _traits(rt, m.mod, t)
+            m.apb, m.tab, m.mm_buf, m.mv_rows, m.mv_buf, m.mq_smem, m.mq_warps, m.mqw_warps, m.mqk_smem = _traits(rt, m.mod, t)
     _modules[key] = m
     return m
 
@@ -357,7 +361,7 @@ def _module(key: str) -> _Module:
 def _traits(rt, mod, t: GGMLType) -> tuple:
     """The kernel's own layout constants, held to the GGML type table (a drift is refused here,
     not discovered as wrong outputs), and its shared-memory sizes."""
-    out = rt.empty(25, np.int32)
+    out = rt.empty(26, np.int32)
     rt.launch(mod, f"traits<{t.id}>", 1, 32, (out,))
     v = [int(x) for x in rt.to_host(out)]
     want = (t.block_size // QA, t.rest_bytes, t.n_scales, t.name in _HAS_MIN)
@@ -366,7 +370,7 @@ def _traits(rt, mod, t: GGMLType) -> tuple:
             f"gpu_kernels.cu: {t.name} has (act-blocks, rest bytes, scales, min term) per block = "
             f"{tuple(v[:3]) + (bool(v[3]),)}, the GGML type table and reference.py say {want}"
         )
-    return v[0], v[4], v[5], tuple(v[6:22:2]), tuple(v[7:22:2]), v[22], v[23], v[24]
+    return v[0], v[4], v[5], tuple(v[6:22:2]), tuple(v[7:22:2]), v[22], v[23], v[24], v[25]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -664,9 +668,13 @@ def _quant_plan(type_id: int, n_in: int, n_out: int, n_tok: int) -> tuple:
 
 
 def grouped_kernel(type_id: int) -> str:
-    """The kernel grouped_products takes for a block type: "mmqw" (MMQW_TYPES), "mmqx" (MMAX_TYPES) or "mmx"."""
+    """The kernel grouped_products takes for a block type: "mmqk" (MMQK_TYPES), "mmqw" (MMQW_TYPES),
+    "mmqx" (MMAX_TYPES) or "mmx", the first that names it."""
     name = ggml_type(type_id).name
-    return "mmqw" if name in MMQW_TYPES else "mmqx" if name in MMAX_TYPES else "mmx"
+    for kind, types in (("mmqk", MMQK_TYPES), ("mmqw", MMQW_TYPES), ("mmqx", MMAX_TYPES)):
+        if name in types:
+            return kind
+    return "mmx"
 
 
 @_planned
@@ -681,6 +689,9 @@ def _grouped_plan(type_id: int, n_in: int, n_out: int, n_tok: int) -> tuple:
         m = _module(ggml_type(type_id).name)
         tab, nw = smem - m.mq_smem, m.mqw_warps
         return mod, f"mmqw<{type_id}>", -(-groups // nw), 32 * nw, tab + nw * m.mq_smem, extra
+    if kind == "mmqk":  # a block a 16-row group, its four warps a quarter of each chunk
+        m = _module(ggml_type(type_id).name)
+        return mod, f"mmqk<{type_id}>", groups, 128, smem - m.mq_smem + m.mqk_smem, extra
     return mod, f"mmx<{type_id}>", grid, block, smem, extra
 
 

@@ -1013,16 +1013,18 @@ __device__ __forceinline__ void fold_step(float* v) {
 // act-blocks of one row. A row or act-block past the edge is zeros: never written out / never read.
 // NTHR: nthr when known at compile time (mqw_body: 32, each lane 16 entries), the loop then unrolled
 // UNROLL times so that many entries' loads are in flight at once: each entry's bytes come from global
-// memory, and one at a time a lane would wait out a memory latency per entry.
-template <int T, int NTHR = 0, int UNROLL = 1>
+// memory, and one at a time a lane would wait out a memory latency per entry. SPAN, kk0: only
+// act-blocks kk0 .. kk0 + SPAN - 1 of the chunk (mqk_body: a warp's share), entry i = SPAN row + j.
+template <int T, int NTHR = 0, int UNROLL = 1, int SPAN = 32>
 __device__ __forceinline__ void mq_decode(u32* aq, uint4* ssc, const u8* __restrict__ rest, const float* __restrict__ scales,
-                                          const typename Ty<T>::Tab* tab, int ob, int c, int n_out, int nb, int tid, int nthr) {
+                                          const typename Ty<T>::Tab* tab, int ob, int c, int n_out, int nb, int tid, int nthr,
+                                          int kk0 = 0) {
     typedef Ty<T> L;
     const int nblk = nb / L::APB;
     if (NTHR) nthr = NTHR;
 #pragma unroll UNROLL
-    for (int i = tid; i < MQ_ROWS * 32; i += nthr) {
-        const int rr = i >> 5, kk = i & 31, o = ob + rr, k = 32 * c + kk, si = rr * MQ_SS + kk;
+    for (int i = tid; i < MQ_ROWS * SPAN; i += nthr) {
+        const int rr = i / SPAN, kk = kk0 + i % SPAN, o = ob + rr, k = 32 * c + kk, si = rr * MQ_SS + kk;
         uint4* dst = reinterpret_cast<uint4*>(STRATA_ALIGNED(aq + rr * MQ_RS + 8 * kk, 16));
         if (o < n_out && k < nb) {
             const i64 blk = (i64)o * nblk + k / L::APB;
@@ -1037,44 +1039,55 @@ __device__ __forceinline__ void mq_decode(u32* aq, uint4* ssc, const u8* __restr
     }
 }
 
-// One warp's 16 x 8 outputs over chunk c of a decoded image: for act-block l = 0 .. 31, lo and hi
-// by two mma (B: token xb's ActQ words), and lane (g, q) adds scaled<T> of its four outputs (rows g,
-// g + 8; tokens xc0, xc1) to partial l of each: p[.][l] is mm's lane l.
+// The four terms of lane (g, q) for act-block l of chunk c of a decoded image (k = 32 c + l < nb):
+// lo and hi by two mma (B: token xb's ActQ words), then scaled<T> of its four outputs (rows g,
+// g + 8; tokens xc0, xc1 as 2q, 2q + 1), output i = row g + 8 (i >> 1), token 2q + (i & 1).
+template <int T>
+__device__ __forceinline__ void mq_terms(float* cv, const u32* aq, const uint4* ssc, const i8* __restrict__ xq,
+                                         const float* __restrict__ xd, const i32* __restrict__ xs, int k, int l, int nb,
+                                         i64 xb, i64 xc0, i64 xc1, int g, int q) {
+    typedef Ty<T> L;
+    constexpr bool S16 = L::HAS_MIN || L::OFF != 0;
+    const u32* a = aq + g * MQ_RS + 8 * l + q;
+    const u32* x = reinterpret_cast<const u32*>(STRATA_ALIGNED(xq + xb * 32 * (i64)nb + 32 * (i64)k + 4 * q, 4));
+    int lo[4], hi[4];
+    mma_s8(a[0], a[8 * MQ_RS], __ldg(x), lo);
+    mma_s8(a[4], a[8 * MQ_RS + 4], __ldg(x + 4), hi);
+    float ad[2];
+    int s0[2] = {0, 0}, s1[2] = {0, 0};
+#pragma unroll
+    for (int j = 0; j < 2; j++) {
+        const i64 xc = j ? xc1 : xc0;
+        ad[j] = __ldg(xd + xc * nb + k);
+        if (S16) {
+            s0[j] = __ldg(xs + 2 * (xc * nb + k));
+            s1[j] = __ldg(xs + 2 * (xc * nb + k) + 1);
+        }
+    }
+    const uint4 sc[2] = {ssc[g * MQ_SS + l], ssc[(g + 8) * MQ_SS + l]};
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        const uint4 v = sc[i >> 1];
+        const int j = i & 1;
+        cv[i] = scaled<T>(lo[i], hi[i], lo16(v.x), hi16(v.x), lo16(v.z), hi16(v.z), __uint_as_float(v.y),
+                          __uint_as_float(v.w), ad[j], s0[j], s1[j]);
+    }
+}
+
+// One warp's 16 x 8 outputs over chunk c of a decoded image: for act-block l = 0 .. 31 lane (g, q)
+// adds its four terms to partial l of each output: p[.][l] is mm's lane l.
 template <int T>
 __device__ __forceinline__ void mq_steps(float (&p)[4][32], const u32* aq, const uint4* ssc, const i8* __restrict__ xq,
                                          const float* __restrict__ xd, const i32* __restrict__ xs, int c, int nb,
                                          i64 xb, i64 xc0, i64 xc1, int g, int q) {
-    typedef Ty<T> L;
-    constexpr bool S16 = L::HAS_MIN || L::OFF != 0;
-    const i64 n_in = 32 * (i64)nb;
 #pragma unroll
     for (int l = 0; l < 32; l++) {
         const int k = 32 * c + l;
         if (k < nb) {  // the same for every lane
-            const u32* a = aq + g * MQ_RS + 8 * l + q;
-            const u32* x = reinterpret_cast<const u32*>(STRATA_ALIGNED(xq + xb * n_in + 32 * (i64)k + 4 * q, 4));
-            int lo[4], hi[4];
-            mma_s8(a[0], a[8 * MQ_RS], __ldg(x), lo);
-            mma_s8(a[4], a[8 * MQ_RS + 4], __ldg(x + 4), hi);
-            float ad[2];
-            int s0[2] = {0, 0}, s1[2] = {0, 0};
+            float cv[4];
+            mq_terms<T>(cv, aq, ssc, xq, xd, xs, k, l, nb, xb, xc0, xc1, g, q);
 #pragma unroll
-            for (int j = 0; j < 2; j++) {
-                const i64 xc = j ? xc1 : xc0;
-                ad[j] = __ldg(xd + xc * nb + k);
-                if (S16) {
-                    s0[j] = __ldg(xs + 2 * (xc * nb + k));
-                    s1[j] = __ldg(xs + 2 * (xc * nb + k) + 1);
-                }
-            }
-            const uint4 sc[2] = {ssc[g * MQ_SS + l], ssc[(g + 8) * MQ_SS + l]};
-#pragma unroll
-            for (int i = 0; i < 4; i++) {  // output i: row g + 8 (i >> 1), token 2q + (i & 1)
-                const uint4 v = sc[i >> 1];
-                const int j = i & 1;
-                p[i][l] = f32_add(p[i][l], scaled<T>(lo[i], hi[i], lo16(v.x), hi16(v.x), lo16(v.z), hi16(v.z),
-                                                     __uint_as_float(v.y), __uint_as_float(v.w), ad[j], s0[j], s1[j]));
-            }
+            for (int i = 0; i < 4; i++) p[i][l] = f32_add(p[i][l], cv[i]);
         }
     }
 }
@@ -1233,6 +1246,123 @@ __global__ void __launch_bounds__(32 * STRATA_MQW_WARPS) mmqw(const i64* __restr
                 shared_tab, blockIdx.x % per, per);
 }
 
+// mmqk: mmx's tiles (the same table and arguments) on the int8 tensor cores, the chunk's act-blocks
+// split between a block's MQK_WARPS = 4 warps. Why: a tile's few pairs fill one n-tile of 8 tokens or
+// less, so mmqx's warps (one an n-tile) waited at its barrier, and mmqw's (one a row group) each
+// held 4 x 32 partials and a 25 KB image; here warp w takes act-blocks 8w .. 8w + 7 of each chunk of
+// the block's 16 rows: it decodes just those (its part of the image: __syncwarp, no block barrier
+// in the loop) and keeps partials l = 8w .. 8w + 7 of its outputs, 4 x 8 an n-tile, so STRATA_MQK_NT
+// n-tiles (8 tokens each) are held at once over one decode. After the last chunk the warps' partials
+// meet in shared memory (over the image) and each output folds its 32 in fold's tree. Partial l is
+// mm's lane l (act-blocks l, l + 32, ... in that order from +0.0f): mm's bits, whatever the split.
+// sm_90 (nvcc 13, -Xptxas -v): NT = 1 takes 118-128 registers, no spills: 4 blocks (16 warps) a
+// multiprocessor, where mmqx had 2 of 4 warps; NT = 2 takes 150-168 (3 blocks); NT = 1 with
+// STRATA_MQK_MINB = 5 fits 96 (5 blocks), no spills. Which is fastest is the card's call.
+#define MQK_WARPS 4
+#define MQK_FS 33  // floats a row of the fold scratch (an output's 32 partials + 1: reads in 32 banks)
+#ifndef STRATA_MQK_NT
+#define STRATA_MQK_NT 1
+#endif
+// blocks a multiprocessor mmqk's registers are bounded for (a benchmark's knob)
+#ifndef STRATA_MQK_MINB
+#define STRATA_MQK_MINB 1
+#endif
+
+template <int T>
+struct Mqk {
+    static __host__ __device__ constexpr int fold() { return STRATA_MQK_NT * MQ_ROWS * 8 * MQK_FS * 4; }
+    static __host__ __device__ constexpr int bytes() { return Mq<T>::bytes() > fold() ? Mq<T>::bytes() : fold(); }
+};
+
+template <int T>
+__device__ __forceinline__ void mqk_body(const u8* __restrict__ rest, const float* __restrict__ scales,
+                                         const i8* __restrict__ xq, const float* __restrict__ xd,
+                                         const i32* __restrict__ xs, const int* __restrict__ xrow, i64 x0,
+                                         const int* __restrict__ orow, i64 o0, float* __restrict__ out, int n_out,
+                                         int nb, int ntok, int shared_tab, int bx, int gx) {
+    typedef Ty<T> L;
+    constexpr int NT = STRATA_MQK_NT, SPAN = 32 / MQK_WARPS;
+    STRATA_SMEM(smem);
+    const typename L::Tab* tab = load_tab<T>(smem, shared_tab);
+    u8* const base = smem + (shared_tab ? Buf<T>::tab() : 0);
+    u32* const aq = reinterpret_cast<u32*>(base);
+    uint4* const ssc = reinterpret_cast<uint4*>(aq + MQ_ROWS * MQ_RS);
+    float* const fs = reinterpret_cast<float*>(base);  // [NT][16 rows x 8 tokens][MQK_FS], over the image
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, q = lane & 3, l0 = SPAN * warp;
+    const int nchunk = (nb + 31) / 32, groups = (n_out + MQ_ROWS - 1) / MQ_ROWS;
+    const i64 items = (i64)groups * ((ntok + 8 * NT - 1) / (8 * NT));
+
+    for (i64 it = bx; it < items; it += gx) {  // the same for every thread of the block
+        const int ob = (int)(it % groups) * MQ_ROWS, t0 = (int)(it / groups) * 8 * NT;
+        MqTok tk[NT];
+        float p[NT][4][SPAN];
+#pragma unroll
+        for (int n = 0; n < NT; n++) {
+            tk[n] = mq_tok(xrow, x0, t0 + 8 * n, ntok, g, q);
+#pragma unroll
+            for (int i = 0; i < 4; i++)
+#pragma unroll
+                for (int j = 0; j < SPAN; j++) p[n][i][j] = 0.0f;
+        }
+        __syncthreads();  // the previous item's fold is done with the scratch the image overlays
+        for (int c = 0; c < nchunk; c++) {
+            __syncwarp();  // every lane is done with the warp's part of the image
+            mq_decode<T, 32, SPAN * MQ_ROWS / 32, SPAN>(aq, ssc, rest, scales, tab, ob, c, n_out, nb, lane, 32, l0);
+            __syncwarp();
+#pragma unroll
+            for (int j = 0; j < SPAN; j++) {
+                const int l = l0 + j, k = 32 * c + l;
+                if (k < nb) {  // the same for every lane
+#pragma unroll
+                    for (int n = 0; n < NT; n++) {
+                        if (t0 + 8 * n < ntok) {  // the same for every lane
+                            float cv[4];
+                            mq_terms<T>(cv, aq, ssc, xq, xd, xs, k, l, nb, tk[n].xb, tk[n].xc0, tk[n].xc1, g, q);
+#pragma unroll
+                            for (int i = 0; i < 4; i++) p[n][i][j] = f32_add(p[n][i][j], cv[i]);
+                        }
+                    }
+                }
+            }
+        }
+        __syncthreads();  // every warp is done with the image: the scratch takes its place
+#pragma unroll
+        for (int n = 0; n < NT; n++)
+#pragma unroll
+            for (int i = 0; i < 4; i++) {
+                const int e = n * MQ_ROWS * 8 + (g + 8 * (i >> 1)) * 8 + 2 * q + (i & 1);  // (n-tile, row, token)
+#pragma unroll
+                for (int j = 0; j < SPAN; j++) fs[e * MQK_FS + l0 + j] = p[n][i][j];
+            }
+        __syncthreads();
+        for (int e = threadIdx.x; e < NT * MQ_ROWS * 8; e += blockDim.x) {
+            const int o = ob + (e >> 3) % MQ_ROWS, t = t0 + 8 * (e / (MQ_ROWS * 8)) + (e & 7);
+            if (o < n_out && t < ntok) {
+                float v[32];
+#pragma unroll
+                for (int l = 0; l < 32; l++) v[l] = fs[e * MQK_FS + l];
+                fold_step<16>(v), fold_step<8>(v), fold_step<4>(v), fold_step<2>(v), fold_step<1>(v);
+                out[(orow ? (i64)__ldg(orow + t) : o0 + t) * n_out + o] = v[0];
+            }
+        }
+    }
+}
+
+template <int T>
+__global__ void __launch_bounds__(32 * MQK_WARPS, STRATA_MQK_MINB) mmqk(const i64* __restrict__ tiles, int per, const i8* __restrict__ xq,
+                                                       const float* __restrict__ xd, const i32* __restrict__ xs,
+                                                       const int* __restrict__ xrow, const int* __restrict__ orow,
+                                                       float* __restrict__ out, int n_out, int nb, int ntok_max, int shared_tab) {
+    const i64* t = tiles + 5 * (i64)(blockIdx.x / per);
+    const i64 first = t[2];
+    const int n = (int)t[3];
+    if (n == 0) return;  // the whole block: no barrier is left waiting
+    (void)ntok_max;
+    mqk_body<T>(reinterpret_cast<const u8*>(t[0]), reinterpret_cast<const float*>(t[1]), xq, xd, xs,
+                xrow ? xrow + first : nullptr, first, orow ? orow + first : nullptr, t[4] + first, out, n_out, nb, n,
+                shared_tab, blockIdx.x % per, per);
+}
+
 // The fragment layout of mma_s8 as mq_body uses it, against a plain integer product (the tests):
 //   A i8 [16, 16] row-major; Bt i8 [8, 16] (B's columns); D i32 [16, 8]; one warp
 __global__ void mma_probe(const i8* __restrict__ A, const i8* __restrict__ Bt, int* __restrict__ D) {
@@ -1274,6 +1404,7 @@ __global__ void traits(int* out) {
         out[22] = Mq<T>::bytes();
         out[23] = STRATA_MQ_WARPS;
         out[24] = STRATA_MQW_WARPS;
+        out[25] = Mqk<T>::bytes();
     }
 }
 

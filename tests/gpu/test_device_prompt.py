@@ -20,11 +20,12 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 
 
 def _grouped_kernel(monkeypatch, kernel: str, name: str) -> None:
-    """grouped_products takes `kernel` ("mmx", "mmqx", "mmqx-1warp": one warp a block, "mmqw") for
+    """grouped_products takes `kernel` ("mmx", "mmqx", "mmqx-1warp": one warp a block, "mmqw", "mmqk") for
     type `name`; the launch plans are dropped, so they are made again for it."""
     kind = kernel.split("-")[0]
     monkeypatch.setattr(gpu, "MMAX_TYPES", frozenset({name}) if kind == "mmqx" else frozenset())
     monkeypatch.setattr(gpu, "MMQW_TYPES", frozenset({name}) if kind == "mmqw" else frozenset())
+    monkeypatch.setattr(gpu, "MMQK_TYPES", frozenset({name}) if kind == "mmqk" else frozenset())
     monkeypatch.setattr(gpu, "MMQX_WARPS", 1 if kernel.endswith("1warp") else 4)
     monkeypatch.setattr(gpu, "_plans", {})
 
@@ -37,7 +38,7 @@ _GROUPED_IN = {32: (32 * 44, 32 * 11), 64: (64 * 20, 64 * 6), 256: (256 * 5, 256
 _GROUPED_COUNTS = [1, 5, 8, 9, 17, gpu.MAX_TOKENS + 6]
 
 
-@pytest.mark.parametrize("kernel", ["mmx", "mmqx", "mmqw"])
+@pytest.mark.parametrize("kernel", ["mmx", "mmqx", "mmqw", "mmqk"])
 @pytest.mark.parametrize("t", [t for t in TYPES if t.quantized], ids=lambda t: t.name)
 def test_grouped_kernels_every_type_on_ragged_tiles(rt, t, kernel, monkeypatch):
     """Every block type through each grouped kernel (gpu.grouped_kernel, chosen per type): each
@@ -69,7 +70,7 @@ def test_grouped_kernels_every_type_on_ragged_tiles(rt, t, kernel, monkeypatch):
                 pytest.fail(f"{t.name} {kernel} n_in {E}: group {g} ({c} pairs), pair {p} row {o}: {got[a + p, o]!r} vs reference {ref[p, o]!r}")
 
 
-@pytest.mark.parametrize("kernel", ["mmx", "mmqx", "mmqx-1warp", "mmqw"])
+@pytest.mark.parametrize("kernel", ["mmx", "mmqx", "mmqx-1warp", "mmqw", "mmqk"])
 @pytest.mark.parametrize("name", ["Q8_0", "Q4_K", "Q6_K"])
 def test_grouped_products_are_each_experts_matmul(rt, name, kernel, monkeypatch):
     """mmx / mmqx / mmqw (gpu.grouped_kernel): the products of several experts on their own rows of a
@@ -227,7 +228,7 @@ def test_the_chunk_path_has_the_host_paths_bits(model, rt, cache, stream):
     opts = {"expert_cache": size, "stream_min_tokens": stream}
     want, old, _ = prompt_logits(model, rt, toks, 4, True, **opts)
     got, new, (res, strm, cpu) = prompt_logits(model, rt, toks, 4, False, **opts)
-    grouped = lambda names: any(n.startswith(("mmx<", "mmqx<", "mmqw<")) for n in names)  # noqa: E731 (gpu.grouped_kernel picks which)
+    grouped = lambda names: any(n.startswith(("mmx<", "mmqx<", "mmqw<", "mmqk<")) for n in names)  # noqa: E731 (gpu.grouped_kernel picks which)
     assert not grouped(old)
     if cache != "none":
         assert res > 0 and grouped(new), (res, set(new))
@@ -268,7 +269,7 @@ def test_the_qwen4exp_chunk_path_has_the_host_paths_bits(qwen4exp, rt, cache):
     toks = np.random.default_rng(5).integers(3, g.n_vocab, 7).tolist()
     want, _, _ = prompt_logits(qwen4exp, rt, toks, 3, True, expert_cache=size, stream_min_tokens=0)
     got, new, (res, _, cpu) = prompt_logits(qwen4exp, rt, toks, 3, False, expert_cache=size, stream_min_tokens=0)
-    assert res > 0 and any(n.startswith(("mmx<", "mmqx<", "mmqw<")) for n in new)  # (gpu.grouped_kernel picks which)
+    assert res > 0 and any(n.startswith(("mmx<", "mmqx<", "mmqw<", "mmqk<")) for n in new)  # (gpu.grouped_kernel picks which)
     assert ("dev_group" in new) == (cache == "all")
     if cache == "third":
         assert cpu > 0
