@@ -929,6 +929,30 @@ __global__ void __launch_bounds__(256) mm(const u8* __restrict__ rest, const flo
     mm_body<T>(rest, scales, xq, xd, xs, nullptr, 0, nullptr, 0, out, n_out, nb, ntok, shared_tab, blockIdx.x, gridDim.x);
 }
 
+// Tile blockIdx.x / per of a grouped launch's table (below) as its body's arguments: the weight's
+// planes, pair p's activation row (xrow[p], or x0 + p) and output row (orow[p], or o0 + p), n pairs.
+// False for an unused tile (n == 0): the whole block returns, so no barrier is left waiting.
+struct Tile {
+    const u8* rest;
+    const float* scales;
+    const int *xrow, *orow;
+    i64 x0, o0;
+    int n;
+};
+__device__ __forceinline__ bool grouped_tile(const i64* __restrict__ tiles, int per, const int* __restrict__ xrow,
+                                             const int* __restrict__ orow, Tile& tl) {
+    const i64* t = tiles + 5 * (i64)(blockIdx.x / per);
+    const i64 first = t[2];
+    tl.rest = reinterpret_cast<const u8*>(t[0]);
+    tl.scales = reinterpret_cast<const float*>(t[1]);
+    tl.xrow = xrow ? xrow + first : nullptr;
+    tl.orow = orow ? orow + first : nullptr;
+    tl.x0 = first;
+    tl.o0 = t[4] + first;
+    tl.n = (int)t[3];
+    return tl.n != 0;  // an unused tile of a table sized for the most a chunk can have (dev_group)
+}
+
 // A prompt chunk's routed experts in one launch (the device step, engine/tier/device.py): tile i of
 // `tiles` (i64 [n_tiles, 5]: the weight's rest plane address, its scale plane address, the first
 // pair, the pairs (<= the launch's ntok), the output row base) is given `per` of the grid's blocks
@@ -942,14 +966,10 @@ __global__ void __launch_bounds__(256) mmx(const i64* __restrict__ tiles, int pe
                                            const float* __restrict__ xd, const i32* __restrict__ xs,
                                            const int* __restrict__ xrow, const int* __restrict__ orow,
                                            float* __restrict__ out, int n_out, int nb, int ntok_max, int shared_tab) {
-    const i64* t = tiles + 5 * (i64)(blockIdx.x / per);
-    const i64 first = t[2];
-    const int n = (int)t[3];
-    if (n == 0) return;  // an unused tile of a table sized for the most a chunk can have (dev_group)
+    Tile tl;
+    if (!grouped_tile(tiles, per, xrow, orow, tl)) return;
     (void)ntok_max;  // the launch's shared memory is sized for it; every tile has at most that many
-    mm_body<T>(reinterpret_cast<const u8*>(t[0]), reinterpret_cast<const float*>(t[1]), xq, xd, xs,
-               xrow ? xrow + first : nullptr, first, orow ? orow + first : nullptr, t[4] + first, out, n_out, nb, n,
-               shared_tab, blockIdx.x % per, per);
+    mm_body<T>(tl.rest, tl.scales, xq, xd, xs, tl.xrow, tl.x0, tl.orow, tl.o0, out, n_out, nb, tl.n, shared_tab, blockIdx.x % per, per);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1169,14 +1189,10 @@ __global__ void __launch_bounds__(32 * STRATA_MQ_WARPS, STRATA_MQ_MINB) mmqx(con
                                             const float* __restrict__ xd, const i32* __restrict__ xs,
                                             const int* __restrict__ xrow, const int* __restrict__ orow,
                                             float* __restrict__ out, int n_out, int nb, int ntok_max, int shared_tab) {
-    const i64* t = tiles + 5 * (i64)(blockIdx.x / per);
-    const i64 first = t[2];
-    const int n = (int)t[3];
-    if (n == 0) return;  // the whole block: no barrier is left waiting
+    Tile tl;
+    if (!grouped_tile(tiles, per, xrow, orow, tl)) return;
     (void)ntok_max;
-    mq_body<T>(reinterpret_cast<const u8*>(t[0]), reinterpret_cast<const float*>(t[1]), xq, xd, xs,
-               xrow ? xrow + first : nullptr, first, orow ? orow + first : nullptr, t[4] + first, out, n_out, nb, n,
-               shared_tab, blockIdx.x % per, per);
+    mq_body<T>(tl.rest, tl.scales, xq, xd, xs, tl.xrow, tl.x0, tl.orow, tl.o0, out, n_out, nb, tl.n, shared_tab, blockIdx.x % per, per);
 }
 
 // mmqw: mmx's tiles (the same table and arguments) on the int8 tensor cores with every warp on its
@@ -1236,14 +1252,10 @@ __global__ void __launch_bounds__(32 * STRATA_MQW_WARPS) mmqw(const i64* __restr
                                                              const float* __restrict__ xd, const i32* __restrict__ xs,
                                                              const int* __restrict__ xrow, const int* __restrict__ orow,
                                                              float* __restrict__ out, int n_out, int nb, int ntok_max, int shared_tab) {
-    const i64* t = tiles + 5 * (i64)(blockIdx.x / per);
-    const i64 first = t[2];
-    const int n = (int)t[3];
-    if (n == 0) return;  // the whole block: no barrier is left waiting
+    Tile tl;
+    if (!grouped_tile(tiles, per, xrow, orow, tl)) return;
     (void)ntok_max;
-    mqw_body<T>(reinterpret_cast<const u8*>(t[0]), reinterpret_cast<const float*>(t[1]), xq, xd, xs,
-                xrow ? xrow + first : nullptr, first, orow ? orow + first : nullptr, t[4] + first, out, n_out, nb, n,
-                shared_tab, blockIdx.x % per, per);
+    mqw_body<T>(tl.rest, tl.scales, xq, xd, xs, tl.xrow, tl.x0, tl.orow, tl.o0, out, n_out, nb, tl.n, shared_tab, blockIdx.x % per, per);
 }
 
 // mmqk: mmx's tiles (the same table and arguments) on the int8 tensor cores, the chunk's act-blocks
@@ -1353,14 +1365,10 @@ __global__ void __launch_bounds__(32 * MQK_WARPS, STRATA_MQK_MINB) mmqk(const i6
                                                        const float* __restrict__ xd, const i32* __restrict__ xs,
                                                        const int* __restrict__ xrow, const int* __restrict__ orow,
                                                        float* __restrict__ out, int n_out, int nb, int ntok_max, int shared_tab) {
-    const i64* t = tiles + 5 * (i64)(blockIdx.x / per);
-    const i64 first = t[2];
-    const int n = (int)t[3];
-    if (n == 0) return;  // the whole block: no barrier is left waiting
+    Tile tl;
+    if (!grouped_tile(tiles, per, xrow, orow, tl)) return;
     (void)ntok_max;
-    mqk_body<T>(reinterpret_cast<const u8*>(t[0]), reinterpret_cast<const float*>(t[1]), xq, xd, xs,
-                xrow ? xrow + first : nullptr, first, orow ? orow + first : nullptr, t[4] + first, out, n_out, nb, n,
-                shared_tab, blockIdx.x % per, per);
+    mqk_body<T>(tl.rest, tl.scales, xq, xd, xs, tl.xrow, tl.x0, tl.orow, tl.o0, out, n_out, nb, tl.n, shared_tab, blockIdx.x % per, per);
 }
 
 // The fragment layout of mma_s8 as mq_body uses it, against a plain integer product (the tests):
