@@ -39,7 +39,8 @@ SOURCE = Path(__file__).with_name("gpu_kernels.cu")
 # are inline PTX anyway, which no flag changes: CuPy appends -ftz=true to every compile.
 OPTIONS = ("--std=c++17", "--fmad=false")
 for _knob in ("STRATA_MV_STEP", "STRATA_MQ_WARPS", "STRATA_MQ_MINB", "STRATA_MQW_WARPS", "STRATA_MQW_UNROLL", "STRATA_MQK_NT", "STRATA_MQK_MINB"):  # a benchmark's knobs (gpu_kernels.cu):
-    if os.environ.get(_knob):  # the matvec's staged bytes per warp step; mmq's warps and blocks per multiprocessor
+    if os.environ.get(_knob):  # the matvec's staged bytes per warp step; mmq's warps and blocks per multiprocessor;
+        # mmqw's warps and decode entries in flight; mmqk's n-tiles over one decode and blocks per multiprocessor
         OPTIONS += (f"-D{_knob}={int(os.environ[_knob])}",)
 KPLS = (1, 2, 3, 4, 6, 8)  # act-blocks per lane the matvec kernel holds: rows up to 8192 elements
 MAX_TOKENS = 64  # tokens per matmul pass (shared-memory accumulators); more are done in groups
@@ -688,6 +689,9 @@ def _grouped_plan(type_id: int, n_in: int, n_out: int, n_tok: int) -> tuple:
     if kind == "mmqw":  # a warp a 16-row group, each with its own decoded image after the grid copy
         m = _module(ggml_type(type_id).name)
         tab, nw = smem - m.mq_smem, m.mqw_warps
+        if tab + nw * m.mq_smem > SMEM_LIMIT:
+            raise ValueError(f"mmqw<{type_id}>: STRATA_MQW_WARPS={nw} takes {tab + nw * m.mq_smem} bytes of shared memory a block, "
+                             f"more than the {SMEM_LIMIT} a launch may take; 1 fits")
         return mod, f"mmqw<{type_id}>", -(-groups // nw), 32 * nw, tab + nw * m.mq_smem, extra
     if kind == "mmqk":  # a block a 16-row group, its four warps a quarter of each chunk
         m = _module(ggml_type(type_id).name)
@@ -867,7 +871,7 @@ def tile_rows(weights: list, firsts, counts, bases) -> np.ndarray:
 
 
 def grouped_products(type_id: int, n_in: int, n_out: int, tiles, n_tiles: int, act: GpuActQ, xrow, orow, out) -> None:
-    """Many experts' products of a prompt chunk in one launch (mmx, mmqx or mmqw: grouped_kernel): tile i of
+    """Many experts' products of a prompt chunk in one launch (mmx, mmqx, mmqw or mmqk: grouped_kernel): tile i of
     `tiles` (device i64 [n_tiles, 5], rows of `tile_rows`) multiplies its weight by act's rows
     xrow[p] (device int32; None: row p) for its pairs p into out's rows orow[p] (device int32; None:
     its base + p). Each row has matmul's bits on that weight alone (the batched kernel's arithmetic,
