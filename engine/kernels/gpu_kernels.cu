@@ -1033,9 +1033,9 @@ __device__ __forceinline__ void fold_step(float* v) {
 // act-blocks of one row. A row or act-block past the edge is zeros: never written out / never read.
 // NTHR: nthr when known at compile time (mqw_body: 32, each lane 16 entries), the loop then unrolled
 // UNROLL times so that many entries' loads are in flight at once: each entry's bytes come from global
-// memory, and one at a time a lane would wait out a memory latency per entry. SPAN, kk0: only
-// act-blocks kk0 .. kk0 + SPAN - 1 of the chunk (mqk_body: a warp's share), entry i = SPAN row + j.
-template <int T, int NTHR = 0, int UNROLL = 1, int SPAN = 32>
+// memory, and one at a time a lane would wait out a memory latency per entry. SPAN, kk0, KS: only
+// act-blocks kk0 + KS j (j < SPAN) of the chunk (mqk_body: a warp's share), entry i = SPAN row + j.
+template <int T, int NTHR = 0, int UNROLL = 1, int SPAN = 32, int KS = 1>
 __device__ __forceinline__ void mq_decode(u32* aq, uint4* ssc, const u8* __restrict__ rest, const float* __restrict__ scales,
                                           const typename Ty<T>::Tab* tab, int ob, int c, int n_out, int nb, int tid, int nthr,
                                           int kk0 = 0) {
@@ -1044,7 +1044,7 @@ __device__ __forceinline__ void mq_decode(u32* aq, uint4* ssc, const u8* __restr
     if (NTHR) nthr = NTHR;
 #pragma unroll UNROLL
     for (int i = tid; i < MQ_ROWS * SPAN; i += nthr) {
-        const int rr = i / SPAN, kk = kk0 + i % SPAN, o = ob + rr, k = 32 * c + kk, si = rr * MQ_SS + kk;
+        const int rr = i / SPAN, kk = kk0 + KS * (i % SPAN), o = ob + rr, k = 32 * c + kk, si = rr * MQ_SS + kk;
         uint4* dst = reinterpret_cast<uint4*>(STRATA_ALIGNED(aq + rr * MQ_RS + 8 * kk, 16));
         if (o < n_out && k < nb) {
             const i64 blk = (i64)o * nblk + k / L::APB;
@@ -1261,9 +1261,11 @@ __global__ void __launch_bounds__(32 * STRATA_MQW_WARPS) mmqw(const i64* __restr
 // mmqk: mmx's tiles (the same table and arguments) on the int8 tensor cores, the chunk's act-blocks
 // split between a block's MQK_WARPS = 4 warps. Why: a tile's few pairs fill one n-tile of 8 tokens or
 // less, so mmqx's warps (one an n-tile) waited at its barrier, and mmqw's (one a row group) each
-// held 4 x 32 partials and a 25 KB image; here warp w takes act-blocks 8w .. 8w + 7 of each chunk of
-// the block's 16 rows: it decodes just those (its part of the image: __syncwarp, no block barrier
-// in the loop) and keeps partials l = 8w .. 8w + 7 of its outputs, 4 x 8 an n-tile, so STRATA_MQK_NT
+// held 4 x 32 partials and a 25 KB image; here warp w takes act-blocks w, w + 4, .., w + 28 of each
+// chunk of the block's 16 rows (interleaved: a short chunk, such as a down projection's 20 act-blocks
+// or gate/up's last 16, still gives every warp its share): it decodes just those (its part of the
+// image: __syncwarp, no block barrier in the loop) and keeps partials l = w + 4j of its outputs,
+// 4 x 8 an n-tile, so STRATA_MQK_NT
 // n-tiles (8 tokens each) are held at once over one decode. After the last chunk the warps' partials
 // meet in shared memory (over the image) and each output folds its 32 in fold's tree. Partial l is
 // mm's lane l (act-blocks l, l + 32, ... in that order from +0.0f): mm's bits, whatever the split.
@@ -1300,7 +1302,7 @@ __device__ __forceinline__ void mqk_body(const u8* __restrict__ rest, const floa
     u32* const aq = reinterpret_cast<u32*>(base);
     uint4* const ssc = reinterpret_cast<uint4*>(aq + MQ_ROWS * MQ_RS);
     float* const fs = reinterpret_cast<float*>(base);  // [NT][16 rows x 8 tokens][MQK_FS], over the image
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, q = lane & 3, l0 = SPAN * warp;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, q = lane & 3;
     const int nchunk = (nb + 31) / 32, groups = (n_out + MQ_ROWS - 1) / MQ_ROWS;
     const i64 items = (i64)groups * ((ntok + 8 * NT - 1) / (8 * NT));
 
@@ -1319,11 +1321,11 @@ __device__ __forceinline__ void mqk_body(const u8* __restrict__ rest, const floa
         __syncthreads();  // the previous item's fold is done with the scratch the image overlays
         for (int c = 0; c < nchunk; c++) {
             __syncwarp();  // every lane is done with the warp's part of the image
-            mq_decode<T, 32, SPAN * MQ_ROWS / 32, SPAN>(aq, ssc, rest, scales, tab, ob, c, n_out, nb, lane, 32, l0);
+            mq_decode<T, 32, SPAN * MQ_ROWS / 32, SPAN, MQK_WARPS>(aq, ssc, rest, scales, tab, ob, c, n_out, nb, lane, 32, warp);
             __syncwarp();
 #pragma unroll
             for (int j = 0; j < SPAN; j++) {
-                const int l = l0 + j, k = 32 * c + l;
+                const int l = warp + MQK_WARPS * j, k = 32 * c + l;
                 if (k < nb) {  // the same for every lane
 #pragma unroll
                     for (int n = 0; n < NT; n++) {
@@ -1344,7 +1346,7 @@ __device__ __forceinline__ void mqk_body(const u8* __restrict__ rest, const floa
             for (int i = 0; i < 4; i++) {
                 const int e = n * MQ_ROWS * 8 + (g + 8 * (i >> 1)) * 8 + 2 * q + (i & 1);  // (n-tile, row, token)
 #pragma unroll
-                for (int j = 0; j < SPAN; j++) fs[e * MQK_FS + l0 + j] = p[n][i][j];
+                for (int j = 0; j < SPAN; j++) fs[e * MQK_FS + warp + MQK_WARPS * j] = p[n][i][j];
             }
         __syncthreads();
         for (int e = threadIdx.x; e < NT * MQ_ROWS * 8; e += blockDim.x) {
