@@ -1269,17 +1269,20 @@ __global__ void __launch_bounds__(32 * STRATA_MQW_WARPS) mmqw(const i64* __restr
 // n-tiles (8 tokens each) are held at once over one decode. After the last chunk the warps' partials
 // meet in shared memory (over the image) and each output folds its 32 in fold's tree. Partial l is
 // mm's lane l (act-blocks l, l + 32, ... in that order from +0.0f): mm's bits, whatever the split.
-// sm_90 (nvcc 13, -Xptxas -v): NT = 1 takes 118-128 registers, no spills: 4 blocks (16 warps) a
+// sm_90 (nvcc 13, -Xptxas -v): NT = 1 takes 112-124 registers, no spills: 4 blocks (16 warps) a
 // multiprocessor, where mmqx had 2 of 4 warps; NT = 2 takes 150-168 (3 blocks); NT = 1 with
-// STRATA_MQK_MINB = 5 fits 96 (5 blocks), no spills. Which is fastest is the card's call.
+// STRATA_MQK_MINB = 5 fits 94-96 (5 blocks), no spills. Which is fastest is the card's call.
 #define MQK_WARPS 4
 #define MQK_FS 33  // floats a row of the fold scratch (an output's 32 partials + 1: reads in 32 banks)
 #ifndef STRATA_MQK_NT
 #define STRATA_MQK_NT 1
 #endif
-// blocks a multiprocessor mmqk's registers are bounded for (a benchmark's knob)
+// blocks a multiprocessor mmqk's registers are bounded for (a benchmark's knob): unbounded, NVCC gave
+// Q8_0 164 registers at NT = 1 (3 blocks) where the other types took 114-128, so 4 (<= 128
+// registers, no spills for Q8_0, Q4_K, Q6_K, Q2_0, IQ3_XXS); 3 at NT = 2 (158-167, no spills; bounded to 4
+// blocks it spilled 32-152 bytes)
 #ifndef STRATA_MQK_MINB
-#define STRATA_MQK_MINB 1
+#define STRATA_MQK_MINB (STRATA_MQK_NT == 1 ? 4 : 3)
 #endif
 
 template <int T>
