@@ -21,14 +21,18 @@ for a block type on both batched kernels: mm (__dp4a, a warp per row) and mmq (t
 cores), whichever gpu.MMA_TYPES says a run takes (STRATA_MMA; gpu.MMAX_TYPES, STRATA_MMAX, for the grouped ones); "mmq/mm" < 1: mmq is faster.
 --grouped adds a prompt chunk's routed experts: one `gpu.grouped_products` launch over
 GROUPED_EXPERTS distinct experts of the gate/up shape (and of the down shape, rounded up to whole
-blocks) with 5-20 pairs each (seeded), on mmx and on mmqx, microseconds per launch.
+blocks) at each GROUPED_PAIRS range of pairs an expert (seeded: 5-20, a 256-token prompt's ~5 a
+top-10 expert; 64-96, a 4096-token one's ~80), on each grouped kernel (GROUPED_KERNELS, gpu.grouped_kernel's choices:
+mmx, mmqx, mmqw, mmqk; --grouped-kernels picks, the first the baseline), microseconds per launch, each kernel's time over mmx's, and whether all gave the same bits.
 --few adds the few-row products: `gpu.matmul` of 1, 2, 4 and 8 tokens through the FEW weight (qwen4exp's
 hyper-connection down, rows longer than mv holds) on mvf (gpu.MVF_TOKENS 8) and on mmq (0),
 microseconds per product; where mvf wins at 2-8 tokens, STRATA_MVF_TOKENS's default can rise.
 --no-matvec leaves out the matvec columns (the head and expert matvecs), for the batched kernels alone.
 mmq's knobs (environment, docs/gpu-kernels.md): STRATA_MQ_WARPS (warps a block, compiled; 4),
 STRATA_MQ_MINB (blocks a multiprocessor its registers are bounded for; 1), STRATA_MQX_WARPS
-(mmqx's warps a block, at most STRATA_MQ_WARPS; 4).
+(mmqx's warps a block, at most STRATA_MQ_WARPS; 4), STRATA_MQW_UNROLL (decode entries an mmqw lane
+has in flight, compiled; 4), STRATA_MQK_NT (n-tiles of 8 tokens an mmqk warp holds over one decode,
+compiled; 1), STRATA_MQK_MINB (blocks a multiprocessor mmqk's registers are bounded for; 1).
 
 --fmm times the batched float product instead (F32 routers, the shared expert's one-row gate, the
 BF16/F16 GDN gates; FMM_SHAPES at FMM_TOKENS tokens): the kernel before (gpu.use_fmm("8x8"): fmm,
@@ -52,6 +56,8 @@ MATMUL_TOKENS = 256
 FEW = (10240, 320)  # (n_in, n_out) of --few: qwen4exp's hyper-connection down (4 streams of 2560 in)
 FEW_TOKENS = (1, 2, 4, 8)
 GROUPED_EXPERTS = 128  # a 256-token chunk routed to 8 experts of 256: ~2000 pairs over ~128-256 experts
+GROUPED_PAIRS = ((5, 20), (64, 96))  # pairs an expert (inclusive), one table column group each
+GROUPED_KERNELS = ("mmx", "mmqx", "mmqw", "mmqk")  # gpu.grouped_kernel's choices
 TARGET = 0.60
 # (type, n_in, n_out) of the float products of a prompt chunk (seed-4l qwen35moe, n_embd 2048)
 FMM_SHAPES = {
@@ -176,11 +182,21 @@ class Bench:
         """The batched kernel of the next launches: mmq / mmqx for every block type, or mm / mmx."""
         gpu = self.gpu
         gpu.MMA_TYPES = gpu.MMAX_TYPES = gpu._mma_types("all" if mma else "none", frozenset())
+        gpu.MMQW_TYPES = gpu.MMQK_TYPES = frozenset()
         gpu._plans.clear()  # the launch plans name the kernel
 
-    def grouped_rate(self, t, n_in: int, n_out: int, counts) -> tuple[float, bool]:
-        """(seconds per grouped_products launch, graph used): one tile table over len(counts) distinct
-        experts, expert g on counts[g] pairs (pair p reads activation row p, writes output row p)."""
+    def grouped_kernel(self, kind: str) -> None:
+        """The grouped kernel of the next grouped_products launches, for every block type."""
+        gpu, every = self.gpu, self.gpu._mma_types("all", frozenset())
+        gpu.MMAX_TYPES = every if kind == "mmqx" else frozenset()
+        gpu.MMQW_TYPES = every if kind == "mmqw" else frozenset()
+        gpu.MMQK_TYPES = every if kind == "mmqk" else frozenset()
+        gpu._plans.clear()
+
+    def grouped_rate(self, t, n_in: int, n_out: int, counts) -> tuple[float, bool, object]:
+        """(seconds per grouped_products launch, graph used, the output's bits): one tile table over
+        len(counts) distinct experts, expert g on counts[g] pairs (pair p reads activation row p,
+        writes output row p)."""
         cp, gpu = self.cp, self.gpu
         ws = [self.weight(t, n_in, n_out, 300 + i) for i in range(len(counts))]
         firsts = np.concatenate(([0], np.cumsum(counts)[:-1]))
@@ -188,7 +204,8 @@ class Bench:
         n = int(sum(counts))
         x = gpu.quantize_act_gpu(cp.asarray(np.random.default_rng(1).standard_normal((n, n_in)).astype(np.float32)))
         out, dev_tiles = cp.empty((n, n_out), cp.float32), cp.asarray(tiles)
-        return self.per_call([lambda: gpu.grouped_products(t.id, n_in, n_out, dev_tiles, len(tiles), x, None, None, out)] * 4)
+        sec, graphed = self.per_call([lambda: gpu.grouped_products(t.id, n_in, n_out, dev_tiles, len(tiles), x, None, None, out)] * 4)
+        return sec, graphed, out.view(cp.uint32).copy()
 
     def matmul_rate(self, t, n_in: int, n_out: int, n_tok: int) -> tuple[float, bool]:
         """(seconds per matmul of n_tok tokens, graph used) on one weight (a prompt chunk's
@@ -245,7 +262,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--types", default="all", help="comma-separated GGML type names, or 'all'")
     ap.add_argument("--md", help="also write the table (markdown) and the summary to this file")
     ap.add_argument("--matmul", action="store_true", help=f"also time a {MATMUL_TOKENS}-token matmul of {MATMUL[1]} x {MATMUL[0]} per type, on mm and on mmq")
-    ap.add_argument("--grouped", action="store_true", help=f"also time one grouped-experts launch ({GROUPED_EXPERTS} experts, 5-20 pairs each) per type, on mmx and on mmqx")
+    ap.add_argument("--grouped", action="store_true", help=f"also time one grouped-experts launch ({GROUPED_EXPERTS} experts at {GROUPED_PAIRS} pairs each) per type, on each grouped kernel")
+    ap.add_argument("--grouped-kernels", default=",".join(GROUPED_KERNELS), help="the grouped kernels --grouped times (the first is the baseline)")
     ap.add_argument("--few", action="store_true", help=f"also time {', '.join(map(str, FEW_TOKENS))}-token products of "
                     f"{FEW[1]} x {FEW[0]} per block type, on mvf and on mmq")
     ap.add_argument("--no-matvec", action="store_true", help="leave out the head and expert matvecs")
@@ -270,8 +288,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.fmm:
         return _fmm_table(b, head_line, args.md, t0)
 
-    rows, misses, graphed_all = [], [], True
-    counts = np.random.default_rng(0).integers(5, 21, GROUPED_EXPERTS)
+    rows, misses, different, graphed_all = [], [], [], True
+    kinds = [k.strip() for k in args.grouped_kernels.split(",")]
+    if any(k not in GROUPED_KERNELS for k in kinds):
+        ap.error(f"--grouped-kernels: {args.grouped_kernels}; choose from {','.join(GROUPED_KERNELS)}")
+    pair_counts = [np.random.default_rng(0).integers(lo, hi + 1, GROUPED_EXPERTS) for lo, hi in GROUPED_PAIRS]
     for name in names:
         t = ggml_type(name)
         row = [name]
@@ -299,18 +320,24 @@ def main(argv: list[str] | None = None) -> int:
             row += [f"{both[0] * 1e6:.0f}", f"{MATMUL_TOKENS / both[0]:.0f}"]
             row += [f"{both[1] * 1e6:.0f}", f"{both[1] / both[0]:.2f}"] if t.quantized else ["-", "-"]
         if args.grouped:
-            for n_in, n_out in EXPERTS.values():
-                n_in = -(-n_in // t.block_size) * t.block_size
-                if not t.quantized:
-                    row += ["-", "-", "-"]
-                    continue
-                both = []
-                for mma in (False, True):
-                    b.kernels(mma)
-                    gsec, graphed = b.grouped_rate(t, n_in, n_out, counts)
-                    graphed_all &= graphed
-                    both.append(gsec)
-                row += [f"{both[0] * 1e6:.0f}", f"{both[1] * 1e6:.0f}", f"{both[1] / both[0]:.2f}"]
+            for counts in pair_counts:
+                for n_in, n_out in EXPERTS.values():
+                    n_in = -(-n_in // t.block_size) * t.block_size
+                    if not t.quantized:
+                        row += ["-"] * (2 * len(kinds))
+                        continue
+                    secs, bits = [], []
+                    for kind in kinds:
+                        b.grouped_kernel(kind)
+                        gsec, graphed, out = b.grouped_rate(t, n_in, n_out, counts)
+                        graphed_all &= graphed
+                        secs.append(gsec)
+                        bits.append(out)
+                    same = all(bool(b.cp.array_equal(bits[0], o)) for o in bits[1:])
+                    if not same:
+                        different.append(f"{name} {n_out}x{n_in} at {counts.min()}-{counts.max()} pairs")
+                    row += [f"{secs[0] * 1e6:.0f}"] + [f"{s_ * 1e6:.0f}" for s_ in secs[1:]]
+                    row += [f"{s_ / secs[0]:.2f}" for s_ in secs[1:]] + ["yes" if same else "NO"]
         if args.few:
             for n_tok in FEW_TOKENS:
                 if not t.quantized or FEW[0] % t.block_size:
@@ -333,8 +360,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.matmul:
         headers += [f"mm {MATMUL_TOKENS}x{MATMUL[1]}x{MATMUL[0]} us", "tok/s", "mmq us", "mmq/mm"]
     if args.grouped:
-        for what, (n_in, n_out) in EXPERTS.items():
-            headers += [f"mmx {what} {n_out}x{n_in} us", "mmqx us", "mmqx/mmx"]
+        for lo, hi in GROUPED_PAIRS:
+            for what, (n_in, n_out) in EXPERTS.items():
+                headers += [f"{kinds[0]} {what} {n_out}x{n_in} {lo}-{hi} pairs us"] + [f"{k} us" for k in kinds[1:]]
+                headers += [f"{k}/{kinds[0]}" for k in kinds[1:]] + ["same bits"]
     if args.few:
         for n_tok in FEW_TOKENS:
             headers += [f"mvf {n_tok}x{FEW[1]}x{FEW[0]} us", "mmq us"]
@@ -342,6 +371,8 @@ def main(argv: list[str] | None = None) -> int:
     summary = ("summary: the batched kernels alone (--no-matvec)" if args.no_matvec else (
         f"summary: head {HEAD[1]}x{HEAD[0]} matvec: {len(rows) - len(misses)}/{len(rows)} types >= {TARGET:.0%} of the "
         f"{bw / 1e9:.0f} GB/s streaming read" + (f"; below: {', '.join(misses)}" if misses else "")))
+    if different:
+        summary += f"; grouped kernels gave DIFFERENT BITS: {', '.join(different)}"
     summary += (
         ("" if graphed_all else " (times include Python launch overhead: no CUDA graph capture)")
         + f" [{time.perf_counter() - t0:.0f} s]"
@@ -352,7 +383,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.md:
         with open(args.md, "w") as f:
             f.write(f"{head_line}\n\n{tabulate(rows, headers=headers, tablefmt='github')}\n\n{summary}\n")
-    return 0
+    return 1 if different else 0
 
 
 def _fmm_table(b: Bench, head_line: str, md: str | None, t0: float) -> int:

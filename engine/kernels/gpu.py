@@ -38,8 +38,9 @@ SOURCE = Path(__file__).with_name("gpu_kernels.cu")
 # --fmad=false: no FMA contraction (a fused a*b+c rounds differently). The kernels' f32 operations
 # are inline PTX anyway, which no flag changes: CuPy appends -ftz=true to every compile.
 OPTIONS = ("--std=c++17", "--fmad=false")
-for _knob in ("STRATA_MV_STEP", "STRATA_MQ_WARPS", "STRATA_MQ_MINB"):  # a benchmark's knobs (gpu_kernels.cu):
-    if os.environ.get(_knob):  # the matvec's staged bytes per warp step; mmq's warps and blocks per multiprocessor
+for _knob in ("STRATA_MV_STEP", "STRATA_MQ_WARPS", "STRATA_MQ_MINB", "STRATA_MQW_WARPS", "STRATA_MQW_UNROLL", "STRATA_MQK_NT", "STRATA_MQK_MINB"):  # a benchmark's knobs (gpu_kernels.cu):
+    if os.environ.get(_knob):  # the matvec's staged bytes per warp step; mmq's warps and blocks per multiprocessor;
+        # mmqw's warps and decode entries in flight; mmqk's n-tiles over one decode and blocks per multiprocessor
         OPTIONS += (f"-D{_knob}={int(os.environ[_knob])}",)
 KPLS = (1, 2, 3, 4, 6, 8)  # act-blocks per lane the matvec kernel holds: rows up to 8192 elements
 MAX_TOKENS = 64  # tokens per matmul pass (shared-memory accumulators); more are done in groups
@@ -80,6 +81,13 @@ def _mma_types(spec: str | None, default: frozenset[str], var: str = "STRATA_MMA
 # them, then drop `_plans`).
 MMA_TYPES = _mma_types(os.environ.get("STRATA_MMA"), frozenset(t.name for t in TYPES if t.quantized))
 MMAX_TYPES = _mma_types(os.environ.get("STRATA_MMAX"), frozenset({"Q8_0"}), "STRATA_MMAX")
+# The block types whose grouped products take mmqw (the tensor cores with every warp on its own 16
+# rows: gpu_kernels.cu says why), ahead of MMAX_TYPES. Not yet timed on a card, so none unless
+# STRATA_MMQW names them (the same forms as STRATA_MMAX).
+MMQW_TYPES = _mma_types(os.environ.get("STRATA_MMQW"), frozenset(), "STRATA_MMQW")
+# ... and mmqk (the chunk's act-blocks split between a block's four warps), ahead of both: the same
+# (not yet timed; STRATA_MMQK).
+MMQK_TYPES = _mma_types(os.environ.get("STRATA_MMQK"), frozenset(), "STRATA_MMQK")
 # Warps of an mmqx block (at most the compiled STRATA_MQ_WARPS): a grouped tile has 5-20 pairs where
 # a prompt's dense product has 64 a launch, so the card may prefer fewer (a benchmark's knob).
 MMQX_WARPS = int(os.environ.get("STRATA_MQX_WARPS", "4"))
@@ -321,13 +329,15 @@ class _Module:
     mv_buf: tuple[int, ...] = ()  # bytes of one mv staging buffer, for KPL = 1 .. 8
     mq_smem: int = 0  # shared bytes of an mmq block (its decoded chunk and scales), the grid copy aside
     mq_warps: int = 4  # most warps of an mmq block (STRATA_MQ_WARPS): its item is 16 rows x 8 warps tokens
+    mqw_warps: int = 1  # warps of an mmqw block (STRATA_MQW_WARPS), each with its own decoded image (mq_smem)
+    mqk_smem: int = 0  # shared bytes of an mmqk block (its image, or its fold scratch over it), the grid copy aside
 
 
 def _names(t: GGMLType) -> list[str]:
     if t.quantized:
         wide = [f"mv<{t.id}, {k}, 1>" for k in KPLS] if is_wide(t) else []
         grouped = [f"mvx<{t.id}, {k}>" for k in KPLS] + [f"mvm<{t.id}, {k}>" for k in KPLS]
-        batched = [f"mvf<{t.id}>", f"mm<{t.id}>", f"mmx<{t.id}>", f"mmq<{t.id}>", f"mmqx<{t.id}>"]
+        batched = [f"mvf<{t.id}>", f"mm<{t.id}>", f"mmx<{t.id}>", f"mmq<{t.id}>", f"mmqx<{t.id}>", f"mmqw<{t.id}>", f"mmqk<{t.id}>"]
         return [f"mv<{t.id}, {k}>" for k in KPLS] + wide + grouped + batched + [f"traits<{t.id}>"]
     kind = _FLOAT_KIND[t.name]
     return [f"fmv<{kind}>", f"fmvm<{kind}>", f"fmm<{kind}>"] + [f"fmt<{kind}, {r}, {c}>" for r in FMT_SIDES for c in FMT_SIDES]
@@ -352,7 +362,7 @@ def _module(key: str) -> _Module:
             _check_tables()
             for sym, table in _TABLES.items():
                 rt.set_global(m.mod, sym, table)
-            m.apb, m.tab, m.mm_buf, m.mv_rows, m.mv_buf, m.mq_smem, m.mq_warps = _traits(rt, m.mod, t)
+            m.apb, m.tab, m.mm_buf, m.mv_rows, m.mv_buf, m.mq_smem, m.mq_warps, m.mqw_warps, m.mqk_smem = _traits(rt, m.mod, t)
     _modules[key] = m
     return m
 
@@ -360,7 +370,7 @@ def _module(key: str) -> _Module:
 def _traits(rt, mod, t: GGMLType) -> tuple:
     """The kernel's own layout constants, held to the GGML type table (a drift is refused here,
     not discovered as wrong outputs), and its shared-memory sizes."""
-    out = rt.empty(24, np.int32)
+    out = rt.empty(26, np.int32)
     rt.launch(mod, f"traits<{t.id}>", 1, 32, (out,))
     v = [int(x) for x in rt.to_host(out)]
     want = (t.block_size // QA, t.rest_bytes, t.n_scales, t.name in _HAS_MIN)
@@ -369,7 +379,7 @@ def _traits(rt, mod, t: GGMLType) -> tuple:
             f"gpu_kernels.cu: {t.name} has (act-blocks, rest bytes, scales, min term) per block = "
             f"{tuple(v[:3]) + (bool(v[3]),)}, the GGML type table and reference.py say {want}"
         )
-    return v[0], v[4], v[5], tuple(v[6:22:2]), tuple(v[7:22:2]), v[22], v[23]
+    return v[0], v[4], v[5], tuple(v[6:22:2]), tuple(v[7:22:2]), v[22], v[23], v[24], v[25]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -666,10 +676,35 @@ def _quant_plan(type_id: int, n_in: int, n_out: int, n_tok: int) -> tuple:
     return _quant_launch(type_id, n_in, n_out, n_tok, ggml_type(type_id).name in MMA_TYPES)
 
 
+def grouped_kernel(type_id: int) -> str:
+    """The kernel grouped_products takes for a block type: "mmqk" (MMQK_TYPES), "mmqw" (MMQW_TYPES),
+    "mmqx" (MMAX_TYPES) or "mmx", the first that names it."""
+    name = ggml_type(type_id).name
+    for kind, types in (("mmqk", MMQK_TYPES), ("mmqw", MMQW_TYPES), ("mmqx", MMAX_TYPES)):
+        if name in types:
+            return kind
+    return "mmx"
+
+
 @_planned
 def _grouped_plan(type_id: int, n_in: int, n_out: int, n_tok: int) -> tuple:
-    """grouped_products' launch, before its tiles' share of the grid (mmqx for MMAX_TYPES)."""
-    return _quant_launch(type_id, n_in, n_out, n_tok, ggml_type(type_id).name in MMAX_TYPES)
+    """grouped_products' launch: (module, kernel, blocks a tile, block, shared bytes, trailing args)."""
+    kind = grouped_kernel(type_id)
+    mod, _, grid, block, smem, extra = _quant_launch(type_id, n_in, n_out, n_tok, kind != "mmx")
+    groups = -(-n_out // 16)
+    if kind == "mmqx":  # a tile of up to 8 x warps pairs (most tiles) is one item per 16 rows: a block each
+        return mod, f"mmqx<{type_id}>", min(grid, groups), 32 * max(1, min(MMQX_WARPS, block // 32)), smem, extra
+    if kind == "mmqw":  # a warp a 16-row group, each with its own decoded image after the grid copy
+        m = _module(ggml_type(type_id).name)
+        tab, nw = smem - m.mq_smem, m.mqw_warps
+        if tab + nw * m.mq_smem > SMEM_LIMIT:
+            raise ValueError(f"mmqw<{type_id}>: STRATA_MQW_WARPS={nw} takes {tab + nw * m.mq_smem} bytes of shared memory a block, "
+                             f"more than the {SMEM_LIMIT} a launch may take; 1 fits")
+        return mod, f"mmqw<{type_id}>", -(-groups // nw), 32 * nw, tab + nw * m.mq_smem, extra
+    if kind == "mmqk":  # a block a 16-row group, its four warps a quarter of each chunk
+        m = _module(ggml_type(type_id).name)
+        return mod, f"mmqk<{type_id}>", groups, 128, smem - m.mq_smem + m.mqk_smem, extra
+    return mod, f"mmx<{type_id}>", grid, block, smem, extra
 
 
 def _quant_launch(type_id: int, n_in: int, n_out: int, n_tok: int, mma: bool) -> tuple:
@@ -895,7 +930,7 @@ def tile_rows(weights: list, firsts, counts, bases) -> np.ndarray:
 
 
 def grouped_products(type_id: int, n_in: int, n_out: int, tiles, n_tiles: int, act: GpuActQ, xrow, orow, out) -> None:
-    """Many experts' products of a prompt chunk in one launch (mmx, or mmqx for MMAX_TYPES: gpu_kernels.cu): tile i of
+    """Many experts' products of a prompt chunk in one launch (mmx, mmqx, mmqw or mmqk: grouped_kernel): tile i of
     `tiles` (device i64 [n_tiles, 5], rows of `tile_rows`) multiplies its weight by act's rows
     xrow[p] (device int32; None: row p) for its pairs p into out's rows orow[p] (device int32; None:
     its base + p). Each row has matmul's bits on that weight alone (the batched kernel's arithmetic,
@@ -903,14 +938,10 @@ def grouped_products(type_id: int, n_in: int, n_out: int, tiles, n_tiles: int, a
     if n_tiles == 0:
         return
     mod, name, grid, block, smem, (_, tab) = _grouped_plan(type_id, n_in, n_out, MAX_TOKENS)
-    rt = runtime()
-    if name.startswith("mmq<"):  # a tile of up to 8 x warps pairs (most tiles) is one item per 16 rows: a block each
-        grid = min(grid, -(-n_out // 16))
-        block = 32 * max(1, min(MMQX_WARPS, block // 32))
     null = np.uint64(0)  # a null pointer argument
     args = (tiles, np.int32(grid), act.q, act.d, act.s16, null if xrow is None else xrow, null if orow is None else orow, out, np.int32(n_out), np.int32(n_in // QA),
             np.int32(MAX_TOKENS), tab)
-    rt.launch(mod, name.replace("<", "x<", 1), grid * n_tiles, block, args, smem)
+    runtime().launch(mod, name, grid * n_tiles, block, args, smem)
 
 
 def matmul(w: GpuWeight, act, out=None, planes_out=None):

@@ -1004,6 +1004,30 @@ __global__ void __launch_bounds__(256) mm(const u8* __restrict__ rest, const flo
     mm_body<T>(rest, scales, xq, xd, xs, nullptr, 0, nullptr, 0, out, n_out, nb, ntok, shared_tab, blockIdx.x, gridDim.x);
 }
 
+// Tile blockIdx.x / per of a grouped launch's table (below) as its body's arguments: the weight's
+// planes, pair p's activation row (xrow[p], or x0 + p) and output row (orow[p], or o0 + p), n pairs.
+// False for an unused tile (n == 0): the whole block returns, so no barrier is left waiting.
+struct Tile {
+    const u8* rest;
+    const float* scales;
+    const int *xrow, *orow;
+    i64 x0, o0;
+    int n;
+};
+__device__ __forceinline__ bool grouped_tile(const i64* __restrict__ tiles, int per, const int* __restrict__ xrow,
+                                             const int* __restrict__ orow, Tile& tl) {
+    const i64* t = tiles + 5 * (i64)(blockIdx.x / per);
+    const i64 first = t[2];
+    tl.rest = reinterpret_cast<const u8*>(t[0]);
+    tl.scales = reinterpret_cast<const float*>(t[1]);
+    tl.xrow = xrow ? xrow + first : nullptr;
+    tl.orow = orow ? orow + first : nullptr;
+    tl.x0 = first;
+    tl.o0 = t[4] + first;
+    tl.n = (int)t[3];
+    return tl.n != 0;  // an unused tile of a table sized for the most a chunk can have (dev_group)
+}
+
 // A prompt chunk's routed experts in one launch (the device step, engine/tier/device.py): tile i of
 // `tiles` (i64 [n_tiles, 5]: the weight's rest plane address, its scale plane address, the first
 // pair, the pairs (<= the launch's ntok), the output row base) is given `per` of the grid's blocks
@@ -1017,14 +1041,10 @@ __global__ void __launch_bounds__(256) mmx(const i64* __restrict__ tiles, int pe
                                            const float* __restrict__ xd, const i32* __restrict__ xs,
                                            const int* __restrict__ xrow, const int* __restrict__ orow,
                                            float* __restrict__ out, int n_out, int nb, int ntok_max, int shared_tab) {
-    const i64* t = tiles + 5 * (i64)(blockIdx.x / per);
-    const i64 first = t[2];
-    const int n = (int)t[3];
-    if (n == 0) return;  // an unused tile of a table sized for the most a chunk can have (dev_group)
+    Tile tl;
+    if (!grouped_tile(tiles, per, xrow, orow, tl)) return;
     (void)ntok_max;  // the launch's shared memory is sized for it; every tile has at most that many
-    mm_body<T>(reinterpret_cast<const u8*>(t[0]), reinterpret_cast<const float*>(t[1]), xq, xd, xs,
-               xrow ? xrow + first : nullptr, first, orow ? orow + first : nullptr, t[4] + first, out, n_out, nb, n,
-               shared_tab, blockIdx.x % per, per);
+    mm_body<T>(tl.rest, tl.scales, xq, xd, xs, tl.xrow, tl.x0, tl.orow, tl.o0, out, n_out, nb, tl.n, shared_tab, blockIdx.x % per, per);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1082,6 +1102,123 @@ __device__ __forceinline__ void fold_step(float* v) {
     for (int l = 0; l < W; l++) v[l] = f32_add(v[l], v[l + W]);
 }
 
+// The decode of one chunk (act-blocks 32c .. 32c + 31) of the 16 rows from ob into a decoded image
+// (aq: q words, ssc: mq_pack), by threads tid = 0 .. nthr - 1 of whoever shares the image (mq_body:
+// the block; mqw_body: one warp); entry i = 32 row + act-block, so a warp's lanes read consecutive
+// act-blocks of one row. A row or act-block past the edge is zeros: never written out / never read.
+// NTHR: nthr when known at compile time (mqw_body: 32, each lane 16 entries), the loop then unrolled
+// UNROLL times so that many entries' loads are in flight at once: each entry's bytes come from global
+// memory, and one at a time a lane would wait out a memory latency per entry. SPAN, kk0, KS: only
+// act-blocks kk0 + KS j (j < SPAN) of the chunk (mqk_body: a warp's share), entry i = SPAN row + j.
+template <int T, int NTHR = 0, int UNROLL = 1, int SPAN = 32, int KS = 1>
+__device__ __forceinline__ void mq_decode(u32* aq, uint4* ssc, const u8* __restrict__ rest, const float* __restrict__ scales,
+                                          const typename Ty<T>::Tab* tab, int ob, int c, int n_out, int nb, int tid, int nthr,
+                                          int kk0 = 0) {
+    typedef Ty<T> L;
+    const int nblk = nb / L::APB;
+    if (NTHR) nthr = NTHR;
+#pragma unroll UNROLL
+    for (int i = tid; i < MQ_ROWS * SPAN; i += nthr) {
+        const int rr = i / SPAN, kk = kk0 + KS * (i % SPAN), o = ob + rr, k = 32 * c + kk, si = rr * MQ_SS + kk;
+        uint4* dst = reinterpret_cast<uint4*>(STRATA_ALIGNED(aq + rr * MQ_RS + 8 * kk, 16));
+        if (o < n_out && k < nb) {
+            const i64 blk = (i64)o * nblk + k / L::APB;
+            const Blk b = L::dec(rest + blk * L::REST, k % L::APB, scales + blk * L::NS, tab);
+            dst[0] = make_uint4(b.q[0], b.q[1], b.q[2], b.q[3]);
+            dst[1] = make_uint4(b.q[4], b.q[5], b.q[6], b.q[7]);
+            ssc[si] = mq_pack(b);
+        } else {
+            dst[0] = dst[1] = make_uint4(0u, 0u, 0u, 0u);
+            ssc[si] = make_uint4(0u, 0u, 0u, 0u);
+        }
+    }
+}
+
+// The four terms of lane (g, q) for act-block l of chunk c of a decoded image (k = 32 c + l < nb):
+// lo and hi by two mma (B: token xb's ActQ words), then scaled<T> of its four outputs (rows g,
+// g + 8; tokens xc0, xc1 as 2q, 2q + 1), output i = row g + 8 (i >> 1), token 2q + (i & 1).
+template <int T>
+__device__ __forceinline__ void mq_terms(float* cv, const u32* aq, const uint4* ssc, const i8* __restrict__ xq,
+                                         const float* __restrict__ xd, const i32* __restrict__ xs, int k, int l, int nb,
+                                         i64 xb, i64 xc0, i64 xc1, int g, int q) {
+    typedef Ty<T> L;
+    constexpr bool S16 = L::HAS_MIN || L::OFF != 0;
+    const u32* a = aq + g * MQ_RS + 8 * l + q;
+    const u32* x = reinterpret_cast<const u32*>(STRATA_ALIGNED(xq + xb * 32 * (i64)nb + 32 * (i64)k + 4 * q, 4));
+    int lo[4], hi[4];
+    mma_s8(a[0], a[8 * MQ_RS], __ldg(x), lo);
+    mma_s8(a[4], a[8 * MQ_RS + 4], __ldg(x + 4), hi);
+    float ad[2];
+    int s0[2] = {0, 0}, s1[2] = {0, 0};
+#pragma unroll
+    for (int j = 0; j < 2; j++) {
+        const i64 xc = j ? xc1 : xc0;
+        ad[j] = __ldg(xd + xc * nb + k);
+        if (S16) {
+            s0[j] = __ldg(xs + 2 * (xc * nb + k));
+            s1[j] = __ldg(xs + 2 * (xc * nb + k) + 1);
+        }
+    }
+    const uint4 sc[2] = {ssc[g * MQ_SS + l], ssc[(g + 8) * MQ_SS + l]};
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        const uint4 v = sc[i >> 1];
+        const int j = i & 1;
+        cv[i] = scaled<T>(lo[i], hi[i], lo16(v.x), hi16(v.x), lo16(v.z), hi16(v.z), __uint_as_float(v.y),
+                          __uint_as_float(v.w), ad[j], s0[j], s1[j]);
+    }
+}
+
+// One warp's 16 x 8 outputs over chunk c of a decoded image: for act-block l = 0 .. 31 lane (g, q)
+// adds its four terms to partial l of each output: p[.][l] is mm's lane l.
+template <int T>
+__device__ __forceinline__ void mq_steps(float (&p)[4][32], const u32* aq, const uint4* ssc, const i8* __restrict__ xq,
+                                         const float* __restrict__ xd, const i32* __restrict__ xs, int c, int nb,
+                                         i64 xb, i64 xc0, i64 xc1, int g, int q) {
+#pragma unroll
+    for (int l = 0; l < 32; l++) {
+        const int k = 32 * c + l;
+        if (k < nb) {  // the same for every lane
+            float cv[4];
+            mq_terms<T>(cv, aq, ssc, xq, xd, xs, k, l, nb, xb, xc0, xc1, g, q);
+#pragma unroll
+            for (int i = 0; i < 4; i++) p[i][l] = f32_add(p[i][l], cv[i]);
+        }
+    }
+}
+
+// An n-tile's tokens as lane (g, q) sees them: its B token (g) and its output tokens (2q, 2q + 1)
+// of tokens tw .. tw + 7, the last token standing in past the edge (read, never written)
+struct MqTok {
+    i64 xb, xc0, xc1;
+};
+__device__ __forceinline__ MqTok mq_tok(const int* __restrict__ xrow, i64 x0, int tw, int ntok, int g, int q) {
+    const int tb = min(tw + g, ntok - 1), tc0 = min(tw + 2 * q, ntok - 1), tc1 = min(tw + 2 * q + 1, ntok - 1);
+    MqTok r;
+    r.xb = xrow ? (i64)__ldg(xrow + tb) : x0 + tb;
+    r.xc0 = xrow ? (i64)__ldg(xrow + tc0) : x0 + tc0;
+    r.xc1 = xrow ? (i64)__ldg(xrow + tc1) : x0 + tc1;
+    return r;
+}
+
+__device__ __forceinline__ void mq_zero(float (&p)[4][32]) {
+#pragma unroll
+    for (int i = 0; i < 4; i++)
+#pragma unroll
+        for (int l = 0; l < 32; l++) p[i][l] = 0.0f;
+}
+
+// each output folds its 32 partials in fold's tree and lane (g, q) writes its four
+__device__ __forceinline__ void mq_store(float (&p)[4][32], const int* __restrict__ orow, i64 o0, float* __restrict__ out,
+                                         int n_out, int ob, int tw, int ntok, int g, int q) {
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        fold_step<16>(p[i]), fold_step<8>(p[i]), fold_step<4>(p[i]), fold_step<2>(p[i]), fold_step<1>(p[i]);
+        const int o = ob + g + 8 * (i >> 1), t = tw + 2 * q + (i & 1);
+        if (o < n_out && t < ntok) out[(orow ? (i64)__ldg(orow + t) : o0 + t) * n_out + o] = p[i][0];
+    }
+}
+
 template <int T>
 __device__ __forceinline__ void mq_body(const u8* __restrict__ rest, const float* __restrict__ scales,
                                         const i8* __restrict__ xq, const float* __restrict__ xd,
@@ -1089,83 +1226,27 @@ __device__ __forceinline__ void mq_body(const u8* __restrict__ rest, const float
                                         const int* __restrict__ orow, i64 o0, float* __restrict__ out, int n_out,
                                         int nb, int ntok, int shared_tab, int bx, int gx) {
     typedef Ty<T> L;
-    constexpr bool S16 = L::HAS_MIN || L::OFF != 0;
     STRATA_SMEM(smem);
     const typename L::Tab* tab = load_tab<T>(smem, shared_tab);
     u32* const aq = reinterpret_cast<u32*>(smem + (shared_tab ? Buf<T>::tab() : 0));
     uint4* const ssc = reinterpret_cast<uint4*>(aq + MQ_ROWS * MQ_RS);  // [16][MQ_SS]: mq_pack
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5, g = lane >> 2, q = lane & 3;
-    const int nblk = nb / L::APB, nchunk = (nb + 31) / 32, groups = (n_out + MQ_ROWS - 1) / MQ_ROWS;
-    const i64 n_in = 32 * (i64)nb, items = (i64)groups * ((ntok + 8 * nw - 1) / (8 * nw));
+    const int nchunk = (nb + 31) / 32, groups = (n_out + MQ_ROWS - 1) / MQ_ROWS;
+    const i64 items = (i64)groups * ((ntok + 8 * nw - 1) / (8 * nw));
 
     for (i64 it = bx; it < items; it += gx) {  // the same for every thread of the block
         const int ob = (int)(it % groups) * MQ_ROWS, tw = (int)(it / groups) * 8 * nw + 8 * warp;
         const bool active = tw < ntok;  // the same for every lane of the warp
-        // the lane's B token (g) and its output tokens (2q, 2q + 1), the last token past the edge
-        const int tb = min(tw + g, ntok - 1), tc0 = min(tw + 2 * q, ntok - 1), tc1 = min(tw + 2 * q + 1, ntok - 1);
-        const i64 xb = xrow ? (i64)__ldg(xrow + tb) : x0 + tb;
-        const i64 xc0 = xrow ? (i64)__ldg(xrow + tc0) : x0 + tc0, xc1 = xrow ? (i64)__ldg(xrow + tc1) : x0 + tc1;
+        const MqTok tk = mq_tok(xrow, x0, tw, ntok, g, q);
         float p[4][32];
-#pragma unroll
-        for (int i = 0; i < 4; i++)
-#pragma unroll
-            for (int l = 0; l < 32; l++) p[i][l] = 0.0f;
+        mq_zero(p);
         for (int c = 0; c < nchunk; c++) {
             __syncthreads();  // every warp is done with the chunk before
-            for (int i = threadIdx.x; i < MQ_ROWS * 32; i += blockDim.x) {
-                const int rr = i >> 5, kk = i & 31, o = ob + rr, k = 32 * c + kk, si = rr * MQ_SS + kk;
-                uint4* dst = reinterpret_cast<uint4*>(STRATA_ALIGNED(aq + rr * MQ_RS + 8 * kk, 16));
-                if (o < n_out && k < nb) {
-                    const i64 blk = (i64)o * nblk + k / L::APB;
-                    const Blk b = L::dec(rest + blk * L::REST, k % L::APB, scales + blk * L::NS, tab);
-                    dst[0] = make_uint4(b.q[0], b.q[1], b.q[2], b.q[3]);
-                    dst[1] = make_uint4(b.q[4], b.q[5], b.q[6], b.q[7]);
-                    ssc[si] = mq_pack(b);
-                } else {  // never written out (row) or never read (act-block)
-                    dst[0] = dst[1] = make_uint4(0u, 0u, 0u, 0u);
-                    ssc[si] = make_uint4(0u, 0u, 0u, 0u);
-                }
-            }
+            mq_decode<T>(aq, ssc, rest, scales, tab, ob, c, n_out, nb, threadIdx.x, blockDim.x);
             __syncthreads();
-            if (!active) continue;
-#pragma unroll
-            for (int l = 0; l < 32; l++) {
-                const int k = 32 * c + l;
-                if (k < nb) {  // the same for every lane
-                    const u32* a = aq + g * MQ_RS + 8 * l + q;
-                    const u32* x = reinterpret_cast<const u32*>(STRATA_ALIGNED(xq + xb * n_in + 32 * (i64)k + 4 * q, 4));
-                    int lo[4], hi[4];
-                    mma_s8(a[0], a[8 * MQ_RS], __ldg(x), lo);
-                    mma_s8(a[4], a[8 * MQ_RS + 4], __ldg(x + 4), hi);
-                    float ad[2];
-                    int s0[2] = {0, 0}, s1[2] = {0, 0};
-#pragma unroll
-                    for (int j = 0; j < 2; j++) {
-                        const i64 xc = j ? xc1 : xc0;
-                        ad[j] = __ldg(xd + xc * nb + k);
-                        if (S16) {
-                            s0[j] = __ldg(xs + 2 * (xc * nb + k));
-                            s1[j] = __ldg(xs + 2 * (xc * nb + k) + 1);
-                        }
-                    }
-                    const uint4 sc[2] = {ssc[g * MQ_SS + l], ssc[(g + 8) * MQ_SS + l]};
-#pragma unroll
-                    for (int i = 0; i < 4; i++) {  // output i: row g + 8 (i >> 1), token 2q + (i & 1)
-                        const uint4 v = sc[i >> 1];
-                        const int j = i & 1;
-                        p[i][l] = f32_add(p[i][l], scaled<T>(lo[i], hi[i], lo16(v.x), hi16(v.x), lo16(v.z), hi16(v.z),
-                                                             __uint_as_float(v.y), __uint_as_float(v.w), ad[j], s0[j], s1[j]));
-                    }
-                }
-            }
+            if (active) mq_steps<T>(p, aq, ssc, xq, xd, xs, c, nb, tk.xb, tk.xc0, tk.xc1, g, q);
         }
-        if (!active) continue;
-#pragma unroll
-        for (int i = 0; i < 4; i++) {
-            fold_step<16>(p[i]), fold_step<8>(p[i]), fold_step<4>(p[i]), fold_step<2>(p[i]), fold_step<1>(p[i]);
-            const int o = ob + g + 8 * (i >> 1), t = tw + 2 * q + (i & 1);
-            if (o < n_out && t < ntok) out[(orow ? (i64)__ldg(orow + t) : o0 + t) * n_out + o] = p[i][0];
-        }
+        if (active) mq_store(p, orow, o0, out, n_out, ob, tw, ntok, g, q);
     }
 }
 
@@ -1183,14 +1264,191 @@ __global__ void __launch_bounds__(32 * STRATA_MQ_WARPS, STRATA_MQ_MINB) mmqx(con
                                             const float* __restrict__ xd, const i32* __restrict__ xs,
                                             const int* __restrict__ xrow, const int* __restrict__ orow,
                                             float* __restrict__ out, int n_out, int nb, int ntok_max, int shared_tab) {
-    const i64* t = tiles + 5 * (i64)(blockIdx.x / per);
-    const i64 first = t[2];
-    const int n = (int)t[3];
-    if (n == 0) return;  // the whole block: no barrier is left waiting
+    Tile tl;
+    if (!grouped_tile(tiles, per, xrow, orow, tl)) return;
     (void)ntok_max;
-    mq_body<T>(reinterpret_cast<const u8*>(t[0]), reinterpret_cast<const float*>(t[1]), xq, xd, xs,
-               xrow ? xrow + first : nullptr, first, orow ? orow + first : nullptr, t[4] + first, out, n_out, nb, n,
-               shared_tab, blockIdx.x % per, per);
+    mq_body<T>(tl.rest, tl.scales, xq, xd, xs, tl.xrow, tl.x0, tl.orow, tl.o0, out, n_out, nb, tl.n, shared_tab, blockIdx.x % per, per);
+}
+
+// mmqw: mmx's tiles (the same table and arguments) on the int8 tensor cores with every warp on its
+// own 16 rows. Why not mmqx: a tile has the pairs one expert got in a chunk, ~5 in a 256-token
+// prompt (top-10 of 512 experts), so mmqx's block item (16 rows x 8 nw tokens) had four warps decode
+// and then one run the mma while three waited at the barrier (H200, 2026-12-02: 1.4-1.5x mmx's time
+// on Q4_K, Q2_0, IQ3_XXS). Here a warp decodes its rows' chunk into its own image (no barrier but
+// __syncwarp) and runs the tile's n-tiles of 8 tokens over it, so every resident warp does mma work;
+// a single-chunk row (nb <= 32: the down projections) is decoded once for all its n-tiles, a longer
+// one once per (n-tile, chunk) (the partials of one n-tile fill the registers). The arithmetic is
+// mq_body's (mq_decode, mq_steps, mq_store): the same terms in the same order, mm's bits.
+// Shared memory: Mq<T>::bytes() (25 KB) a warp, so a block is STRATA_MQW_WARPS = 1 warp (two would pass
+// the 48 KB a launch may take without an opt-in); 8 such blocks fit a multiprocessor.
+#ifndef STRATA_MQW_WARPS
+#define STRATA_MQW_WARPS 1
+#endif
+// entries of its decode a lane has in flight (mq_decode's UNROLL; a benchmark's knob)
+#ifndef STRATA_MQW_UNROLL
+#define STRATA_MQW_UNROLL 4
+#endif
+
+template <int T>
+__device__ __forceinline__ void mqw_body(const u8* __restrict__ rest, const float* __restrict__ scales,
+                                         const i8* __restrict__ xq, const float* __restrict__ xd,
+                                         const i32* __restrict__ xs, const int* __restrict__ xrow, i64 x0,
+                                         const int* __restrict__ orow, i64 o0, float* __restrict__ out, int n_out,
+                                         int nb, int ntok, int shared_tab, int bx, int gx) {
+    typedef Ty<T> L;
+    STRATA_SMEM(smem);
+    const typename L::Tab* tab = load_tab<T>(smem, shared_tab);
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5, g = lane >> 2, q = lane & 3;
+    u32* const aq = reinterpret_cast<u32*>(smem + (shared_tab ? Buf<T>::tab() : 0) + warp * Mq<T>::bytes());
+    uint4* const ssc = reinterpret_cast<uint4*>(aq + MQ_ROWS * MQ_RS);
+    const int nchunk = (nb + 31) / 32, groups = (n_out + MQ_ROWS - 1) / MQ_ROWS;
+
+    for (int gi = bx * nw + warp; gi < groups; gi += gx * nw) {  // the same for every lane of the warp
+        const int ob = gi * MQ_ROWS;
+        for (int tw = 0; tw < ntok; tw += 8) {
+            const MqTok tk = mq_tok(xrow, x0, tw, ntok, g, q);
+            float p[4][32];
+            mq_zero(p);
+            for (int c = 0; c < nchunk; c++) {
+                if (nchunk > 1 || tw == 0) {
+                    __syncwarp();  // every lane is done with the image before
+                    mq_decode<T, 32, STRATA_MQW_UNROLL>(aq, ssc, rest, scales, tab, ob, c, n_out, nb, lane, 32);
+                    __syncwarp();
+                }
+                mq_steps<T>(p, aq, ssc, xq, xd, xs, c, nb, tk.xb, tk.xc0, tk.xc1, g, q);
+            }
+            mq_store(p, orow, o0, out, n_out, ob, tw, ntok, g, q);
+        }
+    }
+}
+
+template <int T>
+__global__ void __launch_bounds__(32 * STRATA_MQW_WARPS) mmqw(const i64* __restrict__ tiles, int per, const i8* __restrict__ xq,
+                                                             const float* __restrict__ xd, const i32* __restrict__ xs,
+                                                             const int* __restrict__ xrow, const int* __restrict__ orow,
+                                                             float* __restrict__ out, int n_out, int nb, int ntok_max, int shared_tab) {
+    Tile tl;
+    if (!grouped_tile(tiles, per, xrow, orow, tl)) return;
+    (void)ntok_max;
+    mqw_body<T>(tl.rest, tl.scales, xq, xd, xs, tl.xrow, tl.x0, tl.orow, tl.o0, out, n_out, nb, tl.n, shared_tab, blockIdx.x % per, per);
+}
+
+// mmqk: mmx's tiles (the same table and arguments) on the int8 tensor cores, the chunk's act-blocks
+// split between a block's MQK_WARPS = 4 warps. Why: a tile's few pairs fill one n-tile of 8 tokens or
+// less, so mmqx's warps (one an n-tile) waited at its barrier, and mmqw's (one a row group) each
+// held 4 x 32 partials and a 25 KB image; here warp w takes act-blocks w, w + 4, .., w + 28 of each
+// chunk of the block's 16 rows (interleaved: a short chunk, such as a down projection's 20 act-blocks
+// or gate/up's last 16, still gives every warp its share): it decodes just those (its part of the
+// image: __syncwarp, no block barrier in the loop) and keeps partials l = w + 4j of its outputs,
+// 4 x 8 an n-tile, so STRATA_MQK_NT
+// n-tiles (8 tokens each) are held at once over one decode. After the last chunk the warps' partials
+// meet in shared memory (over the image) and each output folds its 32 in fold's tree. Partial l is
+// mm's lane l (act-blocks l, l + 32, ... in that order from +0.0f): mm's bits, whatever the split.
+// sm_90 (nvcc 13, -Xptxas -v): NT = 1 takes 112-124 registers, no spills: 4 blocks (16 warps) a
+// multiprocessor, where mmqx had 2 of 4 warps; NT = 2 takes 150-168 (3 blocks); NT = 1 with
+// STRATA_MQK_MINB = 5 fits 94-96 (5 blocks), no spills. Which is fastest is the card's call.
+#define MQK_WARPS 4
+#define MQK_FS 33  // floats a row of the fold scratch (an output's 32 partials + 1: reads in 32 banks)
+#ifndef STRATA_MQK_NT
+#define STRATA_MQK_NT 1
+#endif
+// blocks a multiprocessor mmqk's registers are bounded for (a benchmark's knob): unbounded, NVCC gave
+// Q8_0 164 registers at NT = 1 (3 blocks) where the other types took 114-128, so 4 (<= 128
+// registers, no spills for Q8_0, Q4_K, Q6_K, Q2_0, IQ3_XXS); 3 at NT = 2 (158-167, no spills; bounded to 4
+// blocks it spilled 32-152 bytes)
+#ifndef STRATA_MQK_MINB
+#define STRATA_MQK_MINB (STRATA_MQK_NT == 1 ? 4 : 3)
+#endif
+
+template <int T>
+struct Mqk {
+    static __host__ __device__ constexpr int fold() { return STRATA_MQK_NT * MQ_ROWS * 8 * MQK_FS * 4; }
+    static __host__ __device__ constexpr int bytes() { return Mq<T>::bytes() > fold() ? Mq<T>::bytes() : fold(); }
+};
+
+template <int T>
+__device__ __forceinline__ void mqk_body(const u8* __restrict__ rest, const float* __restrict__ scales,
+                                         const i8* __restrict__ xq, const float* __restrict__ xd,
+                                         const i32* __restrict__ xs, const int* __restrict__ xrow, i64 x0,
+                                         const int* __restrict__ orow, i64 o0, float* __restrict__ out, int n_out,
+                                         int nb, int ntok, int shared_tab, int bx, int gx) {
+    typedef Ty<T> L;
+    constexpr int NT = STRATA_MQK_NT, SPAN = 32 / MQK_WARPS;
+    STRATA_SMEM(smem);
+    const typename L::Tab* tab = load_tab<T>(smem, shared_tab);
+    u8* const base = smem + (shared_tab ? Buf<T>::tab() : 0);
+    u32* const aq = reinterpret_cast<u32*>(base);
+    uint4* const ssc = reinterpret_cast<uint4*>(aq + MQ_ROWS * MQ_RS);
+    float* const fs = reinterpret_cast<float*>(base);  // [NT][16 rows x 8 tokens][MQK_FS], over the image
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, q = lane & 3;
+    const int nchunk = (nb + 31) / 32, groups = (n_out + MQ_ROWS - 1) / MQ_ROWS;
+    const i64 items = (i64)groups * ((ntok + 8 * NT - 1) / (8 * NT));
+
+    for (i64 it = bx; it < items; it += gx) {  // the same for every thread of the block
+        const int ob = (int)(it % groups) * MQ_ROWS, t0 = (int)(it / groups) * 8 * NT;
+        MqTok tk[NT];
+        float p[NT][4][SPAN];
+#pragma unroll
+        for (int n = 0; n < NT; n++) {
+            tk[n] = mq_tok(xrow, x0, t0 + 8 * n, ntok, g, q);
+#pragma unroll
+            for (int i = 0; i < 4; i++)
+#pragma unroll
+                for (int j = 0; j < SPAN; j++) p[n][i][j] = 0.0f;
+        }
+        __syncthreads();  // the previous item's fold is done with the scratch the image overlays
+        for (int c = 0; c < nchunk; c++) {
+            __syncwarp();  // every lane is done with the warp's part of the image
+            mq_decode<T, 32, SPAN * MQ_ROWS / 32, SPAN, MQK_WARPS>(aq, ssc, rest, scales, tab, ob, c, n_out, nb, lane, 32, warp);
+            __syncwarp();
+#pragma unroll
+            for (int j = 0; j < SPAN; j++) {
+                const int l = warp + MQK_WARPS * j, k = 32 * c + l;
+                if (k < nb) {  // the same for every lane
+#pragma unroll
+                    for (int n = 0; n < NT; n++) {
+                        if (t0 + 8 * n < ntok) {  // the same for every lane
+                            float cv[4];
+                            mq_terms<T>(cv, aq, ssc, xq, xd, xs, k, l, nb, tk[n].xb, tk[n].xc0, tk[n].xc1, g, q);
+#pragma unroll
+                            for (int i = 0; i < 4; i++) p[n][i][j] = f32_add(p[n][i][j], cv[i]);
+                        }
+                    }
+                }
+            }
+        }
+        __syncthreads();  // every warp is done with the image: the scratch takes its place
+#pragma unroll
+        for (int n = 0; n < NT; n++)
+#pragma unroll
+            for (int i = 0; i < 4; i++) {
+                const int e = n * MQ_ROWS * 8 + (g + 8 * (i >> 1)) * 8 + 2 * q + (i & 1);  // (n-tile, row, token)
+#pragma unroll
+                for (int j = 0; j < SPAN; j++) fs[e * MQK_FS + warp + MQK_WARPS * j] = p[n][i][j];
+            }
+        __syncthreads();
+        for (int e = threadIdx.x; e < NT * MQ_ROWS * 8; e += blockDim.x) {
+            const int o = ob + (e >> 3) % MQ_ROWS, t = t0 + 8 * (e / (MQ_ROWS * 8)) + (e & 7);
+            if (o < n_out && t < ntok) {
+                float v[32];
+#pragma unroll
+                for (int l = 0; l < 32; l++) v[l] = fs[e * MQK_FS + l];
+                fold_step<16>(v), fold_step<8>(v), fold_step<4>(v), fold_step<2>(v), fold_step<1>(v);
+                out[(orow ? (i64)__ldg(orow + t) : o0 + t) * n_out + o] = v[0];
+            }
+        }
+    }
+}
+
+template <int T>
+__global__ void __launch_bounds__(32 * MQK_WARPS, STRATA_MQK_MINB) mmqk(const i64* __restrict__ tiles, int per, const i8* __restrict__ xq,
+                                                       const float* __restrict__ xd, const i32* __restrict__ xs,
+                                                       const int* __restrict__ xrow, const int* __restrict__ orow,
+                                                       float* __restrict__ out, int n_out, int nb, int ntok_max, int shared_tab) {
+    Tile tl;
+    if (!grouped_tile(tiles, per, xrow, orow, tl)) return;
+    (void)ntok_max;
+    mqk_body<T>(tl.rest, tl.scales, xq, xd, xs, tl.xrow, tl.x0, tl.orow, tl.o0, out, n_out, nb, tl.n, shared_tab, blockIdx.x % per, per);
 }
 
 // The fragment layout of mma_s8 as mq_body uses it, against a plain integer product (the tests):
@@ -1233,6 +1491,8 @@ __global__ void traits(int* out) {
         mv_traits<8, T>(out);
         out[22] = Mq<T>::bytes();
         out[23] = STRATA_MQ_WARPS;
+        out[24] = STRATA_MQW_WARPS;
+        out[25] = Mqk<T>::bytes();
     }
 }
 

@@ -14,16 +14,68 @@ import pytest
 from gpu_emu import EmuRuntime
 
 import strata.engine.kernels.gpu as gpu
+from strata.index_format.ggml_types import TYPES
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 
 
-@pytest.mark.parametrize("mma", [0, 4, 1], ids=["mmx", "mmqx", "mmqx-1warp"])  # mmqx's warps a block (MMQX_WARPS)
+def _grouped_kernel(monkeypatch, kernel: str, name: str) -> None:
+    """grouped_products takes `kernel` ("mmx", "mmqx", "mmqx-1warp": one warp a block, "mmqw", "mmqk") for
+    type `name`; the launch plans are dropped, so they are made again for it."""
+    kind = kernel.split("-")[0]
+    monkeypatch.setattr(gpu, "MMAX_TYPES", frozenset({name}) if kind == "mmqx" else frozenset())
+    monkeypatch.setattr(gpu, "MMQW_TYPES", frozenset({name}) if kind == "mmqw" else frozenset())
+    monkeypatch.setattr(gpu, "MMQK_TYPES", frozenset({name}) if kind == "mmqk" else frozenset())
+    monkeypatch.setattr(gpu, "MMQX_WARPS", 1 if kernel.endswith("1warp") else 4)
+    monkeypatch.setattr(gpu, "_plans", {})
+
+
+# (n_in, pairs a group): a ragged last 16-row group (37 rows), a partial chunk after a whole one
+# (nb 40 or 44: mmqw decodes each chunk again for each n-tile) and a single chunk (nb 24 or 11: decoded
+# once for every n-tile); groups of 1 pair, one n-tile short, whole and one past, and one of
+# MAX_TOKENS + 6 (two tiles, the second ragged)
+_GROUPED_IN = {32: (32 * 44, 32 * 11), 64: (64 * 20, 64 * 6), 256: (256 * 5, 256 * 3)}
+_GROUPED_COUNTS = [1, 5, 8, 9, 17, gpu.MAX_TOKENS + 6]
+
+
+@pytest.mark.parametrize("kernel", ["mmx", "mmqx", "mmqw", "mmqk"])
+@pytest.mark.parametrize("t", [t for t in TYPES if t.quantized], ids=lambda t: t.name)
+def test_grouped_kernels_every_type_on_ragged_tiles(rt, t, kernel, monkeypatch):
+    """Every block type through each grouped kernel (gpu.grouped_kernel, chosen per type): each
+    group's rows (gathered from shuffled activation rows) are the reference's bits on its expert alone."""
+    from kernel_blocks import random_weights
+    from strata.engine.kernels import reference as R
+    from strata.engine.kernels.actq import quantize_act
+
+    _grouped_kernel(monkeypatch, kernel, t.name)
+    rng = np.random.default_rng(t.id)
+    F, counts = 37, _GROUPED_COUNTS
+    firsts = np.concatenate(([0], np.cumsum(counts)[:-1]))
+    n = sum(counts)
+    for E in _GROUPED_IN[t.block_size]:
+        assert gpu._grouped_plan(t.id, E, F, gpu.MAX_TOKENS)[1] == f"{kernel}<{t.id}>"
+        raws = [random_weights(t, E * F, rng) for _ in counts]
+        ws = [gpu.upload(r, t.id, E, F) for r in raws]
+        tok = rng.permutation(n).astype(np.int32)  # pair p reads activation row tok[p]
+        xh = rng.standard_normal((n, E)).astype(np.float32) * rng.uniform(0.1, 10, (n, 1)).astype(np.float32)
+        tiles = gpu.tile_rows(ws, firsts, counts, [0] * len(counts))
+        out = rt.to_device(np.full((n, F), 5.0, np.float32))
+        gpu.grouped_products(t.id, E, F, rt.to_device(tiles), len(tiles), gpu.quantize_act_gpu(rt.to_device(xh)), rt.to_device(tok), None, out)
+        got = rt.to_host(out)
+        for g, (r, a, c) in enumerate(zip(raws, firsts, counts)):
+            ref = R.dot_reference(r, t.id, E, F, quantize_act(xh[tok[a : a + c]]))
+            same = got[a : a + c].view(np.uint32) == ref.view(np.uint32)
+            if not same.all():
+                p, o = (int(v) for v in np.argwhere(~same)[0])
+                pytest.fail(f"{t.name} {kernel} n_in {E}: group {g} ({c} pairs), pair {p} row {o}: {got[a + p, o]!r} vs reference {ref[p, o]!r}")
+
+
+@pytest.mark.parametrize("kernel", ["mmx", "mmqx", "mmqx-1warp", "mmqw", "mmqk"])
 @pytest.mark.parametrize("name", ["Q8_0", "Q4_K", "Q6_K"])
-def test_grouped_products_are_each_experts_matmul(rt, name, mma, monkeypatch):
-    """mmx / mmqx (gpu.MMAX_TYPES): the products of several experts on their own rows of a chunk in
-    one launch (a group of more than MAX_TOKENS pairs spans tiles; rows gathered by xrow, scattered
-    by orow), each row the bits of gpu.matmul on that expert's rows alone, and of the reference."""
+def test_grouped_products_are_each_experts_matmul(rt, name, kernel, monkeypatch):
+    """mmx / mmqx / mmqw (gpu.grouped_kernel): the products of several experts on their own rows of a
+    chunk in one launch (a group of more than MAX_TOKENS pairs spans tiles; rows gathered by xrow,
+    scattered by orow), each row the bits of gpu.matmul on that expert's rows alone, and of the reference."""
     from kernel_blocks import random_weights
     from strata.engine.kernels import reference as R
     from strata.engine.kernels.actq import quantize_act
@@ -31,10 +83,8 @@ def test_grouped_products_are_each_experts_matmul(rt, name, mma, monkeypatch):
 
     rng = np.random.default_rng(11)
     t = ggml_type(name)
-    monkeypatch.setattr(gpu, "MMAX_TYPES", frozenset({name}) if mma else frozenset())
-    monkeypatch.setattr(gpu, "MMQX_WARPS", mma or 4)
-    monkeypatch.setattr(gpu, "_plans", {})  # launch plans made for this choice, dropped after
-    assert gpu._grouped_plan(t.id, 256, 126, gpu.MAX_TOKENS)[1].startswith("mmq<" if mma else "mm<")
+    _grouped_kernel(monkeypatch, kernel, name)
+    assert gpu._grouped_plan(t.id, 256, 126, gpu.MAX_TOKENS)[1] == f"{kernel.split('-')[0]}<{t.id}>"
     # F: not whole 16-row groups (mmqx) nor a multiple of 4 (rows a warp step takes in some launch
     # plans); E: 8 act-blocks, a partial chunk
     E, F, T = 256, 126, 9
@@ -178,7 +228,7 @@ def test_the_chunk_path_has_the_host_paths_bits(model, rt, cache, stream):
     opts = {"expert_cache": size, "stream_min_tokens": stream}
     want, old, _ = prompt_logits(model, rt, toks, 4, True, **opts)
     got, new, (res, strm, cpu) = prompt_logits(model, rt, toks, 4, False, **opts)
-    grouped = lambda names: any(n.startswith(("mmx<", "mmqx<")) for n in names)  # noqa: E731 (gpu.MMAX_TYPES picks which)
+    grouped = lambda names: any(n.startswith(("mmx<", "mmqx<", "mmqw<", "mmqk<")) for n in names)  # noqa: E731 (gpu.grouped_kernel picks which)
     assert not grouped(old)
     if cache != "none":
         assert res > 0 and grouped(new), (res, set(new))
@@ -219,7 +269,7 @@ def test_the_qwen4exp_chunk_path_has_the_host_paths_bits(qwen4exp, rt, cache):
     toks = np.random.default_rng(5).integers(3, g.n_vocab, 7).tolist()
     want, _, _ = prompt_logits(qwen4exp, rt, toks, 3, True, expert_cache=size, stream_min_tokens=0)
     got, new, (res, _, cpu) = prompt_logits(qwen4exp, rt, toks, 3, False, expert_cache=size, stream_min_tokens=0)
-    assert res > 0 and any(n.startswith(("mmx<", "mmqx<")) for n in new)  # (gpu.MMAX_TYPES picks which)
+    assert res > 0 and any(n.startswith(("mmx<", "mmqx<", "mmqw<", "mmqk<")) for n in new)  # (gpu.grouped_kernel picks which)
     assert ("dev_group" in new) == (cache == "all")
     if cache == "third":
         assert cpu > 0
