@@ -85,9 +85,15 @@ MMAX_TYPES = _mma_types(os.environ.get("STRATA_MMAX"), frozenset({"Q8_0"}), "STR
 # rows: gpu_kernels.cu says why), ahead of MMAX_TYPES. Not yet timed on a card, so none unless
 # STRATA_MMQW names them (the same forms as STRATA_MMAX).
 MMQW_TYPES = _mma_types(os.environ.get("STRATA_MMQW"), frozenset(), "STRATA_MMQW")
-# ... and mmqk (the chunk's act-blocks split between a block's four warps), ahead of both: the same
-# (not yet timed; STRATA_MMQK).
-MMQK_TYPES = _mma_types(os.environ.get("STRATA_MMQK"), frozenset(), "STRATA_MMQK")
+# ... and mmqk (the chunk's act-blocks split between a block's four warps), ahead of both: every
+# type. Timed on the H200 (2026-12-02, benchmarks/kernels_gpu.py --grouped, 128 experts at 5-20
+# pairs; mmqk / mmx): gate/up 0.43 (Q8_0), 0.91 (Q6_K), 0.81 (Q2_0), 0.90 (IQ3_XXS), 1.06 (Q4_K);
+# down 0.34-0.73 on all five. At 64-96 pairs (a 4096-token prompt) mmqx is faster still on gate/up
+# (0.28-0.82 against mmqk's 0.35-1.00), but the whole seed-4l prompt with mmqk for every type beat
+# the default before it at both lengths: 256 tokens 8978 tok/s (its grouped launches 12.8 ms where
+# mmx/mmqx took 15.9), 4096 tokens 11454 against 10779. A choice by shape and pairs an expert is
+# the next step. STRATA_MMQK (the same forms as STRATA_MMAX; "none" for the kernels before).
+MMQK_TYPES = _mma_types(os.environ.get("STRATA_MMQK"), frozenset(t.name for t in TYPES if t.quantized), "STRATA_MMQK")
 # Warps of an mmqx block (at most the compiled STRATA_MQ_WARPS): a grouped tile has 5-20 pairs where
 # a prompt's dense product has 64 a launch, so the card may prefer fewer (a benchmark's knob).
 MMQX_WARPS = int(os.environ.get("STRATA_MQX_WARPS", "4"))
