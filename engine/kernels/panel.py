@@ -206,7 +206,7 @@ def fold16(typingctx, lanes, li, out, oi):
 # copies back) against ~17 ns per row and token for the dots: 8 tokens took 4.3x one token's
 # matvec at 1 thread where the bytes read are the same. Unpacked in registers, transposed there
 # and stored once, a row's share of the panel costs ~70 ns (in cache, measured alone).
-RAW = tuple(rowdot.TYPES) if rowdot.AVAILABLE else ()
+RAW = tuple(rowdot.TYPES) if AVAILABLE and rowdot.AVAILABLE else ()  # the panels need VNNI; rowdot runs on AVX2 too
 
 
 def _raw_pair(name):

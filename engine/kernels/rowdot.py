@@ -23,11 +23,15 @@ exact in any order: VNNI's vpdpbusd over two act-blocks at a time, the weights u
 unsigned bytes value + offset (TYPES) and offset x the activations' sum taken back off, then one
 transpose-and-add reduction per 16 act-blocks (simd._reduce_groups).
 
-Only for hosts with AVX512-VNNI, AVX512BW and F16C (AVAILABLE); elsewhere cpu.py keeps the
-general kernel.
+For hosts with F16C and AVX512-VNNI + AVX512BW, or AVX2 (AVAILABLE); elsewhere cpu.py keeps the
+general kernel. AVX2 takes the same IR with vpmaddubsw + vpmaddwd for vpdpbusd (simd.dot_quads
+says how it stays exact); LLVM splits the 512-bit vectors in two. The IQ2/IQ3 grid kernels need
+AVX512-VBMI (IQ_AVAILABLE).
 """
 
 from __future__ import annotations
+
+import os
 
 import numpy as np
 from llvmlite import ir
@@ -42,7 +46,10 @@ from .jit import JIT, cached
 F32 = np.float32
 QA = 32  # elements per act-block
 
-AVAILABLE = bool(simd._X86.get("avx512vnni") and simd._X86.get("avx512bw") and simd._X86.get("f16c"))
+# AVX2 hosts (Zen 2/3, most Intel desktops) take the same kernels with vpmaddubsw for vpdpbusd
+# (simd.dot_quads); STRATA_ROWDOT_AVX2=0 keeps them on cpu.py's general kernel, for comparison.
+AVX2 = not simd.VNNI and simd.AVX2 and os.environ.get("STRATA_ROWDOT_AVX2", "1") != "0"
+AVAILABLE = bool((simd.VNNI or AVX2) and simd._X86.get("f16c"))
 
 I8, I16, I32, I64 = simd.I8, simd.I16, simd.I32, simd.I64
 
@@ -81,9 +88,21 @@ def _unpack(builder, name, load, at):
         set_ = builder.icmp_unsigned("!=", builder.and_(qh, probe), ir.Constant(v32, None))
         u = builder.or_(u, builder.select(set_, simd._splat(builder, ir.Constant(I8, 16), v32), ir.Constant(v32, None)))
     elif name == "IQ4_NL":  # in-lane byte shuffle, the 16-entry table in both 128-bit lanes
-        fn = simd._fn(builder, "llvm.x86.avx2.pshuf.b", v32, [v32, v32])
-        u = builder.call(fn, [ir.Constant(v32, [ir.Constant(I8, k) for k in _KV_U * 2]), u])
+        u = _pshufb(builder, ir.Constant(v32, [ir.Constant(I8, k) for k in _KV_U * 2]), u)
     return u
+
+
+def _pshufb(builder, table, idx):
+    """<32 or 64 x i8>: byte j = table[idx[j]] within j's 128-bit lane (idx < 16; the table in every
+    lane). 64 bytes: one AVX512BW vpshufb, else two AVX2 ones."""
+    n = idx.type.count
+    if n == 64 and simd._X86.get("avx512bw"):
+        v64 = ir.VectorType(I8, 64)
+        return builder.call(simd._fn(builder, "llvm.x86.avx512.pshuf.b.512", v64, [v64, v64]), [table, idx])
+    v32 = ir.VectorType(I8, 32)
+    fn = simd._fn(builder, "llvm.x86.avx2.pshuf.b", v32, [v32, v32])
+    parts = [builder.call(fn, [builder.shuffle_vector(v, v, simd._mask(32, range(k, k + 32))) for v in (table, idx)]) for k in range(0, n, 32)]
+    return parts[0] if n == 32 else builder.shuffle_vector(parts[0], parts[1], simd._mask(64, range(64)))
 
 
 def _unpack_q2(builder, load, at):
@@ -134,8 +153,7 @@ def _codegen(context, builder, sig, args, name, fine, wide=False):
     def ptr(arr, idx, ty):
         return builder.bitcast(builder.gep(base[arr], [idx]), ty.as_pointer())
 
-    vnni = simd._fn(builder, "llvm.x86.avx512.vpdpbusd.512", i16v, [i16v] * 3)
-    off = simd._splat(builder, ir.Constant(I32, offset), i16v)
+    off = simd._splat(builder, ir.Constant(I32, simd.quad_offset(offset)), i16v)
     last = builder.sub(nb, ir.Constant(I64, 1))
     paired = name in PAIRED
     last2 = builder.sub(nb, ir.Constant(I64, 2))
@@ -175,7 +193,7 @@ def _codegen(context, builder, sig, args, name, fine, wide=False):
                     x = builder.shuffle_vector(x[0], x[1], simd._mask(64, range(64)))
                 else:  # the pair's activations are contiguous: one 64-byte load
                     x = builder.load(ptr("xq", builder.add(o, builder.mul(blocks[2 * j], ir.Constant(I64, QA))), v64), align=1)
-                all_vecs[pl].append(builder.call(vnni, [ir.Constant(i16v, None), builder.bitcast(w, i16v), builder.bitcast(x, i16v)]))
+                all_vecs[pl].append(simd.dot_quads(builder, w, x, offset, x_full=bool(pl)))
         vecs = all_vecs[0]
         if not tail and n == 16:  # the group's bytes as words (all inside the row), the 16 scales picked out
             if paired:  # 8 blocks, each scale twice
@@ -439,7 +457,6 @@ def _k_superblock(builder, name, ptr, p, sb):
     """The <8 x f32> terms of super-block sb of the row at byte p (act-blocks 8 sb .. 8 sb + 7)."""
     v16, v32, v64 = ir.VectorType(I8, 16), ir.VectorType(I8, 32), ir.VectorType(I8, 64)
     i16v, i8v, f8v = ir.VectorType(I32, 16), ir.VectorType(I32, 8), ir.VectorType(ir.FloatType(), 8)
-    vnni = simd._fn(builder, "llvm.x86.avx512.vpdpbusd.512", i16v, [i16v] * 3)
     at = builder.add(p, builder.mul(sb, ir.Constant(I64, KTYPES[name])))
     b = builder.mul(sb, ir.Constant(I64, 8))
 
@@ -449,9 +466,9 @@ def _k_superblock(builder, name, ptr, p, sb):
     def c8(x, ty=v32):
         return simd._splat(builder, ir.Constant(I8, x), ty)
 
-    def dot(w, k):  # vpdpbusd of the 64 unsigned weight bytes of act-blocks b + k, b + k + 1
+    def dot(w, k, offset):  # the 64 unsigned weight bytes (value + offset) of act-blocks b + k, b + k + 1
         x = builder.load(ptr("xq", builder.mul(builder.add(b, ir.Constant(I64, k)), ir.Constant(I64, QA)), v64), align=1)
-        return builder.call(vnni, [ir.Constant(i16v, None), builder.bitcast(w, i16v), builder.bitcast(x, i16v)])
+        return simd.dot_quads(builder, w, x, offset)
 
     def cat(lo, hi):
         return builder.shuffle_vector(lo, hi, simd._mask(64, range(64)))
@@ -468,7 +485,7 @@ def _k_superblock(builder, name, ptr, p, sb):
         vecs = []
         for j in range(4):
             qs = raw(16 + 32 * j, v32)
-            vecs.append(dot(cat(builder.and_(qs, c8(15)), builder.lshr(qs, c8(4))), 2 * j))
+            vecs.append(dot(cat(builder.and_(qs, c8(15)), builder.lshr(qs, c8(4))), 2 * j, 0))
         s = half_of(simd._reduce_groups(builder, vecs, 2, 8))
         sc, m = _k_scales(builder, raw(4, v16))
         bs = builder.add(builder.shuffle_vector(hs, hs, simd._mask(8, range(0, 16, 2))),
@@ -481,18 +498,17 @@ def _k_superblock(builder, name, ptr, p, sb):
         # act-block k: the nibbles of qs[16 k ..] (qs at byte 8; low nibbles first, as IQ4_NL),
         # each through the kvalues table + 128 (an in-lane byte shuffle): u = value + 128, so the
         # exact sum is vpdpbusd(u, x) - 128 x (the block's sum of x); ls - 32 per act-block
-        pshufb = simd._fn(builder, "llvm.x86.avx512.pshuf.b.512", v64, [v64, v64])
         kv = ir.Constant(v64, [ir.Constant(I8, k) for k in _KV_U * 4])
         vecs = []
         for j in range(4):  # act-blocks 2j, 2j + 1: 32 bytes
             qs = raw(8 + 32 * j, v32)
             lo, hi = builder.and_(qs, c8(15)), builder.lshr(qs, c8(4))
             u = builder.shuffle_vector(lo, hi, simd._mask(64, [*range(16), *range(32, 48), *range(16, 32), *range(48, 64)]))
-            vecs.append(dot(builder.call(pshufb, [kv, u]), 2 * j))
+            vecs.append(dot(_pshufb(builder, kv, u), 2 * j, 128))
         s = half_of(simd._reduce_groups(builder, vecs, 2, 8))
         bs = builder.add(builder.shuffle_vector(hs, hs, simd._mask(8, range(0, 16, 2))),
                          builder.shuffle_vector(hs, hs, simd._mask(8, range(1, 16, 2))))  # fmt: skip
-        s = builder.sub(s, builder.shl(bs, simd._splat(builder, ir.Constant(I32, 7), i8v)))
+        s = builder.sub(s, builder.mul(bs, simd._splat(builder, ir.Constant(I32, simd.quad_offset(128)), i8v)))
 
         def c32(vals):
             return ir.Constant(i8v, [ir.Constant(I32, x) for x in vals])
@@ -512,8 +528,8 @@ def _k_superblock(builder, name, ptr, p, sb):
                 builder.and_(H, c8(0x30)), builder.and_(builder.lshr(H, c8(2)), c8(0x30))]  # fmt: skip
         u = [builder.or_(builder.and_(A, c8(15)), high[0]), builder.or_(builder.and_(B, c8(15)), high[1]),
              builder.or_(builder.lshr(A, c8(4)), high[2]), builder.or_(builder.lshr(B, c8(4)), high[3])]  # fmt: skip
-        vecs += [dot(cat(u[0], u[1]), 4 * n), dot(cat(u[2], u[3]), 4 * n + 2)]
-    h = builder.sub(simd._reduce_groups(builder, vecs, 4, 4), builder.mul(hs, simd._splat(builder, ir.Constant(I32, 32), i16v)))
+        vecs += [dot(cat(u[0], u[1]), 4 * n, 32), dot(cat(u[2], u[3]), 4 * n + 2, 32)]
+    h = builder.sub(simd._reduce_groups(builder, vecs, 4, 4), builder.mul(hs, simd._splat(builder, ir.Constant(I32, simd.quad_offset(32)), i16v)))
     h = builder.mul(h, builder.sext(raw(192, v16), i16v))  # each half times its int8 scale
     s = builder.add(builder.shuffle_vector(h, h, simd._mask(8, range(0, 16, 2))), builder.shuffle_vector(h, h, simd._mask(8, range(1, 16, 2))))
     return builder.fmul(wf, builder.sitofp(s, f8v))
@@ -537,7 +553,7 @@ def _k_superblock(builder, name, ptr, p, sb):
 #
 # The sign fields come out by vpmultishiftqb and vpermi2b: AVX512-VBMI (Ice Lake and Zen 4 on,
 # not Cascade Lake). Without it these types keep cpu.py's row kernel.
-IQ_AVAILABLE = AVAILABLE and bool(simd._X86.get("avx512vbmi") and simd._X86.get("avx512vl"))
+IQ_AVAILABLE = AVAILABLE and simd.VNNI and bool(simd._X86.get("avx512vbmi") and simd._X86.get("avx512vl"))
 
 PERMUTE_IQ3 = True  # IQ3_XXS's grid entries by register permutes (_lookup_perm), not scalar loads
 PREFETCH = (512, 576)  # bytes ahead of a super-block whose cache lines are asked for (5-8 super-blocks)

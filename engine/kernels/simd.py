@@ -311,6 +311,57 @@ def _half_sums_vnni(builder, wa, xa, sums, k):
     return builder.sub(r, builder.shl(sums, _splat(builder, ir.Constant(I32, 7), i16v)))
 
 
+# The one-token kernels' integer dot (rowdot.py): 64 weight bytes u, unsigned (value + offset),
+# times 64 signed activation bytes, summed by 4-byte groups (vpdpbusd's lanes), so the callers'
+# transpose-and-add reductions are the same on both instruction sets.
+VNNI = bool(_X86.get("avx512vnni") and _X86.get("avx512bw"))
+AVX2 = bool(_X86.get("avx2"))
+
+
+def quad_offset(offset):
+    """The offset left in dot_quads' sums for weights unpacked with `offset`."""
+    return offset if VNNI or offset != 128 else 0
+
+
+def dot_quads(builder, u, x, offset, x_full=False):
+    """<64 x i8> u (unsigned bytes value + offset), x (signed) -> <16 x i32>, lane i = sum over
+    k < 4 of (value + quad_offset(offset)) x at byte 4i + k (exact); the caller takes
+    quad_offset(offset) x (sum of x) back off. x in -127..127, or -128..127 with x_full (the wide
+    form's lo plane).
+
+    AVX512-VNNI: vpdpbusd(u, x), off = offset. AVX2: vpmaddubsw (unsigned x signed bytes, pair sums
+    SATURATED to int16) then vpmaddwd by ones. Exact when u <= 127 (2 x 127 x 128 < 2^15): every
+    offset but 128 (u <= 63). For offset 128 (Q8_0, IQ4_NL, IQ4_XS: u up to 255, where a pair of
+    255 x 127 would saturate) the signed value w = u ^ 128 goes in as |w| (<= 128) and x takes w's
+    sign (vpsignb), off = 0: exact for |x| <= 127; x_full's -128 has no negation in int8 (vpsignb
+    gives -128 back), so the wide form's planes widen to 16 bits and go through vpmaddwd instead."""
+    v32, i8v, w16 = ir.VectorType(I8, 32), ir.VectorType(I32, 8), ir.VectorType(I16, 16)
+    if VNNI:
+        i16v = ir.VectorType(I32, 16)
+        fn = _fn(builder, "llvm.x86.avx512.vpdpbusd.512", i16v, [i16v] * 3)
+        return builder.call(fn, [ir.Constant(i16v, None), builder.bitcast(u, i16v), builder.bitcast(x, i16v)])
+    ubsw = _fn(builder, "llvm.x86.avx2.pmadd.ub.sw", w16, [v32, v32])
+    wd = _fn(builder, "llvm.x86.avx2.pmadd.wd", i8v, [w16, w16])
+    sign = _fn(builder, "llvm.x86.avx2.psign.b", v32, [v32, v32])
+    ones = ir.Constant(w16, [ir.Constant(I16, 1)] * 16)
+    if offset == 128:
+        u = builder.xor(u, _splat(builder, ir.Constant(I8, 0x80), u.type))  # the signed values
+    quads = []
+    for h in range(2):
+        sel = _mask(32, range(32 * h, 32 * h + 32))
+        a, b = builder.shuffle_vector(u, u, sel), builder.shuffle_vector(x, x, sel)
+        if offset == 128 and x_full:
+            pairs = _pair_sums(builder, builder.sext(a, ir.VectorType(I16, 32)), builder.sext(b, ir.VectorType(I16, 32)))
+            quads.append(builder.add(builder.shuffle_vector(pairs, pairs, _mask(8, range(0, 16, 2))),
+                                     builder.shuffle_vector(pairs, pairs, _mask(8, range(1, 16, 2)))))  # fmt: skip
+            continue
+        if offset == 128:  # |w| (-128's is 128 as unsigned) and x with w's sign (0 where w is 0)
+            b = builder.call(sign, [b, a])
+            a = builder.select(builder.icmp_signed("<", a, ir.Constant(v32, None)), builder.neg(a), a)
+        quads.append(builder.call(wd, [builder.call(ubsw, [a, b]), ones]))
+    return builder.shuffle_vector(quads[0], quads[1], _mask(16, range(16)))
+
+
 def _half_sums(k):
     def impl(typingctx, a, ai, b, bi, s, si, lo, hi, oi):
         def codegen(context, builder, sig, args):

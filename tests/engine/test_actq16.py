@@ -108,7 +108,7 @@ def test_token_kernel_reads_both_planes(name, parallel):
     from strata.engine.kernels import rowdot
 
     if not rowdot.AVAILABLE:
-        pytest.skip(f"rowdot.py needs AVX512-VNNI, AVX512BW and F16C; this host's features: {sorted(cpu.simd._X86) or 'none'}")
+        pytest.skip(f"rowdot.py needs AVX2 (or AVX512-VNNI) and F16C; this host's features: {sorted(cpu.simd._X86) or 'none'}")
     t = BY_NAME[name]
     n_in = 640 if name == "Q2_0" else 544  # a 16-block group and a tail of 1 (Q2_0's pairs: of 4)
     raw = random_weights(t, n_in * 37, np.random.default_rng(7))
@@ -117,6 +117,37 @@ def test_token_kernel_reads_both_planes(name, parallel):
         got = cpu.matvec(raw, t.id, n_in, 37, act)
     assert rowdot._KERNELS[name, parallel, "wide"].signatures, "the token kernel was not taken"
     _same(got, R.dot_reference(raw, t.id, n_in, 37, act), f"{name} token kernel")
+
+
+@pytest.mark.parametrize("parallel", [False, True], ids=["serial", "parallel"])
+@pytest.mark.parametrize("name", ["Q8_0", "IQ4_NL"])
+def test_token_kernel_is_exact_at_the_extreme_values(name, parallel):
+    # AVX2 hosts multiply the offset-128 types as |w| times x with w's sign (vpsignb), which has no
+    # +128 in int8: the lo plane's -128 against a negative weight would come back as -128. So the
+    # wide form takes another route there; this holds every weight at the type's most negative
+    # value (Q8_0 -128, IQ4_NL -127) against a lo plane full of -128 and an 8-bit one at +-127.
+    from strata.engine.kernels import rowdot
+
+    if not rowdot.AVAILABLE:
+        pytest.skip(f"rowdot.py needs AVX2 (or AVX512-VNNI) and F16C; this host's features: {sorted(cpu.simd._X86) or 'none'}")
+    t = BY_NAME[name]
+    n_in, n_out = 544, 37  # a 16-block group and a tail of 1
+    raw = random_weights(t, n_in * n_out, np.random.default_rng(11)).reshape(-1, t.type_size)
+    raw[::2, 2:] = 0x80 if name == "Q8_0" else 0x00  # every other block: qs all -128 / nibbles 0 (-127)
+    raw = raw.reshape(-1)
+    rng = np.random.default_rng(12)
+    # d = 32639 / 32639 = 1 (the wide form), so q = x: +-128 gives lo = -128 (hi 1 or 0), +-32639 the ends
+    x = rng.choice(np.float32([128, -128, 32639, -32639]), size=n_in).astype(np.float32)
+    x[::32] = 32639
+    wide = quantize_act16(x)
+    assert (wide.lo().q == -128).sum() > n_in // 4, "the lo plane does not hold -128"
+    act8 = quantize_act(x)
+    assert np.abs(act8.q.astype(np.int32)).max() == 127
+    for act in (act8, wide):
+        with cpu_path(parallel):
+            got = cpu.matvec(raw, t.id, n_in, n_out, act)
+        _same(got, R.dot_reference(raw, t.id, n_in, n_out, act), f"{name} token kernel, {type(act).__name__}")
+    assert rowdot._KERNELS[name, parallel, "wide"].signatures, "the token kernel was not taken"
 
 
 @pytest.mark.parametrize("name", ["Q2_0", "IQ4_NL", "Q8_0"])

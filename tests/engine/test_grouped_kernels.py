@@ -119,7 +119,7 @@ def test_one_token_per_expert_reads_the_rows_in_place(name, parallel):
     from strata.engine.kernels import rowdot
 
     if not rowdot.AVAILABLE:
-        pytest.skip(f"rowdot.py needs AVX512-VNNI, AVX512BW and F16C; this host's features: {sorted(cpu.simd._X86) or 'none'}")
+        pytest.skip(f"rowdot.py needs AVX2 (or AVX512-VNNI) and F16C; this host's features: {sorted(cpu.simd._X86) or 'none'}")
     _need_iq(rowdot, name)
     t = BY_NAME[name]
     n_in, n_out = {256: 256 * 5, 64: 64 * 13, 32: 32 * 25}[t.block_size], cpu.GROUP_TILE + 13
@@ -140,7 +140,7 @@ def test_one_token_experts_read_in_place_beside_experts_of_more(name, parallel, 
     from strata.engine.kernels import rowdot
 
     if not rowdot.AVAILABLE:
-        pytest.skip(f"rowdot.py needs AVX512-VNNI, AVX512BW and F16C; this host's features: {sorted(cpu.simd._X86) or 'none'}")
+        pytest.skip(f"rowdot.py needs AVX2 (or AVX512-VNNI) and F16C; this host's features: {sorted(cpu.simd._X86) or 'none'}")
     _need_iq(rowdot, name)
     taken = []
     monkeypatch.setattr(rowdot, "matmul_grouped_one", lambda *a, f=rowdot.matmul_grouped_one: taken.append("in place") or f(*a))
@@ -165,7 +165,7 @@ def test_few_token_iq_experts_fetch_each_grid_word_once_for_all_their_tokens(nam
     from strata.engine.kernels import rowdot
 
     if not rowdot.AVAILABLE:
-        pytest.skip(f"rowdot.py needs AVX512-VNNI, AVX512BW and F16C; this host's features: {sorted(cpu.simd._X86) or 'none'}")
+        pytest.skip(f"rowdot.py needs AVX2 (or AVX512-VNNI) and F16C; this host's features: {sorted(cpu.simd._X86) or 'none'}")
     _need_iq(rowdot, name)
     taken = []
     monkeypatch.setattr(cpu, "_grouped", lambda *a, f=cpu._grouped: taken.append("rows") or f(*a))
