@@ -821,7 +821,8 @@ def _floats(act, n_in: int, one: bool, t, where: str) -> np.ndarray:
     return np.ascontiguousarray(act).reshape(-1, n_in)
 
 
-def _multiply(name: str, raw, type_id: int, n_in: int, n_out: int, act, out, one: bool) -> np.ndarray:
+def _multiply(name: str, raw, type_id: int, n_in: int, n_out: int, act, out, one: bool, planes16: bool = False) -> np.ndarray:
+    # planes16: act is an ActQ16's planes (_multiply16), whose lo rows hold -128 (rowdot.ROW_FULL)
     t = ggml_type(type_id, where=name)
     where = f"{name}({t.name})"
     if isinstance(act, ActQ16):
@@ -844,7 +845,7 @@ def _multiply(name: str, raw, type_id: int, n_in: int, n_out: int, act, out, one
     if not one and 2 <= n_tok <= ROWDOT_ROWS_MAX and t.name in rowdot.TYPES and rowdot.AVAILABLE \
             and not (t.name in panel.RAW and _use_panel(t, n_tok, n_out)):
         parallel, chunks = _launch(n_out, n_in * n_out * n_tok)
-        rowdot.matmul(t.name, raw, t.row_bytes(n_in), q, d, s16, out2, parallel, chunks)
+        rowdot.matmul(t.name, raw, t.row_bytes(n_in), q, d, s16, out2, parallel, chunks, wide=planes16)
         return out
     if not one and _use_panel(t, n_tok, n_out):  # both kernels take the same arguments
         parallel, chunks = _launch(-(-n_out // panel.ROWS), n_in * n_out * n_tok)  # chunks of panels
@@ -887,7 +888,7 @@ def _multiply16(where: str, raw, t, n_in: int, n_out: int, act: ActQ16, out, one
         parallel, chunks = _launch(n_out, 2 * n_in * n_out)
         rowdot.matvec(t.name, raw, t.row_bytes(n_in), p.q.reshape(-1), p.d.reshape(-1), p.s16.reshape(-1), out.reshape(-1), parallel, chunks, wide=True)
         return out
-    both = _multiply("matmul", raw, t.id, n_in, n_out, p, None, one=False)
+    both = _multiply("matmul", raw, t.id, n_in, n_out, p, None, one=False, planes16=True)
     combine16(both, out.reshape(T, n_out))
     return out
 

@@ -126,19 +126,20 @@ def _unpack_q2(builder, load, at):
     return builder.shuffle_vector(pair01, pair23, simd._mask(64, [16 * (i % 4) + i // 4 for i in range(64)]))
 
 
-def _row(name: str, fine: bool):
+def _row(name: str, fine: bool, full: bool = False):
     def impl(typingctx, raw, p, nb, xq, xd, xd1, xs):
         """The dot of the `name` row at byte p of raw (nb blocks) with one token's ActQ: xq (int8,
         nb * 32 values) and its scales and sums, readable up to nb rounded up to 16 blocks: xd (f32
         per block) and xs (int32 block sums of xq; xd1 unused), or for the fine form (d per 16)
         xd, xd1 (the first and second halves' scales per block) and xs (int32 half sums, 2 per
-        block, as ActQ.s16). Returns the f32 result, bit for bit simd.row_epilogue's for the row."""
-        return types.float32(raw, p, nb, xq, xd, xd1, xs), lambda context, builder, sig, args: _codegen(context, builder, sig, args, name, fine)
+        block, as ActQ.s16). Returns the f32 result, bit for bit simd.row_epilogue's for the row.
+        full: xq may hold -128 (the wide form's lo plane; ROW_FULL says why that matters)."""
+        return types.float32(raw, p, nb, xq, xd, xd1, xs), lambda context, builder, sig, args: _codegen(context, builder, sig, args, name, fine, full=full)
 
     return impl
 
 
-def _codegen(context, builder, sig, args, name, fine, wide=False):
+def _codegen(context, builder, sig, args, name, fine, wide=False, full=False):
     size, offset = TYPES[name]
     f16v, i16v = ir.VectorType(ir.FloatType(), 16), ir.VectorType(I32, 16)
     v32, v64 = ir.VectorType(I8, 32), ir.VectorType(I8, 64)
@@ -193,7 +194,7 @@ def _codegen(context, builder, sig, args, name, fine, wide=False):
                     x = builder.shuffle_vector(x[0], x[1], simd._mask(64, range(64)))
                 else:  # the pair's activations are contiguous: one 64-byte load
                     x = builder.load(ptr("xq", builder.add(o, builder.mul(blocks[2 * j], ir.Constant(I64, QA))), v64), align=1)
-                all_vecs[pl].append(simd.dot_quads(builder, w, x, offset, x_full=bool(pl)))
+                all_vecs[pl].append(simd.dot_quads(builder, w, x, offset, x_full=full or bool(pl)))
         vecs = all_vecs[0]
         if not tail and n == 16:  # the group's bytes as words (all inside the row), the 16 scales picked out
             if paired:  # 8 blocks, each scale twice
@@ -272,6 +273,27 @@ def _codegen(context, builder, sig, args, name, fine, wide=False):
 
 ROW = {(name, fine): intrinsic(_row(name, fine)) for name in TYPES for fine in (False, True)}
 
+# The types whose one-token products need the full path for an input that can hold -128. On AVX2
+# (no vpdpbusd) simd.dot_quads multiplies the offset-128 types (Q8_0, IQ4_NL: weights up to 255 as
+# unsigned bytes, where vpmaddubsw's pair sums would saturate) as |w| times x with w's sign moved
+# onto x by vpsignb, and vpsignb cannot negate -128: -(-128) stays -128 in int8, so such a product
+# comes back with the wrong sign. ActQ's 8-bit q never holds -128 (it is clipped to -127..127),
+# but the wide form's lo plane does (actq.ActQ16: -128..127). ROW16 takes its lo plane by the full
+# path already (x_full: both widened to 16 bits, vpmaddwd); the wide form of 2 rows goes through
+# matmul as 4 plane rows (cpu._multiply16), whose lo rows took the sign trick: a verify forward's
+# q/k projections of qwen4exp's QSA layers then differed from the token step's, and speculative
+# decoding's KV with them (tests/engine/test_speculative.py). IQ4_XS (a K kernel) has the same
+# sign trick but reads only the 8-bit form (it is not in actq.WIDE). VNNI's vpdpbusd takes any
+# signed byte: there nothing needs the full path.
+ROW_FULL = frozenset(name for name, (_, offset) in TYPES.items() if offset == 128 and not simd.VNNI)
+ROW_X = {name: intrinsic(_row(name, False, full=True)) for name in ROW_FULL}
+
+
+def needs_full(name: str, can_hold_m128: bool) -> bool:
+    """Whether a product of `name` weights by activations that may hold -128 must take the full
+    (16-bit) path here: ROW_FULL says why."""
+    return bool(can_hold_m128) and name in ROW_FULL
+
 
 def _row16(name: str):
     def impl(typingctx, raw, p, nb, xq, xd, xs, xs_lo):
@@ -349,8 +371,9 @@ _KERNELS: dict[tuple[str, bool, object], object] = {}
 ROWS_MAX = 4
 
 
-def _rows_kernel(name: str, parallel: bool, fine: bool):
+def _rows_kernel(name: str, parallel: bool, fine: bool, lo_full: bool = False):
     row = ROW[name, fine]
+    row_lo = ROW_X[name] if lo_full else row  # lo_full: the odd rows (the wide form's lo planes) by the full path
 
     def kernel(raw, row_bytes, xq, xd, s16, out, n_chunks):
         # xq i8 [T, n_in]; xd f32 [T, nb] (fine: [T, 2 nb]); s16 i32 [T, 2 nb]; out f32 [T, n_out]
@@ -372,20 +395,27 @@ def _rows_kernel(name: str, parallel: bool, fine: bool):
         for c in prange(n_chunks):
             for o in range(c * n_out // n_chunks, (c + 1) * n_out // n_chunks):
                 for t in range(T):
-                    out[t, o] = row(raw, o * row_bytes, nb, xq[t], xd0[t], xd1[t], xs[t])
+                    if lo_full and t % 2 == 1:
+                        out[t, o] = row_lo(raw, o * row_bytes, nb, xq[t], xd0[t], xd1[t], xs[t])
+                    else:
+                        out[t, o] = row(raw, o * row_bytes, nb, xq[t], xd0[t], xd1[t], xs[t])
 
-    return cached(njit(parallel=parallel, **JIT)(kernel), f"{name}-rowdot-rows{'-fine' if fine else ''}-{'par' if parallel else 'serial'}")
+    tag = ("-fine" if fine else "") + ("-lofull" if lo_full else "")
+    return cached(njit(parallel=parallel, **JIT)(kernel), f"{name}-rowdot-rows{tag}-{'par' if parallel else 'serial'}")
 
 
-_ROWS_KERNELS: dict[tuple[str, bool, bool], object] = {}
+_ROWS_KERNELS: dict[tuple[str, bool, bool, bool], object] = {}
 
 
 def matmul(name: str, raw: np.ndarray, row_bytes: int, xq: np.ndarray, xd: np.ndarray, s16: np.ndarray, out: np.ndarray,
-           parallel: bool, n_chunks: int) -> None:  # fmt: skip
+           parallel: bool, n_chunks: int, wide: bool = False) -> None:  # fmt: skip
     """`matvec` for T <= ROWS_MAX tokens at once, each row of the matrix read once: xq int8 [T, n_in],
     xd f32 [T, n_in / 32] (fine form: [T, n_in / 16]), s16 int32 [T, n_in / 16], out f32 [T, n_out];
-    token t's row of out is bit for bit `matvec`'s for that token alone."""
-    key = (name, parallel, xd.shape[1] == 2 * (xq.shape[1] // QA))
+    token t's row of out is bit for bit `matvec`'s for that token alone. wide: the rows are an
+    actq.ActQ16's planes (row 2t the hi plane of token t, 2t + 1 its lo plane, which holds -128):
+    the lo rows of the ROW_FULL types take the full path (needs_full), the others as above."""
+    fine = xd.shape[1] == 2 * (xq.shape[1] // QA)
+    key = (name, parallel, fine, needs_full(name, wide) and not fine)
     if key not in _ROWS_KERNELS:
         _ROWS_KERNELS[key] = _rows_kernel(*key)
     _ROWS_KERNELS[key](raw, row_bytes, xq, xd, s16, out, n_chunks)

@@ -585,6 +585,99 @@ def test_a_few_tokens_take_the_token_kernels_bits_with_each_row_read_once(name, 
         cpu.ROWDOT_ROWS_MAX = rowdot.ROWS_MAX  # cpu_path pins the row kernels; this is the few-token one
         got = cpu.matmul(raw, t.id, n_in, 37, act)
         alone = [cpu.matvec(raw, t.id, n_in, 37, ActQ(act.q[i], act.d[i], act.s16[i])) for i in range(n_tok)]
-    assert rowdot._ROWS_KERNELS[name, parallel, False].signatures, "the few-token kernel was not taken"
+    assert rowdot._ROWS_KERNELS[name, parallel, False, False].signatures, "the few-token kernel was not taken"
     for i in range(n_tok):
         _same(got[i], alone[i], f"{name} [{n_in} x 37] token {i} of {n_tok} vs alone")
+
+
+# The quant bytes of a block (what the extreme values overwrite; the fp16 and sub-block scales stay
+# random): Q5_0's qh and qs, Q4_K's qs, Q6_K's ql and qh, IQ4_XS's qs
+_QUANT_BYTES = {"Q8_0": (2, 34), "Q4_0": (2, 18), "Q5_0": (2, 22), "IQ4_NL": (2, 18), "Q2_0": (2, 18),
+                "Q4_K": (16, 144), "Q6_K": (0, 192), "IQ4_XS": (8, 136)}  # fmt: skip
+
+
+def _extreme_weights(t, n_in: int, n_out: int, seed: int) -> np.ndarray:
+    """Random blocks, and blocks whose quant bytes are all 0x00 (every packed type's most negative
+    value: Q4_0 -8, Q5_0 -16, IQ4_NL/IQ4_XS -127, Q2_0 -1, Q6_K -32), 0x80 (Q8_0's -128), 0x7F or
+    0xFF (the most positive), a third of the blocks random."""
+    raw = random_weights(t, n_in * n_out, np.random.default_rng(seed)).reshape(-1, t.type_size)
+    a, b = _QUANT_BYTES[t.name]
+    fills = np.uint8([0x00, 0x80, 0xFF, 0x7F])
+    pick = np.random.default_rng(seed + 1).integers(0, 6, raw.shape[0])
+    for k, v in enumerate(fills):
+        raw[pick == k, a:b] = v
+    return raw.reshape(-1)
+
+
+def _extreme_acts(n_in: int, n_tok: int, top: int, seed: int) -> np.ndarray:
+    """Activations whose every block has |x| = `top` at its first element, so d = 1 and q = x: the
+    other values from +-top, +-128 (the wide form's lo plane -128, hi 1 or 0), +-1 and 0."""
+    rng = np.random.default_rng(seed)
+    vals = np.float32([top, -top, 128, -128, 1, -1, 0] if top > 128 else [top, -top, 1, -1, 0])
+    x = rng.choice(vals, size=(n_tok, n_in)).astype(np.float32)
+    x[:, ::32] = top * rng.choice(np.float32([1, -1]), size=(n_tok, n_in // 32))
+    return x
+
+
+@pytest.mark.parametrize("name", ["Q8_0", "Q4_0", "Q5_0", "IQ4_NL", "Q2_0", "Q4_K", "Q6_K", "IQ4_XS"])
+def test_every_token_kernel_form_is_exact_at_the_extreme_values(name):
+    # AVX2 hosts have no vpdpbusd: rowdot multiplies by vpmaddubsw (pair sums saturating to int16),
+    # and for the offset-128 types (Q8_0, IQ4_NL, IQ4_XS) as |w| times x with w's sign moved onto x
+    # by vpsignb, which cannot negate -128 (it stays -128). The 8-bit forms never hold -128 (ActQ's
+    # q is in -127..127); the wide form's lo plane does. Here every form the token kernels take
+    # (8-bit and fine matvec, 2 rows through rowdot.matmul, the wide form of 1 and 2 rows, a
+    # region of several products, one token per expert) meets blocks of the most negative and the
+    # most positive weights against activations at +-127 (8-bit), +-32639 and lo = -128 (wide),
+    # bit for bit the reference's. With f59059f's AVX2 kernels the wide form of 2 rows of Q8_0 and
+    # IQ4_NL differed (every output): its 4 plane rows went through rowdot.matmul's 8-bit row
+    # function, lo planes included (rowdot.ROW_FULL). One row takes the wide token kernel (ROW16).
+    rowdot = _need_rowdot()
+    from strata.engine.kernels.actq import WIDE, quantize_act16
+
+    t = BY_NAME[name]
+    n_in = {32: 544, 64: 640, 256: 1280}[t.block_size]  # a 16-block group and a tail; 5 super-blocks
+    n_out = 37
+    raw = _extreme_weights(t, n_in, n_out, 30 + t.id)
+    act = quantize_act(_extreme_acts(n_in, 2, 127, 31))
+    assert np.abs(act.q.astype(np.int32)).max() == 127 and (act.d == 1).all()
+
+    def check(got, a, what):
+        _same(got, R.dot_reference(raw, t.id, n_in, n_out, a), f"{name} {what}")
+
+    def one8(i):
+        return ActQ(act.q[i], act.d[i], act.s16[i])
+
+    with cpu_path(False):
+        cpu.ROWDOT_ROWS_MAX = rowdot.ROWS_MAX  # cpu_path pins the row kernels; 2-4 rows take rowdot.matmul here
+        check(cpu.matvec(raw, t.id, n_in, n_out, one8(0)), one8(0), "8-bit matvec")
+        check(cpu.matmul(raw, t.id, n_in, n_out, act), act, "8-bit, 2 rows")
+        out = np.full(n_out, np.nan, np.float32)
+        cpu.matvec_many([(raw, t.id, n_in, n_out, out), (raw, t.id, n_in, n_out, np.empty(n_out, np.float32))], one8(1))
+        check(out, one8(1), "8-bit in one region")
+        size = t.nbytes((n_in, n_out))
+        two = np.concatenate([raw, raw])
+        got = cpu.matmul_grouped(two, t.id, n_in, n_out, np.array([size, 0]), act, np.array([0, 1, 2]))
+        check(got, act, "one token per expert")
+        if name in rowdot.TYPES:
+            assert rowdot._KERNELS[name, False, False].signatures and rowdot._ROWS_KERNELS[name, False, False, False].signatures
+        if name in rowdot.TYPES and name not in rowdot.PAIRED:  # the fine form (a scale per 16): rowdot.matvec itself
+            d16 = np.ones(n_in // 16, np.float32)
+            fine = np.empty(n_out, np.float32)
+            rowdot.matvec(name, raw, t.row_bytes(n_in), act.q[0], d16, act.s16[0], fine, False, 1)
+            _same(fine, _fine_reference(raw, t, n_in, n_out, act.q[0], d16), f"{name} fine form")
+        if name not in WIDE:
+            return
+        wide = quantize_act16(_extreme_acts(n_in, 2, 32639, 32))
+        lo = wide.planes.q[1::2]
+        assert (lo == -128).sum() > n_in // 4 and (wide.planes.d == 1).all(), "the lo plane does not hold -128"
+        check(cpu.matvec(raw, t.id, n_in, n_out, wide.row(0)), wide.row(0), "wide matvec")
+        one_row = wide.take(np.array([1]))
+        check(cpu.matmul(raw, t.id, n_in, n_out, one_row), one_row, "wide, 1 row")
+        check(cpu.matmul(raw, t.id, n_in, n_out, wide), wide, "wide, 2 rows (4 plane rows)")
+        out, out8 = np.full(n_out, np.nan, np.float32), np.full(n_out, np.nan, np.float32)
+        cpu.matvec_many([(raw, t.id, n_in, n_out, out), (raw, t.id, n_in, n_out, out8)], [wide.row(1), one8(0)])
+        check(out, wide.row(1), "wide in one region")
+        check(out8, one8(0), "8-bit beside the wide form in one region")
+        assert rowdot._KERNELS[name, False, "wide"].signatures, "the wide token kernel was not taken"
+        key = (name, False, False, rowdot.needs_full(name, True))  # the lo rows by the full path on AVX2
+        assert rowdot._ROWS_KERNELS[key].signatures, "rowdot.matmul was not taken for the wide form's planes"
