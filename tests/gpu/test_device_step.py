@@ -102,10 +102,11 @@ def test_the_device_step_gives_the_cpu_logits(model, rt, n_prompt):
     # norms, the shared expert's gated add, an input norm and its ActQ, a gate and its ActQ, a
     # residual add and the next norm) in one launch each
     # (a token's combine adds the shared expert's output: dev_combine_shared)
-    assert launched == {"dev_rmsnorm", "dev_delta", "dev_gates_conv", "dev_gate_q", "dev_rope", "dev_route", "dev_hidden_q",
+    # (a token's rope reads its table at the device position: dev_rope_at; a chunk's rows: dev_rope)
+    assert launched == {"dev_rmsnorm", "dev_delta", "dev_gates_conv", "dev_gate_q", "dev_rope_at", "dev_route", "dev_hidden_q",
                         "dev_combine_shared", "dev_kv_write", "dev_attn_split", "dev_attn_merge", "dev_l2_qk",
                         "dev_rmsnorm_q", "dev_add_rmsnorm_q"} \
-        | ({"dev_combine", "dev_hidden", "dev_conv", "dev_gdn_gates", "dev_shared_add"} if n_prompt else set())  # (the
+        | ({"dev_combine", "dev_hidden", "dev_conv", "dev_gdn_gates", "dev_shared_add", "dev_rope"} if n_prompt else set())  # (the
     # chunk's grouped experts: device_chunk.py; its conv spread over tokens, apart from the gates)
     assert_close(got, want)
 
