@@ -200,9 +200,14 @@ class DeviceExperts:
         n_layer = self.hits.slots.n_layer
         b = self._buf
         if b is None or b["shape"] != (k, E, F, X):
+            # every layer's chosen experts (the counts, at `settle`), then the run-ahead's pick behind
+            # them (dev_pick_next writes it there: `pick_slot`), so one copy brings both down
+            idsp = rt.empty((n_layer * k + 3,), np.int32)
             b = self._buf = {
                 "shape": (k, E, F, X),
-                "ids": rt.empty((n_layer, k), np.int32),  # every layer's chosen experts: the counts, at `settle`
+                "idsp": idsp,
+                "ids": idsp[: n_layer * k].reshape(n_layer, k),
+                "pick": idsp[n_layer * k :],
                 "w": rt.empty((1, k), F32),
                 "slot": rt.empty((k,), np.int32),
                 "gu": rt.empty((2 * k, F), F32),
@@ -393,6 +398,21 @@ class DeviceExperts:
             b["ids_settle_2"] = self.rt.pinned(ids.nbytes).view(np.int32).reshape(ids.shape)
         b["ids_settle"], b["ids_settle_2"] = b["ids_settle_2"], ids
         return log, ids
+
+    def pick_slot(self):
+        """Where a run-ahead step's pick goes so that it comes down with the routing ids in one copy
+        (`queue_with_pick`): the 3 ints behind the ids on the device; None before the first token."""
+        return None if self._buf is None else self._buf["pick"]
+
+    def queue_with_pick(self, host) -> tuple:
+        """The run-ahead's one copy down: the chosen ids and the pick behind them into `host` (pinned
+        int32 [ids + 3]), queued in place of `queue_settle`'s -> `detach`'s (log, ids), the ids a
+        view of `host`, and the pick's view [3]."""
+        b = self._buf
+        self.rt.copy_out_async(host, b["idsp"])
+        n = b["ids"].size
+        log, self._log = self._log, []
+        return (log, host[:n].reshape(b["ids"].shape)), host[n:]
 
     def settle_detached(self, owed: tuple) -> None:
         log, ids = owed
@@ -1322,7 +1342,9 @@ class DeviceBackend(CpuBackend):
                     books, self._books = self._books, None
                 self.rt.replay(last)  # (the segments before it ran as they were cut)
             self._graph = (session, segments, self._pool, ex.log_since(mark), books, ahead)
-        ex.queue_settle()
+        merged = ahead and self._pick_dev() is not self._pick[0]  # (the pick behind the ids: one copy)
+        if not merged:
+            ex.queue_settle()
         if out is not None:
             self.rt.copy_out(out, self._logits)
         if pick is None:
@@ -1331,7 +1353,7 @@ class DeviceBackend(CpuBackend):
             if ahead:  # the device advanced its position and gathered the next row (dev_pick_next)
                 self._pos_at = min(pos + 1, session.max_context - 1)
                 self._gathered = self._row_buf((1, self._embd_n))
-            return self.queue_greedy(pick, picked=ahead)
+            return self.queue_greedy(pick, picked=ahead, merged=merged)
         self._next_pos = pos + 1
         return self._greedy(pick) if isinstance(pick, np.ndarray) else self._sample(pick)
 
@@ -1346,13 +1368,20 @@ class DeviceBackend(CpuBackend):
         """dev_pick_next: the greedy pick into the device's pick (`_argmax`'s rule and buffers), the
         device position advanced (to `last` at most) and the picked token's embedding row gathered
         into the row buffer the next step reads (`embed_picked`'s bits)."""
-        dev, _, _, ban = self._pick
+        _, _, _, ban = self._pick
+        dev = self._pick_dev()
         table, type_id, row_bytes, rows = self.embd_table
         n = self._embd_n
         self.rt.launch(self._mod, "dev_pick_next", 1, 1024, (self._logits, np.int32(self._logits.shape[1]), ban,
                                                               np.int32(banned.size), dev, self._pos, np.int32(last), table,
                                                               np.int64(row_bytes), np.int32(rows), np.int32(type_id),
                                                               np.int32(n), self._row_buf((1, n))), smem=4 * (3 * 32 + 1))
+
+    def _pick_dev(self):
+        """The device's pick of a run-ahead step: behind the routing ids (DeviceExperts.pick_slot:
+        one copy down brings both) where the MoE's token path made them, else the pick's own."""
+        slot = self.experts.pick_slot() if hasattr(self.experts, "pick_slot") else None
+        return slot if slot is not None else self._pick[0]
 
     def _pick_buffers(self, banned: np.ndarray) -> None:
         """The greedy pick's device buffers for these banned ids: [token, NaN seen, max bits] and the
@@ -1432,23 +1461,28 @@ class DeviceBackend(CpuBackend):
                                          self._pick[0], dev))
         return dev
 
-    def queue_greedy(self, banned: np.ndarray, picked: bool = False) -> tuple:
+    def queue_greedy(self, banned: np.ndarray, picked: bool = False, merged: bool = False) -> tuple:
         """`_greedy`'s pick queued, not waited for -> (pinned pick, its event, the step's routing owed):
         `wait_picked` reads it. Two pinned picks in turn, so the next step's pick (queued before this
         one is read) lands in the other; the device's pick stays where `embed_picked` reads it."""
         rt = self.rt
-        if self._ahead_picks is None:
+        n = self.experts._buf["idsp"].size if merged else 3  # (merged: the routing ids, then the pick)
+        if self._ahead_picks is None or self._ahead_picks[3] != n:
             ev = rt.events(2) if hasattr(rt, "events") else [None, None]
-            self._ahead_picks = [[rt.pinned(12).view(np.int32) for _ in range(2)], ev, 0]
-        hosts, events, i = self._ahead_picks
+            self._ahead_picks = [[rt.pinned(4 * n).view(np.int32) for _ in range(2)], ev, 0, n]
+        hosts, events, i, _ = self._ahead_picks
         self._ahead_picks[2] = 1 - i
-        if picked:  # the step made its pick itself (dev_pick_next): only the copy down
-            rt.copy_out_async(hosts[i], self._pick[0])
+        if merged:  # the step made its pick behind the routing ids (dev_pick_next): one copy down of both
+            owed, host = self.experts.queue_with_pick(hosts[i])
         else:
-            self._argmax(banned, hosts[i])
+            if picked:  # the step made its pick itself (dev_pick_next): only the copy down
+                rt.copy_out_async(hosts[i], self._pick[0])
+            else:
+                self._argmax(banned, hosts[i])
+            owed, host = None, hosts[i]
         if events[i] is not None:
             events[i].record()
-        return hosts[i], events[i], self.experts.detach()
+        return host, events[i], owed if owed is not None else self.experts.detach()
 
     def wait_picked(self, pending: tuple) -> int:
         """A queued pick's token (`queue_greedy`), once its copy has landed (the steps queued after it

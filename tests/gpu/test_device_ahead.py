@@ -102,10 +102,12 @@ def test_run_ahead_gives_the_plain_loops_tokens_states_and_counts(model, rt, mon
 
         rt.launch = counted
         monkeypatch.setattr(be, "_stage", lambda dev, values: (staged.append(dev), stage(dev, values)))
+        down, copy_out_async = [], rt.copy_out_async
+        rt.copy_out_async = lambda h, d: (down.append(h.nbytes), copy_out_async(h, d))[1]
         try:
             got_ahead = list(model.decode_ahead(ahead, toks[-1], BANNED, n))
         finally:
-            del rt.launch  # (the runtime's own method again)
+            del rt.launch, rt.copy_out_async  # (the runtime's own methods again)
         ahead_counts = [a - b for a, b in zip(counts(tier, ahead), before)]
         assert got_ahead == got == want
         assert len(gathered) == n - 1  # every step after the first took its row from the device's pick
@@ -115,6 +117,11 @@ def test_run_ahead_gives_the_plain_loops_tokens_states_and_counts(model, rt, mon
         emu = isinstance(rt, EmuRuntime)
         assert launched["dev_pick_next"] == (n if emu else 2) and "dev_argmax" not in launched
         assert "dev_embd_row" not in launched
+        # and one copy down a step: the routing ids with the pick behind them (DeviceExperts.
+        # queue_with_pick), no pick of its own (12 bytes) nor the ids alone
+        g = model.geometry
+        ids = 4 * g.n_layer * g.n_expert_used
+        assert down.count(ids + 12) == n and 12 not in down and ids not in down, down
         assert "dev_rope" not in launched and launched["dev_rope_at"] > 0
         assert len(staged) == 2 and staged[1] is be._pos and int(rt.to_host(be._pos)[0]) == ahead.pos
         assert ahead.pos == plain.pos and not ahead.spent  # the last token never fed, as the plain loop
