@@ -1130,8 +1130,11 @@ class DeviceBackend(CpuBackend):
         if got is not None and got[0].shape[0] >= max(need, self._ctx):  # (a token step's session's whole
             return got  # context at its first, eager, step: a capture never finds the table short)
         C = max(need, self._ctx, 2 * got[0].shape[0] if got is not None else 0)
-        c, s = rope.cos_sin(np.arange(C))
         arena, rt = self.rope_arena, self.rt
+        if got is None and arena is not None:  # the planned rows (the tier's --ctx-size), when they hold C
+            planned = arena.nbytes // (2 * 4 * rope.half)
+            C = planned if C <= planned else C
+        c, s = rope.cos_sin(np.arange(C))
         if got is None and arena is not None and arena.nbytes >= 2 * c.nbytes:
             dc, ds = rt.view(arena, 0, c.shape, F32), rt.view(arena, c.nbytes, s.shape, F32)
             self.rope_arena = None  # (one table is planned: the ropes of a model share theirs)
