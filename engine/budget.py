@@ -573,6 +573,13 @@ class Budget:
         return None if self.free_bytes is None else self.free_bytes - self.device_bytes()
 
 
+def rope_table_bytes(g: ModelGeometry, max_context: int) -> int:
+    """The device step's rope table (weights.rope): cos and sin, f32 [C, n_rot / 2] each, one for the
+    model (its attention layers' ropes share n_rot, base and angle kind), so that no position input
+    but the position itself goes up per token."""
+    return align(2 * max_context * (g.n_rot // 2) * F32)
+
+
 def embedding_on_device(g: ModelGeometry, device_step: bool) -> bool:
     """Whether the GPU tier places the embedding in its blocks on the device (weights.embedding): with
     the device step, for the run-ahead (Model.decode_ahead), which a model with QSA or PLE never
@@ -599,6 +606,9 @@ def plan_budget(index: PackIndex, experts: NativeExperts, g: ModelGeometry, opti
         embd = sum(align(t.nbytes) for t in index.tensors if t.name == "token_embd.weight")
         before.append(Item("weights.embedding", "embedding table in its blocks (the device step's run-ahead gathers rows)",
                            embd, WEIGHTS))
+    if o.device_step:  # the token step's rope at the device position (DeviceBackend._rope_table)
+        before.append(Item("weights.rope", f"rope cos and sin at every position (f32, {o.max_context} x {g.n_rot // 2} x 2; "
+                           "the device step reads them at its position)", rope_table_bytes(g, o.max_context), WEIGHTS))
     before += _session_items(g, o) + _serve_items(g, o) + _spec_items(g, o, bool(g.n_mtp_layer))
     after = _after_cache_items(g, o, slot)
     after_bytes = sum(i.bytes for i in after if i.where == DEVICE)

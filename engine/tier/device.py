@@ -59,7 +59,7 @@ _NAMES = ["dev_rmsnorm", "dev_delta", "dev_conv", "dev_combine", "dev_sigmoid", 
           "dev_sample", "dev_route_rows", "dev_group", "dev_rmsnorm_q", "dev_hidden_q",
           "dev_gate_q", "dev_gates_conv", "dev_add_rmsnorm_q", "dev_embd_row", "dev_ple_conv", "dev_qsa_key",
           "dev_qsa_scores", "dev_qsa_select", "dev_attn_sel", "dev_attn_split_sel", "dev_attn_merge_sel",
-          "dev_hc_gates_q"]
+          "dev_hc_gates_q", "dev_rope_at", "dev_pick_next"]
 # the embedding's GGML types dev_embd_row decodes (F32 F16 Q4_0 Q4_1 Q5_0 Q5_1 Q8_0 Q4_K Q5_K Q6_K BF16)
 EMBD_ROW_TYPES = frozenset({0, 1, 2, 3, 6, 7, 8, 12, 13, 14, 30})
 KV_KIND = {"f32": 0, "f16": 1, "int8": 2}  # dev_kv_write's and dev_attn_one's `kind`
@@ -200,9 +200,14 @@ class DeviceExperts:
         n_layer = self.hits.slots.n_layer
         b = self._buf
         if b is None or b["shape"] != (k, E, F, X):
+            # every layer's chosen experts (the counts, at `settle`), then the run-ahead's pick behind
+            # them (dev_pick_next writes it there: `pick_slot`), so one copy brings both down
+            idsp = rt.empty((n_layer * k + 3,), np.int32)
             b = self._buf = {
                 "shape": (k, E, F, X),
-                "ids": rt.empty((n_layer, k), np.int32),  # every layer's chosen experts: the counts, at `settle`
+                "idsp": idsp,
+                "ids": idsp[: n_layer * k].reshape(n_layer, k),
+                "pick": idsp[n_layer * k :],
                 "w": rt.empty((1, k), F32),
                 "slot": rt.empty((k,), np.int32),
                 "gu": rt.empty((2 * k, F), F32),
@@ -394,6 +399,21 @@ class DeviceExperts:
         b["ids_settle"], b["ids_settle_2"] = b["ids_settle_2"], ids
         return log, ids
 
+    def pick_slot(self):
+        """Where a run-ahead step's pick goes so that it comes down with the routing ids in one copy
+        (`queue_with_pick`): the 3 ints behind the ids on the device; None before the first token."""
+        return None if self._buf is None else self._buf["pick"]
+
+    def queue_with_pick(self, host) -> tuple:
+        """The run-ahead's one copy down: the chosen ids and the pick behind them into `host` (pinned
+        int32 [ids + 3]), queued in place of `queue_settle`'s -> `detach`'s (log, ids), the ids a
+        view of `host`, and the pick's view [3]."""
+        b = self._buf
+        self.rt.copy_out_async(host, b["idsp"])
+        n = b["ids"].size
+        log, self._log = self._log, []
+        return (log, host[:n].reshape(b["ids"].shape)), host[n:]
+
     def settle_detached(self, owed: tuple) -> None:
         log, ids = owed
         if log:
@@ -474,17 +494,29 @@ class DeviceBackend(CpuBackend):
         self._mod = rt.compile(_NAMES, source=KERNELS)  # the fused row operations (device_kernels.cu)
         self.experts = DeviceExperts(rt, hits, self)
         self._rope_key, self._rope_cs = None, None  # the last positions' cos and sin (rope_, T > 1)
-        # the decode step's position-dependent inputs live at fixed device addresses, written before
-        # each step (`_at`): the position (read by dev_kv_write and dev_attn_one) and every rope's
-        # cos and sin at it; so one token step's launches serve every position (token_step's graph)
+        # the decode step's position lives at a fixed device address, written before a step only when
+        # the device does not hold it already (`_at`; a run-ahead step advances it itself): every
+        # kernel that depends on it reads it there (the KV write, attention, the ropes' table rows,
+        # QSA, PLE's ring); so one token step's launches serve every position (token_step's graph)
         self._pos = None  # made at the first step (the startup's memory marks count what the budget plans)
         self._pos_at = None
         self._next_pos = None  # a picked step's next position, staged while the device runs it (`_ahead`)
-        self._ropes: dict[int, tuple] = {}  # id(rope) -> (rope, cos [1, half], sin [1, half])
+        # every rope's cos and sin at every position of the context, on the device (the budget's
+        # weights.rope), read at the device position by dev_rope_at and dev_qsa_key: nothing of the
+        # position but itself is staged per token. (rope's angle kind, its inverse frequencies) ->
+        # (cos [C, half], sin [C, half]); the ropes of one model share one table
+        self._rope_tables: dict[tuple, tuple] = {}
+        self.rope_arena = None  # the tier's planned bytes for the tables (startup: weights.rope), or None
+        self._ctx = 1  # the longest context a token step's session has had: the tables' rows at least
         self._attn_sc: dict[tuple[int, int], object] = {}  # (H, ctx) -> dev_attn_one's scores [H, ctx]
         self.graphs = True  # token_step may capture and replay (tests turn it off to compare)
         self.split_attention = True  # one token's attention with its keys split among warps (dev_attn_split)
-        self._graph = None  # token_step's captured step: (session, its segments, pool, its MoE log, its bookkeeping)
+        # token_step's captured step: (session, its segments, pool, its MoE log, its bookkeeping, ahead):
+        # `ahead` True: the run-ahead's, whose graph ends with the pick, the position's advance and
+        # the next row's gather (dev_pick_next)
+        self._graph = None
+        self._gathered = None  # the row buffer the last run-ahead step's dev_pick_next filled (embed_picked)
+        self._embd_n = None  # the token step's embedding row length (its first staged row's)
         self._segments = None  # the segments cut so far while token_step captures (at_host)
         self._warm = None  # the session whose token step ran once eagerly under the graph pool
         self._logits = None  # token_step's device logits [1, n_vocab]
@@ -506,7 +538,6 @@ class DeviceBackend(CpuBackend):
         # the host must know a step's input token before the step (PLE hashes it: ple_state), so the
         # run-ahead, whose next token is known only on the device, cannot take the session
         self.needs_token = False
-        self._block_ropes: dict[int, list] = {}  # id(rope) -> [rope, r, cos, sin, block start staged]: QSA's pooled key
         self._qsa_bufs: dict[tuple, tuple] = {}  # (blocks, tokens selected at most, H) -> qsa_token's scratch
         self._ple_rows: dict[tuple, object] = {}  # (PLE layer, shape) -> the fixed device buffer of its staged rows
         self._books = None  # while token_step captures: the host bookkeeping a replay repeats (`bookkeep`)
@@ -780,14 +811,9 @@ class DeviceBackend(CpuBackend):
         return y
 
     def _block_rope(self, rope, r: int):
-        """cos and sin [1, half] at the start of the block in progress, at fixed addresses (`_at`
-        stages them when the position enters another block)."""
-        got = self._block_ropes.get(id(rope))
-        if got is None or got[0] is not rope:
-            at = self._pos_at // r * r
-            c, s = rope.cos_sin(np.array([at]))
-            got = self._block_ropes[id(rope)] = [rope, r, self._fixed(c), self._fixed(s), at]
-        return got[2], got[3]
+        """The rope's cos and sin table [C, half] (`_rope_table`): dev_qsa_key reads the row of the
+        block in progress's first position, (*pos / r) r, on the device."""
+        return self._rope_table(rope, self._pos_at + 1)
 
     def qsa_token(self, layer, cache, q, k, v, iq, ik):
         """QSALayer._attend of one token on the device, at the position `_pos` holds (cache.n): k, v
@@ -1065,22 +1091,12 @@ class DeviceBackend(CpuBackend):
         if done is not None:
             done.record()
 
-    def _fixed(self, values):
-        """A new fixed device buffer of a token step's input, filled through `_stage`: its pinned
-        mirror is made now, at the step that first needs it (eager), so restaging it later makes
-        nothing. (An uploaded buffer got its mirror at its first restage: QSA's block cos and sin,
-        restaged when the position enters the next block, made 4 pinned buffers in replayed steps
-        on the H200.)"""
-        values = np.ascontiguousarray(values, F32)
-        dev = self.rt.empty(values.shape, F32)
-        self._stage(dev, values)
-        return dev
-
     def stage_row(self, a: np.ndarray):
         """A token step's host row (the embedding's) on the device, at a fixed address per shape
         (copied up asynchronously, nothing allocated after the first step)."""
         dev = self._row_buf(a.shape)
         self._stage(dev, a)
+        self._embd_n, self._gathered = a.shape[-1], None
         return dev
 
     def _row_buf(self, shape: tuple):
@@ -1092,25 +1108,44 @@ class DeviceBackend(CpuBackend):
         return dev
 
     def _at(self, pos: int) -> None:
-        """The decode step's position at its fixed addresses: the position itself and, for every rope
-        the step uses, cos and sin at it (the host's float64 angles, as rope.cos_sin makes them)."""
+        """The decode step's position at its fixed device address (read by every kernel that depends
+        on it: the rope tables' row, the KV write, attention's length, QSA's block, PLE's ring slot).
+        Staged only when the device does not hold it already: a run-ahead step advances it on the
+        device (dev_pick_next), so there nothing goes up per token."""
         if self._pos_at == pos:
             return
         if self._pos is None:
             self._pos = self.rt.empty((1,), np.int32)
         self._stage(self._pos, pos)
-        for rope, c, s in self._ropes.values():
-            cc, ss = rope.cos_sin(np.array([pos]))
-            self._stage(c, cc)
-            self._stage(s, ss)
-        for got in self._block_ropes.values():  # QSA's pooled key: cos and sin at its block's start
-            rope, r, c, s, at = got
-            if at != pos // r * r:
-                cc, ss = rope.cos_sin(np.array([pos // r * r]))
-                self._stage(c, cc)
-                self._stage(s, ss)
-                got[4] = pos // r * r
         self._pos_at = pos
+
+    def _rope_table(self, rope, need: int) -> tuple:
+        """`rope`'s cos and sin at positions 0..C-1, f32 [C, half] each on the device (rope.cos_sin's
+        values: the host's angles, as a staged row had them), C at least `need` and the longest
+        session's context; made once (in the tier's planned bytes, weights.rope, where it placed
+        them) and again only when a longer context needs more rows, which drops the captured step
+        (it holds the old table's address)."""
+        key = (bool(rope.f32_angles), rope.n_rot, np.asarray(rope.inv_freq).tobytes())
+        got = self._rope_tables.get(key)
+        if got is not None and got[0].shape[0] >= max(need, self._ctx):  # (a token step's session's whole
+            return got  # context at its first, eager, step: a capture never finds the table short)
+        C = max(need, self._ctx, 2 * got[0].shape[0] if got is not None else 0)
+        arena, rt = self.rope_arena, self.rt
+        if got is None and arena is not None:  # the planned rows (the tier's --ctx-size), when they hold C
+            planned = arena.nbytes // (2 * 4 * rope.half)
+            C = planned if C <= planned else C
+        c, s = rope.cos_sin(np.arange(C))
+        if got is None and arena is not None and arena.nbytes >= 2 * c.nbytes:
+            dc, ds = rt.view(arena, 0, c.shape, F32), rt.view(arena, c.nbytes, s.shape, F32)
+            self.rope_arena = None  # (one table is planned: the ropes of a model share theirs)
+        else:
+            dc, ds = rt.empty(c.shape, F32), rt.empty(s.shape, F32)
+        rt.copy_in(dc, np.ascontiguousarray(c, F32))
+        rt.copy_in(ds, np.ascontiguousarray(s, F32))
+        if got is not None:
+            self._graph, self._warm = None, None
+        got = self._rope_tables[key] = (dc, ds)
+        return got
 
     def rope_(self, rope, x, positions) -> None:
         positions = np.asarray(positions)
@@ -1118,15 +1153,12 @@ class DeviceBackend(CpuBackend):
         # block's first position) takes the general path, so it does not move the step's position
         if positions.size == 1 and x.ndim == 3 and self._rows(x, x.shape[-1]) is not None \
                 and self._pos_at in (None, int(positions[0])):
-            got = self._ropes.get(id(rope))
-            if got is None:  # a rope seen for the first time: its buffers, filled at this position
-                c, s = rope.cos_sin(positions)
-                got = self._ropes[id(rope)] = (rope, self._fixed(c), self._fixed(s))
-            self._at(int(positions[0]))  # nothing to do when token_step set it (and inside its capture)
-            _, c, s = got
+            p = int(positions[0])
+            self._at(p)  # nothing to do when token_step set it (and inside its capture)
+            c, s = self._rope_table(rope, p + 1)
             heads, h = x.shape[1], rope.half
-            self._launch("dev_rope", heads * h, (x, np.int64(self._rows(x, x.shape[-1])), c, s, np.int32(heads), np.int32(heads),
-                                                 np.int32(h)))
+            self._launch("dev_rope_at", heads * h, (x, np.int64(self._rows(x, x.shape[-1])), c, s, self._pos, np.int32(heads),
+                                                    np.int32(heads), np.int32(h)))
             return
         key = (id(rope), positions.tobytes())
         if self._rope_key != key:  # the layers of one step rotate at the same positions: computed once
@@ -1255,18 +1287,38 @@ class DeviceBackend(CpuBackend):
         On a runtime that captures (CUDA), with a slot map no token can change (`DeviceExperts.
         static`), the session's first token runs eagerly, the second is captured and every later
         one replays the capture: CUDA graph segments, cut where a layer that can miss needs the host
-        (`at_host`: its misses on the CPU), that host work replayed between them. The position and
-        the ropes' cos and sin are written to their fixed addresses first (`_at`), so the same
-        graphs serve every position. Otherwise every step runs eagerly. `wait` False (the run-ahead,
-        a greedy pick): the pick is queued, not waited for: returns `queue_greedy`'s pending pick."""
+        (`at_host`: its misses on the CPU), that host work replayed between them. The position is
+        written to its fixed address first where the device does not hold it (`_at`; the ropes read
+        their tables there), so the same graphs serve every position. Otherwise every step runs
+        eagerly. `wait` False (the run-ahead, a greedy pick): the pick is queued, not waited for:
+        returns `queue_greedy`'s pending pick. Where the session can run ahead (`can_run_ahead`) the
+        step itself ends with the pick, the device position's advance and the next token's embedding
+        row gathered (dev_pick_next: one launch, inside the graph), so a token one step ahead is one
+        graph replay and one copy down of the pick, nothing staged up (a graph of its own kind:
+        switching between it and the plain step warms and captures again)."""
         if self._logits is None or self._logits.shape[1] != n_vocab:
             self._logits = self.rt.empty((1, n_vocab), F32)
+        self._ctx = max(self._ctx, session.max_context)
         self._at(pos)
+        # the run-ahead (a greedy pick not waited for, its next row gathered on the device): the pick,
+        # the position's advance and the next row in the step itself (dev_pick_next), so that a token
+        # is one graph replay and the pick's copy down; its buffers made here, outside the graph's pool
+        ahead = pick is not None and not wait and self.can_run_ahead(session) and self._embd_n is not None
+        if ahead:
+            self._pick_buffers(pick)
+            body = self._pick_next_into(run, pick, session.max_context - 1)
+        else:
+            body = run
         ex = self.experts
         g = self._graph
+        if g is not None and g[0] is session and g[5] != ahead:  # the other kind of step: made again
+            g = self._graph = None
+            self._warm = None
         if g is not None and g[0] is session and self.floor_next and len(g[1]) == 1:
             self._floor_step(run, kernels=self.floor_next == "kernels")
             self.floor_next = False
+            if ahead:  # (the floor's parts are the layers and the head)
+                self._pick_next(pick, session.max_context - 1)
         elif g is not None and g[0] is session:
             self._replay(g[1])
             ex.replayed(g[3])
@@ -1274,11 +1326,11 @@ class DeviceBackend(CpuBackend):
                 fn()
         elif not (self.graphs and hasattr(self.rt, "begin_capture") and ex.static()
                   and self.rt.capturable()):  # (on the legacy stream a capture raises: eagerly then)
-            run(self._logits)
+            body(self._logits)
         elif self._warm is not session:  # first token: eagerly, its temporaries from the graph's pool
             self._pool = self.rt.graph_pool()
             with self.rt.allocating_from(self._pool):
-                run(self._logits)
+                body(self._logits)
             self._warm = session
         else:
             with self.rt.allocating_from(self._pool):
@@ -1286,22 +1338,64 @@ class DeviceBackend(CpuBackend):
                 self._segments, self._books = [], []
                 self.rt.begin_capture()
                 try:
-                    run(self._logits)
+                    body(self._logits)
                 finally:
                     last = self.rt.end_capture()
                     segments, self._segments = self._segments + [last], None
                     books, self._books = self._books, None
                 self.rt.replay(last)  # (the segments before it ran as they were cut)
-            self._graph = (session, segments, self._pool, ex.log_since(mark), books)
-        ex.queue_settle()
+            self._graph = (session, segments, self._pool, ex.log_since(mark), books, ahead)
+        merged = ahead and self._pick_dev() is not self._pick[0]  # (the pick behind the ids: one copy)
+        if not merged:
+            ex.queue_settle()
         if out is not None:
             self.rt.copy_out(out, self._logits)
         if pick is None:
             return None
         if not wait:
-            return self.queue_greedy(pick)
+            if ahead:  # the device advanced its position and gathered the next row (dev_pick_next)
+                self._pos_at = min(pos + 1, session.max_context - 1)
+                self._gathered = self._row_buf((1, self._embd_n))
+            return self.queue_greedy(pick, picked=ahead, merged=merged)
         self._next_pos = pos + 1
         return self._greedy(pick) if isinstance(pick, np.ndarray) else self._sample(pick)
+
+    def _pick_next_into(self, run, banned: np.ndarray, last: int):
+        """run, then the run-ahead's tail (`_pick_next`): a token step's whole work."""
+        def body(logits):
+            run(logits)
+            self._pick_next(banned, last)
+        return body
+
+    def _pick_next(self, banned: np.ndarray, last: int) -> None:
+        """dev_pick_next: the greedy pick into the device's pick (`_argmax`'s rule and buffers), the
+        device position advanced (to `last` at most) and the picked token's embedding row gathered
+        into the row buffer the next step reads (`embed_picked`'s bits)."""
+        _, _, _, ban = self._pick
+        dev = self._pick_dev()
+        table, type_id, row_bytes, rows = self.embd_table
+        n = self._embd_n
+        self.rt.launch(self._mod, "dev_pick_next", 1, 1024, (self._logits, np.int32(self._logits.shape[1]), ban,
+                                                              np.int32(banned.size), dev, self._pos, np.int32(last), table,
+                                                              np.int64(row_bytes), np.int32(rows), np.int32(type_id),
+                                                              np.int32(n), self._row_buf((1, n))), smem=4 * (3 * 32 + 1))
+
+    def _pick_dev(self):
+        """The device's pick of a run-ahead step: behind the routing ids (DeviceExperts.pick_slot:
+        one copy down brings both) where the MoE's token path made them, else the pick's own."""
+        slot = self.experts.pick_slot() if hasattr(self.experts, "pick_slot") else None
+        return slot if slot is not None else self._pick[0]
+
+    def _pick_buffers(self, banned: np.ndarray) -> None:
+        """The greedy pick's device buffers for these banned ids: [token, NaN seen, max bits] and the
+        banned ids on the device, with the pick's own pinned mirror (made again for other banned ids)."""
+        rt = self.rt
+        if self._pick is None or self._pick[2] is not banned:
+            dev = rt.empty((3,), np.int32)
+            ban = rt.to_device(np.ascontiguousarray(banned, np.int32)) if banned.size else rt.empty((1,), np.int32)
+            self._pick = (dev, rt.pinned(12).view(np.int32), banned, ban)
+            if self._graph is not None and self._graph[5]:  # (the captured run-ahead reads the old ones)
+                self._graph, self._warm = None, None
 
     def _greedy(self, banned: np.ndarray) -> int:
         """dev_argmax over the step's logits -> the token (the sampler's greedy rule); a NaN or an
@@ -1314,10 +1408,7 @@ class DeviceBackend(CpuBackend):
         """dev_argmax over the step's logits into the device's pick, copied (queued) into `host` (a
         pinned [3] int32; default the pick's own) -> that host buffer."""
         rt = self.rt
-        if self._pick is None or self._pick[2] is not banned:
-            dev = rt.empty((3,), np.int32)
-            ban = rt.to_device(np.ascontiguousarray(banned, np.int32)) if banned.size else rt.empty((1,), np.int32)
-            self._pick = (dev, rt.pinned(12).view(np.int32), banned, ban)
+        self._pick_buffers(banned)
         dev, own, _, ban = self._pick
         host = own if host is None else host
         rt.launch(self._mod, "dev_argmax", 1, 1024, (self._logits, np.int32(self._logits.shape[1]), ban,
@@ -1343,7 +1434,8 @@ class DeviceBackend(CpuBackend):
         """While the device still runs a picked step: the next position's inputs (`_at`) staged now,
         queued behind the step, so the next step starts with only its embedding row to send. The
         host's part of a step is on the critical path between two graphs (2026-12-02, H200: ~0.45 ms
-        a token beside a 1.08 ms GPU floor); the position and the ropes' cos/sin are ~40 us of it.
+        a token beside a 1.08 ms GPU floor); the position (and, before the rope tables, the ropes'
+        cos and sin) was ~40 us of it.
         A next step elsewhere (another session, a rollback) stages its own position again."""
         if self._next_pos is not None:
             self._at(self._next_pos)
@@ -1363,6 +1455,8 @@ class DeviceBackend(CpuBackend):
         """The next token step's embedding row, gathered on the device (dev_embd_row) from the token
         the last greedy pick left in device memory into `stage_row`'s fixed buffer (the graph reads
         it there): the reference decoder's bits, no host decode, no copy up, no wait."""
+        if self._gathered is not None and self._gathered.shape == tuple(shape):
+            return self._gathered  # the last step gathered it itself (dev_pick_next): nothing to queue
         table, type_id, row_bytes, rows = self.embd_table
         dev = self._row_buf(shape)
         n = shape[-1]
@@ -1370,20 +1464,28 @@ class DeviceBackend(CpuBackend):
                                          self._pick[0], dev))
         return dev
 
-    def queue_greedy(self, banned: np.ndarray) -> tuple:
+    def queue_greedy(self, banned: np.ndarray, picked: bool = False, merged: bool = False) -> tuple:
         """`_greedy`'s pick queued, not waited for -> (pinned pick, its event, the step's routing owed):
         `wait_picked` reads it. Two pinned picks in turn, so the next step's pick (queued before this
         one is read) lands in the other; the device's pick stays where `embed_picked` reads it."""
         rt = self.rt
-        if self._ahead_picks is None:
+        n = self.experts._buf["idsp"].size if merged else 3  # (merged: the routing ids, then the pick)
+        if self._ahead_picks is None or self._ahead_picks[3] != n:
             ev = rt.events(2) if hasattr(rt, "events") else [None, None]
-            self._ahead_picks = [[rt.pinned(12).view(np.int32) for _ in range(2)], ev, 0]
-        hosts, events, i = self._ahead_picks
+            self._ahead_picks = [[rt.pinned(4 * n).view(np.int32) for _ in range(2)], ev, 0, n]
+        hosts, events, i, _ = self._ahead_picks
         self._ahead_picks[2] = 1 - i
-        self._argmax(banned, hosts[i])
+        if merged:  # the step made its pick behind the routing ids (dev_pick_next): one copy down of both
+            owed, host = self.experts.queue_with_pick(hosts[i])
+        else:
+            if picked:  # the step made its pick itself (dev_pick_next): only the copy down
+                rt.copy_out_async(hosts[i], self._pick[0])
+            else:
+                self._argmax(banned, hosts[i])
+            owed, host = None, hosts[i]
         if events[i] is not None:
             events[i].record()
-        return hosts[i], events[i], self.experts.detach()
+        return host, events[i], owed if owed is not None else self.experts.detach()
 
     def wait_picked(self, pending: tuple) -> int:
         """A queued pick's token (`queue_greedy`), once its copy has landed (the steps queued after it
@@ -1563,6 +1665,8 @@ class DeviceBackend(CpuBackend):
         for _ in range(reps):
             self.rt.replay(self._graph[1][0])
         stop.record()
+        if self._graph[5]:  # a run-ahead step advanced the device position (to its context's last at most)
+            self._pos_at = self._gathered = None
         return self.rt.elapsed(start, stop) / reps
 
     def route(self, logits, k: int):

@@ -435,6 +435,22 @@ extern "C" __global__ void dev_shared_add(float* out, float* y, const float* g, 
 
 // NeoX RoPE in place on `rows` rows of a head (row r at x + r xs, row r of token r / heads): the
 // first 2 half elements rotate by the token's cos/sin [T, half] (ops.Rope.apply_).
+// dev_rope of one token's heads at the device position p = *pos: cos and sin read from the rope's
+// table [C, half] (row p: rope.cos_sin at p, made once by the host: DeviceBackend._rope_table), so a
+// captured step replays at every position with nothing staged per token
+extern "C" __global__ void dev_rope_at(float* x, i64 xs, const float* cs, const float* sn, const int* pos, int rows, int heads,
+                                       int half) {
+    const i64 n = (i64)rows * half, p = *pos;
+    for (i64 i = blockIdx.x * (i64)blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x) {
+        const int r = (int)(i / half), j = (int)(i - (i64)r * half), t = r / heads;
+        float* xr = x + (i64)r * xs;
+        const float c = cs[(p + t) * half + j], s = sn[(p + t) * half + j];
+        const float x1 = xr[j], x2 = xr[half + j];
+        xr[j] = x1 * c - x2 * s;
+        xr[half + j] = x2 * c + x1 * s;
+    }
+}
+
 extern "C" __global__ void dev_rope(float* x, i64 xs, const float* cs, const float* sn, int rows, int heads, int half) {
     const i64 n = (i64)rows * half;
     for (i64 i = blockIdx.x * (i64)blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x) {
@@ -1041,8 +1057,22 @@ __device__ __forceinline__ void warp_best(float& bv, int& bi) {
     }
 }
 
+__device__ __forceinline__ void argmax_block(unsigned char* smem, const float* x, int n, const int* banned, int nb, int* out);
+
 extern "C" __global__ void dev_argmax(const float* x, int n, const int* banned, int nb, int* out) {
     STRATA_SMEM(smem);
+    argmax_block(smem, x, n, banned, nb, out);
+}
+
+// dev_argmax's pick (one block; smem 3 * 32 ints), then in the same launch what the next step of the
+// run-ahead needs from it, so that a run-ahead token is one graph replay and the pick's copy down
+// (DeviceBackend.token_step with wait False): the position *pos advanced (to `last` at most: a
+// replay past the session's context, a GPU-floor measurement's, writes no key past it) and the
+// picked token's embedding row gathered into `row` (dev_embd_row's bits; defined below it)
+extern "C" __global__ void dev_pick_next(const float* x, int n, const int* banned, int nb, int* out, int* pos, int last,
+                                         const unsigned char* table, i64 row_bytes, int rows, int type, int E, float* row);
+
+__device__ __forceinline__ void argmax_block(unsigned char* smem, const float* x, int n, const int* banned, int nb, int* out) {
     float* sv = reinterpret_cast<float*>(smem);
     int* si = reinterpret_cast<int*>(smem) + 32;
     int* sn = reinterpret_cast<int*>(smem) + 64;
@@ -1429,6 +1459,23 @@ extern "C" __global__ void dev_embd_row(const unsigned char* table, i64 row_byte
     for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) out[i] = embd_elem(R, type, i);
 }
 
+extern "C" __global__ void dev_pick_next(const float* x, int n, const int* banned, int nb, int* out, int* pos, int last,
+                                         const unsigned char* table, i64 row_bytes, int rows, int type, int E, float* row) {
+    STRATA_SMEM(smem);
+    argmax_block(smem, x, n, banned, nb, out);
+    int* tok = reinterpret_cast<int*>(smem) + 96;  // (past argmax_block's 3 x 32)
+    if (threadIdx.x == 0) {
+        tok[0] = out[0];  // (the thread that wrote it: lane 0 of warp 0)
+        const int p = *pos;
+        *pos = p < last ? p + 1 : last;
+    }
+    __syncthreads();
+    int t = tok[0];
+    if (t < 0 || t >= rows) t = 0;
+    const unsigned char* R = table + (i64)t * row_bytes;
+    for (int i = threadIdx.x; i < E; i += blockDim.x) row[i] = embd_elem(R, type, i);
+}
+
 // ---------------------------------------------------------------------------------------------
 // qwen4exp's token step at the device position (DeviceBackend.qsa_token, ple_conv_step): what the
 // host did inside a step with the position as a Python int (a slice of the raw keys, the block a
@@ -1461,8 +1508,8 @@ extern "C" __global__ void dev_ple_conv(float* ring, const int* pos, const float
 // (select reads the (p + 1) / r complete blocks), and at the token that completes it the key is
 // made from its r rows, as the host path makes it then. The mean: the rows added in order from the
 // first, then divided by r in f32 (numpy's mean over axis 0, dtype f32); the norm: dev_rmsnorm's
-// f32 sums and order (x scale, then gain); the rope: cs, sn [half] at b r, staged by the host
-// (DeviceBackend._at), dims past 2 half unrotated. blocks holds nb = C / r: a block the context
+// f32 sums and order (x scale, then gain); the rope: cs, sn the rope's table [C, half], row b r
+// (DeviceBackend._rope_table), dims past 2 half unrotated. blocks holds nb = C / r: a block the context
 // cannot complete (C not a multiple of r) has no row and is not pooled (reading its r rows ran past
 // the keys and wrote past the blocks: a heap corruption on the emulation). One block; smem: 32
 // doubles, then Id floats.
@@ -1486,11 +1533,12 @@ extern "C" __global__ void dev_qsa_key(const float* ik, float* keys, float* bloc
     for (int i = threadIdx.x; i < Id; i += blockDim.x) kb[i] = kb[i] * scale * gain[i];
     __syncthreads();
     float* out = blocks + (i64)b * Id;
+    const i64 at = (i64)b * r * half;  // the rope table's row of the block's first position
     for (int i = threadIdx.x; i < Id; i += blockDim.x) {
         if (i < half) {
-            out[i] = kb[i] * cs[i] - kb[half + i] * sn[i];
+            out[i] = kb[i] * cs[at + i] - kb[half + i] * sn[at + i];
         } else if (i < 2 * half) {
-            out[i] = kb[i] * cs[i - half] + kb[i - half] * sn[i - half];
+            out[i] = kb[i] * cs[at + i - half] + kb[i - half] * sn[at + i - half];
         } else {
             out[i] = kb[i];
         }

@@ -203,6 +203,9 @@ class _Startup:
             self.placed.append((w, gpu.place(w.raw, w.type_id, w.n_in, w.n_out, weights.arena, at, w.name)))
         if self.device is not None:
             self.session = Session(self.model, self.o.max_context, self.o.kv, backend=self.device)
+        if self.device is not None:  # the rope tables' planned bytes (weights.rope: DeviceBackend._rope_table)
+            n = self.plan.item("weights.rope").bytes
+            self.device.rope_arena = self.rt.view(weights.arena, weights.take(n), (n,), np.uint8)
         if self.device is not None and B.embedding_on_device(self.g, True):
             # the embedding in its GGUF blocks (budget: weights.embedding): the run-ahead gathers the
             # next token's row on the device from the device's pick (DeviceBackend.embed_picked)

@@ -442,3 +442,15 @@ def test_cli_plans_a_servers_sessions(tiny_pack, capsys):
     assert "verify snapshots (3 x" in capsys.readouterr().out
     assert main([str(tiny_pack), "--spec", "-1"]) == 1
     assert "--spec -1: expected at least 0" in capsys.readouterr().err
+
+
+def test_the_device_steps_rope_table_is_planned_with_the_weights(seed4l):
+    """weights.rope: the device step's cos and sin at every position of the context (f32 [C, n_rot / 2]
+    each, one table for the model's ropes), read at the device position so that a token stages no
+    rope row; placed with the weights (startup carves it from their arena), only with the device step."""
+    _, _, g = seed4l
+    b = plan(seed4l, device_step=True)
+    item = b.item("weights.rope")
+    assert item.bytes == B.rope_table_bytes(g, 32768) >= 2 * 32768 * (g.n_rot // 2) * 4 > 0
+    assert item.stage == B.WEIGHTS and item.where == B.DEVICE
+    assert "weights.rope" not in [i.key for i in plan(seed4l).items]

@@ -94,10 +94,36 @@ def test_run_ahead_gives_the_plain_loops_tokens_states_and_counts(model, rt, mon
         gathered, embed = [], be.embed_picked
         monkeypatch.setattr(be, "embed_picked", lambda shape: (gathered.append(shape), embed(shape))[1])
         before = counts(tier, ahead)
-        got_ahead = list(model.decode_ahead(ahead, toks[-1], BANNED, n))
+        launched, launch, staged, stage = {}, rt.launch, [], be._stage
+
+        def counted(mod, name, *a, **k):
+            launched[name] = launched.get(name, 0) + 1
+            launch(mod, name, *a, **k)
+
+        rt.launch = counted
+        monkeypatch.setattr(be, "_stage", lambda dev, values: (staged.append(dev), stage(dev, values)))
+        down, copy_out_async = [], rt.copy_out_async
+        rt.copy_out_async = lambda h, d: (down.append(h.nbytes), copy_out_async(h, d))[1]
+        try:
+            got_ahead = list(model.decode_ahead(ahead, toks[-1], BANNED, n))
+        finally:
+            del rt.launch, rt.copy_out_async  # (the runtime's own methods again)
         ahead_counts = [a - b for a, b in zip(counts(tier, ahead), before)]
         assert got_ahead == got == want
         assert len(gathered) == n - 1  # every step after the first took its row from the device's pick
+        # each step's pick, position advance and next row in one launch at its end (dev_pick_next),
+        # nothing of theirs outside it; only the first step's row and position went up. (On a card
+        # the launches are the eager first step's and the capture's: the replays launch nothing here.)
+        emu = isinstance(rt, EmuRuntime)
+        assert launched["dev_pick_next"] == (n if emu else 2) and "dev_argmax" not in launched
+        assert "dev_embd_row" not in launched
+        # and one copy down a step: the routing ids with the pick behind them (DeviceExperts.
+        # queue_with_pick), no pick of its own (12 bytes) nor the ids alone
+        g = model.geometry
+        ids = 4 * g.n_layer * g.n_expert_used
+        assert down.count(ids + 12) == n and 12 not in down and ids not in down, down
+        assert "dev_rope" not in launched and launched["dev_rope_at"] > 0
+        assert len(staged) == 2 and staged[1] is be._pos and int(rt.to_host(be._pos)[0]) == ahead.pos
         assert ahead.pos == plain.pos and not ahead.spent  # the last token never fed, as the plain loop
         for a, b in zip(ahead_counts, plain_counts):
             assert np.array_equal(a, b)

@@ -102,10 +102,11 @@ def test_the_device_step_gives_the_cpu_logits(model, rt, n_prompt):
     # norms, the shared expert's gated add, an input norm and its ActQ, a gate and its ActQ, a
     # residual add and the next norm) in one launch each
     # (a token's combine adds the shared expert's output: dev_combine_shared)
-    assert launched == {"dev_rmsnorm", "dev_delta", "dev_gates_conv", "dev_gate_q", "dev_rope", "dev_route", "dev_hidden_q",
+    # (a token's rope reads its table at the device position: dev_rope_at; a chunk's rows: dev_rope)
+    assert launched == {"dev_rmsnorm", "dev_delta", "dev_gates_conv", "dev_gate_q", "dev_rope_at", "dev_route", "dev_hidden_q",
                         "dev_combine_shared", "dev_kv_write", "dev_attn_split", "dev_attn_merge", "dev_l2_qk",
                         "dev_rmsnorm_q", "dev_add_rmsnorm_q"} \
-        | ({"dev_combine", "dev_hidden", "dev_conv", "dev_gdn_gates", "dev_shared_add"} if n_prompt else set())  # (the
+        | ({"dev_combine", "dev_hidden", "dev_conv", "dev_gdn_gates", "dev_shared_add", "dev_rope"} if n_prompt else set())  # (the
     # chunk's grouped experts: device_chunk.py; its conv spread over tokens, apart from the gates)
     assert_close(got, want)
 
@@ -884,8 +885,9 @@ def test_a_picked_step_stages_the_next_position_while_the_device_runs(model, rt)
         staged, stage = [], be._stage
         be._stage = lambda dev, values: (staged.append(dev), stage(dev, values))
         model.step_pick(s, tok, banned)  # at the staged position: only its embedding row goes up
-        # the row, then (_ahead, behind the step) the next position and the ropes' cos and sin
-        assert staged[0] is not be._pos and sum(d is be._pos for d in staged) == 1 and len(staged) == 2 + 2 * len(be._ropes)
+        # the row, then (_ahead, behind the step) the next position: the ropes' cos and sin are read
+        # from their tables at the device position (weights.rope), nothing of theirs goes up
+        assert staged[0] is not be._pos and sum(d is be._pos for d in staged) == 1 and len(staged) == 2
         s2 = tier.take_session(CTX, "f32")
         model.forward(s2, toks[:2], n_logits=1)
         model.step_pick(s2, toks[2], banned)  # position 2, not the staged one: staged again
@@ -943,28 +945,48 @@ def test_replayed_token_steps_allocate_nothing_on_the_device(request, rt, arch):
 
 
 def test_a_token_steps_position_inputs_make_no_pinned_buffer_past_the_first_step(rt):
-    """The position's fixed inputs (a rope's cos and sin, and QSA's at its block's start, restaged
-    when the position enters the next block) get their pinned mirrors at the step that first needs
-    them: later positions restage them and make nothing. (QSA's block cos and sin were uploaded,
-    their mirrors made at the first block change: 4 pinned buffers in the H200's replayed steps,
-    which the emulated step test, 6 positions of a 16-token block, never reached.)"""
+    """The position is the one input a token step stages (`_at`): every rope's cos and sin are read
+    on the device at the position from the rope's table (weights.rope), QSA's pooled key at its
+    block's start too, so later positions make no device or pinned buffer. The table is made once
+    for ropes of one kind (a model's share it) and holds rope.cos_sin at every position, bit for bit;
+    dev_rope_at rotates as dev_rope does with the position's row staged. (QSA's block cos and sin
+    had been uploaded, then staged: 4 pinned buffers in the H200's replayed steps.)"""
     from test_gpu_tier import counting
 
     from strata.engine.ops import Rope
 
-    be, r = DeviceBackend(rt, None), 4
-    rope, block = Rope(8, 10000.0, f32_angles=True), Rope(8, 500.0, f32_angles=True)
+    be, r, C = DeviceBackend(rt, None), 4, 16
+    be._ctx = C
+    rope, twin = Rope(8, 10000.0, f32_angles=True), Rope(8, 10000.0, f32_angles=True)
+    block = Rope(8, 500.0)
+    x = np.random.default_rng(2).standard_normal((1, 2, 8)).astype(np.float32)
     be._at(0)
-    be.rope_(rope, rt.to_device(np.ones((1, 2, 8), np.float32)), np.array([0]))
+    be.rope_(rope, rt.to_device(x), np.array([0]))
     be._block_rope(block, r)
+    assert be._rope_table(twin, 1) is be._rope_table(rope, 1) and len(be._rope_tables) == 2
+    xd = rt.to_device(x)
     with counting(rt) as counts:
         for p in range(1, 3 * r + 1):
             be._at(p)
+            be.rope_(rope, xd, np.array([p]))
+            be._block_rope(block, r)
     assert counts == [0, 0], f"{counts[0]} device buffers and {counts[1]} pinned buffers"
-    # what the fixed addresses hold: the host's cos and sin at the position and at its block's start
-    for rp, at, (c, s) in ((rope, 3 * r, be._ropes[id(rope)][1:]), (block, 3 * r, be._block_ropes[id(block)][2:4])):
-        want = rp.cos_sin(np.array([at]))
-        assert np.array_equal(rt.to_host(c), want[0]) and np.array_equal(rt.to_host(s), want[1])
+    for rp in (rope, block):
+        c, s = (rt.to_host(a) for a in be._rope_table(rp, C))
+        want = rp.cos_sin(np.arange(C))
+        assert np.array_equal(c, want[0]) and np.array_equal(s, want[1])
+        for p in (0, 5, C - 1):  # a row is what cos_sin makes at that position alone
+            one = rp.cos_sin(np.array([p]))
+            assert np.array_equal(c[p : p + 1], one[0]) and np.array_equal(s[p : p + 1], one[1])
+    # dev_rope_at at the device position: dev_rope's bits with that position's row staged
+    for p in (0, 7, C - 1):
+        be._at(p)
+        got = rt.to_device(x)
+        be.rope_(rope, got, np.array([p]))
+        want = rt.to_device(x)
+        c, s = rope.cos_sin(np.array([p]))
+        be._launch("dev_rope", 2 * 4, (want, np.int64(8), rt.to_device(c), rt.to_device(s), np.int32(2), np.int32(2), np.int32(4)))
+        assert np.array_equal(rt.to_host(got).view(np.uint32), rt.to_host(want).view(np.uint32)), p
 
 
 @contextlib.contextmanager
