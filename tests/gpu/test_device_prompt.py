@@ -26,6 +26,7 @@ def _grouped_kernel(monkeypatch, kernel: str, name: str) -> None:
     monkeypatch.setattr(gpu, "MMAX_TYPES", frozenset({name}) if kind == "mmqx" else frozenset())
     monkeypatch.setattr(gpu, "MMQW_TYPES", frozenset({name}) if kind == "mmqw" else frozenset())
     monkeypatch.setattr(gpu, "MMQK_TYPES", frozenset({name}) if kind == "mmqk" else frozenset())
+    monkeypatch.setattr(gpu, "SHAPE_TYPES", frozenset())  # (the choice by shape: test_grouped_choice_by_shape_*)
     monkeypatch.setattr(gpu, "MMQX_WARPS", 1 if kernel.endswith("1warp") else 4)
     monkeypatch.setattr(gpu, "_plans", {})
 
@@ -68,6 +69,53 @@ def test_grouped_kernels_every_type_on_ragged_tiles(rt, t, kernel, monkeypatch):
             if not same.all():
                 p, o = (int(v) for v in np.argwhere(~same)[0])
                 pytest.fail(f"{t.name} {kernel} n_in {E}: group {g} ({c} pairs), pair {p} row {o}: {got[a + p, o]!r} vs reference {ref[p, o]!r}")
+
+
+# (down, mean pairs an expert) -> the kernel the choice by shape takes (gpu.grouped_kernel)
+_SHAPE_CASES = [(False, 5.0, "mmqk"), (False, 80.0, "mmqx"), (True, 5.0, "mmqw"), (True, 80.0, "mmqw")]
+
+
+@pytest.mark.parametrize("t", [t for t in TYPES if t.quantized], ids=lambda t: t.name)
+def test_grouped_choice_by_shape_is_mmqk_bits_on_ragged_tiles(rt, t, monkeypatch):
+    """STRATA_GROUPED=shape (the default): whichever kernel the shape and pairs an expert choose (mmqk for
+    gate/up at few pairs, mmqx at many, mmqw for down), every block type's grouped rows on ragged tiles are
+    mmqk's bits (the kernel chosen by type before it), and the reference's."""
+    from kernel_blocks import random_weights
+    from strata.engine.kernels import reference as R
+    from strata.engine.kernels.actq import quantize_act
+
+    rng = np.random.default_rng(100 + t.id)
+    F, counts = 37, _GROUPED_COUNTS
+    firsts = np.concatenate(([0], np.cumsum(counts)[:-1]))
+    n = sum(counts)
+    for E in _GROUPED_IN[t.block_size]:
+        raws = [random_weights(t, E * F, rng) for _ in counts]
+        ws = [gpu.upload(r, t.id, E, F) for r in raws]
+        tok = rng.permutation(n).astype(np.int32)
+        xh = rng.standard_normal((n, E)).astype(np.float32) * rng.uniform(0.1, 10, (n, 1)).astype(np.float32)
+        x = gpu.quantize_act_gpu(rt.to_device(xh))
+        host_tiles = gpu.tile_rows(ws, firsts, counts, [0] * len(counts))
+        tiles, n_tiles = rt.to_device(host_tiles), len(host_tiles)
+
+        def run(down, pairs):
+            out = rt.to_device(np.full((n, F), 5.0, np.float32))
+            gpu.grouped_products(t.id, E, F, tiles, n_tiles, x, rt.to_device(tok), None, out, down=down, pairs=pairs)
+            return rt.to_host(out)
+
+        _grouped_kernel(monkeypatch, "mmqk", t.name)
+        base = run(False, 0.0)
+        for g, (r, a, c) in enumerate(zip(raws, firsts, counts)):
+            ref = R.dot_reference(r, t.id, E, F, quantize_act(xh[tok[a : a + c]]))
+            assert np.array_equal(base[a : a + c].view(np.uint32), ref.view(np.uint32)), f"{t.name} mmqk n_in {E}: group {g}"
+        monkeypatch.setattr(gpu, "MMQK_TYPES", frozenset())
+        monkeypatch.setattr(gpu, "SHAPE_TYPES", frozenset({t.name}))
+        for down, pairs, kernel in _SHAPE_CASES:
+            assert gpu._grouped_plan(t.id, E, F, gpu.MAX_TOKENS, down, pairs)[1] == f"{kernel}<{t.id}>"
+            got = run(down, pairs)
+            same = got.view(np.uint32) == base.view(np.uint32)
+            if not same.all():
+                p, o = (int(v) for v in np.argwhere(~same)[0])
+                pytest.fail(f"{t.name} by shape ({kernel}, down={down}, {pairs} pairs) n_in {E}: pair {p} row {o}: {got[p, o]!r} vs mmqk {base[p, o]!r}")
 
 
 @pytest.mark.parametrize("kernel", ["mmx", "mmqx", "mmqx-1warp", "mmqw", "mmqk"])
