@@ -45,6 +45,12 @@ def chunk_bytes(E: int, F: int, n: int) -> int:
 
 
 GROUP_SMEM_IDS = 8192  # dev_group's ids in shared memory (32 KiB), when a chunk's pairs fit
+GROUP_THREADS = 1024  # dev_group's block: its warps' counts of each expert are its scratch (GROUP_THREADS / 32 x X ints)
+
+
+def group_scratch(X: int) -> int:
+    """dev_group's scratch ints for X experts: cnt, start [X], tstart [X + 1] and hist [warps x X]."""
+    return 3 * X + 1 + GROUP_THREADS // 32 * X
 
 
 class DeviceChunk:
@@ -61,7 +67,7 @@ class DeviceChunk:
             return False
         tiles = 2 * (n_pairs + moe.router.n_out)  # at most: one per expert and one per MAX_TOKENS pairs
         # the tiles, the pairs' tokens, positions (i64), rows and zeros, dev_group's scratch, the marker
-        table = align(3 * 5 * 8 * tiles) + 5 * align(4 * n_pairs) + align(4 * (3 * moe.router.n_out + 1)) + align(8)
+        table = align(3 * 5 * 8 * tiles) + 5 * align(4 * n_pairs) + align(4 * group_scratch(moe.router.n_out)) + align(8)
         return chunk_bytes(moe.E, moe.F, n_pairs) + table <= hp.prompt.size
 
     def forward(self, moe, x: Input, table):
@@ -90,15 +96,15 @@ class DeviceChunk:
         hq = gpu.GpuActQ(q.q, q.d, q.s16, buf.array((1,), np.uint64))  # the quantizer's non-finite marker (unread)
         t_gu, t_d = buf.array((2 * M, 5), np.int64), buf.array((M, 5), np.int64)
         tok, pos = buf.array((N,), np.int32), buf.array((N,), np.int64)
-        scratch = buf.array((3 * X + 1,), np.int32)
+        scratch = buf.array((group_scratch(X),), np.int32)
         gu_t, d_t = moe.gu.id, moe.d.id
         slots = hp.slots
         gu_bytes = placed_bytes(gu_t, E, F)
-        rt.launch(be._mod, "dev_group", 1, 1024,
+        rt.launch(be._mod, "dev_group", 1, GROUP_THREADS,
                   (ids, np.int32(N), np.int32(k), np.int32(X), table, slots.arena, np.int64(slots.slot_bytes),
                    np.int64(gu_bytes), np.int64(align(planes(gu_t, E, F)[0])), np.int64(align(planes(d_t, F, E)[0])),
                    np.int32(gpu.MAX_TOKENS), np.int32(M), tok, pos, t_gu, t_d, scratch[:X], scratch[X : 2 * X],
-                   scratch[2 * X :], np.int32(GROUP_SMEM_IDS)), smem=4 * GROUP_SMEM_IDS)
+                   scratch[2 * X : 3 * X + 1], scratch[3 * X + 1 :], np.int32(GROUP_SMEM_IDS)), smem=4 * GROUP_SMEM_IDS)
         act = x.form(moe.gu, False, quantize=be._quantize)
         xq = gpu.GpuActQ(act.q, act.d, act.s16, None)
         pairs = N / min(X, N)  # the mean pairs an expert where every expert that can be is routed (the kernel's choice)
