@@ -44,6 +44,14 @@ for _knob in ("STRATA_MV_STEP", "STRATA_MQ_WARPS", "STRATA_MQ_MINB", "STRATA_MQW
         OPTIONS += (f"-D{_knob}={int(os.environ[_knob])}",)
 KPLS = (1, 2, 3, 4, 6, 8)  # act-blocks per lane the matvec kernel holds: rows up to 8192 elements
 MAX_TOKENS = 64  # tokens per matmul pass (shared-memory accumulators); more are done in groups
+# Tokens one mmq launch of matmul may take (STRATA_MMQ_LAUNCH_TOKENS; mm keeps MAX_TOKENS a launch):
+# mmq holds nothing per token across its items (a block's item is 16 rows x 8 warps tokens, grid-stride
+# over all of them), so one launch covers every 64-token tile of a dense product with each tile's
+# arithmetic as its own launch would do it: the same bits, a launch a product where a 4096-token prompt
+# made 64 (1600 launches of the seed-4l prompt's dense products). <= MAX_TOKENS: a launch a 64 as before.
+MMQ_LAUNCH_TOKENS = int(os.environ.get("STRATA_MMQ_LAUNCH_TOKENS", "4096"))
+if MMQ_LAUNCH_TOKENS < 1:
+    raise ValueError(f"STRATA_MMQ_LAUNCH_TOKENS={MMQ_LAUNCH_TOKENS}: expected >= 1")
 # The most activation rows a product gives the few-row kernel (mvf, gpu_kernels.cu: at most its
 # MVF_TOKENS, 8) in place of the batched one; a single row always takes it when mv cannot hold the
 # row (the H200: mmq's one-token tile ran 107 us for qwen4exp's 320 x 10240 hyper-connection down).
@@ -799,7 +807,7 @@ def _quant16(w: GpuWeight, act: GpuActQ16, out, planes_out=None) -> None:
 
 
 def _quant(w: GpuWeight, q, d, s16, out) -> None:
-    """One launch for up to MAX_TOKENS tokens: q [T, n_in], d [T, nb], s16 [T, 2 nb], out [T, n_out]."""
+    """One launch for up to MAX_TOKENS tokens (mmq: MMQ_LAUNCH_TOKENS): q [T, n_in], d [T, nb], s16 [T, 2 nb], out [T, n_out]."""
     mod, name, grid, block, smem, extra = _quant_plan(w.type_id, w.n_in, w.n_out, q.shape[0])
     scales = w.scales if w.scales is not None else w.rest  # IQ1_M: never read
     args = (w.rest, scales, q, d, s16, out, np.int32(w.n_out), np.int32(w.n_in // QA))
@@ -1012,8 +1020,11 @@ def matmul(w: GpuWeight, act, out=None, planes_out=None):
     if not t.quantized and FMM == "tiles" and n_tok:  # fmt holds no per-token state: one launch
         _float(w, act, out)
         return out
-    for a in range(0, n_tok, MAX_TOKENS):
-        b = min(n_tok, a + MAX_TOKENS)
+    step = MAX_TOKENS
+    if t.quantized and t.name in MMA_TYPES and n_tok > MAX_TOKENS:  # mmq: up to MMQ_LAUNCH_TOKENS a launch
+        step = max(MAX_TOKENS, MMQ_LAUNCH_TOKENS)
+    for a in range(0, n_tok, step):
+        b = min(n_tok, a + step)
         if t.quantized:
             _quant(w, act.q[a:b], act.d[a:b], act.s16[a:b], out[a:b])
         else:
