@@ -184,6 +184,27 @@ extern "C" __global__ void dev_add_rmsnorm_q(float* x, const float* y, const flo
 // known at run time: ~600 us for a 256-token chunk's 4096 rows on the H200, 2026-12-02; the rows
 // of a head share k and q, and their sums interleave.)
 #define DELTA_R 4
+// Token t's inputs of a dev_delta warp: key and query lanes (zeros past dk), its value rows, gate and beta.
+__device__ __forceinline__ void delta_load(int t, const float* q, i64 qs, const float* k, i64 ks, const float* v, i64 vs,
+                                           const float* g, const float* beta, int nv, int h, int kh, int j0, int dv,
+                                           int dk, int lane, const bool (&in)[8], float (&kk)[8], float (&qq)[8],
+                                           float (&vv)[DELTA_R], float& gt, float& bt) {
+    const float* kt = k + (i64)t * ks + (i64)kh * dk;
+    const float* qt = q + (i64)t * qs + (i64)kh * dk;
+#pragma unroll
+    for (int a = 0; a < 8; a++) {
+        kk[a] = in[a] ? kt[lane + 32 * a] : 0.0f;
+        qq[a] = in[a] ? qt[lane + 32 * a] : 0.0f;
+    }
+#pragma unroll
+    for (int r = 0; r < DELTA_R; r++) vv[r] = v[(i64)t * vs + (i64)h * dv + min(j0 + r, dv - 1)];
+    gt = g[(i64)t * nv + h];
+    bt = beta[(i64)t * nv + h];
+}
+
+// (Software-pipelined: token t + 1's inputs are loaded into registers before token t's update, so
+// their global-memory latency overlaps its arithmetic instead of starting each token; the values and
+// every operation on them are as before: the same bits.)
 extern "C" __global__ void dev_delta(float* S, const float* q, i64 qs, const float* k, i64 ks, const float* v, i64 vs,
                                      const float* g, const float* beta, float* out, int T, int nv, int nk, int dv,
                                      int dk) {
@@ -202,17 +223,16 @@ extern "C" __global__ void dev_delta(float* S, const float* q, i64 qs, const flo
 #pragma unroll
             for (int a = 0; a < 8; a++) s[r][a] = in[a] ? Sr[lane + 32 * a] : 0.0f;
         }
+        float kk[8], qq[8], vv[DELTA_R], gt = 0.0f, bt = 0.0f;  // token t's inputs, loaded an iteration ahead
+        if (T > 0) delta_load(0, q, qs, k, ks, v, vs, g, beta, nv, h, kh, j0, dv, dk, lane, in, kk, qq, vv, gt, bt);
         for (int t = 0; t < T; t++) {
-            const float decay = expf(g[(i64)t * nv + h]);
-            const float bt = beta[(i64)t * nv + h];
-            const float* kt = k + (i64)t * ks + (i64)kh * dk;
-            const float* qt = q + (i64)t * qs + (i64)kh * dk;
-            float kk[8], qq[8];
+            float kn[8], qn[8], vn[DELTA_R], gn = 0.0f, bn = 0.0f;  // token t + 1's, in flight during t's update
 #pragma unroll
-            for (int a = 0; a < 8; a++) {
-                kk[a] = in[a] ? kt[lane + 32 * a] : 0.0f;
-                qq[a] = in[a] ? qt[lane + 32 * a] : 0.0f;
-            }
+            for (int a = 0; a < 8; a++) kn[a] = qn[a] = 0.0f;
+#pragma unroll
+            for (int r = 0; r < DELTA_R; r++) vn[r] = 0.0f;
+            if (t + 1 < T) delta_load(t + 1, q, qs, k, ks, v, vs, g, beta, nv, h, kh, j0, dv, dk, lane, in, kn, qn, vn, gn, bn);
+            const float decay = expf(gt);
             float kv[DELTA_R], o[DELTA_R];
 #pragma unroll
             for (int r = 0; r < DELTA_R; r++) {
@@ -229,8 +249,7 @@ extern "C" __global__ void dev_delta(float* S, const float* q, i64 qs, const flo
                 for (int r = 0; r < DELTA_R; r++) kv[r] += __shfl_xor_sync(FULL, kv[r], w);  // warp_sum's tree
 #pragma unroll
             for (int r = 0; r < DELTA_R; r++) {
-                const float vt = v[(i64)t * vs + (i64)h * dv + min(j0 + r, dv - 1)];
-                const float delta = (vt - kv[r]) * bt;
+                const float delta = (vv[r] - kv[r]) * bt;
                 o[r] = 0.0f;
 #pragma unroll
                 for (int a = 0; a < 8; a++) {
@@ -248,6 +267,11 @@ extern "C" __global__ void dev_delta(float* S, const float* q, i64 qs, const flo
 #pragma unroll
                 for (int r = 0; r < DELTA_R; r++)
                     if (j0 + r < dv) out[((i64)t * nv + h) * dv + j0 + r] = o[r];
+#pragma unroll
+            for (int a = 0; a < 8; a++) kk[a] = kn[a], qq[a] = qn[a];
+#pragma unroll
+            for (int r = 0; r < DELTA_R; r++) vv[r] = vn[r];
+            gt = gn, bt = bn;
         }
 #pragma unroll
         for (int r = 0; r < DELTA_R; r++)
