@@ -23,7 +23,8 @@ cores), whichever gpu.MMA_TYPES says a run takes (STRATA_MMA; gpu.MMAX_TYPES, ST
 GROUPED_EXPERTS distinct experts of the gate/up shape (and of the down shape, rounded up to whole
 blocks) at each GROUPED_PAIRS range of pairs an expert (seeded: 5-20, a 256-token prompt's ~5 a
 top-10 expert; 64-96, a 4096-token one's ~80), on each grouped kernel (GROUPED_KERNELS, gpu.grouped_kernel's choices:
-mmx, mmqx, mmqw, mmqk; --grouped-kernels picks, the first the baseline), microseconds per launch, each kernel's time over mmx's, and whether all gave the same bits.
+mmx, mmqx, mmqw, mmqk, and shape: the default choice by the product's shape and the pairs an expert,
+gpu.SHAPE_TYPES; --grouped-kernels picks, the first the baseline), microseconds per launch, each kernel's time over mmx's, and whether all gave the same bits.
 --few adds the few-row products: `gpu.matmul` of 1, 2, 4 and 8 tokens through the FEW weight (qwen4exp's
 hyper-connection down, rows longer than mv holds) on mvf (gpu.MVF_TOKENS 8) and on mmq (0),
 microseconds per product; where mvf wins at 2-8 tokens, STRATA_MVF_TOKENS's default can rise.
@@ -57,7 +58,7 @@ FEW = (10240, 320)  # (n_in, n_out) of --few: qwen4exp's hyper-connection down (
 FEW_TOKENS = (1, 2, 4, 8)
 GROUPED_EXPERTS = 128  # a 256-token chunk routed to 8 experts of 256: ~2000 pairs over ~128-256 experts
 GROUPED_PAIRS = ((5, 20), (64, 96))  # pairs an expert (inclusive), one table column group each
-GROUPED_KERNELS = ("mmx", "mmqx", "mmqw", "mmqk")  # gpu.grouped_kernel's choices
+GROUPED_KERNELS = ("mmx", "mmqx", "mmqw", "mmqk", "shape")  # gpu.grouped_kernel's choices ("shape": by shape and pairs, the default)
 TARGET = 0.60
 # (type, n_in, n_out) of the float products of a prompt chunk (seed-4l qwen35moe, n_embd 2048)
 FMM_SHAPES = {
@@ -182,7 +183,7 @@ class Bench:
         """The batched kernel of the next launches: mmq / mmqx for every block type, or mm / mmx."""
         gpu = self.gpu
         gpu.MMA_TYPES = gpu.MMAX_TYPES = gpu._mma_types("all" if mma else "none", frozenset())
-        gpu.MMQW_TYPES = gpu.MMQK_TYPES = frozenset()
+        gpu.MMQW_TYPES = gpu.MMQK_TYPES = gpu.SHAPE_TYPES = frozenset()
         gpu._plans.clear()  # the launch plans name the kernel
 
     def grouped_kernel(self, kind: str) -> None:
@@ -191,12 +192,14 @@ class Bench:
         gpu.MMAX_TYPES = every if kind == "mmqx" else frozenset()
         gpu.MMQW_TYPES = every if kind == "mmqw" else frozenset()
         gpu.MMQK_TYPES = every if kind == "mmqk" else frozenset()
+        gpu.SHAPE_TYPES = every if kind == "shape" else frozenset()
         gpu._plans.clear()
 
-    def grouped_rate(self, t, n_in: int, n_out: int, counts) -> tuple[float, bool, object]:
+    def grouped_rate(self, t, n_in: int, n_out: int, counts, down: bool = False) -> tuple[float, bool, object]:
         """(seconds per grouped_products launch, graph used, the output's bits): one tile table over
         len(counts) distinct experts, expert g on counts[g] pairs (pair p reads activation row p,
-        writes output row p)."""
+        writes output row p); down: the experts' down product (the choice by shape reads it, and the
+        mean of counts)."""
         cp, gpu = self.cp, self.gpu
         ws = [self.weight(t, n_in, n_out, 300 + i) for i in range(len(counts))]
         firsts = np.concatenate(([0], np.cumsum(counts)[:-1]))
@@ -204,7 +207,8 @@ class Bench:
         n = int(sum(counts))
         x = gpu.quantize_act_gpu(cp.asarray(np.random.default_rng(1).standard_normal((n, n_in)).astype(np.float32)))
         out, dev_tiles = cp.empty((n, n_out), cp.float32), cp.asarray(tiles)
-        sec, graphed = self.per_call([lambda: gpu.grouped_products(t.id, n_in, n_out, dev_tiles, len(tiles), x, None, None, out)] * 4)
+        sec, graphed = self.per_call([lambda: gpu.grouped_products(t.id, n_in, n_out, dev_tiles, len(tiles), x, None, None, out, down=down,
+                                                                  pairs=float(np.mean(counts)))] * 4)
         return sec, graphed, out.view(cp.uint32).copy()
 
     def matmul_rate(self, t, n_in: int, n_out: int, n_tok: int) -> tuple[float, bool]:
@@ -321,7 +325,7 @@ def main(argv: list[str] | None = None) -> int:
             row += [f"{both[1] * 1e6:.0f}", f"{both[1] / both[0]:.2f}"] if t.quantized else ["-", "-"]
         if args.grouped:
             for counts in pair_counts:
-                for n_in, n_out in EXPERTS.values():
+                for shape, (n_in, n_out) in EXPERTS.items():
                     n_in = -(-n_in // t.block_size) * t.block_size
                     if not t.quantized:
                         row += ["-"] * (2 * len(kinds))
@@ -329,7 +333,7 @@ def main(argv: list[str] | None = None) -> int:
                     secs, bits = [], []
                     for kind in kinds:
                         b.grouped_kernel(kind)
-                        gsec, graphed, out = b.grouped_rate(t, n_in, n_out, counts)
+                        gsec, graphed, out = b.grouped_rate(t, n_in, n_out, counts, down=shape == "down")
                         graphed_all &= graphed
                         secs.append(gsec)
                         bits.append(out)

@@ -172,6 +172,12 @@ inline unsigned __ballot_sync(unsigned, int pred) {  // every lane's predicate, 
     return m;
 }
 
+inline unsigned __match_any_sync(unsigned, int v) {  // the lanes whose v is this lane's, bit `lane`
+    unsigned m = 0;
+    for (int d = 0; d < 32; d++) m |= (unsigned)(__shfl_xor_sync(0xffffffffu, v, d) == v) << ((emu::cur & 31) ^ d);
+    return m;
+}
+
 template <class T>
 inline T __ldg(const T* p) { return *p; }
 inline int __popc(unsigned x) { return __builtin_popcount(x); }

@@ -44,6 +44,14 @@ for _knob in ("STRATA_MV_STEP", "STRATA_MQ_WARPS", "STRATA_MQ_MINB", "STRATA_MQW
         OPTIONS += (f"-D{_knob}={int(os.environ[_knob])}",)
 KPLS = (1, 2, 3, 4, 6, 8)  # act-blocks per lane the matvec kernel holds: rows up to 8192 elements
 MAX_TOKENS = 64  # tokens per matmul pass (shared-memory accumulators); more are done in groups
+# Tokens one mmq launch of matmul may take (STRATA_MMQ_LAUNCH_TOKENS; mm keeps MAX_TOKENS a launch):
+# mmq holds nothing per token across its items (a block's item is 16 rows x 8 warps tokens, grid-stride
+# over all of them), so one launch covers every 64-token tile of a dense product with each tile's
+# arithmetic as its own launch would do it: the same bits, a launch a product where a 4096-token prompt
+# made 64 (1600 launches of the seed-4l prompt's dense products). <= MAX_TOKENS: a launch a 64 as before.
+MMQ_LAUNCH_TOKENS = int(os.environ.get("STRATA_MMQ_LAUNCH_TOKENS", "4096"))
+if MMQ_LAUNCH_TOKENS < 1:
+    raise ValueError(f"STRATA_MMQ_LAUNCH_TOKENS={MMQ_LAUNCH_TOKENS}: expected >= 1")
 # The most activation rows a product gives the few-row kernel (mvf, gpu_kernels.cu: at most its
 # MVF_TOKENS, 8) in place of the batched one; a single row always takes it when mv cannot hold the
 # row (the H200: mmq's one-token tile ran 107 us for qwen4exp's 320 x 10240 hyper-connection down).
@@ -79,21 +87,36 @@ def _mma_types(spec: str | None, default: frozenset[str], var: str = "STRATA_MMA
 # IQ3_XXS 8.6 against 3.5: a grouped tile of 5-20 pairs leaves most of a block's warps idle after the
 # decode), so Q8_0 alone. STRATA_MMA / STRATA_MMAX choose per process (a test or benchmark may set
 # them, then drop `_plans`).
-MMA_TYPES = _mma_types(os.environ.get("STRATA_MMA"), frozenset(t.name for t in TYPES if t.quantized))
-MMAX_TYPES = _mma_types(os.environ.get("STRATA_MMAX"), frozenset({"Q8_0"}), "STRATA_MMAX")
+# (STRATA_GROUPED: "shape", the default, or "types": see MMQK_TYPES below.)
+GROUPED = os.environ.get("STRATA_GROUPED", "shape") or "shape"
+if GROUPED not in ("shape", "types"):
+    raise ValueError(f"STRATA_GROUPED={GROUPED!r}: expected shape or types")
+_EVERY = frozenset(t.name for t in TYPES if t.quantized)
+MMA_TYPES = _mma_types(os.environ.get("STRATA_MMA"), _EVERY)
+MMAX_TYPES = _mma_types(os.environ.get("STRATA_MMAX"), frozenset() if GROUPED == "shape" else frozenset({"Q8_0"}), "STRATA_MMAX")
 # The block types whose grouped products take mmqw (the tensor cores with every warp on its own 16
-# rows: gpu_kernels.cu says why), ahead of MMAX_TYPES. Not yet timed on a card, so none unless
-# STRATA_MMQW names them (the same forms as STRATA_MMAX).
+# rows: gpu_kernels.cu says why), ahead of MMAX_TYPES: none unless STRATA_MMQW names them (the same
+# forms as STRATA_MMAX); the choice by shape takes it for every down product.
 MMQW_TYPES = _mma_types(os.environ.get("STRATA_MMQW"), frozenset(), "STRATA_MMQW")
-# ... and mmqk (the chunk's act-blocks split between a block's four warps), ahead of both: every
-# type. Timed on the H200 (2026-12-02, benchmarks/kernels_gpu.py --grouped, 128 experts at 5-20
-# pairs; mmqk / mmx): gate/up 0.43 (Q8_0), 0.91 (Q6_K), 0.81 (Q2_0), 0.90 (IQ3_XXS), 1.06 (Q4_K);
-# down 0.34-0.73 on all five. At 64-96 pairs (a 4096-token prompt) mmqx is faster still on gate/up
-# (0.28-0.82 against mmqk's 0.35-1.00), but the whole seed-4l prompt with mmqk for every type beat
-# the default before it at both lengths: 256 tokens 8978 tok/s (its grouped launches 12.8 ms where
-# mmx/mmqx took 15.9), 4096 tokens 11454 against 10779. A choice by shape and pairs an expert is
-# the next step. STRATA_MMQK (the same forms as STRATA_MMAX; "none" for the kernels before).
-MMQK_TYPES = _mma_types(os.environ.get("STRATA_MMQK"), frozenset(t.name for t in TYPES if t.quantized), "STRATA_MMQK")
+# ... and mmqk (the chunk's act-blocks split between a block's four warps), ahead of both. Timed on
+# the H200 (2026-12-02, benchmarks/kernels_gpu.py --grouped, 128 experts at 5-20 pairs; mmqk / mmx):
+# gate/up 0.43 (Q8_0), 0.91 (Q6_K), 0.81 (Q2_0), 0.90 (IQ3_XXS), 1.06 (Q4_K); down 0.34-0.73 on all
+# five (mmqw best there). At 64-96 pairs (a 4096-token prompt) mmqx is faster still on gate/up
+# (0.28-0.82 against mmqk's 0.35-1.00). STRATA_MMQK (the same forms as STRATA_MMAX).
+#
+# The default is the choice by shape (STRATA_GROUPED=shape, `grouped_kernel`): a down product (its
+# input the experts' intermediate) takes mmqw, a gate/up product mmqk where the chunk has fewer than
+# GROUPED_MMQX_PAIRS pairs an expert on average, else mmqx. A type named by an explicit STRATA_MMQK /
+# STRATA_MMQW / STRATA_MMAX still takes that family whatever the shape (in that order);
+# STRATA_GROUPED=types is the choice by type alone as before it (MMQK_TYPES every type unless
+# STRATA_MMQK says otherwise, MMAX_TYPES Q8_0). Every one of these kernels gives mm's bits (the
+# same terms in the same order, folded in the same tree: tests/gpu/test_device_prompt.py), so the
+# choice moves time only.
+MMQK_TYPES = _mma_types(os.environ.get("STRATA_MMQK"), frozenset() if GROUPED == "shape" else _EVERY, "STRATA_MMQK")
+# The block types whose grouped kernel is chosen by shape (after the explicit sets above).
+SHAPE_TYPES = _EVERY if GROUPED == "shape" else frozenset()
+# Mean pairs an expert from which a gate/up product takes mmqx in place of mmqk (STRATA_GROUPED=shape).
+GROUPED_MMQX_PAIRS = float(os.environ.get("STRATA_GROUPED_MMQX_PAIRS", "40"))
 # Warps of an mmqx block (at most the compiled STRATA_MQ_WARPS): a grouped tile has 5-20 pairs where
 # a prompt's dense product has 64 a launch, so the card may prefer fewer (a benchmark's knob).
 MMQX_WARPS = int(os.environ.get("STRATA_MQX_WARPS", "4"))
@@ -682,20 +705,36 @@ def _quant_plan(type_id: int, n_in: int, n_out: int, n_tok: int) -> tuple:
     return _quant_launch(type_id, n_in, n_out, n_tok, ggml_type(type_id).name in MMA_TYPES)
 
 
-def grouped_kernel(type_id: int) -> str:
-    """The kernel grouped_products takes for a block type: "mmqk" (MMQK_TYPES), "mmqw" (MMQW_TYPES),
-    "mmqx" (MMAX_TYPES) or "mmx", the first that names it."""
+def grouped_kernel(type_id: int, down: bool = False, pairs: float = 0.0) -> str:
+    """The kernel grouped_products takes for a block type: "mmqk" (MMQK_TYPES), "mmqw" (MMQW_TYPES)
+    or "mmqx" (MMAX_TYPES), the first that names it; else, for SHAPE_TYPES, by shape: "mmqw" for a
+    down product (down: its input the experts' intermediate), "mmqk" for gate/up at fewer than
+    GROUPED_MMQX_PAIRS pairs an expert (pairs: the chunk's mean), else "mmqx"; else "mmx"."""
     name = ggml_type(type_id).name
     for kind, types in (("mmqk", MMQK_TYPES), ("mmqw", MMQW_TYPES), ("mmqx", MMAX_TYPES)):
         if name in types:
             return kind
+    if name in SHAPE_TYPES:
+        if down:
+            return "mmqw"
+        return "mmqk" if pairs < GROUPED_MMQX_PAIRS else "mmqx"
     return "mmx"
 
 
-@_planned
-def _grouped_plan(type_id: int, n_in: int, n_out: int, n_tok: int) -> tuple:
+def _grouped_plan(type_id: int, n_in: int, n_out: int, n_tok: int, down: bool = False, pairs: float = 0.0) -> tuple:
     """grouped_products' launch: (module, kernel, blocks a tile, block, shared bytes, trailing args)."""
-    kind = grouped_kernel(type_id)
+    return _grouped_launch(type_id, n_in, n_out, n_tok, grouped_kernel(type_id, down, pairs))
+
+
+def _grouped_launch(type_id: int, n_in: int, n_out: int, n_tok: int, kind: str) -> tuple:
+    key = (_grouped_launch, type_id, n_in, n_out, n_tok, kind)
+    p = _plans.get(key)
+    if p is None:
+        p = _plans[key] = _grouped_make(type_id, n_in, n_out, n_tok, kind)
+    return p
+
+
+def _grouped_make(type_id: int, n_in: int, n_out: int, n_tok: int, kind: str) -> tuple:
     mod, _, grid, block, smem, extra = _quant_launch(type_id, n_in, n_out, n_tok, kind != "mmx")
     groups = -(-n_out // 16)
     if kind == "mmqx":  # a tile of up to 8 x warps pairs (most tiles) is one item per 16 rows: a block each
@@ -768,7 +807,7 @@ def _quant16(w: GpuWeight, act: GpuActQ16, out, planes_out=None) -> None:
 
 
 def _quant(w: GpuWeight, q, d, s16, out) -> None:
-    """One launch for up to MAX_TOKENS tokens: q [T, n_in], d [T, nb], s16 [T, 2 nb], out [T, n_out]."""
+    """One launch for up to MAX_TOKENS tokens (mmq: MMQ_LAUNCH_TOKENS): q [T, n_in], d [T, nb], s16 [T, 2 nb], out [T, n_out]."""
     mod, name, grid, block, smem, extra = _quant_plan(w.type_id, w.n_in, w.n_out, q.shape[0])
     scales = w.scales if w.scales is not None else w.rest  # IQ1_M: never read
     args = (w.rest, scales, q, d, s16, out, np.int32(w.n_out), np.int32(w.n_in // QA))
@@ -935,15 +974,17 @@ def tile_rows(weights: list, firsts, counts, bases) -> np.ndarray:
     return np.array(rows, np.int64).reshape(-1, 5)
 
 
-def grouped_products(type_id: int, n_in: int, n_out: int, tiles, n_tiles: int, act: GpuActQ, xrow, orow, out) -> None:
+def grouped_products(type_id: int, n_in: int, n_out: int, tiles, n_tiles: int, act: GpuActQ, xrow, orow, out,
+                     down: bool = False, pairs: float = 0.0) -> None:
     """Many experts' products of a prompt chunk in one launch (mmx, mmqx, mmqw or mmqk: grouped_kernel): tile i of
     `tiles` (device i64 [n_tiles, 5], rows of `tile_rows`) multiplies its weight by act's rows
     xrow[p] (device int32; None: row p) for its pairs p into out's rows orow[p] (device int32; None:
     its base + p). Each row has matmul's bits on that weight alone (the batched kernel's arithmetic,
-    the CPU's). Block types only (the ActQ; not the wide form)."""
+    the CPU's). Block types only (the ActQ; not the wide form). down (the experts' down product) and
+    pairs (the chunk's mean pairs an expert) choose the kernel (grouped_kernel), never the bits."""
     if n_tiles == 0:
         return
-    mod, name, grid, block, smem, (_, tab) = _grouped_plan(type_id, n_in, n_out, MAX_TOKENS)
+    mod, name, grid, block, smem, (_, tab) = _grouped_plan(type_id, n_in, n_out, MAX_TOKENS, down, pairs)
     null = np.uint64(0)  # a null pointer argument
     args = (tiles, np.int32(grid), act.q, act.d, act.s16, null if xrow is None else xrow, null if orow is None else orow, out, np.int32(n_out), np.int32(n_in // QA),
             np.int32(MAX_TOKENS), tab)
@@ -979,8 +1020,11 @@ def matmul(w: GpuWeight, act, out=None, planes_out=None):
     if not t.quantized and FMM == "tiles" and n_tok:  # fmt holds no per-token state: one launch
         _float(w, act, out)
         return out
-    for a in range(0, n_tok, MAX_TOKENS):
-        b = min(n_tok, a + MAX_TOKENS)
+    step = MAX_TOKENS
+    if t.quantized and t.name in MMA_TYPES and n_tok > MAX_TOKENS:  # mmq: up to MMQ_LAUNCH_TOKENS a launch
+        step = max(MAX_TOKENS, MMQ_LAUNCH_TOKENS)
+    for a in range(0, n_tok, step):
+        b = min(n_tok, a + step)
         if t.quantized:
             _quant(w, act.q[a:b], act.d[a:b], act.s16[a:b], out[a:b])
         else:

@@ -8,9 +8,9 @@ activations left on the device:
 
     - the tables of the layer (for each resident expert's tile of up to gpu.MAX_TOKENS pairs: its
       slot's weight addresses; each pair's token and the row MoE.routed wants it in) go up in ONE copy;
-    - gate and up of every resident expert are ONE launch (gpu.grouped_products, mmx or mmqx: each row the
+    - gate and up of every resident expert are ONE launch (gpu.grouped_products, by shape: mmqk or mmqx; each row the
       batched kernel's bits on that expert alone, which are the CPU's), h = up silu(gate) ONE launch
-      (dev_hidden: the portable SiLU the CPU's hidden_ uses), its ActQ one, the downs ONE launch that
+      (dev_hidden: the portable SiLU the CPU's hidden_ uses), its ActQ one, the downs ONE launch (mmqw) that
       writes each row where MoE.routed wants it;
     - the experts neither resident nor streamed: x comes down once (only then), the CPU computes them
       in one grouped call (MoE.products) while the device computes the above, their rows go up once;
@@ -45,6 +45,12 @@ def chunk_bytes(E: int, F: int, n: int) -> int:
 
 
 GROUP_SMEM_IDS = 8192  # dev_group's ids in shared memory (32 KiB), when a chunk's pairs fit
+GROUP_THREADS = 1024  # dev_group's block: its warps' counts of each expert are its scratch (GROUP_THREADS / 32 x X ints)
+
+
+def group_scratch(X: int) -> int:
+    """dev_group's scratch ints for X experts: cnt, start [X], tstart [X + 1] and hist [warps x X]."""
+    return 3 * X + 1 + GROUP_THREADS // 32 * X
 
 
 class DeviceChunk:
@@ -61,7 +67,7 @@ class DeviceChunk:
             return False
         tiles = 2 * (n_pairs + moe.router.n_out)  # at most: one per expert and one per MAX_TOKENS pairs
         # the tiles, the pairs' tokens, positions (i64), rows and zeros, dev_group's scratch, the marker
-        table = align(3 * 5 * 8 * tiles) + 5 * align(4 * n_pairs) + align(4 * (3 * moe.router.n_out + 1)) + align(8)
+        table = align(3 * 5 * 8 * tiles) + 5 * align(4 * n_pairs) + align(4 * group_scratch(moe.router.n_out)) + align(8)
         return chunk_bytes(moe.E, moe.F, n_pairs) + table <= hp.prompt.size
 
     def forward(self, moe, x: Input, table):
@@ -90,21 +96,22 @@ class DeviceChunk:
         hq = gpu.GpuActQ(q.q, q.d, q.s16, buf.array((1,), np.uint64))  # the quantizer's non-finite marker (unread)
         t_gu, t_d = buf.array((2 * M, 5), np.int64), buf.array((M, 5), np.int64)
         tok, pos = buf.array((N,), np.int32), buf.array((N,), np.int64)
-        scratch = buf.array((3 * X + 1,), np.int32)
+        scratch = buf.array((group_scratch(X),), np.int32)
         gu_t, d_t = moe.gu.id, moe.d.id
         slots = hp.slots
         gu_bytes = placed_bytes(gu_t, E, F)
-        rt.launch(be._mod, "dev_group", 1, 1024,
+        rt.launch(be._mod, "dev_group", 1, GROUP_THREADS,
                   (ids, np.int32(N), np.int32(k), np.int32(X), table, slots.arena, np.int64(slots.slot_bytes),
                    np.int64(gu_bytes), np.int64(align(planes(gu_t, E, F)[0])), np.int64(align(planes(d_t, F, E)[0])),
                    np.int32(gpu.MAX_TOKENS), np.int32(M), tok, pos, t_gu, t_d, scratch[:X], scratch[X : 2 * X],
-                   scratch[2 * X :], np.int32(GROUP_SMEM_IDS)), smem=4 * GROUP_SMEM_IDS)
+                   scratch[2 * X : 3 * X + 1], scratch[3 * X + 1 :], np.int32(GROUP_SMEM_IDS)), smem=4 * GROUP_SMEM_IDS)
         act = x.form(moe.gu, False, quantize=be._quantize)
         xq = gpu.GpuActQ(act.q, act.d, act.s16, None)
-        gpu.grouped_products(gu_t, E, F, t_gu, 2 * M, xq, tok, None, gu)
+        pairs = N / min(X, N)  # the mean pairs an expert where every expert that can be is routed (the kernel's choice)
+        gpu.grouped_products(gu_t, E, F, t_gu, 2 * M, xq, tok, None, gu, pairs=pairs)
         self._hidden(gu, tok, h, hq, 0, N, F)  # (dev_hidden skips a row whose "slot" is < 0: no token is)
         part = be.scratch("moe.part", (N, E))
-        gpu.grouped_products(d_t, F, E, t_d, M, hq, None, None, part)
+        gpu.grouped_products(d_t, F, E, t_d, M, hq, None, None, part, down=True, pairs=pairs)
         out = be.scratch("moe.out", (T, E))
         be._launch("dev_combine", T * E, (part, pos, w, out, np.int32(T), np.int32(k), np.int32(E)))
         return out, ids
@@ -149,9 +156,10 @@ class DeviceChunk:
             act = x.form(moe.gu, False, quantize=be._quantize)
             xq = gpu.GpuActQ(act.q, act.d, act.s16, None)
             if n_res:
-                gpu.grouped_products(moe.gu.id, E, F, dev_t_gu, len(t_gu), xq, xrow, None, gu)
+                pairs = n_res / res_g.size  # the mean pairs a resident expert (the kernel's choice)
+                gpu.grouped_products(moe.gu.id, E, F, dev_t_gu, len(t_gu), xq, xrow, None, gu, pairs=pairs)
                 self._hidden(gu[: 2 * n_res], zero, h[:n_res], hq, 0, n_res, F)
-                gpu.grouped_products(moe.d.id, F, E, dev_t_d, len(t_d), hq, None, orow, part)
+                gpu.grouped_products(moe.d.id, F, E, dev_t_d, len(t_d), hq, None, orow, part, down=True, pairs=pairs)
         t0 = time.perf_counter()
         if cpu_g.size:  # the rest on the CPU in one grouped call while the device runs the resident experts
             part[be.xp.asarray(cpu_i)] = rt.to_device(moe.products(Input(xh), experts[cpu_g], rows[cpu_i], cpu_s))

@@ -184,6 +184,27 @@ extern "C" __global__ void dev_add_rmsnorm_q(float* x, const float* y, const flo
 // known at run time: ~600 us for a 256-token chunk's 4096 rows on the H200, 2026-12-02; the rows
 // of a head share k and q, and their sums interleave.)
 #define DELTA_R 4
+// Token t's inputs of a dev_delta warp: key and query lanes (zeros past dk), its value rows, gate and beta.
+__device__ __forceinline__ void delta_load(int t, const float* q, i64 qs, const float* k, i64 ks, const float* v, i64 vs,
+                                           const float* g, const float* beta, int nv, int h, int kh, int j0, int dv,
+                                           int dk, int lane, const bool (&in)[8], float (&kk)[8], float (&qq)[8],
+                                           float (&vv)[DELTA_R], float& gt, float& bt) {
+    const float* kt = k + (i64)t * ks + (i64)kh * dk;
+    const float* qt = q + (i64)t * qs + (i64)kh * dk;
+#pragma unroll
+    for (int a = 0; a < 8; a++) {
+        kk[a] = in[a] ? kt[lane + 32 * a] : 0.0f;
+        qq[a] = in[a] ? qt[lane + 32 * a] : 0.0f;
+    }
+#pragma unroll
+    for (int r = 0; r < DELTA_R; r++) vv[r] = v[(i64)t * vs + (i64)h * dv + min(j0 + r, dv - 1)];
+    gt = g[(i64)t * nv + h];
+    bt = beta[(i64)t * nv + h];
+}
+
+// (Software-pipelined: token t + 1's inputs are loaded into registers before token t's update, so
+// their global-memory latency overlaps its arithmetic instead of starting each token; the values and
+// every operation on them are as before: the same bits.)
 extern "C" __global__ void dev_delta(float* S, const float* q, i64 qs, const float* k, i64 ks, const float* v, i64 vs,
                                      const float* g, const float* beta, float* out, int T, int nv, int nk, int dv,
                                      int dk) {
@@ -202,17 +223,16 @@ extern "C" __global__ void dev_delta(float* S, const float* q, i64 qs, const flo
 #pragma unroll
             for (int a = 0; a < 8; a++) s[r][a] = in[a] ? Sr[lane + 32 * a] : 0.0f;
         }
+        float kk[8], qq[8], vv[DELTA_R], gt = 0.0f, bt = 0.0f;  // token t's inputs, loaded an iteration ahead
+        if (T > 0) delta_load(0, q, qs, k, ks, v, vs, g, beta, nv, h, kh, j0, dv, dk, lane, in, kk, qq, vv, gt, bt);
         for (int t = 0; t < T; t++) {
-            const float decay = expf(g[(i64)t * nv + h]);
-            const float bt = beta[(i64)t * nv + h];
-            const float* kt = k + (i64)t * ks + (i64)kh * dk;
-            const float* qt = q + (i64)t * qs + (i64)kh * dk;
-            float kk[8], qq[8];
+            float kn[8], qn[8], vn[DELTA_R], gn = 0.0f, bn = 0.0f;  // token t + 1's, in flight during t's update
 #pragma unroll
-            for (int a = 0; a < 8; a++) {
-                kk[a] = in[a] ? kt[lane + 32 * a] : 0.0f;
-                qq[a] = in[a] ? qt[lane + 32 * a] : 0.0f;
-            }
+            for (int a = 0; a < 8; a++) kn[a] = qn[a] = 0.0f;
+#pragma unroll
+            for (int r = 0; r < DELTA_R; r++) vn[r] = 0.0f;
+            if (t + 1 < T) delta_load(t + 1, q, qs, k, ks, v, vs, g, beta, nv, h, kh, j0, dv, dk, lane, in, kn, qn, vn, gn, bn);
+            const float decay = expf(gt);
             float kv[DELTA_R], o[DELTA_R];
 #pragma unroll
             for (int r = 0; r < DELTA_R; r++) {
@@ -229,8 +249,7 @@ extern "C" __global__ void dev_delta(float* S, const float* q, i64 qs, const flo
                 for (int r = 0; r < DELTA_R; r++) kv[r] += __shfl_xor_sync(FULL, kv[r], w);  // warp_sum's tree
 #pragma unroll
             for (int r = 0; r < DELTA_R; r++) {
-                const float vt = v[(i64)t * vs + (i64)h * dv + min(j0 + r, dv - 1)];
-                const float delta = (vt - kv[r]) * bt;
+                const float delta = (vv[r] - kv[r]) * bt;
                 o[r] = 0.0f;
 #pragma unroll
                 for (int a = 0; a < 8; a++) {
@@ -248,6 +267,11 @@ extern "C" __global__ void dev_delta(float* S, const float* q, i64 qs, const flo
 #pragma unroll
                 for (int r = 0; r < DELTA_R; r++)
                     if (j0 + r < dv) out[((i64)t * nv + h) * dv + j0 + r] = o[r];
+#pragma unroll
+            for (int a = 0; a < 8; a++) kk[a] = kn[a], qq[a] = qn[a];
+#pragma unroll
+            for (int r = 0; r < DELTA_R; r++) vv[r] = vn[r];
+            gt = gn, bt = bn;
         }
 #pragma unroll
         for (int r = 0; r < DELTA_R; r++)
@@ -715,26 +739,52 @@ extern "C" __global__ void dev_route_rows(const float* logits, int X, int k, int
 // tiles_d[0, M); tiles of up to `tile` pairs, expert by expert, and n = 0 (mmx skips them) from
 // the last one to M. A slot is slot_bytes at arena + table[e] slot_bytes: gate, up (gu_bytes each,
 // their scales gu_sc into each), down (scales d_sc into it): engine/tier/slots.py's layout.
-// cnt, start: scratch int [X]; tstart int [X + 1]. One block: deterministic, no atomics.
+// cnt, start: scratch int [X]; tstart int [X + 1]; hist int [(blockDim / 32) X]. One block:
+// deterministic (no atomics), the same output for any block size.
+//
+// A stable counting sort, linear in the pairs: warp w of the nw takes the pairs of its own
+// contiguous segment (the segments in pair order), 32 at a time: __match_any_sync gives each lane
+// the lanes of its expert, the lowest of them adds their count to the warp's row of hist. Then a
+// thread per expert turns its column into exclusive sums over the warps (so hist[w][e] is the
+// pairs of e in the segments before w) and the experts' exclusive sums give start and tstart; the
+// warps walk their segments again, pair i of expert e going to start[e] + hist[w][e] + the lanes
+// of e below it, the lowest advancing hist[w][e]. So the pairs of an expert keep their order: the
+// same tok, pos and tiles as the version before it, which had a warp per expert read all N ids
+// (X N / 32 reads in all: 5.1 ms a layer for a 4096-token chunk's 40960 pairs of 512 experts on the
+// H200, 2026-12-02; this one reads them twice).
 extern "C" __global__ void dev_group(const int* ids, int N, int k, int X, const int* table, const unsigned char* arena,
                                      i64 slot_bytes, i64 gu_bytes, i64 gu_sc, i64 d_sc, int tile, int M, int* tok,
-                                     i64* pos, i64* tiles_gu, i64* tiles_d, int* cnt, int* start, int* tstart, int smem_ids) {
-    // A warp per expert reads the ids 32 at a time (a ballot: which lanes hold the expert), from
-    // shared memory when the launch gave room for them (smem_ids ints). (A thread per expert reading all N ids
-    // one by one, twice, and one thread's serial prefix: ~370 us for a 256-token chunk's 2560 pairs
-    // on the H200, 2026-12-02.) The pairs of an expert keep their order: rank = the set lanes below.
+                                     i64* pos, i64* tiles_gu, i64* tiles_d, int* cnt, int* start, int* tstart, int* hist,
+                                     int smem_ids) {
     if (blockIdx.x) return;
     STRATA_SMEM(smem);
     int* const s_ids = reinterpret_cast<int*>(smem);
     const bool in_smem = N <= smem_ids;  // (the launch's shared memory holds smem_ids ints)
     for (int i = threadIdx.x; in_smem && i < N; i += blockDim.x) s_ids[i] = ids[i];
+    for (int i = threadIdx.x; i < (int)(blockDim.x >> 5) * X; i += blockDim.x) hist[i] = 0;
     __syncthreads();
     const int* src = in_smem ? s_ids : ids;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
-    for (int e = warp; e < X; e += nw) {
-        int c = 0;
-        for (int i0 = 0; i0 < N; i0 += 32) c += __popc(__ballot_sync(FULL, i0 + lane < N && src[i0 + lane] == e));
-        if (lane == 0) cnt[e] = c;
+    const unsigned below = (1u << lane) - 1u;
+    const int seg = ((N + nw - 1) / nw + 31) & ~31;  // pairs a warp's segment (whole steps of 32)
+    const int lo = min(N, warp * seg), hi = min(N, lo + seg);
+    int* const row = hist + (i64)warp * X;
+    for (int i0 = lo; i0 < hi; i0 += 32) {  // each warp's count of each expert in its segment
+        const int i = i0 + lane;
+        const int e = i < hi ? src[i] : -1;  // (-1: no pair; those lanes match only each other)
+        const unsigned m = __match_any_sync(FULL, e);
+        if (e >= 0 && !(m & below)) row[e] += __popc(m);
+        __syncwarp();
+    }
+    __syncthreads();
+    for (int e = threadIdx.x; e < X; e += blockDim.x) {  // hist[w][e]: e's pairs in the segments before w
+        int s = 0;
+        for (int w = 0; w < nw; w++) {
+            const int c = hist[(i64)w * X + e];
+            hist[(i64)w * X + e] = s;
+            s += c;
+        }
+        cnt[e] = s;
     }
     __syncthreads();
     if (warp == 0) {  // exclusive prefix sums of the pairs and the tiles: lane l takes X / 32 experts in a row
@@ -755,21 +805,22 @@ extern "C" __global__ void dev_group(const int* ids, int N, int k, int X, const 
         if (lane == 31) tstart[X] = tsi;
     }
     __syncthreads();
-    for (int e = warp; e < X; e += nw) {
+    for (int i0 = lo; i0 < hi; i0 += 32) {  // each pair to its place: the warps' segments in order, lanes in order
+        const int i = i0 + lane;
+        const int e = i < hi ? src[i] : -1;
+        const unsigned m = __match_any_sync(FULL, e);
+        const int at = e >= 0 ? start[e] + row[e] + __popc(m & below) : 0;
+        __syncwarp();  // (every lane has read row[e] before the lowest lane of e advances it)
+        if (e >= 0) {
+            tok[at] = i / k;
+            pos[i] = at;
+            if (!(m & below)) row[e] += __popc(m);
+        }
+        __syncwarp();
+    }
+    for (int e = warp; e < X; e += nw) {  // the tiles: a warp an expert, a lane a tile
         const int c = cnt[e];
         if (!c) continue;
-        int p = start[e];
-        for (int i0 = 0; i0 < N; i0 += 32) {
-            const int i = i0 + lane;
-            const bool hit = i < N && src[i] == e;
-            const unsigned m = __ballot_sync(FULL, hit);
-            if (hit) {
-                const int at = p + __popc(m & ((1u << lane) - 1u));
-                tok[at] = i / k;
-                pos[i] = at;
-            }
-            p += __popc(m);
-        }
         const i64 base = (i64)arena + (i64)table[e] * slot_bytes;
         for (int t = lane; t * tile < c; t += 32) {
             const i64 first = start[e] + (i64)t * tile, n = min(tile, c - t * tile), r = tstart[e] + t;

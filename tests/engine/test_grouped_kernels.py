@@ -7,6 +7,7 @@ serves them; shapes stay small except one expert shape."""
 
 from __future__ import annotations
 
+import os
 import re
 
 import numpy as np
@@ -17,7 +18,7 @@ from kernel_paths import KERNELS, cpu_path
 from strata.engine.kernels import cpu
 from strata.engine.kernels import reference as R
 from strata.engine.kernels.actq import ActQ, quantize_act
-from strata.index_format.ggml_types import BY_NAME
+from strata.index_format.ggml_types import BY_NAME, TYPES
 
 # the expert types of the shipped mixes (seed-4l: IQ2_XS/IQ2_XXS/IQ3_XXS gate/up, IQ4_NL/Q2_0 down)
 # and two with their own scale layouts: Q4_K (a min term), Q8_0 (the plain one)
@@ -271,3 +272,66 @@ def test_a_prompt_chunk_s_layout_is_not_kept(monkeypatch):
     got = cpu.matmul_grouped(raw, t.id, 64, 5, offsets, act, starts)
     assert cpu._PLANS == {}, "a layout of more than PLAN_ROWS rows was kept"
     _same(got, _per_group(t, raw, offsets, act, starts, 64, 5, R.dot_reference), "a chunk's layout")
+
+
+def test_gpu_grouped_kernel_by_shape(monkeypatch):
+    """gpu.grouped_kernel (the GPU prompt path's grouped products; pure Python): by default
+    (STRATA_GROUPED=shape) down products take mmqw, gate/up mmqk below GROUPED_MMQX_PAIRS pairs an
+    expert and mmqx from it; a type an explicit STRATA_MMQK / STRATA_MMQW / STRATA_MMAX set names takes
+    that family whatever the shape (mmqk first); the choice by type alone (STRATA_GROUPED=types) is
+    the one before it."""
+    from strata.engine.kernels import gpu
+    from strata.index_format.ggml_types import ggml_type
+
+    every = frozenset(t.name for t in TYPES if t.quantized)
+    q4, q8 = ggml_type("Q4_K").id, ggml_type("Q8_0").id
+    if gpu.GROUPED == "shape" and not any(os.environ.get(v) for v in ("STRATA_MMQK", "STRATA_MMQW", "STRATA_MMAX")):
+        assert gpu.SHAPE_TYPES == every and not (gpu.MMQK_TYPES | gpu.MMQW_TYPES | gpu.MMAX_TYPES)  # the defaults
+    for name, value in (("SHAPE_TYPES", every), ("MMQK_TYPES", frozenset()), ("MMQW_TYPES", frozenset()), ("MMAX_TYPES", frozenset()),
+                        ("GROUPED_MMQX_PAIRS", 40.0)):
+        monkeypatch.setattr(gpu, name, value)
+    for t in TYPES:
+        if t.quantized:
+            assert gpu.grouped_kernel(t.id, down=True, pairs=5.0) == "mmqw"
+            assert gpu.grouped_kernel(t.id, down=True, pairs=80.0) == "mmqw"
+            assert gpu.grouped_kernel(t.id, down=False, pairs=5.0) == "mmqk"
+            assert gpu.grouped_kernel(t.id, down=False, pairs=39.9) == "mmqk"
+            assert gpu.grouped_kernel(t.id, down=False, pairs=40.0) == "mmqx"
+            assert gpu.grouped_kernel(t.id, down=False, pairs=80.0) == "mmqx"
+    assert gpu.grouped_kernel(q4) == "mmqk"  # (no shape given: gate/up at few pairs)
+    monkeypatch.setattr(gpu, "GROUPED_MMQX_PAIRS", 64.0)
+    assert gpu.grouped_kernel(q4, pairs=40.0) == "mmqk" and gpu.grouped_kernel(q4, pairs=64.0) == "mmqx"
+    # an explicit set forces its family for the types it names, whatever the shape
+    monkeypatch.setattr(gpu, "MMAX_TYPES", frozenset({"Q8_0"}))
+    assert [gpu.grouped_kernel(q8, d, p) for d, p in ((False, 5.0), (True, 5.0))] == ["mmqx", "mmqx"]
+    assert gpu.grouped_kernel(q4, True, 5.0) == "mmqw" and gpu.grouped_kernel(q4, False, 5.0) == "mmqk"
+    monkeypatch.setattr(gpu, "MMQW_TYPES", frozenset({"Q8_0", "Q4_K"}))
+    assert gpu.grouped_kernel(q8, False, 80.0) == "mmqw" and gpu.grouped_kernel(q4, False, 80.0) == "mmqw"
+    monkeypatch.setattr(gpu, "MMQK_TYPES", frozenset({"Q4_K"}))
+    assert gpu.grouped_kernel(q4, True, 80.0) == "mmqk" and gpu.grouped_kernel(q8, True, 80.0) == "mmqw"
+    # the choice by type alone: no shape types, the sets' old defaults
+    monkeypatch.setattr(gpu, "SHAPE_TYPES", frozenset())
+    monkeypatch.setattr(gpu, "MMQK_TYPES", every)
+    monkeypatch.setattr(gpu, "MMQW_TYPES", frozenset())
+    assert all(gpu.grouped_kernel(t.id, d, p) == "mmqk" for t in TYPES if t.quantized for d in (False, True) for p in (5.0, 80.0))
+    monkeypatch.setattr(gpu, "MMQK_TYPES", frozenset())
+    assert gpu.grouped_kernel(q8, True, 80.0) == "mmqx" and gpu.grouped_kernel(q4, False, 80.0) == "mmx"
+
+
+def test_gpu_grouped_env_settings(tmp_path):
+    """STRATA_GROUPED / STRATA_MMQK / STRATA_GROUPED_MMQX_PAIRS as a process reads them."""
+    import subprocess
+    import sys
+
+    code = ("from strata.engine.kernels import gpu; "
+            "print(gpu.GROUPED, sorted(gpu.MMQK_TYPES)[:1], sorted(gpu.MMAX_TYPES), len(gpu.SHAPE_TYPES) > 0, gpu.GROUPED_MMQX_PAIRS)")
+
+    def run(**env):
+        e = {k: v for k, v in os.environ.items() if k not in ("STRATA_GROUPED", "STRATA_MMQK", "STRATA_MMAX", "STRATA_MMQW", "STRATA_GROUPED_MMQX_PAIRS")}
+        r = subprocess.run([sys.executable, "-c", code], env={**e, **env}, capture_output=True, text=True)
+        assert r.returncode == 0, r.stderr
+        return r.stdout.split()
+
+    assert run() == ["shape", "[]", "[]", "True", "40.0"]
+    assert run(STRATA_GROUPED="types") == ["types", "['IQ1_M']", "['Q8_0']", "False", "40.0"]
+    assert run(STRATA_MMQK="Q4_K", STRATA_GROUPED_MMQX_PAIRS="64") == ["shape", "['Q4_K']", "[]", "True", "64.0"]

@@ -26,6 +26,7 @@ def _grouped_kernel(monkeypatch, kernel: str, name: str) -> None:
     monkeypatch.setattr(gpu, "MMAX_TYPES", frozenset({name}) if kind == "mmqx" else frozenset())
     monkeypatch.setattr(gpu, "MMQW_TYPES", frozenset({name}) if kind == "mmqw" else frozenset())
     monkeypatch.setattr(gpu, "MMQK_TYPES", frozenset({name}) if kind == "mmqk" else frozenset())
+    monkeypatch.setattr(gpu, "SHAPE_TYPES", frozenset())  # (the choice by shape: test_grouped_choice_by_shape_*)
     monkeypatch.setattr(gpu, "MMQX_WARPS", 1 if kernel.endswith("1warp") else 4)
     monkeypatch.setattr(gpu, "_plans", {})
 
@@ -68,6 +69,53 @@ def test_grouped_kernels_every_type_on_ragged_tiles(rt, t, kernel, monkeypatch):
             if not same.all():
                 p, o = (int(v) for v in np.argwhere(~same)[0])
                 pytest.fail(f"{t.name} {kernel} n_in {E}: group {g} ({c} pairs), pair {p} row {o}: {got[a + p, o]!r} vs reference {ref[p, o]!r}")
+
+
+# (down, mean pairs an expert) -> the kernel the choice by shape takes (gpu.grouped_kernel)
+_SHAPE_CASES = [(False, 5.0, "mmqk"), (False, 80.0, "mmqx"), (True, 5.0, "mmqw"), (True, 80.0, "mmqw")]
+
+
+@pytest.mark.parametrize("t", [t for t in TYPES if t.quantized], ids=lambda t: t.name)
+def test_grouped_choice_by_shape_is_mmqk_bits_on_ragged_tiles(rt, t, monkeypatch):
+    """STRATA_GROUPED=shape (the default): whichever kernel the shape and pairs an expert choose (mmqk for
+    gate/up at few pairs, mmqx at many, mmqw for down), every block type's grouped rows on ragged tiles are
+    mmqk's bits (the kernel chosen by type before it), and the reference's."""
+    from kernel_blocks import random_weights
+    from strata.engine.kernels import reference as R
+    from strata.engine.kernels.actq import quantize_act
+
+    rng = np.random.default_rng(100 + t.id)
+    F, counts = 37, _GROUPED_COUNTS
+    firsts = np.concatenate(([0], np.cumsum(counts)[:-1]))
+    n = sum(counts)
+    for E in _GROUPED_IN[t.block_size]:
+        raws = [random_weights(t, E * F, rng) for _ in counts]
+        ws = [gpu.upload(r, t.id, E, F) for r in raws]
+        tok = rng.permutation(n).astype(np.int32)
+        xh = rng.standard_normal((n, E)).astype(np.float32) * rng.uniform(0.1, 10, (n, 1)).astype(np.float32)
+        x = gpu.quantize_act_gpu(rt.to_device(xh))
+        host_tiles = gpu.tile_rows(ws, firsts, counts, [0] * len(counts))
+        tiles, n_tiles = rt.to_device(host_tiles), len(host_tiles)
+
+        def run(down, pairs):
+            out = rt.to_device(np.full((n, F), 5.0, np.float32))
+            gpu.grouped_products(t.id, E, F, tiles, n_tiles, x, rt.to_device(tok), None, out, down=down, pairs=pairs)
+            return rt.to_host(out)
+
+        _grouped_kernel(monkeypatch, "mmqk", t.name)
+        base = run(False, 0.0)
+        for g, (r, a, c) in enumerate(zip(raws, firsts, counts)):
+            ref = R.dot_reference(r, t.id, E, F, quantize_act(xh[tok[a : a + c]]))
+            assert np.array_equal(base[a : a + c].view(np.uint32), ref.view(np.uint32)), f"{t.name} mmqk n_in {E}: group {g}"
+        monkeypatch.setattr(gpu, "MMQK_TYPES", frozenset())
+        monkeypatch.setattr(gpu, "SHAPE_TYPES", frozenset({t.name}))
+        for down, pairs, kernel in _SHAPE_CASES:
+            assert gpu._grouped_plan(t.id, E, F, gpu.MAX_TOKENS, down, pairs)[1] == f"{kernel}<{t.id}>"
+            got = run(down, pairs)
+            same = got.view(np.uint32) == base.view(np.uint32)
+            if not same.all():
+                p, o = (int(v) for v in np.argwhere(~same)[0])
+                pytest.fail(f"{t.name} by shape ({kernel}, down={down}, {pairs} pairs) n_in {E}: pair {p} row {o}: {got[p, o]!r} vs mmqk {base[p, o]!r}")
 
 
 @pytest.mark.parametrize("kernel", ["mmx", "mmqx", "mmqx-1warp", "mmqw", "mmqk"])
@@ -124,6 +172,65 @@ def test_grouped_products_are_each_experts_matmul(rt, name, kernel, monkeypatch)
         assert np.array_equal(got_big[perm[a : a + c]].view(np.int32), want_s.view(np.int32))
 
 
+def _launch_dev_group(rt, mod, ids, N, k, X, table, arena, sizes, tile, M, tok, pos, t_gu, t_d, smem_ids, threads=1024):
+    """dev_group as DeviceChunk.forward launches it (its scratch filled with garbage first)."""
+    sb, gub, gsc, dsc = sizes
+    scratch = rt.to_device(np.full(3 * X + 1 + threads // 32 * X, 12345, np.int32))
+    rt.launch(mod, "dev_group", 1, threads, (ids, np.int32(N), np.int32(k), np.int32(X), rt.to_device(table), arena,
+                                             np.int64(sb), np.int64(gub), np.int64(gsc), np.int64(dsc), np.int32(tile),
+                                             np.int32(M), tok, pos, t_gu, t_d, scratch[:X], scratch[X : 2 * X],
+                                             scratch[2 * X : 3 * X + 1], scratch[3 * X + 1 :], np.int32(smem_ids)),
+              smem=4 * smem_ids)  # (smem_ids 0: the ids read from global memory)
+
+
+@pytest.mark.parametrize("case", ["small", "skewed", "past-smem", "many-experts", "256-threads"])
+def test_dev_group_is_groups_on_random_routings(rt, case):
+    """dev_group (a stable counting sort: each warp's segment counted, then placed) on random routings
+    against the host's grouping (moe.Groups): tok, pos and the tiles, bit for bit. Past GROUP_SMEM_IDS
+    pairs (8192) the ids are read from global memory; a block of 256 threads (8 segments) must give the
+    same output as 1024."""
+    from strata.engine.moe import Groups
+    from strata.engine.tier.device import KERNELS, _NAMES
+    from strata.engine.tier.device_chunk import GROUP_SMEM_IDS
+
+    mod = rt.compile(_NAMES, KERNELS)
+    T, X, k, threads = {"small": (7, 16, 3, 1024), "skewed": (300, 40, 6, 1024), "past-smem": (1100, 64, 8, 1024),
+                        "many-experts": (96, 512, 10, 1024), "256-threads": (700, 48, 5, 256)}[case]
+    rng = np.random.default_rng(sum(map(ord, case)))
+    if case == "skewed":  # most pairs on a few experts (tiles of MAX_TOKENS and a ragged last one)
+        p = rng.dirichlet(np.full(X, 0.1))
+    else:
+        p = np.full(X, 1.0 / X)
+    top = np.stack([rng.choice(X, k, replace=False, p=p) for _ in range(T)]).astype(np.int32)
+    N, tile = T * k, gpu.MAX_TOKENS
+    M = -(-N // tile) + min(X, N)
+    assert (N > GROUP_SMEM_IDS) == (case == "past-smem")
+    table = rng.permutation(X).astype(np.int32)
+    arena = rt.to_device(np.zeros(64, np.uint8))
+    sizes = (1000, 300, 100, 50)
+    tok, pos = rt.to_device(np.full(N, -1, np.int32)), rt.to_device(np.full(N, -1, np.int64))
+    t_gu, t_d = rt.to_device(np.full((2 * M, 5), 7, np.int64)), rt.to_device(np.full((M, 5), 7, np.int64))
+    _launch_dev_group(rt, mod, rt.to_device(top.reshape(-1)), N, k, X, table, arena, sizes, tile, M, tok, pos, t_gu, t_d,
+                      GROUP_SMEM_IDS, threads)
+    grp = Groups(top)
+    assert np.array_equal(rt.to_host(tok), grp.rows)
+    assert np.array_equal(rt.to_host(pos).reshape(T, k), grp.slot)
+    base, (sb, gub, gsc, dsc) = rt.ptr(arena), sizes
+    want_g, want_u, want_d = [], [], []
+    for g, e in enumerate(grp.experts):
+        a, b = int(grp.starts[g]), int(grp.starts[g + 1])
+        s_ = base + int(table[e]) * sb
+        for f in range(a, b, tile):
+            n = min(tile, b - f)
+            want_g.append((s_, s_ + gsc, f, n, 0))
+            want_u.append((s_ + gub, s_ + gub + gsc, f, n, N))
+            want_d.append((s_ + 2 * gub, s_ + 2 * gub + dsc, f, n, 0))
+    got_gu, got_d, used = rt.to_host(t_gu), rt.to_host(t_d), len(want_g)
+    assert np.array_equal(got_gu[:used], np.array(want_g)) and np.array_equal(got_gu[M : M + used], np.array(want_u))
+    assert np.array_equal(got_d[:used], np.array(want_d))
+    assert (got_gu[used:M, 3] == 0).all() and (got_gu[M + used :, 3] == 0).all() and (got_d[used:, 3] == 0).all()
+
+
 @pytest.mark.parametrize("smem_ids", [8192, 0])
 def test_dev_route_rows_and_dev_group_are_route_topk_and_groups(rt, smem_ids):
     """A chunk's routing on the device: each token's experts and f32 weights are moe.route_topk's
@@ -150,11 +257,7 @@ def test_dev_route_rows_and_dev_group_are_route_topk_and_groups(rt, smem_ids):
     sb, gub, gsc, dsc = 1000, 300, 100, 50
     tok, pos = rt.to_device(np.full(N, -1, np.int32)), rt.to_device(np.full(N, -1, np.int64))
     t_gu, t_d = rt.to_device(np.full((2 * M, 5), 7, np.int64)), rt.to_device(np.full((M, 5), 7, np.int64))
-    scratch = rt.to_device(np.zeros(3 * X + 1, np.int32))
-    rt.launch(mod, "dev_group", 1, 1024, (ids, np.int32(N), np.int32(k), np.int32(X), rt.to_device(table), arena,
-                                          np.int64(sb), np.int64(gub), np.int64(gsc), np.int64(dsc), np.int32(tile),
-                                          np.int32(M), tok, pos, t_gu, t_d, scratch[:X], scratch[X : 2 * X], scratch[2 * X :],
-                                          np.int32(smem_ids)), smem=4 * smem_ids)  # (0: the ids read from global memory)
+    _launch_dev_group(rt, mod, ids, N, k, X, table, arena, (sb, gub, gsc, dsc), tile, M, tok, pos, t_gu, t_d, smem_ids)
     grp = Groups(top)
     assert np.array_equal(rt.to_host(tok), grp.rows)
     assert np.array_equal(rt.to_host(pos).reshape(T, k), grp.slot)

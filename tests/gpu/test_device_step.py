@@ -1218,6 +1218,27 @@ def test_dev_delta_is_the_delta_rule(rt, T, nv, nk, dv, dk):
     assert np.allclose(rt.to_host(S), St, rtol=1e-4, atol=1e-5), np.abs(rt.to_host(S) - St).max()
 
 
+@pytest.mark.parametrize("T,nv,nk,dv,dk", [(37, 3, 1, 9, 128), (12, 4, 2, 7, 256)])
+def test_dev_delta_chunk_is_its_tokens_one_by_one(rt, T, nv, nk, dv, dk):
+    """dev_delta loads token t + 1's inputs while it updates the state for token t (software
+    pipelining): a chunk of T tokens in one launch gives the bits of T one-token launches (which load
+    nothing ahead), outputs and the state left."""
+    be = DeviceBackend(rt, None)
+    rng = np.random.default_rng(12)
+    S0 = (rng.standard_normal((nv, dv, dk)) * 0.3).astype(np.float32)
+    q = rng.standard_normal((T, nk, dk)).astype(np.float32)
+    k = (rng.standard_normal((T, nk, dk)) / np.sqrt(dk)).astype(np.float32)
+    v = rng.standard_normal((T, nv, dv)).astype(np.float32)
+    g = -rng.random((T, nv)).astype(np.float32)
+    beta = rng.random((T, nv)).astype(np.float32)
+    S = rt.to_device(S0)
+    out = rt.to_host(be.delta_rule(S, *(rt.to_device(a) for a in (q, k, v, g, beta))))
+    S1 = rt.to_device(S0)
+    one = np.stack([rt.to_host(be.delta_rule(S1, *(rt.to_device(a[t : t + 1]) for a in (q, k, v, g, beta))))[0] for t in range(T)])
+    assert np.array_equal(out.view(np.uint32), one.view(np.uint32))
+    assert np.array_equal(rt.to_host(S).view(np.uint32), rt.to_host(S1).view(np.uint32))
+
+
 @pytest.mark.parametrize("T", [1, 2, 37])
 def test_dev_conv_is_the_hosts_conv(rt, T):
     """dev_conv (a thread per channel and 16 tokens; a channel's first thread alone reads and then

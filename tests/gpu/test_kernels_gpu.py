@@ -279,6 +279,40 @@ def test_batched_kernels_with_ragged_tiles(rt, name, batched_kernel):
             _check_products(rt, t, n_in, n_out, (2, 7, 8, 9, 17, 33, 40), seed=t.id * 100 + n_in + n_out)
 
 
+@pytest.mark.parametrize("name", ["Q4_K", "Q8_0", "IQ3_XXS", "Q5_1"])
+def test_mmq_one_launch_for_many_tokens_is_per_64_launches(rt, name, monkeypatch):
+    """gpu.matmul on mmq takes up to MMQ_LAUNCH_TOKENS tokens a launch (every 64-token tile of the product
+    in one grid) where it took a launch per MAX_TOKENS: the same bits (each tile's arithmetic is its own
+    launch's), the reference's, on ragged rows and a ragged last tile; launches counted."""
+    t = BY_NAME[name]
+    monkeypatch.setattr(gpu, "MMA_TYPES", frozenset({name}))
+    monkeypatch.setattr(gpu, "_plans", {})
+    n_in, n_out, n_tok = _RAGGED[t.block_size][-1], 37, 3 * gpu.MAX_TOKENS + 9
+    rng = np.random.default_rng(t.id + 7)
+    raw = random_weights(t, n_in * n_out, rng)
+    w = gpu.upload(raw, t.id, n_in, n_out)
+    x = _acts(n_in, n_tok, t.id + 8)
+    act = gpu.quantize_act_gpu(rt.to_device(x))
+    ref = R.dot_reference(raw, t.id, n_in, n_out, quantize_act(x))
+    names = []
+    launch = rt.launch
+
+    def counted(mod, name, *a, **k):
+        names.append(name)
+        return launch(mod, name, *a, **k)
+
+    monkeypatch.setattr(rt, "launch", counted)
+    got = {}
+    for per in (4096, 128, gpu.MAX_TOKENS):
+        monkeypatch.setattr(gpu, "MMQ_LAUNCH_TOKENS", per)
+        names.clear()
+        got[per] = rt.to_host(gpu.matmul(w, act))
+        products = [n for n in names if not n.startswith("traits<")]  # (the module's check at its first use)
+        assert products == [f"mmq<{t.id}>"] * -(-n_tok // max(per, gpu.MAX_TOKENS)), (per, names)
+        _assert_same(got[per], ref, f"{name} [{n_in} x {n_out}] {n_tok} tokens, {per} a launch", None)
+    assert np.array_equal(got[4096].view(np.uint32), got[gpu.MAX_TOKENS].view(np.uint32))
+
+
 @pytest.mark.parametrize("t", [t for t in TYPES if t.quantized and t.name not in ("Q4_K", "Q6_K")], ids=lambda t: t.name)
 def test_batched_kernels_every_type(rt, t, batched_kernel):
     # mmq is generic over Ty<T>::dec: every block type keeps mm's bits through it (a type may then
