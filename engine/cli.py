@@ -909,6 +909,8 @@ def chat(
     think: Optional[bool] = typer.Option(None, "--think/--no-think", show_default=False,
                                          help="the template's enable_thinking (default: the template's own)"),
     n: int = typer.Option(1024, "-n", "--n-predict", help="tokens per reply at most"),
+    ignore_eos: bool = typer.Option(False, "--ignore-eos", help="never sample a stop token: each reply is exactly -n "
+                                    "tokens (or what the context has left)"),
     temp: float = typer.Option(0.8, "--temp", help="temperature, as llama.cpp; 0 is greedy"),
     top_k: int = typer.Option(40, "--top-k", help="keep the k most likely tokens; 0 is off"),
     top_p: float = typer.Option(0.95, "--top-p", help="nucleus sampling mass; 1 is off"),
@@ -929,14 +931,14 @@ def chat(
     try:
         pack = resolve_pack(pack_arg, pack)
         params = sampler_options(temp, top_k, top_p, min_p, repeat_penalty, seed)
-        _chat(pack, system, think, n, params, max_context, kv, prefill, pool_workers, stats, who)
+        _chat(pack, system, think, n, ignore_eos, params, max_context, kv, prefill, pool_workers, stats, who)
     except KeyboardInterrupt:
         typer.echo("", err=True)  # Ctrl-C at the prompt: leave as Ctrl-D does
     except _INPUT_ERRORS as e:
         raise _fail(str(e), 1, who) from None
 
 
-def _chat(pack, system, think, n, params, max_context, kv, prefill, pool_workers, stats, who) -> None:
+def _chat(pack, system, think, n, ignore_eos, params, max_context, kv, prefill, pool_workers, stats, who) -> None:
     from strata.engine.pack_reader import read_pack_geometry
     from strata.engine.scheduler import ConversationCache, Job, Scheduler
     from strata.engine.tokenizer import Tokenizer
@@ -965,7 +967,7 @@ def _chat(pack, system, think, n, params, max_context, kv, prefill, pool_workers
             if len(ids) >= max_context:
                 raise ValueError(f"the conversation has {len(ids)} tokens, the context holds {max_context}: "
                                  "start again with a larger --ctx-size")
-            job = Job(prompt=ids, max_tokens=min(n, max_context - len(ids)), params=params,
+            job = Job(prompt=ids, max_tokens=min(n, max_context - len(ids)), params=params, ignore_eos=ignore_eos,
                       on_text=lambda text: (sys.stdout.write(text), sys.stdout.flush()))
             t0 = time.perf_counter()
             done = _reply(scheduler, job)

@@ -609,21 +609,34 @@ def test_chat_refuses_a_conversation_past_the_context(pack_dir, capsys, monkeypa
     assert f"the context holds {CTX}: start again with a larger --ctx-size" in capsys.readouterr().err
 
 
+def test_chat_ignore_eos_replies_exactly_n_tokens(pack_dir, capsys, monkeypatch):
+    """--ignore-eos bans the stop tokens as generate's does: the seeded reply that ends by itself after
+    308 tokens runs to -n 400 (the end token never printed)."""
+    args = ["chat", str(pack_dir), "-t", "1", "-c", "8192", "--prefill", "off", "--stats", "--seed", "4", "-n", "400"]
+    monkeypatch.setattr("sys.stdin", io.StringIO("hello\n"))
+    assert main(args) == 0
+    assert "reply 308 tokens" in capsys.readouterr().err  # the reply's own end, without the option
+    monkeypatch.setattr("sys.stdin", io.StringIO("hello\n"))
+    assert main([*args, "--ignore-eos"]) == 0
+    out, err = capsys.readouterr()
+    assert "reply 400 tokens" in err and "<|im_end|>" not in out
+
+
 def test_chat_ctrl_c_stops_a_reply_and_ctrl_d_exits(pack_dir):
     """A real `strata chat` process: Ctrl-C (SIGINT) in the middle of a long reply stops that reply
     and the chat goes on; the end of input (Ctrl-D) then exits 0."""
     code = "import sys; from strata.engine.cli import main; sys.exit(main())"
-    # --seed 4: a reply of 308 tokens before the fixture's model samples its end token. Unseeded, a
-    # reply often ended by itself within 20-100 tokens (0.26 s), before the signal arrived, so the
-    # Ctrl-C met the next prompt and the chat exited without "reply stopped" (2026-12-02: in two full
-    # runs of the suite on the 2-core VM; the seeds 1-3 end after 87, 98, 21 tokens)
+    # --ignore-eos -n 8000: a reply of 8000 tokens (~20 s here) unless stopped. With the fixture's
+    # model sampling its end token, a reply ended by itself within 0.3-1.2 s (--seed 4: 308 tokens),
+    # at times before the signal arrived on a loaded 2-core host; the Ctrl-C then met the next prompt
+    # and the chat exited without "reply stopped" (2026-12-02: in three full runs of the suite)
     proc = subprocess.Popen([sys.executable, "-c", code, "chat", str(pack_dir), "-t", "1", "-c", "8192", "-n", "8000",
-                             "--prefill", "off", "--stats", "--seed", "4"], cwd=pack_dir.parent, stdin=subprocess.PIPE,
+                             "--prefill", "off", "--stats", "--ignore-eos"], cwd=pack_dir.parent, stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
         proc.stdin.write(b"hello\n")
         proc.stdin.flush()
-        assert proc.stdout.read(1)  # the reply has begun (its 308 tokens take far longer than the signal)
+        assert proc.stdout.read(1)  # the reply has begun (its 8000 tokens take far longer than the signal)
         proc.send_signal(signal.SIGINT)
         time.sleep(0.5)
         out, err = proc.communicate(b"", timeout=60)  # stdin closed: Ctrl-D at the next prompt
@@ -631,7 +644,7 @@ def test_chat_ctrl_c_stops_a_reply_and_ctrl_d_exits(pack_dir):
         err = err.decode()
         assert "strata chat: reply stopped" in err
         replied = re.search(r"reply (\d+) tokens", err)
-        assert replied and int(replied.group(1)) < 308  # stopped before the seeded reply's own end
+        assert replied and int(replied.group(1)) < 8000  # stopped before -n
     finally:
         if proc.poll() is None:
             proc.kill()
