@@ -344,6 +344,28 @@ def test_the_chunk_path_has_the_host_paths_bits(model, rt, cache, stream):
     assert np.array_equal(got, want), f"max |diff| {np.abs(got - want).max()}"
 
 
+def test_a_chunk_past_the_prompt_buffers_runs_on_the_device_in_runs_of_experts(model, rt, monkeypatch):
+    """A chunk whose pairs the prompt buffers do not hold (here: fits capped at half a 4-token
+    chunk's pairs) is computed on the device in runs of experts that fit, with the host path's bits
+    and nothing on the CPU. Before, such a chunk went to the host path, which found no room either
+    and computed every expert on the CPU (a 4096-token forward beside 256-token buffers, H200)."""
+    from strata.engine.tier.device_chunk import DeviceChunk
+
+    g = model.geometry
+    toks = np.random.default_rng(7).integers(3, g.n_vocab, 13).tolist()
+    want, _, _ = prompt_logits(model, rt, toks, 4, True)
+    limit = 4 * g.n_expert_used // 2  # each expert's pairs (<= 4, one a token) fit; a whole chunk's do not
+    fits, routed = DeviceChunk.fits, DeviceChunk.routed
+    calls = []
+    monkeypatch.setattr(DeviceChunk, "fits", lambda self, moe, n: n <= limit and fits(self, moe, n))
+    monkeypatch.setattr(DeviceChunk, "routed", lambda self, moe, x, e, r, s: (calls.append(r.size), routed(self, moe, x, e, r, s))[1])
+    got, new, (res, strm, cpu) = prompt_logits(model, rt, toks, 4, False)
+    assert cpu == 0 and strm == 0 and res > 0, (res, strm, cpu, calls, sorted(set(new)))
+    assert any(n.startswith(("mmx<", "mmqx<", "mmqw<", "mmqk<")) for n in new), (calls, sorted(set(new)))
+    assert calls and max(calls) <= limit and len(calls) > g.n_layer * 3  # several runs a layer and chunk
+    assert np.array_equal(got, want), f"max |diff| {np.abs(got - want).max()}"
+
+
 @pytest.fixture(scope="module")
 def qwen4exp(tmp_path_factory):
     from strata.engine.model import Model
