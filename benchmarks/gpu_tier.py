@@ -278,6 +278,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--llama-bench", metavar="PATH", help="llama-bench (built with CUDA) to run on the same GGUF, each "
                     "configuration beside its llama.cpp placement (cpu -ngl 0, cache 0 -ot exps=CPU, auto ~60%% "
                     "-ncmoe n_layer/2, all -ngl 99), same threads, in this run")
+    ap.add_argument("--floor-pos", type=int, default=3, help="the position where the GPU floor's parts (and "
+                    "--floor-kernels) are timed: a new session's first P - 3 tokens fed as a prompt, then 3 token steps "
+                    "(eager, capture, replay); default 3")
     ap.add_argument("--floor-kernels", action="store_true", help="also time every launch of the all-resident device "
                     "step alone (a profile of the GPU floor by kernel)")
     ap.add_argument("--stream-min-tokens", default="auto", help="comma-separated: auto, off or N (a prompt chunk's "
@@ -435,18 +438,22 @@ def main(argv: list[str] | None = None) -> int:
                   f"(the token step's CUDA graph replayed back to back, no host work); HBM floor {1e3 * hbm:.3f} ms "
                   f"per token -> {1 / hbm:.0f} tok/s (bytes read / 4.8 TB/s)", flush=True)
             be = model.backend
-            s = model.new_session(8, "f16")
-            for t in prompt[:3]:
+            P = max(3, args.floor_pos)
+            feed = (prompt * (P // len(prompt) + 2))[: P + 2]
+            s = model.new_session(P + 8, "f16")
+            if P > 3:
+                model.forward(s, feed[: P - 3], n_logits=1)
+            for t in feed[P - 3 : P]:
                 model.step(s, t)  # eager, captured, replayed: a new session's graph
-            # the parts are timed on this new session at position 3: its whole graph there too, since
+            # the parts are timed on this new session at position P: its whole graph there too, since
             # attention's work grows with the position (the floor above is the decode session's, past
             # the prompt: qwen4exp: 3.96 ms there against parts of 2.64 ms here on the H200)
             near = be.gpu_floor()
             if near:
-                print(f"  {name}: GPU floor {1e3 * near:.2f} ms per token at position 3 of a new session (where the "
+                print(f"  {name}: GPU floor {1e3 * near:.2f} ms per token at position {P} of a new session (where the "
                       f"parts below are timed)", flush=True)
             be.floor_next = True
-            model.step(s, prompt[3])
+            model.step(s, feed[P])
             if be.floor:
                 parts = be.floor
                 total = sum(sec for _, sec in parts)
@@ -456,7 +463,7 @@ def main(argv: list[str] | None = None) -> int:
                 print("  " + "  ".join(f"{label}: {1e3 * sec:.3f} ms" for label, sec in parts), flush=True)
             if args.floor_kernels:  # every launch replayed alone: where a step's GPU time goes, by kernel
                 be.floor_next = "kernels"
-                model.step(s, prompt[4])
+                model.step(s, feed[P + 1])
                 by = {}
                 for label, sec in be.floor or []:
                     kernel = label[1] if isinstance(label, tuple) else "-"  # (the first part: before any launch)

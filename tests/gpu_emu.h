@@ -280,6 +280,8 @@ inline float __uint_as_float(unsigned u) {
     memcpy(&f, &u, 4);
     return f;
 }
+// (blocks run one after another, each to its end: every write is visible to the blocks after it)
+inline void __threadfence() {}
 // (a fiber runs until it reaches a barrier: a read-modify-write between two is atomic)
 inline int atomicAdd(int* p, int v) {
     const int old = *p;

@@ -31,6 +31,7 @@ qwen35moe's is. Only the run-ahead cannot take it (the host hashes the input tok
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 
@@ -64,6 +65,11 @@ _NAMES = ["dev_rmsnorm", "dev_delta", "dev_conv", "dev_combine", "dev_sigmoid", 
 EMBD_ROW_TYPES = frozenset({0, 1, 2, 3, 6, 7, 8, 12, 13, 14, 30})
 KV_KIND = {"f32": 0, "f16": 1, "int8": 2}  # dev_kv_write's and dev_attn_one's `kind`
 BLOCK = 128  # threads per block of the row kernels: four warps
+# dev_argmax / dev_pick_next: at most PICK_GRID blocks of PICK_BLOCK threads, at least 4 logits a
+# thread (248320 logits: 128 blocks). One block of 1024 threads took ~0.15 ms on the H200; its
+# rounds of loads ran one after another on one SM. STRATA_PICK_GRID=1 times the one-block form.
+PICK_BLOCK = 256
+PICK_GRID = max(1, int(os.environ.get("STRATA_PICK_GRID", "128")))
 
 
 class DeviceScratch(Scratch):
@@ -552,6 +558,7 @@ class DeviceBackend(CpuBackend):
         self._staged: dict[int, tuple] = {}
         self._row_bufs: dict[tuple, object] = {}  # shape -> the fixed device buffer of `stage_row`
         self._pick = None  # dev_argmax's [token, NaN seen, max bits], on the device and its pinned mirror
+        self._argmax_buf = None  # dev_argmax's parts [3 PICK_GRID] and ticket counter [1] (`_argmax_work`)
         self._ahead_picks = None  # the run-ahead's two pinned picks and their events (`queue_greedy`), and which is next
         # the embedding table in its GGUF blocks (startup's weights stage places it): (bytes, type id,
         # row bytes, rows); the run-ahead gathers the next step's row from it (`embed_picked`)
@@ -1402,10 +1409,22 @@ class DeviceBackend(CpuBackend):
         dev = self._pick_dev()
         table, type_id, row_bytes, rows = self.embd_table
         n = self._embd_n
-        self.rt.launch(self._mod, "dev_pick_next", 1, 1024, (self._logits, np.int32(self._logits.shape[1]), ban,
-                                                              np.int32(banned.size), dev, self._pos, np.int32(last), table,
-                                                              np.int64(row_bytes), np.int32(rows), np.int32(type_id),
-                                                              np.int32(n), self._row_buf((1, n))), smem=4 * (3 * 32 + 1))
+        V = self._logits.shape[1]
+        grid, block, part, count = self._argmax_work(V)
+        self.rt.launch(self._mod, "dev_pick_next", grid, block,
+                       (self._logits, np.int32(V), ban, np.int32(banned.size), part, count, dev, self._pos, np.int32(last),
+                        table, np.int64(row_bytes), np.int32(rows), np.int32(type_id), np.int32(n), self._row_buf((1, n))),
+                       smem=4 * (3 * 32 + 2))
+
+    def _argmax_work(self, n: int) -> tuple:
+        """dev_argmax's grid and block over n logits, its parts and its ticket counter (made once by
+        `_pick_buffers`, outside any capture's pool; the counter zeroed there and set back to 0 by
+        each launch's joining block)."""
+        if self._argmax_buf is None:
+            self._argmax_buf = (self.rt.empty((3 * PICK_GRID,), np.int32), self.zeros((1,), np.int32))
+        if PICK_GRID == 1:
+            return (1, 1024) + self._argmax_buf  # (the one-block form as it was, for comparison)
+        return (max(1, min(PICK_GRID, -(-n // (4 * PICK_BLOCK)))), PICK_BLOCK) + self._argmax_buf
 
     def _pick_dev(self):
         """The device's pick of a run-ahead step: behind the routing ids (DeviceExperts.pick_slot:
@@ -1423,6 +1442,7 @@ class DeviceBackend(CpuBackend):
             self._pick = (dev, rt.pinned(12).view(np.int32), banned, ban)
             if self._graph is not None and self._graph[5]:  # (the captured run-ahead reads the old ones)
                 self._graph, self._warm = None, None
+        self._argmax_work(0)  # (its buffers made now: the step that launches it may be under capture)
 
     def _greedy(self, banned: np.ndarray) -> int:
         """dev_argmax over the step's logits -> the token (the sampler's greedy rule); a NaN or an
@@ -1438,8 +1458,10 @@ class DeviceBackend(CpuBackend):
         self._pick_buffers(banned)
         dev, own, _, ban = self._pick
         host = own if host is None else host
-        rt.launch(self._mod, "dev_argmax", 1, 1024, (self._logits, np.int32(self._logits.shape[1]), ban,
-                                                      np.int32(banned.size), dev), smem=3 * 32 * 4)
+        V = self._logits.shape[1]
+        grid, block, part, count = self._argmax_work(V)
+        rt.launch(self._mod, "dev_argmax", grid, block, (self._logits, np.int32(V), ban, np.int32(banned.size), part, count,
+                                                              dev), smem=4 * (3 * 32 + 1))
         rt.copy_out_async(host, dev)
         return host
 
@@ -1592,9 +1614,10 @@ class DeviceBackend(CpuBackend):
             ban = rt.to_device(np.ascontiguousarray(banned, np.int32)) if banned.size else rt.empty((1,), np.int32)
             got = self._rows_pick = (n, banned, rt.empty((n, 3), np.int32), rt.pinned(12 * n).view(np.int32).reshape(n, 3), ban)
         _, _, dev, host, ban = got
+        grid, block, part, count = self._argmax_work(V)
         for i in range(n):
-            rt.launch(self._mod, "dev_argmax", 1, 1024, (logits[i], np.int32(V), ban, np.int32(banned.size), dev[i]),
-                      smem=3 * 32 * 4)
+            rt.launch(self._mod, "dev_argmax", grid, block, (logits[i], np.int32(V), ban, np.int32(banned.size), part,
+                                                                  count, dev[i]), smem=4 * (3 * 32 + 1))
         rt.copy_out_async(host[:n], dev[:n])
         rt.synchronize()
         for i in range(n):

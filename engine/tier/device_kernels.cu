@@ -1093,8 +1093,15 @@ extern "C" __global__ void dev_attn_merge_sel(const float* part, const int* coun
 // out[0] = the lowest index of the largest of x[0..n), the nb `banned` ids counting as -inf (numpy's
 // argmax of the sampler's work array); out[1] = 1 when a value is NaN (the host then refuses to
 // sample, as the sampler does); out[2] = the largest value's bits (the host refuses +-inf too).
-// One block of whole warps; dynamic shared memory: 3 words per warp. Only these 12 bytes go back
-// to the host instead of the vocabulary's logits.
+// Only these 12 bytes go back to the host instead of the vocabulary's logits.
+//
+// Many blocks of whole warps (dynamic shared memory: 3 words per warp + 1): each block's best of a
+// grid-strided share into part[3 b ..] (value bits, index, NaN seen), then the block that arrives
+// last (a ticket from `count`, which it sets back to 0 for the next launch or graph replay) joins the
+// parts into out. It was one block of 1024 threads: 243 dependent rounds of loads over a 248320-word
+// vocabulary on one SM, ~0.15 ms of a ~1 ms token step on the H200 (the pick runs inside the
+// run-ahead step's graph). best_of is a total order on (value, index) (the largest value, the lowest
+// index among equal ones; NaN counted apart), so any split and any join order give the same pick.
 __device__ __forceinline__ void best_of(float& bv, int& bi, float ov, int oi) {
     if (ov > bv || (ov == bv && oi < bi)) bv = ov, bi = oi;
 }
@@ -1108,39 +1115,28 @@ __device__ __forceinline__ void warp_best(float& bv, int& bi) {
     }
 }
 
-__device__ __forceinline__ void argmax_block(unsigned char* smem, const float* x, int n, const int* banned, int nb, int* out);
+__device__ __forceinline__ bool argmax_grid(unsigned char* smem, const float* x, int n, const int* banned, int nb, int* part,
+                                            int* count, int* out);
 
-extern "C" __global__ void dev_argmax(const float* x, int n, const int* banned, int nb, int* out) {
+extern "C" __global__ void dev_argmax(const float* x, int n, const int* banned, int nb, int* part, int* count, int* out) {
     STRATA_SMEM(smem);
-    argmax_block(smem, x, n, banned, nb, out);
+    argmax_grid(smem, x, n, banned, nb, part, count, out);
 }
 
-// dev_argmax's pick (one block; smem 3 * 32 ints), then in the same launch what the next step of the
-// run-ahead needs from it, so that a run-ahead token is one graph replay and the pick's copy down
-// (DeviceBackend.token_step with wait False): the position *pos advanced (to `last` at most: a
-// replay past the session's context, a GPU-floor measurement's, writes no key past it) and the
-// picked token's embedding row gathered into `row` (dev_embd_row's bits; defined below it)
-extern "C" __global__ void dev_pick_next(const float* x, int n, const int* banned, int nb, int* out, int* pos, int last,
-                                         const unsigned char* table, i64 row_bytes, int rows, int type, int E, float* row);
+// dev_argmax's pick (its grid and shared memory), then in the same launch, by the block that joins
+// the parts, what the next step of the run-ahead needs from it, so that a run-ahead token is one
+// graph replay and the pick's copy down (DeviceBackend.token_step with wait False): the position
+// *pos advanced (to `last` at most: a replay past the session's context, a GPU-floor measurement's,
+// writes no key past it) and the picked token's embedding row gathered into `row` (dev_embd_row's
+// bits; defined below it)
+extern "C" __global__ void dev_pick_next(const float* x, int n, const int* banned, int nb, int* part, int* count, int* out,
+                                         int* pos, int last, const unsigned char* table, i64 row_bytes, int rows, int type,
+                                         int E, float* row);
 
-__device__ __forceinline__ void argmax_block(unsigned char* smem, const float* x, int n, const int* banned, int nb, int* out) {
-    float* sv = reinterpret_cast<float*>(smem);
-    int* si = reinterpret_cast<int*>(smem) + 32;
-    int* sn = reinterpret_cast<int*>(smem) + 64;
+// a block's best by best_of's order, NaN seen or not, in thread 0 (sv, si, sn: a word per warp)
+__device__ __forceinline__ void block_best(float& bv, int& bi, int& nan, float* sv, int* si, int* sn) {
     const float inf = __uint_as_float(0x7f800000u);
     const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, nw = blockDim.x >> 5;
-    float bv = -inf;
-    int bi = 0x7fffffff, nan = 0;
-    for (int i = threadIdx.x; i < n; i += blockDim.x) {
-        bool ban = false;
-        for (int j = 0; j < nb; j++) ban |= banned[j] == i;
-        if (ban) continue;  // (a banned NaN too: the sampler sets banned logits to -inf first)
-        const float v = x[i];
-        if (v != v)
-            nan = 1;
-        else
-            best_of(bv, bi, v, i);
-    }
     warp_best(bv, bi);
     for (int o = 16; o > 0; o >>= 1) nan |= __shfl_xor_sync(FULL, nan, o);
     if (lane == 0) sv[w] = bv, si[w] = bi, sn[w] = nan;
@@ -1151,12 +1147,54 @@ __device__ __forceinline__ void argmax_block(unsigned char* smem, const float* x
         nan = lane < nw ? sn[lane] : 0;
         warp_best(bv, bi);
         for (int o = 16; o > 0; o >>= 1) nan |= __shfl_xor_sync(FULL, nan, o);
-        if (lane == 0) {
-            out[0] = bi;
-            out[1] = nan;
-            out[2] = (int)__float_as_uint(bv);
-        }
     }
+    __syncthreads();  // (sv, si, sn are read again by the join)
+}
+
+// -> true in every thread of the block that joined the parts (out written there)
+__device__ __forceinline__ bool argmax_grid(unsigned char* smem, const float* x, int n, const int* banned, int nb, int* part,
+                                            int* count, int* out) {
+    float* sv = reinterpret_cast<float*>(smem);
+    int* si = reinterpret_cast<int*>(smem) + 32;
+    int* sn = reinterpret_cast<int*>(smem) + 64;
+    int* last = reinterpret_cast<int*>(smem) + 96;
+    const float inf = __uint_as_float(0x7f800000u);
+    float bv = -inf;
+    int bi = 0x7fffffff, nan = 0;
+    for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) {
+        bool ban = false;
+        for (int j = 0; j < nb; j++) ban |= banned[j] == i;
+        if (ban) continue;  // (a banned NaN too: the sampler sets banned logits to -inf first)
+        const float v = x[i];
+        if (v != v)
+            nan = 1;
+        else
+            best_of(bv, bi, v, i);
+    }
+    block_best(bv, bi, nan, sv, si, sn);
+    if (threadIdx.x == 0) {
+        volatile int* p = part + 3 * blockIdx.x;
+        p[0] = (int)__float_as_uint(bv), p[1] = bi, p[2] = nan;
+        __threadfence();  // (this block's part is visible before its ticket is)
+        last[0] = atomicAdd(count, 1) == (int)gridDim.x - 1;
+    }
+    __syncthreads();
+    if (!last[0]) return false;
+    __threadfence();
+    bv = -inf, bi = 0x7fffffff, nan = 0;
+    for (int b = threadIdx.x; b < (int)gridDim.x; b += blockDim.x) {
+        const volatile int* p = part + 3 * b;
+        best_of(bv, bi, __uint_as_float((unsigned)p[0]), p[1]);
+        nan |= p[2];
+    }
+    block_best(bv, bi, nan, sv, si, sn);
+    if (threadIdx.x == 0) {
+        out[0] = bi;
+        out[1] = nan;
+        out[2] = (int)__float_as_uint(bv);
+        *count = 0;  // (every block has taken its ticket: the next launch starts from 0)
+    }
+    return true;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1510,13 +1548,14 @@ extern "C" __global__ void dev_embd_row(const unsigned char* table, i64 row_byte
     for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) out[i] = embd_elem(R, type, i);
 }
 
-extern "C" __global__ void dev_pick_next(const float* x, int n, const int* banned, int nb, int* out, int* pos, int last,
-                                         const unsigned char* table, i64 row_bytes, int rows, int type, int E, float* row) {
+extern "C" __global__ void dev_pick_next(const float* x, int n, const int* banned, int nb, int* part, int* count, int* out,
+                                         int* pos, int last, const unsigned char* table, i64 row_bytes, int rows, int type,
+                                         int E, float* row) {
     STRATA_SMEM(smem);
-    argmax_block(smem, x, n, banned, nb, out);
-    int* tok = reinterpret_cast<int*>(smem) + 96;  // (past argmax_block's 3 x 32)
+    if (!argmax_grid(smem, x, n, banned, nb, part, count, out)) return;
+    int* tok = reinterpret_cast<int*>(smem) + 97;  // (past argmax_grid's 3 x 32 + 1)
     if (threadIdx.x == 0) {
-        tok[0] = out[0];  // (the thread that wrote it: lane 0 of warp 0)
+        tok[0] = out[0];  // (the thread that wrote it)
         const int p = *pos;
         *pos = p < last ? p + 1 : last;
     }

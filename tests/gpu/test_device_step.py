@@ -813,41 +813,51 @@ def test_slot_products_are_each_experts_matvec(rt, types):
 
 def test_dev_argmax_is_the_samplers_greedy_pick(rt):
     """The greedy pick on the device: the lowest id of the largest logit, banned ids never (numpy's
-    argmax of the sampler's work array); a NaN (unless banned) is reported, not picked."""
+    argmax of the sampler's work array); a NaN (unless banned) is reported, not picked. The same
+    pick on one block and on many (each block's best of its strided share, the last block to finish
+    joining them), the tie's ids in different blocks, launch after launch on the same counter."""
     be = DeviceBackend(rt, None)
     rng = np.random.default_rng(9)
     n = 5000
     out = rt.empty((3,), np.int32)
+    part, count = rt.empty((3 * 64,), np.int32), be.zeros((1,), np.int32)
     cases = []
     x = rng.standard_normal(n).astype(np.float32)
     cases.append((x, []))
     x = x.copy()
-    x[[17, 900, 4999]] = x.max() + 1  # a tie at the top: the lowest id
+    x[[17, 900, 4999]] = x.max() + 1  # a tie at the top: the lowest id (three blocks apart at 256 threads)
     cases.append((x, []))
     cases.append((x, [17, 4999]))  # banned: the next of the tie
     cases.append((x, [17, 900, 4999]))  # the whole tie banned: the best of the rest
+    x = x.copy()
+    x[4999] = x.max() + 1  # the largest in the last block of the grid
+    cases.append((x, []))
     y = np.full(n, -np.inf, np.float32)
     cases.append((y, [0]))  # all -inf: the value -inf (the host refuses it, as the sampler does)
-    for x, banned in cases:
+
+    def pick(x, banned, grid, block):
         ban = np.array(banned or [0], np.int32)
-        rt.launch(be._mod, "dev_argmax", 1, 1024, (rt.to_device(x), np.int32(n), rt.to_device(ban), np.int32(len(banned)), out),
-                  smem=3 * 32 * 4)
+        rt.launch(be._mod, "dev_argmax", grid, block, (rt.to_device(x), np.int32(n), rt.to_device(ban), np.int32(len(banned)),
+                                                       part, count, out), smem=4 * (3 * 32 + 1))
         got = rt.to_host(out)
-        work = x.copy()
-        work[banned] = -np.inf
-        assert got[1] == 0 and got[2:3].view(np.float32)[0] == work.max(), (banned, got)
-        if np.isfinite(work.max()):
-            assert got[0] == int(work.argmax()), (banned, got)
-    z = cases[0][0].copy()
-    z[[5, 6]] = np.nan
-    for banned, nan in (([], 1), ([5, 6], 0)):
-        ban = np.array(banned or [0], np.int32)
-        rt.launch(be._mod, "dev_argmax", 1, 1024, (rt.to_device(z), np.int32(n), rt.to_device(ban), np.int32(len(banned)), out),
-                  smem=3 * 32 * 4)
-        got = rt.to_host(out)
-        assert got[1] == nan
-        if not nan:
-            assert got[0] == int(cases[0][0].argmax())
+        assert rt.to_host(count)[0] == 0  # (set back for the next launch)
+        return got
+
+    for grid, block in ((1, 1024), (3, 256), (20, 256), (64, 128)):
+        for x, banned in cases:
+            got = pick(x, banned, grid, block)
+            work = x.copy()
+            work[banned] = -np.inf
+            assert got[1] == 0 and got[2:3].view(np.float32)[0] == work.max(), (grid, banned, got)
+            if np.isfinite(work.max()):
+                assert got[0] == int(work.argmax()), (grid, banned, got)
+        z = cases[0][0].copy()
+        z[[5, 4000]] = np.nan
+        for banned, nan in (([], 1), ([5, 4000], 0)):
+            got = pick(z, banned, grid, block)
+            assert got[1] == nan, (grid, banned)
+            if not nan:
+                assert got[0] == int(cases[0][0].argmax())
 
 
 def test_greedy_generation_picks_on_the_device_the_tokens_the_logits_give(model, rt):
