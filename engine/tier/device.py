@@ -65,11 +65,20 @@ _NAMES = ["dev_rmsnorm", "dev_delta", "dev_conv", "dev_combine", "dev_sigmoid", 
 EMBD_ROW_TYPES = frozenset({0, 1, 2, 3, 6, 7, 8, 12, 13, 14, 30})
 KV_KIND = {"f32": 0, "f16": 1, "int8": 2}  # dev_kv_write's and dev_attn_one's `kind`
 BLOCK = 128  # threads per block of the row kernels: four warps
+ATTN_SPLIT_KEYS, ATTN_SPLITS = 16, 128  # one token's attention: the fewest keys a warp's split takes, the most splits a head
 # dev_argmax / dev_pick_next: at most PICK_GRID blocks of PICK_BLOCK threads, at least 4 logits a
 # thread (248320 logits: 128 blocks). One block of 1024 threads took ~0.15 ms on the H200; its
 # rounds of loads ran one after another on one SM. STRATA_PICK_GRID=1 times the one-block form.
 PICK_BLOCK = 256
 PICK_GRID = max(1, int(os.environ.get("STRATA_PICK_GRID", "128")))
+
+
+def split_geometry(most: int) -> tuple[int, int]:
+    """dev_attn_split's (L, S) for at most `most` keys: a head's n keys in min(S, ceil(n / L))
+    splits, L = ATTN_SPLIT_KEYS the fewest keys a split takes (a warp scores 4 at a time), S
+    splits at most -> the parts [H, S, D + 2]. The splits follow n, read on the device, so the same
+    graph serves every position and the result depends on n alone, not on the context's size."""
+    return ATTN_SPLIT_KEYS, max(1, min(ATTN_SPLITS, -(-most // ATTN_SPLIT_KEYS)))
 
 
 class DeviceScratch(Scratch):
@@ -886,8 +895,7 @@ class DeviceBackend(CpuBackend):
                                             count), 32)  # (one thread works)
         out = self.scratch("qsa.out", (1, H, D))
         if self.split_attention and D <= 256:  # the selection split among warps, as attend_one splits positions
-            L = max(32, -(-most // (256 * 32)) * 32)
-            S = -(-most // L)
+            L, S = split_geometry(most)
             part = self._attn_sc.get((H, most, "sel"))
             if part is None:
                 part = self._attn_sc[(H, most, "sel")] = self.rt.empty((H, S, D + 2), F32)
@@ -1290,10 +1298,8 @@ class DeviceBackend(CpuBackend):
                                                                np.int32(ctx), np.int32(D), np.int32(kind)))
         out = self.scratch("attn.one", (1, H, D))
         if self.split_attention and D <= 256:
-            # keys split among warps (dev_attn_split, then dev_attn_merge): L keys a warp, L a
-            # multiple of 32 keeping the parts [H, S, D + 2] at S <= 256 splits whatever the context
-            L = max(32, -(-ctx // (256 * 32)) * 32)
-            S = -(-ctx // L)
+            # keys split among warps (dev_attn_split, then dev_attn_merge), the splits by the position
+            L, S = split_geometry(ctx)
             part = self._attn_sc.get((H, ctx, "split"))
             if part is None:
                 part = self._attn_sc[(H, ctx, "split")] = self.rt.empty((H, S, D + 2), F32)

@@ -17,6 +17,11 @@ typedef long long i64;
 #define STRATA_SMEM(name) extern __shared__ __align__(16) unsigned char name[]
 #endif
 
+// Vector accesses need their natural alignment on the device; the host emulation checks it.
+#ifndef STRATA_ALIGNED
+#define STRATA_ALIGNED(p, n) (p)
+#endif
+
 #ifndef STRATA_EMU
 // ActQ's operations as gpu_kernels.cu has them (the emulation's header provides the same): IEEE
 // division whatever the compiler's flags; round half to even, saturating, NaN -> 0
@@ -975,72 +980,96 @@ extern "C" __global__ void dev_attn_one(const float* q, const void* K, const voi
 
 // The same attention with the keys split among warps (flash-decode): dev_attn_one is a warp per
 // head, each lane scoring whole keys one after another, so its time grew with the context (~4 us a
-// position on the H200 at 24 heads, docs/performance.md). Here a warp takes (head h, split s): the
-// keys s L .. s L + L - 1 below n = *pos + 1, scored one at a time by the whole warp (lane j holds
-// dimensions j, j + 32, ...: coalesced rows, a warp sum per key), their running max m, sum l and
-// the weighted values o (lane j's dimensions) kept as in a flash-attention pass; -> part [h, s] =
-// (m, l, o[D]). dev_attn_merge then joins a head's splits: M = max m_s, out = sum o_s e^(m_s - M) /
-// sum l_s e^(m_s - M). The splits past n write nothing and are not read. Parts: [H, S, D + 2]
-// with S = ceil(ctx / L) (DeviceBackend sizes L so that S stays small).
+// position on the H200 at 24 heads, docs/performance.md). Here a warp takes (head h, split s) of a
+// head's ns = min(S, ceil(n / L)) splits of the n = *pos + 1 keys, each split ceil(n / ns) keys in
+// order (L: the fewest keys a split takes); lane j holds dimensions P j .. P j + P - 1 (P = D / 32).
+// The running max m, sum l and the weighted values o (lane j's dimensions) are kept as in a flash-
+// attention pass; -> part [h, s] = (m, l, o[D]). dev_attn_merge then joins a head's splits: M = max
+// m_s, out = sum o_s e^(m_s - M) / sum l_s e^(m_s - M). The splits past ns write nothing and are not
+// read. Parts: [H, S, D + 2].
+// Why so: the splits were L = 32 keys fixed by the context (ctx / 8192 keys at the least), one key
+// scored at a time by the whole warp: ~4 us a key on the H200 (131 us at position 320 of a 328-token
+// context, the largest kernel of the token step after the LM head; a 262144-token context would have
+// given a head one warp up to 8192 positions). Now the splits follow the position read on the
+// device (the same graph replays at every position), KEYS keys are scored per round with all their
+// rows' loads in flight at once, and an f16 row comes in as one 16-byte load a lane (D = 256).
 // (attn_split: the kernel's work over n keys, key i at position toks[i], or at i where toks is null:
 // dev_attn_split takes positions 0 .. *pos, dev_attn_split_sel QSA's selection)
+#define KEYS 4
+
+// lane's P consecutive elements of the cache row whose first element is `at` into r[0 .. P) (zeros past)
+__device__ __forceinline__ void kv_lane(const void* S, const float* scale, int kind, i64 at, int P, float* r) {
+    if (kind == 1 && P == 8) {  // f16, D = 256: one 16-byte load
+        const uint4 u = *reinterpret_cast<const uint4*>(STRATA_ALIGNED(reinterpret_cast<const unsigned short*>(S) + at, 16));
+        const unsigned w[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+        for (int t = 0; t < 8; t++) r[t] = f16_to_f32((w[t >> 1] >> (16 * (t & 1))) & 0xffffu);
+        return;
+    }
+#pragma unroll
+    for (int t = 0; t < 8; t++) r[t] = t < P ? kv_at(S, scale, kind, at + t) : 0.0f;
+}
+
 __device__ __forceinline__ void attn_split(const float* q, const void* K, const void* V, const float* Ks, const float* Vs,
                                            const int* toks, int n, float* part, int H, int Hkv, int ctx, int D, int L,
                                            int S, float scale, int kind) {
-    const int lane = threadIdx.x & 31, ns = (n + L - 1) / L;
+    const int lane = threadIdx.x & 31, P = D >> 5;
+    const int ns = min(S, (n + L - 1) / L), per = (n + ns - 1) / max(ns, 1);
     const int nw = (int)((gridDim.x * blockDim.x) >> 5);
     const float inf = __uint_as_float(0x7f800000u);
     for (int w = (int)((blockIdx.x * blockDim.x + threadIdx.x) >> 5); w < H * ns; w += nw) {
         const int h = w / ns, sp = w % ns, kv = h / (H / Hkv);
-        // Lane j's dimensions j + 32 t (t < 8, D <= 256) in registers: its query, the key and value
-        // rows of the key being scored, those of the next key (loaded while this one is scored) and
-        // o. It took ~21 us at 5 positions on the H200 (2026-12-02): o[t] indexed by a loop whose
-        // bound is D (not a constant) lived in local memory, and each key was a chain of dependent
-        // loads: the key's row, a warp sum, then only after the exps its value row. Now every
-        // loop over t is unrolled (the predicate d < D instead of the bound) and the next key's
-        // rows are in flight during this key's arithmetic. The same operations in the same order
-        // as before: the same bits.
-        float qr[8], o[8], kr[8], vr[8];
-        const int i0 = sp * L, i1 = (sp + 1) * L < n ? (sp + 1) * L : n;
+        const int i0 = sp * per, i1 = min(i0 + per, n);
+        float qr[8], o[8];
 #pragma unroll
         for (int t = 0; t < 8; t++) {
-            const int d = lane + 32 * t;
-            const i64 row = ((i64)kv * ctx + (toks && i0 < i1 ? toks[i0] : i0)) * D;
-            qr[t] = d < D ? q[(i64)h * D + d] : 0.0f;
+            qr[t] = t < P ? q[(i64)h * D + P * lane + t] : 0.0f;
             o[t] = 0.0f;
-            kr[t] = d < D && i0 < i1 ? kv_at(K, Ks, kind, row + d) : 0.0f;
-            vr[t] = d < D && i0 < i1 ? kv_at(V, Vs, kind, row + d) : 0.0f;
         }
         float m = -inf, l = 0.0f;
-        for (int i = i0; i < i1; i++) {
-            float kn[8], vn[8];
-            const bool more = i + 1 < i1;
-            const i64 next = ((i64)kv * ctx + (toks && more ? toks[i + 1] : i + 1)) * D;
+        for (int i = i0; i < i1; i += KEYS) {
+            float kr[KEYS][8], vr[KEYS][8], sc[KEYS];
 #pragma unroll
-            for (int t = 0; t < 8; t++) {
-                const int d = lane + 32 * t;
-                kn[t] = more && d < D ? kv_at(K, Ks, kind, next + d) : 0.0f;
-                vn[t] = more && d < D ? kv_at(V, Vs, kind, next + d) : 0.0f;
+            for (int j = 0; j < KEYS; j++) {
+                const int key = i + j < i1 ? i + j : i;  // (past the split: key i again, weighted 0 below)
+                const i64 row = ((i64)kv * ctx + (toks ? toks[key] : key)) * D + P * lane;
+                kv_lane(K, Ks, kind, row, P, kr[j]);
+                kv_lane(V, Vs, kind, row, P, vr[j]);
             }
-            float acc = 0.0f;
 #pragma unroll
-            for (int t = 0; t < 8; t++)
-                if (lane + 32 * t < D) acc += qr[t] * kr[t];
-            acc = warp_sum(acc) * scale;
-            const float mn = fmaxf(m, acc);
-            const float c = expf(m - mn), e = expf(acc - mn);  // (m = -inf at the first key: c = 0)
-            l = l * c + e;
+            for (int j = 0; j < KEYS; j++) {
+                float acc = 0.0f;
+#pragma unroll
+                for (int t = 0; t < 8; t++)
+                    if (t < P) acc += qr[t] * kr[j][t];
+                sc[j] = acc;
+            }
+#pragma unroll
+            for (int j = 0; j < KEYS; j++) sc[j] = warp_sum(sc[j]) * scale;
+            float mn = m;
+#pragma unroll
+            for (int j = 0; j < KEYS; j++)
+                if (i + j < i1) mn = fmaxf(mn, sc[j]);
+            const float c = expf(m - mn);  // (m = -inf at the first key: c = 0)
+            float e[KEYS];
+#pragma unroll
+            for (int j = 0; j < KEYS; j++) e[j] = i + j < i1 ? expf(sc[j] - mn) : 0.0f;
+            l = l * c;
+#pragma unroll
+            for (int j = 0; j < KEYS; j++) l += e[j];
 #pragma unroll
             for (int t = 0; t < 8; t++) {
-                if (lane + 32 * t < D) o[t] = o[t] * c + e * vr[t];
-                kr[t] = kn[t], vr[t] = vn[t];
+                float a = o[t] * c;
+#pragma unroll
+                for (int j = 0; j < KEYS; j++) a += e[j] * vr[j][t];
+                o[t] = a;
             }
             m = mn;
         }
         float* pp = part + ((i64)h * S + sp) * (D + 2);
 #pragma unroll
         for (int t = 0; t < 8; t++)
-            if (lane + 32 * t < D) pp[2 + lane + 32 * t] = o[t];
+            if (t < P) pp[2 + P * lane + t] = o[t];
         if (lane == 0) pp[0] = m, pp[1] = l;
     }
 }
@@ -1064,7 +1093,7 @@ extern "C" __global__ void dev_attn_split_sel(const float* q, const void* K, con
 
 // (attn_merge: dev_attn_merge's work over n keys in splits of L)
 __device__ __forceinline__ void attn_merge(const float* part, int n, float* out, int H, int D, int L, int S) {
-    const int ns = (n + L - 1) / L;
+    const int ns = min(S, (n + L - 1) / L);  // (attn_split's splits)
     for (i64 i = blockIdx.x * (i64)blockDim.x + threadIdx.x; i < (i64)H * D; i += (i64)gridDim.x * blockDim.x) {
         const int h = (int)(i / D), d = (int)(i % D);
         const float* ph = part + (i64)h * S * (D + 2);

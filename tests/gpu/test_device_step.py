@@ -1110,18 +1110,20 @@ def kv_cache_of_kind(rt, rng, kind: int, Hkv: int, ctx: int, D: int) -> tuple:
 
 
 @pytest.mark.parametrize("kind", [0, 1, 2])
-@pytest.mark.parametrize("D", [64, 256])
-def test_split_key_attention_is_the_one_warp_forms(rt, kind, D):
+@pytest.mark.parametrize("D", [64, 128, 256])
+@pytest.mark.parametrize("L, S", [(32, 4), (16, 3), (4, 128)])
+def test_split_key_attention_is_the_one_warp_forms(rt, kind, D, L, S):
     """dev_attn_split + dev_attn_merge (keys split among warps, flash-decode) against dev_attn_one
     (a warp per head) on the same cache: within float32 rounding, at positions inside one split,
-    at a split's end and past it (L = 32 keys a split); a head of 64 and of 256 (8 dimensions a lane)."""
+    at a split's end and past it, with the splits capped at S (a split longer than L) and not; a
+    split's keys not a multiple of the 4 scored a round; a head of 64, 128 and 256 (8 dimensions a
+    lane: f16's 16-byte loads)."""
     be = DeviceBackend(rt, None)
     rng = np.random.default_rng(14)
     H, Hkv, ctx = 8 if D == 64 else 4, 2, 100
-    L, S = 32, 4
     q = rt.to_device(rng.standard_normal((H, D)).astype(np.float32))
     K, V, Ks, Vs = kv_cache_of_kind(rt, rng, kind, Hkv, ctx, D)
-    for p in (0, 17, 31, 32, 63, 99):
+    for p in (0, 2, 17, 31, 32, 63, 99):
         pos = rt.to_device(np.array([p], np.int32))
         want, got = rt.empty((H, D), np.float32), rt.empty((H, D), np.float32)
         sc, part = rt.empty((H, ctx), np.float32), rt.empty((H, S, D + 2), np.float32)
