@@ -59,9 +59,11 @@ _NAMES = ["dev_rmsnorm", "dev_delta", "dev_conv", "dev_combine", "dev_sigmoid", 
           "dev_sample", "dev_route_rows", "dev_group", "dev_rmsnorm_q", "dev_hidden_q",
           "dev_gate_q", "dev_gates_conv", "dev_add_rmsnorm_q", "dev_embd_row", "dev_ple_conv", "dev_qsa_key",
           "dev_qsa_scores", "dev_qsa_select", "dev_attn_sel", "dev_attn_split_sel", "dev_attn_merge_sel",
-          "dev_hc_gates_q", "dev_rope_at", "dev_pick_next"]
+          "dev_hc_gates_q", "dev_rope_at", "dev_pick_next", "dev_ple_rows"]
 # the embedding's GGML types dev_embd_row decodes (F32 F16 Q4_0 Q4_1 Q5_0 Q5_1 Q8_0 Q4_K Q5_K Q6_K BF16)
 EMBD_ROW_TYPES = frozenset({0, 1, 2, 3, 6, 7, 8, 12, 13, 14, 30})
+# the PLE table's types dev_ple_rows decodes: those and IQ4_NL (budget.PLE_TABLE_DEVICE_TYPES, the same)
+PLE_ROW_TYPES = EMBD_ROW_TYPES | {20}
 KV_KIND = {"f32": 0, "f16": 1, "int8": 2}  # dev_kv_write's and dev_attn_one's `kind`
 BLOCK = 128  # threads per block of the row kernels: four warps
 
@@ -152,6 +154,54 @@ class DevicePLEState(PLEState):
     def __init__(self, be, g):
         super().__init__(ngram_size=g.ple_ngram_size, eos_token_id=g.ple_eos_token_id, conv_kernel=1, channels=1)
         self.ring = be.zeros(((g.ple_conv_kernel - 1) * g.ple_ngram_size, g.hc * g.n_embd))
+
+
+class DevicePLE:
+    """The PLE table on the device (the plan's weights.ple_table, placed only where it takes memory no
+    expert slot would: budget.py `ple_on_device`) and what dev_ple_rows hashes the run-ahead's next
+    token with: every PLE layer's NGramHash constants, the token window (the host's PLEState.window,
+    staged at a run's first step, then advanced by the kernel), and the rows every PLE layer's token
+    step reads, [nl, Pe] (`stage_ple` stages the host's rows into the same buffers, so one captured
+    step serves both). `carve(shape, dtype)`: a device array (the weights arena's, in the layout
+    budget.py `ple_table_device_bytes` counts; or rt.empty).
+
+    nl = PLE layers, N = ngram size, Pn = heads, Pd = row dim, Pe = Pn Pd."""
+
+    def __init__(self, hashes: list, layers: list[int], table, type_id: int, row_dim: int, n_rows: int, carve, copy_in):
+        h0 = hashes[0]
+        N, Pn, nl = h0.ngram_size, h0.n_heads, len(hashes)
+        if type_id not in PLE_ROW_TYPES:
+            raise ValueError(f"PLE table type {type_id}: dev_ple_rows decodes {sorted(PLE_ROW_TYPES)}")
+        if any((h.ngram_size, h.n_heads, h.heads_per_ngram, h.eos) != (N, Pn, h0.heads_per_ngram, h0.eos) for h in hashes):
+            raise ValueError("PLE layers with different n-gram geometries: dev_ple_rows takes one")
+        from strata.index_format.ggml_types import ggml_type
+
+        self.layers, self.N, self.Pn, self.Pd, self.eos = list(layers), N, Pn, row_dim, h0.eos
+        self.hpn = h0.heads_per_ngram
+        self.table, self.type_id, self.n_rows = table, type_id, n_rows
+        self.row_bytes = ggml_type(type_id).row_bytes(row_dim)
+        arrays = {"mult": np.stack([h.mult for h in hashes]), "off": np.stack([h.offsets for h in hashes]),
+                  "size": np.stack([h.sizes for h in hashes])}
+        for name, host in arrays.items():
+            dev = carve(host.shape, np.int64)
+            copy_in(dev, np.ascontiguousarray(host, np.int64))
+            setattr(self, name, dev)
+        self.window = carve((max(N - 1, 1),), np.int64)
+        self.rows = carve((nl, 1, Pn * row_dim), np.float32)
+        self.ids = carve((nl, Pn), np.int64)
+
+    def rows_of(self, layer: int):
+        """The layer's rows buffer [1, Pe] (a fixed address the token step reads)."""
+        return self.rows[self.layers.index(layer)]
+
+    def launch(self, be, tok) -> None:
+        """dev_ple_rows: the rows of the token at tok[0] into `rows`, the window advanced."""
+        nl = len(self.layers)
+        be.rt.launch(be._mod, "dev_ple_rows", 1, BLOCK * 2, (tok, self.window, np.int32(self.N), np.int64(self.eos), self.mult,
+                                                             self.off, self.size, np.int32(nl), np.int32(self.Pn),
+                                                             np.int32(self.hpn), self.table, np.int64(self.row_bytes),
+                                                             np.int64(self.n_rows), np.int32(self.type_id), np.int32(self.Pd),
+                                                             self.rows, self.ids), smem=8 * (self.N + nl * self.Pn))
 
 
 class DeviceExperts:

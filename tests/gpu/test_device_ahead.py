@@ -216,3 +216,84 @@ def test_run_ahead_allocates_nothing_per_token_after_warm_up(model, rt):
             got = list(model.decode_ahead(s, got[-1], BANNED, CTX - s.pos))
         assert model.backend._graph is not None and len(got) > 20
     assert n == [0, 0], f"{len(got)} token steps ahead allocated {n[0]} device and {n[1]} pinned buffers"
+
+
+# --- qwen4exp: PLE's n-gram rows hashed and gathered on the device (dev_ple_rows)
+
+# the PLE table's types dev_ple_rows decodes: TableRows' F32, F16 and BF16, the released table's
+# IQ4_NL (its short rows' fallback), and block types of the reference decoder
+PLE_TYPES = ["F32", "F16", "BF16", "IQ4_NL", "Q8_0", "Q5_0", "Q4_K"]
+
+
+def ple_hashes(N: int, hpn: int, nl: int, eos: int, rng):
+    """nl NGramHash of full-range uint64 multipliers (products wrap mod 2^64, h is negative about half
+    the time: the production multipliers are below 2^63 / vocab, where neither happens) -> (hashes,
+    table rows)."""
+    from strata.engine.ple import NGramHash
+
+    Pn = (N - 1) * hpn
+    sizes = [1009, 1013, 1019, 1021, 1031, 1033][:Pn]
+    offsets = np.cumsum([0] + sizes[:-1]).tolist()
+    rows = sum(sizes) + 5
+    hashes = [NGramHash([int(m) | 1 for m in rng.integers(0, 2**64, N, dtype=np.uint64)], offsets, sizes, ngram_size=N,
+                        heads_per_ngram=hpn, eos_token_id=eos, n_rows=rows) for _ in range(nl)]
+    return hashes, rows
+
+
+def ple_tokens(eos: int, n: int, rng) -> list[int]:
+    """EOS at the start, in the middle, twice in a row and at the end; small ids and ids near 2^31
+    (int32, as a pick is) whose products with the multipliers wrap."""
+    big = rng.integers(2**30, 2**31 - 1, n).tolist()
+    small = rng.integers(0, 600, n).tolist()
+    toks = [eos, small[0], big[0], eos, big[1], small[1], small[2], eos, eos, big[2], small[3], 0, 2**31 - 1]
+    toks += [big[i] if i % 3 else small[i] for i in range(3, n)]
+    return toks + [eos]
+
+
+@pytest.mark.parametrize("type_name", PLE_TYPES)
+def test_dev_ple_rows_are_the_hosts_hash_and_table_rows(rt, type_name):
+    """dev_ple_rows, token after token from a pick in device memory: each PLE layer's row ids are
+    NGramHash's (contexts with the EOS rule over PLEState.window, wrapping int64 products, the
+    remainder with the divisor's sign) and its rows the host table's (TableRows; a block type's,
+    the reference decoder's) bit for bit, and the device window is PLEState.window after each
+    token. Tokens with EOS at the start, inside and twice in a row, and ids near 2^31."""
+    from kernel_blocks import random_weights
+
+    from strata.engine.kernels.reference import dequantize
+    from strata.engine.ple import PLEState, TableRows
+    from strata.engine.tier.device import PLE_ROW_TYPES, DevicePLE
+    from strata.index_format.ggml_types import BY_NAME
+
+    t = BY_NAME[type_name]
+    assert t.id in PLE_ROW_TYPES
+    rng = np.random.default_rng(t.id)
+    N, hpn, nl, eos, Pd = 4, 2, 2, 511, 256 if type_name == "Q4_K" else 64
+    hashes, n_rows = ple_hashes(N, hpn, nl, eos, rng)
+    raw = random_weights(t, Pd * n_rows, rng)
+    host_rows = TableRows(raw, t.id, Pd, n_rows) if not t.quantized else \
+        (lambda ids: dequantize(raw.reshape(n_rows, -1)[ids].reshape(-1), t.id, ids.size * Pd).reshape(ids.size, Pd))
+    be = DeviceBackend(rt, None)
+    dev = DevicePLE(hashes, [3, 7], rt.to_device(raw), t.id, Pd, n_rows, rt.empty, rt.copy_in)
+    state = PLEState(ngram_size=N, eos_token_id=eos, conv_kernel=2, channels=1)
+    rt.copy_in(dev.window, state.window)
+    tok = rt.to_device(np.zeros(3, np.int32))
+    wrapped = negative = 0
+    for token in ple_tokens(eos, 40, rng):
+        rt.copy_in(tok, np.array([token, 0, 0], np.int32))
+        dev.launch(be, tok)
+        ctx = hashes[0].contexts(state.window, np.array([token], np.int64))
+        state.window[:] = np.concatenate([state.window, [token]])[1:]
+        for k, h in enumerate(hashes):
+            ids = h.rows(ctx)[0]
+            assert np.array_equal(rt.to_host(dev.ids)[k], ids), (token, k)
+            want = host_rows(ids).reshape(1, -1)
+            assert np.array_equal(rt.to_host(dev.rows)[k].view(np.uint32), want.view(np.uint32)), (token, k)
+            prods = [int(c) * (int(m) % 2**64) for c, m in zip(ctx[0], h.mult)]
+            wrapped += any(p >= 2**63 for p in prods)
+            x = 0
+            for p in prods[:2]:
+                x ^= p % 2**64
+            negative += x >= 2**63
+        assert np.array_equal(rt.to_host(dev.window), state.window), token
+    assert wrapped and negative  # the int64 rules were exercised, not only the small-number path
+
