@@ -11,7 +11,7 @@ import engine_fixture as F
 import numpy as np
 import pytest
 from gpu_emu import EmuRuntime
-from test_device_step import CTX, device_tier, tokens
+from test_device_step import CTX, device_tier, qwen4exp, tokens  # noqa: F401 (qwen4exp: a fixture)
 
 from strata.engine.model import Model
 from strata.engine.pack_reader import Pack
@@ -182,8 +182,11 @@ def test_generate_runs_ahead_on_the_device_with_the_plain_tokens(model, rt, monk
 
 
 def test_what_cannot_run_ahead_is_refused(rt):
-    """PLE hashes the step's input token on the host (qwen4exp's device step: needs_token), an
-    embedding type dev_embd_row does not decode, no table on the device: no run-ahead."""
+    """PLE hashes the step's input token on the host where its table is not on the device (a PLE
+    state made then sets needs_token), an embedding type dev_embd_row does not decode, no table on
+    the device: no run-ahead. A PLE state made with the table on the device (DeviceBackend.ple)
+    leaves it free to."""
+    from types import SimpleNamespace
 
     class Static:
         static = staticmethod(lambda: True)
@@ -197,16 +200,26 @@ def test_what_cannot_run_ahead_is_refused(rt):
     assert not be.can_run_ahead(None)
     be.needs_token, be.embd_table = False, (None, 16, 66, 1)  # IQ2_XXS
     assert not be.can_run_ahead(None)
+    be.embd_table = (None, 12, 144, 1)
+    g = SimpleNamespace(ple_ngram_size=3, ple_eos_token_id=7, ple_conv_kernel=4, hc=2, n_embd=32)
+    be.ple_state(g)  # (qwen4exp's session: its PLE table on the host)
+    assert be.needs_token and not be.can_run_ahead(None)
+    be.ple = "the table on the device"
+    be.ple_state(g)
+    assert not be.needs_token and be.can_run_ahead(None)
 
 
-def test_run_ahead_allocates_nothing_per_token_after_warm_up(model, rt):
+@pytest.mark.parametrize("arch", ["qwen35moe", pytest.param("qwen4exp", marks=pytest.mark.slow)])
+def test_run_ahead_allocates_nothing_per_token_after_warm_up(request, rt, arch):
     """After a first run ahead (its pinned picks, events and second routing copy made once), a run
     ahead replays the graph with no device or pinned allocation per token (the row is gathered into
-    the fixed row buffer, the picks land in the two fixed pinned buffers)."""
+    the fixed row buffer, the picks land in the two fixed pinned buffers; qwen4exp's PLE rows are
+    gathered into their fixed buffers, its first step's staged there)."""
     if isinstance(rt, EmuRuntime):
         pytest.skip("the emulation has no CUDA graphs: its steps are eager, whose temporaries the pool serves")
     from test_gpu_tier import counting
 
+    model = request.getfixturevalue("model" if arch == "qwen35moe" else "qwen4exp")
     toks = tokens(model, 4, seed=12)
     with device_tier(model) as tier:
         s = tier.take_session(CTX, "f32")
@@ -297,3 +310,117 @@ def test_dev_ple_rows_are_the_hosts_hash_and_table_rows(rt, type_name):
         assert np.array_equal(rt.to_host(dev.window), state.window), token
     assert wrapped and negative  # the int64 rules were exercised, not only the small-number path
 
+
+def with_eos(model, monkeypatch, eos: int) -> None:
+    """`model`'s PLE end-of-document id made `eos` (its hashes, the geometry its states are made from)."""
+    import dataclasses
+
+    for ple in model.ple.values():
+        monkeypatch.setattr(ple.hash, "eos", eos)
+    monkeypatch.setattr(model, "geometry", dataclasses.replace(model.geometry, ple_eos_token_id=eos))
+
+
+def eos_inside(model, monkeypatch, prompt: list[int], n: int) -> tuple[int, list[int]]:
+    """A PLE end-of-document id that the CPU engine's greedy run from `prompt` picks in the middle of
+    its n tokens with that id as the EOS (the id changes the hashes from the first position: it is
+    the history before it), so the device's hash meets an EOS pick and EOS-reset windows after it
+    -> (eos, the CPU's tokens)."""
+    tried = set()
+    for _ in range(24):
+        got = cpu_greedy(model, prompt, n)
+        for e in got[1 : n - 2]:
+            if e in tried:
+                continue
+            tried.add(e)
+            with_eos(model, monkeypatch, e)
+            picks = cpu_greedy(model, prompt, n)
+            if e in picks[1 : n - 2] and e not in prompt:
+                return e, picks
+    raise AssertionError(f"no token of the CPU's greedy runs is picked again in the middle with it as the EOS ({tried})")
+
+
+@pytest.mark.slow  # the emulated qwen4exp token step: ~7 s at --expert-cache 0 on 2 shared cores (~3 min in all)
+def test_qwen4exp_runs_ahead_with_the_plain_loops_tokens_and_states(qwen4exp, rt, monkeypatch):
+    """qwen4exp with its PLE table on the device (the plan placed it: room beside the slots) runs a
+    step ahead: each step's PLE rows after the first hashed and gathered on the device from the pick
+    (dev_ple_rows, right after dev_pick_next), none by the host. The tokens are the plain loop's
+    (step_pick), with an EOS picked in the middle; afterwards the sessions are the same: a plain step
+    gives the same logits bit for bit, so does a prompt chunk appended after it, and a second run
+    ahead (its window staged again from the host's) gives the plain loop's tokens again; the host's
+    PLE windows and counts are the plain loop's throughout."""
+    from strata.engine.ple import PLELayer
+
+    model, n = qwen4exp, 6
+    prompt = tokens(model, 3, seed=31)
+    eos, want = eos_inside(model, monkeypatch, prompt, n)
+    with device_tier(model, expert_cache=0) as tier:
+        be = model.backend
+        assert be.ple is not None and any(line.startswith("PLE table on the device") for line in tier.lines), tier.lines
+        plain = tier.take_session(CTX, "f32")
+        model.forward(plain, prompt[:-1], n_logits=0)
+        got = []
+        for _ in range(n):
+            got.append(model.step_pick(plain, got[-1] if got else prompt[-1], BANNED))
+        assert eos in got[1:-2], (eos, got, want)  # (the device picks the CPU's tokens: an EOS in the middle)
+        ahead = tier.take_session(CTX, "f32")
+        model.forward(ahead, prompt[:-1], n_logits=0)
+        assert model.runs_ahead(ahead)
+        hashed, step_rows = [], PLELayer.step_rows
+        monkeypatch.setattr(PLELayer, "step_rows", lambda self, *a: (hashed.append(a[0]), step_rows(self, *a))[1])
+        launched, launch = {}, rt.launch
+
+        def counted(mod, name, *a, **k):
+            launched[name] = launched.get(name, 0) + 1
+            launch(mod, name, *a, **k)
+
+        rt.launch = counted
+        try:
+            got_ahead = list(model.decode_ahead(ahead, prompt[-1], BANNED, n))
+        finally:
+            del rt.launch  # (the runtime's own method again)
+        assert got_ahead == got
+        # the host hashed the first step's token alone; every step after it took the device's rows
+        assert hashed == [prompt[-1]] * len(model.ple)
+        emu = isinstance(rt, EmuRuntime)
+        assert launched["dev_ple_rows"] == launched["dev_pick_next"] == (n if emu else 2)
+
+        def same_ple(a, b):
+            for l in model.ple:
+                assert np.array_equal(a.ple_states[l].window, b.ple_states[l].window), l
+                assert a.ple_states[l].t == b.ple_states[l].t == a.pos == b.pos, l
+
+        same_ple(ahead, plain)
+        # a plain step after the run ahead, then a prompt chunk appended (serve, chat): the same bits
+        assert np.array_equal(model.step(ahead, got[-1]).copy(), model.step(plain, got[-1]).copy())
+        chunk = [eos, prompt[0]]
+        assert np.array_equal(model.forward(ahead, chunk, n_logits=2), model.forward(plain, chunk, n_logits=2))
+        same_ple(ahead, plain)
+        # and a second run ahead after them: the device's window is the host's again
+        more = list(model.decode_ahead(ahead, eos, BANNED, 3))
+        t = eos
+        for want_t in more:
+            t = model.step_pick(plain, t, BANNED)
+            assert t == want_t
+        same_ple(ahead, plain)
+        assert np.array_equal(model.step(ahead, t).copy(), model.step(plain, t).copy())
+
+
+@pytest.mark.parametrize("where", ["no room", "no table type"])
+def test_qwen4exp_without_its_table_on_the_device_keeps_the_host_hash(qwen4exp, rt, monkeypatch, where):
+    """Where the plan does not place the PLE table (it would cost expert slots, or no device decoder
+    takes its type), the startup says so, the host hashes every step's rows and no session runs ahead."""
+    from strata.engine import budget as B
+
+    if where == "no room":
+        monkeypatch.setattr(B, "ple_on_device", lambda *a: "it would cost expert slots")
+    else:
+        monkeypatch.setattr(B, "PLE_TABLE_DEVICE_TYPES", frozenset())
+    with device_tier(qwen4exp) as tier:
+        be = qwen4exp.backend
+        assert be.ple is None and be.embd_table is None
+        assert any(line.startswith("PLE table on the host (") for line in tier.lines), tier.lines
+        assert not tier.plan.places("weights.ple_table") and not tier.plan.places("weights.embedding")
+        s = tier.take_session(CTX, "f32")
+        assert be.needs_token and not qwen4exp.runs_ahead(s)
+        with pytest.raises(ValueError, match="cannot run ahead"):
+            next(qwen4exp.decode_ahead(s, 3, BANNED, 2))
