@@ -190,11 +190,14 @@ class DevicePLE:
             setattr(self, name, dev)
         self.window = carve((max(N - 1, 1),), np.int64)
         self.rows = carve((nl, 1, Pn * row_dim), np.float32)
+        # each layer's view made once: `_stage` keeps a pinned mirror per device array object, so a
+        # new view per token would make a pinned buffer per token
+        self._rows_of = {l: self.rows[k] for k, l in enumerate(self.layers)}
         self.ids = carve((nl, Pn), np.int64)
 
     def rows_of(self, layer: int):
         """The layer's rows buffer [1, Pe] (a fixed address the token step reads)."""
-        return self.rows[self.layers.index(layer)]
+        return self._rows_of[layer]
 
     def launch(self, be, tok) -> None:
         """dev_ple_rows: the rows of the token at tok[0] into `rows`, the window advanced."""

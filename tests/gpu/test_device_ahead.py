@@ -311,6 +311,28 @@ def test_dev_ple_rows_are_the_hosts_hash_and_table_rows(rt, type_name):
     assert wrapped and negative  # the int64 rules were exercised, not only the small-number path
 
 
+def test_a_plain_steps_ple_rows_go_up_into_the_device_tables_buffers_with_one_pinned_mirror(rt):
+    """With the table on the device, stage_ple (a plain step's host rows) writes the buffers dev_ple_rows
+    writes for the run-ahead (one capture reads both), and restaging them token after token makes no
+    pinned buffer after the first (a new view per token had made a pinned mirror per token)."""
+    from strata.engine.tier.device import DevicePLE
+
+    rng = np.random.default_rng(5)
+    hashes, n_rows = ple_hashes(3, 2, 2, 9, rng)
+    be = DeviceBackend(rt, None)
+    be.ple = DevicePLE(hashes, [1, 4], rt.to_device(np.zeros(n_rows * 64 * 4, np.uint8)), 0, 64, n_rows, rt.empty,
+                       rt.copy_in)
+    before = rt.pinned_allocations if isinstance(rt, EmuRuntime) else None
+    for i in range(4):
+        e = rng.standard_normal((1, 4 * 64)).astype(np.float32)
+        dev = be.stage_ple(4, e)
+        rt.synchronize()
+        assert be.ple_picked()[4] is dev
+        assert np.array_equal(rt.to_host(be.ple.rows)[1], e), i
+    if before is not None:
+        assert rt.pinned_allocations - before == 1
+
+
 def with_eos(model, monkeypatch, eos: int) -> None:
     """`model`'s PLE end-of-document id made `eos` (its hashes, the geometry its states are made from)."""
     import dataclasses
