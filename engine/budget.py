@@ -531,10 +531,15 @@ class Budget:
     auto_line: str | None  # S8's log line (auto only)
     warnings: tuple[str, ...] = ()
     problems: tuple[str, ...] = ()  # what makes the engine refuse to start
+    notes: tuple[str, ...] = ()  # choices the plan made that change how the engine runs (the PLE table's place)
     _by_key: dict = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "_by_key", {i.key: i for i in self.items})
+
+    def places(self, key: str) -> bool:
+        """Whether the plan holds an item `key` (an optional one: weights.embedding, weights.ple_table)."""
+        return key in self._by_key
 
     def item(self, key: str) -> Item:
         """The allocation the engine makes for `key`; a buffer the plan does not name is a bug."""
@@ -580,19 +585,62 @@ def rope_table_bytes(g: ModelGeometry, max_context: int) -> int:
     return align(2 * max_context * (g.n_rot // 2) * F32)
 
 
-def embedding_on_device(g: ModelGeometry, device_step: bool) -> bool:
+def embedding_on_device(g: ModelGeometry, device_step: bool, ple_on_device: bool = False) -> bool:
     """Whether the GPU tier places the embedding in its blocks on the device (weights.embedding): with
-    the device step, for the run-ahead (Model.decode_ahead), which a model with QSA or PLE never
-    uses (their token steps need the host: DeviceBackend.can_run_ahead)."""
-    return device_step and not (g.has_qsa or g.ple_layers)
+    the device step, for the run-ahead (Model.decode_ahead); for a model with PLE only beside its
+    table (`ple_on_device`): without it the token step needs the host (DeviceBackend.needs_token),
+    so nothing would gather from the embedding. (QSA's token step runs wholly on the device.)"""
+    return device_step and (ple_on_device or not g.ple_layers)
+
+
+# the PLE table's GGML types dev_ple_rows decodes (engine/tier/device.py PLE_ROW_TYPES; a test pins
+# the two equal): F32, F16, BF16 (TableRows), the embedding's block types and IQ4_NL, the released
+# table's fallback type on its short rows
+PLE_TABLE_DEVICE_TYPES = frozenset({0, 1, 2, 3, 6, 7, 8, 12, 13, 14, 20, 30})
+
+
+def ple_table_device_bytes(g: ModelGeometry, table_bytes: int) -> int:
+    """weights.ple_table: the PLE table in its GGUF bytes and what dev_ple_rows hashes with, as
+    engine/tier/device.py DevicePLE carves them: per PLE layer (nl) the N multipliers, the Pn head
+    offsets and sizes (int64), the token window (int64 [N - 1]), the rows every PLE layer's token
+    step reads (f32 [nl, Pe]) and their row ids (int64 [nl, Pn])."""
+    nl, N, Pn = len(g.ple_layers), g.ple_ngram_size, g.ple_n_heads
+    return (align(table_bytes) + align(8 * nl * N) + 2 * align(8 * nl * Pn) + align(8 * max(N - 1, 1))
+            + align(F32 * nl * Pn * g.ple_row_dim) + align(8 * nl * Pn))
+
+
+def ple_on_device(free_at_open: int | None, extra: int, o: BudgetOptions, slot: int, n_pairs: int,
+                  after_bytes: int) -> str | None:
+    """THE PLE TABLE TAKES ONLY MEMORY NOTHING ELSE WOULD USE. Placed (with the embedding the run-ahead
+    gathers from: `extra` bytes in all) only where the plan is otherwise the same with them: the same
+    expert slots, the same reserve, no refusal and no LOW line that was not there. Why: the
+    run-ahead hides the host's ~0.4 ms between two token steps (qwen35moe on the H200); that counts
+    where the step is the GPU's (every expert resident: seed-4l qwen4exp's floor 1.37 ms against
+    508 tok/s picked), while a slot the table would take is an expert computed on the CPU instead,
+    milliseconds a token where misses dominate. The real table is tens of GB (25.8 GB BF16 for
+    the release): it takes the card only where it is left over. -> None where placed, else why not."""
+    if free_at_open is None:
+        return "no free device memory given to plan it against"
+    without = plan_slots(free_at_open, o, slot, n_pairs, after_bytes)
+    with_ = plan_slots(free_at_open - extra, o, slot, n_pairs, after_bytes)
+    if with_.problems or with_.slots != without.slots or with_.reserve != without.reserve:
+        return (f"{extra / MiB:.1f} MiB with the embedding would leave {with_.slots} expert slots (not "
+                f"{without.slots}) or a smaller reserve: slots come first")
+    left = free_at_open - extra - with_.slots * slot - after_bytes
+    if low_memory_warning(left) and not low_memory_warning(left + extra):
+        return f"{extra / MiB:.1f} MiB with the embedding would leave less than {LOW_MIB} MiB free"
+    return None
 
 
 def plan_budget(index: PackIndex, experts: NativeExperts, g: ModelGeometry, options: BudgetOptions, *,
-                free_bytes: int | None = None, ple_table_bytes: int | None = None) -> Budget:
+                free_bytes: int | None = None, ple_table_bytes: int | None = None,
+                ple_table_type: int | None = None) -> Budget:
     """Everything the GPU engine will allocate for this pack and these options, stage by stage.
 
     `free_bytes`: device memory free before the engine allocates anything (cudaMemGetInfo at start,
     or a card of N MiB as --vram-budget-mib counts it); without it the slots are not planned.
+    `ple_table_bytes`, `ple_table_type`: the pack's PLE table (qwen4exp), which the device step places
+    on the card by `ple_on_device`'s rule (weights.ple_table; `notes` says where it went and why).
     """
     o = options
     slot, blob = expert_slot_bytes(experts, g)
@@ -602,26 +650,40 @@ def plan_budget(index: PackIndex, experts: NativeExperts, g: ModelGeometry, opti
     before = _weight_items(index, experts, g, ple_table_bytes)
     if o.drafter_bytes:
         before.append(Item("weights.drafter", "drafter (MTP head) weights", o.drafter_bytes, WEIGHTS))
-    if embedding_on_device(g, o.device_step):  # the run-ahead gathers the next step's row there
-        embd = sum(align(t.nbytes) for t in index.tensors if t.name == "token_embd.weight")
-        before.append(Item("weights.embedding", "embedding table in its blocks (the device step's run-ahead gathers rows)",
-                           embd, WEIGHTS))
     if o.device_step:  # the token step's rope at the device position (DeviceBackend._rope_table)
         before.append(Item("weights.rope", f"rope cos and sin at every position (f32, {o.max_context} x {g.n_rot // 2} x 2; "
                            "the device step reads them at its position)", rope_table_bytes(g, o.max_context), WEIGHTS))
     before += _session_items(g, o) + _serve_items(g, o) + _spec_items(g, o, bool(g.n_mtp_layer))
     after = _after_cache_items(g, o, slot)
     after_bytes = sum(i.bytes for i in after if i.where == DEVICE)
+    embd = sum(align(t.nbytes) for t in index.tensors if t.name == "token_embd.weight")
+    ple, notes = False, []
+    if o.device_step and g.ple_layers:
+        ple_bytes = ple_table_device_bytes(g, ple_table_bytes or 0)
+        free_at_open = None if free_bytes is None else free_bytes - sum(i.bytes for i in before if i.where == DEVICE)
+        why = ("the pack's table was not given" if ple_table_bytes is None else
+               f"its type {ple_table_type} has no device decoder" if ple_table_type not in PLE_TABLE_DEVICE_TYPES else
+               ple_on_device(free_at_open, ple_bytes + embd, o, slot, n_pairs, after_bytes))
+        ple = why is None
+        notes.append(f"PLE table on the device ({ple_bytes / MiB:.1f} MiB): the token step hashes the next token's "
+                     "n-grams there, so greedy decoding runs a step ahead" if ple else
+                     f"PLE table on the host ({why}): each token step's rows are hashed on the host, no run-ahead")
+        if ple:
+            before.append(Item("weights.ple_table", "PLE table in its GGUF bytes, its hash constants and rows (the "
+                               "run-ahead hashes and gathers the next token's rows on the device)", ple_bytes, WEIGHTS))
+    if embedding_on_device(g, o.device_step, ple):  # the run-ahead gathers the next step's row there
+        before.append(Item("weights.embedding", "embedding table in its blocks (the device step's run-ahead gathers rows)",
+                           embd, WEIGHTS))
     if free_bytes is None:
         items = before + [Item("cache.slots", "expert slots (give the free memory to plan them)", 0, OPEN_CACHE, count=0)] + after
-        return Budget(tuple(items), o, slot, blob, n_pairs, None, None, None, None)
+        return Budget(tuple(items), o, slot, blob, n_pairs, None, None, None, None, notes=tuple(notes))
     free_at_open = free_bytes - sum(i.bytes for i in before if i.where == DEVICE)
     sp = plan_slots(free_at_open, o, slot, n_pairs, after_bytes)
     items = before + [Item("cache.slots", f"expert slots ({sp.slots} x {slot} B, engine form)", sp.slots * slot,
                            OPEN_CACHE, count=sp.slots)] + after
     warnings = _warnings(free_at_open, sp.reserve, after_bytes, sp.slots * slot)
     return Budget(tuple(items), o, slot, blob, n_pairs, free_bytes, sp.reserve, sp.slots, sp.auto_line,
-                  tuple(warnings), sp.problems)
+                  tuple(warnings), sp.problems, tuple(notes))
 
 
 @dataclass(frozen=True)

@@ -603,6 +603,25 @@ class Model:
             staged[l] = be.stage_ple(l, ple.step_rows(token, st))
         return staged
 
+    def _ple_ahead(self, s: Session) -> dict | None:
+        """A run-ahead step's PLE rows, those its last step gathered on the device from its pick
+        (DeviceBackend.ple_picked), the host states' counts advanced as `step_rows` advances them;
+        their windows wait for the token (`_ple_took`) -> {layer: device rows}, or None without PLE."""
+        if not self.ple:
+            return None
+        for l, st in s.ple_states.items():
+            if st.t != s.pos:
+                raise ValueError(f"layer {l}: the PLE state has seen {st.t} tokens, the session {s.pos}")
+            st.t += 1
+        return self.backend.ple_picked()
+
+    def _ple_took(self, s: Session, token: int) -> None:
+        """The pick a queued run-ahead step fed, read now: into every PLE state's window, as `step_rows`
+        puts its token (the device's window took it in dev_ple_rows)."""
+        for st in s.ple_states.values():
+            st.window[:-1] = st.window[1:]
+            st.window[-1] = token
+
     def _layers_and_head(self, row, ids: np.ndarray, parts: list, staged: dict | None = None):
         """The device token step's work (DeviceBackend.token_step's `run`): the embedding row (at its
         fixed device address) into the session's stream, the layers, the head into `logits`;
@@ -638,27 +657,39 @@ class Model:
         so the session is SPENT: its --stats counts are the plain loop's (the step's hits, misses
         and routing not counted) but any later forward of it is refused. So only a session
         discarded afterwards runs ahead (strata generate's; serve's and chat's are parked and
-        reused: they keep the plain loop)."""
+        reused: they keep the plain loop).
+
+        qwen4exp (its PLE table on the device): the first step's PLE rows are the host's (`_stage_ple`),
+        its window goes up after them; each later step's are hashed and gathered on the device from
+        the pick (DeviceBackend.ple_picked). The host's PLE states are kept as the plain loop's: each
+        state's count advances as its step is queued, its window as the pick its step fed is read,
+        so a run that ends at its length leaves them as step_pick's loop would (`_ple_took`)."""
         if not self.runs_ahead(s):
             raise ValueError("decode_ahead: this session cannot run ahead on this backend (runs_ahead)")
         if n < 1:
             return
         be, g = self.backend, self.geometry
         self._check(s, [int(token)] * min(n, s.max_context - s.pos + 1))
-        ids = np.zeros(1, np.int64)  # (PLE alone reads the ids on the host: never run ahead, can_run_ahead)
+        ids = np.zeros(1, np.int64)  # (the PLE layers read their staged rows, never the ids)
 
-        def queue(row):
+        def queue(row, staged):
             parts = [(s, 0, 1, s.pos, None)]
-            got = be.token_step(s, s.pos, self._layers_and_head(row, ids, parts), None, g.n_vocab, banned, wait=False)
+            got = be.token_step(s, s.pos, self._layers_and_head(row, ids, parts, staged), None, g.n_vocab, banned, wait=False)
             s.pos += 1
             return got
 
-        pending = queue(be.stage_row(self._embd_row(int(token))))
+        staged = None
+        if self.ple:
+            staged = self._stage_ple(s, int(token))
+            be.stage_ple_window(next(iter(s.ple_states.values())).window)
+        pending = queue(be.stage_row(self._embd_row(int(token))), staged)
         done = 0
         try:
             while True:
-                ahead = queue(be.embed_picked((1, g.n_embd))) if done + 1 < n else None
+                ahead = queue(be.embed_picked((1, g.n_embd)), self._ple_ahead(s)) if done + 1 < n else None
                 got = be.wait_picked(pending)
+                if ahead is not None and self.ple:
+                    self._ple_took(s, got)
                 pending, done = ahead, done + 1
                 yield got
                 if pending is None:

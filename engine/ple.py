@@ -90,7 +90,7 @@ class NGramHash:
         if any(s <= 0 for s in head_vocab_sizes) or max(o + s for o, s in zip(head_offsets, head_vocab_sizes)) > n_rows:
             raise PackError(f"PLE: heads reach row {max(o + s for o, s in zip(head_offsets, head_vocab_sizes))}, "
                                  f"the table has {n_rows}")
-        self.ngram_size, self.n_heads, self.eos = N, Pn, int(eos_token_id)
+        self.ngram_size, self.n_heads, self.heads_per_ngram, self.eos = N, Pn, heads_per_ngram, int(eos_token_id)
         # the checkpoint's int64 buffers, as their uint64 bits; multiplying wraps mod 2^64 like torch
         self.mult = np.array([int(m) for m in multipliers], dtype=np.uint64).view(np.int64)
         self.offsets = np.array([int(o) for o in head_offsets], dtype=np.int64)

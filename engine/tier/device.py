@@ -26,7 +26,9 @@ host's inside the step: PLE's rows are hashed and looked up by the host from the
 before the step and staged to fixed addresses (`stage_ple`), its conv ring is indexed at the
 device position (`ple_conv_step`), and each QSA layer writes its keys, pools its block, scores,
 takes torch.topk's set and attends there (`qsa_token`); so it is captured and replayed as
-qwen35moe's is. Only the run-ahead cannot take it (the host hashes the input token: `needs_token`).
+qwen35moe's is. It runs ahead where the plan placed the PLE table on the device (`DevicePLE`): the
+step then ends with dev_ple_rows, which hashes the pick and gathers the next step's rows there;
+elsewhere the host hashes the input token (`needs_token`) and the run-ahead cannot take it.
 """
 
 from __future__ import annotations
@@ -60,9 +62,11 @@ _NAMES = ["dev_rmsnorm", "dev_delta", "dev_conv", "dev_combine", "dev_sigmoid", 
           "dev_sample", "dev_route_rows", "dev_group", "dev_rmsnorm_q", "dev_hidden_q",
           "dev_gate_q", "dev_gates_conv", "dev_add_rmsnorm_q", "dev_embd_row", "dev_ple_conv", "dev_qsa_key",
           "dev_qsa_scores", "dev_qsa_select", "dev_attn_sel", "dev_attn_split_sel", "dev_attn_merge_sel",
-          "dev_hc_gates_q", "dev_rope_at", "dev_pick_next"]
+          "dev_hc_gates_q", "dev_rope_at", "dev_pick_next", "dev_ple_rows"]
 # the embedding's GGML types dev_embd_row decodes (F32 F16 Q4_0 Q4_1 Q5_0 Q5_1 Q8_0 Q4_K Q5_K Q6_K BF16)
 EMBD_ROW_TYPES = frozenset({0, 1, 2, 3, 6, 7, 8, 12, 13, 14, 30})
+# the PLE table's types dev_ple_rows decodes: those and IQ4_NL (budget.PLE_TABLE_DEVICE_TYPES, the same)
+PLE_ROW_TYPES = EMBD_ROW_TYPES | {20}
 KV_KIND = {"f32": 0, "f16": 1, "int8": 2}  # dev_kv_write's and dev_attn_one's `kind`
 BLOCK = 128  # threads per block of the row kernels: four warps
 ATTN_SPLIT_KEYS, ATTN_SPLITS = 16, 128  # one token's attention: the fewest keys a warp's split takes, the most splits a head
@@ -167,6 +171,57 @@ class DevicePLEState(PLEState):
     def __init__(self, be, g):
         super().__init__(ngram_size=g.ple_ngram_size, eos_token_id=g.ple_eos_token_id, conv_kernel=1, channels=1)
         self.ring = be.zeros(((g.ple_conv_kernel - 1) * g.ple_ngram_size, g.hc * g.n_embd))
+
+
+class DevicePLE:
+    """The PLE table on the device (the plan's weights.ple_table, placed only where it takes memory no
+    expert slot would: budget.py `ple_on_device`) and what dev_ple_rows hashes the run-ahead's next
+    token with: every PLE layer's NGramHash constants, the token window (the host's PLEState.window,
+    staged at a run's first step, then advanced by the kernel), and the rows every PLE layer's token
+    step reads, [nl, Pe] (`stage_ple` stages the host's rows into the same buffers, so one captured
+    step serves both). `carve(shape, dtype)`: a device array (the weights arena's, in the layout
+    budget.py `ple_table_device_bytes` counts; or rt.empty).
+
+    nl = PLE layers, N = ngram size, Pn = heads, Pd = row dim, Pe = Pn Pd."""
+
+    def __init__(self, hashes: list, layers: list[int], table, type_id: int, row_dim: int, n_rows: int, carve, copy_in):
+        h0 = hashes[0]
+        N, Pn, nl = h0.ngram_size, h0.n_heads, len(hashes)
+        if type_id not in PLE_ROW_TYPES:
+            raise ValueError(f"PLE table type {type_id}: dev_ple_rows decodes {sorted(PLE_ROW_TYPES)}")
+        if any((h.ngram_size, h.n_heads, h.heads_per_ngram, h.eos) != (N, Pn, h0.heads_per_ngram, h0.eos) for h in hashes):
+            raise ValueError("PLE layers with different n-gram geometries: dev_ple_rows takes one")
+        from strata.index_format.ggml_types import ggml_type
+
+        self.layers, self.N, self.Pn, self.Pd, self.eos = list(layers), N, Pn, row_dim, h0.eos
+        self.hpn = h0.heads_per_ngram
+        self.table, self.type_id, self.n_rows = table, type_id, n_rows
+        self.row_bytes = ggml_type(type_id).row_bytes(row_dim)
+        arrays = {"mult": np.stack([h.mult for h in hashes]), "off": np.stack([h.offsets for h in hashes]),
+                  "size": np.stack([h.sizes for h in hashes])}
+        for name, host in arrays.items():
+            dev = carve(host.shape, np.int64)
+            copy_in(dev, np.ascontiguousarray(host, np.int64))
+            setattr(self, name, dev)
+        self.window = carve((max(N - 1, 1),), np.int64)
+        self.rows = carve((nl, 1, Pn * row_dim), np.float32)
+        # each layer's view made once: `_stage` keeps a pinned mirror per device array object, so a
+        # new view per token would make a pinned buffer per token
+        self._rows_of = {l: self.rows[k] for k, l in enumerate(self.layers)}
+        self.ids = carve((nl, Pn), np.int64)
+
+    def rows_of(self, layer: int):
+        """The layer's rows buffer [1, Pe] (a fixed address the token step reads)."""
+        return self._rows_of[layer]
+
+    def launch(self, be, tok) -> None:
+        """dev_ple_rows: the rows of the token at tok[0] into `rows`, the window advanced."""
+        nl = len(self.layers)
+        be.rt.launch(be._mod, "dev_ple_rows", 1, BLOCK * 2, (tok, self.window, np.int32(self.N), np.int64(self.eos), self.mult,
+                                                             self.off, self.size, np.int32(nl), np.int32(self.Pn),
+                                                             np.int32(self.hpn), self.table, np.int64(self.row_bytes),
+                                                             np.int64(self.n_rows), np.int32(self.type_id), np.int32(self.Pd),
+                                                             self.rows, self.ids), smem=8 * (self.N + nl * self.Pn))
 
 
 class DeviceExperts:
@@ -579,8 +634,10 @@ class DeviceBackend(CpuBackend):
         self.floor_next = False  # the session's next replayed token step is captured in parts and timed
         # (True: a part per layer and the head; "kernels": a part per launch, labelled (layer, kernel))
         # the host must know a step's input token before the step (PLE hashes it: ple_state), so the
-        # run-ahead, whose next token is known only on the device, cannot take the session
+        # run-ahead, whose next token is known only on the device, cannot take the session; unless
+        # the PLE table is on the device (`ple`), where dev_ple_rows hashes the pick itself
         self.needs_token = False
+        self.ple = None  # DevicePLE: the PLE table placed on the device (startup, weights.ple_table), or None
         self._qsa_bufs: dict[tuple, tuple] = {}  # (blocks, tokens selected at most, H) -> qsa_token's scratch
         self._ple_rows: dict[tuple, object] = {}  # (PLE layer, shape) -> the fixed device buffer of its staged rows
         self._books = None  # while token_step captures: the host bookkeeping a replay repeats (`bookkeep`)
@@ -661,7 +718,7 @@ class DeviceBackend(CpuBackend):
         return DeviceQSACache(self, g, max_ctx, kv)
 
     def ple_state(self, g) -> "DevicePLEState":
-        self.needs_token = True
+        self.needs_token = self.ple is None
         return DevicePLEState(self, g)
 
     # --- qwen4exp's hyper-connection, PLE and QSA passes (engine/hyper.py, ple.py, qsa.py): the
@@ -836,12 +893,24 @@ class DeviceBackend(CpuBackend):
     def stage_ple(self, layer: int, e: np.ndarray):
         """A token step's PLE rows of `layer` (f32 [1, Pe], made by the host from the step's input
         token before the step: PLELayer.step_rows) into the layer's fixed device buffer, which the
-        step reads (copied up asynchronously, nothing allocated after the first step)."""
-        dev = self._ple_rows.get((layer, e.shape))
+        step reads (copied up asynchronously, nothing allocated after the first step). With the table
+        on the device, the buffer dev_ple_rows writes the run-ahead's rows into: one captured step
+        reads both."""
+        dev = self.ple.rows_of(layer) if self.ple is not None else self._ple_rows.get((layer, e.shape))
         if dev is None:
             dev = self._ple_rows[(layer, e.shape)] = self.rt.empty(e.shape, F32)
         self._stage(dev, e)
         return dev
+
+    def stage_ple_window(self, window: np.ndarray) -> None:
+        """The run-ahead's first step: the host's PLE token window after its input token (the host
+        hashed that one: `stage_ple`) up to the device's, which dev_ple_rows then advances by each pick."""
+        self._stage(self.ple.window, window)
+
+    def ple_picked(self) -> dict:
+        """The run-ahead's next step's PLE rows, {layer: [1, Pe]}: made on the device by the last step's
+        dev_ple_rows from its pick (nothing to queue here)."""
+        return {l: self.ple.rows_of(l) for l in self.ple.layers}
 
     def ple_conv_step(self, ring, X, taps, dil: int):
         """ple.conv_taps of one token X [1, HE] at the device position (dev_ple_conv: its bits), the
@@ -1344,9 +1413,10 @@ class DeviceBackend(CpuBackend):
         # the position's advance and the next row in the step itself (dev_pick_next), so that a token
         # is one graph replay and the pick's copy down; its buffers made here, outside the graph's pool
         ahead = pick is not None and not wait and self.can_run_ahead(session) and self._embd_n is not None
+        ple = ahead and bool(session.ple_states)  # (and the next token's PLE rows: dev_ple_rows)
         if ahead:
             self._pick_buffers(pick)
-            body = self._pick_next_into(run, pick, session.max_context - 1)
+            body = self._pick_next_into(run, pick, session.max_context - 1, ple)
         else:
             body = run
         ex = self.experts
@@ -1359,6 +1429,8 @@ class DeviceBackend(CpuBackend):
             self.floor_next = False
             if ahead:  # (the floor's parts are the layers and the head)
                 self._pick_next(pick, session.max_context - 1)
+                if ple:
+                    self._ple_next()
         elif g is not None and g[0] is session:
             self._replay(g[1])
             ex.replayed(g[3])
@@ -1400,12 +1472,20 @@ class DeviceBackend(CpuBackend):
         self._next_pos = pos + 1
         return self._greedy(pick) if isinstance(pick, np.ndarray) else self._sample(pick)
 
-    def _pick_next_into(self, run, banned: np.ndarray, last: int):
-        """run, then the run-ahead's tail (`_pick_next`): a token step's whole work."""
+    def _pick_next_into(self, run, banned: np.ndarray, last: int, ple: bool = False):
+        """run, then the run-ahead's tail (`_pick_next`; with `ple`, `_ple_next`): a token step's whole work."""
         def body(logits):
             run(logits)
             self._pick_next(banned, last)
+            if ple:
+                self._ple_next()
         return body
+
+    def _ple_next(self) -> None:
+        """dev_ple_rows after dev_pick_next, inside the step: the picked token's PLE rows, hashed and
+        gathered on the device into the buffers the next step's PLE layers read (`ple_picked`), the
+        device's token window advanced. It reads the pick where dev_pick_next left it (`_pick_dev`)."""
+        self.ple.launch(self, self._pick_dev())
 
     def _pick_next(self, banned: np.ndarray, last: int) -> None:
         """dev_pick_next: the greedy pick into the device's pick (`_argmax`'s rule and buffers), the
@@ -1501,8 +1581,9 @@ class DeviceBackend(CpuBackend):
     def can_run_ahead(self, session) -> bool:
         """Whether this backend can queue `session`'s next step before its last pick comes back: the
         embedding table on the device in a type dev_embd_row decodes, no host work that needs the
-        token (PLE hashes the token ids on the host: `needs_token`), and a slot map no
-        token changes (an extra step queued past the last token must not admit experts)."""
+        token (PLE hashes the token ids on the host, unless its table is on the device: `needs_token`,
+        `ple`), and a slot map no token changes (an extra step queued past the last token must not
+        admit experts)."""
         t = self.embd_table
         return t is not None and t[1] in EMBD_ROW_TYPES and not self.needs_token and self.experts.static()
 

@@ -1620,6 +1620,76 @@ extern "C" __global__ void dev_ple_conv(float* ring, const int* pos, const float
     }
 }
 
+// One element of a PLE table row (engine/ple.py TableRows for F32, F16 and BF16; model.py _BlockRows,
+// the reference decoder, for a block type): embd_elem's types, and IQ4_NL, the type the released
+// table falls back to on its short rows (a 64- or 160-element row is no whole 256-element IQ3_XXS
+// block): | d f16 | qs u8 x16 |, Q4_0's nibble order, w = d * kvalues_iq4nl[nibble] (the 16 int8
+// values packed in two words, so no table is indexed per thread).
+__device__ __forceinline__ float ple_elem(const unsigned char* R, int type, int i) {
+    if (type != 20) return embd_elem(R, type, i);
+    const unsigned char* B = R + 18 * (i >> 5);
+    const int j = i & 31, q = (B[2 + (j & 15)] >> (j < 16 ? 0 : 4)) & 15;
+    const unsigned long long kv = q < 8 ? 0xf6eaddcfbfad9881ull : 0x7159453526190d01ull;
+    return embd_h(B) * (float)(signed char)(unsigned char)(kv >> (8 * (q & 7)));
+}
+
+// PLE's rows for the run-ahead's next token step, made from the token the pick left in device memory
+// (tok[0]: dev_pick_next's out[0]), so that no host hashing sits between two steps (DeviceBackend.
+// ple_next; engine/ple.py NGramHash and PLEState.window, step for step):
+//   context  c_0 = t; walking back through win (the N-1 raw tokens before t, oldest first, EOS at
+//            the start), an EOS at p-s or later makes c_s and every older entry EOS
+//   hash     head i of PLE layer l, order o = 2 + i / hpn: h = XOR_{s<o} c_s * mult[l, s], the
+//            products WRAPPING mod 2^64 (as torch's int64 product: done in unsigned, where
+//            overflow is defined, then read back as signed), row = off[l, i] + h mod size[l, i]
+//            with the divisor's sign (torch.remainder: C's % takes the dividend's, so a negative
+//            remainder is moved up by the divisor). Integers only: the products exceed 2^53.
+//   gather   rows[l, i Pd + j] = the table's row's element j (ple_elem), the PLE layers' staged
+//            buffers [nl, Pn Pd]; ids [nl, Pn] = the row ids (tests compare them with the host's)
+//   window   win advanced in place: its oldest token out, t in (PLEState.window's rule)
+// One block: thread 0 reads and advances the window (no other thread touches it, so no block
+// can read it after it moved); a token's rows are Pe floats a PLE layer (2560 on seed-4l).
+// smem: 8 (N + nl Pn) bytes.
+extern "C" __global__ void dev_ple_rows(const int* tok, i64* win, int N, i64 eos, const i64* mult, const i64* off,
+                                        const i64* size, int nl, int Pn, int hpn, const unsigned char* table, i64 row_bytes,
+                                        i64 n_rows, int type, int Pd, float* rows, i64* ids) {
+    STRATA_SMEM(smem);
+    i64* c = reinterpret_cast<i64*>(smem);
+    i64* row = c + N;
+    if (threadIdx.x == 0) {
+        const i64 t = tok[0];
+        c[0] = t;
+        bool reset = false;
+        for (int s = 1; s < N; s++) {
+            const i64 prev = win[N - 1 - s];
+            reset |= prev == eos;
+            c[s] = reset ? eos : prev;
+        }
+        for (int s = 0; s + 1 < N - 1; s++) win[s] = win[s + 1];
+        if (N > 1) win[N - 2] = t;
+    }
+    __syncthreads();
+    for (int k = threadIdx.x; k < nl * Pn; k += blockDim.x) {
+        const int l = k / Pn, i = k - l * Pn, o = 2 + i / hpn;
+        unsigned long long h = 0;
+        for (int s = 0; s < o; s++) h ^= (unsigned long long)c[s] * (unsigned long long)mult[(i64)l * N + s];
+        const i64 P = size[k];
+        i64 r = (i64)h % P;
+        if (r != 0 && ((r < 0) != (P < 0))) r += P;
+        r += off[k];
+        row[k] = r;
+        ids[k] = r;
+    }
+    __syncthreads();
+    const i64 per = (i64)Pn * Pd;
+    for (i64 e = threadIdx.x; e < nl * per; e += blockDim.x) {
+        const i64 k = e / Pd;
+        const int j = (int)(e - k * Pd);
+        i64 r = row[k];
+        if (r < 0 || r >= n_rows) r = 0;  // (cannot happen: NGramHash checks offset + size <= rows)
+        rows[e] = ple_elem(table + r * row_bytes, type, j);
+    }
+}
+
 // QSA's indexer key of one token at p = *pos (QSALayer._append for one token): ik [Id] into row p
 // of the raw keys [C, Id], then block b = p / r pooled from its r rows into blocks [b]: kb =
 // rope_{b r}(rmsnorm(mean of the rows)). The block in progress is pooled at EVERY token: its rows

@@ -162,7 +162,10 @@ class _Startup:
                               profile_pairs=o.profile.pairs if o.profile is not None else None,
                               device_step=o.step == "device", stream_experts=o.stream_min_tokens != 0, spec=o.spec)
         self.free0 = self.mem.free()
-        self.plan = plan_budget(pack.index, pack.experts, g, bopts, free_bytes=self.free0)
+        ple = pack.ple if g.ple_layers else None
+        self.plan = plan_budget(pack.index, pack.experts, g, bopts, free_bytes=self.free0,
+                                ple_table_bytes=None if ple is None else ple.nbytes,
+                                ple_table_type=None if ple is None else ple.type_id)
         self.say(f"gpu tier: {self.free0 / MiB:.0f} MiB free at start"
                  + (f" (--vram-budget-mib {o.vram_budget_mib})" if o.vram_budget_mib is not None else ""))
         self.n_slots = 0
@@ -201,12 +204,16 @@ class _Startup:
         for w in self.mats:
             at = weights.take(placed_bytes(w.type_id, w.n_in, w.n_out))
             self.placed.append((w, gpu.place(w.raw, w.type_id, w.n_in, w.n_out, weights.arena, at, w.name)))
-        if self.device is not None:
+        if self.device is not None and self.plan.places("weights.ple_table"):
+            self._place_ple(weights)
+        for note in self.plan.notes:  # (where the PLE table went, and so whether greedy decoding runs ahead)
+            self.say(note)
+        if self.device is not None:  # (after the PLE table: a session's PLE state asks whether it is placed)
             self.session = Session(self.model, self.o.max_context, self.o.kv, backend=self.device)
         if self.device is not None:  # the rope tables' planned bytes (weights.rope: DeviceBackend._rope_table)
             n = self.plan.item("weights.rope").bytes
             self.device.rope_arena = self.rt.view(weights.arena, weights.take(n), (n,), np.uint8)
-        if self.device is not None and B.embedding_on_device(self.g, True):
+        if self.device is not None and self.plan.places("weights.embedding"):
             # the embedding in its GGUF blocks (budget: weights.embedding): the run-ahead gathers the
             # next token's row on the device from the device's pick (DeviceBackend.embed_picked)
             e = self.model.embd
@@ -215,6 +222,19 @@ class _Startup:
             self.device.embd_table = (table, e.type.id, e.type.row_bytes(e.n_in), e.n_out)
         self.rt.synchronize()
         self.mark(B.WEIGHTS)
+
+    def _place_ple(self, weights: Carver) -> None:
+        """The PLE table in its GGUF bytes (budget: weights.ple_table, placed by budget.ple_on_device's
+        rule) and DevicePLE's constants and buffers beside it: the run-ahead hashes the next token's
+        n-grams and gathers their rows on the device (dev_ple_rows)."""
+        from .device import DevicePLE
+
+        t, raw = self.model.pack.ple, self.model.pack.ple_table()
+        table = weights.array((raw.nbytes,), np.uint8)
+        self.rt.copy_in(table, np.ascontiguousarray(raw).view(np.uint8).reshape(-1))
+        layers = list(self.g.ple_layers)
+        self.device.ple = DevicePLE([self.model.ple[l].hash for l in layers], layers, table, t.type_id, t.row_dim, t.rows,
+                                    weights.array, self.rt.copy_in)
 
     def open_cache(self) -> None:
         """2. The expert cache, sized from the free memory measured now (S7)."""

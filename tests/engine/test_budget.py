@@ -454,3 +454,51 @@ def test_the_device_steps_rope_table_is_planned_with_the_weights(seed4l):
     assert item.bytes == B.rope_table_bytes(g, 32768) >= 2 * 32768 * (g.n_rot // 2) * 4 > 0
     assert item.stage == B.WEIGHTS and item.where == B.DEVICE
     assert "weights.rope" not in [i.key for i in plan(seed4l).items]
+
+
+def test_the_ple_table_goes_on_the_device_only_into_memory_no_slot_would_use(seed4l):
+    """weights.ple_table (the PLE table in its bytes, its hash constants and rows: the run-ahead hashes
+    the next token's n-grams on the device) and the embedding the run-ahead gathers from are placed
+    with the device step only where the plan is otherwise the same: every slot auto gives without
+    them (to the byte), an explicit --expert-cache N that still fits; else both stay on the host, and
+    the plan's note says which and why (the startup prints it)."""
+    from strata.engine.tier.device import PLE_ROW_TYPES
+
+    index, experts, g = seed4l
+    table = 24 * MIB  # about seed-4l's IQ4_NL table
+
+    def ple_plan(free, type_id=20, **opts):
+        return plan_budget(index, experts, g, BudgetOptions(max_context=32768, device_step=True, **opts), free_bytes=free,
+                           ple_table_bytes=table, ple_table_type=type_id)
+
+    assert B.PLE_TABLE_DEVICE_TYPES == PLE_ROW_TYPES
+    big = ple_plan(64 * GIB)
+    item = big.item("weights.ple_table")
+    nl, Pn, Pd = len(g.ple_layers), g.ple_n_heads, g.ple_row_dim
+    assert item.bytes == B.ple_table_device_bytes(g, table) >= table + 4 * nl * Pn * Pd + 8 * nl * (g.ple_ngram_size + 3 * Pn)
+    assert (item.stage, item.where) == (B.WEIGHTS, B.DEVICE) and big.places("weights.embedding")
+    assert big.slots == big.n_pairs and big.notes[0].startswith("PLE table on the device")
+    # the edge: all the pairs' slots and the reserve, then exactly the table and the embedding
+    host = ple_plan(64 * GIB, type_id=16)  # (IQ2_XXS: no device decoder)
+    assert not host.places("weights.ple_table") and not host.places("weights.embedding")
+    assert host.notes[0].startswith("PLE table on the host (its type 16 has no device decoder)")
+    extra = item.bytes + big.item("weights.embedding").bytes
+    edge = host.device_bytes(B.WEIGHTS) + host.reserve.bytes + host.n_pairs * host.slot_bytes + extra
+    assert ple_plan(edge).places("weights.ple_table") and ple_plan(edge).slots == host.n_pairs
+    short = ple_plan(edge - 1)
+    assert not short.places("weights.ple_table") and not short.places("weights.embedding")
+    assert short.slots == host.n_pairs and short.notes[0].startswith("PLE table on the host (") and "slots" in short.notes[0]
+    small = ple_plan(4 * GIB)  # fewer slots than pairs: the table would take some
+    assert not small.places("weights.ple_table") and small.slots == ple_plan(4 * GIB, type_id=16).slots < small.n_pairs
+    # an explicit --expert-cache N: placed where N still fits beside it and the reserve
+    n = 100
+    fits = host.device_bytes(B.WEIGHTS) + host.reserve.bytes + n * host.slot_bytes + extra
+    assert ple_plan(fits, expert_cache=n).places("weights.ple_table")
+    tight = ple_plan(fits - 1, expert_cache=n)
+    assert not tight.places("weights.ple_table") and not tight.problems and tight.slots == n
+    # not without the free memory, the table's bytes, or the device step
+    assert ple_plan(None).notes[0].startswith("PLE table on the host (no free device memory")
+    assert not ple_plan(None).places("weights.ple_table")
+    none = plan_budget(index, experts, g, BudgetOptions(max_context=32768, device_step=True), free_bytes=64 * GIB)
+    assert not none.places("weights.ple_table") and "not given" in none.notes[0]
+    assert not plan(seed4l, free=64 * GIB).places("weights.ple_table") and not plan(seed4l, free=64 * GIB).notes

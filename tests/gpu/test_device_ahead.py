@@ -11,7 +11,7 @@ import engine_fixture as F
 import numpy as np
 import pytest
 from gpu_emu import EmuRuntime
-from test_device_step import CTX, device_tier, tokens
+from test_device_step import CTX, device_tier, qwen4exp, tokens  # noqa: F401 (qwen4exp: a fixture)
 
 from strata.engine.model import Model
 from strata.engine.pack_reader import Pack
@@ -182,8 +182,11 @@ def test_generate_runs_ahead_on_the_device_with_the_plain_tokens(model, rt, monk
 
 
 def test_what_cannot_run_ahead_is_refused(rt):
-    """PLE hashes the step's input token on the host (qwen4exp's device step: needs_token), an
-    embedding type dev_embd_row does not decode, no table on the device: no run-ahead."""
+    """PLE hashes the step's input token on the host where its table is not on the device (a PLE
+    state made then sets needs_token), an embedding type dev_embd_row does not decode, no table on
+    the device: no run-ahead. A PLE state made with the table on the device (DeviceBackend.ple)
+    leaves it free to."""
+    from types import SimpleNamespace
 
     class Static:
         static = staticmethod(lambda: True)
@@ -197,16 +200,26 @@ def test_what_cannot_run_ahead_is_refused(rt):
     assert not be.can_run_ahead(None)
     be.needs_token, be.embd_table = False, (None, 16, 66, 1)  # IQ2_XXS
     assert not be.can_run_ahead(None)
+    be.embd_table = (None, 12, 144, 1)
+    g = SimpleNamespace(ple_ngram_size=3, ple_eos_token_id=7, ple_conv_kernel=4, hc=2, n_embd=32)
+    be.ple_state(g)  # (qwen4exp's session: its PLE table on the host)
+    assert be.needs_token and not be.can_run_ahead(None)
+    be.ple = "the table on the device"
+    be.ple_state(g)
+    assert not be.needs_token and be.can_run_ahead(None)
 
 
-def test_run_ahead_allocates_nothing_per_token_after_warm_up(model, rt):
+@pytest.mark.parametrize("arch", ["qwen35moe", pytest.param("qwen4exp", marks=pytest.mark.slow)])
+def test_run_ahead_allocates_nothing_per_token_after_warm_up(request, rt, arch):
     """After a first run ahead (its pinned picks, events and second routing copy made once), a run
     ahead replays the graph with no device or pinned allocation per token (the row is gathered into
-    the fixed row buffer, the picks land in the two fixed pinned buffers)."""
+    the fixed row buffer, the picks land in the two fixed pinned buffers; qwen4exp's PLE rows are
+    gathered into their fixed buffers, its first step's staged there)."""
     if isinstance(rt, EmuRuntime):
         pytest.skip("the emulation has no CUDA graphs: its steps are eager, whose temporaries the pool serves")
     from test_gpu_tier import counting
 
+    model = request.getfixturevalue("model" if arch == "qwen35moe" else "qwen4exp")
     toks = tokens(model, 4, seed=12)
     with device_tier(model) as tier:
         s = tier.take_session(CTX, "f32")
@@ -216,3 +229,220 @@ def test_run_ahead_allocates_nothing_per_token_after_warm_up(model, rt):
             got = list(model.decode_ahead(s, got[-1], BANNED, CTX - s.pos))
         assert model.backend._graph is not None and len(got) > 20
     assert n == [0, 0], f"{len(got)} token steps ahead allocated {n[0]} device and {n[1]} pinned buffers"
+
+
+# --- qwen4exp: PLE's n-gram rows hashed and gathered on the device (dev_ple_rows)
+
+# the PLE table's types dev_ple_rows decodes: TableRows' F32, F16 and BF16, the released table's
+# IQ4_NL (its short rows' fallback), and block types of the reference decoder
+PLE_TYPES = ["F32", "F16", "BF16", "IQ4_NL", "Q8_0", "Q5_0", "Q4_K"]
+
+
+def ple_hashes(N: int, hpn: int, nl: int, eos: int, rng):
+    """nl NGramHash of full-range uint64 multipliers (products wrap mod 2^64, h is negative about half
+    the time: the production multipliers are below 2^63 / vocab, where neither happens) -> (hashes,
+    table rows)."""
+    from strata.engine.ple import NGramHash
+
+    Pn = (N - 1) * hpn
+    sizes = [1009, 1013, 1019, 1021, 1031, 1033][:Pn]
+    offsets = np.cumsum([0] + sizes[:-1]).tolist()
+    rows = sum(sizes) + 5
+    hashes = [NGramHash([int(m) | 1 for m in rng.integers(0, 2**64, N, dtype=np.uint64)], offsets, sizes, ngram_size=N,
+                        heads_per_ngram=hpn, eos_token_id=eos, n_rows=rows) for _ in range(nl)]
+    return hashes, rows
+
+
+def ple_tokens(eos: int, n: int, rng) -> list[int]:
+    """EOS at the start, in the middle, twice in a row and at the end; small ids and ids near 2^31
+    (int32, as a pick is) whose products with the multipliers wrap."""
+    big = rng.integers(2**30, 2**31 - 1, n).tolist()
+    small = rng.integers(0, 600, n).tolist()
+    toks = [eos, small[0], big[0], eos, big[1], small[1], small[2], eos, eos, big[2], small[3], 0, 2**31 - 1]
+    toks += [big[i] if i % 3 else small[i] for i in range(3, n)]
+    return toks + [eos]
+
+
+@pytest.mark.parametrize("type_name", PLE_TYPES)
+def test_dev_ple_rows_are_the_hosts_hash_and_table_rows(rt, type_name):
+    """dev_ple_rows, token after token from a pick in device memory: each PLE layer's row ids are
+    NGramHash's (contexts with the EOS rule over PLEState.window, wrapping int64 products, the
+    remainder with the divisor's sign) and its rows the host table's (TableRows; a block type's,
+    the reference decoder's) bit for bit, and the device window is PLEState.window after each
+    token. Tokens with EOS at the start, inside and twice in a row, and ids near 2^31."""
+    from kernel_blocks import random_weights
+
+    from strata.engine.kernels.reference import dequantize
+    from strata.engine.ple import PLEState, TableRows
+    from strata.engine.tier.device import PLE_ROW_TYPES, DevicePLE
+    from strata.index_format.ggml_types import BY_NAME
+
+    t = BY_NAME[type_name]
+    assert t.id in PLE_ROW_TYPES
+    rng = np.random.default_rng(t.id)
+    N, hpn, nl, eos, Pd = 4, 2, 2, 511, 256 if type_name == "Q4_K" else 64
+    hashes, n_rows = ple_hashes(N, hpn, nl, eos, rng)
+    raw = random_weights(t, Pd * n_rows, rng)
+    host_rows = TableRows(raw, t.id, Pd, n_rows) if not t.quantized else \
+        (lambda ids: dequantize(raw.reshape(n_rows, -1)[ids].reshape(-1), t.id, ids.size * Pd).reshape(ids.size, Pd))
+    be = DeviceBackend(rt, None)
+    dev = DevicePLE(hashes, [3, 7], rt.to_device(raw), t.id, Pd, n_rows, rt.empty, rt.copy_in)
+    state = PLEState(ngram_size=N, eos_token_id=eos, conv_kernel=2, channels=1)
+    rt.copy_in(dev.window, state.window)
+    tok = rt.to_device(np.zeros(3, np.int32))
+    wrapped = negative = 0
+    for token in ple_tokens(eos, 40, rng):
+        rt.copy_in(tok, np.array([token, 0, 0], np.int32))
+        dev.launch(be, tok)
+        ctx = hashes[0].contexts(state.window, np.array([token], np.int64))
+        state.window[:] = np.concatenate([state.window, [token]])[1:]
+        for k, h in enumerate(hashes):
+            ids = h.rows(ctx)[0]
+            assert np.array_equal(rt.to_host(dev.ids)[k], ids), (token, k)
+            want = host_rows(ids).reshape(1, -1)
+            assert np.array_equal(rt.to_host(dev.rows)[k].view(np.uint32), want.view(np.uint32)), (token, k)
+            prods = [int(c) * (int(m) % 2**64) for c, m in zip(ctx[0], h.mult)]
+            wrapped += any(p >= 2**63 for p in prods)
+            x = 0
+            for p in prods[:2]:
+                x ^= p % 2**64
+            negative += x >= 2**63
+        assert np.array_equal(rt.to_host(dev.window), state.window), token
+    assert wrapped and negative  # the int64 rules were exercised, not only the small-number path
+
+
+def test_a_plain_steps_ple_rows_go_up_into_the_device_tables_buffers_with_one_pinned_mirror(rt):
+    """With the table on the device, stage_ple (a plain step's host rows) writes the buffers dev_ple_rows
+    writes for the run-ahead (one capture reads both), and restaging them token after token makes no
+    pinned buffer after the first (a new view per token had made a pinned mirror per token)."""
+    from strata.engine.tier.device import DevicePLE
+
+    rng = np.random.default_rng(5)
+    hashes, n_rows = ple_hashes(3, 2, 2, 9, rng)
+    be = DeviceBackend(rt, None)
+    be.ple = DevicePLE(hashes, [1, 4], rt.to_device(np.zeros(n_rows * 64 * 4, np.uint8)), 0, 64, n_rows, rt.empty,
+                       rt.copy_in)
+    before = rt.pinned_allocations if isinstance(rt, EmuRuntime) else None
+    for i in range(4):
+        e = rng.standard_normal((1, 4 * 64)).astype(np.float32)
+        dev = be.stage_ple(4, e)
+        rt.synchronize()
+        assert be.ple_picked()[4] is dev
+        assert np.array_equal(rt.to_host(be.ple.rows)[1], e), i
+    if before is not None:
+        assert rt.pinned_allocations - before == 1
+
+
+def with_eos(model, monkeypatch, eos: int) -> None:
+    """`model`'s PLE end-of-document id made `eos` (its hashes, the geometry its states are made from)."""
+    import dataclasses
+
+    for ple in model.ple.values():
+        monkeypatch.setattr(ple.hash, "eos", eos)
+    monkeypatch.setattr(model, "geometry", dataclasses.replace(model.geometry, ple_eos_token_id=eos))
+
+
+def eos_inside(model, monkeypatch, prompt: list[int], n: int) -> tuple[int, list[int]]:
+    """A PLE end-of-document id that the CPU engine's greedy run from `prompt` picks in the middle of
+    its n tokens with that id as the EOS (the id changes the hashes from the first position: it is
+    the history before it), so the device's hash meets an EOS pick and EOS-reset windows after it
+    -> (eos, the CPU's tokens)."""
+    tried = set()
+    for _ in range(24):
+        got = cpu_greedy(model, prompt, n)
+        for e in got[1 : n - 2]:
+            if e in tried:
+                continue
+            tried.add(e)
+            with_eos(model, monkeypatch, e)
+            picks = cpu_greedy(model, prompt, n)
+            if e in picks[1 : n - 2] and e not in prompt:
+                return e, picks
+    raise AssertionError(f"no token of the CPU's greedy runs is picked again in the middle with it as the EOS ({tried})")
+
+
+@pytest.mark.slow  # the emulated qwen4exp token step: ~7 s at --expert-cache 0 on 2 shared cores (~3 min in all)
+def test_qwen4exp_runs_ahead_with_the_plain_loops_tokens_and_states(qwen4exp, rt, monkeypatch):
+    """qwen4exp with its PLE table on the device (the plan placed it: room beside the slots) runs a
+    step ahead: each step's PLE rows after the first hashed and gathered on the device from the pick
+    (dev_ple_rows, right after dev_pick_next), none by the host. The tokens are the plain loop's
+    (step_pick), with an EOS picked in the middle; afterwards the sessions are the same: a plain step
+    gives the same logits bit for bit, so does a prompt chunk appended after it, and a second run
+    ahead (its window staged again from the host's) gives the plain loop's tokens again; the host's
+    PLE windows and counts are the plain loop's throughout."""
+    from strata.engine.ple import PLELayer
+
+    model, n = qwen4exp, 6
+    prompt = tokens(model, 3, seed=31)
+    eos, want = eos_inside(model, monkeypatch, prompt, n)
+    with device_tier(model, expert_cache=0) as tier:
+        be = model.backend
+        assert be.ple is not None and any(line.startswith("PLE table on the device") for line in tier.lines), tier.lines
+        plain = tier.take_session(CTX, "f32")
+        model.forward(plain, prompt[:-1], n_logits=0)
+        got = []
+        for _ in range(n):
+            got.append(model.step_pick(plain, got[-1] if got else prompt[-1], BANNED))
+        assert eos in got[1:-2], (eos, got, want)  # (the device picks the CPU's tokens: an EOS in the middle)
+        ahead = tier.take_session(CTX, "f32")
+        model.forward(ahead, prompt[:-1], n_logits=0)
+        assert model.runs_ahead(ahead)
+        hashed, step_rows = [], PLELayer.step_rows
+        monkeypatch.setattr(PLELayer, "step_rows", lambda self, *a: (hashed.append(a[0]), step_rows(self, *a))[1])
+        launched, launch = {}, rt.launch
+
+        def counted(mod, name, *a, **k):
+            launched[name] = launched.get(name, 0) + 1
+            launch(mod, name, *a, **k)
+
+        rt.launch = counted
+        try:
+            got_ahead = list(model.decode_ahead(ahead, prompt[-1], BANNED, n))
+        finally:
+            del rt.launch  # (the runtime's own method again)
+        assert got_ahead == got
+        # the host hashed the first step's token alone; every step after it took the device's rows
+        assert hashed == [prompt[-1]] * len(model.ple)
+        emu = isinstance(rt, EmuRuntime)
+        assert launched["dev_ple_rows"] == launched["dev_pick_next"] == (n if emu else 2)
+
+        def same_ple(a, b):
+            for l in model.ple:
+                assert np.array_equal(a.ple_states[l].window, b.ple_states[l].window), l
+                assert a.ple_states[l].t == b.ple_states[l].t == a.pos == b.pos, l
+
+        same_ple(ahead, plain)
+        # a plain step after the run ahead, then a prompt chunk appended (serve, chat): the same bits
+        assert np.array_equal(model.step(ahead, got[-1]).copy(), model.step(plain, got[-1]).copy())
+        chunk = [eos, prompt[0]]
+        assert np.array_equal(model.forward(ahead, chunk, n_logits=2), model.forward(plain, chunk, n_logits=2))
+        same_ple(ahead, plain)
+        # and a second run ahead after them: the device's window is the host's again
+        more = list(model.decode_ahead(ahead, eos, BANNED, 3))
+        t = eos
+        for want_t in more:
+            t = model.step_pick(plain, t, BANNED)
+            assert t == want_t
+        same_ple(ahead, plain)
+        assert np.array_equal(model.step(ahead, t).copy(), model.step(plain, t).copy())
+
+
+@pytest.mark.parametrize("where", ["no room", "no table type"])
+def test_qwen4exp_without_its_table_on_the_device_keeps_the_host_hash(qwen4exp, rt, monkeypatch, where):
+    """Where the plan does not place the PLE table (it would cost expert slots, or no device decoder
+    takes its type), the startup says so, the host hashes every step's rows and no session runs ahead."""
+    from strata.engine import budget as B
+
+    if where == "no room":
+        monkeypatch.setattr(B, "ple_on_device", lambda *a: "it would cost expert slots")
+    else:
+        monkeypatch.setattr(B, "PLE_TABLE_DEVICE_TYPES", frozenset())
+    with device_tier(qwen4exp) as tier:
+        be = qwen4exp.backend
+        assert be.ple is None and be.embd_table is None
+        assert any(line.startswith("PLE table on the host (") for line in tier.lines), tier.lines
+        assert not tier.plan.places("weights.ple_table") and not tier.plan.places("weights.embedding")
+        s = tier.take_session(CTX, "f32")
+        assert be.needs_token and not qwen4exp.runs_ahead(s)
+        with pytest.raises(ValueError, match="cannot run ahead"):
+            next(qwen4exp.decode_ahead(s, 3, BANNED, 2))
