@@ -669,7 +669,7 @@ def _iq_reader(builder, name, ptr, p, sb, zero):
     """What both forms of the grid kernels read super-block sb of the `name` row at byte p with
     (its cache lines ahead asked for): raw(off, ty, vec) loads `ty` at byte off of the super-block
     (vec: through `zero`), index(off, wide) is the grid index byte (wide: u16) at off as i64, b
-    the super-block's first act-block, d its f32(d) * 2^-3 (IQ3_XXS: 2^-2), the terms' weight factor."""
+    the super-block's first act-block."""
     at = builder.add(p, builder.mul(sb, ir.Constant(I64, IQTYPES[name])))
     # the grid indices are read by scalar loads; a vector load of the same bytes (for the signs)
     # from the same address let LLVM take each index out of the vector instead (vpextrb: 2 uops
@@ -688,9 +688,13 @@ def _iq_reader(builder, name, ptr, p, sb, zero):
     def index(off, wide=False):
         return builder.zext(raw(off, I16 if wide else I8), I64)
 
+    return raw, index, b
+
+
+def _iq_d(builder, name, raw):
+    """The super-block's f32(d) * 2^-3 (IQ3_XXS: 2^-2): the terms' weight factor, exact."""
     d = builder.fpext(builder.bitcast(raw(0, I16), ir.HalfType()), ir.FloatType())
-    d = builder.fmul(d, ir.Constant(ir.FloatType(), 0.25 if name == "IQ3_XXS" else 0.125))  # exact: a power of two
-    return raw, index, b, d
+    return builder.fmul(d, ir.Constant(ir.FloatType(), 0.25 if name == "IQ3_XXS" else 0.125))
 
 
 def _iq_superblock(builder, name, ptr, p, sb, zero, xptrs=None):
@@ -702,7 +706,7 @@ def _iq_superblock(builder, name, ptr, p, sb, zero, xptrs=None):
     order: the same bits) come back as a list."""
     v32, v64, i16v, i8v, f8v = ir.VectorType(I8, 32), ir.VectorType(I8, 64), ir.VectorType(I32, 16), ir.VectorType(I32, 8), ir.VectorType(ir.FloatType(), 8)
     vnni = simd._fn(builder, "llvm.x86.avx512.vpdpbusd.512", i16v, [i16v] * 3)
-    raw, index, b, d = _iq_reader(builder, name, ptr, p, sb, zero)
+    raw, index, b = _iq_reader(builder, name, ptr, p, sb, zero)
     table = _grid_table(builder, name)
 
     def c32(x, n=8):
@@ -756,6 +760,7 @@ def _iq_superblock(builder, name, ptr, p, sb, zero, xptrs=None):
         else:  # IQ3_XXS: two 4-byte entries to a word, so the vector is built as IQ2's
             grid.append(_lookup(builder, table, [(gidx(i), gidx(i + 1)) for i in range(16 * m, 16 * m + 16, 2)]))
         negs.append(builder.bitcast(builder.extract_element(sword, ir.Constant(I32, m)), ir.VectorType(ir.IntType(1), 64)))
+    d = _iq_d(builder, name, raw)
     terms = []
     for xptr in xptrs or [ptr]:
         vecs = []
@@ -857,7 +862,7 @@ def _iq_superblock_avx2(builder, name, ptr, p, sb, zero, xptrs=None):
     wd = simd._fn(builder, "llvm.x86.avx2.pmadd.wd", i8v, [w16, w16])
     sign = simd._fn(builder, "llvm.x86.avx2.psign.b", v32, [v32, v32])
     ones = ir.Constant(w16, [ir.Constant(I16, 1)] * 16)
-    raw, index, b, d = _iq_reader(builder, name, ptr, p, sb, zero)
+    raw, index, b = _iq_reader(builder, name, ptr, p, sb, zero)
     table = _grid_table(builder, name)
     c32, pick = partial(_c32, builder), partial(_pick, builder)
     if name == "IQ2_XS":  # 32 x u16 at 2: 9-bit grid index | 7-bit sign index << 9; scales at 66
@@ -889,6 +894,7 @@ def _iq_superblock_avx2(builder, name, ptr, p, sb, zero, xptrs=None):
         rep = _pshufb(builder, lanes[k // 4], ctrl)  # byte e: the sign byte of element e
         neg = builder.sext(builder.icmp_unsigned("!=", builder.and_(rep, bit), ir.Constant(v32, None)), v32)  # 0xFF where negative
         gs.append(builder.sub(builder.xor(g, neg), neg))
+    d = _iq_d(builder, name, raw)
     terms = []
     for xptr in xptrs or [ptr]:
         vecs = []
