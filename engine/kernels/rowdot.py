@@ -232,7 +232,9 @@ def _codegen(context, builder, sig, args, name, fine, wide=False, full=False):
         ad = builder.load(ptr("xd", b, f16v), align=4)
         wad = builder.fmul(wf, ad)
         for pl in range(planes):
-            r = simd._reduce_groups(builder, all_vecs[pl], 2, 8)  # lane g = block b + g (n = 8: g < 8), the weights offset
+            # lane g = block b + g (n = 8: g < 8), the weights offset. AVX2: vphaddd levels, where
+            # LLVM's split of the 512-bit shuffles took ~4 instructions per block (the LM head)
+            r = _block_totals(builder, all_vecs[pl]) if AVX2 else simd._reduce_groups(builder, all_vecs[pl], 2, 8)
             isum = builder.sub(r, builder.mul(builder.load(ptr("xs_lo" if pl else "xs", b, i16v), align=4), off))
             term = builder.fmul(wad, builder.sitofp(isum, f16v))
             if tail:
@@ -842,16 +844,26 @@ def _hadd(builder, a, b):
                        builder.shuffle_vector(a, b, simd._mask(8, [1, 3, 9, 11, 5, 7, 13, 15])))  # fmt: skip
 
 
-def _block_sums(builder, vecs, ws):
-    """Eight <8 x i32>, act-blocks 0..7 of a super-block with lanes 0..3 summing to the block's
-    first half S0 and lanes 4..7 to its second S1, and ws = two <8 x i32> of integer scales (lane
-    h * 4 + k: half h of act-block k, then of k + 4) -> <8 x i32>, lane k = ws0 S0 + ws1 S1 of
-    act-block k (exact). Two levels of vphaddd leave the half sums in the scales' lanes."""
+def _block_sums(builder, vecs, ws=None):
+    """Eight <8 x i32>, act-blocks 0..7 with lanes 0..3 summing to the block's first half S0 and
+    lanes 4..7 to its second S1, and ws = two <8 x i32> of integer scales (lane h * 4 + k: half h
+    of act-block k, then of k + 4) -> <8 x i32>, lane k = ws0 S0 + ws1 S1 of act-block k (exact;
+    without ws, S0 + S1). Two levels of vphaddd leave the half sums in the scales' lanes."""
     h = [_hadd(builder, vecs[k], vecs[k + 1]) for k in range(0, 8, 2)]
-    a = builder.mul(_hadd(builder, h[0], h[1]), ws[0])  # lane 4h + k: half h of act-block k, times its scale
-    b = builder.mul(_hadd(builder, h[2], h[3]), ws[1])  # the same for act-block k + 4
+    a, b = _hadd(builder, h[0], h[1]), _hadd(builder, h[2], h[3])  # lane 4h + k: half h of act-block k (k + 4)
+    if ws:
+        a, b = builder.mul(a, ws[0]), builder.mul(b, ws[1])
     return builder.add(builder.shuffle_vector(a, b, simd._mask(8, [0, 1, 2, 3, 8, 9, 10, 11])),
                        builder.shuffle_vector(a, b, simd._mask(8, [4, 5, 6, 7, 12, 13, 14, 15])))  # fmt: skip
+
+
+def _block_totals(builder, vecs):
+    """simd.dot_quads' AVX2 sums of 8 (or 4) act-block pairs (<16 x i32>: lanes 0..7 sum to the
+    first block, 8..15 to the second) -> <16 x i32>, lane g = act-block g's total (4 pairs: lanes
+    8..15 repeat 0..7)."""
+    halves = [_pick(builder, v, range(8 * h, 8 * h + 8)) for v in vecs for h in range(2)]
+    out = [_block_sums(builder, halves[k : k + 8]) for k in range(0, len(halves), 8)]
+    return builder.shuffle_vector(out[0], out[-1], simd._mask(16, range(16)))
 
 
 def _iq_superblock_avx2(builder, name, ptr, p, sb, zero, xptrs=None):
