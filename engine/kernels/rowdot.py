@@ -25,13 +25,14 @@ transpose-and-add reduction per 16 act-blocks (simd._reduce_groups).
 
 For hosts with F16C and AVX512-VNNI + AVX512BW, or AVX2 (AVAILABLE); elsewhere cpu.py keeps the
 general kernel. AVX2 takes the same IR with vpmaddubsw + vpmaddwd for vpdpbusd (simd.dot_quads
-says how it stays exact); LLVM splits the 512-bit vectors in two. The IQ2/IQ3 grid kernels need
-AVX512-VBMI (IQ_AVAILABLE).
+says how it stays exact); LLVM splits the 512-bit vectors in two. The IQ2/IQ3 grid kernels have
+an AVX512-VBMI form and an AVX2 one (IQ_AVAILABLE; _iq_superblock_avx2 says how it stays exact).
 """
 
 from __future__ import annotations
 
 import os
+from functools import partial
 
 import numpy as np
 from llvmlite import ir
@@ -231,7 +232,9 @@ def _codegen(context, builder, sig, args, name, fine, wide=False, full=False):
         ad = builder.load(ptr("xd", b, f16v), align=4)
         wad = builder.fmul(wf, ad)
         for pl in range(planes):
-            r = simd._reduce_groups(builder, all_vecs[pl], 2, 8)  # lane g = block b + g (n = 8: g < 8), the weights offset
+            # lane g = block b + g (n = 8: g < 8), the weights offset. AVX2: vphaddd levels, where
+            # LLVM's split of the 512-bit shuffles took ~4 instructions per block (the LM head)
+            r = _block_totals(builder, all_vecs[pl]) if AVX2 else simd._reduce_groups(builder, all_vecs[pl], 2, 8)
             isum = builder.sub(r, builder.mul(builder.load(ptr("xs_lo" if pl else "xs", b, i16v), align=4), off))
             term = builder.fmul(wad, builder.sitofp(isum, f16v))
             if tail:
@@ -582,8 +585,9 @@ def _k_superblock(builder, name, ptr, p, sb):
 # 7 stored bits and an 8th that makes their parity even, looked up in ggml's ksigns table.
 #
 # The sign fields come out by vpmultishiftqb and vpermi2b: AVX512-VBMI (Ice Lake and Zen 4 on,
-# not Cascade Lake). Without it these types keep cpu.py's row kernel.
-IQ_AVAILABLE = AVAILABLE and simd.VNNI and bool(simd._X86.get("avx512vbmi") and simd._X86.get("avx512vl"))
+# not Cascade Lake). AVX2 hosts take _iq_superblock_avx2 (below); Cascade Lake keeps cpu.py's row
+# kernel.
+IQ_VBMI = AVAILABLE and simd.VNNI and bool(simd._X86.get("avx512vbmi") and simd._X86.get("avx512vl"))
 
 PERMUTE_IQ3 = True  # IQ3_XXS's grid entries by register permutes (_lookup_perm), not scalar loads
 PREFETCH = (512, 576)  # bytes ahead of a super-block whose cache lines are asked for (5-8 super-blocks)
@@ -606,19 +610,20 @@ def _grid_table(builder, name):
         return g
 
 
-def _lookup(builder, table, idxs):
+def _lookup(builder, table, idxs, word=I64):
     """<64 x i8>: the 8-byte words table[i] for the 8 (i64) indices idxs, or for pairs (i, j) of
     a 4-byte table, table[i] | table[j] << 32. Scalar loads from the L1 table (a vpgatherqq of 8
-    ran at 0.7x them on Zen 4), the words put together by LLVM's shuffles."""
-    v = ir.Constant(ir.VectorType(I64, 8), ir.Undefined)
+    ran at 0.7x them on Zen 4), the words put together by LLVM's shuffles. Any number of indices
+    (<8 n x i8>); word=I32: one 4-byte entry per index (<4 n x i8>)."""
+    v = ir.Constant(ir.VectorType(word, len(idxs)), ir.Undefined)
     for n, k in enumerate(idxs):
         if isinstance(k, tuple):
             lo, hi = (builder.zext(builder.load(builder.gep(table, [ir.Constant(I64, 0), i]), align=4), I64) for i in k)
-            word = builder.or_(lo, builder.shl(hi, ir.Constant(I64, 32)))
+            entry = builder.or_(lo, builder.shl(hi, ir.Constant(I64, 32)))
         else:
-            word = builder.load(builder.gep(table, [ir.Constant(I64, 0), k]), align=8)
-        v = builder.insert_element(v, word, ir.Constant(I32, n))
-    return builder.bitcast(v, ir.VectorType(I8, 64))
+            entry = builder.load(builder.gep(table, [ir.Constant(I64, 0), k]), align=word.width // 8)
+        v = builder.insert_element(v, entry, ir.Constant(I32, n))
+    return builder.bitcast(v, ir.VectorType(I8, word.width // 8 * len(idxs)))
 
 
 def _lookup_perm(builder, name, idx16):
@@ -662,22 +667,17 @@ def _fields(builder, data, offsets):
     return builder.call(fn, [ctrl, data])
 
 
-def _iq_superblock(builder, name, ptr, p, sb, zero, xptrs=None):
-    """The <8 x f32> terms of super-block sb of the `name` (IQTYPES) row at byte p (act-blocks
-    8 sb .. 8 sb + 7). Layouts: reference.py beside _iq2_xxs, _iq2_xs, _iq3_xxs. `zero`: an i64
-    0 that LLVM cannot see is 0, added to the addresses of the vector loads (see below).
-    xptrs: several tokens (a list of `ptr`s, each reading one token's xq and xd): the grid words,
-    signs and scales are fetched once and each token's terms (the one-token ops, in the same
-    order: the same bits) come back as a list."""
-    v32, v64, i16v, i8v, f8v = ir.VectorType(I8, 32), ir.VectorType(I8, 64), ir.VectorType(I32, 16), ir.VectorType(I32, 8), ir.VectorType(ir.FloatType(), 8)
-    vnni = simd._fn(builder, "llvm.x86.avx512.vpdpbusd.512", i16v, [i16v] * 3)
+def _iq_reader(builder, name, ptr, p, sb, zero):
+    """What both forms of the grid kernels read super-block sb of the `name` row at byte p with
+    (its cache lines ahead asked for): raw(off, ty, vec) loads `ty` at byte off of the super-block
+    (vec: through `zero`), index(off, wide) is the grid index byte (wide: u16) at off as i64, b
+    the super-block's first act-block."""
     at = builder.add(p, builder.mul(sb, ir.Constant(I64, IQTYPES[name])))
     # the grid indices are read by scalar loads; a vector load of the same bytes (for the signs)
     # from the same address let LLVM take each index out of the vector instead (vpextrb: 2 uops
     # on Zen 4, 32 per super-block): the vector loads' address hides behind `zero`
     at_v = builder.add(at, zero)
     b = builder.mul(sb, ir.Constant(I64, 8))
-    table = _grid_table(builder, name)
     # the grid loads wait on the index bytes: where those come late from memory, every super-block
     # waits (from memory the kernel ran at 0.7x its speed on cached rows); ask for them ahead
     pf = simd._fn(builder, "llvm.prefetch.p0", ir.VoidType(), [I8.as_pointer(), I32, I32, I32])
@@ -687,8 +687,29 @@ def _iq_superblock(builder, name, ptr, p, sb, zero, xptrs=None):
     def raw(off, ty, vec=False):
         return builder.load(ptr("raw", builder.add(at_v if vec else at, ir.Constant(I64, off)), ty), align=1)
 
-    def index(off, wide=False):  # the grid index byte (wide: u16) at `off`, as i64
+    def index(off, wide=False):
         return builder.zext(raw(off, I16 if wide else I8), I64)
+
+    return raw, index, b
+
+
+def _iq_d(builder, name, raw):
+    """The super-block's f32(d) * 2^-3 (IQ3_XXS: 2^-2): the terms' weight factor, exact."""
+    d = builder.fpext(builder.bitcast(raw(0, I16), ir.HalfType()), ir.FloatType())
+    return builder.fmul(d, ir.Constant(ir.FloatType(), 0.25 if name == "IQ3_XXS" else 0.125))
+
+
+def _iq_superblock(builder, name, ptr, p, sb, zero, xptrs=None):
+    """The <8 x f32> terms of super-block sb of the `name` (IQTYPES) row at byte p (act-blocks
+    8 sb .. 8 sb + 7). Layouts: reference.py beside _iq2_xxs, _iq2_xs, _iq3_xxs. `zero`: an i64
+    0 that LLVM cannot see is 0, added to the addresses of the vector loads (see below).
+    xptrs: several tokens (a list of `ptr`s, each reading one token's xq and xd): the grid words,
+    signs and scales are fetched once and each token's terms (the one-token ops, in the same
+    order: the same bits) come back as a list."""
+    v32, v64, i16v, i8v, f8v = ir.VectorType(I8, 32), ir.VectorType(I8, 64), ir.VectorType(I32, 16), ir.VectorType(I32, 8), ir.VectorType(ir.FloatType(), 8)
+    vnni = simd._fn(builder, "llvm.x86.avx512.vpdpbusd.512", i16v, [i16v] * 3)
+    raw, index, b = _iq_reader(builder, name, ptr, p, sb, zero)
+    table = _grid_table(builder, name)
 
     def c32(x, n=8):
         return simd._splat(builder, ir.Constant(I32, x), ir.VectorType(I32, n))
@@ -710,7 +731,6 @@ def _iq_superblock(builder, name, ptr, p, sb, zero, xptrs=None):
         s = builder.zext(raw(66, ir.VectorType(I8, 8)), i8v)
         ws = builder.shuffle_vector(builder.and_(s, c32(15)), builder.lshr(s, c32(4)), simd._mask(16, [i // 2 + 8 * (i % 2) for i in range(16)]))
         ws = builder.add(builder.shl(ws, c32(1, 16)), c32(1, 16))  # lane 2k + h: 2 (nibble h of scales[k]) + 1
-        scale = 0.125
     elif name == "IQ2_XXS":  # 8 x (4 grid index bytes, u32 of 4 sign indices and ls << 28) at 2
         w = raw(2, v64, vec=True)
         aux = pick(builder.bitcast(w, i16v), range(1, 16, 2))
@@ -721,7 +741,6 @@ def _iq_superblock(builder, name, ptr, p, sb, zero, xptrs=None):
             return index(2 + 8 * (i // 4) + i % 4)
 
         ws = builder.add(builder.shl(builder.lshr(aux, c32(28)), c32(1)), c32(1))
-        scale = 0.125
     else:  # IQ3_XXS: 64 grid index bytes at 2 (8 per act-block), 8 x u32 of sign indices and ls at 66
         auxb = raw(66, v32, vec=True)
         aux = builder.bitcast(auxb, i8v)
@@ -732,7 +751,6 @@ def _iq_superblock(builder, name, ptr, p, sb, zero, xptrs=None):
             return index(2 + i)
 
         ws = builder.add(builder.shl(builder.lshr(aux, c32(28)), c32(1)), c32(1))
-        scale = 0.25
     _, bits = _GRIDS[name]
     sword = builder.bitcast(signs, ir.VectorType(I64, 4))  # word m: the 64 sign bits of act-blocks 2m, 2m + 1
     grid, negs = [], []
@@ -744,8 +762,7 @@ def _iq_superblock(builder, name, ptr, p, sb, zero, xptrs=None):
         else:  # IQ3_XXS: two 4-byte entries to a word, so the vector is built as IQ2's
             grid.append(_lookup(builder, table, [(gidx(i), gidx(i + 1)) for i in range(16 * m, 16 * m + 16, 2)]))
         negs.append(builder.bitcast(builder.extract_element(sword, ir.Constant(I32, m)), ir.VectorType(ir.IntType(1), 64)))
-    d = builder.fpext(builder.bitcast(raw(0, I16), ir.HalfType()), ir.FloatType())
-    d = builder.fmul(d, ir.Constant(ir.FloatType(), scale))  # exact: a power of two
+    d = _iq_d(builder, name, raw)
     terms = []
     for xptr in xptrs or [ptr]:
         vecs = []
@@ -762,6 +779,149 @@ def _iq_superblock(builder, name, ptr, p, sb, zero, xptrs=None):
         ad = builder.load(xptr("xd", b, f8v), align=4)
         terms.append(builder.fmul(builder.fmul(simd._splat(builder, d, f8v), ad), builder.sitofp(isum, f8v)))
     return terms if xptrs else terms[0]
+
+
+# ---------------------------------------------------------------------------------------------
+# The grid kernels on AVX2 hosts (Zen 2/3, most Intel desktops: no AVX-512, so no vpdpbusd, no
+# vpmultishiftqb/vpermi2b for the signs). The same super-block loop, lanes, fold and f32 terms as
+# above; only the exact integer sums are formed differently, per act-block k of the super-block
+# (32 elements: a 32-byte vector):
+#
+#   g[e]   = the grid byte of element e (unsigned, <= 43; IQ3_XXS <= 62), fetched as above
+#   g'[e]  = -g[e] where the weight's sign bit e is set, else g[e]       (|g'| <= 62: exact)
+#   P[i]   = vpmaddubsw(|x|, sign(x) g')[i] = |x[2i]| sign(x[2i]) g'[2i] + (the same at 2i + 1)
+#          = x[2i] g'[2i] + x[2i + 1] g'[2i + 1]                          (|P| <= 2 * 128 * 62 < 2^15)
+#   Q      = vpmaddwd(P, 1): lanes 0..3 sum to S0, lanes 4..7 to S1      (exact int32)
+#   isum   = ws0 S0 + ws1 S1, after two vphaddd levels (_block_sums)     (exact: |isum| < 2^24)
+#
+# The signs go onto the grid bytes, not onto the activations, and the activations' signs travel
+# by vpsignb onto g' (never -128: it negates exactly) while vpmaddubsw's unsigned operand takes
+# |x| (vpabsb's -128 is the byte 0x80, which the instruction reads as unsigned 128): so the sums
+# are exact for every int8 activation, -128 included, and no pair can saturate. Moving the signs
+# onto x as the VNNI form does (x' = -x) would be wrong for x = -128 (it stays -128); ActQ's 8-bit
+# q never holds -128 and these types never read the wide form (actq.WIDE), but the kernel does not
+# lean on that. The sign bytes (7 stored bits, the 8th making the parity even: ggml's ksigns
+# table) come from the packed fields by shifts and masks in vector registers and a 16-entry
+# parity table (one vpshufb), where llama.cpp's AVX2 code looks each one up in a table of 128
+# 8-byte masks (32 more scalar loads and inserts per super-block, beside the 32-64 of the grid).
+IQ_AVX2 = AVX2 and AVAILABLE and os.environ.get("STRATA_ROWDOT_IQ_AVX2", "1") != "0"
+IQ_AVAILABLE = IQ_VBMI or IQ_AVX2  # the types of IQTYPES have a one-token kernel here
+
+# 0x80 where the 4-bit index has an odd number of set bits (in both 128-bit lanes, for vpshufb)
+_PARITY = [ir.Constant(I8, -128 if bin(i).count("1") % 2 else 0) for i in range(16)] * 2
+
+
+def _sign_bytes(builder, s7):
+    """<32 x i8> of 7-bit sign fields -> ggml's ksigns bytes: bit 7 set where the 7 bits' parity
+    is odd. i ^ (i >> 4) keeps the parity of i in its low 4 bits (b0^b4, b1^b5, b2^b6, b3)."""
+    v32 = ir.VectorType(I8, 32)
+    fold = builder.and_(builder.xor(s7, builder.lshr(s7, simd._splat(builder, ir.Constant(I8, 4), v32))), simd._splat(builder, ir.Constant(I8, 15), v32))
+    return builder.or_(s7, _pshufb(builder, ir.Constant(v32, _PARITY), fold))
+
+
+def _fields7(builder, aux):
+    """<8 x i32> words holding four 7-bit sign fields at bits 0, 7, 14, 21 (IQ2_XXS, IQ3_XXS) ->
+    <32 x i8>, byte 4k + j = field j of word k: each field moved up to its own byte in the word."""
+    out = builder.and_(aux, _c32(builder, 0x7F))
+    for j in (1, 2, 3):
+        out = builder.or_(out, builder.and_(builder.shl(aux, _c32(builder, j)), _c32(builder, 0x7F << (8 * j))))
+    return builder.bitcast(out, ir.VectorType(I8, 32))
+
+
+def _c32(builder, x, n=8):
+    """<n x i32> of x."""
+    return simd._splat(builder, ir.Constant(I32, x), ir.VectorType(I32, n))
+
+
+def _pick(builder, v, idx):
+    """Lanes idx of v, one shuffle."""
+    return builder.shuffle_vector(v, v, simd._mask(len(idx), idx))
+
+
+def _hadd(builder, a, b):
+    """<8 x i32> a, b -> vphaddd's lanes: per 128-bit half, a's adjacent pairs then b's."""
+    return builder.add(builder.shuffle_vector(a, b, simd._mask(8, [0, 2, 8, 10, 4, 6, 12, 14])),
+                       builder.shuffle_vector(a, b, simd._mask(8, [1, 3, 9, 11, 5, 7, 13, 15])))  # fmt: skip
+
+
+def _block_sums(builder, vecs, ws=None):
+    """Eight <8 x i32>, act-blocks 0..7 with lanes 0..3 summing to the block's first half S0 and
+    lanes 4..7 to its second S1, and ws = two <8 x i32> of integer scales (lane h * 4 + k: half h
+    of act-block k, then of k + 4) -> <8 x i32>, lane k = ws0 S0 + ws1 S1 of act-block k (exact;
+    without ws, S0 + S1). Two levels of vphaddd leave the half sums in the scales' lanes."""
+    h = [_hadd(builder, vecs[k], vecs[k + 1]) for k in range(0, 8, 2)]
+    a, b = _hadd(builder, h[0], h[1]), _hadd(builder, h[2], h[3])  # lane 4h + k: half h of act-block k (k + 4)
+    if ws:
+        a, b = builder.mul(a, ws[0]), builder.mul(b, ws[1])
+    return builder.add(builder.shuffle_vector(a, b, simd._mask(8, [0, 1, 2, 3, 8, 9, 10, 11])),
+                       builder.shuffle_vector(a, b, simd._mask(8, [4, 5, 6, 7, 12, 13, 14, 15])))  # fmt: skip
+
+
+def _block_totals(builder, vecs):
+    """simd.dot_quads' AVX2 sums of 8 (or 4) act-block pairs (<16 x i32>: lanes 0..7 sum to the
+    first block, 8..15 to the second) -> <16 x i32>, lane g = act-block g's total (4 pairs: lanes
+    8..15 repeat 0..7)."""
+    halves = [_pick(builder, v, range(8 * h, 8 * h + 8)) for v in vecs for h in range(2)]
+    out = [_block_sums(builder, halves[k : k + 8]) for k in range(0, len(halves), 8)]
+    return builder.shuffle_vector(out[0], out[-1], simd._mask(16, range(16)))
+
+
+def _iq_superblock_avx2(builder, name, ptr, p, sb, zero, xptrs=None):
+    """_iq_superblock's terms (the same arguments, the same bits) with AVX2 instructions: the
+    section comment above says how the integer sums stay exact."""
+    v32, i8v, w16, f8v = ir.VectorType(I8, 32), ir.VectorType(I32, 8), ir.VectorType(I16, 16), ir.VectorType(ir.FloatType(), 8)
+    ubsw = simd._fn(builder, "llvm.x86.avx2.pmadd.ub.sw", w16, [v32, v32])
+    wd = simd._fn(builder, "llvm.x86.avx2.pmadd.wd", i8v, [w16, w16])
+    sign = simd._fn(builder, "llvm.x86.avx2.psign.b", v32, [v32, v32])
+    ones = ir.Constant(w16, [ir.Constant(I16, 1)] * 16)
+    raw, index, b = _iq_reader(builder, name, ptr, p, sb, zero)
+    table = _grid_table(builder, name)
+    c32, pick = partial(_c32, builder), partial(_pick, builder)
+    if name == "IQ2_XS":  # 32 x u16 at 2: 9-bit grid index | 7-bit sign index << 9; scales at 66
+        q = raw(2, ir.VectorType(I16, 32), vec=True)
+        s7 = builder.trunc(builder.lshr(q, simd._splat(builder, ir.Constant(I16, 9), q.type)), v32)
+        grids = [[builder.and_(index(2 + 2 * i, True), ir.Constant(I64, 511)) for i in range(4 * k, 4 * k + 4)] for k in range(8)]
+        s = builder.zext(raw(66, ir.VectorType(I8, 8)), i8v)
+        ws = builder.shuffle_vector(builder.and_(s, c32(15)), builder.lshr(s, c32(4)), simd._mask(16, [i // 2 + 8 * (i % 2) for i in range(16)]))
+        ws = builder.add(builder.shl(ws, c32(1, 16)), c32(1, 16))  # lane 2k + h: 2 (nibble h of scales[k]) + 1
+        ws = [pick(ws, [2 * (k + 4 * u) + h for h in range(2) for k in range(4)]) for u in range(2)]
+    else:  # IQ2_XXS: 8 x (4 grid index bytes, u32 of 4 sign indices and ls << 28) at 2;
+        # IQ3_XXS: 64 grid index bytes at 2 (8 per act-block), 8 x u32 of the same kind at 66
+        if name == "IQ2_XXS":
+            aux = builder.shuffle_vector(*[raw(2, ir.VectorType(I32, 16), vec=True)] * 2, simd._mask(8, range(1, 16, 2)))
+            grids = [[index(2 + 8 * k + j) for j in range(4)] for k in range(8)]
+        else:
+            aux = raw(66, i8v, vec=True)
+            grids = [[index(2 + 8 * k + j) for j in range(8)] for k in range(8)]
+        s7 = _fields7(builder, aux)
+        ws = builder.add(builder.shl(builder.lshr(aux, c32(28)), c32(1)), c32(1))  # 2 ls + 1, both halves
+        ws = [pick(ws, [k + 4 * u for _ in range(2) for k in range(4)]) for u in range(2)]
+    signs = _sign_bytes(builder, s7)  # byte 4k + j: the signs of elements 8j .. 8j + 7 of act-block k
+    bit = ir.Constant(v32, [ir.Constant(I8, (1 << (e % 8)) - 256 * (e % 8 == 7)) for e in range(32)])
+    lanes = [pick(signs, [*range(16 * u, 16 * u + 16)] * 2) for u in range(2)]  # act-blocks 4u .. 4u + 3 in both lanes
+    gs = []
+    for k in range(8):
+        g = _lookup(builder, table, grids[k], I64 if name != "IQ3_XXS" else I32)
+        ctrl = ir.Constant(v32, [ir.Constant(I8, 4 * (k % 4) + e // 8) for e in range(32)])
+        rep = _pshufb(builder, lanes[k // 4], ctrl)  # byte e: the sign byte of element e
+        neg = builder.sext(builder.icmp_unsigned("!=", builder.and_(rep, bit), ir.Constant(v32, None)), v32)  # 0xFF where negative
+        gs.append(builder.sub(builder.xor(g, neg), neg))
+    d = _iq_d(builder, name, raw)
+    terms = []
+    for xptr in xptrs or [ptr]:
+        vecs = []
+        for k in range(8):
+            x = builder.load(xptr("xq", builder.mul(builder.add(b, ir.Constant(I64, k)), ir.Constant(I64, QA)), v32), align=1)
+            ax = builder.select(builder.icmp_signed("<", x, ir.Constant(v32, None)), builder.sub(ir.Constant(v32, None), x), x)  # vpabsb
+            vecs.append(builder.call(wd, [builder.call(ubsw, [ax, builder.call(sign, [gs[k], x])]), ones]))
+        isum = _block_sums(builder, vecs, ws)
+        ad = builder.load(xptr("xd", b, f8v), align=4)
+        terms.append(builder.fmul(builder.fmul(simd._splat(builder, d, f8v), ad), builder.sitofp(isum, f8v)))
+    return terms if xptrs else terms[0]
+
+
+# the super-block terms of this host: the VNNI + VBMI form, else the AVX2 one (the same bits)
+_IQ_SUPERBLOCK = _iq_superblock if IQ_VBMI else _iq_superblock_avx2
 
 
 def _krow(name: str):
@@ -790,7 +950,7 @@ def _kcodegen(context, builder, sig, args, name):
             sb = builder.add(builder.mul(loop.index, ir.Constant(I64, 4)), ir.Constant(I64, u))
             with builder.if_then(builder.icmp_unsigned("<", sb, nsb), likely=True):
                 if name in IQTYPES:
-                    terms = _iq_superblock(builder, name, ptr, p, sb, zero)
+                    terms = _IQ_SUPERBLOCK(builder, name, ptr, p, sb, zero)
                 else:
                     terms = _k_superblock(builder, name, ptr, p, sb)
                 builder.store(builder.fadd(builder.load(acc[u]), terms), acc[u])
@@ -850,7 +1010,7 @@ def _kcodegen_few(context, builder, sig, args, name, T):
         for u in range(4):
             sb = builder.add(builder.mul(loop.index, ir.Constant(I64, 4)), ir.Constant(I64, u))
             with builder.if_then(builder.icmp_unsigned("<", sb, nsb), likely=True):
-                for t, terms in enumerate(_iq_superblock(builder, name, ptr, p, sb, zero, xptrs)):
+                for t, terms in enumerate(_IQ_SUPERBLOCK(builder, name, ptr, p, sb, zero, xptrs)):
                     builder.store(builder.fadd(builder.load(acc[t][u]), terms), acc[t][u])
     out = []
     for t in range(T):

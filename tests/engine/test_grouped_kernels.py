@@ -53,7 +53,7 @@ def _per_group(t, raw, offsets, act, starts, n_in: int, n_out: int, multiply) ->
 
 def _need_iq(rowdot, name: str) -> None:
     if name in rowdot.IQTYPES and not rowdot.IQ_AVAILABLE:
-        pytest.skip(f"rowdot.py's IQ2/IQ3 kernels need AVX512-VBMI and AVX512VL; this host's features: {sorted(cpu.simd._X86) or 'none'}")
+        pytest.skip(f"rowdot.py's IQ2/IQ3 kernels need AVX512-VBMI and AVX512VL, or AVX2 (and STRATA_ROWDOT_IQ_AVX2 not 0); this host's features: {sorted(cpu.simd._X86) or 'none'}")
 
 
 def _same(got: np.ndarray, want: np.ndarray, what: str) -> None:

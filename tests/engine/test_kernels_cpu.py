@@ -19,6 +19,7 @@ from kernel_blocks import random_weights
 from kernel_paths import KERNELS, cpu_path
 
 from strata.engine.kernels import cpu
+from strata.engine.kernels import iq_tables as T
 from strata.engine.kernels import reference as R
 from strata.engine.kernels.actq import ActQ, quantize_act, quantize_act_reference
 from strata.index_format.ggml_types import BY_NAME, TYPES
@@ -91,7 +92,7 @@ def _need_rowdot():
 def _need_iq(*names):
     rowdot = _need_rowdot()
     if any(n in rowdot.IQTYPES for n in names) and not rowdot.IQ_AVAILABLE:
-        pytest.skip(f"rowdot.py's IQ2/IQ3 kernels need AVX512-VBMI and AVX512VL; this host's features: {sorted(cpu.simd._X86) or 'none'}")
+        pytest.skip(f"rowdot.py's IQ2/IQ3 kernels need AVX512-VBMI and AVX512VL, or AVX2 (and STRATA_ROWDOT_IQ_AVX2 not 0); this host's features: {sorted(cpu.simd._X86) or 'none'}")
     return rowdot
 
 
@@ -681,3 +682,78 @@ def test_every_token_kernel_form_is_exact_at_the_extreme_values(name):
         assert rowdot._KERNELS[name, False, "wide"].signatures, "the wide token kernel was not taken"
         key = (name, False, False, rowdot.needs_full(name, True))  # the lo rows by the full path on AVX2
         assert rowdot._ROWS_KERNELS[key].signatures, "rowdot.matmul was not taken for the wide form's planes"
+
+
+def _extreme_iq_weights(t, n_in: int, n_out: int, seed: int) -> np.ndarray:
+    """Random IQ2_XXS / IQ2_XS / IQ3_XXS blocks, and blocks at the extremes of the integer sums:
+    every grid index the entry with the largest aligned byte pair (vpmaddubsw sums pairs 2i, 2i + 1:
+    43 + 43 for the IQ2 grids, 62 + 36 for IQ3_XXS's), the largest scales (2 * 15 + 1), and every
+    sign negative (sign index 127, whose ksigns byte is 0xFF), every sign positive (0) or random,
+    beside blocks left random. The fp16 d stays random."""
+    rng = np.random.default_rng(seed)
+    raw = random_weights(t, n_in * n_out, rng).reshape(-1, t.type_size)
+    table, width = {"IQ2_XXS": (T.IQ2XXS_GRID, 8), "IQ2_XS": (T.IQ2XS_GRID, 8), "IQ3_XXS": (T.IQ3XXS_GRID, 4)}[t.name]
+    entries = np.asarray(table, np.uint64 if width == 8 else np.uint32).view(np.uint8).reshape(-1, width).astype(int)
+    top = int((entries[:, 0::2] + entries[:, 1::2]).max(axis=1).argmax())
+    pick = rng.integers(0, 5, raw.shape[0])  # 0: all negative, 1: all positive, 2: random signs, else random
+    for kind in (0, 1, 2):
+        rows = raw[pick == kind]
+        signs = {0: np.full((len(rows), 32), 127), 1: np.zeros((len(rows), 32), int), 2: rng.integers(0, 128, (len(rows), 32))}[kind]
+        if t.name == "IQ2_XS":  # 32 x u16 at 2: grid index | sign index << 9; scale nibbles at 66
+            rows[:, 2:66] = (top | signs << 9).astype("<u2").view(np.uint8).reshape(len(rows), 64)
+            rows[:, 66:74] = 0xFF
+        else:  # per act-block a u32 of 4 sign indices (bits 0, 7, 14, 21) and ls << 28
+            aux = (signs.reshape(-1, 8, 4) << np.array([0, 7, 14, 21])).sum(axis=2) | 15 << 28
+            aux = aux.astype("<u4").view(np.uint8).reshape(len(rows), 8, 4)
+            if t.name == "IQ2_XXS":  # 8 x (4 grid index bytes, the u32) at 2
+                rows[:, 2:66] = np.concatenate([np.full((len(rows), 8, 4), top), aux], axis=2).reshape(len(rows), 64)
+            else:  # 64 grid index bytes at 2, the 8 u32 at 66
+                rows[:, 2:66], rows[:, 66:98] = top, aux.reshape(len(rows), 32)
+        raw[pick == kind] = rows
+    return raw.reshape(-1)
+
+
+@pytest.mark.parametrize("name", ["IQ2_XXS", "IQ2_XS", "IQ3_XXS"])
+def test_grid_token_kernels_are_exact_at_the_extreme_values(name):
+    # The AVX2 form has no vpdpbusd: vpmaddubsw sums pairs saturating to int16, and vpsignb cannot
+    # negate -128 (rowdot._iq_superblock_avx2 says how it avoids both). Every form the grid kernels
+    # take (matvec, one region, one token per expert, 2-4 tokens per expert: the few-token
+    # kernel) meets blocks of the largest grid pairs and scales, all signs negative or
+    # positive, against activations at +-127, bit for bit the reference's. ActQ never holds -128
+    # and these types never read the wide form, but the AVX2 form is exact for it too: q planes
+    # holding -128, made by hand, through rowdot.matvec itself.
+    rowdot = _need_iq(name)
+    t = BY_NAME[name]
+    n_in, n_out = 1280, 37  # 5 super-blocks: one whole turn of 4 and a partial one
+    raw = _extreme_iq_weights(t, n_in, n_out, 40 + t.id)
+    act = quantize_act(_extreme_acts(n_in, 5, 127, 41))
+    assert np.abs(act.q.astype(np.int32)).max() == 127 and (act.d == 1).all()
+
+    def check(got, a, what):
+        _same(got, R.dot_reference(raw, t.id, n_in, n_out, a), f"{name} {what}")
+
+    def rows(a, b):
+        return ActQ(act.q[a:b], act.d[a:b], act.s16[a:b])
+
+    with cpu_path(False):
+        check(cpu.matvec(raw, t.id, n_in, n_out, ActQ(act.q[0], act.d[0], act.s16[0])), ActQ(act.q[0], act.d[0], act.s16[0]), "matvec")
+        assert rowdot._KERNELS[name, False, False].signatures, "the token kernel was not taken"
+        out = np.full(n_out, np.nan, np.float32)
+        cpu.matvec_many([(raw, t.id, n_in, n_out, out), (raw, t.id, n_in, n_out, np.empty(n_out, np.float32))], ActQ(act.q[1], act.d[1], act.s16[1]))
+        check(out, ActQ(act.q[1], act.d[1], act.s16[1]), "in one region")
+        size = t.nbytes((n_in, n_out))
+        three = np.concatenate([raw, raw, raw])
+        for starts in ([0, 1, 2, 3], [0, 2, 3, 5]):  # one token per expert; 2, 1 and 2 tokens (the few-token kernel)
+            n = starts[-1]
+            got = cpu.matmul_grouped(three, t.id, n_in, n_out, np.array([0, size, 2 * size]), rows(0, n), np.array(starts))
+            check(got, rows(0, n), f"tokens per expert {np.diff(starts).tolist()}")
+        assert rowdot._GROUPED[name, False, True].signatures, "the few-token kernel was not taken"
+    if not rowdot.IQ_AVX2:
+        return  # the VNNI form negates the activations (x' = -x): exact for ActQ's -127..127 only
+    q = np.random.default_rng(42).choice(np.int8([-128, 127, -127, 1, -1, 0]), n_in).astype(np.int8)
+    q[::7] = -128
+    s16 = q.astype(np.int32).reshape(-1, 16).sum(axis=1).astype(np.int32)
+    d = np.ones(n_in // 32, np.float32)
+    got = np.empty(n_out, np.float32)
+    rowdot.matvec(name, raw, t.row_bytes(n_in), q, d, s16, got, False, 1)
+    _same(got, R.dot_reference(raw, t.id, n_in, n_out, ActQ(q[None], d[None], s16[None]))[0], f"{name} activations holding -128")
