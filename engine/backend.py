@@ -160,6 +160,16 @@ class CpuBackend:
     def host(a: np.ndarray) -> np.ndarray:
         return a
 
+    # A table's rows gathered where the backend computes, when the table lives there (the device
+    # step's embedding and PLE table on the GPU); None: the host decodes them and `upload`s them.
+    @staticmethod
+    def embed_rows(ids: np.ndarray, n: int) -> None:
+        return None
+
+    @staticmethod
+    def ple_rows(ids: np.ndarray, row_dim: int) -> None:
+        return None
+
     # --- the per-sequence states ------------------------------------------------------------------
 
     @staticmethod

@@ -568,12 +568,14 @@ class Model:
                        None if pick is not None or not n_logits[0] else outs[0], g.n_vocab, pick)
             sessions[0].pos += 1
             return got
-        # the T rows' bytes in one decode (a row decodes alone: the same values as one at a time)
-        raw = self.embd.rows(flat[0], flat[0] + 1) if T == 1 else \
-            np.concatenate([self.embd.rows(t, t + 1) for t in flat])
-        e = dequantize(raw, self.embd.type_id, T * g.n_embd).reshape(T, g.n_embd)
+        e = be.embed_rows(ids, g.n_embd)  # (the device step's prompt: gathered there from its table)
+        if e is None:
+            # the T rows' bytes in one decode (a row decodes alone: the same values as one at a time)
+            raw = self.embd.rows(flat[0], flat[0] + 1) if T == 1 else \
+                np.concatenate([self.embd.rows(t, t + 1) for t in flat])
+            e = be.upload(dequantize(raw, self.embd.type_id, T * g.n_embd).reshape(T, g.n_embd))
         # the decode step's stream is the session's (strata-budget's session.stream); a batch's is its own
-        H = r.embed(be.upload(e), sessions[0].stream if T == 1 else None)
+        H = r.embed(e, sessions[0].stream if T == 1 else None)
         self._layers(be, H, ids, parts)
         for s, t in zip(sessions, tokens):
             s.pos += len(t)

@@ -240,8 +240,11 @@ class PLELayer:
             r.state.window[:] = np.concatenate([r.state.window, tokens[r.a : r.b]])[r.n :]
             if r.saved is not None:  # the window now, the ring once the conv below has advanced it
                 r.saved.window[:] = r.state.window
-        # the rows of the host's table, in one copy to where the backend computes (the device step's)
-        e = be.upload(self._embed(self.hash.rows(ctx[0] if len(ctx) == 1 else np.concatenate(ctx))))
+        rows = self.hash.rows(ctx[0] if len(ctx) == 1 else np.concatenate(ctx))
+        # gathered where the backend computes when the table is there (the device step's), else the
+        # rows of the host's table in one copy to it
+        e = be.ple_rows(rows.reshape(-1), self.Pd)
+        e = be.upload(self._embed(rows)) if e is None else e.reshape(T, self.Pe)
         G = self._gated(be, streams, e)
         X = be.rmsnorm(G, self.norm_conv, self.eps, group=self.E, f32_sums=True)
         y = self._conv(be, X, seqs[0].state) if len(seqs) == 1 else \

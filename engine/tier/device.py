@@ -62,7 +62,8 @@ _NAMES = ["dev_rmsnorm", "dev_delta", "dev_conv", "dev_combine", "dev_sigmoid", 
           "dev_sample", "dev_route_rows", "dev_group", "dev_rmsnorm_q", "dev_hidden_q",
           "dev_gate_q", "dev_gates_conv", "dev_add_rmsnorm_q", "dev_embd_row", "dev_ple_conv", "dev_qsa_key",
           "dev_qsa_scores", "dev_qsa_select", "dev_attn_sel", "dev_attn_split_sel", "dev_attn_merge_sel",
-          "dev_hc_gates_q", "dev_rope_at", "dev_pick_next", "dev_ple_rows"]
+          "dev_hc_gates_q", "dev_rope_at", "dev_pick_next", "dev_ple_rows", "dev_embd_rows", "dev_ple_gather",
+          "dev_ple_conv_rows"]
 # the embedding's GGML types dev_embd_row decodes (F32 F16 Q4_0 Q4_1 Q5_0 Q5_1 Q8_0 Q4_K Q5_K Q6_K BF16)
 EMBD_ROW_TYPES = frozenset({0, 1, 2, 3, 6, 7, 8, 12, 13, 14, 30})
 # the PLE table's types dev_ple_rows decodes: those and IQ4_NL (budget.PLE_TABLE_DEVICE_TYPES, the same)
@@ -854,6 +855,11 @@ class DeviceBackend(CpuBackend):
         tokens back, from the chunk or the ring (token i at ring[i % L])."""
         taps = self.param(taps)
         L, T, Pk = ring.shape[0], X.shape[0], taps.shape[0]
+        if all(a.dtype == F32 and a.flags.c_contiguous for a in (ring, X, taps, y)):
+            HE = X.shape[1]
+            self._launch("dev_ple_conv_rows", T * HE, (ring, np.int64(t0), X, taps, np.int32(dil), y, np.int32(L),
+                                                       np.int32(HE), np.int32(Pk), np.int32(T)))
+            return
         y[...] = 0
         for t in range(T):
             for j in range(Pk):
@@ -1586,6 +1592,39 @@ class DeviceBackend(CpuBackend):
         admit experts)."""
         t = self.embd_table
         return t is not None and t[1] in EMBD_ROW_TYPES and not self.needs_token and self.experts.static()
+
+    def embed_rows(self, ids: np.ndarray, n: int):
+        """A prompt chunk's embedding rows [T, n], gathered on the device from the table in its blocks
+        (dev_embd_rows: the reference decoder's bits), or None where the table is not on the device
+        (the host decodes them, Model._forward_rows). `ids`: int64 [T], in the vocabulary (checked)."""
+        t = self.embd_table
+        if t is None or t[1] not in EMBD_ROW_TYPES:
+            return None
+        table, type_id, row_bytes, rows = t
+        if ids.size and not (0 <= ids.min() and ids.max() < rows):
+            raise IndexError(f"token ids {ids.min()}..{ids.max()}: the embedding has {rows} rows")
+        out = self.rt.empty((ids.size, n), F32)
+        tok = self.rt.to_device(np.ascontiguousarray(ids, np.int32))
+        self._launch("dev_embd_rows", ids.size * n, (table, np.int64(row_bytes), tok, np.int32(ids.size), np.int32(type_id),
+                                                     np.int32(n), out))
+        return out
+
+    def ple_rows(self, ids: np.ndarray, row_dim: int):
+        """A prompt chunk's PLE rows [K, row_dim] of table rows `ids` (int64 [K], the host's hash),
+        gathered on the device from the PLE table there (dev_ple_gather: the reference decoder's
+        bits), or None where the table is on the host (the host decodes them and copies them up)."""
+        p = self.ple
+        if p is None:
+            return None
+        if row_dim != p.Pd:
+            raise ValueError(f"PLE rows of {row_dim}: the table on the device has rows of {p.Pd}")
+        if ids.size and not (0 <= ids.min() and ids.max() < p.n_rows):
+            raise IndexError(f"PLE rows {ids.min()}..{ids.max()}: the table has {p.n_rows}")
+        out = self.rt.empty((ids.size, row_dim), F32)
+        dev = self.rt.to_device(np.ascontiguousarray(ids, np.int64))
+        self._launch("dev_ple_gather", ids.size * row_dim, (p.table, np.int64(p.row_bytes), dev, np.int32(ids.size),
+                                                             np.int32(p.type_id), np.int32(row_dim), out))
+        return out
 
     def embed_picked(self, shape: tuple):
         """The next token step's embedding row, gathered on the device (dev_embd_row) from the token

@@ -1577,6 +1577,17 @@ extern "C" __global__ void dev_embd_row(const unsigned char* table, i64 row_byte
     for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) out[i] = embd_elem(R, type, i);
 }
 
+// A prompt chunk's T embedding rows from the table on the device (DeviceBackend.embed_rows): dev_embd_row's
+// elements, row t of out [T, n] from tok[t]. The host decoded them one token at a time and copied them up
+// (7 ms of a 256-token qwen4exp chunk that took 81 ms, 2026-12-03); the ids were checked on the host.
+extern "C" __global__ void dev_embd_rows(const unsigned char* table, i64 row_bytes, const int* tok, int T, int type, int n,
+                                         float* out) {
+    for (i64 i = blockIdx.x * (i64)blockDim.x + threadIdx.x; i < (i64)T * n; i += (i64)gridDim.x * blockDim.x) {
+        const i64 t = i / n;
+        out[i] = embd_elem(table + (i64)tok[t] * row_bytes, type, (int)(i - t * n));
+    }
+}
+
 extern "C" __global__ void dev_pick_next(const float* x, int n, const int* banned, int nb, int* part, int* count, int* out,
                                          int* pos, int last, const unsigned char* table, i64 row_bytes, int rows, int type,
                                          int E, float* row) {
@@ -1631,6 +1642,36 @@ __device__ __forceinline__ float ple_elem(const unsigned char* R, int type, int 
     const int j = i & 31, q = (B[2 + (j & 15)] >> (j < 16 ? 0 : 4)) & 15;
     const unsigned long long kv = q < 8 ? 0xf6eaddcfbfad9881ull : 0x7159453526190d01ull;
     return embd_h(B) * (float)(signed char)(unsigned char)(kv >> (8 * (q & 7)));
+}
+
+// A prompt chunk's PLE rows from the table on the device (DeviceBackend.ple_rows): out [K, Pd], row k the
+// table's row ids[k] (made by the host's hash, checked there), ple_elem's values, the reference decoder's.
+extern "C" __global__ void dev_ple_gather(const unsigned char* table, i64 row_bytes, const i64* ids, int K, int type, int Pd,
+                                          float* out) {
+    for (i64 i = blockIdx.x * (i64)blockDim.x + threadIdx.x; i < (i64)K * Pd; i += (i64)gridDim.x * blockDim.x) {
+        const i64 k = i / Pd;
+        out[i] = ple_elem(table + ids[k] * row_bytes, type, (int)(i - k * Pd));
+    }
+}
+
+// PLE's depthwise causal conv of a chunk of T tokens, the first at position t0 (ple.conv_taps, its
+// bits: each tap's f32 product added from 0 in tap order, no FMA): y[t, c] = sum_j taps[j, c] times
+// the input (Pk-1-j) dil tokens back, from X [T, HE] or, before the chunk, from the ring [L, HE]
+// (token i at slot i % L; back >= -L, so the slot's index stays >= 0). The ring is not written here:
+// the host moves the chunk's last L inputs into it afterwards. A Python loop of T Pk array ops had
+// taken 46 ms of a 256-token qwen4exp chunk's 81 (2026-12-03).
+extern "C" __global__ void dev_ple_conv_rows(const float* ring, i64 t0, const float* X, const float* taps, int dil, float* y,
+                                             int L, int HE, int Pk, int T) {
+    for (i64 i = blockIdx.x * (i64)blockDim.x + threadIdx.x; i < (i64)T * HE; i += (i64)gridDim.x * blockDim.x) {
+        const i64 t = i / HE, c = i - t * HE;
+        float acc = 0.0f;
+        for (int j = 0; j < Pk; j++) {
+            const i64 back = t - (i64)(Pk - 1 - j) * dil;
+            const float src = back >= 0 ? X[back * HE + c] : ring[((t0 + L + back) % L) * HE + c];
+            acc += taps[(i64)j * HE + c] * src;
+        }
+        y[i] = acc;
+    }
 }
 
 // PLE's rows for the run-ahead's next token step, made from the token the pick left in device memory

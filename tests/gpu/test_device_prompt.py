@@ -294,9 +294,24 @@ def model(tmp_path_factory):
     return Model(Pack.open(F.make_pack(tmp_path_factory.mktemp("device-prompt"), types={"experts": "Q8_0", "dense": "Q8_0"})))
 
 
-def prompt_logits(model, rt, toks, chunk: int, host_path: bool, **opts):
+def _host_tables(be) -> None:
+    """The chunk's embedding and PLE rows decoded on the host and its PLE conv by engine/ple.py's
+    conv_reference, as before the device gathered and convolved them (dev_embd_rows,
+    dev_ple_gather, dev_ple_conv_rows), on this backend only."""
+    from strata.engine.ple import conv_reference
+
+    def conv(ring, t0, X, taps, dil, y):
+        y[...] = be.upload(conv_reference(be.host(ring), t0, be.host(X), np.ascontiguousarray(taps.T), dil))
+
+    be.embed_rows = lambda ids, n: None
+    be.ple_rows = lambda ids, row_dim: None
+    be.ple_conv = conv
+
+
+def prompt_logits(model, rt, toks, chunk: int, host_path: bool, seen: dict | None = None, **opts):
     """The logits of every prompt position, the prompt fed in chunks of `chunk` (the last one
-    shorter where it does not divide), then two decode steps; and (launched kernel names, stats)."""
+    shorter where it does not divide), then two decode steps; and (launched kernel names, stats).
+    `seen["tables"]`, `seen["embd"]`: whether the PLE table, the embedding table was on the device."""
     from strata.engine.tier import GpuTier, TierOptions
 
     o = {"max_context": CTX, "kv": "f32", "prefill_chunk": 16, "step": "device", **opts}
@@ -304,7 +319,10 @@ def prompt_logits(model, rt, toks, chunk: int, host_path: bool, **opts):
     try:
         if host_path:
             model.backend.experts.chunk = None  # the hit path's host-driven chunk (hits.py), as before
+            _host_tables(model.backend)
         s = tier.take_session(CTX, "f32")
+        if seen is not None:
+            seen["tables"], seen["embd"] = model.backend.ple is not None, model.backend.embd_table is not None
         launched, launch = [], rt.launch
         rt.launch = lambda mod, name, *a, **k: (launched.append(name), launch(mod, name, *a, **k))
         try:
@@ -330,7 +348,9 @@ def test_the_chunk_path_has_the_host_paths_bits(model, rt, cache, stream):
     toks = np.random.default_rng(5).integers(3, g.n_vocab, 13).tolist()
     opts = {"expert_cache": size, "stream_min_tokens": stream}
     want, old, _ = prompt_logits(model, rt, toks, 4, True, **opts)
-    got, new, (res, strm, cpu) = prompt_logits(model, rt, toks, 4, False, **opts)
+    seen = {}
+    got, new, (res, strm, cpu) = prompt_logits(model, rt, toks, 4, False, seen, **opts)
+    assert seen["embd"] and "dev_embd_rows" in new and "dev_embd_rows" not in old  # (the chunk's rows gathered there)
     grouped = lambda names: any(n.startswith(("mmx<", "mmqx<", "mmqw<", "mmqk<")) for n in names)  # noqa: E731 (gpu.grouped_kernel picks which)
     assert not grouped(old)
     if cache != "none":
@@ -392,10 +412,107 @@ def test_the_qwen4exp_chunk_path_has_the_host_paths_bits(qwen4exp, rt, cache):
     g = qwen4exp.geometry
     size = {"all": None, "third": g.n_layer * g.n_expert // 3}[cache]
     toks = np.random.default_rng(5).integers(3, g.n_vocab, 7).tolist()
-    want, _, _ = prompt_logits(qwen4exp, rt, toks, 3, True, expert_cache=size, stream_min_tokens=0)
-    got, new, (res, _, cpu) = prompt_logits(qwen4exp, rt, toks, 3, False, expert_cache=size, stream_min_tokens=0)
+    want, old, _ = prompt_logits(qwen4exp, rt, toks, 3, True, expert_cache=size, stream_min_tokens=0)
+    seen = {}
+    got, new, (res, _, cpu) = prompt_logits(qwen4exp, rt, toks, 3, False, seen, expert_cache=size, stream_min_tokens=0)
+    tables = seen["tables"]
     assert res > 0 and any(n.startswith(("mmx<", "mmqx<", "mmqw<", "mmqk<")) for n in new)  # (gpu.grouped_kernel picks which)
     assert ("dev_group" in new) == (cache == "all")
     if cache == "third":
         assert cpu > 0
+    # the chunk's PLE conv on the device; its embedding and PLE rows gathered there where the tables
+    # are on the device (the budget places them with every expert resident)
+    assert "dev_ple_conv_rows" in new and "dev_ple_conv_rows" not in old
+    assert ("dev_embd_rows" in new) == ("dev_ple_gather" in new) == tables
     assert np.array_equal(got, want), f"max |diff| {np.abs(got - want).max()}"
+
+
+# --- what a chunk gathers and convolves on the device (qwen4exp's prompt: the embedding, PLE)
+
+
+@pytest.mark.parametrize("type_name", ["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K"])
+def test_a_chunks_embedding_rows_are_gathered_on_the_device_bit_for_bit(rt, type_name):
+    """DeviceBackend.embed_rows (dev_embd_rows): a chunk's rows are the reference decoder's of each
+    token's bytes, bit for bit, tokens out of order and repeated, the first and the last row; an id
+    past the table is refused, not read; without the table on the device the host decodes them."""
+    from kernel_blocks import random_weights
+
+    from strata.engine.kernels.reference import dequantize
+    from strata.engine.tier.device import EMBD_ROW_TYPES, DeviceBackend
+    from strata.index_format.ggml_types import BY_NAME
+
+    t = BY_NAME[type_name]
+    assert t.id in EMBD_ROW_TYPES
+    n, rows, rb = 512, 7, t.row_bytes(512)
+    raw = random_weights(t, n * rows, np.random.default_rng(t.id))
+    be = DeviceBackend(rt, None)
+    assert be.embed_rows(np.array([1], np.int64), n) is None  # (no table: the host's decode)
+    be.embd_table = (rt.to_device(raw), t.id, rb, rows)
+    ids = np.array([6, 0, 3, 3, 1, 6, 2], np.int64)
+    got = rt.to_host(be.embed_rows(ids, n))
+    want = np.concatenate([dequantize(raw[i * rb : (i + 1) * rb], t.id, n)[None] for i in ids])
+    assert np.array_equal(got.view(np.uint32), want.view(np.uint32)), type_name
+    with pytest.raises(IndexError, match="7 rows"):
+        be.embed_rows(np.array([2, 7], np.int64), n)
+
+
+@pytest.mark.parametrize("type_name", ["F32", "F16", "BF16", "IQ4_NL", "Q8_0", "Q5_0", "Q4_K"])
+def test_a_chunks_ple_rows_are_gathered_on_the_device_bit_for_bit(rt, type_name):
+    """DeviceBackend.ple_rows (dev_ple_gather): the rows of a chunk's hashed ids are the host table's
+    (TableRows; a block type's, the reference decoder's) bit for bit; an id past the table and a
+    row size other than the table's are refused; without the table on the device, None."""
+    from kernel_blocks import random_weights
+    from test_device_ahead import ple_hashes
+
+    from strata.engine.kernels.reference import dequantize
+    from strata.engine.ple import TableRows
+    from strata.engine.tier.device import DeviceBackend, DevicePLE
+    from strata.index_format.ggml_types import BY_NAME
+
+    t = BY_NAME[type_name]
+    rng = np.random.default_rng(t.id)
+    Pd = 256 if type_name == "Q4_K" else 64
+    hashes, n_rows = ple_hashes(4, 2, 2, 511, rng)
+    raw = random_weights(t, Pd * n_rows, rng)
+    host_rows = TableRows(raw, t.id, Pd, n_rows) if not t.quantized else \
+        (lambda ids: dequantize(raw.reshape(n_rows, -1)[ids].reshape(-1), t.id, ids.size * Pd).reshape(ids.size, Pd))
+    be = DeviceBackend(rt, None)
+    assert be.ple_rows(np.array([1], np.int64), Pd) is None
+    be.ple = DevicePLE(hashes, [3, 7], rt.to_device(raw), t.id, Pd, n_rows, rt.empty, rt.copy_in)
+    ids = np.concatenate([[0, n_rows - 1, 5, 5], rng.integers(0, n_rows, 20)]).astype(np.int64)
+    got = rt.to_host(be.ple_rows(ids, Pd))
+    want = host_rows(ids)
+    assert np.array_equal(got.view(np.uint32), want.view(np.uint32)), type_name
+    with pytest.raises(IndexError, match=f"has {n_rows}"):
+        be.ple_rows(np.array([n_rows], np.int64), Pd)
+    with pytest.raises(ValueError, match="rows of"):
+        be.ple_rows(ids, Pd * 2)
+
+
+@pytest.mark.parametrize("T,t0", [(1, 0), (3, 0), (5, 2), (12, 7), (20, 1000003)])
+def test_a_chunks_ple_conv_is_the_references_bits(rt, T, t0):
+    """DeviceBackend.ple_conv (dev_ple_conv_rows), a chunk of T tokens after t0 seen: engine/ple.py's
+    conv_reference bit for bit (each tap's f32 product added from 0 in tap order), chunks shorter
+    and longer than the ring (L = 8), the ring's slots wrapping at a large t0; the ring is read, not
+    written (PLELayer._conv moves the inputs in afterwards)."""
+    from strata.engine.ple import conv_reference
+    from strata.engine.tier.device import DeviceBackend
+
+    rng = np.random.default_rng(T)
+    Pk, dil, HE = 3, 4, 96  # L = (Pk - 1) dil
+    L = (Pk - 1) * dil
+    ring = rng.standard_normal((L, HE)).astype(np.float32)
+    X = rng.standard_normal((T, HE)).astype(np.float32)
+    w = rng.standard_normal((HE, Pk)).astype(np.float32)
+    be = DeviceBackend(rt, None)
+    launched, launch = [], rt.launch
+    rt.launch = lambda mod, name, *a, **k: (launched.append(name), launch(mod, name, *a, **k))
+    try:
+        ring_d, y = rt.to_device(ring), rt.empty((T, HE), np.float32)
+        be.ple_conv(ring_d, t0, rt.to_device(X), np.ascontiguousarray(w.T), dil, y)
+    finally:
+        del rt.launch
+    assert launched == ["dev_ple_conv_rows"]
+    want = conv_reference(ring, t0, X, w, dil)
+    assert np.array_equal(rt.to_host(y).view(np.uint32), want.view(np.uint32))
+    assert np.array_equal(rt.to_host(ring_d), ring)

@@ -106,7 +106,8 @@ def test_the_device_step_gives_the_cpu_logits(model, rt, n_prompt):
     assert launched == {"dev_rmsnorm", "dev_delta", "dev_gates_conv", "dev_gate_q", "dev_rope_at", "dev_route", "dev_hidden_q",
                         "dev_combine_shared", "dev_kv_write", "dev_attn_split", "dev_attn_merge", "dev_l2_qk",
                         "dev_rmsnorm_q", "dev_add_rmsnorm_q"} \
-        | ({"dev_combine", "dev_hidden", "dev_conv", "dev_gdn_gates", "dev_shared_add", "dev_rope"} if n_prompt else set())  # (the
+        | ({"dev_combine", "dev_hidden", "dev_conv", "dev_gdn_gates", "dev_shared_add", "dev_rope", "dev_embd_rows"}
+           if n_prompt else set())  # (the chunk's embedding rows gathered from the table on the device; the
     # chunk's grouped experts: device_chunk.py; its conv spread over tokens, apart from the gates)
     assert_close(got, want)
 
