@@ -36,35 +36,61 @@ def _label(t: GGMLType, name: str | None) -> str:
     return f"{name} ({t.name})" if name else t.name
 
 
-def widen(raw: np.ndarray, type_id: int, name: str | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """Raw blocks -> (scales f32 [n_blocks, n_scales], rest uint8 [n_blocks, rest_bytes]).
+def widen(raw: np.ndarray, type_id: int, name: str | None = None, scales: np.ndarray | None = None,
+          rest: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Raw blocks -> (scales f32 [n_blocks, n_scales], rest uint8 [n_blocks, rest_bytes]), written
+    into `scales` and `rest` when given (contiguous, that many elements: the GPU tier's pinned
+    staging, engine/kernels/gpu.py `place`).
 
     A non-finite fp16 scale is refused: no quantizer writes one, so the bytes are not a tensor."""
     t = ggml_type(type_id, where=f"widen {name or ''}".strip())
     if raw.dtype != np.uint8 or raw.size % t.type_size:
         raise ValueError(f"widen {_label(t, name)}: {raw.size} bytes of {raw.dtype} are not whole {t.type_size}-byte blocks")
-    blocks = raw.reshape(-1, t.type_size)
-    # columns gathered as runs of slices and the fp16 -> f32 conversion vectorised: a fancy index per
-    # byte and a table lookup per scale made widening ~0.8 GB/s, the cost of streaming an expert
-    # to the device for a prompt chunk (engine/tier/staging.py); the values are the same
-    halves = _gather(blocks, _fp16_columns(t)).view(np.uint16)
-    scales = halves.view(np.float16).astype(np.float32)
-    bad = ~np.isfinite(scales)
-    if bad.any():
-        blk, k = np.argwhere(bad)[0]
-        raise ValueError(f"widen {_label(t, name)}: block {blk} fp16 scale {k} is {scales[blk, k]} (expected a finite scale)")
-    return scales, _gather(blocks, _rest_columns(t))
-
-
-def _gather(blocks: np.ndarray, cols: np.ndarray) -> np.ndarray:
-    """blocks[:, cols] (cols sorted or in field order), contiguous, one slice copy per run of columns."""
-    out = np.empty((blocks.shape[0], cols.size), np.uint8)
-    breaks = np.flatnonzero(np.diff(cols) != 1) + 1
+    blocks = np.ascontiguousarray(raw).reshape(-1, t.type_size)
+    nb = blocks.shape[0]
+    scales = np.empty((nb, t.n_scales), np.float32) if scales is None else _plane(scales, np.float32, nb, t.n_scales, t, name)
+    rest = np.empty((nb, t.rest_bytes), np.uint8) if rest is None else _plane(rest, np.uint8, nb, t.rest_bytes, t, name)
+    # Straight into the outputs, with each type's column runs worked out once. numpy's form before
+    # (the runs and the columns found again at every call, the scales gathered byte by byte, then
+    # the caller's copy into the pinned staging) ran at 0.7-1.3 GB/s on an expert's three tensors,
+    # and that rate is what streaming an expert to the device for a prompt chunk costs
+    # (engine/tier/staging.py: the H200's host widened seed-4l's experts at 0.71 GB/s, so a chunk
+    # streamed only the experts routed 316+ of its tokens, none of a 256-token chunk's).
+    runs, fields = _RUNS.get(t.id) or _RUNS.setdefault(t.id, _runs(t))
     at = 0
-    for run in np.split(cols, breaks) if cols.size else []:
-        out[:, at : at + run.size] = blocks[:, run[0] : run[0] + run.size]
-        at += run.size
-    return out
+    for first, n in runs:
+        np.copyto(rest[:, at : at + n], blocks[:, first : first + n])
+        at += n
+    k = 0
+    for off, n in fields:
+        halves = blocks.view(np.uint16)[:, off // 2 : off // 2 + n] if t.type_size % 2 == 0 and off % 2 == 0 else \
+            np.ascontiguousarray(blocks[:, off : off + 2 * n]).view(np.uint16)  # (every type's are aligned)
+        scales[:, k : k + n] = F16_TO_F32[halves]  # exact, as numpy's astype from float16
+        k += n
+    if t.n_scales:
+        bad = ~np.isfinite(scales)
+        if bad.any():
+            blk, k = np.argwhere(bad)[0]
+            raise ValueError(f"widen {_label(t, name)}: block {blk} fp16 scale {k} is {scales[blk, k]} (expected a finite scale)")
+    return scales, rest
+
+
+def _plane(out: np.ndarray, dtype, rows: int, cols: int, t: GGMLType, name: str | None) -> np.ndarray:
+    if out.dtype != dtype or out.size != rows * cols or not out.flags.c_contiguous:
+        raise ValueError(f"widen {_label(t, name)}: an output of {out.dtype}[{out.size}] for {np.dtype(dtype)}[{rows} x {cols}]")
+    return out.reshape(rows, cols)
+
+
+_RUNS: dict[int, tuple[list, list]] = {}  # type id -> `_runs`
+
+
+def _runs(t: GGMLType) -> tuple[list, list]:
+    """([(first byte, length)] of the rest's runs of columns in block order, the fp16 fields
+    [(byte offset, halves)])."""
+    cols = _rest_columns(t)
+    breaks = np.flatnonzero(np.diff(cols) != 1) + 1
+    runs = [(int(r[0]), int(r.size)) for r in np.split(cols, breaks)] if cols.size else []
+    return runs, [(int(o), int(n)) for o, n in t.fp16_fields]
 
 
 _SCAN_BLOCKS = 1 << 20  # blocks per step of the scan: bounds its temporaries on multi-GB tensors

@@ -502,8 +502,14 @@ def place(raw: np.ndarray, type_id: int, n_in: int, n_out: int, arena, offset: i
     if raw.dtype != np.uint8 or raw.size != t.nbytes((n_in, n_out)):
         raise ValueError(f"place {name}: {t.name} [{n_in} x {n_out}] is {t.nbytes((n_in, n_out))} bytes, got {raw.dtype}[{raw.size}]")
     a, b = planes(type_id, n_in, n_out)
-    if t.quantized:
-        scales, rest = widen(np.ascontiguousarray(raw).reshape(-1), type_id, name)
+    if t.quantized and staging is not None:
+        # widened straight into the staging, each plane its own part of it (the copies are in flight
+        # together): the rest at 0, the scales at align(a), where the loop below puts them
+        rest, scales = staging[:a], staging[align(a) : align(a) + b].view(np.float32)
+        widen(raw.reshape(-1), type_id, name, scales=scales, rest=rest)
+        host = [(rest, np.uint8, a), (scales, np.float32, b)]
+    elif t.quantized:
+        scales, rest = widen(raw.reshape(-1), type_id, name)
         host = [(rest.reshape(-1), np.uint8, a), (scales.reshape(-1), np.float32, b)]
     else:
         host = [(np.ascontiguousarray(raw).reshape(-1).view(np.float32 if t.name == "F32" else np.uint16), None, a)]
@@ -514,7 +520,7 @@ def place(raw: np.ndarray, type_id: int, n_in: int, n_out: int, arena, offset: i
             dev.append(None)
             continue
         view = rt.view(arena, offset + at, (nbytes // np.dtype(dtype).itemsize,), dtype)
-        if staging is not None:  # each plane its own part of the staging: the copies are in flight together
+        if staging is not None and not t.quantized:
             stage = staging[at : at + nbytes].view(dtype)
             stage[...] = values
             values = stage

@@ -26,9 +26,11 @@ from ..kernels.engine_form import placed_bytes
 # --stream-min-tokens auto, a rough model until the card measures it (docs/gpu-tier.md): streaming
 # an expert costs its bytes once per chunk, at the slower of the bus and the host's widening of its
 # blocks into the pinned slot (measured at startup: numpy, one thread, ~1.3 GB/s for seed-4l's
-# IQ2_XS/IQ4_NL experts on the 2-core dev machine, far below a 25 GB/s pinned copy, so the host,
-# not the bus, is the cost: it took ~1.8 ms an expert, what the CPU takes for ~15 of its tokens on
-# one thread); the CPU costs about 3 E F multiply-adds per token routed to it. So
+# IQ2_XS/IQ4_NL experts on the 2-core dev machine, 0.71 GB/s on the H200's host; 2.5-2.9 GB/s here
+# since widen writes straight into the slot with each type's column runs found once: still far
+# below a 25 GB/s pinned copy, so the host, not the bus, is the cost: it took ~1.8 ms an expert
+# before, what the CPU takes for ~15 of its tokens on one thread); the CPU costs about 3 E F
+# multiply-adds per token routed to it. So
 # streaming pays from
 #   T >= bytes_per_mac * threads * cpu_rate / min(bus_rate, widen_rate)
 # tokens, and the default takes twice that: a partly measured model should err towards the CPU,

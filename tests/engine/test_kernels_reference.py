@@ -174,6 +174,24 @@ def test_widen_narrow_round_trip_is_exact(t):
     assert np.array_equal(EF.narrow(scales, rest, t.id), raw)
 
 
+@pytest.mark.parametrize("t", WIDENED, ids=lambda t: t.name)
+def test_widen_into_given_planes_writes_the_same_bytes(t):
+    """widen into caller's planes (the GPU tier's pinned staging: parts of one uint8 buffer) gives
+    widen's own arrays' bytes, and writes nothing past them; planes of the wrong size are refused."""
+    raw = random_weights(t, _n(t, 40), np.random.default_rng(11 + t.id))
+    want_s, want_r = EF.widen(raw, t.id)
+    nb = raw.size // t.type_size
+    a, b = nb * t.rest_bytes, nb * t.n_scales * 4
+    buf = np.full(EF.align(a) + b + 64, 0xA5, np.uint8)
+    scales, rest = buf[EF.align(a) : EF.align(a) + b].view(np.float32), buf[:a]
+    EF.widen(raw, t.id, scales=scales, rest=rest)
+    assert np.array_equal(rest, want_r.reshape(-1))
+    assert np.array_equal(_bits(scales), _bits(want_s.reshape(-1)))
+    assert (buf[a : EF.align(a)] == 0xA5).all() and (buf[EF.align(a) + b :] == 0xA5).all()
+    with pytest.raises(ValueError, match="output"):
+        EF.widen(raw, t.id, scales=scales[:-1], rest=rest)
+
+
 def test_nothing_to_widen_for_iq1_m_and_float_types():
     for name in ("IQ1_M", "F16", "BF16", "F32"):
         t = BY_NAME[name]
