@@ -86,11 +86,10 @@ def long_prompt(model, text_ids: list[int], n: int, name: str, piece: int = 1024
         model.forward(s, ids[a : a + piece], n_logits=1 if a + piece >= n else 0)
         sync()
         times.append((a, min(piece, n - a), time.perf_counter() - t0))
+        m, t = times[-1][1:]  # (each piece as it ends: a run cut short still shows how far it got)
+        print(f"    tokens {a:>6}-{a + m:<6} {1e3 * t * 1024 / m:9.1f} ms per 1K tokens ({m / t:9.1f} tok/s)", flush=True)
     wall = time.perf_counter() - t_all
     print(f"  {name}: a {n}-token prompt in {piece}-token pieces: {wall:.2f} s, {n / wall:.1f} tok/s", flush=True)
-    shown = times if len(times) <= 8 else times[:3] + times[-3:]
-    for a, m, t in shown:
-        print(f"    tokens {a:>6}-{a + m:<6} {1e3 * t * 1024 / m:9.1f} ms per 1K tokens ({m / t:9.1f} tok/s)", flush=True)
     if len(times) > 1:
         first, last = times[0], times[-1]
         print(f"  {name}: per 1K tokens, last piece / first piece = "

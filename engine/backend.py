@@ -170,6 +170,12 @@ class CpuBackend:
     def ple_rows(ids: np.ndarray, row_dim: int) -> None:
         return None
 
+    @staticmethod
+    def qsa_select_rows(layer, cache, iq: np.ndarray, p0: int) -> None:
+        """A prompt chunk's QSA selections as a mask, made where the backend computes (the device
+        step); None: QSALayer selects query by query."""
+        return None
+
     # --- the per-sequence states ------------------------------------------------------------------
 
     @staticmethod

@@ -357,6 +357,10 @@ class QSALayer:
             # prefix (all blocks and the tail), so the mask is the causal one, without scoring
             visible, keys = causal_mask(p0, T, p0 + T), None
             self.selected = np.arange(p0 + T)
+        elif (visible := be.qsa_select_rows(self, cache, iq, p0)) is not None:
+            # the device step: every query's selection made there at once, as its token step
+            # would make it, into a mask over every cached key (`selected` is the host path's)
+            keys = None
         else:
             sels = [self.select(be, iq[i], cache, p0 + i + 1) for i in range(T)]
             seen = np.zeros((T, p0 + T), bool)  # query i attends token j

@@ -63,7 +63,7 @@ _NAMES = ["dev_rmsnorm", "dev_delta", "dev_conv", "dev_combine", "dev_sigmoid", 
           "dev_gate_q", "dev_gates_conv", "dev_add_rmsnorm_q", "dev_embd_row", "dev_ple_conv", "dev_qsa_key",
           "dev_qsa_scores", "dev_qsa_select", "dev_attn_sel", "dev_attn_split_sel", "dev_attn_merge_sel",
           "dev_hc_gates_q", "dev_rope_at", "dev_pick_next", "dev_ple_rows", "dev_embd_rows", "dev_ple_gather",
-          "dev_ple_conv_rows"]
+          "dev_ple_conv_rows", "dev_qsa_scores_rows", "dev_qsa_select_rows"]
 # the embedding's GGML types dev_embd_row decodes (F32 F16 Q4_0 Q4_1 Q5_0 Q5_1 Q8_0 Q4_K Q5_K Q6_K BF16)
 EMBD_ROW_TYPES = frozenset({0, 1, 2, 3, 6, 7, 8, 12, 13, 14, 30})
 # the PLE table's types dev_ple_rows decodes: those and IQ4_NL (budget.PLE_TABLE_DEVICE_TYPES, the same)
@@ -76,6 +76,9 @@ ATTN_SPLIT_KEYS, ATTN_SPLITS = 16, 128  # one token's attention: the fewest keys
 # rounds of loads ran one after another on one SM. STRATA_PICK_GRID=1 times the one-block form.
 PICK_BLOCK = 256
 PICK_GRID = max(1, int(os.environ.get("STRATA_PICK_GRID", "128")))
+# a prompt chunk past QSA's budget selects on the device (qsa_select_rows); STRATA_QSA_ROWS=0 keeps the
+# host's selection query by query, to time the two
+QSA_ROWS = os.environ.get("STRATA_QSA_ROWS", "1") != "0"
 
 
 def split_geometry(most: int) -> tuple[int, int]:
@@ -987,6 +990,27 @@ class DeviceBackend(CpuBackend):
 
         self.bookkeep(advance)
         return out
+
+    def qsa_select_rows(self, layer, cache, iq, p0: int):
+        """QSALayer._attend's selections for a prompt chunk's queries iq [T, Ih, Id] at positions
+        p0 .. p0 + T - 1, made on the device: each query's block scores and torch.topk's set as the
+        token step makes them at that position (dev_qsa_scores_rows, dev_qsa_select_rows: the same
+        operations, the same sets) -> the attention's mask, bool [T, p0 + T] on the device (query t
+        attends key j). Nothing comes down: the host had brought each query's scores down."""
+        if not QSA_ROWS:
+            return None
+        rt, r, T = self.rt, layer.ratio, iq.shape[0]
+        W = p0 + T
+        nbm = max(W // r, 1)  # the last query's complete blocks, the most any query has
+        iq = self.xp.ascontiguousarray(iq, dtype=F32)
+        scores, v, ix = rt.empty((T, nbm), F32), rt.empty((T, nbm), F32), rt.empty((T, nbm), np.int32)
+        mask = rt.empty((T, W), np.uint8)
+        self._launch("dev_qsa_scores_rows", 32 * T * nbm, (iq, cache.idx_blocks, np.int32(p0), np.int32(T), np.int32(r),
+                                                           np.int32(layer.Ih), np.int32(layer.Id), F32(np.sqrt(layer.Id)),
+                                                           scores, np.int32(nbm)))
+        self._launch("dev_qsa_select_rows", BLOCK * T, (scores, np.int32(nbm), np.int32(p0), np.int32(T), np.int32(r),
+                                                         np.int32(layer.block_topk), v, ix, mask, np.int32(W)), BLOCK, 16)
+        return mask.view(np.bool_)
 
     def _qsa_scratch(self, nb: int, most: int, H: int) -> tuple:
         """qsa_token's buffers (made at the first step, then fixed, so a captured step replays them;

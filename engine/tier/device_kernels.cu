@@ -1918,28 +1918,34 @@ __device__ void tk_introselect(float* v, int* ix, int first, int nth, int last, 
     tk_insertion_sort(v, ix, first, last);
 }
 
+// torch.topk's set of the top min(kmax, n) of n scores (the rule above; v f32 [n], ix i32 [n]: its
+// scratch) -> k, the set's block ids in ix[0 .. k), in the algorithms' order. One thread.
+__device__ int qsa_topk(const float* scores, int n, int kmax, float* v, int* ix) {
+    const int k = kmax < n ? kmax : n;
+    for (int i = 0; i < n; i++) {
+        v[i] = scores[i];
+        ix[i] = i;
+    }
+    if (k * 64 <= n) {
+        tk_heap_select(v, ix, 0, k, n);
+    } else {
+        int depth = 0;
+        for (int w = n; w > 1; w >>= 1) depth++;  // libstdc++'s __lg
+        tk_introselect(v, ix, 0, k - 1, n, 2 * depth);
+    }
+    return k;
+}
+
 // One token's QSA selection at p = *pos (QSALayer.select): the top min(kmax, n) of the n = (p + 1)
-// / r complete blocks' scores by torch.topk's rule (above; v f32 [n], ix i32 [n]: its scratch),
-// in ascending block order, each block's r tokens, then the tail n r .. p -> toks, *count tokens.
-// Thread 0 of one block.
+// / r complete blocks' scores by torch.topk's rule (qsa_topk), in ascending block order, each
+// block's r tokens, then the tail n r .. p -> toks, *count tokens. Thread 0 of one block.
 extern "C" __global__ void dev_qsa_select(const float* scores, const int* pos, int r, int kmax, float* v, int* ix,
                                           int* toks, int* count) {
     if (blockIdx.x != 0 || threadIdx.x != 0) return;
     const int p = *pos, n = (p + 1) / r;
     int m = 0;
     if (n > 0) {
-        const int k = kmax < n ? kmax : n;
-        for (int i = 0; i < n; i++) {
-            v[i] = scores[i];
-            ix[i] = i;
-        }
-        if (k * 64 <= n) {
-            tk_heap_select(v, ix, 0, k, n);
-        } else {
-            int depth = 0;
-            for (int w = n; w > 1; w >>= 1) depth++;  // libstdc++'s __lg
-            tk_introselect(v, ix, 0, k - 1, n, 2 * depth);
-        }
+        const int k = qsa_topk(scores, n, kmax, v, ix);
         for (int i = 1; i < k; i++) {  // the set ascending (qsa.torch_topk_set sorts it)
             const int b = ix[i];
             int j = i;
@@ -1954,6 +1960,51 @@ extern "C" __global__ void dev_qsa_select(const float* scores, const int* pos, i
     }
     for (int t = n * r; t <= p; t++) toks[m++] = t;
     *count = m;
+}
+
+// A prompt chunk's QSA scores, its T queries iq [T, Ih, Id] at positions p0 .. p0 + T - 1
+// (QSALayer._attend past the budget): row t = dev_qsa_scores at p = p0 + t, the same operations in
+// the same order, so a chunk's query selects what the token step at its position selects. scores
+// [T, nbm]; row t's first (p0 + t + 1) / r entries written. A warp a (query, block).
+extern "C" __global__ void dev_qsa_scores_rows(const float* iq, const float* blocks, int p0, int T, int r, int Ih, int Id,
+                                               float rs, float* scores, int nbm) {
+    const int lane = threadIdx.x & 31;
+    const i64 nw = (gridDim.x * (i64)blockDim.x) >> 5;
+    for (i64 w = (blockIdx.x * (i64)blockDim.x + threadIdx.x) >> 5; w < (i64)T * nbm; w += nw) {
+        const int t = (int)(w / nbm), b = (int)(w - (i64)t * nbm);
+        if (b >= (p0 + t + 1) / r) continue;  // (the whole warp: w is the warp's)
+        const float* kb = blocks + (i64)b * Id;
+        const float* q = iq + (i64)t * Ih * Id;
+        float s = 0.0f;
+        for (int h = 0; h < Ih; h++) {
+            float dot = 0.0f;
+            for (int d = lane; d < Id; d += 32) dot += q[(i64)h * Id + d] * kb[d];
+            dot = warp_sum(dot);
+            s += (dot > 0.0f || dot != dot) ? dot : 0.0f;
+        }
+        if (lane == 0) scores[w] = s / rs;
+    }
+}
+
+// A prompt chunk's QSA selections as the attention's mask: row t of mask [T, W] (W = p0 + T keys)
+// is 1 at the tokens query t attends (dev_qsa_select's set at p = p0 + t: the top blocks' r tokens
+// and the tail), else 0. One query a block: thread 0 selects (v, ix [T, nbm]: each query's own
+// scratch), every thread clears and marks. Before, the host brought each query's scores down and
+// selected there: one round trip a query and QSA layer past the 2048-token budget. smem: 16 bytes.
+extern "C" __global__ void dev_qsa_select_rows(const float* scores, int nbm, int p0, int T, int r, int kmax, float* v, int* ix,
+                                               unsigned char* mask, int W) {
+    STRATA_SMEM(smem);
+    int& k_sh = *reinterpret_cast<int*>(smem);
+    for (int t = blockIdx.x; t < T; t += gridDim.x) {
+        unsigned char* row = mask + (i64)t * W;
+        const int p = p0 + t, n = (p + 1) / r;
+        if (threadIdx.x == 0) k_sh = n > 0 ? qsa_topk(scores + (i64)t * nbm, n, kmax, v + (i64)t * nbm, ix + (i64)t * nbm) : 0;
+        for (int i = threadIdx.x; i < W; i += blockDim.x) row[i] = (i >= n * r && i <= p) ? 1 : 0;  // the tail
+        __syncthreads();
+        const int* sel = ix + (i64)t * nbm;
+        for (int i = threadIdx.x; i < k_sh * r; i += blockDim.x) row[sel[i / r] * r + i % r] = 1;
+        __syncthreads();  // (k_sh is the next query's after this)
+    }
 }
 
 // Softmax attention of one token's queries q [H, D] over the cached tokens toks[0 .. *count) (QSA's

@@ -314,8 +314,48 @@ def test_qwen4exp_blocks_on_the_device_are_the_cpus(qwen4exp, rt):
             strict += len(sel) < t + 1
     assert strict >= 3  # steps that kept a strict subset were checked
     # the fused kernels were what ran, not the array-module fallbacks
+    # (the prompt chunk, past the budget, selects on the device: dev_qsa_scores_rows, dev_qsa_select_rows)
     assert {"dev_mix_tail", "dev_inject", "dev_ple_output", "dev_rmsnorm", "dev_rope", "dev_ple_conv", "dev_qsa_key",
-            "dev_qsa_scores", "dev_qsa_select", "dev_attn_split_sel", "dev_attn_merge_sel"} <= launched
+            "dev_qsa_scores", "dev_qsa_select", "dev_attn_split_sel", "dev_attn_merge_sel", "dev_qsa_scores_rows",
+            "dev_qsa_select_rows"} <= launched
+
+
+@pytest.mark.parametrize("p0,T", [(0, 40), (21, 19), (37, 30)])
+def test_a_chunks_qsa_selections_are_the_token_steps_at_each_position(rt, p0, T):
+    """DeviceBackend.qsa_select_rows, a prompt chunk's T queries at p0.. at once: row t's scores are
+    dev_qsa_scores' at position p0 + t bit for bit, and its mask marks exactly the tokens
+    dev_qsa_select lists there (the top blocks by torch.topk's rule and the tail); the block keys
+    drawn from 3 vectors, so most scores tie and the tie rule decides the set; queries whose
+    context is under the budget keep every block."""
+    from types import SimpleNamespace
+
+    be = DeviceBackend(rt, None)
+    rng = np.random.default_rng(p0 * 100 + T)
+    r, Ih, Id, k = 4, 2, 64, 3
+    W = p0 + T
+    nb = W // r
+    blocks = rng.standard_normal((3, Id)).astype(np.float32)[rng.integers(0, 3, max(nb, 1))]
+    iq = rng.standard_normal((T, Ih, Id)).astype(np.float32)
+    layer = SimpleNamespace(ratio=r, Ih=Ih, Id=Id, block_topk=k)
+    cache = SimpleNamespace(idx_blocks=rt.to_device(blocks))
+    mask = rt.to_host(be.qsa_select_rows(layer, cache, rt.to_device(iq), p0))
+    assert mask.shape == (T, W) and mask.dtype == np.bool_
+    strict = 0
+    for t in range(T):
+        p = p0 + t
+        pos = rt.to_device(np.array([p], np.int32))
+        scores = rt.to_device(np.zeros(max(nb, 1), np.float32))
+        be._launch("dev_qsa_scores", 32 * max(nb, 1), (rt.to_device(iq[t]), cache.idx_blocks, pos, np.int32(r), np.int32(Ih),
+                                                       np.int32(Id), np.float32(np.sqrt(Id)), scores))
+        most = k * r + r - 1
+        v, ix = rt.to_device(np.zeros(max(nb, 1), np.float32)), rt.to_device(np.zeros(max(nb, 1), np.int32))
+        toks, count = rt.to_device(np.full(most, -1, np.int32)), rt.to_device(np.zeros(1, np.int32))
+        be._launch("dev_qsa_select", 32, (scores, pos, np.int32(r), np.int32(k), v, ix, toks, count), 32)
+        want = np.zeros(W, bool)
+        want[rt.to_host(toks)[: int(rt.to_host(count)[0])]] = True
+        assert np.array_equal(mask[t], want), (t, np.flatnonzero(mask[t]), np.flatnonzero(want))
+        strict += want.sum() < p + 1
+    assert strict >= T // 3  # (most queries kept a strict subset)
 
 
 @pytest.mark.parametrize("n,k", [(300, 4), (64, 1), (40, 4), (17, 16), (9, 4), (5, 5), (1, 1)])
