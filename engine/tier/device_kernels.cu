@@ -1779,20 +1779,24 @@ extern "C" __global__ void dev_qsa_key(const float* ik, float* keys, float* bloc
 // s_b = (sum over heads h, from the first, of relu(iq_h . kb)) / rs (rs = f32 sqrt(Id)) for the
 // n = (p + 1) / r complete blocks -> scores [n]. A warp a block, lane j summing dimensions j, j +
 // 32, ... A NaN dot stays NaN (np.maximum's rule, which fmaxf would drop).
+__device__ __forceinline__ float qsa_score(const float* iq, const float* kb, int Ih, int Id, float rs, int lane) {
+    float s = 0.0f;
+    for (int h = 0; h < Ih; h++) {
+        float dot = 0.0f;
+        for (int d = lane; d < Id; d += 32) dot += iq[(i64)h * Id + d] * kb[d];
+        dot = warp_sum(dot);
+        s += (dot > 0.0f || dot != dot) ? dot : 0.0f;
+    }
+    return s / rs;
+}
+
 extern "C" __global__ void dev_qsa_scores(const float* iq, const float* blocks, const int* pos, int r, int Ih, int Id,
                                           float rs, float* scores) {
     const int lane = threadIdx.x & 31, n = (*pos + 1) / r;
     const int nw = (int)((gridDim.x * blockDim.x) >> 5);
     for (int b = (int)((blockIdx.x * blockDim.x + threadIdx.x) >> 5); b < n; b += nw) {
-        const float* kb = blocks + (i64)b * Id;
-        float s = 0.0f;
-        for (int h = 0; h < Ih; h++) {
-            float dot = 0.0f;
-            for (int d = lane; d < Id; d += 32) dot += iq[(i64)h * Id + d] * kb[d];
-            dot = warp_sum(dot);
-            s += (dot > 0.0f || dot != dot) ? dot : 0.0f;
-        }
-        if (lane == 0) scores[b] = s / rs;
+        const float s = qsa_score(iq, blocks + (i64)b * Id, Ih, Id, rs, lane);
+        if (lane == 0) scores[b] = s;
     }
 }
 
@@ -1963,8 +1967,8 @@ extern "C" __global__ void dev_qsa_select(const float* scores, const int* pos, i
 }
 
 // A prompt chunk's QSA scores, its T queries iq [T, Ih, Id] at positions p0 .. p0 + T - 1
-// (QSALayer._attend past the budget): row t = dev_qsa_scores at p = p0 + t, the same operations in
-// the same order, so a chunk's query selects what the token step at its position selects. scores
+// (QSALayer._attend past the budget): row t = dev_qsa_scores at p = p0 + t (qsa_score: the same
+// operations in the same order), so a chunk's query selects what the token step at its position selects. scores
 // [T, nbm]; row t's first (p0 + t + 1) / r entries written. A warp a (query, block).
 extern "C" __global__ void dev_qsa_scores_rows(const float* iq, const float* blocks, int p0, int T, int r, int Ih, int Id,
                                                float rs, float* scores, int nbm) {
@@ -1973,16 +1977,8 @@ extern "C" __global__ void dev_qsa_scores_rows(const float* iq, const float* blo
     for (i64 w = (blockIdx.x * (i64)blockDim.x + threadIdx.x) >> 5; w < (i64)T * nbm; w += nw) {
         const int t = (int)(w / nbm), b = (int)(w - (i64)t * nbm);
         if (b >= (p0 + t + 1) / r) continue;  // (the whole warp: w is the warp's)
-        const float* kb = blocks + (i64)b * Id;
-        const float* q = iq + (i64)t * Ih * Id;
-        float s = 0.0f;
-        for (int h = 0; h < Ih; h++) {
-            float dot = 0.0f;
-            for (int d = lane; d < Id; d += 32) dot += q[(i64)h * Id + d] * kb[d];
-            dot = warp_sum(dot);
-            s += (dot > 0.0f || dot != dot) ? dot : 0.0f;
-        }
-        if (lane == 0) scores[w] = s / rs;
+        const float s = qsa_score(iq + (i64)t * Ih * Id, blocks + (i64)b * Id, Ih, Id, rs, lane);
+        if (lane == 0) scores[w] = s;
     }
 }
 
