@@ -996,7 +996,9 @@ class DeviceBackend(CpuBackend):
         p0 .. p0 + T - 1, made on the device: each query's block scores and torch.topk's set as the
         token step makes them at that position (dev_qsa_scores_rows, dev_qsa_select_rows: the same
         operations, the same sets) -> the attention's mask, bool [T, p0 + T] on the device (query t
-        attends key j). Nothing comes down: the host had brought each query's scores down."""
+        attends key j). Nothing comes down: the host had brought each query's scores down. As in
+        qsa_token, a NaN score is not refused here as the host's selection refuses it: it comes
+        from a NaN in the layer's input, which reaches the logits, and the sampler refuses those."""
         if not QSA_ROWS:
             return None
         rt, r, T = self.rt, layer.ratio, iq.shape[0]
