@@ -51,6 +51,12 @@ QA = 32  # elements per act-block
 # (simd.dot_quads); STRATA_ROWDOT_AVX2=0 keeps them on cpu.py's general kernel, for comparison.
 AVX2 = not simd.VNNI and simd.AVX2 and os.environ.get("STRATA_ROWDOT_AVX2", "1") != "0"
 AVAILABLE = bool((simd.VNNI or AVX2) and simd._X86.get("f16c"))
+# The K kernels' (Q4_K, Q6_K, IQ4_XS) block sums on AVX2 by vphaddd levels, as the other token
+# kernels' (_block_totals); STRATA_ROWDOT_K_HADD=0 keeps simd._reduce_groups' transpose-and-add
+# there, for comparison. The disk cache keys a kernel by its source, not by this switch, so the
+# kernels that read K rows carry it in their tags (_ktag): else one setting's machine code would
+# load under the other.
+K_HADD = AVX2 and os.environ.get("STRATA_ROWDOT_K_HADD", "1") != "0"
 
 I8, I16, I32, I64 = simd.I8, simd.I16, simd.I32, simd.I64
 
@@ -459,10 +465,19 @@ def matvec(name: str, raw: np.ndarray, row_bytes: int, xq: np.ndarray, xd: np.nd
 # lanes and the fold are the 32-element types' (lane b % 32 from +0 in block order): a super-block
 # at act-block 8i fills lanes 8 (i % 4) .. + 7, so four <8 x f32> accumulators hold the 32 lanes.
 # A K row is whole super-blocks, so there is no tail inside one. Activations are read in place
-# (xq, xd, s16 as ActQ holds them): nothing is allocated per call.
+# (xq, xd, s16 as ActQ holds them): nothing is allocated per call. On AVX2 the sums S (S0, S1)
+# come out of two vphaddd levels (_block_totals, _block_sums: K_HADD): LLVM split the 512-bit
+# transpose-and-add of simd._reduce_groups into several shuffles per block (one thread, 512 rows
+# of 2560 in cache: Q4_K 15.0 -> 12.9 ns per super-block, Q6_K 16.8 -> 14.8, IQ4_XS 19.8 -> 17.4).
 
 KTYPES = {"Q4_K": 144, "Q6_K": 210, "IQ4_XS": 136}  # name: super-block bytes
 QK = 256
+_K_SUPER = frozenset(KTYPES)  # the types _k_superblock computes (KTYPES gains the IQ types below)
+
+
+def _ktag(*names) -> str:
+    """The tag suffix of a kernel that reads rows of `names`: K_HADD's setting where it matters."""
+    return "-kreduce" if AVX2 and not K_HADD and _K_SUPER.intersection(names) else ""
 
 
 def _k_scales(builder, S):
@@ -509,6 +524,11 @@ def _k_superblock(builder, name, ptr, p, sb):
     def half_of(v):  # lanes 0..7 of a <16 x i32>
         return builder.shuffle_vector(v, v, simd._mask(8, range(8)))
 
+    def totals(vecs):  # dot's 4 act-block pairs -> <8 x i32>, lane k = act-block k's sum
+        if K_HADD:  # two vphaddd levels, as the 32-element kernels' (_block_totals)
+            return half_of(_block_totals(builder, vecs))
+        return half_of(simd._reduce_groups(builder, vecs, 2, 8))
+
     ad = builder.load(ptr("xd", b, f8v), align=4)
     d = builder.fpext(builder.bitcast(raw(208 if name == "Q6_K" else 0, I16), ir.HalfType()), ir.FloatType())
     wf = builder.fmul(simd._splat(builder, d, f8v), ad)
@@ -519,7 +539,7 @@ def _k_superblock(builder, name, ptr, p, sb):
         for j in range(4):
             qs = raw(16 + 32 * j, v32)
             vecs.append(dot(cat(builder.and_(qs, c8(15)), builder.lshr(qs, c8(4))), 2 * j, 0))
-        s = half_of(simd._reduce_groups(builder, vecs, 2, 8))
+        s = totals(vecs)
         sc, m = _k_scales(builder, raw(4, v16))
         bs = builder.add(builder.shuffle_vector(hs, hs, simd._mask(8, range(0, 16, 2))),
                          builder.shuffle_vector(hs, hs, simd._mask(8, range(1, 16, 2))))  # fmt: skip
@@ -538,7 +558,7 @@ def _k_superblock(builder, name, ptr, p, sb):
             lo, hi = builder.and_(qs, c8(15)), builder.lshr(qs, c8(4))
             u = builder.shuffle_vector(lo, hi, simd._mask(64, [*range(16), *range(32, 48), *range(16, 32), *range(48, 64)]))
             vecs.append(dot(_pshufb(builder, kv, u), 2 * j, 128))
-        s = half_of(simd._reduce_groups(builder, vecs, 2, 8))
+        s = totals(vecs)
         bs = builder.add(builder.shuffle_vector(hs, hs, simd._mask(8, range(0, 16, 2))),
                          builder.shuffle_vector(hs, hs, simd._mask(8, range(1, 16, 2))))  # fmt: skip
         s = builder.sub(s, builder.mul(bs, simd._splat(builder, ir.Constant(I32, simd.quad_offset(128)), i8v)))
@@ -562,6 +582,15 @@ def _k_superblock(builder, name, ptr, p, sb):
         u = [builder.or_(builder.and_(A, c8(15)), high[0]), builder.or_(builder.and_(B, c8(15)), high[1]),
              builder.or_(builder.lshr(A, c8(4)), high[2]), builder.or_(builder.lshr(B, c8(4)), high[3])]  # fmt: skip
         vecs += [dot(cat(u[0], u[1]), 4 * n, 32), dot(cat(u[2], u[3]), 4 * n + 2, 32)]
+    if K_HADD:
+        # the half sums by two vphaddd levels (_block_sums), the offset x s16 and the int8 scales
+        # moved into their lanes (4h + k: half h of act-block k, then k + 4) before, not after
+        halves = [_pick(builder, v, range(8 * q, 8 * q + 8)) for v in vecs for q in range(2)]
+        lanes = [[2 * k + q for q in range(2) for k in range(4 * u, 4 * u + 4)] for u in range(2)]
+        off = [builder.mul(_pick(builder, hs, ln), _c32(builder, simd.quad_offset(32))) for ln in lanes]
+        sc = raw(192, v16)
+        ws = [builder.sext(_pick(builder, sc, ln), i8v) for ln in lanes]
+        return builder.fmul(wf, builder.sitofp(_block_sums(builder, halves, ws, off), f8v))
     h = builder.sub(simd._reduce_groups(builder, vecs, 4, 4), builder.mul(hs, simd._splat(builder, ir.Constant(I32, simd.quad_offset(32)), i16v)))
     h = builder.mul(h, builder.sext(raw(192, v16), i16v))  # each half times its int8 scale
     s = builder.add(builder.shuffle_vector(h, h, simd._mask(8, range(0, 16, 2))), builder.shuffle_vector(h, h, simd._mask(8, range(1, 16, 2))))
@@ -844,13 +873,16 @@ def _hadd(builder, a, b):
                        builder.shuffle_vector(a, b, simd._mask(8, [1, 3, 9, 11, 5, 7, 13, 15])))  # fmt: skip
 
 
-def _block_sums(builder, vecs, ws=None):
+def _block_sums(builder, vecs, ws=None, off=None):
     """Eight <8 x i32>, act-blocks 0..7 with lanes 0..3 summing to the block's first half S0 and
     lanes 4..7 to its second S1, and ws = two <8 x i32> of integer scales (lane h * 4 + k: half h
     of act-block k, then of k + 4) -> <8 x i32>, lane k = ws0 S0 + ws1 S1 of act-block k (exact;
-    without ws, S0 + S1). Two levels of vphaddd leave the half sums in the scales' lanes."""
+    without ws, S0 + S1). Two levels of vphaddd leave the half sums in the scales' lanes. off: two
+    <8 x i32> in the same lanes taken off the half sums before the scales (Q6_K's offset x s16)."""
     h = [_hadd(builder, vecs[k], vecs[k + 1]) for k in range(0, 8, 2)]
     a, b = _hadd(builder, h[0], h[1]), _hadd(builder, h[2], h[3])  # lane 4h + k: half h of act-block k (k + 4)
+    if off:
+        a, b = builder.sub(a, off[0]), builder.sub(b, off[1])
     if ws:
         a, b = builder.mul(a, ws[0]), builder.mul(b, ws[1])
     return builder.add(builder.shuffle_vector(a, b, simd._mask(8, [0, 1, 2, 3, 8, 9, 10, 11])),
@@ -1045,7 +1077,7 @@ def _kkernel(name: str, parallel: bool):
             for o in range(c * n_out // n_chunks, (c + 1) * n_out // n_chunks):
                 out[o] = row(raw, o * row_bytes, nb, xq, xd, s16)
 
-    return cached(njit(parallel=parallel, **JIT)(kernel), f"{name}-rowdot-{'par' if parallel else 'serial'}")
+    return cached(njit(parallel=parallel, **JIT)(kernel), f"{name}-rowdot-{'par' if parallel else 'serial'}{_ktag(name)}")
 
 
 NAMES = frozenset(TYPES) | frozenset(KTYPES)  # the types with a one-token kernel here
@@ -1167,7 +1199,7 @@ def _many_kernel(names: tuple[str, ...], wides: tuple[bool, ...], parallel: bool
             env[f"R{i}"] = ROW[name, False]
     exec(compile(src, __file__, "exec"), env)  # noqa: S102 -- the source is the template above
     tag = "-".join(n + ("w" if w else "") for n, w in zip(names, wides))
-    return cached(njit(parallel=parallel, **JIT)(env["kernel"]), f"rowdot-many-{tag}-{'par' if parallel else 'serial'}")
+    return cached(njit(parallel=parallel, **JIT)(env["kernel"]), f"rowdot-many-{tag}-{'par' if parallel else 'serial'}{_ktag(*names)}")
 
 
 _MANY: dict[tuple[tuple[str, ...], tuple[bool, ...], bool], object] = {}
@@ -1279,7 +1311,7 @@ def _grouped_one_kernel(name: str, parallel: bool, few: bool = False):
                                 out[r, o] = row(raw, offsets[g] + o * row_bytes, nb, xr, dr, xd1, sr)
                     c = simd.fetch_add(queue, 0, 1)
 
-    return cached(njit(parallel=parallel, **JIT)(kernel), f"{name}-rowdot-grouped-{'par' if parallel else 'serial'}")
+    return cached(njit(parallel=parallel, **JIT)(kernel), f"{name}-rowdot-grouped-{'par' if parallel else 'serial'}{_ktag(name)}")
 
 
 _GROUPED: dict[tuple, object] = {}
