@@ -54,9 +54,12 @@ AVAILABLE = bool((simd.VNNI or AVX2) and simd._X86.get("f16c"))
 # The K kernels' (Q4_K, Q6_K, IQ4_XS) block sums on AVX2 by vphaddd levels, as the other token
 # kernels' (_block_totals); STRATA_ROWDOT_K_HADD=0 keeps simd._reduce_groups' transpose-and-add
 # there, for comparison. The disk cache keys a kernel by its source, not by this switch, so the
-# kernels that read K rows carry it in their tags (_ktag): else one setting's machine code would
+# kernels that read K rows carry it in their tags (_tag): else one setting's machine code would
 # load under the other.
 K_HADD = AVX2 and os.environ.get("STRATA_ROWDOT_K_HADD", "1") != "0"
+# Q2_0's fields on AVX2 by one byte shuffle per act-block (_unpack_q2_avx2); STRATA_ROWDOT_Q2_SHUFFLE=0
+# keeps the four shifts and the 64-byte interleave, for comparison (a cache tag too: _tag).
+Q2_SHUFFLE = AVX2 and os.environ.get("STRATA_ROWDOT_Q2_SHUFFLE", "1") != "0"
 
 I8, I16, I32, I64 = simd.I8, simd.I16, simd.I32, simd.I64
 
@@ -116,8 +119,8 @@ def _unpack_q2(builder, load, at):
     """The 64 values of the Q2_0 block at byte `at` as <64 x i8> holding value + 1 (its 2-bit
     fields as stored: element 4j + k is bits 2k.. of byte j of the 16 at byte 2; w = (q - 1) d).
     With AVX512-VBMI: bytes 2m, 2m + 1 spread to the start of qword m, then one vpmultishiftqb takes
-    field r of the qword from bit 2r (3 instructions for 64 values); elsewhere four shifts and a
-    byte interleave, as simd.crumbs64 decodes them."""
+    field r of the qword from bit 2r (3 instructions for 64 values); AVX2: _unpack_q2_avx2;
+    elsewhere four shifts and a byte interleave, as simd.crumbs64 decodes them."""
     v16, v64 = ir.VectorType(I8, 16), ir.VectorType(I8, 64)
     qs = load(builder.add(at, ir.Constant(I64, 2)), v16)
     three = simd._splat(builder, ir.Constant(I8, 3), v64)
@@ -125,12 +128,32 @@ def _unpack_q2(builder, load, at):
         spread = builder.shuffle_vector(qs, qs, simd._mask(64, [2 * (i // 8) + min(i % 8, 1) for i in range(64)]))
         return builder.and_(_fields(builder, spread, [2 * r for r in range(8)]), three)
     v32 = ir.VectorType(I8, 32)
+    if Q2_SHUFFLE:
+        return _unpack_q2_avx2(builder, qs)
     parts = [builder.and_(builder.lshr(qs, simd._splat(builder, ir.Constant(I8, 2 * k), v16)), simd._splat(builder, ir.Constant(I8, 3), v16))
              for k in range(4)]  # fmt: skip
     pair01 = builder.shuffle_vector(parts[0], parts[1], simd._mask(32, range(32)))
     pair23 = builder.shuffle_vector(parts[2], parts[3], simd._mask(32, range(32)))
     assert pair01.type == v32
     return builder.shuffle_vector(pair01, pair23, simd._mask(64, [16 * (i % 4) + i // 4 for i in range(64)]))
+
+
+def _unpack_q2_avx2(builder, qs):
+    """AVX2: _unpack_q2's <64 x i8> from its 16 bytes qs. Act-block h's element 4j + k (j < 8) is
+    bits 2k of byte 8h + j: one byte shuffle puts byte j (k even) or byte j >> 2 (k odd) at
+    element 4j + k, then the words of k = 2, 3 shift by 4 more and every byte keeps its low 2 bits
+    (each shift's bits from the next byte land above them). The four-shifts-and-interleave form
+    cost Q2_0 1.5x Q4_0's time per act-block on rows of 2560 (its 64-byte interleave, split by LLVM)."""
+    v16, v32, w16 = ir.VectorType(I8, 16), ir.VectorType(I8, 32), ir.VectorType(I16, 16)
+    q2 = builder.bitcast(builder.lshr(builder.bitcast(qs, ir.VectorType(I16, 8)), simd._splat(builder, ir.Constant(I16, 2), ir.VectorType(I16, 8))), v16)
+    out = []
+    for h in range(2):
+        src = builder.shuffle_vector(qs, q2, simd._mask(16, [*range(8 * h, 8 * h + 8), *range(16 + 8 * h, 24 + 8 * h)]))
+        v = builder.bitcast(builder.shuffle_vector(src, src, simd._mask(32, [(e >> 2) + 8 * (e & 1) for e in range(32)])), w16)
+        odd = ir.Constant(ir.VectorType(ir.IntType(1), 16), [w % 2 for w in range(16)])
+        v = builder.select(odd, builder.lshr(v, simd._splat(builder, ir.Constant(I16, 4), w16)), v)
+        out.append(builder.and_(builder.bitcast(v, v32), simd._splat(builder, ir.Constant(I8, 3), v32)))
+    return builder.shuffle_vector(out[0], out[1], simd._mask(64, range(64)))
 
 
 def _row(name: str, fine: bool, full: bool = False):
@@ -342,7 +365,7 @@ def _kernel(name: str, parallel: bool, fine: bool):
             for o in range(c * n_out // n_chunks, (c + 1) * n_out // n_chunks):
                 out[o] = row(raw, o * row_bytes, nb, xq, xd0, xd1, xs)
 
-    return cached(njit(parallel=parallel, **JIT)(kernel), f"{name}-rowdot{'-fine' if fine else ''}-{'par' if parallel else 'serial'}")
+    return cached(njit(parallel=parallel, **JIT)(kernel), f"{name}-rowdot{'-fine' if fine else ''}-{'par' if parallel else 'serial'}{_tag(name)}")
 
 
 def _kernel16(name: str, parallel: bool):
@@ -367,7 +390,7 @@ def _kernel16(name: str, parallel: bool):
             for o in range(c * n_out // n_chunks, (c + 1) * n_out // n_chunks):
                 out[o] = row(raw, o * row_bytes, nb, xq, xd0, xs_hi, xs_lo)
 
-    return cached(njit(parallel=parallel, **JIT)(kernel), f"{name}-rowdot-wide-{'par' if parallel else 'serial'}")
+    return cached(njit(parallel=parallel, **JIT)(kernel), f"{name}-rowdot-wide-{'par' if parallel else 'serial'}{_tag(name)}")
 
 
 _KERNELS: dict[tuple[str, bool, object], object] = {}
@@ -410,7 +433,7 @@ def _rows_kernel(name: str, parallel: bool, fine: bool, lo_full: bool = False):
                         out[t, o] = row(raw, o * row_bytes, nb, xq[t], xd0[t], xd1[t], xs[t])
 
     tag = ("-fine" if fine else "") + ("-lofull" if lo_full else "")
-    return cached(njit(parallel=parallel, **JIT)(kernel), f"{name}-rowdot-rows{tag}-{'par' if parallel else 'serial'}")
+    return cached(njit(parallel=parallel, **JIT)(kernel), f"{name}-rowdot-rows{tag}-{'par' if parallel else 'serial'}{_tag(name)}")
 
 
 _ROWS_KERNELS: dict[tuple[str, bool, bool, bool], object] = {}
@@ -475,9 +498,13 @@ QK = 256
 _K_SUPER = frozenset(KTYPES)  # the types _k_superblock computes (KTYPES gains the IQ types below)
 
 
-def _ktag(*names) -> str:
-    """The tag suffix of a kernel that reads rows of `names`: K_HADD's setting where it matters."""
-    return "-kreduce" if AVX2 and not K_HADD and _K_SUPER.intersection(names) else ""
+def _tag(*names) -> str:
+    """The cache-tag suffix of a kernel that reads rows of `names`: the settings of the AVX2
+    switches (K_HADD, Q2_SHUFFLE) that change its code, where they are off."""
+    off = AVX2 and not K_HADD and _K_SUPER.intersection(names)
+    return ("-kreduce" if off else "") + ("-q2interleave" if AVX2 and not Q2_SHUFFLE and "Q2_0" in names else "")
+
+
 
 
 def _k_scales(builder, S):
@@ -1077,7 +1104,7 @@ def _kkernel(name: str, parallel: bool):
             for o in range(c * n_out // n_chunks, (c + 1) * n_out // n_chunks):
                 out[o] = row(raw, o * row_bytes, nb, xq, xd, s16)
 
-    return cached(njit(parallel=parallel, **JIT)(kernel), f"{name}-rowdot-{'par' if parallel else 'serial'}{_ktag(name)}")
+    return cached(njit(parallel=parallel, **JIT)(kernel), f"{name}-rowdot-{'par' if parallel else 'serial'}{_tag(name)}")
 
 
 NAMES = frozenset(TYPES) | frozenset(KTYPES)  # the types with a one-token kernel here
@@ -1199,7 +1226,7 @@ def _many_kernel(names: tuple[str, ...], wides: tuple[bool, ...], parallel: bool
             env[f"R{i}"] = ROW[name, False]
     exec(compile(src, __file__, "exec"), env)  # noqa: S102 -- the source is the template above
     tag = "-".join(n + ("w" if w else "") for n, w in zip(names, wides))
-    return cached(njit(parallel=parallel, **JIT)(env["kernel"]), f"rowdot-many-{tag}-{'par' if parallel else 'serial'}{_ktag(*names)}")
+    return cached(njit(parallel=parallel, **JIT)(env["kernel"]), f"rowdot-many-{tag}-{'par' if parallel else 'serial'}{_tag(*names)}")
 
 
 _MANY: dict[tuple[tuple[str, ...], tuple[bool, ...], bool], object] = {}
@@ -1311,7 +1338,7 @@ def _grouped_one_kernel(name: str, parallel: bool, few: bool = False):
                                 out[r, o] = row(raw, offsets[g] + o * row_bytes, nb, xr, dr, xd1, sr)
                     c = simd.fetch_add(queue, 0, 1)
 
-    return cached(njit(parallel=parallel, **JIT)(kernel), f"{name}-rowdot-grouped-{'par' if parallel else 'serial'}{_ktag(name)}")
+    return cached(njit(parallel=parallel, **JIT)(kernel), f"{name}-rowdot-grouped-{'par' if parallel else 'serial'}{_tag(name)}")
 
 
 _GROUPED: dict[tuple, object] = {}
