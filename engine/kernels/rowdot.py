@@ -196,7 +196,8 @@ def _codegen(context, builder, sig, args, name, fine, wide=False, full=False):
         """acc[h] += the terms of act-blocks b .. b + 15; `tail`: some are past nb, whose loads
         read block nb - 1 instead and whose terms become -0.0 (adding it changes no lane). n = 8:
         at most 8 are left, only those 8 are read and summed (a 20-block expert row's last 4
-        cost a whole 16-block group: the kernel ran at 0.9x the general one)."""
+        cost a whole 16-block group: the kernel ran at 0.9x the general one); n = 4 (not the fine
+        form): at most 4 are left, as the expert downs' rows of 640 end."""
         blocks = []
         for k in range(n):
             i = builder.add(b, ir.Constant(I64, k))
@@ -281,7 +282,15 @@ def _codegen(context, builder, sig, args, name, fine, wide=False, full=False):
                     with more:
                         group(b, h, True)
                     with eight:
-                        group(b, h, True, 8)
+                        if fine:
+                            group(b, h, True, 8)
+                        else:
+                            four = builder.icmp_unsigned("<", builder.add(b, ir.Constant(I64, 4)), nb)  # more than 4 left
+                            with builder.if_else(four) as (more4, last4):
+                                with more4:
+                                    group(b, h, True, 8)
+                                with last4:
+                                    group(b, h, True, 4)
 
     n32 = builder.udiv(builder.add(nb, ir.Constant(I64, 31)), ir.Constant(I64, 32))
     with cgutils.for_range(builder, n32) as loop:
@@ -917,10 +926,11 @@ def _block_sums(builder, vecs, ws=None, off=None):
 
 
 def _block_totals(builder, vecs):
-    """simd.dot_quads' AVX2 sums of 8 (or 4) act-block pairs (<16 x i32>: lanes 0..7 sum to the
+    """simd.dot_quads' AVX2 sums of 8, 4 or 2 act-block pairs (<16 x i32>: lanes 0..7 sum to the
     first block, 8..15 to the second) -> <16 x i32>, lane g = act-block g's total (4 pairs: lanes
-    8..15 repeat 0..7)."""
+    8..15 repeat 0..7; 2 pairs: lanes 4..7 are 0, then the same repeat)."""
     halves = [_pick(builder, v, range(8 * h, 8 * h + 8)) for v in vecs for h in range(2)]
+    halves += [ir.Constant(halves[0].type, None)] * (-len(halves) % 8)  # 2 pairs (n = 4): lanes 4..7 are 0
     out = [_block_sums(builder, halves[k : k + 8]) for k in range(0, len(halves), 8)]
     return builder.shuffle_vector(out[0], out[-1], simd._mask(16, range(16)))
 

@@ -75,7 +75,7 @@ def test_expert_shapes_equal_the_reference(name, n_in, n_out):
 
 
 ROWDOT_TYPES = ["Q8_0", "Q4_0", "Q5_0", "IQ4_NL"]
-# Q2_0's 64-element blocks go in act-block pairs: 2 blocks (an 8-block tail group of 4), 10 (the
+# Q2_0's 64-element blocks go in act-block pairs: 2 blocks (a 4-block tail group of 2), 10 (the
 # expert down projections' 640: a whole group and a tail of 4), 12 (16 + 8), 18 (two groups and 4),
 # 40 (whole groups only)
 Q2_SIZES = [128, 640, 768, 1152, 2560]
@@ -97,13 +97,14 @@ def _need_iq(*names):
 
 
 @pytest.mark.parametrize("parallel", [False, True], ids=["serial", "parallel"])
-@pytest.mark.parametrize("name,n_in", [(n, k) for n in ROWDOT_TYPES for k in (320, 544, 768, 2560)] + [("Q2_0", k) for k in Q2_SIZES],
+@pytest.mark.parametrize("name,n_in", [(n, k) for n in ROWDOT_TYPES for k in (320, 544, 640, 704, 768, 2560)] + [("Q2_0", k) for k in Q2_SIZES],
                          ids=lambda v: v if isinstance(v, str) else f"{v // 32}-blocks")
 def test_token_kernel_equals_the_general_kernel_and_the_reference(name, n_in, parallel):
     # rowdot.py's one-token kernel (the LM head, hyper-connections, GDN projections) reads the
     # blocks in place: its 16-block groups meet a tail of 9-15 (10 blocks), an 8-block tail group
-    # (17 = 16 + 1, 24 = 16 + 8) and whole groups only (80, the head's rows), on the calling
-    # thread and over the pool (uneven chunks: 37 rows)
+    # (22 = 16 + 6, 24 = 16 + 8), a 4-block one (17 = 16 + 1, 20 = 16 + 4: the expert downs' rows
+    # of 640) and whole groups only (80, the head's rows), on the calling thread and over the pool
+    # (uneven chunks: 37 rows)
     rowdot = _need_rowdot()
     t = BY_NAME[name]
     raw = random_weights(t, n_in * 37, np.random.default_rng(n_in + t.id))
