@@ -21,7 +21,9 @@ elements, ActQ.d twice as long) take term[b] = f32(d_w[b]) * (xd0[b] f32(lo[b]) 
 over the two half sums instead, as simd.row_epilogue's "fine" scales do. The integer sum is
 exact in any order: VNNI's vpdpbusd over two act-blocks at a time, the weights unpacked as
 unsigned bytes value + offset (TYPES) and offset x the activations' sum taken back off, then one
-transpose-and-add reduction per 16 act-blocks (simd._reduce_groups).
+transpose-and-add reduction per 16 act-blocks (simd._reduce_groups; on AVX2 two vphaddd levels per
+8, _block_totals). Each kernel asks for its row bytes ROW_PREFETCH ahead: one thread streaming a
+head from memory otherwise waited on it (docs/kernels.md, session 17).
 
 For hosts with F16C and AVX512-VNNI + AVX512BW, or AVX2 (AVAILABLE); elsewhere cpu.py keeps the
 general kernel. AVX2 takes the same IR with vpmaddubsw + vpmaddwd for vpdpbusd (simd.dot_quads
