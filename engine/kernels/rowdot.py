@@ -21,7 +21,9 @@ elements, ActQ.d twice as long) take term[b] = f32(d_w[b]) * (xd0[b] f32(lo[b]) 
 over the two half sums instead, as simd.row_epilogue's "fine" scales do. The integer sum is
 exact in any order: VNNI's vpdpbusd over two act-blocks at a time, the weights unpacked as
 unsigned bytes value + offset (TYPES) and offset x the activations' sum taken back off, then one
-transpose-and-add reduction per 16 act-blocks (simd._reduce_groups).
+transpose-and-add reduction per 16 act-blocks (simd._reduce_groups; on AVX2 two vphaddd levels per
+8, _block_totals). Each kernel asks for its row bytes ROW_PREFETCH ahead: one thread streaming a
+head from memory otherwise waited on it (docs/kernels.md, session 17).
 
 For hosts with F16C and AVX512-VNNI + AVX512BW, or AVX2 (AVAILABLE); elsewhere cpu.py keeps the
 general kernel. AVX2 takes the same IR with vpmaddubsw + vpmaddwd for vpdpbusd (simd.dot_quads
@@ -51,6 +53,22 @@ QA = 32  # elements per act-block
 # (simd.dot_quads); STRATA_ROWDOT_AVX2=0 keeps them on cpu.py's general kernel, for comparison.
 AVX2 = not simd.VNNI and simd.AVX2 and os.environ.get("STRATA_ROWDOT_AVX2", "1") != "0"
 AVAILABLE = bool((simd.VNNI or AVX2) and simd._X86.get("f16c"))
+# The K kernels' (Q4_K, Q6_K, IQ4_XS) block sums on AVX2 by vphaddd levels, as the other token
+# kernels' (_block_totals); STRATA_ROWDOT_K_HADD=0 keeps simd._reduce_groups' transpose-and-add
+# there, for comparison. The disk cache keys a kernel by its source, not by this switch, so the
+# kernels that read K rows carry it in their tags (_tag): else one setting's machine code would
+# load under the other.
+K_HADD = AVX2 and os.environ.get("STRATA_ROWDOT_K_HADD", "1") != "0"
+# Q2_0's fields on AVX2 by one byte shuffle per act-block (_unpack_q2_avx2); STRATA_ROWDOT_Q2_SHUFFLE=0
+# keeps the four shifts and the 64-byte interleave, for comparison (a cache tag too: _tag).
+Q2_SHUFFLE = AVX2 and os.environ.get("STRATA_ROWDOT_Q2_SHUFFLE", "1") != "0"
+# Bytes ahead of the row bytes being read that the token kernels ask the cache for (0: none).
+# The rows are one sequential stream, yet Zen 3's own prefetcher left one thread waiting on
+# memory: the Q6_K head (521 MB) read at 12.4 GB/s against 14.4 for its rows in cache; 3 KB
+# ahead it read at 16.1 (2 threads: 20.5 -> 25.5 GB/s of 27). STRATA_ROWDOT_PREFETCH=N sets it
+# (a cache tag too: _tag).
+_ROW_PREFETCH = 3072
+ROW_PREFETCH = int(os.environ.get("STRATA_ROWDOT_PREFETCH", str(_ROW_PREFETCH)))
 
 I8, I16, I32, I64 = simd.I8, simd.I16, simd.I32, simd.I64
 
@@ -110,8 +128,8 @@ def _unpack_q2(builder, load, at):
     """The 64 values of the Q2_0 block at byte `at` as <64 x i8> holding value + 1 (its 2-bit
     fields as stored: element 4j + k is bits 2k.. of byte j of the 16 at byte 2; w = (q - 1) d).
     With AVX512-VBMI: bytes 2m, 2m + 1 spread to the start of qword m, then one vpmultishiftqb takes
-    field r of the qword from bit 2r (3 instructions for 64 values); elsewhere four shifts and a
-    byte interleave, as simd.crumbs64 decodes them."""
+    field r of the qword from bit 2r (3 instructions for 64 values); AVX2: _unpack_q2_avx2;
+    elsewhere four shifts and a byte interleave, as simd.crumbs64 decodes them."""
     v16, v64 = ir.VectorType(I8, 16), ir.VectorType(I8, 64)
     qs = load(builder.add(at, ir.Constant(I64, 2)), v16)
     three = simd._splat(builder, ir.Constant(I8, 3), v64)
@@ -119,12 +137,40 @@ def _unpack_q2(builder, load, at):
         spread = builder.shuffle_vector(qs, qs, simd._mask(64, [2 * (i // 8) + min(i % 8, 1) for i in range(64)]))
         return builder.and_(_fields(builder, spread, [2 * r for r in range(8)]), three)
     v32 = ir.VectorType(I8, 32)
+    if Q2_SHUFFLE:
+        return _unpack_q2_avx2(builder, qs)
     parts = [builder.and_(builder.lshr(qs, simd._splat(builder, ir.Constant(I8, 2 * k), v16)), simd._splat(builder, ir.Constant(I8, 3), v16))
              for k in range(4)]  # fmt: skip
     pair01 = builder.shuffle_vector(parts[0], parts[1], simd._mask(32, range(32)))
     pair23 = builder.shuffle_vector(parts[2], parts[3], simd._mask(32, range(32)))
     assert pair01.type == v32
     return builder.shuffle_vector(pair01, pair23, simd._mask(64, [16 * (i % 4) + i // 4 for i in range(64)]))
+
+
+def _unpack_q2_avx2(builder, qs):
+    """AVX2: _unpack_q2's <64 x i8> from its 16 bytes qs. Act-block h's element 4j + k (j < 8) is
+    bits 2k of byte 8h + j: one byte shuffle puts byte j (k even) or byte j >> 2 (k odd) at
+    element 4j + k, then the words of k = 2, 3 shift by 4 more and every byte keeps its low 2 bits
+    (each shift's bits from the next byte land above them). The four-shifts-and-interleave form
+    cost Q2_0 1.5x Q4_0's time per act-block on rows of 2560 (its 64-byte interleave, split by LLVM)."""
+    v16, v32, w16 = ir.VectorType(I8, 16), ir.VectorType(I8, 32), ir.VectorType(I16, 16)
+    q2 = builder.bitcast(builder.lshr(builder.bitcast(qs, ir.VectorType(I16, 8)), simd._splat(builder, ir.Constant(I16, 2), ir.VectorType(I16, 8))), v16)
+    out = []
+    for h in range(2):
+        src = builder.shuffle_vector(qs, q2, simd._mask(16, [*range(8 * h, 8 * h + 8), *range(16 + 8 * h, 24 + 8 * h)]))
+        v = builder.bitcast(builder.shuffle_vector(src, src, simd._mask(32, [(e >> 2) + 8 * (e & 1) for e in range(32)])), w16)
+        odd = ir.Constant(ir.VectorType(ir.IntType(1), 16), [w % 2 for w in range(16)])
+        v = builder.select(odd, builder.lshr(v, simd._splat(builder, ir.Constant(I16, 4), w16)), v)
+        out.append(builder.and_(builder.bitcast(v, v32), simd._splat(builder, ir.Constant(I8, 3), v32)))
+    return builder.shuffle_vector(out[0], out[1], simd._mask(64, range(64)))
+
+
+def _prefetch(builder, ptr, at, n_bytes):
+    """Ask for the cache lines of the n_bytes at byte `at` of raw, ROW_PREFETCH bytes ahead."""
+    if ROW_PREFETCH:
+        pf = simd._fn(builder, "llvm.prefetch.p0", ir.VoidType(), [I8.as_pointer(), I32, I32, I32])
+        for ahead in range(ROW_PREFETCH, ROW_PREFETCH + n_bytes, 64):
+            builder.call(pf, [ptr("raw", builder.add(at, ir.Constant(I64, ahead)), I8), ir.Constant(I32, 0), ir.Constant(I32, 3), ir.Constant(I32, 1)])
 
 
 def _row(name: str, fine: bool, full: bool = False):
@@ -167,13 +213,15 @@ def _codegen(context, builder, sig, args, name, fine, wide=False, full=False):
         """acc[h] += the terms of act-blocks b .. b + 15; `tail`: some are past nb, whose loads
         read block nb - 1 instead and whose terms become -0.0 (adding it changes no lane). n = 8:
         at most 8 are left, only those 8 are read and summed (a 20-block expert row's last 4
-        cost a whole 16-block group: the kernel ran at 0.9x the general one)."""
+        cost a whole 16-block group: the kernel ran at 0.9x the general one); n = 4 (not the fine
+        form): at most 4 are left, as the expert downs' rows of 640 end."""
         blocks = []
         for k in range(n):
             i = builder.add(b, ir.Constant(I64, k))
             if tail:  # a paired type's pair past nb reads the last pair (nb is even)
                 i = builder.select(builder.icmp_unsigned("<", i, nb), i, last2 if paired and k % 2 == 0 else last)
             blocks.append(i)
+        _prefetch(builder, ptr, builder.add(p, builder.mul(b, ir.Constant(I64, size // 2 if paired else size))), n * size // (2 if paired else 1))
         all_vecs, halves = [[] for _ in range(planes)], []
         for j in range(n // 2):
             w = []
@@ -252,7 +300,15 @@ def _codegen(context, builder, sig, args, name, fine, wide=False, full=False):
                     with more:
                         group(b, h, True)
                     with eight:
-                        group(b, h, True, 8)
+                        if fine:
+                            group(b, h, True, 8)
+                        else:
+                            four = builder.icmp_unsigned("<", builder.add(b, ir.Constant(I64, 4)), nb)  # more than 4 left
+                            with builder.if_else(four) as (more4, last4):
+                                with more4:
+                                    group(b, h, True, 8)
+                                with last4:
+                                    group(b, h, True, 4)
 
     n32 = builder.udiv(builder.add(nb, ir.Constant(I64, 31)), ir.Constant(I64, 32))
     with cgutils.for_range(builder, n32) as loop:
@@ -336,7 +392,7 @@ def _kernel(name: str, parallel: bool, fine: bool):
             for o in range(c * n_out // n_chunks, (c + 1) * n_out // n_chunks):
                 out[o] = row(raw, o * row_bytes, nb, xq, xd0, xd1, xs)
 
-    return cached(njit(parallel=parallel, **JIT)(kernel), f"{name}-rowdot{'-fine' if fine else ''}-{'par' if parallel else 'serial'}")
+    return cached(njit(parallel=parallel, **JIT)(kernel), f"{name}-rowdot{'-fine' if fine else ''}-{'par' if parallel else 'serial'}{_tag(name)}")
 
 
 def _kernel16(name: str, parallel: bool):
@@ -361,7 +417,7 @@ def _kernel16(name: str, parallel: bool):
             for o in range(c * n_out // n_chunks, (c + 1) * n_out // n_chunks):
                 out[o] = row(raw, o * row_bytes, nb, xq, xd0, xs_hi, xs_lo)
 
-    return cached(njit(parallel=parallel, **JIT)(kernel), f"{name}-rowdot-wide-{'par' if parallel else 'serial'}")
+    return cached(njit(parallel=parallel, **JIT)(kernel), f"{name}-rowdot-wide-{'par' if parallel else 'serial'}{_tag(name)}")
 
 
 _KERNELS: dict[tuple[str, bool, object], object] = {}
@@ -404,7 +460,7 @@ def _rows_kernel(name: str, parallel: bool, fine: bool, lo_full: bool = False):
                         out[t, o] = row(raw, o * row_bytes, nb, xq[t], xd0[t], xd1[t], xs[t])
 
     tag = ("-fine" if fine else "") + ("-lofull" if lo_full else "")
-    return cached(njit(parallel=parallel, **JIT)(kernel), f"{name}-rowdot-rows{tag}-{'par' if parallel else 'serial'}")
+    return cached(njit(parallel=parallel, **JIT)(kernel), f"{name}-rowdot-rows{tag}-{'par' if parallel else 'serial'}{_tag(name)}")
 
 
 _ROWS_KERNELS: dict[tuple[str, bool, bool, bool], object] = {}
@@ -459,10 +515,24 @@ def matvec(name: str, raw: np.ndarray, row_bytes: int, xq: np.ndarray, xd: np.nd
 # lanes and the fold are the 32-element types' (lane b % 32 from +0 in block order): a super-block
 # at act-block 8i fills lanes 8 (i % 4) .. + 7, so four <8 x f32> accumulators hold the 32 lanes.
 # A K row is whole super-blocks, so there is no tail inside one. Activations are read in place
-# (xq, xd, s16 as ActQ holds them): nothing is allocated per call.
+# (xq, xd, s16 as ActQ holds them): nothing is allocated per call. On AVX2 the sums S (S0, S1)
+# come out of two vphaddd levels (_block_totals, _block_sums: K_HADD): LLVM split the 512-bit
+# transpose-and-add of simd._reduce_groups into several shuffles per block (one thread, 512 rows
+# of 2560 in cache: Q4_K 15.0 -> 12.9 ns per super-block, Q6_K 16.8 -> 14.8, IQ4_XS 19.8 -> 17.4).
 
 KTYPES = {"Q4_K": 144, "Q6_K": 210, "IQ4_XS": 136}  # name: super-block bytes
 QK = 256
+_K_SUPER = frozenset(KTYPES)  # the types _k_superblock computes (KTYPES gains the IQ types below)
+
+
+def _tag(*names) -> str:
+    """The cache-tag suffix of a kernel that reads rows of `names`: the settings of the switches
+    that change its code (K_HADD, Q2_SHUFFLE, ROW_PREFETCH) where they are not the default."""
+    off = AVX2 and not K_HADD and _K_SUPER.intersection(names)
+    pf = "" if ROW_PREFETCH == _ROW_PREFETCH or not (_K_SUPER | set(TYPES)).intersection(names) else f"-pf{ROW_PREFETCH}"
+    return ("-kreduce" if off else "") + ("-q2interleave" if AVX2 and not Q2_SHUFFLE and "Q2_0" in names else "") + pf
+
+
 
 
 def _k_scales(builder, S):
@@ -496,6 +566,8 @@ def _k_superblock(builder, name, ptr, p, sb):
     def raw(off, ty):
         return builder.load(ptr("raw", builder.add(at, ir.Constant(I64, off)), ty), align=1)
 
+    _prefetch(builder, ptr, at, KTYPES[name])
+
     def c8(x, ty=v32):
         return simd._splat(builder, ir.Constant(I8, x), ty)
 
@@ -509,6 +581,11 @@ def _k_superblock(builder, name, ptr, p, sb):
     def half_of(v):  # lanes 0..7 of a <16 x i32>
         return builder.shuffle_vector(v, v, simd._mask(8, range(8)))
 
+    def totals(vecs):  # dot's 4 act-block pairs -> <8 x i32>, lane k = act-block k's sum
+        if K_HADD:  # two vphaddd levels, as the 32-element kernels' (_block_totals)
+            return half_of(_block_totals(builder, vecs))
+        return half_of(simd._reduce_groups(builder, vecs, 2, 8))
+
     ad = builder.load(ptr("xd", b, f8v), align=4)
     d = builder.fpext(builder.bitcast(raw(208 if name == "Q6_K" else 0, I16), ir.HalfType()), ir.FloatType())
     wf = builder.fmul(simd._splat(builder, d, f8v), ad)
@@ -519,7 +596,7 @@ def _k_superblock(builder, name, ptr, p, sb):
         for j in range(4):
             qs = raw(16 + 32 * j, v32)
             vecs.append(dot(cat(builder.and_(qs, c8(15)), builder.lshr(qs, c8(4))), 2 * j, 0))
-        s = half_of(simd._reduce_groups(builder, vecs, 2, 8))
+        s = totals(vecs)
         sc, m = _k_scales(builder, raw(4, v16))
         bs = builder.add(builder.shuffle_vector(hs, hs, simd._mask(8, range(0, 16, 2))),
                          builder.shuffle_vector(hs, hs, simd._mask(8, range(1, 16, 2))))  # fmt: skip
@@ -538,7 +615,7 @@ def _k_superblock(builder, name, ptr, p, sb):
             lo, hi = builder.and_(qs, c8(15)), builder.lshr(qs, c8(4))
             u = builder.shuffle_vector(lo, hi, simd._mask(64, [*range(16), *range(32, 48), *range(16, 32), *range(48, 64)]))
             vecs.append(dot(_pshufb(builder, kv, u), 2 * j, 128))
-        s = half_of(simd._reduce_groups(builder, vecs, 2, 8))
+        s = totals(vecs)
         bs = builder.add(builder.shuffle_vector(hs, hs, simd._mask(8, range(0, 16, 2))),
                          builder.shuffle_vector(hs, hs, simd._mask(8, range(1, 16, 2))))  # fmt: skip
         s = builder.sub(s, builder.mul(bs, simd._splat(builder, ir.Constant(I32, simd.quad_offset(128)), i8v)))
@@ -562,6 +639,15 @@ def _k_superblock(builder, name, ptr, p, sb):
         u = [builder.or_(builder.and_(A, c8(15)), high[0]), builder.or_(builder.and_(B, c8(15)), high[1]),
              builder.or_(builder.lshr(A, c8(4)), high[2]), builder.or_(builder.lshr(B, c8(4)), high[3])]  # fmt: skip
         vecs += [dot(cat(u[0], u[1]), 4 * n, 32), dot(cat(u[2], u[3]), 4 * n + 2, 32)]
+    if K_HADD:
+        # the half sums by two vphaddd levels (_block_sums), the offset x s16 and the int8 scales
+        # moved into their lanes (4h + k: half h of act-block k, then k + 4) before, not after
+        halves = [_pick(builder, v, range(8 * q, 8 * q + 8)) for v in vecs for q in range(2)]
+        lanes = [[2 * k + q for q in range(2) for k in range(4 * u, 4 * u + 4)] for u in range(2)]
+        off = [builder.mul(_pick(builder, hs, ln), _c32(builder, simd.quad_offset(32))) for ln in lanes]
+        sc = raw(192, v16)
+        ws = [builder.sext(_pick(builder, sc, ln), i8v) for ln in lanes]
+        return builder.fmul(wf, builder.sitofp(_block_sums(builder, halves, ws, off), f8v))
     h = builder.sub(simd._reduce_groups(builder, vecs, 4, 4), builder.mul(hs, simd._splat(builder, ir.Constant(I32, simd.quad_offset(32)), i16v)))
     h = builder.mul(h, builder.sext(raw(192, v16), i16v))  # each half times its int8 scale
     s = builder.add(builder.shuffle_vector(h, h, simd._mask(8, range(0, 16, 2))), builder.shuffle_vector(h, h, simd._mask(8, range(1, 16, 2))))
@@ -844,13 +930,16 @@ def _hadd(builder, a, b):
                        builder.shuffle_vector(a, b, simd._mask(8, [1, 3, 9, 11, 5, 7, 13, 15])))  # fmt: skip
 
 
-def _block_sums(builder, vecs, ws=None):
+def _block_sums(builder, vecs, ws=None, off=None):
     """Eight <8 x i32>, act-blocks 0..7 with lanes 0..3 summing to the block's first half S0 and
     lanes 4..7 to its second S1, and ws = two <8 x i32> of integer scales (lane h * 4 + k: half h
     of act-block k, then of k + 4) -> <8 x i32>, lane k = ws0 S0 + ws1 S1 of act-block k (exact;
-    without ws, S0 + S1). Two levels of vphaddd leave the half sums in the scales' lanes."""
+    without ws, S0 + S1). Two levels of vphaddd leave the half sums in the scales' lanes. off: two
+    <8 x i32> in the same lanes taken off the half sums before the scales (Q6_K's offset x s16)."""
     h = [_hadd(builder, vecs[k], vecs[k + 1]) for k in range(0, 8, 2)]
     a, b = _hadd(builder, h[0], h[1]), _hadd(builder, h[2], h[3])  # lane 4h + k: half h of act-block k (k + 4)
+    if off:
+        a, b = builder.sub(a, off[0]), builder.sub(b, off[1])
     if ws:
         a, b = builder.mul(a, ws[0]), builder.mul(b, ws[1])
     return builder.add(builder.shuffle_vector(a, b, simd._mask(8, [0, 1, 2, 3, 8, 9, 10, 11])),
@@ -858,10 +947,11 @@ def _block_sums(builder, vecs, ws=None):
 
 
 def _block_totals(builder, vecs):
-    """simd.dot_quads' AVX2 sums of 8 (or 4) act-block pairs (<16 x i32>: lanes 0..7 sum to the
+    """simd.dot_quads' AVX2 sums of 8, 4 or 2 act-block pairs (<16 x i32>: lanes 0..7 sum to the
     first block, 8..15 to the second) -> <16 x i32>, lane g = act-block g's total (4 pairs: lanes
-    8..15 repeat 0..7)."""
+    8..15 repeat 0..7; 2 pairs: lanes 4..7 are 0, then the same repeat)."""
     halves = [_pick(builder, v, range(8 * h, 8 * h + 8)) for v in vecs for h in range(2)]
+    halves += [ir.Constant(halves[0].type, None)] * (-len(halves) % 8)  # 2 pairs (n = 4): lanes 4..7 are 0
     out = [_block_sums(builder, halves[k : k + 8]) for k in range(0, len(halves), 8)]
     return builder.shuffle_vector(out[0], out[-1], simd._mask(16, range(16)))
 
@@ -1045,7 +1135,7 @@ def _kkernel(name: str, parallel: bool):
             for o in range(c * n_out // n_chunks, (c + 1) * n_out // n_chunks):
                 out[o] = row(raw, o * row_bytes, nb, xq, xd, s16)
 
-    return cached(njit(parallel=parallel, **JIT)(kernel), f"{name}-rowdot-{'par' if parallel else 'serial'}")
+    return cached(njit(parallel=parallel, **JIT)(kernel), f"{name}-rowdot-{'par' if parallel else 'serial'}{_tag(name)}")
 
 
 NAMES = frozenset(TYPES) | frozenset(KTYPES)  # the types with a one-token kernel here
@@ -1167,7 +1257,7 @@ def _many_kernel(names: tuple[str, ...], wides: tuple[bool, ...], parallel: bool
             env[f"R{i}"] = ROW[name, False]
     exec(compile(src, __file__, "exec"), env)  # noqa: S102 -- the source is the template above
     tag = "-".join(n + ("w" if w else "") for n, w in zip(names, wides))
-    return cached(njit(parallel=parallel, **JIT)(env["kernel"]), f"rowdot-many-{tag}-{'par' if parallel else 'serial'}")
+    return cached(njit(parallel=parallel, **JIT)(env["kernel"]), f"rowdot-many-{tag}-{'par' if parallel else 'serial'}{_tag(*names)}")
 
 
 _MANY: dict[tuple[tuple[str, ...], tuple[bool, ...], bool], object] = {}
@@ -1279,7 +1369,7 @@ def _grouped_one_kernel(name: str, parallel: bool, few: bool = False):
                                 out[r, o] = row(raw, offsets[g] + o * row_bytes, nb, xr, dr, xd1, sr)
                     c = simd.fetch_add(queue, 0, 1)
 
-    return cached(njit(parallel=parallel, **JIT)(kernel), f"{name}-rowdot-grouped-{'par' if parallel else 'serial'}")
+    return cached(njit(parallel=parallel, **JIT)(kernel), f"{name}-rowdot-grouped-{'par' if parallel else 'serial'}{_tag(name)}")
 
 
 _GROUPED: dict[tuple, object] = {}

@@ -75,7 +75,7 @@ def test_expert_shapes_equal_the_reference(name, n_in, n_out):
 
 
 ROWDOT_TYPES = ["Q8_0", "Q4_0", "Q5_0", "IQ4_NL"]
-# Q2_0's 64-element blocks go in act-block pairs: 2 blocks (an 8-block tail group of 4), 10 (the
+# Q2_0's 64-element blocks go in act-block pairs: 2 blocks (a 4-block tail group of 2), 10 (the
 # expert down projections' 640: a whole group and a tail of 4), 12 (16 + 8), 18 (two groups and 4),
 # 40 (whole groups only)
 Q2_SIZES = [128, 640, 768, 1152, 2560]
@@ -97,13 +97,14 @@ def _need_iq(*names):
 
 
 @pytest.mark.parametrize("parallel", [False, True], ids=["serial", "parallel"])
-@pytest.mark.parametrize("name,n_in", [(n, k) for n in ROWDOT_TYPES for k in (320, 544, 768, 2560)] + [("Q2_0", k) for k in Q2_SIZES],
+@pytest.mark.parametrize("name,n_in", [(n, k) for n in ROWDOT_TYPES for k in (320, 544, 640, 704, 768, 2560)] + [("Q2_0", k) for k in Q2_SIZES],
                          ids=lambda v: v if isinstance(v, str) else f"{v // 32}-blocks")
 def test_token_kernel_equals_the_general_kernel_and_the_reference(name, n_in, parallel):
     # rowdot.py's one-token kernel (the LM head, hyper-connections, GDN projections) reads the
     # blocks in place: its 16-block groups meet a tail of 9-15 (10 blocks), an 8-block tail group
-    # (17 = 16 + 1, 24 = 16 + 8) and whole groups only (80, the head's rows), on the calling
-    # thread and over the pool (uneven chunks: 37 rows)
+    # (22 = 16 + 6, 24 = 16 + 8), a 4-block one (17 = 16 + 1, 20 = 16 + 4: the expert downs' rows
+    # of 640) and whole groups only (80, the head's rows), on the calling thread and over the pool
+    # (uneven chunks: 37 rows)
     rowdot = _need_rowdot()
     t = BY_NAME[name]
     raw = random_weights(t, n_in * 37, np.random.default_rng(n_in + t.id))
@@ -529,9 +530,9 @@ from strata.engine.kernels.actq import quantize_act
 from strata.index_format.ggml_types import BY_NAME
 act = quantize_act(np.linspace(-1, 1, 512, dtype=np.float32))
 ps = [(random_weights(BY_NAME[n], 512 * 3, np.random.default_rng(i)), BY_NAME[n].id, 512, 3, np.empty(3, np.float32))
-      for i, n in enumerate(("Q4_K", "Q8_0"))]
+      for i, n in enumerate({names!r})]
 cpu.matvec_many(ps, act)
-k = rowdot._MANY[("Q4_K", "Q8_0"), (False, False), False]
+k = rowdot._MANY[{names!r}, (False, False), False]
 print(sum(k.stats.cache_hits.values()), sum(k.stats.cache_misses.values()))
 """
 
@@ -542,13 +543,33 @@ def test_the_one_region_kernel_loads_from_the_disk_cache_in_a_new_process(tmp_pa
     # first decode step of every start after the first)
     _need_rowdot()
     env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path))
-    code = _MANY_CACHE_CHECK.format(tests=str(Path(__file__).resolve().parents[1]))
+    code = _MANY_CACHE_CHECK.format(tests=str(Path(__file__).resolve().parents[1]), names=("Q4_K", "Q8_0"))
     runs = []
     for _ in range(2):
         res = subprocess.run([sys.executable, "-P", "-c", code], env=env, capture_output=True, text=True, timeout=600)
         assert res.returncode == 0, res.stderr[-3000:]
         runs.append(res.stdout.split())
     assert runs == [["0", "1"], ["1", "0"]], f"(cache hits, compilations) of the two processes: {runs}"
+
+
+def test_a_kernel_switch_setting_never_loads_the_other_settings_machine_code(tmp_path):
+    # the disk cache keys an entry by the kernels' source files, not by the environment: a region of
+    # Q4_K and Q2_0 rows compiled with STRATA_ROWDOT_K_HADD=0 (or Q2_SHUFFLE=0, or another
+    # PREFETCH) must compile its own code, not load the default's (rowdot._tag), else a comparison
+    # run measures the same machine code twice
+    rowdot = _need_rowdot()
+    if not rowdot.AVX2:
+        pytest.skip("the switches change the code on AVX2 hosts only (without AVX512-VNNI)")
+    env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path))
+    for k in ("STRATA_ROWDOT_K_HADD", "STRATA_ROWDOT_Q2_SHUFFLE", "STRATA_ROWDOT_PREFETCH"):
+        env.pop(k, None)
+    code = _MANY_CACHE_CHECK.format(tests=str(Path(__file__).resolve().parents[1]), names=("Q4_K", "Q2_0"))
+    runs = []
+    for extra in ({}, {}, {"STRATA_ROWDOT_K_HADD": "0"}, {"STRATA_ROWDOT_Q2_SHUFFLE": "0"}, {"STRATA_ROWDOT_PREFETCH": "0"}):
+        res = subprocess.run([sys.executable, "-P", "-c", code], env=dict(env, **extra), capture_output=True, text=True, timeout=600)
+        assert res.returncode == 0, res.stderr[-3000:]
+        runs.append(res.stdout.split())
+    assert runs == [["0", "1"], ["1", "0"], ["0", "1"], ["0", "1"], ["0", "1"]], f"(cache hits, compilations) of the five processes: {runs}"
 
 
 def test_kernels_load_from_the_disk_cache_in_a_new_process(tmp_path):
