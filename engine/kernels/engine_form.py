@@ -14,6 +14,8 @@ Budgets read `widened_bytes` (what widening adds), never an assumed 4 bytes per 
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 from strata.index_format.ggml_types import GGMLType, ggml_type
@@ -56,7 +58,7 @@ def widen(raw: np.ndarray, type_id: int, name: str | None = None, scales: np.nda
     # and that rate is what streaming an expert to the device for a prompt chunk costs
     # (engine/tier/staging.py: the H200's host widened seed-4l's experts at 0.71 GB/s, so a chunk
     # streamed only the experts routed 316+ of its tokens, none of a 256-token chunk's).
-    runs, fields = _RUNS.get(t.id) or _RUNS.setdefault(t.id, _runs(t))
+    runs, fields = _runs(t.id)
     at = 0
     for first, n in runs:
         np.copyto(rest[:, at : at + n], blocks[:, first : first + n])
@@ -81,12 +83,11 @@ def _plane(out: np.ndarray, dtype, rows: int, cols: int, t: GGMLType, name: str 
     return out.reshape(rows, cols)
 
 
-_RUNS: dict[int, tuple[list, list]] = {}  # type id -> `_runs`
-
-
-def _runs(t: GGMLType) -> tuple[list, list]:
+@functools.cache
+def _runs(type_id: int) -> tuple[list, list]:
     """([(first byte, length)] of the rest's runs of columns in block order, the fp16 fields
-    [(byte offset, halves)])."""
+    [(byte offset, halves)]) of a type, worked out once."""
+    t = ggml_type(type_id)
     cols = _rest_columns(t)
     breaks = np.flatnonzero(np.diff(cols) != 1) + 1
     runs = [(int(r[0]), int(r.size)) for r in np.split(cols, breaks)] if cols.size else []
