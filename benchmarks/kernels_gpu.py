@@ -17,8 +17,10 @@ head shape. Weights are random bytes and scales (timing does not depend on the v
 
 --matmul adds a prompt chunk's dense projection: `gpu.matmul` of MATMUL_TOKENS tokens through one
 MATMUL (n_in, n_out) weight, microseconds per product (all its launches) and tokens per second,
-for a block type on both batched kernels: mm (__dp4a, a warp per row) and mmq (the int8 tensor
-cores), whichever gpu.MMA_TYPES says a run takes (STRATA_MMA; gpu.MMAX_TYPES, STRATA_MMAX, for the grouped ones); "mmq/mm" < 1: mmq is faster.
+for a block type on each batched kernel: mm (__dp4a, a warp per row), mmq and mmt (the int8 tensor
+cores; mmt in block tiles), whichever gpu.MMA_TYPES / MMT_TYPES say a run takes (STRATA_MMA,
+STRATA_MMT; gpu.MMAX_TYPES, STRATA_MMAX, for the grouped ones); "mmq/mm", "mmt/mm" < 1: faster than
+mm; "same bits": the three outputs bit for bit.
 --grouped adds a prompt chunk's routed experts: one `gpu.grouped_products` launch over
 GROUPED_EXPERTS distinct experts of the gate/up shape (and of the down shape, rounded up to whole
 blocks) at each GROUPED_PAIRS range of pairs an expert (seeded: 5-20, a 256-token prompt's ~5 a
@@ -179,10 +181,12 @@ class Bench:
         sec, graphed = self.per_call(calls)
         return sec, ws[0].nbytes, graphed
 
-    def kernels(self, mma: bool) -> None:
-        """The batched kernel of the next launches: mmq / mmqx for every block type, or mm / mmx."""
+    def kernels(self, mma: bool, tiled: bool = False) -> None:
+        """The batched kernel of the next launches: mmq / mmqx for every block type (tiled: mmt for the
+        dense ones), or mm / mmx."""
         gpu = self.gpu
         gpu.MMA_TYPES = gpu.MMAX_TYPES = gpu._mma_types("all" if mma else "none", frozenset())
+        gpu.MMT_TYPES = gpu._mma_types("all" if tiled else "none", frozenset())
         gpu.MMQW_TYPES = gpu.MMQK_TYPES = gpu.SHAPE_TYPES = frozenset()
         gpu._plans.clear()  # the launch plans name the kernel
 
@@ -211,14 +215,15 @@ class Bench:
                                                                   pairs=float(np.mean(counts)))] * 4)
         return sec, graphed, out.view(cp.uint32).copy()
 
-    def matmul_rate(self, t, n_in: int, n_out: int, n_tok: int) -> tuple[float, bool]:
-        """(seconds per matmul of n_tok tokens, graph used) on one weight (a prompt chunk's
+    def matmul_rate(self, t, n_in: int, n_out: int, n_tok: int) -> tuple[float, bool, object]:
+        """(seconds per matmul of n_tok tokens, graph used, the output's bits) on one weight (a prompt chunk's
         projection: its weight stays in the L2 across the launches, as the engine meets it)."""
         w = self.weight(t, n_in, n_out, 7)
         x = self.cp.asarray(np.random.default_rng(0).standard_normal((n_tok, n_in)).astype(np.float32))
         a = self.gpu.quantize_act_gpu(x) if t.quantized else x
         out = self.cp.empty((n_tok, n_out), self.cp.float32)
-        return self.per_call([lambda: self.gpu.matmul(w, a, out)] * 4)
+        sec, graphed = self.per_call([lambda: self.gpu.matmul(w, a, out)] * 4)
+        return sec, graphed, out.view(self.cp.uint32).copy()
 
     def few_rows(self, few: bool) -> None:
         """The kernel of the next few-row products: mvf up to 8 rows, or none (mmq for every block type)."""
@@ -315,14 +320,22 @@ def main(argv: list[str] | None = None) -> int:
                 graphed_all &= graphed
                 row += [f"{esec * 1e6:.1f}", f"{100 * ebytes / esec / bw:.0f}%"]
         if args.matmul:
-            both = []
-            for mma in (False, True) if t.quantized else (False,):
-                b.kernels(mma)
-                msec, graphed = b.matmul_rate(t, *MATMUL, MATMUL_TOKENS)
+            both, bits = [], []
+            for mma, tiled in ((False, False), (True, False), (True, True)) if t.quantized else ((False, False),):
+                b.kernels(mma, tiled)
+                msec, graphed, out = b.matmul_rate(t, *MATMUL, MATMUL_TOKENS)
                 graphed_all &= graphed
                 both.append(msec)
+                bits.append(out)
             row += [f"{both[0] * 1e6:.0f}", f"{MATMUL_TOKENS / both[0]:.0f}"]
-            row += [f"{both[1] * 1e6:.0f}", f"{both[1] / both[0]:.2f}"] if t.quantized else ["-", "-"]
+            if t.quantized:
+                same = all(bool(b.cp.array_equal(bits[0], o)) for o in bits[1:])
+                if not same:
+                    different.append(f"{name} dense {MATMUL[1]}x{MATMUL[0]}")
+                row += [f"{both[1] * 1e6:.0f}", f"{both[1] / both[0]:.2f}", f"{both[2] * 1e6:.0f}", f"{both[2] / both[0]:.2f}",
+                        "yes" if same else "NO"]
+            else:
+                row += ["-"] * 5
         if args.grouped:
             for counts in pair_counts:
                 for shape, (n_in, n_out) in EXPERTS.items():
@@ -350,7 +363,7 @@ def main(argv: list[str] | None = None) -> int:
                 both = []
                 for few in (True, False):
                     b.few_rows(few)
-                    fsec, graphed = b.matmul_rate(t, *FEW, n_tok)
+                    fsec, graphed, _ = b.matmul_rate(t, *FEW, n_tok)
                     graphed_all &= graphed
                     both.append(fsec)
                 row += [f"{both[0] * 1e6:.1f}", f"{both[1] * 1e6:.1f}"]
@@ -362,7 +375,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.no_matvec:
         headers += ["head MiB", "head us", "head GB/s", "head % read", "gate/up us", "% read", "down us", "% read"]
     if args.matmul:
-        headers += [f"mm {MATMUL_TOKENS}x{MATMUL[1]}x{MATMUL[0]} us", "tok/s", "mmq us", "mmq/mm"]
+        headers += [f"mm {MATMUL_TOKENS}x{MATMUL[1]}x{MATMUL[0]} us", "tok/s", "mmq us", "mmq/mm", "mmt us", "mmt/mm", "same bits"]
     if args.grouped:
         for lo, hi in GROUPED_PAIRS:
             for what, (n_in, n_out) in EXPERTS.items():
@@ -376,7 +389,7 @@ def main(argv: list[str] | None = None) -> int:
         f"summary: head {HEAD[1]}x{HEAD[0]} matvec: {len(rows) - len(misses)}/{len(rows)} types >= {TARGET:.0%} of the "
         f"{bw / 1e9:.0f} GB/s streaming read" + (f"; below: {', '.join(misses)}" if misses else "")))
     if different:
-        summary += f"; grouped kernels gave DIFFERENT BITS: {', '.join(different)}"
+        summary += f"; the kernels gave DIFFERENT BITS: {', '.join(different)}"
     summary += (
         ("" if graphed_all else " (times include Python launch overhead: no CUDA graph capture)")
         + f" [{time.perf_counter() - t0:.0f} s]"

@@ -38,9 +38,11 @@ SOURCE = Path(__file__).with_name("gpu_kernels.cu")
 # --fmad=false: no FMA contraction (a fused a*b+c rounds differently). The kernels' f32 operations
 # are inline PTX anyway, which no flag changes: CuPy appends -ftz=true to every compile.
 OPTIONS = ("--std=c++17", "--fmad=false")
-for _knob in ("STRATA_MV_STEP", "STRATA_MQ_WARPS", "STRATA_MQ_MINB", "STRATA_MQW_WARPS", "STRATA_MQW_UNROLL", "STRATA_MQK_NT", "STRATA_MQK_MINB"):  # a benchmark's knobs (gpu_kernels.cu):
+for _knob in ("STRATA_MV_STEP", "STRATA_MQ_WARPS", "STRATA_MQ_MINB", "STRATA_MQW_WARPS", "STRATA_MQW_UNROLL", "STRATA_MQK_NT", "STRATA_MQK_MINB",
+              "STRATA_MT_WR", "STRATA_MT_WC"):  # a benchmark's knobs (gpu_kernels.cu):
     if os.environ.get(_knob):  # the matvec's staged bytes per warp step; mmq's warps and blocks per multiprocessor;
-        # mmqw's warps and decode entries in flight; mmqk's n-tiles over one decode and blocks per multiprocessor
+        # mmqw's warps and decode entries in flight; mmqk's n-tiles over one decode and blocks per multiprocessor;
+        # mmt's warps along the rows and along the tokens
         OPTIONS += (f"-D{_knob}={int(os.environ[_knob])}",)
 KPLS = (1, 2, 3, 4, 6, 8)  # act-blocks per lane the matvec kernel holds: rows up to 8192 elements
 MAX_TOKENS = 64  # tokens per matmul pass (shared-memory accumulators); more are done in groups
@@ -120,6 +122,12 @@ GROUPED_MMQX_PAIRS = float(os.environ.get("STRATA_GROUPED_MMQX_PAIRS", "40"))
 # Warps of an mmqx block (at most the compiled STRATA_MQ_WARPS): a grouped tile has 5-20 pairs where
 # a prompt's dense product has 64 a launch, so the card may prefer fewer (a benchmark's knob).
 MMQX_WARPS = int(os.environ.get("STRATA_MQX_WARPS", "4"))
+# The block types whose chunk products (gpu.matmul) take mmt, the tiled form, in place of mmq (both
+# mm's bits: gpu_kernels.cu says how and why). STRATA_MMT (the same forms as STRATA_MMAX); mmt's block
+# tile is MT_ROWS = 32 MT_WR rows x MT_TOKS = 16 MT_WC tokens (STRATA_MT_WR / STRATA_MT_WC, compiled in).
+MMT_TYPES = _mma_types(os.environ.get("STRATA_MMT"), _EVERY, "STRATA_MMT")
+MT_WR, MT_WC = int(os.environ.get("STRATA_MT_WR", "2")), int(os.environ.get("STRATA_MT_WC", "2"))
+MT_ROWS, MT_TOKS = 32 * MT_WR, 16 * MT_WC
 _HAS_MIN = {"Q4_1", "Q5_1", "Q2_K", "Q4_K", "Q5_K"}  # docs/kernels.md: the types with a min term
 
 
@@ -360,13 +368,14 @@ class _Module:
     mq_warps: int = 4  # most warps of an mmq block (STRATA_MQ_WARPS): its item is 16 rows x 8 warps tokens
     mqw_warps: int = 1  # warps of an mmqw block (STRATA_MQW_WARPS), each with its own decoded image (mq_smem)
     mqk_smem: int = 0  # shared bytes of an mmqk block (its image, or its fold scratch over it), the grid copy aside
+    mt_smem: int = 0  # shared bytes of an mmt block (its staged rows and tokens), the grid copy aside
 
 
 def _names(t: GGMLType) -> list[str]:
     if t.quantized:
         wide = [f"mv<{t.id}, {k}, 1>" for k in KPLS] if is_wide(t) else []
         grouped = [f"mvx<{t.id}, {k}>" for k in KPLS] + [f"mvm<{t.id}, {k}>" for k in KPLS]
-        batched = [f"mvf<{t.id}>", f"mm<{t.id}>", f"mmx<{t.id}>", f"mmq<{t.id}>", f"mmqx<{t.id}>", f"mmqw<{t.id}>", f"mmqk<{t.id}>"]
+        batched = [f"mvf<{t.id}>", f"mm<{t.id}>", f"mmx<{t.id}>", f"mmq<{t.id}>", f"mmqx<{t.id}>", f"mmqw<{t.id}>", f"mmqk<{t.id}>", f"mmt<{t.id}>"]
         return [f"mv<{t.id}, {k}>" for k in KPLS] + wide + grouped + batched + [f"traits<{t.id}>"]
     kind = _FLOAT_KIND[t.name]
     return [f"fmv<{kind}>", f"fmvm<{kind}>", f"fmm<{kind}>"] + [f"fmt<{kind}, {r}, {c}>" for r in FMT_SIDES for c in FMT_SIDES]
@@ -391,7 +400,7 @@ def _module(key: str) -> _Module:
             _check_tables()
             for sym, table in _TABLES.items():
                 rt.set_global(m.mod, sym, table)
-            m.apb, m.tab, m.mm_buf, m.mv_rows, m.mv_buf, m.mq_smem, m.mq_warps, m.mqw_warps, m.mqk_smem = _traits(rt, m.mod, t)
+            m.apb, m.tab, m.mm_buf, m.mv_rows, m.mv_buf, m.mq_smem, m.mq_warps, m.mqw_warps, m.mqk_smem, m.mt_smem = _traits(rt, m.mod, t)
     _modules[key] = m
     return m
 
@@ -399,7 +408,7 @@ def _module(key: str) -> _Module:
 def _traits(rt, mod, t: GGMLType) -> tuple:
     """The kernel's own layout constants, held to the GGML type table (a drift is refused here,
     not discovered as wrong outputs), and its shared-memory sizes."""
-    out = rt.empty(26, np.int32)
+    out = rt.empty(27, np.int32)
     rt.launch(mod, f"traits<{t.id}>", 1, 32, (out,))
     v = [int(x) for x in rt.to_host(out)]
     want = (t.block_size // QA, t.rest_bytes, t.n_scales, t.name in _HAS_MIN)
@@ -408,7 +417,7 @@ def _traits(rt, mod, t: GGMLType) -> tuple:
             f"gpu_kernels.cu: {t.name} has (act-blocks, rest bytes, scales, min term) per block = "
             f"{tuple(v[:3]) + (bool(v[3]),)}, the GGML type table and reference.py say {want}"
         )
-    return v[0], v[4], v[5], tuple(v[6:22:2]), tuple(v[7:22:2]), v[22], v[23], v[24], v[25]
+    return v[0], v[4], v[5], tuple(v[6:22:2]), tuple(v[7:22:2]), v[22], v[23], v[24], v[25], v[26]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -707,8 +716,9 @@ def _planned(make):
 
 @_planned
 def _quant_plan(type_id: int, n_in: int, n_out: int, n_tok: int) -> tuple:
-    """matvec's and matmul's launch (mmq for MMA_TYPES)."""
-    return _quant_launch(type_id, n_in, n_out, n_tok, ggml_type(type_id).name in MMA_TYPES)
+    """matvec's and matmul's launch (the tensor cores for MMA_TYPES: mmt for MMT_TYPES, else mmq)."""
+    name = ggml_type(type_id).name
+    return _quant_launch(type_id, n_in, n_out, n_tok, name in MMA_TYPES, tiled=name in MMT_TYPES)
 
 
 def grouped_kernel(type_id: int, down: bool = False, pairs: float = 0.0) -> str:
@@ -758,7 +768,7 @@ def _grouped_make(type_id: int, n_in: int, n_out: int, n_tok: int, kind: str) ->
     return mod, f"mmx<{type_id}>", grid, block, smem, extra
 
 
-def _quant_launch(type_id: int, n_in: int, n_out: int, n_tok: int, mma: bool) -> tuple:
+def _quant_launch(type_id: int, n_in: int, n_out: int, n_tok: int, mma: bool, tiled: bool = False) -> tuple:
     t = ggml_type(type_id)
     rt, m = runtime(), _module(t.name)
     nb = n_in // QA
@@ -777,6 +787,10 @@ def _quant_launch(type_id: int, n_in: int, n_out: int, n_tok: int, mma: bool) ->
     if 0 < n_tok <= MVF_TOKENS and (n_tok > 1 or nb > 32 * KPLS[-1]):  # few rows, or one mv cannot hold: a warp a row
         nw = _warps(0, n_out, rt.n_sm, fixed_smem=tab)
         return m.mod, f"mvf<{type_id}>", _grid(rt, n_out, nw, per_sm), 32 * nw, tab, (np.int32(n_tok), np.int32(tab > 0))
+    if mma and tiled:  # the int8 tensor cores in block tiles of MT_ROWS x MT_TOKS (the grid copy left out if both would not fit)
+        tab = tab if tab + m.mt_smem <= SMEM_LIMIT else 0
+        items = -(-n_out // MT_ROWS) * -(-n_tok // MT_TOKS)
+        return m.mod, f"mmt<{type_id}>", _grid(rt, items, 1, 16), 32 * MT_WR * MT_WC, tab + m.mt_smem, (np.int32(n_tok), np.int32(tab > 0))
     if mma:  # the int8 tensor cores: a block's item is 16 rows x 8 nw tokens
         nw = max(1, min(m.mq_warps, -(-n_tok // 8)))
         items = -(-n_out // 16) * -(-n_tok // (8 * nw))

@@ -1451,6 +1451,195 @@ __global__ void __launch_bounds__(32 * MQK_WARPS, STRATA_MQK_MINB) mmqk(const i6
     mqk_body<T>(tl.rest, tl.scales, xq, xd, xs, tl.xrow, tl.x0, tl.orow, tl.o0, out, n_out, nb, tl.n, shared_tab, blockIdx.x % per, per);
 }
 
+// ---------------------------------------------------------------------------------------------
+// mmt: a chunk's dense product on the int8 tensor cores in block tiles of MT_ROWS rows x MT_TOKS
+// tokens (warp tiles of 32 x 16), mm's bits. Why not mmq: its warp held 32 partials for each of its
+// 4 outputs (mm's lanes: partial l sums act-blocks l, l + 32, ... before fold's tree), so a warp's
+// item stayed 16 rows x 8 tokens, the block's decoded rows served 32 tokens, and its activations
+// came from global memory at every mma (the H200, 2026-12-03: Q5_0 2560 x 10240 at 256 tokens
+// ran 0.9 ms, ~15 int8 TOP/s). Here the act-blocks are taken leaf by leaf in the order of fold's
+// tree: leaf i = 0 .. 31 is partial l = bitrev5(i) (its act-blocks l + 32 c, c ascending, from
+// +0.0f), and a finished leaf is folded at once into a stack of pending subtrees (r[h]: the left
+// subtree of height h still waiting for its right one), like a binary counter. The post-order of
+// fold's tree is that leaf order, so the additions are the tree's, with the same operands: mm's
+// bits, with 6 floats an output where there were 32 (the order is tested against reference.fold_lanes).
+// A block stages MT_KS entries (leaf-major, c minor: entry s is leaf s / nchunk, chunk s % nchunk)
+// at a time: the rows decoded into shared memory (q words, mq_pack scales) and the tokens' ActQ
+// words with (d, s0, s1); its warps then run the mma and the scaled<T> terms over them.
+//   xq i8 [T, nb * 32]; xd f32 [T, nb]; xs i32 [T, 2 nb]; out f32 [T, n_out]
+#ifndef STRATA_MT_WR
+#define STRATA_MT_WR 2  // warps along the rows (32 rows each): a benchmark's knob
+#endif
+#ifndef STRATA_MT_WC
+#define STRATA_MT_WC 2  // warps along the tokens (16 tokens each): a benchmark's knob
+#endif
+#define MT_KS 8                       // entries (act-blocks) a block stages at a time
+#define MT_ROWS (32 * STRATA_MT_WR)
+#define MT_TOKS (16 * STRATA_MT_WC)
+#define MT_RS (8 * MT_KS + 4)         // words a staged row / token: + 4 so a fragment load's 8 rows fall in distinct banks
+#define MT_SS (MT_KS + 1)             // uint4 a staged row's / token's scales: + 1 for the same reason
+#define MT_THREADS (32 * STRATA_MT_WR * STRATA_MT_WC)
+
+template <int T>
+struct Mt {
+    static __host__ __device__ constexpr int bytes() { return (MT_ROWS + MT_TOKS) * (MT_RS * 4 + MT_SS * 16); }
+};
+
+// leaf i's act-block of chunk c: l = bitrev5(i)
+__device__ __forceinline__ int mt_k(int i, int c) {
+    const int l = ((i & 1) << 4) | ((i & 2) << 2) | (i & 4) | ((i & 8) >> 2) | ((i & 16) >> 4);
+    return 32 * c + l;
+}
+
+// leaf i's partial p (then +0.0f again) into the stack of pending subtrees r[0..4]; after leaf 31
+// r[4] holds fold's result
+template <int N>
+__device__ __forceinline__ void mt_push(float (&p)[N], float (&r)[N][5], int i) {
+#pragma unroll
+    for (int o = 0; o < N; o++) {
+        float v = p[o];
+        p[o] = 0.0f;
+        if (!(i & 1)) {
+            r[o][0] = v;
+            continue;
+        }
+        v = f32_add(r[o][0], v);
+        if (!(i & 2)) {
+            r[o][1] = v;
+            continue;
+        }
+        v = f32_add(r[o][1], v);
+        if (!(i & 4)) {
+            r[o][2] = v;
+            continue;
+        }
+        v = f32_add(r[o][2], v);
+        if (!(i & 8)) {
+            r[o][3] = v;
+            continue;
+        }
+        v = f32_add(r[o][3], v);
+        r[o][4] = (i & 16) ? f32_add(r[o][4], v) : v;
+    }
+}
+
+template <int T>
+__device__ __forceinline__ void mt_body(const u8* __restrict__ rest, const float* __restrict__ scales,
+                                        const i8* __restrict__ xq, const float* __restrict__ xd,
+                                        const i32* __restrict__ xs, float* __restrict__ out, int n_out, int nb,
+                                        int ntok, int shared_tab, int bx, int gx) {
+    typedef Ty<T> L;
+    constexpr bool S16 = L::HAS_MIN || L::OFF != 0;
+    STRATA_SMEM(smem);
+    const typename L::Tab* tab = load_tab<T>(smem, shared_tab);
+    u32* const aq = reinterpret_cast<u32*>(smem + (shared_tab ? Buf<T>::tab() : 0));  // [MT_ROWS][MT_RS]
+    u32* const bq = aq + MT_ROWS * MT_RS;                                                // [MT_TOKS][MT_RS]
+    uint4* const asc = reinterpret_cast<uint4*>(bq + MT_TOKS * MT_RS);                   // [MT_ROWS][MT_SS]: mq_pack
+    uint4* const bsc = asc + MT_ROWS * MT_SS;                                            // [MT_TOKS][MT_SS]: d, s0, s1
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, q = lane & 3;
+    const int wr = warp % STRATA_MT_WR, wc = warp / STRATA_MT_WR;
+    const int nchunk = (nb + 31) / 32, steps = 32 * nchunk / MT_KS, nblk = nb / L::APB;
+    const int groups = (n_out + MT_ROWS - 1) / MT_ROWS;
+    const i64 items = (i64)groups * ((ntok + MT_TOKS - 1) / MT_TOKS);
+
+    for (i64 it = bx; it < items; it += gx) {  // the same for every thread of the block
+        const int ob = (int)(it % groups) * MT_ROWS, tb = (int)(it / groups) * MT_TOKS;
+        float p[16], r[16][5];  // output 8 mt + 4 nt + i: m-tile mt, n-tile nt, the mma's slot i
+#pragma unroll
+        for (int o = 0; o < 16; o++) p[o] = 0.0f;
+        for (int st = 0; st < steps; st++) {
+            __syncthreads();  // every warp is done with the step before
+            // (a constant trip count, unrolled: a thread's entries' loads are in flight together)
+#pragma unroll
+            for (int i = threadIdx.x; i < MT_ROWS * MT_KS; i += MT_THREADS) {
+                const int rr = i / MT_KS, e = i % MT_KS, s = st * MT_KS + e, o = ob + rr;
+                const int k = mt_k(s / nchunk, s % nchunk);
+                uint4* dst = reinterpret_cast<uint4*>(STRATA_ALIGNED(aq + rr * MT_RS + 8 * e, 16));
+                if (o < n_out && k < nb) {
+                    const i64 blk = (i64)o * nblk + k / L::APB;
+                    const Blk b = L::dec(rest + blk * L::REST, k % L::APB, scales + blk * L::NS, tab);
+                    dst[0] = make_uint4(b.q[0], b.q[1], b.q[2], b.q[3]);
+                    dst[1] = make_uint4(b.q[4], b.q[5], b.q[6], b.q[7]);
+                    asc[rr * MT_SS + e] = mq_pack(b);
+                } else {
+                    dst[0] = dst[1] = make_uint4(0u, 0u, 0u, 0u);
+                    asc[rr * MT_SS + e] = make_uint4(0u, 0u, 0u, 0u);
+                }
+            }
+#pragma unroll
+            for (int i = threadIdx.x; i < MT_TOKS * MT_KS; i += MT_THREADS) {
+                const int tt = i / MT_KS, e = i % MT_KS, s = st * MT_KS + e;
+                const int k = mt_k(s / nchunk, s % nchunk);
+                if (k < nb) {  // (an entry past nb is never read)
+                    const i64 at = (i64)min(tb + tt, ntok - 1) * nb + k;  // a token past the edge: the last, never written
+                    const uint4* src = reinterpret_cast<const uint4*>(STRATA_ALIGNED(xq + 32 * at, 16));
+                    uint4* dst = reinterpret_cast<uint4*>(STRATA_ALIGNED(bq + tt * MT_RS + 8 * e, 16));
+                    dst[0] = __ldg(src);
+                    dst[1] = __ldg(src + 1);
+                    bsc[tt * MT_SS + e] = make_uint4(__float_as_uint(__ldg(xd + at)), S16 ? (u32)__ldg(xs + 2 * at) : 0u,
+                                                     S16 ? (u32)__ldg(xs + 2 * at + 1) : 0u, 0u);
+                }
+            }
+            __syncthreads();
+#pragma unroll
+            for (int e = 0; e < MT_KS; e++) {
+                const int s = st * MT_KS + e, leaf = s / nchunk, c = s - leaf * nchunk, k = mt_k(leaf, c);
+                if (k < nb) {  // the same for every thread
+                    int lo[2][2][4], hi[2][2][4];
+#pragma unroll
+                    for (int mt = 0; mt < 2; mt++) {
+                        const u32* a = aq + (32 * wr + 16 * mt + g) * MT_RS + 8 * e + q;
+#pragma unroll
+                        for (int nt = 0; nt < 2; nt++) {
+                            const u32* b = bq + (16 * wc + 8 * nt + g) * MT_RS + 8 * e + q;
+                            mma_s8(a[0], a[8 * MT_RS], b[0], lo[mt][nt]);
+                            mma_s8(a[4], a[8 * MT_RS + 4], b[4], hi[mt][nt]);
+                        }
+                    }
+                    uint4 rs[2][2], ts[2][2];  // rows 32 wr + 16 mt + g + 8 h; tokens 16 wc + 8 nt + 2 q + j
+#pragma unroll
+                    for (int h = 0; h < 2; h++) {
+                        rs[h][0] = asc[(32 * wr + 8 * h + g) * MT_SS + e];
+                        rs[h][1] = asc[(32 * wr + 16 + 8 * h + g) * MT_SS + e];
+                        ts[h][0] = bsc[(16 * wc + 2 * q + h) * MT_SS + e];
+                        ts[h][1] = bsc[(16 * wc + 8 + 2 * q + h) * MT_SS + e];
+                    }
+#pragma unroll
+                    for (int mt = 0; mt < 2; mt++)
+#pragma unroll
+                        for (int nt = 0; nt < 2; nt++)
+#pragma unroll
+                            for (int i = 0; i < 4; i++) {
+                                const uint4 v = rs[i >> 1][mt], x = ts[i & 1][nt];
+                                const float cv = scaled<T>(lo[mt][nt][i], hi[mt][nt][i], lo16(v.x), hi16(v.x), lo16(v.z), hi16(v.z),
+                                                           __uint_as_float(v.y), __uint_as_float(v.w), __uint_as_float(x.x),
+                                                           (int)x.y, (int)x.z);
+                                p[8 * mt + 4 * nt + i] = f32_add(p[8 * mt + 4 * nt + i], cv);
+                            }
+                }
+                if (c == nchunk - 1) mt_push(p, r, leaf);
+            }
+        }
+#pragma unroll
+        for (int mt = 0; mt < 2; mt++)
+#pragma unroll
+            for (int nt = 0; nt < 2; nt++)
+#pragma unroll
+                for (int i = 0; i < 4; i++) {
+                    const int o = ob + 32 * wr + 16 * mt + g + 8 * (i >> 1), t = tb + 16 * wc + 8 * nt + 2 * q + (i & 1);
+                    if (o < n_out && t < ntok) out[(i64)t * n_out + o] = r[8 * mt + 4 * nt + i][4];
+                }
+    }
+}
+
+template <int T>
+__global__ void __launch_bounds__(MT_THREADS) mmt(const u8* __restrict__ rest, const float* __restrict__ scales,
+                                                                      const i8* __restrict__ xq, const float* __restrict__ xd,
+                                                                      const i32* __restrict__ xs, float* __restrict__ out, int n_out,
+                                                                      int nb, int ntok, int shared_tab) {
+    mt_body<T>(rest, scales, xq, xd, xs, out, n_out, nb, ntok, shared_tab, blockIdx.x, gridDim.x);
+}
+
 // The fragment layout of mma_s8 as mq_body uses it, against a plain integer product (the tests):
 //   A i8 [16, 16] row-major; Bt i8 [8, 16] (B's columns); D i32 [16, 8]; one warp
 __global__ void mma_probe(const i8* __restrict__ A, const i8* __restrict__ Bt, int* __restrict__ D) {
@@ -1464,7 +1653,8 @@ __global__ void mma_probe(const i8* __restrict__ A, const i8* __restrict__ Bt, i
 
 // What gpu.py checks against index_format.ggml_types (the one table) and sizes launches by:
 // [APB, REST, NS, HAS_MIN, table bytes, mm buffer bytes, then for KPL = 1 .. 8: rows per mv
-// step, mv buffer bytes, then mmq's shared bytes (the grid copy aside) and most warps].
+// step, mv buffer bytes, then mmq's shared bytes (the grid copy aside) and most warps, mmqw's warps,
+// mmqk's and mmt's shared bytes].
 template <int KPL, int T>
 __device__ void mv_traits(int* out) {
     out[4 + 2 * KPL] = MvRows<T, KPL>::N;
@@ -1493,6 +1683,7 @@ __global__ void traits(int* out) {
         out[23] = STRATA_MQ_WARPS;
         out[24] = STRATA_MQW_WARPS;
         out[25] = Mqk<T>::bytes();
+        out[26] = Mt<T>::bytes();
     }
 }
 

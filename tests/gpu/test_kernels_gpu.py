@@ -232,7 +232,8 @@ def test_matvec_many_refuses_what_one_launch_cannot_hold(rt):
 
 
 # ---------------------------------------------------------------------------------------------
-# the batched products on the int8 tensor cores (mmq: gpu.MMA_TYPES) and on __dp4a (mm)
+# the batched products on the int8 tensor cores (mmt, or mmq where gpu.MMT_TYPES leaves a type out:
+# gpu.MMA_TYPES) and on __dp4a (mm)
 
 
 def test_mma_fragment_layout_is_a_plain_integer_product(rt):
@@ -253,12 +254,13 @@ def test_mma_fragment_layout_is_a_plain_integer_product(rt):
     assert len(bad) == 0, f"{len(bad)} of 128 sums differ, first D{tuple(bad[0])}: {got[tuple(bad[0])]} vs {want[tuple(bad[0])]}"
 
 
-@pytest.fixture(params=["mm", "mmq"])
+@pytest.fixture(params=["mm", "mmq", "mmt"])
 def batched_kernel(request, monkeypatch):
     """Which kernel gpu.matmul's batched launches take for every block type (the launch plans are
     dropped, so they are made again for it)."""
-    kinds = frozenset(t.name for t in TYPES if t.quantized) if request.param == "mmq" else frozenset()
-    monkeypatch.setattr(gpu, "MMA_TYPES", kinds)
+    every = frozenset(t.name for t in TYPES if t.quantized)
+    monkeypatch.setattr(gpu, "MMA_TYPES", every if request.param != "mm" else frozenset())
+    monkeypatch.setattr(gpu, "MMT_TYPES", every if request.param == "mmt" else frozenset())
     monkeypatch.setattr(gpu, "_plans", {})  # launch plans made for this choice, dropped after
     return request.param
 
@@ -266,7 +268,9 @@ def batched_kernel(request, monkeypatch):
 # mmq's item is 16 rows x 8 nw tokens and its chunk 32 act-blocks: rows 5 (< one group), 17 (one
 # past) and 37; tokens 2 .. 40 (one n-block short, whole, one past, several warps and a ragged one);
 # nb 24 (256-blocks x 3: one partial chunk) and 40 (x 5: a whole chunk and a partial one), 11 / 44
-# for 32-blocks, 10 for 64-blocks
+# for 32-blocks, 10 for 64-blocks. mmt (64 rows x 32 tokens a block, 8 entries a step): every row
+# count is a ragged block; nb 11 / 10 leave most of fold's leaves empty, 40 / 44 give leaves of 1
+# and 2 act-blocks, with steps that end inside a leaf (nchunk 2: a step holds 4 leaves)
 _RAGGED = {32: (32 * 11, 32 * 44), 64: (64 * 5,), 256: (256 * 3, 256 * 5)}
 
 
@@ -279,13 +283,15 @@ def test_batched_kernels_with_ragged_tiles(rt, name, batched_kernel):
             _check_products(rt, t, n_in, n_out, (2, 7, 8, 9, 17, 33, 40), seed=t.id * 100 + n_in + n_out)
 
 
+@pytest.mark.parametrize("kernel", ["mmq", "mmt"])
 @pytest.mark.parametrize("name", ["Q4_K", "Q8_0", "IQ3_XXS", "Q5_1"])
-def test_mmq_one_launch_for_many_tokens_is_per_64_launches(rt, name, monkeypatch):
-    """gpu.matmul on mmq takes up to MMQ_LAUNCH_TOKENS tokens a launch (every 64-token tile of the product
+def test_mmq_one_launch_for_many_tokens_is_per_64_launches(rt, name, kernel, monkeypatch):
+    """gpu.matmul on mmq / mmt takes up to MMQ_LAUNCH_TOKENS tokens a launch (every 64-token tile of the product
     in one grid) where it took a launch per MAX_TOKENS: the same bits (each tile's arithmetic is its own
     launch's), the reference's, on ragged rows and a ragged last tile; launches counted."""
     t = BY_NAME[name]
     monkeypatch.setattr(gpu, "MMA_TYPES", frozenset({name}))
+    monkeypatch.setattr(gpu, "MMT_TYPES", frozenset({name}) if kernel == "mmt" else frozenset())
     monkeypatch.setattr(gpu, "_plans", {})
     n_in, n_out, n_tok = _RAGGED[t.block_size][-1], 37, 3 * gpu.MAX_TOKENS + 9
     rng = np.random.default_rng(t.id + 7)
@@ -308,7 +314,7 @@ def test_mmq_one_launch_for_many_tokens_is_per_64_launches(rt, name, monkeypatch
         names.clear()
         got[per] = rt.to_host(gpu.matmul(w, act))
         products = [n for n in names if not n.startswith("traits<")]  # (the module's check at its first use)
-        assert products == [f"mmq<{t.id}>"] * -(-n_tok // max(per, gpu.MAX_TOKENS)), (per, names)
+        assert products == [f"{kernel}<{t.id}>"] * -(-n_tok // max(per, gpu.MAX_TOKENS)), (per, names)
         _assert_same(got[per], ref, f"{name} [{n_in} x {n_out}] {n_tok} tokens, {per} a launch", None)
     assert np.array_equal(got[4096].view(np.uint32), got[gpu.MAX_TOKENS].view(np.uint32))
 
@@ -337,7 +343,7 @@ def test_few_row_products_take_mvf_with_mm_bits(rt, name, monkeypatch):
         _check_products(rt, t, n_in, n_out, (1, 2, 3, 8), seed=t.id * 7 + n_in)
     monkeypatch.setattr(gpu, "MVF_TOKENS", 0)  # (a benchmark's switch: the batched kernel as before)
     monkeypatch.setattr(gpu, "_plans", {})
-    assert gpu._quant_plan(t.id, long_in, 7, 1)[1] in (f"mmq<{t.id}>", f"mm<{t.id}>")
+    assert gpu._quant_plan(t.id, long_in, 7, 1)[1] in (f"mmt<{t.id}>", f"mmq<{t.id}>", f"mm<{t.id}>")
 
 
 def test_out_buffer_is_filled_in_place(rt):
@@ -462,3 +468,18 @@ def test_the_emulation_reports_a_misaligned_access():
             gpu.matvec(bad, a)
     finally:
         gpu.use_runtime(before)
+
+
+@pytest.mark.parametrize("name", ["Q5_0", "Q4_K", "IQ2_XS"])
+def test_mmt_keeps_mm_bits_on_long_rows_and_many_tiles(rt, name, monkeypatch):
+    """mmt takes fold's leaves in tree order, a leaf's act-blocks over several staged steps: rows of
+    80 act-blocks (qwen4exp's 2560: 3 chunks, a step of 8 entries ends inside a leaf, leaves 16-31
+    one act-block short) and 320 (10240: a leaf spans two steps), more block tiles than the grid
+    (its blocks take several in turn: rows and tokens both ragged), against the reference's bits."""
+    t = BY_NAME[name]
+    monkeypatch.setattr(gpu, "MMA_TYPES", frozenset({name}))
+    monkeypatch.setattr(gpu, "MMT_TYPES", frozenset({name}))
+    monkeypatch.setattr(gpu, "_plans", {})
+    for n_in, n_out, tokens in ((2560, 16 * rt.n_sm * gpu.MT_ROWS + 3, (17, 2 * gpu.MT_TOKS + 5)), (10240, 9, (3,))):
+        assert gpu._quant_plan(t.id, n_in, n_out, max(tokens))[1] == f"mmt<{t.id}>"
+        _check_products(rt, t, n_in, n_out, tokens, seed=t.id * 13 + n_in)
