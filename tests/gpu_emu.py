@@ -94,14 +94,16 @@ class EmuRuntime:
             f"static const EmuEntry k_table[] = {{\n{table}\n}};\n"
             "const EmuEntry* emu_table(int* n) { *n = sizeof(k_table) / sizeof(k_table[0]); return k_table; }\n"
         )
-        key = hashlib.sha256((unit + HEADER.read_text() + Path(source).read_text() + " ".join(FLAGS)).encode()).hexdigest()[:20]
+        # a benchmark's knobs (gpu.OPTIONS' -D settings: STRATA_MT_WC=4 ...) build the same variant here
+        flags = FLAGS + [o for o in gpu.OPTIONS if o.startswith("-D")]
+        key = hashlib.sha256((unit + HEADER.read_text() + Path(source).read_text() + " ".join(flags)).encode()).hexdigest()[:20]
         so = self.cache / f"emu_{key}.so"
         if not so.exists():
             self.cache.mkdir(parents=True, exist_ok=True)
             src = self.cache / f"emu_{key}.cpp"
             src.write_text(unit)
             tmp = so.with_suffix(f".{os.getpid()}.tmp")
-            r = subprocess.run([_compiler(), *FLAGS, "-o", str(tmp), str(src)], capture_output=True, text=True)
+            r = subprocess.run([_compiler(), *flags, "-o", str(tmp), str(src)], capture_output=True, text=True)
             if r.returncode:
                 raise RuntimeError(f"building the GPU emulation failed ({' '.join(names)}):\n{r.stderr[-4000:]}")
             os.replace(tmp, so)

@@ -39,10 +39,10 @@ SOURCE = Path(__file__).with_name("gpu_kernels.cu")
 # are inline PTX anyway, which no flag changes: CuPy appends -ftz=true to every compile.
 OPTIONS = ("--std=c++17", "--fmad=false")
 for _knob in ("STRATA_MV_STEP", "STRATA_MQ_WARPS", "STRATA_MQ_MINB", "STRATA_MQW_WARPS", "STRATA_MQW_UNROLL", "STRATA_MQK_NT", "STRATA_MQK_MINB",
-              "STRATA_MT_WR", "STRATA_MT_WC"):  # a benchmark's knobs (gpu_kernels.cu):
+              "STRATA_MT_WR", "STRATA_MT_WC", "STRATA_MT_KS"):  # a benchmark's knobs (gpu_kernels.cu):
     if os.environ.get(_knob):  # the matvec's staged bytes per warp step; mmq's warps and blocks per multiprocessor;
         # mmqw's warps and decode entries in flight; mmqk's n-tiles over one decode and blocks per multiprocessor;
-        # mmt's warps along the rows and along the tokens
+        # mmt's warps along the rows and along the tokens, and entries a step
         OPTIONS += (f"-D{_knob}={int(os.environ[_knob])}",)
 KPLS = (1, 2, 3, 4, 6, 8)  # act-blocks per lane the matvec kernel holds: rows up to 8192 elements
 MAX_TOKENS = 64  # tokens per matmul pass (shared-memory accumulators); more are done in groups

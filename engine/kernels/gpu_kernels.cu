@@ -1473,7 +1473,10 @@ __global__ void __launch_bounds__(32 * MQK_WARPS, STRATA_MQK_MINB) mmqk(const i6
 #ifndef STRATA_MT_WC
 #define STRATA_MT_WC 2  // warps along the tokens (16 tokens each): a benchmark's knob
 #endif
-#define MT_KS 8                       // entries (act-blocks) a block stages at a time
+#ifndef STRATA_MT_KS
+#define STRATA_MT_KS 8  // entries (act-blocks) a block stages at a time, a divisor of 32: a benchmark's knob
+#endif
+#define MT_KS STRATA_MT_KS
 #define MT_ROWS (32 * STRATA_MT_WR)
 #define MT_TOKS (16 * STRATA_MT_WC)
 #define MT_RS (8 * MT_KS + 4)         // words a staged row / token: + 4 so a fragment load's 8 rows fall in distinct banks
