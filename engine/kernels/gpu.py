@@ -126,6 +126,14 @@ MMQX_WARPS = int(os.environ.get("STRATA_MQX_WARPS", "4"))
 # mm's bits: gpu_kernels.cu says how and why). STRATA_MMT (the same forms as STRATA_MMAX); mmt's block
 # tile is MT_ROWS = 32 MT_WR rows x MT_TOKS = 16 MT_WC tokens (STRATA_MT_WR / STRATA_MT_WC, compiled in).
 MMT_TYPES = _mma_types(os.environ.get("STRATA_MMT"), _EVERY, "STRATA_MMT")
+# mmt takes a product only where it has at least MMT_MIN_TILES block tiles a multiprocessor
+# (STRATA_MMT_MIN_TILES), else mmq: at 241 registers a thread two of its blocks fit a multiprocessor,
+# and each stages its entries and then computes (no double buffer), so a grid of few tiles leaves the
+# card waiting on loads. The H200, 2026-12-03, qwen4exp's 256-token prompt by kernel, mmq -> mmt:
+# Q5_0 10240 rows (1280 tiles) 3.65 -> 3.30 ms, Q4_0 (768 tiles) 0.99 -> 0.87, IQ4_NL 2.45 -> 2.43,
+# IQ4_XS 0.58 -> 0.92, Q8_0 x20 (the hyper-connections' few rows) 2.58 -> 4.51; a 256 x 8192 x 2560
+# product alone (kernels_gpu.py --matmul) 0.87-0.90x mmq's time.
+MMT_MIN_TILES = float(os.environ.get("STRATA_MMT_MIN_TILES", "4"))
 MT_WR, MT_WC = int(os.environ.get("STRATA_MT_WR", "2")), int(os.environ.get("STRATA_MT_WC", "2"))
 MT_ROWS, MT_TOKS = 32 * MT_WR, 16 * MT_WC
 _HAS_MIN = {"Q4_1", "Q5_1", "Q2_K", "Q4_K", "Q5_K"}  # docs/kernels.md: the types with a min term
@@ -716,7 +724,8 @@ def _planned(make):
 
 @_planned
 def _quant_plan(type_id: int, n_in: int, n_out: int, n_tok: int) -> tuple:
-    """matvec's and matmul's launch (the tensor cores for MMA_TYPES: mmt for MMT_TYPES, else mmq)."""
+    """matvec's and matmul's launch (the tensor cores for MMA_TYPES: mmt for MMT_TYPES where the product
+    has MMT_MIN_TILES block tiles a multiprocessor, else mmq)."""
     name = ggml_type(type_id).name
     return _quant_launch(type_id, n_in, n_out, n_tok, name in MMA_TYPES, tiled=name in MMT_TYPES)
 
@@ -787,10 +796,10 @@ def _quant_launch(type_id: int, n_in: int, n_out: int, n_tok: int, mma: bool, ti
     if 0 < n_tok <= MVF_TOKENS and (n_tok > 1 or nb > 32 * KPLS[-1]):  # few rows, or one mv cannot hold: a warp a row
         nw = _warps(0, n_out, rt.n_sm, fixed_smem=tab)
         return m.mod, f"mvf<{type_id}>", _grid(rt, n_out, nw, per_sm), 32 * nw, tab, (np.int32(n_tok), np.int32(tab > 0))
-    if mma and tiled:  # the int8 tensor cores in block tiles of MT_ROWS x MT_TOKS (the grid copy left out if both would not fit)
-        tab = tab if tab + m.mt_smem <= SMEM_LIMIT else 0
-        items = -(-n_out // MT_ROWS) * -(-n_tok // MT_TOKS)
-        return m.mod, f"mmt<{type_id}>", _grid(rt, items, 1, 16), 32 * MT_WR * MT_WC, tab + m.mt_smem, (np.int32(n_tok), np.int32(tab > 0))
+    tiles = -(-n_out // MT_ROWS) * -(-n_tok // MT_TOKS)
+    if mma and tiled and tiles >= MMT_MIN_TILES * rt.n_sm:  # the int8 tensor cores in block tiles of MT_ROWS x MT_TOKS
+        tab = tab if tab + m.mt_smem <= SMEM_LIMIT else 0  # (the grid copy left out if both would not fit)
+        return m.mod, f"mmt<{type_id}>", _grid(rt, tiles, 1, 16), 32 * MT_WR * MT_WC, tab + m.mt_smem, (np.int32(n_tok), np.int32(tab > 0))
     if mma:  # the int8 tensor cores: a block's item is 16 rows x 8 nw tokens
         nw = max(1, min(m.mq_warps, -(-n_tok // 8)))
         items = -(-n_out // 16) * -(-n_tok // (8 * nw))
