@@ -1502,27 +1502,15 @@ __device__ __forceinline__ void mt_push(float (&p)[N], float (&r)[N][5], int i) 
     for (int o = 0; o < N; o++) {
         float v = p[o];
         p[o] = 0.0f;
-        if (!(i & 1)) {
-            r[o][0] = v;
-            continue;
+#pragma unroll
+        for (int h = 0; h < 5; h++) {  // (unrolled: r's indices are constants, so r stays in registers)
+            if (!((i >> h) & 1)) {  // the leaf completes no subtree of height h + 1: it waits at h
+                r[o][h] = v;
+                break;
+            }
+            v = f32_add(r[o][h], v);
+            if (h == 4) r[o][4] = v;  // leaf 31: the root
         }
-        v = f32_add(r[o][0], v);
-        if (!(i & 2)) {
-            r[o][1] = v;
-            continue;
-        }
-        v = f32_add(r[o][1], v);
-        if (!(i & 4)) {
-            r[o][2] = v;
-            continue;
-        }
-        v = f32_add(r[o][2], v);
-        if (!(i & 8)) {
-            r[o][3] = v;
-            continue;
-        }
-        v = f32_add(r[o][3], v);
-        r[o][4] = (i & 16) ? f32_add(r[o][4], v) : v;
     }
 }
 
