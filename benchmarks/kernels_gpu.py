@@ -35,7 +35,9 @@ mmq's knobs (environment, docs/gpu-kernels.md): STRATA_MQ_WARPS (warps a block, 
 STRATA_MQ_MINB (blocks a multiprocessor its registers are bounded for; 1), STRATA_MQX_WARPS
 (mmqx's warps a block, at most STRATA_MQ_WARPS; 4), STRATA_MQW_UNROLL (decode entries an mmqw lane
 has in flight, compiled; 4), STRATA_MQK_NT (n-tiles of 8 tokens an mmqk warp holds over one decode,
-compiled; 1), STRATA_MQK_MINB (blocks a multiprocessor mmqk's registers are bounded for; 1).
+compiled; 1), STRATA_MQK_MINB (blocks a multiprocessor mmqk's registers are bounded for; 1);
+mmt's: STRATA_MT_WR / STRATA_MT_WC (warps along rows / tokens; 2 / 2), STRATA_MT_KS (entries a step; 8),
+STRATA_MT_MINB (blocks a multiprocessor its registers are bounded for; 1).
 
 --fmm times the batched float product instead (F32 routers, the shared expert's one-row gate, the
 BF16/F16 GDN gates; FMM_SHAPES at FMM_TOKENS tokens): the kernel before (gpu.use_fmm("8x8"): fmm,
@@ -187,6 +189,7 @@ class Bench:
         gpu = self.gpu
         gpu.MMA_TYPES = gpu.MMAX_TYPES = gpu._mma_types("all" if mma else "none", frozenset())
         gpu.MMT_TYPES = gpu._mma_types("all" if tiled else "none", frozenset())
+        gpu.MMT_MIN_TILES = gpu.MMT_MIN_BLOCKS = 0  # the kernel itself, whatever the shape (not its size rule)
         gpu.MMQW_TYPES = gpu.MMQK_TYPES = gpu.SHAPE_TYPES = frozenset()
         gpu._plans.clear()  # the launch plans name the kernel
 
@@ -267,10 +270,14 @@ class Bench:
 
 
 def main(argv: list[str] | None = None) -> int:
+    global MATMUL  # --matmul-shape
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--types", default="all", help="comma-separated GGML type names, or 'all'")
     ap.add_argument("--md", help="also write the table (markdown) and the summary to this file")
-    ap.add_argument("--matmul", action="store_true", help=f"also time a {MATMUL_TOKENS}-token matmul of {MATMUL[1]} x {MATMUL[0]} per type, on mm and on mmq")
+    ap.add_argument("--matmul", action="store_true", help=f"also time a {MATMUL_TOKENS}-token matmul of {MATMUL[1]} x {MATMUL[0]} per type, on mm, mmq and mmt")
+    ap.add_argument("--matmul-shape", metavar="OUTxIN", help="--matmul's weight: rows x row length (a multiple of 32; "
+                    "types of longer blocks get no figure), "
+                    f"instead of {MATMUL[1]}x{MATMUL[0]}")
     ap.add_argument("--grouped", action="store_true", help=f"also time one grouped-experts launch ({GROUPED_EXPERTS} experts at {GROUPED_PAIRS} pairs each) per type, on each grouped kernel")
     ap.add_argument("--grouped-kernels", default=",".join(GROUPED_KERNELS), help="the grouped kernels --grouped times (the first is the baseline)")
     ap.add_argument("--few", action="store_true", help=f"also time {', '.join(map(str, FEW_TOKENS))}-token products of "
@@ -278,6 +285,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-matvec", action="store_true", help="leave out the head and expert matvecs")
     ap.add_argument("--fmm", action="store_true", help="time the batched float product, the kernel before against the tiled one, instead")
     args = ap.parse_args(argv)
+    if args.matmul_shape:
+        try:
+            n_out, n_in = (int(v) for v in args.matmul_shape.lower().split("x"))
+        except ValueError:
+            ap.error(f"--matmul-shape {args.matmul_shape!r}: expected OUTxIN, two positive integers (e.g. 10240x320)")
+        if n_out <= 0 or n_in <= 0 or n_in % 32:
+            ap.error(f"--matmul-shape {args.matmul_shape!r}: the row length {n_in} must be a positive multiple of 32 (a block)")
+        MATMUL = (n_in, n_out)
 
     from tabulate import tabulate
 
@@ -319,7 +334,9 @@ def main(argv: list[str] | None = None) -> int:
                 esec, ebytes, graphed = b.matvec_rate(t, n_in, n_out)
                 graphed_all &= graphed
                 row += [f"{esec * 1e6:.1f}", f"{100 * ebytes / esec / bw:.0f}%"]
-        if args.matmul:
+        if args.matmul and MATMUL[0] % t.block_size:
+            row += ["-"] * 7
+        elif args.matmul:
             both, bits = [], []
             for mma, tiled in ((False, False), (True, False), (True, True)) if t.quantized else ((False, False),):
                 b.kernels(mma, tiled)

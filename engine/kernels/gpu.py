@@ -39,10 +39,10 @@ SOURCE = Path(__file__).with_name("gpu_kernels.cu")
 # are inline PTX anyway, which no flag changes: CuPy appends -ftz=true to every compile.
 OPTIONS = ("--std=c++17", "--fmad=false")
 for _knob in ("STRATA_MV_STEP", "STRATA_MQ_WARPS", "STRATA_MQ_MINB", "STRATA_MQW_WARPS", "STRATA_MQW_UNROLL", "STRATA_MQK_NT", "STRATA_MQK_MINB",
-              "STRATA_MT_WR", "STRATA_MT_WC", "STRATA_MT_KS"):  # a benchmark's knobs (gpu_kernels.cu):
+              "STRATA_MT_WR", "STRATA_MT_WC", "STRATA_MT_KS", "STRATA_MT_MINB"):  # a benchmark's knobs (gpu_kernels.cu):
     if os.environ.get(_knob):  # the matvec's staged bytes per warp step; mmq's warps and blocks per multiprocessor;
         # mmqw's warps and decode entries in flight; mmqk's n-tiles over one decode and blocks per multiprocessor;
-        # mmt's warps along the rows and along the tokens, and entries a step
+        # mmt's warps along the rows and along the tokens, entries a step and blocks per multiprocessor
         OPTIONS += (f"-D{_knob}={int(os.environ[_knob])}",)
 KPLS = (1, 2, 3, 4, 6, 8)  # act-blocks per lane the matvec kernel holds: rows up to 8192 elements
 MAX_TOKENS = 64  # tokens per matmul pass (shared-memory accumulators); more are done in groups
@@ -134,6 +134,12 @@ MMT_TYPES = _mma_types(os.environ.get("STRATA_MMT"), _EVERY, "STRATA_MMT")
 # IQ4_XS 0.58 -> 0.92, Q8_0 x20 (the hyper-connections' few rows) 2.58 -> 4.51; a 256 x 8192 x 2560
 # product alone (kernels_gpu.py --matmul) 0.87-0.90x mmq's time.
 MMT_MIN_TILES = float(os.environ.get("STRATA_MMT_MIN_TILES", "4"))
+# ... and only for rows of at least MMT_MIN_BLOCKS act-blocks (STRATA_MMT_MIN_BLOCKS): a tile walks the
+# 32 leaves of fold's tree whatever the row's length (staging, barriers, the stack), so a row of 10
+# act-blocks pays for 32. The H200, 2026-12-03, qwen4exp's 256-token prompt under the tile rule alone:
+# its nine Q8_0 products of 320-long rows (the hyper-connections' up, 10240 rows) took 1.76 ms on mmt
+# where mmq had taken ~1.27; alone (kernels_gpu.py --matmul-shape 10240x320) mmq 86 us, mmt 137.
+MMT_MIN_BLOCKS = int(os.environ.get("STRATA_MMT_MIN_BLOCKS", "32"))
 MT_WR, MT_WC = int(os.environ.get("STRATA_MT_WR", "2")), int(os.environ.get("STRATA_MT_WC", "2"))
 MT_ROWS, MT_TOKS = 32 * MT_WR, 16 * MT_WC
 _HAS_MIN = {"Q4_1", "Q5_1", "Q2_K", "Q4_K", "Q5_K"}  # docs/kernels.md: the types with a min term
@@ -725,7 +731,7 @@ def _planned(make):
 @_planned
 def _quant_plan(type_id: int, n_in: int, n_out: int, n_tok: int) -> tuple:
     """matvec's and matmul's launch (the tensor cores for MMA_TYPES: mmt for MMT_TYPES where the product
-    has MMT_MIN_TILES block tiles a multiprocessor, else mmq)."""
+    has MMT_MIN_TILES block tiles a multiprocessor and rows of MMT_MIN_BLOCKS act-blocks, else mmq)."""
     name = ggml_type(type_id).name
     return _quant_launch(type_id, n_in, n_out, n_tok, name in MMA_TYPES, tiled=name in MMT_TYPES)
 
@@ -797,7 +803,7 @@ def _quant_launch(type_id: int, n_in: int, n_out: int, n_tok: int, mma: bool, ti
         nw = _warps(0, n_out, rt.n_sm, fixed_smem=tab)
         return m.mod, f"mvf<{type_id}>", _grid(rt, n_out, nw, per_sm), 32 * nw, tab, (np.int32(n_tok), np.int32(tab > 0))
     tiles = -(-n_out // MT_ROWS) * -(-n_tok // MT_TOKS)
-    if mma and tiled and tiles >= MMT_MIN_TILES * rt.n_sm:  # the int8 tensor cores in block tiles of MT_ROWS x MT_TOKS
+    if mma and tiled and tiles >= MMT_MIN_TILES * rt.n_sm and nb >= MMT_MIN_BLOCKS:  # the int8 tensor cores in block tiles of MT_ROWS x MT_TOKS
         tab = tab if tab + m.mt_smem <= SMEM_LIMIT else 0  # (the grid copy left out if both would not fit)
         return m.mod, f"mmt<{type_id}>", _grid(rt, tiles, 1, 16), 32 * MT_WR * MT_WC, tab + m.mt_smem, (np.int32(n_tok), np.int32(tab > 0))
     if mma:  # the int8 tensor cores: a block's item is 16 rows x 8 nw tokens

@@ -1473,6 +1473,9 @@ __global__ void __launch_bounds__(32 * MQK_WARPS, STRATA_MQK_MINB) mmqk(const i6
 #ifndef STRATA_MT_WC
 #define STRATA_MT_WC 2  // warps along the tokens (16 tokens each): a benchmark's knob
 #endif
+#ifndef STRATA_MT_MINB
+#define STRATA_MT_MINB 1  // blocks a multiprocessor mmt's registers are bounded for: a benchmark's knob
+#endif
 #ifndef STRATA_MT_KS
 #define STRATA_MT_KS 8  // entries (act-blocks) a block stages at a time, a divisor of 32: a benchmark's knob
 #endif
@@ -1495,22 +1498,36 @@ __device__ __forceinline__ int mt_k(int i, int c) {
 }
 
 // leaf i's partial p (then +0.0f again) into the stack of pending subtrees r[0..4]; after leaf 31
-// r[4] holds fold's result
+// r[4] holds fold's result. Five written-out steps, not a loop over the heights with a break: that
+// loop (2026-12-03) put r in local memory on the card (mmt<6>: 96 registers and 320 bytes of local
+// memory a thread, 256 x 8192 x 2560 Q5_0 at 458 us where this form ran 376)
 template <int N>
 __device__ __forceinline__ void mt_push(float (&p)[N], float (&r)[N][5], int i) {
 #pragma unroll
     for (int o = 0; o < N; o++) {
         float v = p[o];
         p[o] = 0.0f;
-#pragma unroll
-        for (int h = 0; h < 5; h++) {  // (unrolled: r's indices are constants, so r stays in registers)
-            if (!((i >> h) & 1)) {  // the leaf completes no subtree of height h + 1: it waits at h
-                r[o][h] = v;
-                break;
-            }
-            v = f32_add(r[o][h], v);
-            if (h == 4) r[o][4] = v;  // leaf 31: the root
+        if (!(i & 1)) {
+            r[o][0] = v;
+            continue;
         }
+        v = f32_add(r[o][0], v);
+        if (!(i & 2)) {
+            r[o][1] = v;
+            continue;
+        }
+        v = f32_add(r[o][1], v);
+        if (!(i & 4)) {
+            r[o][2] = v;
+            continue;
+        }
+        v = f32_add(r[o][2], v);
+        if (!(i & 8)) {
+            r[o][3] = v;
+            continue;
+        }
+        v = f32_add(r[o][3], v);
+        r[o][4] = (i & 16) ? f32_add(r[o][4], v) : v;
     }
 }
 
@@ -1624,7 +1641,7 @@ __device__ __forceinline__ void mt_body(const u8* __restrict__ rest, const float
 }
 
 template <int T>
-__global__ void __launch_bounds__(MT_THREADS) mmt(const u8* __restrict__ rest, const float* __restrict__ scales,
+__global__ void __launch_bounds__(MT_THREADS, STRATA_MT_MINB) mmt(const u8* __restrict__ rest, const float* __restrict__ scales,
                                                                       const i8* __restrict__ xq, const float* __restrict__ xd,
                                                                       const i32* __restrict__ xs, float* __restrict__ out, int n_out,
                                                                       int nb, int ntok, int shared_tab) {

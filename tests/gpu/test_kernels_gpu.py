@@ -261,7 +261,8 @@ def batched_kernel(request, monkeypatch):
     every = frozenset(t.name for t in TYPES if t.quantized)
     monkeypatch.setattr(gpu, "MMA_TYPES", every if request.param != "mm" else frozenset())
     monkeypatch.setattr(gpu, "MMT_TYPES", every if request.param == "mmt" else frozenset())
-    monkeypatch.setattr(gpu, "MMT_MIN_TILES", 0)  # mmt whatever the tiles (the choice by size: its own test)
+    monkeypatch.setattr(gpu, "MMT_MIN_TILES", 0)  # mmt whatever the tiles and rows (the choice by size: its own test)
+    monkeypatch.setattr(gpu, "MMT_MIN_BLOCKS", 0)
     monkeypatch.setattr(gpu, "_plans", {})  # launch plans made for this choice, dropped after
     return request.param
 
@@ -294,6 +295,7 @@ def test_mmq_one_launch_for_many_tokens_is_per_64_launches(rt, name, kernel, mon
     monkeypatch.setattr(gpu, "MMA_TYPES", frozenset({name}))
     monkeypatch.setattr(gpu, "MMT_TYPES", frozenset({name}) if kernel == "mmt" else frozenset())
     monkeypatch.setattr(gpu, "MMT_MIN_TILES", 0)
+    monkeypatch.setattr(gpu, "MMT_MIN_BLOCKS", 0)
     monkeypatch.setattr(gpu, "_plans", {})
     n_in, n_out, n_tok = _RAGGED[t.block_size][-1], 37, 3 * gpu.MAX_TOKENS + 9
     rng = np.random.default_rng(t.id + 7)
@@ -482,6 +484,7 @@ def test_mmt_keeps_mm_bits_on_long_rows_and_many_tiles(rt, name, monkeypatch):
     monkeypatch.setattr(gpu, "MMA_TYPES", frozenset({name}))
     monkeypatch.setattr(gpu, "MMT_TYPES", frozenset({name}))
     monkeypatch.setattr(gpu, "MMT_MIN_TILES", 0)
+    monkeypatch.setattr(gpu, "MMT_MIN_BLOCKS", 0)
     monkeypatch.setattr(gpu, "_plans", {})
     for n_in, n_out, tokens in ((2560, 16 * rt.n_sm * gpu.MT_ROWS + 3, (17, 2 * gpu.MT_TOKS + 5)), (10240, 9, (3,))):
         assert gpu._quant_plan(t.id, n_in, n_out, max(tokens))[1] == f"mmt<{t.id}>"
@@ -490,17 +493,22 @@ def test_mmt_keeps_mm_bits_on_long_rows_and_many_tiles(rt, name, monkeypatch):
 
 def test_mmt_takes_the_products_with_tiles_for_every_multiprocessor(rt, monkeypatch):
     """By default (every type in MMT_TYPES) a chunk's product takes mmt from MMT_MIN_TILES block tiles a
-    multiprocessor, mmq below (a grid of few tiles leaves the card waiting on its staging loads)."""
+    multiprocessor, mmq below (a grid of few tiles leaves the card waiting on its staging loads), and
+    only for rows of MMT_MIN_BLOCKS act-blocks or more (a tile walks fold's 32 leaves whatever the row)."""
     t = BY_NAME["Q5_0"]
     monkeypatch.setattr(gpu, "MMA_TYPES", frozenset({"Q5_0"}))
     monkeypatch.setattr(gpu, "MMT_TYPES", frozenset({"Q5_0"}))
     monkeypatch.setattr(gpu, "MMT_MIN_TILES", 4)
+    monkeypatch.setattr(gpu, "MMT_MIN_BLOCKS", 32)
     monkeypatch.setattr(gpu, "_plans", {})
     need = 4 * rt.n_sm  # tiles: row blocks x token blocks
     assert gpu._quant_plan(t.id, 2560, need * gpu.MT_ROWS, gpu.MT_TOKS)[1] == f"mmt<{t.id}>"
     assert gpu._quant_plan(t.id, 2560, need * gpu.MT_ROWS, 9 * gpu.MT_TOKS)[1] == f"mmt<{t.id}>"
     assert gpu._quant_plan(t.id, 2560, (need - 1) * gpu.MT_ROWS, gpu.MT_TOKS)[1] == f"mmq<{t.id}>"
     assert gpu._quant_plan(t.id, 2560, gpu.MT_ROWS, need * gpu.MT_TOKS)[1] == f"mmt<{t.id}>"
+    assert gpu._quant_plan(t.id, 32 * 32, need * gpu.MT_ROWS, gpu.MT_TOKS)[1] == f"mmt<{t.id}>"
+    assert gpu._quant_plan(t.id, 31 * 32, need * gpu.MT_ROWS, gpu.MT_TOKS)[1] == f"mmq<{t.id}>"
+    assert gpu._quant_plan(t.id, 320, need * gpu.MT_ROWS, 9 * gpu.MT_TOKS)[1] == f"mmq<{t.id}>"
     monkeypatch.setattr(gpu, "MMT_TYPES", frozenset())
     monkeypatch.setattr(gpu, "_plans", {})
     assert gpu._quant_plan(t.id, 2560, need * gpu.MT_ROWS, gpu.MT_TOKS)[1] == f"mmq<{t.id}>"
