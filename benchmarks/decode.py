@@ -26,8 +26,9 @@ wait for descheduled threads and the numbers measure the contention, not the eng
 Time per token per layer and component comes from wrapping the model's own objects (the mixers'
 and MoE blocks' `forward`, the MoE's `route` and `routed`, the residual's enter/leave/final, the PLE
 layer, the backend's product for the head) with timers; nothing in engine/ is changed. Nested
-timers are attributed to the innermost: MoE "shared" is the MoE forward less its router and routed
-experts.
+timers are attributed to the innermost: MoE "shared" is the MoE forward less its routing (top-k) and
+routed experts. With a shared expert a token's router product is made in the shared expert's parallel
+region, so its time and bytes are in that row ("shared experts + router product"), not "routing".
 """
 
 from __future__ import annotations
@@ -238,7 +239,9 @@ def bytes_per_token(model) -> dict[tuple[str, int | None], int]:
         elif ".ple_" in name:
             key = "ple"
         elif name.endswith("ffn_gate_inp.weight"):
-            key = "router"
+            # with a shared expert, a token's router product runs in the shared expert's parallel region
+            # (MoE._router_and_shared), outside `route`'s timer: its bytes go where its time is
+            key = "shared" if model.moes[l].shared else "router"
         elif "shexp" in name:
             key = "shared"
         else:
@@ -309,15 +312,15 @@ def report(model, timers: Timers, steps: list[float], bw: float, threads: int, p
         mb = sum(nbytes.get((c, l), 0) for c in comps)
         t = sum(ms) / 1e3
         rows.append([l, kind(l), *[f"{x:.2f}" for x in ms], f"{sum(ms):.2f}", f"{mb / 1e6:.1f}", f"{mb / t / 1e9:.2f}"])
-    layer_table = tabulate(rows, headers=["layer", "kind", "hc mix/inject", "PLE", "mixer", "router", "routed experts",
-                                          "shared expert", "layer ms", "MB read", "GB/s"], tablefmt="github")
+    layer_table = tabulate(rows, headers=["layer", "kind", "hc mix/inject", "PLE", "mixer", "routing", "routed experts",
+                                          "shared expert + router", "layer ms", "MB read", "GB/s"], tablefmt="github")
 
     groups = {
         "GDN mixers": [("mixer", l) for l in range(g.n_layer) if kind(l) == "GDN"],
         "QSA / attention mixers": [("mixer", l) for l in range(g.n_layer) if kind(l) == "QSA"],
         "routed experts (MoE)": [("experts", l) for l in range(g.n_layer)],
-        "shared experts": [("shared", l) for l in range(g.n_layer)],
-        "routers": [("router", l) for l in range(g.n_layer)],
+        "shared experts + router product": [("shared", l) for l in range(g.n_layer)],
+        "routing (top-k; the router product without a shared expert)": [("router", l) for l in range(g.n_layer)],
         "hyper-connections (mix, inject, final)": [("residual", l) for l in [*range(g.n_layer), None]],
         "PLE": [("ple", l) for l in range(g.n_layer)],
         "LM head": [("head", None)],
