@@ -625,7 +625,11 @@ def test_chat_ignore_eos_replies_exactly_n_tokens(pack_dir, capsys, monkeypatch)
 def test_chat_ctrl_c_stops_a_reply_and_ctrl_d_exits(pack_dir):
     """A real `strata chat` process: Ctrl-C (SIGINT) in the middle of a long reply stops that reply
     and the chat goes on; the end of input (Ctrl-D) then exits 0."""
-    code = "import sys; from strata.engine.cli import main; sys.exit(main())"
+    # SIGINT as a terminal leaves it: a suite started in the background of a non-interactive shell runs
+    # with SIGINT ignored, which its children inherit, and Python then installs no handler (2026-12-03:
+    # the reply ran all its 8000 tokens and this test failed, for that reason alone)
+    code = ("import signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
+            "from strata.engine.cli import main; sys.exit(main())")
     # --ignore-eos -n 8000: a reply of 8000 tokens (~20 s here) unless stopped. With the fixture's
     # model sampling its end token, a reply ended by itself within 0.3-1.2 s (--seed 4: 308 tokens),
     # at times before the signal arrived on a loaded 2-core host; the Ctrl-C then met the next prompt
