@@ -9,7 +9,7 @@ becomes a fresh path. `packs/demo` is what the README's first command, `strata-p
 What is not run, and what is checked instead (the test prints this table, so CI logs say it):
 - `python3 -m pip install ...`: the test runs inside that install; checked: pyproject.toml is this
   project and declares the extras named.
-- `python3 -m pytest -q`: this is that run.
+- `python3 -m pytest ...`: this is that run.
 - `strata-pack demo` runs with the `tiny` preset in place of `demo` (the full demo, synthesis and
   32 tokens on the CPU, runs in test_pack.py's test_demo_builds_reuses_and_rebuilds).
 - a command with `--device gpu` runs as written; without a CUDA GPU it must stop with the README's

@@ -14,6 +14,7 @@ For qwen4exp it returns the two-shard form the release ships (main GGUF + PLE sh
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
@@ -87,9 +88,20 @@ def converter_dir() -> Path:
     target = root / f"llama.cpp-{LLAMA_CPP_PYTHON_VERSION}"
     if (target / "convert_hf_to_gguf.py").is_file() and (target / "models" / "templates").is_dir():
         return target
+    root.mkdir(parents=True, exist_ok=True)
+    # One process at a time fetches and extracts: the suite's workers (pytest -n) collect at once,
+    # and one's download into sdist/ and deleting it after its extraction broke another's (its
+    # collection then skipped the released templates, and the workers' test lists differed)
+    with open(root / "converter.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if (target / "convert_hf_to_gguf.py").is_file() and (target / "models" / "templates").is_dir():
+            return target  # another process made it while this one waited
+        return _extract_converter(root, target)
+
+
+def _extract_converter(root: Path, target: Path) -> Path:
     shutil.rmtree(target, ignore_errors=True)  # an extraction from before the templates were wanted
     sdist = _obtain_sdist(root)
-    root.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix="extract-", dir=root))
     try:
         with tarfile.open(sdist, "r:gz") as tar:
