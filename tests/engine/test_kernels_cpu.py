@@ -594,22 +594,34 @@ def test_kernels_load_from_the_disk_cache_in_a_new_process(tmp_path):
 
 @pytest.mark.parametrize("n_tok", [2, 3, 4])
 @pytest.mark.parametrize("parallel", [False, True], ids=["serial", "parallel"])
-@pytest.mark.parametrize("name", ROWDOT_TYPES)
+@pytest.mark.parametrize("name", [*ROWDOT_TYPES, "Q2_0"])
 def test_a_few_tokens_take_the_token_kernels_bits_with_each_row_read_once(name, parallel, n_tok):
     # speculative decoding's verify forward (2-4 rows) multiplies through rowdot.matmul: each
-    # token's result must be the one-token kernel's to the bit (greedy --spec N is --spec 0's)
+    # token's result must be the one-token kernel's to the bit (greedy --spec N is --spec 0's).
+    # Rows of 17 act-blocks (a 16-block group and 1), 20 (16 and 4: the expert downs), 80 (whole
+    # groups); Q2_0's in pairs (Q2_SIZES). The wide form's planes (2 a token) too.
+    from strata.engine.kernels.actq import WIDE, quantize_act16
+
     rowdot = _need_rowdot()
     t = BY_NAME[name]
-    n_in = 544  # 17 blocks: a whole 16-block group and a tail
-    raw = random_weights(t, n_in * 37, np.random.default_rng(n_tok + t.id))
-    act = quantize_act(_acts(n_in, n_tok, n_in + n_tok))
-    with cpu_path(parallel):
-        cpu.ROWDOT_ROWS_MAX = rowdot.ROWS_MAX  # cpu_path pins the row kernels; this is the few-token one
-        got = cpu.matmul(raw, t.id, n_in, 37, act)
-        alone = [cpu.matvec(raw, t.id, n_in, 37, ActQ(act.q[i], act.d[i], act.s16[i])) for i in range(n_tok)]
+    for n_in in Q2_SIZES[:3] if name == "Q2_0" else (544, 640, 2560):
+        raw = random_weights(t, n_in * 37, np.random.default_rng(n_tok + t.id + n_in))
+        act = quantize_act(_acts(n_in, n_tok, n_in + n_tok))
+        with cpu_path(parallel):
+            cpu.ROWDOT_ROWS_MAX = rowdot.ROWS_MAX  # cpu_path pins the row kernels; this is the few-token one
+            got = cpu.matmul(raw, t.id, n_in, 37, act)
+            alone = [cpu.matvec(raw, t.id, n_in, 37, ActQ(act.q[i], act.d[i], act.s16[i])) for i in range(n_tok)]
+        for i in range(n_tok):
+            _same(got[i], alone[i], f"{name} [{n_in} x 37] token {i} of {n_tok} vs alone")
+        if name in WIDE:
+            wide = quantize_act16(_acts(n_in, n_tok, 7 * n_in + n_tok) * 300)
+            with cpu_path(parallel):
+                cpu.ROWDOT_ROWS_MAX = rowdot.ROWS_MAX
+                got = cpu.matmul(raw, t.id, n_in, 37, wide)
+                alone = [cpu.matvec(raw, t.id, n_in, 37, wide.row(i)) for i in range(n_tok)]
+            for i in range(n_tok):
+                _same(got[i], alone[i], f"{name} [{n_in} x 37] wide, token {i} of {n_tok} vs alone")
     assert rowdot._ROWS_KERNELS[name, parallel, False, False].signatures, "the few-token kernel was not taken"
-    for i in range(n_tok):
-        _same(got[i], alone[i], f"{name} [{n_in} x 37] token {i} of {n_tok} vs alone")
 
 
 # The quant bytes of a block (what the extreme values overwrite; the fp16 and sub-block scales stay
