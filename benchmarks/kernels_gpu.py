@@ -270,7 +270,6 @@ class Bench:
 
 
 def main(argv: list[str] | None = None) -> int:
-    global MATMUL  # --matmul-shape
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--types", default="all", help="comma-separated GGML type names, or 'all'")
     ap.add_argument("--md", help="also write the table (markdown) and the summary to this file")
@@ -285,6 +284,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-matvec", action="store_true", help="leave out the head and expert matvecs")
     ap.add_argument("--fmm", action="store_true", help="time the batched float product, the kernel before against the tiled one, instead")
     args = ap.parse_args(argv)
+    matmul = MATMUL  # (n_in, n_out); --matmul-shape's instead
     if args.matmul_shape:
         try:
             n_out, n_in = (int(v) for v in args.matmul_shape.lower().split("x"))
@@ -292,7 +292,7 @@ def main(argv: list[str] | None = None) -> int:
             ap.error(f"--matmul-shape {args.matmul_shape!r}: expected OUTxIN, two positive integers (e.g. 10240x320)")
         if n_out <= 0 or n_in <= 0 or n_in % 32:
             ap.error(f"--matmul-shape {args.matmul_shape!r}: the row length {n_in} must be a positive multiple of 32 (a block)")
-        MATMUL = (n_in, n_out)
+        matmul = (n_in, n_out)
 
     from tabulate import tabulate
 
@@ -334,13 +334,13 @@ def main(argv: list[str] | None = None) -> int:
                 esec, ebytes, graphed = b.matvec_rate(t, n_in, n_out)
                 graphed_all &= graphed
                 row += [f"{esec * 1e6:.1f}", f"{100 * ebytes / esec / bw:.0f}%"]
-        if args.matmul and MATMUL[0] % t.block_size:
+        if args.matmul and matmul[0] % t.block_size:
             row += ["-"] * 7
         elif args.matmul:
             both, bits = [], []
             for mma, tiled in ((False, False), (True, False), (True, True)) if t.quantized else ((False, False),):
                 b.kernels(mma, tiled)
-                msec, graphed, out = b.matmul_rate(t, *MATMUL, MATMUL_TOKENS)
+                msec, graphed, out = b.matmul_rate(t, *matmul, MATMUL_TOKENS)
                 graphed_all &= graphed
                 both.append(msec)
                 bits.append(out)
@@ -348,7 +348,7 @@ def main(argv: list[str] | None = None) -> int:
             if t.quantized:
                 same = all(bool(b.cp.array_equal(bits[0], o)) for o in bits[1:])
                 if not same:
-                    different.append(f"{name} dense {MATMUL[1]}x{MATMUL[0]}")
+                    different.append(f"{name} dense {matmul[1]}x{matmul[0]}")
                 row += [f"{both[1] * 1e6:.0f}", f"{both[1] / both[0]:.2f}", f"{both[2] * 1e6:.0f}", f"{both[2] / both[0]:.2f}",
                         "yes" if same else "NO"]
             else:
@@ -392,7 +392,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.no_matvec:
         headers += ["head MiB", "head us", "head GB/s", "head % read", "gate/up us", "% read", "down us", "% read"]
     if args.matmul:
-        headers += [f"mm {MATMUL_TOKENS}x{MATMUL[1]}x{MATMUL[0]} us", "tok/s", "mmq us", "mmq/mm", "mmt us", "mmt/mm", "same bits"]
+        headers += [f"mm {MATMUL_TOKENS}x{matmul[1]}x{matmul[0]} us", "tok/s", "mmq us", "mmq/mm", "mmt us", "mmt/mm", "same bits"]
     if args.grouped:
         for lo, hi in GROUPED_PAIRS:
             for what, (n_in, n_out) in EXPERTS.items():

@@ -254,16 +254,22 @@ def test_mma_fragment_layout_is_a_plain_integer_product(rt):
     assert len(bad) == 0, f"{len(bad)} of 128 sums differ, first D{tuple(bad[0])}: {got[tuple(bad[0])]} vs {want[tuple(bad[0])]}"
 
 
+def _take_batched(monkeypatch, kernel: str, names) -> None:
+    """gpu.matmul's batched launches of the types `names` on `kernel` ("mm", "mmq" or "mmt") whatever
+    the product's size (mmt's size rules have their own test); the launch plans made for this
+    choice are dropped after."""
+    names = frozenset(names)
+    monkeypatch.setattr(gpu, "MMA_TYPES", names if kernel != "mm" else frozenset())
+    monkeypatch.setattr(gpu, "MMT_TYPES", names if kernel == "mmt" else frozenset())
+    monkeypatch.setattr(gpu, "MMT_MIN_TILES", 0)
+    monkeypatch.setattr(gpu, "MMT_MIN_BLOCKS", 0)
+    monkeypatch.setattr(gpu, "_plans", {})
+
+
 @pytest.fixture(params=["mm", "mmq", "mmt"])
 def batched_kernel(request, monkeypatch):
-    """Which kernel gpu.matmul's batched launches take for every block type (the launch plans are
-    dropped, so they are made again for it)."""
-    every = frozenset(t.name for t in TYPES if t.quantized)
-    monkeypatch.setattr(gpu, "MMA_TYPES", every if request.param != "mm" else frozenset())
-    monkeypatch.setattr(gpu, "MMT_TYPES", every if request.param == "mmt" else frozenset())
-    monkeypatch.setattr(gpu, "MMT_MIN_TILES", 0)  # mmt whatever the tiles and rows (the choice by size: its own test)
-    monkeypatch.setattr(gpu, "MMT_MIN_BLOCKS", 0)
-    monkeypatch.setattr(gpu, "_plans", {})  # launch plans made for this choice, dropped after
+    """Which kernel gpu.matmul's batched launches take for every block type."""
+    _take_batched(monkeypatch, request.param, (t.name for t in TYPES if t.quantized))
     return request.param
 
 
@@ -292,11 +298,7 @@ def test_mmq_one_launch_for_many_tokens_is_per_64_launches(rt, name, kernel, mon
     in one grid) where it took a launch per MAX_TOKENS: the same bits (each tile's arithmetic is its own
     launch's), the reference's, on ragged rows and a ragged last tile; launches counted."""
     t = BY_NAME[name]
-    monkeypatch.setattr(gpu, "MMA_TYPES", frozenset({name}))
-    monkeypatch.setattr(gpu, "MMT_TYPES", frozenset({name}) if kernel == "mmt" else frozenset())
-    monkeypatch.setattr(gpu, "MMT_MIN_TILES", 0)
-    monkeypatch.setattr(gpu, "MMT_MIN_BLOCKS", 0)
-    monkeypatch.setattr(gpu, "_plans", {})
+    _take_batched(monkeypatch, kernel, {name})
     n_in, n_out, n_tok = _RAGGED[t.block_size][-1], 37, 3 * gpu.MAX_TOKENS + 9
     rng = np.random.default_rng(t.id + 7)
     raw = random_weights(t, n_in * n_out, rng)
@@ -481,11 +483,7 @@ def test_mmt_keeps_mm_bits_on_long_rows_and_many_tiles(rt, name, monkeypatch):
     one act-block short) and 320 (10240: a leaf spans two steps), more block tiles than the grid
     (its blocks take several in turn: rows and tokens both ragged), against the reference's bits."""
     t = BY_NAME[name]
-    monkeypatch.setattr(gpu, "MMA_TYPES", frozenset({name}))
-    monkeypatch.setattr(gpu, "MMT_TYPES", frozenset({name}))
-    monkeypatch.setattr(gpu, "MMT_MIN_TILES", 0)
-    monkeypatch.setattr(gpu, "MMT_MIN_BLOCKS", 0)
-    monkeypatch.setattr(gpu, "_plans", {})
+    _take_batched(monkeypatch, "mmt", {name})
     for n_in, n_out, tokens in ((2560, 16 * rt.n_sm * gpu.MT_ROWS + 3, (17, 2 * gpu.MT_TOKS + 5)), (10240, 9, (3,))):
         assert gpu._quant_plan(t.id, n_in, n_out, max(tokens))[1] == f"mmt<{t.id}>"
         _check_products(rt, t, n_in, n_out, tokens, seed=t.id * 13 + n_in)
