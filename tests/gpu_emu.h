@@ -262,6 +262,26 @@ inline float f16_f32(unsigned h) {  // exact, by integer manipulation
     memcpy(&f, &bits, 4);
     return f;
 }
+inline unsigned f16_bits(float f) {  // cvt.rn.f16.f32: round to nearest even, by integer manipulation
+    unsigned x;
+    memcpy(&x, &f, 4);
+    const unsigned sign = (x >> 16) & 0x8000u, ax = x & 0x7fffffffu;
+    if (ax > 0x7f800000u) return sign | 0x7e00u;  // NaN
+    if (ax >= 0x477ff000u) return sign | 0x7c00u;  // 65520 and up (the half-way past 65504) -> inf
+    unsigned r, rem, half;
+    if (ax >= 0x38800000u) {  // a normal f16: drop 13 of the mantissa's bits
+        r = ((((ax >> 23) - 112u) << 10) | ((ax >> 13) & 0x3ffu));
+        rem = ax & 0x1fffu, half = 0x1000u;
+    } else if (ax >= 0x33000000u) {  // a subnormal f16: m 2^(e - 150) in units of 2^-24
+        const unsigned e = ax >> 23, m = (ax & 0x7fffffu) | 0x800000u, s = 126u - e;  // s in 14 .. 24
+        r = m >> s;
+        rem = m & ((1u << s) - 1u), half = 1u << (s - 1u);
+    } else {
+        return sign;  // below 2^-25: rounds to zero
+    }
+    if (rem > half || (rem == half && (r & 1u))) r++;  // a carry into the exponent is right, up to inf
+    return sign | r;
+}
 // cp.async as a synchronous copy: the emulation cannot see a missing wait (the device tests can)
 inline void cp_async16(void* dst, const void* src, unsigned n) {
     memcpy(dst, src, n);

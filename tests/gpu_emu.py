@@ -54,6 +54,7 @@ class EmuRuntime:
 
     def __init__(self, n_sm: int = 1):
         self.n_sm = n_sm
+        self._cublas = False  # gemm_f16 called once (the handle made)
         self.allocations = self.pinned_allocations = self.allocated = 0
         self.cache = Path(os.environ.get("STRATA_EMU_CACHE", Path(tempfile.gettempdir()) / "strata_gpu_emu"))
 
@@ -173,6 +174,28 @@ class EmuRuntime:
 
     def release(self) -> None:
         pass
+
+    def capturing(self) -> bool:  # (the emulation captures no graphs)
+        return False
+
+    def cublas_held(self) -> bool:
+        return self._cublas
+
+    def gemm_f16(self, x, w, out, alpha: float, beta: float) -> None:
+        """cuBLAS's f16 GEMM with f32 accumulation: here in float64, rounded once (its order of
+        summation is cuBLAS's own; the callers hold it to a tolerance, not to bits). The first call
+        counts the memory cuBLAS takes on a card for its handle, workspace and kernels as allocated
+        (the budget's prompt.cublas: a figure measured on the H200, which the card's tests hold to
+        the 1% of the marks; here every other byte is still counted exactly)."""
+        if not self._cublas:
+            from strata.engine.budget import CUBLAS_BYTES
+
+            self._cublas = True
+            self.allocated += CUBLAS_BYTES
+        y = np.float64(np.float32(alpha)) * (x.astype(np.float64) @ w.astype(np.float64).T)
+        if beta != 0:  # (beta 0: out is not read, as cuBLAS specifies: NaN there is overwritten)
+            y = y + np.float64(np.float32(beta)) * out
+        out[...] = y.astype(np.float32)
 
     def set_global(self, mod: _Lib, name: str, host: np.ndarray) -> None:
         host = np.ascontiguousarray(host)

@@ -169,6 +169,10 @@ def available() -> tuple[bool, str]:
 # runtimes: where arrays live and how kernels are compiled and launched
 
 
+# cuBLAS's enumerations (cublas_api.h, library_types.h), for GemmEx through CuPy's binding
+_CUDA_R_16F, _CUDA_R_32F, _CUBLAS_COMPUTE_32F, _CUBLAS_GEMM_DEFAULT = 2, 0, 68, -1
+
+
 class CupyRuntime:
     """Arrays are CuPy arrays on the current device; kernels run on the current stream."""
 
@@ -181,6 +185,7 @@ class CupyRuntime:
         self.cp = self.xp = cupy  # xp: the array module of this runtime's arrays (the device step computes with it)
         self.n_sm = cupy.cuda.Device().attributes["MultiProcessorCount"]
         self._functions: dict[tuple[Any, str], Any] = {}  # (module, kernel): the module object itself, so no id is reused
+        self._cublas, self._ab = None, {}  # gemm_f16's binding and its (alpha, beta) host arrays
 
     def to_device(self, a: np.ndarray):
         return self.cp.asarray(np.ascontiguousarray(a))
@@ -213,6 +218,37 @@ class CupyRuntime:
     def set_global(self, mod, name: str, host: np.ndarray) -> None:
         dev = self.cp.ndarray(host.shape, host.dtype, memptr=mod.get_global(name))
         dev.set(np.ascontiguousarray(host))
+
+    def capturing(self) -> bool:
+        """Whether the current stream is being captured into a graph."""
+        return self.cp.cuda.get_current_stream().is_capturing()
+
+    def cublas_held(self) -> bool:
+        """Whether gemm_f16 ran in this process: cuBLAS's handle, workspace and first kernels are
+        allocated already (they stay until the process ends)."""
+        return self._cublas is not None
+
+    def gemm_f16(self, x, w, out, alpha: float, beta: float) -> None:
+        """out f32 [T, R] = alpha x w^T + beta out for x f16 [T, K] and w f16 [R, K], each with its
+        rows of K contiguous (any row stride: a column slab of a wider output, half of a wider row):
+        cuBLAS's GemmEx with f32 accumulation (CUBLAS_COMPUTE_32F), on the current stream."""
+        if self._cublas is None:  # (a few microseconds a call saved: a prompt makes hundreds)
+            from cupy_backends.cuda.libs import cublas
+
+            self._cublas = cublas
+        cublas = self._cublas
+        handle = self.cp.cuda.device.get_cublas_handle()
+        cublas.setStream(handle, self.cp.cuda.get_current_stream().ptr)
+        cublas.setPointerMode(handle, 0)  # CUBLAS_POINTER_MODE_HOST: alpha and beta read from host memory
+        T, K = x.shape
+        R = w.shape[0]
+        ab = self._ab.get((alpha, beta))
+        if ab is None:  # kept: the host memory cuBLAS reads alpha and beta from (also in a captured graph)
+            ab = self._ab[(alpha, beta)] = np.array([alpha, beta], np.float32)
+        # column-major: out^T [R, T] = op(w) [R, K] x [K, T]; w's and x's rows are columns of K
+        cublas.gemmEx(handle, 1, 0, R, T, K, ab.ctypes.data, w.data.ptr, _CUDA_R_16F, w.strides[0] // 2,
+                      x.data.ptr, _CUDA_R_16F, x.strides[0] // 2, ab.ctypes.data + 4, out.data.ptr, _CUDA_R_32F,
+                      out.strides[0] // 4, _CUBLAS_COMPUTE_32F, _CUBLAS_GEMM_DEFAULT)
 
     # --- what the GPU tier needs beyond the kernels (engine/tier/) ---
 
@@ -389,7 +425,7 @@ def _names(t: GGMLType) -> list[str]:
     if t.quantized:
         wide = [f"mv<{t.id}, {k}, 1>" for k in KPLS] if is_wide(t) else []
         grouped = [f"mvx<{t.id}, {k}>" for k in KPLS] + [f"mvm<{t.id}, {k}>" for k in KPLS]
-        batched = [f"mvf<{t.id}>", f"mm<{t.id}>", f"mmx<{t.id}>", f"mmq<{t.id}>", f"mmqx<{t.id}>", f"mmqw<{t.id}>", f"mmqk<{t.id}>", f"mmt<{t.id}>"]
+        batched = [f"deq_h<{t.id}>", f"mvf<{t.id}>", f"mm<{t.id}>", f"mmx<{t.id}>", f"mmq<{t.id}>", f"mmqx<{t.id}>", f"mmqw<{t.id}>", f"mmqk<{t.id}>", f"mmt<{t.id}>"]
         return [f"mv<{t.id}, {k}>" for k in KPLS] + wide + grouped + batched + [f"traits<{t.id}>"]
     kind = _FLOAT_KIND[t.name]
     return [f"fmv<{kind}>", f"fmvm<{kind}>", f"fmm<{kind}>"] + [f"fmt<{kind}, {r}, {c}>" for r in FMT_SIDES for c in FMT_SIDES]
@@ -406,7 +442,7 @@ def _module(key: str) -> _Module:
         return _modules[key]
     rt = runtime()
     if key == "actq":
-        m = _Module(rt.compile(["actq", "actq16", "combine16"]))
+        m = _Module(rt.compile(["actq", "actq16", "combine16", "to_h"]))
     else:
         t = ggml_type(key, where="gpu kernels")
         m = _Module(rt.compile(_names(t)))
@@ -1065,6 +1101,78 @@ def matmul(w: GpuWeight, act, out=None, planes_out=None):
         else:
             _float(w, act[a:b], out[a:b])
     return out
+
+
+# --- the dense prompt products through cuBLAS (gemm_products)
+# A quantized weight's rows dequantized to f16 pairs (hi, lo: 22 bits), a slab of them at a time
+# into one reused buffer, multiplied by the chunk's activations (the ActQ's values, as the token
+# path multiplies them, also split in two f16) in two cuBLAS GEMMs with f32 accumulation: the
+# int8 activations' product within float32 rounding, in another order than mm's, so not its bits.
+# The device step's prompt takes it for the dense products, where the logits are the CPU's within
+# float32 rounding either way (tests/gpu/test_device_step.py); never an expert, whose rows must be
+# the CPU's bit for bit at every --expert-cache size (grouped_products).
+# STRATA_GEMM: "off", or the fewest rows a product takes it from (default GEMM_MIN_TOKENS).
+GEMM_MIN_TOKENS = 64
+GEMM_SLAB_BYTES = 128 << 20  # the f16 pairs of a slab of weight rows: the budget's prompt.gemm (one launch set a
+# product up to 128 MiB of pairs, 12288 x 2560 among them: at 256 tokens a 10240 x 2560 product in 4 slabs
+# of 32 MiB was ~0.4 ms of launches, the host's time, not the card's, 2026-12-03)
+GEMM_SCALE = 256.0  # to_h stores x / 256 (f16's range, gpu_kernels.cu), the GEMMs' alpha undoes it
+
+
+def _gemm_setting(spec: str | None) -> int:
+    if spec is None or spec == "":
+        return GEMM_MIN_TOKENS
+    if spec == "off":
+        return 0
+    if spec.isdigit() and int(spec) > 0:
+        return int(spec)
+    raise ValueError(f"STRATA_GEMM={spec!r}: expected off or the fewest prompt rows a dense product takes cuBLAS from (a positive integer)")
+
+
+GEMM_FROM = _gemm_setting(os.environ.get("STRATA_GEMM"))  # 0: off
+
+
+def gemm_takes(w: GpuWeight, n_tok: int) -> bool:
+    """Whether the dense prompt product of w on n_tok rows goes through cuBLAS (gemm_products)."""
+    if not (GEMM_FROM > 0 and n_tok >= GEMM_FROM and w.type.quantized):
+        return False
+    rt = runtime()
+    # never inside a captured graph (a token step's, a verify's): CuPy refuses cuBLAS calls while a
+    # stream captures (2026-12-03, H200: the card's test with the route from 1 row hit it)
+    return hasattr(rt, "gemm_f16") and not rt.capturing()
+
+
+def gemm_products(w: GpuWeight, act, out, xh, wh) -> None:
+    """out f32 [T, n_out] = W x[t] for the T rows of act (a GpuActQ [T, n_in], or a GpuActQ16 for
+    the wide weights: the values the token path multiplies), through cuBLAS: act's values / 256 as
+    f16 pairs into xh (device u16 of 2 T n_in or more), W's rows in slabs as f16 pairs into wh (device
+    u16 of 128 n_in or more: as many rows, a multiple of 64, as it holds); per slab hi hi with
+    alpha 256, then [hi lo + lo hi] with alpha 256 / 2048 added."""
+    rt, t = runtime(), w.type
+    wide = isinstance(act, GpuActQ16)
+    a = act.planes if wide else act
+    n = a.q.shape[-1]
+    T = a.q.shape[0] // 2 if wide else a.q.shape[0]
+    if n != w.n_in or out.shape != (T, w.n_out):
+        raise ValueError(f"gemm_products {w.label}: activations [{T}, {n}] and out {list(out.shape)} for a [{w.n_out}, {w.n_in}] weight")
+    if xh.size < 2 * T * n:
+        raise ValueError(f"gemm_products {w.label}: an activation buffer of {xh.size} f16 is short of {2 * T * n}")
+    slab = min(w.n_out, wh.size // (2 * n) // 64 * 64)  # (a slab's first output column 256-byte aligned for cuBLAS)
+    if slab == 0:
+        raise ValueError(f"gemm_products {w.label}: a buffer of {wh.size} f16 holds fewer than 64 rows of {n} pairs")
+    nb = n // QA
+    rt.launch(_module("actq").mod, "to_h", _grid(rt, T * n, 256 * 8), 256, (a.q, a.d, xh, np.int64(T), np.int32(nb), np.int32(wide)))
+    x2 = xh[: 2 * T * n].view(np.float16).reshape(T, 2 * n)  # [hi | lo]
+    m = _module(t.name)
+    scales = w.scales if w.scales is not None else w.rest
+    for r0 in range(0, w.n_out, slab):
+        rows = min(slab, w.n_out - r0)
+        rt.launch(m.mod, f"deq_h<{t.id}>", _grid(rt, rows * nb, 256 * 4), 256,
+                  (w.rest, scales, wh, np.int64(r0), np.int32(rows), np.int32(nb)))
+        w2 = wh[: 2 * rows * n].view(np.float16).reshape(rows, 2 * n)  # [lo | hi]
+        o = out[:, r0 : r0 + rows]
+        rt.gemm_f16(x2[:, :n], w2[:, n:], o, GEMM_SCALE, 0.0)
+        rt.gemm_f16(x2, w2, o, GEMM_SCALE / 2048, 1.0)
 
 
 def matvec(w: GpuWeight, act, out=None):

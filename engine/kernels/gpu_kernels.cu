@@ -76,6 +76,11 @@ __device__ __forceinline__ float f16_f32(u32 h) {  // exact (an f16 subnormal is
     asm("cvt.f32.f16 %0, %1;" : "=f"(r) : "h"((unsigned short)h));
     return r;
 }
+__device__ __forceinline__ u32 f16_bits(float a) {  // round to nearest even; past the range: inf
+    unsigned short r;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(r) : "f"(a));
+    return r;
+}
 // copy n (<= 16) bytes of src to dst and zero the rest of the 16: both 16-byte aligned
 __device__ __forceinline__ void cp_async16(void* dst, const void* src, u32 n) {
     u64 d;
@@ -1640,6 +1645,56 @@ __device__ __forceinline__ void mt_body(const u8* __restrict__ rest, const float
     }
 }
 
+// ---------------------------------------------------------------------------------------------
+// The dense prompt products through cuBLAS (gpu.gemm_products): each value v as two f16, hi =
+// f16(v) and lo = f16((v - hi) 2^11), 22 bits of it between them, so that cuBLAS's f16 GEMMs
+// with f32 accumulation, hi hi (alpha 1) + [hi lo + lo hi] (alpha 2^-11, one GEMM over both
+// halves of the rows), give the product of the int8 activations (ActQ, as the token path
+// multiplies them) within float32 rounding (one f16 GEMM alone was 2^-11 of each term away: the
+// device step's prompt then left the token path's logits by ~1e-3). v - hi is exact (Sterbenz).
+// deq_h: rows r0 .. r0 + n_rows - 1 of the weight, thread i act-block i % nb of slab row i / nb,
+// element 16h + j: v = wf * f32(ws[h] (q - OFF)) [+ wm * f32(mn[h])] (q, ws, mn small integers).
+//   out u16 [n_rows, 64 nb]: each row its lo parts, then its hi parts
+
+__device__ __forceinline__ u32 f16_split(float v, u32* lo) {
+    const u32 hi = f16_bits(v);
+    *lo = f16_bits(f32_mul(f32_add(v, -f16_f32(hi)), 2048.0f));
+    return hi;
+}
+
+template <int T>
+__global__ void __launch_bounds__(256) deq_h(const u8* __restrict__ rest, const float* __restrict__ scales, u16* __restrict__ out,
+                                             i64 r0, int n_rows, int nb) {
+    typedef Ty<T> L;
+    const typename L::Tab* tab = load_tab<T>(nullptr, 0);
+    const int nblk = nb / L::APB;
+    const i64 n = (i64)n_rows * nb;
+    for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x) {
+        const i64 row = i / nb, o = r0 + row;
+        const int k = (int)(i % nb);
+        const i64 blk = o * nblk + k / L::APB;
+        const Blk b = L::dec(rest + blk * L::REST, k % L::APB, scales + blk * L::NS, tab);
+        u32 h[16], l[16];
+#pragma unroll
+        for (int j = 0; j < 32; j++) {
+            const int half = j >> 4, q = (int)(i8)(b.q[j >> 2] >> (8 * (j & 3))) - L::OFF;
+            float v = f32_mul(b.wf, i32_f32((half ? b.ws1 : b.ws0) * q));
+            if (L::HAS_MIN) v = f32_add(v, f32_mul(b.wm, i32_f32(half ? b.mn1 : b.mn0)));
+            u32 lo;
+            const u32 hi = f16_split(v, &lo);
+            h[j >> 1] = (j & 1) ? (h[j >> 1] | (hi << 16)) : hi;
+            l[j >> 1] = (j & 1) ? (l[j >> 1] | (lo << 16)) : lo;
+        }
+        uint4* dl = reinterpret_cast<uint4*>(STRATA_ALIGNED(out + row * 64 * nb + 32 * k, 16));
+        uint4* dh = reinterpret_cast<uint4*>(STRATA_ALIGNED(out + row * 64 * nb + 32 * (nb + k), 16));
+#pragma unroll
+        for (int v = 0; v < 4; v++) {
+            dl[v] = make_uint4(l[4 * v], l[4 * v + 1], l[4 * v + 2], l[4 * v + 3]);
+            dh[v] = make_uint4(h[4 * v], h[4 * v + 1], h[4 * v + 2], h[4 * v + 3]);
+        }
+    }
+}
+
 template <int T>
 __global__ void __launch_bounds__(MT_THREADS, STRATA_MT_MINB) mmt(const u8* __restrict__ rest, const float* __restrict__ scales,
                                                                       const i8* __restrict__ xq, const float* __restrict__ xd,
@@ -1959,6 +2014,31 @@ __global__ void __launch_bounds__(256) actq16(const float* __restrict__ x, i8* _
             s16[2 * bh + (lane >> 4)] = sh;
             s16[2 * (bh + nb) + (lane >> 4)] = sl;
         }
+    }
+}
+
+// The dense GEMM route's activations (gpu.gemm_products): the values the token path multiplies,
+// x = d q (ActQ; wide: d (256 q_hi + q_lo), the planes in rows 2t and 2t + 1), divided by 256 and
+// split as deq_h splits the weights. Why / 256: f16 ends at 65504 and an unnormalized input (a
+// shared expert's down reads silu(g) u) may pass it; scaled, hi reaches 2^24 (alpha 256 undoes it).
+//   q i8 [T (wide: 2T), 32 nb]; d f32 [T (2T), nb]; y u16 [T, 64 nb]: each row its hi parts, then its lo parts
+
+__global__ void __launch_bounds__(256) to_h(const i8* __restrict__ q, const float* __restrict__ d, u16* __restrict__ y,
+                                            i64 T, int nb, int wide) {
+    const i64 n = T * 32 * nb;
+    for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x) {
+        const i64 t = i / (32 * nb), e = i - t * 32 * nb;
+        float x;
+        if (wide) {
+            const i64 a = 2 * t * 32 * nb + e;
+            x = f32_mul(d[2 * t * nb + e / 32], i32_f32(256 * (int)q[a] + (int)q[a + 32 * nb]));
+        } else {
+            x = f32_mul(d[t * nb + e / 32], i32_f32((int)q[i]));
+        }
+        u32 lo;
+        const u32 hi = f16_split(f32_mul(x, 0.00390625f), &lo);
+        y[t * 64 * nb + e] = (u16)hi;
+        y[t * 64 * nb + 32 * nb + e] = (u16)lo;
     }
 }
 

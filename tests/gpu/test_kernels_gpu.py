@@ -510,3 +510,106 @@ def test_mmt_takes_the_products_with_tiles_for_every_multiprocessor(rt, monkeypa
     monkeypatch.setattr(gpu, "MMT_TYPES", frozenset())
     monkeypatch.setattr(gpu, "_plans", {})
     assert gpu._quant_plan(t.id, 2560, need * gpu.MT_ROWS, gpu.MT_TOKS)[1] == f"mmq<{t.id}>"
+
+
+# --- the dense prompt products through cuBLAS (gpu.gemm_products): weights and activations as f16
+# pairs (hi, lo), f32 accumulation. Not the reference's bits (mm's), so held to float32's rounding.
+
+
+def _split(v: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(hi, lo) of f32 values as gpu_kernels.cu's f16_split: hi = f16(v), lo = f16((v - hi) 2^11)."""
+    v = np.asarray(v, np.float32)
+    with np.errstate(over="ignore", invalid="ignore"):
+        hi = v.astype(np.float16)
+        lo = ((v - hi.astype(np.float32)) * np.float32(2048)).astype(np.float16)
+    return hi, lo
+
+
+def _deq_h(rt, t, raw: np.ndarray, n_in: int, n_out: int, r0: int, rows: int) -> np.ndarray:
+    w = gpu.upload(raw, t.id, n_in, n_out)
+    wh = rt.to_device(np.full(2 * rows * n_in, 0xFFFF, np.uint16))  # (NaN: a part left unwritten shows)
+    m = gpu._module(t.name)
+    rt.launch(m.mod, f"deq_h<{t.id}>", 3, 256, (w.rest, w.scales if w.scales is not None else w.rest, wh, np.int64(r0),
+                                                np.int32(rows), np.int32(n_in // 32)))
+    return rt.to_host(wh).reshape(rows, 2 * n_in)
+
+
+@pytest.mark.parametrize("t", [t for t in TYPES if t.quantized], ids=lambda t: t.name)
+def test_deq_h_splits_each_weight_into_two_f16(rt, t):
+    """deq_h<T>: rows r0 .. r0 + rows - 1 of the weight, each row its lo parts then its hi parts, of
+    v = wf * f32(ws[h] q) [+ wm * f32(mn[h])] in f32 (numpy here, the same operations); hi + lo / 2^11
+    is the exact value (IntForm.values) within 2^-21 of it."""
+    n_in, n_out = _small_shape(t)[0], 9
+    raw = random_weights(t, n_in * n_out, np.random.default_rng(50 + t.id))
+    form = R.decompose(raw, t.id, n_in * n_out)
+    v = form.wf[:, None, None] * (form.ws[:, :, None] * form.q.reshape(-1, 2, 16).astype(np.int32)).astype(np.float32)
+    if form.mn is not None:
+        v = v + form.wm[:, None, None] * form.mn[:, :, None].astype(np.float32)
+    hi, lo = (p.reshape(n_out, n_in)[2:8] for p in _split(v.astype(np.float32)))
+    want = np.concatenate([lo, hi], axis=1).view(np.uint16)
+    got = _deq_h(rt, t, raw, n_in, n_out, 2, 6)  # rows 2 .. 7: a slab inside the weight
+    assert np.array_equal(got, want), f"{t.name}: first difference at {np.argwhere(got != want)[0]}"
+    exact = form.values().reshape(n_out, n_in)[2:8]
+    pair = hi.astype(np.float64) + lo.astype(np.float64) / 2048
+    assert np.all(np.abs(pair - exact) <= np.abs(exact) * 2.0**-21 + 2.0**-40)
+
+
+@pytest.mark.parametrize("wide", [False, True])
+def test_to_h_splits_the_actq_values_over_256(rt, wide):
+    """to_h: x = d q (ActQ; wide: d (256 q_hi + q_lo)) / 256 as (hi, lo), each row its hi parts then
+    its lo parts: blocks of every scale, a zero block, one past f16's range unscaled."""
+    from strata.engine.kernels.actq import quantize_act16
+
+    x = _acts(320, 3, 11)
+    x[1, :32] *= np.float32(4e4)
+    xd = rt.to_device(x)
+    act = gpu.quantize_act16_gpu(xd) if wide else gpu.quantize_act_gpu(xd)
+    a = act.planes if wide else act
+    y = rt.to_device(np.zeros(2 * x.size, np.uint16))
+    rt.launch(gpu._module("actq").mod, "to_h", 2, 256, (a.q, a.d, y, np.int64(3), np.int32(10), np.int32(wide)))
+    if wide:
+        p = quantize_act16(x).planes
+        v = np.repeat(p.d[0::2], 32, axis=1) * (256 * p.q[0::2].astype(np.int32) + p.q[1::2]).astype(np.float32)
+    else:
+        q = quantize_act(x)
+        v = np.repeat(q.d, 32, axis=1) * q.q.astype(np.float32)
+    hi, lo = _split(v.astype(np.float32) * np.float32(1 / 256))
+    assert np.array_equal(rt.to_host(y).reshape(3, 640), np.concatenate([hi, lo], axis=1).view(np.uint16))
+
+
+@pytest.mark.parametrize("name", ["Q5_0", "Q8_0", "IQ4_NL", "Q4_K", "Q5_1", "IQ2_XS"])
+def test_gemm_products_are_the_int8_product_within_float32_rounding(rt, name):
+    """gemm_products: the weight in slabs of f16 pairs (a ragged last one), the ActQ's values as f16
+    pairs, two GEMMs: the exact product of the token path's int8 activations within float32's
+    rounding (2^-16 of sum |w x|: f32 sums of 2 n_in terms; one f16 GEMM alone is 2^-11 away), also
+    for inputs past f16's range (the scale); every column written."""
+    t = BY_NAME[name]
+    n_in, n_out, T = {32: 32 * 12, 64: 64 * 6, 256: 256 * 2}[t.block_size], 200, 5
+    rng = np.random.default_rng(t.id)
+    raw = random_weights(t, n_in * n_out, rng)
+    w = gpu.upload(raw, t.id, n_in, n_out)
+    x = _acts(n_in, T, t.id)
+    x[3] *= np.float32(3e4)  # past 65504: f16 holds it only scaled
+    q = quantize_act(x)
+    xv = np.repeat(q.d, 32, axis=1).astype(np.float64) * q.q
+    wv = R.decompose(raw, t.id, n_in * n_out).values().reshape(n_out, n_in)
+    exact, bound = xv @ wv.T, np.abs(xv) @ np.abs(wv).T
+    xh = rt.to_device(np.zeros(2 * T * n_in, np.uint16))
+    wh = rt.to_device(np.zeros(128 * n_in + 5, np.uint16))  # slabs of 64 rows: 64, 64, 64, 8
+    out = rt.to_device(np.full((T, n_out), np.nan, np.float32))
+    gpu.gemm_products(w, gpu.quantize_act_gpu(rt.to_device(x)), out, xh, wh)
+    got = rt.to_host(out).astype(np.float64)
+    assert np.isfinite(got).all()
+    err = np.abs(got - exact)
+    assert np.all(err <= 2.0**-16 * bound + 1e-30), f"{name}: worst {np.max(err / np.maximum(bound, 1e-30)):.3g} of sum |w x|"
+
+
+def test_gemm_products_refuse_short_buffers(rt):
+    t = BY_NAME["Q8_0"]
+    w = gpu.upload(random_weights(t, 64 * 80, np.random.default_rng(0)), t.id, 64, 80)
+    act = gpu.quantize_act_gpu(rt.to_device(np.ones((3, 64), np.float32)))
+    out = rt.to_device(np.zeros((3, 80), np.float32))
+    with pytest.raises(ValueError, match="short of 384"):
+        gpu.gemm_products(w, act, out, rt.to_device(np.zeros(300, np.uint16)), rt.to_device(np.zeros(128 * 64, np.uint16)))
+    with pytest.raises(ValueError, match="fewer than 64 rows"):
+        gpu.gemm_products(w, act, out, rt.to_device(np.zeros(384, np.uint16)), rt.to_device(np.zeros(127 * 64, np.uint16)))
