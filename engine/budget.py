@@ -57,6 +57,7 @@ from strata.index_format.native_experts import NativeExperts
 from strata.index_format.pack_index import PackIndex, TensorEntry
 
 from .expert_plan import MiB, auto_line, auto_slots, prefill_mib
+from .kernels import gpu
 from .kernels.engine_form import PLANE_ALIGN, align, placed_bytes
 from .kvcache import KV_TYPES, kv_bytes_per_token
 from .model import EMBD_ROWS_BYTES, conv_state_bytes, gdn_state_bytes, stream_elems
@@ -145,6 +146,7 @@ class BudgetOptions:
     cache_mib: int = 0  # strata serve --conversation-cache-mib: their host memory at most
     device_step: bool = False  # --gpu-step device: the sessions' states and the blocks' parameters live on the card
     stream_experts: bool = True  # a prompt chunk's non-resident experts may be streamed (--stream-min-tokens off: False)
+    cublas_held: bool = False  # this process made cuBLAS ready already (an earlier tier): its memory is not new
 
     def __post_init__(self) -> None:
         if self.max_context < 1:
@@ -735,6 +737,15 @@ def _warnings(free_at_open: int, reserve: Reserve, after_bytes: int, cache_bytes
     return out
 
 
+CUBLAS_BYTES = 64 * MiB
+
+
+def gemm_on(o: BudgetOptions) -> bool:
+    """Whether the device step's prompt multiplies its dense products through cuBLAS (gpu.gemm_products),
+    with a weight slab of gpu.GEMM_SLAB_BYTES placed at stage 6."""
+    return o.device_step and o.prefill_chunk > 0 and gpu.GEMM_FROM > 0
+
+
 def _after_cache_items(g: ModelGeometry, o: BudgetOptions, slot: int) -> list[Item]:
     pf = prefill_mib(o.prefill_chunk, borrowed=o.prefill_borrowed)
     chunk = (f"prompt path chunk buffers ({o.prefill_chunk}-token chunk)" if pf else
@@ -748,6 +759,13 @@ def _after_cache_items(g: ModelGeometry, o: BudgetOptions, slot: int) -> list[It
         Item("head.logits", "logits (f32)", g.n_vocab * F32, HEAD_PROMPT),
         Item("head.logits_host", "logits download (pinned)", g.n_vocab * F32, HEAD_PROMPT, HOST),
         Item("prompt.chunk", chunk, pf * MiB, HEAD_PROMPT),
+        Item("prompt.gemm", "dense prompt products' f16 weight slab (cuBLAS)" + ("" if gemm_on(o) else
+             " (the host-driven step, no --prefill chunk, or STRATA_GEMM=off)"), gpu.GEMM_SLAB_BYTES if gemm_on(o) else 0, HEAD_PROMPT),
+        # not ours: what cuBLAS allocates for its handle, its workspace and the kernels it loads, as
+        # the stage-6 mark measured it beside the budget on the H200 (2026-12-03: +64 MiB)
+        Item("prompt.cublas", "cuBLAS's handle, workspace and loaded kernels (measured)" + (
+             " (not used)" if not gemm_on(o) else " (held already by this process)" if o.cublas_held else ""),
+             CUBLAS_BYTES if gemm_on(o) and not o.cublas_held else 0, HEAD_PROMPT),
         *_staging_items(o, slot),
         Item("draft.bind", "draft head binding" + ("" if o.draft_bind_bytes else " (no --mtp)"), o.draft_bind_bytes, VERIFIER),
         Item("verify.logits", f"verifier logits ({o.spec + 1} positions)" if o.spec else "verifier logits (no --spec)",

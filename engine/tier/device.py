@@ -595,6 +595,7 @@ class DeviceBackend(CpuBackend):
         self._mod = rt.compile(_NAMES, source=KERNELS)  # the fused row operations (device_kernels.cu)
         self.experts = DeviceExperts(rt, hits, self)
         self._rope_key, self._rope_cs = None, None  # the last positions' cos and sin (rope_, T > 1)
+        self._gemm_slab = None  # the f16 weight slab of the prompt's dense products through cuBLAS (`_gemm`)
         # the decode step's position lives at a fixed device address, written before a step only when
         # the device does not hold it already (`_at`; a run-ahead step advances it itself): every
         # kernel that depends on it reads it there (the KV write, attention, the ropes' table rows,
@@ -1057,6 +1058,8 @@ class DeviceBackend(CpuBackend):
             if dev_out is not None:
                 dev_out[...] = y
                 y = dev_out
+        elif x.x.ndim == 2 and gpu.gemm_takes(w.device, x.x.shape[0]):  # a prompt's dense product: cuBLAS
+            y = self._gemm(w, x.form(w.type, w.wide, quantize=self._quantize), dev_out)
         else:
             act = x.form(w.type, w.wide, quantize=self._quantize)
             if not w.type.quantized:
@@ -1066,6 +1069,39 @@ class DeviceBackend(CpuBackend):
             out[...] = self.rt.to_host(y)
             return out
         return y
+
+    def gemm_slab(self, buf, shapes, most_rows: int) -> None:
+        """The weight slab of the prompt's dense products through cuBLAS (the budget's prompt.gemm,
+        placed at stage 6), and cuBLAS made ready now for the dense weights' (n_in, n_out) `shapes`
+        at 64, 256, 1024 and 4096 rows (up to most_rows): its handle and the kernels it loads on
+        first use took ~0.1 s of the first prompt and ~25 ms of the first 1024-token piece otherwise
+        (2026-12-03, H200); done here, their memory is in stage 6's mark (the budget's prompt.cublas)."""
+        self._gemm_slab = buf
+        rows = [r for r in (64, 256, 1024, 4096) if r <= max(most_rows, 64)]
+        for n_in, n_out in shapes:
+            r_out = min(n_out, buf.size // (2 * n_in) // 64 * 64)
+            if r_out == 0:
+                continue
+            w2 = buf[: 2 * r_out * n_in].view(np.float16).reshape(r_out, 2 * n_in)
+            for T in rows:
+                x2 = self.xp.zeros((T, 2 * n_in), np.float16)
+                out = self.xp.empty((T, r_out), F32)
+                self.rt.gemm_f16(x2[:, :n_in], w2[:, n_in:], out, 1.0, 0.0)
+                self.rt.gemm_f16(x2, w2, out, 1.0, 1.0)
+        self.rt.synchronize()
+
+    def _gemm(self, w: Weight, act, out):
+        """gpu.gemm_products of a prompt chunk's rows (act: their ActQ, or ActQ16 for a wide weight):
+        the activations' f16 pairs from the memory pool (the prompt path's reserve, like the chunk's
+        other temporaries), the weight's slab one buffer of gpu.GEMM_SLAB_BYTES kept for every product."""
+        q = act.planes.q if isinstance(act, gpu.GpuActQ16) else act.q
+        T = q.shape[0] // 2 if isinstance(act, gpu.GpuActQ16) else q.shape[0]
+        if out is None:
+            out = self.xp.empty((T, w.n_out), F32)
+        if self._gemm_slab is None:  # (a backend the tier's startup did not plan: tests)
+            self._gemm_slab = self.xp.empty(gpu.GEMM_SLAB_BYTES // 2, np.uint16)
+        gpu.gemm_products(w.device, act, out, self.xp.empty(2 * T * w.n_in, np.uint16), self._gemm_slab)
+        return out
 
     def linears(self, ws, x, outs):
         """Several products of one input (the CPU's one parallel region for all of them,

@@ -160,7 +160,8 @@ class _Startup:
         bopts = BudgetOptions(max_context=o.max_context, kv=o.kv, vram_reserve_mib=o.vram_reserve_mib,
                               prefill_chunk=o.prefill_chunk, expert_cache=o.expert_cache,
                               profile_pairs=o.profile.pairs if o.profile is not None else None,
-                              device_step=o.step == "device", stream_experts=o.stream_min_tokens != 0, spec=o.spec)
+                              device_step=o.step == "device", stream_experts=o.stream_min_tokens != 0, spec=o.spec,
+                              cublas_held=getattr(rt, "cublas_held", lambda: False)())
         self.free0 = self.mem.free()
         ple = pack.ple if g.ple_layers else None
         self.plan = plan_budget(pack.index, pack.experts, g, bopts, free_bytes=self.free0,
@@ -295,6 +296,11 @@ class _Startup:
         head_dev = rt.empty((g.n_vocab,), np.float32)
         head_host = rt.pinned(plan.item("head.logits_host").bytes).view(np.float32)
         prompt = self.arena([plan.item("prompt.chunk")], "the prompt chunk buffers")
+        gemm = plan.item("prompt.gemm")
+        if gemm.bytes and self.device is not None:
+            shapes = sorted({(gw.n_in, gw.n_out) for _, gw in self.placed if gw.type.quantized})
+            self.device.gemm_slab(self.arena([gemm], "the dense GEMM slab").arena.view(np.uint16), shapes,
+                                  min(o.max_context, 4096))
         self.dense = dense = Dense(rt, g, self.staging, self.model.head, head_dev, head_host, prompt)
         if dense.rows:  # the prompt path's experts borrow its output rows: a chunk's matrices run one at a time
             self.hits.prompt = rt.view(dense.py.reshape(-1).view(np.uint8), 0, (dense.py.size * 4,), np.uint8)

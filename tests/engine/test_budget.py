@@ -190,6 +190,24 @@ def test_prompt_chunk_and_draft_head_in_the_reserve(seed4l):
     assert none.item("verify.logits").bytes == 0 and none.reserve.bytes == 700 * MIB
 
 
+def test_the_dense_gemm_slab_and_cublas_are_planned_for_the_device_steps_prompt(seed4l, monkeypatch):
+    """The device step's prompt multiplies its dense products through cuBLAS (gpu.gemm_products):
+    its weight slab and what cuBLAS allocates are stage-6 items; none for the host-driven step,
+    without a prompt path, or with STRATA_GEMM=off (gpu.GEMM_FROM 0)."""
+    from strata.engine.kernels import gpu
+
+    b = plan(seed4l, free=64 * GIB, device_step=True)
+    assert b.item("prompt.gemm").bytes == gpu.GEMM_SLAB_BYTES and b.item("prompt.gemm").stage == B.HEAD_PROMPT
+    assert b.item("prompt.cublas").bytes == B.CUBLAS_BYTES > 0
+    off = plan(seed4l, free=64 * GIB, device_step=True, prefill_chunk=0)
+    assert off.item("prompt.gemm").bytes == off.item("prompt.cublas").bytes == 0
+    assert plan(seed4l, free=64 * GIB).item("prompt.gemm").bytes == 0  # the host-driven step
+    held = plan(seed4l, free=64 * GIB, device_step=True, cublas_held=True)  # (an earlier tier of the process made it)
+    assert held.item("prompt.cublas").bytes == 0 and held.item("prompt.gemm").bytes == gpu.GEMM_SLAB_BYTES
+    monkeypatch.setattr(gpu, "GEMM_FROM", 0)
+    assert plan(seed4l, free=64 * GIB, device_step=True).item("prompt.cublas").bytes == 0
+
+
 def test_the_streamed_experts_staging_is_two_slots_on_the_device_and_two_pinned(seed4l):
     b = plan(seed4l, free=64 * GIB)
     dev, pinned = b.item("stream.staging"), b.item("stream.pinned")

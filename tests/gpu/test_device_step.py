@@ -20,6 +20,7 @@ from gpu_emu import EmuRuntime
 
 from strata.engine import budget as B
 from strata.engine.expert_plan import MiB
+from strata.engine.kernels import gpu
 from strata.engine.model import Model
 from strata.engine.pack_reader import Pack
 from strata.engine.tier import GpuTier, TierOptions
@@ -140,6 +141,26 @@ def test_the_device_steps_prompt_streams_experts_with_the_same_bits(model, rt):
             got[f"{n} streamed"] = int(tier.stats.chunk_streamed.sum())
     assert got["1 streamed"] > 0 and got["0 streamed"] == 0
     assert np.array_equal(got[1], got[0]), f"max |diff| {np.abs(got[1] - got[0]).max()}"
+
+
+def test_the_prompts_dense_products_through_cublas_keep_the_cpu_logits(model, rt, monkeypatch):
+    """gpu.gemm_products for every dense product of a prompt chunk (from 1 row here; by default from
+    gpu.GEMM_MIN_TOKENS): the logits stay the CPU's within float32 rounding, by the device step's
+    rule, and bit-identical whatever the split: no expert takes it (also with a wide weight: the
+    fixture's Q8_0 attention reads the wide form)."""
+    monkeypatch.setattr(gpu, "GEMM_FROM", 1)
+    took, real = [], gpu.gemm_products
+    monkeypatch.setattr(gpu, "gemm_products", lambda w, *a: (took.append(w.name), real(w, *a))[1])
+    toks = tokens(model, 20)
+    want = run(model, model.new_session(CTX, "f32"), toks, 11)
+    got = {}
+    for config, cache in (("none", 0), ("all", None)):
+        with device_tier(model, expert_cache=cache) as tier:
+            got[config] = run(model, tier.take_session(CTX, "f32"), toks, 11)
+    assert took and not any("exps" in n for n in took), took
+    assert any(n.split(".")[2] in ("attn_qkv", "attn_q") for n in took), took  # (a wide one)
+    assert_close(got["all"], want)
+    assert np.array_equal(got["none"], got["all"]), f"max |diff| {np.abs(got['none'] - got['all']).max()}"
 
 
 @pytest.mark.parametrize("kv,cache", [("f32", None), ("f16", None), ("int8", None), ("f16", 0)])
