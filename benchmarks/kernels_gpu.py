@@ -21,6 +21,9 @@ for a block type on each batched kernel: mm (__dp4a, a warp per row), mmq and mm
 cores; mmt in block tiles), whichever gpu.MMA_TYPES / MMT_TYPES say a run takes (STRATA_MMA,
 STRATA_MMT; gpu.MMAX_TYPES, STRATA_MMAX, for the grouped ones); "mmq/mm", "mmt/mm" < 1: faster than
 mm; "same bits": the three outputs bit for bit.
+--matmul-tokens sets its tokens; --gemm adds the cuBLAS route of the device step's prompt (gpu.gemm_products:
+the weight and the ActQ's values as f16 pairs, two GEMMs with f32 accumulation; not the same bits,
+so its largest difference from mmt's output, over that output's largest value, is printed instead).
 --grouped adds a prompt chunk's routed experts: one `gpu.grouped_products` launch over
 GROUPED_EXPERTS distinct experts of the gate/up shape (and of the down shape, rounded up to whole
 blocks) at each GROUPED_PAIRS range of pairs an expert (seeded: 5-20, a 256-token prompt's ~5 a
@@ -228,6 +231,21 @@ class Bench:
         sec, graphed = self.per_call([lambda: self.gpu.matmul(w, a, out)] * 4)
         return sec, graphed, out.view(self.cp.uint32).copy()
 
+    def gemm_rate(self, t, n_in: int, n_out: int, n_tok: int, mmt_bits) -> tuple[float, float]:
+        """(seconds per gemm_products of n_tok tokens, its largest difference from the batched
+        kernel's output over that output's largest value): the cuBLAS route, timed by CUDA events
+        around plain launches (no graph: cuBLAS makes its own workspace on first use), the same
+        weight and activations as matmul_rate's."""
+        cp, gpu = self.cp, self.gpu
+        w = self.weight(t, n_in, n_out, 7)
+        x = cp.asarray(np.random.default_rng(0).standard_normal((n_tok, n_in)).astype(np.float32))
+        a = gpu.quantize_act_gpu(x)
+        out = cp.empty((n_tok, n_out), cp.float32)
+        xh, wh = cp.empty(2 * n_tok * n_in, cp.uint16), cp.empty(gpu.GEMM_SLAB_BYTES // 2, cp.uint16)
+        sec = min(self.elapsed(lambda: gpu.gemm_products(w, a, out, xh, wh), 8) for _ in range(3))
+        ref = mmt_bits.view(cp.float32)
+        return sec, float(cp.abs(out - ref).max() / cp.abs(ref).max())
+
     def few_rows(self, few: bool) -> None:
         """The kernel of the next few-row products: mvf up to 8 rows, or none (mmq for every block type)."""
         self.kernels(True)
@@ -277,6 +295,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--matmul-shape", metavar="OUTxIN", help="--matmul's weight: rows x row length (a multiple of 32; "
                     "types of longer blocks get no figure), "
                     f"instead of {MATMUL[1]}x{MATMUL[0]}")
+    ap.add_argument("--matmul-tokens", type=int, default=MATMUL_TOKENS, help="--matmul's tokens (a prompt chunk's rows)")
+    ap.add_argument("--gemm", action="store_true", help="with --matmul: also time the cuBLAS route (gpu.gemm_products: f16 pairs, "
+                    "two GEMMs) and give its largest difference from the batched kernels' output")
     ap.add_argument("--grouped", action="store_true", help=f"also time one grouped-experts launch ({GROUPED_EXPERTS} experts at {GROUPED_PAIRS} pairs each) per type, on each grouped kernel")
     ap.add_argument("--grouped-kernels", default=",".join(GROUPED_KERNELS), help="the grouped kernels --grouped times (the first is the baseline)")
     ap.add_argument("--few", action="store_true", help=f"also time {', '.join(map(str, FEW_TOKENS))}-token products of "
@@ -334,25 +355,29 @@ def main(argv: list[str] | None = None) -> int:
                 esec, ebytes, graphed = b.matvec_rate(t, n_in, n_out)
                 graphed_all &= graphed
                 row += [f"{esec * 1e6:.1f}", f"{100 * ebytes / esec / bw:.0f}%"]
+        n_tok = args.matmul_tokens
         if args.matmul and matmul[0] % t.block_size:
-            row += ["-"] * 7
+            row += ["-"] * (10 if args.gemm else 7)
         elif args.matmul:
             both, bits = [], []
             for mma, tiled in ((False, False), (True, False), (True, True)) if t.quantized else ((False, False),):
                 b.kernels(mma, tiled)
-                msec, graphed, out = b.matmul_rate(t, *matmul, MATMUL_TOKENS)
+                msec, graphed, out = b.matmul_rate(t, *matmul, n_tok)
                 graphed_all &= graphed
                 both.append(msec)
                 bits.append(out)
-            row += [f"{both[0] * 1e6:.0f}", f"{MATMUL_TOKENS / both[0]:.0f}"]
+            row += [f"{both[0] * 1e6:.0f}", f"{n_tok / both[0]:.0f}"]
             if t.quantized:
                 same = all(bool(b.cp.array_equal(bits[0], o)) for o in bits[1:])
                 if not same:
                     different.append(f"{name} dense {matmul[1]}x{matmul[0]}")
                 row += [f"{both[1] * 1e6:.0f}", f"{both[1] / both[0]:.2f}", f"{both[2] * 1e6:.0f}", f"{both[2] / both[0]:.2f}",
                         "yes" if same else "NO"]
+                if args.gemm:
+                    gsec, gerr = b.gemm_rate(t, *matmul, n_tok, bits[2])
+                    row += [f"{gsec * 1e6:.0f}", f"{gsec / min(both[1:]):.2f}", f"{gerr:.1e}"]
             else:
-                row += ["-"] * 5
+                row += ["-"] * (8 if args.gemm else 5)
         if args.grouped:
             for counts in pair_counts:
                 for shape, (n_in, n_out) in EXPERTS.items():
@@ -392,7 +417,9 @@ def main(argv: list[str] | None = None) -> int:
     if not args.no_matvec:
         headers += ["head MiB", "head us", "head GB/s", "head % read", "gate/up us", "% read", "down us", "% read"]
     if args.matmul:
-        headers += [f"mm {MATMUL_TOKENS}x{matmul[1]}x{matmul[0]} us", "tok/s", "mmq us", "mmq/mm", "mmt us", "mmt/mm", "same bits"]
+        headers += [f"mm {args.matmul_tokens}x{matmul[1]}x{matmul[0]} us", "tok/s", "mmq us", "mmq/mm", "mmt us", "mmt/mm", "same bits"]
+        if args.gemm:
+            headers += ["gemm us", "gemm / best of mmq, mmt", "gemm max |diff| / max |mmt|"]
     if args.grouped:
         for lo, hi in GROUPED_PAIRS:
             for what, (n_in, n_out) in EXPERTS.items():
