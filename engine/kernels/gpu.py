@@ -220,8 +220,14 @@ class CupyRuntime:
         dev.set(np.ascontiguousarray(host))
 
     def capturing(self) -> bool:
-        """Whether the current stream is being captured into a graph."""
-        return self.cp.cuda.get_current_stream().is_capturing()
+        """Whether the current stream is being captured into a graph (Stream.is_capturing, or the
+        runtime's cudaStreamIsCapturing where a CuPy has no such method: this guard only ran in the
+        emulation after its last change, so it leans on neither alone)."""
+        stream = self.cp.cuda.get_current_stream()
+        method = getattr(stream, "is_capturing", None)
+        if method is not None:
+            return bool(method())
+        return self.cp.cuda.runtime.streamIsCapturing(stream.ptr) != 0
 
     def cublas_held(self) -> bool:
         """Whether gemm_f16 ran in this process: cuBLAS's handle, workspace and first kernels are
