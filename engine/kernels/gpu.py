@@ -221,8 +221,7 @@ class CupyRuntime:
 
     def capturing(self) -> bool:
         """Whether the current stream is being captured into a graph (Stream.is_capturing, or the
-        runtime's cudaStreamIsCapturing where a CuPy has no such method: this guard only ran in the
-        emulation after its last change, so it leans on neither alone)."""
+        runtime's cudaStreamIsCapturing where a CuPy's Stream has no such method)."""
         stream = self.cp.cuda.get_current_stream()
         method = getattr(stream, "is_capturing", None)
         if method is not None:
