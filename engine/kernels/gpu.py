@@ -1174,10 +1174,16 @@ def gemm_products(w: GpuWeight, act, out, xh, wh) -> None:
         rows = min(slab, w.n_out - r0)
         rt.launch(m.mod, f"deq_h<{t.id}>", _grid(rt, rows * nb, 256 * 4), 256,
                   (w.rest, scales, wh, np.int64(r0), np.int32(rows), np.int32(nb)))
-        w2 = wh[: 2 * rows * n].view(np.float16).reshape(rows, 2 * n)  # [lo | hi]
-        o = out[:, r0 : r0 + rows]
-        rt.gemm_f16(x2[:, :n], w2[:, n:], o, GEMM_SCALE, 0.0)
-        rt.gemm_f16(x2, w2, o, GEMM_SCALE / 2048, 1.0)
+        gemm_pairs(x2, wh[: 2 * rows * n].view(np.float16).reshape(rows, 2 * n), out[:, r0 : r0 + rows])
+
+
+def gemm_pairs(x2, w2, out) -> None:
+    """out = the product of f16 pairs: x2 [T, 2K] rows [hi | lo] (to_h's, values / 256), w2 [R, 2K] rows
+    [lo | hi] (deq_h's): hi hi with alpha 256, then hi lo + lo hi (one GEMM over the whole rows) with
+    alpha 256 / 2^11 added."""
+    rt, n = runtime(), x2.shape[1] // 2
+    rt.gemm_f16(x2[:, :n], w2[:, n:], out, GEMM_SCALE, 0.0)
+    rt.gemm_f16(x2, w2, out, GEMM_SCALE / 2048, 1.0)
 
 
 def matvec(w: GpuWeight, act, out=None):

@@ -1058,13 +1058,14 @@ class DeviceBackend(CpuBackend):
             if dev_out is not None:
                 dev_out[...] = y
                 y = dev_out
-        elif x.x.ndim == 2 and gpu.gemm_takes(w.device, x.x.shape[0]):  # a prompt's dense product: cuBLAS
-            y = self._gemm(w, x.form(w.type, w.wide, quantize=self._quantize), dev_out)
         else:
             act = x.form(w.type, w.wide, quantize=self._quantize)
-            if not w.type.quantized:
-                act = self.xp.ascontiguousarray(act)
-            y = gpu.matmul(w.device, act, out=dev_out)
+            if x.x.ndim == 2 and gpu.gemm_takes(w.device, x.x.shape[0]):  # a prompt's dense product: cuBLAS
+                y = self._gemm(w, act, x.x.shape[0], dev_out)
+            else:
+                if not w.type.quantized:
+                    act = self.xp.ascontiguousarray(act)
+                y = gpu.matmul(w.device, act, out=dev_out)
         if to_host:
             out[...] = self.rt.to_host(y)
             return out
@@ -1084,18 +1085,13 @@ class DeviceBackend(CpuBackend):
                 continue
             w2 = buf[: 2 * r_out * n_in].view(np.float16).reshape(r_out, 2 * n_in)
             for T in rows:
-                x2 = self.xp.zeros((T, 2 * n_in), np.float16)
-                out = self.xp.empty((T, r_out), F32)
-                self.rt.gemm_f16(x2[:, :n_in], w2[:, n_in:], out, 1.0, 0.0)
-                self.rt.gemm_f16(x2, w2, out, 1.0, 1.0)
+                gpu.gemm_pairs(self.xp.zeros((T, 2 * n_in), np.float16), w2, self.xp.empty((T, r_out), F32))
         self.rt.synchronize()
 
-    def _gemm(self, w: Weight, act, out):
-        """gpu.gemm_products of a prompt chunk's rows (act: their ActQ, or ActQ16 for a wide weight):
+    def _gemm(self, w: Weight, act, T: int, out):
+        """gpu.gemm_products of a prompt chunk's T rows (act: their ActQ, or ActQ16 for a wide weight):
         the activations' f16 pairs from the memory pool (the prompt path's reserve, like the chunk's
         other temporaries), the weight's slab one buffer of gpu.GEMM_SLAB_BYTES kept for every product."""
-        q = act.planes.q if isinstance(act, gpu.GpuActQ16) else act.q
-        T = q.shape[0] // 2 if isinstance(act, gpu.GpuActQ16) else q.shape[0]
         if out is None:
             out = self.xp.empty((T, w.n_out), F32)
         if self._gemm_slab is None:  # (a backend the tier's startup did not plan: tests)
