@@ -286,6 +286,55 @@ def _staging_items(o: BudgetOptions, slot: int) -> list[Item]:
                  HOST, count=n)]
 
 
+# A prompt chunk's layer streamed whole (engine/tier/staging.py LayerStream): two layer buffers of
+# n_expert slots, the raw pieces the host copies into (pinned) and the device piece they land in.
+LAYER_BUFFERS = 2  # this layer's experts are read while the next layer's are written
+LAYER_PIECES = 3  # pinned: the host fills one while another is DMA'd
+LAYER_PIECE_BYTES = 32 * MiB
+LAYER_COL_INTS = 512  # dev_widen's col of one block type (every GGML block is smaller)
+
+
+def layer_piece_bytes(blob_bytes: int) -> int:
+    """A pinned piece: 32 MiB, or the largest expert's GGUF bytes where that is more (a piece holds
+    whole expert matrices)."""
+    return max(LAYER_PIECE_BYTES, _round_up(blob_bytes, MiB))
+
+
+def layer_raw_bytes(piece: int) -> int:
+    """stream.raw: the device piece the DMA lands in, the two block types' col and the bad marker."""
+    return align(piece) + align(2 * LAYER_COL_INTS * I32) + align(8)
+
+
+def _layer_items(g: ModelGeometry, o: BudgetOptions, slot: int, blob: int, n_expert: int, why_not: str | None) -> list[Item]:
+    """The layer stream's items; `why_not`: the reason they are not placed (their bytes then 0)."""
+    piece = layer_piece_bytes(blob)
+    sizes = (LAYER_BUFFERS * n_expert * slot, layer_raw_bytes(piece), LAYER_PIECES * piece)
+    if why_not:
+        sizes = (0, 0, 0)
+    tail = f" ({why_not})" if why_not else ""
+    return [Item("stream.layers", f"a layer streamed whole: its experts in engine form ({LAYER_BUFFERS} layers of "
+                 f"{n_expert} slots){tail}", sizes[0], HEAD_PROMPT, count=LAYER_BUFFERS),
+            Item("stream.raw", f"a layer streamed whole: the device piece its GGUF bytes land in{tail}", sizes[1], HEAD_PROMPT),
+            Item("stream.layer_pinned", f"a layer streamed whole: the pieces the host copies its GGUF bytes into "
+                 f"({LAYER_PIECES}, pinned){tail}", sizes[2], HEAD_PROMPT, HOST, count=LAYER_PIECES)]
+
+
+def _layer_why_not(o: BudgetOptions, n_pairs: int, slots: int | None, left: int | None, want: int) -> str | None:
+    """Why a prompt chunk cannot stream a layer whole, or None: it can."""
+    if not o.device_step:
+        return "the host-driven step"
+    if o.prefill_chunk == 0:
+        return "no --prefill chunk"
+    if not o.stream_experts:
+        return "--stream-min-tokens off"
+    if slots is not None and slots >= n_pairs:
+        return "every pair is resident"
+    if left is not None and left < want:
+        return (f"{want / MiB:.0f} MiB do not fit beside the cache and the reserve ({max(left, 0) / MiB:.0f} MiB "
+                "left): a smaller --expert-cache leaves room")
+    return None
+
+
 def _round_up(n: int, m: int) -> int:
     return -(-n // m) * m
 
@@ -676,11 +725,21 @@ def plan_budget(index: PackIndex, experts: NativeExperts, g: ModelGeometry, opti
     if embedding_on_device(g, o.device_step, ple):  # the run-ahead gathers the next step's row there
         before.append(Item("weights.embedding", "embedding table in its blocks (the device step's run-ahead gathers rows)",
                            embd, WEIGHTS))
+    layers_want = sum(i.bytes for i in _layer_items(g, o, slot, blob, experts.n_expert, None) if i.where == DEVICE)
     if free_bytes is None:
+        after += _layer_items(g, o, slot, blob, experts.n_expert, _layer_why_not(o, n_pairs, None, None, layers_want))
         items = before + [Item("cache.slots", "expert slots (give the free memory to plan them)", 0, OPEN_CACHE, count=0)] + after
         return Budget(tuple(items), o, slot, blob, n_pairs, None, None, None, None, notes=tuple(notes))
     free_at_open = free_bytes - sum(i.bytes for i in before if i.where == DEVICE)
     sp = plan_slots(free_at_open, o, slot, n_pairs, after_bytes)
+    # the layer stream takes what the cache and the reserve leave (never memory auto would give the
+    # cache: a slot serves every token, the stream only long prompts)
+    left = free_at_open - sp.slots * slot - after_bytes - sp.reserve.headroom_mib * MiB
+    why = _layer_why_not(o, n_pairs, sp.slots, left, layers_want)
+    after = after + _layer_items(g, o, slot, blob, experts.n_expert, why)
+    if why and "fit" in why:
+        notes.append(f"a prompt chunk streams no layer's experts whole: {why}; a long prompt's non-resident experts "
+                     "then run on the CPU, or stream one by one")
     items = before + [Item("cache.slots", f"expert slots ({sp.slots} x {slot} B, engine form)", sp.slots * slot,
                            OPEN_CACHE, count=sp.slots)] + after
     warnings = _warnings(free_at_open, sp.reserve, after_bytes, sp.slots * slot)

@@ -520,3 +520,28 @@ def test_the_ple_table_goes_on_the_device_only_into_memory_no_slot_would_use(see
     none = plan_budget(index, experts, g, BudgetOptions(max_context=32768, device_step=True), free_bytes=64 * GIB)
     assert not none.places("weights.ple_table") and "not given" in none.notes[0]
     assert not plan(seed4l, free=64 * GIB).places("weights.ple_table") and not plan(seed4l, free=64 * GIB).notes
+
+
+def test_a_layer_streamed_whole_takes_what_the_cache_and_the_reserve_leave(seed4l):
+    """The device step's layer stream (engine/tier/staging.py LayerStream): two layers of 512 slots on
+    the device, the device piece the GGUF's bytes land in (32 MiB, the two block types' byte maps of
+    512 ints, the bad-scale marker) and three pinned 32 MiB pieces, at stage 6; planned only from
+    what the cache and the reserve leave, so auto's slots are the same with it, and a card where it
+    does not fit beside the cache says so in the notes."""
+    lay_b, raw_b, pin_b = 2 * 512 * 2_304_000, 32 * MIB + 2 * 512 * 4 + 256, 3 * 32 * MIB
+    b = plan(seed4l, free=8 * GIB, device_step=True, expert_cache=0)
+    lay, raw, pin = b.item("stream.layers"), b.item("stream.raw"), b.item("stream.layer_pinned")
+    assert (lay.bytes, lay.count, lay.stage, lay.where) == (lay_b, 2, B.HEAD_PROMPT, B.DEVICE)
+    assert (raw.bytes, raw.stage, raw.where) == (raw_b, B.HEAD_PROMPT, B.DEVICE)
+    assert (pin.bytes, pin.count, pin.stage, pin.where) == (pin_b, 3, B.HEAD_PROMPT, B.HOST)
+    off = plan(seed4l, free=8 * GIB, device_step=True, expert_cache=0, stream_experts=False)
+    assert b.device_bytes() - off.device_bytes() == lay_b + raw_b + 2 * 2_304_000  # (and the per-expert staging)
+    auto = plan(seed4l, free=5 * GIB, device_step=True)  # auto: the cache takes all but the reserve
+    assert 0 < auto.slots == plan(seed4l, free=5 * GIB, device_step=True, stream_experts=False).slots < auto.n_pairs
+    assert auto.item("stream.layers").bytes == 0 and "do not fit beside the cache" in auto.item("stream.layers").name
+    assert any("streams no layer's experts whole" in n for n in auto.notes)
+    for none in (plan(seed4l, free=8 * GIB, expert_cache=0),  # the host-driven step
+                 plan(seed4l, free=8 * GIB, device_step=True, expert_cache=0, prefill_chunk=0),
+                 plan(seed4l, free=64 * GIB, device_step=True)):  # every pair resident
+        assert none.item("stream.layers").bytes == none.item("stream.raw").bytes == none.item("stream.layer_pinned").bytes == 0
+    assert "every pair is resident" in plan(seed4l, free=64 * GIB, device_step=True).item("stream.layers").name
