@@ -10,6 +10,7 @@ Builds are cached by content hash under $STRATA_EMU_CACHE (default: the system t
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import hashlib
 import os
@@ -17,6 +18,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -110,7 +112,15 @@ class EmuRuntime:
             os.replace(tmp, so)
         return _Lib(so)
 
+    # one launch at a time: the emulation's fibers and their stacks are the library's globals, and the
+    # layer stream (engine/tier/staging.py) launches from a worker thread beside the main one
+    _lock = threading.Lock()
+
     def launch(self, mod: _Lib, name: str, grid: int, block: int, args: tuple, smem: int = 0) -> None:
+        with self._lock:
+            self._launch(mod, name, grid, block, args, smem)
+
+    def _launch(self, mod: _Lib, name: str, grid: int, block: int, args: tuple, smem: int = 0) -> None:
         held = [_arg(a) for a in args]
         params = (ctypes.c_void_p * len(held))(*[ctypes.cast(ctypes.pointer(h), ctypes.c_void_p) for h in held])
         err = ctypes.create_string_buffer(512)
@@ -154,6 +164,9 @@ class EmuRuntime:
 
     def host_wait(self, marker) -> None:
         pass
+
+    def on(self, stream):
+        return contextlib.nullcontext()
 
     def view(self, arena, offset: int, shape, dtype):
         n = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize

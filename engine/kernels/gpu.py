@@ -292,6 +292,11 @@ class CupyRuntime:
     def host_wait(self, marker) -> None:
         marker.synchronize()
 
+    def on(self, stream):
+        """`with rt.on(stream):` this thread's launches and copies queue on `stream` (CuPy's current
+        stream is per thread: a worker thread's work goes there, the main thread's does not move)."""
+        return stream
+
     def copy_out(self, host: np.ndarray, dev) -> None:
         """device -> host, and wait for it (so for everything queued before it on the stream)."""
         stream = self.cp.cuda.get_current_stream()

@@ -63,7 +63,7 @@ _NAMES = ["dev_rmsnorm", "dev_delta", "dev_conv", "dev_combine", "dev_sigmoid", 
           "dev_gate_q", "dev_gates_conv", "dev_add_rmsnorm_q", "dev_embd_row", "dev_ple_conv", "dev_qsa_key",
           "dev_qsa_scores", "dev_qsa_select", "dev_attn_sel", "dev_attn_split_sel", "dev_attn_merge_sel",
           "dev_hc_gates_q", "dev_rope_at", "dev_pick_next", "dev_ple_rows", "dev_embd_rows", "dev_ple_gather",
-          "dev_ple_conv_rows", "dev_qsa_scores_rows", "dev_qsa_select_rows"]
+          "dev_ple_conv_rows", "dev_qsa_scores_rows", "dev_qsa_select_rows", "dev_widen"]
 # the embedding's GGML types dev_embd_row decodes (F32 F16 Q4_0 Q4_1 Q5_0 Q5_1 Q8_0 Q4_K Q5_K Q6_K BF16)
 EMBD_ROW_TYPES = frozenset({0, 1, 2, 3, 6, 7, 8, 12, 13, 14, 30})
 # the PLE table's types dev_ple_rows decodes: those and IQ4_NL (budget.PLE_TABLE_DEVICE_TYPES, the same)
@@ -259,7 +259,8 @@ class DeviceExperts:
         self._queued = False  # the ids' copy to the host is queued (queue_settle)
         # a prompt chunk's routed experts in grouped launches; None: the hit path's host-driven chunk
         self.chunk = DeviceChunk(rt, hits, be)
-        self._chunk_log: list[tuple[int, list, object]] = []  # per `tokens` call: (layer, Seqs, device ids [T, k])
+        # per `tokens` call: (layer, Seqs, device ids [T, k], which experts were streamed whole or None)
+        self._chunk_log: list[tuple[int, list, object, np.ndarray | None]] = []
 
     def routed(self, moe, x: Input, experts: np.ndarray, rows: np.ndarray, starts: np.ndarray):
         if self.chunk is not None and self.chunk.fits(moe, rows.size):  # grouped launches (device_chunk.py)
@@ -318,6 +319,7 @@ class DeviceExperts:
                 "miss": rt.empty((k, E), F32),
                 "out": rt.empty((1, E), F32),
                 "table": rt.empty((n_layer, X), np.int32),
+                "stable": rt.empty((X,), np.int32),  # a layer streamed whole: its table (`_streamed_table`)
             }
             # what a layer that can miss exchanges with the host: pinned, so the copies are
             # asynchronous and a CUDA graph can replay them
@@ -436,13 +438,56 @@ class DeviceExperts:
             return None
         b = self._buffers(moe)
         table = self._table(b, moe.layer)
-        if not (self._table_rows[moe.layer] >= 0).all():
-            return None
-        out = self.chunk.forward(moe, x, table)
+        row, stream = self._table_rows[moe.layer], None
+        if not (row >= 0).all():
+            stream = self._stream_layer(moe, x.x.shape[0], row)
+            if stream is None:
+                return None
+            table = b["stable"]
+            self.rt.copy_in(table, np.where(row >= 0, row, -1 - np.arange(row.size)).astype(np.int32))
+        if stream is None:
+            out = self.chunk.forward(moe, x, table)
+        else:
+            out = self._forward_streamed(moe, x, table, stream[1])
+            self.hits.layers.done(stream[0])  # (the products reading the buffer are queued)
         if out is not None:
-            self._chunk_log.append((moe.layer, seqs, out[1]))
+            self._chunk_log.append((moe.layer, seqs, out[1], None if stream is None else row < 0))
             return out[0]
         return None
+
+    def _forward_streamed(self, moe, x: Input, table, stage):
+        """DeviceChunk.forward over a layer streamed whole, in runs of tokens the prompt path's buffers
+        hold where the chunk's pairs do not fit them (a 4096-token forward beside 256-token buffers):
+        the layer is copied once for all of them."""
+        T, chunk = x.x.shape[0], self.chunk
+        n = T
+        while not chunk.fits(moe, n * moe.k):
+            n = -(-n // 2)
+        if n == T:
+            return chunk.forward(moe, x, table, stage)
+        xp = self.be.xp
+        out, ids = xp.empty((T, moe.E), F32), xp.empty((T, moe.k), np.int32)
+        for a in range(0, T, n):
+            b = min(T, a + n)
+            y, i = chunk.forward(moe, Input(x.x[a:b]), table, stage)
+            out[a:b], ids[a:b] = y, i
+        return out, ids
+
+    def _stream_layer(self, moe, T: int, row: np.ndarray):
+        """A chunk of T tokens in a layer some of whose experts are not resident: (buffer, its device
+        bytes) of the layer's non-resident experts streamed whole (staging.LayerStream), the next
+        layer's copy queued behind it; or None: the layer stream is off or the chunk too short for it
+        (MoE.forward then routes on the host: `routed`)."""
+        ls = self.hits.layers
+        if ls is None or not ls.takes(moe.layer, row, T) or not self.chunk.fits(moe, moe.k):
+            return None
+        ls.start(moe.layer, row)
+        nxt = moe.layer + 1
+        if nxt < self.hits.slots.n_layer:
+            rows = self.hits.slots.map.table
+            if ls.takes(nxt, rows[nxt], T):
+                ls.start(nxt, rows[nxt])
+        return ls.wait(moe.layer)
 
     def route(self, logits, k: int, table, ids, w, slot) -> None:
         """dev_route: one token's top-k of its router logits [1, X] (X <= 1024, k <= 32) -> ids [k],
@@ -532,9 +577,16 @@ class DeviceExperts:
         step's wait, or made now); a prompt chunk's routed on the device (`tokens`), each layer's
         ids brought down now (after the forward: its first copy waits for the forward, the rest
         do not wait), also counted as the chunk's resident expert-chunks (--stats)."""
-        for layer, seqs, ids_dev in self._chunk_log:
+        st = self.hits.stats
+        for layer, seqs, ids_dev, streamed in self._chunk_log:
             ids = self.rt.to_host(ids_dev).astype(np.int64)
-            self.hits.stats.chunk_resident[layer] += np.unique(ids).size
+            used = np.unique(ids)
+            n_str = 0 if streamed is None else int(streamed[used].sum())
+            st.chunk_resident[layer] += used.size - n_str
+            st.chunk_streamed[layer] += n_str
+            if streamed is not None and not self.hits.slots.map.frozen:
+                for e in used[streamed[used]]:  # without a profile the first routes fill free slots, as
+                    self.hits.slots.lookup(layer, int(e))  # `routed` does (compulsory misses)
             for r in seqs:
                 r.state[...] += np.bincount(ids[r.a : r.b].reshape(-1), minlength=r.state.size)
                 keep(r)

@@ -70,11 +70,12 @@ class DeviceChunk:
         table = align(3 * 5 * 8 * tiles) + 5 * align(4 * n_pairs) + align(4 * group_scratch(moe.router.n_out)) + align(8)
         return chunk_bytes(moe.E, moe.F, n_pairs) + table <= hp.prompt.size
 
-    def forward(self, moe, x: Input, table):
+    def forward(self, moe, x: Input, table, stage=None):
         """MoE.forward's routed sum for the chunk x of a layer whose experts are all resident, wholly
         on the device -> (device f32 [T, E], device ids int32 [T, k]: the routing, for the counts the
         forward owes), or None where the chunk path does not take it. table: the layer's row of the
-        slot table on the device (DeviceExperts._table). The router's product (the device linear),
+        slot table on the device (DeviceExperts._table), or a table whose entry -1 - s is slot s of
+        `stage` (a layer streamed whole: staging.LayerStream; the same slot layout). The router's product (the device linear),
         each token's top-k (dev_route_rows: dev_route's rule, moe.route_topk's experts and f32
         weights), the grouping and the tiles (dev_group: Groups' order), gate and up in one launch,
         h and its ActQ, the downs in one launch (rows in Groups' order) and dev_combine: no copy
@@ -101,7 +102,8 @@ class DeviceChunk:
         slots = hp.slots
         gu_bytes = placed_bytes(gu_t, E, F)
         rt.launch(be._mod, "dev_group", 1, GROUP_THREADS,
-                  (ids, np.int32(N), np.int32(k), np.int32(X), table, slots.arena, np.int64(slots.slot_bytes),
+                  (ids, np.int32(N), np.int32(k), np.int32(X), table, stage if slots.arena is None else slots.arena,
+                   slots.arena if stage is None else stage, np.int64(slots.slot_bytes),  # (no cache: no arena)
                    np.int64(gu_bytes), np.int64(align(planes(gu_t, E, F)[0])), np.int64(align(planes(d_t, F, E)[0])),
                    np.int32(gpu.MAX_TOKENS), np.int32(M), tok, pos, t_gu, t_d, scratch[:X], scratch[X : 2 * X],
                    scratch[2 * X : 3 * X + 1], scratch[3 * X + 1 :], np.int32(GROUP_SMEM_IDS)), smem=4 * GROUP_SMEM_IDS)

@@ -758,7 +758,7 @@ extern "C" __global__ void dev_route_rows(const float* logits, int X, int k, int
 // (X N / 32 reads in all: 5.1 ms a layer for a 4096-token chunk's 40960 pairs of 512 experts on the
 // H200, 2026-12-02; this one reads them twice).
 extern "C" __global__ void dev_group(const int* ids, int N, int k, int X, const int* table, const unsigned char* arena,
-                                     i64 slot_bytes, i64 gu_bytes, i64 gu_sc, i64 d_sc, int tile, int M, int* tok,
+                                     const unsigned char* stage, i64 slot_bytes, i64 gu_bytes, i64 gu_sc, i64 d_sc, int tile, int M, int* tok,
                                      i64* pos, i64* tiles_gu, i64* tiles_d, int* cnt, int* start, int* tstart, int* hist,
                                      int smem_ids) {
     if (blockIdx.x) return;
@@ -826,7 +826,8 @@ extern "C" __global__ void dev_group(const int* ids, int N, int k, int X, const 
     for (int e = warp; e < X; e += nw) {  // the tiles: a warp an expert, a lane a tile
         const int c = cnt[e];
         if (!c) continue;
-        const i64 base = (i64)arena + (i64)table[e] * slot_bytes;
+        // a slot of the cache, or (table[e] = -1 - s) slot s of a layer streamed whole (LayerStream)
+        const i64 base = table[e] >= 0 ? (i64)arena + (i64)table[e] * slot_bytes : (i64)stage + (i64)(-1 - table[e]) * slot_bytes;
         for (int t = lane; t * tile < c; t += 32) {
             const i64 first = start[e] + (i64)t * tile, n = min(tile, c - t * tile), r = tstart[e] + t;
             i64* g = tiles_gu + 5 * r;
@@ -2039,5 +2040,50 @@ extern "C" __global__ void dev_attn_sel(const float* q, const void* K, const voi
             out[(i64)h * D + d] = acc;
         }
         __syncwarp();
+    }
+}
+
+// An f16's bits as the f32 of the same value (exact; integer operations only, so the emulation and
+// the card agree whatever their float modes): numpy's astype from float16, subnormals included.
+__device__ __forceinline__ float f16_bits_f32(unsigned h) {
+    const unsigned s = (h & 0x8000u) << 16, e = (h >> 10) & 31u;
+    unsigned m = h & 0x3ffu, bits;
+    if (e == 31u) {
+        bits = s | 0x7f800000u | (m << 13);
+    } else if (e) {
+        bits = s | ((e + 112u) << 23) | (m << 13);
+    } else if (m == 0u) {
+        bits = s;
+    } else {  // subnormal: m 2^-24, normalized
+        unsigned sh = 0;
+        while (!(m & 0x400u)) m <<= 1, sh++;
+        bits = s | ((113u - sh) << 23) | ((m & 0x3ffu) << 13);
+    }
+    return __uint_as_float(bits);
+}
+
+// engine_form.widen on the device, for n_exp whole experts of one expert tensor (a layer streamed
+// whole: LayerStream, engine/tier/staging.py): raw holds their GGUF blocks as the file has them (nbe
+// blocks an expert, type_size bytes a block); expert e0 + j's engine form goes to its slot of the
+// layer buffer, dst + (e0 + j) slot_bytes + off: the rest bytes in block order, then at sc_off the
+// fp16 scales as f32. col[c] says where byte c of a block goes: >= 0, that column of the block's
+// rest; -1 - k, the low byte of scale k (the thread reads both bytes); below -65536, nowhere (a
+// scale's high byte). A thread a byte, so the reads are coalesced. A scale that is not finite is
+// not a tensor (the host's widen refuses it too): *bad gets the lowest (expert << 32 | block).
+extern "C" __global__ void dev_widen(const unsigned char* raw, int n_exp, i64 nbe, int type_size, int rest_bytes,
+                                     int n_scales, const int* col, unsigned char* dst, int e0, i64 slot_bytes, i64 off,
+                                     i64 sc_off, unsigned long long* bad) {
+    const i64 n = (i64)n_exp * nbe * type_size;
+    for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x) {
+        const i64 blk = i / type_size, j = blk / nbe, b = blk - j * nbe;
+        const int m = col[(int)(i - blk * type_size)];
+        unsigned char* slot = dst + (e0 + j) * slot_bytes + off;
+        if (m >= 0) {
+            slot[b * rest_bytes + m] = raw[i];
+        } else if (m >= -n_scales) {
+            const unsigned h = (unsigned)raw[i] | ((unsigned)raw[i + 1] << 8);
+            reinterpret_cast<float*>(slot + sc_off)[b * n_scales + (-1 - m)] = f16_bits_f32(h);
+            if (((h >> 10) & 31u) == 31u) atomicMin(bad, ((unsigned long long)(e0 + j) << 32) | (unsigned long long)b);
+        }
     }
 }

@@ -120,6 +120,7 @@ class HitPath:
         self.events = rt.events(2) if hasattr(rt, "events") else None
         self.prompt = None  # the prompt path's buffers (bytes of prompt.chunk, lent by Dense), set at stage 6
         self.staging = None  # the prompt chunk's streamed experts (staging.py), set at stage 6 unless off
+        self.layers = None  # the device step's layers streamed whole (staging.LayerStream), set at stage 6 where placed
         stats.events = self.events is not None
 
     def routed(self, moe, x: Input, experts: np.ndarray, rows: np.ndarray, starts: np.ndarray) -> np.ndarray:

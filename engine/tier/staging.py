@@ -12,6 +12,10 @@ other buffer's expert. Markers (CUDA events) order the two: a copy into device s
 products that read its previous expert (`free[b]`), the products wait for their copy (`copied[b]`),
 and the host writes pinned slot b again only once its previous copy is done. Both buffers, device
 and pinned, are plan items (engine/budget.py: stream.staging and stream.pinned).
+
+The device step also streams a layer's non-resident experts whole (LayerStream, at the end of this
+file): raw GGUF blocks through pinned pieces, widened on the device, the next layer's copy beside
+this layer's compute (docs/gpu-tier.md, "A prompt chunk's layers streamed whole").
 """
 
 from __future__ import annotations
@@ -19,9 +23,11 @@ from __future__ import annotations
 import math
 import time
 
-from ..budget import STAGING_BUFFERS
+import numpy as np
+
+from ..budget import LAYER_BUFFERS, LAYER_COL_INTS, LAYER_PIECES, STAGING_BUFFERS, layer_raw_bytes
 from ..kernels import gpu
-from ..kernels.engine_form import placed_bytes
+from ..kernels.engine_form import align, placed_bytes, planes
 
 # --stream-min-tokens auto, a rough model until the card measures it (docs/gpu-tier.md): streaming
 # an expert costs its bytes once per chunk, at the slower of the bus and the host's widening of its
@@ -102,3 +108,206 @@ class Staging:
     def done(self, b: int) -> None:
         """The products reading buffer b are queued: its next copy waits for them."""
         self.rt.mark_on(self.free[b])
+
+
+# --- a layer streamed whole ----------------------------------------------------------------------
+#
+# Per expert (Staging above), a 256-token chunk of seed-4l qwen4exp streamed nothing: its 512 experts
+# get ~5 tokens each, and an expert copied alone costs its widening on the host plus a handful of
+# launches. The CPU computed all of them (cprofile on the H200, 2026-12-04: 0.47 of the chunk's
+# 0.58 s in the grouped CPU kernel; 610 tok/s against llama.cpp's 786 with -ot exps=CPU, which
+# copies every expert of a layer to the card for a batch of 32 or more tokens). So a large enough
+# chunk takes the layer's non-resident experts whole, as llama.cpp does, but as raw GGUF bytes
+# copied through pinned pieces and widened ON THE DEVICE (dev_widen: the host only copies memory,
+# on several threads), the copy of the next layer beside this layer's compute.
+
+# int8 multiply-adds per second of one CPU thread on a chunk's experts at a few tokens each (the H200's
+# host, 2026-12-04: seed-4l qwen4exp's 256-token chunk, 10240 pairs of 3 x 2560 x 640 in 0.47 s at 8
+# threads: 13 G a thread; the per-expert model's 30 G above is what 4-16 tokens an expert reach)
+LAYER_CPU_MACS_S = 13e9
+_SKIP = -(1 << 20)  # dev_widen's col: a byte that goes nowhere (an fp16 scale's high byte)
+
+
+def widen_columns(t) -> np.ndarray:
+    """dev_widen's col for block type t: where each byte of a block goes (engine_form.widen's layout:
+    the rest in byte order, the fp16 scales in field order)."""
+    col = np.full(t.type_size, _SKIP, np.int32)
+    scale_bytes = set()
+    k = 0
+    for off, n in t.fp16_fields:
+        for h in range(n):
+            col[off + 2 * h] = -1 - k
+            scale_bytes.update((off + 2 * h, off + 2 * h + 1))
+            k += 1
+    rest = [c for c in range(t.type_size) if c not in scale_bytes]
+    col[rest] = np.arange(len(rest), dtype=np.int32)
+    return col
+
+
+def auto_layer_tokens(layer_bytes: int, rate: float, n_embd: int, n_ff: int, k: int, threads: int) -> int:
+    """The chunk tokens from which streaming a whole layer (layer_bytes at `rate`) beats the CPU
+    computing its k pairs a token (3 n_embd n_ff multiply-adds each, LAYER_CPU_MACS_S a thread)."""
+    per_token = k * 3 * n_embd * n_ff / (threads * LAYER_CPU_MACS_S)
+    return max(1, math.ceil(layer_bytes / max(rate, 1.0) / per_token))
+
+
+class LayerStream:
+    """A layer's non-resident experts copied whole to one of two layer buffers (plan items
+    stream.layers, stream.raw, stream.layer_pinned), in the cache's slot layout with expert e at
+    slot e, so DeviceChunk.forward computes them with the grouped kernels as if resident (a table
+    entry -1 - e: dev_group), and their rows have the resident experts' bits, which are the CPU's.
+
+    `start(layer)` queues the layer's copy on a worker thread: the raw blocks of each run of
+    non-resident experts are copied from the mapped GGUF into a pinned piece by `threads` threads,
+    DMA'd to the device on the copy stream, and widened there into the layer buffer (dev_widen);
+    the first widen into a buffer waits for the products that read its previous layer (`done`).
+    `wait(layer)` -> the buffer (the current stream waits for its copy)."""
+
+    def __init__(self, rt, pack, launch, layers, raw, pinned, slot_bytes: int, piece: int, threads: int,
+                 min_tokens: int = 0, stats=None):
+        from concurrent.futures import ThreadPoolExecutor
+
+        n_expert = pack.geometry.n_expert
+        per = n_expert * slot_bytes
+        if layers.size < LAYER_BUFFERS * per or pinned.size < LAYER_PIECES * piece or raw.size < layer_raw_bytes(piece):
+            raise RuntimeError("the layer stream's plan items do not hold its buffers: engine/budget.py and "
+                               "engine/tier/ disagree")
+        self.rt, self.pack, self.launch, self.slot, self.X = rt, pack, launch, slot_bytes, n_expert
+        self.bufs = [rt.view(layers, b * per, (per,), np.uint8) for b in range(LAYER_BUFFERS)]
+        self.piece = piece
+        self.pieces = [pinned[p * piece : (p + 1) * piece] for p in range(LAYER_PIECES)]
+        self.raw = rt.view(raw, 0, (piece,), np.uint8)
+        at = align(piece)
+        self.cols = rt.view(raw, at, (2, LAYER_COL_INTS), np.int32)  # dev_widen's col: gate/up's type, down's
+        self.bad = rt.view(raw, at + align(8 * LAYER_COL_INTS), (1,), np.uint64)
+        self.min_tokens = min_tokens
+        self.stream = rt.copy_stream()
+        self.free = [rt.marker() for _ in range(LAYER_BUFFERS)]  # the products reading buffer b are done
+        self.used = [False] * LAYER_BUFFERS
+        self.dma = [rt.marker() for _ in range(LAYER_PIECES)]  # piece p's last DMA is done
+        self.ready = rt.marker()
+        self.jobs = ThreadPoolExecutor(1, thread_name_prefix="strata-layer-stream")
+        self.copiers = ThreadPoolExecutor(max(1, threads), thread_name_prefix="strata-layer-copy")
+        self.threads = max(1, threads)
+        self.pending: dict[int, tuple] = {}  # layer -> (buffer, future)
+        self.turn = 0
+        self.stats = stats  # HitStats: streamed_bytes counts the raw bytes copied (--stats)
+
+    def nonresident(self, row: np.ndarray) -> np.ndarray:
+        return np.flatnonzero(row < 0)
+
+    def takes(self, layer: int, row: np.ndarray, tokens: int) -> bool:
+        """Whether a chunk of `tokens` streams this layer: some expert is not resident, the chunk is long enough."""
+        return bool((row < 0).any()) and tokens >= self.min_tokens and layer < self.pack.geometry.n_layer
+
+    def start(self, layer: int, row: np.ndarray) -> None:
+        """Queue the copy of `layer`'s non-resident experts (row: its slot table row; -1: not resident)."""
+        if layer in self.pending:
+            return
+        b = self.turn
+        self.turn = (b + 1) % LAYER_BUFFERS
+        for old, (ob, _) in list(self.pending.items()):
+            if ob == b:  # (a layer queued but never waited for: its buffer is taken over)
+                self.pending.pop(old)[1].result()
+        wait = self.used[b]
+        self.used[b] = True
+        self.pending[layer] = (b, self.jobs.submit(self._copy, layer, self.nonresident(row), b, wait))
+
+    def wait(self, layer: int):
+        """-> the device buffer holding `layer`'s non-resident experts (slot e: expert e), once copied;
+        the current stream's later work reads it."""
+        b, fut = self.pending.pop(layer)
+        n = fut.result()  # (raises what the copy raised: a refused scale names its tensor)
+        if self.stats is not None:
+            self.stats.streamed_bytes += n
+        self.rt.stream_wait(None, self.ready)
+        return b, self.bufs[b]
+
+    def done(self, b: int) -> None:
+        """The products reading buffer b are queued: its next copy waits for them."""
+        self.rt.mark_on(self.free[b])
+
+    def _copy(self, layer: int, experts: np.ndarray, b: int, wait: bool) -> int:
+        rt, pack = self.rt, self.pack
+        g = pack.geometry
+        gu_t, d_t = pack.expert_types(layer)
+        gate, up, down = pack.expert_tensors(layer)
+        gu_bytes = placed_bytes(gu_t.id, g.n_embd, g.n_ff_exp)
+        with rt.on(self.stream):
+            if wait:
+                rt.stream_wait(self.stream, self.free[b])
+            rt.copy_in(self.cols, np.stack([_cols(gu_t), _cols(d_t)]))
+            rt.copy_in(self.bad, np.full(1, np.iinfo(np.uint64).max, np.uint64))
+            k = copied = 0
+            for tensor, t, col, off, (n_in, n_out) in (
+                    (gate, gu_t, self.cols[0], 0, (g.n_embd, g.n_ff_exp)),
+                    (up, gu_t, self.cols[0], gu_bytes, (g.n_embd, g.n_ff_exp)),
+                    (down, d_t, self.cols[1], 2 * gu_bytes, (g.n_ff_exp, g.n_embd))):
+                each = tensor.nbytes // g.n_expert
+                per_piece = self.piece // each  # (>= 1: a piece holds the largest expert, budget.layer_piece_bytes)
+                sc_off = align(planes(t.id, n_in, n_out)[0])
+                for e0, e1 in _runs(experts, per_piece):
+                    p = k % LAYER_PIECES
+                    k += 1
+                    rt.host_wait(self.dma[p])  # piece p's previous DMA has read it
+                    n = (e1 - e0) * each
+                    self._memcpy(tensor[e0 * each : e1 * each], self.pieces[p][:n])
+                    rt.copy_in_async(self.raw[:n], self.pieces[p][:n], self.stream)
+                    rt.mark_on(self.dma[p], self.stream)
+                    self.launch("dev_widen", n, (self.raw, np.int32(e1 - e0), np.int64(each // t.type_size),
+                                                 np.int32(t.type_size), np.int32(t.rest_bytes), np.int32(t.n_scales),
+                                                 col, self.bufs[b], np.int32(e0), np.int64(self.slot), np.int64(off),
+                                                 np.int64(sc_off), self.bad))
+                    copied += n
+            rt.mark_on(self.ready, self.stream)
+            bad = rt.to_host(self.bad)[0]  # (waits for the stream: the layer is on the device)
+        if bad != np.iinfo(np.uint64).max:
+            e, blk = int(bad >> np.uint64(32)), int(bad & np.uint64(0xFFFFFFFF))
+            raise ValueError(f"blk.{layer} expert {e} (streamed): block {blk} of a gate/up/down tensor has a non-finite "
+                             "fp16 scale (expected a finite scale: the GGUF's bytes are not a tensor)")
+        return copied
+
+    def rate(self, layer: int = 0) -> float:
+        """Bytes per second a whole layer streams at (every expert of `layer` copied once, waited
+        for); leaves the buffers as new. The startup's measure for auto's threshold."""
+        row = np.full(self.X, -1, np.int64)
+        stats, self.stats = self.stats, None
+        t0 = time.perf_counter()
+        self.start(layer, row)
+        b = self.pending[layer][0]
+        n = self.pending[layer][1].result()
+        self.wait(layer)
+        self.rt.synchronize()
+        dt = time.perf_counter() - t0
+        self.done(b)
+        self.stats, self.used, self.turn = stats, [False] * LAYER_BUFFERS, 0
+        return n / max(dt, 1e-9)
+
+    def _memcpy(self, src: np.ndarray, dst: np.ndarray) -> None:
+        """src -> dst on the copy threads (numpy's copy releases the GIL: one thread reads ~5-10 GB/s)."""
+        n = src.nbytes
+        step = max(1 << 20, -(-n // self.threads))
+        list(self.copiers.map(lambda a: np.copyto(dst[a : a + step], src[a : a + step]), range(0, n, step)))
+
+    def close(self) -> None:
+        for _, fut in self.pending.values():
+            fut.result()
+        self.pending.clear()
+        self.jobs.shutdown()
+        self.copiers.shutdown()
+
+
+def _cols(t) -> np.ndarray:
+    out = np.full(LAYER_COL_INTS, _SKIP, np.int32)
+    out[: t.type_size] = widen_columns(t)
+    return out
+
+
+def _runs(experts: np.ndarray, most: int):
+    """(first, end) of each run of consecutive ids in `experts` (sorted), at most `most` long."""
+    if experts.size == 0:
+        return
+    cut = np.flatnonzero(np.diff(experts) != 1) + 1
+    for run in np.split(experts, cut):
+        for a in range(0, run.size, most):
+            yield int(run[a]), int(run[min(run.size, a + most) - 1]) + 1

@@ -63,7 +63,7 @@ from .dense import Dense
 from .hits import HitPath, HitStats
 from .memory import Carver, DeviceMemory, MemMark
 from .slots import ExpertSlots
-from .staging import Staging, auto_min_tokens
+from .staging import LayerStream, Staging, auto_layer_tokens, auto_min_tokens
 
 
 class GpuTierError(ValueError):
@@ -86,6 +86,10 @@ class TierOptions:
     # a prompt chunk's non-resident expert routed at least this many of its tokens is streamed to the
     # device (engine/tier/staging.py); None: auto (staging.auto_min_tokens); 0: never (off)
     stream_min_tokens: int | None = None
+    # the device step streams a layer's non-resident experts whole for a prompt chunk of at least
+    # this many tokens (staging.LayerStream, where its plan items fit); None: auto (staging.auto_layer_tokens
+    # at the rate measured at startup); 0: never. --stream-min-tokens off turns it off too
+    stream_layer_tokens: int | None = None
     # --spec N: the verifier's buffers are placed at stage 7 (the logits of 1 + N rows; with the
     # device step, the N per-row snapshots of the states, `GpuTier.snapshots`)
     spec: int = 0
@@ -319,6 +323,21 @@ class _Startup:
                 self.hits.staging, n = st, st.min_tokens
                 self.say(f"prompt path: a chunk's non-resident expert routed {n} or more of its tokens is streamed "
                          f"to the device ({how}; {staging.count} staging slots of {plan.slot_bytes / MiB:.1f} MiB)")
+        layers = plan.item("stream.layers")
+        if layers.bytes and dense.rows and self.device is not None and o.stream_layer_tokens != 0:
+            self.hits.layers = ls = LayerStream(
+                rt, self.model.pack, self.device._launch, self.arena([layers], "the layer stream's buffers").arena,
+                self.arena([plan.item("stream.raw")], "the layer stream's device piece").arena,
+                rt.pinned(plan.item("stream.layer_pinned").bytes), plan.slot_bytes,
+                B.layer_piece_bytes(plan.max_blob), cpu.get_threads(), o.stream_layer_tokens or 0, self.stats)
+            how = "--stream-layer-tokens"
+            if o.stream_layer_tokens is None:
+                rate = ls.rate()
+                nbytes = sum(t.nbytes for t in self.model.pack.expert_tensors(0))
+                ls.min_tokens = auto_layer_tokens(nbytes, rate, g.n_embd, g.n_ff_exp, g.n_expert_used, cpu.get_threads())
+                how = f"auto: a layer's {nbytes / MiB:.0f} MiB stream at {rate / 1e9:.2f} GB/s, {cpu.get_threads()} CPU threads"
+            self.say(f"prompt path: a chunk of {ls.min_tokens} or more tokens streams each layer's non-resident experts "
+                     f"whole and widens them on the device ({how}; {layers.count} layer buffers of {layers.each / MiB:.0f} MiB)")
         self.mark(B.HEAD_PROMPT)
 
     def verifier(self) -> None:

@@ -172,30 +172,33 @@ def test_grouped_products_are_each_experts_matmul(rt, name, kernel, monkeypatch)
         assert np.array_equal(got_big[perm[a : a + c]].view(np.int32), want_s.view(np.int32))
 
 
-def _launch_dev_group(rt, mod, ids, N, k, X, table, arena, sizes, tile, M, tok, pos, t_gu, t_d, smem_ids, threads=1024):
+def _launch_dev_group(rt, mod, ids, N, k, X, table, arena, sizes, tile, M, tok, pos, t_gu, t_d, smem_ids, threads=1024,
+                      stage=None):
     """dev_group as DeviceChunk.forward launches it (its scratch filled with garbage first)."""
     sb, gub, gsc, dsc = sizes
     scratch = rt.to_device(np.full(3 * X + 1 + threads // 32 * X, 12345, np.int32))
     rt.launch(mod, "dev_group", 1, threads, (ids, np.int32(N), np.int32(k), np.int32(X), rt.to_device(table), arena,
-                                             np.int64(sb), np.int64(gub), np.int64(gsc), np.int64(dsc), np.int32(tile),
+                                             arena if stage is None else stage, np.int64(sb), np.int64(gub), np.int64(gsc), np.int64(dsc), np.int32(tile),
                                              np.int32(M), tok, pos, t_gu, t_d, scratch[:X], scratch[X : 2 * X],
                                              scratch[2 * X : 3 * X + 1], scratch[3 * X + 1 :], np.int32(smem_ids)),
               smem=4 * smem_ids)  # (smem_ids 0: the ids read from global memory)
 
 
-@pytest.mark.parametrize("case", ["small", "skewed", "past-smem", "many-experts", "256-threads"])
+@pytest.mark.parametrize("case", ["small", "skewed", "past-smem", "many-experts", "256-threads", "streamed"])
 def test_dev_group_is_groups_on_random_routings(rt, case):
     """dev_group (a stable counting sort: each warp's segment counted, then placed) on random routings
     against the host's grouping (moe.Groups): tok, pos and the tiles, bit for bit. Past GROUP_SMEM_IDS
     pairs (8192) the ids are read from global memory; a block of 256 threads (8 segments) must give the
-    same output as 1024."""
+    same output as 1024. "streamed": half the experts' entries are -1 - s, slot s of a layer streamed
+    whole (staging.LayerStream), whose tiles must address that buffer, not the cache's arena."""
     from strata.engine.moe import Groups
     from strata.engine.tier.device import KERNELS, _NAMES
     from strata.engine.tier.device_chunk import GROUP_SMEM_IDS
 
     mod = rt.compile(_NAMES, KERNELS)
     T, X, k, threads = {"small": (7, 16, 3, 1024), "skewed": (300, 40, 6, 1024), "past-smem": (1100, 64, 8, 1024),
-                        "many-experts": (96, 512, 10, 1024), "256-threads": (700, 48, 5, 256)}[case]
+                        "many-experts": (96, 512, 10, 1024), "256-threads": (700, 48, 5, 256),
+                        "streamed": (200, 64, 8, 1024)}[case]
     rng = np.random.default_rng(sum(map(ord, case)))
     if case == "skewed":  # most pairs on a few experts (tiles of MAX_TOKENS and a ragged last one)
         p = rng.dirichlet(np.full(X, 0.1))
@@ -206,12 +209,14 @@ def test_dev_group_is_groups_on_random_routings(rt, case):
     M = -(-N // tile) + min(X, N)
     assert (N > GROUP_SMEM_IDS) == (case == "past-smem")
     table = rng.permutation(X).astype(np.int32)
-    arena = rt.to_device(np.zeros(64, np.uint8))
+    if case == "streamed":
+        table[rng.permutation(X)[: X // 2]] = -1 - rng.permutation(X)[: X // 2].astype(np.int32)
+    arena, stage = rt.to_device(np.zeros(64, np.uint8)), rt.to_device(np.zeros(64, np.uint8))
     sizes = (1000, 300, 100, 50)
     tok, pos = rt.to_device(np.full(N, -1, np.int32)), rt.to_device(np.full(N, -1, np.int64))
     t_gu, t_d = rt.to_device(np.full((2 * M, 5), 7, np.int64)), rt.to_device(np.full((M, 5), 7, np.int64))
     _launch_dev_group(rt, mod, rt.to_device(top.reshape(-1)), N, k, X, table, arena, sizes, tile, M, tok, pos, t_gu, t_d,
-                      GROUP_SMEM_IDS, threads)
+                      GROUP_SMEM_IDS, threads, stage=stage)
     grp = Groups(top)
     assert np.array_equal(rt.to_host(tok), grp.rows)
     assert np.array_equal(rt.to_host(pos).reshape(T, k), grp.slot)
@@ -219,7 +224,7 @@ def test_dev_group_is_groups_on_random_routings(rt, case):
     want_g, want_u, want_d = [], [], []
     for g, e in enumerate(grp.experts):
         a, b = int(grp.starts[g]), int(grp.starts[g + 1])
-        s_ = base + int(table[e]) * sb
+        s_ = base + int(table[e]) * sb if table[e] >= 0 else rt.ptr(stage) + (-1 - int(table[e])) * sb
         for f in range(a, b, tile):
             n = min(tile, b - f)
             want_g.append((s_, s_ + gsc, f, n, 0))
@@ -265,7 +270,7 @@ def test_dev_route_rows_and_dev_group_are_route_topk_and_groups(rt, smem_ids):
     want_g, want_u, want_d = [], [], []
     for g, e in enumerate(grp.experts):
         a, b = int(grp.starts[g]), int(grp.starts[g + 1])
-        s_ = base + int(table[e]) * sb
+        s_ = base + int(table[e]) * sb if table[e] >= 0 else rt.ptr(stage) + (-1 - int(table[e])) * sb
         for f in range(a, b, tile):
             n = min(tile, b - f)
             want_g.append((s_, s_ + gsc, f, n, 0))
@@ -346,7 +351,7 @@ def test_the_chunk_path_has_the_host_paths_bits(model, rt, cache, stream):
     g = model.geometry
     size = {"all": None, "third": g.n_layer * g.n_expert // 3, "none": 0}[cache]
     toks = np.random.default_rng(5).integers(3, g.n_vocab, 13).tolist()
-    opts = {"expert_cache": size, "stream_min_tokens": stream}
+    opts = {"expert_cache": size, "stream_min_tokens": stream, "stream_layer_tokens": 0}  # (layers whole: the next test)
     want, old, _ = prompt_logits(model, rt, toks, 4, True, **opts)
     seen = {}
     got, new, (res, strm, cpu) = prompt_logits(model, rt, toks, 4, False, seen, **opts)
@@ -362,6 +367,87 @@ def test_the_chunk_path_has_the_host_paths_bits(model, rt, cache, stream):
     if stream:
         assert strm > 0
     assert np.array_equal(got, want), f"max |diff| {np.abs(got - want).max()}"
+
+
+@pytest.mark.parametrize("cache", ["none", "third", "none-runs"])
+def test_a_layer_streamed_whole_has_the_host_paths_bits(model, rt, cache, monkeypatch):
+    """A chunk that streams its layers' non-resident experts whole (staging.LayerStream: the GGUF's
+    blocks copied raw, widened on the device, the grouped kernels reading them as if resident) gives
+    the host-driven hit path's logits bit for bit, with nothing on the CPU; three chunks of 4, so the
+    next layer's copy is queued while a layer computes and a buffer is reused every other layer. "runs": the prompt buffers hold 2 tokens' pairs only, so a layer
+    copied once is computed in runs of tokens. --stats counts the streamed experts apart from the
+    resident ones (without a profile the streamed experts then fill free slots: "third")."""
+    from strata.engine.tier.device_chunk import DeviceChunk
+
+    g = model.geometry
+    size = {"third": g.n_layer * g.n_expert // 3, "none": 0, "none-runs": 0}[cache]
+    toks = np.random.default_rng(5).integers(3, g.n_vocab, 13).tolist()
+    want, _, _ = prompt_logits(model, rt, toks, 4, True, expert_cache=size, stream_layer_tokens=0)
+    calls = []
+    if cache.endswith("runs"):
+        fits, forward = DeviceChunk.fits, DeviceChunk.forward
+        monkeypatch.setattr(DeviceChunk, "fits", lambda self, moe, n: n <= 2 * g.n_expert_used and fits(self, moe, n))
+        monkeypatch.setattr(DeviceChunk, "forward", lambda self, moe, x, *a: (calls.append(x.x.shape[0]), forward(self, moe, x, *a))[1])
+    got, new, (res, strm, cpu) = prompt_logits(model, rt, toks, 4, False, expert_cache=size, stream_layer_tokens=1)
+    if calls:
+        assert calls and set(calls) == {2}, str(calls)  # (every 4-token chunk in two runs)
+    assert "dev_widen" in new and "dev_group" in new, sorted(set(new))
+    assert cpu == 0 and strm > 0 and (res > 0) == (cache == "third"), (res, strm, cpu)
+    assert np.array_equal(got, want), f"max |diff| {np.abs(got - want).max()}"
+
+
+@pytest.mark.parametrize("t", [t for t in TYPES if t.quantized], ids=lambda t: t.name)
+def test_dev_widen_is_engine_forms_widen(rt, t):
+    """dev_widen (a layer streamed whole: the GGUF's blocks of a run of experts -> each one's engine
+    form in its slot) writes engine_form.widen's rest and f32 scales bit for bit, every block type,
+    subnormal and signed fp16 scales included; only the run's slots are written; a non-finite scale
+    marks its expert and block."""
+    from kernel_blocks import random_weights
+    from strata.engine.kernels.engine_form import align, widen
+    from strata.engine.tier.device import KERNELS, _NAMES
+    from strata.engine.tier.staging import widen_columns
+
+    mod = rt.compile(_NAMES, KERNELS)
+    rng = np.random.default_rng(t.id)
+    nbe, n_exp, e0 = 3, 3, 2  # three experts of 3 blocks each, into slots 2, 3, 4 of 6
+    raw = random_weights(t, nbe * n_exp * t.block_size, rng).reshape(n_exp * nbe, t.type_size)
+    if t.n_scales:  # an f16 subnormal, a negative scale and a zero in the first field of three blocks
+        off = t.fp16_fields[0][0]
+        for blk, h in ((0, 0x0003), (4, 0x8401), (7, 0x0000)):
+            raw[blk, off : off + 2] = np.array([h], np.uint16).view(np.uint8)
+    rest_b, sc_b = nbe * t.rest_bytes, nbe * t.n_scales * 4
+    slot, off, sc_off = 4096, 256, align(rest_b)
+    assert off + sc_off + sc_b <= slot
+    cols = np.full(512, -(1 << 20), np.int32)
+    cols[: t.type_size] = widen_columns(t)
+    dst = rt.to_device(np.full(6 * slot, 0xAB, np.uint8))
+    bad = rt.to_device(np.full(1, np.iinfo(np.uint64).max, np.uint64))
+
+    def run(blocks):
+        rt.launch(mod, "dev_widen", 4, 128, (rt.to_device(blocks.reshape(-1)), np.int32(n_exp), np.int64(nbe),
+                                             np.int32(t.type_size), np.int32(t.rest_bytes), np.int32(t.n_scales),
+                                             rt.to_device(cols), dst, np.int32(e0), np.int64(slot), np.int64(off),
+                                             np.int64(sc_off), bad))
+
+    run(raw)
+    got = rt.to_host(dst).reshape(6, slot)
+    for j in range(n_exp):
+        scales, rest = widen(raw[j * nbe : (j + 1) * nbe].reshape(-1), t.id)
+        s_ = got[e0 + j, off:]
+        assert np.array_equal(s_[:rest_b], rest.reshape(-1)), f"expert {j} rest"
+        assert np.array_equal(s_[sc_off : sc_off + sc_b].view(np.uint32), scales.reshape(-1).view(np.uint32)), f"expert {j} scales"
+    untouched = np.ones((6, slot), bool)
+    for j in range(n_exp):
+        untouched[e0 + j, off : off + rest_b] = False
+        untouched[e0 + j, off + sc_off : off + sc_off + sc_b] = False
+    assert (got[untouched] == 0xAB).all()
+    assert rt.to_host(bad)[0] == np.iinfo(np.uint64).max
+    if t.n_scales:
+        f = t.fp16_fields[0][0]
+        raw[5, f : f + 2] = np.array([0x7C00], np.uint16).view(np.uint8)  # +inf: expert 1 (slot 3), block 2
+        raw[8, f : f + 2] = np.array([0xFE00], np.uint16).view(np.uint8)  # NaN: expert 2 (slot 4), block 2
+        run(raw)
+        assert rt.to_host(bad)[0] == (3 << 32) | 2
 
 
 def test_a_chunk_past_the_prompt_buffers_runs_on_the_device_in_runs_of_experts(model, rt, monkeypatch):
