@@ -1139,6 +1139,10 @@ class DeviceBackend(CpuBackend):
             for T in rows:
                 gpu.gemm_pairs(self.xp.zeros((T, 2 * n_in), np.float16), w2, self.xp.empty((T, r_out), F32))
         self.rt.synchronize()
+        # the warm-up's activations and outputs go back to the driver: the memory pool kept them
+        # cached, and at 4096 rows stage 6's mark read +588 MiB off the plan (H200, seed-4l,
+        # 2026-12-04; +652 on the demo model), against +45 where the warm-up stopped at 256 rows
+        self.rt.release()
 
     def _gemm(self, w: Weight, act, T: int, out):
         """gpu.gemm_products of a prompt chunk's T rows (act: their ActQ, or ActQ16 for a wide weight):
