@@ -282,6 +282,8 @@ def main(argv: list[str] | None = None) -> int:
                     "(eager, capture, replay); default 3")
     ap.add_argument("--floor-kernels", action="store_true", help="also time every launch of the all-resident device "
                     "step alone (a profile of the GPU floor by kernel)")
+    ap.add_argument("--stream-layer-tokens", default="auto", help="comma-separated: auto, off or N (the device step "
+                    "streams a layer's non-resident experts whole for a prompt chunk of N+ tokens); each configuration runs with each")
     ap.add_argument("--stream-min-tokens", default="auto", help="comma-separated: auto, off or N (a prompt chunk's "
                     "non-resident expert routed N+ tokens is streamed to the device); each configuration runs with each")
     ap.add_argument("--gpu-step", default="host", help="comma-separated: host (the host-driven step), device (the "
@@ -351,6 +353,10 @@ def main(argv: list[str] | None = None) -> int:
     if streams != ["auto"]:  # prompt tok/s with streaming on and off, side by side
         value = {m: None if m == "auto" else 0 if m == "off" else int(m) for m in streams}
         configs = [(f"{name} [stream {m}]", {**opts, "stream_min_tokens": value[m]}) for name, opts in configs for m in streams]
+    layers = args.stream_layer_tokens.split(",")
+    if layers != ["auto"]:  # the device step's layers streamed whole, on and off, side by side
+        value = {m: None if m == "auto" else 0 if m == "off" else int(m) for m in layers}
+        configs = [(f"{name} [layers {m}]", {**opts, "stream_layer_tokens": value[m]}) for name, opts in configs for m in layers]
     for name, opts in configs:
         cprofiled = args.cprofile in (name, name.split(" [")[0])  # ('all' names 'all [device]' too)
         o = TierOptions(max_context=max(args.prompt + args.tokens, args.long_prompt) + 1, kv="f16", prefill_chunk=chunk, profile=profile,

@@ -8,7 +8,7 @@
 # bench_kernels_gpu.log/.md, bench_gpu_tier.log/.md, bench_serve.log. The last thing printed is the summary table.
 # Exit status: 0 when the GPU tests ran (not all skipped) and passed, else 1; the benchmarks never fail it.
 # SKIP_KERNEL_BENCH=1 leaves out the kernel benchmark (its table is in docs/performance.md already);
-# SKIP_BENCH=1 runs the tests alone; SKIP_SERVE_BENCH=1 the serving benchmark, SKIP_SAMPLE_BENCH=1 the sampled pick's, SKIP_SPEC_BENCH=1 the --spec one.
+# SKIP_BENCH=1 runs the tests alone; SKIP_SERVE_BENCH=1 the serving benchmark, SKIP_SAMPLE_BENCH=1 the sampled pick's, SKIP_SPEC_BENCH=1 the --spec one, SKIP_BUS_BENCH=1 the bus rates'.
 set -u
 cd "$(dirname "$0")/.." || exit 2
 # The machine reaches no package index: what it lacks travels as wheels in .whl/ (device README): gguf,
@@ -88,6 +88,13 @@ if [ -z "${SKIP_SPEC_BENCH:-}" ]; then
     # acceptance 0.43 / 0.7 / 1 (seed-4l qwen35moe, synthesized by the tier benchmark above)
     echo "== GPU benchmark: benchmarks/spec.py --device-step"
     timeout ${SPEC_BENCH_TIMEOUT:-240} python3 benchmarks/spec.py --device-step --no-mtp --rounds 3 --tokens 48 --prompt 32 2>&1 | tee "$LOG/bench_spec.log"
+fi
+
+if [ -z "${SKIP_BUS_BENCH:-}" ]; then
+    # how fast a layer's experts reach the card from the mapped GGUF (the layer stream's copy:
+    # pageable, pinned through N threads, the bus, a registered mapping); seed-4l qwen4exp
+    echo "== GPU benchmark: benchmarks/stream_bus.py"
+    timeout 90 python3 benchmarks/stream_bus.py --threads 4,8 --layers 1 --repeat 2 2>&1 | tee "$LOG/bench_stream_bus.log"
 fi
 
 if [ -z "${SKIP_KERNEL_BENCH:-}" ]; then
