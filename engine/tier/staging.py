@@ -290,8 +290,10 @@ class LayerStream:
         list(self.copiers.map(lambda a: np.copyto(dst[a : a + step], src[a : a + step]), range(0, n, step)))
 
     def close(self) -> None:
+        """Wait for the copies still queued (a layer copied ahead that no forward waited for: one
+        that raised on the way) and end the worker threads."""
         for _, fut in self.pending.values():
-            fut.result()
+            fut.exception()  # (waits; what it raised has no one left to tell)
         self.pending.clear()
         self.jobs.shutdown()
         self.copiers.shutdown()

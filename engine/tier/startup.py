@@ -133,6 +133,8 @@ class GpuTier:
         for w in self.model.pack.weights.values():
             w.device = None
         self.model.backend = CpuBackend()
+        if self.hit_path is not None and self.hit_path.layers is not None:
+            self.hit_path.layers.close()  # (its worker's copies land in buffers given back below)
         self.slots.weights.clear()
         self.slots.arena = self.hit_path = None
         gc.collect()

@@ -396,6 +396,32 @@ def test_a_layer_streamed_whole_has_the_host_paths_bits(model, rt, cache, monkey
     assert np.array_equal(got, want), f"max |diff| {np.abs(got - want).max()}"
 
 
+def test_a_layer_stream_refuses_a_non_finite_scale_naming_where(model, rt, monkeypatch):
+    """A streamed layer whose GGUF bytes hold a non-finite fp16 scale stops the forward with an error
+    naming the layer, the expert and the block (dev_widen marks it), as the host's widen does."""
+    from strata.engine.tier import GpuTier, TierOptions
+
+    g = model.geometry
+    tensors = model.pack.expert_tensors
+
+    def bad(layer):
+        gate, up, down = (t.copy() for t in tensors(layer))
+        if layer == 0:  # Q8_0: each 34-byte block starts with its fp16 scale
+            each = gate.nbytes // g.n_expert
+            gate[3 * each + 34 : 3 * each + 36] = np.array([0x7C00], np.uint16).view(np.uint8)  # expert 3, block 1: +inf
+        return gate, up, down
+
+    monkeypatch.setattr(model.pack, "expert_tensors", bad)
+    tier = GpuTier.start(model, TierOptions(max_context=CTX, kv="f32", prefill_chunk=16, step="device", expert_cache=0,
+                                            stream_layer_tokens=1))
+    try:
+        s = tier.take_session(CTX, "f32")
+        with pytest.raises(ValueError, match=r"blk\.0 expert 3 \(streamed\): block 1 .*non-finite fp16 scale"):
+            model.forward(s, [5, 6, 7, 8], n_logits=1)
+    finally:
+        tier.stop()
+
+
 @pytest.mark.parametrize("t", [t for t in TYPES if t.quantized], ids=lambda t: t.name)
 def test_dev_widen_is_engine_forms_widen(rt, t):
     """dev_widen (a layer streamed whole: the GGUF's blocks of a run of experts -> each one's engine
