@@ -513,25 +513,30 @@ def qwen4exp(tmp_path_factory):
 
 
 @pytest.mark.slow  # the emulated products of the tiny qwen4exp: ~25 s a token step on the CI's 2 cores
-@pytest.mark.parametrize("cache", ["all", "third"])
+@pytest.mark.parametrize("cache", ["all", "third", "third-layers"])
 def test_the_qwen4exp_chunk_path_has_the_host_paths_bits(qwen4exp, rt, cache):
     """qwen4exp's prompt on the device step: a chunk of 3 then one of 2 (then two steps), the same
-    logits bit for bit as the host-driven hit path, every expert resident (routed on the device) or
-    a third (routed on the host, misses on the CPU)."""
+    logits bit for bit as the host-driven hit path, every expert resident (routed on the device), a
+    third (routed on the host, misses on the CPU), or a third with the other experts of each layer
+    streamed whole (staging.LayerStream: routed on the device, nothing on the CPU)."""
     if cache == "all" and isinstance(rt, EmuRuntime):
         pytest.skip("run on the card: ~260 s emulated on CI's 2 cores (the all-resident chunk path is emulated by "
                     "the qwen35moe test, qwen4exp's chunk by the 'third' case)")
     g = qwen4exp.geometry
-    size = {"all": None, "third": g.n_layer * g.n_expert // 3}[cache]
+    size = None if cache == "all" else g.n_layer * g.n_expert // 3
+    layers = cache.endswith("layers")
     toks = np.random.default_rng(5).integers(3, g.n_vocab, 7).tolist()
     want, old, _ = prompt_logits(qwen4exp, rt, toks, 3, True, expert_cache=size, stream_min_tokens=0)
     seen = {}
-    got, new, (res, _, cpu) = prompt_logits(qwen4exp, rt, toks, 3, False, seen, expert_cache=size, stream_min_tokens=0)
+    opts = {"stream_layer_tokens": 1} if layers else {"stream_min_tokens": 0}
+    got, new, (res, strm, cpu) = prompt_logits(qwen4exp, rt, toks, 3, False, seen, expert_cache=size, **opts)
     tables = seen["tables"]
-    assert res > 0 and any(n.startswith(("mmx<", "mmqx<", "mmqw<", "mmqk<")) for n in new)  # (gpu.grouped_kernel picks which)
-    assert ("dev_group" in new) == (cache == "all")
+    assert any(n.startswith(("mmx<", "mmqx<", "mmqw<", "mmqk<")) for n in new)  # (gpu.grouped_kernel picks which)
+    assert ("dev_group" in new) == (cache != "third") and ("dev_widen" in new) == layers
     if cache == "third":
-        assert cpu > 0
+        assert res > 0 and cpu > 0
+    if layers:
+        assert strm > 0 and cpu == 0
     # the chunk's PLE conv on the device; its embedding and PLE rows gathered there where the tables
     # are on the device (the budget places them with every expert resident)
     assert "dev_ple_conv_rows" in new and "dev_ple_conv_rows" not in old
