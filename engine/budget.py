@@ -146,6 +146,7 @@ class BudgetOptions:
     cache_mib: int = 0  # strata serve --conversation-cache-mib: their host memory at most
     device_step: bool = False  # --gpu-step device: the sessions' states and the blocks' parameters live on the card
     stream_experts: bool = True  # a prompt chunk's non-resident experts may be streamed (--stream-min-tokens off: False)
+    stream_layers: bool = True  # ... and the device step's layers whole (TierOptions.stream_layer_tokens 0: False)
     cublas_held: bool = False  # this process made cuBLAS ready already (an earlier tier): its memory is not new
 
     def __post_init__(self) -> None:
@@ -327,6 +328,8 @@ def _layer_why_not(o: BudgetOptions, n_pairs: int, slots: int | None, left: int 
         return "no --prefill chunk"
     if not o.stream_experts:
         return "--stream-min-tokens off"
+    if not o.stream_layers:
+        return "the layer stream off"
     if slots is not None and slots >= n_pairs:
         return "every pair is resident"
     if left is not None and left < want:

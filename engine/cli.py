@@ -440,6 +440,12 @@ def _run(pack, prompt, prompt_file, prompt_ids, n, ignore_eos, temp, top_k, top_
                       expert_profile=expert_profile, vram_budget_mib=vram_budget_mib, vram_reserve_mib=vram_reserve_mib,
                       who="strata generate", step=gpu_step, stream_min_tokens=stream_option(stream_min_tokens),
                       spec=spec)
+    if tier is not None and option is None:  # --prefill auto: the device step takes longer pieces where memory allows
+        piece = tier.prompt_piece(chunk)
+        if piece != chunk:
+            typer.echo(f"strata generate: the prompt in pieces of {piece} tokens (its {chunk}-token buffers take a "
+                       f"piece in runs; the device memory free holds the longer piece's temporaries)", err=True)
+            chunk = piece
     session = tier.take_session(ctx, kv) if tier is not None else model.new_session(ctx, kv)
     # --ignore-eos bans the stop tokens (llama.cpp's rule), so exactly n tokens come out
     sampler = Sampler(p.geometry.n_vocab, params, banned=tok.stop_ids if ignore_eos else ())

@@ -53,7 +53,7 @@ from strata.index_format.manifest import pack_fingerprint
 from .. import budget as B
 from ..backend import CpuBackend
 from ..budget import Budget, BudgetOptions, ExpertCacheTooBig, plan_budget
-from ..expert_plan import MiB, check_profile, fill_policy_line, plan_fill
+from ..expert_plan import MiB, check_profile, fill_policy_line, plan_fill, prefill_mib
 from ..kernels import cpu, gpu
 from ..kernels.engine_form import placed_bytes
 from ..model import Model, Session
@@ -95,6 +95,9 @@ class TierOptions:
     spec: int = 0
 
 
+PROMPT_PIECES = (512, 1024, 2048, 4096)  # GpuTier.prompt_piece's candidates (llama.cpp's default batch is 2048)
+
+
 @dataclass
 class GpuTier:
     model: Model
@@ -106,6 +109,27 @@ class GpuTier:
     lines: list[str] = field(default_factory=list)
     session: Session | None = None  # the device step's first session, allocated at stage 1 as planned
     snapshots: list = field(default_factory=list)  # its verify snapshots, allocated at stage 7 (--spec N, device step)
+    memory: DeviceMemory | None = None  # free device memory as the tier counts it (--vram-budget-mib included)
+
+    def prompt_piece(self, chunk: int) -> int:
+        """--prefill auto's piece of the prompt a forward takes on the device step: the chunk the
+        buffers are planned for (256), or up to PROMPT_PIECES' largest (4096) where the memory free
+        now holds what the larger piece's temporaries add (prefill_mib's 680 KiB a token, the seed's
+        figure for the chunk buffers) and the reserve's headroom stays. A piece past the buffers runs
+        through them (the dense products in rows, the experts in runs; a layer streamed whole once
+        for the piece, not once per 256 tokens: on the H200, seed-4l qwen4exp with every expert in
+        host memory ran a 4096-token forward at 16.8K tok/s, where 256-token forwards copy every
+        layer again each, ~1.5K tok/s). The host-driven step: the chunk."""
+        o = self.plan.options
+        if not o.device_step or chunk <= 0 or self.memory is None:
+            return chunk
+        free = self.memory.free()
+        headroom = (self.plan.reserve.headroom_mib if self.plan.reserve is not None else o.vram_reserve_mib) * MiB
+        piece = chunk
+        for n in PROMPT_PIECES:
+            if chunk < n <= o.max_context and free - (prefill_mib(n) - prefill_mib(chunk)) * MiB >= headroom:
+                piece = n
+        return piece
 
     def take_session(self, max_context: int, kv: str) -> Session:
         """The session the plan counted (the device step's, made at stage 1) the first time it fits
@@ -126,7 +150,7 @@ class GpuTier:
         s.cache_graphs()
         s.head_prompt()
         s.verifier()
-        return cls(model, s.plan, s.marks, s.slots, s.stats, s.hits, s.bind(), s.session, s.snapshots)
+        return cls(model, s.plan, s.marks, s.slots, s.stats, s.hits, s.bind(), s.session, s.snapshots, memory=s.mem)
 
     def stop(self) -> None:
         """Unbind from the model (it runs on the CPU again) and give the device memory back."""
@@ -166,7 +190,8 @@ class _Startup:
         bopts = BudgetOptions(max_context=o.max_context, kv=o.kv, vram_reserve_mib=o.vram_reserve_mib,
                               prefill_chunk=o.prefill_chunk, expert_cache=o.expert_cache,
                               profile_pairs=o.profile.pairs if o.profile is not None else None,
-                              device_step=o.step == "device", stream_experts=o.stream_min_tokens != 0, spec=o.spec,
+                              device_step=o.step == "device", stream_experts=o.stream_min_tokens != 0,
+                              stream_layers=o.stream_layer_tokens != 0, spec=o.spec,
                               cublas_held=getattr(rt, "cublas_held", lambda: False)())
         self.free0 = self.mem.free()
         ple = pack.ple if g.ple_layers else None
@@ -326,13 +351,13 @@ class _Startup:
                 self.say(f"prompt path: a chunk's non-resident expert routed {n} or more of its tokens is streamed "
                          f"to the device ({how}; {staging.count} staging slots of {plan.slot_bytes / MiB:.1f} MiB)")
         layers = plan.item("stream.layers")
-        if layers.bytes and dense.rows and self.device is not None and o.stream_layer_tokens != 0:
+        if layers.bytes:  # (planned only for the device step with a prompt path)
             self.hits.layers = ls = LayerStream(
                 rt, self.model.pack, self.device._launch, self.arena([layers], "the layer stream's buffers").arena,
                 self.arena([plan.item("stream.raw")], "the layer stream's device piece").arena,
                 rt.pinned(plan.item("stream.layer_pinned").bytes), plan.slot_bytes,
                 B.layer_piece_bytes(plan.max_blob), cpu.get_threads(), o.stream_layer_tokens or 0, self.stats)
-            how = "--stream-layer-tokens"
+            how = "as set"
             if o.stream_layer_tokens is None:
                 rate = ls.rate()
                 nbytes = sum(t.nbytes for t in self.model.pack.expert_tensors(0))

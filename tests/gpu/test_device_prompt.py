@@ -633,3 +633,33 @@ def test_a_chunks_ple_conv_is_the_references_bits(rt, T, t0):
     want = conv_reference(ring, t0, X, w, dil)
     assert np.array_equal(rt.to_host(y).view(np.uint32), want.view(np.uint32))
     assert np.array_equal(rt.to_host(ring_d), ring)
+
+
+def test_the_device_steps_prompt_piece_follows_the_free_memory(model, rt):
+    """--prefill auto on the device step (GpuTier.prompt_piece): the longest piece of PROMPT_PIECES
+    (up to the context) whose temporaries, at prefill_mib's 680 KiB a token beyond the planned chunk's,
+    fit the memory free now beside the reserve's headroom; the planned chunk on a card without that
+    room, and always on the host-driven step."""
+    from strata.engine.expert_plan import MiB, prefill_mib
+    from strata.engine.tier import GpuTier, TierOptions
+
+    def piece(chunk=16, ctx=5000, **opts):
+        o = {"max_context": ctx, "kv": "f32", "prefill_chunk": chunk, "step": "device", "expert_cache": 0,
+             "stream_layer_tokens": 0, **opts}
+        tier = GpuTier.start(model, TierOptions(**o))
+        try:
+            return tier.prompt_piece(chunk), tier.memory.used(), tier.plan.reserve.headroom_mib * MiB
+        finally:
+            tier.stop()
+
+    assert piece()[0] == 4096
+    big, used, headroom = piece()  # (the second start: cuBLAS's memory was the first one's)
+    assert big == 4096
+    assert piece(ctx=1500)[0] == 1024  # (never past the context)
+    assert piece(step="host")[0] == 16
+    room = (prefill_mib(1024) - prefill_mib(16)) * MiB  # what a 1024-token piece adds
+    # a card whose free memory after the start is the reserve's headroom and a 1024-token piece's
+    # temporaries, not a 2048-token one's
+    mib = -(-(used + headroom + room) // MiB) + 1
+    assert piece(vram_budget_mib=mib)[0] == 1024
+    assert piece(vram_budget_mib=mib - (prefill_mib(1024) - prefill_mib(512)) - 1)[0] == 512
