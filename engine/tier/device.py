@@ -244,7 +244,8 @@ class DeviceExperts:
     brought down once per forward (`settle`).
 
     A prompt chunk (`tokens`): a layer whose experts are all resident wholly on the device, routing
-    included; otherwise (`routed`) routed on the host, its experts in grouped launches on the device,
+    included, and so is a layer whose other experts are streamed whole for the chunk
+    (staging.LayerStream); otherwise (`routed`) routed on the host, its experts in grouped launches on the device,
     the misses on the CPU beside them (engine/tier/device_chunk.py); where neither applies, the
     tier's hit path (engine/tier/hits.py)."""
 
@@ -319,7 +320,7 @@ class DeviceExperts:
                 "miss": rt.empty((k, E), F32),
                 "out": rt.empty((1, E), F32),
                 "table": rt.empty((n_layer, X), np.int32),
-                "stable": rt.empty((X,), np.int32),  # a layer streamed whole: its table (`_streamed_table`)
+                "stable": rt.empty((X,), np.int32),  # a layer streamed whole: its table (`tokens`)
             }
             # what a layer that can miss exchanges with the host: pinned, so the copies are
             # asynchronous and a CUDA graph can replay them
