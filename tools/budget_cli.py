@@ -55,6 +55,8 @@ def budget(
     prefill: str = typer.Option("auto", "--prefill", help="the prompt path's chunk: auto (256), a token count, or off (0) for none"),
     stream_min_tokens: str = typer.Option("auto", "--stream-min-tokens", help="strata generate's: off plans no staging "
                                           "for the prompt's streamed experts; auto or N plans two slots of it"),
+    gpu_step: str = typer.Option("host", "--gpu-step", help="strata generate's: host, or device (the whole forward on "
+                                 "the card: its states, the prompt's cuBLAS slab, a layer's experts streamed whole)"),
     max_context: int = ctx_option(4096, "--max-context", "the context (KV cache size) in tokens"),
     kv: str = typer.Option("f16", "--kv", help="KV cache type: f16, int8 (f32 scale per 32 elements) or f32"),
     expert_cache: str = typer.Option("auto", "--expert-cache", help="GPU expert slots: auto (what fits beside the reserve) or a slot count to check"),
@@ -84,7 +86,7 @@ def budget(
         # inf (or 1e308, inf once in bytes) reached int() as an OverflowError traceback; 2^30 GiB is 1 EiB
         finite("--vram-budget-mib" if vram_budget_mib is not None else "--vram-gib", vram_budget_mib if vram_budget_mib is not None else vram_gib, lo=0, hi=2**40 if vram_budget_mib is not None else 2**30)
         opts = _options(prefill, max_context, kv, expert_cache, vram_reserve_mib, batch, cache_slots, cache_mib, spec,
-                        stream_min_tokens)
+                        stream_min_tokens, gpu_step)
         _check_context(pack_dir, kv, max_context)
         free = None if vram_gib is None and free_mib is None else int(vram_gib * GiB) if vram_gib is not None else free_mib * MiB
         report = _report(pack_dir, opts, free, expert_profile)
@@ -101,20 +103,22 @@ def budget(
 
 
 def _options(prefill: str, max_context: int, kv: str, expert_cache: str, reserve: int, batch: int = 1,
-             cache_slots: int = 0, cache_mib: int = 0, spec: int = 0, stream: str = "auto"):
+             cache_slots: int = 0, cache_mib: int = 0, spec: int = 0, stream: str = "auto", step: str = "host"):
     from strata.engine.arguments import parse_prefill, parse_stream_min_tokens
     from strata.engine.budget import BudgetOptions, auto_prefill_chunk
 
     chunk = parse_prefill(prefill)
     chunk = auto_prefill_chunk() if chunk is None else chunk  # the device plan: the 256-token chunk
     slots = None if expert_cache == "auto" else _count("--expert-cache", expert_cache)
+    if step not in ("host", "device"):
+        raise ValueError(f"--gpu-step {step!r}: expected host or device")
     for flag, v, lo in (("--batch", batch, 1), ("--conversation-cache-slots", cache_slots, 0),
                         ("--conversation-cache-mib", cache_mib, 0), ("--spec", spec, 0)):
         if v < lo:
             raise ValueError(f"{flag} {v}: expected at least {lo}")
     return BudgetOptions(max_context=max_context, kv=kv, vram_reserve_mib=reserve, prefill_chunk=chunk, expert_cache=slots,
                          batch=batch, cache_slots=cache_slots, cache_mib=cache_mib, spec=spec,
-                         stream_experts=parse_stream_min_tokens(stream) != 0)
+                         stream_experts=parse_stream_min_tokens(stream) != 0, device_step=step == "device")
 
 
 def _check_context(pack_dir: Path, kv: str, max_context: int) -> None:
@@ -157,7 +161,8 @@ def _report(pack_dir: Path, opts, free: int | None, profile_path: Path | None) -
         curve = hit_rate_curve(profile)
         opts = replace(opts, profile_pairs=profile.pairs)
     b = plan_budget(pack.index, pack.experts, g, opts, free_bytes=free,
-                    ple_table_bytes=pack.ple.nbytes if pack.ple is not None else None)
+                    ple_table_bytes=pack.ple.nbytes if pack.ple is not None else None,
+                    ple_table_type=pack.ple.type_id if pack.ple is not None else None)
     text = format_report(b, f"{pack_dir} ({g.arch}, {g.n_layer} layers, {g.n_expert} experts per layer)", profile, curve)
     return _Report(text, b, profile, curve, str(pack_dir))
 

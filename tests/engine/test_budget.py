@@ -545,3 +545,21 @@ def test_a_layer_streamed_whole_takes_what_the_cache_and_the_reserve_leave(seed4
                  plan(seed4l, free=64 * GIB, device_step=True)):  # every pair resident
         assert none.item("stream.layers").bytes == none.item("stream.raw").bytes == none.item("stream.layer_pinned").bytes == 0
     assert "every pair is resident" in plan(seed4l, free=64 * GIB, device_step=True).item("stream.layers").name
+
+
+def test_cli_plans_the_device_step_with_its_layer_stream(tiny_pack, capsys):
+    """strata-budget --gpu-step device: the device step's items (its session on the card, the prompt's
+    cuBLAS slab, the layer stream where it fits beside the cache) in the table; host (the default)
+    plans none of them, and another step is refused."""
+    from strata.tools.budget_cli import main
+
+    assert main([str(tiny_pack), "--free-mib", "4000", "--expert-cache", "0", "--gpu-step", "device"]) == 0
+    dev = capsys.readouterr().out
+    assert main([str(tiny_pack), "--free-mib", "4000", "--expert-cache", "0"]) == 0
+    host = capsys.readouterr().out
+    row = lambda out, name: next(l for l in out.splitlines() if name in l)  # noqa: E731
+    assert "(the host-driven step)" in row(host, "a layer streamed whole: its experts")
+    assert "(" not in row(dev, "a layer streamed whole: its experts").split("slots)")[1]  # placed: no reason given
+    assert "dense prompt products' f16 weight slab" in dev and "(the host-driven step" in row(host, "f16 weight slab")
+    assert main([str(tiny_pack), "--gpu-step", "gpu"]) == 1
+    assert "--gpu-step 'gpu': expected host or device" in capsys.readouterr().err
