@@ -306,12 +306,15 @@ def layer_raw_bytes(piece: int) -> int:
     return align(piece) + align(2 * LAYER_COL_INTS * I32) + align(8)
 
 
-def _layer_items(g: ModelGeometry, o: BudgetOptions, slot: int, blob: int, n_expert: int, why_not: str | None) -> list[Item]:
-    """The layer stream's items; `why_not`: the reason they are not placed (their bytes then 0)."""
+def _layer_sizes(slot: int, blob: int, n_expert: int) -> tuple[int, int, int]:
+    """The layer stream's bytes: its two layer buffers and its device piece (device), its pinned pieces (host)."""
     piece = layer_piece_bytes(blob)
-    sizes = (LAYER_BUFFERS * n_expert * slot, layer_raw_bytes(piece), LAYER_PIECES * piece)
-    if why_not:
-        sizes = (0, 0, 0)
+    return LAYER_BUFFERS * n_expert * slot, layer_raw_bytes(piece), LAYER_PIECES * piece
+
+
+def _layer_items(slot: int, blob: int, n_expert: int, why_not: str | None) -> list[Item]:
+    """The layer stream's items; `why_not`: the reason they are not placed (their bytes then 0)."""
+    sizes = (0, 0, 0) if why_not else _layer_sizes(slot, blob, n_expert)
     tail = f" ({why_not})" if why_not else ""
     return [Item("stream.layers", f"a layer streamed whole: its experts in engine form ({LAYER_BUFFERS} layers of "
                  f"{n_expert} slots){tail}", sizes[0], HEAD_PROMPT, count=LAYER_BUFFERS),
@@ -728,9 +731,9 @@ def plan_budget(index: PackIndex, experts: NativeExperts, g: ModelGeometry, opti
     if embedding_on_device(g, o.device_step, ple):  # the run-ahead gathers the next step's row there
         before.append(Item("weights.embedding", "embedding table in its blocks (the device step's run-ahead gathers rows)",
                            embd, WEIGHTS))
-    layers_want = sum(i.bytes for i in _layer_items(g, o, slot, blob, experts.n_expert, None) if i.where == DEVICE)
+    layers_want = sum(_layer_sizes(slot, blob, experts.n_expert)[:2])  # (its device items)
     if free_bytes is None:
-        after += _layer_items(g, o, slot, blob, experts.n_expert, _layer_why_not(o, n_pairs, None, None, layers_want))
+        after += _layer_items(slot, blob, experts.n_expert, _layer_why_not(o, n_pairs, None, None, layers_want))
         items = before + [Item("cache.slots", "expert slots (give the free memory to plan them)", 0, OPEN_CACHE, count=0)] + after
         return Budget(tuple(items), o, slot, blob, n_pairs, None, None, None, None, notes=tuple(notes))
     free_at_open = free_bytes - sum(i.bytes for i in before if i.where == DEVICE)
@@ -739,7 +742,7 @@ def plan_budget(index: PackIndex, experts: NativeExperts, g: ModelGeometry, opti
     # cache: a slot serves every token, the stream only long prompts)
     left = free_at_open - sp.slots * slot - after_bytes - sp.reserve.headroom_mib * MiB
     why = _layer_why_not(o, n_pairs, sp.slots, left, layers_want)
-    after = after + _layer_items(g, o, slot, blob, experts.n_expert, why)
+    after = after + _layer_items(slot, blob, experts.n_expert, why)
     if why and "fit" in why:
         notes.append(f"a prompt chunk streams no layer's experts whole: {why}; a long prompt's non-resident experts "
                      "then run on the CPU, or stream one by one")

@@ -77,6 +77,19 @@ def widen(raw: np.ndarray, type_id: int, name: str | None = None, scales: np.nda
     return scales, rest
 
 
+WIDEN_SKIP = -(1 << 20)  # widen_columns: a byte that goes nowhere (an fp16 scale's high byte)
+
+
+def widen_columns(t: GGMLType) -> np.ndarray:
+    """`widen`'s layout byte by byte, for the device's widen (dev_widen): col[c] for byte c of a
+    block is its column of the rest (>= 0), -1 - k for the low byte of fp16 scale k, or WIDEN_SKIP."""
+    col = np.full(t.type_size, WIDEN_SKIP, np.int32)
+    rest = _rest_columns(t)
+    col[rest] = np.arange(rest.size, dtype=np.int32)
+    col[_fp16_columns(t)[0::2]] = -1 - np.arange(t.n_scales, dtype=np.int32)
+    return col
+
+
 def _plane(out: np.ndarray, dtype, rows: int, cols: int, t: GGMLType, name: str | None) -> np.ndarray:
     if out.dtype != dtype or out.size != rows * cols or not out.flags.c_contiguous:
         raise ValueError(f"widen {_label(t, name)}: an output of {out.dtype}[{out.size}] for {np.dtype(dtype)}[{rows} x {cols}]")

@@ -439,20 +439,20 @@ class DeviceExperts:
             return None
         b = self._buffers(moe)
         table = self._table(b, moe.layer)
-        row, stream = self._table_rows[moe.layer], None
-        if not (row >= 0).all():
+        row, streamed = self._table_rows[moe.layer], None
+        if (row >= 0).all():
+            out = self.chunk.forward(moe, x, table)
+        else:
             stream = self._stream_layer(moe, x.x.shape[0], row)
             if stream is None:
                 return None
-            table = b["stable"]
-            self.rt.copy_in(table, np.where(row >= 0, row, -1 - np.arange(row.size)).astype(np.int32))
-        if stream is None:
-            out = self.chunk.forward(moe, x, table)
-        else:
-            out = self._forward_streamed(moe, x, table, stream[1])
-            self.hits.layers.done(stream[0])  # (the products reading the buffer are queued)
+            buf, stage = stream
+            table, streamed = b["stable"], row < 0
+            self.rt.copy_in(table, np.where(streamed, -1 - np.arange(row.size), row).astype(np.int32))
+            out = self._forward_streamed(moe, x, table, stage)
+            self.hits.layers.done(buf)  # (the products reading the buffer are queued)
         if out is not None:
-            self._chunk_log.append((moe.layer, seqs, out[1], None if stream is None else row < 0))
+            self._chunk_log.append((moe.layer, seqs, out[1], streamed))
             return out[0]
         return None
 

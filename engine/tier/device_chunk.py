@@ -101,9 +101,10 @@ class DeviceChunk:
         gu_t, d_t = moe.gu.id, moe.d.id
         slots = hp.slots
         gu_bytes = placed_bytes(gu_t, E, F)
+        arena = slots.arena if slots.arena is not None else stage  # (no cache: no arena, every entry a stage slot)
         rt.launch(be._mod, "dev_group", 1, GROUP_THREADS,
-                  (ids, np.int32(N), np.int32(k), np.int32(X), table, stage if slots.arena is None else slots.arena,
-                   slots.arena if stage is None else stage, np.int64(slots.slot_bytes),  # (no cache: no arena)
+                  (ids, np.int32(N), np.int32(k), np.int32(X), table, arena, arena if stage is None else stage,
+                   np.int64(slots.slot_bytes),
                    np.int64(gu_bytes), np.int64(align(planes(gu_t, E, F)[0])), np.int64(align(planes(d_t, F, E)[0])),
                    np.int32(gpu.MAX_TOKENS), np.int32(M), tok, pos, t_gu, t_d, scratch[:X], scratch[X : 2 * X],
                    scratch[2 * X : 3 * X + 1], scratch[3 * X + 1 :], np.int32(GROUP_SMEM_IDS)), smem=4 * GROUP_SMEM_IDS)

@@ -27,7 +27,7 @@ import numpy as np
 
 from ..budget import LAYER_BUFFERS, LAYER_COL_INTS, LAYER_PIECES, STAGING_BUFFERS, layer_raw_bytes
 from ..kernels import gpu
-from ..kernels.engine_form import align, placed_bytes, planes
+from ..kernels.engine_form import WIDEN_SKIP, align, placed_bytes, planes, widen_columns
 
 # --stream-min-tokens auto, a rough model until the card measures it (docs/gpu-tier.md): streaming
 # an expert costs its bytes once per chunk, at the slower of the bus and the host's widening of its
@@ -125,23 +125,6 @@ class Staging:
 # host, 2026-12-04: seed-4l qwen4exp's 256-token chunk, 10240 pairs of 3 x 2560 x 640 in 0.47 s at 8
 # threads: 13 G a thread; the per-expert model's 30 G above is what 4-16 tokens an expert reach)
 LAYER_CPU_MACS_S = 13e9
-_SKIP = -(1 << 20)  # dev_widen's col: a byte that goes nowhere (an fp16 scale's high byte)
-
-
-def widen_columns(t) -> np.ndarray:
-    """dev_widen's col for block type t: where each byte of a block goes (engine_form.widen's layout:
-    the rest in byte order, the fp16 scales in field order)."""
-    col = np.full(t.type_size, _SKIP, np.int32)
-    scale_bytes = set()
-    k = 0
-    for off, n in t.fp16_fields:
-        for h in range(n):
-            col[off + 2 * h] = -1 - k
-            scale_bytes.update((off + 2 * h, off + 2 * h + 1))
-            k += 1
-    rest = [c for c in range(t.type_size) if c not in scale_bytes]
-    col[rest] = np.arange(len(rest), dtype=np.int32)
-    return col
 
 
 def auto_layer_tokens(layer_bytes: int, rate: float, n_embd: int, n_ff: int, k: int, threads: int) -> int:
@@ -193,9 +176,6 @@ class LayerStream:
         self.turn = 0
         self.stats = stats  # HitStats: streamed_bytes counts the raw bytes copied (--stats)
 
-    def nonresident(self, row: np.ndarray) -> np.ndarray:
-        return np.flatnonzero(row < 0)
-
     def takes(self, layer: int, row: np.ndarray, tokens: int) -> bool:
         """Whether a chunk of `tokens` streams this layer: some expert is not resident, the chunk is long enough."""
         return bool((row < 0).any()) and tokens >= self.min_tokens and layer < self.pack.geometry.n_layer
@@ -211,7 +191,7 @@ class LayerStream:
                 self.pending.pop(old)[1].result()
         wait = self.used[b]
         self.used[b] = True
-        self.pending[layer] = (b, self.jobs.submit(self._copy, layer, self.nonresident(row), b, wait))
+        self.pending[layer] = (b, self.jobs.submit(self._copy, layer, np.flatnonzero(row < 0), b, wait))
 
     def wait(self, layer: int):
         """-> the device buffer holding `layer`'s non-resident experts (slot e: expert e), once copied;
@@ -274,9 +254,8 @@ class LayerStream:
         stats, self.stats = self.stats, None
         t0 = time.perf_counter()
         self.start(layer, row)
-        b = self.pending[layer][0]
         n = self.pending[layer][1].result()
-        self.wait(layer)
+        b, _ = self.wait(layer)
         self.rt.synchronize()
         dt = time.perf_counter() - t0
         self.done(b)
@@ -300,7 +279,7 @@ class LayerStream:
 
 
 def _cols(t) -> np.ndarray:
-    out = np.full(LAYER_COL_INTS, _SKIP, np.int32)
+    out = np.full(LAYER_COL_INTS, WIDEN_SKIP, np.int32)
     out[: t.type_size] = widen_columns(t)
     return out
 

@@ -429,9 +429,8 @@ def test_dev_widen_is_engine_forms_widen(rt, t):
     subnormal and signed fp16 scales included; only the run's slots are written; a non-finite scale
     marks its expert and block."""
     from kernel_blocks import random_weights
-    from strata.engine.kernels.engine_form import align, widen
+    from strata.engine.kernels.engine_form import align, widen, widen_columns
     from strata.engine.tier.device import KERNELS, _NAMES
-    from strata.engine.tier.staging import widen_columns
 
     mod = rt.compile(_NAMES, KERNELS)
     rng = np.random.default_rng(t.id)
