@@ -265,8 +265,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--calib", type=int, default=2048, help="calibration tokens (3/4 profiled, 1/4 held out)")
     ap.add_argument("--chunk", type=int, default=256, help="prompt chunk (tokens a batched forward takes at once)")
     ap.add_argument("--long-prompt", type=int, default=0, metavar="N",
-                    help="also feed each configuration an N-token prompt in 1024-token pieces (the text repeated "
+                    help="also feed each configuration an N-token prompt in --long-piece pieces (the text repeated "
                          "as needed) and print the time per 1K tokens as the prompt grows")
+    ap.add_argument("--long-piece", type=int, default=1024, metavar="N",
+                    help="the tokens of each forward of --long-prompt (default 1024; `strata generate --prefill auto` "
+                         "on the device step feeds up to 4096, so --chunk 4096 --long-piece 4096 times what it does)")
     ap.add_argument("--reserve-mib", type=int, default=700)
     ap.add_argument("--md", type=Path, help="also write the table here (markdown)")
     ap.add_argument("--cprofile", metavar="CONFIG", help="print where the decode time of CONFIG (e.g. all) goes")
@@ -284,6 +287,11 @@ def main(argv: list[str] | None = None) -> int:
                     "step alone (a profile of the GPU floor by kernel)")
     ap.add_argument("--stream-layer-tokens", default="auto", help="comma-separated: auto, off or N (the device step "
                     "streams a layer's non-resident experts whole for a prompt chunk of N+ tokens); each configuration runs with each")
+    ap.add_argument("--stream-register", default="on", help="comma-separated: on, off (the layer stream DMAs from the "
+                    "GGUF's pages registered with the driver, or copies them through pinned pieces); each configuration runs with each")
+    ap.add_argument("--after", metavar="PATH", help="wait until PATH exists before the timed runs (a llama.cpp build "
+                    "in the background of the same call, ../shared/peer/build_llama_cuda.sh: BUILD/done, would share the "
+                    "CPU cores; the load and the profile run beside it)")
     ap.add_argument("--stream-min-tokens", default="auto", help="comma-separated: auto, off or N (a prompt chunk's "
                     "non-resident expert routed N+ tokens is streamed to the device); each configuration runs with each")
     ap.add_argument("--gpu-step", default="host", help="comma-separated: host (the host-driven step), device (the "
@@ -337,6 +345,11 @@ def main(argv: list[str] | None = None) -> int:
     pairs = g.n_layer * g.n_expert
     chunk = args.chunk
 
+    if args.after:
+        t0 = time.perf_counter()
+        while not Path(args.after).exists():
+            time.sleep(2)
+        print(f"waited {time.perf_counter() - t0:.0f} s for {args.after}", flush=True)
     cpu_p, cpu_s, want = run_decode(model, prompt, args.tokens)
     rows = [("cpu", "-", "-", "-", "-", "-", f"{len(prompt) / cpu_p:.1f}", "-", f"{args.tokens / cpu_s:.2f}", "1.00x", "-", "-", "yes")]
     print(f"cpu: {args.tokens / cpu_s:.2f} tok/s", flush=True)
@@ -357,6 +370,9 @@ def main(argv: list[str] | None = None) -> int:
     if layers != ["auto"]:  # the device step's layers streamed whole, on and off, side by side
         value = {m: None if m == "auto" else 0 if m == "off" else int(m) for m in layers}
         configs = [(f"{name} [layers {m}]", {**opts, "stream_layer_tokens": value[m]}) for name, opts in configs for m in layers]
+    registers = args.stream_register.split(",")
+    if registers != ["on"]:  # the layer stream from registered pages, and through pinned pieces, side by side
+        configs = [(f"{name} [register {m}]", {**opts, "stream_register": m == "on"}) for name, opts in configs for m in registers]
     for name, opts in configs:
         cprofiled = args.cprofile in (name, name.split(" [")[0])  # ('all' names 'all [device]' too)
         o = TierOptions(max_context=max(args.prompt + args.tokens, args.long_prompt) + 1, kv="f16", prefill_chunk=chunk, profile=profile,
@@ -435,7 +451,7 @@ def main(argv: list[str] | None = None) -> int:
                      + (f"; {st_ahead:.2f} tok/s after the first {WARM_STEPS} steps" if st_ahead else "")
                      if ahead else "(not run: the session cannot run ahead here)"), flush=True)
         if args.long_prompt:
-            long_prompt(model, text_ids, args.long_prompt, name)
+            long_prompt(model, text_ids, args.long_prompt, name, args.long_piece)
         floor = getattr(model.backend, "gpu_floor", lambda: None)()  # the captured step alone (device step, all resident)
         if floor:
             hbm = hbm_floor_s(model)

@@ -58,6 +58,7 @@ class EmuRuntime:
         self.n_sm = n_sm
         self._cublas = False  # gemm_f16 called once (the handle made)
         self.allocations = self.pinned_allocations = self.allocated = 0
+        self.registered: list[tuple[int, int]] = []  # register_host's [start, end) host ranges
         self.cache = Path(os.environ.get("STRATA_EMU_CACHE", Path(tempfile.gettempdir()) / "strata_gpu_emu"))
 
     @classmethod
@@ -148,7 +149,26 @@ class EmuRuntime:
     copy_out_async = copy_out
 
     def copy_in_async(self, dev, host: np.ndarray, stream=None) -> None:
+        a, b = host.ctypes.data, host.ctypes.data + host.nbytes
+        for r0, r1 in self.registered:  # one DMA from registered pages stays inside one registration
+            if a < r1 and r0 < b and not (r0 <= a and b <= r1):
+                raise RuntimeError(f"emulated copy_in_async: host bytes [{a:#x}, {b:#x}) cross the registration "
+                                   f"[{r0:#x}, {r1:#x})")
         self.copy_in(dev, host)
+
+    def register_host(self, ptr: int, nbytes: int) -> None:
+        """cudaHostRegister's rules, kept: whole pages, and no page registered twice."""
+        if ptr % 4096 or nbytes % 4096 or nbytes <= 0:
+            raise RuntimeError(f"emulated register_host: [{ptr:#x}, +{nbytes}) is not whole pages")
+        if any(ptr < r1 and r0 < ptr + nbytes for r0, r1 in self.registered):
+            raise RuntimeError("emulated register_host: cudaErrorHostMemoryAlreadyRegistered")
+        self.registered.append((ptr, ptr + nbytes))
+
+    def unregister_host(self, ptr: int) -> None:
+        got = [r for r in self.registered if r[0] == ptr]
+        if not got:
+            raise RuntimeError("emulated unregister_host: cudaErrorHostMemoryNotRegistered")
+        self.registered.remove(got[0])
 
     def copy_stream(self):
         return "copy stream"

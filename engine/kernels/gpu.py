@@ -272,6 +272,15 @@ class CupyRuntime:
         stream = stream or self.cp.cuda.get_current_stream()
         self.cp.cuda.runtime.memcpyAsync(dev.data.ptr, host.ctypes.data, dev.nbytes, 1, stream.ptr)
 
+    def register_host(self, ptr: int, nbytes: int) -> None:
+        """Page-lock host pages [ptr, ptr + nbytes) (page-aligned) for DMA, read-only: a read-only
+        file mapping (the GGUF's) is refused without the flag. Raises what the driver refuses."""
+        rt = self.cp.cuda.runtime
+        rt.hostRegister(ptr, nbytes, getattr(rt, "cudaHostRegisterReadOnly", 8))
+
+    def unregister_host(self, ptr: int) -> None:
+        self.cp.cuda.runtime.hostUnregister(ptr)
+
     # --- a second stream for copies that overlap the current stream's kernels (the prompt's streamed
     # experts, engine/tier/staging.py), ordered against it by markers (events without timing)
 

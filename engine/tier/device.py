@@ -70,6 +70,7 @@ EMBD_ROW_TYPES = frozenset({0, 1, 2, 3, 6, 7, 8, 12, 13, 14, 30})
 PLE_ROW_TYPES = EMBD_ROW_TYPES | {20}
 KV_KIND = {"f32": 0, "f16": 1, "int8": 2}  # dev_kv_write's and dev_attn_one's `kind`
 BLOCK = 128  # threads per block of the row kernels: four warps
+DEVICE_ATTN_TILE_BYTES = 1 << 30  # a prompt chunk's attention scores at most, f32 (DeviceBackend.attention)
 ATTN_SPLIT_KEYS, ATTN_SPLITS = 16, 128  # one token's attention: the fewest keys a warp's split takes, the most splits a head
 # dev_argmax / dev_pick_next: at most PICK_GRID blocks of PICK_BLOCK threads, at least 4 logits a
 # thread (248320 logits: 128 blocks). One block of 1024 threads took ~0.15 ms on the H200; its
@@ -1456,10 +1457,21 @@ class DeviceBackend(CpuBackend):
         return out
 
     def attention(self, q, K, V, scale: float, visible=None):
-        """Softmax attention of T queries over n keys, grouped by KV head -> f32 [T, H, D]."""
+        """Softmax attention of T queries over n keys, grouped by KV head -> f32 [T, H, D]; in tiles
+        of queries whose scores [H, rows, n] hold DEVICE_ATTN_TILE_BYTES at most: a whole 4096-token
+        chunk's scores at 32K keys are 12 GiB (twice that with the mask's copy), and past 2**31
+        elements CuPy compiles 64-bit-index variants of every elementwise and reduction kernel on
+        first use (the H200, seed-4l qwen4exp, a 32K prompt in 4096-token pieces: the piece at
+        20480-24576 took 1034 ms per 1K tokens against ~100 on either side)."""
         xp = self.xp
         T, H, D = q.shape
         Hkv, n = K.shape[:2]
+        rows = max(1, DEVICE_ATTN_TILE_BYTES // (4 * H * n))
+        if T > rows:
+            out = self.rt.empty((T, H, D), F32)
+            for a in range(0, T, rows):
+                out[a : a + rows] = self.attention(q[a : a + rows], K, V, scale, None if visible is None else visible[a : a + rows])
+            return out
         G = H // Hkv
         qh = q.reshape(T, Hkv, G, D).transpose(1, 0, 2, 3).reshape(Hkv, T * G, D)
         scores = xp.matmul(qh, K.transpose(0, 2, 1)) * F32(scale)  # [Hkv, T G, n]

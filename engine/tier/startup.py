@@ -58,12 +58,12 @@ from ..kernels import cpu, gpu
 from ..kernels.engine_form import placed_bytes
 from ..model import Model, Session
 from .backend import TierBackend
-from .device import DeviceBackend, DeviceExperts
+from .device import DEVICE_ATTN_TILE_BYTES, DeviceBackend, DeviceExperts
 from .dense import Dense
 from .hits import HitPath, HitStats
 from .memory import Carver, DeviceMemory, MemMark
 from .slots import ExpertSlots
-from .staging import LayerStream, Staging, auto_layer_tokens, auto_min_tokens
+from .staging import REGISTER_SHARE, LayerStream, Staging, auto_layer_tokens, auto_min_tokens, host_memory_bytes, registry_line
 
 
 class GpuTierError(ValueError):
@@ -90,6 +90,9 @@ class TierOptions:
     # this many tokens (staging.LayerStream, where its plan items fit); None: auto (staging.auto_layer_tokens
     # at the rate measured at startup); 0: never. --stream-min-tokens off turns it off too
     stream_layer_tokens: int | None = None
+    # ... and page-locks the GGUF pages it streams (cudaHostRegister, up to staging.REGISTER_SHARE of
+    # the host's memory), DMAing them with no host copy; False: every layer through pinned pieces
+    stream_register: bool = True
     # --spec N: the verifier's buffers are placed at stage 7 (the logits of 1 + N rows; with the
     # device step, the N per-row snapshots of the states, `GpuTier.snapshots`)
     spec: int = 0
@@ -125,9 +128,13 @@ class GpuTier:
             return chunk
         free = self.memory.free()
         headroom = (self.plan.reserve.headroom_mib if self.plan.reserve is not None else o.vram_reserve_mib) * MiB
+        # the attention's scores at the full context, and their masked copy: query tiles of at most
+        # DEVICE_ATTN_TILE_BYTES (DeviceBackend.attention), so a larger piece adds up to 2 GiB here
+        attn = lambda n: 2 * min(DEVICE_ATTN_TILE_BYTES, 4 * self.model.geometry.n_head * n * o.max_context)  # noqa: E731
         piece = chunk
         for n in PROMPT_PIECES:
-            if chunk < n <= o.max_context and free - (prefill_mib(n) - prefill_mib(chunk)) * MiB >= headroom:
+            more = (prefill_mib(n) - prefill_mib(chunk)) * MiB + attn(n) - attn(chunk)
+            if chunk < n <= o.max_context and free - more >= headroom:
                 piece = n
         return piece
 
@@ -356,7 +363,8 @@ class _Startup:
                 rt, self.model.pack, self.device._launch, self.arena([layers], "the layer stream's buffers").arena,
                 self.arena([plan.item("stream.raw")], "the layer stream's device piece").arena,
                 rt.pinned(plan.item("stream.layer_pinned").bytes), plan.slot_bytes,
-                B.layer_piece_bytes(plan.max_blob), cpu.get_threads(), o.stream_layer_tokens or 0, self.stats)
+                B.layer_piece_bytes(plan.max_blob), cpu.get_threads(), o.stream_layer_tokens or 0, self.stats,
+                register_cap=int(REGISTER_SHARE * host_memory_bytes()) if o.stream_register else 0)
             how = "as set"
             if o.stream_layer_tokens is None:
                 rate = ls.rate()
@@ -365,6 +373,7 @@ class _Startup:
                 how = f"auto: a layer's {nbytes / MiB:.0f} MiB stream at {rate / 1e9:.2f} GB/s, {cpu.get_threads()} CPU threads"
             self.say(f"prompt path: a chunk of {ls.min_tokens} or more tokens streams each layer's non-resident experts "
                      f"whole and widens them on the device ({how}; {layers.count} layer buffers of {layers.each / MiB:.0f} MiB)")
+            self.say(registry_line(ls.registry))
         self.mark(B.HEAD_PROMPT)
 
     def verifier(self) -> None:

@@ -369,31 +369,52 @@ def test_the_chunk_path_has_the_host_paths_bits(model, rt, cache, stream):
     assert np.array_equal(got, want), f"max |diff| {np.abs(got - want).max()}"
 
 
-@pytest.mark.parametrize("cache", ["none", "third", "none-runs"])
+@pytest.mark.parametrize("cache", ["none", "third", "none-runs", "none-pinned", "none-capped"])
 def test_a_layer_streamed_whole_has_the_host_paths_bits(model, rt, cache, monkeypatch):
     """A chunk that streams its layers' non-resident experts whole (staging.LayerStream: the GGUF's
     blocks copied raw, widened on the device, the grouped kernels reading them as if resident) gives
     the host-driven hit path's logits bit for bit, with nothing on the CPU; three chunks of 4, so the
     next layer's copy is queued while a layer computes and a buffer is reused every other layer. "runs": the prompt buffers hold 2 tokens' pairs only, so a layer
     copied once is computed in runs of tokens. --stats counts the streamed experts apart from the
-    resident ones (without a profile the streamed experts then fill free slots: "third")."""
+    resident ones (without a profile the streamed experts then fill free slots: "third").
+    The GGUF's pages are registered and DMA'd from (the default), or copied through the pinned
+    pieces ("pinned": stream_register off), or both in one forward ("capped": the registration's
+    cap holds layer 0's tensors only)."""
+    from strata.engine.tier import startup, staging
     from strata.engine.tier.device_chunk import DeviceChunk
 
     g = model.geometry
-    size = {"third": g.n_layer * g.n_expert // 3, "none": 0, "none-runs": 0}[cache]
+    size = {"third": g.n_layer * g.n_expert // 3}.get(cache, 0)
     toks = np.random.default_rng(5).integers(3, g.n_vocab, 13).tolist()
     want, _, _ = prompt_logits(model, rt, toks, 4, True, expert_cache=size, stream_layer_tokens=0)
-    calls = []
+    calls, seen = [], []
     if cache.endswith("runs"):
         fits, forward = DeviceChunk.fits, DeviceChunk.forward
         monkeypatch.setattr(DeviceChunk, "fits", lambda self, moe, n: n <= 2 * g.n_expert_used and fits(self, moe, n))
         monkeypatch.setattr(DeviceChunk, "forward", lambda self, moe, x, *a: (calls.append(x.x.shape[0]), forward(self, moe, x, *a))[1])
-    got, new, (res, strm, cpu) = prompt_logits(model, rt, toks, 4, False, expert_cache=size, stream_layer_tokens=1)
+    if cache.endswith("capped"):  # the cap: layer 0's three tensors and the pages at their ends
+        layer0 = sum(t.nbytes + 2 * staging.PAGE for t in model.pack.expert_tensors(0))
+        monkeypatch.setattr(startup, "host_memory_bytes", lambda: int(layer0 / staging.REGISTER_SHARE) + 1)
+    close = staging.LayerStream.close
+    monkeypatch.setattr(staging.LayerStream, "close", lambda self: (
+        seen.append((self.direct_bytes, self.stats.streamed_bytes if self.stats else 0, self.registry and self.registry.bytes)),
+        close(self))[1])
+    got, new, (res, strm, cpu) = prompt_logits(model, rt, toks, 4, False, expert_cache=size, stream_layer_tokens=1,
+                                               stream_register=not cache.endswith("pinned"))
     if calls:
         assert calls and set(calls) == {2}, str(calls)  # (every 4-token chunk in two runs)
     assert "dev_widen" in new and "dev_group" in new, sorted(set(new))
     assert cpu == 0 and strm > 0 and (res > 0) == (cache == "third"), (res, strm, cpu)
     assert np.array_equal(got, want), f"max |diff| {np.abs(got - want).max()}"
+    (direct, streamed, registered), = seen
+    if hasattr(rt, "registered"):  # (the emulation's record: stop unregistered every page)
+        assert rt.registered == []
+    if cache.endswith("pinned"):
+        assert direct == 0 and registered is None
+    elif cache.endswith("capped"):
+        assert 0 < direct < streamed, (direct, streamed)  # layer 0 from its pages, the others through pieces
+    else:
+        assert direct == streamed > 0 and registered > 0, (direct, streamed, registered)
 
 
 def test_a_layer_stream_refuses_a_non_finite_scale_naming_where(model, rt, monkeypatch):
@@ -636,11 +657,15 @@ def test_a_chunks_ple_conv_is_the_references_bits(rt, T, t0):
 
 def test_the_device_steps_prompt_piece_follows_the_free_memory(model, rt):
     """--prefill auto on the device step (GpuTier.prompt_piece): the longest piece of PROMPT_PIECES
-    (up to the context) whose temporaries, at prefill_mib's 680 KiB a token beyond the planned chunk's,
-    fit the memory free now beside the reserve's headroom; the planned chunk on a card without that
-    room, and always on the host-driven step."""
+    (up to the context) whose temporaries, at prefill_mib's 680 KiB a token beyond the planned chunk's
+    and its attention's scores and their masked copy at the full context (f32 [H, piece, context],
+    in tiles of at most 1 GiB), fit the memory free now beside the reserve's headroom; the planned
+    chunk on a card without that room, and always on the host-driven step."""
     from strata.engine.expert_plan import MiB, prefill_mib
     from strata.engine.tier import GpuTier, TierOptions
+
+    H = model.geometry.n_head
+    attn = lambda n, ctx=5000: 2 * min(1 << 30, 4 * H * n * ctx)  # noqa: E731
 
     def piece(chunk=16, ctx=5000, **opts):
         o = {"max_context": ctx, "kv": "f32", "prefill_chunk": chunk, "step": "device", "expert_cache": 0,
@@ -656,9 +681,76 @@ def test_the_device_steps_prompt_piece_follows_the_free_memory(model, rt):
     assert big == 4096
     assert piece(ctx=1500)[0] == 1024  # (never past the context)
     assert piece(step="host")[0] == 16
-    room = (prefill_mib(1024) - prefill_mib(16)) * MiB  # what a 1024-token piece adds
+    room = (prefill_mib(1024) - prefill_mib(16)) * MiB + attn(1024) - attn(16)  # what a 1024-token piece adds
     # a card whose free memory after the start is the reserve's headroom and a 1024-token piece's
     # temporaries, not a 2048-token one's
     mib = -(-(used + headroom + room) // MiB) + 1
     assert piece(vram_budget_mib=mib)[0] == 1024
-    assert piece(vram_budget_mib=mib - (prefill_mib(1024) - prefill_mib(512)) - 1)[0] == 512
+    less = (prefill_mib(1024) - prefill_mib(512)) * MiB + attn(1024) - attn(512)
+    assert piece(vram_budget_mib=mib - less // MiB - 1)[0] == 512
+
+
+def test_the_host_registry_registers_each_page_once_within_its_cap():
+    """HostRegistry (the layer stream's registered GGUF pages): neighbours that share a page are
+    registered without registering it twice (CUDA refuses that: the emulation's register_host
+    keeps the rule), a copy is cut where registrations meet, the cap is kept (a tensor past it is
+    refused, not registered in part), a driver's refusal turns registration off, and close()
+    unregisters everything."""
+    from gpu_emu import EmuRuntime
+    from strata.engine.tier.staging import PAGE, HostRegistry
+
+    rt = EmuRuntime()
+    buf = np.zeros(16 * PAGE + 4096, np.uint8)
+    mem = buf[-buf.ctypes.data % PAGE:][: 16 * PAGE]  # page-aligned
+    a, b, c = mem[100 : 3 * PAGE + 7], mem[3 * PAGE + 7 : 5 * PAGE], mem[9 * PAGE : 12 * PAGE]  # a, b share page 3
+    reg = HostRegistry(rt, cap=7 * PAGE)
+    assert reg.cover(a) and reg.bytes == 4 * PAGE
+    assert reg.cover(b) and reg.bytes == 5 * PAGE  # page 4 only: page 3 is a's
+    assert reg.cover(a) and reg.bytes == 5 * PAGE  # (nothing new)
+    assert reg.spans(a) == [(0, a.nbytes)]
+    assert reg.spans(b) == [(0, PAGE - 7), (PAGE - 7, b.nbytes)]  # cut where a's registration ends
+    ab = mem[100 : 5 * PAGE]
+    assert reg.spans(ab) == [(0, 4 * PAGE - 100), (4 * PAGE - 100, ab.nbytes)]
+    assert not reg.cover(c) and reg.bytes == 5 * PAGE  # 3 more pages pass the cap of 7: none registered
+    assert reg.refused is None
+    reg.cap = 16 * PAGE
+    assert reg.cover(c) and reg.bytes == 8 * PAGE
+    assert sorted(rt.registered) == [(mem.ctypes.data, mem.ctypes.data + 4 * PAGE),
+                                     (mem.ctypes.data + 4 * PAGE, mem.ctypes.data + 5 * PAGE),
+                                     (mem.ctypes.data + 9 * PAGE, mem.ctypes.data + 12 * PAGE)]
+    reg.close()
+    assert rt.registered == [] and reg.bytes == 0
+
+    rt.registered.append((mem.ctypes.data, mem.ctypes.data + PAGE))  # (someone else holds page 0)
+    reg = HostRegistry(rt, cap=16 * PAGE)
+    assert not reg.cover(a) and "AlreadyRegistered" in reg.refused
+    assert not reg.cover(c)  # (refused once: never tried again)
+    assert rt.registered == [(mem.ctypes.data, mem.ctypes.data + PAGE)]
+
+
+@pytest.mark.parametrize("masked", [False, True])
+def test_a_chunks_attention_in_query_tiles_is_the_whole_chunks(rt, monkeypatch, masked):
+    """DeviceBackend.attention in tiles of queries (DEVICE_ATTN_TILE_BYTES: a long context's scores
+    in bounded pieces) gives each query the whole chunk's output and ops.attention's within float32
+    rounding, with a causal mask and without. Not bit for bit: a product of fewer rows sums in
+    another order (numpy's BLAS: 3.6e-7 here; cuBLAS picks its kernel by shape too)."""
+    import types
+
+    from strata.engine import ops
+    from strata.engine.tier import device
+
+    rng = np.random.default_rng(3)
+    T, H, Hkv, D, n = 37, 8, 2, 64, 101
+    q = rng.standard_normal((T, H, D)).astype(np.float32)
+    K, V = (rng.standard_normal((Hkv, n, D)).astype(np.float32) for _ in range(2))
+    vis = ops.causal_mask(n - T, T, n) if masked else None
+    be = types.SimpleNamespace(xp=rt.xp, rt=rt, upload=rt.to_device)
+    be.attention = lambda *a: device.DeviceBackend.attention(be, *a)
+    dev = lambda a: None if a is None else rt.to_device(a)  # noqa: E731
+    whole = rt.to_host(be.attention(dev(q), dev(K), dev(V), 0.125, dev(vis)))
+    monkeypatch.setattr(device, "DEVICE_ATTN_TILE_BYTES", 4 * H * n * 5)  # tiles of 5 queries: 8 of them, the last of 2
+    tiled = rt.to_host(be.attention(dev(q), dev(K), dev(V), 0.125, dev(vis)))
+    assert np.allclose(tiled, whole, rtol=1e-5, atol=1e-6), np.abs(tiled - whole).max()
+    assert not np.allclose(tiled[5:], whole[:-5], rtol=1e-5, atol=1e-6)  # (rows in their places)
+    want = ops.attention(q, K, V, 0.125, vis)
+    assert np.allclose(whole, want, rtol=1e-5, atol=1e-5), np.abs(whole - want).max()
