@@ -80,6 +80,18 @@ def parse_stream_min_tokens(text: str) -> int | None:
     return int(text)
 
 
+def parse_stream_layer_tokens(text: str) -> int | None:
+    """`--stream-layer-tokens auto|N|off` -> None (auto: engine/tier/staging.py's auto_layer_tokens),
+    N >= 1 tokens, or 0 (off: the device step streams no layer whole)."""
+    if text == "auto":
+        return None
+    if text == "off":
+        return 0
+    if not is_count(text) or int(text) < 1:
+        raise ValueError(f"--stream-layer-tokens {text!r}: expected auto, off or a number of tokens >= 1")
+    return int(text)
+
+
 def read_text(flag: str, path: Path) -> str:
     """A UTF-8 text file; an undecodable byte is reported with the file and its byte offset."""
     try:

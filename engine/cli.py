@@ -161,6 +161,14 @@ def generate(
                                           "expert that no slot holds is copied to the device and computed there when "
                                           "the chunk routes at least N of its tokens to it, else on the CPU: N, auto "
                                           "(from a rough CPU-against-copy model) or off"),
+    stream_layer_tokens: str = typer.Option("auto", "--stream-layer-tokens", help="with --gpu-step device, a prompt "
+                                            "piece of at least N tokens copies each layer's experts that no slot holds "
+                                            "whole, the next layer's beside this one's work: N, auto (from the copy "
+                                            "rate measured at startup) or off"),
+    pin_gguf: bool = typer.Option(True, "--pin-gguf/--no-pin-gguf", help="with --gpu-step device, a streamed layer "
+                                  "is copied straight from the GGUF's pages, page-locked in RAM at their first copy "
+                                  "(up to half the host's memory, until exit); --no-pin-gguf copies through pinned "
+                                  "buffers and locks none"),
     native: Optional[Path] = native_option(),
     ple_gguf: Optional[Path] = ple_gguf_option(),
     dump_logits: Optional[Path] = typer.Option(None, "--dump-logits", help="write float32 logits of every position to OUT.npy"),
@@ -193,6 +201,7 @@ def generate(
         engine_options(kv, prefill)
         gpu_options(device, expert_cache, vram_budget_mib, vram_reserve_mib)
         stream_option(stream_min_tokens)
+        layer_stream_option(stream_layer_tokens)
         _run(**locals())
     except KeyboardInterrupt:
         typer.echo("\nstrata generate: interrupted", err=True)
@@ -272,6 +281,12 @@ def stream_option(value: str) -> int | None:
     return parse_stream_min_tokens(value)
 
 
+def layer_stream_option(value: str) -> int | None:
+    from strata.engine.arguments import parse_stream_layer_tokens
+
+    return parse_stream_layer_tokens(value)
+
+
 def check_context(who: str, g, kv: str, ctx: int, flag: str, extra_bytes: int = 0, extra_what: str = "",
                   shown: str | None = None) -> None:
     """A context size before the load: beyond the model's trained context, a warning; a session (and
@@ -291,7 +306,8 @@ def check_context(who: str, g, kv: str, ctx: int, flag: str, extra_bytes: int = 
 
 def start_tier(model, device: str, *, max_context: int, kv: str, chunk: int, expert_cache: str = "auto",
                expert_profile=None, vram_budget_mib=None, vram_reserve_mib: int = 700, who: str, step: str = "host",
-               stream_min_tokens: int | None = None, spec: int = 0):
+               stream_min_tokens: int | None = None, spec: int = 0, stream_layer_tokens: int | None = None,
+               stream_register: bool = True):
     """The GPU tier for --device gpu, or auto when CuPy sees a GPU (without one, auto is the CPU,
     not an error, and stderr says so and why); None on the CPU. Its startup lines (each stage's
     memory) go to stderr. `spec`: --spec N, whose verifier the device step places at startup."""
@@ -320,7 +336,8 @@ def start_tier(model, device: str, *, max_context: int, kv: str, chunk: int, exp
     o = TierOptions(max_context=max_context, kv=kv, prefill_chunk=chunk,
                     expert_cache=gpu_options(device, expert_cache, vram_budget_mib, vram_reserve_mib), profile=profile,
                     vram_budget_mib=vram_budget_mib, vram_reserve_mib=vram_reserve_mib, step=step,
-                    stream_min_tokens=stream_min_tokens, spec=spec if step == "device" else 0)
+                    stream_min_tokens=stream_min_tokens, spec=spec if step == "device" else 0,
+                    stream_layer_tokens=stream_layer_tokens, stream_register=stream_register)
     tier = GpuTier.start(model, o, log=lambda line: typer.echo(f"{who}: {line}", err=True))
     if step == "device":  # its kernels compile at first use: in the load, not in the first tokens
         model.warm_up(prompt_path=chunk > 0)
@@ -396,8 +413,8 @@ def naming_non_finite(pack):
 
 def _run(pack, prompt, prompt_file, prompt_ids, n, ignore_eos, temp, top_k, top_p, min_p, repeat_penalty, seed, chat,
          system, think, max_context, kv, prefill, pool_workers, device, expert_cache, expert_profile, vram_budget_mib,
-         vram_reserve_mib, gpu_step, stream_min_tokens, native, ple_gguf, dump_logits, stats, spec, spec_min_p,
-         spec_drafter) -> None:
+         vram_reserve_mib, gpu_step, stream_min_tokens, stream_layer_tokens, pin_gguf, native, ple_gguf, dump_logits,
+         stats, spec, spec_min_p, spec_drafter) -> None:
     from strata.engine.arguments import check_free_space, writable_file
     from strata.engine.generate import generate as run_generation
     from strata.engine.kernels import cpu
@@ -439,7 +456,7 @@ def _run(pack, prompt, prompt_file, prompt_ids, n, ignore_eos, temp, top_k, top_
     tier = start_tier(model, device, max_context=ctx, kv=kv, chunk=chunk, expert_cache=expert_cache,
                       expert_profile=expert_profile, vram_budget_mib=vram_budget_mib, vram_reserve_mib=vram_reserve_mib,
                       who="strata generate", step=gpu_step, stream_min_tokens=stream_option(stream_min_tokens),
-                      spec=spec)
+                      spec=spec, stream_layer_tokens=layer_stream_option(stream_layer_tokens), stream_register=pin_gguf)
     if tier is not None and option is None:  # --prefill auto: the device step takes longer pieces where memory allows
         piece = tier.prompt_piece(chunk)
         if piece != chunk:

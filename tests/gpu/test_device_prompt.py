@@ -754,3 +754,35 @@ def test_a_chunks_attention_in_query_tiles_is_the_whole_chunks(rt, monkeypatch, 
     assert not np.allclose(tiled[5:], whole[:-5], rtol=1e-5, atol=1e-6)  # (rows in their places)
     want = ops.attention(q, K, V, 0.125, vis)
     assert np.allclose(whole, want, rtol=1e-5, atol=1e-5), np.abs(whole - want).max()
+
+
+def test_generate_takes_the_layer_streams_flags(model, rt, tmp_path, capsys, monkeypatch):
+    """strata generate --stream-layer-tokens N|off and --pin-gguf/--no-pin-gguf reach the device
+    step's layer stream (the startup lines say what it does), and the output is the same with each;
+    a bad value is refused naming the flag."""
+    from strata.engine.cli import main
+    from strata.engine.kernels import gpu
+
+    monkeypatch.setattr(gpu, "available", lambda: (True, "the test's runtime"))  # (the emulation has no CuPy device)
+    ids = " ".join(map(str, np.random.default_rng(5).integers(3, model.geometry.n_vocab, 9).tolist()))
+    common = ["generate", "--pack", str(model.pack.dir), "--prompt-ids", ids, "-n", "2", "--temp", "0", "--kv", "f32",
+              "--device", "gpu", "--gpu-step", "device", "--expert-cache", "0", "--prefill", "4"]
+    outs = {}
+    for flags in (["--stream-layer-tokens", "1"], ["--stream-layer-tokens", "2", "--no-pin-gguf"],
+                  ["--stream-layer-tokens", "off"]):
+        dump = tmp_path / f"{len(outs)}.npy"
+        rc = main(common + flags + ["--dump-logits", str(dump)])
+        err = capsys.readouterr().err
+        assert rc == 0, err
+        outs[" ".join(flags)] = (np.load(dump), err)
+    err = outs["--stream-layer-tokens 1"][1]
+    assert "a chunk of 1 or more tokens streams each layer's non-resident experts whole" in err
+    assert "GGUF pages are registered (page-locked)" in err, err
+    err = outs["--stream-layer-tokens 2 --no-pin-gguf"][1]
+    assert "a chunk of 2 or more tokens streams" in err and "the layers stream through pinned pieces" in err, err
+    assert "streams each layer" not in outs["--stream-layer-tokens off"][1]
+    logits = [o[0] for o in outs.values()]
+    assert all(np.array_equal(x, logits[0]) for x in logits[1:])
+    for bad in ("0", "many"):
+        assert main(common + ["--stream-layer-tokens", bad]) in (1, 2)
+        assert f"--stream-layer-tokens {bad!r}: expected auto, off or a number of tokens >= 1" in capsys.readouterr().err
