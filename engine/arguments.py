@@ -71,24 +71,22 @@ def parse_prefill(text: str) -> int | None:
 def parse_stream_min_tokens(text: str) -> int | None:
     """`--stream-min-tokens auto|N|off` -> None (auto: engine/tier/staging.py's auto_min_tokens), N >= 1
     tokens, or 0 (off: a prompt chunk's non-resident experts run on the CPU)."""
-    if text == "auto":
-        return None
-    if text == "off":
-        return 0
-    if not is_count(text) or int(text) < 1:
-        raise ValueError(f"--stream-min-tokens {text!r}: expected auto, off or a number of tokens >= 1")
-    return int(text)
+    return _auto_off_tokens("--stream-min-tokens", text)
 
 
 def parse_stream_layer_tokens(text: str) -> int | None:
     """`--stream-layer-tokens auto|N|off` -> None (auto: engine/tier/staging.py's auto_layer_tokens),
     N >= 1 tokens, or 0 (off: the device step streams no layer whole)."""
+    return _auto_off_tokens("--stream-layer-tokens", text)
+
+
+def _auto_off_tokens(flag: str, text: str) -> int | None:
     if text == "auto":
         return None
     if text == "off":
         return 0
     if not is_count(text) or int(text) < 1:
-        raise ValueError(f"--stream-layer-tokens {text!r}: expected auto, off or a number of tokens >= 1")
+        raise ValueError(f"{flag} {text!r}: expected auto, off or a number of tokens >= 1")
     return int(text)
 
 
