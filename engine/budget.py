@@ -332,7 +332,7 @@ def _layer_why_not(o: BudgetOptions, n_pairs: int, slots: int | None, left: int 
     if not o.stream_experts:
         return "--stream-min-tokens off"
     if not o.stream_layers:
-        return "the layer stream off"
+        return "--stream-layer-tokens off"
     if slots is not None and slots >= n_pairs:
         return "every pair is resident"
     if left is not None and left < want:

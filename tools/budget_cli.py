@@ -57,6 +57,9 @@ def budget(
                                           "for the prompt's streamed experts; auto or N plans two slots of it"),
     gpu_step: str = typer.Option("host", "--gpu-step", help="strata generate's: host, or device (the whole forward on "
                                  "the card: its states, the prompt's cuBLAS slab, a layer's experts streamed whole)"),
+    stream_layer_tokens: str = typer.Option("auto", "--stream-layer-tokens", help="strata generate's: off plans no "
+                                            "buffers for a layer's experts streamed whole (the device step); auto or "
+                                            "N plans two layers of them where they fit"),
     max_context: int = ctx_option(4096, "--max-context", "the context (KV cache size) in tokens"),
     kv: str = typer.Option("f16", "--kv", help="KV cache type: f16, int8 (f32 scale per 32 elements) or f32"),
     expert_cache: str = typer.Option("auto", "--expert-cache", help="GPU expert slots: auto (what fits beside the reserve) or a slot count to check"),
@@ -86,7 +89,7 @@ def budget(
         # inf (or 1e308, inf once in bytes) reached int() as an OverflowError traceback; 2^30 GiB is 1 EiB
         finite("--vram-budget-mib" if vram_budget_mib is not None else "--vram-gib", vram_budget_mib if vram_budget_mib is not None else vram_gib, lo=0, hi=2**40 if vram_budget_mib is not None else 2**30)
         opts = _options(prefill, max_context, kv, expert_cache, vram_reserve_mib, batch, cache_slots, cache_mib, spec,
-                        stream_min_tokens, gpu_step)
+                        stream_min_tokens, gpu_step, stream_layer_tokens)
         _check_context(pack_dir, kv, max_context)
         free = None if vram_gib is None and free_mib is None else int(vram_gib * GiB) if vram_gib is not None else free_mib * MiB
         report = _report(pack_dir, opts, free, expert_profile)
@@ -103,8 +106,9 @@ def budget(
 
 
 def _options(prefill: str, max_context: int, kv: str, expert_cache: str, reserve: int, batch: int = 1,
-             cache_slots: int = 0, cache_mib: int = 0, spec: int = 0, stream: str = "auto", step: str = "host"):
-    from strata.engine.arguments import parse_prefill, parse_stream_min_tokens
+             cache_slots: int = 0, cache_mib: int = 0, spec: int = 0, stream: str = "auto", step: str = "host",
+             layers: str = "auto"):
+    from strata.engine.arguments import parse_prefill, parse_stream_layer_tokens, parse_stream_min_tokens
     from strata.engine.budget import BudgetOptions, auto_prefill_chunk
 
     chunk = parse_prefill(prefill)
@@ -118,7 +122,8 @@ def _options(prefill: str, max_context: int, kv: str, expert_cache: str, reserve
             raise ValueError(f"{flag} {v}: expected at least {lo}")
     return BudgetOptions(max_context=max_context, kv=kv, vram_reserve_mib=reserve, prefill_chunk=chunk, expert_cache=slots,
                          batch=batch, cache_slots=cache_slots, cache_mib=cache_mib, spec=spec,
-                         stream_experts=parse_stream_min_tokens(stream) != 0, device_step=step == "device")
+                         stream_experts=parse_stream_min_tokens(stream) != 0, device_step=step == "device",
+                         stream_layers=parse_stream_layer_tokens(layers) != 0)
 
 
 def _check_context(pack_dir: Path, kv: str, max_context: int) -> None:

@@ -563,3 +563,9 @@ def test_cli_plans_the_device_step_with_its_layer_stream(tiny_pack, capsys):
     assert "dense prompt products' f16 weight slab" in dev and "(the host-driven step" in row(host, "f16 weight slab")
     assert main([str(tiny_pack), "--gpu-step", "gpu"]) == 1
     assert "--gpu-step 'gpu': expected host or device" in capsys.readouterr().err
+    # --stream-layer-tokens off: strata generate's layer stream off, so none of its buffers
+    assert main([str(tiny_pack), "--free-mib", "4000", "--expert-cache", "0", "--gpu-step", "device",
+                 "--stream-layer-tokens", "off"]) == 0
+    assert "(--stream-layer-tokens off)" in row(capsys.readouterr().out, "a layer streamed whole: its experts")
+    assert main([str(tiny_pack), "--gpu-step", "device", "--stream-layer-tokens", "0"]) == 1
+    assert "--stream-layer-tokens '0': expected auto, off or a number of tokens >= 1" in capsys.readouterr().err
