@@ -646,12 +646,16 @@ def hit_table(tier) -> str:
     rows = [(l, int(r), int(s), int(c)) for l, (r, s, c) in enumerate(zip(st.chunk_resident, st.chunk_streamed, st.chunk_cpu))]
     rows.append(("total", int(st.chunk_resident.sum()), int(st.chunk_streamed.sum()), int(st.chunk_cpu.sum())))
     staging = tier.hit_path.staging if tier.hit_path is not None else None
+    layers = tier.hit_path.layers if tier.hit_path is not None else None
     how = (f"streamed when a chunk routes {staging.min_tokens} or more tokens to it" if staging is not None
            else "none streamed (--stream-min-tokens off, or no prompt path)")
+    if layers is not None:
+        how += f"; a chunk of {layers.min_tokens} or more tokens streams a layer's non-resident ones whole"
     return (text + f"\nprompt path: expert-chunks (an expert a chunk routes tokens to) resident, streamed to the device "
             f"({how}), on the CPU:\n"
             + tabulate(rows, headers=["layer", "resident", "streamed", "cpu"], tablefmt="simple", disable_numparse=True)
-            + f"\nstreamed {st.streamed_bytes} B ({st.streamed_bytes / 2**20:.1f} MiB) to the device")
+            + f"\nstreamed {st.streamed_bytes} B ({st.streamed_bytes / 2**20:.1f} MiB) to the device"
+            + (f", {st.registered_bytes / 2**20:.1f} MiB of it straight from registered GGUF pages" if layers is not None else ""))
 
 
 def memory_table(pack, session) -> str:

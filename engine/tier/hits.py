@@ -60,6 +60,7 @@ class HitStats:
     chunk_streamed: np.ndarray | None = None
     chunk_cpu: np.ndarray | None = None
     streamed_bytes: int = 0
+    registered_bytes: int = 0  # of streamed_bytes, those DMA'd straight from registered GGUF pages (the layer stream)
 
     def __post_init__(self) -> None:
         for name in ("chunk_resident", "chunk_streamed", "chunk_cpu"):
@@ -74,7 +75,7 @@ class HitStats:
         for a in (self.hits, self.misses, self.chunk_resident, self.chunk_streamed, self.chunk_cpu):
             a[:] = 0
         self.gpu_s = self.cpu_s = self.wait_s = 0.0
-        self.streamed_bytes = 0
+        self.streamed_bytes = self.registered_bytes = 0
 
     @property
     def hit_rate(self) -> float:

@@ -263,7 +263,6 @@ class LayerStream:
         # register_cap > 0: a tensor's pages registered at its first stream (HostRegistry), its DMA
         # straight from the mapping; 0: every tensor through the pinned pieces
         self.registry = HostRegistry(rt, register_cap) if register_cap > 0 else None
-        self.direct_bytes = 0  # of the bytes streamed, those DMA'd from registered pages
 
     def takes(self, layer: int, row: np.ndarray, tokens: int) -> bool:
         """Whether a chunk of `tokens` streams this layer: some expert is not resident, the chunk is long enough."""
@@ -286,9 +285,10 @@ class LayerStream:
         """-> the device buffer holding `layer`'s non-resident experts (slot e: expert e), once copied;
         the current stream's later work reads it."""
         b, fut = self.pending.pop(layer)
-        n = fut.result()  # (raises what the copy raised: a refused scale names its tensor)
+        n, direct = fut.result()  # (raises what the copy raised: a refused scale names its tensor)
         if self.stats is not None:
             self.stats.streamed_bytes += n
+            self.stats.registered_bytes += direct
         self.rt.stream_wait(None, self.ready)
         return b, self.bufs[b]
 
@@ -307,7 +307,7 @@ class LayerStream:
                 rt.stream_wait(self.stream, self.free[b])
             rt.copy_in(self.cols, np.stack([_cols(gu_t), _cols(d_t)]))
             rt.copy_in(self.bad, np.full(1, np.iinfo(np.uint64).max, np.uint64))
-            k = copied = 0
+            k = copied = direct_bytes = 0
             for tensor, t, col, off, (n_in, n_out) in (
                     (gate, gu_t, self.cols[0], 0, (g.n_embd, g.n_ff_exp)),
                     (up, gu_t, self.cols[0], gu_bytes, (g.n_embd, g.n_ff_exp)),
@@ -322,7 +322,7 @@ class LayerStream:
                     if direct:  # (the previous piece's widen has read self.raw: the same stream)
                         for a0, a1 in self.registry.spans(src):
                             rt.copy_in_async(self.raw[a0:a1], src[a0:a1], self.stream)
-                        self.direct_bytes += n
+                        direct_bytes += n
                     else:
                         p = k % LAYER_PIECES
                         k += 1
@@ -341,7 +341,7 @@ class LayerStream:
             e, blk = int(bad >> np.uint64(32)), int(bad & np.uint64(0xFFFFFFFF))
             raise ValueError(f"blk.{layer} expert {e} (streamed): block {blk} of a gate/up/down tensor has a non-finite "
                              "fp16 scale (expected a finite scale: the GGUF's bytes are not a tensor)")
-        return copied
+        return copied, direct_bytes
 
     def rate(self, layer: int = 0) -> float:
         """Bytes per second a whole layer streams at (every expert of `layer` copied once, waited
@@ -353,7 +353,7 @@ class LayerStream:
                 self.registry.cover(tensor)
         t0 = time.perf_counter()
         self.start(layer, row)
-        n = self.pending[layer][1].result()
+        n = self.pending[layer][1].result()[0]
         b, _ = self.wait(layer)
         self.rt.synchronize()
         dt = time.perf_counter() - t0

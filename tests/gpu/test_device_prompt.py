@@ -9,6 +9,8 @@ whether the experts are resident, missing or streamed, whatever the chunk size.
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 from gpu_emu import EmuRuntime
@@ -397,7 +399,7 @@ def test_a_layer_streamed_whole_has_the_host_paths_bits(model, rt, cache, monkey
         monkeypatch.setattr(startup, "host_memory_bytes", lambda: int(layer0 / staging.REGISTER_SHARE) + 1)
     close = staging.LayerStream.close
     monkeypatch.setattr(staging.LayerStream, "close", lambda self: (
-        seen.append((self.direct_bytes, self.stats.streamed_bytes if self.stats else 0, self.registry and self.registry.bytes)),
+        seen.append((self.stats.registered_bytes, self.stats.streamed_bytes, self.registry and self.registry.bytes)),
         close(self))[1])
     got, new, (res, strm, cpu) = prompt_logits(model, rt, toks, 4, False, expert_cache=size, stream_layer_tokens=1,
                                                stream_register=not cache.endswith("pinned"))
@@ -768,18 +770,23 @@ def test_generate_takes_the_layer_streams_flags(model, rt, tmp_path, capsys, mon
     common = ["generate", "--pack", str(model.pack.dir), "--prompt-ids", ids, "-n", "2", "--temp", "0", "--kv", "f32",
               "--device", "gpu", "--gpu-step", "device", "--expert-cache", "0", "--prefill", "4"]
     outs = {}
-    for flags in (["--stream-layer-tokens", "1"], ["--stream-layer-tokens", "2", "--no-pin-gguf"],
+    for flags in (["--stream-layer-tokens", "1", "--stats"], ["--stream-layer-tokens", "2", "--no-pin-gguf", "--stats"],
                   ["--stream-layer-tokens", "off"]):
         dump = tmp_path / f"{len(outs)}.npy"
         rc = main(common + flags + ["--dump-logits", str(dump)])
         err = capsys.readouterr().err
         assert rc == 0, err
         outs[" ".join(flags)] = (np.load(dump), err)
-    err = outs["--stream-layer-tokens 1"][1]
+    err = outs["--stream-layer-tokens 1 --stats"][1]
     assert "a chunk of 1 or more tokens streams each layer's non-resident experts whole" in err
     assert "GGUF pages are registered (page-locked)" in err, err
-    err = outs["--stream-layer-tokens 2 --no-pin-gguf"][1]
+    # --stats: every byte streamed came from the registered pages; through the pieces, none did
+    got = re.search(r"streamed (\d+) B \(([\d.]+) MiB\) to the device, ([\d.]+) MiB of it straight from registered", err)
+    assert got and int(got[1]) > 0 and got[2] == got[3], err
+    assert "a chunk of 1 or more tokens streams a layer's non-resident ones whole" in err
+    err = outs["--stream-layer-tokens 2 --no-pin-gguf --stats"][1]
     assert "a chunk of 2 or more tokens streams" in err and "the layers stream through pinned pieces" in err, err
+    assert re.search(r"MiB\) to the device, 0\.0 MiB of it straight from registered", err), err
     assert "streams each layer" not in outs["--stream-layer-tokens off"][1]
     logits = [o[0] for o in outs.values()]
     assert all(np.array_equal(x, logits[0]) for x in logits[1:])
