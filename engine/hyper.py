@@ -27,11 +27,12 @@ from __future__ import annotations
 from typing import Mapping
 
 import numpy as np
+from numba import prange
 
 from strata.index_format.geometry import ModelGeometry
 
 from .kernels.actq import QA, ActQ, NonFiniteActivation, quantize_row
-from .kernels.jit import cached_njit
+from .kernels.jit import cached_njit, cached_row_kernel
 from .ops import rmsnorm
 from .ops import sigmoid as ops_sigmoid
 from .pack_reader import PackError
@@ -94,25 +95,27 @@ def grouped_rmsnorm_q(x: np.ndarray, gain: np.ndarray, group: int, eps: float) -
     return out, act
 
 
-@cached_njit("grouped-rmsnorm-q")
+@cached_row_kernel("grouped-rmsnorm-q")
 def _scale_quantize(x, sums, eps, gain, out, q, d, s16, qa):
     # r = 1 / sqrt(mean + eps) from the f32 sums of squares, as grouped_rmsnorm makes it: np.mean
     # divides its f32 sum by an intp count, i.e. in float64, rounded to f32; then the f32 add,
     # root and division. Then out = (x r) gain, grouped_rmsnorm's last two steps, and the row's
     # ActQ while it is in cache: one pass where numpy's two and quantize_act's read made three
-    # over a [T, 10240] chunk
+    # over a [T, 10240] chunk. The rows across the threads (jit.RowKernel)
     T, n = x.shape
     group = n // sums.shape[1]
-    for t in range(T):
+    bads = np.empty(T, np.int64)
+    for t in prange(T):
         for g in range(sums.shape[1]):
             mean = F32(np.float64(sums[t, g]) / np.float64(group))
             rg = F32(1) / np.sqrt(mean + eps)
             o = g * group
             for i in range(group):  # from 0: a loop from g * group did not vectorize (10x slower)
                 out[t, o + i] = (x[t, o + i] * rg) * gain[o + i]
-        bad = quantize_row(out, q, d, s16, t, qa)
-        if bad >= 0:
-            return t * n + bad
+        bads[t] = quantize_row(out, q, d, s16, t, qa)
+    for t in range(T):
+        if bads[t] >= 0:
+            return t * n + bads[t]
     return -1
 
 
@@ -251,7 +254,7 @@ def mix_tail(u: np.ndarray, sn: np.ndarray, out: np.ndarray) -> np.ndarray:
     return out
 
 
-@cached_njit("hc-mix-tail")
+@cached_row_kernel("hc-mix-tail")
 def _mix_tail(ex, sn, out):
     # mix_tail_reference from ex = exp(-u) (numpy's exp, the one transcendental step) in one pass,
     # where numpy made four [T, hc E] passes. The same f32 steps: 1 / (ex + 1), times sn, summed
@@ -259,7 +262,7 @@ def _mix_tail(ex, sn, out):
     # float64 (np.mean divides by an intp count) and rounded to f32.
     T, E = out.shape
     hc = ex.shape[1] // E
-    for t in range(T):
+    for t in prange(T):
         out[t] = F32(0)
         for c in range(hc):
             for e in range(E):
@@ -279,13 +282,13 @@ def inject(streams: np.ndarray, y: np.ndarray, w: np.ndarray) -> None:
     _inject(streams, y, w)
 
 
-@cached_njit("hc-inject")
+@cached_row_kernel("hc-inject")
 def _inject(streams, y, w):
     # inject_reference without its [T, hc, E] product temporary (10 MB a 256-token chunk at
     # production widths): the same f32 product, then the same f32 add (no FMA: fastmath off)
     T, hc = w.shape
     E = y.shape[1]
-    for t in range(T):
+    for t in prange(T):
         for c in range(hc):
             wc = w[t, c]
             for e in range(E):

@@ -16,11 +16,12 @@ T = tokens, N = (token, rank) pairs = T k.
 from __future__ import annotations
 
 import numpy as np
+from numba import prange
 
 from .batch import keep, seqs_of
 from .kernels import cpu
 from .kernels.actq import ActQ, NonFiniteActivation
-from .kernels.jit import cached_njit
+from .kernels.jit import cached_njit, cached_row_kernel
 from .ops import silu_mul_
 from .pack_reader import Pack
 from .weights import Input
@@ -299,14 +300,14 @@ def combine(part: np.ndarray, slot: np.ndarray, weights: np.ndarray, out: np.nda
     return out
 
 
-@cached_njit("moe-combine")
+@cached_row_kernel("moe-combine", rows=1)
 def _combine(part, slot, weights, out):
     # combine_reference into out, reading each part row in place: the numpy form gathered the
     # [T, k, E] outputs (26 MB for a 256-token chunk at production widths) and made a product
     # temporary per rank. Each element is the same f32 product and the same f32 sums in the same
     # order (no FMA: JIT has fastmath off), so the same bits.
     T, k = slot.shape
-    for t in range(T):
+    for t in prange(T):
         out[t] = F32(0)
         for j in range(k):
             w = F32(weights[t, j])

@@ -21,7 +21,7 @@ import numpy as np
 from numba import njit, prange
 
 from .kernels import cpu, delta
-from .kernels.jit import JIT, cached, cached_njit
+from .kernels.jit import JIT, cached, cached_njit, cached_row_kernel
 
 F32 = np.float32
 L2NORM_EPS = 1e-6  # transformers' l2norm default, NOT rms_norm_eps
@@ -326,13 +326,13 @@ def conv_taps_reference(state: np.ndarray, w: np.ndarray, x: np.ndarray) -> np.n
     return out
 
 
-@cached_njit("conv-taps")
+@cached_row_kernel("conv-taps", rows=2)
 def _conv_taps(state, w, x, out):
     # conv_taps_reference with no [K-1+T, C] history copy and no product temporaries: each
     # element the same f32 products added in the same order (no FMA: fastmath off)
     K, C = w.shape
     T = x.shape[0]
-    for t in range(T):
+    for t in prange(T):
         for j in range(K):
             i = t + j - (K - 1)  # the input tap j reads: state row K-1+i when i < 0
             src = x[i] if i >= 0 else state[K - 1 + i]

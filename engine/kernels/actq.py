@@ -49,10 +49,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-from numba import njit
+from numba import njit, prange
 
 from . import simd
-from .jit import JIT, cached_njit
+from .jit import JIT, cached_njit, cached_row_kernel
 
 F32 = np.float32
 QA = 32  # elements per activation block; every weight block size is a multiple of it
@@ -262,15 +262,18 @@ def quantize_row(x, q, d, s16, t, qa):
     return -1
 
 
-@cached_njit("quantize_rows")
+@cached_row_kernel("quantize_rows")
 def _quantize_rows(x, q, d, s16, qa):
-    # x f32 [T, n] -> q, d, s16 (quantize_row, row by row). Returns the flat index of the first
-    # non-finite x, or -1: checked here, in the same pass, so that the token path allocates nothing
-    # (np.isfinite would make a temporary the size of x).
-    for t in range(x.shape[0]):
-        bad = quantize_row(x, q, d, s16, t, qa)
-        if bad >= 0:
-            return t * x.shape[1] + bad
+    # x f32 [T, n] -> q, d, s16 (quantize_row, row by row, the rows across the threads). Returns
+    # the flat index of the first non-finite x, or -1: checked here, in the same pass, so that no
+    # temporary the size of x is made (np.isfinite's)
+    T = x.shape[0]
+    bads = np.empty(T, np.int64)
+    for t in prange(T):
+        bads[t] = quantize_row(x, q, d, s16, t, qa)
+    for t in range(T):
+        if bads[t] >= 0:
+            return t * x.shape[1] + bads[t]
     return -1
 
 

@@ -106,3 +106,30 @@ def cached(dispatcher, tag: str, also=()):
 def cached_njit(tag: str, **flags):
     """@njit(**JIT, **flags) with `cached(..., tag)`: the decorator of module-level kernels."""
     return lambda fn: cached(njit(**JIT, **flags)(fn), tag)
+
+
+# A prompt chunk's rows of a row-wise kernel (the ActQ, the grouped norm's scale, the MoE's combine,
+# the hyper-connections' mix and inject, the conv taps) go across the CPU threads from this many
+# rows; a token's row and a verify's few keep the serial loop, where a parallel launch would cost
+# more than the work. On the 2-core VM these kernels were ~5% of a 512-token chunk at 2 threads,
+# serial; with the products' kernels on 8 threads they would be several times that share.
+PARALLEL_ROWS = 16
+
+
+class RowKernel:
+    """A kernel whose outer loop is `prange` over rows, compiled twice: serial (prange is range
+    there) and parallel; a call takes the parallel one from PARALLEL_ROWS rows (the leading
+    dimension of argument `rows`). Each row's arithmetic is the same in both, so the same bits."""
+
+    def __init__(self, fn, tag: str, rows: int):
+        self.serial = cached(njit(**JIT)(fn), tag)
+        self.parallel = cached(njit(parallel=True, **JIT)(fn), f"{tag}-rows")
+        self.rows, self.py_func = rows, fn
+
+    def __call__(self, *args):
+        return (self.parallel if args[self.rows].shape[0] >= PARALLEL_ROWS else self.serial)(*args)
+
+
+def cached_row_kernel(tag: str, rows: int = 0):
+    """The decorator of a RowKernel: `rows` is the argument whose leading dimension counts the rows."""
+    return lambda fn: RowKernel(fn, tag, rows)

@@ -269,3 +269,47 @@ def test_in_threads_runs_every_job_once_and_raises_a_jobs_error(threads):
 
     with pytest.raises(RuntimeError, match="job 3 failed"):
         ops.in_threads(fail, [(i,) for i in range(6)])
+
+
+def test_row_kernels_give_the_same_bits_with_their_rows_across_threads(rng, threads):
+    """jit.RowKernel: a prompt chunk's rows (PARALLEL_ROWS or more) go across the threads, a token's
+    stay serial; each row is the same arithmetic, so both variants give the same bits, and a
+    non-finite activation is reported at its first row whichever variant ran (several rows bad)."""
+    from strata.engine import ops
+    from strata.engine.kernels import actq
+    from strata.engine.kernels.jit import PARALLEL_ROWS
+
+    threads(2)
+    T, hc, E, k = 3 * PARALLEL_ROWS + 5, 4, 64, 6
+    assert T >= PARALLEL_ROWS
+    x, gain = values(rng, (T, 4 * 96)), rng.uniform(0.5, 1.5, 4 * 96).astype(F32)
+    part, slot, w = values(rng, (T * k, E)), rng.permutation(T * k).reshape(T, k), rng.random((T, k))
+    S, y, wi = values(rng, (T, hc * E)), values(rng, (T, E)), (2 * rng.random((T, hc))).astype(F32)
+    ex, sn = np.exp(-values(rng, (T, hc * E), 1.0)), values(rng, (T, hc * E))
+    state, cw, cx = values(rng, (3, 96)), values(rng, (4, 96)), values(rng, (T, 96))
+
+    cases = {
+        "quantize_rows": (actq._quantize_rows, lambda: (x, np.empty(x.shape, np.int8), np.empty((T, 12), F32),
+                                                        np.empty((T, 24), np.int32), actq.QA)),
+        "combine": (moe._combine, lambda: (part, slot, w, np.empty((T, E), F32))),
+        "inject": (hyper._inject, lambda: (S.copy(), y, wi)),
+        "mix_tail": (hyper._mix_tail, lambda: (ex, sn, np.empty((T, E), F32))),
+        "conv_taps": (ops._conv_taps, lambda: (state, cw, cx, np.empty((T, 96), F32))),
+    }
+    for name, (kernel, make) in cases.items():
+        got = []
+        for variant in (kernel.parallel, kernel.serial):
+            args = make()
+            rc = variant(*args)
+            got.append((rc, [a.copy() for a in args if isinstance(a, np.ndarray)]))
+        (rc_p, par), (rc_s, ser) = got
+        assert rc_p == rc_s and all(same_bits(a, b) for a, b in zip(par, ser)), name
+    out, act = hyper.grouped_rmsnorm_q(x, gain, 96, 1e-6)  # (T rows: the parallel variant, by the call's rule)
+    assert same_bits(out, hyper.grouped_rmsnorm(x, gain, 96, 1e-6))
+    assert same_bits(act.q, actq.quantize_act(out).q)
+    bad = x.copy()
+    bad[30, 7], bad[20, 100], bad[45, 0] = np.inf, np.nan, -np.inf  # rows 20, 30, 45: row 20 is named
+    with pytest.raises(actq.NonFiniteActivation, match=r"index \(20, 100\)"):
+        actq.quantize_act(bad)
+    with pytest.raises(actq.NonFiniteActivation, match=r"index \(20, 96\)"):  # (the nan's group of 96 is all nan)
+        hyper.grouped_rmsnorm_q(bad, gain, 96, 1e-6)
