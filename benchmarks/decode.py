@@ -287,23 +287,101 @@ def machine() -> str:
     return f"{cpu}, {os.cpu_count()} logical CPUs, load average {load}"
 
 
+def _kind(g):
+    return lambda l: "QSA" if g.is_full_attention(l) else "GDN"
+
+
+def per_token_seconds(model, timers: Timers, steps: list[float]) -> dict:
+    """Seconds per token by (component, layer), innermost attribution, the rest as ("other", None)."""
+    g, n = model.geometry, len(steps)
+    sec = {k: v / n for k, v in timers.sec.items()}  # per token
+    for l in range(g.n_layer):  # innermost attribution: MoE "shared" = forward - router - experts
+        sec[("shared", l)] = sec.pop(("moe", l), 0.0) - sec.get(("router", l), 0.0) - sec.get(("experts", l), 0.0)
+    sec[("other", None)] = sum(steps) / n - sum(sec.values())  # embedding row, loop overhead
+    return sec
+
+
+def stage_groups(g) -> dict[str, list]:
+    """The report's rows: a name and the (component, layer) keys it sums."""
+    kind = _kind(g)
+    return {
+        "GDN mixers": [("mixer", l) for l in range(g.n_layer) if kind(l) == "GDN"],
+        "QSA / attention mixers": [("mixer", l) for l in range(g.n_layer) if kind(l) == "QSA"],
+        "routed experts (MoE)": [("experts", l) for l in range(g.n_layer)],
+        "shared experts + router product": [("shared", l) for l in range(g.n_layer)],
+        "routing (top-k; the router product without a shared expert)": [("router", l) for l in range(g.n_layer)],
+        "hyper-connections (mix, inject, final)": [("residual", l) for l in [*range(g.n_layer), None]],
+        "PLE": [("ple", l) for l in range(g.n_layer)],
+        "LM head": [("head", None)],
+        "embedding row + loop overhead": [("other", None)],
+    }
+
+
+def sweep(model, threads: list[int], prompt_len: int, n_tokens: int, rounds: int = 2, run=None, what: str = "") -> str:
+    """Each stage's ms/token at each thread count, in one process (the same model, the same tokens),
+    the counts alternating for `rounds` rounds (the best round counts), and a fit of each stage to
+    Amdahl's law, t(n) = serial + parallel / n, by least squares over the counts: "serial" is what
+    more threads do not take away (the Python between the regions, each region's wake-up and
+    barrier, a bound of memory), "parallel" what they divide. Where the 8-thread row misses the fit,
+    the stage scales worse than its parallel share says (a region too small to split).
+
+    run(timers) -> [seconds of each timed step]: another workload (benchmarks/prefill.py's prompt
+    chunks), `what` naming its unit; by default n_tokens token steps after a prompt_len prompt."""
+    from tabulate import tabulate
+
+    from strata.engine.kernels import cpu
+
+    g = model.geometry
+    groups = stage_groups(g)
+    best: dict[int, dict[str, float]] = {}
+    timers = instrument(model)
+    try:
+        for _ in range(rounds):
+            for n in threads:
+                cpu.set_threads(n)
+                steps = run(timers) if run else decode(model, prompt_len, n_tokens, timers)
+                sec = per_token_seconds(model, timers, steps)
+                got = {name: sum(sec.get(k, 0.0) for k in keys) for name, keys in groups.items()}
+                got["total"] = sum(steps) / len(steps)
+                if n not in best or got["total"] < best[n]["total"]:
+                    best[n] = got
+    finally:
+        uninstrument(timers)
+    inv = np.array([1.0 / n for n in threads])
+    A = np.stack([np.ones_like(inv), inv], axis=1)
+    rows = []
+    for name in [*groups, "total"]:
+        ms = np.array([1e3 * best[n][name] for n in threads])
+        if not ms.any():
+            continue
+        if len(threads) < 2:  # one count: its times alone, nothing to fit
+            rows.append([name, f"{ms[0]:.2f}"])
+            continue
+        (serial, par), *_ = np.linalg.lstsq(A, ms, rcond=None)
+        fit_last = serial + par / threads[-1]
+        rows.append([name, *[f"{x:.2f}" for x in ms], f"{ms[0] / ms[-1]:.2f}x", f"{serial:.2f}", f"{par:.2f}",
+                     f"{ms[-1] / fit_last:.2f}"])
+    what = what or f"{n_tokens} token steps after a {prompt_len}-token prompt per run; ms/token"
+    head = (f"thread sweep: {what}, counts "
+            f"{', '.join(map(str, threads))} alternating over {rounds} rounds, best round. "
+            f"Fit: t(n) = serial + parallel / n (ms), least squares; last / fit: the last count's time over the fit's")
+    hdr = ["stage", *[f"{n} thr" for n in threads]]
+    if len(threads) > 1:
+        hdr += [f"{threads[0]} / {threads[-1]}", "serial", "parallel", "last / fit"]
+    return head + "\n" + tabulate(rows, headers=hdr, tablefmt="github", disable_numparse=True)
+
+
 def report(model, timers: Timers, steps: list[float], bw: float, threads: int, preset: str) -> str:
     from tabulate import tabulate
 
     g = model.geometry
     n = len(steps)
     total = sum(steps)
-    sec = {k: v / n for k, v in timers.sec.items()}  # per token
-    for l in range(g.n_layer):  # innermost attribution: MoE "shared" = forward - router - experts
-        sec[("shared", l)] = sec.pop(("moe", l), 0.0) - sec.get(("router", l), 0.0) - sec.get(("experts", l), 0.0)
-    accounted = sum(sec.values())
-    sec[("other", None)] = total / n - accounted  # embedding row, loop overhead
+    sec = per_token_seconds(model, timers, steps)
     nbytes = bytes_per_token(model)
     per_token = sum(nbytes.values())
     floor = bw / per_token
-
-    def kind(l):
-        return "QSA" if g.is_full_attention(l) else "GDN"
+    kind = _kind(g)
 
     comps = ("residual", "ple", "mixer", "router", "experts", "shared")
     rows = []
@@ -315,17 +393,7 @@ def report(model, timers: Timers, steps: list[float], bw: float, threads: int, p
     layer_table = tabulate(rows, headers=["layer", "kind", "hc mix/inject", "PLE", "mixer", "routing", "routed experts",
                                           "shared expert + router", "layer ms", "MB read", "GB/s"], tablefmt="github")
 
-    groups = {
-        "GDN mixers": [("mixer", l) for l in range(g.n_layer) if kind(l) == "GDN"],
-        "QSA / attention mixers": [("mixer", l) for l in range(g.n_layer) if kind(l) == "QSA"],
-        "routed experts (MoE)": [("experts", l) for l in range(g.n_layer)],
-        "shared experts + router product": [("shared", l) for l in range(g.n_layer)],
-        "routing (top-k; the router product without a shared expert)": [("router", l) for l in range(g.n_layer)],
-        "hyper-connections (mix, inject, final)": [("residual", l) for l in [*range(g.n_layer), None]],
-        "PLE": [("ple", l) for l in range(g.n_layer)],
-        "LM head": [("head", None)],
-        "embedding row + loop overhead": [("other", None)],
-    }
+    groups = stage_groups(g)
     rows = []
     for name, keys in groups.items():
         t = sum(sec.get(k, 0.0) for k in keys)
@@ -432,6 +500,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokens", type=int, default=32, help="decode steps timed")
     ap.add_argument("--no-pretouch", action="store_true", help="do not read the expert bytes once before timing")
     ap.add_argument("--rounds", type=int, default=3, help="rounds of Strata and llama.cpp side by side (0: none)")
+    ap.add_argument("--sweep", default="", help="thread counts, e.g. 1,2,4,8: each stage's time at each count in this "
+                    "process and its serial and parallel parts, instead of the report")
     args = ap.parse_args(argv)
 
     from strata.engine.kernels import cpu
@@ -446,6 +516,11 @@ def main(argv: list[str] | None = None) -> int:
     print(f"loaded {pack_dir} and compiled the kernels in {time.perf_counter() - t0:.1f} s", flush=True)
     if not args.no_pretouch:
         print(f"read every expert byte once in {pretouch(model):.1f} s (page cache warm)", flush=True)
+    if args.sweep:
+        counts = [int(x) for x in args.sweep.split(",")]
+        print(machine())
+        print(sweep(model, counts, args.prompt, args.tokens))
+        return 0
     rates = read_bandwidth(args.threads)
     print("read bandwidth by threads: " + ", ".join(f"{t}: {r / 1e9:.2f} GB/s" for t, r in rates.items()), flush=True)
     bw = max(rates.values())  # the floor is what the allowed threads CAN read; on a busy host one may beat two

@@ -83,6 +83,24 @@ def side_by_side(model, prompt, chunk: int, kv: str, sample: int | None, every: 
     return batched, one_by_one
 
 
+def sweep(model, counts: list[int], L: int, chunk: int, kv: str) -> int:
+    """The batched path's stages on an L-token prompt at each thread count (decode.py's sweep)."""
+    import decode
+
+    prompt = np.random.default_rng(L).integers(0, model.geometry.n_vocab, L)
+
+    def run(timers) -> list[float]:
+        s = model.new_session(L, kv)
+        timers.reset()
+        t = sum(timed(lambda: model.forward(s, prompt[a : a + chunk], 1 if a + chunk >= L else 0)) for a in range(0, L, chunk))
+        return [t / L] * L  # L "steps" of the mean: the stages' sums are then divided by L
+
+    what = f"a {L}-token prompt in chunks of {chunk} per run; ms per token of the prompt (1000 / it = tok/s)"
+    print(decode.machine())
+    print(decode.sweep(model, counts, 0, 0, run=run, what=what))
+    return 0
+
+
 def machine() -> str:
     cpu = platform.processor() or platform.machine()
     try:
@@ -107,6 +125,8 @@ def main(argv=None) -> int:
     ap.add_argument("--arch", default="qwen4exp")
     ap.add_argument("--cache", type=Path, default=REPO / ".cache" / "bench")
     ap.add_argument("--prepare-only", action="store_true", help="make the model and stop")
+    ap.add_argument("--sweep", default="", help="thread counts, e.g. 1,2,4,8: the batched path's stages at each count "
+                    "on the first length (decode.py's sweep), instead of the side-by-side table")
     a = ap.parse_args(argv)
     pack_dir = ensure_pack(a.cache, a.arch)
     if a.prepare_only:
@@ -127,6 +147,8 @@ def main(argv=None) -> int:
     s = model.new_session(a.chunk + 1, a.kv)
     model.forward(s, np.zeros(a.chunk, np.int64), 1)  # the prompt path's first call (BLAS, numba) out of the timing
     print(f"loaded and warmed up in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
+    if a.sweep:
+        return sweep(model, [int(x) for x in a.sweep.split(",")], int(a.lengths.split(",")[0]), a.chunk, a.kv)
     import llama_peer
 
     lengths = [int(x) for x in a.lengths.split(",")]
