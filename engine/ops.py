@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ctypes
 import math
+import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
@@ -407,6 +408,13 @@ def delta_rule(S: np.ndarray, q: np.ndarray, k: np.ndarray, v: np.ndarray, g: np
 
 
 GDN_CHUNK = 64  # transformers' chunk_size for chunk_gated_delta_rule
+# At most this many Python threads take the chunked delta rule's heads. Its forward substitution
+# is ~2 small numpy calls per token per job, each holding the GIL for its few microseconds of
+# overhead: every extra job adds its own calls to that serial queue while its share of the
+# GIL-free arithmetic shrinks. On the H200's host (16 cores), a 512-token seed-4l prompt's three
+# GDN layers spent 581 / 294 / 229 / 388 ms in the rule at 1 / 2 / 4 / 8 jobs (2026-12-04,
+# docs/performance.md). The bits do not depend on the split (each head takes the same calls).
+DELTA_JOBS = int(os.environ.get("STRATA_DELTA_JOBS", "4"))
 
 
 def single_blas_thread() -> None:
@@ -464,7 +472,7 @@ def chunk_delta_rule(S: np.ndarray, q: np.ndarray, k: np.ndarray, v: np.ndarray,
     G = np.ascontiguousarray(g.T)  # [nv, T]
     St = np.ascontiguousarray(S.transpose(0, 2, 1))  # [nv, dk, dv]
     out = np.empty((nv, T, dv), F32)
-    parts = min(cpu.get_threads(), nv)
+    parts = min(cpu.get_threads(), nv, DELTA_JOBS)
     cuts = [nv * i // parts for i in range(parts + 1)]
     in_threads(_delta_heads, [tuple(a[h0:h1] for a in (St, Q, K, V, B, G, out)) for h0, h1 in zip(cuts, cuts[1:])])
     S[...] = St.transpose(0, 2, 1)

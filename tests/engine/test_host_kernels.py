@@ -148,7 +148,7 @@ def test_ple_conv_and_output(rng, t0, T):
     assert same_bits(got, want)
 
 
-def test_delta_rule_and_attention_give_the_same_bits_on_any_thread_count(rng, threads):
+def test_delta_rule_and_attention_give_the_same_bits_on_any_thread_count(rng, threads, monkeypatch):
     T, nk, nv, dk, dv = 100, 2, 6, 16, 8  # T > GDN_CHUNK: two sub-chunks, the second partial
     q = rng.standard_normal((T, nk, dk)).astype(F32)
     k = rng.standard_normal((T, nk, dk)).astype(F32)
@@ -160,8 +160,11 @@ def test_delta_rule_and_attention_give_the_same_bits_on_any_thread_count(rng, th
     qa, K, V = values(rng, (Tq, H, D)), values(rng, (Hkv, n, D)), values(rng, (Hkv, n, D))
     visible = ops.causal_mask(n - Tq, Tq, n)
     runs = []
-    for t in (1, 2):  # 2: the most a 2-core CI gives (NUMBA_NUM_THREADS); the tiles outnumber the threads
+    # 2 threads: the most a 2-core CI gives (NUMBA_NUM_THREADS); the tiles outnumber the threads.
+    # (2, 1): two threads with the delta rule's jobs capped at one (ops.DELTA_JOBS)
+    for t, jobs in ((1, 4), (2, 4), (2, 1)):
         threads(t)
+        monkeypatch.setattr(ops, "DELTA_JOBS", jobs)
         S = S0.copy()
         o = ops.chunk_delta_rule(S, q, k, v, g, beta)
         runs.append((o, S, ops.attention(qa, K, V, D**-0.5, visible, 2 * 3 * n * 4)))  # tiles of 2 queries
