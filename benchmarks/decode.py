@@ -3,6 +3,7 @@ geometry, 4 layers, every expert on the CPU), against the memory-bandwidth floor
 
     python benchmarks/decode.py [--arch qwen4exp] [--threads 2] [--prompt 8] [--tokens 32] [--no-pretouch]
                                 [--preset seed-4l] [--rounds 3]   (--preset tiny: a quick smoke run)
+    python benchmarks/decode.py --threads 8 --sweep 1,2,4,8   # each stage at each thread count (`sweep`)
 
 The model is made once under .cache/bench/ (tools/synth.py, then strata-pack) and reused.
 

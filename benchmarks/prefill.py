@@ -5,6 +5,8 @@ widths, 4 layers: 3 Gated DeltaNet + 1 QSA, 512 experts, qwen4exp, its IQ3_XXS-s
     python benchmarks/prefill.py [--threads 2] [--lengths 512,4096] [--chunk 1024] [--sample 16]
                                  [--sample-every 256]
                                  [--cache .cache/bench] [--arch qwen4exp] [--prepare-only]
+    python benchmarks/prefill.py --threads 8 --lengths 512 --sweep 1,2,4,8   # the batched path's stages
+                                 # at each thread count (decode.py's `sweep`), no side-by-side table
 
 The model is made once with tools/synth.py and packed into --cache (outside git), then reused.
 Each length L gets a random prompt of L tokens and two sessions, fed IN TURN, so a busy host

@@ -1,26 +1,44 @@
 #!/bin/bash
-# CPU decode at 8 threads on the device host: Strata (benchmarks/decode.py) and llama.cpp (llama-bench
-# built with CUDA, run with -ngl 0 and the GPU hidden: CPU only), one after the other, on the same
-# synthesized seed-4l GGUF. The device reaches no network: fetch llama.cpp's source here first and
-# carry .peer (and .whl) to it:
-#     bash ../shared/peer/fetch_llama_cpp.sh .peer/llama.cpp && cp ../shared/peer/build_llama_cuda.sh .peer/
-#     (device) BUILD_SCRIPT=.peer/build_llama_cuda.sh bash scripts/decode_8threads.sh
-# ARCH=qwen35moe measures the qwen35moe of the same geometry instead (K-quant mix; its GGUF is
-# synthesized there too: ~6.5 GB, about a minute). THREADS (default "8 1") lists llama-bench's runs.
-# AB=1 also runs benchmarks/decode_ab.py at 8 threads: the token path with and without its latest
-# change (decode_ab.py's docstring names it), same process, interleaved.
+# The CPU engine beside llama.cpp on a many-core host (the device's: 16 cores), in one call:
+#   - llama-bench built there for its CPU alone (-DGGML_NATIVE=ON, no CUDA: ~2 minutes on 16 cores,
+#     in the background while the models are synthesized and the kernels compiled);
+#   - decode at THREADS (default 1,2,8) for ARCHS (default qwen4exp qwen35moe): llama-bench tg32,
+#     then benchmarks/decode.py --sweep (each stage's time at each count, one process);
+#   - the prompt at PROMPT_THREADS (default 8), 512 and 4096 tokens: llama-bench pp, then
+#     benchmarks/prefill.py --sweep (qwen4exp).
+# llama.cpp runs first, then Strata: not interleaved (llama_cpp is not importable there). Machines of
+# one kind differ by up to 1.7x at one thread (docs/performance.md, session 24): compare within a call.
+# The device reaches no network: fetch llama.cpp's source here first and carry .peer (and .whl) to it:
+#     bash ../shared/peer/fetch_llama_cpp.sh .peer/llama.cpp
+#     (device) bash scripts/decode_8threads.sh
 cd "$(dirname "$0")/.."
-bash ${BUILD_SCRIPT:-../shared/peer/build_llama_cuda.sh} .peer/llama.cpp /tmp/llama-build
+THREADS=${THREADS:-1,2,8}
+ARCHS=${ARCHS:-qwen4exp qwen35moe}
+PROMPT_THREADS=${PROMPT_THREADS:-8}
+B=/tmp/llama-cpu
+mkdir -p $B
+rm -f $B/done
+(cmake -S .peer/llama.cpp -B $B -G Ninja -DGGML_NATIVE=ON -DGGML_CUDA=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
+    -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_APP=OFF -DLLAMA_CURL=OFF > $B/configure.log 2>&1 \
+    && cmake --build $B --target llama-bench -j "$(nproc)" > $B/build.log 2>&1; echo $? > $B/done) &
 if ls .whl/*.whl >/dev/null 2>&1; then python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl; fi
 python3 scripts/_dev_path.py /tmp/boot >/dev/null
 export PYTHONPATH=/tmp/boot:/tmp/site
 lscpu | grep -E "Model name|^CPU\(s\)"
 t0=$SECONDS
-ARCH=${ARCH:-qwen4exp}
-timeout 330 python3 benchmarks/decode.py --arch $ARCH --threads 8 --tokens 32 --rounds 2 2>&1 | grep -v compiling | tail -25
-echo "strata done at $((SECONDS - t0)) s"
-if [ -n "$AB" ]; then timeout 300 python3 benchmarks/decode_ab.py --arch $ARCH --threads 8 --rounds 3 2>&1 | grep -v compiling | tail -13; fi
-for i in $(seq 1 60); do test -f /tmp/llama-build/done && break; sleep 5; done
-echo "llama build: $(cat /tmp/llama-build/done 2>/dev/null) after $((SECONDS - t0)) s"
-G=$(ls .cache/bench/seed-4l-$ARCH-00001-of-00002.gguf)
-for t in ${THREADS:-8 1}; do CUDA_VISIBLE_DEVICES= timeout 120 /tmp/llama-build/bin/llama-bench -m $G -ngl 0 -t $t -p 0 -n 32 -r 3 2>&1 | tail -4; done
+# the models made and the kernels compiled (into numba's disk cache) beside the build: nothing timed
+prep=()
+for A in $ARCHS; do (timeout 250 python3 benchmarks/decode.py --arch $A --threads 8 --tokens 2 --rounds 0 --no-pretouch 2>&1 | grep -E "^loaded") & prep+=($!); done
+wait "${prep[@]}"
+for i in $(seq 1 100); do test -f $B/done && break; sleep 3; done
+echo "llama build: exit $(cat $B/done 2>/dev/null) at $((SECONDS - t0)) s"
+lb() { timeout 150 $B/bin/llama-bench -m "$(ls .cache/bench/seed-4l-$1-00001-of-0000*.gguf)" -ngl 0 "${@:2}" 2>&1 | grep -E "tg32|pp"; }
+for A in $ARCHS; do
+    lb $A -t $THREADS -p 0 -n 32 -r 3
+    timeout 150 python3 benchmarks/decode.py --arch $A --threads 8 --tokens 16 --sweep $THREADS 2>&1 | grep -v -i compil | tail -13
+done
+lb qwen4exp -t $PROMPT_THREADS -p 512,4096 -n 0 -r 2
+for L in 512 4096; do
+    timeout 150 python3 benchmarks/prefill.py --threads $PROMPT_THREADS --lengths $L --sweep $PROMPT_THREADS 2>&1 | grep -v -i compil | tail -12
+done
+echo "done at $((SECONDS - t0)) s"
