@@ -414,7 +414,7 @@ GDN_CHUNK = 64  # transformers' chunk_size for chunk_gated_delta_rule
 # GIL-free arithmetic shrinks. On the H200's host (16 cores), a 512-token seed-4l prompt's three
 # GDN layers spent 581 / 294 / 229 / 388 ms in the rule at 1 / 2 / 4 / 8 jobs (2026-12-04,
 # docs/performance.md). The bits do not depend on the split (each head takes the same calls).
-DELTA_JOBS = int(os.environ.get("STRATA_DELTA_JOBS", "4"))
+DELTA_JOBS = max(1, int(os.environ.get("STRATA_DELTA_JOBS", "4")))
 
 
 def single_blas_thread() -> None:
