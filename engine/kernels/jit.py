@@ -124,7 +124,7 @@ class RowKernel:
     def __init__(self, fn, tag: str, rows: int):
         self.serial = cached(njit(**JIT)(fn), tag)
         self.parallel = cached(njit(parallel=True, **JIT)(fn), f"{tag}-rows")
-        self.rows, self.py_func = rows, fn
+        self.rows = rows
 
     def __call__(self, *args):
         return (self.parallel if args[self.rows].shape[0] >= PARALLEL_ROWS else self.serial)(*args)
