@@ -55,7 +55,7 @@ class Scratch:
     def __call__(self, key: str, shape: tuple[int, ...], dtype=F32) -> np.ndarray:
         if not shape or shape[0] != 1:
             return np.empty(shape, dtype)
-        k = (key, shape, np.dtype(dtype).str)
+        k = (key, shape, dtype)  # (np.dtype(dtype) here cost ~0.5 us of ~130 calls a token)
         buf = self._bufs.get(k)
         if buf is None:
             buf = self._bufs[k] = np.empty(shape, dtype)
@@ -72,6 +72,8 @@ def _row(act):
 
 
 _OWNS: dict[tuple, bool] = {}  # (backend class, hooks) -> CpuBackend.owns
+_UNPLANNED = object()
+PLANS_MAX = 4096  # a backend's kept plans (cpu.TokenProducts): a few per layer of the largest models
 
 
 class CpuBackend:
@@ -86,6 +88,7 @@ class CpuBackend:
 
     def __init__(self):
         self.scratch = Scratch()
+        self._plans: dict[tuple, cpu.TokenProducts | None] = {}  # the token path's products (_products)
 
     def owns(self, *hooks: str) -> bool:
         """Whether every hook named is this class's as CpuBackend defines it (none overridden). A
@@ -108,6 +111,11 @@ class CpuBackend:
         row the same bits (tests/engine/test_kernels_cpu.py), so the choice changes speed, not numbers."""
         if isinstance(x, np.ndarray):
             x = Input(x)  # Input.form is the one place activations are quantized (engine/weights.py)
+        if out is not None and type(x) is Input and x.x.ndim == 2 and x.x.shape[0] == 1:  # the token path
+            plan = self._products((w,))
+            if plan is not None:
+                self._launch(plan, x, (out,))
+                return out
         act = x.form(w.type, w.wide) if isinstance(x, Input) else x
         T = act.rows if isinstance(act, ActQ16) else (act.q if isinstance(act, ActQ) else act).shape[0]
         if out is None:
@@ -126,6 +134,12 @@ class CpuBackend:
         goes one by one."""
         if isinstance(x, np.ndarray):
             x = Input(x)
+        if type(x) is Input and x.x.ndim == 2 and x.x.shape[0] == 1 and all(o is not None for o in outs) \
+                and all(w.device is None for w in ws):  # the token path
+            plan = self._products(ws)
+            if plan is not None:
+                self._launch(plan, x, outs)
+                return list(outs)
         acts = [x.form(w.type, w.wide) if isinstance(x, Input) else x for w in ws]  # a wide weight reads its own form
         one = all(a.rows == 1 if isinstance(a, ActQ16) else (a.q if isinstance(a, ActQ) else a).shape[0] == 1 for a in acts)
         if not one or any(getattr(w, "device", None) is not None for w in ws):
@@ -135,6 +149,24 @@ class CpuBackend:
         forms = [rows.setdefault(id(a), _row(a)) for a in acts]
         cpu.matvec_many([(w.raw, w.type.id, w.n_in, w.n_out, out.reshape(-1)) for w, out in zip(ws, outs)], forms)
         return outs
+
+    def _products(self, ws) -> cpu.TokenProducts | None:
+        """The plan of one call site of the token path (these weights, one row), made at its first
+        token (cpu.TokenProducts; None: the products go as before)."""
+        plans = self.__dict__.setdefault("_plans", {})  # (a subclass may not run __init__: DeviceBackend)
+        key = tuple(ws)
+        plan = plans.get(key, _UNPLANNED)
+        if plan is _UNPLANNED:
+            if len(plans) >= PLANS_MAX:  # more call sites than any model has: keep the memory bounded
+                plans.clear()
+            kinds = ["w" if w.wide else "q" if w.type.quantized else "f" for w in ws]
+            plan = plans[key] = cpu.TokenProducts.make([(w.raw, w.type.id, w.n_in, w.n_out) for w in ws], kinds)
+        return plan
+
+    @staticmethod
+    def _launch(plan: cpu.TokenProducts, x: Input, outs) -> None:
+        plan(None if plan.t8 is None else x.form(plan.t8), None if plan.t16 is None else x.form(plan.t16, True),
+             x.x if plan.floats else None, outs)  # fmt: skip
 
     # --- the sequence and elementwise operations (engine/ops.py) ---------------------------------
 

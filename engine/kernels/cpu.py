@@ -775,10 +775,15 @@ def _launch(n_out: int, work: int) -> tuple[bool, int]:
     variant runs on one thread too (a region of one thread costs ~2.5 us), so a change of thread
     count while a model runs (the governor's) never compiles the other variant in the middle of
     a decode (a compile costs seconds)."""
-    if work < SERIAL_BELOW or n_out == 1:
+    if not _parallel(n_out, work):
         return False, 1
     n = use_threads()
     return True, 1 if n == 1 else min(n_out, 4 * n)
+
+
+def _parallel(n_out: int, work: int) -> bool:
+    """Whether `_launch` sends a call of this size to the pool (its kernel's parallel variant)."""
+    return not (work < SERIAL_BELOW or n_out == 1)
 
 
 def _check_raw(raw: np.ndarray, t, n_in: int, n_out: int, where: str) -> np.ndarray:
@@ -985,6 +990,98 @@ def _matvec_pair(name: str, raws, n_in: int, outs, act, work: int) -> list[np.nd
         view = (lambda r: r.view(F32)) if name == "F32" else (lambda r: r.view(np.uint16))
         _pair_kernel(name, parallel)(view(raws[0]), view(raws[1]), x, BF16_TO_F32 if name == "BF16" else F16_TO_F32, o0, o1, chunks)
     return outs
+
+
+class TokenProducts:
+    """One token's products of fixed matrices (one call site of the token path), checked once and
+    launched at every token.
+
+    A token step makes the same product calls at every token, and matvec / matvec_many check every
+    argument at each (each type's lookup, the bytes' size, the outs, the activations' planes): ~20-30
+    us of Python a call, ~1 ms a token of seed-4l at one thread on the 2-core VM and twice that on
+    the H200's host, where at 8 threads the whole token is ~30 ms (2026-12-04). Only the
+    activations and outs change from token to token. A plan checks the matrices once, with the
+    calls matvec_many makes, and at each call only the sizes of the activations and the outs it is
+    given; then it launches the kernel matvec_many (several products) or matvec (one) would, with
+    the same arguments and chunks: the same bits (tests/engine/test_token_regions.py)."""
+
+    __slots__ = ("kernel", "static", "one", "n_in", "n_outs", "rows", "work", "t8", "t16", "floats")
+
+    @classmethod
+    def make(cls, products, kinds) -> TokenProducts | None:
+        """products: [(raw, type_id, n_in, n_out)]; kinds[i] the form matrix i reads: "q" (an ActQ),
+        "w" (an ActQ16: actq.reads_wide) or "f" (f32 values). None where matvec_many would not
+        take them in one region (a type without a one-token kernel, inputs of two sizes, no rowdot on
+        this CPU) or, for one product, where matvec would not take rowdot's one-token kernel (a
+        float type): the caller multiplies them as before."""
+        if not rowdot.AVAILABLE or not products or len({p[2] for p in products}) != 1:
+            return None
+        names, raws, row_bytes, work = [], [], [], 0
+        types = {}
+        for (raw, type_id, n_in, n_out), kind in zip(products, kinds):
+            t = ggml_type(type_id, where="TokenProducts")
+            ok = kind == "f" if t.name in rowdot.FLOATS else t.name in (rowdot.TYPES if kind == "w" else rowdot.NAMES) and kind != "f"
+            if not ok or (kind == "f" and len(products) == 1):
+                return None
+            raw = _check_raw(raw, t, n_in, n_out, f"TokenProducts({t.name})")
+            if kind == "f":  # a float matrix: its values and, in row_bytes' place, its table (matvec_many)
+                raws.append(raw.view(F32) if t.name == "F32" else raw.view(np.uint16))
+                row_bytes.append(BF16_TO_F32 if t.name == "BF16" else F16_TO_F32)
+            else:
+                raws.append(raw)
+                row_bytes.append(t.row_bytes(n_in))
+            types.setdefault(kind, t)
+            names.append(t.name)
+            work += n_in * n_out * (2 if kind == "w" else 1)  # the wide form: two planes, twice the dots
+        plan = cls()
+        plan.n_in, plan.n_outs, plan.work = products[0][2], tuple(p[3] for p in products), work
+        plan.rows = sum(plan.n_outs)
+        plan.t8, plan.t16, plan.floats = types.get("q"), types.get("w"), "f" in types
+        parallel = _parallel(plan.rows, work)  # (the variant depends on the work alone: _launch)
+        plan.one = len(products) == 1
+        if plan.one:
+            plan.kernel = rowdot.one_kernel(names[0], parallel, "wide" if kinds[0] == "w" else False)
+        else:
+            plan.kernel = rowdot.many_kernel(tuple(names), tuple(k == "w" for k in kinds), parallel)
+        plan.static = tuple(zip(raws, row_bytes))
+        return plan
+
+    def __call__(self, x8: ActQ | None, x16: ActQ16 | None, fx: np.ndarray | None, outs) -> None:
+        """The products of one token into outs (f32, contiguous, n_out values each: [n_out] or
+        [1, n_out]): x8 its ActQ ([n_in] or [1, n_in]) where a matrix reads it (t8 not None), x16
+        its ActQ16 of one row (t16), fx its f32 values (floats)."""
+        n, nb = self.n_in, self.n_in // QA
+        q = d = s = None
+        if self.t8 is not None:
+            q, d, s = x8.q, x8.d, x8.s16
+            if q.size != n or d.size != nb or s.size != 2 * nb:
+                raise TypeError(f"TokenProducts: activations must be one ActQ [{n}] (a scale per 32), got {_describe(x8)}")
+            q, d, s = q.reshape(-1), d.reshape(-1), s.reshape(-1)  # (views: quantize_act's planes are contiguous)
+        w = None
+        if self.t16 is not None:
+            p = x16.planes
+            if p.q.size != 2 * n:
+                raise TypeError(f"TokenProducts: the wide activations must be one ActQ16 [{n}], got {_describe(x16)}")
+            w = (p.q.reshape(-1), p.d.reshape(-1), p.s16.reshape(-1))
+        flat = []
+        for o, n_out in zip(outs, self.n_outs):
+            if not (o.size == n_out and o.dtype == F32 and o.flags.c_contiguous):  # (reshape would copy otherwise)
+                raise ValueError(f"TokenProducts: out must be contiguous f32 of {n_out} values, got {_describe(o)}")
+            flat.append(o.reshape(-1))
+        chunks = _launch(self.rows, self.work)[1]
+        if self.one:
+            q, d, s = w if w is not None else (q, d, s)
+            self.kernel(*self.static[0], q, d, s, flat[0], chunks)
+            return
+        f = None
+        if self.floats:
+            if fx.size != n:
+                raise TypeError(f"TokenProducts: f32 activations must be [{n}], got {_describe(fx)}")
+            f = fx.reshape(-1)
+        none = rowdot._NONE8
+        args = [a for (raw, rb), o in zip(self.static, flat) for a in (raw, rb, o)]
+        self.kernel(*args, *((q, d, s) if q is not None else none), *(w if w is not None else none),
+                    none[1] if f is None else f, chunks)  # fmt: skip
 
 
 def _describe(act) -> str:

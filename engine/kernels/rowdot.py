@@ -487,18 +487,26 @@ def matvec(name: str, raw: np.ndarray, row_bytes: int, xq: np.ndarray, xd: np.nd
     [n_in / 16], contiguous); rows split into n_chunks on the pool if `parallel`. The caller
     (cpu.matvec) has validated the shapes. wide: the planes of an actq.ActQ16 (xq [2 n_in], xd
     [2 n_in / 32], s16 [2 n_in / 16]: hi, then lo), out = f32(256) (W . hi) + W . lo."""
-    if wide:
-        key = (name, parallel, "wide")
-        if key not in _KERNELS:
-            _KERNELS[key] = _kernel16(name, parallel)
-        _KERNELS[key](raw, row_bytes, xq, xd, s16, out, n_chunks)
-        return
-    key = (name, parallel, xd.size == 2 * (xq.size // QA))
-    if key not in _KERNELS:
-        if name in KTYPES and key[2]:
-            raise ValueError(f"rowdot.matvec: {name} takes activations with a scale per 32 elements, got {xd.size} scales for {xq.size}")
-        _KERNELS[key] = _kkernel(name, parallel) if name in KTYPES else _kernel(*key)
-    _KERNELS[key](raw, row_bytes, xq, xd, s16, out, n_chunks)
+    fine = xd.size == 2 * (xq.size // QA)
+    if fine and not wide and name in KTYPES:
+        raise ValueError(f"rowdot.matvec: {name} takes activations with a scale per 32 elements, got {xd.size} scales for {xq.size}")
+    one_kernel(name, parallel, "wide" if wide else fine)(raw, row_bytes, xq, xd, s16, out, n_chunks)
+
+
+def one_kernel(name: str, parallel: bool, form):
+    """`matvec`'s kernel: form "wide" (the planes of an ActQ16), True (the fine form: a scale per 16
+    elements) or False (a scale per 32). cpu.TokenProducts keeps it to launch without the lookup."""
+    key = (name, parallel, form)
+    kernel = _KERNELS.get(key)
+    if kernel is None:
+        if form == "wide":
+            kernel = _kernel16(name, parallel)
+        elif name in KTYPES:  # (their kernel reads a scale per 32 elements: `matvec` refuses the fine form)
+            kernel = _kkernel(name, parallel)
+        else:
+            kernel = _kernel(name, parallel, form)
+        _KERNELS[key] = kernel
+    return kernel
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1280,13 +1288,20 @@ def matvec_many(names: tuple[str, ...], raws, row_bytes, xq: np.ndarray, xd: np.
         xq, xd, s16 = _NONE8
     elif xd.size != xq.size // QA:
         raise ValueError(f"rowdot.matvec_many: activations with a scale per 32 elements only, got {xd.size} scales for {xq.size}")
-    key = (tuple(names), wides, parallel)
-    if key not in _MANY:
-        _MANY[key] = _many_kernel(*key)
     args = []
     for raw, rb, out in zip(raws, row_bytes, outs):
         args += [raw, rb, out]
-    _MANY[key](*args, xq, xd, s16, *(wide if wide is not None else _NONE8), _NONE8[1] if fx is None else fx, n_chunks)
+    many_kernel(tuple(names), wides, parallel)(*args, xq, xd, s16, *(wide if wide is not None else _NONE8),
+                                               _NONE8[1] if fx is None else fx, n_chunks)  # fmt: skip
+
+
+def many_kernel(names: tuple[str, ...], wides: tuple[bool, ...], parallel: bool):
+    """`matvec_many`'s kernel of these matrices' types and forms (cpu.TokenProducts keeps it)."""
+    key = (names, wides, parallel)
+    kernel = _MANY.get(key)
+    if kernel is None:
+        kernel = _MANY[key] = _many_kernel(*key)
+    return kernel
 
 
 # ---------------------------------------------------------------------------------------------

@@ -134,3 +134,55 @@ def test_a_token_s_router_shares_the_shared_expert_s_region(tiny_qwen4exp):
     # one for the shared down (the gate logit alone, one output, runs serial either way)
     assert n == routed + 2, f"{n} parallel regions for one token's MoE, expected {routed} (routed experts) + 2"
     assert np.array_equal(got[0].view(np.uint32), want.view(np.uint32)), "the MoE output differs from the products one by one"
+
+
+@pytest.mark.parametrize("block", list(BLOCKS) + ["one product (Q8_0)", "one product (Q5_0, wide)", "one product (Q6_K)"])
+def test_a_call_site_s_kept_plan_gives_the_products_bits_at_every_token(block):
+    # the token path's products of one row go through a plan made at the call site's first token
+    # (cpu.TokenProducts: the matrices checked once): each out must be bit for bit what the
+    # unplanned call gives (outs None), at the first token and the next ones, in one region, into
+    # the outs given, whether the caller reuses its outs (the step's scratch) or makes new ones (the logits)
+    _need_rowdot()
+    n_in = 512
+    specs = BLOCKS.get(block) or [{"one product (Q8_0)": ("blk.0.ffn_down_shexp.weight", "Q8_0", 40),
+                                   "one product (Q5_0, wide)": ("blk.0.attn_qkv.weight", "Q5_0", 48),
+                                   "one product (Q6_K)": ("output.weight", "Q6_K", 24)}[block]]
+    ws = [_weight(name, t, n_in, n_out, seed) for seed, (name, t, n_out) in enumerate(specs)]
+    be = CpuBackend()
+    kept = [np.full((1, w.n_out), np.nan, np.float32) for w in ws]
+    rng = np.random.default_rng(11)
+    with cpu_path(parallel=True):
+        for token in range(4):
+            x = rng.standard_normal((1, n_in)).astype(np.float32)
+            want = be.linears(ws, Input(x), [None] * len(ws)) if len(ws) > 1 else [be.linear(ws[0], Input(x))]
+            outs = kept if token % 2 else [np.full((1, w.n_out), np.nan, np.float32) for w in ws]
+            got = []
+            run = (lambda: got.extend(be.linears(ws, Input(x), outs))) if len(ws) > 1 else (lambda: got.append(be.linear(ws[0], Input(x), outs[0])))
+            n = _regions(run)
+            assert len(be._plans) == 1 and None not in be._plans.values(), f"{block}: no plan was kept for the call site"
+            assert n == 1, f"{block}, token {token}: {n} parallel regions, expected 1"
+            for w, g, r, o in zip(ws, got, want, outs):
+                assert g is o, f"{block}: {w.name}'s result is not in the out it was given"
+                assert np.array_equal(g.view(np.uint32), r.view(np.uint32)), f"{block}, token {token}: {w.name} differs from the unplanned product"
+
+
+def test_a_plan_checks_its_arguments_and_refuses_what_it_cannot_launch():
+    _need_rowdot()
+    from strata.engine.kernels.actq import quantize_act
+
+    q8, bf = BY_NAME["Q8_0"], BY_NAME["BF16"]
+    raw = random_weights(q8, 512 * 8, np.random.default_rng(1))
+    raw_bf = random_weights(bf, 512 * 8, np.random.default_rng(2))
+    plan = cpu.TokenProducts.make([(raw, q8.id, 512, 8)], ["q"])
+    x = quantize_act(np.ones((1, 512), np.float32))
+    with pytest.raises(TypeError, match=r"activations must be one ActQ \[512\]"):
+        plan(quantize_act(np.ones((1, 256), np.float32)), None, None, [np.empty(8, np.float32)])
+    with pytest.raises(ValueError, match=r"out must be contiguous f32 of 8 values"):
+        plan(x, None, None, [np.empty(9, np.float32)])
+    with pytest.raises(ValueError, match=r"out must be contiguous f32 of 8 values"):
+        plan(x, None, None, [np.empty(16, np.float32)[::2]])
+    # a float matrix alone takes matvec's float kernel, not a plan; inputs of two sizes are two calls
+    assert cpu.TokenProducts.make([(raw_bf, bf.id, 512, 8)], ["f"]) is None
+    assert cpu.TokenProducts.make([(raw, q8.id, 512, 8), (raw[:2176], q8.id, 256, 8)], ["q", "q"]) is None
+    with pytest.raises(ValueError, match=r"TokenProducts\(Q8_0\): Q8_0 \[512 x 8\] is 4352 bytes, got 2176"):
+        cpu.TokenProducts.make([(raw[:2176], q8.id, 512, 8)], ["q"])
