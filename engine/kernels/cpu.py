@@ -755,9 +755,25 @@ def threads_cap() -> int | None:
 def use_threads() -> int:
     """get_threads(), applied to numba's per-thread setting for the parallel kernel launched next."""
     n = get_threads()
-    if numba.get_num_threads() != n:
+    if _numba_threads() != n:
         numba.set_num_threads(n)
     return n
+
+
+def _numba_threads() -> int:
+    """numba.get_num_threads(): once numba's pool is up, its C getter alone. The public function
+    takes two locks to check the pool's start at every call, ~2 us of each of the ~50 launches of a
+    token (a numba internal, as jit.py's cache: checked by tests/engine/test_threads.py)."""
+    global _numba_threads
+    from numba.np.ufunc import parallel
+
+    parallel._launch_threads()
+    getter = getattr(parallel, "_get_num_threads", None)
+    if getter is None or getter() != numba.get_num_threads():  # another numba: the public function
+        _numba_threads = numba.get_num_threads
+        return numba.get_num_threads()
+    _numba_threads = getter
+    return getter()
 
 
 # Below this much work (weight elements x tokens: multiply-adds) a call runs on the calling
@@ -1182,7 +1198,7 @@ def _grouped_plan(t, n_in: int, n_out: int, starts: np.ndarray, coarse: bool) ->
         return False, 1, []
     # every call: it applies the thread count where this call runs, and it is the region counted
     parallel, _ = _launch(len(items), n_in * n_out * n_tok)
-    workers = numba.get_num_threads() if parallel else 1  # _launch set it
+    workers = _numba_threads() if parallel else 1  # _launch set it
     calls = by_launch.get((parallel, workers))
     if calls is None:
         calls = by_launch[parallel, workers] = _make_calls(t, n_out, starts, items, coarse, parallel, workers, n_tok)

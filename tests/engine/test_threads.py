@@ -76,3 +76,32 @@ def test_the_kernel_variant_depends_on_the_work_not_the_thread_count():
         assert cpu._launch(4096, 1 << 30) == (True, 1)  # one thread: one chunk
     finally:
         cpu.set_threads(before)
+
+
+def test_the_launch_s_thread_count_is_numba_s_own_setting_in_every_thread():
+    # use_threads reads numba's per-thread count through its C getter (cpu._numba_threads), not the
+    # public function's locks: both must agree, in the main thread and in another, where numba's
+    # setting starts at its default and use_threads must apply the cap there too
+    import threading
+
+    before = cpu.threads_cap()
+    top = cpu.numba.config.NUMBA_NUM_THREADS
+    seen = {}
+
+    def other():
+        seen["before"] = (cpu._numba_threads(), cpu.numba.get_num_threads())
+        seen["used"] = (cpu.use_threads(), cpu._numba_threads(), cpu.numba.get_num_threads())
+
+    try:
+        for n in sorted({1, top}):
+            cpu.set_threads(n)
+            cpu.numba.set_num_threads(top)
+            assert cpu._numba_threads() == cpu.numba.get_num_threads() == top
+            assert cpu.use_threads() == n and cpu._numba_threads() == cpu.numba.get_num_threads() == n
+            t = threading.Thread(target=other)
+            t.start()
+            t.join()
+            assert seen["before"][0] == seen["before"][1], f"another thread: {seen['before']}"
+            assert seen["used"] == (n, n, n), f"another thread after use_threads: {seen['used']}"
+    finally:
+        cpu.set_threads(before)
