@@ -1,12 +1,11 @@
 """Before/after of the token path's latest change in one process: `Model.step` without it (before)
 and with it (after), rounds interleaved, same token ids, wall-clock and CPU time per token, and the
-per-stage table of each. The change compared: a token's host passes on the CPU (a Gated DeltaNet
-layer's conv, gates, q/k norms and gated output norm, kernels/delta.py; a hyper-connection's gates
-between its products, hyper.lowrank_gates; the routing's selection and groups of one row,
-moe._top_one). Before: the CPU backend owning none of the hooks those passes replace (every hook
-one by one, as the device step still takes them), the routing through route_topk_reference and
-Groups(one_row=False). (The grouped norm's mean, moved into its kernel in the same change, is the
-new code in both.) Earlier comparisons: the grouped calls' kept plans, the router in the shared
+per-stage table of each. The change compared: a call site's products planned at its first token
+(cpu.TokenProducts, kept by the backend: the matrices checked once, each token only its
+activations and outs) and numba's thread count read through its C getter (cpu._numba_threads).
+Before: no plans (every product through cpu.matvec / matvec_many and their checks at every
+call), numba's public getter. Earlier comparisons: a token's host passes on the CPU,
+`git show 65516bc:benchmarks/decode_ab.py`; the grouped calls' kept plans, the router in the shared
 expert's region, `git show e876792:benchmarks/decode_ab.py`; one region per input whatever form
 each reads, `git show 9567b85:benchmarks/decode_ab.py`; the one-token Q4_K/Q6_K kernels and the
 first one-region products, `git show 6c4cd39:benchmarks/decode_ab.py`; rowdot.py's first types and
@@ -36,19 +35,19 @@ F32 = np.float32
 
 @contextlib.contextmanager
 def before():
-    """The token path as it was: every hook one by one, the routing and its groups through numpy."""
-    from strata.engine import moe
-    from strata.engine.backend import CpuBackend
+    """The token path as it was: every product checked at every call, numba's public thread getter."""
+    import numba
 
-    saved = (CpuBackend.owns, CpuBackend.route, moe.Groups)
-    groups = moe.Groups
-    CpuBackend.owns = lambda self, *hooks: False
-    CpuBackend.route = staticmethod(moe.route_topk_reference)
-    moe.Groups = lambda top: groups(top, one_row=False)
+    from strata.engine.backend import CpuBackend
+    from strata.engine.kernels import cpu
+
+    saved = (CpuBackend._products, cpu._numba_threads)
+    CpuBackend._products = lambda self, ws: None
+    cpu._numba_threads = numba.get_num_threads
     try:
         yield
     finally:
-        CpuBackend.owns, CpuBackend.route, moe.Groups = saved[0], staticmethod(moe.route_topk), saved[2]
+        CpuBackend._products, cpu._numba_threads = saved
 
 
 def main(argv: list[str] | None = None) -> int:
