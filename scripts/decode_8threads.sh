@@ -11,7 +11,11 @@
 # The device reaches no network: fetch llama.cpp's source here first and carry .peer (and .whl) to it:
 #     bash ../shared/peer/fetch_llama_cpp.sh .peer/llama.cpp
 #     (device) bash scripts/decode_8threads.sh
+# Everything it prints also goes to $OUT/decode_8threads.log when OUT is set (the device's folder
+# that comes back): a call that runs past its limit returns only what is under $OUT, and a run piped
+# through `tail` prints nothing before it ends (session 25 lost a call's ~600 s that way).
 cd "$(dirname "$0")/.."
+if [ -n "$OUT" ]; then exec > >(tee "$OUT/decode_8threads.log") 2>&1; fi
 THREADS=${THREADS:-1,2,8}
 ARCHS=${ARCHS:-qwen4exp qwen35moe}
 PROMPT_THREADS=${PROMPT_THREADS:-8}
@@ -25,6 +29,7 @@ if ls .whl/*.whl >/dev/null 2>&1; then python3 -m pip install -q --no-index --no
 python3 scripts/_dev_path.py /tmp/boot >/dev/null
 export PYTHONPATH=/tmp/boot:/tmp/site
 lscpu | grep -E "Model name|^CPU\(s\)"
+echo "SIMD: $(grep -o -w -E 'avx2|f16c|avx512f|avx512bw|avx512_vnni|avx_vnni|amx_tile|amx_int8' /proc/cpuinfo | sort -u | tr '\n' ' ')"
 t0=$SECONDS
 # the models made and the kernels compiled (into numba's disk cache) beside the build: nothing timed
 prep=()
