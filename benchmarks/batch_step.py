@@ -112,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     cpu.set_threads(a.threads)
     model = Model(Pack.open(a.pack))
     g = model.geometry
-    print(f"read every expert byte once: {pretouch(model):.1f} s", file=sys.stderr)
+    print(f"read every expert byte, the PLE table and the embeddings once: {pretouch(model):.1f} s", file=sys.stderr)
     timers = instrument(model)
     distinct: list[int] = []
     for moe in model.moes:  # count the distinct experts each layer's step reads
