@@ -71,6 +71,11 @@ def _row(act):
     return act[0]
 
 
+def _one_row(x) -> bool:
+    """Whether x is an Input of one row: the token path's products, which go through kept plans."""
+    return type(x) is Input and x.x.ndim == 2 and x.x.shape[0] == 1
+
+
 _OWNS: dict[tuple, bool] = {}  # (backend class, hooks) -> CpuBackend.owns
 _UNPLANNED = object()
 PLANS_MAX = 4096  # a backend's kept plans (cpu.TokenProducts): a few per layer of the largest models
@@ -111,7 +116,7 @@ class CpuBackend:
         row the same bits (tests/engine/test_kernels_cpu.py), so the choice changes speed, not numbers."""
         if isinstance(x, np.ndarray):
             x = Input(x)  # Input.form is the one place activations are quantized (engine/weights.py)
-        if out is not None and type(x) is Input and x.x.ndim == 2 and x.x.shape[0] == 1:  # the token path
+        if out is not None and _one_row(x):  # the token path
             plan = self._products((w,))
             if plan is not None:
                 self._launch(plan, x, (out,))
@@ -134,8 +139,7 @@ class CpuBackend:
         goes one by one."""
         if isinstance(x, np.ndarray):
             x = Input(x)
-        if type(x) is Input and x.x.ndim == 2 and x.x.shape[0] == 1 and all(o is not None for o in outs) \
-                and all(w.device is None for w in ws):  # the token path
+        if _one_row(x) and all(o is not None for o in outs) and all(w.device is None for w in ws):  # the token path
             plan = self._products(ws)
             if plan is not None:
                 self._launch(plan, x, outs)

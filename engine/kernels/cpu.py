@@ -937,7 +937,7 @@ def matvec_many(products, act) -> list[np.ndarray]:
     the wide form, its gate the 8-bit one, its BF16 alpha and beta the f32 values). Where every
     W_i has a one-token kernel (rowdot.NAMES; for the wide form rowdot.TYPES; F32/F16/BF16: the
     float row) the rows of all of them are one parallel region (a decode
-    step's products on one input: rowdot.matvec_many says why); otherwise one matvec each. Either
+    step's products on one input: rowdot.many_kernel); otherwise one matvec each. Either
     way each out is bit for bit `matvec` of its matrix."""
     acts = list(act) if isinstance(act, (list, tuple)) else [act] * len(products)
     if len(acts) != len(products):
@@ -960,34 +960,25 @@ def matvec_many(products, act) -> list[np.ndarray]:
     narrow = [a for a, w, f in zip(acts, wides, floats) if not w and not f]
     wide = [a for a, w in zip(acts, wides) if w]
     values = [a for a, f in zip(acts, floats) if f]
-    fused = (len(names) > 1 and rowdot.AVAILABLE and len({p[2] for p in products}) == 1
-             and all(f or n in (rowdot.TYPES if w else rowdot.NAMES) for n, w, f in zip(names, wides, floats))
-             and all(isinstance(a, ActQ) and a is narrow[0] and a.d.size == a.q.size // QA for a in narrow)
-             and all(a is wide[0] and a.one for a in wide)
-             and all(isinstance(a, np.ndarray) and a is values[0] and a.dtype == F32 and a.ndim == 1 for a in values))  # fmt: skip
-    if not fused:
+    # one region where the forms are one input's (one ActQ, one ActQ16, one f32 vector) and
+    # TokenProducts takes the matrices (each type with a one-token kernel for its form)
+    plan = None
+    if len(names) > 1 and all(isinstance(a, ActQ) and a is narrow[0] and a.d.size == a.q.size // QA for a in narrow) \
+            and all(a is wide[0] and a.one for a in wide) \
+            and all(isinstance(a, np.ndarray) and a is values[0] and a.dtype == F32 and a.ndim == 1 for a in values):
+        kinds = ["w" if w else "f" if f else "q" for w, f in zip(wides, floats)]
+        plan = TokenProducts.make([p[:4] for p in products], kinds)
+    if plan is None:
         if len(names) == 2 and names[0] == names[1] and products[0][2] == products[1][2] and acts[0] is acts[1] \
                 and not isinstance(acts[0], ActQ16) and not (rowdot.AVAILABLE and names[0] in rowdot.NAMES):
             return _matvec_pair(names[0], raws, products[0][2], outs, acts[0], work)
         return [matvec(raw, type_id, n_in, n_out, a, out) for (raw, type_id, n_in, n_out, out), a in zip(products, acts)]
     n_in = products[0][2]
-    q = d = s16 = None
     if narrow:
-        q, d, s16 = (v.reshape(-1) for v in _planes(narrow[0], n_in, True, "matvec_many"))
-    planes = None
-    if wide:
-        p = wide[0].planes
-        planes = (p.q.reshape(-1), p.d.reshape(-1), p.s16.reshape(-1))
-        work += n_in * sum(o.size for o, w in zip(outs, wides) if w)  # two planes: twice the dots
-    fx = None
+        _planes(narrow[0], n_in, True, "matvec_many")  # (its checks of the 8-bit form's planes)
     if values:
-        fx = _floats(values[0], n_in, True, ggml_type(names[floats.index(True)]), "matvec_many").reshape(-1)
-        for i, f in enumerate(floats):  # a float matrix: its values and, in row_bytes' place, its table
-            if f:
-                raws[i] = raws[i].view(F32) if names[i] == "F32" else raws[i].view(np.uint16)
-                row_bytes[i] = BF16_TO_F32 if names[i] == "BF16" else F16_TO_F32
-    parallel, chunks = _launch(sum(o.size for o in outs), work)
-    rowdot.matvec_many(tuple(names), raws, row_bytes, q, d, s16, outs, parallel, chunks, tuple(wides), planes, fx)
+        _floats(values[0], n_in, True, ggml_type(names[floats.index(True)]), "matvec_many")
+    plan(narrow[0] if narrow else None, wide[0] if wide else None, values[0] if values else None, outs)
     return outs
 
 

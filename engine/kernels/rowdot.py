@@ -1272,31 +1272,16 @@ _MANY: dict[tuple[tuple[str, ...], tuple[bool, ...], bool], object] = {}
 _NONE8 = (np.zeros(0, np.int8), np.zeros(0, F32), np.zeros(0, np.int32))  # a form no matrix of the call reads
 
 
-def matvec_many(names: tuple[str, ...], raws, row_bytes, xq: np.ndarray, xd: np.ndarray, s16: np.ndarray, outs,
-                parallel: bool, n_chunks: int, wides: tuple[bool, ...] | None = None, wide=None, fx=None) -> None:  # fmt: skip
-    """outs[i] = the `names[i]` (NAMES) matrix raws[i] (row_bytes[i] per row) . one token's ActQ
-    planes with a scale per 32 elements, every row of every matrix in one range split into n_chunks
-    on the pool if `parallel`: bit for bit `matvec` of each. `wides[i]`: matrix i reads the wide
-    form instead (actq.ActQ16, as `matvec`'s `wide`), whose planes `wide` = (xq [2 n_in], xd, s16)
-    are; a GDN layer's qkv reads it and its gate the 8-bit form, both from one input. A FLOATS
-    matrix reads the f32 values fx [n_in]: raws[i] its values (f32, or f16/bf16 bits as uint16)
-    and row_bytes[i] the table its bits go through (a GDN layer's BF16 alpha and beta, QSA's
-    indexer q/k). xq, xd, s16 may be None when no matrix reads the 8-bit form. The caller
-    (cpu.matvec_many) has validated the shapes."""
-    wides = tuple(bool(w) for w in (wides or (False,) * len(names)))
-    if xq is None:
-        xq, xd, s16 = _NONE8
-    elif xd.size != xq.size // QA:
-        raise ValueError(f"rowdot.matvec_many: activations with a scale per 32 elements only, got {xd.size} scales for {xq.size}")
-    args = []
-    for raw, rb, out in zip(raws, row_bytes, outs):
-        args += [raw, rb, out]
-    many_kernel(tuple(names), wides, parallel)(*args, xq, xd, s16, *(wide if wide is not None else _NONE8),
-                                               _NONE8[1] if fx is None else fx, n_chunks)  # fmt: skip
-
-
 def many_kernel(names: tuple[str, ...], wides: tuple[bool, ...], parallel: bool):
-    """`matvec_many`'s kernel of these matrices' types and forms (cpu.TokenProducts keeps it)."""
+    """The kernel of several products of one token, every row of every matrix in one range split
+    into n_chunks on the pool if `parallel`, each out bit for bit `matvec` of its matrix (the
+    caller, cpu.TokenProducts, has validated everything). Its arguments: per matrix i, raw_i,
+    rb_i, out_i, then xq, xd, s16 (the 8-bit ActQ planes, a scale per 32 elements), wq, wd, ws (the
+    wide form's planes, as `matvec`'s `wide`), fx (f32 values [n_in]), n_chunks; a form no matrix
+    reads is given as _NONE8. names[i] a NAMES type, or with wides[i] a TYPES type reading the wide
+    form (a GDN layer's qkv beside its 8-bit gate), or a FLOATS type reading fx: raw_i its values
+    (f32, or f16/bf16 bits as uint16) and rb_i the table its bits go through (a GDN layer's BF16
+    alpha and beta, QSA's indexer q/k)."""
     key = (names, wides, parallel)
     kernel = _MANY.get(key)
     if kernel is None:

@@ -538,7 +538,7 @@ print(sum(k.stats.cache_hits.values()), sum(k.stats.cache_misses.values()))
 
 
 def test_the_one_region_kernel_loads_from_the_disk_cache_in_a_new_process(tmp_path):
-    # rowdot.matvec_many's kernels are made from source text per type tuple: their cached
+    # rowdot.many_kernel's kernels are made from source text per type tuple: their cached
     # environment names their module, or the second process failed loading it (a traceback at the
     # first decode step of every start after the first)
     _need_rowdot()
