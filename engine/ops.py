@@ -408,13 +408,15 @@ def delta_rule(S: np.ndarray, q: np.ndarray, k: np.ndarray, v: np.ndarray, g: np
 
 
 GDN_CHUNK = 64  # transformers' chunk_size for chunk_gated_delta_rule
-# At most this many Python threads take the chunked delta rule's heads. Its forward substitution
-# is ~2 small numpy calls per token per job, each holding the GIL for its few microseconds of
-# overhead: every extra job adds its own calls to that serial queue while its share of the
-# GIL-free arithmetic shrinks. On the H200's host (16 cores), a 512-token seed-4l prompt's three
-# GDN layers spent 581 / 294 / 229 / 388 ms in the rule at 1 / 2 / 4 / 8 jobs (2026-12-04,
-# docs/performance.md). The bits do not depend on the split (each head takes the same calls).
-DELTA_JOBS = max(1, int(os.environ.get("STRATA_DELTA_JOBS", "4")))
+# At most this many Python threads take the chunked delta rule's heads. While its forward
+# substitution was ~2 small numpy calls per token per job, each holding the GIL for its dispatch,
+# more jobs only queued more such calls: on the H200's host (16 cores) a 512-token seed-4l prompt's
+# three GDN layers spent 581 / 294 / 229 / 388 ms in the rule at 1 / 2 / 4 / 8 jobs, so the cap was 4.
+# The substitution is now one GIL-free kernel call per sub-chunk (kernels/delta.substitute), and one
+# layer's rule at 8 threads took 57.6 ms with 4 jobs, 44.5 ms with 8 (benchmarks/delta_rule.py,
+# 2026-12-04, docs/performance.md); 16 was not measured. The bits do not depend on the split (each
+# head takes the same calls).
+DELTA_JOBS = max(1, int(os.environ.get("STRATA_DELTA_JOBS", "8")))
 
 
 def single_blas_thread() -> None:
@@ -484,7 +486,7 @@ def _delta_heads(St, Q, K, V, B, G, out) -> None:
     nv, T, dk = Q.shape
     dv = V.shape[-1]
     X = np.empty((nv, GDN_CHUNK, dv + dk), F32)  # [u | w], solved in place
-    row = np.empty((nv, 1, dv + dk), F32)
+    row = np.empty(dv + dk, F32)
     for a in range(0, T, GDN_CHUNK):
         b = min(a + GDN_CHUNK, T)
         n = b - a
@@ -499,9 +501,7 @@ def _delta_heads(St, Q, K, V, B, G, out) -> None:
         Xn = X[:, :n]
         np.multiply(V[:, a:b], B_, out=Xn[..., :dv])
         np.multiply(kb, ec, out=Xn[..., dv:])
-        for i in range(1, n):
-            r = np.matmul(L[:, i : i + 1, :i], Xn[:, :i], out=row)
-            np.subtract(Xn[:, i], r[:, 0], out=Xn[:, i])
+        delta.substitute(L, Xn, row)  # GIL-free: the heads' threads run it side by side
         v_new = Xn[..., dv:] @ St
         np.subtract(Xn[..., :dv], v_new, out=v_new)
         o = out[:, a:b]

@@ -180,6 +180,31 @@ def test_delta_rule_and_attention_give_the_same_bits_on_any_thread_count(rng, th
     assert np.abs(S - runs[0][1]).max() < 1e-4 * np.abs(S).max()
 
 
+@pytest.mark.parametrize("n", [64, 37, 1], ids=["whole-chunk", "partial-chunk", "one-row"])
+def test_chunk_substitution_sums_in_its_stated_order_and_solves_the_system(rng, n):
+    # kernels/delta.substitute: X[i] -= (L[i,0] X[0] + ... + L[i,i-1] X[i-1]), i ascending, per head.
+    # Against that order written as numpy f32 steps (a mul, then an add: no FMA), to the bit, on a
+    # strided view of a larger buffer as chunk_delta_rule passes it; and against float64's solve of
+    # (I + strictly_lower(L)) X = B, so the stated order is also the right system.
+    from strata.engine.kernels import delta
+
+    h, w = 3, 24
+    L = (rng.standard_normal((h, n, n)) * 0.05).astype(F32)  # the upper part and diagonal hold noise the kernel must not read
+    buf = values(rng, (h, 64, w))
+    B = buf[:, :n].copy()
+    delta.substitute(L, buf[:, :n], np.empty(w, F32))
+    want = B.copy()
+    for i in range(1, n):
+        r = L[:, i, 0, None] * want[:, 0]
+        for j in range(1, i):
+            r = r + L[:, i, j, None] * want[:, j]
+        want[:, i] = want[:, i] - r
+    assert same_bits(buf[:, :n], want)
+    M = np.tril(L.astype(np.float64), -1) + np.eye(n)
+    exact = np.linalg.solve(M, B.astype(np.float64))
+    assert np.abs(buf[:, :n] - exact).max() < 1e-5 * np.abs(exact).max()
+
+
 @pytest.mark.parametrize("dv", [16, 13], ids=["groups-of-8", "with-a-tail"])
 def test_token_delta_rule_eight_rows_at_a_time_is_the_one_row_form(rng, dv):
     # kernels/delta.py runs eight value rows' add chains side by side; ops._delta_rule, one row
