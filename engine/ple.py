@@ -199,12 +199,15 @@ class PLELayer:
 
     def _gated(self, be, streams: np.ndarray, e: np.ndarray) -> np.ndarray:
         """streams [T, HE], e [T, Pe] -> G [T, HE]."""
-        T, hc, E = streams.shape[0], self.hc, self.E
-        K = be.rmsnorm(be.linear(self.key, e), self.norm_key, self.eps, group=E, f32_sums=True).reshape(T, hc, E)
+        T, hc, E, sc = streams.shape[0], self.hc, self.E, be.scratch
+        # the products into the step's buffers: a token's product without an out went the unplanned way
+        K = be.rmsnorm(be.linear(self.key, e, sc("ple.k", (T, hc * E))), self.norm_key, self.eps, group=E, f32_sums=True)
+        K = K.reshape(T, hc, E)
         Q = be.rmsnorm(streams, self.norm_query, self.eps, group=E, f32_sums=True).reshape(T, hc, E)
         g = (K * Q).sum(axis=-1, dtype=F32) / F32(math.sqrt(E))
         g = np.sign(g) * np.sqrt(np.maximum(np.abs(g), F32(1e-6)))
-        return (be.sigmoid(g, exp_form=True)[:, :, None] * be.linear(self.value, e)[:, None, :]).reshape(T, hc * E)
+        V = be.linear(self.value, e, sc("ple.v", (T, E)))
+        return (be.sigmoid(g, exp_form=True)[:, :, None] * V[:, None, :]).reshape(T, hc * E)
 
     def step_rows(self, token: int, state: PLEState) -> np.ndarray:
         """The device token step's rows, made before the step from its input token: e f32 [1, Pe], the

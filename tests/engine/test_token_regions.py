@@ -136,6 +136,26 @@ def test_a_token_s_router_shares_the_shared_expert_s_region(tiny_qwen4exp):
     assert np.array_equal(got[0].view(np.uint32), want.view(np.uint32)), "the MoE output differs from the products one by one"
 
 
+def test_every_dense_product_of_a_token_goes_through_its_call_site_s_plan(tiny_qwen4exp, monkeypatch):
+    # A product called without an out buffer took the unplanned way (cpu.matvec / matvec_many,
+    # every argument checked at every call): QSA's five products and its out projection and PLE's
+    # key and value did, ~0.5 ms of the `tiny` token's 4.9 (2026-12-04). After the first tokens, a
+    # token's dense products are all planned; only the routed experts' grouped calls stay as they are.
+    _need_rowdot()
+    m = tiny_qwen4exp
+    assert m.ple and any(hasattr(mx, "qsa") for mx in m.mixers), "the tiny qwen4exp lost its PLE or QSA layers: nothing to test"
+    s = m.new_session(16)
+    for t in (1, 2, 3):
+        m.step(s, t)
+    calls = []
+    for name in ("matvec", "matvec_many", "matmul"):
+        f = getattr(cpu, name)
+        monkeypatch.setattr(cpu, name, lambda *a, _f=f, _n=name, **k: (calls.append(_n), _f(*a, **k))[1])
+    for t in (4, 5):
+        m.step(s, t)
+    assert calls == [], f"a token's dense products that skipped their plan: {calls}"
+
+
 @pytest.mark.parametrize("block", list(BLOCKS) + ["one product (Q8_0)", "one product (Q5_0, wide)", "one product (Q6_K)"])
 def test_a_call_site_s_kept_plan_gives_the_products_bits_at_every_token(block):
     # the token path's products of one row go through a plan made at the call site's first token
