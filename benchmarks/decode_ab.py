@@ -1,14 +1,15 @@
 """Before/after of the token path's latest change in one process: `Model.step` without it (before)
 and with it (after), rounds interleaved, same token ids, wall-clock and CPU time per token, and the
-per-stage table of each. The change compared: a call site's products planned at its first token
-(cpu.TokenProducts, kept by the backend: the matrices checked once, each token only its
-activations and outs) and numba's thread count read through its C getter (cpu._numba_threads).
-Before: no plans (every product through cpu.matvec / matvec_many and their checks at every
-call), numba's public getter. Earlier comparisons: a token's host passes on the CPU,
-`git show 65516bc:benchmarks/decode_ab.py`; the grouped calls' kept plans, the router in the shared
-expert's region, `git show e876792:benchmarks/decode_ab.py`; one region per input whatever form
-each reads, `git show 9567b85:benchmarks/decode_ab.py`; the one-token Q4_K/Q6_K kernels and the
-first one-region products, `git show 6c4cd39:benchmarks/decode_ab.py`; rowdot.py's first types and
+per-stage table of each. The change compared: QSA's six products and PLE's two into the step's
+buffers, so that their call sites are planned (cpu.TokenProducts) like every other block's. Before:
+those products called without outs (the unplanned way: cpu.matvec / matvec_many, every argument
+checked at every call), exactly as QSALayer.forward and PLELayer._gated called them. Earlier
+comparisons: a call site's products planned once and numba's C thread getter, `git show
+a755775:benchmarks/decode_ab.py`; a token's host passes on the CPU, `git show
+65516bc:benchmarks/decode_ab.py`; the grouped calls' kept plans, the router in the shared expert's
+region, `git show e876792:benchmarks/decode_ab.py`; one region per input whatever form each reads,
+`git show 9567b85:benchmarks/decode_ab.py`; the one-token Q4_K/Q6_K kernels and the first
+one-region products, `git show 6c4cd39:benchmarks/decode_ab.py`; rowdot.py's first types and
 delta.py, `git show 2f692b5:benchmarks/decode_ab.py`.
 
     python benchmarks/decode_ab.py [--arch qwen4exp|qwen35moe] [--threads 1] [--rounds 5] [--tokens 32] [--preset seed-4l]
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import re
 import sys
 import time
 
@@ -33,21 +35,31 @@ import decode as D
 F32 = np.float32
 
 
+# the weights whose token products were called without outs before the change (QSA's, PLE's)
+UNPLANNED = re.compile(r"\.(attn_q|attn_k|attn_v|attn_output|indexer\.[qk]_proj|ple_key|ple_value)\.weight$")
+
+
 @contextlib.contextmanager
 def before():
-    """The token path as it was: every product checked at every call, numba's public thread getter."""
-    import numba
-
+    """The token path as it was: QSA's and PLE's products called without outs (each caller uses the
+    returned array, so dropping the out is exactly the old call)."""
     from strata.engine.backend import CpuBackend
-    from strata.engine.kernels import cpu
 
-    saved = (CpuBackend._products, cpu._numba_threads)
-    CpuBackend._products = lambda self, ws: None
-    cpu._numba_threads = numba.get_num_threads
+    linear, linears = CpuBackend.linear, CpuBackend.linears
+
+    def old_linear(self, w, x, out=None):
+        return linear(self, w, x, None if UNPLANNED.search(w.name) else out)
+
+    def old_linears(self, ws, x, outs):
+        if any(UNPLANNED.search(w.name) for w in ws):
+            outs = (None,) * len(ws)
+        return linears(self, ws, x, outs)
+
+    CpuBackend.linear, CpuBackend.linears = old_linear, old_linears
     try:
         yield
     finally:
-        CpuBackend._products, cpu._numba_threads = saved
+        CpuBackend.linear, CpuBackend.linears = linear, linears
 
 
 def main(argv: list[str] | None = None) -> int:
