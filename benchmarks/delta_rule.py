@@ -78,6 +78,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=5)
     a = ap.parse_args(argv)
     ops.single_blas_thread()
+    from decode import machine  # (benchmarks/ is on the path when this runs as a script)
+
+    print(f"{machine()}; {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; {a.rounds} rounds, before and after alternating")
     print("| tokens | threads | jobs | before ms (median / best) | after ms (median / best) | speed-up (medians) | diff |")
     print("|---|---|---|---|---|---|---|")
     for T in (int(x) for x in a.lengths.split(",")):
