@@ -942,7 +942,7 @@ def matvec_many(products, act) -> list[np.ndarray]:
     acts = list(act) if isinstance(act, (list, tuple)) else [act] * len(products)
     if len(acts) != len(products):
         raise ValueError(f"matvec_many: {len(acts)} activation forms for {len(products)} products")
-    names, raws, row_bytes, outs, work = [], [], [], [], 0
+    names, raws, outs, work = [], [], [], 0
     for (raw, type_id, n_in, n_out, out), a in zip(products, acts):
         t = ggml_type(type_id, where="matvec_many")
         where = f"matvec_many({t.name})"
@@ -952,7 +952,6 @@ def matvec_many(products, act) -> list[np.ndarray]:
         if not (isinstance(out, np.ndarray) and out.shape == (n_out,) and out.dtype == F32 and out.flags.c_contiguous):
             raise ValueError(f"{where}: out must be contiguous f32 [{n_out}], got {_describe(out)}")
         names.append(t.name)
-        row_bytes.append(t.row_bytes(n_in))
         outs.append(out)
         work += n_in * n_out
     wides = [isinstance(a, ActQ16) for a in acts]
