@@ -1,16 +1,17 @@
 """Before/after of the token path's latest change in one process: `Model.step` without it (before)
 and with it (after), rounds interleaved, same token ids, wall-clock and CPU time per token, and the
-per-stage table of each. The change compared: QSA's six products and PLE's two into the step's
-buffers, so that their call sites are planned (cpu.TokenProducts) like every other block's. Before:
-those products called without outs (the unplanned way: cpu.matvec / matvec_many, every argument
-checked at every call), exactly as QSALayer.forward and PLELayer._gated called them. Earlier
-comparisons: a call site's products planned once and numba's C thread getter, `git show
-a755775:benchmarks/decode_ab.py`; a token's host passes on the CPU, `git show
-65516bc:benchmarks/decode_ab.py`; the grouped calls' kept plans, the router in the shared expert's
-region, `git show e876792:benchmarks/decode_ab.py`; one region per input whatever form each reads,
-`git show 9567b85:benchmarks/decode_ab.py`; the one-token Q4_K/Q6_K kernels and the first
-one-region products, `git show 6c4cd39:benchmarks/decode_ab.py`; rowdot.py's first types and
-delta.py, `git show 2f692b5:benchmarks/decode_ab.py`.
+per-stage table of each. The change compared: a token's products of one input (cpu.TokenProducts,
+rowdot.many_kernel) take their row chunks from a shared queue where prange's static split gave each
+thread the same count of rows, and the GDN token's conv taps loop over the channels innermost
+(kernels/delta.token_prep). Before: both kernels as they were, built here from their old source
+without the disk cache (the queue's kernels have the same cache tags). Earlier comparisons: QSA's
+and PLE's products planned, `git show 8ef7370:benchmarks/decode_ab.py`; a call site's products
+planned once and numba's C thread getter, `git show a755775:benchmarks/decode_ab.py`; a token's
+host passes on the CPU, `git show 65516bc:benchmarks/decode_ab.py`; the grouped calls' kept plans,
+the router in the shared expert's region, `git show e876792:benchmarks/decode_ab.py`; one region
+per input whatever form each reads, `git show 9567b85:benchmarks/decode_ab.py`; the one-token
+Q4_K/Q6_K kernels and the first one-region products, `git show 6c4cd39:benchmarks/decode_ab.py`;
+rowdot.py's first types and delta.py, `git show 2f692b5:benchmarks/decode_ab.py`.
 
     python benchmarks/decode_ab.py [--arch qwen4exp|qwen35moe] [--threads 1] [--rounds 5] [--tokens 32] [--preset seed-4l]
 
@@ -24,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import re
 import sys
 import time
 
@@ -35,31 +35,90 @@ import decode as D
 F32 = np.float32
 
 
-# the weights whose token products were called without outs before the change (QSA's, PLE's)
-UNPLANNED = re.compile(r"\.(attn_q|attn_k|attn_v|attn_output|indexer\.[qk]_proj|ple_key|ple_value)\.weight$")
+# rowdot's many-products kernel as it was: each prange iteration one chunk of rows (the static split)
+OLD_MANY_SRC = """
+def kernel({params}xq, xd, s16, wq, wd, ws, fx, n_chunks):
+{prologue}
+    {sizes}
+    total = {total}
+    for c in prange(n_chunks):
+{chunk_init}
+        for o in range(c * total // n_chunks, (c + 1) * total // n_chunks):
+            if True:
+{body}
+"""
+
+
+def _old_token_prep():
+    from numba import njit
+
+    from strata.engine.kernels.jit import JIT
+
+    @njit(**JIT)
+    def token_prep(state, w, x, c, th, beta, bt, alpha, dt_bias, ad, z, zt):
+        # delta.token_prep as it was: a channel's taps innermost
+        K, C = w.shape
+        for i in range(C):
+            acc = w[0, i] * state[0, i]
+            for j in range(1, K - 1):
+                acc += w[j, i] * state[j, i]
+            acc += w[K - 1, i] * x[i]
+            for j in range(K - 2):
+                state[j, i] = state[j + 1, i]
+            state[K - 2, i] = x[i]
+            c[i] = acc
+            th[i] = acc * F32(0.5)
+        for h in range(beta.size):
+            bt[h] = beta[h] * F32(0.5)
+            ad[h] = alpha[h] + dt_bias[h]
+        for i in range(z.size):
+            zt[i] = z[i] * F32(0.5)
+
+    return token_prep
+
+
+_OLD = {}
+
+
+def _old_many(kernel):
+    """The static-split kernel of the products `kernel` (a rowdot.many_kernel) makes, built once."""
+    from strata.engine.kernels import rowdot
+
+    if kernel not in _OLD:
+        key = next(k for k, v in rowdot._MANY.items() if v is kernel)
+        src, cached = rowdot._MANY_SRC, rowdot.cached
+        rowdot._MANY_SRC, rowdot.cached = OLD_MANY_SRC, lambda d, tag, also=(): d  # no disk cache: same tags
+        try:
+            _OLD[kernel] = rowdot._many_kernel(*key)
+        finally:
+            rowdot._MANY_SRC, rowdot.cached = src, cached
+    return _OLD[kernel]
 
 
 @contextlib.contextmanager
 def before():
-    """The token path as it was: QSA's and PLE's products called without outs (each caller uses the
-    returned array, so dropping the out is exactly the old call)."""
-    from strata.engine.backend import CpuBackend
+    """The token path as it was: the static split of a token's products, the taps innermost."""
+    from strata.engine.kernels import cpu, delta
 
-    linear, linears = CpuBackend.linear, CpuBackend.linears
+    if "prep" not in _OLD:
+        _OLD["prep"] = _old_token_prep()
+    call, prep = cpu.TokenProducts.__call__, delta.token_prep
 
-    def old_linear(self, w, x, out=None):
-        return linear(self, w, x, None if UNPLANNED.search(w.name) else out)
+    def old_call(self, *a):
+        if self.one:
+            return call(self, *a)
+        k = self.kernel
+        self.kernel = _old_many(k)
+        try:
+            return call(self, *a)
+        finally:
+            self.kernel = k
 
-    def old_linears(self, ws, x, outs):
-        if any(UNPLANNED.search(w.name) for w in ws):
-            outs = (None,) * len(ws)
-        return linears(self, ws, x, outs)
-
-    CpuBackend.linear, CpuBackend.linears = old_linear, old_linears
+    cpu.TokenProducts.__call__, delta.token_prep = old_call, _OLD["prep"]
     try:
         yield
     finally:
-        CpuBackend.linear, CpuBackend.linears = linear, linears
+        cpu.TokenProducts.__call__, delta.token_prep = call, prep
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1166,10 +1166,19 @@ def kernel({params}xq, xd, s16, wq, wd, ws, fx, n_chunks):
 {prologue}
     {sizes}
     total = {total}
-    for c in prange(n_chunks):
+    # the chunks from a shared queue: the first iteration a thread runs takes chunks until none is
+    # left, the others find it empty. prange's static split gave each thread the same count of
+    # rows, whatever they cost: a layer's router (BF16 rows of 5 KB) beside its shared expert's
+    # Q8_0 rows of 2.7 KB left the threads with the router's rows late and the rest waiting (that
+    # region scaled 1.36x from 1 to 2 threads and 3x from 1 to 8, seed-4l, 2026-12-04)
+    queue = np.zeros(1, np.int64)
+    for _ in prange(n_chunks):
 {chunk_init}
-        for o in range(c * total // n_chunks, (c + 1) * total // n_chunks):
+        c = fetch_add(queue, 0, 1)
+        while c < n_chunks:
+            for o in range(c * total // n_chunks, (c + 1) * total // n_chunks):
 {body}
+            c = fetch_add(queue, 0, 1)
 """
 
 # the 32-element kernels' padded scales and block sums, as _kernel's (8-bit) and _kernel16's (wide)
@@ -1246,14 +1255,14 @@ def _many_kernel(names: tuple[str, ...], wides: tuple[bool, ...], parallel: bool
             call = f"R{i}(raw{i}, {at}, nb, xq, xd0, xd1, xs)"
         test = "if" if i == 0 else "elif"
         end = f"{start} + n{i}" if i else "n0"
-        body.append(f"            {test} o < {end}:\n                out{i}[o - ({start})] = {call}" if i < len(names) - 1 else
-                    f"            else:\n                out{i}[o - ({start})] = {call}")  # fmt: skip
+        body.append(f"                {test} o < {end}:\n                    out{i}[o - ({start})] = {call}" if i < len(names) - 1 else
+                    f"                else:\n                    out{i}[o - ({start})] = {call}")  # fmt: skip
         start = end
     chunk_init = "        acc = np.empty(32, F32)  # a float row's lanes" if any(n in FLOATS for n in names) else ""
     src = _MANY_SRC.format(params=params, prologue=prologue, sizes=sizes, total=start, body="\n".join(body), chunk_init=chunk_init)
     # __name__: numba's disk cache rebuilds a kernel's environment by importing its module by name
     # (None, the default of exec's globals, failed in every process after the first)
-    env = {"__name__": __name__, "np": np, "F32": F32, "QA": QA, "prange": prange}
+    env = {"__name__": __name__, "np": np, "F32": F32, "QA": QA, "prange": prange, "fetch_add": simd.fetch_add}
     for i, (name, wide) in enumerate(zip(names, wides)):
         if wide:
             env[f"W{i}"] = ROW16[name]
