@@ -344,6 +344,21 @@ def start_tier(model, device: str, *, max_context: int, kv: str, chunk: int, exp
     return tier
 
 
+@contextlib.contextmanager
+def stopping(tier):
+    """A command's GPU tier (or None), stopped when the command ends, however it ends: that
+    unregisters the GGUF pages its layer stream page-locked (cudaHostRegister). Left registered
+    after the pack's mapping is gone, a later mapping at the same addresses is "registered" to the
+    driver: a second command in one process (the tests; a library user) had a weight's copy at its
+    startup refused (cudaErrorInvalidValue, 2026-12-04), and a copy inside the stale range would
+    read the old pages."""
+    try:
+        yield tier
+    finally:
+        if tier is not None:
+            tier.stop()
+
+
 def prefill_chunk(option: int | None, geometry, max_context: int, device: str) -> int:
     """The chunk --prefill asked for; auto: budget.auto_prefill_chunk from the memory available now,
     starting from the GPU tier's 256-token chunk when --device gives one (its device buffers are
@@ -457,44 +472,45 @@ def _run(pack, prompt, prompt_file, prompt_ids, n, ignore_eos, temp, top_k, top_
                       expert_profile=expert_profile, vram_budget_mib=vram_budget_mib, vram_reserve_mib=vram_reserve_mib,
                       who="strata generate", step=gpu_step, stream_min_tokens=stream_option(stream_min_tokens),
                       spec=spec, stream_layer_tokens=layer_stream_option(stream_layer_tokens), stream_register=pin_gguf)
-    if tier is not None and option is None:  # --prefill auto: the device step takes longer pieces where memory allows
-        piece = tier.prompt_piece(chunk)
-        if piece != chunk:
-            typer.echo(f"strata generate: the prompt in pieces of {piece} tokens (its {chunk}-token buffers take a "
-                       f"piece in runs; the device memory free holds the longer piece's temporaries)", err=True)
-            chunk = piece
-    session = tier.take_session(ctx, kv) if tier is not None else model.new_session(ctx, kv)
-    # --ignore-eos bans the stop tokens (llama.cpp's rule), so exactly n tokens come out
-    sampler = Sampler(p.geometry.n_vocab, params, banned=tok.stop_ids if ignore_eos else ())
-    stream = tok.stream()
-    logits = _LogitsRecorder(len(ids) + n_new, p.geometry.n_vocab) if dump_logits else None
+    with stopping(tier):
+        if tier is not None and option is None:  # --prefill auto: the device step takes longer pieces where memory allows
+            piece = tier.prompt_piece(chunk)
+            if piece != chunk:
+                typer.echo(f"strata generate: the prompt in pieces of {piece} tokens (its {chunk}-token buffers take a "
+                           f"piece in runs; the device memory free holds the longer piece's temporaries)", err=True)
+                chunk = piece
+        session = tier.take_session(ctx, kv) if tier is not None else model.new_session(ctx, kv)
+        # --ignore-eos bans the stop tokens (llama.cpp's rule), so exactly n tokens come out
+        sampler = Sampler(p.geometry.n_vocab, params, banned=tok.stop_ids if ignore_eos else ())
+        stream = tok.stream()
+        logits = _LogitsRecorder(len(ids) + n_new, p.geometry.n_vocab) if dump_logits else None
 
-    def emit(token: int) -> None:
-        p.check_unchanged()
-        if token in tok.stop_ids:
-            return  # a stop token ends the answer; its text (<|im_end|>) is not part of it
-        sys.stdout.write(stream.push(token))
+        def emit(token: int) -> None:
+            p.check_unchanged()
+            if token in tok.stop_ids:
+                return  # a stop token ends the answer; its text (<|im_end|>) is not part of it
+            sys.stdout.write(stream.push(token))
+            sys.stdout.flush()
+
+        with naming_non_finite(p):
+            if spec:
+                from strata.engine.speculative import speculative_generate
+
+                result, spec_stats, plain = speculative_generate(
+                    model, session, ids, sampler, n_new, n_draft=spec, drafter=spec_drafter, min_p=spec_min_p, kv=kv,
+                    measure=stats, stop_ids=tok.stop_ids, on_token=emit, on_logits=logits.record if logits else None,
+                    prefill=chunk, snapshots=tier.snapshots if tier is not None else None)
+            else:
+                result = run_generation(model, session, ids, sampler, n_new, stop_ids=tok.stop_ids, on_token=emit,
+                                        on_logits=logits.record if logits else None, prefill=chunk, ahead=True)
+        sys.stdout.write(stream.flush() + "\n")
         sys.stdout.flush()
-
-    with naming_non_finite(p):
-        if spec:
-            from strata.engine.speculative import speculative_generate
-
-            result, spec_stats, plain = speculative_generate(
-                model, session, ids, sampler, n_new, n_draft=spec, drafter=spec_drafter, min_p=spec_min_p, kv=kv,
-                measure=stats, stop_ids=tok.stop_ids, on_token=emit, on_logits=logits.record if logits else None,
-                prefill=chunk, snapshots=tier.snapshots if tier is not None else None)
-        else:
-            result = run_generation(model, session, ids, sampler, n_new, stop_ids=tok.stop_ids, on_token=emit,
-                                    on_logits=logits.record if logits else None, prefill=chunk, ahead=True)
-    sys.stdout.write(stream.flush() + "\n")
-    sys.stdout.flush()
-    if logits:
-        logits.save(dump_logits, result.positions)
-    if stats:
-        typer.echo(format_stats(p, load_s, result, session, sampler.seed, cpu.get_threads(), device, chunk, tier), err=True)
-        if spec:
-            typer.echo(format_spec_stats(spec_stats, spec, spec_drafter, spec_min_p, result, plain), err=True)
+        if logits:
+            logits.save(dump_logits, result.positions)
+        if stats:
+            typer.echo(format_stats(p, load_s, result, session, sampler.seed, cpu.get_threads(), device, chunk, tier), err=True)
+            if spec:
+                typer.echo(format_spec_stats(spec_stats, spec, spec_drafter, spec_min_p, result, plain), err=True)
 
 
 def format_spec_stats(st, n_draft: int, drafter: str, min_p: float, result, plain) -> str:
@@ -743,23 +759,23 @@ def _perplexity(pack, file, ctx, max_windows, save_logits, kl_base, kv, option, 
                          HEADER_BYTES + wins.size * TOKEN.itemsize + scored * record_dtype(g.n_vocab).itemsize + 4)
     p, model, _ = load_model(pack, native, ple_gguf, pool_workers, who, option)
     chunk = prefill_chunk(option, p.geometry, ctx, tier["device"])
-    start_tier(model, max_context=ctx, kv=kv, chunk=chunk, who=who, **tier)  # the same logits, faster
-    first = P.first_scored(ctx)
-    total = len(wins) * (ctx - 1 - first)
-    typer.echo(f"{who}: {len(ids)} tokens -> {len(wins)} windows of {ctx}, scoring positions {first + 1}..{ctx - 1} "
-               f"of each ({total} tokens); --kv {kv}, {f'chunks of {chunk}' if chunk > 1 else 'token by token'}", err=True)
-    writer = None
-    if save_logits is not None:
-        writer = KLBaseWriter(save_logits, tokens=wins, first=first, n_vocab=p.geometry.n_vocab,
-                              pack_fingerprint=pack_fingerprint(p.dir))
-    # the writer commits on success and removes its temp file on any exception (StreamingFile)
-    with writer if writer is not None else contextlib.nullcontext(), naming_non_finite(p):
-        with tqdm(total=total, unit="tok", desc="perplexity", file=sys.stderr, disable=None) as bar:
-            scores = P.score(model, wins, kv=kv, chunk=chunk, base=base, save=writer.append if writer else None,
-                             progress=lambda k: (p.check_unchanged(), bar.update(k)))
-    if writer is not None:
-        typer.echo(f"{who}: saved the distributions of {total} positions to {save_logits}", err=True)
-    typer.echo(format_perplexity(P.summarize(scores), kl_base))
+    with stopping(start_tier(model, max_context=ctx, kv=kv, chunk=chunk, who=who, **tier)):  # the same logits, faster
+        first = P.first_scored(ctx)
+        total = len(wins) * (ctx - 1 - first)
+        typer.echo(f"{who}: {len(ids)} tokens -> {len(wins)} windows of {ctx}, scoring positions {first + 1}..{ctx - 1} "
+                   f"of each ({total} tokens); --kv {kv}, {f'chunks of {chunk}' if chunk > 1 else 'token by token'}", err=True)
+        writer = None
+        if save_logits is not None:
+            writer = KLBaseWriter(save_logits, tokens=wins, first=first, n_vocab=p.geometry.n_vocab,
+                                  pack_fingerprint=pack_fingerprint(p.dir))
+        # the writer commits on success and removes its temp file on any exception (StreamingFile)
+        with writer if writer is not None else contextlib.nullcontext(), naming_non_finite(p):
+            with tqdm(total=total, unit="tok", desc="perplexity", file=sys.stderr, disable=None) as bar:
+                scores = P.score(model, wins, kv=kv, chunk=chunk, base=base, save=writer.append if writer else None,
+                                 progress=lambda k: (p.check_unchanged(), bar.update(k)))
+        if writer is not None:
+            typer.echo(f"{who}: saved the distributions of {total} positions to {save_logits}", err=True)
+        typer.echo(format_perplexity(P.summarize(scores), kl_base))
 
 
 def format_perplexity(s, kl_base) -> str:
@@ -894,12 +910,13 @@ def _serve(pack, host, port, api_key, max_queue, batch, cache_slots, cache_mib, 
                err=True)
     server = QuietSignalServer(uvicorn.Config(app_, host=host, port=port, log_level="warning", access_log=False,
                                               timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S))
-    try:
-        server.run()
-    except SystemExit:
-        # uvicorn exits (status 1) when it cannot bind: say which address instead of its bare log line
-        raise ValueError(f"--host {host} --port {port}: cannot listen there (in use, or not an address of this "
-                         "machine)") from None
+    with stopping(tier):
+        try:
+            server.run()
+        except SystemExit:
+            # uvicorn exits (status 1) when it cannot bind: say which address instead of its bare log line
+            raise ValueError(f"--host {host} --port {port}: cannot listen there (in use, or not an address of this "
+                             "machine)") from None
     typer.echo(f"{who}: stopped", err=True)
 
 

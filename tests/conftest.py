@@ -39,3 +39,13 @@ def rt(request):
     before = gpu.use_runtime(_RUNTIMES[name])
     yield _RUNTIMES[name]
     gpu.use_runtime(before)
+    # A registration (HostRegistry's cudaHostRegister of GGUF pages) must not outlive its test: the
+    # runtime is the process's, and once the pages are unmapped a later allocation at the same
+    # addresses is "registered" to the driver, whose copies from it then fail (cudaErrorInvalidValue
+    # on the card, 2026-12-04: a weight's copy_in at a later test's startup) or read stale pages.
+    leaked = list(getattr(_RUNTIMES[name], "registered", ()))
+    if leaked:
+        for r0, _ in leaked:
+            _RUNTIMES[name].unregister_host(r0)
+        pytest.fail(f"{len(leaked)} host registration(s) outlived the test (HostRegistry not closed): "
+                    f"{[(hex(a), b - a) for a, b in leaked[:4]]}")

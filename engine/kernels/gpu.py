@@ -186,6 +186,7 @@ class CupyRuntime:
         self.n_sm = cupy.cuda.Device().attributes["MultiProcessorCount"]
         self._functions: dict[tuple[Any, str], Any] = {}  # (module, kernel): the module object itself, so no id is reused
         self._cublas, self._ab = None, {}  # gemm_f16's binding and its (alpha, beta) host arrays
+        self.registered: list[tuple[int, int]] = []  # register_host's [start, end) host ranges, until unregistered
 
     def to_device(self, a: np.ndarray):
         return self.cp.asarray(np.ascontiguousarray(a))
@@ -277,9 +278,11 @@ class CupyRuntime:
         file mapping (the GGUF's) is refused without the flag. Raises what the driver refuses."""
         rt = self.cp.cuda.runtime
         rt.hostRegister(ptr, nbytes, getattr(rt, "cudaHostRegisterReadOnly", 8))
+        self.registered.append((ptr, ptr + nbytes))
 
     def unregister_host(self, ptr: int) -> None:
         self.cp.cuda.runtime.hostUnregister(ptr)
+        self.registered[:] = [r for r in self.registered if r[0] != ptr]
 
     # --- a second stream for copies that overlap the current stream's kernels (the prompt's streamed
     # experts, engine/tier/staging.py), ordered against it by markers (events without timing)
