@@ -2,9 +2,11 @@
 and with it (after), rounds interleaved, same token ids, wall-clock and CPU time per token, and the
 per-stage table of each. The change compared: a token's products of one input (cpu.TokenProducts,
 rowdot.many_kernel) take their row chunks from a shared queue where prange's static split gave each
-thread the same count of rows, and the GDN token's conv taps loop over the channels innermost
-(kernels/delta.token_prep). Before: both kernels as they were, built here from their old source
-without the disk cache (the queue's kernels have the same cache tags). Earlier comparisons: QSA's
+thread the same count of rows; the GDN token's conv taps loop over the channels innermost
+(kernels/delta.token_prep); a token's routed experts in rank order from the layer's kept buffers
+(moe.MoE._token_products) instead of through its Groups. Before: both kernels as they were, built
+here from their old source without the disk cache (the queue's kernels have the same cache tags),
+and the Groups path. Earlier comparisons: QSA's
 and PLE's products planned, `git show 8ef7370:benchmarks/decode_ab.py`; a call site's products
 planned once and numba's C thread getter, `git show a755775:benchmarks/decode_ab.py`; a token's
 host passes on the CPU, `git show 65516bc:benchmarks/decode_ab.py`; the grouped calls' kept plans,
@@ -97,8 +99,10 @@ def _old_many(kernel):
 
 @contextlib.contextmanager
 def before():
-    """The token path as it was: the static split of a token's products, the taps innermost."""
+    """The token path as it was: the static split of a token's products, the taps innermost, the
+    routed experts through the token's Groups."""
     from strata.engine.kernels import cpu, delta
+    from strata.engine.moe import MoE
 
     if "prep" not in _OLD:
         _OLD["prep"] = _old_token_prep()
@@ -114,11 +118,12 @@ def before():
         finally:
             self.kernel = k
 
-    cpu.TokenProducts.__call__, delta.token_prep = old_call, _OLD["prep"]
+    routed = MoE._token_products
+    cpu.TokenProducts.__call__, delta.token_prep, MoE._token_products = old_call, _OLD["prep"], lambda self, x, top: None
     try:
         yield
     finally:
-        cpu.TokenProducts.__call__, delta.token_prep = call, prep
+        cpu.TokenProducts.__call__, delta.token_prep, MoE._token_products = call, prep, routed
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -138,3 +138,35 @@ def test_a_token_step_is_the_hooks_one_by_one(tiny):
             for k in sa:
                 assert same_bits(sa[k], sb[k]), f"layer {l}: the {k} state differs"
     assert same_bits(a.stream, b.stream)
+
+
+def test_a_token_s_routed_experts_in_rank_order_are_products_over_its_groups(tiny):
+    # MoE._token_products (one token's experts in rank order, the layer's kept buffers) against
+    # MoE.products over the token's Groups (experts by id), every layer, several tokens; then a
+    # whole MoE.forward of a token against the same sum made from Groups' order
+    from strata.engine.moe import Groups
+
+    rng = np.random.default_rng(11)
+    for moe in tiny.moes:
+        for _ in range(3):
+            x = Input(spread(rng, (1, moe.E), 1.0))
+            top = rng.choice(tiny.geometry.n_expert, moe.k, replace=False).astype(np.int64)[None]
+            got = moe._token_products(x, top[0])
+            assert got is not None
+            grp = Groups(top)
+            want = moe.products(x, grp.experts, grp.rows, grp.starts)
+            for j in range(moe.k):  # rank j's row, and where Groups put it
+                assert same_bits(got[j], want[grp.slot[0, j]]), f"layer {moe.layer}, rank {j}"
+        x = Input(spread(rng, (1, moe.E), 1.0))
+        be = CpuBackend()
+        y = moe.forward(be, x).copy()
+        top, weights = moe.route(be, x)
+        grp = Groups(top)
+        part = moe.products(x, grp.experts, grp.rows, grp.starts)
+        ref = np.empty_like(y)
+        be.combine(part, grp.slot, weights, ref)
+        if moe.shared:
+            s_gate, gate, up, _ = moe.shared
+            sh = [be.linear(w, x) for w in (up, gate, s_gate)]
+            be.shared_add_(ref, *moe._shared_out(be, sh))
+        assert same_bits(y, ref), f"layer {moe.layer}: the token's MoE output differs"
