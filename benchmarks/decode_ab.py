@@ -6,14 +6,14 @@ thread the same count of rows; the GDN token's conv taps loop over the channels 
 (kernels/delta.token_prep); a token's routed experts in rank order from the layer's kept buffers
 (moe.MoE._token_products) instead of through its Groups. Before: both kernels as they were, built
 here from their old source without the disk cache (the queue's kernels have the same cache tags),
-and the Groups path. Earlier comparisons: QSA's
-and PLE's products planned, `git show 8ef7370:benchmarks/decode_ab.py`; a call site's products
-planned once and numba's C thread getter, `git show a755775:benchmarks/decode_ab.py`; a token's
-host passes on the CPU, `git show 65516bc:benchmarks/decode_ab.py`; the grouped calls' kept plans,
-the router in the shared expert's region, `git show e876792:benchmarks/decode_ab.py`; one region
-per input whatever form each reads, `git show 9567b85:benchmarks/decode_ab.py`; the one-token
-Q4_K/Q6_K kernels and the first one-region products, `git show 6c4cd39:benchmarks/decode_ab.py`;
-rowdot.py's first types and delta.py, `git show 2f692b5:benchmarks/decode_ab.py`.
+and the Groups path. Earlier comparisons: QSA's and PLE's products planned, `git show
+8ef7370:benchmarks/decode_ab.py`; a call site's products planned once and numba's C thread
+getter, `git show a755775:benchmarks/decode_ab.py`; a token's host passes on the CPU, `git show
+65516bc:benchmarks/decode_ab.py`; the grouped calls' kept plans, the router in the shared expert's
+region, `git show e876792:benchmarks/decode_ab.py`; one region per input whatever form each reads,
+`git show 9567b85:benchmarks/decode_ab.py`; the one-token Q4_K/Q6_K kernels and the first
+one-region products, `git show 6c4cd39:benchmarks/decode_ab.py`; rowdot.py's first types and
+delta.py, `git show 2f692b5:benchmarks/decode_ab.py`.
 
     python benchmarks/decode_ab.py [--arch qwen4exp|qwen35moe] [--threads 1] [--rounds 5] [--tokens 32] [--preset seed-4l]
 

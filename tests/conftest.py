@@ -42,7 +42,8 @@ def rt(request):
     # A registration (HostRegistry's cudaHostRegister of GGUF pages) must not outlive its test: the
     # runtime is the process's, and once the pages are unmapped a later allocation at the same
     # addresses is "registered" to the driver, whose copies from it then fail (cudaErrorInvalidValue
-    # on the card, 2026-12-04: a weight's copy_in at a later test's startup) or read stale pages.
+    # on the card, 2026-12-04: a second `strata generate` in one test, copying a weight at its
+    # startup, after the first had left its registrations) or read stale pages.
     leaked = list(getattr(_RUNTIMES[name], "registered", ()))
     if leaked:
         for r0, _ in leaked:
