@@ -154,10 +154,11 @@ COMPUTE = {"attention", "delta_rule", "delta_rule_step", "chunk_delta_rule", "co
            "combine", "_combine", "mix_tail", "_mix_tail", "_inject", "conv_taps", "_conv_taps", "add_output",
            "_add_output", "torch_topk_set", "quantize_act", "matvec", "matmul", "matmul_grouped", "dequantize"}
 # what a block may do outside its backend, and why: MoE.products IS the CPU's expert products (the
-# backend's expert server calls it for its misses); the embedding rows and the PLE table's rows are
+# backend's expert server calls it for its misses), and MoE._token_products its one-token form
+# (MoE.forward takes it only without an expert server, where `routed` would call products); the embedding rows and the PLE table's rows are
 # host-side reads of the pack (the GPU token step takes them up in one copy; Model._embd_row keeps
 # the rows it decoded), the MTP head's embedding rows too
-ALLOWED = {"moe.py MoE.products", "model.py Model._forward_rows", "model.py Model._embd_row", "model.py _BlockRows.__call__", "mtp.py MTPHead._embed"}
+ALLOWED = {"moe.py MoE.products", "moe.py MoE._token_products", "model.py Model._forward_rows", "model.py Model._embd_row", "model.py _BlockRows.__call__", "mtp.py MTPHead._embed"}
 
 
 def _direct_compute_calls(path: Path) -> list[str]:
