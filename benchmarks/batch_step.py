@@ -116,8 +116,16 @@ def main(argv: list[str] | None = None) -> int:
     timers = instrument(model)
     distinct: list[int] = []
     for moe in model.moes:  # count the distinct experts each layer's step reads
-        routed = moe.routed
+        routed, one = moe.routed, moe._token_products
         moe.routed = lambda be, x, experts, rows, starts, f=routed: distinct.append(len(experts)) or f(be, x, experts, rows, starts)
+
+        def token_products(x, top, f=one):  # (one sequence's token: its experts, unless it falls back to routed)
+            out = f(x, top)
+            if out is not None:
+                distinct.append(len(top))
+            return out
+
+        moe._token_products = token_products
     for n in streams:  # compile (or load) every kernel the steps take, before timing
         run(model, timers, n, 1, distinct)
     best: dict[int, tuple[float, dict[str, float], float]] = {}

@@ -189,6 +189,7 @@ def instrument(model) -> Timers:
         t.patch(moe, "forward", t.wrap(("moe", l), moe.forward))
         t.patch(moe, "route", t.wrap(("router", l), moe.route))
         t.patch(moe, "routed", t.wrap(("experts", l), moe.routed))
+        t.patch(moe, "_token_products", t.wrap(("experts", l), moe._token_products))  # (a token's, on the CPU)
     for l, p in model.ple.items():
         t.patch(p, "forward", t.wrap(("ple", l), p.forward))
     enter, leave = r.enter, r.leave
