@@ -77,8 +77,11 @@ def instrument() -> Launches:
     t = Launches()
     for mod in (hyper, ops, moe, qsa, ple, M, backend, kvcache, cpu, delta, actq):
         for k, v in list(vars(mod).items()):
-            if isinstance(v, (Dispatcher, jit.RowKernel)):
+            if isinstance(v, Dispatcher):
                 t.wrap(mod, k, f"{mod.__name__.split('.')[-1]}.{k}")
+            elif isinstance(v, jit.RowKernel):  # (its variants: a caller may take one by name)
+                for variant in ("serial", "parallel"):
+                    t.wrap(v, variant, f"{mod.__name__.split('.')[-1]}.{k}")
     t.wrap(cpu.TokenProducts, "__call__", lambda self, *a: "products " + " + ".join(f"{r.nbytes / 1e6:.1f} MB" for r, _ in self.static),
            lambda self, *a: sum(r.nbytes for r, _ in self.static))
     t.wrap(cpu, "matmul_grouped", lambda raw, type_id, n_in, n_out, offsets, *a, **k: f"grouped {cpu.ggml_type(type_id).name} {n_in} x {n_out}",

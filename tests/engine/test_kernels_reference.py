@@ -255,7 +255,7 @@ def _activations(rng):
 
 def test_actq_numba_equals_numpy_reference_bit_for_bit():
     x = _activations(np.random.default_rng(11))
-    for arr in (x, x[3]):
+    for arr in (x, x[3], x[3:4], x[2:3]):  # [1, n]: a decode token's row (quantize_act's one-row path)
         a, b = A.quantize_act(arr), A.quantize_act_reference(arr)
         for k in ("q", "d", "s16"):
             assert getattr(a, k).dtype == getattr(b, k).dtype
@@ -285,6 +285,8 @@ def test_actq_refuses_non_finite_activations(bad):
     x[1, 40] = bad
     with pytest.raises(ValueError, match=r"non-finite activation .* index \(1, 40\)"):
         A.quantize_act(x)
+    with pytest.raises(ValueError, match=r"non-finite activation .* index \(0, 40\)"):
+        A.quantize_act(x[1:])  # one row: the one-row path
 
 
 def test_actq_refuses_wrong_shapes_and_dtypes():
