@@ -4,6 +4,7 @@
 #     in the background while the models are synthesized and the kernels compiled);
 #   - decode at THREADS (default 1,2,8) for ARCHS (default qwen4exp qwen35moe): llama-bench tg32,
 #     then benchmarks/decode.py --sweep (each stage's time at each count, one process);
+#   - qwen4exp's 8-thread token launch by launch (benchmarks/token_launches.py);
 #   - the prompt at PROMPT_THREADS (default 8), 512 and 4096 tokens: llama-bench pp, then
 #     benchmarks/prefill.py --sweep (qwen4exp).
 # llama.cpp runs first, then Strata: not interleaved (llama_cpp is not importable there). Machines of
@@ -42,6 +43,8 @@ for A in $ARCHS; do
     lb $A -t $THREADS -p 0 -n 32 -r 3
     timeout 150 python3 benchmarks/decode.py --arch $A --threads 8 --tokens 16 --sweep $THREADS 2>&1 | grep -v -i compil | tail -13
 done
+# where qwen4exp's 8-thread token goes, launch by launch (the time between launches is host work)
+timeout 120 python3 benchmarks/token_launches.py --arch qwen4exp --threads 8 --tokens 12 --top 24 2>&1 | tail -30
 lb qwen4exp -t $PROMPT_THREADS -p 512,4096 -n 0 -r 2
 for L in 512 4096; do
     timeout 150 python3 benchmarks/prefill.py --threads $PROMPT_THREADS --lengths $L --sweep $PROMPT_THREADS 2>&1 | grep -v -i compil | tail -12
