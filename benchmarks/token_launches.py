@@ -27,15 +27,16 @@ import numpy as np
 import decode as D
 
 
-class Launches:
-    """Timers around the launches, with the time spent inside any of them (the outermost only)."""
+class Launches(D.Timers):
+    """Timers around the launches (decode.py's patching and undoing), with calls and bytes per label
+    and the time spent inside any of them (the outermost only)."""
 
     def __init__(self):
+        super().__init__()
         self.acc: dict[str, list] = {}  # label -> [calls, seconds, bytes]
         self.depth, self.inside = 0, 0.0
-        self.patched: list[tuple[object, str, object]] = []
 
-    def wrap(self, obj, name: str, label, nbytes=None) -> None:
+    def time_launch(self, obj, name: str, label, nbytes=None) -> None:
         fn = getattr(obj, name)
 
         def timed(*a, **k):
@@ -54,13 +55,7 @@ class Launches:
                 if self.depth == 0:
                     self.inside += dt
 
-        self.patched.append((obj, name, fn))
-        setattr(obj, name, timed)
-
-    def unwrap(self) -> None:
-        for obj, name, fn in reversed(self.patched):
-            setattr(obj, name, fn)
-        self.patched.clear()
+        self.patch(obj, name, timed)
 
     def reset(self) -> None:
         self.acc.clear()
@@ -78,15 +73,15 @@ def instrument() -> Launches:
     for mod in (hyper, ops, moe, qsa, ple, M, backend, kvcache, cpu, delta, actq):
         for k, v in list(vars(mod).items()):
             if isinstance(v, Dispatcher):
-                t.wrap(mod, k, f"{mod.__name__.split('.')[-1]}.{k}")
+                t.time_launch(mod, k, f"{mod.__name__.split('.')[-1]}.{k}")
             elif isinstance(v, jit.RowKernel):  # (its variants: a caller may take one by name)
                 for variant in ("serial", "parallel"):
-                    t.wrap(v, variant, f"{mod.__name__.split('.')[-1]}.{k}")
-    t.wrap(cpu.TokenProducts, "__call__", lambda self, *a: "products " + " + ".join(f"{r.nbytes / 1e6:.1f} MB" for r, _ in self.static),
+                    t.time_launch(v, variant, f"{mod.__name__.split('.')[-1]}.{k}")
+    t.time_launch(cpu.TokenProducts, "__call__", lambda self, *a: "products " + " + ".join(f"{r.nbytes / 1e6:.1f} MB" for r, _ in self.static),
            lambda self, *a: sum(r.nbytes for r, _ in self.static))
-    t.wrap(cpu, "matmul_grouped", lambda raw, type_id, n_in, n_out, offsets, *a, **k: f"grouped {cpu.ggml_type(type_id).name} {n_in} x {n_out}",
+    t.time_launch(cpu, "matmul_grouped", lambda raw, type_id, n_in, n_out, offsets, *a, **k: f"grouped {cpu.ggml_type(type_id).name} {n_in} x {n_out}",
            lambda raw, type_id, n_in, n_out, offsets, *a, **k: len(offsets) * cpu.ggml_type(type_id).nbytes((n_in, n_out)))
-    t.wrap(ops, "delta_rule_step", "ops.delta_rule_step (state)", lambda S, *a: 2 * S.nbytes)
+    t.time_launch(ops, "delta_rule_step", "ops.delta_rule_step (state)", lambda S, *a: 2 * S.nbytes)
     return t
 
 
@@ -138,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
             print(tabulate(rows, headers=["launch", "calls/token", "us/token", "us/call", "MB/call", "GB/s"], tablefmt="github",
                            disable_numparse=True))
     finally:
-        t.unwrap()
+        D.uninstrument(t)
     return 0
 
 
