@@ -69,6 +69,15 @@ Q2_SHUFFLE = AVX2 and os.environ.get("STRATA_ROWDOT_Q2_SHUFFLE", "1") != "0"
 # (a cache tag too: _tag).
 _ROW_PREFETCH = 3072
 ROW_PREFETCH = int(os.environ.get("STRATA_ROWDOT_PREFETCH", str(_ROW_PREFETCH)))
+# Which cache those lines are asked into: "l2" (prefetcht1), "l1" (prefetcht0) or "nta". Into L1,
+# as until 2026-12-04, the seed-4l qwen4exp token took 6.5-8% longer on the 2-core Intel VM at 1 and
+# 2 threads (the Q8_0 head 12.3 -> 15.4 GB/s at one thread): a line asked for 3 KB ahead holds an
+# L1 miss buffer the whole way, and L1 has far fewer of them than L2 has. "nta" took 1.7x as long.
+# STRATA_ROWDOT_PREFETCH_CACHE=l1 gives the old code, for comparison (a cache tag too: _tag).
+_LOCALITY = {"l1": 3, "l2": 2, "nta": 0}
+ROW_PREFETCH_CACHE = os.environ.get("STRATA_ROWDOT_PREFETCH_CACHE", "l2")
+if ROW_PREFETCH_CACHE not in _LOCALITY:
+    raise ValueError(f"STRATA_ROWDOT_PREFETCH_CACHE={ROW_PREFETCH_CACHE!r}: expected one of {', '.join(_LOCALITY)}")
 
 I8, I16, I32, I64 = simd.I8, simd.I16, simd.I32, simd.I64
 
@@ -166,11 +175,13 @@ def _unpack_q2_avx2(builder, qs):
 
 
 def _prefetch(builder, ptr, at, n_bytes):
-    """Ask for the cache lines of the n_bytes at byte `at` of raw, ROW_PREFETCH bytes ahead."""
+    """Ask for the cache lines of the n_bytes at byte `at` of raw, ROW_PREFETCH bytes ahead, into
+    ROW_PREFETCH_CACHE."""
     if ROW_PREFETCH:
         pf = simd._fn(builder, "llvm.prefetch.p0", ir.VoidType(), [I8.as_pointer(), I32, I32, I32])
         for ahead in range(ROW_PREFETCH, ROW_PREFETCH + n_bytes, 64):
-            builder.call(pf, [ptr("raw", builder.add(at, ir.Constant(I64, ahead)), I8), ir.Constant(I32, 0), ir.Constant(I32, 3), ir.Constant(I32, 1)])
+            builder.call(pf, [ptr("raw", builder.add(at, ir.Constant(I64, ahead)), I8), ir.Constant(I32, 0), ir.Constant(I32, _LOCALITY[ROW_PREFETCH_CACHE]),
+                              ir.Constant(I32, 1)])
 
 
 def _row(name: str, fine: bool, full: bool = False):
@@ -535,9 +546,12 @@ _K_SUPER = frozenset(KTYPES)  # the types _k_superblock computes (KTYPES gains t
 
 def _tag(*names) -> str:
     """The cache-tag suffix of a kernel that reads rows of `names`: the settings of the switches
-    that change its code (K_HADD, Q2_SHUFFLE, ROW_PREFETCH) where they are not the default."""
+    that change its code (K_HADD, Q2_SHUFFLE, ROW_PREFETCH, ROW_PREFETCH_CACHE) where they are not
+    the default."""
     off = AVX2 and not K_HADD and _K_SUPER.intersection(names)
-    pf = "" if ROW_PREFETCH == _ROW_PREFETCH or not (_K_SUPER | set(TYPES)).intersection(names) else f"-pf{ROW_PREFETCH}"
+    reads = (_K_SUPER | set(TYPES)).intersection(names)  # (the kernels that prefetch)
+    pf = "" if ROW_PREFETCH == _ROW_PREFETCH or not reads else f"-pf{ROW_PREFETCH}"
+    pf += "" if ROW_PREFETCH_CACHE == "l2" or not reads else f"-{ROW_PREFETCH_CACHE}"
     return ("-kreduce" if off else "") + ("-q2interleave" if AVX2 and not Q2_SHUFFLE and "Q2_0" in names else "") + pf
 
 

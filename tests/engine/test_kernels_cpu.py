@@ -561,7 +561,7 @@ def test_a_kernel_switch_setting_never_loads_the_other_settings_machine_code(tmp
     if not rowdot.AVX2:
         pytest.skip("the switches change the code on AVX2 hosts only (without AVX512-VNNI)")
     env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path))
-    for k in ("STRATA_ROWDOT_K_HADD", "STRATA_ROWDOT_Q2_SHUFFLE", "STRATA_ROWDOT_PREFETCH"):
+    for k in ("STRATA_ROWDOT_K_HADD", "STRATA_ROWDOT_Q2_SHUFFLE", "STRATA_ROWDOT_PREFETCH", "STRATA_ROWDOT_PREFETCH_CACHE"):
         env.pop(k, None)
     code = _MANY_CACHE_CHECK.format(tests=str(Path(__file__).resolve().parents[1]), names=("Q4_K", "Q2_0"))
     runs = []
@@ -570,6 +570,25 @@ def test_a_kernel_switch_setting_never_loads_the_other_settings_machine_code(tmp
         assert res.returncode == 0, res.stderr[-3000:]
         runs.append(res.stdout.split())
     assert runs == [["0", "1"], ["1", "0"], ["0", "1"], ["0", "1"], ["0", "1"]], f"(cache hits, compilations) of the five processes: {runs}"
+
+
+def test_the_prefetch_cache_setting_compiles_its_own_code_on_every_rowdot_host(tmp_path):
+    # STRATA_ROWDOT_PREFETCH_CACHE changes the prefetch instruction of every token kernel (not only
+    # on AVX2 hosts, as the switches above): a comparison run with "l1" must not load the default's
+    # machine code from the disk cache, nor the default the "l1" code
+    _need_rowdot()
+    env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path))
+    env.pop("STRATA_ROWDOT_PREFETCH_CACHE", None)
+    code = _MANY_CACHE_CHECK.format(tests=str(Path(__file__).resolve().parents[1]), names=("Q4_K", "Q2_0"))
+    runs = []
+    for extra in ({}, {"STRATA_ROWDOT_PREFETCH_CACHE": "l1"}, {"STRATA_ROWDOT_PREFETCH_CACHE": "l1"}, {}):
+        res = subprocess.run([sys.executable, "-P", "-c", code], env=dict(env, **extra), capture_output=True, text=True, timeout=600)
+        assert res.returncode == 0, res.stderr[-3000:]
+        runs.append(res.stdout.split())
+    assert runs == [["0", "1"], ["0", "1"], ["1", "0"], ["1", "0"]], f"(cache hits, compilations) of the four processes: {runs}"
+    bad = subprocess.run([sys.executable, "-P", "-c", "import strata.engine.kernels.rowdot"], capture_output=True, text=True,
+                         env=dict(env, STRATA_ROWDOT_PREFETCH_CACHE="L3"), timeout=600)
+    assert bad.returncode != 0 and "STRATA_ROWDOT_PREFETCH_CACHE='L3': expected one of l1, l2, nta" in bad.stderr, bad.stderr[-2000:]
 
 
 def test_kernels_load_from_the_disk_cache_in_a_new_process(tmp_path):
