@@ -1,15 +1,16 @@
-"""A compile-time kernel switch, before and after: the decode token (and the prompt) under two
-environments, each in its own process (the switches are read when the kernels are built, so one
-process cannot hold both), the processes alternated round by round on the same pack and ids.
+"""Settings read at a process's start, side by side: the decode token (and the prompt) under two or
+more environments, each in its own process (a kernel switch is read when the kernels are built,
+OpenMP's settings when its pool starts, so one process cannot hold both), the processes rotated
+round by round on the same pack and ids; each side against the first.
 
     python benchmarks/switch_ab.py STRATA_ROWDOT_PREFETCH_CACHE=l1 STRATA_ROWDOT_PREFETCH_CACHE=l2 \\
-        [--arch qwen4exp] [--preset seed-4l] [--threads 1,2] [--rounds 4] [--tokens 32] [--prompt 0]
+        [more sides] [--arch qwen4exp] [--preset seed-4l] [--threads 1,2] [--rounds 4] [--tokens 32] [--prompt 0]
 
 Each process: the pack opened, the token path warmed (its kernels compiled or loaded, so a round
 times no compilation), 8 token steps, then --tokens steps timed one by one (median ms); with
 --prompt N also one N-token prompt through the batched path (best of 2, tok/s). A side's setting
 is VAR=VALUE (several joined by commas); "-" runs the environment as it is. The logits of the timed
-steps are compared across the two sides: a switch that only changes speed must not move a bit.
+steps are compared across the sides: a switch that only changes speed must not move a bit.
 """
 
 from __future__ import annotations
@@ -76,8 +77,8 @@ def parse_env(text: str) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("before", help="VAR=VALUE[,VAR=VALUE] or - (the environment as it is)")
-    ap.add_argument("after")
+    ap.add_argument("sides", nargs="+", help="VAR=VALUE[,VAR=VALUE] or - (the environment as it is), two or more; "
+                                            "the first is the baseline")
     ap.add_argument("--arch", default="qwen4exp", choices=("qwen4exp", "qwen35moe"))
     ap.add_argument("--preset", default="seed-4l")
     ap.add_argument("--threads", default="1,2", help="comma-separated thread counts")
@@ -89,38 +90,42 @@ def main(argv: list[str] | None = None) -> int:
     if args.worker:
         print(json.dumps(worker(args.arch, args.preset, int(args.threads), args.tokens, args.prompt)))
         return 0
-    sides = {"before": parse_env(args.before), "after": parse_env(args.after)}
+    if len(args.sides) < 2:
+        ap.error("give two or more sides (the first is the baseline)")
+    envs = [parse_env(t) for t in args.sides]
     from tabulate import tabulate
 
     sys.path.insert(0, str(REPO / "benchmarks"))
     import decode as D
 
-    print(f"{D.machine()}; {args.preset} {args.arch}; before: {args.before}; after: {args.after}", flush=True)
-    rows, digests, failed = [], set(), False
+    print(f"{D.machine()}; {args.preset} {args.arch}; sides: " + "; ".join(f"{i}: {t}" for i, t in enumerate(args.sides)), flush=True)
+    rows, failed = [], False
     for n in (int(x) for x in args.threads.split(",")):
-        res = {k: [] for k in sides}
+        res = [[] for _ in envs]
         for r in range(args.rounds):
-            for name in (("before", "after") if r % 2 == 0 else ("after", "before")):  # who goes first alternates
-                cmd = [sys.executable, __file__, "-", "-", "--worker", "--arch", args.arch, "--preset", args.preset,
+            order = [(i + r) % len(envs) for i in range(len(envs))]  # who goes first rotates
+            for i in order:
+                cmd = [sys.executable, __file__, "-", "--worker", "--arch", args.arch, "--preset", args.preset,
                        "--threads", str(n), "--tokens", str(args.tokens), "--prompt", str(args.prompt)]
-                env = dict(os.environ, **sides[name])
-                p = subprocess.run(cmd, env=env, capture_output=True, text=True)
+                p = subprocess.run(cmd, env=dict(os.environ, **envs[i]), capture_output=True, text=True)
                 if p.returncode != 0:
-                    print(f"switch_ab.py: the {name} process failed:\n{p.stderr[-3000:]}", file=sys.stderr)
+                    print(f"switch_ab.py: side {i} ({args.sides[i]}) failed:\n{p.stderr[-3000:]}", file=sys.stderr)
                     return 1
-                got = json.loads(p.stdout.strip().splitlines()[-1])
-                res[name].append(got)
-                digests.add((n, got["logits"]))
-        b, a = (np.array([g["ms"] for g in res[k]]) for k in ("before", "after"))
-        row = [n, " ".join(f"{x:.1f}" for x in b), " ".join(f"{x:.1f}" for x in a), f"{np.median(b) / np.median(a):.3f}x"]
-        if args.prompt:
-            pb, pa = (np.array([g["prompt_tok_s"] for g in res[k]]) for k in ("before", "after"))
-            row.append(f"{np.median(pa) / np.median(pb):.3f}x ({np.median(pb):.1f} -> {np.median(pa):.1f} tok/s)")
-        rows.append(row)
-        failed |= len({d for t, d in digests if t == n}) != 1
-    heads = ["threads", "before ms/token (rounds)", "after ms/token (rounds)", "token speed-up (medians)"]
-    print(tabulate(rows, headers=heads + (["prompt speed-up"] if args.prompt else []), tablefmt="github", disable_numparse=True))
-    print("logits of the timed steps: " + ("DIFFERENT between the sides" if failed else "identical to the bit on both sides"))
+                res[i].append(json.loads(p.stdout.strip().splitlines()[-1]))
+        base = np.median([g["ms"] for g in res[0]])
+        pbase = np.median([g["prompt_tok_s"] for g in res[0]]) if args.prompt else None
+        for i, got in enumerate(res):
+            ms = np.array([g["ms"] for g in got])
+            row = [n, args.sides[i], " ".join(f"{x:.1f}" for x in ms), f"{np.median(ms):.1f}",
+                   "(baseline)" if i == 0 else f"{base / np.median(ms):.3f}x"]
+            if args.prompt:
+                tps = np.median([g["prompt_tok_s"] for g in got])
+                row.append(f"{tps:.1f}" + ("" if i == 0 else f" ({tps / pbase:.3f}x)"))
+            rows.append(row)
+        failed |= len({g["logits"] for got in res for g in got}) != 1
+    heads = ["threads", "side", "ms/token (rounds)", "median", "token speed-up"]
+    print(tabulate(rows, headers=heads + (["prompt tok/s"] if args.prompt else []), tablefmt="github", disable_numparse=True))
+    print("logits of the timed steps: " + ("DIFFERENT between the sides" if failed else "identical to the bit on every side"))
     return 1 if failed else 0
 
 

@@ -5,8 +5,9 @@
 #   - decode at THREADS (default 1,2,8) for ARCHS (default qwen4exp qwen35moe): llama-bench tg32,
 #     then benchmarks/decode.py --sweep (each stage's time at each count, one process);
 #   - qwen4exp's 8-thread token launch by launch (benchmarks/token_launches.py);
-#   - the token kernels' prefetch into L1 (the old code) against L2 (the default) at 8 threads,
-#     alternated processes (benchmarks/switch_ab.py);
+#   - settings read at a process's start, at 8 threads, each side its own process, rotated
+#     (benchmarks/switch_ab.py): the default against the token kernels' prefetch into L1 (the code
+#     before 2026-12-04), OpenMP's threads bound to cores, and its pool sleeping between launches;
 #   - the prompt at PROMPT_THREADS (default 8), 512 and 4096 tokens: llama-bench pp, then
 #     benchmarks/prefill.py --sweep (qwen4exp).
 # llama.cpp runs first, then Strata: not interleaved (llama_cpp is not importable there). Machines of
@@ -47,7 +48,8 @@ for A in $ARCHS; do
 done
 # where qwen4exp's 8-thread token goes, launch by launch (the time between launches is host work)
 timeout 120 python3 benchmarks/token_launches.py --arch qwen4exp --threads 8 --tokens 12 --top 24 2>&1 | tail -30
-timeout 240 python3 benchmarks/switch_ab.py STRATA_ROWDOT_PREFETCH_CACHE=l1 - --threads 8,1 --rounds 4 --tokens 24 2>&1 | tail -6
+timeout 300 python3 benchmarks/switch_ab.py - STRATA_ROWDOT_PREFETCH_CACHE=l1 OMP_PROC_BIND=close,OMP_PLACES=cores OMP_WAIT_POLICY=PASSIVE \
+    --threads 8 --rounds 3 --tokens 24 2>&1 | tail -8
 lb qwen4exp -t $PROMPT_THREADS -p 512,4096 -n 0 -r 2
 for L in 512 4096; do
     timeout 150 python3 benchmarks/prefill.py --threads $PROMPT_THREADS --lengths $L --sweep $PROMPT_THREADS 2>&1 | grep -v -i compil | tail -12
