@@ -71,8 +71,9 @@ _ROW_PREFETCH = 3072
 ROW_PREFETCH = int(os.environ.get("STRATA_ROWDOT_PREFETCH", str(_ROW_PREFETCH)))
 # Which cache those lines are asked into: "l2" (prefetcht1), "l1" (prefetcht0) or "nta". Into L1,
 # as until 2026-12-04, the seed-4l qwen4exp token took 6.5-8% longer on the 2-core Intel VM at 1 and
-# 2 threads (the Q8_0 head 12.3 -> 15.4 GB/s at one thread): a line asked for 3 KB ahead holds an
-# L1 miss buffer the whole way, and L1 has far fewer of them than L2 has. "nta" took 1.7x as long.
+# 2 threads (the Q8_0 head 12.3 -> 15.4 GB/s at one thread). The likely cause, not measured: a line
+# asked for 3 KB ahead holds an L1 miss buffer the whole way, and L1 has far fewer than L2. "nta"
+# took 1.7x as long.
 # STRATA_ROWDOT_PREFETCH_CACHE=l1 gives the old code, for comparison (a cache tag too: _tag).
 _LOCALITY = {"l1": 3, "l2": 2, "nta": 0}
 ROW_PREFETCH_CACHE = os.environ.get("STRATA_ROWDOT_PREFETCH_CACHE", "l2")
