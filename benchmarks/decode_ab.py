@@ -1,11 +1,12 @@
 """Before/after of the token path's latest change in one process: `Model.step` without it (before)
 and with it (after), rounds interleaved, same token ids, wall-clock and CPU time per token, and the
-per-stage table of each. The change compared: a hyper-connection mix's token calls numpy's own exp
-loop from its kernels (kernels/nploops.py), so its gates and its up product's ActQ are one launch
-(hyper.lowrank_gates_q) where they were seven, and its tail one where it was three. Before:
-nploops.EXP set to 0, the numpy calls between kernels. Earlier comparisons: the token products'
-shared queue, the vectorized conv taps and the routed experts in rank order, `git show
-4bdcf8e:benchmarks/decode_ab.py`; QSA's and PLE's products planned, `git show
+per-stage table of each. The change compared: a token's products of one input (cpu.TokenProducts,
+rowdot.many_kernel) take their row chunks from a shared queue where prange's static split gave each
+thread the same count of rows; the GDN token's conv taps loop over the channels innermost
+(kernels/delta.token_prep); a token's routed experts in rank order from the layer's kept buffers
+(moe.MoE._token_products) instead of through its Groups. Before: both kernels as they were, built
+here from their old source without the disk cache (the queue's kernels have the same cache tags),
+and the Groups path. Earlier comparisons: QSA's and PLE's products planned, `git show
 8ef7370:benchmarks/decode_ab.py`; a call site's products planned once and numba's C thread
 getter, `git show a755775:benchmarks/decode_ab.py`; a token's host passes on the CPU, `git show
 65516bc:benchmarks/decode_ab.py`; the grouped calls' kept plans, the router in the shared expert's
@@ -36,17 +37,93 @@ import decode as D
 F32 = np.float32
 
 
+# rowdot's many-products kernel as it was: each prange iteration one chunk of rows (the static split)
+OLD_MANY_SRC = """
+def kernel({params}xq, xd, s16, wq, wd, ws, fx, n_chunks):
+{prologue}
+    {sizes}
+    total = {total}
+    for c in prange(n_chunks):
+{chunk_init}
+        for o in range(c * total // n_chunks, (c + 1) * total // n_chunks):
+            if True:
+{body}
+"""
+
+
+def _old_token_prep():
+    from numba import njit
+
+    from strata.engine.kernels.jit import JIT
+
+    @njit(**JIT)
+    def token_prep(state, w, x, c, th, beta, bt, alpha, dt_bias, ad, z, zt):
+        # delta.token_prep as it was: a channel's taps innermost
+        K, C = w.shape
+        for i in range(C):
+            acc = w[0, i] * state[0, i]
+            for j in range(1, K - 1):
+                acc += w[j, i] * state[j, i]
+            acc += w[K - 1, i] * x[i]
+            for j in range(K - 2):
+                state[j, i] = state[j + 1, i]
+            state[K - 2, i] = x[i]
+            c[i] = acc
+            th[i] = acc * F32(0.5)
+        for h in range(beta.size):
+            bt[h] = beta[h] * F32(0.5)
+            ad[h] = alpha[h] + dt_bias[h]
+        for i in range(z.size):
+            zt[i] = z[i] * F32(0.5)
+
+    return token_prep
+
+
+_OLD = {}
+
+
+def _old_many(kernel):
+    """The static-split kernel of the products `kernel` (a rowdot.many_kernel) makes, built once."""
+    from strata.engine.kernels import rowdot
+
+    if kernel not in _OLD:
+        key = next(k for k, v in rowdot._MANY.items() if v is kernel)
+        src, cached = rowdot._MANY_SRC, rowdot.cached
+        rowdot._MANY_SRC, rowdot.cached = OLD_MANY_SRC, lambda d, tag, also=(): d  # no disk cache: same tags
+        try:
+            _OLD[kernel] = rowdot._many_kernel(*key)
+        finally:
+            rowdot._MANY_SRC, rowdot.cached = src, cached
+    return _OLD[kernel]
+
+
 @contextlib.contextmanager
 def before():
-    """The token path as it was: every exp of a mix a numpy call of its own."""
-    from strata.engine.kernels import nploops
+    """The token path as it was: the static split of a token's products, the taps innermost, the
+    routed experts through the token's Groups."""
+    from strata.engine.kernels import cpu, delta
+    from strata.engine.moe import MoE
 
-    exp = nploops.EXP
-    nploops.EXP = 0
+    if "prep" not in _OLD:
+        _OLD["prep"] = _old_token_prep()
+    call, prep = cpu.TokenProducts.__call__, delta.token_prep
+
+    def old_call(self, *a):
+        if self.one:
+            return call(self, *a)
+        k = self.kernel
+        self.kernel = _old_many(k)
+        try:
+            return call(self, *a)
+        finally:
+            self.kernel = k
+
+    routed = MoE._token_products
+    cpu.TokenProducts.__call__, delta.token_prep, MoE._token_products = old_call, _OLD["prep"], lambda self, x, top: None
     try:
         yield
     finally:
-        nploops.EXP = exp
+        cpu.TokenProducts.__call__, delta.token_prep, MoE._token_products = call, prep, routed
 
 
 def main(argv: list[str] | None = None) -> int:

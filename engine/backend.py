@@ -31,8 +31,8 @@ import numpy as np
 
 from . import hyper, moe, ops, ple, qsa
 from .kvcache import KVCache
-from .kernels.actq import QA, ActQ, ActQ16
-from .kernels import cpu, nploops
+from .kernels.actq import ActQ, ActQ16
+from .kernels import cpu
 from .weights import Input, Weight
 
 F32 = np.float32
@@ -282,14 +282,7 @@ class CpuBackend:
         if T == 1 and self.owns("sigmoid"):
             sc = self.scratch
             a, wt = sc("hc.a", (1, R)), None if inj is None else sc("hc.w", (1, hc))
-            ex, exw = sc("hc.ex", (1, R)), None if inj is None else sc("hc.exw", (1, hc))
-            if nploops.EXP and w.type.quantized and not w.wide and R % QA == 0 and d.flags.c_contiguous \
-                    and (inj is None or inj.flags.c_contiguous):
-                # one launch with up's ActQ, numpy's exp called from the kernel (nploops): the same bits
-                act = ActQ(sc("hc.aq", (1, R), np.int8), sc("hc.ad", (1, R // QA)), sc("hc.as", (1, R // 16), np.int32))
-                hyper.lowrank_gates_q(d, inj, F32(hc), a, wt, ex, exw, act)
-                return Input(a, act), wt
-            hyper.lowrank_gates(d, inj, F32(hc), a, wt, ex, exw)
+            hyper.lowrank_gates(d, inj, F32(hc), a, wt, sc("hc.ex", (1, R)), None if inj is None else sc("hc.exw", (1, hc)))
             return Input(a), wt
         d /= F32(hc)
         a = d * self.sigmoid(d, exp_form=True)  # silu

@@ -31,9 +31,8 @@ from numba import prange
 
 from strata.index_format.geometry import ModelGeometry
 
-from .kernels import nploops
 from .kernels.actq import QA, ActQ, NonFiniteActivation, quantize_row
-from .kernels.jit import PARALLEL_ROWS, cached_njit, cached_row_kernel
+from .kernels.jit import cached_njit, cached_row_kernel
 from .ops import rmsnorm
 from .ops import sigmoid as ops_sigmoid
 from .pack_reader import PackError
@@ -217,44 +216,6 @@ def lowrank_gates(d: np.ndarray, inj: np.ndarray | None, hc: F32, a: np.ndarray,
     _silu_from_exp(d, ex, a)
 
 
-def lowrank_gates_q(d: np.ndarray, inj: np.ndarray | None, hc: F32, a: np.ndarray, w: np.ndarray | None,
-                    ex: np.ndarray, exw: np.ndarray | None, act: ActQ) -> None:
-    """lowrank_gates of one row ([1, R], R a multiple of 32), and a's ActQ into act (quantize_act's
-    bits: the up product's input), in one kernel that calls numpy's exp itself (nploops.EXP, which
-    must be nonzero): seven launches of a mix's token were one."""
-    none = _NO_ROW
-    bad = _lowrank_q(d, none if inj is None else inj, hc, a, none if w is None else w, ex, none if exw is None else exw,
-                     act.q, act.d, act.s16, QA, nploops.EXP)  # fmt: skip
-    if bad >= 0:
-        raise NonFiniteActivation(f"lowrank_gates: non-finite activation {a[0, bad]} at index (0, {int(bad)})")
-
-
-_NO_ROW = np.zeros((1, 0), F32)  # output_hc's inj, w and exw: none
-
-
-@cached_njit("hc-lowrank-q")
-def _lowrank_q(d, inj, hc, a, w, ex, exw, q, dq, s16, qa, exp):
-    # lowrank_gates' passes in one launch, each value the same f32 steps (_scale_neg, numpy's own
-    # exp loop on the same contiguous buffer, _inject_weights, _silu_from_exp), then a's ActQ while
-    # it is in cache (quantize_row: quantize_act's code); the index of a's first non-finite value or -1
-    dd, ee, aa = d.reshape(-1), ex.reshape(-1), a.reshape(-1)
-    for i in range(dd.size):
-        dd[i] = dd[i] / hc
-        ee[i] = -dd[i]
-    nploops.unary_loop(exp, ex, ex)
-    if inj.size:
-        ii, xw, ww = inj.reshape(-1), exw.reshape(-1), w.reshape(-1)
-        for i in range(ii.size):
-            ii[i] = ii[i] / hc
-            xw[i] = -ii[i]
-        nploops.unary_loop(exp, exw, exw)
-        for i in range(xw.size):
-            ww[i] = F32(2) * (F32(1) / (xw[i] + F32(1)))
-    for i in range(dd.size):
-        aa[i] = dd[i] * (F32(1) / (ee[i] + F32(1)))
-    return quantize_row(a, q, dq, s16, 0, qa)
-
-
 @cached_njit("hc-scale-neg")
 def _scale_neg(x, hc, neg):
     # x /= hc (f32), neg = -x: the reference's division and sigmoid's negation (exact)
@@ -288,25 +249,9 @@ def mix_tail_reference(u: np.ndarray, sn: np.ndarray, hc: int) -> np.ndarray:
 
 
 def mix_tail(u: np.ndarray, sn: np.ndarray, out: np.ndarray) -> np.ndarray:
-    """mix_tail_reference into out (f32 [T, E]) -> out; u, this call's own product, is overwritten.
-    A token's (up to PARALLEL_ROWS rows, u contiguous): one kernel, numpy's exp called from it
-    (nploops.EXP), where the negation, the exp and the pass were three launches."""
-    if nploops.EXP and u.shape[0] < PARALLEL_ROWS and u.flags.c_contiguous:
-        _mix_tail_exp(u, sn, out, nploops.EXP)
-        return out
+    """mix_tail_reference into out (f32 [T, E]) -> out; u, this call's own product, is overwritten."""
     _mix_tail(np.exp(np.negative(u, out=u), out=u), sn, out)  # numpy's exp: the one transcendental step
     return out
-
-
-@cached_njit("hc-mix-tail-exp")
-def _mix_tail_exp(u, sn, out, exp):
-    # mix_tail's steps in one launch: u = -u (np.negative's exact sign flip), numpy's own exp loop
-    # over u in place, then _mix_tail's pass (its serial form: the same code)
-    uu = u.reshape(-1)
-    for i in range(uu.size):
-        uu[i] = -uu[i]
-    nploops.unary_loop(exp, u, u)
-    _mix_tail_serial(u, sn, out)
 
 
 @cached_row_kernel("hc-mix-tail")
@@ -324,9 +269,6 @@ def _mix_tail(ex, sn, out):
                 out[t, e] += (F32(1) / (ex[t, c * E + e] + F32(1))) * sn[t, c * E + e]
         for e in range(E):
             out[t, e] = F32(np.float64(out[t, e]) / np.float64(hc))
-
-
-_mix_tail_serial = _mix_tail.serial  # (a dispatcher _mix_tail_exp can call)
 
 
 def inject_reference(streams: np.ndarray, block_out: np.ndarray, w: np.ndarray) -> None:

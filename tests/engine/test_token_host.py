@@ -18,7 +18,6 @@ import pytest
 from strata.engine import hyper
 from strata.engine.backend import CpuBackend
 from strata.engine.batch import Seq
-from strata.engine.kernels.actq import ActQ
 from strata.engine.weights import Input
 
 F32 = np.float32
@@ -68,56 +67,6 @@ def test_lowrank_gates_are_the_reference(inject):
     assert same_bits(a, want_a)
     if inject:
         assert same_bits(w, want_w)
-
-
-@pytest.mark.parametrize("inject", [True, False])
-def test_a_mix_s_gates_in_one_launch_are_lowrank_gates_and_its_actq(inject):
-    # hyper.lowrank_gates_q (the token's form: numpy's exp called from the kernel, nploops) against
-    # lowrank_gates' passes and quantize_act of their output; exps that overflow and underflow
-    from strata.engine.kernels import nploops
-    from strata.engine.kernels.actq import NonFiniteActivation, quantize_act
-
-    if not nploops.EXP:
-        pytest.fail(f"np.exp's float32 loop could not be read from numpy {np.__version__} (tests/engine/test_nploops.py)")
-    rng = np.random.default_rng(4)
-    R, hc = 320, 4
-    d, inj = spread(rng, (1, R), 2.0), spread(rng, (1, hc), 2.0) if inject else None
-    d[0, 6:9] = [-400.0, 400.0, 1e-38]
-    if inj is not None:
-        inj[0, 2:] = [-200.0, 1e-38]
-    want_a, ex = np.empty((1, R), F32), np.empty((1, R), F32)
-    want_w, exw = (np.empty((1, hc), F32), np.empty((1, hc), F32)) if inject else (None, None)
-    with np.errstate(over="ignore"):
-        hyper.lowrank_gates(d.copy(), None if inj is None else inj.copy(), F32(hc), want_a, want_w, ex, exw)
-    a, w = np.full((1, R), 5.0, F32), np.full((1, hc), 5.0, F32) if inject else None
-    act = ActQ.empty((1, R))
-    hyper.lowrank_gates_q(d.copy(), None if inj is None else inj.copy(), F32(hc), a, w, ex, exw, act)
-    assert same_bits(a, want_a)
-    if inject:
-        assert same_bits(w, want_w)
-    ref = quantize_act(want_a)
-    assert all(np.array_equal(getattr(act, k), getattr(ref, k)) for k in ("q", "d", "s16"))
-    d[0, 17] = np.nan
-    with pytest.raises(NonFiniteActivation, match=r"non-finite activation nan at index \(0, 17\)"):
-        hyper.lowrank_gates_q(d, None if inj is None else inj.copy(), F32(hc), a, w, ex, exw, act)
-
-
-@pytest.mark.parametrize("T", [1, 3, 16])
-def test_mix_tail_in_one_launch_is_the_reference(T, monkeypatch):
-    # a token's mix_tail (numpy's exp called from the kernel, below PARALLEL_ROWS rows) and the
-    # numpy exp's form (16 rows, and any T with the loop turned off) against mix_tail_reference
-    from strata.engine.kernels import nploops
-
-    rng = np.random.default_rng(T)
-    hc, E = 4, 96
-    u, sn = spread(rng, (T, hc * E), 10.0), spread(rng, (T, hc * E))
-    u[0, :2] = [-200.0, 200.0]  # exp(200): the saturated sigmoid, inf in every form
-    with np.errstate(over="ignore"):
-        want = hyper.mix_tail_reference(u, sn, hc)
-        got = hyper.mix_tail(u.copy(), sn, np.empty((T, E), F32))
-        monkeypatch.setattr(nploops, "EXP", 0)
-        numpy_exp = hyper.mix_tail(u.copy(), sn, np.empty((T, E), F32))
-    assert same_bits(got, want) and same_bits(numpy_exp, want)
 
 
 def test_the_norm_and_its_actq_at_the_production_width():
