@@ -49,7 +49,7 @@ done
 # where qwen4exp's 8-thread token goes, launch by launch (the time between launches is host work)
 timeout 120 python3 benchmarks/token_launches.py --arch qwen4exp --threads 8 --tokens 12 --top 24 2>&1 | tail -30
 timeout 300 python3 benchmarks/switch_ab.py - STRATA_ROWDOT_PREFETCH_CACHE=l1 OMP_PROC_BIND=close,OMP_PLACES=cores OMP_WAIT_POLICY=PASSIVE \
-    --threads 8 --rounds 3 --tokens 24 2>&1 | tail -8
+    --threads 8 --rounds 2 --tokens 24 2>&1 | tail -8  # (~8 processes: the l1 side compiles its kernels first)
 lb qwen4exp -t $PROMPT_THREADS -p 512,4096 -n 0 -r 2
 for L in 512 4096; do
     timeout 150 python3 benchmarks/prefill.py --threads $PROMPT_THREADS --lengths $L --sweep $PROMPT_THREADS 2>&1 | grep -v -i compil | tail -12
