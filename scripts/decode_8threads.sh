@@ -8,6 +8,8 @@
 #   - settings read at a process's start, at 8 threads, each side its own process, rotated
 #     (benchmarks/switch_ab.py): the default against the token kernels' prefetch into L1 (the code
 #     before 2026-12-04), OpenMP's threads bound to cores, and its pool sleeping between launches;
+#   - what a product's stream costs the host step after it, with the main thread streaming its share
+#     or not (benchmarks/master_cache.py, 8 and 4 streaming threads: seconds);
 #   - the prompt at PROMPT_THREADS (default 8), 512 and 4096 tokens: llama-bench pp, then
 #     benchmarks/prefill.py --sweep (qwen4exp).
 # llama.cpp runs first, then Strata: not interleaved (llama_cpp is not importable there). Machines of
@@ -50,6 +52,7 @@ done
 timeout 120 python3 benchmarks/token_launches.py --arch qwen4exp --threads 8 --tokens 12 --top 24 2>&1 | tail -30
 timeout 300 python3 benchmarks/switch_ab.py - STRATA_ROWDOT_PREFETCH_CACHE=l1 OMP_PROC_BIND=close,OMP_PLACES=cores OMP_WAIT_POLICY=PASSIVE \
     --threads 8 --rounds 2 --tokens 24 2>&1 | tail -8  # (~8 processes: the l1 side compiles its kernels first)
+for N in 8 4; do timeout 60 python3 benchmarks/master_cache.py --threads $N 2>&1 | tail -5; done
 lb qwen4exp -t $PROMPT_THREADS -p 512,4096 -n 0 -r 2
 for L in 512 4096; do
     timeout 150 python3 benchmarks/prefill.py --threads $PROMPT_THREADS --lengths $L --sweep $PROMPT_THREADS 2>&1 | grep -v -i compil | tail -12
