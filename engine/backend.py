@@ -311,6 +311,11 @@ class CpuBackend:
         output): a backend may make the two in one launch (the device step)."""
         return self.gdn_gates(beta, alpha, a, dt_bias), self.conv(state, w, x)
 
+    # T tokens of one sequence (q, k [T, nk, dk], v, out [T, nv, dv], g, beta [T, nv]) through the
+    # delta rule's token step, one after another, the state after token t copied into saved[t] (None:
+    # not kept), in one pass over the state: speculative decoding's verify rows on the CPU
+    delta_rule_rows = staticmethod(ops.delta_rule_rows)
+
     def qk_l2norm_(self, c: np.ndarray, n: int, nk: int, dk: int, scale: float):
         """The queries and keys of a Gated DeltaNet layer's conv output c [n, C] (its first nk dk
         columns, then the next nk dk), each head l2-normalised in place, the queries then scaled ->

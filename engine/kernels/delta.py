@@ -27,62 +27,109 @@ F32 = np.float32
 ROWS = 8  # independent add chains per pass: enough to cover the f32 add latency on 2 pipes
 
 
+@njit(inline="always", **JIT)
+def _dots8(Sh, j, x):
+    """Rows j .. j + 7 of Sh [dv, dk] dotted with x [dk]: eight add chains side by side, each in order."""
+    a0 = a1 = a2 = a3 = a4 = a5 = a6 = a7 = np.float32(0.0)
+    for i in range(Sh.shape[1]):
+        xi = x[i]
+        a0 += Sh[j, i] * xi
+        a1 += Sh[j + 1, i] * xi
+        a2 += Sh[j + 2, i] * xi
+        a3 += Sh[j + 3, i] * xi
+        a4 += Sh[j + 4, i] * xi
+        a5 += Sh[j + 5, i] * xi
+        a6 += Sh[j + 6, i] * xi
+        a7 += Sh[j + 7, i] * xi
+    return a0, a1, a2, a3, a4, a5, a6, a7
+
+
+@njit(inline="always", **JIT)
+def _rows8(Sh, j, qh, kh, vh, decay, bh, oh, dl):
+    """Value rows j .. j + 7 of one head's state Sh [dv, dk] through one token: qh, kh [dk] its
+    key head's query and key, vh, oh [dv] its values and output, dl [8] scratch."""
+    dk = Sh.shape[1]
+    for r in range(ROWS):
+        for i in range(dk):
+            Sh[j + r, i] = Sh[j + r, i] * decay
+    kv = _dots8(Sh, j, kh)
+    for r in range(ROWS):
+        dl[r] = (vh[j + r] - kv[r]) * bh
+    for r in range(ROWS):
+        d = dl[r]
+        for i in range(dk):
+            Sh[j + r, i] = Sh[j + r, i] + kh[i] * d
+    o = _dots8(Sh, j, qh)
+    for r in range(ROWS):
+        oh[j + r] = o[r]
+
+
+@njit(inline="always", **JIT)
+def _row1(Sh, j, qh, kh, vh, decay, bh, oh):
+    """Value row j alone (the rows past the last group of eight): the same steps."""
+    dk = Sh.shape[1]
+    kv = np.float32(0.0)
+    for i in range(dk):
+        Sh[j, i] = Sh[j, i] * decay
+        kv += Sh[j, i] * kh[i]
+    d = (vh[j] - kv) * bh
+    o = np.float32(0.0)
+    for i in range(dk):
+        Sh[j, i] = Sh[j, i] + kh[i] * d
+        o += Sh[j, i] * qh[i]
+    oh[j] = o
+
+
 def _rule(S, q, k, v, g, beta, out):
     nv, dv, dk = S.shape
     nk = q.shape[0]
     for h in prange(nv):
         kh = h % nk
         decay = np.float32(math.exp(g[h]))
-        bh = beta[h]
         dl = np.empty(ROWS, F32)
         j = 0
         while j + ROWS <= dv:
-            for r in range(ROWS):
-                for i in range(dk):
-                    S[h, j + r, i] = S[h, j + r, i] * decay
-            a0 = a1 = a2 = a3 = a4 = a5 = a6 = a7 = np.float32(0.0)
-            for i in range(dk):
-                ki = k[kh, i]
-                a0 += S[h, j, i] * ki
-                a1 += S[h, j + 1, i] * ki
-                a2 += S[h, j + 2, i] * ki
-                a3 += S[h, j + 3, i] * ki
-                a4 += S[h, j + 4, i] * ki
-                a5 += S[h, j + 5, i] * ki
-                a6 += S[h, j + 6, i] * ki
-                a7 += S[h, j + 7, i] * ki
-            dl[0], dl[1], dl[2], dl[3] = (v[h, j] - a0) * bh, (v[h, j + 1] - a1) * bh, (v[h, j + 2] - a2) * bh, (v[h, j + 3] - a3) * bh
-            dl[4], dl[5], dl[6], dl[7] = (v[h, j + 4] - a4) * bh, (v[h, j + 5] - a5) * bh, (v[h, j + 6] - a6) * bh, (v[h, j + 7] - a7) * bh
-            for r in range(ROWS):
-                d = dl[r]
-                for i in range(dk):
-                    S[h, j + r, i] = S[h, j + r, i] + k[kh, i] * d
-            a0 = a1 = a2 = a3 = a4 = a5 = a6 = a7 = np.float32(0.0)
-            for i in range(dk):
-                qi = q[kh, i]
-                a0 += S[h, j, i] * qi
-                a1 += S[h, j + 1, i] * qi
-                a2 += S[h, j + 2, i] * qi
-                a3 += S[h, j + 3, i] * qi
-                a4 += S[h, j + 4, i] * qi
-                a5 += S[h, j + 5, i] * qi
-                a6 += S[h, j + 6, i] * qi
-                a7 += S[h, j + 7, i] * qi
-            out[h, j], out[h, j + 1], out[h, j + 2], out[h, j + 3] = a0, a1, a2, a3
-            out[h, j + 4], out[h, j + 5], out[h, j + 6], out[h, j + 7] = a4, a5, a6, a7
+            _rows8(S[h], j, q[kh], k[kh], v[h], decay, beta[h], out[h], dl)
             j += ROWS
-        while j < dv:  # the rows past the last group of eight: one at a time, the same steps
-            kv = np.float32(0.0)
-            for i in range(dk):
-                S[h, j, i] = S[h, j, i] * decay
-                kv += S[h, j, i] * k[kh, i]
-            d = (v[h, j] - kv) * bh
-            o = np.float32(0.0)
-            for i in range(dk):
-                S[h, j, i] = S[h, j, i] + k[kh, i] * d
-                o += S[h, j, i] * q[kh, i]
-            out[h, j] = o
+        while j < dv:
+            _row1(S[h], j, q[kh], k[kh], v[h], decay, beta[h], out[h])
             j += 1
+
+
+def _rule_rows(S, q, k, v, g, beta, out, keep, snaps):
+    # T tokens of one sequence, each as `_rule`'s token step (speculative decoding's verify rows,
+    # which must have the token step's bits: the chunked form rounds otherwise), and the state
+    # after token t copied into snaps[keep[t]] where keep[t] >= 0. Each value row's recurrence
+    # needs only its own row, so a group of eight rows goes through all T tokens while it is in
+    # L1: one pass over S where T steps and their snapshots' copies made 2T - 1 (~6 ms of a
+    # seed-4l verify of 3 rows at 2 threads went to those copies and passes).
+    # q, k f32 [T, nk, dk]; v, out f32 [T, nv, dv]; g, beta f32 [T, nv]; keep i64 [T]
+    nv, dv, dk = S.shape
+    T, nk = q.shape[0], q.shape[1]
+    for h in prange(nv):
+        kh = h % nk
+        decay = np.empty(T, F32)
+        for t in range(T):
+            decay[t] = np.float32(math.exp(g[t, h]))
+        dl = np.empty(ROWS, F32)
+        j = 0
+        while j < dv:
+            n = ROWS if j + ROWS <= dv else 1  # the rows past the last group of eight: one at a time
+            for t in range(T):
+                if n == ROWS:
+                    _rows8(S[h], j, q[t, kh], k[t, kh], v[t, h], decay[t], beta[t, h], out[t, h], dl)
+                else:
+                    _row1(S[h], j, q[t, kh], k[t, kh], v[t, h], decay[t], beta[t, h], out[t, h])
+                if keep[t] >= 0:
+                    dst = snaps[keep[t]]
+                    for r in range(j, j + n):
+                        for i in range(dk):
+                            dst[h, r, i] = S[h, r, i]
+            j += n
+
+
+rule_rows_serial = cached(njit(**JIT)(_rule_rows), "delta-rule-rows-serial")
+rule_rows_parallel = cached(njit(parallel=True, **JIT)(_rule_rows), "delta-rule-rows-parallel")
 
 
 # two dispatchers of one function, each with its own disk-cache entry (see ops.py's delta rule)

@@ -227,6 +227,39 @@ def test_token_delta_rule_eight_rows_at_a_time_is_the_one_row_form(rng, dv):
         S0, v = want_S, v[::-1].copy()
 
 
+@pytest.mark.parametrize("dv", [16, 13], ids=["groups-of-8", "with-a-tail"])
+@pytest.mark.parametrize("kept", [(0, 1, None), (None, 0, None), (None, None, None, None), (0, 1, 2, None)],
+                         ids=["verify-1+2", "one-kept", "none-kept", "verify-1+3"])
+def test_a_verifys_rows_through_the_delta_rule_are_token_steps_and_their_snapshots(rng, dv, kept):
+    # ops.delta_rule_rows (speculative decoding's verify rows, one pass over the state): the state,
+    # each row's output and the state after each kept row are the token step's, to the bit, on the
+    # serial and the threaded kernel
+    from strata.engine.kernels import delta
+
+    nk, nv, dk, T = 2, 6, 40, len(kept)
+    q, k = rng.standard_normal((T, nk, dk)).astype(F32), rng.standard_normal((T, nk, dk)).astype(F32)
+    q /= np.linalg.norm(q, axis=-1, keepdims=True)
+    k /= np.linalg.norm(k, axis=-1, keepdims=True)
+    v, S0 = values(rng, (T, nv, dv)), values(rng, (nv, dv, dk), 0.1)
+    g, beta = -rng.random((T, nv)).astype(F32) * 3, rng.random((T, nv)).astype(F32)
+    want_S, want_o, want_snaps = S0.copy(), np.empty((T, nv, dv), F32), {}
+    for t in range(T):
+        ops.delta_rule_step(want_S, q[t], k[t], v[t], g[t], beta[t], want_o[t])
+        if kept[t] is not None:
+            want_snaps[kept[t]] = want_S.copy()
+    for parallel_min in (1 << 30, 1):  # the serial kernel, then the threaded one
+        ops_min, ops.PARALLEL_MIN_STATE = ops.PARALLEL_MIN_STATE, parallel_min
+        try:
+            S, o = S0.copy(), np.empty((T, nv, dv), F32)
+            snaps = {i: np.full_like(S0, np.nan) for i in want_snaps}
+            ops.delta_rule_rows(S, q, k, v, g, beta, o, [None if i is None else snaps[i] for i in kept])
+        finally:
+            ops.PARALLEL_MIN_STATE = ops_min
+        assert same_bits(S, want_S) and same_bits(o, want_o), parallel_min
+        assert all(same_bits(snaps[i], want_snaps[i]) for i in want_snaps), parallel_min
+    assert delta.rule_rows_serial.signatures and delta.rule_rows_parallel.signatures  # both ran
+
+
 def test_attention_tiles_read_their_own_key_range_and_match_float64(rng, threads):
     # Each tile of queries reads keys from its first visible one to its last (ops.attention):
     # rows whose keys start late, end early, or are a single key, tiles of 1, 3 and all 13 queries
