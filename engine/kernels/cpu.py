@@ -696,6 +696,17 @@ ROWDOT_ROWS_MAX = rowdot.ROWS_MAX
 # back: from 2 tokens (the LM head from memory, 1 thread, CPU time: 2 tokens 38-40 ms on the raw
 # panel against 44-62 on the row kernel, one token's matvec 28-34).
 PANEL_FROM_RAW = 2
+# ... except where each block unpacked once for every token (rowdot.ROW_FEW) beats the panel: rows
+# of at least FEW_MIN_IN elements and at most FEW_MAX_ROWS activation rows (a wide form's token is
+# two). One thread, seed-4l, the panel's time against ROW_FEW's (2026-12-05): the Q8_0 head 2 / 3 /
+# 4 tokens 0.86-0.91 / 0.96-0.98 / 1.02-1.14, Q4_0 2560 x 6144 0.82 / 0.91 / 1.01, IQ4_NL 6144 x
+# 2560 0.76 / 0.89 / 0.95, Q8_0 10240 x 320 0.86 / 0.89 / 1.20; the short rows lose (Q8_0 320 x
+# 10240 1.40 / 1.63 / 1.96, IQ4_NL 640 x 2560 0.97 / 1.14 / 1.28): the per-row fold and tail are
+# paid per token there, where a panel spreads them over 16 rows. A whole verify forward (seed-4l
+# qwen4exp, 2 threads, benchmarks/spec.py, alternated processes): 2 rows 76.8, 77.4 -> 73.5, 73.2 ms
+# (1.05x); 3 rows 91.1, 91.8 -> 92.2, 93.2 (nothing), so 3 rows keep the panel.
+FEW_MIN_IN = 2048
+FEW_MAX_ROWS = 2
 # matmul_grouped has no one-token kernel of its own: its row kernel decodes each row into scratch.
 # So there the raw panels take even one token per matrix (the routed experts of a serving step or
 # of one token): IQ4_NL down projections, 2560 x 640, one token per expert, 1 thread, CPU time:
@@ -863,8 +874,10 @@ def _multiply(name: str, raw, type_id: int, n_in: int, n_out: int, act, out, one
     # a verify's few rows: rowdot.matmul, unless a raw panel takes them (panel.RAW: the LM head of
     # seed-4l, Q8_0, 1 thread, CPU time: 2 / 3 / 4 tokens 36.8 / 60.0 / 70.6 ms through rowdot.matmul,
     # 36.2 / 46.1 / 46.2 through the raw panel, the same bits; 2026-12-01)
+    few = rowdot.few_rows(t.name, n_tok, d.shape[1] == 2 * (n_in // QA), planes16) and n_in >= FEW_MIN_IN \
+        and n_tok <= FEW_MAX_ROWS if t.quantized and not one else False  # (n_tok: the wide form's plane rows)
     if not one and 2 <= n_tok <= ROWDOT_ROWS_MAX and t.name in rowdot.TYPES and rowdot.AVAILABLE \
-            and not (t.name in panel.RAW and _use_panel(t, n_tok, n_out)):
+            and (few or not (t.name in panel.RAW and _use_panel(t, n_tok, n_out))):
         parallel, chunks = _launch(n_out, n_in * n_out * n_tok)
         rowdot.matmul(t.name, raw, t.row_bytes(n_in), q, d, s16, out2, parallel, chunks, wide=planes16)
         return out

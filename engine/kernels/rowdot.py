@@ -198,17 +198,31 @@ def _row(name: str, fine: bool, full: bool = False):
     return impl
 
 
-def _codegen(context, builder, sig, args, name, fine, wide=False, full=False):
+def _codegen(context, builder, sig, args, name, fine, wide=False, full=False, few=0):
     size, offset = TYPES[name]
     f16v, i16v = ir.VectorType(ir.FloatType(), 16), ir.VectorType(I32, 16)
     v32, v64 = ir.VectorType(I8, 32), ir.VectorType(I8, 64)
     p, nb = (context.cast(builder, args[k], sig.args[k], types.intp) for k in (1, 2))
     base = {}
-    # wide: args 5 and 6 are the hi and the lo plane's block sums (xs, xs_lo); xq holds both planes
-    for k, arr in ((0, "raw"), (3, "xq"), (4, "xd"), (5, "xs" if wide else "xd1"), (6, "xs_lo" if wide else "xs")):
+    # wide: args 5 and 6 are the hi and the lo plane's block sums (xs, xs_lo); xq holds both planes.
+    # few: args 3-5 are xq [few, n_in], xd [few, P], xs [few, P] (P: nb rounded up to 16)
+    names = ((0, "raw"), (3, "xq"), (4, "xd"), (5, "xs")) if few else \
+        ((0, "raw"), (3, "xq"), (4, "xd"), (5, "xs" if wide else "xd1"), (6, "xs_lo" if wide else "xs"))
+    for k, arr in names:
         base[arr] = context.make_array(sig.args[k])(context, builder, args[k]).data
-    planes = 2 if wide else 1
-    n_in = builder.mul(nb, ir.Constant(I64, QA))  # the lo plane's first byte in xq
+    n_in = builder.mul(nb, ir.Constant(I64, QA))  # the lo plane's (a few-token row's: token 1's) first byte in xq
+    zero = ir.Constant(I64, 0)
+    # the activation streams the weights are multiplied by, each unpacked block once for all:
+    # (first byte in xq, first scale in xd, block sums' array and first index, may hold -128)
+    if few:
+        P = builder.mul(builder.udiv(builder.add(nb, ir.Constant(I64, 15)), ir.Constant(I64, 16)), ir.Constant(I64, 16))
+        acts = [(builder.mul(n_in, ir.Constant(I64, t)), builder.mul(P, ir.Constant(I64, t)), "xs",
+                 builder.mul(P, ir.Constant(I64, t)), full) for t in range(few)]  # fmt: skip
+    elif wide:
+        acts = [(zero, zero, "xs", zero, full), (n_in, zero, "xs_lo", zero, True)]
+    else:
+        acts = [(zero, zero, "xs", zero, full)]
+    planes = len(acts)
 
     def ptr(arr, idx, ty):
         return builder.bitcast(builder.gep(base[arr], [idx]), ty.as_pointer())
@@ -248,14 +262,14 @@ def _codegen(context, builder, sig, args, name, fine, wide=False, full=False):
                     halves.append(builder.load(ptr("raw", at, I16), align=1))
                 w = builder.shuffle_vector(w[0], w[1], simd._mask(64, range(64)))
             for pl in range(planes):  # the weights unpacked once, multiplied by each plane
-                o = n_in if pl else ir.Constant(I64, 0)
+                o = acts[pl][0]
                 if tail and not paired:
                     x = [builder.load(ptr("xq", builder.add(o, builder.mul(i, ir.Constant(I64, QA))), v32), align=1)
                          for i in blocks[2 * j : 2 * j + 2]]  # fmt: skip
                     x = builder.shuffle_vector(x[0], x[1], simd._mask(64, range(64)))
                 else:  # the pair's activations are contiguous: one 64-byte load
                     x = builder.load(ptr("xq", builder.add(o, builder.mul(blocks[2 * j], ir.Constant(I64, QA))), v64), align=1)
-                all_vecs[pl].append(simd.dot_quads(builder, w, x, offset, x_full=full or bool(pl)))
+                all_vecs[pl].append(simd.dot_quads(builder, w, x, offset, x_full=acts[pl][4]))
         vecs = all_vecs[0]
         if not tail and n == 16:  # the group's bytes as words (all inside the row), the 16 scales picked out
             if paired:  # 8 blocks, each scale twice
@@ -289,13 +303,14 @@ def _codegen(context, builder, sig, args, name, fine, wide=False, full=False):
                 term = builder.select(live, term, neg0)
             builder.store(builder.fadd(builder.load(acc[0][h]), term), acc[0][h])
             return
-        ad = builder.load(ptr("xd", b, f16v), align=4)
-        wad = builder.fmul(wf, ad)
-        for pl in range(planes):
+        wad = None
+        for pl, (_, xd_at, xs_arr, xs_at, _) in enumerate(acts):
+            if wad is None or few:  # (the wide form's planes share their scales)
+                wad = builder.fmul(wf, builder.load(ptr("xd", builder.add(xd_at, b), f16v), align=4))
             # lane g = block b + g (n = 8: g < 8), the weights offset. AVX2: vphaddd levels, where
             # LLVM's split of the 512-bit shuffles took ~4 instructions per block (the LM head)
             r = _block_totals(builder, all_vecs[pl]) if AVX2 else simd._reduce_groups(builder, all_vecs[pl], 2, 8)
-            isum = builder.sub(r, builder.mul(builder.load(ptr("xs_lo" if pl else "xs", b, i16v), align=4), off))
+            isum = builder.sub(r, builder.mul(builder.load(ptr(xs_arr, builder.add(xs_at, b), i16v), align=4), off))
             term = builder.fmul(wad, builder.sitofp(isum, f16v))
             if tail:
                 term = builder.select(live, term, neg0)
@@ -337,12 +352,26 @@ def _codegen(context, builder, sig, args, name, fine, wide=False, full=False):
             v = builder.fadd(builder.shuffle_vector(v, v, simd._mask(w, range(w))), builder.shuffle_vector(v, v, simd._mask(w, range(w, 2 * w))))
             w //= 2
         folded.append(builder.extract_element(v, ir.Constant(I32, 0)))
+    if few:
+        return context.make_tuple(builder, sig.return_type, folded)
     if wide:  # actq.combine16: 256 y_hi (exact) + y_lo
         return builder.fadd(builder.fmul(ir.Constant(ir.FloatType(), 256.0), folded[0]), folded[1])
     return folded[0]
 
 
 ROW = {(name, fine): intrinsic(_row(name, fine)) for name in TYPES for fine in (False, True)}
+
+
+def _row_few(name: str, T: int):
+    def impl(typingctx, raw, p, nb, xq, xd, xs):
+        """The dots of the `name` row at byte p of raw (nb blocks) with T tokens' ActQ, each block
+        unpacked once for all of them: xq (int8 [T, nb * 32], C order), xd (f32 [T, P], a scale per
+        block) and xs (int32 [T, P], block sums), P = nb rounded up to 16, zero past nb -> a T-tuple
+        of f32, each bit for bit ROW's for its token (the same ops per token, in the same order)."""
+        return types.UniTuple(types.float32, T)(raw, p, nb, xq, xd, xs), \
+            lambda context, builder, sig, args: _codegen(context, builder, sig, args, name, False, few=T)
+
+    return impl
 
 # The types whose one-token products need the full path for an input that can hold -128. On AVX2
 # (no vpdpbusd) simd.dot_quads multiplies the offset-128 types (Q8_0, IQ4_NL: weights up to 255 as
@@ -477,6 +506,45 @@ def _rows_kernel(name: str, parallel: bool, fine: bool, lo_full: bool = False):
 
 _ROWS_KERNELS: dict[tuple[str, bool, bool, bool], object] = {}
 
+# A verify's 2-4 rows (or a serving step's streams) through ROW_FEW: each block of a weight row
+# unpacked once and multiplied by every token's activations, where _rows_kernel ran the one-token
+# row function token by token (the unpack, the scale loads and the prefetch again per token).
+# STRATA_ROWDOT_FEW=0 keeps _rows_kernel and the raw panels (cpu._multiply), for comparison.
+FEW = os.environ.get("STRATA_ROWDOT_FEW", "1") != "0"
+ROW_FEW = {(name, T): intrinsic(_row_few(name, T)) for name in TYPES for T in range(2, ROWS_MAX + 1)}
+
+
+def _few_kernel(name: str, parallel: bool, T: int):
+    row = ROW_FEW[name, T]
+
+    def kernel(raw, row_bytes, xq, xd, s16, out, n_chunks):
+        # xq i8 [T, n_in] (C order); xd f32 [T, nb]; s16 i32 [T, 2 nb]; out f32 [T, n_out]
+        nb = xq.shape[1] // QA
+        P = (nb + 15) // 16 * 16
+        xd0 = np.zeros((T, P), F32)
+        xs = np.zeros((T, P), np.int32)
+        for t in range(T):
+            for b in range(nb):
+                xd0[t, b] = xd[t, b]
+                xs[t, b] = s16[t, 2 * b] + s16[t, 2 * b + 1]
+        n_out = out.shape[1]
+        for c in prange(n_chunks):
+            for o in range(c * n_out // n_chunks, (c + 1) * n_out // n_chunks):
+                r = row(raw, o * row_bytes, nb, xq, xd0, xs)
+                for t in range(T):
+                    out[t, o] = r[t]
+
+    return cached(njit(parallel=parallel, **JIT)(kernel), f"{name}-rowdot-few{T}-{'par' if parallel else 'serial'}{_tag(name)}")
+
+
+_FEW_KERNELS: dict[tuple[str, bool, int], object] = {}
+
+
+def few_rows(name: str, rows: int, fine: bool, wide: bool) -> bool:
+    """Whether `matmul` takes `rows` activation rows (a wide form's planes: two a token) of `name`
+    through ROW_FEW (one unpack per block for all of them)."""
+    return FEW and not fine and 2 <= rows <= ROWS_MAX and not needs_full(name, wide)
+
 
 def matmul(name: str, raw: np.ndarray, row_bytes: int, xq: np.ndarray, xd: np.ndarray, s16: np.ndarray, out: np.ndarray,
            parallel: bool, n_chunks: int, wide: bool = False) -> None:  # fmt: skip
@@ -486,6 +554,13 @@ def matmul(name: str, raw: np.ndarray, row_bytes: int, xq: np.ndarray, xd: np.nd
     actq.ActQ16's planes (row 2t the hi plane of token t, 2t + 1 its lo plane, which holds -128):
     the lo rows of the ROW_FULL types take the full path (needs_full), the others as above."""
     fine = xd.shape[1] == 2 * (xq.shape[1] // QA)
+    T = xq.shape[0]
+    if few_rows(name, T, fine, wide) and xq.flags.c_contiguous:
+        key = (name, parallel, T)
+        if key not in _FEW_KERNELS:
+            _FEW_KERNELS[key] = _few_kernel(*key)
+        _FEW_KERNELS[key](raw, row_bytes, xq, xd, s16, out, n_chunks)
+        return
     key = (name, parallel, fine, needs_full(name, wide) and not fine)
     if key not in _ROWS_KERNELS:
         _ROWS_KERNELS[key] = _rows_kernel(*key)

@@ -611,17 +611,23 @@ def test_kernels_load_from_the_disk_cache_in_a_new_process(tmp_path):
     assert list(tmp_path.rglob("strata-Q4_1-serial-*.nbc")), sorted(p.name for p in tmp_path.rglob("*"))
 
 
+@pytest.mark.parametrize("few", [True, False], ids=["unpacked-once", "token-by-token"])
 @pytest.mark.parametrize("n_tok", [2, 3, 4])
 @pytest.mark.parametrize("parallel", [False, True], ids=["serial", "parallel"])
 @pytest.mark.parametrize("name", [*ROWDOT_TYPES, "Q2_0"])
-def test_a_few_tokens_take_the_token_kernels_bits_with_each_row_read_once(name, parallel, n_tok):
+def test_a_few_tokens_take_the_token_kernels_bits_with_each_row_read_once(name, parallel, n_tok, few, monkeypatch):
     # speculative decoding's verify forward (2-4 rows) multiplies through rowdot.matmul: each
     # token's result must be the one-token kernel's to the bit (greedy --spec N is --spec 0's).
     # Rows of 17 act-blocks (a 16-block group and 1), 20 (16 and 4: the expert downs), 80 (whole
-    # groups); Q2_0's in pairs (Q2_SIZES). The wide form's planes (2 a token) too.
+    # groups); Q2_0's in pairs (Q2_SIZES). The wide form's planes (2 a token) too. Both kernels:
+    # each block unpacked once for every token (ROW_FEW, up to 4 activation rows) and the
+    # one-token row function token by token (_rows_kernel: more rows, the fine form, FEW off).
     from strata.engine.kernels.actq import WIDE, quantize_act16
 
     rowdot = _need_rowdot()
+    monkeypatch.setattr(rowdot, "FEW", few)
+    monkeypatch.setattr(rowdot, "_FEW_KERNELS", {})  # (so that the checks below see this test's calls)
+    monkeypatch.setattr(rowdot, "_ROWS_KERNELS", {})
     t = BY_NAME[name]
     for n_in in Q2_SIZES[:3] if name == "Q2_0" else (544, 640, 2560):
         raw = random_weights(t, n_in * 37, np.random.default_rng(n_tok + t.id + n_in))
@@ -640,7 +646,30 @@ def test_a_few_tokens_take_the_token_kernels_bits_with_each_row_read_once(name, 
                 alone = [cpu.matvec(raw, t.id, n_in, 37, wide.row(i)) for i in range(n_tok)]
             for i in range(n_tok):
                 _same(got[i], alone[i], f"{name} [{n_in} x 37] wide, token {i} of {n_tok} vs alone")
-    assert rowdot._ROWS_KERNELS[name, parallel, False, False].signatures, "the few-token kernel was not taken"
+            if few and 2 * n_tok <= rowdot.ROWS_MAX and not rowdot.needs_full(name, True):
+                assert rowdot._FEW_KERNELS[name, parallel, 2 * n_tok].signatures, "ROW_FEW was not taken for the planes"
+    if few:
+        assert rowdot._FEW_KERNELS[name, parallel, n_tok].signatures, "ROW_FEW was not taken"
+    else:
+        assert rowdot._ROWS_KERNELS[name, parallel, False, False].signatures, "the token-by-token kernel was not taken"
+
+
+def test_two_tokens_of_long_rows_take_the_few_token_rows_and_the_rest_the_raw_panel(monkeypatch):
+    # cpu._multiply's rule (FEW_MIN_IN, FEW_MAX_ROWS: where ROW_FEW was measured faster than the
+    # raw panel): 2 tokens of 2560-long Q8_0 rows take ROW_FEW; 3 tokens, or rows of 320, the panel
+    rowdot = _need_rowdot()
+    from strata.engine.kernels import panel
+
+    if "Q8_0" not in panel.RAW:
+        pytest.skip("no raw panel on this host: 2-4 tokens always take rowdot.matmul")
+    t = BY_NAME["Q8_0"]
+    taken = []
+    monkeypatch.setattr(rowdot, "matmul", lambda *a, **k: taken.append("rows") or None)
+    monkeypatch.setattr(cpu, "_panel", lambda *a, **k: lambda *b: taken.append("panel"))
+    for n_in, n_tok in ((2560, 2), (2560, 3), (320, 2)):
+        raw = random_weights(t, n_in * 37, np.random.default_rng(n_in))
+        cpu.matmul(raw, t.id, n_in, 37, quantize_act(_acts(n_in, n_tok, n_in)))
+    assert taken == ["rows", "panel", "panel"]
 
 
 # The quant bytes of a block (what the extreme values overwrite; the fp16 and sub-block scales stay
@@ -700,10 +729,18 @@ def test_every_token_kernel_form_is_exact_at_the_extreme_values(name):
     def one8(i):
         return ActQ(act.q[i], act.d[i], act.s16[i])
 
+    def both_row_kernels(got, what):  # rowdot.matmul's two kernels: each block unpacked once, token by token
+        for few in (True, False):
+            rowdot.FEW = few
+            try:
+                got(f"{what}, {'unpacked once' if few else 'token by token'}")
+            finally:
+                rowdot.FEW = True
+
     with cpu_path(False):
         cpu.ROWDOT_ROWS_MAX = rowdot.ROWS_MAX  # cpu_path pins the row kernels; 2-4 rows take rowdot.matmul here
         check(cpu.matvec(raw, t.id, n_in, n_out, one8(0)), one8(0), "8-bit matvec")
-        check(cpu.matmul(raw, t.id, n_in, n_out, act), act, "8-bit, 2 rows")
+        both_row_kernels(lambda what: check(cpu.matmul(raw, t.id, n_in, n_out, act), act, what), "8-bit, 2 rows")
         out = np.full(n_out, np.nan, np.float32)
         cpu.matvec_many([(raw, t.id, n_in, n_out, out), (raw, t.id, n_in, n_out, np.empty(n_out, np.float32))], one8(1))
         check(out, one8(1), "8-bit in one region")
@@ -713,6 +750,7 @@ def test_every_token_kernel_form_is_exact_at_the_extreme_values(name):
         check(got, act, "one token per expert")
         if name in rowdot.TYPES:
             assert rowdot._KERNELS[name, False, False].signatures and rowdot._ROWS_KERNELS[name, False, False, False].signatures
+            assert rowdot._FEW_KERNELS[name, False, 2].signatures
         if name in rowdot.TYPES and name not in rowdot.PAIRED:  # the fine form (a scale per 16): rowdot.matvec itself
             d16 = np.ones(n_in // 16, np.float32)
             fine = np.empty(n_out, np.float32)
@@ -726,7 +764,7 @@ def test_every_token_kernel_form_is_exact_at_the_extreme_values(name):
         check(cpu.matvec(raw, t.id, n_in, n_out, wide.row(0)), wide.row(0), "wide matvec")
         one_row = wide.take(np.array([1]))
         check(cpu.matmul(raw, t.id, n_in, n_out, one_row), one_row, "wide, 1 row")
-        check(cpu.matmul(raw, t.id, n_in, n_out, wide), wide, "wide, 2 rows (4 plane rows)")
+        both_row_kernels(lambda what: check(cpu.matmul(raw, t.id, n_in, n_out, wide), wide, what), "wide, 2 rows (4 plane rows)")
         out, out8 = np.full(n_out, np.nan, np.float32), np.full(n_out, np.nan, np.float32)
         cpu.matvec_many([(raw, t.id, n_in, n_out, out), (raw, t.id, n_in, n_out, out8)], [wide.row(1), one8(0)])
         check(out, wide.row(1), "wide in one region")
@@ -734,6 +772,8 @@ def test_every_token_kernel_form_is_exact_at_the_extreme_values(name):
         assert rowdot._KERNELS[name, False, "wide"].signatures, "the wide token kernel was not taken"
         key = (name, False, False, rowdot.needs_full(name, True))  # the lo rows by the full path on AVX2
         assert rowdot._ROWS_KERNELS[key].signatures, "rowdot.matmul was not taken for the wide form's planes"
+        if name in rowdot.TYPES and not rowdot.needs_full(name, True):
+            assert rowdot._FEW_KERNELS[name, False, 4].signatures, "ROW_FEW was not taken for the wide form's planes"
 
 
 def _extreme_iq_weights(t, n_in: int, n_out: int, seed: int) -> np.ndarray:
