@@ -247,6 +247,10 @@ def main(argv=None) -> int:
 
 def _measure(a, model, tier) -> int:
     model.warm_up()
+    if tier is None:  # the rows' experts and embeddings from memory, not the disk (decode.py's pretouch)
+        from decode import pretouch
+
+        print(f"read every expert byte, the PLE table and the embeddings once: {pretouch(model):.1f} s", file=sys.stderr)
     g = model.geometry
     where = "; the device step, every expert resident" + (" (EMULATED)" if a.emulate else "") if tier else ""
     print(f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; {platform.node()}, {platform.processor() or platform.machine()}, "

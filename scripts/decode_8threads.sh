@@ -10,6 +10,7 @@
 #     before 2026-12-04), OpenMP's threads bound to cores, and its pool sleeping between launches;
 #   - what a product's stream costs the host step after it, with the main thread streaming its share
 #     or not (benchmarks/master_cache.py, 8 and 4 streaming threads: seconds);
+#   - what verifying 1 + N rows costs against a token step at 8 threads (benchmarks/spec.py --cost-only);
 #   - the prompt at PROMPT_THREADS (default 8), 512 and 4096 tokens: llama-bench pp, then
 #     benchmarks/prefill.py --sweep (qwen4exp).
 # llama.cpp runs first, then Strata: not interleaved (llama_cpp is not importable there). Machines of
@@ -53,6 +54,8 @@ timeout 120 python3 benchmarks/token_launches.py --arch qwen4exp --threads 8 --t
 timeout 300 python3 benchmarks/switch_ab.py - STRATA_ROWDOT_PREFETCH_CACHE=l1 OMP_PROC_BIND=close,OMP_PLACES=cores OMP_WAIT_POLICY=PASSIVE \
     --threads 8 --rounds 2 --tokens 24 2>&1 | tail -8  # (~8 processes: the l1 side compiles its kernels first)
 for N in 8 4; do timeout 60 python3 benchmarks/master_cache.py --threads $N 2>&1 | tail -5; done
+# speculative decoding's verify forward against the token step at 8 threads (issue 17's CPU figure)
+timeout 120 python3 benchmarks/spec.py --cost-only --threads 8 --rounds 5 --no-mtp 2>&1 | tail -5
 lb qwen4exp -t $PROMPT_THREADS -p 512,4096 -n 0 -r 2
 for L in 512 4096; do
     timeout 150 python3 benchmarks/prefill.py --threads $PROMPT_THREADS --lengths $L --sweep $PROMPT_THREADS 2>&1 | grep -v -i compil | tail -12
