@@ -7,9 +7,9 @@
 #   - qwen4exp's 8-thread token launch by launch (benchmarks/token_launches.py);
 #   - settings read at a process's start, at 8 threads, each side its own process, rotated
 #     (benchmarks/switch_ab.py): the default against the token kernels' prefetch into L1 (the code
-#     before 2026-12-04), OpenMP's threads bound to cores, and its pool sleeping between launches;
-#   - what a product's stream costs the host step after it, with the main thread streaming its share
-#     or not (benchmarks/master_cache.py, 8 and 4 streaming threads: seconds);
+#     before 2026-12-04), OpenMP's threads bound to cores, and the main thread only orchestrating
+#     (STRATA_MAIN_ORCHESTRATES=1: 7 streaming threads); then at 9 threads, 9 streaming against 8
+#     and the orchestrating main thread;
 #   - what verifying 1 + N rows costs against a token step at 8 threads (benchmarks/spec.py --cost-only);
 #   - the prompt at PROMPT_THREADS (default 8), 512 and 4096 tokens: llama-bench pp, then
 #     benchmarks/prefill.py --sweep (qwen4exp).
@@ -51,9 +51,11 @@ for A in $ARCHS; do
 done
 # where qwen4exp's 8-thread token goes, launch by launch (the time between launches is host work)
 timeout 120 python3 benchmarks/token_launches.py --arch qwen4exp --threads 8 --tokens 12 --top 24 2>&1 | tail -30
-timeout 300 python3 benchmarks/switch_ab.py - STRATA_ROWDOT_PREFETCH_CACHE=l1 OMP_PROC_BIND=close,OMP_PLACES=cores OMP_WAIT_POLICY=PASSIVE \
-    --threads 8 --rounds 2 --tokens 24 2>&1 | tail -8  # (~8 processes: the l1 side compiles its kernels first)
-for N in 8 4; do timeout 60 python3 benchmarks/master_cache.py --threads $N 2>&1 | tail -5; done
+timeout 300 python3 benchmarks/switch_ab.py - STRATA_ROWDOT_PREFETCH_CACHE=l1 OMP_PROC_BIND=close,OMP_PLACES=cores STRATA_MAIN_ORCHESTRATES=1 \
+    --threads 8 --rounds 2 --tokens 24 2>&1 | tail -8  # (~8 processes: the l1 and orchestrated sides compile their kernels first)
+# the main thread orchestrating beside 8 streaming threads (9 in all) against 9 streaming: read with
+# the 8-thread default above (the same machine, minutes apart)
+timeout 200 python3 benchmarks/switch_ab.py - STRATA_MAIN_ORCHESTRATES=1 --threads 9 --rounds 2 --tokens 24 2>&1 | tail -4
 # speculative decoding's verify forward against the token step at 8 threads (issue 17's CPU figure)
 timeout 120 python3 benchmarks/spec.py --cost-only --threads 8 --rounds 5 --no-mtp 2>&1 | tail -5
 lb qwen4exp -t $PROMPT_THREADS -p 512,4096 -n 0 -r 2

@@ -21,6 +21,7 @@ import math
 import numpy as np
 from numba import njit, prange
 
+from . import simd
 from .jit import JIT, cached, cached_njit
 
 F32 = np.float32
@@ -80,20 +81,24 @@ def _row1(Sh, j, qh, kh, vh, decay, bh, oh):
     oh[j] = o
 
 
+@njit(inline="always", **JIT)
+def _head(h, a):
+    S, q, k, v, g, beta, out = a
+    dv = S.shape[1]
+    kh = h % q.shape[0]
+    decay = np.float32(math.exp(g[h]))
+    dl = np.empty(ROWS, F32)
+    j = 0
+    while j + ROWS <= dv:
+        _rows8(S[h], j, q[kh], k[kh], v[h], decay, beta[h], out[h], dl)
+        j += ROWS
+    while j < dv:
+        _row1(S[h], j, q[kh], k[kh], v[h], decay, beta[h], out[h])
+        j += 1
+
+
 def _rule(S, q, k, v, g, beta, out):
-    nv, dv, dk = S.shape
-    nk = q.shape[0]
-    for h in prange(nv):
-        kh = h % nk
-        decay = np.float32(math.exp(g[h]))
-        dl = np.empty(ROWS, F32)
-        j = 0
-        while j + ROWS <= dv:
-            _rows8(S[h], j, q[kh], k[kh], v[h], decay, beta[h], out[h], dl)
-            j += ROWS
-        while j < dv:
-            _row1(S[h], j, q[kh], k[kh], v[h], decay, beta[h], out[h])
-            j += 1
+    simd.run_queue(S.shape[0], S.shape[0], _head, (S, q, k, v, g, beta, out))  # the heads from the token kernels' queue
 
 
 def _rule_rows(S, q, k, v, g, beta, out, keep, snaps):

@@ -16,7 +16,8 @@ choice of directory (NUMBA_CACHE_DIR, else __pycache__ beside the source, else t
 directory when the install is read-only) and its file format, and changes what an entry is tied to:
 - stamp: the content of the files the kernels compile in (_SOURCES) and of the function's own
   file: any edit there invalidates the entry;
-- file name: the kernel's tag and the SIMD features it was compiled for (feature sets coexist);
+- file name: the kernel's tag and the SIMD features it was compiled for (feature sets coexist),
+  and simd.POOL_TAG (the work queues' code with and without STRATA_MAIN_ORCHESTRATES);
 - key: the argument types and numba's target description (CPU name and features).
 It relies on numba internals (FunctionCache, its _index_key, a dispatcher's _cache; numba 0.68):
 tests/engine/test_kernels_cpu.py checks that a second process loads instead of compiling.
@@ -34,7 +35,7 @@ from pathlib import Path
 from numba import njit
 from numba.core.caching import FunctionCache, IndexDataCacheFile
 
-from .simd import FEATURES
+from .simd import FEATURES, POOL_TAG
 
 JIT = dict(nogil=True, fastmath=False, boundscheck=False, error_model="numpy")
 
@@ -97,7 +98,7 @@ def cached(dispatcher, tag: str, also=()):
     too). Without a writable cache directory it compiles at every start, as numba's `cache=True`
     would refuse to import there at all."""
     try:
-        dispatcher._cache = _KernelCache(dispatcher.py_func, f"{tag}-{FEATURES}", also)
+        dispatcher._cache = _KernelCache(dispatcher.py_func, f"{tag}-{FEATURES}{POOL_TAG}", also)
     except RuntimeError as e:  # numba found no writable directory
         warnings.warn(f"{e}: the kernels compile at every start (set NUMBA_CACHE_DIR to a writable directory)", RuntimeWarning, stacklevel=2)
     return dispatcher

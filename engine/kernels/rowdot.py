@@ -410,8 +410,22 @@ def _row16(name: str):
 ROW16 = {name: intrinsic(_row16(name)) for name in TYPES}
 
 
+def _row_chunk(row):
+    """A one-token kernel's queue item c (simd.run_queue): rows c n_out / n_chunks .. of `row`, a
+    row function of (raw, byte, nb, xq, and three planes: ROW's xd, xd1, xs or ROW16's xd, xs_hi, xs_lo)."""
+
+    @njit(inline="always", **JIT)
+    def chunk(c, a):
+        raw, row_bytes, nb, xq, p1, p2, p3, out, n_chunks = a
+        n_out = out.size
+        for o in range(c * n_out // n_chunks, (c + 1) * n_out // n_chunks):
+            out[o] = row(raw, o * row_bytes, nb, xq, p1, p2, p3)
+
+    return chunk
+
+
 def _kernel(name: str, parallel: bool, fine: bool):
-    row = ROW[name, fine]
+    chunk = _row_chunk(ROW[name, fine])
 
     def kernel(raw, row_bytes, xq, xd, s16, out, n_chunks):
         # raw u8 [n_out * row_bytes]; xq i8 [n_in]; xd f32 [nb] (the fine form: [2 nb]); s16 i32
@@ -428,16 +442,13 @@ def _kernel(name: str, parallel: bool, fine: bool):
             else:
                 xd0[b] = xd[b]
                 xs[b] = s16[2 * b] + s16[2 * b + 1]
-        n_out = out.size
-        for c in prange(n_chunks):
-            for o in range(c * n_out // n_chunks, (c + 1) * n_out // n_chunks):
-                out[o] = row(raw, o * row_bytes, nb, xq, xd0, xd1, xs)
+        simd.run_queue(n_chunks, n_chunks, chunk, (raw, row_bytes, nb, xq, xd0, xd1, xs, out, n_chunks))
 
     return cached(njit(parallel=parallel, **JIT)(kernel), f"{name}-rowdot{'-fine' if fine else ''}-{'par' if parallel else 'serial'}{_tag(name)}")
 
 
 def _kernel16(name: str, parallel: bool):
-    row = ROW16[name]
+    chunk = _row_chunk(ROW16[name])
 
     def kernel(raw, row_bytes, xq, xd, s16, out, n_chunks):
         # the wide form's planes (actq.ActQ16, one token): xq i8 [2 n_in] (hi, then lo), xd f32
@@ -453,10 +464,7 @@ def _kernel16(name: str, parallel: bool):
             xd0[b] = xd[b]
             xs_hi[b] = s16[2 * b] + s16[2 * b + 1]
             xs_lo[b] = s16[2 * nb + 2 * b] + s16[2 * nb + 2 * b + 1]
-        n_out = out.size
-        for c in prange(n_chunks):
-            for o in range(c * n_out // n_chunks, (c + 1) * n_out // n_chunks):
-                out[o] = row(raw, o * row_bytes, nb, xq, xd0, xs_hi, xs_lo)
+        simd.run_queue(n_chunks, n_chunks, chunk, (raw, row_bytes, nb, xq, xd0, xs_hi, xs_lo, out, n_chunks))
 
     return cached(njit(parallel=parallel, **JIT)(kernel), f"{name}-rowdot-wide-{'par' if parallel else 'serial'}{_tag(name)}")
 
@@ -1225,13 +1233,16 @@ def few_max(name: str) -> int:
 def _kkernel(name: str, parallel: bool):
     row = KROW[name]
 
+    @njit(inline="always", **JIT)
+    def chunk(c, a):
+        raw, row_bytes, nb, xq, xd, s16, out, n_chunks = a
+        n_out = out.size
+        for o in range(c * n_out // n_chunks, (c + 1) * n_out // n_chunks):
+            out[o] = row(raw, o * row_bytes, nb, xq, xd, s16)
+
     def kernel(raw, row_bytes, xq, xd, s16, out, n_chunks):
         # raw u8 [n_out * row_bytes]; xq i8 [n_in]; xd f32 [n_in / 32]; s16 i32 [n_in / 16]; out f32 [n_out]
-        nb = xq.size // QA
-        n_out = out.size
-        for c in prange(n_chunks):
-            for o in range(c * n_out // n_chunks, (c + 1) * n_out // n_chunks):
-                out[o] = row(raw, o * row_bytes, nb, xq, xd, s16)
+        simd.run_queue(n_chunks, n_chunks, chunk, (raw, row_bytes, xq.size // QA, xq, xd, s16, out, n_chunks))
 
     return cached(njit(parallel=parallel, **JIT)(kernel), f"{name}-rowdot-{'par' if parallel else 'serial'}{_tag(name)}")
 
@@ -1248,6 +1259,13 @@ NAMES = frozenset(TYPES) | frozenset(KTYPES)  # the types with a one-token kerne
 # are one range split over the pool, each row by its own type's kernel, to the same bits.
 
 _MANY_SRC = """
+def chunk(c, a):
+    {names} = a
+{chunk_init}
+    for o in range(c * total // n_chunks, (c + 1) * total // n_chunks):
+{body}
+
+
 def kernel({params}xq, xd, s16, wq, wd, ws, fx, n_chunks):
     # the 8-bit form: xq i8 [n_in], xd f32 [nb], s16 i32 [2 nb]; the wide form (actq.ActQ16, one
     # token): wq i8 [2 n_in] (hi, then lo), wd f32 [2 nb], ws i32 [4 nb]; the f32 values fx
@@ -1256,19 +1274,12 @@ def kernel({params}xq, xd, s16, wq, wd, ws, fx, n_chunks):
 {prologue}
     {sizes}
     total = {total}
-    # the chunks from a shared queue: the first iteration a thread runs takes chunks until none is
-    # left, the others find it empty. prange's static split gave each thread the same count of
-    # rows, whatever they cost: a layer's router (BF16 rows of 5 KB) beside its shared expert's
-    # Q8_0 rows of 2.7 KB left the threads with the router's rows late and the rest waiting (that
-    # region scaled 1.36x from 1 to 2 threads and 3x from 1 to 8, seed-4l, 2026-12-04)
-    queue = np.zeros(1, np.int64)
-    for _ in prange(n_chunks):
-{chunk_init}
-        c = fetch_add(queue, 0, 1)
-        while c < n_chunks:
-            for o in range(c * total // n_chunks, (c + 1) * total // n_chunks):
-{body}
-            c = fetch_add(queue, 0, 1)
+    # the chunks from a shared queue (simd.run_queue): a thread that got cheap rows takes more.
+    # prange's static split gave each thread the same count of rows, whatever they cost: a layer's
+    # router (BF16 rows of 5 KB) beside its shared expert's Q8_0 rows of 2.7 KB left the threads
+    # with the router's rows late and the rest waiting (that region scaled 1.36x from 1 to 2
+    # threads and 3x from 1 to 8, seed-4l, 2026-12-04)
+    run_queue(n_chunks, n_chunks, chunk, ({names}))
 """
 
 # the 32-element kernels' padded scales and block sums, as _kernel's (8-bit) and _kernel16's (wide)
@@ -1345,14 +1356,20 @@ def _many_kernel(names: tuple[str, ...], wides: tuple[bool, ...], parallel: bool
             call = f"R{i}(raw{i}, {at}, nb, xq, xd0, xd1, xs)"
         test = "if" if i == 0 else "elif"
         end = f"{start} + n{i}" if i else "n0"
-        body.append(f"                {test} o < {end}:\n                    out{i}[o - ({start})] = {call}" if i < len(names) - 1 else
-                    f"                else:\n                    out{i}[o - ({start})] = {call}")  # fmt: skip
+        body.append(f"        {test} o < {end}:\n            out{i}[o - ({start})] = {call}" if i < len(names) - 1 else
+                    f"        else:\n            out{i}[o - ({start})] = {call}")  # fmt: skip
         start = end
-    chunk_init = "        acc = np.empty(32, F32)  # a float row's lanes" if any(n in FLOATS for n in names) else ""
-    src = _MANY_SRC.format(params=params, prologue=prologue, sizes=sizes, total=start, body="\n".join(body), chunk_init=chunk_init)
+    chunk_init = "    acc = np.empty(32, F32)  # a float row's lanes" if any(n in FLOATS for n in names) else ""
+    # what a chunk reads: the arguments, the prologues' padded planes, the sizes
+    names_ = [f"raw{i}, {'lut' if n in FLOATS else 'rb'}{i}, out{i}" for i, n in enumerate(names)]
+    names_ += ["xq, xd, s16, fx, total, n_chunks"] + [f"n{i}" for i in range(len(names))]
+    names_ += ["nb, xd0, xd1, xs"] if narrow else []
+    names_ += ["wq, nbw, wd0, ws_hi, ws_lo"] if any(wides) else []
+    src = _MANY_SRC.format(params=params, prologue=prologue, sizes=sizes, total=start, body="\n".join(body), chunk_init=chunk_init,
+                           names=", ".join(names_))  # fmt: skip
     # __name__: numba's disk cache rebuilds a kernel's environment by importing its module by name
     # (None, the default of exec's globals, failed in every process after the first)
-    env = {"__name__": __name__, "np": np, "F32": F32, "QA": QA, "prange": prange, "fetch_add": simd.fetch_add}
+    env = {"__name__": __name__, "np": np, "F32": F32, "QA": QA, "run_queue": simd.run_queue}
     for i, (name, wide) in enumerate(zip(names, wides)):
         if wide:
             env[f"W{i}"] = ROW16[name]
@@ -1363,6 +1380,7 @@ def _many_kernel(names: tuple[str, ...], wides: tuple[bool, ...], parallel: bool
         else:
             env[f"R{i}"] = ROW[name, False]
     exec(compile(src, __file__, "exec"), env)  # noqa: S102 -- the source is the template above
+    env["chunk"] = njit(inline="always", **JIT)(env["chunk"])
     tag = "-".join(n + ("w" if w else "") for n, w in zip(names, wides))
     return cached(njit(parallel=parallel, **JIT)(env["kernel"]), f"rowdot-many-{tag}-{'par' if parallel else 'serial'}{_tag(*names)}")
 
@@ -1399,52 +1417,60 @@ def _grouped_one_kernel(name: str, parallel: bool, few: bool = False):
     if few:
         row, row2, row3, row4 = KROW[name], KROW_FEW[name, 2], KROW_FEW[name, 3], KROW_FEW[name, 4]
 
+        @njit(inline="always", **JIT)
+        def chunk(c, a):
+            raw, offsets, row_bytes, starts, items, bounds, xq, xd, s16, out, nb = a
+            for i in range(bounds[c], bounds[c + 1]):
+                g, o0, o1 = items[i, 0], items[i, 1], items[i, 2]
+                r, n, at = starts[g], starts[g + 1] - starts[g], offsets[g]
+                if n == 1:  # the views made once per item: in the row loop they cost reference counts
+                    xr, dr, sr = xq[r], xd[r], s16[r]
+                    for o in range(o0, o1):
+                        out[r, o] = row(raw, at + o * row_bytes, nb, xr, dr, sr)
+                elif n == 2:
+                    for o in range(o0, o1):
+                        out[r, o], out[r + 1, o] = row2(raw, at + o * row_bytes, nb, xq, xd, s16, r)
+                elif n == 3:
+                    for o in range(o0, o1):
+                        out[r, o], out[r + 1, o], out[r + 2, o] = row3(raw, at + o * row_bytes, nb, xq, xd, s16, r)
+                else:
+                    for o in range(o0, o1):
+                        out[r, o], out[r + 1, o], out[r + 2, o], out[r + 3, o] = row4(raw, at + o * row_bytes, nb, xq, xd, s16, r)
+
         def kernel(raw, offsets, row_bytes, starts, items, bounds, xq, xd, s16, out, n_workers):
             # as below, groups of 1 .. FEW_MAX tokens: each row read once for all of them
-            nb = xd.shape[1]
-            queue = np.zeros(1, np.int64)
-            for _ in prange(n_workers):
-                c = simd.fetch_add(queue, 0, 1)
-                while c < bounds.size - 1:
-                    for i in range(bounds[c], bounds[c + 1]):
-                        g, o0, o1 = items[i, 0], items[i, 1], items[i, 2]
-                        r, n, at = starts[g], starts[g + 1] - starts[g], offsets[g]
-                        if n == 1:  # the views made once per item: in the row loop they cost reference counts
-                            xr, dr, sr = xq[r], xd[r], s16[r]
-                            for o in range(o0, o1):
-                                out[r, o] = row(raw, at + o * row_bytes, nb, xr, dr, sr)
-                        elif n == 2:
-                            for o in range(o0, o1):
-                                out[r, o], out[r + 1, o] = row2(raw, at + o * row_bytes, nb, xq, xd, s16, r)
-                        elif n == 3:
-                            for o in range(o0, o1):
-                                out[r, o], out[r + 1, o], out[r + 2, o] = row3(raw, at + o * row_bytes, nb, xq, xd, s16, r)
-                        else:
-                            for o in range(o0, o1):
-                                out[r, o], out[r + 1, o], out[r + 2, o], out[r + 3, o] = row4(raw, at + o * row_bytes, nb, xq, xd, s16, r)
-                    c = simd.fetch_add(queue, 0, 1)
+            simd.run_queue(n_workers, bounds.size - 1, chunk, (raw, offsets, row_bytes, starts, items, bounds, xq, xd, s16, out, xd.shape[1]))
 
         return cached(njit(parallel=parallel, **JIT)(kernel), f"{name}-rowdot-grouped-few-{'par' if parallel else 'serial'}")
     if name in KTYPES:
         row = KROW[name]
 
+        @njit(inline="always", **JIT)
+        def chunk(c, a):
+            raw, offsets, row_bytes, starts, items, bounds, xq, xd, s16, out, nb = a
+            for i in range(bounds[c], bounds[c + 1]):
+                g, o0, o1 = items[i, 0], items[i, 1], items[i, 2]
+                for r in range(starts[g], starts[g + 1]):  # a second token reads the tile from cache
+                    xr, dr, sr = xq[r], xd[r], s16[r]
+                    for o in range(o0, o1):
+                        out[r, o] = row(raw, offsets[g] + o * row_bytes, nb, xr, dr, sr)
+
         def kernel(raw, offsets, row_bytes, starts, items, bounds, xq, xd, s16, out, n_workers):
             # matrix g at byte offsets[g] against its one token, row starts[g] of xq i8 [N, n_in],
             # xd f32 [N, nb], s16 i32 [N, 2 nb]; out f32 [N, n_out]. items i64 [n, 3]: (g, o0, o1)
-            nb = xd.shape[1]
-            queue = np.zeros(1, np.int64)
-            for _ in prange(n_workers):
-                c = simd.fetch_add(queue, 0, 1)
-                while c < bounds.size - 1:
-                    for i in range(bounds[c], bounds[c + 1]):
-                        g, o0, o1 = items[i, 0], items[i, 1], items[i, 2]
-                        for r in range(starts[g], starts[g + 1]):  # a second token reads the tile from cache
-                            xr, dr, sr = xq[r], xd[r], s16[r]
-                            for o in range(o0, o1):
-                                out[r, o] = row(raw, offsets[g] + o * row_bytes, nb, xr, dr, sr)
-                    c = simd.fetch_add(queue, 0, 1)
+            simd.run_queue(n_workers, bounds.size - 1, chunk, (raw, offsets, row_bytes, starts, items, bounds, xq, xd, s16, out, xd.shape[1]))
     else:
         row = ROW[name, False]
+
+        @njit(inline="always", **JIT)
+        def chunk(c, a):
+            raw, offsets, row_bytes, starts, items, bounds, xq, xd0, xd1, xs, out, nb = a
+            for i in range(bounds[c], bounds[c + 1]):
+                g, o0, o1 = items[i, 0], items[i, 1], items[i, 2]
+                for r in range(starts[g], starts[g + 1]):
+                    xr, dr, sr = xq[r], xd0[r], xs[r]
+                    for o in range(o0, o1):
+                        out[r, o] = row(raw, offsets[g] + o * row_bytes, nb, xr, dr, xd1, sr)
 
         def kernel(raw, offsets, row_bytes, starts, items, bounds, xq, xd, s16, out, n_workers):
             nb = xd.shape[1]
@@ -1456,17 +1482,7 @@ def _grouped_one_kernel(name: str, parallel: bool, few: bool = False):
                 for b in range(nb):
                     xd0[r, b] = xd[r, b]
                     xs[r, b] = s16[r, 2 * b] + s16[r, 2 * b + 1]
-            queue = np.zeros(1, np.int64)
-            for _ in prange(n_workers):
-                c = simd.fetch_add(queue, 0, 1)
-                while c < bounds.size - 1:
-                    for i in range(bounds[c], bounds[c + 1]):
-                        g, o0, o1 = items[i, 0], items[i, 1], items[i, 2]
-                        for r in range(starts[g], starts[g + 1]):
-                            xr, dr, sr = xq[r], xd0[r], xs[r]
-                            for o in range(o0, o1):
-                                out[r, o] = row(raw, offsets[g] + o * row_bytes, nb, xr, dr, xd1, sr)
-                    c = simd.fetch_add(queue, 0, 1)
+            simd.run_queue(n_workers, bounds.size - 1, chunk, (raw, offsets, row_bytes, starts, items, bounds, xq, xd0, xd1, xs, out, nb))
 
     return cached(njit(parallel=parallel, **JIT)(kernel), f"{name}-rowdot-grouped-{'par' if parallel else 'serial'}{_tag(name)}")
 

@@ -22,7 +22,8 @@ import os
 
 import llvmlite.binding as llvm
 from llvmlite import ir
-from numba import types
+import numpy as np
+from numba import get_thread_id, njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
@@ -443,6 +444,55 @@ def fetch_add(typingctx, a, i, v):
         return builder.atomic_rmw("add", ptr, context.cast(builder, args[2], sig.args[2], types.int64), "seq_cst")
 
     return types.int64(a, i, v), codegen
+
+
+# The work queues of the token kernels. A region's threads take chunks until none is left (a thread
+# the OS deschedules holds up no one but itself). With STRATA_MAIN_ORCHESTRATES=1 the caller (the
+# pool's thread 0) takes none while the pool has other threads: it only launches and waits, so its
+# caches keep the host work between launches. When it streams its share, that share evicts its L1
+# and L2 (benchmarks/master_cache.py: a host step after a 64 MB stream took 163 us against 34 when
+# only the other thread had streamed, 16.5 warm), and the next launch's Python pays for it again.
+# seed-4l qwen4exp with one streaming thread either way (2 threads orchestrated against 1 thread,
+# this 2-core VM, 2026-12-05): 103.2-104.7 -> 99.1-99.5 ms a token, the time between launches
+# 6.55-6.73 -> 4.15-4.28 ms. It costs a streaming thread, so it can pay only where cores are left
+# over (the many-core host; off by default). The code differs, so the disk cache keeps it apart
+# (jit.cached's file name).
+ORCHESTRATE = os.environ.get("STRATA_MAIN_ORCHESTRATES", "0") == "1"
+POOL_TAG = "-orch" if ORCHESTRATE else ""
+if ORCHESTRATE:
+    # get_thread_id is a symbol of numba's threading layer, which numba binds only while it types a
+    # call: a kernel loaded from the disk cache called it unbound (a segfault in every process after
+    # the first) until the layer was started here
+    from numba.np.ufunc.parallel import _launch_threads
+
+    _launch_threads()
+
+
+@njit(inline="always")
+def _drain(queue, n, chunk, args) -> None:
+    """chunk(c, args) for every item c < n still in the queue (int64 [1], shared by the threads)."""
+    c = fetch_add(queue, 0, 1)
+    while c < n:
+        chunk(c, args)
+        c = fetch_add(queue, 0, 1)
+
+
+@njit(inline="always")
+def run_queue(n_workers, n, chunk, args) -> None:
+    """chunk(c, args) for c = 0 .. n - 1, from a shared queue over n_workers iterations of the pool
+    (inlined into a parallel kernel the loop below is its region; into a serial one a plain loop).
+    Orchestrated, thread 0 takes none inside the region and drains the queue after it: nothing is
+    left unless the pool ran fewer threads than asked (in a serial kernel, where thread 0 is the
+    only one, it takes all)."""
+    queue = np.zeros(1, np.int64)
+    # (get_num_threads reads a ctypes pointer, which numba's disk cache refuses: with one thread the
+    # region is thread 0's alone, it takes nothing there and the drain after it does the work)
+    main_none = ORCHESTRATE and n_workers > 1
+    for _ in prange(n_workers):
+        if not (main_none and get_thread_id() == 0):
+            _drain(queue, n, chunk, args)
+    if main_none:
+        _drain(queue, n, chunk, args)
 
 
 # ---------------------------------------------------------------------------------------------

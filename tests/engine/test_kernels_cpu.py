@@ -552,6 +552,76 @@ def test_the_one_region_kernel_loads_from_the_disk_cache_in_a_new_process(tmp_pa
     assert runs == [["0", "1"], ["1", "0"]], f"(cache hits, compilations) of the two processes: {runs}"
 
 
+_ORCHESTRATED = """
+import hashlib, numpy as np, sys
+sys.path.insert(0, {tests!r})
+from numba import get_thread_id, njit
+from kernel_blocks import random_weights
+from kernel_paths import cpu_path
+from strata.engine import ops
+from strata.engine.kernels import cpu, simd
+from strata.engine.kernels.actq import quantize_act
+from strata.index_format.ggml_types import BY_NAME
+
+@njit(inline="always")
+def chunk(c, a):
+    a[c] = get_thread_id()
+
+def who(parallel):  # which thread took each of 64 queue items
+    ids = np.full(64, -1, np.int64)
+    njit(parallel=parallel)(lambda ids: simd.run_queue(8, 64, chunk, ids))(ids)
+    return ",".join(map(str, sorted(set(ids.tolist()))))
+
+out = hashlib.sha256()
+rng = np.random.default_rng(0)
+act = quantize_act(rng.standard_normal(2560).astype(np.float32))
+for parallel in (True, False):
+    with cpu_path(parallel):  # the token kernels: one product, one region of several, the routed experts
+        for name in ("Q8_0", "Q4_K"):
+            raw = random_weights(BY_NAME[name], 2560 * 300, np.random.default_rng(1))
+            out.update(cpu.matvec(raw, BY_NAME[name].id, 2560, 300, act).tobytes())
+        ps = [(random_weights(BY_NAME[n], 2560 * 70, np.random.default_rng(i)), BY_NAME[n].id, 2560, 70, np.empty(70, np.float32))
+              for i, n in enumerate(("Q8_0", "Q5_0", "Q4_K"))]
+        for y in cpu.matvec_many(ps, act):
+            out.update(y.tobytes())
+        for name, n_in, n_out in (("IQ4_NL", 640, 256), ("IQ2_XS", 2560, 64)):  # 3 experts, a token each
+            t = BY_NAME[name]
+            raw = random_weights(t, n_in * n_out * 3, np.random.default_rng(2))
+            x = quantize_act(np.random.default_rng(3).standard_normal((3, n_in)).astype(np.float32))
+            got = cpu.matmul_grouped(raw, t.id, n_in, n_out, np.arange(3) * t.nbytes((n_in, n_out)), x, np.arange(4))
+            out.update(got.tobytes())
+    S = rng.standard_normal((48, 16, 16)).astype(np.float32)
+    v, o = rng.standard_normal((48, 16)).astype(np.float32), np.empty((48, 16), np.float32)
+    qk = rng.standard_normal((2, 16, 16)).astype(np.float32) * 0.1
+    ops.PARALLEL_MIN_STATE = 1 if parallel else 1 << 40
+    ops.delta_rule_step(S, qk[0], qk[1], v, -np.ones(48, np.float32), np.full(48, 0.5, np.float32), o)
+    out.update(S.tobytes() + o.tobytes())
+print(simd.ORCHESTRATE, who(True), who(False), out.hexdigest())
+"""
+
+
+def test_an_orchestrating_main_thread_takes_no_chunk_and_changes_no_bit(tmp_path):
+    # STRATA_MAIN_ORCHESTRATES=1 (simd.run_queue): in a parallel region the pool's thread 0 takes
+    # nothing from the work queue, the other threads take everything; in a serial kernel (thread 0
+    # alone) its drain after the loop does it all. The token kernels that share the queue give the
+    # same bits with it and without it, and the orchestrated code loads from the disk cache in a
+    # second process (it segfaulted there until the threading layer was started at import).
+    if cpu.numba.config.NUMBA_NUM_THREADS < 2:
+        pytest.skip("one thread in numba's pool: no other thread to leave the work to")
+    code = _ORCHESTRATED.format(tests=str(Path(__file__).resolve().parents[1]))
+    runs = {}
+    for orchestrated in ("0", "1", "1"):
+        env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path / orchestrated), STRATA_MAIN_ORCHESTRATES=orchestrated)
+        res = subprocess.run([sys.executable, "-P", "-c", code], env=env, capture_output=True, text=True, timeout=900)
+        assert res.returncode == 0, res.stderr[-3000:]
+        runs.setdefault(orchestrated, []).append(res.stdout.split(maxsplit=3))
+    (plain,), (first, second) = runs["0"], runs["1"]
+    # every item taken (none left at -1); plain, by either thread (the first to come may take all 64)
+    assert plain[0] == "False" and plain[1] in ("0", "1", "0,1") and plain[2] == "0", plain
+    assert first[0] == "True" and first[1] == "1" and first[2] == "0", first  # the region: thread 1; serial: thread 0
+    assert first == second and first[3] == plain[3], (plain, first, second)
+
+
 def test_a_kernel_switch_setting_never_loads_the_other_settings_machine_code(tmp_path):
     # the disk cache keys an entry by the kernels' source files, not by the environment: a region of
     # Q4_K and Q2_0 rows compiled with STRATA_ROWDOT_K_HADD=0 (or Q2_SHUFFLE=0, or another
