@@ -106,8 +106,8 @@ def _rule_rows(S, q, k, v, g, beta, out, keep, snaps):
     # which must have the token step's bits: the chunked form rounds otherwise), and the state
     # after token t copied into snaps[keep[t]] where keep[t] >= 0. Each value row's recurrence
     # needs only its own row, so a group of eight rows goes through all T tokens while it is in
-    # L1: one pass over S where T steps and their snapshots' copies made 2T - 1 (~6 ms of a
-    # seed-4l verify of 3 rows at 2 threads went to those copies and passes).
+    # L1: one pass over S where T steps and their snapshots' copies made 2T - 1 (one seed-4l layer
+    # of 3 rows, 2 threads: 1.27-1.34 ms as steps and copies, 0.75-0.81 ms here).
     # q, k f32 [T, nk, dk]; v, out f32 [T, nv, dv]; g, beta f32 [T, nv]; keep i64 [T]
     nv, dv, dk = S.shape
     T, nk = q.shape[0], q.shape[1]
