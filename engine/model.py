@@ -110,7 +110,7 @@ class GatedDeltaNet:
         while i < len(seqs):
             r = seqs[i]
             rows = 1  # a verify's rows: one-token sequences over one state, consecutive
-            while fused and i + rows < len(seqs) and seqs[i + rows].state is r.state and r.n == 1:
+            while fused and i + rows < len(seqs) and seqs[i + rows].state is r.state and r.n == seqs[i + rows].n == 1:
                 rows += 1
             if rows > 1:
                 self._rows(be, seqs[i : i + rows], mixed, decay, beta, o)
@@ -142,7 +142,6 @@ class GatedDeltaNet:
                 copy_state(r.state["conv"], r.saved["conv"])
         be.delta_rule_rows(rows[0].state["S"], q, k, v, decay[a:b], beta[a:b], o[a:b],
                            [None if r.saved is None else r.saved["S"] for r in rows])
-
 
     # the hooks `_rows` makes: a backend that overrides one (the device step) takes the rows one by one
     ROWS_HOOKS = ("conv", "qk_l2norm_", "delta_rule", "delta_rule_rows")

@@ -394,14 +394,16 @@ def delta_rule_rows(S, q, k, v, g, beta, out, saved) -> None:
     """T tokens of one sequence as T token steps (`delta_rule_step`'s bits for each), in one pass over
     S (kernels/delta._rule_rows): q, k f32 [T, nk, dk]; v, out f32 [T, nv, dv]; g, beta f32 [T, nv];
     saved: per token an array like S that takes the state after that token, or None."""
-    keep = np.full(len(saved), -1, np.int64)
-    snaps = tuple(a for a in saved if a is not None)
-    for t, i in enumerate(t for t, a in enumerate(saved) if a is not None):
-        keep[i] = t
+    keep = np.full(len(saved), -1, np.int64)  # token t's snapshot: snaps[keep[t]], or none at -1
+    snaps = []
+    for t, a in enumerate(saved):
+        if a is not None:
+            keep[t] = len(snaps)
+            snaps.append(a)
     kernel = delta.rule_rows_parallel if S.size >= PARALLEL_MIN_STATE else delta.rule_rows_serial
     if S.size >= PARALLEL_MIN_STATE:
         cpu.use_threads()
-    kernel(S, q, k, v, g, beta, out, keep, snaps or (S,))  # (no snapshot: a tuple of one, never written)
+    kernel(S, q, k, v, g, beta, out, keep, tuple(snaps) or (S,))  # (no snapshot: a tuple of one, never written)
 
 
 def delta_rule(S: np.ndarray, q: np.ndarray, k: np.ndarray, v: np.ndarray, g: np.ndarray, beta: np.ndarray,

@@ -21,8 +21,8 @@ import hashlib
 import os
 
 import llvmlite.binding as llvm
-from llvmlite import ir
 import numpy as np
+from llvmlite import ir
 from numba import get_thread_id, njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
@@ -453,8 +453,8 @@ def fetch_add(typingctx, a, i, v):
 # and L2 (benchmarks/master_cache.py: a host step after a 64 MB stream took 163 us against 34 when
 # only the other thread had streamed, 16.5 warm), and the next launch's Python pays for it again.
 # seed-4l qwen4exp with one streaming thread either way (2 threads orchestrated against 1 thread,
-# this 2-core VM, 2026-12-05): 103.2-104.7 -> 99.1-99.5 ms a token, the time between launches
-# 6.55-6.73 -> 4.15-4.28 ms. It costs a streaming thread, so it can pay only where cores are left
+# this 2-core VM, 2026-12-05): 90.5-92.9 -> 87.4-88.7 ms a token, the time between launches
+# 5.2-5.5 -> 3.2-3.6 ms. It costs a streaming thread, so it can pay only where cores are left
 # over (the many-core host; off by default). The code differs, so the disk cache keeps it apart
 # (jit.cached's file name).
 ORCHESTRATE = os.environ.get("STRATA_MAIN_ORCHESTRATES", "0") == "1"
