@@ -445,6 +445,33 @@ def test_batch_mtp_gives_the_mtp_head_the_inputs_it_gets_per_request(models):
 
 
 @pytest.mark.parametrize("arch", ["qwen35moe", "qwen4exp"])
+def test_a_verifys_snapshots_are_the_states_after_each_row(models, arch, monkeypatch):
+    """A verify forward of 3 rows (its Gated DeltaNet rows through be.delta_rule_rows, one pass that
+    also fills the snapshots) against the same rows as token steps: every row's logits, the
+    snapshot after rows 0 and 1 and the state after the last are the steps' to the bit."""
+    from strata.engine.backend import CpuBackend
+    from strata.engine.speculative import Snapshot
+
+    m = models[arch]
+    prompt, feed = prompt_for(m, 9, 1), prompt_for(m, 3, 7)
+    verified, stepped = m.new_session(20), m.new_session(20)
+    for s in (verified, stepped):
+        m.forward(s, prompt)
+    calls = []
+    rows = CpuBackend.delta_rule_rows
+    monkeypatch.setattr(CpuBackend, "delta_rule_rows", staticmethod(lambda *a: calls.append(len(a[1])) or rows(*a)))
+    snaps = [Snapshot(verified) for _ in range(2)]
+    logits = m.forward(verified, feed, 3, saved=snaps)
+    assert calls and set(calls) == {3}, calls  # the GDN layers took the rows in one call each
+    for i, tok in enumerate(feed):
+        assert np.array_equal(m.step(stepped, int(tok)), logits[i]), f"row {i}: logits"
+        snap = snaps[i] if i < 2 else verified
+        for l, (x, y) in enumerate(zip(snap.states, stepped.states)):
+            if isinstance(x, dict):
+                assert all(np.array_equal(x[k], y[k]) for k in x), f"row {i}, layer {l}"
+    assert sum(isinstance(x, dict) for x in stepped.states) > 0  # not vacuous: the model has GDN layers
+
+
 def test_one_forward_of_several_sessions_gives_each_its_own_bits(models, arch):
     """forward_batch with per-session `hidden` and `saved`: a verifying session (3 rows, snapshots),
     a prompt chunk asking for its head input and a plain token give the logits, head inputs,
