@@ -472,6 +472,7 @@ def test_a_verifys_snapshots_are_the_states_after_each_row(models, arch, monkeyp
     assert sum(isinstance(x, dict) for x in stepped.states) > 0  # not vacuous: the model has GDN layers
 
 
+@pytest.mark.parametrize("arch", ["qwen35moe", "qwen4exp"])
 def test_one_forward_of_several_sessions_gives_each_its_own_bits(models, arch):
     """forward_batch with per-session `hidden` and `saved`: a verifying session (3 rows, snapshots),
     a prompt chunk asking for its head input and a plain token give the logits, head inputs,
