@@ -400,9 +400,10 @@ def delta_rule_rows(S, q, k, v, g, beta, out, saved) -> None:
         if a is not None:
             keep[t] = len(snaps)
             snaps.append(a)
-    kernel = delta.rule_rows_parallel if S.size >= PARALLEL_MIN_STATE else delta.rule_rows_serial
-    if S.size >= PARALLEL_MIN_STATE:
+    kernel = delta.rule_rows_serial
+    if S.size >= PARALLEL_MIN_STATE:  # (as delta_rule_step)
         cpu.use_threads()
+        kernel = delta.rule_rows_parallel
     kernel(S, q, k, v, g, beta, out, keep, tuple(snaps) or (S,))  # (no snapshot: a tuple of one, never written)
 
 

@@ -874,8 +874,8 @@ def _multiply(name: str, raw, type_id: int, n_in: int, n_out: int, act, out, one
     # a verify's few rows: rowdot.matmul, unless a raw panel takes them (panel.RAW: the LM head of
     # seed-4l, Q8_0, 1 thread, CPU time: 2 / 3 / 4 tokens 36.8 / 60.0 / 70.6 ms through rowdot.matmul,
     # 36.2 / 46.1 / 46.2 through the raw panel, the same bits; 2026-12-01)
-    few = rowdot.few_rows(t.name, n_tok, d.shape[1] == 2 * (n_in // QA), planes16) and n_in >= FEW_MIN_IN \
-        and n_tok <= FEW_MAX_ROWS if t.quantized and not one else False  # (n_tok: the wide form's plane rows)
+    few = not one and t.quantized and n_tok <= FEW_MAX_ROWS and n_in >= FEW_MIN_IN \
+        and rowdot.few_rows(t.name, n_tok, d.shape[1] == 2 * (n_in // QA), planes16)  # (n_tok: the wide form's plane rows)
     if not one and 2 <= n_tok <= ROWDOT_ROWS_MAX and t.name in rowdot.TYPES and rowdot.AVAILABLE \
             and (few or not (t.name in panel.RAW and _use_panel(t, n_tok, n_out))):
         parallel, chunks = _launch(n_out, n_in * n_out * n_tok)

@@ -514,6 +514,20 @@ def _rows_kernel(name: str, parallel: bool, fine: bool, lo_full: bool = False):
 
 _ROWS_KERNELS: dict[tuple[str, bool, bool, bool], object] = {}
 
+@njit(inline="always", **JIT)
+def _padded_rows(xd, s16, nb):
+    """Rows of ActQ planes with a scale per 32 elements (xd f32 [N, nb], s16 i32 [N, 2 nb]) as the
+    32-element row functions read them: the scales and block sums, zero past nb up to 16 blocks."""
+    P = (nb + 15) // 16 * 16
+    xd0 = np.zeros((xd.shape[0], P), F32)
+    xs = np.zeros((xd.shape[0], P), np.int32)
+    for r in range(xd.shape[0]):
+        for b in range(nb):
+            xd0[r, b] = xd[r, b]
+            xs[r, b] = s16[r, 2 * b] + s16[r, 2 * b + 1]
+    return xd0, xs
+
+
 # A verify's 2-4 rows (or a serving step's streams) through ROW_FEW: each block of a weight row
 # unpacked once and multiplied by every token's activations, where _rows_kernel ran the one-token
 # row function token by token (the unpack, the scale loads and the prefetch again per token).
@@ -528,13 +542,7 @@ def _few_kernel(name: str, parallel: bool, T: int):
     def kernel(raw, row_bytes, xq, xd, s16, out, n_chunks):
         # xq i8 [T, n_in] (C order); xd f32 [T, nb]; s16 i32 [T, 2 nb]; out f32 [T, n_out]
         nb = xq.shape[1] // QA
-        P = (nb + 15) // 16 * 16
-        xd0 = np.zeros((T, P), F32)
-        xs = np.zeros((T, P), np.int32)
-        for t in range(T):
-            for b in range(nb):
-                xd0[t, b] = xd[t, b]
-                xs[t, b] = s16[t, 2 * b] + s16[t, 2 * b + 1]
+        xd0, xs = _padded_rows(xd, s16, nb)
         n_out = out.shape[1]
         for c in prange(n_chunks):
             for o in range(c * n_out // n_chunks, (c + 1) * n_out // n_chunks):
@@ -1474,14 +1482,8 @@ def _grouped_one_kernel(name: str, parallel: bool, few: bool = False):
 
         def kernel(raw, offsets, row_bytes, starts, items, bounds, xq, xd, s16, out, n_workers):
             nb = xd.shape[1]
-            P = (nb + 15) // 16 * 16
-            xd0 = np.zeros((xd.shape[0], P), F32)
-            xs = np.zeros((xd.shape[0], P), np.int32)  # the padded scales and block sums, as _kernel's
-            xd1 = np.zeros(P, F32)
-            for r in range(xd.shape[0]):
-                for b in range(nb):
-                    xd0[r, b] = xd[r, b]
-                    xs[r, b] = s16[r, 2 * b] + s16[r, 2 * b + 1]
+            xd0, xs = _padded_rows(xd, s16, nb)  # the padded scales and block sums, as _kernel's
+            xd1 = np.zeros(xd0.shape[1], F32)
             simd.run_queue(n_workers, bounds.size - 1, chunk, (raw, offsets, row_bytes, starts, items, bounds, xq, xd0, xd1, xs, out, nb))
 
     return cached(njit(parallel=parallel, **JIT)(kernel), f"{name}-rowdot-grouped-{'par' if parallel else 'serial'}{_tag(name)}")
