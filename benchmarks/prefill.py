@@ -8,7 +8,8 @@ widths, 4 layers: 3 Gated DeltaNet + 1 QSA, 512 experts, qwen4exp, its IQ3_XXS-s
     python benchmarks/prefill.py --threads 8 --lengths 512 --sweep 1,2,4,8   # the batched path's stages
                                  # at each thread count (decode.py's `sweep`), no side-by-side table
 
-The model is made once with tools/synth.py and packed into --cache (outside git), then reused.
+The model is made once with tools/synth.py and packed into --cache (outside git), then reused;
+every expert byte is read once before timing (--no-pretouch: not), so neither engine reads the disk.
 Each length L gets a random prompt of L tokens and two sessions, fed IN TURN, so a busy host
 slows both paths alike: session A takes each chunk through the batched path (timed; the LM head for
 the last position only, as `strata generate` does), then session B takes the same tokens through
@@ -127,6 +128,7 @@ def main(argv=None) -> int:
     ap.add_argument("--arch", default="qwen4exp")
     ap.add_argument("--cache", type=Path, default=REPO / ".cache" / "bench")
     ap.add_argument("--prepare-only", action="store_true", help="make the model and stop")
+    ap.add_argument("--no-pretouch", action="store_true", help="do not read the expert bytes once before timing")
     ap.add_argument("--sweep", default="", help="thread counts, e.g. 1,2,4,8: the batched path's stages at each count "
                     "on the first length (decode.py's sweep), instead of the side-by-side table")
     a = ap.parse_args(argv)
@@ -149,6 +151,13 @@ def main(argv=None) -> int:
     s = model.new_session(a.chunk + 1, a.kv)
     model.forward(s, np.zeros(a.chunk, np.int64), 1)  # the prompt path's first call (BLAS, numba) out of the timing
     print(f"loaded and warmed up in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
+    # a prompt's routed experts are nearly all of them: untouched, the first chunk (and whichever
+    # engine runs first) reads them from the disk where this VM's page cache had dropped them
+    # (2026-12-05: 97 tok/s at 512 against 181 for the same path warm)
+    if not a.no_pretouch:
+        import decode
+
+        print(f"read every expert byte, the PLE table and the embeddings once in {decode.pretouch(model):.1f} s", file=sys.stderr)
     if a.sweep:
         return sweep(model, [int(x) for x in a.sweep.split(",")], int(a.lengths.split(",")[0]), a.chunk, a.kv)
     import llama_peer
