@@ -455,8 +455,10 @@ def fetch_add(typingctx, a, i, v):
 # seed-4l qwen4exp with one streaming thread either way (2 threads orchestrated against 1 thread,
 # this 2-core VM, 2026-12-05): 90.5-92.9 -> 87.4-88.7 ms a token, the time between launches
 # 5.2-5.5 -> 3.2-3.6 ms. It costs a streaming thread, so it can pay only where cores are left
-# over (the many-core host; off by default). The code differs, so the disk cache keeps it apart
-# (jit.cached's file name).
+# over, and on the H200's 16-core host it did not (2026-12-05, docs/performance.md session 30): at
+# 8 threads 0.95-1.01x of the default for qwen4exp and 0.85-0.98x for qwen35moe, at 9 threads (8
+# streaming + the main one against 9 streaming) 1.01x. So it is off by default. The code differs,
+# so the disk cache keeps it apart (jit.cached's file name).
 ORCHESTRATE = os.environ.get("STRATA_MAIN_ORCHESTRATES", "0") == "1"
 POOL_TAG = "-orch" if ORCHESTRATE else ""
 if ORCHESTRATE:
