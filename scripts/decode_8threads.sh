@@ -7,8 +7,10 @@
 #   - decode: at 8 threads, ROUNDS rounds (default 3) of llama-bench tg32 then Strata for each of
 #     ARCHS (default qwen4exp qwen35moe), interleaved, so a slow spell of the host falls on both;
 #     Strata's side is benchmarks/switch_ab.py (Model.step, 24 tokens after 8, median), the default
-#     against SIDE (default STRATA_MAIN_ORCHESTRATES=1: the main thread only orchestrating); then
-#     1 and 2 threads, one round each;
+#     against SIDE: by default "-", a second process of the same settings, so the table shows how far
+#     two runs of one engine move apart (the noise a ratio is read against); a switch to measure, as
+#     SIDE=STRATA_MAIN_ORCHESTRATES=1 (session 30: 0.95-1.01x at 8 threads). Then 1 and 2 threads,
+#     one round each;
 #   - spec: what verifying 1 + N rows costs against a token step at 8 threads (benchmarks/spec.py --cost-only);
 #   - sweep: benchmarks/decode.py --sweep 1,2,8 (each stage's time at each count, one process);
 #   - launches: qwen4exp's 8-thread token launch by launch (benchmarks/token_launches.py);
@@ -28,7 +30,7 @@ if [ -n "$OUT" ]; then exec > >(tee "$OUT/decode_8threads.log") 2>&1; fi
 PARTS=" ${PARTS:-decode spec} "
 ARCHS=${ARCHS:-qwen4exp qwen35moe}
 ROUNDS=${ROUNDS:-3}
-SIDE=${SIDE:-STRATA_MAIN_ORCHESTRATES=1}
+SIDE=${SIDE:--}
 PROMPT_THREADS=${PROMPT_THREADS:-8}
 B=/tmp/llama-cpu
 if [ ! -x $B/bin/llama-bench ]; then  # (a warm machine keeps the last call's build)
@@ -48,9 +50,9 @@ t0=$SECONDS
 prep=()
 for A in $ARCHS; do (timeout 250 python3 benchmarks/decode.py --arch $A --threads 8 --tokens 2 --rounds 0 --no-pretouch 2>&1 | grep -E "^loaded") & prep+=($!); done
 wait "${prep[@]}"
-case $PARTS in *" decode "*)  # the other side's kernels compile into their own cache files: once, untimed
-    env ${SIDE//,/ } timeout 150 python3 benchmarks/decode.py --arch qwen4exp --threads 8 --tokens 2 --rounds 0 --no-pretouch 2>&1 | grep -E "^loaded";;
-esac
+if [[ $PARTS == *" decode "* && $SIDE != "-" ]]; then  # a switch's kernels may compile into their own cache files: once, untimed
+    env ${SIDE//,/ } timeout 150 python3 benchmarks/decode.py --arch qwen4exp --threads 8 --tokens 2 --rounds 0 --no-pretouch 2>&1 | grep -E "^loaded"
+fi
 for i in $(seq 1 100); do test -x $B/bin/llama-bench && break; sleep 3; done
 echo "models, kernels and llama-bench ready at $((SECONDS - t0)) s"
 lb() { timeout 150 $B/bin/llama-bench -m "$(ls .cache/bench/seed-4l-$1-00001-of-0000*.gguf)" -ngl 0 "${@:2}" 2>&1 | grep -E "tg32|pp"; }

@@ -4,11 +4,11 @@
 #
 #     bash scripts/gpu_suite.sh
 #
-# Logs go to $OUT when set (else ./gpu_suite_logs): gpu_env.log, gpu_tests.log, gpu_tests_K.xml/.log (a shard each),
+# Logs go to $OUT when set (else ./gpu_suite_logs): gpu_env.log, gpu_tests.log, gpu_tests_K.xml/.log and gpu_shard_K.txt (a shard each),
 # bench_kernels_gpu.log/.md, bench_gpu_tier.log/.md, bench_serve.log. The last thing printed is the summary table.
 # Exit status: 0 when the GPU tests ran (not all skipped) and passed, else 1; the benchmarks never fail it.
 # SKIP_KERNEL_BENCH=1 leaves out the kernel benchmark (its table is in docs/performance.md already);
-# SKIP_BENCH=1 runs the tests alone; SKIP_SERVE_BENCH=1 the serving benchmark, SKIP_SAMPLE_BENCH=1 the sampled pick's, SKIP_SPEC_BENCH=1 the --spec one, SKIP_BUS_BENCH=1 the bus rates'.
+# SKIP_BENCH=1 runs the tests alone (a shard then gets 560 s, else 420: GPU_TEST_TIMEOUT); SKIP_SERVE_BENCH=1 the serving benchmark, SKIP_SAMPLE_BENCH=1 the sampled pick's, SKIP_SPEC_BENCH=1 the --spec one, SKIP_BUS_BENCH=1 the bus rates'.
 set -u
 cd "$(dirname "$0")/.." || exit 2
 # The machine reaches no package index: what it lacks travels as wheels in .whl/ (device README): gguf,
@@ -38,21 +38,22 @@ export PYTHONPATH="$BOOT${PYTHONPATH:+:$PYTHONPATH}"
 # (a test is a GPU test when marked gpu, or when it takes the `rt` fixture of tests/conftest.py)
 FILES=$(grep -lE "pytest.mark.gpu|def test_[a-z0-9_]+\([^)]*\brt\b" $(find tests -name "test_*.py" | sort))
 echo "== GPU tests: $(echo $FILES)"
-# In GPU_TEST_SHARDS pytest processes at once (default 4), the files dealt out by size: one process
-# no longer fits a 10-minute call (2026-12-02: the module compiles -- every block type builds mm, mmq,
-# mmx and mmqx -- took most of 420 s and the selection was cut), and NVRTC compiles on one core a process.
+# In GPU_TEST_SHARDS pytest processes at once (default 4): one process no longer fits a 10-minute
+# call (2026-12-02: the module compiles -- every block type builds mm, mmq, mmx and mmqx -- took
+# most of 420 s and the selection was cut), and NVRTC compiles on one core a process. The files go
+# to the shards by their count of GPU tests (scripts/gpu_shards.py says why).
 SHARDS=${GPU_TEST_SHARDS:-4}
-rm -f "$LOG"/gpu_tests*.xml "$LOG"/gpu_tests_*.log
-i=0
-for f in $(wc -l $FILES | grep -v " total$" | sort -rn | awk '{print $2}'); do
-    eval "SHARD_$((i % SHARDS))=\"\${SHARD_$((i % SHARDS)):-} $f\""
-    i=$((i + 1))
-done
+rm -f "$LOG"/gpu_tests*.xml "$LOG"/gpu_tests_*.log "$LOG"/gpu_shard_*.txt
+python3 -m pytest -m gpu -q -p no:cacheprovider --collect-only $FILES 2>/dev/null | grep "::" | cut -d: -f1 | sort | uniq -c > "$LOG/gpu_collected.txt"
+python3 scripts/gpu_shards.py "$SHARDS" "$LOG" $FILES || exit 2
+# a shard's time limit: with the benchmarks after them the tests get 420 s; alone, most of the call
+TEST_LIMIT=${GPU_TEST_TIMEOUT:-$([ -n "${SKIP_BENCH:-}" ] && echo 560 || echo 420)}
 PIDS=""
 for k in $(seq 0 $((SHARDS - 1))); do
-    eval "files=\${SHARD_$k:-}"
+    files=$(cat "$LOG/gpu_shard_$k.txt" 2>/dev/null)
     [ -n "$files" ] || continue
-    timeout ${GPU_TEST_TIMEOUT:-420} python3 -m pytest -m gpu -q -p no:cacheprovider --durations=5 \
+    echo "shard $k: $files"
+    timeout $TEST_LIMIT python3 -m pytest -m gpu -q -p no:cacheprovider --durations=5 \
         --junitxml="$LOG/gpu_tests_$k.xml" $files > "$LOG/gpu_tests_$k.log" 2>&1 &
     PIDS="$PIDS $!"
 done

@@ -24,6 +24,12 @@ def test_rows(log: Path, test_rc: int) -> tuple[list[tuple[str, str]], bool]:
             missing.append(f"{path.name}: {e}")
             continue
         suites += [root] if root.tag == "testsuite" else list(root)
+    for path in sorted(log.glob("gpu_tests_*.log")):  # a shard its time limit cut wrote its log, not its file
+        if not path.with_suffix(".xml").exists():
+            shard = path.stem.rsplit("_", 1)[-1]
+            files = log / f"gpu_shard_{shard}.txt"
+            missing.append(f"shard {shard} left no result file (cut at its time limit?)"
+                           + (f": {files.read_text().strip()}" if files.exists() else ""))
     if not suites or missing:
         why = " (timed out)" if test_rc == 124 else ""
         what = "; ".join(missing) or "no result file"

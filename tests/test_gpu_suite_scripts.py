@@ -1,0 +1,70 @@
+"""scripts/gpu_suite.sh's helpers, which run only on the device: how the GPU test files are dealt
+to its shards (gpu_shards.py), and that the summary names a shard its time limit cut
+(gpu_suite_summary.py): such a shard leaves its log and no JUnit file."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
+
+
+def _load(name: str):
+    spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+# the counts `pytest --collect-only -m gpu` gave on 2026-12-05, as `uniq -c` prints them
+COLLECTED = """    255 tests/gpu/test_kernels_gpu.py
+    183 tests/gpu/test_device_prompt.py
+    103 tests/gpu/test_device_step.py
+     28 tests/gpu/test_device_ahead.py
+     20 tests/gpu/test_gpu_tier.py
+     18 tests/gpu/test_device_sample.py
+     12 tests/gpu/test_actq16_gpu.py
+      9 tests/gpu/test_device_spec.py
+      1 tests/engine/test_serve.py
+"""
+
+
+def test_the_largest_files_get_shards_of_their_own_and_every_file_runs_once():
+    m = _load("gpu_shards")
+    counts = m.read_counts(COLLECTED)
+    files = sorted(counts) + ["tests/gpu/test_new.py"]  # one the collection did not list (an error in it)
+    dealt = m.deal(counts, files, 4)
+    assert dealt[0] == ["tests/gpu/test_kernels_gpu.py"]
+    assert dealt[1] == ["tests/gpu/test_device_prompt.py"]
+    assert dealt[2] == ["tests/gpu/test_device_step.py"]
+    assert sorted(f for shard in dealt for f in shard) == sorted(files)
+    # more shards than files: the extra ones are empty, none is dealt twice
+    assert [len(s) for s in m.deal({"a": 3, "b": 2}, ["a", "b"], 4)] == [1, 1, 0, 0]
+
+
+def test_the_shard_lists_are_written_for_the_suite(tmp_path):
+    m = _load("gpu_shards")
+    (tmp_path / "gpu_collected.txt").write_text(COLLECTED)
+    assert m.main(["2", str(tmp_path), "tests/gpu/test_kernels_gpu.py", "tests/gpu/test_device_spec.py",
+                   "tests/gpu/test_device_step.py"]) == 0
+    assert (tmp_path / "gpu_shard_0.txt").read_text() == "tests/gpu/test_kernels_gpu.py"
+    assert (tmp_path / "gpu_shard_1.txt").read_text() == "tests/gpu/test_device_step.py tests/gpu/test_device_spec.py"
+    assert m.main(["0", str(tmp_path), "x"]) == 2
+
+
+JUNIT = """<?xml version="1.0" encoding="utf-8"?><testsuites><testsuite name="pytest" errors="0" failures="0"
+ skipped="0" tests="2"><testcase classname="t" name="a"/><testcase classname="t" name="b"/></testsuite></testsuites>"""
+
+
+def test_the_summary_names_a_shard_cut_by_its_time_limit(tmp_path):
+    m = _load("gpu_suite_summary")
+    (tmp_path / "gpu_tests_0.xml").write_text(JUNIT)
+    (tmp_path / "gpu_tests_0.log").write_text("2 passed\n")
+    rows, ok = m.test_rows(tmp_path, 0)
+    assert ok and rows[0] == ("GPU tests", "2 passed, 0 failed, 0 errors, 0 skipped (pytest exit 0)")
+    (tmp_path / "gpu_tests_1.log").write_text("......")  # cut: no gpu_tests_1.xml
+    (tmp_path / "gpu_shard_1.txt").write_text("tests/gpu/test_kernels_gpu.py")
+    rows, ok = m.test_rows(tmp_path, 124)
+    assert not ok
+    assert ("  NO RESULT", "shard 1 left no result file (cut at its time limit?): tests/gpu/test_kernels_gpu.py") in rows
