@@ -8,7 +8,7 @@
 # bench_kernels_gpu.log/.md, bench_gpu_tier.log/.md, bench_serve.log. The last thing printed is the summary table.
 # Exit status: 0 when the GPU tests ran (not all skipped) and passed, else 1; the benchmarks never fail it.
 # SKIP_KERNEL_BENCH=1 leaves out the kernel benchmark (its table is in docs/performance.md already);
-# SKIP_BENCH=1 runs the tests alone (a shard then gets 560 s, else 420: GPU_TEST_TIMEOUT); SKIP_SERVE_BENCH=1 the serving benchmark, SKIP_SAMPLE_BENCH=1 the sampled pick's, SKIP_SPEC_BENCH=1 the --spec one, SKIP_BUS_BENCH=1 the bus rates'.
+# SKIP_BENCH=1 runs the tests alone (a shard then gets 540 s, else 420: GPU_TEST_TIMEOUT); SKIP_SERVE_BENCH=1 the serving benchmark, SKIP_SAMPLE_BENCH=1 the sampled pick's, SKIP_SPEC_BENCH=1 the --spec one, SKIP_BUS_BENCH=1 the bus rates'.
 set -u
 cd "$(dirname "$0")/.." || exit 2
 # The machine reaches no package index: what it lacks travels as wheels in .whl/ (device README): gguf,
@@ -46,8 +46,9 @@ SHARDS=${GPU_TEST_SHARDS:-4}
 rm -f "$LOG"/gpu_tests*.xml "$LOG"/gpu_tests_*.log "$LOG"/gpu_shard_*.txt
 python3 -m pytest -m gpu -q -p no:cacheprovider --collect-only $FILES 2>/dev/null | grep "::" | cut -d: -f1 | sort | uniq -c > "$LOG/gpu_collected.txt"
 python3 scripts/gpu_shards.py "$SHARDS" "$LOG" $FILES || exit 2
-# a shard's time limit: with the benchmarks after them the tests get 420 s; alone, most of the call
-TEST_LIMIT=${GPU_TEST_TIMEOUT:-$([ -n "${SKIP_BENCH:-}" ] && echo 560 || echo 420)}
+# a shard's time limit: with the benchmarks after them the tests get 420 s; alone, most of a 600 s call
+# (the install, the environment lines and the collection take ~20-30 s before)
+TEST_LIMIT=${GPU_TEST_TIMEOUT:-$([ -n "${SKIP_BENCH:-}" ] && echo 540 || echo 420)}
 PIDS=""
 for k in $(seq 0 $((SHARDS - 1))); do
     files=$(cat "$LOG/gpu_shard_$k.txt" 2>/dev/null)
