@@ -1241,6 +1241,9 @@ def few_max(name: str) -> int:
 def _kkernel(name: str, parallel: bool):
     row = KROW[name]
 
+    # _row_chunk's loop for a row function of two planes: the planes passed as one tuple and
+    # star-unpacked into the row call failed numba's parfor array analysis in the parallel kernels
+    # ("Dimension mismatch", 2026-12-05), so each arity keeps its own chunk
     @njit(inline="always", **JIT)
     def chunk(c, a):
         raw, row_bytes, nb, xq, xd, s16, out, n_chunks = a
