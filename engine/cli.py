@@ -447,10 +447,6 @@ def _run(pack, prompt, prompt_file, prompt_ids, n, ignore_eos, temp, top_k, top_
         raise ValueError(f"--spec {spec} drafts with the pack's MTP block and {pack} has none (convert the GGUF with "
                          "its MTP block, or the MTP-only GGUF with strata-pack convert --mtp PATH); --spec-drafter "
                          "oracle, wrong or right:P draft from a --spec 0 run instead, for measuring")
-    if spec and gpu_step == "device" and (g.has_qsa or g.ple_layers):
-        # the verify's QSA and PLE rows on the device are not checked against its token step yet
-        raise ValueError(f"--spec {spec} with --gpu-step device runs qwen35moe packs; {pack} is {g.arch} (QSA, PLE): "
-                         "use --gpu-step host (or --spec 0)")
     ctx, n_new = context_and_count(len(ids), n, max_context)
     flag = "--ctx-size" if max_context is not None or n == -1 else "-n"
     shown = f"--ctx-size {ctx}" if flag == "--ctx-size" else f"-n {n} (+ {len(ids)} prompt tokens = {ctx})"

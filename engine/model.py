@@ -597,6 +597,10 @@ class Model:
                        None if pick is not None or not n_logits[0] else outs[0], g.n_vocab, pick)
             sessions[0].pos += 1
             return got
+        if getattr(be, "verify_step", None) is not None and len(sessions) == 1 and T > 1 and saved is not None \
+                and saved[0] is not None:
+            return self._verify_rows(sessions[0], flat, ids, parts, n_logits[0], outs[0],
+                                     None if hidden is None else hidden[0], rows_pick)
         e = be.embed_rows(ids, g.n_embd)  # (the device step's prompt: gathered there from its table)
         if e is None:
             # the T rows' bytes in one decode (a row decodes alone: the same values as one at a time)
@@ -621,6 +625,54 @@ class Model:
         for o in outs:
             o[...] = logits[i : i + o.shape[0]]
             i += o.shape[0]
+
+    def _verify_rows(self, s: Session, flat: list, ids: np.ndarray, parts: list, n_logits: int, out: np.ndarray,
+                     hidden: np.ndarray | None, pick: np.ndarray | None):
+        """A verify forward of one session on the device step (DeviceBackend.verify_step, which may
+        capture it and replay it): the rows' embeddings staged up, the layers, the final rows into
+        fixed device buffers (the hidden rows the drafter reads, the logits, the picks), read here
+        after the step. The values are `_forward_rows`' eager ones."""
+        g, r, be = self.geometry, self.residual, self.backend
+        T = len(flat)
+        n_h = 0 if hidden is None else hidden.shape[0]
+        need = max(n_h, n_logits)
+        rows = be.stage_rows(np.concatenate([self._embd_row(t) for t in flat]))
+        vl = be.verify_logits
+        if n_logits:
+            vl = vl[:n_logits] if vl is not None and vl.shape[0] >= n_logits else be.verify_buf("logits", (n_logits, g.n_vocab))
+        hbuf = be.verify_buf("hidden", hidden.shape) if n_h else None
+        if pick is not None and n_logits:
+            be.pick_rows_ready(n_logits, pick)
+
+        def run():
+            H = r.embed(rows, None)
+            self._layers(be, H, ids, parts)
+            be.boundary("head")
+            if not need:
+                return
+            fin = r.final(be, H[T - need :])
+            if n_h:
+                hbuf[...] = fin[need - n_h :]
+            if n_logits:
+                be.linear(self.head, Input(fin[need - n_logits :]), vl)
+                if pick is not None:
+                    be.queue_pick_rows(vl, pick)
+
+        snaps = tuple(p[4] for p in parts)
+        hold = (snaps, pick, vl, hbuf, rows)
+        key = (T, n_logits, n_h, tuple(id(x) for x in snaps), None if pick is None else id(pick), id(vl), id(hbuf), id(rows))
+        capturable = not self.ple and not any(isinstance(m, QSAAttention) for m in self.mixers)
+        be.verify_step(s, s.pos, T, run, key, hold, capturable)
+        s.pos += T
+        if n_h:
+            hidden[...] = be.host(hbuf)
+        if not n_logits:
+            return None
+        if pick is not None:
+            be.rt.synchronize()
+            return be.picked_rows(n_logits)
+        out[...] = be.host(vl)
+        return None
 
     def _stage_ple(self, s: Session, token: int) -> dict:
         """The device token step's PLE rows, one fixed device buffer per PLE layer, made and staged

@@ -127,6 +127,17 @@ def make_pack(tmp: Path, name: str = "model", *, seed: int = 0, types: dict[str,
     return out
 
 
+def tiny_qwen4exp(tmp: Path) -> Path:
+    """strata-pack synth's `tiny` qwen4exp (hyper-connections, QSA, PLE; its quantized type mix),
+    its first shard packed under tmp -> the pack's directory."""
+    from strata.tools.synth import PRESETS, synth
+
+    (tmp / "src").mkdir()
+    shards = synth("qwen4exp", "tiny", tmp / "src" / "tiny.gguf")
+    pack.convert(shards[:1], tmp / "q4", compress_ratio=PRESETS["tiny"].compress_ratio)
+    return tmp / "q4"
+
+
 def dequantized_copy(src: Path, dst: Path) -> Path:
     """The same GGUF (one shard) with every tensor stored as F32 holding its dequantized values."""
     f = read_gguf(src)

@@ -1038,18 +1038,18 @@ def slot_products_fit(type_id: int, n_in: int, n_out: int) -> bool:
 
 
 def slot_products(type_id: int, n_in: int, n_out: int, arena, slot_bytes: int, at: int, mat_bytes: int, slot, k: int,
-                  R: int, act: GpuActQ, x_rank: int, out) -> bool:
+                  R: int, act: GpuActQ, x_div: int, out) -> bool:
     """R one-row products on expert weights in the slot storage, in one launch (mvx, gpu_kernels.cu):
     product j multiplies matrix j // k (at + j // k * mat_bytes within the slot) of the expert in slot
-    slot[j % k] (device int32 [k]; -1: skipped, a miss) by act's row j * x_rank into out[j] (device
-    f32 [R, n_out]). Each product has matvec's bits on that weight. False (nothing launched) where
+    slot[j % k] (device int32 [k]; -1: skipped, a miss) by act's row (j % k) // x_div (x_div 0: row
+    0) into out[j] (device f32 [R, n_out]). Each product has matvec's bits on that weight. False (nothing launched) where
     matvec would take the batched kernel (rows longer than mv holds): the caller keeps its own path."""
     mod, name, grid, block, smem, extra = _quant_plan(type_id, n_in, n_out, 1)
     if not name.startswith("mv<"):
         return False
     rest, _ = planes(type_id, n_in, n_out)
     args = (arena, np.int64(slot_bytes), np.int64(mat_bytes), np.int64(at), np.int64(at + align(rest)), slot, np.int32(k),
-            np.int32(grid), act.q, act.d, act.s16, np.int32(x_rank), out, np.int32(n_out), np.int32(n_in // QA))
+            np.int32(grid), act.q, act.d, act.s16, np.int32(x_div), out, np.int32(n_out), np.int32(n_in // QA))
     runtime().launch(mod, "mvx" + name[2:], grid * R, block, args + extra, smem)
     return True
 

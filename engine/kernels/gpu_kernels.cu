@@ -819,21 +819,23 @@ __global__ void __launch_bounds__(256) mv(const u8* __restrict__ rest, const flo
 // products, product j on the expert in slot slot[j % k] of the slot storage (slot s at arena + s
 // slot_bytes, gate then up then down in engine form: engine/tier/slots.py's layout), matrix j / k
 // of it (its planes at rest_off + (j / k) mat_bytes and sc_off + (j / k) mat_bytes), each given
-// `per` of the grid's blocks, into out + j n_out. So gate and up of every expert are one launch
-// (R = 2k, one input row: x_rank 0) and the downs another (R = k, row j of x: x_rank 1). A product
+// `per` of the grid's blocks, into out + j n_out, by row (j % k) / x_div of x (x_div 0: row 0). So
+// gate and up of every expert are one launch (R = 2k, one input row: x_div 0) and the downs
+// another (R = k, row j of x: x_div 1); a verify's T rows (k = T k' slots, row t's k' after row
+// t - 1's) the same two launches, gate and up by x_div k' (row t's slots read x's row t). A product
 // whose slot is -1 is a miss (the CPU computes it) and is skipped. Each product is mv's on that
 // weight alone: the same bits.
 template <int T, int KPL>
 __global__ void __launch_bounds__(256) mvx(const u8* __restrict__ arena, i64 slot_bytes, i64 mat_bytes, i64 rest_off,
                                            i64 sc_off, const int* __restrict__ slot, int k, int per,
                                            const i8* __restrict__ xq, const float* __restrict__ xd,
-                                           const i32* __restrict__ xs, int x_rank, float* __restrict__ out, int n_out,
+                                           const i32* __restrict__ xs, int x_div, float* __restrict__ out, int n_out,
                                            int nb, int nrows, int shared_tab) {
     const int j = blockIdx.x / per;
     const int s = slot[j % k];
     if (s < 0) return;  // the whole block: no barrier is left waiting
     const u8* base = arena + (i64)s * slot_bytes + (i64)(j / k) * mat_bytes;
-    const i64 r = (i64)j * x_rank;
+    const i64 r = x_div ? (i64)((j % k) / x_div) : 0;
     mv_body<T, KPL, 0>(base + rest_off, reinterpret_cast<const float*>(base + sc_off), xq + r * nb * 32, xd + r * nb,
                        xs + r * 2 * nb, out + (i64)j * n_out, n_out, nb, nrows, shared_tab, blockIdx.x % per, per);
 }

@@ -63,7 +63,7 @@ _NAMES = ["dev_rmsnorm", "dev_delta", "dev_conv", "dev_combine", "dev_sigmoid", 
           "dev_gate_q", "dev_gates_conv", "dev_add_rmsnorm_q", "dev_embd_row", "dev_ple_conv", "dev_qsa_key",
           "dev_qsa_scores", "dev_qsa_select", "dev_attn_sel", "dev_attn_split_sel", "dev_attn_merge_sel",
           "dev_hc_gates_q", "dev_rope_at", "dev_pick_next", "dev_ple_rows", "dev_embd_rows", "dev_ple_gather",
-          "dev_ple_conv_rows", "dev_qsa_scores_rows", "dev_qsa_select_rows", "dev_widen"]
+          "dev_ple_conv_rows", "dev_qsa_scores_rows", "dev_qsa_select_rows", "dev_widen", "dev_route_n", "dev_combine_n"]
 # the embedding's GGML types dev_embd_row decodes (F32 F16 Q4_0 Q4_1 Q5_0 Q5_1 Q8_0 Q4_K Q5_K Q6_K BF16)
 EMBD_ROW_TYPES = frozenset({0, 1, 2, 3, 6, 7, 8, 12, 13, 14, 30})
 # the PLE table's types dev_ple_rows decodes: those and IQ4_NL (budget.PLE_TABLE_DEVICE_TYPES, the same)
@@ -80,6 +80,16 @@ PICK_GRID = max(1, int(os.environ.get("STRATA_PICK_GRID", "128")))
 # a prompt chunk past QSA's budget selects on the device (qsa_select_rows); STRATA_QSA_ROWS=0 keeps the
 # host's selection query by query, to time the two
 QSA_ROWS = os.environ.get("STRATA_QSA_ROWS", "1") != "0"
+
+
+VERIFY_SESSIONS = 4  # sessions whose captured verify graphs DeviceBackend.verify_step keeps
+# Whether a verify (speculative decoding) may be captured and replayed as CUDA graphs (verify_step):
+# off until tests/gpu/test_device_spec.py has run with it on a card. It was written in a session
+# lent no card (2026-12-05): its bits and its rollbacks were checked in the host emulation, which
+# captures nothing, so a replay that read a value the capture fixed would go unseen there (the
+# greedy tests compare --spec N with --spec 0 on the card, graphs on and off). STRATA_VERIFY_GRAPHS=1
+# turns it on.
+VERIFY_GRAPHS = os.environ.get("STRATA_VERIFY_GRAPHS", "0") not in ("", "0")
 
 
 def split_geometry(most: int) -> tuple[int, int]:
@@ -263,6 +273,12 @@ class DeviceExperts:
         self.chunk = DeviceChunk(rt, hits, be)
         # per `tokens` call: (layer, Seqs, device ids [T, k], which experts were streamed whole or None)
         self._chunk_log: list[tuple[int, list, object, np.ndarray | None]] = []
+        # a verify's rows (`rows`): each row routes into its own line of `_ids_rows` [rows, n_layer, k],
+        # so nothing waits mid-forward; (layer, row, Seq) in the order the rows ran, settled after the
+        # forward (each row's counts added, then its snapshot's copy made: `settle`)
+        self._rows_log: list[tuple[int, int, object]] = []
+        self._ids_rows = None
+        self.grown = 0  # times `_ids_rows` was made again larger (a verify graph holding the old one is dropped)
 
     def routed(self, moe, x: Input, experts: np.ndarray, rows: np.ndarray, starts: np.ndarray):
         if self.chunk is not None and self.chunk.fits(moe, rows.size):  # grouped launches (device_chunk.py)
@@ -347,14 +363,16 @@ class DeviceExperts:
     # adds the shared output in its launch)
     adds_shared = True
 
-    def token(self, moe, x: Input, counts, logits=None, shared=None) -> object | None:
+    def token(self, moe, x: Input, counts, logits=None, shared=None, row: int | None = None) -> object | None:
         """MoE.forward's routed sum for one token on the device -> device f32 [1, E], or None where
         this path does not apply (expert weights of a float type, rows longer than mv takes, more
-        than 1024 experts: dev_route's block, a thread a logit): the MoE then routes on the host. A
-        verify row (its Seq's `saved`) settles its routing counts at once and copies them into its
-        snapshot. logits: the router's product of x where the caller made it; shared: the shared
-        expert's (y [1, E], gate logit [1, 1]) added to the sum (BaseBackend.shared_add_'s
-        out += y sigmoid(s), y scaled in place), the routed sum and the add in one launch."""
+        than 1024 experts: dev_route's block, a thread a logit): the MoE then routes on the host.
+        logits: the router's product of x where the caller made it; shared: the shared expert's
+        (y [1, E], gate logit [1, 1]) added to the sum (BaseBackend.shared_add_'s out += y sigmoid(s),
+        y scaled in place), the routed sum and the add in one launch. `row`: row `row` of a verify
+        (`rows`): its chosen ids go to its own line of `_ids_rows` and its counts are added after the
+        forward, in row order, each row's snapshot copied then (`settle`). Before, a verify row
+        settled its counts at once: a wait per row and layer, which no graph can hold."""
         seqs = seqs_of(counts, 1) if counts is not None else []
         if not self.fits(moe):
             return None
@@ -364,9 +382,11 @@ class DeviceExperts:
         table = self._table(b, layer)
         if logits is None:
             logits = be.linear(moe.router, x, be.scratch("moe.router", (1, moe.router.n_out)))
-        ids = b["ids"][layer]
+        ids = b["ids"][layer] if row is None else self._ids_rows[row, layer]
         self.route(logits, k, table, ids, b["w"], b["slot"])
-        states = tuple(r.state for r in seqs)
+        states = tuple(r.state for r in seqs) if row is None else ()
+        if row is not None:
+            self._rows_log += [(layer, row, r) for r in seqs]
         complete = bool((self._table_rows[layer] >= 0).all())
         if complete:
             self._count(layer, states, k, 0, static=True)
@@ -404,12 +424,6 @@ class DeviceExperts:
             be._launch("dev_combine_slots", E, (b["rows"], b["miss"], b["slot"], b["w"], b["out"], np.int32(k), np.int32(E)))
             if y is not None:
                 be.shared_add_(b["out"], y, g)
-        if any(r.saved is not None for r in seqs):
-            # a verify row's snapshot holds the routing counts up to it: they are settled now (the ids
-            # come down: one wait), not after the forward, then copied with the row's state
-            self.settle()
-            for r in seqs:
-                keep(r)
         return b["out"]
 
     def fits(self, moe) -> bool:
@@ -426,10 +440,66 @@ class DeviceExperts:
         if not self.fits(moe):
             return None
         T = x.x.shape[0]
+        self.rows_ready(T, moe)
+        b = self._buffers(moe)
+        table = self._table(b, moe.layer)
+        if bool((self._table_rows[moe.layer] >= 0).all()) and self.be.fuse_many:
+            return self._rows_resident(moe, x, seqs, table)
         out = self.be.scratch("moe.rows", (T, moe.E))
         for i, r in enumerate(seqs):
-            out[i : i + 1] = self.token(moe, Input(x.x[i : i + 1]), [r._replace(a=0, b=1)])  # (token's buffer: copied)
+            out[i : i + 1] = self.token(moe, Input(x.x[i : i + 1]), [r._replace(a=0, b=1)], row=i)  # (token's buffer: copied)
         return out
+
+    def _rows_resident(self, moe, x: Input, seqs: list, table):
+        """`rows` in a layer whose experts are all resident: the T rows' launches of one token at once,
+        each row's values the token path's (its bits): the router's product of the T rows, their
+        routing (dev_route_n: a block a row, dev_route's rule), gate and up of all T k chosen experts
+        in one mvx launch (row t's slots read x's row t), h and its ActQ in one, the downs in one, the
+        combine of every row in one (dev_combine_n). Row by row (`token` each) a verify of 3 rows made
+        3 x 8 launches a layer where this makes 7 + the router's."""
+        be, rt, slots, layer = self.be, self.rt, self.hits.slots, moe.layer
+        k, E, F, X, T = moe.k, moe.E, moe.F, moe.router.n_out, x.x.shape[0]
+        b = self._buf
+        rb = b.get(("rows", T))
+        if rb is None:  # fixed per row count (a captured verify keeps their addresses)
+            rb = b[("rows", T)] = {"w": rt.empty((T, k), F32), "slot": rt.empty((T * k,), np.int32),
+                                   "gu": rt.empty((2 * T * k, F), F32), "h": rt.empty((T * k, F), F32),
+                                   "hq": gpu.empty_act((T * k, F)), "rows": rt.empty((T * k, E), F32)}
+        logits = be.linear(moe.router, x, be.scratch("moe.rows_router", (T, X)))
+        ids = self._ids_rows[0, layer]  # (row t's at t ids_stride from it)
+        block = 32 * -(-X // 32)
+        smem = 512 + 4 * block + 8 * (block // 32) * k  # (dev_route's)
+        be._launch("dev_route_n", T * block, (logits, np.int32(X), np.int32(k), table, ids, np.int32(self._ids_rows.strides[0] // 4),
+                                              rb["w"], rb["slot"]), block, smem)  # (a block a row)
+        for i, r in enumerate(seqs):
+            self._count(layer, (), k, 0, static=True)
+            self._rows_log.append((layer, i, r))
+        arena, sb, gu_bytes = slots.arena, slots.slot_bytes, placed_bytes(moe.gu.id, E, F)
+        act = x.form(moe.gu, False, quantize=self.quantize)
+        xq = gpu.GpuActQ(act.q, act.d, act.s16, None)
+        gpu.slot_products(moe.gu.id, E, F, arena, sb, 0, gu_bytes, rb["slot"], T * k, 2 * T * k, xq, k, rb["gu"])
+        if be.fuse_actq:
+            hq = rb["hq"]
+            be._launch("dev_hidden_q", T * k * F, (rb["gu"], rb["slot"], rb["h"], hq.q, hq.d, hq.s16, np.int32(T * k), np.int32(F)))
+        else:
+            be._launch("dev_hidden", T * k * F, (rb["gu"], rb["slot"], rb["h"], np.int32(T * k), np.int32(F)))
+            gpu.quantize_act_gpu(rb["h"], out=rb["hq"], check=False)
+        gpu.slot_products(moe.d.id, F, E, arena, sb, 2 * gu_bytes, 0, rb["slot"], T * k, T * k, rb["hq"], 1, rb["rows"])
+        out = be.scratch("moe.rows", (T, E))
+        be._launch("dev_combine_n", T * E, (rb["rows"], b["miss"], rb["slot"], rb["w"], out, np.int32(k), np.int32(E), np.int32(T)))
+        return out
+
+    def rows_ready(self, T: int, moe=None) -> None:
+        """`_ids_rows` holding T rows (made before a verify's capture: a graph keeps its address). Made
+        again larger only when a forward has more rows than it holds (`grown` counts it)."""
+        got = self._ids_rows
+        if got is not None and got.shape[0] >= T:
+            return
+        if moe is None:
+            return  # (made at the first MoE: its k)
+        n_layer = self.hits.slots.n_layer
+        self._ids_rows = self.rt.empty((max(T, 16), n_layer, moe.k), np.int32)
+        self.grown += got is not None
 
     def tokens(self, moe, x: Input, counts) -> object | None:
         """MoE.forward's routed sum for a prompt chunk on the device (device_chunk.py `forward`: a
@@ -593,7 +663,16 @@ class DeviceExperts:
                 r.state[...] += np.bincount(ids[r.a : r.b].reshape(-1), minlength=r.state.size)
                 keep(r)
         self._chunk_log.clear()
-        if not self._log:
+        if self._rows_log:
+            # a verify's rows, in the order they ran: each row's counts, then its snapshot's copy
+            ids_rows = self.rt.to_host(self._ids_rows)
+            for layer, row, r in self._rows_log:
+                r.state[ids_rows[row, layer]] += 1  # (a row's k ids are distinct)
+                keep(r)
+            self._rows_log.clear()
+        if not any(states for _, states, *_ in self._log):  # (a verify row's entries count its hits only)
+            self._log.clear()
+            self._queued = False
             return
         ids = self._buf["ids_settle"] if self._queued else self.rt.to_host(self._buf["ids"])
         self._queued = False
@@ -701,6 +780,13 @@ class DeviceBackend(CpuBackend):
         self._ple_rows: dict[tuple, object] = {}  # (PLE layer, shape) -> the fixed device buffer of its staged rows
         self._books = None  # while token_step captures: the host bookkeeping a replay repeats (`bookkeep`)
         self.verify_logits = None  # --spec N: the verify's logits rows [1 + N, n_vocab], placed at the tier's stage 7
+        # `verify_step`: while a verify's rows run, (their first position, rows): each row's position
+        # is read from `_posv` (attention, the rope), staged before the step; its graphs by (session, T)
+        self._verify_at = None
+        self._posv = None
+        self._vgraphs: dict = {}
+        self._verify_bufs: dict = {}
+        self.verify_graphs = VERIFY_GRAPHS  # verify_step may capture and replay (VERIFY_GRAPHS says why it is off)
         self._rows_pick = None  # pick_rows' (rows, banned ids, device picks [rows, 3], their pinned mirror, ids on the device)
         # a norm that feeds products makes their ActQ in the same launch (norm_input, rmsnorm_q,
         # gated_norm_input), as does a token's expert hidden activation (DeviceExperts.token); tests
@@ -1377,11 +1463,31 @@ class DeviceBackend(CpuBackend):
         rt.copy_in(ds, np.ascontiguousarray(s, F32))
         if got is not None:
             self._graph, self._warm = None, None
+            self._vgraphs.clear()
         got = self._rope_tables[key] = (dc, ds)
         return got
 
+    def _row_pos(self, pos: int):
+        """A verify's row at `pos` (`verify_step`): the device int holding pos in the verify's position
+        buffer (staged before the step, so a captured verify serves every position), or None outside
+        a verify."""
+        v = self._verify_at
+        if v is None or not 0 <= pos - v[0] < v[1]:
+            return None
+        return self._posv[pos - v[0] : pos - v[0] + 1]
+
     def rope_(self, rope, x, positions) -> None:
         positions = np.asarray(positions)
+        v = self._verify_at
+        if v is not None and x.ndim == 3 and 0 < positions.size <= v[1] and int(positions[0]) == v[0] \
+                and np.array_equal(positions, v[0] + np.arange(positions.size)) and self._rows(x, x.shape[-1]) is not None:
+            # a verify's rows at consecutive positions from its first: dev_rope_at from the position
+            # buffer, rotated by the table's rows, as each row's token step rotates it (its bits)
+            c, s = self._rope_table(rope, v[0] + positions.size)
+            heads, h = x.shape[1], rope.half
+            self._launch("dev_rope_at", positions.size * heads * h, (x, np.int64(self._rows(x, x.shape[-1])), c, s, self._posv,
+                                                                     np.int32(positions.size * heads), np.int32(heads), np.int32(h)))
+            return
         # the step's own position at the fixed addresses; another one (QSA's pooled block key, at its
         # block's first position) takes the general path, so it does not move the step's position
         if positions.size == 1 and x.ndim == 3 and self._rows(x, x.shape[-1]) is not None \
@@ -1493,10 +1599,13 @@ class DeviceBackend(CpuBackend):
             return super().attend_one(cache, pos, q, k, v, scale)
         if pos + 1 > cache.max_context:
             raise ValueError(f"KV cache: position {pos} past its {cache.max_context} tokens (--ctx-size)")
-        self._at(pos)
+        at = self._row_pos(pos)
+        if at is None:
+            self._at(pos)
+            at = self._pos
         Hkv, ctx, kind = cache.n_head_kv, cache.max_context, KV_KIND[cache.kind]
         ks, vs = (cache.k_scale, cache.v_scale) if cache.kind == "int8" else (cache.k, cache.v)  # (not read)
-        self._launch("dev_kv_write", 32 * 2 * Hkv * (D // 32), (k, v, cache.k, cache.v, ks, vs, self._pos, np.int32(Hkv),
+        self._launch("dev_kv_write", 32 * 2 * Hkv * (D // 32), (k, v, cache.k, cache.v, ks, vs, at, np.int32(Hkv),
                                                                np.int32(ctx), np.int32(D), np.int32(kind)))
         out = self.scratch("attn.one", (1, H, D))
         if self.split_attention and D <= 256:
@@ -1505,15 +1614,15 @@ class DeviceBackend(CpuBackend):
             part = self._attn_sc.get((H, ctx, "split"))
             if part is None:
                 part = self._attn_sc[(H, ctx, "split")] = self.rt.empty((H, S, D + 2), F32)
-            self._launch("dev_attn_split", 32 * H * S, (q, cache.k, cache.v, ks, vs, self._pos, part, np.int32(H), np.int32(Hkv),
+            self._launch("dev_attn_split", 32 * H * S, (q, cache.k, cache.v, ks, vs, at, part, np.int32(H), np.int32(Hkv),
                                                         np.int32(ctx), np.int32(D), np.int32(L), np.int32(S), F32(scale),
                                                         np.int32(kind)))
-            self._launch("dev_attn_merge", H * D, (part, self._pos, out, np.int32(H), np.int32(D), np.int32(L), np.int32(S)))
+            self._launch("dev_attn_merge", H * D, (part, at, out, np.int32(H), np.int32(D), np.int32(L), np.int32(S)))
             return out
         sc = self._attn_sc.get((H, ctx))
         if sc is None:
             sc = self._attn_sc[(H, ctx)] = self.rt.empty((H, ctx), F32)
-        self._launch("dev_attn_one", 32 * H, (q, cache.k, cache.v, ks, vs, self._pos, sc, out, np.int32(H), np.int32(Hkv),
+        self._launch("dev_attn_one", 32 * H, (q, cache.k, cache.v, ks, vs, at, sc, out, np.int32(H), np.int32(Hkv),
                                               np.int32(ctx), np.int32(D), F32(scale), np.int32(kind)))
         return out
 
@@ -1604,6 +1713,89 @@ class DeviceBackend(CpuBackend):
             return self.queue_greedy(pick, picked=ahead, merged=merged)
         self._next_pos = pos + 1
         return self._greedy(pick) if isinstance(pick, np.ndarray) else self._sample(pick)
+
+    def stage_rows(self, a: np.ndarray):
+        """A verify's host rows (their embeddings, f32 [T, n]) on the device at a fixed address per
+        shape, copied up asynchronously (a captured verify reads them there)."""
+        dev = self._row_buf(a.shape)
+        self._stage(dev, a)
+        return dev
+
+    def verify_buf(self, name: str, shape: tuple):
+        """A verify's fixed device buffer `name` of `shape` (its hidden rows, its logits where the tier
+        planned none): made once, so a captured verify writes there at every replay."""
+        key = (name, tuple(shape))
+        got = self._verify_bufs.get(key)
+        if got is None:
+            got = self._verify_bufs[key] = self.rt.empty(shape, F32)
+        return got
+
+    def verify_step(self, session, pos: int, T: int, run, key: tuple, hold: tuple = (), capturable: bool = True) -> None:
+        """A verify's T rows of `session` at pos.. (speculative decoding, Model._verify_rows): run()
+        queues the layers and the head into fixed buffers, which the caller reads after a wait.
+
+        Each row's position is read from the position buffer `_posv` (staged here: attention's KV
+        write and length, the rope's table rows), so one capture serves every position. As in
+        token_step, the first verify of a kind (`key`: the rows, what is asked of the head, the
+        snapshots' and buffers' identities, whose addresses a graph keeps) runs eagerly from a pool
+        of its own, the second is captured, and later ones replay it: CUDA graph segments cut where
+        a layer that can miss needs the host (`at_host`). A verify that ran eagerly cost 8.9x a
+        token step for 3 rows (2026-12-02, H200, seed-4l qwen35moe), most of it Python launching
+        row by row and a wait per row and layer for the routing counts (now settled after the
+        forward: DeviceExperts.settle). `capturable` False (a model whose rows need the host
+        mid-way: QSA's block selection, PLE's hashes): eagerly always."""
+        ex, rt = self.experts, self.rt
+        self._ctx = max(self._ctx, session.max_context)
+        if self._posv is None or self._posv.shape[0] < T:
+            self._posv = rt.empty((max(T, 16),), np.int32)
+            self._vgraphs.clear()
+        self._stage(self._posv, pos + np.arange(self._posv.shape[0]))
+        self._verify_at = (pos, T)
+        try:
+            full = (id(session),) + key
+            g = self._vgraphs.get(full)
+            if g is None:
+                # the graphs of the last VERIFY_SESSIONS sessions are kept (serve's slots take turns);
+                # an older session's go, with their pools
+                held = list(dict.fromkeys(k[0] for k in self._vgraphs))
+                if id(session) not in held and len(held) >= VERIFY_SESSIONS:
+                    for k in [k for k in self._vgraphs if k[0] == held[0]]:
+                        del self._vgraphs[k]
+            if g is not None and (g["session"] is not session or g["ids_rows"] is not ex._ids_rows):
+                g = self._vgraphs[full] = None  # (another session at the same id, or the rows' ids made again)
+            if not (capturable and self.verify_graphs and hasattr(rt, "begin_capture") and ex.static() and rt.capturable()):
+                run()
+                return
+            if g is not None and "segments" in g:
+                g["replays"] += 1
+                self._replay(g["segments"])
+                ex.replayed(g["log"])
+                ex._rows_log += g["rows_log"]
+                for fn in g["books"]:
+                    fn()
+                return
+            if g is None:  # the first of its kind: eagerly, its temporaries from its graph's pool
+                pool = rt.graph_pool()
+                with rt.allocating_from(pool):
+                    run()
+                # (`hold`: the objects whose addresses the key names, kept alive while the graph is)
+                self._vgraphs[full] = {"session": session, "pool": pool, "ids_rows": ex._ids_rows, "hold": hold}
+                return
+            with rt.allocating_from(g["pool"]):
+                mark, rows_mark = ex.mark(), len(ex._rows_log)
+                self._segments, self._books = [], []
+                rt.begin_capture()
+                try:
+                    run()
+                finally:
+                    last = rt.end_capture()
+                    segments, self._segments = self._segments + [last], None
+                    books, self._books = self._books, None
+                rt.replay(last)
+            g.update(segments=segments, log=ex.log_since(mark), rows_log=list(ex._rows_log[rows_mark:]), books=books,
+                     ids_rows=ex._ids_rows, replays=0)
+        finally:
+            self._verify_at = None
 
     def _pick_next_into(self, run, banned: np.ndarray, last: int, ple: bool = False):
         """run, then the run-ahead's tail (`_pick_next`; with `ple`, `_ple_next`): a token step's whole work."""
@@ -1860,19 +2052,33 @@ class DeviceBackend(CpuBackend):
         """The greedy token of each row of the device logits [n, n_vocab] (a verify's): dev_argmax per
         row, `_greedy`'s rule, the banned ids never -> int64 [n]; only the picks come down, in one copy
         after one wait. A NaN or an infinite largest logit is refused as the sampler refuses it."""
-        rt = self.rt
-        n, V = logits.shape
-        got = self._rows_pick
+        self.pick_rows_ready(logits.shape[0], banned)
+        self.queue_pick_rows(logits, banned)
+        self.rt.synchronize()
+        return self.picked_rows(logits.shape[0])
+
+    def pick_rows_ready(self, n: int, banned: np.ndarray) -> None:
+        """pick_rows' buffers for n rows and these banned ids (made before a verify's capture)."""
+        rt, got = self.rt, self._rows_pick
         if got is None or got[0] < n or got[1] is not banned:
             ban = rt.to_device(np.ascontiguousarray(banned, np.int32)) if banned.size else rt.empty((1,), np.int32)
-            got = self._rows_pick = (n, banned, rt.empty((n, 3), np.int32), rt.pinned(12 * n).view(np.int32).reshape(n, 3), ban)
-        _, _, dev, host, ban = got
+            self._rows_pick = (max(n, 8), banned, rt.empty((max(n, 8), 3), np.int32),
+                               rt.pinned(12 * max(n, 8)).view(np.int32).reshape(-1, 3), ban)
+        self._argmax_work(1)  # (its parts and counter, made once)
+
+    def queue_pick_rows(self, logits, banned: np.ndarray) -> None:
+        """pick_rows' launches and its copy down, queued (`picked_rows` reads them after a wait)."""
+        rt = self.rt
+        n, V = logits.shape
+        _, _, dev, host, ban = self._rows_pick
         grid, block, part, count = self._argmax_work(V)
         for i in range(n):
             rt.launch(self._mod, "dev_argmax", grid, block, (logits[i], np.int32(V), ban, np.int32(banned.size), part,
                                                                   count, dev[i]), smem=4 * (3 * 32 + 1))
         rt.copy_out_async(host[:n], dev[:n])
-        rt.synchronize()
+
+    def picked_rows(self, n: int) -> np.ndarray:
+        host = self._rows_pick[3]
         for i in range(n):
             top = float(host[i, 2:3].view(F32)[0])
             if host[i, 1] or not np.isfinite(top):

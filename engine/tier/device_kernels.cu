@@ -602,7 +602,8 @@ extern "C" __global__ void dev_hc_gates_q(const float* d, const float* inj, floa
 // ascending: distinct ids), so the ranks are distinct and exactly the host's selection. The sum
 // over the logits folds in another order than before (the float64 weights may differ in the
 // last bits; w is their f32 rounding).
-extern "C" __global__ void dev_route(const float* logits, int X, int k, const int* table, int* ids, float* w, int* slot) {
+__device__ __forceinline__ void route_block(const float* logits, int X, int k, const int* table, int* ids, float* w,
+                                            int* slot) {
     STRATA_SMEM(smem);
     const int t = threadIdx.x, lane = t & 31, warp = t >> 5, nw = blockDim.x >> 5, C = nw * k;
     double* red = reinterpret_cast<double*>(smem);  // [32] a partial max, then a partial sum, per warp
@@ -672,6 +673,19 @@ extern "C" __global__ void dev_route(const float* logits, int X, int k, const in
         for (int j = 0; j < k; j++) top += pj[j];
         w[t] = (float)(pj[t] / top);
     }
+}
+
+extern "C" __global__ void dev_route(const float* logits, int X, int k, const int* table, int* ids, float* w, int* slot) {
+    route_block(logits, X, k, table, ids, w, slot);
+}
+
+// A verify's rows (DeviceExperts.rows: one-token sequences whose experts are all resident): block
+// b routes row b of logits [rows, X] as dev_route routes a token (its bits), its ids at ids + b
+// ids_stride (the row's line of the rows' ids, per layer), its w and slots at b k.
+extern "C" __global__ void dev_route_n(const float* logits, int X, int k, const int* table, int* ids, int ids_stride,
+                                       float* w, int* slot) {
+    const i64 b = blockIdx.x;
+    route_block(logits + b * X, X, k, table, ids + b * ids_stride, w + b * k, slot + b * k);
 }
 
 // (route_one: one warp routing one token by the same rule, the warp form dev_route had, for the
@@ -854,6 +868,22 @@ extern "C" __global__ void dev_combine_slots(const float* hit, const float* miss
         float acc = 0.0f;
         for (int j = 0; j < k; j++) acc += w[j] * (slot[j] >= 0 ? hit : miss)[(i64)j * E + e];
         out[e] = acc;
+    }
+}
+
+// dev_combine_slots of `rows` tokens in one launch (a verify's rows: DeviceExperts.rows): token t's
+// k products at hit + t k E, its slots and weights at t k, its sum into out + t E. Each sum the
+// same operations in the same order as dev_combine_slots: its bits.
+extern "C" __global__ void dev_combine_n(const float* hit, const float* miss, const int* slot, const float* w,
+                                         float* out, int k, int E, int rows) {
+    const i64 n = (i64)rows * E;
+    for (i64 i = blockIdx.x * (i64)blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x) {
+        const i64 t = i / E, e = i - t * E;
+        const float* wt = w + t * k;
+        const int* st = slot + t * k;
+        float acc = 0.0f;
+        for (int j = 0; j < k; j++) acc += wt[j] * (st[j] >= 0 ? hit : miss)[(t * k + j) * E + e];
+        out[i] = acc;
     }
 }
 

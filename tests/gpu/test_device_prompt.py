@@ -522,16 +522,12 @@ def test_a_chunk_past_the_prompt_buffers_runs_on_the_device_in_runs_of_experts(m
 
 @pytest.fixture(scope="module")
 def qwen4exp(tmp_path_factory):
+    import engine_fixture as F
+
     from strata.engine.model import Model
     from strata.engine.pack_reader import Pack
-    from strata.tools import pack as tools_pack
-    from strata.tools.synth import PRESETS, synth
 
-    tmp = tmp_path_factory.mktemp("device-prompt-q4")
-    (tmp / "src").mkdir()
-    shards = synth("qwen4exp", "tiny", tmp / "src" / "tiny.gguf")
-    tools_pack.convert(shards[:1], tmp / "q4", compress_ratio=PRESETS["tiny"].compress_ratio)
-    return Model(Pack.open(tmp / "q4"))
+    return Model(Pack.open(F.tiny_qwen4exp(tmp_path_factory.mktemp("device-prompt-q4"))))
 
 
 @pytest.mark.slow  # the emulated products of the tiny qwen4exp: ~25 s a token step on the CI's 2 cores

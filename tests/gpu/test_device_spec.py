@@ -27,6 +27,7 @@ from strata.engine.generate import drive, generate
 from strata.engine.model import Model
 from strata.engine.mtp import MTPHead
 from strata.engine.pack_reader import Pack
+from strata.engine.qsa import QSACache
 from strata.engine.sampling import Sampler, SamplerParams
 from strata.engine.speculative import MTPDrafter, ReferenceDrafter, SpecRun, Snapshot, roll_back
 from strata.engine.tier import GpuTier, TierOptions
@@ -49,8 +50,8 @@ def model(tmp_path_factory):
 
 
 @contextlib.contextmanager
-def device_tier(model, spec=0):
-    tier = GpuTier.start(model, TierOptions(max_context=CTX, kv="f32", prefill_chunk=8, step="device", expert_cache=None,
+def device_tier(model, spec=0, expert_cache=None):
+    tier = GpuTier.start(model, TierOptions(max_context=CTX, kv="f32", prefill_chunk=8, step="device", expert_cache=expert_cache,
                                             spec=spec))
     try:
         assert isinstance(model.backend, DeviceBackend)
@@ -70,33 +71,121 @@ def host_states(be, s):
     for st in s.states:
         if isinstance(st, dict):
             out += [be.host(st["conv"]), be.host(st["S"])]
+        elif isinstance(st, QSACache):  # qwen4exp: its KV cache, indexer keys, pooled keys, count
+            nb = s.pos // st.ratio
+            out += [be.host(a) for a in st.kv.read(slice(0, s.pos))]
+            out += [be.host(st.idx_keys)[: s.pos], be.host(st.idx_blocks)[:nb], np.array([st.n])]
         else:
             out += [be.host(a) for a in st.read(slice(0, s.pos))]
     return out + [s.routing.copy()]
 
 
-def test_the_verify_rows_have_the_bits_of_the_device_token_step(model, rt):
+def stepped_and_verifying(model, prompt, toks):
+    """Two sessions fed `prompt` on the model's tier: `a` then steps through toks (its logits: what
+    each row of a verify of toks must give), `b` gets a snapshot per draft -> (a, b, the logits, the snapshots)."""
+    a, b = model.new_session(CTX), model.new_session(CTX)
+    model.forward(a, prompt, n_logits=0)
+    model.forward(b, prompt, n_logits=0)
+    steps = np.stack([model.step(a, t).copy() for t in toks])
+    return a, b, steps, [Snapshot(b, model.backend) for _ in toks[:-1]]
+
+
+@pytest.mark.parametrize("cache", ["all", "a third"])
+def test_the_verify_rows_have_the_bits_of_the_device_token_step(model, rt, cache):
+    """Every expert resident: each layer's rows in one set of launches (DeviceExperts._rows_resident);
+    a third: row by row, each row's misses on the CPU (DeviceExperts.token)."""
     prompt = prompt_for(model)
     toks = [5, 77, 140]
-    with device_tier(model):
+    g = model.geometry
+    with device_tier(model, expert_cache=None if cache == "all" else g.n_layer * g.n_expert // 3) as tier:
         be = model.backend
-        a, b = model.new_session(CTX), model.new_session(CTX)
-        model.forward(a, prompt, n_logits=0)
-        model.forward(b, prompt, n_logits=0)
-        steps = np.stack([model.step(a, t).copy() for t in toks])
-        snaps = [Snapshot(b, be) for _ in toks[:-1]]
+        a, b, steps, snaps = stepped_and_verifying(model, prompt, toks)
         launched, launch = [], be._launch
         be._launch = lambda name, *a: (launched.append(name), launch(name, *a))
         try:
             rows = model.forward(b, toks, n_logits=3, saved=snaps)
         finally:
             del be._launch
-        # each row's MoE by the token path on the device (routing included), not routed on the host
-        # (whose rows dev_combine sums): no routing comes down
-        assert launched.count("dev_route") == len(toks) * model.geometry.n_layer and "dev_combine" not in launched
+        # the rows' MoE by the token path's launches on the device, every row of a layer in each
+        # (routing included: dev_route_n, a block a row), not routed on the host (whose rows
+        # dev_combine sums): no routing comes down
+        L = model.geometry.n_layer
+        if cache == "all":
+            assert launched.count("dev_route_n") == launched.count("dev_combine_n") == L, launched
+            assert "dev_route" not in launched and "dev_combine" not in launched
+        else:
+            assert tier.stats.hits.sum() > 0 and tier.stats.misses.sum() > 0  # both paths ran
+            assert launched.count("dev_route") + len(toks) * launched.count("dev_route_n") == len(toks) * L
+            assert "dev_combine" not in launched
         assert np.array_equal(rows, steps), f"max |diff| {np.abs(rows - steps).max()}"
         for x, y in zip(host_states(be, b), host_states(be, a)):
             assert np.array_equal(x, y)
+
+
+def test_a_verify_queues_its_rows_with_nothing_crossing_to_the_host(model, rt):
+    """Everything a verify's rows do is queued on the device, nothing copied or waited for until the
+    head's rows are made (a captured verify cannot wait mid-way; before, each row waited in each
+    layer for its routing counts): the counts each row's snapshot keeps are settled after the
+    forward, each row's position is read from the device. Its rows and snapshots are still exact."""
+    prompt = prompt_for(model, seed=5)
+    with device_tier(model):
+        be = model.backend
+        toks = [12, 40, 301]
+        a, b, steps, snaps = stepped_and_verifying(model, prompt, toks)
+        names = ("to_host", "to_device", "copy_out", "copy_in", "synchronize")
+        crossed, inside, kept = [], [False], {n: getattr(rt, n) for n in names}
+        for n in names:
+            setattr(rt, n, (lambda n: lambda *x, **kw: (inside[0] and crossed.append(n), kept[n](*x, **kw))[1])(n))
+        verify_step = be.verify_step
+
+        def watched(session, pos, T, run, *x, **kw):
+            def inner():
+                inside[0] = True
+                try:
+                    run()
+                finally:
+                    inside[0] = False
+            return verify_step(session, pos, T, inner, *x, **kw)
+
+        be.verify_step = watched
+        try:
+            rows = model.forward(b, toks, n_logits=3, saved=snaps)
+        finally:
+            del be.verify_step
+            for n in names:
+                delattr(rt, n)
+        assert crossed == [], f"the verify's rows crossed to the host: {crossed}"
+        assert np.array_equal(rows, steps)
+        # the rollback to the first row's snapshot: the session fed the first token alone
+        roll_back(b, snaps[0], N_PROMPT + 1)
+        c = model.new_session(CTX)
+        model.forward(c, prompt + toks[:1], n_logits=0)
+        for x, y in zip(host_states(be, b), host_states(be, c)):
+            assert np.array_equal(x, y)
+
+
+def test_two_sessions_verified_in_one_forward_have_their_token_steps_bits(model, rt):
+    """strata serve --batch-mtp on the device step: two sessions' rows in one forward (each row a
+    one-token sequence of its session, every layer's rows routed and combined in one set of
+    launches): each row's logits and each session's states are its own token steps'."""
+    with device_tier(model):
+        be = model.backend
+        prompts = [prompt_for(model, seed=7), prompt_for(model, seed=8)[:6]]
+        toks = [[4, 61], [250, 18, 90]]
+        refs, sessions, steps, snaps = [], [], [], []
+        for p, t in zip(prompts, toks):
+            a, b = model.new_session(CTX), model.new_session(CTX)
+            model.forward(a, p, n_logits=0)
+            model.forward(b, p, n_logits=0)
+            steps.append(np.stack([model.step(a, x).copy() for x in t]))
+            refs.append(a)
+            sessions.append(b)
+            snaps.append([Snapshot(b, be) for _ in t[:-1]])
+        rows = model.forward_batch(sessions, toks, [len(t) for t in toks], saved=snaps)
+        for got, want, a, b in zip(rows, steps, refs, sessions):
+            assert np.array_equal(got, want), f"max |diff| {np.abs(got - want).max()}"
+            for x, y in zip(host_states(be, b), host_states(be, a)):
+                assert np.array_equal(x, y)
 
 
 def test_a_rollback_copies_the_snapshot_on_the_device(model, rt):
@@ -132,13 +221,17 @@ def test_a_rollback_copies_the_snapshot_on_the_device(model, rt):
 REFERENCE: dict = {}  # runtime type -> (--spec 0's Generation, its session's position and states)
 
 
+@pytest.mark.parametrize("graphs", ["graphs", "eager"])
 @pytest.mark.parametrize("n_draft", [1, 2])
 @pytest.mark.parametrize("kind", ["oracle", "wrong", "mtp"])
-def test_greedy_spec_on_the_device_step_is_plain_decoding(model, rt, kind, n_draft):
+def test_greedy_spec_on_the_device_step_is_plain_decoding(model, rt, kind, n_draft, graphs):
+    """With `graphs` each kind of verify is captured at its second run and replayed from its third
+    (on the card: the emulation captures nothing, and runs both eagerly)."""
     prompt = prompt_for(model)
     V = model.geometry.n_vocab
     with device_tier(model, spec=n_draft) as tier:
         be = model.backend
+        be.verify_graphs = graphs == "graphs"
         if type(rt) not in REFERENCE:  # --spec 0's run, once per runtime (the emulation takes seconds a token)
             ref_session = tier.take_session(CTX, "f32")  # (its own stream: a plain step is captured there)
             ref = generate(model, ref_session, prompt, Sampler(V, GREEDY), N_NEW, prefill=8)
@@ -154,8 +247,8 @@ def test_greedy_spec_on_the_device_step_is_plain_decoding(model, rt, kind, n_dra
                       snapshots=tier.snapshots)
         assert run.snaps == tier.snapshots
         # each verification picks its rows' tokens on the device: ids come down, not logits rows
-        picks, pick_rows, to_host, down, forward, verifying = [], be.pick_rows, rt.to_host, [], model.forward, [False]
-        be.pick_rows = lambda logits, banned: (picks.append(logits.shape[0]), pick_rows(logits, banned))[1]
+        picks, picked_rows, to_host, down, forward, verifying = [], be.picked_rows, rt.to_host, [], model.forward, [False]
+        be.picked_rows = lambda n: (picks.append(n), picked_rows(n))[1]
         rt.to_host = lambda x: (verifying[0] and down.append(x.shape), to_host(x))[1]
 
         def verify_aware(s, tokens, n_logits=1, **kw):  # what comes down while a verification runs
@@ -169,7 +262,7 @@ def test_greedy_spec_on_the_device_step_is_plain_decoding(model, rt, kind, n_dra
         try:
             out = drive(model, run)
         finally:
-            del be.pick_rows, rt.to_host, model.forward
+            del be.picked_rows, rt.to_host, model.forward
         st = run.stats
         assert len(picks) == st.verifications and not [d for d in down if d[-1] == V], down
         assert out.tokens.tolist() == ref.tokens.tolist()
@@ -181,6 +274,11 @@ def test_greedy_spec_on_the_device_step_is_plain_decoding(model, rt, kind, n_dra
         assert s.pos == ref_pos
         for x, y in zip(host_states(be, s), ref_states):
             assert np.array_equal(x, y)
+        if graphs == "graphs" and not isinstance(rt, EmuRuntime):
+            # every verification of a wrong drafter has 1 + N rows: captured at the second, replayed after
+            assert any("segments" in g for g in be._vgraphs.values()), "no verify was captured"
+            if kind == "wrong":
+                assert sum(g.get("replays", 0) for g in be._vgraphs.values()) >= st.verifications - 2
 
 
 def test_the_verifier_is_planned_and_placed_at_startup(model, rt):
@@ -202,3 +300,60 @@ def test_the_verifier_is_planned_and_placed_at_startup(model, rt):
             assert m.used == m.predicted, m.line(n)
         else:
             assert abs(m.used - m.predicted) <= max(0.01 * m.card_used, 2 * MiB * n), m.line(n)
+
+
+@pytest.fixture(scope="module")
+def qwen4exp(tmp_path_factory):
+    return Model(Pack.open(F.tiny_qwen4exp(tmp_path_factory.mktemp("device-spec-q4"))))
+
+
+def test_qwen4exp_verify_rows_have_the_bits_of_the_device_token_step(qwen4exp, rt):
+    """qwen4exp's verify (QSA's block selection and PLE's hashes need the host between its rows, so
+    it runs eagerly: verify_step's `capturable`): each row's logits and the states after it are the
+    device token step's, the rows' positions read from the verify's position buffer where a row
+    takes it (attention's rope) and staged per row where QSA takes the step's own."""
+    model = qwen4exp
+    prompt = np.random.default_rng(6).integers(3, model.geometry.n_vocab, N_PROMPT).tolist()
+    toks = [7, 91, 33]
+    with device_tier(model):
+        be = model.backend
+        a, b, steps, snaps = stepped_and_verifying(model, prompt, toks)
+        rows = model.forward(b, toks, n_logits=3, saved=snaps)
+        assert np.array_equal(rows, steps), f"max |diff| {np.abs(rows - steps).max()}"
+        assert not be._vgraphs or all("segments" not in g for g in be._vgraphs.values())  # (eagerly)
+        for x, y in zip(host_states(be, b), host_states(be, a)):
+            assert np.array_equal(x, y)
+
+
+@pytest.mark.parametrize("kind", ["oracle", "wrong"])
+def test_qwen4exp_greedy_spec_on_the_device_step_is_plain_decoding(qwen4exp, rt, kind):
+    """qwen4exp on the device step: --spec 2's greedy output is --spec 0's and every state after the
+    run (the QSA caches, Gated DeltaNet states, routing counts) is the --spec 0 session's: the
+    rollbacks of QSA's caches (truncated to the position) and of the PLE states (the snapshot's
+    copies) run, with a drafter always right and one always wrong."""
+    model = qwen4exp
+    V = model.geometry.n_vocab
+    prompt = np.random.default_rng(9).integers(3, V, N_PROMPT).tolist()
+    with device_tier(model, spec=2) as tier:
+        be = model.backend
+        ref_session = tier.take_session(CTX, "f32")
+        ref = generate(model, ref_session, prompt, Sampler(V, GREEDY), N_NEW, prefill=8)
+        ref_states = host_states(be, ref_session)
+        drafter = ReferenceDrafter(np.concatenate([ref.prompt, ref.tokens]), V, {"oracle": 1.0, "wrong": 0.0}[kind])
+        s = tier.take_session(CTX, "f32")
+        run = SpecRun(model, s, prompt, Sampler(V, GREEDY), N_NEW, drafter=drafter, n_draft=2, prefill=8,
+                      snapshots=tier.snapshots)
+        out = drive(model, run)
+        st = run.stats
+        assert out.tokens.tolist() == ref.tokens.tolist()
+        assert st.verifications > 0
+        if kind == "oracle":
+            assert (st.accepted == st.drafted).all()
+        else:
+            assert st.accepted.sum() == 0
+        assert s.pos == ref_session.pos
+        for x, y in zip(host_states(be, s), ref_states):
+            assert np.array_equal(x, y)
+        for l, ps in s.ple_states.items():  # the PLE windows and counts
+            assert ps.t == ref_session.ple_states[l].t
+            assert np.array_equal(np.asarray(ps.window), np.asarray(ref_session.ple_states[l].window))

@@ -222,14 +222,7 @@ def test_a_new_session_is_made_when_the_planned_one_does_not_fit(model, rt):
 
 @pytest.fixture(scope="module")
 def qwen4exp(tmp_path_factory):
-    from strata.tools import pack as tools_pack
-    from strata.tools.synth import PRESETS, synth
-
-    tmp = tmp_path_factory.mktemp("device-step-q4")
-    (tmp / "src").mkdir()
-    shards = synth("qwen4exp", "tiny", tmp / "src" / "tiny.gguf")
-    tools_pack.convert(shards[:1], tmp / "q4", compress_ratio=PRESETS["tiny"].compress_ratio)
-    return Model(Pack.open(tmp / "q4"))
+    return Model(Pack.open(F.tiny_qwen4exp(tmp_path_factory.mktemp("device-step-q4"))))
 
 
 def assert_close_q4(got, want):
