@@ -56,25 +56,45 @@ def expected_tokens(a: float, n: int) -> float:
     return float(sum(a**i for i in range(n + 1)))
 
 
-def verify_cost(model, n_prompt: int, rounds: int, rng) -> dict:
+def verify_cost(model, n_prompt: int, rounds: int, rng, launches: dict | None = None) -> dict:
     """{T: seconds of each round's forward of T rows}: T = 1 the token step, T = 1 + N a verify. On
     the device step both pick greedily there (as decoding does: only ids come back), and "eager" is
-    the token step run without its CUDA graph (a verification runs eagerly: what capture would win)."""
+    the token step run without its CUDA graph, "verify eager" a verify of 1+2 without its graph
+    (DeviceBackend.verify_graphs off): what capture wins each. `launches` (the device step): filled
+    with {T: the kernels launched through the runtime by round 0's forward of T rows}, which a
+    captured graph replays as its kernel nodes (CuPy's own elementwise kernels not counted)."""
     from strata.engine.speculative import Snapshot
 
     V, be = model.geometry.n_vocab, model.backend
+    rt = getattr(be, "rt", None)
+    counted = [0]
+    if launches is not None and rt is not None:
+        launch = rt.launch
+
+        def counting(*x, **kw):
+            counted[0] += 1
+            return launch(*x, **kw)
+    if hasattr(be, "verify_graphs"):  # the captured verify (off by default until the card's tests ran it)
+        be.verify_graphs = True
     ban = np.zeros(0, np.int32) if model.picks else None
-    s = model.new_session(n_prompt + (rounds + 1) * 10 + 4)
+    s = model.new_session(n_prompt + (rounds + 2) * 14 + 4)
     model.forward(s, rng.integers(3, V, n_prompt), n_logits=1)
     snaps = [Snapshot(s, be) for _ in range(3)]
     out: dict = {T: [] for T in (1, 2, 3, 4)}
     eager = None
     if model.picks:
-        out["eager"], eager = [], model.new_session(n_prompt + rounds + 2)
+        out["eager"], eager = [], model.new_session(n_prompt + rounds + 3)
         model.forward(eager, rng.integers(3, V, n_prompt), n_logits=1)
-    for r in range(rounds + 1):  # round 0 warms up: the verify's row counts compile on first use
+    if hasattr(be, "verify_graphs"):
+        out["verify eager"] = []
+    # rounds 0 and 1 warm up: the verify's row counts compile on first use, and on the device step
+    # the first run of each kind is eager, the second captured, later ones replayed (verify_step)
+    for r in range(rounds + 2):
         for T in out:
             tokens = rng.integers(3, V, 4)
+            if r == 0 and launches is not None and rt is not None:
+                counted[0] = 0
+                rt.launch = counting
             t0 = time.perf_counter()
             if T == "eager":
                 be.graphs = False
@@ -83,12 +103,22 @@ def verify_cost(model, n_prompt: int, rounds: int, rng) -> dict:
                     model.step_pick(eager, int(tokens[0]), ban)
                 finally:
                     be.graphs = True
+            elif T == "verify eager":  # a verify of 1+2 not captured (what verify_step's graphs win)
+                be.verify_graphs = False
+                try:
+                    t0 = time.perf_counter()
+                    model.forward(s, tokens[:3], n_logits=3, saved=snaps[:2], pick=ban)
+                finally:
+                    be.verify_graphs = True
             elif T == 1:
                 model.step(s, int(tokens[0])) if ban is None else model.step_pick(s, int(tokens[0]), ban)
             else:
                 model.forward(s, tokens[:T], n_logits=T, saved=snaps[: T - 1], pick=ban)
-            if r:
+            if r >= 2:
                 out[T].append(time.perf_counter() - t0)
+            if r == 0 and launches is not None and rt is not None:
+                del rt.launch
+                launches[T] = counted[0]
     return out
 
 
@@ -233,7 +263,7 @@ def main(argv=None) -> int:
 
         a.pack = ensure_pack("qwen35moe" if a.device_step else "qwen4exp")
     model = Model(Pack.open(a.pack))
-    tier = device_tier(model, a.prompt + max(a.tokens, (max(a.rounds, 5) + 1) * 10 + 4)) if a.device_step else None
+    tier = device_tier(model, a.prompt + max(a.tokens, (max(a.rounds, 5) + 2) * 14 + 4)) if a.device_step else None
     try:
         rc = _measure(a, model, tier)
     finally:
@@ -257,13 +287,17 @@ def _measure(a, model, tier) -> int:
           f"{a.threads} thread(s); {a.pack.name}: {g.arch}, {g.n_layer} layers, {g.n_expert} experts (top-{g.n_expert_used}), "
           f"vocab {g.n_vocab}{where}")
     rng = np.random.default_rng(0)
-    cost = verify_cost(model, a.prompt, max(a.rounds, 5), rng)
+    launches: dict = {}
+    cost = verify_cost(model, a.prompt, max(a.rounds, 5), rng, launches)
     step = statistics.median(cost[1])
-    print("forward cost (median / best ms, and median against the token step):")
+    print("forward cost (median / best ms, and median against the token step" +
+          ("; kernels launched by its eager run" if launches else "") + "):")
     for T, ts in cost.items():
-        name = "token step" if T == 1 else "step, eager" if T == "eager" else f"verify 1+{T - 1}"
+        name = "token step" if T == 1 else "step, eager" if T == "eager" else "1+2, eager" if T == "verify eager" \
+            else f"verify 1+{T - 1}"
         print(f"  {name:>11}  {statistics.median(ts) * 1e3:8.1f} / "
-              f"{min(ts) * 1e3:8.1f} ms  {statistics.median(ts) / step:5.2f}x")
+              f"{min(ts) * 1e3:8.1f} ms  {statistics.median(ts) / step:5.2f}x" +
+              (f"  {launches[T]:5d} launches" if T in launches else ""))
     if a.cost_only:
         return 0
     prompt = rng.integers(3, g.n_vocab, a.prompt).tolist()
