@@ -106,14 +106,18 @@ class GatedDeltaNet:
         # one sequence's chunk takes the delta rule's own output (a copy of [T, nv, dv] per layer
         # otherwise); the decode step, the scratch; several sequences, their rows of one array
         o = sc("gdn.o", (T, nv, dv)) if T == 1 or len(seqs) > 1 else None
-        i, fused = 0, len(seqs) > 1 and be.owns(*self.ROWS_HOOKS)
+        device_rows = getattr(be, "gdn_rows", None)  # (the device step's: its own launches for them)
+        i, fused = 0, len(seqs) > 1 and (device_rows is not None or be.owns(*self.ROWS_HOOKS))
         while i < len(seqs):
             r = seqs[i]
             rows = 1  # a verify's rows: one-token sequences over one state, consecutive
             while fused and i + rows < len(seqs) and seqs[i + rows].state is r.state and r.n == seqs[i + rows].n == 1:
                 rows += 1
-            if rows > 1:
+            if rows > 1 and device_rows is None:
                 self._rows(be, seqs[i : i + rows], mixed, decay, beta, o)
+                i += rows
+                continue
+            if rows > 1 and device_rows(self, seqs[i : i + rows], mixed, decay, beta, o):  # (False: row by row)
                 i += rows
                 continue
             c = c1 if len(seqs) == 1 else be.conv(r.state["conv"], self.conv_w, mixed[r.a : r.b])
@@ -210,7 +214,11 @@ class GatedAttention:
         be.rope_(self.rope, q, positions)
         be.rope_(self.rope, k, positions)
         o = None if len(seqs) == 1 else be.empty((T, H, D))  # one sequence: attention's own output
-        for r in seqs:
+        rows = getattr(be, "attend_rows", None)  # (the device step's: a verify's rows in its own launches)
+        done = rows is not None and len(seqs) > 1 and all(r.n == 1 and r.state is seqs[0].state and r.pos == seqs[0].pos + i
+                                                          for i, r in enumerate(seqs)) \
+            and rows(seqs[0].state, seqs[0].pos, q, k, v, D**-0.5, o)
+        for r in [] if done else seqs:
             cache, n = r.state, r.n
             if n == 1 and len(seqs) == 1:  # the decode step: the backend's one-token form
                 o = be.attend_one(cache, r.pos, q, k, v, D**-0.5)

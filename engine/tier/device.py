@@ -63,7 +63,8 @@ _NAMES = ["dev_rmsnorm", "dev_delta", "dev_conv", "dev_combine", "dev_sigmoid", 
           "dev_gate_q", "dev_gates_conv", "dev_add_rmsnorm_q", "dev_embd_row", "dev_ple_conv", "dev_qsa_key",
           "dev_qsa_scores", "dev_qsa_select", "dev_attn_sel", "dev_attn_split_sel", "dev_attn_merge_sel",
           "dev_hc_gates_q", "dev_rope_at", "dev_pick_next", "dev_ple_rows", "dev_embd_rows", "dev_ple_gather",
-          "dev_ple_conv_rows", "dev_qsa_scores_rows", "dev_qsa_select_rows", "dev_widen", "dev_route_n", "dev_combine_n"]
+          "dev_ple_conv_rows", "dev_qsa_scores_rows", "dev_qsa_select_rows", "dev_widen", "dev_route_n", "dev_combine_n",
+          "dev_conv_rows", "dev_l2_qk_rows", "dev_kv_write_rows", "dev_attn_split_rows", "dev_attn_merge_rows"]
 # the embedding's GGML types dev_embd_row decodes (F32 F16 Q4_0 Q4_1 Q5_0 Q5_1 Q8_0 Q4_K Q5_K Q6_K BF16)
 EMBD_ROW_TYPES = frozenset({0, 1, 2, 3, 6, 7, 8, 12, 13, 14, 30})
 # the PLE table's types dev_ple_rows decodes: those and IQ4_NL (budget.PLE_TABLE_DEVICE_TYPES, the same)
@@ -786,6 +787,7 @@ class DeviceBackend(CpuBackend):
         self._posv = None
         self._vgraphs: dict = {}
         self._verify_bufs: dict = {}
+        self._address_lists: dict = {}  # `_addresses`: (ids of the arrays) -> (their addresses on the device, the arrays)
         self.verify_graphs = VERIFY_GRAPHS  # verify_step may capture and replay (VERIFY_GRAPHS says why it is off)
         self._rows_pick = None  # pick_rows' (rows, banned ids, device picks [rows, 3], their pinned mirror, ids on the device)
         # a norm that feeds products makes their ActQ in the same launch (norm_input, rmsnorm_q,
@@ -1547,7 +1549,7 @@ class DeviceBackend(CpuBackend):
                 and g.flags.c_contiguous and beta.flags.c_contiguous:
             self._launch("dev_delta", 32 * nv * -(-dv // DELTA_R), (S, q, np.int64(q.strides[0] // 4), k, np.int64(k.strides[0] // 4), v,
                          np.int64(v.strides[0] // 4), g, beta, out, np.int32(T), np.int32(nv), np.int32(nk),
-                         np.int32(dv), np.int32(dk)))
+                         np.int32(dv), np.int32(dk), np.int64(0)))  # (no snapshots: a null pointer)
             return out
         heads = self._heads.get((nv, nk))
         if heads is None:
@@ -1561,6 +1563,52 @@ class DeviceBackend(CpuBackend):
             S += delta[:, :, None] * kk[:, None, :]
             out[t] = xp.matmul(S, qq[:, :, None])[..., 0]
         return out
+
+    def gdn_rows(self, layer, rows: list, mixed, decay, beta, o) -> bool:
+        """GatedDeltaNet._rows on the device: a verify's one-token rows of one state, each as its own
+        token step (its bits), in three launches for all of them: their convs with each row's conv
+        state into its snapshot (dev_conv_rows), their q and k norms (dev_l2_qk_rows), their delta
+        rule with each row's S into its snapshot (dev_delta's snaps). Row by row it was three
+        launches a row and two snapshot copies (in a captured verify, graph nodes of ~2.5 us each on
+        the H200: 5 a row in each of qwen35moe's 36 Gated DeltaNet layers). False where a shape
+        does not fit the kernels: the caller goes row by row."""
+        st, n = rows[0].state, len(rows)
+        conv, S = st["conv"], st["S"]
+        w = self.param(layer.conv_w)
+        K, C = w.shape
+        nk, dk, nv, dv = layer.nk, layer.dk, layer.nv, layer.dv
+        a, b = rows[0].a, rows[-1].b
+        x = mixed[a:b]
+        if not (n <= CONV_T and K - 1 <= CONV_T and dk <= 256 and x.strides[-1] == 4 and conv.flags.c_contiguous
+                and w.flags.c_contiguous and S.flags.c_contiguous and o.flags.c_contiguous and decay.flags.c_contiguous
+                and beta.flags.c_contiguous and x.dtype == F32):
+            return False
+        snaps_conv = self._addresses([r.saved and r.saved["conv"] for r in rows])
+        snaps_S = self._addresses([r.saved and r.saved["S"] for r in rows])
+        c = self.xp.empty((n, C), F32)
+        self._launch("dev_conv_rows", C, (conv, w, x, np.int64(x.strides[0] // 4), c, np.int32(n), np.int32(K), np.int32(C),
+                                          snaps_conv))
+        self._launch("dev_l2_qk_rows", 32 * n * 2 * nk, (c, np.int32(n), np.int64(C), np.int32(nk), np.int32(dk),
+                                                         F32(L2NORM_EPS), F32(dk**-0.5)))
+        qk = 2 * nk * dk
+        self._launch("dev_delta", 32 * nv * -(-dv // DELTA_R), (S, c, np.int64(C), c[:, nk * dk :], np.int64(C), c[:, qk:],
+                     np.int64(C), decay[a:b], beta[a:b], o[a:b], np.int32(n), np.int32(nv), np.int32(nk), np.int32(dv),
+                     np.int32(dk), snaps_S))
+        return True
+
+    def _addresses(self, arrays: list):
+        """The device addresses of `arrays` (None: 0), int64 on the device: made once per list of
+        arrays (a verify's snapshots: the same each time, so a captured verify reads them there),
+        copied up asynchronously from pinned memory (kept with them), so the rows wait for nothing."""
+        key = tuple(id(a) for a in arrays)
+        got = self._address_lists.get(key)
+        if got is None or any(x is not y for x, y in zip(got[1], arrays)):
+            pin = self.rt.pinned(8 * len(arrays)).view(np.int64)
+            pin[...] = [0 if a is None else self.rt.ptr(a) for a in arrays]
+            dev = self.rt.empty((len(arrays),), np.int64)
+            self.rt.copy_in_async(dev, pin)
+            got = self._address_lists[key] = (dev, list(arrays), pin)
+        return got[0]
 
     def attention(self, q, K, V, scale: float, visible=None):
         """Softmax attention of T queries over n keys, grouped by KV head -> f32 [T, H, D]; in tiles
@@ -1625,6 +1673,35 @@ class DeviceBackend(CpuBackend):
         self._launch("dev_attn_one", 32 * H, (q, cache.k, cache.v, ks, vs, at, sc, out, np.int32(H), np.int32(Hkv),
                                               np.int32(ctx), np.int32(D), F32(scale), np.int32(kind)))
         return out
+
+    def attend_rows(self, cache, pos: int, q, k, v, scale: float, out) -> bool:
+        """A verify's T rows of one attention layer (positions pos .. pos + T - 1, the verify's
+        `_posv`), each as the token step's `attend_one` makes it (its bits), in three launches for
+        all of them: every row's keys and values cached (dev_kv_write_rows), then each row's queries
+        over the positions up to its own (dev_attn_split_rows, dev_attn_merge_rows) into out
+        [T, H, D]. Row by row it was three launches and a copy a row. False where it does not apply
+        (outside a verify, a cache or shape the split kernels do not take): the caller goes row by row."""
+        T, H, D = q.shape
+        at = self._verify_at
+        if at is None or at[0] != pos or T > at[1] or not isinstance(cache, DeviceKVCache) or D % 32 or D > 256 \
+                or not self.split_attention or not all(a.flags.c_contiguous and a.dtype == F32 for a in (q, k, v, out)):
+            return False
+        if pos + T > cache.max_context:
+            raise ValueError(f"KV cache: position {pos + T - 1} past its {cache.max_context} tokens (--ctx-size)")
+        Hkv, ctx, kind = cache.n_head_kv, cache.max_context, KV_KIND[cache.kind]
+        ks, vs = (cache.k_scale, cache.v_scale) if cache.kind == "int8" else (cache.k, cache.v)  # (not read)
+        self._launch("dev_kv_write_rows", 32 * T * 2 * Hkv * (D // 32), (k, v, cache.k, cache.v, ks, vs, self._posv, np.int32(T),
+                                                                        np.int32(Hkv), np.int32(ctx), np.int32(D), np.int32(kind)))
+        L, S = split_geometry(ctx)
+        part = self._attn_sc.get((H, ctx, "split", T))
+        if part is None:
+            part = self._attn_sc[(H, ctx, "split", T)] = self.rt.empty((T, H, S, D + 2), F32)
+        self._launch("dev_attn_split_rows", 32 * H * S, (q, cache.k, cache.v, ks, vs, self._posv, part, np.int32(T), np.int32(H),
+                                                          np.int32(Hkv), np.int32(ctx), np.int32(D), np.int32(L), np.int32(S),
+                                                          F32(scale), np.int32(kind)))
+        self._launch("dev_attn_merge_rows", H * D, (part, self._posv, out, np.int32(T), np.int32(H), np.int32(D), np.int32(L),
+                                                     np.int32(S)))
+        return True
 
     # --- one token as one replayed graph
 

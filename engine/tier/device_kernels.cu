@@ -210,9 +210,11 @@ __device__ __forceinline__ void delta_load(int t, const float* q, i64 qs, const 
 // (Software-pipelined: token t + 1's inputs are loaded into registers before token t's update, so
 // their global-memory latency overlaps its arithmetic instead of starting each token; the values and
 // every operation on them are as before: the same bits.)
+// snaps: null, or per token the address of an array like S that takes the state after that token
+// (0: none): a verify's rows (DeviceBackend.gdn_rows), each row's snapshot written as its step ends.
 extern "C" __global__ void dev_delta(float* S, const float* q, i64 qs, const float* k, i64 ks, const float* v, i64 vs,
                                      const float* g, const float* beta, float* out, int T, int nv, int nk, int dv,
-                                     int dk) {
+                                     int dk, const i64* snaps) {
     const int lane = threadIdx.x & 31;
     const int nw = (int)((gridDim.x * blockDim.x) >> 5);
     const int per_head = (dv + DELTA_R - 1) / DELTA_R;
@@ -272,6 +274,15 @@ extern "C" __global__ void dev_delta(float* S, const float* q, i64 qs, const flo
 #pragma unroll
                 for (int r = 0; r < DELTA_R; r++)
                     if (j0 + r < dv) out[((i64)t * nv + h) * dv + j0 + r] = o[r];
+            if (snaps != nullptr && snaps[t] != 0) {
+                float* Sn = reinterpret_cast<float*>(snaps[t]);
+#pragma unroll
+                for (int r = 0; r < DELTA_R; r++)
+                    if (j0 + r < dv)
+#pragma unroll
+                        for (int a = 0; a < 8; a++)
+                            if (in[a]) Sn[((i64)h * dv + j0 + r) * dk + lane + 32 * a] = s[r][a];
+            }
 #pragma unroll
             for (int a = 0; a < 8; a++) kk[a] = kn[a], qq[a] = qn[a];
 #pragma unroll
@@ -328,6 +339,51 @@ extern "C" __global__ void dev_conv(float* state, const float* w, const float* x
         const int c = (int)(it % C), part = (int)(it / C);
         for (int t = part * CONV_T; t < min(T, (part + 1) * CONV_T); t++) conv_out(c, t, state, w, x, xs, out, K, C);
         if (!part) conv_advance(c, state, x, xs, T, K, C);
+    }
+}
+
+// dev_conv over a verify's T rows (T <= CONV_T: a thread a channel), and the state after each row
+// into its snapshot (snaps[t]: the address of an array like state, 0: none): the K - 1 history rows
+// t + 1 .. t + K - 1 (history = state then x), written before the state advances.
+extern "C" __global__ void dev_conv_rows(float* state, const float* w, const float* x, i64 xs, float* out, int T, int K,
+                                         int C, const i64* snaps) {
+    for (int c = blockIdx.x * blockDim.x + threadIdx.x; c < C; c += gridDim.x * blockDim.x) {
+        for (int t = 0; t < T; t++) {
+            conv_out(c, t, state, w, x, xs, out, K, C);
+            if (snaps[t] == 0) continue;
+            float* sn = reinterpret_cast<float*>(snaps[t]);
+            for (int r = 0; r < K - 1; r++) {
+                const int src = t + 1 + r;
+                sn[(i64)r * C + c] = src < K - 1 ? state[(i64)src * C + c] : x[(i64)(src - (K - 1)) * xs + c];
+            }
+        }
+        conv_advance(c, state, x, xs, T, K, C);
+    }
+}
+
+// (l2_row: one warp l2-normalises the n values at xr in place, then scales them by qscale when
+// `scaled`: the float64 sum of squares, its warp fold, y = x (1 / sqrt(sum + eps)) [* qscale])
+__device__ __forceinline__ void l2_row(float* xr, int n, int lane, float eps, float qscale, bool scaled) {
+    double s = 0.0;
+    for (int i = lane; i < n; i += 32) s += (double)xr[i] * (double)xr[i];
+    s = warp_sum_d(s);
+    const float scale = (float)(1.0 / sqrt(s + (double)eps));
+    for (int i = lane; i < n; i += 32) {
+        float y = xr[i] * scale;
+        if (scaled) y = y * qscale;
+        xr[i] = y;
+    }
+}
+
+// dev_l2_qk over T rows of a Gated DeltaNet conv output (row t at x + t xs): each row's nk query
+// heads then nk key heads (dk each) l2-normalised, the queries then scaled; dev_l2_qk's arithmetic
+// on each head (its bits).
+extern "C" __global__ void dev_l2_qk_rows(float* x, int T, i64 xs, int nk, int dk, float eps, float qscale) {
+    const int lane = threadIdx.x & 31;
+    const int nw = (int)((gridDim.x * blockDim.x) >> 5);
+    for (int r = (int)((blockIdx.x * blockDim.x + threadIdx.x) >> 5); r < T * 2 * nk; r += nw) {
+        const int t = r / (2 * nk), hd = r - t * 2 * nk;
+        l2_row(x + (i64)t * xs + (i64)hd * dk, dk, lane, eps, qscale, hd < nk);
     }
 }
 
@@ -438,18 +494,8 @@ extern "C" __global__ void dev_gates_conv(const float* beta, const float* alpha,
 extern "C" __global__ void dev_l2_qk(float* x, int nq, int rows, int n, float eps, float qscale) {
     const int lane = threadIdx.x & 31;
     const int nw = (int)((gridDim.x * blockDim.x) >> 5);
-    for (int r = (int)((blockIdx.x * blockDim.x + threadIdx.x) >> 5); r < rows; r += nw) {
-        float* xr = x + (i64)r * n;
-        double s = 0.0;
-        for (int i = lane; i < n; i += 32) s += (double)xr[i] * (double)xr[i];
-        s = warp_sum_d(s);
-        const float scale = (float)(1.0 / sqrt(s + (double)eps));
-        for (int i = lane; i < n; i += 32) {
-            float y = xr[i] * scale;
-            if (r < nq) y = y * qscale;
-            xr[i] = y;
-        }
-    }
+    for (int r = (int)((blockIdx.x * blockDim.x + threadIdx.x) >> 5); r < rows; r += nw)
+        l2_row(x + (i64)r * n, n, lane, eps, qscale, r < nq);
 }
 
 // The shared expert's gated output into the routed sum, [T, E] (n = T E): y *= sigmoid(g[t]),
@@ -946,26 +992,46 @@ __device__ __forceinline__ float kv_at(const void* S, const float* scale, int ki
 // k, v f32 [Hkv, D] into the caches at position *pos (DeviceKVCache's layout [Hkv, ctx, D]; int8:
 // d = amax / 127 per 32 elements, q = rint(x / d), 0 where d = 0, its scales [Hkv, ctx, D / 32]).
 // A warp per 32 elements.
+// (kv_put: lane `lane` of 32-element block b of head h's key (which 0) or value (1), x, stored at
+// position p in the cache's kind; a whole warp calls it: int8's scale is the warp's max)
+__device__ __forceinline__ void kv_put(float x, void* K, void* V, float* Ks, float* Vs, int which, int h, int b, int lane,
+                                       int p, int ctx, int D, int nb, int kind) {
+    const i64 at = ((i64)h * ctx + p) * D + 32 * b + lane;
+    void* S = which ? V : K;
+    if (kind == 0) {
+        reinterpret_cast<float*>(S)[at] = x;
+    } else if (kind == 1) {
+        reinterpret_cast<unsigned short*>(S)[at] = f32_f16(x);
+    } else {
+        float a = fabsf(x);
+        for (int o = 16; o > 0; o >>= 1) a = fmaxf(a, __shfl_xor_sync(FULL, a, o));
+        const float d = a / 127.0f;
+        reinterpret_cast<signed char*>(S)[at] = d > 0.0f ? (signed char)(int)rintf(x / d) : (signed char)0;
+        if (lane == 0) (which ? Vs : Ks)[((i64)h * ctx + p) * nb + b] = d;
+    }
+}
+
 extern "C" __global__ void dev_kv_write(const float* k, const float* v, void* K, void* V, float* Ks, float* Vs,
                                         const int* pos, int Hkv, int ctx, int D, int kind) {
     const int lane = threadIdx.x & 31, nb = D >> 5, p = *pos;
     const int nw = (int)((gridDim.x * blockDim.x) >> 5);
     for (int w = (int)((blockIdx.x * blockDim.x + threadIdx.x) >> 5); w < 2 * Hkv * nb; w += nw) {
         const int which = w / (Hkv * nb), h = (w % (Hkv * nb)) / nb, b = w % nb;
-        const float x = (which ? v : k)[(i64)h * D + 32 * b + lane];
-        const i64 at = ((i64)h * ctx + p) * D + 32 * b + lane;
-        void* S = which ? V : K;
-        if (kind == 0) {
-            reinterpret_cast<float*>(S)[at] = x;
-        } else if (kind == 1) {
-            reinterpret_cast<unsigned short*>(S)[at] = f32_f16(x);
-        } else {
-            float a = fabsf(x);
-            for (int o = 16; o > 0; o >>= 1) a = fmaxf(a, __shfl_xor_sync(FULL, a, o));
-            const float d = a / 127.0f;
-            reinterpret_cast<signed char*>(S)[at] = d > 0.0f ? (signed char)(int)rintf(x / d) : (signed char)0;
-            if (lane == 0) (which ? Vs : Ks)[((i64)h * ctx + p) * nb + b] = d;
-        }
+        kv_put((which ? v : k)[(i64)h * D + 32 * b + lane], K, V, Ks, Vs, which, h, b, lane, p, ctx, D, nb, kind);
+    }
+}
+
+// dev_kv_write of a verify's T rows (row t's k and v at k + t Hkv D, v + t Hkv D, at position
+// pos[t]), every row's in one launch: each value written as dev_kv_write writes it.
+extern "C" __global__ void dev_kv_write_rows(const float* k, const float* v, void* K, void* V, float* Ks, float* Vs,
+                                             const int* pos, int T, int Hkv, int ctx, int D, int kind) {
+    const int lane = threadIdx.x & 31, nb = D >> 5;
+    const int nw = (int)((gridDim.x * blockDim.x) >> 5);
+    for (int w = (int)((blockIdx.x * blockDim.x + threadIdx.x) >> 5); w < T * 2 * Hkv * nb; w += nw) {
+        const int t = w / (2 * Hkv * nb), wr = w - t * 2 * Hkv * nb, p = pos[t];
+        const int which = wr / (Hkv * nb), h = (wr % (Hkv * nb)) / nb, b = wr % nb;
+        kv_put((which ? v : k)[((i64)t * Hkv + h) * D + 32 * b + lane], K, V, Ks, Vs, which, h, b, lane, p, ctx, D, nb,
+               kind);
     }
 }
 
@@ -1111,6 +1177,17 @@ extern "C" __global__ void dev_attn_split(const float* q, const void* K, const v
     attn_split(q, K, V, Ks, Vs, nullptr, *pos + 1, part, H, Hkv, ctx, D, L, S, scale, kind);
 }
 
+// dev_attn_split of a verify's T rows, one after another in one launch: row t's queries at q + t H D
+// over positions 0 .. pos[t] (every row's keys written first: dev_kv_write_rows; a row reads none
+// past its own), its splits into part + t H S (D + 2). Each row's work is dev_attn_split's: its bits.
+extern "C" __global__ void dev_attn_split_rows(const float* q, const void* K, const void* V, const float* Ks,
+                                               const float* Vs, const int* pos, float* part, int T, int H, int Hkv,
+                                               int ctx, int D, int L, int S, float scale, int kind) {
+    for (int t = 0; t < T; t++)
+        attn_split(q + (i64)t * H * D, K, V, Ks, Vs, nullptr, pos[t] + 1, part + (i64)t * H * S * (D + 2), H, Hkv, ctx,
+                   D, L, S, scale, kind);
+}
+
 // QSA's attention over its selection toks[0 .. *count) (dev_qsa_select) split among warps as
 // dev_attn_split splits positions; dev_attn_merge_sel joins the splits. dev_attn_sel, a warp a head
 // with each lane scoring whole keys one after another, took 38 us at 5 selected tokens on the H200
@@ -1142,6 +1219,12 @@ __device__ __forceinline__ void attn_merge(const float* part, int n, float* out,
 
 extern "C" __global__ void dev_attn_merge(const float* part, const int* pos, float* out, int H, int D, int L, int S) {
     attn_merge(part, *pos + 1, out, H, D, L, S);
+}
+
+// dev_attn_merge of dev_attn_split_rows' T rows: row t's into out + t H D.
+extern "C" __global__ void dev_attn_merge_rows(const float* part, const int* pos, float* out, int T, int H, int D, int L,
+                                               int S) {
+    for (int t = 0; t < T; t++) attn_merge(part + (i64)t * H * S * (D + 2), pos[t] + 1, out + (i64)t * H * D, H, D, L, S);
 }
 
 extern "C" __global__ void dev_attn_merge_sel(const float* part, const int* count, float* out, int H, int D, int L, int S) {

@@ -80,10 +80,10 @@ def host_states(be, s):
     return out + [s.routing.copy()]
 
 
-def stepped_and_verifying(model, prompt, toks):
+def stepped_and_verifying(model, prompt, toks, kv="f32"):
     """Two sessions fed `prompt` on the model's tier: `a` then steps through toks (its logits: what
     each row of a verify of toks must give), `b` gets a snapshot per draft -> (a, b, the logits, the snapshots)."""
-    a, b = model.new_session(CTX), model.new_session(CTX)
+    a, b = model.new_session(CTX, kv), model.new_session(CTX, kv)
     model.forward(a, prompt, n_logits=0)
     model.forward(b, prompt, n_logits=0)
     steps = np.stack([model.step(a, t).copy() for t in toks])
@@ -106,10 +106,17 @@ def test_the_verify_rows_have_the_bits_of_the_device_token_step(model, rt, cache
             rows = model.forward(b, toks, n_logits=3, saved=snaps)
         finally:
             del be._launch
+        # each Gated DeltaNet layer's rows in three launches, their snapshots written by them
+        L, n_gdn = model.geometry.n_layer, sum(isinstance(st, dict) for st in b.states)
+        assert n_gdn and launched.count("dev_conv_rows") == launched.count("dev_l2_qk_rows") == n_gdn
+        assert "dev_conv" not in launched and "dev_l2_qk" not in launched
+        # each attention layer's rows in three launches (their keys, then each row's split attention)
+        n_attn = L - n_gdn
+        assert launched.count("dev_kv_write_rows") == launched.count("dev_attn_split_rows") == n_attn
+        assert "dev_kv_write" not in launched and "dev_attn_split" not in launched
         # the rows' MoE by the token path's launches on the device, every row of a layer in each
         # (routing included: dev_route_n, a block a row), not routed on the host (whose rows
         # dev_combine sums): no routing comes down
-        L = model.geometry.n_layer
         if cache == "all":
             assert launched.count("dev_route_n") == launched.count("dev_combine_n") == L, launched
             assert "dev_route" not in launched and "dev_combine" not in launched
@@ -122,7 +129,8 @@ def test_the_verify_rows_have_the_bits_of_the_device_token_step(model, rt, cache
             assert np.array_equal(x, y)
 
 
-def test_a_verify_queues_its_rows_with_nothing_crossing_to_the_host(model, rt):
+@pytest.mark.parametrize("kv", ["f32", "int8"])
+def test_a_verify_queues_its_rows_with_nothing_crossing_to_the_host(model, rt, kv):
     """Everything a verify's rows do is queued on the device, nothing copied or waited for until the
     head's rows are made (a captured verify cannot wait mid-way; before, each row waited in each
     layer for its routing counts): the counts each row's snapshot keeps are settled after the
@@ -131,11 +139,26 @@ def test_a_verify_queues_its_rows_with_nothing_crossing_to_the_host(model, rt):
     with device_tier(model):
         be = model.backend
         toks = [12, 40, 301]
-        a, b, steps, snaps = stepped_and_verifying(model, prompt, toks)
-        names = ("to_host", "to_device", "copy_out", "copy_in", "synchronize")
+        a, b, steps, snaps = stepped_and_verifying(model, prompt, toks, kv)  # (int8: the cache's scales too)
+        # (an asynchronous copy queues, and is captured; the emulation's makes its copy through copy_in)
+        names = ("to_host", "to_device", "copy_out", "copy_in", "synchronize", "copy_in_async")
         crossed, inside, kept = [], [False], {n: getattr(rt, n) for n in names}
+
+        def watching(n):
+            def call(*x, **kw):
+                if n == "copy_in_async":
+                    was, inside[0] = inside[0], False
+                    try:
+                        return kept[n](*x, **kw)
+                    finally:
+                        inside[0] = was
+                if inside[0]:
+                    crossed.append(n)
+                return kept[n](*x, **kw)
+            return call
+
         for n in names:
-            setattr(rt, n, (lambda n: lambda *x, **kw: (inside[0] and crossed.append(n), kept[n](*x, **kw))[1])(n))
+            setattr(rt, n, watching(n))
         verify_step = be.verify_step
 
         def watched(session, pos, T, run, *x, **kw):
@@ -158,7 +181,7 @@ def test_a_verify_queues_its_rows_with_nothing_crossing_to_the_host(model, rt):
         assert np.array_equal(rows, steps)
         # the rollback to the first row's snapshot: the session fed the first token alone
         roll_back(b, snaps[0], N_PROMPT + 1)
-        c = model.new_session(CTX)
+        c = model.new_session(CTX, kv)
         model.forward(c, prompt + toks[:1], n_logits=0)
         for x, y in zip(host_states(be, b), host_states(be, c)):
             assert np.array_equal(x, y)
