@@ -279,7 +279,6 @@ class DeviceExperts:
         # forward (each row's counts added, then its snapshot's copy made: `settle`)
         self._rows_log: list[tuple[int, int, object]] = []
         self._ids_rows = None
-        self.grown = 0  # times `_ids_rows` was made again larger (a verify graph holding the old one is dropped)
 
     def routed(self, moe, x: Input, experts: np.ndarray, rows: np.ndarray, starts: np.ndarray):
         if self.chunk is not None and self.chunk.fits(moe, rows.size):  # grouped launches (device_chunk.py)
@@ -441,7 +440,7 @@ class DeviceExperts:
         if not self.fits(moe):
             return None
         T = x.x.shape[0]
-        self.rows_ready(T, moe)
+        self.rows_ready(T, moe.k)
         b = self._buffers(moe)
         table = self._table(b, moe.layer)
         if bool((self._table_rows[moe.layer] >= 0).all()) and self.be.fuse_many:
@@ -490,17 +489,13 @@ class DeviceExperts:
         be._launch("dev_combine_n", T * E, (rb["rows"], b["miss"], rb["slot"], rb["w"], out, np.int32(k), np.int32(E), np.int32(T)))
         return out
 
-    def rows_ready(self, T: int, moe=None) -> None:
-        """`_ids_rows` holding T rows (made before a verify's capture: a graph keeps its address). Made
-        again larger only when a forward has more rows than it holds (`grown` counts it)."""
+    def rows_ready(self, T: int, k: int) -> None:
+        """`_ids_rows` holding T rows of k ids a layer: made at a verify's first, eager, run (a captured
+        one keeps its address), and again larger only for a forward of more rows than it holds (a
+        graph made with the old one is then dropped: verify_step)."""
         got = self._ids_rows
-        if got is not None and got.shape[0] >= T:
-            return
-        if moe is None:
-            return  # (made at the first MoE: its k)
-        n_layer = self.hits.slots.n_layer
-        self._ids_rows = self.rt.empty((max(T, 16), n_layer, moe.k), np.int32)
-        self.grown += got is not None
+        if got is None or got.shape[0] < T:
+            self._ids_rows = self.rt.empty((max(T, 16), self.hits.slots.n_layer, k), np.int32)
 
     def tokens(self, moe, x: Input, counts) -> object | None:
         """MoE.forward's routed sum for a prompt chunk on the device (device_chunk.py `forward`: a
@@ -704,13 +699,22 @@ class DeviceExperts:
         counts itself in `_misses`, which the replay runs)."""
         return [e for e in self._log[mark:] if e[4]]
 
-    def replayed(self, log: list) -> None:
+    def rows_mark(self) -> int:
+        return len(self._rows_log)
+
+    def rows_since(self, mark: int) -> list:
+        """A captured verify's row entries from `mark` (len of the rows' log when it began), which
+        each replay of it adds again (`replayed`: the rows' counts are settled after it)."""
+        return list(self._rows_log[mark:])
+
+    def replayed(self, log: list, rows: list = ()) -> None:
         """A captured step ran again: its entries count again (hits, and the routing at `settle`)."""
         st = self.hits.stats
         for layer, _, hits, misses, _ in log:
             st.hits[layer] += hits
             st.misses[layer] += misses
         self._log.extend(log)
+        self._rows_log.extend(rows)
 
 
 class DeviceBackend(CpuBackend):
@@ -1846,8 +1850,7 @@ class DeviceBackend(CpuBackend):
             if g is not None and "segments" in g:
                 g["replays"] += 1
                 self._replay(g["segments"])
-                ex.replayed(g["log"])
-                ex._rows_log += g["rows_log"]
+                ex.replayed(g["log"], g["rows_log"])
                 for fn in g["books"]:
                     fn()
                 return
@@ -1859,7 +1862,7 @@ class DeviceBackend(CpuBackend):
                 self._vgraphs[full] = {"session": session, "pool": pool, "ids_rows": ex._ids_rows, "hold": hold}
                 return
             with rt.allocating_from(g["pool"]):
-                mark, rows_mark = ex.mark(), len(ex._rows_log)
+                mark, rows_mark = ex.mark(), ex.rows_mark()
                 self._segments, self._books = [], []
                 rt.begin_capture()
                 try:
@@ -1869,7 +1872,7 @@ class DeviceBackend(CpuBackend):
                     segments, self._segments = self._segments + [last], None
                     books, self._books = self._books, None
                 rt.replay(last)
-            g.update(segments=segments, log=ex.log_since(mark), rows_log=list(ex._rows_log[rows_mark:]), books=books,
+            g.update(segments=segments, log=ex.log_since(mark), rows_log=ex.rows_since(rows_mark), books=books,
                      ids_rows=ex._ids_rows, replays=0)
         finally:
             self._verify_at = None
