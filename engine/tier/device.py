@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import os
 import time
+import weakref
 from pathlib import Path
 
 import numpy as np
@@ -1836,13 +1837,16 @@ class DeviceBackend(CpuBackend):
             full = (id(session),) + key
             g = self._vgraphs.get(full)
             if g is None:
-                # the graphs of the last VERIFY_SESSIONS sessions are kept (serve's slots take turns);
-                # an older session's go, with their pools
+                # the graphs of the last VERIFY_SESSIONS live sessions are kept (serve's slots take
+                # turns); a session that is gone or older goes, with its graphs' pools. (A record
+                # names its session weakly: it keeps no session, and its KV caches, alive.)
+                for k in [k for k, v in self._vgraphs.items() if v is None or v["session"]() is None]:
+                    del self._vgraphs[k]
                 held = list(dict.fromkeys(k[0] for k in self._vgraphs))
                 if id(session) not in held and len(held) >= VERIFY_SESSIONS:
                     for k in [k for k in self._vgraphs if k[0] == held[0]]:
                         del self._vgraphs[k]
-            if g is not None and (g["session"] is not session or g["ids_rows"] is not ex._ids_rows):
+            if g is not None and (g["session"]() is not session or g["ids_rows"] is not ex._ids_rows):
                 g = self._vgraphs[full] = None  # (another session at the same id, or the rows' ids made again)
             if not (capturable and self.verify_graphs and hasattr(rt, "begin_capture") and ex.static() and rt.capturable()):
                 run()
@@ -1859,7 +1863,7 @@ class DeviceBackend(CpuBackend):
                 with rt.allocating_from(pool):
                     run()
                 # (`hold`: the objects whose addresses the key names, kept alive while the graph is)
-                self._vgraphs[full] = {"session": session, "pool": pool, "ids_rows": ex._ids_rows, "hold": hold}
+                self._vgraphs[full] = {"session": weakref.ref(session), "pool": pool, "ids_rows": ex._ids_rows, "hold": hold}
                 return
             with rt.allocating_from(g["pool"]):
                 mark, rows_mark = ex.mark(), ex.rows_mark()

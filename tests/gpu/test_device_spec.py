@@ -14,6 +14,7 @@ What must hold, with --gpu-step device and every expert resident:
 from __future__ import annotations
 
 import contextlib
+import types
 
 import engine_fixture as F
 import numpy as np
@@ -380,3 +381,71 @@ def test_qwen4exp_greedy_spec_on_the_device_step_is_plain_decoding(qwen4exp, rt,
         for l, ps in s.ple_states.items():  # the PLE windows and counts
             assert ps.t == ref_session.ple_states[l].t
             assert np.array_equal(np.asarray(ps.window), np.asarray(ref_session.ple_states[l].window))
+
+
+class _StandInGraphs(EmuRuntime):
+    """The emulation with a stand-in for stream capture: a capture's launches run as they are queued
+    (the emulation has no graphs) and a replay runs nothing, counted. It tests verify_step's
+    bookkeeping (which run is eager, which captured, which replayed; which records it keeps), not
+    what a graph computes: that is the card's (the greedy tests with graphs on)."""
+
+    replays = 0
+
+    def begin_capture(self):
+        pass
+
+    def end_capture(self):
+        return types.SimpleNamespace(launch=None)  # (a graph: what `_replay` tells from a host cut)
+
+    def replay(self, graph):
+        self.replays += 1
+
+    def capturable(self):
+        return True
+
+    def graph_pool(self):
+        return object()
+
+    def allocating_from(self, pool):
+        return contextlib.nullcontext()
+
+
+def test_verify_step_captures_each_kind_once_and_keeps_live_sessions_only(model):
+    import gc
+
+    from strata.engine.kernels import gpu
+    from strata.engine.tier import device as D
+
+    rt = _StandInGraphs()
+    before = gpu.use_runtime(rt)
+    try:
+        with device_tier(model):
+            be = model.backend
+            be.verify_graphs = True
+            ran = []
+            s = model.new_session(CTX)
+            for i in range(4):  # eager (its pool), captured (its graph then run once), then replayed twice
+                be.verify_step(s, 2 * i, 2, lambda i=i: ran.append(i), ("kind a",))
+            assert ran == [0, 1] and rt.replays == 3
+            be.verify_step(s, 9, 3, lambda: ran.append("b"), ("kind b",))  # another kind: eagerly first
+            assert ran == [0, 1, "b"]
+            be.verify_graphs = False  # off: eagerly, the captured one left alone
+            be.verify_step(s, 11, 2, lambda: ran.append("off"), ("kind a",))
+            assert ran[-1] == "off" and rt.replays == 3
+            be.verify_graphs = True
+            others = [model.new_session(CTX) for _ in range(D.VERIFY_SESSIONS)]
+            for o in others[:-1]:
+                be.verify_step(o, 0, 2, lambda: None, ("kind a",))
+            assert len({k[0] for k in be._vgraphs}) == D.VERIFY_SESSIONS  # s and the others so far
+            be.verify_step(others[-1], 0, 2, lambda: None, ("kind a",))  # one too many: s's go
+            assert id(s) not in {k[0] for k in be._vgraphs} and len({k[0] for k in be._vgraphs}) == D.VERIFY_SESSIONS
+            # a session that is gone (not the oldest): its records go, and the oldest's stay
+            gone, oldest = id(others[1]), id(others[0])
+            del others[1], o
+            gc.collect()
+            # (a new kind of a live session: a new session might take the gone one's address)
+            be.verify_step(others[-1], 1, 2, lambda: None, ("kind c",))
+            held = {k[0] for k in be._vgraphs}
+            assert gone not in held and oldest in held
+    finally:
+        gpu.use_runtime(before)
