@@ -668,7 +668,10 @@ class Model:
 
         snaps = tuple(p[4] for p in parts)
         hold = (snaps, pick, vl, hbuf, rows)
-        key = (T, n_logits, n_h, tuple(id(x) for x in snaps), None if pick is None else id(pick), id(vl), id(hbuf), id(rows))
+        # the buffers by their device addresses: `vl` is a new view of the planned rows at every call
+        # (keyed by the view's id, no verify was ever the same kind twice, so none was captured)
+        at = [None if a is None else be.rt.ptr(a) for a in (vl, hbuf, rows)]
+        key = (T, n_logits, n_h, tuple(id(x) for x in snaps), None if pick is None else id(pick), *at)
         capturable = not self.ple and not any(isinstance(m, QSAAttention) for m in self.mixers)
         be.verify_step(s, s.pos, T, run, key, hold, capturable)
         s.pos += T

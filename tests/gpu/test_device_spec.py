@@ -449,3 +449,27 @@ def test_verify_step_captures_each_kind_once_and_keeps_live_sessions_only(model)
             assert gone not in held and oldest in held
     finally:
         gpu.use_runtime(before)
+
+
+def test_repeated_verifies_of_one_kind_are_captured_once_and_replayed(model):
+    """Model.forward's verify names its kind by what its graph would hold (the row count, the head's
+    rows, the snapshots, the buffers' addresses): greedy verifies of 1 + 2 rows with the tier's
+    snapshots, one after another, are one kind, eager, then captured, then replayed (stand-in
+    graphs: bookkeeping only, the card runs real ones)."""
+    from strata.engine.kernels import gpu
+
+    rt = _StandInGraphs()
+    before = gpu.use_runtime(rt)
+    try:
+        with device_tier(model, spec=2) as tier:
+            be = model.backend
+            be.verify_graphs = True
+            s = model.new_session(CTX)
+            model.forward(s, prompt_for(model)[:5], n_logits=0)  # (three verifies of 3 rows after it fit CTX)
+            ban = np.zeros(0, np.int32)
+            for toks in ([5, 9, 13], [21, 34, 55], [89, 144, 233]):
+                model.forward(s, toks, n_logits=3, saved=tier.snapshots, pick=ban)
+            kinds = [g for k, g in be._vgraphs.items() if k[0] == id(s)]
+            assert len(kinds) == 1 and kinds[0].get("replays") == 1, [(k[1:3], g and g.get("replays")) for k, g in be._vgraphs.items()]
+    finally:
+        gpu.use_runtime(before)
