@@ -95,6 +95,10 @@ class CpuBackend:
         self.scratch = Scratch()
         self._plans: dict[tuple, cpu.TokenProducts | None] = {}  # the token path's products (_products)
 
+    def enter_thread(self) -> None:
+        """A thread that runs this backend's work from now (strata serve's worker) starts here: the
+        GPU tier's backends put its device work on the tier's stream; the CPU's need nothing."""
+
     def owns(self, *hooks: str) -> bool:
         """Whether every hook named is this class's as CpuBackend defines it (none overridden). A
         block may replace a token's run of such hooks by a fused host form (a few Numba passes in

@@ -272,6 +272,7 @@ class Scheduler:
         self._thread.join(timeout)
 
     def _work(self) -> None:
+        self.model.backend.enter_thread()  # (the GPU tier's stream: CuPy's current stream is per thread)
         closing = False
         while True:
             while not closing and len(self._active) < self.batch:  # new requests join between steps

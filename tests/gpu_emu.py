@@ -205,6 +205,9 @@ class EmuRuntime:
     def use_stream(self):
         return None
 
+    def enter_thread(self) -> None:
+        pass
+
     def release(self) -> None:
         pass
 

@@ -379,7 +379,16 @@ class CupyRuntime:
         computes the misses). A blocking stream: synchronous copies elsewhere still order with it."""
         stream = self.cp.cuda.Stream(non_blocking=False)
         stream.use()
+        self.stream = stream
         return stream
+
+    def enter_thread(self) -> None:
+        """This thread's work goes to the tier's stream (`use_stream`) too. CuPy's current stream is
+        per thread: strata serve's worker thread was on the legacy default stream, where no step can
+        be captured (`capturable`), so every token step and verify there ran eagerly."""
+        stream = getattr(self, "stream", None)
+        if stream is not None:
+            stream.use()
 
 
 _runtime: Any = None

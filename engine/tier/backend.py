@@ -22,6 +22,9 @@ class TierBackend(CpuBackend):
         super().__init__()
         self.dense, self.experts = dense, experts
 
+    def enter_thread(self) -> None:
+        self.dense.rt.enter_thread()
+
     def linear(self, w: Weight, x, out: np.ndarray | None = None) -> np.ndarray:
         if w.device is None:
             return super().linear(w, x, out)

@@ -726,12 +726,13 @@ class DeviceBackend(CpuBackend):
     name = "gpu"
     rows_attend_one = True  # dev_attn_split's order is not `attention`'s: a verify row takes the token step's
 
-    def __init__(self, rt, hits):
+    def __init__(self, rt, hits, mod=None):
         self.rt, self.xp = rt, rt.xp
         self.scratch = DeviceScratch(self.xp)
         self._params: dict[int, tuple] = {}  # id(host array) -> (host array, its device copy)
         self._heads: dict[tuple[int, int], object] = {}
-        self._mod = rt.compile(_NAMES, source=KERNELS)  # the fused row operations (device_kernels.cu)
+        # the fused row operations (device_kernels.cu); `mod`: compiled already (a `companion`'s)
+        self._mod = mod if mod is not None else rt.compile(_NAMES, source=KERNELS)
         self.experts = DeviceExperts(rt, hits, self)
         self._rope_key, self._rope_cs = None, None  # the last positions' cos and sin (rope_, T > 1)
         self._gemm_slab = None  # the f16 weight slab of the prompt's dense products through cuBLAS (`_gemm`)
@@ -803,6 +804,26 @@ class DeviceBackend(CpuBackend):
         # off to compare with a launch each
         self.fuse_many = True
         self._norm_acts: dict[tuple, object] = {}
+
+    def companion(self) -> "DeviceBackend":
+        """A backend for a second part of the model that runs between this one's steps (the MTP draft
+        head, engine/tier/draft.py): its own position, rope tables, scratch, graphs and expert server
+        (the caller sets `experts`), so nothing it does moves what this one's captured steps read;
+        this one's compiled kernels, settings and GEMM slab (the two run one after the other on one
+        stream, so the slab is never used by both at once)."""
+        be = DeviceBackend(self.rt, None, mod=self._mod)
+        be._gemm_slab = self._gemm_slab
+        be.fuse_actq, be.fuse_many, be.split_attention = self.fuse_actq, self.fuse_many, self.split_attention
+        be.graphs = be.verify_graphs = False
+        return be
+
+    def enter_thread(self) -> None:
+        self.rt.enter_thread()
+
+    def position(self, pos: int) -> None:
+        """A one-row forward's position that is not a token step's (the draft head's): staged at this
+        backend's fixed address, so its rope and attention read the table rows and the cache there."""
+        self._at(pos)
 
     def _launch(self, name: str, n_threads: int, args: tuple, block: int = BLOCK, smem: int = 0) -> None:
         grid = max(1, min(-(-n_threads // block), 32 * self.rt.n_sm))

@@ -737,3 +737,18 @@ http {{
         proc.wait(10)
         full.stop()
         other.stop()
+
+
+def test_the_worker_thread_first_sets_itself_up_on_the_backend():
+    """The scheduler's worker runs the model on a thread of its own, and CuPy's current stream is per
+    thread: the worker first asks the backend to set the thread up (the GPU tier's: its stream).
+    Before, the worker ran on the legacy default stream, where no token step or verify can be
+    captured, so strata serve on the device step ran every step eagerly."""
+    import types
+
+    seen = []
+    backend = types.SimpleNamespace(enter_thread=lambda: seen.append(threading.current_thread().name))
+    sch = Scheduler(types.SimpleNamespace(backend=backend), None, max_context=8, kv="f32", chunk=0, max_queue=1,
+                    cache=ConversationCache(0, 0))
+    sch.close()
+    assert seen == ["strata-worker"]
