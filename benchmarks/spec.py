@@ -150,12 +150,14 @@ def decode_runs(model, prompt, n_tokens: int, rounds: int, configs) -> tuple[lis
     return plains, res
 
 
-def device_tier(model, max_context: int):
-    """The GPU tier's device step on `model`, every expert resident (--gpu-step device --expert-cache all)."""
+def device_tier(model, max_context: int, spec: int = 0, draft: bool = False):
+    """The GPU tier's device step on `model`, every expert resident (--gpu-step device --expert-cache all);
+    `draft`: with `spec`, the MTP head placed on the device too (Model.draft_head)."""
     from strata.engine.tier import GpuTier, TierOptions
 
     g = model.geometry
-    o = TierOptions(max_context=max_context, kv="f32", prefill_chunk=64, step="device", expert_cache=g.n_layer * g.n_expert)
+    o = TierOptions(max_context=max_context, kv="f32", prefill_chunk=64, step="device", expert_cache=g.n_layer * g.n_expert,
+                    spec=spec, draft=draft)
     return GpuTier.start(model, o)
 
 
@@ -171,7 +173,7 @@ def mtp_part(preset: str, work: Path, n_prompt: int, n_tokens: int, rounds: int,
         ggufs = synth.synth("qwen35moe", preset, work / f"{preset}-qwen35moe-mtp.gguf", force=True, mtp=True)
         pack.convert(ggufs[:1], out)
     model = Model(Pack.open(out))
-    tier = device_tier(model, n_prompt + max(n_tokens, (rounds + 1) * 10 + 4)) if device else None
+    tier = device_tier(model, n_prompt + max(n_tokens, (rounds + 1) * 10 + 4), spec=2, draft=True) if device else None
     try:
         return _mtp_lines(model, preset, n_prompt, n_tokens, rounds, device)
     finally:
@@ -189,21 +191,29 @@ def _mtp_lines(model, preset: str, n_prompt: int, n_tokens: int, rounds: int, de
     V, E = model.geometry.n_vocab, model.geometry.n_embd
     rng = np.random.default_rng(1)
     cost = verify_cost(model, n_prompt, rounds, rng)
-    # the head on the CPU's backend on the device step (as speculative_generate makes it there)
-    head = MTPHead(model.pack) if device else MTPHead(model.pack, model.backend)
-    state = head.new_state(n_prompt + rounds + 4)
+    # on the device step the tier's head (engine/tier/draft.py), as speculative_generate drafts there
+    head = model.draft_head if device else MTPHead(model.pack, model.backend)
+
+    def one_draft(head) -> float:
+        """The median seconds of a draft step of `head` (its own state, a chain fed its own y)."""
+        state = head.new_state(n_prompt + rounds + 4)
+        x, times = h, []
+        for i in range(rounds + 1):
+            t0 = time.perf_counter()
+            head.forward(state, x, np.array([int(rng.integers(3, V))]), i)
+            times.append(time.perf_counter() - t0)
+            x = head.y.x
+        return statistics.median(times[1:])  # (the first compiles what the trunk's warm-up did not)
+
     h = rng.standard_normal((1, E)).astype(np.float32)
-    draft = []
-    for i in range(rounds + 1):
-        t0 = time.perf_counter()
-        head.forward(state, h, np.array([int(rng.integers(3, V))]), i)
-        draft.append(time.perf_counter() - t0)
-    draft = draft[1:]  # the first compiles what the trunk's warm-up did not
+    draft = one_draft(head)
     step = statistics.median(cost[1])
+    # on the device step, the head on the CPU beside it too: how drafting was before the tier placed it
+    before = f", on the CPU {one_draft(MTPHead(model.pack)) * 1e3:.1f} ms" if device else ""
     lines = [f"MTP head ({preset} qwen35moe synth with --mtp, {model.geometry.n_layer} layers, vocab {V}"
-             f"{', trunk on the device step, head on the CPU' if device else ''}): "
-             f"token step {step * 1e3:.1f} ms, one draft {statistics.median(draft) * 1e3:.1f} ms "
-             f"({statistics.median(draft) / step:.2f} steps), verify 1+2 rows "
+             f"{', trunk and head on the device step' if device else ''}): "
+             f"token step {step * 1e3:.1f} ms, one draft {draft * 1e3:.1f} ms{before} "
+             f"({draft / step:.2f} steps), verify 1+2 rows "
              f"{statistics.median(cost[3]) * 1e3:.1f} ms ({statistics.median(cost[3]) / step:.2f} steps)"]
     prompt = rng.integers(3, V, n_prompt).tolist()
     greedy = SamplerParams(temperature=0)

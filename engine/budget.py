@@ -48,7 +48,7 @@ X = experts, k = experts per token, F/Fs = expert/shared-expert n_ff, hc = hyper
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from math import prod
 
 from strata.index_format import geometry as G
@@ -140,6 +140,10 @@ class BudgetOptions:
     profile_pairs: int | None = None  # the profile's routed pairs: auto never exceeds them
     drafter_bytes: int = 0  # the MTP draft head's weights (0 without --mtp)
     draft_bind_bytes: int = 0  # its binding to the head, after the cache (0 without --mtp)
+    # --spec N with the MTP drafter on the device step: the head drafts on the card, so its matrices
+    # (drafter_bytes) and its experts, KV cache, rope table and logits (draft_bind_bytes) are planned
+    # there; plan_budget sets both figures from the pack (`draft_bytes`)
+    draft_device: bool = False
     spec: int = 0  # draft tokens verified at once (0: no verifier)
     batch: int = 1  # strata serve --batch: sessions running at once (each sized for max_context)
     cache_slots: int = 0  # strata serve --conversation-cache-slots: parked sessions at most
@@ -372,7 +376,34 @@ def dense_padding_bytes(t: TensorEntry) -> int:
     return placed_bytes(t.engine_type, t.shape[0], prod(t.shape[1:])) - t.engine_nbytes
 
 
-def _weight_items(index: PackIndex, experts: NativeExperts, g: ModelGeometry, ple_table_bytes: int | None) -> list[Item]:
+def draft_on_device(g: ModelGeometry, o: BudgetOptions) -> bool:
+    """Whether the MTP head drafts on the device: asked (--spec N with the MTP drafter), the device
+    step, and a model with an MTP block."""
+    return o.draft_device and o.device_step and o.spec > 0 and g.n_mtp_layer > 0
+
+
+def draft_matrices(g: ModelGeometry) -> list[str]:
+    """The MTP block's matrices the device multiplies when the head drafts there: every 2-D dense
+    tensor of the block but its own embedding table (rows gathered on the host, as the trunk's)."""
+    return [s.name for s in tensor_specs(g) if s.category == G.MTP and len(s.shape) == 2
+            and not s.name.endswith("nextn.embed_tokens.weight")]
+
+
+def draft_bytes(index: PackIndex, experts: NativeExperts, g: ModelGeometry, o: BudgetOptions, slot: int) -> tuple[int, int]:
+    """(the head's matrices in engine form, placed at stage 1; what stage 7 binds to it: its routed
+    experts, each in a slot of its own (slot bytes, the trunk's layout), its KV cache (o.kv,
+    o.max_context tokens: strata generate's one request), the rope table its positions read, its
+    logits row and hidden row)."""
+    names = set(draft_matrices(g))
+    dense = sum(placed_bytes(t.engine_type, t.shape[0], prod(t.shape[1:])) for t in index.tensors if t.name in names)
+    bind = (experts.n_expert * slot + o.max_context * kv_bytes_per_token(g, o.kv)
+            + 2 * o.max_context * (g.n_rot // 2) * F32 + (g.n_vocab + g.n_embd) * F32)  # (the rope: two arrays of its own)
+    return dense, bind
+
+
+def _weight_items(index: PackIndex, experts: NativeExperts, g: ModelGeometry, ple_table_bytes: int | None,
+                  placed: frozenset[str] = frozenset()) -> list[Item]:
+    """`placed`: the MTP block's matrices the draft head places (weights.drafter), not host items."""
     specs = {s.name: s for s in tensor_specs(g)}
     by_cat: dict[str, int] = {}
     widened = padding = host_embd = host_small = host_mtp = 0
@@ -384,7 +415,8 @@ def _weight_items(index: PackIndex, experts: NativeExperts, g: ModelGeometry, pl
             host_embd += t.nbytes  # rows dequantized on the host from the mapped pool: pack form
             continue
         if spec.category == G.MTP:
-            host_mtp += t.engine_nbytes  # the draft block: on the host until drafting places it
+            if t.name not in placed:  # the draft block: on the host unless the head drafts on the device
+                host_mtp += t.engine_nbytes
             continue
         if not spec.multiplied:
             host_small += t.engine_nbytes  # read as f32 by the host's elementwise work
@@ -400,8 +432,9 @@ def _weight_items(index: PackIndex, experts: NativeExperts, g: ModelGeometry, pl
     items.append(Item("host.embedding", "embedding table (mapped pool.bin)", host_embd, WEIGHTS, HOST))
     items.append(Item("host.small", "norm gains, conv kernels, ssm_a/dt (f32 on the host)", host_small, WEIGHTS, HOST))
     if g.n_mtp_layer:
-        items.append(Item("host.mtp", "MTP draft block's dense weights (read by --spec drafting)", host_mtp,
-                          WEIGHTS, HOST))
+        items.append(Item("host.mtp", "MTP draft block's dense weights (read by --spec drafting)" if not placed else
+                          "MTP draft block's norm gains and embedding (the head's matrices are on the device)",
+                          host_mtp, WEIGHTS, HOST))
     if g.ple_layers:
         items.append(Item("host.ple_table", "PLE table (read through the page cache)",
                           ple_table_bytes or 0, WEIGHTS, HOST))
@@ -496,10 +529,11 @@ def _spec_items(g: ModelGeometry, o: BudgetOptions, mtp: bool) -> list[Item]:
                       B * N * snap, WEIGHTS, HOST, count=B * N)]
     if mtp:
         rows = max(o.prefill_chunk, N + 1)
-        items += [Item("spec.mtp_kv", f"MTP head KV cache ({o.kv}, {C} tokens{each})", B * C * kv_bytes_per_token(g, o.kv),
-                       WEIGHTS, HOST, count=B),
-                  Item("spec.head_input", f"MTP head input rows (f32, {rows} rows{each})", B * rows * g.n_embd * F32,
-                       WEIGHTS, HOST, count=B)]
+        if not draft_on_device(g, o):  # (drafting on the device: its KV is in draft.bind)
+            items.append(Item("spec.mtp_kv", f"MTP head KV cache ({o.kv}, {C} tokens{each})",
+                              B * C * kv_bytes_per_token(g, o.kv), WEIGHTS, HOST, count=B))
+        items.append(Item("spec.head_input", f"MTP head input rows (f32, {rows} rows{each})", B * rows * g.n_embd * F32,
+                          WEIGHTS, HOST, count=B))
     return items
 
 
@@ -704,9 +738,14 @@ def plan_budget(index: PackIndex, experts: NativeExperts, g: ModelGeometry, opti
     # the trunk's pairs: the expert cache (SlotMap) holds the trunk's layers; the MTP block's experts
     # are in native_experts.txt too (read in place) but not cached yet
     n_pairs = sum(e.layer < g.n_layer for e in experts.layers) * experts.n_expert
-    before = _weight_items(index, experts, g, ple_table_bytes)
+    placed = frozenset()
+    if draft_on_device(g, o):  # the head's matrices at stage 1, the rest bound to it at stage 7 (from the reserve)
+        dense, bind = draft_bytes(index, experts, g, o, slot)
+        o = replace(o, drafter_bytes=dense, draft_bind_bytes=bind)
+        placed = frozenset(draft_matrices(g))
+    before = _weight_items(index, experts, g, ple_table_bytes, placed)
     if o.drafter_bytes:
-        before.append(Item("weights.drafter", "drafter (MTP head) weights", o.drafter_bytes, WEIGHTS))
+        before.append(Item("weights.drafter", "drafter (MTP head) matrices, engine form", o.drafter_bytes, WEIGHTS))
     if o.device_step:  # the token step's rope at the device position (DeviceBackend._rope_table)
         before.append(Item("weights.rope", f"rope cos and sin at every position (f32, {o.max_context} x {g.n_rot // 2} x 2; "
                            "the device step reads them at its position)", rope_table_bytes(g, o.max_context), WEIGHTS))
@@ -832,7 +871,9 @@ def _after_cache_items(g: ModelGeometry, o: BudgetOptions, slot: int) -> list[It
              " (not used)" if not gemm_on(o) else " (held already by this process)" if o.cublas_held else ""),
              CUBLAS_BYTES if gemm_on(o) and not o.cublas_held else 0, HEAD_PROMPT),
         *_staging_items(o, slot),
-        Item("draft.bind", "draft head binding" + ("" if o.draft_bind_bytes else " (no --mtp)"), o.draft_bind_bytes, VERIFIER),
+        Item("draft.bind", ("MTP draft head on the device: its experts in slots of their own, its KV cache, rope table "
+                            "and logits" if draft_on_device(g, o) else "draft head binding" +
+                            ("" if o.draft_bind_bytes else " (no --mtp)")), o.draft_bind_bytes, VERIFIER),
         Item("verify.logits", f"verifier logits ({o.spec + 1} positions)" if o.spec else "verifier logits (no --spec)",
              (o.spec + 1) * g.n_vocab * F32 if o.spec else 0, VERIFIER),
         # the device step keeps a verify's per-row snapshots beside the session's states, so the

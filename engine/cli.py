@@ -307,10 +307,11 @@ def check_context(who: str, g, kv: str, ctx: int, flag: str, extra_bytes: int = 
 def start_tier(model, device: str, *, max_context: int, kv: str, chunk: int, expert_cache: str = "auto",
                expert_profile=None, vram_budget_mib=None, vram_reserve_mib: int = 700, who: str, step: str = "host",
                stream_min_tokens: int | None = None, spec: int = 0, stream_layer_tokens: int | None = None,
-               stream_register: bool = True):
+               stream_register: bool = True, draft: bool = False):
     """The GPU tier for --device gpu, or auto when CuPy sees a GPU (without one, auto is the CPU,
     not an error, and stderr says so and why); None on the CPU. Its startup lines (each stage's
-    memory) go to stderr. `spec`: --spec N, whose verifier the device step places at startup."""
+    memory) go to stderr. `spec`: --spec N, whose verifier the device step places at startup;
+    `draft`: with it, the MTP head drafts on the device (the device step and a pack with the block)."""
     from strata.engine.tier import GpuTier, TierOptions
     from strata.engine.kernels import gpu
 
@@ -336,7 +337,7 @@ def start_tier(model, device: str, *, max_context: int, kv: str, chunk: int, exp
     o = TierOptions(max_context=max_context, kv=kv, prefill_chunk=chunk,
                     expert_cache=gpu_options(device, expert_cache, vram_budget_mib, vram_reserve_mib), profile=profile,
                     vram_budget_mib=vram_budget_mib, vram_reserve_mib=vram_reserve_mib, step=step,
-                    stream_min_tokens=stream_min_tokens, spec=spec if step == "device" else 0,
+                    stream_min_tokens=stream_min_tokens, spec=spec if step == "device" else 0, draft=draft,
                     stream_layer_tokens=stream_layer_tokens, stream_register=stream_register)
     tier = GpuTier.start(model, o, log=lambda line: typer.echo(f"{who}: {line}", err=True))
     if step == "device":  # its kernels compile at first use: in the load, not in the first tokens
@@ -467,7 +468,8 @@ def _run(pack, prompt, prompt_file, prompt_ids, n, ignore_eos, temp, top_k, top_
     tier = start_tier(model, device, max_context=ctx, kv=kv, chunk=chunk, expert_cache=expert_cache,
                       expert_profile=expert_profile, vram_budget_mib=vram_budget_mib, vram_reserve_mib=vram_reserve_mib,
                       who="strata generate", step=gpu_step, stream_min_tokens=stream_option(stream_min_tokens),
-                      spec=spec, stream_layer_tokens=layer_stream_option(stream_layer_tokens), stream_register=pin_gguf)
+                      spec=spec, stream_layer_tokens=layer_stream_option(stream_layer_tokens), stream_register=pin_gguf,
+                      draft=bool(spec) and spec_drafter == "mtp")
     with stopping(tier):
         if tier is not None and option is None:  # --prefill auto: the device step takes longer pieces where memory allows
             piece = tier.prompt_piece(chunk)

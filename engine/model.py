@@ -398,6 +398,9 @@ class Model:
         g: ModelGeometry = pack.geometry
         self.pack, self.geometry = pack, g
         self.backend = CpuBackend()
+        # the MTP draft head the GPU tier placed on the device (engine/tier/draft.py), which --spec's
+        # drafters then use; None: a drafter makes its own on the CPU
+        self.draft_head = None
         qwen4exp = g.arch == "qwen4exp"
         # the GDN output-gate activation is not in the GGUF: sigmoid for qwen4exp as released, SiLU for qwen35moe
         silu_gate = not qwen4exp

@@ -67,16 +67,22 @@ class MTPHead:
         self.head_norm = pack.weight(f"{b}.nextn.shared_head_norm.weight" if g.mtp_shared_head_norm
                                      else "output_norm.weight").f32()
         self.n_vocab = g.n_vocab
-        # scratch, made once (S12)
-        self.cat = Input(np.empty((1, 2 * self.E), F32))
-        self.xin = Input(np.empty((1, self.E), F32))
-        self.x = np.empty((1, self.E), F32)
-        self.y = Input(np.empty((1, self.E), F32))
+        # scratch, made once (S12), where the backend computes (the GPU tier's draft head: on the device)
+        self.y = Input(self.backend.zeros((1, self.E), F32))  # the last pair's y: `hidden`
         self.hidden = self.y.x[0]
-        self.logits = np.empty(g.n_vocab, F32)
+        self.logits = np.empty(g.n_vocab, F32)  # host: the drafter decides here (the top probability, the pick)
+        # where the head's product goes: the host row itself, or on the device a row brought down after
+        self._device = getattr(self.backend, "rt", None) is not None
+        self._out = self.backend.zeros((1, g.n_vocab), F32) if self._device else self.logits.reshape(1, -1)
         self.routing = np.zeros(g.n_expert, np.int64)  # routed expert counts of the head's MoE
+        self.piece = 0  # rows one forward of the block takes at most (0: all; the GPU tier's: its prompt chunk)
+        self.spare = None  # a KV cache made at the GPU tier's startup, handed to the first `new_state` that fits
 
     def new_state(self, max_context: int, kv: str = "f32") -> KVCache:
+        s = self.spare
+        if s is not None and s.max_context == max_context and s.kind == kv:
+            self.spare = None
+            return s
         return self.attn.new_state(self.backend, max_context, kv)
 
     def step(self, state: KVCache, h: np.ndarray, token: int, pos: int) -> np.ndarray:
@@ -85,7 +91,8 @@ class MTPHead:
         Writes the head's KV at slot pos: pairs go in position order, as the trunk's tokens do."""
         if not 0 <= token < self.n_vocab:
             raise ValueError(f"token id {token} outside the vocabulary 0..{self.n_vocab - 1}")
-        return self.forward(state, np.asarray(h, F32).reshape(1, self.E), np.array([token]), pos)
+        h = np.asarray(h, F32).reshape(1, self.E) if isinstance(h, (np.ndarray, list, tuple)) else h.reshape(1, self.E)
+        return self.forward(state, h, np.array([token]), pos)
 
     def _embed(self, tokens) -> np.ndarray:
         """The tokens' embedding rows, f32 [T, E]: a host-side read of the pack, as the trunk's."""
@@ -94,28 +101,50 @@ class MTPHead:
             np.concatenate([self.embd.rows(t, t + 1) for t in tok])
         return dequantize(raw, self.embd.type_id, len(tok) * self.E).reshape(len(tok), self.E)
 
-    def forward(self, state: KVCache, h: np.ndarray, tokens: np.ndarray, pos: int, logits: bool = True):
+    def forward(self, state: KVCache, h, tokens: np.ndarray, pos: int, logits: bool = True):
         """T pairs (h f32 [T, E], tokens int [T]) at head positions pos..pos + T - 1 in one batch
         (speculative decoding catches the head up on the verified positions and drafts from the last
         in one pass over its weights): their KV written, `hidden` = the last pair's y, and with
-        `logits` the last pair's draft logits (else None). T = 1 is `step`."""
-        T = h.shape[0]
+        `logits` the last pair's draft logits (else None). T = 1 is `step`. h: host rows, or the
+        backend's own (the previous draft's `hidden` on the device)."""
+        T = len(tokens)
         bad = [int(t) for t in tokens if not 0 <= t < self.n_vocab]
         if bad:
             raise ValueError(f"token id {bad[0]} outside the vocabulary 0..{self.n_vocab - 1}")
-        be, E, eps = self.backend, self.E, self.eps
-        one = T == 1  # the draft chain's step: the scratch made once (S12)
-        cat = self.cat.x if one else np.empty((T, 2 * E), F32)
-        be.rmsnorm(self._embed(tokens), self.enorm, eps, cat[:, :E])  # embedding first (ggml_concat(e_norm, h_norm))
-        be.rmsnorm(np.asarray(h, F32), self.hnorm, eps, cat[:, E:])
-        x = be.linear(self.eh_proj, self.cat.changed() if one else Input(cat), self.x if one else None)
-        xin = self.xin if one else Input(np.empty((T, E), F32))
-        be.rmsnorm(x, self.attn_norm, eps, xin.x)
-        x += self.attn.forward(be, [Seq(state, 0, T, pos)], xin.changed())
-        be.rmsnorm(x, self.ffn_norm, eps, xin.x)
-        x += self.moe.forward(be, xin.changed(), self.routing)
+        if self.piece and T > self.piece:  # in pieces, in order: the same rows attend the same keys
+            for a in range(0, T, self.piece):
+                b = min(T, a + self.piece)
+                out = self.forward(state, h[a:b], tokens[a:b], pos + a, logits and b == T)
+            return out
+        be, E, eps, sc = self.backend, self.E, self.eps, self.backend.scratch
+        if T == 1 and hasattr(be, "position"):
+            be.position(pos)  # (the device's one-row rope and attention read it at a fixed address)
+        e, hn = sc("mtp.e", (T, E)), sc("mtp.h", (T, E))
+        be.rmsnorm(self._on(self._embed(tokens)), self.enorm, eps, e)
+        be.rmsnorm(self._on(h), self.hnorm, eps, hn)
+        cat = sc("mtp.cat", (T, 2 * E))
+        cat[:, :E] = e  # embedding first (ggml_concat(e_norm, h_norm))
+        cat[:, E:] = hn
+        x = be.linear(self.eh_proj, Input(cat), sc("mtp.x", (T, E)))
+        xin = sc("mtp.xin", (T, E))
+        be.rmsnorm(x, self.attn_norm, eps, xin)
+        x += self.attn.forward(be, [Seq(state, 0, T, pos)], Input(xin))
+        be.rmsnorm(x, self.ffn_norm, eps, xin)
+        x += self.moe.forward(be, Input(xin), self.routing)
         be.rmsnorm(x[T - 1 :], self.head_norm, eps, self.y.x)
-        if not logits:
-            return None
-        be.linear(self.head, self.y.changed(), self.logits.reshape(1, -1))
-        return self.logits
+        out = None
+        if logits:
+            be.linear(self.head, self.y.changed(), self._out)
+            if self._device:
+                self.logits[...] = be.host(self._out)[0]
+            out = self.logits
+        if be.experts is not None:  # what the expert server owes the head's counts
+            be.experts.settle()
+        return out
+
+    def _on(self, a):
+        """A host array as the backend's (uploaded to the device; the CPU's as it is)."""
+        if isinstance(a, np.ndarray):
+            a = np.ascontiguousarray(a, F32)
+            return a if self.backend.xp is np else self.backend.upload(a)
+        return a

@@ -69,7 +69,8 @@ def budget(
                                     "(8 there); 0: none, as strata generate"),
     cache_mib: int = typer.Option(2048, "--conversation-cache-mib", metavar="M", help="strata serve's cap on them, MiB"),
     spec: int = typer.Option(0, "--spec", metavar="N", help="strata generate's and serve's --spec: N draft tokens per "
-                             "verification (the rollback snapshots and the MTP head's KV, per request)"),
+                             "verification (the rollback snapshots and the MTP head's KV, per request; with "
+                             "--gpu-step device the head drafts on the device: its matrices, experts and KV there)"),
     plot: Optional[Path] = typer.Option(None, "--plot", help="write a PNG of expected hit rate against slots"),
     version: bool = version_option(),
 ) -> None:
@@ -121,7 +122,7 @@ def _options(prefill: str, max_context: int, kv: str, expert_cache: str, reserve
         if v < lo:
             raise ValueError(f"{flag} {v}: expected at least {lo}")
     return BudgetOptions(max_context=max_context, kv=kv, vram_reserve_mib=reserve, prefill_chunk=chunk, expert_cache=slots,
-                         batch=batch, cache_slots=cache_slots, cache_mib=cache_mib, spec=spec,
+                         batch=batch, cache_slots=cache_slots, cache_mib=cache_mib, spec=spec, draft_device=spec > 0,
                          stream_experts=parse_stream_min_tokens(stream) != 0, device_step=step == "device",
                          stream_layers=parse_stream_layer_tokens(layers) != 0)
 

@@ -14,11 +14,14 @@ class ExpertSlots:
     """The slot storage (plan item cache.slots): slot s holds one expert's gate, up and down in
     engine form at s * slot_bytes. `map` says which (layer, expert) sits where (host, S9)."""
 
-    def __init__(self, rt, model, arena, slots: int, slot_bytes: int, staging: np.ndarray | None):
+    def __init__(self, rt, model, arena, slots: int, slot_bytes: int, staging: np.ndarray | None, n_layer: int | None = None):
+        """`n_layer`: the layers the map has rows for (default the trunk's; the MTP draft head's slots
+        take one more, its layer n_layer: engine/tier/draft.py)."""
         g = model.geometry
         self.rt, self.pack, self.arena, self.slot_bytes, self.staging = rt, model.pack, arena, slot_bytes, staging
-        self.E, self.F, self.n_expert, self.n_layer = g.n_embd, g.n_ff_exp, g.n_expert, g.n_layer
-        self.map = SlotMap(slots, g.n_layer, g.n_expert)
+        self.E, self.F, self.n_expert = g.n_embd, g.n_ff_exp, g.n_expert
+        self.n_layer = g.n_layer if n_layer is None else n_layer
+        self.map = SlotMap(slots, self.n_layer, g.n_expert)
         self.weights: list[tuple | None] = [None] * slots
 
     @property

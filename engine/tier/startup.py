@@ -32,6 +32,7 @@ The rooms, one job each:
     staging.py   a prompt chunk's non-resident experts streamed to the device (two slots, double-buffered)
     backend.py   the CPU backend with those plugged in (the host-driven step, --gpu-step host)
     device.py    the device step (--gpu-step device): the blocks on device arrays, its kernels in device_kernels.cu
+    draft.py     the MTP draft head on the device step (--spec N): its experts in slots of their own
     startup.py   the seven stages, one method each (this module)
 
 S12: nothing is allocated on the device or in pinned memory once started; every buffer of the
@@ -96,6 +97,9 @@ class TierOptions:
     # --spec N: the verifier's buffers are placed at stage 7 (the logits of 1 + N rows; with the
     # device step, the N per-row snapshots of the states, `GpuTier.snapshots`)
     spec: int = 0
+    # with spec and an MTP block: the head drafts on the device (its weights at stage 1, its experts,
+    # KV cache and rope table at stage 7: engine/tier/draft.py; the device step only)
+    draft: bool = False
 
 
 PROMPT_PIECES = (512, 1024, 2048, 4096)  # GpuTier.prompt_piece's candidates (llama.cpp's default batch is 2048)
@@ -164,6 +168,7 @@ class GpuTier:
         for w in self.model.pack.weights.values():
             w.device = None
         self.model.backend = CpuBackend()
+        self.model.draft_head = None
         if self.hit_path is not None and self.hit_path.layers is not None:
             self.hit_path.layers.close()  # (its worker's copies land in buffers given back below)
         self.slots.weights.clear()
@@ -190,7 +195,11 @@ class _Startup:
         # every kernel the run will launch, compiled now (not inside the first token's time) and
         # before the baseline: a module's code and tables are the context's memory, not the plan's
         self.mats = [pack.weight(s.name) for s in tensor_specs(g) if s.multiplied and s.name in pack.weights]
-        types = {w.type.name for w in self.mats} | {t.name for l in range(g.n_layer) for t in pack.expert_types(l)}
+        # the MTP head's matrices, where it drafts on the device (placed with the trunk's, stage 1)
+        self.draft_mats = [pack.weight(n) for n in B.draft_matrices(g)] if o.draft and o.step == "device" and o.spec \
+            and g.n_mtp_layer else []
+        types = {w.type.name for w in self.mats + self.draft_mats} | \
+            {t.name for l in range(g.n_layer + (1 if self.draft_mats else 0)) for t in pack.expert_types(l)}
         for name in sorted(types | {"actq"}):
             gpu.compile_module(name)
         self.mem = DeviceMemory(rt, o.vram_budget_mib)
@@ -198,7 +207,7 @@ class _Startup:
                               prefill_chunk=o.prefill_chunk, expert_cache=o.expert_cache,
                               profile_pairs=o.profile.pairs if o.profile is not None else None,
                               device_step=o.step == "device", stream_experts=o.stream_min_tokens != 0,
-                              stream_layers=o.stream_layer_tokens != 0, spec=o.spec,
+                              stream_layers=o.stream_layer_tokens != 0, spec=o.spec, draft_device=o.draft,
                               cublas_held=getattr(rt, "cublas_held", lambda: False)())
         self.free0 = self.mem.free()
         ple = pack.ple if g.ple_layers else None
@@ -240,7 +249,7 @@ class _Startup:
         weights = self.arena([i for i in plan.items if i.stage == B.WEIGHTS and not i.key.startswith("session.")],
                              "the dense weights")
         self.placed = []
-        for w in self.mats:
+        for w in self.mats + self.draft_mats:  # (the head's: weights.drafter, B.draft_on_device)
             at = weights.take(placed_bytes(w.type_id, w.n_in, w.n_out))
             self.placed.append((w, gpu.place(w.raw, w.type_id, w.n_in, w.n_out, weights.arena, at, w.name)))
         if self.device is not None and self.plan.places("weights.ple_table"):
@@ -387,6 +396,19 @@ class _Startup:
 
             self.device.verify_logits = self.rt.empty((self.o.spec + 1, self.model.geometry.n_vocab), np.float32)
             self.snapshots = [Snapshot(self.session, self.device) for _ in range(self.o.spec)]
+        self.draft_head = None
+        if B.draft_on_device(self.g, self.plan.options):
+            from .draft import place_draft_head
+
+            g, o = self.g, self.o
+            # draft.bind's experts in one arena (its KV cache and rope table are allocations of their own)
+            arena = self.arena([B.Item("draft.experts", "", g.n_expert * self.plan.slot_bytes, B.VERIFIER)],
+                               "the draft head's experts")
+            self.draft_head = place_draft_head(self.rt, self.model, self.device, arena, self.plan.slot_bytes,
+                                               self.slots.staging, o.max_context, o.kv, o.prefill_chunk)
+            self.say(f"draft head: the MTP block on the device ({g.n_expert} experts in slots of their own, "
+                     f"{self.plan.options.draft_bind_bytes / MiB:.0f} MiB with its KV cache and rope table; "
+                     f"its matrices {self.plan.options.drafter_bytes / MiB:.0f} MiB with the weights)")
         self.rt.synchronize()
         self.mark(B.VERIFIER)
         low = B.low_memory_warning(self.mem.free())
@@ -399,6 +421,7 @@ class _Startup:
         for w, dev in self.placed:
             w.device = dev
         self.model.backend = self.device if self.device is not None else TierBackend(self.dense, self.hits)
+        self.model.draft_head = self.draft_head
         self.say(f"hit path: ready, GPU hits beside CPU misses ({self.slots.map.used} of {self.n_slots} slots filled)"
                  if self.n_slots else "hit path: ready, but with no expert slots every expert is a CPU miss"
                  + (" (a prompt chunk's streamed ones aside)" if self.hits.staging is not None else ""))

@@ -19,6 +19,8 @@ from strata.engine import budget as B
 from strata.engine.budget import Budget, BudgetOptions, plan_budget
 from strata.engine.kvcache import KV_TYPES, kv_bytes_per_token
 from strata.engine.qsa import indexer_key_bytes, pooled_block_bytes
+from strata.engine.kernels.engine_form import placed_bytes
+from strata.index_format import geometry as G
 from strata.index_format.geometry import tensor_specs
 from strata.index_format.native_experts import NativeExperts, blob_bytes_for
 from strata.index_format.pack_index import PackIndex
@@ -43,6 +45,22 @@ def seed4l():
         size = blob_bytes_for(gu.id, d.id, g.n_embd, g.n_ff_exp) * g.n_expert
         rows.append((l, gu.id, d.id, size // g.n_expert, off, off + size, off + 2 * size, None))
         off += 3 * size
+    return index, NativeExperts.build("m.gguf", g.n_expert, rows), g
+
+
+def tiny_qwen35moe(mtp: bool = False):
+    """synth's tiny qwen35moe as a pack would index it, no files -> (index, experts, geometry); `mtp`:
+    with the MTP block (its experts are layer n_layer's)."""
+    from strata.tools.synth import plan_model
+
+    p = plan_model("qwen35moe", "tiny", mtp=mtp)
+    g = p.geometry
+    types = {t.name: t.ggml for t in p.tensors}
+    index = PackIndex.build("m.gguf", [(s.name, types[s.name].id, s.shape) for s in tensor_specs(g) if s.in_pool])
+    rows = [(l, types[f"blk.{l}.ffn_gate_exps.weight"].id, types[f"blk.{l}.ffn_down_exps.weight"].id,
+             blob_bytes_for(types[f"blk.{l}.ffn_gate_exps.weight"].id, types[f"blk.{l}.ffn_down_exps.weight"].id,
+                            g.n_embd, g.n_ff_exp), 8 * 10**9 * l, 8 * 10**9 * l + 10**9, 8 * 10**9 * l + 2 * 10**9, None)
+            for l in range(g.n_layer + (1 if mtp else 0))]
     return index, NativeExperts.build("m.gguf", g.n_expert, rows), g
 
 
@@ -272,17 +290,8 @@ def test_small_card_plan_warns(seed4l):
 
 
 def test_qwen35moe_has_no_qsa_hc_or_ple_terms(seed4l):
-    from strata.tools.synth import plan_model
-
-    p = plan_model("qwen35moe", "tiny")
-    g = p.geometry
-    types = {t.name: t.ggml for t in p.tensors}
-    index = PackIndex.build("m.gguf", [(s.name, types[s.name].id, s.shape) for s in tensor_specs(g) if s.in_pool])
-    rows = [(l, types[f"blk.{l}.ffn_gate_exps.weight"].id, types[f"blk.{l}.ffn_down_exps.weight"].id,
-             blob_bytes_for(types[f"blk.{l}.ffn_gate_exps.weight"].id, types[f"blk.{l}.ffn_down_exps.weight"].id,
-                            g.n_embd, g.n_ff_exp), 8 * 10**9 * l, 8 * 10**9 * l + 10**9, 8 * 10**9 * l + 2 * 10**9, None)
-            for l in range(g.n_layer)]
-    b = plan_budget(index, NativeExperts.build("m.gguf", g.n_expert, rows), g, BudgetOptions(max_context=64))
+    index, experts, g = tiny_qwen35moe()
+    b = plan_budget(index, experts, g, BudgetOptions(max_context=64))
     keys = {i.key for i in b.items}
     assert not keys & {"session.indexer_keys", "session.ple_state", "weights.hyper_connection", "host.ple_table"}
     assert b.item("session.stream").bytes == g.n_embd * 4 and b.slots is None
@@ -430,17 +439,7 @@ def test_spec_snapshots_and_the_mtp_heads_kv_are_host_items_per_request(seed4l):
 
 
 def test_a_pack_with_an_mtp_block_plans_the_heads_kv_per_request():
-    from strata.tools.synth import plan_model
-
-    p = plan_model("qwen35moe", "tiny")
-    g = p.geometry
-    types = {t.name: t.ggml for t in p.tensors}
-    index = PackIndex.build("m.gguf", [(s.name, types[s.name].id, s.shape) for s in tensor_specs(g) if s.in_pool])
-    rows = [(l, types[f"blk.{l}.ffn_gate_exps.weight"].id, types[f"blk.{l}.ffn_down_exps.weight"].id,
-             blob_bytes_for(types[f"blk.{l}.ffn_gate_exps.weight"].id, types[f"blk.{l}.ffn_down_exps.weight"].id,
-                            g.n_embd, g.n_ff_exp), 8 * 10**9 * l, 8 * 10**9 * l + 10**9, 8 * 10**9 * l + 2 * 10**9, None)
-            for l in range(g.n_layer)]
-    experts = NativeExperts.build("m.gguf", g.n_expert, rows)
+    index, experts, g = tiny_qwen35moe()
     o = BudgetOptions(max_context=512, kv="f16", spec=2, batch=3, prefill_chunk=64)
     assert "spec.mtp_kv" not in {i.key for i in plan_budget(index, experts, g, o).items}  # no MTP block
     b = plan_budget(index, experts, dataclasses.replace(g, n_mtp_layer=1), o)
@@ -569,3 +568,33 @@ def test_cli_plans_the_device_step_with_its_layer_stream(tiny_pack, capsys):
     assert "(--stream-layer-tokens off)" in row(capsys.readouterr().out, "a layer streamed whole: its experts")
     assert main([str(tiny_pack), "--gpu-step", "device", "--stream-layer-tokens", "0"]) == 1
     assert "--stream-layer-tokens '0': expected auto, off or a number of tokens >= 1" in capsys.readouterr().err
+
+
+def test_the_mtp_head_drafting_on_the_device_is_planned_there():
+    """--spec N with the MTP drafter on the device step (draft_device): the head's matrices are a stage-1
+    item (weights.drafter, engine form, placed with the trunk's), its experts (a slot each), KV cache,
+    rope table and rows are draft.bind at stage 7, which the reserve keeps free when the cache is sized;
+    its KV is then no host item, and host.mtp keeps only what stays on the host (norm gains). Without
+    the device step, or with a reference drafter, nothing of the head is on the card."""
+    index, experts, g = tiny_qwen35moe(mtp=True)
+    o = BudgetOptions(max_context=512, kv="f16", spec=2, prefill_chunk=64, device_step=True, draft_device=True)
+    b = plan_budget(index, experts, g, o, free_bytes=8 * GIB)
+    mats = B.draft_matrices(g)
+    assert f"blk.{g.n_layer}.nextn.eh_proj.weight" in mats and f"blk.{g.n_layer}.attn_q.weight" in mats
+    assert not any(n.endswith("norm.weight") for n in mats)
+    by_name = {t.name: t for t in index.tensors}
+    dense = sum(placed_bytes(by_name[n].engine_type, by_name[n].shape[0], by_name[n].shape[1]) for n in mats)
+    assert b.item("weights.drafter").bytes == dense > 0 and b.item("weights.drafter").stage == B.WEIGHTS
+    bind = b.item("draft.bind")
+    assert bind.where == B.DEVICE and bind.stage == B.VERIFIER
+    assert bind.bytes == g.n_expert * b.slot_bytes + 512 * kv_bytes_per_token(g, "f16") + 2 * 512 * (g.n_rot // 2) * 4 \
+        + (g.n_vocab + g.n_embd) * 4
+    assert b.reserve.draft_bind_bytes == bind.bytes  # (kept free when the cache is sized)
+    keys = {i.key for i in b.items}
+    assert "spec.mtp_kv" not in keys and "spec.head_input" in keys
+    norms = sum(by_name[s.name].engine_nbytes for s in tensor_specs(g) if s.category == G.MTP and s.name not in mats)
+    assert b.item("host.mtp").bytes == norms
+    for off in (dataclasses.replace(o, device_step=False), dataclasses.replace(o, draft_device=False)):
+        c = plan_budget(index, experts, g, off, free_bytes=8 * GIB)
+        assert "weights.drafter" not in {i.key for i in c.items} and c.item("draft.bind").bytes == 0
+        assert c.item("spec.mtp_kv").bytes == 512 * kv_bytes_per_token(g, "f16")

@@ -51,9 +51,9 @@ def model(tmp_path_factory):
 
 
 @contextlib.contextmanager
-def device_tier(model, spec=0, expert_cache=None):
+def device_tier(model, spec=0, expert_cache=None, draft=False):
     tier = GpuTier.start(model, TierOptions(max_context=CTX, kv="f32", prefill_chunk=8, step="device", expert_cache=expert_cache,
-                                            spec=spec))
+                                            spec=spec, draft=draft))
     try:
         assert isinstance(model.backend, DeviceBackend)
         yield tier
@@ -324,6 +324,61 @@ def test_the_verifier_is_planned_and_placed_at_startup(model, rt):
             assert m.used == m.predicted, m.line(n)
         else:
             assert abs(m.used - m.predicted) <= max(0.01 * m.card_used, 2 * MiB * n), m.line(n)
+
+
+def test_the_mtp_head_drafts_on_the_device(model, rt):
+    """--spec with the MTP drafter on the device step: the tier places the head as planned (its
+    matrices with the weights, its experts in slots of their own, its KV cache and rope table at
+    stage 7), its draft logits are the CPU head's within float32 rounding (the device's attention
+    sums in another order; its products and norms have the CPU's bits), and greedy --spec 2
+    drafting with it gives --spec 0's tokens."""
+    g, V, E = model.geometry, model.geometry.n_vocab, model.geometry.n_embd
+    cpu_head = MTPHead(model.pack)
+    rng = np.random.default_rng(11)
+    h = rng.standard_normal((N_PROMPT, E)).astype(np.float32)
+    toks = rng.integers(3, V, N_PROMPT + 3)
+    want = [cpu_head.forward(cpu_head.new_state(CTX), h, toks[:N_PROMPT], 0).copy()]
+    with device_tier(model, spec=2, draft=True) as tier:
+        plan, marks, head = tier.plan, tier.marks, model.draft_head
+        assert head is not None and head.backend is not model.backend and head.backend.experts is not model.backend.experts
+        names = B.draft_matrices(g)
+        assert names and all(model.pack.weight(n).device is not None for n in names)
+        dense = plan.item("weights.drafter")
+        assert dense.where == B.DEVICE and dense.stage == B.WEIGHTS and dense.bytes == plan.options.drafter_bytes > 0
+        bind = plan.item("draft.bind")
+        assert bind.stage == B.VERIFIER and bind.bytes == g.n_expert * plan.slot_bytes + CTX * B.kv_bytes_per_token(g, "f32") \
+            + 2 * CTX * (g.n_rot // 2) * 4 + (V + E) * 4  # (experts, KV, its rope table's cos and sin, logits and y rows)
+        assert "spec.mtp_kv" not in {i.key for i in plan.items}  # (its KV is in draft.bind, on the device)
+        assert marks[-1].predicted - marks[-2].predicted == bind.bytes + plan.item("verify.snapshots").bytes \
+            + plan.item("verify.logits").bytes
+        for n, m in enumerate(marks, 1):
+            if isinstance(rt, EmuRuntime):
+                assert m.used == m.predicted, m.line(n)
+            else:
+                assert abs(m.used - m.predicted) <= max(0.01 * m.card_used, 2 * MiB * n), m.line(n)
+        state = head.new_state(CTX, "f32")  # (the one made at startup)
+        got = [head.forward(state, h, toks[:N_PROMPT], 0).copy()]
+        cpu_state = cpu_head.new_state(CTX)
+        cpu_head.forward(cpu_state, h, toks[:N_PROMPT], 0)
+        for i in range(3):  # a chain: each draft's y feeds the next, as MTPDrafter does
+            got.append(head.forward(state, head.y.x, toks[N_PROMPT + i : N_PROMPT + i + 1], N_PROMPT + i).copy())
+            want.append(cpu_head.forward(cpu_state, cpu_head.y.x, toks[N_PROMPT + i : N_PROMPT + i + 1], N_PROMPT + i).copy())
+        assert head.routing.sum() == (N_PROMPT + 3) * g.n_expert_used  # (its counts settled after each forward)
+        for a, b in zip(got, want):
+            assert np.abs(a - b).max() <= 1e-4 * np.abs(b).max(), np.abs(a - b).max()
+            assert a.argmax() == b.argmax()
+        # greedy --spec 2 drafting with the device's head: --spec 0's tokens
+        prompt = prompt_for(model)
+        ref = generate(model, model.new_session(CTX, "f32"), prompt, Sampler(V, GREEDY), N_NEW, prefill=8)
+        from strata.engine.speculative import speculative_generate
+
+        before = head.routing.sum()
+        out, st, _ = speculative_generate(model, model.new_session(CTX, "f32"), prompt, Sampler(V, GREEDY), N_NEW,
+                                          n_draft=2, drafter="mtp", min_p=0.0, kv="f32", prefill=8,
+                                          snapshots=tier.snapshots)
+        assert out.tokens.tolist() == ref.tokens.tolist()
+        assert st.verifications > 0 and st.drafted[0] > 0
+        assert head.routing.sum() > before  # (the tier's head drafted, not one on the CPU)
 
 
 @pytest.fixture(scope="module")
