@@ -14,6 +14,7 @@ What must hold, with --gpu-step device and every expert resident:
 from __future__ import annotations
 
 import contextlib
+import re
 import types
 
 import engine_fixture as F
@@ -379,6 +380,29 @@ def test_the_mtp_head_drafts_on_the_device(model, rt):
         assert out.tokens.tolist() == ref.tokens.tolist()
         assert st.verifications > 0 and st.drafted[0] > 0
         assert head.routing.sum() > before  # (the tier's head drafted, not one on the CPU)
+
+
+def test_generate_drafts_with_the_device_head(model, rt, capsys, monkeypatch):
+    """strata generate --spec 2 --gpu-step device: the startup places the MTP head (its line says so)
+    and the greedy output is --spec 0's; with --spec-drafter oracle no head is placed."""
+    from strata.engine.cli import main
+    from strata.engine.kernels import gpu
+
+    monkeypatch.setattr(gpu, "available", lambda: (True, "the test's runtime"))  # (the emulation has no CuPy device)
+    ids = " ".join(map(str, prompt_for(model, seed=8)))
+    common = ["generate", "--pack", str(model.pack.dir), "--prompt-ids", ids, "-n", "5", "--temp", "0", "--kv", "f32",
+              "--device", "gpu", "--gpu-step", "device", "--prefill", "8", "--ctx-size", str(CTX)]
+    out = {}
+    for spec in (["--spec", "0"], ["--spec", "2", "--spec-min-p", "0", "--stats"], ["--spec", "2", "--spec-drafter", "oracle"]):
+        rc = main(common + spec)
+        o = capsys.readouterr()
+        assert rc == 0, o.err
+        out[" ".join(spec)] = o
+    drafted = out["--spec 2 --spec-min-p 0 --stats"]
+    assert "draft head: the MTP block on the device" in drafted.err, drafted.err
+    assert "drafter mtp" in drafted.err and re.search(r"verifications [1-9]", drafted.err), drafted.err
+    assert drafted.out == out["--spec 0"].out == out["--spec 2 --spec-drafter oracle"].out
+    assert "draft head: the MTP block" not in out["--spec 2 --spec-drafter oracle"].err
 
 
 @pytest.fixture(scope="module")
