@@ -193,6 +193,8 @@ def _mtp_lines(model, preset: str, n_prompt: int, n_tokens: int, rounds: int, de
     cost = verify_cost(model, n_prompt, rounds, rng)
     # on the device step the tier's head (engine/tier/draft.py), as speculative_generate drafts there
     head = model.draft_head if device else MTPHead(model.pack, model.backend)
+    if device:  # its draft steps captured and replayed as the trunk's verifies are here (verify_cost)
+        head.backend.verify_graphs = True
 
     def one_draft(head) -> float:
         """The median seconds of a draft step of `head` (its own state, a chain fed its own y)."""
@@ -203,7 +205,8 @@ def _mtp_lines(model, preset: str, n_prompt: int, n_tokens: int, rounds: int, de
             head.forward(state, x, np.array([int(rng.integers(3, V))]), i)
             times.append(time.perf_counter() - t0)
             x = head.y.x
-        return statistics.median(times[1:])  # (the first compiles what the trunk's warm-up did not)
+        # (the first compiles what the trunk's warm-up did not; on the device the second is captured)
+        return statistics.median(times[1:])
 
     h = rng.standard_normal((1, E)).astype(np.float32)
     draft = one_draft(head)

@@ -116,14 +116,21 @@ class MTPHead:
                 b = min(T, a + self.piece)
                 out = self.forward(state, h[a:b], tokens[a:b], pos + a, logits and b == T)
             return out
+        be = self.backend
+        if T == 1 and hasattr(be, "verify_step"):  # the device's draft step: one replayed graph
+            return self._device_step(state, h, tokens, pos, logits)
+        self._block(state, self._on(self._embed(tokens)), self._on(h), T, pos, logits)
+        return self._finish(logits)
+
+    def _block(self, state: KVCache, e, h, T: int, pos: int, logits: bool) -> None:
+        """The block on T pairs whose embedding rows e and head inputs h are the backend's: y into
+        `self.y`, and with `logits` the draft logits into `self._out`."""
         be, E, eps, sc = self.backend, self.E, self.eps, self.backend.scratch
-        if T == 1 and hasattr(be, "position"):
-            be.position(pos)  # (the device's one-row rope and attention read it at a fixed address)
-        e, hn = sc("mtp.e", (T, E)), sc("mtp.h", (T, E))
-        be.rmsnorm(self._on(self._embed(tokens)), self.enorm, eps, e)
-        be.rmsnorm(self._on(h), self.hnorm, eps, hn)
+        en, hn = sc("mtp.e", (T, E)), sc("mtp.h", (T, E))
+        be.rmsnorm(e, self.enorm, eps, en)
+        be.rmsnorm(h, self.hnorm, eps, hn)
         cat = sc("mtp.cat", (T, 2 * E))
-        cat[:, :E] = e  # embedding first (ggml_concat(e_norm, h_norm))
+        cat[:, :E] = en  # embedding first (ggml_concat(e_norm, h_norm))
         cat[:, E:] = hn
         x = be.linear(self.eh_proj, Input(cat), sc("mtp.x", (T, E)))
         xin = sc("mtp.xin", (T, E))
@@ -132,15 +139,35 @@ class MTPHead:
         be.rmsnorm(x, self.ffn_norm, eps, xin)
         x += self.moe.forward(be, Input(xin), self.routing)
         be.rmsnorm(x[T - 1 :], self.head_norm, eps, self.y.x)
-        out = None
         if logits:
             be.linear(self.head, self.y.changed(), self._out)
+
+    def _finish(self, logits: bool):
+        """After the block: the draft logits on the host (or None), the head's routing counts settled."""
+        be, out = self.backend, None
+        if logits:
             if self._device:
                 self.logits[...] = be.host(self._out)[0]
             out = self.logits
         if be.experts is not None:  # what the expert server owes the head's counts
             be.experts.settle()
         return out
+
+    def _device_step(self, state: KVCache, h, tokens, pos: int, logits: bool):
+        """One pair on the device step's backend as a verify of one row (DeviceBackend.verify_step):
+        its inputs staged into fixed buffers and its position read from the position buffer, so the
+        step is captured once and replayed (where the backend's verify_graphs allow), not launched
+        from Python block by block (a draft then cost about as much as the trunk's captured token
+        step, and a chain of 2 drafted twice per verification)."""
+        be, E = self.backend, self.E
+        e = be.stage_in("mtp.embd", self._embed(tokens))
+        hb = be.verify_buf("mtp.h_in", (1, E))
+        if isinstance(h, np.ndarray):
+            be.stage_in("mtp.h_in", np.asarray(h, F32).reshape(1, E))
+        else:  # the chain's previous y, already on the device: copied in, queued
+            hb[...] = h.reshape(1, E)
+        be.verify_step(state, pos, 1, lambda: self._block(state, e, hb, 1, pos, logits), ("mtp", logits), hold=(e, hb))
+        return self._finish(logits)
 
     def _on(self, a):
         """A host array as the backend's (uploaded to the device; the CPU's as it is)."""

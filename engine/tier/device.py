@@ -814,16 +814,11 @@ class DeviceBackend(CpuBackend):
         be = DeviceBackend(self.rt, None, mod=self._mod)
         be._gemm_slab = self._gemm_slab
         be.fuse_actq, be.fuse_many, be.split_attention = self.fuse_actq, self.fuse_many, self.split_attention
-        be.graphs = be.verify_graphs = False
+        be.graphs = False  # (its one-row steps go through verify_step, under verify_graphs: VERIFY_GRAPHS's default)
         return be
 
     def enter_thread(self) -> None:
         self.rt.enter_thread()
-
-    def position(self, pos: int) -> None:
-        """A one-row forward's position that is not a token step's (the draft head's): staged at this
-        backend's fixed address, so its rope and attention read the table rows and the cache there."""
-        self._at(pos)
 
     def _launch(self, name: str, n_threads: int, args: tuple, block: int = BLOCK, smem: int = 0) -> None:
         grid = max(1, min(-(-n_threads // block), 32 * self.rt.n_sm))
@@ -1832,6 +1827,13 @@ class DeviceBackend(CpuBackend):
         if got is None:
             got = self._verify_bufs[key] = self.rt.empty(shape, F32)
         return got
+
+    def stage_in(self, name: str, a: np.ndarray):
+        """Host rows `a` in the fixed device buffer `name` (verify_buf's), copied up asynchronously
+        -> that buffer (a captured step reads them there: the draft head's inputs)."""
+        dev = self.verify_buf(name, a.shape)
+        self._stage(dev, np.ascontiguousarray(a, F32))
+        return dev
 
     def verify_step(self, session, pos: int, T: int, run, key: tuple, hold: tuple = (), capturable: bool = True) -> None:
         """A verify's T rows of `session` at pos.. (speculative decoding, Model._verify_rows): run()

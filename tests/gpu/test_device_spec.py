@@ -327,12 +327,14 @@ def test_the_verifier_is_planned_and_placed_at_startup(model, rt):
             assert abs(m.used - m.predicted) <= max(0.01 * m.card_used, 2 * MiB * n), m.line(n)
 
 
-def test_the_mtp_head_drafts_on_the_device(model, rt):
+@pytest.mark.parametrize("graphs", ["graphs", "eager"])
+def test_the_mtp_head_drafts_on_the_device(model, rt, graphs):
     """--spec with the MTP drafter on the device step: the tier places the head as planned (its
     matrices with the weights, its experts in slots of their own, its KV cache and rope table at
     stage 7), its draft logits are the CPU head's within float32 rounding (the device's attention
     sums in another order; its products and norms have the CPU's bits), and greedy --spec 2
-    drafting with it gives --spec 0's tokens."""
+    drafting with it gives --spec 0's tokens. With `graphs` its draft steps are captured at the
+    second and replayed from the third (on the card; the emulation runs them eagerly)."""
     g, V, E = model.geometry, model.geometry.n_vocab, model.geometry.n_embd
     cpu_head = MTPHead(model.pack)
     rng = np.random.default_rng(11)
@@ -357,6 +359,7 @@ def test_the_mtp_head_drafts_on_the_device(model, rt):
                 assert m.used == m.predicted, m.line(n)
             else:
                 assert abs(m.used - m.predicted) <= max(0.01 * m.card_used, 2 * MiB * n), m.line(n)
+        head.backend.verify_graphs = graphs == "graphs"
         state = head.new_state(CTX, "f32")  # (the one made at startup)
         got = [head.forward(state, h, toks[:N_PROMPT], 0).copy()]
         cpu_state = cpu_head.new_state(CTX)
@@ -365,6 +368,8 @@ def test_the_mtp_head_drafts_on_the_device(model, rt):
             got.append(head.forward(state, head.y.x, toks[N_PROMPT + i : N_PROMPT + i + 1], N_PROMPT + i).copy())
             want.append(cpu_head.forward(cpu_state, cpu_head.y.x, toks[N_PROMPT + i : N_PROMPT + i + 1], N_PROMPT + i).copy())
         assert head.routing.sum() == (N_PROMPT + 3) * g.n_expert_used  # (its counts settled after each forward)
+        if graphs == "graphs" and not isinstance(rt, EmuRuntime):
+            assert [v.get("replays") for v in head.backend._vgraphs.values()] == [1]  # (the third draft step)
         for a, b in zip(got, want):
             assert np.abs(a - b).max() <= 1e-4 * np.abs(b).max(), np.abs(a - b).max()
             assert a.argmax() == b.argmax()
@@ -550,5 +555,35 @@ def test_repeated_verifies_of_one_kind_are_captured_once_and_replayed(model):
                 model.forward(s, toks, n_logits=3, saved=tier.snapshots, pick=ban)
             kinds = [g for k, g in be._vgraphs.items() if k[0] == id(s)]
             assert len(kinds) == 1 and kinds[0].get("replays") == 1, [(k[1:3], g and g.get("replays")) for k, g in be._vgraphs.items()]
+    finally:
+        gpu.use_runtime(before)
+
+
+def test_the_device_heads_draft_steps_are_captured_once_and_replayed(model):
+    """A draft step of the device's head (one pair, MTPHead._device_step) goes through verify_step on
+    the head's own backend: the first of a kind eager, the second captured, the rest replayed (stand-in
+    graphs: the bookkeeping; the card's greedy tests run real ones); nothing of it lands in the
+    trunk's graphs, and each replay still counts the head's routing (the ids a graph writes)."""
+    from strata.engine.kernels import gpu
+
+    rt = _StandInGraphs()
+    before = gpu.use_runtime(rt)
+    try:
+        with device_tier(model, spec=2, draft=True):
+            head, trunk = model.draft_head, model.backend
+            hb = head.backend
+            hb.verify_graphs = True
+            state = head.new_state(CTX, "f32")
+            E, V = model.geometry.n_embd, model.geometry.n_vocab
+            head.forward(state, np.ones((1, E), np.float32), np.array([5]), 0, logits=False)  # (a kind of its own)
+            for i in range(4):  # drafts: eager, captured, replayed twice
+                head.forward(state, head.y.x, np.array([7 + i]), 1 + i)
+            kinds = {k[1:]: g for k, g in hb._vgraphs.items()}
+            assert set(kinds) == {("mtp", False), ("mtp", True)}
+            # (the capture runs its graph once, then two replays)
+            assert "segments" not in kinds[("mtp", False)] and kinds[("mtp", True)]["replays"] == 2 and rt.replays == 3
+            assert not trunk._vgraphs
+            assert head.routing.sum() == 5 * model.geometry.n_expert_used  # (replays counted too)
+            assert V == head.logits.size
     finally:
         gpu.use_runtime(before)
