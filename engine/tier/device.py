@@ -1848,7 +1848,8 @@ class DeviceBackend(CpuBackend):
         token step for 3 rows (2026-12-02, H200, seed-4l qwen35moe), most of it Python launching
         row by row and a wait per row and layer for the routing counts (now settled after the
         forward: DeviceExperts.settle). `capturable` False (a model whose rows need the host
-        mid-way: QSA's block selection, PLE's hashes): eagerly always."""
+        mid-way: QSA's block selection, PLE's hashes): eagerly always. `session`: whose graphs these
+        are (a Session; the draft head's one-pair steps pass its KV cache, engine/mtp.py)."""
         ex, rt = self.experts, self.rt
         self._ctx = max(self._ctx, session.max_context)
         if self._posv is None or self._posv.shape[0] < T:
