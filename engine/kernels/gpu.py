@@ -384,8 +384,8 @@ class CupyRuntime:
 
     def enter_thread(self) -> None:
         """This thread's work goes to the tier's stream (`use_stream`) too. CuPy's current stream is
-        per thread: strata serve's worker thread was on the legacy default stream, where no step can
-        be captured (`capturable`), so every token step and verify there ran eagerly."""
+        per thread: strata serve's worker thread was on the legacy default stream, which waits for
+        every blocking stream and where no step can be captured (`capturable`)."""
         stream = getattr(self, "stream", None)
         if stream is not None:
             stream.use()

@@ -742,8 +742,8 @@ http {{
 def test_the_worker_thread_first_sets_itself_up_on_the_backend():
     """The scheduler's worker runs the model on a thread of its own, and CuPy's current stream is per
     thread: the worker first asks the backend to set the thread up (the GPU tier's: its stream).
-    Before, the worker ran on the legacy default stream, where no token step or verify can be
-    captured, so strata serve on the device step ran every step eagerly."""
+    Before, the worker ran on the legacy default stream, which waits for every blocking stream and
+    where no token step or verify can be captured."""
     import types
 
     seen = []
