@@ -1,8 +1,9 @@
 """The MTP draft head on the device step (--spec N with the MTP drafter, --gpu-step device).
 
-The head (engine/mtp.py) is one full-attention MoE block and the LM head. Drafting on the CPU beside
-a trunk on the card made every draft wait on the host: on seed-4l the CPU head took longer than
-the device's token step it was meant to save. So with the device step it runs on the card:
+The head (engine/mtp.py) is one full-attention MoE block and the LM head. On the CPU a draft reads
+the LM head's matrix with the host's bandwidth (seed-4l: 248320 x 2560 weights, some 0.5 GB, tens
+of milliseconds at tens of GB/s) beside a trunk whose token step takes ~1 ms on the card, so every
+draft cost many of the steps it was meant to save. With the device step it runs on the card:
 
     - its matrices are placed with the trunk's weights at stage 1 (budget: weights.drafter);
     - at stage 7 (budget: draft.bind) its routed experts all go into slots of their own (one per
