@@ -1,0 +1,135 @@
+"""Where a verify's time goes on the device step: its captured graph's device time against the token
+step's, beside their wall times; and a draft step of the MTP head on the device against the CPU's.
+
+    python3 benchmarks/verify_profile.py                 # the demo qwen35moe with --mtp, synthesized once
+    python3 benchmarks/verify_profile.py --pack PACK     # a qwen35moe pack (with an MTP block: the draft rows)
+
+On an H100 (2026-12-05, seed-4l) a captured verify of 1 + 2 rows cost 3.9 ms where the token step
+took 1.1, and a replayed verify's host work is ~0.1 ms (the emulation with stand-in graphs): this
+says whether the rest is the graph's device time (the rows' products: STRATA_MVF_TOKENS=8 puts them
+on the few-row kernel) or something around it. Needs a CUDA GPU. Ratios only against this run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _pack(work: Path, preset: str) -> Path:
+    from strata.tools import pack, synth
+
+    out = work / f"{preset}-qwen35moe-mtp-pack"
+    if not (out / "manifest.txt").is_file():
+        work.mkdir(parents=True, exist_ok=True)
+        print(f"synthesizing {preset} qwen35moe with an MTP block into {work} (once) ...", file=sys.stderr, flush=True)
+        ggufs = synth.synth("qwen35moe", preset, work / f"{preset}-qwen35moe-mtp.gguf", force=True, mtp=True)
+        pack.convert(ggufs[:1], out)
+    return out
+
+
+def _median_ms(fn, n: int) -> float:
+    times = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e3
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--pack", type=Path)
+    ap.add_argument("--preset", default="demo", help="without --pack: the synth preset (default demo)")
+    ap.add_argument("--work", type=Path, default=REPO / ".cache" / "bench")
+    ap.add_argument("--rounds", type=int, default=20)
+    ap.add_argument("--threads", type=int, default=8)
+    a = ap.parse_args(argv)
+
+    from strata.engine.kernels import cpu, gpu
+
+    ok, why = gpu.available()
+    if not ok:
+        print(f"verify_profile: needs a CUDA GPU ({why})", file=sys.stderr)
+        return 1
+    from strata.engine.model import Model
+    from strata.engine.mtp import MTPHead
+    from strata.engine.pack_reader import Pack
+    from strata.engine.speculative import Snapshot
+    from strata.engine.tier import GpuTier, TierOptions
+
+    cpu.set_threads(a.threads)
+    model = Model(Pack.open(a.pack or _pack(a.work, a.preset)))
+    g, ctx = model.geometry, 1024
+    tier = GpuTier.start(model, TierOptions(max_context=ctx, kv="f32", prefill_chunk=64, step="device",
+                                            expert_cache=g.n_layer * g.n_expert, spec=3, draft=True))
+    try:
+        model.warm_up()
+        be, rng, V = model.backend, np.random.default_rng(0), g.n_vocab
+        rt, cp = be.rt, getattr(be.rt, "cp", None)
+        be.verify_graphs = True
+        s = model.new_session(ctx)
+        model.forward(s, rng.integers(3, V, 32), n_logits=1)
+        snaps, ban = [Snapshot(s, be) for _ in range(3)], np.zeros(0, np.int32)
+
+        def verify(T):
+            model.forward(s, rng.integers(3, V, T), n_logits=T, saved=snaps[: T - 1], pick=ban)
+
+        def step():
+            model.step_pick(s, int(rng.integers(3, V)), ban)
+
+        for _ in range(3):  # eager, captured, replayed
+            step(), verify(2), verify(3)
+
+        def graph_ms(segments, n=20) -> float:
+            if cp is None:  # (the emulation: no graphs, no events)
+                return float("nan")
+            rt.synchronize()
+            e0, e1 = cp.cuda.Event(), cp.cuda.Event()
+            e0.record()
+            for _ in range(n):
+                be._replay(segments)
+            e1.record()
+            e1.synchronize()
+            return cp.cuda.get_elapsed_time(e0, e1) / n
+
+        rows = [("token step", _median_ms(step, a.rounds), graph_ms(be._graph[1]) if be._graph else float("nan"))]
+        for T in (2, 3):
+            wall = _median_ms(lambda T=T: verify(T), a.rounds)
+            got = [v for k, v in be._vgraphs.items() if v and k[1] == T and "segments" in v]
+            rows.append((f"verify 1+{T - 1}", wall, graph_ms(got[0]["segments"]) if got else float("nan")))
+        print(f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; {a.pack or a.preset}: {g.n_layer} layers, "
+              f"{g.n_expert} experts, vocab {V}; STRATA_MVF_TOKENS={gpu.MVF_TOKENS}")
+        print(f"{'forward':>14} {'wall ms':>8} {'graph ms':>9} {'wall/step':>9}")
+        for name, wall, dev in rows:
+            print(f"{name:>14} {wall:8.3f} {dev:9.3f} {wall / rows[0][1]:8.2f}x")
+        if model.draft_head is not None:
+            E = g.n_embd
+            model.draft_head.backend.verify_graphs = True
+            for name, head in (("device", model.draft_head), ("CPU", MTPHead(model.pack))):
+                st = head.new_state(ctx, "f32")
+                head.forward(st, rng.standard_normal((8, E)).astype(np.float32), rng.integers(3, V, 8), 0)
+                at = [8]
+
+                def draft(head=head, st=st, at=at):
+                    head.forward(st, head.y.x, np.array([int(rng.integers(3, V))]), at[0])
+                    at[0] += 1
+
+                for _ in range(3):
+                    draft()
+                ms = _median_ms(draft, a.rounds)
+                print(f"{'draft, ' + name:>14} {ms:8.3f} {'':>9} {ms / rows[0][1]:8.2f}x")
+    finally:
+        tier.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
