@@ -90,10 +90,14 @@ if [ -z "${SKIP_SPEC_BENCH:-}" ]; then
     # acceptance 0.43 / 0.7 / 1 (seed-4l qwen35moe, synthesized by the tier benchmark above)
     echo "== GPU benchmark: benchmarks/spec.py --device-step"
     timeout ${SPEC_BENCH_TIMEOUT:-240} python3 benchmarks/spec.py --device-step --no-mtp --rounds 3 --tokens 48 --prompt 32 2>&1 | tee "$LOG/bench_spec.log"
-    # the verify's costs with the rows' dense products on the few-row kernel (mvf) in place of mmq
-    # (a captured verify cost ~2.6 ms more than a token step on an H100, 2026-12-05: the suspect)
-    echo "== GPU benchmark: benchmarks/spec.py --device-step --cost-only, STRATA_MVF_TOKENS=8"
-    STRATA_MVF_TOKENS=8 timeout ${SPEC_BENCH_TIMEOUT:-240} python3 benchmarks/spec.py --device-step --no-mtp --cost-only --rounds 3 --prompt 32 2>&1 | tee "$LOG/bench_spec_mvf8.log"
+    # where a verify's time goes (its graph's device time against the token step's), and the device
+    # head's draft step against the CPU's; then with the rows' dense products on the few-row kernel
+    # (mvf) in place of mmq (a captured verify cost ~2.6 ms more than a token step on an H100,
+    # 2026-12-05: the suspect). The demo qwen35moe with an MTP block, synthesized once.
+    for mvf in 1 8; do
+        echo "== GPU benchmark: benchmarks/verify_profile.py, STRATA_MVF_TOKENS=$mvf"
+        STRATA_MVF_TOKENS=$mvf timeout 150 python3 benchmarks/verify_profile.py 2>&1 | tee "$LOG/bench_verify_mvf$mvf.log"
+    done
 fi
 
 if [ -z "${SKIP_BUS_BENCH:-}" ]; then
