@@ -157,8 +157,8 @@ class MTPHead:
         """One pair on the device step's backend as a verify of one row (DeviceBackend.verify_step):
         its inputs staged into fixed buffers and its position read from the position buffer, so the
         step is captured once and replayed (where the backend's verify_graphs allow), not launched
-        from Python block by block (a draft then cost about as much as the trunk's captured token
-        step, and a chain of 2 drafted twice per verification)."""
+        from Python block by block: some 30 launches, and on an H100 the trunk's eager token step
+        spent ~50 us a launch (4.1 ms for 78, 2026-12-05), against 1.1 ms for its captured step."""
         be, E = self.backend, self.E
         e = be.stage_in("mtp.embd", self._embed(tokens))
         hb = be.verify_buf("mtp.h_in", (1, E))
