@@ -78,6 +78,12 @@ class MTPHead:
         self.piece = 0  # rows one forward of the block takes at most (0: all; the GPU tier's: its prompt chunk)
         self.spare = None  # a KV cache made at the GPU tier's startup, handed to the first `new_state` that fits
 
+    @classmethod
+    def of(cls, model) -> "MTPHead":
+        """The head a drafter for `model` uses: the GPU tier's on the device (Model.draft_head, placed
+        at its startup: engine/tier/draft.py), else one of its own on the CPU."""
+        return model.draft_head if model.draft_head is not None else cls(model.pack)
+
     def new_state(self, max_context: int, kv: str = "f32") -> KVCache:
         s = self.spare
         if s is not None and s.max_context == max_context and s.kind == kv:
@@ -173,5 +179,5 @@ class MTPHead:
         """A host array as the backend's (uploaded to the device; the CPU's as it is)."""
         if isinstance(a, np.ndarray):
             a = np.ascontiguousarray(a, F32)
-            return a if self.backend.xp is np else self.backend.upload(a)
+            return self.backend.upload(a) if self._device else a
         return a

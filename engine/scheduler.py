@@ -364,8 +364,8 @@ class Scheduler:
         if self.drafter is not None:
             drafter = self.drafter(job, sampler)
         else:
-            if self._head is None:  # the GPU tier's head, else one on the CPU: see speculative.speculative_generate
-                self._head = self.model.draft_head if self.model.draft_head is not None else MTPHead(self.model.pack)
+            if self._head is None:
+                self._head = MTPHead.of(self.model)
             drafter = MTPDrafter(self._head, self.max_context, self.kv, sampler.fork(sampler.seed + 1), self.spec_min_p)
         return SpecRun(self.model, session, job.prompt, sampler, job.max_tokens, drafter=drafter, n_draft=self.spec,
                        stats=self.spec_stats, stop_ids=stop_ids, on_token=on_token, prefill=self.chunk, start=start)

@@ -350,10 +350,7 @@ def speculative_generate(model: Model, session: Session, prompt, sampler, max_ne
         plain = generate(model, model.new_session(session.max_context, kv), prompt, sampler.fork(sampler.seed),
                          max_new_tokens, **quiet)
     if kind == "mtp":
-        # the GPU tier's head where its startup placed one (the device step: engine/tier/draft.py),
-        # else one on the CPU's backend
-        head = model.draft_head if model.draft_head is not None else MTPHead(model.pack)
-        d = MTPDrafter(head, session.max_context, kv, sampler.fork(sampler.seed + 1), min_p)
+        d = MTPDrafter(MTPHead.of(model), session.max_context, kv, sampler.fork(sampler.seed + 1), min_p)
     else:
         d = ReferenceDrafter(np.concatenate([plain.prompt, plain.tokens]), model.geometry.n_vocab, p, seed=sampler.seed)
     run = SpecRun(model, session, prompt, sampler, max_new_tokens, drafter=d, n_draft=n_draft, snapshots=snapshots, **kw)

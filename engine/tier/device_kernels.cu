@@ -207,6 +207,17 @@ __device__ __forceinline__ void delta_load(int t, const float* q, i64 qs, const 
     bt = beta[(i64)t * nv + h];
 }
 
+// dev_delta's lane's part of head h's state rows j0 .. j0 + DELTA_R - 1 into dst (S, or a snapshot like it)
+__device__ __forceinline__ void delta_store(float* dst, const float (&s)[DELTA_R][8], const bool (&in)[8], int h, int j0,
+                                            int dv, int dk, int lane) {
+#pragma unroll
+    for (int r = 0; r < DELTA_R; r++)
+        if (j0 + r < dv)
+#pragma unroll
+            for (int a = 0; a < 8; a++)
+                if (in[a]) dst[((i64)h * dv + j0 + r) * dk + lane + 32 * a] = s[r][a];
+}
+
 // (Software-pipelined: token t + 1's inputs are loaded into registers before token t's update, so
 // their global-memory latency overlaps its arithmetic instead of starting each token; the values and
 // every operation on them are as before: the same bits.)
@@ -274,27 +285,14 @@ extern "C" __global__ void dev_delta(float* S, const float* q, i64 qs, const flo
 #pragma unroll
                 for (int r = 0; r < DELTA_R; r++)
                     if (j0 + r < dv) out[((i64)t * nv + h) * dv + j0 + r] = o[r];
-            if (snaps != nullptr && snaps[t] != 0) {
-                float* Sn = reinterpret_cast<float*>(snaps[t]);
-#pragma unroll
-                for (int r = 0; r < DELTA_R; r++)
-                    if (j0 + r < dv)
-#pragma unroll
-                        for (int a = 0; a < 8; a++)
-                            if (in[a]) Sn[((i64)h * dv + j0 + r) * dk + lane + 32 * a] = s[r][a];
-            }
+            if (snaps != nullptr && snaps[t] != 0) delta_store(reinterpret_cast<float*>(snaps[t]), s, in, h, j0, dv, dk, lane);
 #pragma unroll
             for (int a = 0; a < 8; a++) kk[a] = kn[a], qq[a] = qn[a];
 #pragma unroll
             for (int r = 0; r < DELTA_R; r++) vv[r] = vn[r];
             gt = gn, bt = bn;
         }
-#pragma unroll
-        for (int r = 0; r < DELTA_R; r++)
-            if (j0 + r < dv)
-#pragma unroll
-                for (int a = 0; a < 8; a++)
-                    if (in[a]) S[((i64)h * dv + j0 + r) * dk + lane + 32 * a] = s[r][a];
+        delta_store(S, s, in, h, j0, dv, dk, lane);
     }
 }
 

@@ -192,23 +192,22 @@ class _Startup:
         rt = self.rt
         rt.use_stream()
         rt.release()  # memory a previous tier or test left cached in the pool would hide this one's
-        # every kernel the run will launch, compiled now (not inside the first token's time) and
-        # before the baseline: a module's code and tables are the context's memory, not the plan's
-        self.mats = [pack.weight(s.name) for s in tensor_specs(g) if s.multiplied and s.name in pack.weights]
-        # the MTP head's matrices, where it drafts on the device (placed with the trunk's, stage 1)
-        self.draft_mats = [pack.weight(n) for n in B.draft_matrices(g)] if o.draft and o.step == "device" and o.spec \
-            and g.n_mtp_layer else []
-        types = {w.type.name for w in self.mats + self.draft_mats} | \
-            {t.name for l in range(g.n_layer + (1 if self.draft_mats else 0)) for t in pack.expert_types(l)}
-        for name in sorted(types | {"actq"}):
-            gpu.compile_module(name)
-        self.mem = DeviceMemory(rt, o.vram_budget_mib)
         bopts = BudgetOptions(max_context=o.max_context, kv=o.kv, vram_reserve_mib=o.vram_reserve_mib,
                               prefill_chunk=o.prefill_chunk, expert_cache=o.expert_cache,
                               profile_pairs=o.profile.pairs if o.profile is not None else None,
                               device_step=o.step == "device", stream_experts=o.stream_min_tokens != 0,
                               stream_layers=o.stream_layer_tokens != 0, spec=o.spec, draft_device=o.draft,
                               cublas_held=getattr(rt, "cublas_held", lambda: False)())
+        # every kernel the run will launch, compiled now (not inside the first token's time) and
+        # before the baseline: a module's code and tables are the context's memory, not the plan's
+        self.mats = [pack.weight(s.name) for s in tensor_specs(g) if s.multiplied and s.name in pack.weights]
+        # the MTP head's matrices, where it drafts on the device (placed with the trunk's, stage 1)
+        self.draft_mats = [pack.weight(n) for n in B.draft_matrices(g)] if B.draft_on_device(g, bopts) else []
+        types = {w.type.name for w in self.mats + self.draft_mats} | \
+            {t.name for l in range(g.n_layer + (1 if self.draft_mats else 0)) for t in pack.expert_types(l)}
+        for name in sorted(types | {"actq"}):
+            gpu.compile_module(name)
+        self.mem = DeviceMemory(rt, o.vram_budget_mib)
         self.free0 = self.mem.free()
         ple = pack.ple if g.ple_layers else None
         self.plan = plan_budget(pack.index, pack.experts, g, bopts, free_bytes=self.free0,
