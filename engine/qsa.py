@@ -333,8 +333,9 @@ class QSALayer:
         v = v.reshape(T, Hkv, D)
         if len(seqs) == 1:  # one sequence: its attention's own output
             o = self._attend(be, seqs[0].state, q, k, v, iq, ik)
-        else:
-            o = np.empty((T, H, D), F32)
+        else:  # (the backend's array: on the device step a host one took the rows' device outputs only
+            # by an implicit copy down, which CuPy refuses; the emulation's arrays are numpy, so it passed there)
+            o = sc("qsa.o", (T, H, D))
             for r in seqs:
                 o[r.a : r.b] = self._attend(be, r.state, q[r.a : r.b], k[r.a : r.b], v[r.a : r.b], iq[r.a : r.b],
                                             ik[r.a : r.b])
