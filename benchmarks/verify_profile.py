@@ -44,6 +44,71 @@ def _median_ms(fn, n: int) -> float:
     return statistics.median(times) * 1e3
 
 
+def kernel_table(be, rt, cp, step, verify, top: int) -> str:
+    """Each kernel's device time in an eager token step and an eager verify of 1 + 2 rows: a CUDA
+    event before and after every launch (rt.launch, cuBLAS's gemm_f16), summed by kernel name, the
+    medians of 5 runs. What the launches leave out (CuPy's own element-wise kernels, the gaps the
+    host leaves between launches) is the forward's device time (events around it) less their sum."""
+    launch, gemm = rt.launch, getattr(rt, "gemm_f16", None)
+    got: list = []
+
+    def timed(name, fn):
+        e0, e1 = cp.cuda.Event(), cp.cuda.Event()
+        e0.record()
+        fn()
+        e1.record()
+        got.append((name, e0, e1))
+
+    rt.launch = lambda mod, name, *args, **kw: timed(name, lambda: launch(mod, name, *args, **kw))
+    if gemm is not None:
+        rt.gemm_f16 = lambda *args, **kw: timed("cublas gemm_f16", lambda: gemm(*args, **kw))
+    graphs, vgraphs, held = be.graphs, be.verify_graphs, (be._graph, be._warm)
+    be.graphs = be.verify_graphs = False
+    be._graph = be._warm = None  # (a captured token step replays whatever `graphs` says: put it aside)
+    tables = []
+    try:
+        for fn in (step, lambda: verify(3)):
+            runs = []
+            for _ in range(6):
+                got.clear()
+                rt.synchronize()
+                w0, w1 = cp.cuda.Event(), cp.cuda.Event()
+                w0.record()
+                fn()
+                w1.record()
+                w1.synchronize()
+                by: dict = {}
+                for name, e0, e1 in got:
+                    t, n = by.get(name, (0.0, 0))
+                    by[name] = (t + cp.cuda.get_elapsed_time(e0, e1) * 1e3, n + 1)
+                runs.append((cp.cuda.get_elapsed_time(w0, w1) * 1e3, by))
+            tables.append(runs[1:])  # (the first: its temporaries allocated)
+    finally:
+        rt.launch = launch
+        if gemm is not None:
+            rt.gemm_f16 = gemm
+        be.graphs, be.verify_graphs = graphs, vgraphs
+        be._graph, be._warm = held
+
+    def med(runs, name):
+        return statistics.median(r[1].get(name, (0.0, 0))[0] for r in runs), runs[0][1].get(name, (0.0, 0))[1]
+
+    names = sorted({n for runs in tables for r in runs for n in r[1]}, key=lambda n: -med(tables[1], n)[0])
+    lines = ["", "eager, each launch between CUDA events (us of device time, launches; medians of 5)",
+             f"{'kernel':>28} {'step us':>8} {'n':>4} {'verify 1+2 us':>13} {'n':>4}"]
+    sums = [0.0, 0.0]
+    for name in names:
+        (ts, ns), (tv, nv) = med(tables[0], name), med(tables[1], name)
+        sums[0] += ts
+        sums[1] += tv
+        if len(lines) < top + 3:
+            lines.append(f"{name[:28]:>28} {ts:8.1f} {ns:4d} {tv:13.1f} {nv:4d}")
+    walls = [statistics.median(r[0] for r in runs) for runs in tables]
+    lines.append(f"{'all launches':>28} {sums[0]:8.1f} {'':>4} {sums[1]:13.1f}")
+    lines.append(f"{'forward (events around it)':>28} {walls[0]:8.1f} {'':>4} {walls[1]:13.1f}")
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--pack", type=Path)
@@ -51,6 +116,7 @@ def main(argv=None) -> int:
     ap.add_argument("--work", type=Path, default=REPO / ".cache" / "bench")
     ap.add_argument("--rounds", type=int, default=20)
     ap.add_argument("--threads", type=int, default=8)
+    ap.add_argument("--kernels", type=int, default=14, help="the per-kernel table's rows (0: none)")
     a = ap.parse_args(argv)
 
     from strata.engine.kernels import cpu, gpu
@@ -110,6 +176,8 @@ def main(argv=None) -> int:
         print(f"{'forward':>14} {'wall ms':>8} {'graph ms':>9} {'wall/step':>9}")
         for name, wall, dev in rows:
             print(f"{name:>14} {wall:8.3f} {dev:9.3f} {wall / rows[0][1]:8.2f}x")
+        if cp is not None and a.kernels:
+            print(kernel_table(be, rt, cp, step, verify, a.kernels))
         if model.draft_head is not None:
             E = g.n_embd
             model.draft_head.backend.verify_graphs = True
