@@ -57,9 +57,12 @@ if MMQ_LAUNCH_TOKENS < 1:
 # The most activation rows a product gives the few-row kernel (mvf, gpu_kernels.cu: at most its
 # MVF_TOKENS, 8) in place of the batched one; a single row always takes it when mv cannot hold the
 # row (the H200: mmq's one-token tile ran 107 us for qwen4exp's 320 x 10240 hyper-connection down).
-# 1 until the card has timed mvf against mmq at 2-8 rows (STRATA_MVF_TOKENS=8 to measure; 0: never,
-# the batched kernel as before).
-MVF_TOKENS = int(os.environ.get("STRATA_MVF_TOKENS", "1"))
+# 8: a speculative verify's 2-4 rows took mmq, whose 16 x 8-token tile left them ~30 us a product on
+# an H100 (2026-12-05, the demo qwen35moe: a captured verify of 1 + 2 rows 1.57 ms of device time
+# with mmq, 0.86 with mvf, the token step 0.62; benchmarks/verify_profile.py). Its rows have the
+# token step's bits (tests/gpu/test_device_spec.py). STRATA_MVF_TOKENS=1: only a row mv cannot hold;
+# 0: never, the batched kernel as before.
+MVF_TOKENS = int(os.environ.get("STRATA_MVF_TOKENS", "8"))
 if not 0 <= MVF_TOKENS <= 8:
     raise ValueError(f"STRATA_MVF_TOKENS={MVF_TOKENS}: expected 0 to 8 (the few-row kernel's registers)")
 SMEM_LIMIT = 48 * 1024  # dynamic shared memory a block may take without an opt-in
