@@ -208,6 +208,9 @@ class EmuRuntime:
     def enter_thread(self) -> None:
         pass
 
+    def retake_stream(self) -> bool:  # (one stream: nothing to retake)
+        return False
+
     def release(self) -> None:
         pass
 

@@ -393,6 +393,20 @@ class CupyRuntime:
         if stream is not None:
             stream.use()
 
+    def retake_stream(self) -> bool:
+        """The tier's stream made current again where something left another one current -> whether
+        it had to. A device step calls it first: on 2026-12-05 (an H100) the card's greedy --spec tests
+        found the legacy stream current at their run's first token, after the plain decode of their
+        reference run, so none of its verifies could be captured (they ran eagerly), as on 2026-12-02 a
+        plain decode's second token had. What left it there is not found: the same flow alone in a
+        script, every engine method watched, never did. The tier's stream is a blocking one, so work
+        queued on the legacy stream before stays ordered."""
+        stream = getattr(self, "stream", None)
+        if stream is None or self.cp.cuda.get_current_stream().ptr == stream.ptr:
+            return False
+        stream.use()
+        return True
+
 
 _runtime: Any = None
 _modules: dict[str, "_Module"] = {}

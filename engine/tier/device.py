@@ -795,6 +795,7 @@ class DeviceBackend(CpuBackend):
         self._verify_bufs: dict = {}
         self._address_lists: dict = {}  # `_addresses`: (ids of the arrays) -> (their addresses on the device, the arrays)
         self.verify_graphs = VERIFY_GRAPHS  # verify_step may capture and replay (VERIFY_GRAPHS says why it is off)
+        self.stream_retaken = 0  # steps that found another stream current (CupyRuntime.retake_stream)
         self._rows_pick = None  # pick_rows' (rows, banned ids, device picks [rows, 3], their pinned mirror, ids on the device)
         # a norm that feeds products makes their ActQ in the same launch (norm_input, rmsnorm_q,
         # gated_norm_input), as does a token's expert hidden activation (DeviceExperts.token); tests
@@ -1745,6 +1746,7 @@ class DeviceBackend(CpuBackend):
         row gathered (dev_pick_next: one launch, inside the graph), so a token one step ahead is one
         graph replay and one copy down of the pick, nothing staged up (a graph of its own kind:
         switching between it and the plain step warms and captures again)."""
+        self.stream_retaken += self.rt.retake_stream()  # (the tier's stream, where a step is captured)
         if self._logits is None or self._logits.shape[1] != n_vocab:
             self._logits = self.rt.empty((1, n_vocab), F32)
         self._ctx = max(self._ctx, session.max_context)
@@ -1851,6 +1853,7 @@ class DeviceBackend(CpuBackend):
         mid-way: QSA's block selection, PLE's hashes): eagerly always. `session`: whose graphs these
         are (a Session; the draft head's one-pair steps pass its KV cache, engine/mtp.py)."""
         ex, rt = self.experts, self.rt
+        self.stream_retaken += rt.retake_stream()  # (the tier's stream, where a verify is captured)
         self._ctx = max(self._ctx, session.max_context)
         if self._posv is None or self._posv.shape[0] < T:
             self._posv = rt.empty((max(T, 16),), np.int32)

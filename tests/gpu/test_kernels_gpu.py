@@ -431,6 +431,35 @@ def test_float_products_on_ragged_shapes(rt, t, kernel, monkeypatch):
             _check_float(rt, t, 2048, n_out, tokens, seed=t.id + n_out)
 
 
+def test_a_step_retakes_the_tiers_stream_where_another_is_current():
+    """CupyRuntime.retake_stream, which a device step calls first: the tier's stream made current
+    again where another one is (2026-12-05, an H100: the card's greedy --spec tests found the legacy
+    stream current at the run's first token, so none of its verifies could be captured), nothing
+    done where it is current already or where no tier made one. (A stand-in for CuPy's streams.)"""
+    current = [0]
+
+    class Stream:
+        def __init__(self, ptr):
+            self.ptr = ptr
+
+        def use(self):
+            current[0] = self.ptr
+
+    class Cuda:
+        @staticmethod
+        def get_current_stream():
+            return Stream(current[0])
+
+    rt = object.__new__(gpu.CupyRuntime)  # (no device: only its stream bookkeeping runs)
+    rt.cp = type("FakeCupy", (), {"cuda": Cuda})
+    assert rt.retake_stream() is False and current == [0]  # no tier stream yet: nothing to retake
+    rt.stream = Stream(0x51)
+    assert rt.retake_stream() is True and current == [0x51]  # the legacy stream was current
+    assert rt.retake_stream() is False and current == [0x51]  # current already
+    current[0] = 0x77  # another thread's or a library's stream
+    assert rt.retake_stream() is True and current == [0x51]
+
+
 def test_fmm_kernel_choice_is_checked():
     with pytest.raises(ValueError, match="'4x4' is not one of tiles, 8x8"):
         gpu.use_fmm("4x4")
