@@ -191,7 +191,12 @@ class _Startup:
             raise GpuTierError(f"--gpu-step {o.step!r}: expected host or device")
         rt = self.rt
         rt.use_stream()
-        rt.release()  # memory a previous tier or test left cached in the pool would hide this one's
+        # memory a previous tier or test left would hide this one's: what is cached in the pool, and
+        # what only the cycle collector frees (2026-12-05, an H100: a captured draft step's graph pool,
+        # held in a cycle past its tier's stop, was collected during the next startup and freed 298
+        # MiB between two marks, so a stage "used" -298 MiB)
+        gc.collect()
+        rt.release()
         bopts = BudgetOptions(max_context=o.max_context, kv=o.kv, vram_reserve_mib=o.vram_reserve_mib,
                               prefill_chunk=o.prefill_chunk, expert_cache=o.expert_cache,
                               profile_pairs=o.profile.pairs if o.profile is not None else None,
