@@ -86,12 +86,11 @@ QSA_ROWS = os.environ.get("STRATA_QSA_ROWS", "1") != "0"
 
 VERIFY_SESSIONS = 4  # sessions whose captured verify graphs DeviceBackend.verify_step keeps
 # Whether a verify (speculative decoding) may be captured and replayed as CUDA graphs (verify_step):
-# off until tests/gpu/test_device_spec.py has run with it on a card. It was written in a session
-# lent no card (2026-12-05): its bits and its rollbacks were checked in the host emulation, which
-# captures nothing, so a replay that read a value the capture fixed would go unseen there (the
-# greedy tests compare --spec N with --spec 0 on the card, graphs on and off). STRATA_VERIFY_GRAPHS=1
-# turns it on.
-VERIFY_GRAPHS = os.environ.get("STRATA_VERIFY_GRAPHS", "0") not in ("", "0")
+# on since tests/gpu/test_device_spec.py passed with it on a card (2026-12-05, an H100: --spec 1 and 2
+# with the oracle, the wrong and the MTP drafter give --spec 0's tokens and every state bit for bit,
+# graphs on and off; the device head's draft steps too). The host emulation captures nothing: only
+# the card shows a replay that read a value its capture fixed. STRATA_VERIFY_GRAPHS=0 turns it off.
+VERIFY_GRAPHS = os.environ.get("STRATA_VERIFY_GRAPHS", "1") not in ("", "0")
 
 
 def split_geometry(most: int) -> tuple[int, int]:
@@ -794,7 +793,7 @@ class DeviceBackend(CpuBackend):
         self._vgraphs: dict = {}
         self._verify_bufs: dict = {}
         self._address_lists: dict = {}  # `_addresses`: (ids of the arrays) -> (their addresses on the device, the arrays)
-        self.verify_graphs = VERIFY_GRAPHS  # verify_step may capture and replay (VERIFY_GRAPHS says why it is off)
+        self.verify_graphs = VERIFY_GRAPHS  # verify_step may capture and replay (VERIFY_GRAPHS)
         self.stream_retaken = 0  # steps that found another stream current (CupyRuntime.retake_stream)
         self._rows_pick = None  # pick_rows' (rows, banned ids, device picks [rows, 3], their pinned mirror, ids on the device)
         # a norm that feeds products makes their ActQ in the same launch (norm_input, rmsnorm_q,

@@ -13,6 +13,7 @@ What must hold, with --gpu-step device and every expert resident:
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import re
 import types
@@ -287,8 +288,12 @@ def test_greedy_spec_on_the_device_step_is_plain_decoding(model, rt, kind, n_dra
         be.picked_rows = lambda n: (picks.append(n), picked_rows(n))[1]
         rt.to_host = lambda x: (verifying[0] and down.append(x.shape), to_host(x))[1]
 
+        rows = []  # each verification's row count (its kind, with a drafter that asks the same of the head)
+
         def verify_aware(s, tokens, n_logits=1, **kw):  # what comes down while a verification runs
             verifying[0] = kw.get("saved") is not None
+            if verifying[0]:
+                rows.append(len(tokens))
             try:
                 return forward(s, tokens, n_logits, **kw)
             finally:
@@ -314,10 +319,13 @@ def test_greedy_spec_on_the_device_step_is_plain_decoding(model, rt, kind, n_dra
             # every verification of a wrong drafter has 1 + N rows: captured at the second, replayed after
             # (2026-12-05, an H100: none was, the output and states right; what capture needs, said)
             assert any("segments" in g for g in be._vgraphs.values()), (
-                f"no verify was captured: stream capturable {rt.capturable()}, slot map static {be.experts.static()}, "
+                f"no verify was captured: stream capturable {rt.capturable()} (retaken {be.stream_retaken}), slot map static {be.experts.static()}, "
                 f"kinds {[(k[1:4], sorted(g)) for k, g in be._vgraphs.items() if g]}")
-            if kind == "wrong":
-                assert sum(g.get("replays", 0) for g in be._vgraphs.values()) >= st.verifications - 2
+            if kind != "mtp":  # each kind (here: its row count) eager, then captured, then replayed; the last
+                # verifications have fewer rows where fewer tokens are left to draft (2026-12-05, an H100: the
+                # wrong drafter's 6 verifications were 5 of 3 rows and 1 of 2, 3 replays)
+                kinds = collections.Counter(rows)
+                assert sum(g.get("replays", 0) for g in be._vgraphs.values()) == sum(max(0, n - 2) for n in kinds.values()), kinds
 
 
 def test_the_verifier_is_planned_and_placed_at_startup(model, rt):
@@ -383,7 +391,9 @@ def test_the_mtp_head_drafts_on_the_device(model, rt, graphs):
             want.append(cpu_head.forward(cpu_state, cpu_head.y.x, toks[N_PROMPT + i : N_PROMPT + i + 1], N_PROMPT + i).copy())
         assert head.routing.sum() == (N_PROMPT + 3) * g.n_expert_used  # (its counts settled after each forward)
         if graphs == "graphs" and not isinstance(rt, EmuRuntime):
-            assert [v.get("replays") for v in head.backend._vgraphs.values()] == [1]  # (the third draft step)
+            # the catch-up's last piece (N_PROMPT - chunk = 1 row, with logits) is a draft step's kind: eager,
+            # then the chain's first step captured, its second and third replayed
+            assert [v.get("replays") for v in head.backend._vgraphs.values()] == [2]
         for a, b in zip(got, want):
             assert np.abs(a - b).max() <= 1e-4 * np.abs(b).max(), np.abs(a - b).max()
             assert a.argmax() == b.argmax()
