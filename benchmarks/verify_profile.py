@@ -44,6 +44,51 @@ def _median_ms(fn, n: int) -> float:
     return statistics.median(times) * 1e3
 
 
+def split_table(be, rt, cp, step, verify, rounds: int) -> str:
+    """One captured forward split in time, CUDA events on the stream at its start, around its graph's
+    replay and after it returned (medians of `rounds`): before the graph (the host's work and the
+    staged rows, with the device idle or copying), the graph in place, after it (the copies down, the
+    host's wait and its work after). A graph replayed back to back (`graph ms`) can run faster than
+    in place, where the device waits for the host between forwards."""
+    replay = be._replay
+    marks: list = []
+
+    def timed_replay(segments):
+        e0, e1 = cp.cuda.Event(), cp.cuda.Event()
+        e0.record()
+        replay(segments)
+        e1.record()
+        marks.append((e0, e1))
+
+    be._replay = timed_replay
+    rows = []
+    try:
+        for name, fn in (("token step", step), ("verify 1+2", lambda: verify(3))):
+            got = []
+            for _ in range(rounds):
+                marks.clear()
+                rt.synchronize()
+                a, b = cp.cuda.Event(), cp.cuda.Event()
+                t0 = time.perf_counter()
+                a.record()
+                fn()
+                b.record()
+                wall = (time.perf_counter() - t0) * 1e3
+                b.synchronize()
+                if len(marks) != 1:  # (not one replayed graph: an eager or a cut step)
+                    return f"split: {name} replayed {len(marks)} graphs, not one"
+                g0, g1 = marks[0]
+                got.append((wall, cp.cuda.get_elapsed_time(a, g0), cp.cuda.get_elapsed_time(g0, g1),
+                            cp.cuda.get_elapsed_time(g1, b)))
+            rows.append((name, *(statistics.median(x[i] for x in got) for i in range(4))))
+    finally:
+        be._replay = replay
+    lines = ["", "one forward split by CUDA events (ms, medians): before its graph, the graph in place, after it",
+             f"{'forward':>14} {'wall':>7} {'before':>7} {'graph':>7} {'after':>7}"]
+    lines += [f"{n:>14} {w:7.3f} {x:7.3f} {g:7.3f} {y:7.3f}" for n, w, x, g, y in rows]
+    return "\n".join(lines)
+
+
 def kernel_table(be, rt, cp, step, verify, top: int) -> str:
     """Each kernel's device time in an eager token step and an eager verify of 1 + 2 rows: a CUDA
     event before and after every launch (rt.launch, cuBLAS's gemm_f16), summed by kernel name, the
@@ -176,6 +221,8 @@ def main(argv=None) -> int:
         print(f"{'forward':>14} {'wall ms':>8} {'graph ms':>9} {'wall/step':>9}")
         for name, wall, dev in rows:
             print(f"{name:>14} {wall:8.3f} {dev:9.3f} {wall / rows[0][1]:8.2f}x")
+        if cp is not None:
+            print(split_table(be, rt, cp, step, verify, a.rounds))
         if cp is not None and a.kernels:
             print(kernel_table(be, rt, cp, step, verify, a.kernels))
         if model.draft_head is not None:
