@@ -32,7 +32,7 @@ mmx, mmqx, mmqw, mmqk, and shape: the default choice by the product's shape and 
 gpu.SHAPE_TYPES; --grouped-kernels picks, the first the baseline), microseconds per launch, each kernel's time over mmx's, and whether all gave the same bits.
 --few adds the few-row products: `gpu.matmul` of 1, 2, 4 and 8 tokens through the FEW weight (qwen4exp's
 hyper-connection down, rows longer than mv holds) on mvf (gpu.MVF_TOKENS 8) and on mmq (0),
-microseconds per product; where mvf wins at 2-8 tokens, STRATA_MVF_TOKENS's default can rise.
+microseconds per product (mvf takes 2-8 tokens by default since verify_profile.py timed a verify's rows on it).
 --no-matvec leaves out the matvec columns (the head and expert matvecs), for the batched kernels alone.
 mmq's knobs (environment, docs/gpu-kernels.md): STRATA_MQ_WARPS (warps a block, compiled; 4),
 STRATA_MQ_MINB (blocks a multiprocessor its registers are bounded for; 1), STRATA_MQX_WARPS

@@ -74,7 +74,7 @@ def verify_cost(model, n_prompt: int, rounds: int, rng, launches: dict | None = 
         def counting(*x, **kw):
             counted[0] += 1
             return launch(*x, **kw)
-    if hasattr(be, "verify_graphs"):  # the captured verify (off by default until the card's tests ran it)
+    if hasattr(be, "verify_graphs"):  # the captured verify (STRATA_VERIFY_GRAPHS's default; on whatever it says)
         be.verify_graphs = True
     ban = np.zeros(0, np.int32) if model.picks else None
     s = model.new_session(n_prompt + (rounds + 2) * 14 + 4)

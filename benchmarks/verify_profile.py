@@ -5,9 +5,10 @@ step's, beside their wall times; and a draft step of the MTP head on the device 
     python3 benchmarks/verify_profile.py --pack PACK     # a qwen35moe pack (with an MTP block: the draft rows)
 
 On an H100 (2026-12-05, seed-4l) a captured verify of 1 + 2 rows cost 3.9 ms where the token step
-took 1.1, and a replayed verify's host work is ~0.1 ms (the emulation with stand-in graphs): this
-says whether the rest is the graph's device time (the rows' products: STRATA_MVF_TOKENS=8 puts them
-on the few-row kernel) or something around it. Needs a CUDA GPU. Ratios only against this run.
+took 1.1; this profile's per-kernel table put it on the rows' dense products (mmq), which now take
+the few-row kernel (STRATA_MVF_TOKENS=1 puts them back): 1.66 token steps. Its split of one forward
+says where the wall beyond the graph's device time goes. Needs a CUDA GPU. Ratios only against
+this run.
 """
 
 from __future__ import annotations
