@@ -611,3 +611,32 @@ def test_the_device_heads_draft_steps_are_captured_once_and_replayed(model):
             assert V == head.logits.size
     finally:
         gpu.use_runtime(before)
+
+
+def test_each_device_step_first_makes_the_tiers_stream_current(model):
+    """A token step and a verify each ask the runtime for the tier's stream first (retake_stream;
+    2026-12-05, an H100: the greedy tests found the legacy stream current at a run's first token, so
+    nothing could be captured), and the backend counts the times it had to (`stream_retaken`)."""
+    from strata.engine.kernels import gpu
+
+    class Elsewhere(_StandInGraphs):  # another stream is current before every second call
+        asked = 0
+
+        def retake_stream(self):
+            self.asked += 1
+            return self.asked % 2 == 0
+
+    rt = Elsewhere()
+    before = gpu.use_runtime(rt)
+    try:
+        with device_tier(model, spec=2) as tier:
+            be = model.backend
+            s = model.new_session(CTX)
+            model.forward(s, prompt_for(model)[:5], n_logits=0)
+            asked = rt.asked
+            model.step(s, 7)
+            model.forward(s, [5, 9, 13], n_logits=3, saved=tier.snapshots, pick=np.zeros(0, np.int32))
+            assert rt.asked - asked == 2  # (one each)
+            assert be.stream_retaken == rt.asked // 2
+    finally:
+        gpu.use_runtime(before)
