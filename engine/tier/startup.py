@@ -192,9 +192,9 @@ class _Startup:
         rt = self.rt
         rt.use_stream()
         # memory a previous tier or test left would hide this one's: what is cached in the pool, and
-        # what only the cycle collector frees (2026-12-05, an H100: a captured draft step's graph pool,
-        # held in a cycle past its tier's stop, was collected during the next startup and freed 298
-        # MiB between two marks, so a stage "used" -298 MiB)
+        # what only the cycle collector frees (2026-12-05, an H100: after a test whose tier had
+        # captured the draft head's steps, each with a graph pool of its own, 298 MiB came free between
+        # two marks of the next startup, so a stage "used" -298 MiB)
         gc.collect()
         rt.release()
         bopts = BudgetOptions(max_context=o.max_context, kv=o.kv, vram_reserve_mib=o.vram_reserve_mib,
