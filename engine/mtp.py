@@ -159,12 +159,34 @@ class MTPHead:
             be.experts.settle()
         return out
 
-    def _device_step(self, state: KVCache, h, tokens, pos: int, logits: bool):
+    @property
+    def picks(self) -> bool:
+        """Whether `pick` makes a greedy draft where the logits are (the head on the device step)."""
+        return self._device and hasattr(self.backend, "queue_top_prob")
+
+    def pick(self, state: KVCache, h, token: int, pos: int, banned: np.ndarray) -> tuple[int, float]:
+        """`step`, the draft picked on the device: -> (the greedy token, the banned ids never; the
+        draft logits' top probability at temperature 1, as MTPDrafter computes it from the logits in
+        float64). 12 + 8 bytes come down, not the vocabulary's logits (on seed-4l's 248320-word
+        vocabulary a 1 MB copy and a float64 softmax on the host a draft, against a ~1 ms token step).
+        Only where `picks`."""
+        if not 0 <= token < self.n_vocab:
+            raise ValueError(f"token id {token} outside the vocabulary 0..{self.n_vocab - 1}")
+        be = self.backend
+        be.pick_rows_ready(1, banned)  # (their buffers made before a capture)
+        be.top_prob_ready()
+        self._device_step(state, h, np.array([token]), pos, True, banned)
+        be.rt.synchronize()
+        return int(be.picked_rows(1)[0]), be.top_prob()
+
+    def _device_step(self, state: KVCache, h, tokens, pos: int, logits: bool, pick: np.ndarray | None = None):
         """One pair on the device step's backend as a verify of one row (DeviceBackend.verify_step):
         its inputs staged into fixed buffers and its position read from the position buffer, so the
         step is captured once and replayed (where the backend's verify_graphs allow), not launched
         from Python block by block: some 30 launches, and on an H100 the trunk's eager token step
-        spent ~50 us a launch (4.1 ms for 78, 2026-12-05), against 1.1 ms for its captured step."""
+        spent ~50 us a launch (4.1 ms for 78, 2026-12-05), against 1.1 ms for its captured step.
+        `pick` (banned ids): the draft's pick and top probability queued after the logits (`pick`),
+        which stay on the device; a kind of step of its own."""
         be, E = self.backend, self.E
         e = be.stage_in("mtp.embd", self._embed(tokens))
         hb = be.verify_buf("mtp.h_in", (1, E))
@@ -172,8 +194,16 @@ class MTPHead:
             be.stage_in("mtp.h_in", np.asarray(h, F32).reshape(1, E))
         else:  # the chain's previous y, already on the device: copied in, queued
             hb[...] = h.reshape(1, E)
-        be.verify_step(state, pos, 1, lambda: self._block(state, e, hb, 1, pos, logits), ("mtp", logits), hold=(e, hb))
-        return self._finish(logits)
+
+        def run():
+            self._block(state, e, hb, 1, pos, logits)
+            if pick is not None:
+                be.queue_pick_rows(self._out, pick)
+                be.queue_top_prob(self._out[0])
+
+        key = ("mtp", logits) if pick is None else ("mtp", logits, "pick", id(pick))
+        be.verify_step(state, pos, 1, run, key, hold=(e, hb) if pick is None else (e, hb, pick))
+        return self._finish(logits and pick is None)
 
     def _on(self, a):
         """A host array as the backend's (uploaded to the device; the CPU's as it is)."""

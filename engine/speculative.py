@@ -165,6 +165,9 @@ class MTPDrafter(Drafter):
         if self.pending_pos != P - 1:
             raise ValueError(f"MTP drafter: its last trunk row is at {self.pending_pos}, expected {P - 1}")
         tokens, qs = [], []
+        banned = self.sampler.pick if self.sampler.params.greedy else None
+        if banned is not None and getattr(self.head, "picks", False):  # greedy on the device: only the picks come down
+            return self._draft_on_device(history, P, n, banned)
         logits = self.head.forward(self.state, self.pending, history[P : P + 1], P - 1)
         self.pending_pos = -1  # its pair is in the head's KV now
         hist = np.empty(n_known + n, np.int64)
@@ -182,6 +185,20 @@ class MTPDrafter(Drafter):
             if i + 1 < n:
                 logits = self.head.forward(self.state, self.head.y.x, np.array([d]), P + i)
         return tokens, qs
+
+    def _draft_on_device(self, history, P: int, n: int, banned: np.ndarray) -> tuple[list[int], list]:
+        """`draft` greedy with the head on the device step: each draft's argmax (the banned ids never)
+        and its logits' top probability made there (MTPHead.pick), the rule the same."""
+        tokens = []
+        d, top = self.head.pick(self.state, self.pending, int(history[P]), P - 1, banned)
+        self.pending_pos = -1  # its pair is in the head's KV now
+        for i in range(n):
+            if top < self.min_p:
+                break
+            tokens.append(d)
+            if i + 1 < n:
+                d, top = self.head.pick(self.state, self.head.y.x, d, P + i, banned)
+        return tokens, [None] * len(tokens)
 
 
 # --- the statistics ----------------------------------------------------------------------------

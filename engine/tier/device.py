@@ -65,7 +65,8 @@ _NAMES = ["dev_rmsnorm", "dev_delta", "dev_conv", "dev_combine", "dev_sigmoid", 
           "dev_qsa_scores", "dev_qsa_select", "dev_attn_sel", "dev_attn_split_sel", "dev_attn_merge_sel",
           "dev_hc_gates_q", "dev_rope_at", "dev_pick_next", "dev_ple_rows", "dev_embd_rows", "dev_ple_gather",
           "dev_ple_conv_rows", "dev_qsa_scores_rows", "dev_qsa_select_rows", "dev_widen", "dev_route_n", "dev_combine_n",
-          "dev_conv_rows", "dev_l2_qk_rows", "dev_kv_write_rows", "dev_attn_split_rows", "dev_attn_merge_rows"]
+          "dev_conv_rows", "dev_l2_qk_rows", "dev_kv_write_rows", "dev_attn_split_rows", "dev_attn_merge_rows",
+          "dev_top_prob"]
 # the embedding's GGML types dev_embd_row decodes (F32 F16 Q4_0 Q4_1 Q5_0 Q5_1 Q8_0 Q4_K Q5_K Q6_K BF16)
 EMBD_ROW_TYPES = frozenset({0, 1, 2, 3, 6, 7, 8, 12, 13, 14, 30})
 # the PLE table's types dev_ple_rows decodes: those and IQ4_NL (budget.PLE_TABLE_DEVICE_TYPES, the same)
@@ -796,6 +797,7 @@ class DeviceBackend(CpuBackend):
         self.verify_graphs = VERIFY_GRAPHS  # verify_step may capture and replay (VERIFY_GRAPHS)
         self.stream_retaken = 0  # steps that found another stream current (CupyRuntime.retake_stream)
         self._rows_pick = None  # pick_rows' (rows, banned ids, device picks [rows, 3], their pinned mirror, ids on the device)
+        self._top_prob = None  # queue_top_prob's (parts, counter, result, its pinned mirror)
         # a norm that feeds products makes their ActQ in the same launch (norm_input, rmsnorm_q,
         # gated_norm_input), as does a token's expert hidden activation (DeviceExperts.token); tests
         # turn it off to compare. One token's norms' ActQ buffers: (output's address, shape) -> GpuActQ
@@ -2195,6 +2197,27 @@ class DeviceBackend(CpuBackend):
                 raise NonFiniteActivation(f"sampler: logits row {i} of {n} contain {'NaN' if host[i, 1] else top} (max "
                                           "over the vocabulary); refusing to sample")
         return host[:n, 0].astype(np.int64)
+
+    def top_prob_ready(self) -> None:
+        """dev_top_prob's buffers, made once (before a capture): its parts, counter, result and the
+        result's pinned mirror."""
+        if self._top_prob is None:
+            rt = self.rt
+            self._top_prob = (rt.empty((2 * PICK_GRID,), np.float64), self.zeros((1,), np.int32),
+                              rt.empty((1,), np.float64), rt.pinned(8).view(np.float64))
+
+    def queue_top_prob(self, row) -> None:
+        """dev_top_prob over the device logits `row` [n_vocab] (a draft's top probability at
+        temperature 1) and its copy down, queued: `top_prob` reads it after a wait."""
+        part, count, out, host = self._top_prob
+        n = row.shape[-1]
+        grid = max(1, min(PICK_GRID, -(-n // (4 * PICK_BLOCK))))
+        self.rt.launch(self._mod, "dev_top_prob", grid, PICK_BLOCK, (row, np.int32(n), part, count, out),
+                       smem=32 * 8 + 32 * 4 + 4)
+        self.rt.copy_out_async(host, out)
+
+    def top_prob(self) -> float:
+        return float(self._top_prob[3][0])
 
     def boundary(self, what) -> None:
         """While `_floor_step` captures: the part captured so far becomes a graph of its own (it

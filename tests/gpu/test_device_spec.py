@@ -411,6 +411,49 @@ def test_the_mtp_head_drafts_on_the_device(model, rt, graphs):
         assert head.routing.sum() > before  # (the tier's head drafted, not one on the CPU)
 
 
+@pytest.mark.parametrize("graphs", ["graphs", "eager"])
+def test_the_device_heads_draft_pick_is_the_hosts_rule_on_its_logits(model, rt, graphs):
+    """MTPHead.pick (a greedy draft on the device step): the token MTPDrafter's host rule takes from
+    the head's logits (their argmax, the banned ids never) and their top probability at temperature
+    1 (its float64 softmax, within 1e-12: another order of the same sum), over a chain of three
+    drafts; the head's y (the next draft's input) has the logits step's bits. Only the pick and the
+    probability come down."""
+    g = model.geometry
+    V, E = g.n_vocab, g.n_embd
+    rng = np.random.default_rng(12)
+    h = rng.standard_normal((N_PROMPT, E)).astype(np.float32)
+    toks = rng.integers(3, V, N_PROMPT + 3)
+    with device_tier(model, spec=2, draft=True):
+        head = model.draft_head
+        be = head.backend
+        be.verify_graphs = graphs == "graphs"
+        assert head.picks
+        a, b = head.new_state(CTX, "f32"), head.new_state(CTX, "f32")  # (one to read the logits of, one to pick on)
+        for st in (a, b):
+            head.forward(st, h[:-1], toks[: N_PROMPT - 1], 0, logits=False)
+        x, banned = h[-1:], None
+        for i in range(3):
+            pos, tok = N_PROMPT - 1 + i, int(toks[N_PROMPT - 1 + i])
+            logits = head.forward(a, x, np.array([tok]), pos).copy()
+            y = be.host(head.y.x).copy()
+            if banned is None:  # the first draft's own argmax banned: the pick must take the next best
+                banned = np.array([int(logits.argmax())], np.int32)
+            down, to_host = [], rt.to_host
+            rt.to_host = lambda d: (down.append(d.shape), to_host(d))[1]
+            try:
+                d, top = head.pick(b, x, tok, pos, banned)
+            finally:
+                del rt.to_host
+            assert not [s for s in down if s[-1] == V], down  # (the logits stayed on the device)
+            ref = logits.copy()
+            ref[banned] = -np.inf
+            assert d == int(ref.argmax()), (i, d, int(ref.argmax()))
+            want = 1.0 / float(np.exp(logits.astype(np.float64) - float(logits.max())).sum())
+            assert abs(top - want) <= 1e-12 * want, (i, top, want)
+            assert np.array_equal(be.host(head.y.x), y)
+            x = y
+
+
 def test_generate_drafts_with_the_device_head(model, rt, capsys, monkeypatch):
     """strata generate --spec 2 --gpu-step device: the startup places the MTP head (its line says so)
     and the greedy output is --spec 0's; with --spec-drafter oracle no head is placed."""
