@@ -196,23 +196,33 @@ def _mtp_lines(model, preset: str, n_prompt: int, n_tokens: int, rounds: int, de
     if device:  # its draft steps captured and replayed as the trunk's verifies are here (verify_cost)
         head.backend.verify_graphs = True
 
-    def one_draft(head) -> float:
-        """The median seconds of a draft step of `head` (its own state, a chain fed its own y)."""
+    ban = np.zeros(0, np.int32)
+
+    def one_draft(head, pick: bool = False) -> float:
+        """The median seconds of a greedy draft of `head` as MTPDrafter makes one (its own state, a
+        chain fed its own y): the logits, then on the host their top probability (a float64 softmax)
+        and their argmax; with `pick`, both made on the device (MTPHead.pick)."""
         state = head.new_state(n_prompt + rounds + 4)
         x, times = h, []
         for i in range(rounds + 1):
             t0 = time.perf_counter()
-            head.forward(state, x, np.array([int(rng.integers(3, V))]), i)
+            if pick:
+                head.pick(state, x, int(rng.integers(3, V)), i, ban)
+            else:
+                logits = head.forward(state, x, np.array([int(rng.integers(3, V))]), i)
+                _ = 1.0 / float(np.exp(logits.astype(np.float64) - float(logits.max())).sum()), int(logits.argmax())
             times.append(time.perf_counter() - t0)
             x = head.y.x
         # (the first compiles what the trunk's warm-up did not; on the device the second is captured)
         return statistics.median(times[1:])
 
     h = rng.standard_normal((1, E)).astype(np.float32)
-    draft = one_draft(head)
+    draft = one_draft(head, pick=head.picks)
     step = statistics.median(cost[1])
-    # on the device step, the head on the CPU beside it too: how drafting was before the tier placed it
-    before = f", on the CPU {one_draft(MTPHead(model.pack)) * 1e3:.1f} ms" if device else ""
+    # on the device step: the logits brought down (the rule on the host), and the head on the CPU
+    # beside it: how drafting was before the pick and before the tier placed the head
+    before = f" (logits down {one_draft(head) * 1e3:.1f} ms, on the CPU {one_draft(MTPHead(model.pack)) * 1e3:.1f} ms)" \
+        if device else ""
     lines = [f"MTP head ({preset} qwen35moe synth with --mtp, {model.geometry.n_layer} layers, vocab {V}"
              f"{', trunk and head on the device step' if device else ''}): "
              f"token step {step * 1e3:.1f} ms, one draft {draft * 1e3:.1f} ms{before} "

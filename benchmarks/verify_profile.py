@@ -229,13 +229,19 @@ def main(argv=None) -> int:
         if model.draft_head is not None:
             E = g.n_embd
             model.draft_head.backend.verify_graphs = True
-            for name, head in (("device", model.draft_head), ("CPU", MTPHead(model.pack))):
+            # a draft step's logits (no host rule after them), and on the device the pick made there
+            # (MTPHead.pick: the argmax and the top probability, no logits down)
+            for name, head, pick in (("device", model.draft_head, False), ("device pick", model.draft_head, True),
+                                     ("CPU", MTPHead(model.pack), False)):
                 st = head.new_state(ctx, "f32")
                 head.forward(st, rng.standard_normal((8, E)).astype(np.float32), rng.integers(3, V, 8), 0)
                 at = [8]
 
-                def draft(head=head, st=st, at=at):
-                    head.forward(st, head.y.x, np.array([int(rng.integers(3, V))]), at[0])
+                def draft(head=head, st=st, at=at, pick=pick):
+                    if pick:
+                        head.pick(st, head.y.x, int(rng.integers(3, V)), at[0], ban)
+                    else:
+                        head.forward(st, head.y.x, np.array([int(rng.integers(3, V))]), at[0])
                     at[0] += 1
 
                 for _ in range(3):
