@@ -522,6 +522,7 @@ def test_mmt_keeps_mm_bits_on_long_rows_and_many_tiles(rt, name, monkeypatch):
     (its blocks take several in turn: rows and tokens both ragged), against the reference's bits."""
     t = BY_NAME[name]
     _take_batched(monkeypatch, "mmt", {name})
+    monkeypatch.setattr(gpu, "MVF_TOKENS", 1)  # (3 tokens would take the few-row kernel, mvf: 2-8 rows by default)
     for n_in, n_out, tokens in ((2560, 16 * rt.n_sm * gpu.MT_ROWS + 3, (17, 2 * gpu.MT_TOKS + 5)), (10240, 9, (3,))):
         assert gpu._quant_plan(t.id, n_in, n_out, max(tokens))[1] == f"mmt<{t.id}>"
         _check_products(rt, t, n_in, n_out, tokens, seed=t.id * 13 + n_in)
