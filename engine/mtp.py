@@ -165,11 +165,11 @@ class MTPHead:
         return self._device and hasattr(self.backend, "queue_top_prob")
 
     def pick(self, state: KVCache, h, token: int, pos: int, banned: np.ndarray) -> tuple[int, float]:
-        """`step`, the draft picked on the device: -> (the greedy token, the banned ids never; the
-        draft logits' top probability at temperature 1, as MTPDrafter computes it from the logits in
-        float64). 12 + 8 bytes come down, not the vocabulary's logits (on seed-4l's 248320-word
-        vocabulary a 1 MB copy and a float64 softmax on the host a draft, against a ~1 ms token step).
-        Only where `picks`."""
+        """`step` with the draft picked on the device -> (the greedy token, never one of the banned
+        ids; the draft logits' top probability at temperature 1, as MTPDrafter computes it from the
+        logits in float64). 12 + 8 bytes come down, not the vocabulary's logits: on seed-4l's
+        248320-word vocabulary those were a 1 MB copy and a float64 softmax on the host at every
+        draft, beside a ~1 ms token step. Only where `picks`."""
         if not 0 <= token < self.n_vocab:
             raise ValueError(f"token id {token} outside the vocabulary 0..{self.n_vocab - 1}")
         be = self.backend

@@ -140,7 +140,8 @@ class MTPDrafter(Drafter):
     head input at q, the token at q + 1), written once both are final; the chain's pairs (the head's
     own y, a drafted token) go after them and are overwritten by the verified pairs. The draft is the
     argmax when greedy, else drawn from `sampler`'s chain on the draft logits; drafting stops when the
-    draft logits' top probability (softmax, temperature 1) is below `min_p` (llama.cpp's --draft-p-min)."""
+    draft logits' top probability (softmax, temperature 1) is below `min_p` (llama.cpp's --draft-p-min).
+    Greedy with the head on the device step, both are made there (MTPHead.pick): no logits come down."""
 
     needs_hidden = True
 
