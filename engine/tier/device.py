@@ -2213,7 +2213,7 @@ class DeviceBackend(CpuBackend):
         n = row.shape[-1]
         grid = max(1, min(PICK_GRID, -(-n // (4 * PICK_BLOCK))))
         self.rt.launch(self._mod, "dev_top_prob", grid, PICK_BLOCK, (row, np.int32(n), part, count, out),
-                       smem=32 * 8 + 32 * 4 + 4)
+                       smem=33 * 8 + 32 * 4 + 4)
         self.rt.copy_out_async(host, out)
 
     def top_prob(self) -> float:

@@ -1339,58 +1339,6 @@ __device__ __forceinline__ bool argmax_grid(unsigned char* smem, const float* x,
 }
 
 // ---------------------------------------------------------------------------------------------
-// A draft's top probability (engine/speculative.py MTPDrafter: drafting stops below --spec-min-p):
-// out[0] = 1 / sum_i exp(x[i] - max x) in double, the softmax's largest value at temperature 1 over
-// every logit, banned or not, as the host computes it from the logits in float64 (only 8 bytes come
-// down, not the vocabulary's logits, and the host sums nothing). Grid-strided like dev_argmax: each
-// block's max and its sum of exp(x - its max) into part[2 b ..], the block that arrives last (a
-// ticket from `count`, set back to 0) joins them in block order, S = sum_b s_b exp(m_b - M): the
-// same terms as the host's up to their rounding and order (a relative ~1e-16: a draft whose
-// probability is that close to --spec-min-p may stop on one side and not the other; the output is
-// the verification's either way). A NaN logit makes out NaN (the pick refuses it: dev_argmax).
-// Dynamic shared memory: 32 doubles, 32 floats, 1 int.
-extern "C" __global__ void dev_top_prob(const float* x, int n, double* part, int* count, double* out) {
-    STRATA_SMEM(smem);
-    double* ss = reinterpret_cast<double*>(smem);
-    float* sm = reinterpret_cast<float*>(smem + 32 * sizeof(double));
-    int* last = reinterpret_cast<int*>(smem + 32 * sizeof(double) + 32 * sizeof(float));
-    const float ninf = __uint_as_float(0xff800000u);
-    const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, nw = blockDim.x >> 5;
-    const int stride = gridDim.x * blockDim.x;
-    float m = ninf;
-    for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) m = fmaxf(m, x[i]);
-    for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(FULL, m, o));
-    if (lane == 0) sm[w] = m;
-    __syncthreads();
-    m = ninf;
-    for (int j = 0; j < nw; j++) m = fmaxf(m, sm[j]);  // (every thread: the block's max)
-    double s = 0.0;
-    if (m > ninf)
-        for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) s += exp((double)x[i] - (double)m);
-    for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(FULL, s, o);
-    if (lane == 0) ss[w] = s;
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        double t = 0.0;
-        for (int j = 0; j < nw; j++) t += ss[j];
-        volatile double* p = part + 2 * blockIdx.x;
-        p[0] = (double)m, p[1] = t;
-        __threadfence();  // (this block's part is visible before its ticket is)
-        last[0] = atomicAdd(count, 1) == (int)gridDim.x - 1;
-    }
-    __syncthreads();
-    if (!last[0] || threadIdx.x != 0) return;
-    __threadfence();
-    const volatile double* p = part;
-    double M = (double)ninf, S = 0.0;
-    for (int b = 0; b < (int)gridDim.x; b++) M = fmax(M, p[2 * b]);
-    for (int b = 0; b < (int)gridDim.x; b++)
-        if (p[2 * b + 1] != 0.0) S += p[2 * b + 1] * exp(p[2 * b] - M);
-    out[0] = 1.0 / S;
-    *count = 0;  // (every block has taken its ticket: the next launch starts from 0)
-}
-
-// ---------------------------------------------------------------------------------------------
 // The sampled pick of a token step: engine/sampling.py's Sampler.sample on the device, the same
 // chain in the same order and float types (banned -> penalties -> top-k -> top-p -> min-p ->
 // temperature -> the inverse-CDF draw), with the host's uniform `sp[0]` (one Sampler._rng.random()
@@ -1453,6 +1401,53 @@ __device__ int block_int(int v, int op, int* si) {
     const int r = si[32];
     __syncthreads();
     return r;
+}
+
+// A draft's top probability (engine/speculative.py MTPDrafter: drafting stops below --spec-min-p):
+// out[0] = 1 / sum_i exp(x[i] - max x) in double, the softmax's largest value at temperature 1 over
+// every logit, banned or not, as the host computes it from the logits in float64 (only 8 bytes come
+// down, not the vocabulary's logits, and the host sums nothing). Grid-strided like dev_argmax: each
+// block's max and its sum of exp(x - its max) into part[2 b ..], the block that arrives last (a
+// ticket from `count`, set back to 0) joins them in block order, S = sum_b s_b exp(m_b - M): the
+// same terms as the host's up to their rounding and order (a relative ~1e-16: a draft whose
+// probability is that close to --spec-min-p may stop on one side and not the other; the output is
+// the verification's either way). A NaN logit makes out NaN (the pick refuses it: dev_argmax).
+// Dynamic shared memory: 33 doubles (block_sum_d's), 32 floats, 1 int.
+extern "C" __global__ void dev_top_prob(const float* x, int n, double* part, int* count, double* out) {
+    STRATA_SMEM(smem);
+    double* ss = reinterpret_cast<double*>(smem);
+    float* sm = reinterpret_cast<float*>(smem + 33 * sizeof(double));
+    int* last = reinterpret_cast<int*>(smem + 33 * sizeof(double) + 32 * sizeof(float));
+    const float ninf = __uint_as_float(0xff800000u);
+    const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    const int stride = gridDim.x * blockDim.x;
+    float m = ninf;
+    for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) m = fmaxf(m, x[i]);
+    for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(FULL, m, o));
+    if (lane == 0) sm[w] = m;
+    __syncthreads();
+    m = ninf;
+    for (int j = 0; j < nw; j++) m = fmaxf(m, sm[j]);  // (every thread: the block's max)
+    double s = 0.0;
+    if (m > ninf)
+        for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) s += exp((double)x[i] - (double)m);
+    const double t = block_sum_d(s, ss);
+    if (threadIdx.x == 0) {
+        volatile double* p = part + 2 * blockIdx.x;
+        p[0] = (double)m, p[1] = t;
+        __threadfence();  // (this block's part is visible before its ticket is)
+        last[0] = atomicAdd(count, 1) == (int)gridDim.x - 1;
+    }
+    __syncthreads();
+    if (!last[0] || threadIdx.x != 0) return;
+    __threadfence();
+    const volatile double* p = part;
+    double M = (double)ninf, S = 0.0;
+    for (int b = 0; b < (int)gridDim.x; b++) M = fmax(M, p[2 * b]);
+    for (int b = 0; b < (int)gridDim.x; b++)
+        if (p[2 * b + 1] != 0.0) S += p[2 * b + 1] * exp(p[2 * b] - M);
+    out[0] = 1.0 / S;
+    *count = 0;  // (every block has taken its ticket: the next launch starts from 0)
 }
 
 // The k-th largest (1-based, counting equal values) of a[0..n) as an okey: a radix select, 8 bits a
