@@ -86,6 +86,7 @@ QSA_ROWS = os.environ.get("STRATA_QSA_ROWS", "1") != "0"
 
 
 VERIFY_SESSIONS = 4  # sessions whose captured verify graphs DeviceBackend.verify_step keeps
+COPY_GRAPHS = 64  # rollbacks' captured copies DeviceBackend.copy_arrays keeps (a session's: one a snapshot)
 # Whether a verify (speculative decoding) may be captured and replayed as CUDA graphs (verify_step):
 # on since tests/gpu/test_device_spec.py passed with it on a card (2026-12-05, an H100: --spec 1 and 2
 # with the oracle, the wrong and the MTP drafter give --spec 0's tokens and every state bit for bit,
@@ -280,6 +281,8 @@ class DeviceExperts:
         # forward (each row's counts added, then its snapshot's copy made: `settle`)
         self._rows_log: list[tuple[int, int, object]] = []
         self._ids_rows = None
+        self._rows_plans: dict = {}  # `_rows_plan`'s, by the identities of a captured verify's entries
+        self._routing_plans: dict = {}  # `_routing_plan`'s, by the identities of a captured step's states
 
     def routed(self, moe, x: Input, experts: np.ndarray, rows: np.ndarray, starts: np.ndarray):
         if self.chunk is not None and self.chunk.fits(moe, rows.size):  # grouped launches (device_chunk.py)
@@ -663,9 +666,16 @@ class DeviceExperts:
         if self._rows_log:
             # a verify's rows, in the order they ran: each row's counts, then its snapshot's copy
             ids_rows = self.rt.to_host(self._ids_rows)
-            for layer, row, r in self._rows_log:
-                r.state[ids_rows[row, layer]] += 1  # (a row's k ids are distinct)
-                keep(r)
+            plan = self._rows_plan(self._rows_log)
+            if plan is None:
+                for layer, row, r in self._rows_log:
+                    r.state[ids_rows[row, layer]] += 1  # (a row's k ids are distinct)
+                    keep(r)
+            else:
+                for row, counts, layers, saved in plan:
+                    counts[layers[:, None], ids_rows[row, layers]] += 1
+                    if saved is not None:
+                        saved[layers] = counts[layers]
             self._rows_log.clear()
         if not any(states for _, states, *_ in self._log):  # (a verify row's entries count its hits only)
             self._log.clear()
@@ -677,11 +687,85 @@ class DeviceExperts:
         self._log.clear()
 
     @staticmethod
-    def _add_routing(log: list, ids) -> None:
+    def _row_of(a, layer: int):
+        """The [n_layer, n_expert] array whose row `layer` the counts `a` are (Model's `s.routing[l]`,
+        a snapshot's alike), or None where they are not such a row."""
+        b = a.base if isinstance(a, np.ndarray) else None
+        if not (isinstance(b, np.ndarray) and b.ndim == 2 and a.ndim == 1 and 0 <= layer < b.shape[0]
+                and a.shape[0] == b.shape[1] and a.strides == b.strides[1:] and a.dtype == b.dtype
+                and a.__array_interface__["data"][0] == b.__array_interface__["data"][0] + layer * b.strides[0]):
+            return None
+        return b
+
+    def _rows_plan(self, log: list) -> list | None:
+        """`settle`'s rows as one update a row: [(row, the session's routing counts [n_layer, n_expert],
+        the layers' indices, the row's snapshot's counts or None)] in row order, where every entry's
+        counts are row `layer` of one such array (Model's `s.routing[l]`, the snapshot's alike); None
+        where they are not (`settle` then goes entry by entry). Entry by entry a verify of 3 rows
+        settled in ~220 us of the host's time on an H100 (demo qwen35moe, 8 layers, cProfile;
+        2026-12-05), beside a 0.86 ms graph. Kept by the entries' identities: a replayed verify logs
+        the same entries each time."""
+        key = tuple(id(r) for _, _, r in log)
+        got = self._rows_plans.get(key)
+        if got is not None and all(a is b for a, (_, _, b) in zip(got[0], log)):
+            return got[1]
+        plan, rows = [], {}
+        for layer, row, r in log:
+            rows.setdefault(row, []).append((layer, r))
+
+        base = self._row_of
+        for row in sorted(rows):
+            got_rows = rows[row]
+            layers = np.array([l for l, _ in got_rows], np.intp)
+            counts = [base(r.state, l) for l, r in got_rows]
+            saved = [None if r.saved is None else base(r.saved, l) for l, r in got_rows]
+            if np.unique(layers).size != layers.size or counts[0] is None or any(c is not counts[0] for c in counts):
+                return None
+            if saved[0] is None and any(r.saved is not None for _, r in got_rows):
+                return None
+            if saved[0] is not None and any(x is not saved[0] for x in saved):
+                return None
+            plan.append((row, counts[0], layers, saved[0]))
+        if len(self._rows_plans) >= 16:
+            self._rows_plans.clear()
+        self._rows_plans[key] = ([r for _, _, r in log], plan)
+        return plan
+
+    def _add_routing(self, log: list, ids) -> None:
+        plan = self._routing_plan(log)
+        if plan is not None:  # one add for each session's layers (a replayed step logs the same entries)
+            for counts, layers in plan:
+                counts[layers[:, None], ids[layers]] += 1
+            return
         for layer, states, *_ in log:
             chosen = ids[layer]  # a token's top-k: distinct ids, so a fancy-indexed add counts each once
             for state in states:
                 state[chosen] += 1  # (np.add.at, for repeated ids, took ~10 us a layer a token)
+
+    def _routing_plan(self, log: list) -> list | None:
+        """`_add_routing`'s adds grouped: [(a session's routing counts [n_layer, n_expert], the layers'
+        indices)], where every state is row `layer` of such an array and no (array, layer) comes twice;
+        else None. Layer by layer the token step's adds took ~74 us of the host's time on an H100
+        (demo qwen35moe, 8 layers, cProfile; 2026-12-05). Kept by the states' identities."""
+        key = tuple(id(states) for _, states, *_ in log)
+        got = self._routing_plans.get(key)
+        if got is not None and all(a is b for a, (_, b, *_) in zip(got[0], log)):
+            return got[1]
+        groups: dict = {}
+        for layer, states, *_ in log:
+            for state in states:
+                b = self._row_of(state, layer)
+                if b is None:
+                    return None
+                g = groups.setdefault(id(b), (b, []))
+                if layer in g[1]:
+                    return None
+                g[1].append(layer)
+        plan = [(b, np.array(layers, np.intp)) for b, layers in groups.values()]
+        if len(self._routing_plans) >= 16:
+            self._routing_plans.clear()
+        self._routing_plans[key] = ([states for _, states, *_ in log], plan)
+        return plan
 
     # --- what DeviceBackend.token_step needs to capture a step and replay it
 
@@ -794,6 +878,7 @@ class DeviceBackend(CpuBackend):
         self._vgraphs: dict = {}
         self._verify_bufs: dict = {}
         self._address_lists: dict = {}  # `_addresses`: (ids of the arrays) -> (their addresses on the device, the arrays)
+        self._copy_graphs: dict = {}  # `copy_arrays`: (ids of the arrays) -> [the arrays, their copies' graph or None]
         self.verify_graphs = VERIFY_GRAPHS  # verify_step may capture and replay (VERIFY_GRAPHS)
         self.stream_retaken = 0  # steps that found another stream current (CupyRuntime.retake_stream)
         self._rows_pick = None  # pick_rows' (rows, banned ids, device picks [rows, 3], their pinned mirror, ids on the device)
@@ -1909,6 +1994,42 @@ class DeviceBackend(CpuBackend):
         finally:
             self._verify_at = None
 
+    def copy_arrays(self, pairs: list) -> None:
+        """dst <- src for each (src, dst) pair of device arrays, queued on the stream: a rollback's
+        states (engine/speculative.py's roll_back: every Gated DeltaNet layer's conv and S from a
+        snapshot). Where verify_step captures, the same pairs' copies are captured at their second
+        use and replayed after: one graph launch for them all. One CuPy copy a pair cost ~8 us of
+        the host's time each, ~150 us a rollback of the demo qwen35moe's 8 layers on an H100
+        (2026-12-05, cProfile), beside a verify whose graph ran 0.86 ms."""
+        rt = self.rt
+        arrays = [a for pair in pairs for a in pair]
+        if not (self.verify_graphs and hasattr(rt, "begin_capture") and rt.capturable()):
+            for src, dst in pairs:
+                dst[...] = src
+            return
+        self.stream_retaken += rt.retake_stream()
+        key = tuple(id(a) for a in arrays)
+        got = self._copy_graphs.get(key)
+        if got is not None and any(x is not y for x, y in zip(got[0], arrays)):
+            got = None  # (other arrays at the same addresses)
+        if got is None or got[1] is None:
+            if got is not None:  # the second use: captured, then run
+                rt.begin_capture()
+                try:
+                    for src, dst in pairs:
+                        dst[...] = src
+                finally:
+                    got[1] = rt.end_capture()
+                rt.replay(got[1])
+                return
+            for src, dst in pairs:  # the first: eagerly
+                dst[...] = src
+            if len(self._copy_graphs) >= COPY_GRAPHS:
+                self._copy_graphs.clear()
+            self._copy_graphs[key] = [arrays, None]
+            return
+        rt.replay(got[1])
+
     def _pick_next_into(self, run, banned: np.ndarray, last: int, ple: bool = False):
         """run, then the run-ahead's tail (`_pick_next`; with `ple`, `_ple_next`): a token step's whole work."""
         def body(logits):
@@ -2039,6 +2160,33 @@ class DeviceBackend(CpuBackend):
         self._launch("dev_embd_rows", ids.size * n, (table, np.int64(row_bytes), tok, np.int32(ids.size), np.int32(type_id),
                                                      np.int32(n), out))
         return out
+
+    def verify_embed(self, ids: np.ndarray, n: int):
+        """A verify's embedding rows gathered on the device inside its forward: the ids staged up to a
+        fixed buffer now, and -> (the rows' fixed buffer [T, n], the launch that gathers them there,
+        dev_embd_rows: the reference decoder's bits), or None where the table is not on the device
+        (the host decodes them: `stage_rows`). A captured verify replays the gather, reading the ids
+        staged before it. Decoded on the host the rows of a verify of 3 cost ~0.2 ms of the host's
+        time each verify on an H100 (demo qwen35moe, 2026-12-05, cProfile)."""
+        t = self.embd_table
+        if t is None or t[1] not in EMBD_ROW_TYPES:
+            return None
+        table, type_id, row_bytes, rows = t
+        T = ids.size
+        if T and not (0 <= ids.min() and ids.max() < rows):
+            raise IndexError(f"token ids {ids.min()}..{ids.max()}: the embedding has {rows} rows")
+        key = ("ids", T)
+        tok = self._verify_bufs.get(key)
+        if tok is None:
+            tok = self._verify_bufs[key] = self.rt.empty((T,), np.int32)
+        self._stage(tok, ids)
+        out = self._row_buf((T, n))
+
+        def gather():
+            self._launch("dev_embd_rows", T * n, (table, np.int64(row_bytes), tok, np.int32(T), np.int32(type_id),
+                                                  np.int32(n), out))
+
+        return out, gather
 
     def ple_rows(self, ids: np.ndarray, row_dim: int):
         """A prompt chunk's PLE rows [K, row_dim] of table rows `ids` (int64 [K], the host's hash),
