@@ -72,6 +72,7 @@ class Snapshot:
                        for st in session.states]
         self.ple_states = {l: copy.deepcopy(st) for l, st in session.ple_states.items()}
         self.routing = np.empty_like(session.routing)
+        self.backend = backend
 
     @property
     def nbytes(self) -> int:
@@ -87,11 +88,18 @@ def roll_back(session: Session, snap: Snapshot | None, pos: int) -> None:
     if not 0 <= pos < session.pos or snap is None:
         raise ValueError(f"roll_back to position {pos}: the session is at {session.pos} (a snapshot is needed "
                          "to go back)")
+    copy = getattr(snap.backend, "copy_arrays", None)  # the device step: the copies in one graph's replay
+    pairs = []
     for st, saved in zip(session.states, snap.states):
         if saved is not None:
-            copy_state(saved, st)
+            if copy is not None and isinstance(saved, dict):
+                pairs += [(saved[k], st[k]) for k in saved]
+            else:
+                copy_state(saved, st)
         elif isinstance(st, QSACache):
             st.truncate(pos)
+    if pairs:
+        copy(pairs)
     for l, st in session.ple_states.items():
         snap.ple_states[l].copy_to(st)
     np.copyto(session.routing, snap.routing)
