@@ -647,7 +647,11 @@ class Model:
         T = len(flat)
         n_h = 0 if hidden is None else hidden.shape[0]
         need = max(n_h, n_logits)
-        rows = be.stage_rows(np.concatenate([self._embd_row(t) for t in flat]))
+        # the rows gathered on the device from the staged ids where the table is there, in the forward
+        got = be.verify_embed(ids, g.n_embd) if hasattr(be, "verify_embed") else None
+        if got is None:
+            got = be.stage_rows(np.concatenate([self._embd_row(t) for t in flat])), None
+        rows, gather = got
         vl = be.verify_logits
         if n_logits:
             vl = vl[:n_logits] if vl is not None and vl.shape[0] >= n_logits else be.verify_buf("logits", (n_logits, g.n_vocab))
@@ -656,6 +660,8 @@ class Model:
             be.pick_rows_ready(n_logits, pick)
 
         def run():
+            if gather is not None:
+                gather()
             H = r.embed(rows, None)
             self._layers(be, H, ids, parts)
             be.boundary("head")
