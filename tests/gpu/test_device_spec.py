@@ -561,6 +561,22 @@ class _StandInGraphs(EmuRuntime):
         return contextlib.nullcontext()
 
 
+@contextlib.contextmanager
+def stand_in_graphs(model, spec=2):
+    """The tier (--spec `spec`) on the stand-in graphs' runtime, the verify's capture on -> (that
+    runtime, the tier)."""
+    from strata.engine.kernels import gpu
+
+    rt = _StandInGraphs()
+    before = gpu.use_runtime(rt)
+    try:
+        with device_tier(model, spec=spec) as tier:
+            model.backend.verify_graphs = True
+            yield rt, tier
+    finally:
+        gpu.use_runtime(before)
+
+
 def test_verify_step_captures_each_kind_once_and_keeps_live_sessions_only(model):
     import gc
 
@@ -602,28 +618,102 @@ def test_verify_step_captures_each_kind_once_and_keeps_live_sessions_only(model)
         gpu.use_runtime(before)
 
 
+def test_a_rollbacks_copies_are_run_then_captured_then_replayed(model):
+    """roll_back on the device step copies a snapshot's states through DeviceBackend.copy_arrays: the
+    first rollback from a snapshot copies eagerly, the second is captured and its graph launched (the
+    stand-in runs the copies as they are queued), later ones replay that one graph (stand-in graphs:
+    the bookkeeping; the card's greedy tests roll back through real ones). With the capture off every
+    copy is made."""
+    with stand_in_graphs(model) as (rt, tier):
+        be = model.backend
+        s = model.new_session(CTX)
+        snap = tier.snapshots[0]
+        gdn = [(st, sv) for st, sv in zip(s.states, snap.states) if sv is not None]
+        assert gdn, "the test model has a Gated DeltaNet layer"
+        for i in range(4):
+            for _, sv in gdn:
+                for a in sv.values():
+                    a[...] = i + 1
+            s.pos = 3
+            roll_back(s, snap, 2)
+            copied = all(bool((st[k] == i + 1).all()) for st, sv in gdn for k in sv)
+            # eager; captured (the stand-in ran its copies) and its graph launched; then replayed
+            # (the stand-in's replay copies nothing)
+            assert copied == (i < 2) and rt.replays == i, (i, copied, rt.replays)
+        be.verify_graphs = False
+        for _, sv in gdn:
+            for a in sv.values():
+                a[...] = 7
+        s.pos = 3
+        roll_back(s, snap, 2)
+        assert all(bool((st[k] == 7).all()) for st, sv in gdn for k in sv) and rt.replays == 3
+
+
+def _rows_log(R, snaps, T, L):
+    from strata.engine.batch import Seq
+
+    return [(l, j, Seq(R[l], j, j + 1, j, snaps[j][l] if j < len(snaps) else None)) for l in range(L) for j in range(T)]
+
+
+def test_a_verifys_counts_settled_a_row_at_once_are_the_entry_by_entry_ones():
+    """DeviceExperts settles a verify's rows' routing counts one add a row (`_rows_plan`, kept for a
+    replayed verify's entries) and a token step's one add a session (`_routing_plan`): the same
+    counts and snapshot copies as entry by entry (each row's counts, then its snapshot's copy);
+    counts that are no row of an [n_layer, n_expert] array go entry by entry."""
+    from strata.engine.batch import Seq, keep
+    from strata.engine.tier.device import DeviceExperts as D
+
+    L, E, T, k = 4, 16, 3, 3
+    rng = np.random.default_rng(1)
+    ex = types.SimpleNamespace(_rows_plans={}, _routing_plans={}, _row_of=D._row_of)
+    ex._routing_plan = lambda log: D._routing_plan(ex, log)
+    R, R2 = np.zeros((L, E), np.int64), np.zeros((L, E), np.int64)
+    snaps, snaps2 = [np.zeros((L, E), np.int64) for _ in range(T - 1)], [np.zeros((L, E), np.int64) for _ in range(T - 1)]
+    log, log2 = _rows_log(R, snaps, T, L), _rows_log(R2, snaps2, T, L)
+    for _ in range(2):  # the second time from the kept plan
+        ids = np.stack([np.stack([rng.choice(E, k, replace=False) for _ in range(L)]) for _ in range(T)]).astype(np.int32)
+        plan = D._rows_plan(ex, log)
+        assert plan is not None and [row for row, *_ in plan] == list(range(T))
+        for row, counts, layers, saved in plan:
+            counts[layers[:, None], ids[row, layers]] += 1
+            if saved is not None:
+                saved[layers] = counts[layers]
+        for layer, row, r in log2:
+            r.state[ids[row, layer]] += 1
+            keep(r)
+    assert len(ex._rows_plans) == 1 and np.array_equal(R, R2) and R.sum() == 2 * T * L * k
+    assert all(np.array_equal(a, b) for a, b in zip(snaps, snaps2))
+    alone = [(0, 0, Seq(np.zeros(E, np.int64), 0, 1, 0, None))]
+    assert D._rows_plan(ex, alone) is None  # (not a row of a 2-D array)
+    # the token step's: one session's layers in one add
+    step_log = [(l, (R[l],), 0, 0, True) for l in range(L)]
+    before = R.copy()
+    ids = np.stack([rng.choice(E, k, replace=False) for _ in range(L)]).astype(np.int32)
+    D._add_routing(ex, step_log, ids)
+    for l in range(L):
+        before[l][ids[l]] += 1
+    assert np.array_equal(R, before) and len(ex._routing_plans) == 1
+    twice = [(0, (R[0],), 0, 0, True), (0, (R[0],), 0, 0, True)]  # a layer twice: one add would count it once
+    assert D._routing_plan(ex, twice) is None
+    D._add_routing(ex, twice, ids)
+    before[0][ids[0]] += 2
+    assert np.array_equal(R, before)
+
+
 def test_repeated_verifies_of_one_kind_are_captured_once_and_replayed(model):
     """Model.forward's verify names its kind by what its graph would hold (the row count, the head's
     rows, the snapshots, the buffers' addresses): greedy verifies of 1 + 2 rows with the tier's
     snapshots, one after another, are one kind, eager, then captured, then replayed (stand-in
     graphs: bookkeeping only, the card runs real ones)."""
-    from strata.engine.kernels import gpu
-
-    rt = _StandInGraphs()
-    before = gpu.use_runtime(rt)
-    try:
-        with device_tier(model, spec=2) as tier:
-            be = model.backend
-            be.verify_graphs = True
-            s = model.new_session(CTX)
-            model.forward(s, prompt_for(model)[:5], n_logits=0)  # (three verifies of 3 rows after it fit CTX)
-            ban = np.zeros(0, np.int32)
-            for toks in ([5, 9, 13], [21, 34, 55], [89, 144, 233]):
-                model.forward(s, toks, n_logits=3, saved=tier.snapshots, pick=ban)
-            kinds = [g for k, g in be._vgraphs.items() if k[0] == id(s)]
-            assert len(kinds) == 1 and kinds[0].get("replays") == 1, [(k[1:3], g and g.get("replays")) for k, g in be._vgraphs.items()]
-    finally:
-        gpu.use_runtime(before)
+    with stand_in_graphs(model) as (_, tier):
+        be = model.backend
+        s = model.new_session(CTX)
+        model.forward(s, prompt_for(model)[:5], n_logits=0)  # (three verifies of 3 rows after it fit CTX)
+        ban = np.zeros(0, np.int32)
+        for toks in ([5, 9, 13], [21, 34, 55], [89, 144, 233]):
+            model.forward(s, toks, n_logits=3, saved=tier.snapshots, pick=ban)
+        kinds = [g for k, g in be._vgraphs.items() if k[0] == id(s)]
+        assert len(kinds) == 1 and kinds[0].get("replays") == 1, [(k[1:3], g and g.get("replays")) for k, g in be._vgraphs.items()]
 
 
 def test_the_device_heads_draft_steps_are_captured_once_and_replayed(model):
