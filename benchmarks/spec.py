@@ -12,7 +12,10 @@ token step, and the decode speed-up of --spec N against --spec 0 in the same pro
    are right with probability 0.43 (the published MTP acceptance on this model), 0.7 and 1 (the
    oracle), interleaved round by round; the speed-up of each run is its decode tok/s over the same
    round's --spec 0 run, reported as median and best over the rounds, with the acceptance the run
-   actually had. Every spec run's tokens are checked equal to --spec 0's.
+   actually had. Every spec run's tokens are checked equal to --spec 0's. A second table splits
+   each run's decode time: its forwards' median (a verify in the run, against --spec 0's token
+   step), its first two forwards (eager, then captured on the device step: a session's warm-up) and
+   the host's work between forwards.
 2. The real MTP head (qwen4exp has no MTP layout in llama.cpp's converter): a qwen35moe synth of
    --mtp-preset carrying the block (strata-pack synth --mtp, under --work): a draft step's cost
    against a token step, and --spec 2 with the head against --spec 0. The synthetic weights are
@@ -122,32 +125,61 @@ def verify_cost(model, n_prompt: int, rounds: int, rng, launches: dict | None = 
     return out
 
 
-def decode_runs(model, prompt, n_tokens: int, rounds: int, configs) -> tuple[list, dict]:
+def timed(run) -> list:
+    """`run`'s forwards timed as drive calls them: -> the list their wall seconds go to, in order
+    (the first is the prompt's: it fits one chunk here)."""
+    times, forward = [], run.forward
+
+    def f(model, tokens, n_logits):
+        t0 = time.perf_counter()
+        out = forward(model, tokens, n_logits)
+        times.append(time.perf_counter() - t0)
+        return out
+
+    run.forward = f
+    return times
+
+
+def split(gen, times: list) -> tuple:
+    """A run's decode time in parts, ms: (its forwards after the prompt, their median, the first two
+    of them together (a session's first forward of a kind runs eagerly, its second is captured on
+    the device step), the rest of the decode time a forward: the host's work between them)."""
+    fw = times[1:]
+    return (len(fw), statistics.median(fw) * 1e3, sum(fw[:2]) * 1e3, (gen.decode_s - sum(fw)) / max(len(fw), 1) * 1e3)
+
+
+def decode_runs(model, prompt, n_tokens: int, rounds: int, configs) -> tuple[list, dict, dict]:
     """Interleaved greedy runs: per round --spec 0, then each (N, p) config. -> (the --spec 0 runs'
-    Generations, {(N, p): [(speed-up against the round's --spec 0, acceptance, tokens/verification)]})."""
-    from strata.engine.generate import drive, generate
+    Generations, {(N, p): [(speed-up against the round's --spec 0, acceptance, tokens/verification)]},
+    {0 or (N, p): [`split` of each round's run]})."""
+    from strata.engine.generate import Run, drive
     from strata.engine.sampling import Sampler, SamplerParams
     from strata.engine.speculative import ReferenceDrafter, SpecRun
 
     V, greedy = model.geometry.n_vocab, SamplerParams(temperature=0)
     ctx = len(prompt) + n_tokens
-    plains, res = [], {c: [] for c in configs}
+    plains, res, parts = [], {c: [] for c in configs}, {c: [] for c in [0, *configs]}
     reference = None
     for r in range(rounds):
-        plain = generate(model, model.new_session(ctx), prompt, Sampler(V, greedy), n_tokens, prefill=64)
+        run = Run(model.new_session(ctx), prompt, Sampler(V, greedy), n_tokens, prefill=64)
+        times = timed(run)
+        plain = drive(model, run)
         plains.append(plain)
+        parts[0].append(split(plain, times))
         if reference is None:
             reference = np.concatenate([plain.prompt, plain.tokens])
         for n, p in configs:
             run = SpecRun(model, model.new_session(ctx), prompt, Sampler(V, greedy), n_tokens,
                           drafter=ReferenceDrafter(reference, V, p, seed=r), n_draft=n, prefill=64)
+            times = timed(run)
             out = drive(model, run)
             if out.tokens.tolist() != plain.tokens.tolist():
                 raise SystemExit(f"--spec {n} (right with p {p}) gave other tokens than --spec 0: a bug")
             st = run.stats
             res[(n, p)].append((out.decode_tps / plain.decode_tps, st.accepted.sum() / max(st.judged.sum(), 1),
                                 st.tokens_per_verification()))
-    return plains, res
+            parts[(n, p)].append(split(out, times))
+    return plains, res, parts
 
 
 def device_tier(model, max_context: int, spec: int = 0, draft: bool = False):
@@ -325,7 +357,7 @@ def _measure(a, model, tier) -> int:
         return 0
     prompt = rng.integers(3, g.n_vocab, a.prompt).tolist()
     configs = [(n, p) for p in HELD for n in (1, 2, 3)]
-    plains, res = decode_runs(model, prompt, a.tokens, a.rounds, configs)
+    plains, res, parts = decode_runs(model, prompt, a.tokens, a.rounds, configs)
     print(f"--spec 0: {statistics.median([p.decode_tps for p in plains]):.2f} tok/s median over {a.rounds} rounds "
           f"({a.tokens} tokens after a {a.prompt}-token prompt)")
     print(f"{'N':>2} {'right p':>8} {'kept/judged':>11} {'tok/verify':>10} {'expected':>8} {'speed-up median':>15} {'best':>6}")
@@ -334,6 +366,13 @@ def _measure(a, model, tier) -> int:
         print(f"{n:>2} {p:>8.2f} {statistics.median([r[1] for r in rows]):>11.3f} "
               f"{statistics.median([r[2] for r in rows]):>10.2f} {expected_tokens(p, n):>8.2f} "
               f"{statistics.median(sp):>14.2f}x {max(sp):>5.2f}x")
+    print("where a run's decode time went (medians over the rounds): its forwards after the prompt, their "
+          "median, the first two together, the rest a forward (the host between them); ms")
+    print(f"{'run':>14} {'forwards':>8} {'median':>7} {'first two':>9} {'rest':>6}")
+    for c, rows in parts.items():
+        name = "--spec 0" if c == 0 else f"N {c[0]}, p {c[1]:.2f}"
+        print(f"{name:>14} " + " ".join(f"{statistics.median([r[i] for r in rows]):{w}.{d}f}"
+                                       for i, w, d in ((0, 8, 0), (1, 7, 3), (2, 9, 2), (3, 6, 3))))
     at = statistics.median([r[0] for r in res[(2, 0.43)]])
     print(f"target >= {TARGET}x at acceptance 0.43, N = 2: {'MET' if at >= TARGET else 'MISSED'} ({at:.2f}x median)")
     return 0

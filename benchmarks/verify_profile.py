@@ -7,8 +7,11 @@ step's, beside their wall times; and a draft step of the MTP head on the device 
 On an H100 (2026-12-05, seed-4l) a captured verify of 1 + 2 rows cost 3.9 ms where the token step
 took 1.1; this profile's per-kernel table put it on the rows' dense products (mmq), which now take
 the few-row kernel (STRATA_MVF_TOKENS=1 puts them back): 1.66 token steps. Its split of one forward
-says where the wall beyond the graph's device time goes. Needs a CUDA GPU. Ratios only against
-this run.
+says where the wall beyond the graph's device time goes (before the graph, after it), and its host
+table which functions make it (cProfile over many forwards: a token step, a verify of 1 + 2 rows,
+and one followed by the rollback of a rejected draft): on the H100 the verify's routing counts
+settled entry by entry, its rows decoded on the host and a rollback's copies one call each, all
+cut since. Needs a CUDA GPU. Ratios only against this run.
 """
 
 from __future__ import annotations
@@ -90,6 +93,36 @@ def split_table(be, rt, cp, step, verify, rounds: int) -> str:
     return "\n".join(lines)
 
 
+def host_table(fns, rounds: int, top: int) -> str:
+    """The host's own time in each forward (cProfile over `rounds` replayed forwards of each; tottime,
+    us a forward): which Python functions and which CuPy / driver calls the wall beyond the graph is
+    made of. cProfile adds ~1 us a Python call: a ranking, not a budget."""
+    import cProfile
+    import pstats
+
+    cols, names = [], []
+    for name, fn in fns:
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(rounds):
+            fn()
+        prof.disable()
+        st = pstats.Stats(prof).stats  # {(file, line, func): (cc, nc, tottime, cumtime, callers)}
+        per = {}
+        for (f, line, func), (_, nc, tt, _, _) in st.items():
+            key = f"{Path(f).name}:{line}({func})" if f != "~" else func
+            per[key] = (tt / rounds * 1e6, nc / rounds)
+        cols.append(per)
+        names.append(name)
+    keys = sorted(set().union(*cols), key=lambda k: -max(c.get(k, (0, 0))[0] for c in cols))[:top]
+    lines = ["", f"host time by function (cProfile tottime, us a forward, calls a forward; {rounds} forwards each)",
+             f"{'function':>56}" + "".join(f" {n + ' us':>15} {'n':>5}" for n in names)]
+    for k in keys:
+        lines.append(f"{k[-56:]:>56}" + "".join(f" {c.get(k, (0, 0))[0]:15.1f} {c.get(k, (0, 0))[1]:5.1f}" for c in cols))
+    lines.append(f"{'all':>56}" + "".join(f" {sum(v[0] for v in c.values()):15.1f} {'':>5}" for c in cols))
+    return "\n".join(lines)
+
+
 def kernel_table(be, rt, cp, step, verify, top: int) -> str:
     """Each kernel's device time in an eager token step and an eager verify of 1 + 2 rows: a CUDA
     event before and after every launch (rt.launch, cuBLAS's gemm_f16), summed by kernel name, the
@@ -163,6 +196,7 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=20)
     ap.add_argument("--threads", type=int, default=8)
     ap.add_argument("--kernels", type=int, default=14, help="the per-kernel table's rows (0: none)")
+    ap.add_argument("--host", type=int, default=24, help="the host-time table's rows (0: none)")
     a = ap.parse_args(argv)
 
     from strata.engine.kernels import cpu, gpu
@@ -174,7 +208,7 @@ def main(argv=None) -> int:
     from strata.engine.model import Model
     from strata.engine.mtp import MTPHead
     from strata.engine.pack_reader import Pack
-    from strata.engine.speculative import Snapshot
+    from strata.engine.speculative import Snapshot, roll_back
     from strata.engine.tier import GpuTier, TierOptions
 
     cpu.set_threads(a.threads)
@@ -224,6 +258,13 @@ def main(argv=None) -> int:
             print(f"{name:>14} {wall:8.3f} {dev:9.3f} {wall / rows[0][1]:8.2f}x")
         if cp is not None:
             print(split_table(be, rt, cp, step, verify, a.rounds))
+        if a.host:
+            def verify_back():  # a verify of 1+2 rows whose first draft is rejected: the rollback of --spec
+                verify(3)
+                roll_back(s, snaps[0], s.pos - 2)
+
+            print(host_table([("step", step), ("verify 1+2", lambda: verify(3)), ("+ roll back", verify_back)],
+                             max(a.rounds, 50), a.host))
         if cp is not None and a.kernels:
             print(kernel_table(be, rt, cp, step, verify, a.kernels))
         if model.draft_head is not None:
