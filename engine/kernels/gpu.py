@@ -473,7 +473,7 @@ def _names(t: GGMLType) -> list[str]:
     if t.quantized:
         wide = [f"mv<{t.id}, {k}, 1>" for k in KPLS] if is_wide(t) else []
         grouped = [f"mvx<{t.id}, {k}>" for k in KPLS] + [f"mvm<{t.id}, {k}>" for k in KPLS]
-        batched = [f"deq_h<{t.id}>", f"mvf<{t.id}>", f"mm<{t.id}>", f"mmx<{t.id}>", f"mmq<{t.id}>", f"mmqx<{t.id}>", f"mmqw<{t.id}>", f"mmqk<{t.id}>", f"mmt<{t.id}>"]
+        batched = [f"deq_h<{t.id}>", f"mvf<{t.id}>", f"mvfm<{t.id}>", f"mm<{t.id}>", f"mmx<{t.id}>", f"mmq<{t.id}>", f"mmqx<{t.id}>", f"mmqw<{t.id}>", f"mmqk<{t.id}>", f"mmt<{t.id}>"]
         return [f"mv<{t.id}, {k}>" for k in KPLS] + wide + grouped + batched + [f"traits<{t.id}>"]
     kind = _FLOAT_KIND[t.name]
     return [f"fmv<{kind}>", f"fmvm<{kind}>", f"fmm<{kind}>"] + [f"fmt<{kind}, {r}, {c}>" for r in FMT_SIDES for c in FMT_SIDES]
@@ -1010,7 +1010,13 @@ def matvec_into(w: GpuWeight, act, out) -> None:
     runtime().launch(mod, name, grid, block, args + extra, smem)
 
 
-MANY = 4  # most matrices of one mvm / fmvm launch (gpu_kernels.cu)
+MANY = 4  # most matrices of one mvm / fmvm / mvfm launch (gpu_kernels.cu)
+
+
+def _groupable(ws: list, act) -> bool:
+    # 2 to MANY weights of one type and one n_in, and the activation form that type reads (not the wide one)
+    return (1 < len(ws) <= MANY and not isinstance(act, GpuActQ16) and len({w.type_id for w in ws}) == 1
+            and ws[0].type.quantized == isinstance(act, GpuActQ) and len({w.n_in for w in ws}) == 1)
 
 
 def matvec_many(ws: list, act, outs: list) -> bool:
@@ -1019,20 +1025,13 @@ def matvec_many(ws: list, act, outs: list) -> bool:
     n_in, or device f32 [n_in]), outs (device f32 [n_out] each). Each matrix keeps its own mv
     launch's rows a warp step, so every row has matvec's bits. False (nothing launched) where
     matvec would not take mv (the wide form, rows longer than mv holds): the caller launches each."""
-    if not 1 < len(ws) <= MANY or isinstance(act, GpuActQ16) or len({w.type_id for w in ws}) != 1:
+    if not _groupable(ws, act):
         return False
     rt, t = runtime(), ws[0].type
-    if t.quantized != isinstance(act, GpuActQ) or len({w.n_in for w in ws}) != 1:
-        return False
     if not t.quantized:
-        mod, name, _, block, _, _ = _float_plan(t.id, ws[0].n_in, ws[0].n_out, 1)
+        mod, name, _, _, _, _ = _float_plan(t.id, ws[0].n_in, ws[0].n_out, 1)
         nw = max(_warps(0, w.n_out, rt.n_sm) for w in ws)
-        table = ()
-        for w, out in zip(ws, outs):
-            table += (w.values, out, np.int32(w.n_out), np.int32(_grid(rt, w.n_out, nw)))
-        grid = sum(int(g) for g in table[3::4])
-        table += (ws[0].values, outs[0], np.int32(0), np.int32(0)) * (MANY - len(ws))
-        rt.launch(mod, "fmvm" + name[3:], grid, 32 * nw, (act, np.int32(ws[0].n_in)) + table)
+        _fmvm(rt, mod, name, nw, ws, act, outs, 1)
         return True
     plans = [_quant_plan(w.type_id, w.n_in, w.n_out, 1) for w in ws]
     if not all(p[1].startswith("mv<") for p in plans):
@@ -1108,6 +1107,55 @@ def grouped_products(type_id: int, n_in: int, n_out: int, tiles, n_tiles: int, a
     args = (tiles, np.int32(grid), act.q, act.d, act.s16, null if xrow is None else xrow, null if orow is None else orow, out, np.int32(n_out), np.int32(n_in // QA),
             np.int32(MAX_TOKENS), tab)
     runtime().launch(mod, name, grid * n_tiles, block, args, smem)
+
+
+def _fmvm(rt, mod, name: str, nw: int, ws: list, act, outs: list, n_tok: int) -> None:
+    """fmvm of ws (one float type, at most MANY) on n_tok rows of act: nw warps a block, each
+    matrix's blocks a token as fmv's launch of it would take them (fmv's bits)."""
+    table = ()
+    for w, out in zip(ws, outs):
+        table += (w.values, out, np.int32(w.n_out), np.int32(_grid(rt, w.n_out, nw)))
+    grid = n_tok * sum(int(g) for g in table[3::4])
+    table += (ws[0].values, outs[0], np.int32(0), np.int32(0)) * (MANY - len(ws))
+    rt.launch(mod, "fmvm" + name[3:], grid, 32 * nw, (act, np.int32(ws[0].n_in), np.int32(n_tok)) + table)
+
+
+def matmul_many(ws: list, act, outs: list) -> bool:
+    """`matmul` of several weights of ONE type on the same input of 2 to MVF_TOKENS rows (a
+    verify's), in one launch, as matvec_many is for one token: mvfm (each matrix mvf's launch of it,
+    so mvf's bits) or, for the float types, fmvm over the rows (fmv's bits, which fmt's and fmm's
+    are). ws (GpuWeights, at most MANY), act (a GpuActQ [T, n_in], or device f32 [T, n_in]), outs
+    (device f32 [T, n_out] each). False (nothing launched) where matmul would not take mvf (the
+    wide form, more rows): the caller launches each."""
+    if not _groupable(ws, act):
+        return False
+    rt, t = runtime(), ws[0].type
+    n_tok = act.q.shape[0] if t.quantized else act.shape[0]
+    if not 1 < n_tok <= MVF_TOKENS:
+        return False
+    if not t.quantized:
+        mod, name, _, _, _, _ = _float_plan(t.id, ws[0].n_in, ws[0].n_out, 1)
+        nw = max(_warps(0, w.n_out, rt.n_sm) for w in ws)
+        _fmvm(rt, mod, name, nw, ws, act, outs, n_tok)
+        return True
+    plans = [_quant_plan(w.type_id, w.n_in, w.n_out, n_tok) for w in ws]
+    if not all(p[1].startswith("mvf<") for p in plans):
+        return False
+    # one block shape for all: the widest plan's warps; the grid copy in shared memory only where
+    # every plan takes it (else each reads it from global memory: the same table, the same bits)
+    m, block = _module(t.name), max(p[3] for p in plans)
+    tab = min(int(p[5][1]) for p in plans)
+    per_sm = 8 if tab else 32
+    table = ()
+    for w, out in zip(ws, outs):
+        scales = w.scales if w.scales is not None else w.rest
+        table += (w.rest, scales, out, np.int32(w.n_out), np.int32(_grid(rt, w.n_out, block // 32, per_sm)))
+    grid = sum(int(g) for g in table[4::5])
+    w0 = ws[0]
+    table += (w0.rest, w0.scales if w0.scales is not None else w0.rest, outs[0], np.int32(0), np.int32(0)) * (MANY - len(ws))
+    args = (act.q, act.d, act.s16, np.int32(w0.n_in // QA), np.int32(n_tok), np.int32(tab))
+    rt.launch(plans[0][0], "mvfm" + plans[0][1][3:], grid, block, args + table, m.tab if tab else 0)
+    return True
 
 
 def matmul(w: GpuWeight, act, out=None, planes_out=None):

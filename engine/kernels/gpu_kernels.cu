@@ -873,19 +873,19 @@ __global__ void __launch_bounds__(256) mvm(const i8* __restrict__ xq, const floa
 //   xq i8 [ntok, nb * 32]; xd f32 [ntok, nb]; xs i32 [ntok, 2 nb]; out f32 [ntok, n_out]
 #define MVF_TOKENS 8
 
+// (mvf_body: the kernel's work for thread block bx of gx, the grid copy `tab` loaded; mvf runs it as
+// blockIdx.x of gridDim.x, mvfm as one of the blocks given to one matrix)
 template <int T>
-__global__ void __launch_bounds__(256) mvf(const u8* __restrict__ rest, const float* __restrict__ scales,
-                                           const i8* __restrict__ xq, const float* __restrict__ xd,
-                                           const i32* __restrict__ xs, float* __restrict__ out, int n_out, int nb,
-                                           int ntok, int shared_tab) {
+__device__ __forceinline__ void mvf_body(const u8* __restrict__ rest, const float* __restrict__ scales,
+                                         const i8* __restrict__ xq, const float* __restrict__ xd,
+                                         const i32* __restrict__ xs, float* __restrict__ out, int n_out, int nb,
+                                         int ntok, const typename Ty<T>::Tab* tab, int bx, int gx) {
     typedef Ty<T> L;
     constexpr bool S16 = L::HAS_MIN || L::OFF != 0;
-    STRATA_SMEM(smem);
-    const typename L::Tab* tab = load_tab<T>(smem, shared_tab);
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
     const int nblk = nb / L::APB;
     // (a plane starts 16-byte aligned, so a block's address has the alignment mv's staged copy gives it)
-    for (i64 o = (i64)blockIdx.x * nw + warp; o < n_out; o += (i64)gridDim.x * nw) {
+    for (i64 o = (i64)bx * nw + warp; o < n_out; o += (i64)gx * nw) {
         const u8* Rb = rest + o * nblk * L::REST;
         const float* Sb = scales + o * nblk * L::NS;
         float acc[MVF_TOKENS];
@@ -913,6 +913,41 @@ __global__ void __launch_bounds__(256) mvf(const u8* __restrict__ rest, const fl
             }
         }
     }
+}
+
+template <int T>
+__global__ void __launch_bounds__(256) mvf(const u8* __restrict__ rest, const float* __restrict__ scales,
+                                           const i8* __restrict__ xq, const float* __restrict__ xd,
+                                           const i32* __restrict__ xs, float* __restrict__ out, int n_out, int nb,
+                                           int ntok, int shared_tab) {
+    STRATA_SMEM(smem);
+    const typename Ty<T>::Tab* tab = load_tab<T>(smem, shared_tab);
+    mvf_body<T>(rest, scales, xq, xd, xs, out, n_out, nb, ntok, tab, blockIdx.x, gridDim.x);
+}
+
+// Up to 4 few-row products of ONE input in one launch (a verify's rows, as mvm is for one token:
+// a Gated DeltaNet layer's qkv and z, attention's q/k/v, the shared expert's up and gate): matrix j
+// (rest rj, scales sj -> oj [ntok, nj]) takes gj of the grid's blocks, after those of the matrices
+// before it. Each is mvf_body on that weight alone, whose rows' arithmetic does not depend on the
+// grid: mvf's bits. (A verify of 1 + 2 rows of the demo made 34 + 17 mvf launches where the token
+// step grouped its products, ~2.5 us a graph node each, 2026-12-05.) Unused entries have gj = 0.
+template <int T>
+__global__ void __launch_bounds__(256) mvfm(const i8* __restrict__ xq, const float* __restrict__ xd,
+                                            const i32* __restrict__ xs, int nb, int ntok, int shared_tab,
+                                            const u8* r0, const float* s0, float* o0, int n0, int g0,
+                                            const u8* r1, const float* s1, float* o1, int n1, int g1,
+                                            const u8* r2, const float* s2, float* o2, int n2, int g2,
+                                            const u8* r3, const float* s3, float* o3, int n3, int g3) {
+    STRATA_SMEM(smem);
+    const typename Ty<T>::Tab* tab = load_tab<T>(smem, shared_tab);
+    int b = blockIdx.x;
+    if (b < g0) return mvf_body<T>(r0, s0, xq, xd, xs, o0, n0, nb, ntok, tab, b, g0);
+    b -= g0;
+    if (b < g1) return mvf_body<T>(r1, s1, xq, xd, xs, o1, n1, nb, ntok, tab, b, g1);
+    b -= g1;
+    if (b < g2) return mvf_body<T>(r2, s2, xq, xd, xs, o2, n2, nb, ntok, tab, b, g2);
+    b -= g2;
+    if (b < g3) mvf_body<T>(r3, s3, xq, xd, xs, o3, n3, nb, ntok, tab, b, g3);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1798,21 +1833,27 @@ __global__ void __launch_bounds__(256) fmv(const void* __restrict__ w, const flo
     fmv_rows<WT>(w, x, out, n_out, n_in, blockIdx.x, gridDim.x);
 }
 
-// fmv of up to 4 matrices of one input in one launch (mvm's table: matrix j, weights wj -> oj [nj],
-// takes gj blocks; a router and the shared expert's gate logit, a Gated DeltaNet's beta and alpha):
-// each row fmv's bits.
+// fmv of up to 4 matrices of one input in one launch (mvm's table: matrix j, weights wj -> oj
+// [ntok, nj], takes gj blocks a token; a router and the shared expert's gate logit, a Gated
+// DeltaNet's beta and alpha), for ntok rows x [ntok, n_in] (a token step's one, a verify's few:
+// fmt's and fmm's bits are fmv's): each row fmv's bits.
 template <int WT>
-__global__ void __launch_bounds__(256) fmvm(const float* __restrict__ x, int n_in,
+__global__ void __launch_bounds__(256) fmvm(const float* __restrict__ x, int n_in, int ntok,
                                             const void* w0, float* o0, int n0, int g0, const void* w1, float* o1, int n1, int g1,
                                             const void* w2, float* o2, int n2, int g2, const void* w3, float* o3, int n3, int g3) {
+    const void* const w[4] = {w0, w1, w2, w3};
+    float* const o[4] = {o0, o1, o2, o3};
+    const int n[4] = {n0, n1, n2, n3}, g[4] = {g0, g1, g2, g3};
     int b = blockIdx.x;
-    if (b < g0) return fmv_rows<WT>(w0, x, o0, n0, n_in, b, g0);
-    b -= g0;
-    if (b < g1) return fmv_rows<WT>(w1, x, o1, n1, n_in, b, g1);
-    b -= g1;
-    if (b < g2) return fmv_rows<WT>(w2, x, o2, n2, n_in, b, g2);
-    b -= g2;
-    if (b < g3) fmv_rows<WT>(w3, x, o3, n3, n_in, b, g3);
+#pragma unroll
+    for (int j = 0; j < 4; j++) {
+        if (b < g[j] * ntok) {  // matrix j, token b / g[j]
+            const int t = b / g[j];
+            fmv_rows<WT>(w[j], x + (i64)t * n_in, o[j] + (i64)t * n[j], n[j], n_in, b % g[j], g[j]);
+            return;
+        }
+        b -= g[j] * ntok;
+    }
 }
 
 // fmm: T tokens. A warp takes a tile of FMM_R weight rows x FMM_T tokens, its FMM_R x FMM_T sums in

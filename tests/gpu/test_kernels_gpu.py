@@ -228,6 +228,45 @@ def test_matvec_many_gives_each_matrix_its_own_bits(rt, name, n_outs, monkeypatc
         _assert_same(rt.to_host(out), ref, f"{name} matrix {j} of {len(n_outs)} [{n_in} x {n}]")
 
 
+@pytest.mark.parametrize("name", ["Q4_K", "Q6_K", "IQ2_XXS", "F32", "BF16"])
+@pytest.mark.parametrize("n_tok", [2, 3, 8])
+def test_matmul_many_gives_each_matrix_its_own_bits(rt, name, n_tok, monkeypatch):
+    # a verify's few rows against several matrices of one input in one launch (mvfm / fmvm over the
+    # rows) against each one's reference product, row by row; rows of different counts (the shared
+    # expert's one-row gate among them), and for a grid type the shared copy
+    t = BY_NAME[name]
+    if t.name == "IQ2_XXS":
+        monkeypatch.setattr(gpu, "SHARED_TABLE_ROWS", 0)
+    n_in, n_outs = 2560, (33, 1, 96, 7)
+    rng = np.random.default_rng(t.id + n_tok)
+    raws = [random_weights(t, n_in * n, rng) for n in n_outs]
+    ws = [gpu.upload(raw, t.id, n_in, n) for raw, n in zip(raws, n_outs)]
+    x = _acts(n_in, n_tok, 11)
+    act = gpu.quantize_act_gpu(rt.to_device(x)) if t.quantized else rt.to_device(x)
+    outs = [rt.to_device(np.full((n_tok, n), np.nan, np.float32)) for n in n_outs]
+    assert gpu.matmul_many(ws, act, outs)
+    host_act = quantize_act(x) if t.quantized else x
+    for j, (raw, n, out) in enumerate(zip(raws, n_outs, outs)):
+        ref = R.dot_reference(raw, t.id, n_in, n, host_act)
+        _assert_same(rt.to_host(out), ref, f"{name} matrix {j} of {len(n_outs)} [{n_in} x {n}], {n_tok} rows")
+
+
+def test_matmul_many_refuses_what_one_launch_cannot_hold(rt, monkeypatch):
+    rng = np.random.default_rng(4)
+    q4 = BY_NAME["Q4_K"]
+    a, b = (gpu.upload(random_weights(q4, 256 * 4, rng), q4.id, 256, 4) for _ in range(2))
+    for n_tok in (1, gpu.MVF_TOKENS + 1):  # one row: matvec_many's; more than mvf takes: matmul's own launches
+        act = gpu.quantize_act_gpu(rt.to_device(_acts(256, n_tok, 1)))
+        assert not gpu.matmul_many([a, b], act, [rt.empty((n_tok, 4), np.float32) for _ in range(2)])
+    monkeypatch.setattr(gpu, "MVF_TOKENS", 1)  # STRATA_MVF_TOKENS=1: the rows take mmq, one launch each
+    gpu._plans.clear()
+    act = gpu.quantize_act_gpu(rt.to_device(_acts(256, 3, 1)))
+    try:
+        assert not gpu.matmul_many([a, b], act, [rt.empty((3, 4), np.float32) for _ in range(2)])
+    finally:
+        gpu._plans.clear()
+
+
 def test_matvec_many_refuses_what_one_launch_cannot_hold(rt):
     rng = np.random.default_rng(3)
     q4, q6 = BY_NAME["Q4_K"], BY_NAME["Q6_K"]
