@@ -193,19 +193,19 @@ class MoE:
         # experts, combine (the device step's, engine/tier/device.py); None: routed here
         out, logits, shared, y_s = None, None, None, None
         if be.experts is not None:
-            if T == 1:
+            # one-token sequences (a verify's rows): the server's token path row by row, where it
+            # has one (the device step: no round trip of the routing through the host, the token's bits)
+            rows = T > 1 and getattr(be.experts, "rows", None) is not None and isinstance(counts, list) \
+                and all(r.n == 1 for r in counts)
+            if T == 1 or rows:
                 if self.shared and getattr(be.experts, "adds_shared", False):
                     # the router and the shared expert first (their products of x grouped by type),
                     # so that the server's combine adds the shared output in its own launch
                     logits, shared = self._router_and_shared(be, x)
                     y_s = self._shared_out(be, shared)
-                out = be.experts.token(self, x, counts, logits, y_s)
+                out = (be.experts.rows if rows else be.experts.token)(self, x, counts, logits, y_s)
                 if out is not None and y_s is not None:
                     return out
-            elif getattr(be.experts, "rows", None) is not None and isinstance(counts, list) and all(r.n == 1 for r in counts):
-                # one-token sequences (a verify's rows): the server's token path row by row, where it
-                # has one (the device step: no round trip of the routing through the host, the token's bits)
-                out = be.experts.rows(self, x, counts)
             else:
                 out = be.experts.tokens(self, x, counts)
         if out is None:
@@ -239,12 +239,13 @@ class MoE:
         return out
 
     def _router_and_shared(self, be, x: Input) -> tuple:
-        """One token's router logits and the shared expert's (up, gate, gate logit): all of x."""
+        """The router logits of x's rows (one token, a verify's few) and the shared expert's (up,
+        gate, gate logit): all of x."""
         s_gate, gate, up, _ = self.shared
-        sc, Fs = be.scratch, gate.n_out
+        sc, Fs, T = be.scratch, gate.n_out, x.x.shape[0]
         logits, *shared = be.linears((self.router, up, gate, s_gate), x,
-                                     (self._router_out(be, x), sc("moe.sh_up", (1, Fs)), sc("moe.sh_gate", (1, Fs)),
-                                      sc("moe.sh_g", (1, 1))))  # fmt: skip
+                                     (self._router_out(be, x), sc("moe.sh_up", (T, Fs)), sc("moe.sh_gate", (T, Fs)),
+                                      sc("moe.sh_g", (T, 1))))  # fmt: skip
         return logits, shared
 
     def _shared_out(self, be, shared) -> tuple:

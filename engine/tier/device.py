@@ -87,6 +87,33 @@ QSA_ROWS = os.environ.get("STRATA_QSA_ROWS", "1") != "0"
 
 VERIFY_SESSIONS = 4  # sessions whose captured verify graphs DeviceBackend.verify_step keeps
 COPY_GRAPHS = 64  # rollbacks' captured copies DeviceBackend.copy_arrays keeps (a session's: one a snapshot)
+
+
+class ByIdentity:
+    """Values kept by the identities of a list of objects: a replayed forward passes the same ones
+    (its entries, states, snapshots' arrays), so what was worked out for them the first time (a
+    plan, device addresses, a captured graph) serves again. A hit only where each object IS the
+    one the value was made for: the objects are kept and compared, as an id is reused once its
+    object is gone. At most `most` values (None: no bound), all dropped when full."""
+
+    def __init__(self, most: int | None = None):
+        self.most = most
+        self._got: dict = {}
+
+    def __len__(self) -> int:
+        return len(self._got)
+
+    def get(self, objs: list):
+        got = self._got.get(tuple(map(id, objs)))
+        if got is None or len(got[0]) != len(objs) or any(a is not b for a, b in zip(got[0], objs)):
+            return None
+        return got[1]
+
+    def put(self, objs: list, value):
+        if self.most is not None and len(self._got) >= self.most:
+            self._got.clear()
+        self._got[tuple(map(id, objs))] = (list(objs), value)
+        return value
 # Whether a verify (speculative decoding) may be captured and replayed as CUDA graphs (verify_step):
 # on since tests/gpu/test_device_spec.py passed with it on a card (2026-12-05, an H100: --spec 1 and 2
 # with the oracle, the wrong and the MTP drafter give --spec 0's tokens and every state bit for bit,
@@ -281,8 +308,8 @@ class DeviceExperts:
         # forward (each row's counts added, then its snapshot's copy made: `settle`)
         self._rows_log: list[tuple[int, int, object]] = []
         self._ids_rows = None
-        self._rows_plans: dict = {}  # `_rows_plan`'s, by the identities of a captured verify's entries
-        self._routing_plans: dict = {}  # `_routing_plan`'s, by the identities of a captured step's states
+        self._rows_plans = ByIdentity(16)  # `_rows_plan`'s, by a captured verify's entries
+        self._routing_plans = ByIdentity(16)  # `_routing_plan`'s, by a captured step's states
 
     def routed(self, moe, x: Input, experts: np.ndarray, rows: np.ndarray, starts: np.ndarray):
         if self.chunk is not None and self.chunk.fits(moe, rows.size):  # grouped launches (device_chunk.py)
@@ -436,11 +463,12 @@ class DeviceExperts:
         return moe.gu.quantized and moe.d.quantized and moe.k <= 32 and moe.router.n_out <= 1024 and \
             gpu.slot_products_fit(moe.gu.id, moe.E, moe.F) and gpu.slot_products_fit(moe.d.id, moe.F, moe.E)
 
-    def rows(self, moe, x: Input, seqs: list) -> object | None:
+    def rows(self, moe, x: Input, seqs: list, logits=None, shared=None) -> object | None:
         """MoE.forward's routed sum for T one-token sequences (a verify's rows) -> device f32 [T, E]:
         `token` row by row, so each row is routed, computed and combined on the device as a token
         step does it (its bits), with no round trip of the routing through the host; None where
-        `token` does not apply."""
+        `token` does not apply. logits, shared: as `token` takes them, for the T rows ([T, X];
+        y [T, E] and the gate logits [T, 1])."""
         if not self.fits(moe):
             return None
         T = x.x.shape[0]
@@ -448,19 +476,22 @@ class DeviceExperts:
         b = self._buffers(moe)
         table = self._table(b, moe.layer)
         if bool((self._table_rows[moe.layer] >= 0).all()) and self.be.fuse_many:
-            return self._rows_resident(moe, x, seqs, table)
+            return self._rows_resident(moe, x, seqs, table, logits, shared)
         out = self.be.scratch("moe.rows", (T, moe.E))
         for i, r in enumerate(seqs):
-            out[i : i + 1] = self.token(moe, Input(x.x[i : i + 1]), [r._replace(a=0, b=1)], row=i)  # (token's buffer: copied)
+            one = slice(i, i + 1)
+            out[one] = self.token(moe, Input(x.x[one]), [r._replace(a=0, b=1)], None if logits is None else logits[one],
+                                  None if shared is None else (shared[0][one], shared[1][one]), row=i)  # (token's buffer: copied)
         return out
 
-    def _rows_resident(self, moe, x: Input, seqs: list, table):
+    def _rows_resident(self, moe, x: Input, seqs: list, table, logits=None, shared=None):
         """`rows` in a layer whose experts are all resident: the T rows' launches of one token at once,
-        each row's values the token path's (its bits): the router's product of the T rows, their
-        routing (dev_route_n: a block a row, dev_route's rule), gate and up of all T k chosen experts
-        in one mvx launch (row t's slots read x's row t), h and its ActQ in one, the downs in one, the
-        combine of every row in one (dev_combine_n). Row by row (`token` each) a verify of 3 rows made
-        3 x 8 launches a layer where this makes 7 + the router's."""
+        each row's values the token path's (its bits): the router's product of the T rows (unless
+        given), their routing (dev_route_n: a block a row, dev_route's rule), gate and up of all T k
+        chosen experts in one mvx launch (row t's slots read x's row t), h and its ActQ in one, the
+        downs in one, the combine of every row in one (dev_combine_n, with the shared experts' add
+        where MoE.forward made them first). Row by row (`token` each) a verify of 3 rows made 3 x 8 launches a
+        layer where this makes 6."""
         be, rt, slots, layer = self.be, self.rt, self.hits.slots, moe.layer
         k, E, F, X, T = moe.k, moe.E, moe.F, moe.router.n_out, x.x.shape[0]
         b = self._buf
@@ -469,7 +500,8 @@ class DeviceExperts:
             rb = b[("rows", T)] = {"w": rt.empty((T, k), F32), "slot": rt.empty((T * k,), np.int32),
                                    "gu": rt.empty((2 * T * k, F), F32), "h": rt.empty((T * k, F), F32),
                                    "hq": gpu.empty_act((T * k, F)), "rows": rt.empty((T * k, E), F32)}
-        logits = be.linear(moe.router, x, be.scratch("moe.rows_router", (T, X)))
+        if logits is None:
+            logits = be.linear(moe.router, x, be.scratch("moe.rows_router", (T, X)))
         ids = self._ids_rows[0, layer]  # (row t's at t ids_stride from it)
         block = 32 * -(-X // 32)
         smem = 512 + 4 * block + 8 * (block // 32) * k  # (dev_route's)
@@ -490,7 +522,11 @@ class DeviceExperts:
             gpu.quantize_act_gpu(rb["h"], out=rb["hq"], check=False)
         gpu.slot_products(moe.d.id, F, E, arena, sb, 2 * gu_bytes, 0, rb["slot"], T * k, T * k, rb["hq"], 1, rb["rows"])
         out = be.scratch("moe.rows", (T, E))
-        be._launch("dev_combine_n", T * E, (rb["rows"], b["miss"], rb["slot"], rb["w"], out, np.int32(k), np.int32(E), np.int32(T)))
+        y, g = (np.uint64(0),) * 2 if shared is None else shared  # (null: no shared expert's add)
+        if shared is not None and not (y.shape == (T, E) and g.shape == (T, 1) and y.flags.c_contiguous and g.flags.c_contiguous):
+            raise ValueError(f"DeviceExperts.rows: the shared expert's y {y.shape} and gate logits {g.shape} "
+                             f"must be contiguous [{T}, {E}] and [{T}, 1]")
+        be._launch("dev_combine_n", T * E, (rb["rows"], b["miss"], rb["slot"], rb["w"], out, np.int32(k), np.int32(E), np.int32(T), y, g))
         return out
 
     def rows_ready(self, T: int, k: int) -> None:
@@ -705,10 +741,10 @@ class DeviceExperts:
         settled in ~220 us of the host's time on an H100 (demo qwen35moe, 8 layers, cProfile;
         2026-12-05), beside a 0.86 ms graph. Kept by the entries' identities: a replayed verify logs
         the same entries each time."""
-        key = tuple(id(r) for _, _, r in log)
-        got = self._rows_plans.get(key)
-        if got is not None and all(a is b for a, (_, _, b) in zip(got[0], log)):
-            return got[1]
+        entries = [r for _, _, r in log]
+        got = self._rows_plans.get(entries)
+        if got is not None:
+            return got
         plan, rows = [], {}
         for layer, row, r in log:
             rows.setdefault(row, []).append((layer, r))
@@ -726,10 +762,7 @@ class DeviceExperts:
             if saved[0] is not None and any(x is not saved[0] for x in saved):
                 return None
             plan.append((row, counts[0], layers, saved[0]))
-        if len(self._rows_plans) >= 16:
-            self._rows_plans.clear()
-        self._rows_plans[key] = ([r for _, _, r in log], plan)
-        return plan
+        return self._rows_plans.put(entries, plan)
 
     def _add_routing(self, log: list, ids) -> None:
         plan = self._routing_plan(log)
@@ -747,10 +780,10 @@ class DeviceExperts:
         indices)], where every state is row `layer` of such an array and no (array, layer) comes twice;
         else None. Layer by layer the token step's adds took ~74 us of the host's time on an H100
         (demo qwen35moe, 8 layers, cProfile; 2026-12-05). Kept by the states' identities."""
-        key = tuple(id(states) for _, states, *_ in log)
-        got = self._routing_plans.get(key)
-        if got is not None and all(a is b for a, (_, b, *_) in zip(got[0], log)):
-            return got[1]
+        entries = [states for _, states, *_ in log]
+        got = self._routing_plans.get(entries)
+        if got is not None:
+            return got
         groups: dict = {}
         for layer, states, *_ in log:
             for state in states:
@@ -761,11 +794,7 @@ class DeviceExperts:
                 if layer in g[1]:
                     return None
                 g[1].append(layer)
-        plan = [(b, np.array(layers, np.intp)) for b, layers in groups.values()]
-        if len(self._routing_plans) >= 16:
-            self._routing_plans.clear()
-        self._routing_plans[key] = ([states for _, states, *_ in log], plan)
-        return plan
+        return self._routing_plans.put(entries, [(b, np.array(layers, np.intp)) for b, layers in groups.values()])
 
     # --- what DeviceBackend.token_step needs to capture a step and replay it
 
@@ -877,8 +906,8 @@ class DeviceBackend(CpuBackend):
         self._posv = None
         self._vgraphs: dict = {}
         self._verify_bufs: dict = {}
-        self._address_lists: dict = {}  # `_addresses`: (ids of the arrays) -> (their addresses on the device, the arrays)
-        self._copy_graphs: dict = {}  # `copy_arrays`: (ids of the arrays) -> [the arrays, their copies' graph or None]
+        self._address_lists = ByIdentity()  # `_addresses`: arrays -> (their addresses on the device, the pinned copy)
+        self._copy_graphs = ByIdentity(COPY_GRAPHS)  # `copy_arrays`: arrays -> [their copies' graph, or None before the capture]
         self.verify_graphs = VERIFY_GRAPHS  # verify_step may capture and replay (VERIFY_GRAPHS)
         self.stream_retaken = 0  # steps that found another stream current (CupyRuntime.retake_stream)
         self._rows_pick = None  # pick_rows' (rows, banned ids, device picks [rows, 3], their pinned mirror, ids on the device)
@@ -1355,14 +1384,16 @@ class DeviceBackend(CpuBackend):
 
     def linears(self, ws, x, outs):
         """Several products of one input (the CPU's one parallel region for all of them,
-        cpu.matvec_many): for one token, those of one type in one launch (gpu.matvec_many: each row
-        matvec's bits), the rest one launch each."""
+        cpu.matvec_many): those of one type in one launch, for one token (gpu.matvec_many: each row
+        matvec's bits) or a verify's few rows (gpu.matmul_many: matmul's), the rest one launch each."""
         x = x if isinstance(x, Input) else Input(x)
         ys = [None] * len(ws)
-        if self.fuse_many and x.x.shape[0] == 1:
+        T = x.x.shape[0] if x.x.ndim == 2 else 0
+        if self.fuse_many and 0 < T <= gpu.MVF_TOKENS:
+            many = gpu.matvec_many if T == 1 else gpu.matmul_many
             groups: dict[int, list[int]] = {}
             for i, (w, out) in enumerate(zip(ws, outs)):
-                if w.device is not None and not w.wide and (out is None or self._plain_out(out, w.n_out)):
+                if w.device is not None and not w.wide and (out is None or self._plain_out(out, T, w.n_out)):
                     groups.setdefault(w.type_id, []).append(i)
             for idx in groups.values():
                 for a in range(0, len(idx) - 1, gpu.MANY):
@@ -1372,15 +1403,15 @@ class DeviceBackend(CpuBackend):
                     act = x.form(ws[part[0]].type, False, quantize=self._quantize)
                     if not ws[part[0]].type.quantized:
                         act = self.xp.ascontiguousarray(act)
-                    got = [outs[i] if outs[i] is not None else self.rt.empty((1, ws[i].n_out), F32) for i in part]
-                    if gpu.matvec_many([ws[i].device for i in part], act, got):
+                    got = [outs[i] if outs[i] is not None else self.rt.empty((T, ws[i].n_out), F32) for i in part]
+                    if many([ws[i].device for i in part], act, got):
                         for i, y in zip(part, got):
                             ys[i] = y
         return [y if y is not None else self.linear(w, x, out) for w, out, y in zip(ws, outs, ys)]
 
-    def _plain_out(self, out, n: int) -> bool:
-        # a device row the launch writes directly (a host array, the logits, goes through `linear`)
-        return self.rt.is_array(out) and out.dtype == F32 and out.shape == (1, n) and out.flags.c_contiguous
+    def _plain_out(self, out, T: int, n: int) -> bool:
+        # device rows the launch writes directly (a host array, the logits, goes through `linear`)
+        return self.rt.is_array(out) and out.dtype == F32 and out.shape == (T, n) and out.flags.c_contiguous
 
     # --- the sequence and elementwise operations: engine/ops.py's formulas over device arrays
 
@@ -1708,14 +1739,13 @@ class DeviceBackend(CpuBackend):
         """The device addresses of `arrays` (None: 0), int64 on the device: made once per list of
         arrays (a verify's snapshots: the same each time, so a captured verify reads them there),
         copied up asynchronously from pinned memory (kept with them), so the rows wait for nothing."""
-        key = tuple(id(a) for a in arrays)
-        got = self._address_lists.get(key)
-        if got is None or any(x is not y for x, y in zip(got[1], arrays)):
+        got = self._address_lists.get(arrays)
+        if got is None:
             pin = self.rt.pinned(8 * len(arrays)).view(np.int64)
             pin[...] = [0 if a is None else self.rt.ptr(a) for a in arrays]
             dev = self.rt.empty((len(arrays),), np.int64)
             self.rt.copy_in_async(dev, pin)
-            got = self._address_lists[key] = (dev, list(arrays), pin)
+            got = self._address_lists.put(arrays, (dev, pin))
         return got[0]
 
     def attention(self, q, K, V, scale: float, visible=None):
@@ -2008,27 +2038,20 @@ class DeviceBackend(CpuBackend):
                 dst[...] = src
             return
         self.stream_retaken += rt.retake_stream()
-        key = tuple(id(a) for a in arrays)
-        got = self._copy_graphs.get(key)
-        if got is not None and any(x is not y for x, y in zip(got[0], arrays)):
-            got = None  # (other arrays at the same addresses)
-        if got is None or got[1] is None:
-            if got is not None:  # the second use: captured, then run
-                rt.begin_capture()
-                try:
-                    for src, dst in pairs:
-                        dst[...] = src
-                finally:
-                    got[1] = rt.end_capture()
-                rt.replay(got[1])
-                return
-            for src, dst in pairs:  # the first: eagerly
+        got = self._copy_graphs.get(arrays)
+        if got is None:  # the first use: eagerly
+            for src, dst in pairs:
                 dst[...] = src
-            if len(self._copy_graphs) >= COPY_GRAPHS:
-                self._copy_graphs.clear()
-            self._copy_graphs[key] = [arrays, None]
+            self._copy_graphs.put(arrays, [None])
             return
-        rt.replay(got[1])
+        if got[0] is None:  # the second: captured, then run
+            rt.begin_capture()
+            try:
+                for src, dst in pairs:
+                    dst[...] = src
+            finally:
+                got[0] = rt.end_capture()
+        rt.replay(got[0])
 
     def _pick_next_into(self, run, banned: np.ndarray, last: int, ple: bool = False):
         """run, then the run-ahead's tail (`_pick_next`; with `ple`, `_ple_next`): a token step's whole work."""
@@ -2145,48 +2168,50 @@ class DeviceBackend(CpuBackend):
         t = self.embd_table
         return t is not None and t[1] in EMBD_ROW_TYPES and not self.needs_token and self.experts.static()
 
-    def embed_rows(self, ids: np.ndarray, n: int):
-        """A prompt chunk's embedding rows [T, n], gathered on the device from the table in its blocks
-        (dev_embd_rows: the reference decoder's bits), or None where the table is not on the device
-        (the host decodes them, Model._forward_rows). `ids`: int64 [T], in the vocabulary (checked)."""
+    def _embd_gather(self, ids: np.ndarray):
+        """(table, type id, row bytes) of the embedding on the device in a type dev_embd_rows decodes,
+        `ids` (int64 [T]) checked against its rows; None where the host decodes the rows."""
         t = self.embd_table
         if t is None or t[1] not in EMBD_ROW_TYPES:
             return None
         table, type_id, row_bytes, rows = t
         if ids.size and not (0 <= ids.min() and ids.max() < rows):
             raise IndexError(f"token ids {ids.min()}..{ids.max()}: the embedding has {rows} rows")
+        return table, type_id, row_bytes
+
+    def _launch_embd(self, table, type_id: int, row_bytes: int, tok, T: int, n: int, out) -> None:
+        # dev_embd_rows: rows tok [T] (device int32) of the table into out [T, n] (the reference decoder's bits)
+        self._launch("dev_embd_rows", T * n, (table, np.int64(row_bytes), tok, np.int32(T), np.int32(type_id), np.int32(n), out))
+
+    def embed_rows(self, ids: np.ndarray, n: int):
+        """A prompt chunk's embedding rows [T, n], gathered on the device from the table in its blocks
+        (dev_embd_rows: the reference decoder's bits), or None where the table is not on the device
+        (the host decodes them, Model._forward_rows). `ids`: int64 [T], in the vocabulary (checked)."""
+        t = self._embd_gather(ids)
+        if t is None:
+            return None
         out = self.rt.empty((ids.size, n), F32)
-        tok = self.rt.to_device(np.ascontiguousarray(ids, np.int32))
-        self._launch("dev_embd_rows", ids.size * n, (table, np.int64(row_bytes), tok, np.int32(ids.size), np.int32(type_id),
-                                                     np.int32(n), out))
+        self._launch_embd(*t, self.rt.to_device(np.ascontiguousarray(ids, np.int32)), ids.size, n, out)
         return out
 
     def verify_embed(self, ids: np.ndarray, n: int):
         """A verify's embedding rows gathered on the device inside its forward: the ids staged up to a
-        fixed buffer now, and -> (the rows' fixed buffer [T, n], the launch that gathers them there,
-        dev_embd_rows: the reference decoder's bits), or None where the table is not on the device
-        (the host decodes them: `stage_rows`). A captured verify replays the gather, reading the ids
-        staged before it. Decoded on the host the rows of a verify of 3 cost ~0.2 ms of the host's
-        time each verify on an H100 (demo qwen35moe, 2026-12-05, cProfile)."""
-        t = self.embd_table
-        if t is None or t[1] not in EMBD_ROW_TYPES:
+        fixed buffer now, and -> (the rows' fixed buffer [T, n], the launch that gathers them there),
+        or None where the table is not on the device (the host decodes them: `stage_rows`). A
+        captured verify replays the gather, reading the ids staged before it. Decoded on the host the
+        rows of a verify of 3 cost ~0.2 ms of the host's time each verify on an H100 (demo
+        qwen35moe, 2026-12-05, cProfile)."""
+        t = self._embd_gather(ids)
+        if t is None:
             return None
-        table, type_id, row_bytes, rows = t
         T = ids.size
-        if T and not (0 <= ids.min() and ids.max() < rows):
-            raise IndexError(f"token ids {ids.min()}..{ids.max()}: the embedding has {rows} rows")
         key = ("ids", T)
         tok = self._verify_bufs.get(key)
         if tok is None:
             tok = self._verify_bufs[key] = self.rt.empty((T,), np.int32)
         self._stage(tok, ids)
         out = self._row_buf((T, n))
-
-        def gather():
-            self._launch("dev_embd_rows", T * n, (table, np.int64(row_bytes), tok, np.int32(T), np.int32(type_id),
-                                                  np.int32(n), out))
-
-        return out, gather
+        return out, lambda: self._launch_embd(*t, tok, T, n, out)
 
     def ple_rows(self, ids: np.ndarray, row_dim: int):
         """A prompt chunk's PLE rows [K, row_dim] of table rows `ids` (int64 [K], the host's hash),

@@ -917,9 +917,12 @@ extern "C" __global__ void dev_combine_slots(const float* hit, const float* miss
 
 // dev_combine_slots of `rows` tokens in one launch (a verify's rows: DeviceExperts.rows): token t's
 // k products at hit + t k E, its slots and weights at t k, its sum into out + t E. Each sum the
-// same operations in the same order as dev_combine_slots: its bits.
+// same operations in the same order as dev_combine_slots: its bits. With y (not null), then
+// dev_shared_add on the sums (the rows' shared experts' y [rows, E] and gate logits g [rows, 1],
+// made before the routed sums: MoE.forward), as dev_combine_shared does for one token: the two
+// launches' operations in their order, so their bits.
 extern "C" __global__ void dev_combine_n(const float* hit, const float* miss, const int* slot, const float* w,
-                                         float* out, int k, int E, int rows) {
+                                         float* out, int k, int E, int rows, float* y, const float* g) {
     const i64 n = (i64)rows * E;
     for (i64 i = blockIdx.x * (i64)blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x) {
         const i64 t = i / E, e = i - t * E;
@@ -927,6 +930,11 @@ extern "C" __global__ void dev_combine_n(const float* hit, const float* miss, co
         const int* st = slot + t * k;
         float acc = 0.0f;
         for (int j = 0; j < k; j++) acc += wt[j] * (st[j] >= 0 ? hit : miss)[(t * k + j) * E + e];
+        if (y) {
+            const float yy = y[i] * sigmoid_t(g[t]);
+            y[i] = yy;
+            acc = acc + yy;
+        }
         out[i] = acc;
     }
 }

@@ -99,7 +99,8 @@ def test_the_verify_rows_have_the_bits_of_the_device_token_step(model, rt, cache
     """Every expert resident: each layer's rows in one set of launches (DeviceExperts._rows_resident);
     a third: row by row, each row's misses on the CPU (DeviceExperts.token). `few`: gpu.MVF_TOKENS,
     the most rows a dense product gives the few-row kernel (mvf) in place of the batched one (mmq):
-    8 (not the default yet: the card has not timed it) keeps the bits too."""
+    at 8 (the default) one input's products of one type go in one launch (mvfm, fmvm over the rows:
+    DeviceBackend.linears), with the bits of a launch each."""
     from strata.engine.kernels import gpu
 
     monkeypatch.setattr(gpu, "MVF_TOKENS", few)
@@ -131,6 +132,7 @@ def test_the_verify_rows_have_the_bits_of_the_device_token_step(model, rt, cache
         if cache == "all":
             assert launched.count("dev_route_n") == launched.count("dev_combine_n") == L, launched
             assert "dev_route" not in launched and "dev_combine" not in launched
+            assert "dev_shared_add" not in launched  # (the shared expert's add in the routed sum's launch)
         else:
             assert tier.stats.hits.sum() > 0 and tier.stats.misses.sum() > 0  # both paths ran
             assert launched.count("dev_route") + len(toks) * launched.count("dev_route_n") == len(toks) * L
@@ -140,6 +142,11 @@ def test_the_verify_rows_have_the_bits_of_the_device_token_step(model, rt, cache
             assert np.array_equal(x, y)
         mvf = [n for n in products if n.startswith("mvf")]
         assert bool(mvf) == (few > 1), products  # (which kernel took the rows' dense products)
+        # one launch each: a Gated DeltaNet layer's z, beta and alpha (Q8_0 here; its qkv reads the
+        # wide form, actq.WIDE_ROLES, as attention's q/k/v do: a launch each, as in the token step),
+        # the shared expert's up and gate, the router and the shared gate's logit (F32)
+        grouped = sum(n.startswith(("mvfm", "fmvm")) for n in products)
+        assert grouped == (n_gdn + 2 * L if few > 1 else 0), " ".join(products)
     gpu._plans.clear()
 
 
@@ -661,11 +668,11 @@ def test_a_verifys_counts_settled_a_row_at_once_are_the_entry_by_entry_ones():
     counts and snapshot copies as entry by entry (each row's counts, then its snapshot's copy);
     counts that are no row of an [n_layer, n_expert] array go entry by entry."""
     from strata.engine.batch import Seq, keep
-    from strata.engine.tier.device import DeviceExperts as D
+    from strata.engine.tier.device import ByIdentity, DeviceExperts as D
 
     L, E, T, k = 4, 16, 3, 3
     rng = np.random.default_rng(1)
-    ex = types.SimpleNamespace(_rows_plans={}, _routing_plans={}, _row_of=D._row_of)
+    ex = types.SimpleNamespace(_rows_plans=ByIdentity(16), _routing_plans=ByIdentity(16), _row_of=D._row_of)
     ex._routing_plan = lambda log: D._routing_plan(ex, log)
     R, R2 = np.zeros((L, E), np.int64), np.zeros((L, E), np.int64)
     snaps, snaps2 = [np.zeros((L, E), np.int64) for _ in range(T - 1)], [np.zeros((L, E), np.int64) for _ in range(T - 1)]
