@@ -15,7 +15,8 @@ token step, and the decode speed-up of --spec N against --spec 0 in the same pro
    actually had. Every spec run's tokens are checked equal to --spec 0's. A second table splits
    each run's decode time: its forwards' median (a verify in the run, against --spec 0's token
    step), its first two forwards (eager, then captured on the device step: a session's warm-up) and
-   the host's work between forwards.
+   the host's work between forwards. On the CPU a third table splits the token step and a verify
+   of 1 + 2 rows into parts (the MoE blocks, the LM head, the other dense products, the rest).
 2. The real MTP head (qwen4exp has no MTP layout in llama.cpp's converter): a qwen35moe synth of
    --mtp-preset carrying the block (strata-pack synth --mtp, under --work): a draft step's cost
    against a token step, and --spec 2 with the head against --spec 0. The synthetic weights are
@@ -126,6 +127,68 @@ def verify_cost(model, n_prompt: int, rounds: int, rng, launches: dict | None = 
                 del rt.launch
                 launches[T] = counted[0]
     return out
+
+
+def parts_table(model, n_prompt: int, rounds: int, rng) -> list[str]:
+    """Where a verify of 1+2 rows spends its time against a token step, part by part (the CPU path):
+    wall time inside the MoE blocks (router, routed experts, shared expert), the LM head, the other
+    dense products (one input's together, and alone) and the rest (attention, the delta rule, norms,
+    the host's work), each the median over `rounds` interleaved rounds. A part is timed at its
+    outermost call (the MoE's own products count as the MoE's)."""
+    from strata.engine import backend as B, moe as M
+    from strata.engine.speculative import Snapshot
+
+    V, head, acc, depth = model.geometry.n_vocab, model.head, {}, [0]
+    patched = []
+
+    def wrap(cls, name, label):
+        f = getattr(cls, name)
+        patched.append((cls, name, f))
+
+        def timed(self, *args, **kw):
+            if depth[0]:
+                return f(self, *args, **kw)
+            depth[0] += 1
+            t0 = time.perf_counter()
+            try:
+                return f(self, *args, **kw)
+            finally:
+                depth[0] -= 1
+                key = label(args[0]) if callable(label) else label
+                acc[key] = acc.get(key, 0.0) + time.perf_counter() - t0
+
+        setattr(cls, name, timed)
+
+    s = model.new_session(n_prompt + 6 * (rounds + 2) + 4)
+    model.forward(s, rng.integers(3, V, n_prompt), n_logits=1)
+    snaps = [Snapshot(s, model.backend) for _ in range(2)]
+    runs = {"token step": lambda: model.step(s, int(rng.integers(3, V))),
+            "verify 1+2": lambda: model.forward(s, rng.integers(3, V, 3), n_logits=3, saved=snaps)}
+    got: dict = {name: {} for name in runs}
+    wrap(M.MoE, "forward", "MoE (router, experts, shared)")
+    wrap(B.CpuBackend, "linear", lambda w: "LM head" if w is head else "other dense, alone")
+    wrap(B.CpuBackend, "linears", "other dense, one input's")
+    try:
+        for r in range(rounds + 2):
+            for name, fn in runs.items():
+                acc.clear()
+                t0 = time.perf_counter()
+                fn()
+                wall = time.perf_counter() - t0
+                if r >= 2:  # (two warm-up rounds)
+                    parts = dict(acc, rest=wall - sum(acc.values()), forward=wall)
+                    for k, v in parts.items():
+                        got[name].setdefault(k, []).append(v)
+    finally:
+        for cls, name, f in patched:
+            setattr(cls, name, f)
+    keys = sorted(got["verify 1+2"], key=lambda k: (k in ("rest", "forward"), k == "forward", k))
+    lines = [f"a forward's parts (ms, medians of {rounds} interleaved rounds):",
+             f"{'part':>30} {'token step':>10} {'verify 1+2':>10} {'ratio':>6}"]
+    for k in keys:
+        a, b = (statistics.median(got[n].get(k, [0.0])) * 1e3 for n in runs)
+        lines.append(f"{k:>30} {a:10.1f} {b:10.1f} {b / a if a else float('nan'):5.2f}x")
+    return lines
 
 
 def floor_ratio(model, T: int) -> float:
@@ -375,6 +438,8 @@ def _measure(a, model, tier) -> int:
     print("at the bandwidth floor (every weight read once a forward, the rows' routes independent): " +
           ", ".join(f"verify 1+{T - 1} {r:.2f}x" for T, r in floors.items()) + " a token step; with both at the "
           f"floor, --spec 2 at acceptance 0.43 (1.61 tokens a verify) gives {expected_tokens(0.43, 2) / floors[3]:.2f}x")
+    if tier is None:
+        print("\n".join(parts_table(model, a.prompt, max(a.rounds, 5), rng)))
     if a.cost_only:
         return 0
     prompt = rng.integers(3, g.n_vocab, a.prompt).tolist()
