@@ -87,6 +87,12 @@ QSA_ROWS = os.environ.get("STRATA_QSA_ROWS", "1") != "0"
 
 VERIFY_SESSIONS = 4  # sessions whose captured verify graphs DeviceBackend.verify_step keeps
 COPY_GRAPHS = 64  # rollbacks' captured copies DeviceBackend.copy_arrays keeps (a session's: one a snapshot)
+# Whether a verify (speculative decoding) may be captured and replayed as CUDA graphs (verify_step):
+# on since tests/gpu/test_device_spec.py passed with it on a card (2026-12-05, an H100: --spec 1 and 2
+# with the oracle, the wrong and the MTP drafter give --spec 0's tokens and every state bit for bit,
+# graphs on and off; the device head's draft steps too). The host emulation captures nothing: only
+# the card shows a replay that read a value its capture fixed. STRATA_VERIFY_GRAPHS=0 turns it off.
+VERIFY_GRAPHS = os.environ.get("STRATA_VERIFY_GRAPHS", "1") not in ("", "0")
 
 
 class ByIdentity:
@@ -114,12 +120,6 @@ class ByIdentity:
             self._got.clear()
         self._got[tuple(map(id, objs))] = (list(objs), value)
         return value
-# Whether a verify (speculative decoding) may be captured and replayed as CUDA graphs (verify_step):
-# on since tests/gpu/test_device_spec.py passed with it on a card (2026-12-05, an H100: --spec 1 and 2
-# with the oracle, the wrong and the MTP drafter give --spec 0's tokens and every state bit for bit,
-# graphs on and off; the device head's draft steps too). The host emulation captures nothing: only
-# the card shows a replay that read a value its capture fixed. STRATA_VERIFY_GRAPHS=0 turns it off.
-VERIFY_GRAPHS = os.environ.get("STRATA_VERIFY_GRAPHS", "1") not in ("", "0")
 
 
 def split_geometry(most: int) -> tuple[int, int]:
@@ -490,8 +490,8 @@ class DeviceExperts:
         given), their routing (dev_route_n: a block a row, dev_route's rule), gate and up of all T k
         chosen experts in one mvx launch (row t's slots read x's row t), h and its ActQ in one, the
         downs in one, the combine of every row in one (dev_combine_n, with the shared experts' add
-        where MoE.forward made them first). Row by row (`token` each) a verify of 3 rows made 3 x 8 launches a
-        layer where this makes 6."""
+        where MoE.forward made them first). Row by row (`token` each) a verify of 3 rows made 3 x 8
+        launches a layer where this makes 5 (6 with the router's)."""
         be, rt, slots, layer = self.be, self.rt, self.hits.slots, moe.layer
         k, E, F, X, T = moe.k, moe.E, moe.F, moe.router.n_out, x.x.shape[0]
         b = self._buf
