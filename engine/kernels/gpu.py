@@ -1029,9 +1029,7 @@ def matvec_many(ws: list, act, outs: list) -> bool:
         return False
     rt, t = runtime(), ws[0].type
     if not t.quantized:
-        mod, name, _, _, _, _ = _float_plan(t.id, ws[0].n_in, ws[0].n_out, 1)
-        nw = max(_warps(0, w.n_out, rt.n_sm) for w in ws)
-        _fmvm(rt, mod, name, nw, ws, act, outs, 1)
+        _fmvm(ws, act, outs, 1)
         return True
     plans = [_quant_plan(w.type_id, w.n_in, w.n_out, 1) for w in ws]
     if not all(p[1].startswith("mv<") for p in plans):
@@ -1109,9 +1107,12 @@ def grouped_products(type_id: int, n_in: int, n_out: int, tiles, n_tiles: int, a
     runtime().launch(mod, name, grid * n_tiles, block, args, smem)
 
 
-def _fmvm(rt, mod, name: str, nw: int, ws: list, act, outs: list, n_tok: int) -> None:
-    """fmvm of ws (one float type, at most MANY) on n_tok rows of act: nw warps a block, each
-    matrix's blocks a token as fmv's launch of it would take them (fmv's bits)."""
+def _fmvm(ws: list, act, outs: list, n_tok: int) -> None:
+    """fmvm of ws (one float type, at most MANY) on n_tok rows of act: the widest of their fmv
+    launches' warps a block, each matrix's blocks a token as its fmv launch takes them (fmv's bits)."""
+    rt, w0 = runtime(), ws[0]
+    mod, name, _, _, _, _ = _float_plan(w0.type_id, w0.n_in, w0.n_out, 1)
+    nw = max(_warps(0, w.n_out, rt.n_sm) for w in ws)
     table = ()
     for w, out in zip(ws, outs):
         table += (w.values, out, np.int32(w.n_out), np.int32(_grid(rt, w.n_out, nw)))
@@ -1134,9 +1135,7 @@ def matmul_many(ws: list, act, outs: list) -> bool:
     if not 1 < n_tok <= MVF_TOKENS:
         return False
     if not t.quantized:
-        mod, name, _, _, _, _ = _float_plan(t.id, ws[0].n_in, ws[0].n_out, 1)
-        nw = max(_warps(0, w.n_out, rt.n_sm) for w in ws)
-        _fmvm(rt, mod, name, nw, ws, act, outs, n_tok)
+        _fmvm(ws, act, outs, n_tok)
         return True
     plans = [_quant_plan(w.type_id, w.n_in, w.n_out, n_tok) for w in ws]
     if not all(p[1].startswith("mvf<") for p in plans):
