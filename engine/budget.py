@@ -391,12 +391,12 @@ def draft_matrices(g: ModelGeometry) -> list[str]:
 
 def draft_bytes(index: PackIndex, experts: NativeExperts, g: ModelGeometry, o: BudgetOptions, slot: int) -> tuple[int, int]:
     """(the head's matrices in engine form, placed at stage 1; what stage 7 binds to it: its routed
-    experts, each in a slot of its own (slot bytes, the trunk's layout), its KV cache (o.kv,
-    o.max_context tokens: strata generate's one request), the rope table its positions read, its
+    experts, each in a slot of its own (slot bytes, the trunk's layout), its KV caches (o.kv,
+    o.max_context tokens, one a request: strata serve --batch B drafts for B), the rope table its positions read, its
     logits row and hidden row)."""
     names = set(draft_matrices(g))
     dense = sum(placed_bytes(t.engine_type, t.shape[0], prod(t.shape[1:])) for t in index.tensors if t.name in names)
-    bind = (experts.n_expert * slot + o.max_context * kv_bytes_per_token(g, o.kv)
+    bind = (experts.n_expert * slot + o.batch * o.max_context * kv_bytes_per_token(g, o.kv)
             + 2 * o.max_context * (g.n_rot // 2) * F32 + (g.n_vocab + g.n_embd) * F32)  # (the rope: two arrays of its own)
     return dense, bind
 
@@ -472,14 +472,17 @@ def _session_items(g: ModelGeometry, o: BudgetOptions) -> list[Item]:
 
 
 def _serve_items(g: ModelGeometry, o: BudgetOptions) -> list[Item]:
-    """strata serve's other sessions, host memory like the first: the --batch - 1 running beside it,
-    and the conversation cache's parked ones, at most the slots' sessions and at most its MiB (the
-    cache evicts to stay under both: engine/scheduler.py ConversationCache)."""
+    """strata serve's other sessions: the --batch - 1 running beside the first, where the first
+    lives (the device step: on the card, placed at startup beside it, engine/tier/sessions.py), and
+    the conversation cache's parked ones, in host memory whatever the step (the device step copies a
+    finished session down to park it), at most the slots' sessions and at most its MiB (the cache
+    evicts to stay under both: engine/scheduler.py ConversationCache)."""
     one = session_host_bytes(g, o.max_context, o.kv)
     items = []
     if o.batch > 1:
-        items.append(Item("serve.batch", f"the other --batch sessions ({o.batch - 1} x {one} B)", (o.batch - 1) * one,
-                          WEIGHTS, HOST, count=o.batch - 1))
+        on = session_device_bytes(g, o.max_context, o.kv) if o.device_step else one
+        items.append(Item("serve.batch", f"the other --batch sessions ({o.batch - 1} x {on} B)", (o.batch - 1) * on,
+                          WEIGHTS, DEVICE if o.device_step else HOST, count=o.batch - 1))
     if o.cache_slots and o.cache_mib:
         parked = min(o.cache_slots, (o.cache_mib << 20) // one)  # a session larger than the cap is never parked
         items.append(Item("serve.conversation_cache", f"conversation cache, at most ({parked} parked sessions, "
@@ -540,6 +543,13 @@ def _spec_items(g: ModelGeometry, o: BudgetOptions, mtp: bool) -> list[Item]:
 def session_host_bytes(g: ModelGeometry, max_context: int, kv: str) -> int:
     """All of a session's host state for `max_context` tokens (the KV cache dominates)."""
     return sum(i.bytes for i in _session_items(g, BudgetOptions(max_context=max_context, kv=kv)))
+
+
+def session_device_bytes(g: ModelGeometry, max_context: int, kv: str) -> int:
+    """A session's states on the card with the device step: the same arrays (the decoded embedding
+    rows the token step keeps on the host are the model's, not a session's)."""
+    items = _session_items(g, BudgetOptions(max_context=max_context, kv=kv, device_step=True))
+    return sum(i.bytes for i in items if i.where == DEVICE)
 
 
 # --- the reserve and the slots -------------------------------------------------------------------
@@ -879,7 +889,8 @@ def _after_cache_items(g: ModelGeometry, o: BudgetOptions, slot: int) -> list[It
         # the device step keeps a verify's per-row snapshots beside the session's states, so the
         # rollback is a copy on the device (engine/speculative.py); the host-driven step, on the host
         Item("verify.snapshots", f"verify snapshots on the device ({o.spec} x {snapshot_state_bytes(g)} B: GDN S and "
-             "conv, PLE)" if o.spec and o.device_step else "verify snapshots on the device (no --spec or the host-driven "
-             "step)", o.spec * snapshot_state_bytes(g) if o.device_step else 0, VERIFIER, count=max(o.spec, 1)),
+             f"conv, PLE{f'; x {o.batch} requests' if o.batch > 1 else ''})" if o.spec and o.device_step else
+             "verify snapshots on the device (no --spec or the host-driven step)",
+             o.batch * o.spec * snapshot_state_bytes(g) if o.device_step else 0, VERIFIER, count=max(o.batch * o.spec, 1)),
     ]
 

@@ -116,6 +116,30 @@ def vram_reserve_option():
     return typer.Option(700, "--vram-reserve-mib", help="device memory kept free beside the slots")
 
 
+def gpu_step_option():
+    return typer.Option("host", "--gpu-step", help="with the GPU tier, where the blocks compute: host (the host drives "
+                        "every block, the device runs the products) or device (the whole forward on the device, "
+                        "states included)")
+
+
+def stream_min_tokens_option():
+    return typer.Option("auto", "--stream-min-tokens", help="with the GPU tier, a prompt chunk's expert that no slot "
+                        "holds is copied to the device and computed there when the chunk routes at least N of its "
+                        "tokens to it, else on the CPU: N, auto (from a rough CPU-against-copy model) or off")
+
+
+def stream_layer_tokens_option():
+    return typer.Option("auto", "--stream-layer-tokens", help="with --gpu-step device, a prompt piece of at least N "
+                        "tokens copies each layer's experts that no slot holds whole, the next layer's beside this "
+                        "one's work: N, auto (from the copy rate measured at startup) or off")
+
+
+def pin_gguf_option():
+    return typer.Option(True, "--pin-gguf/--no-pin-gguf", help="with --gpu-step device, a streamed layer is copied "
+                        "straight from the GGUF's pages, page-locked in RAM at their first copy (up to half the "
+                        "host's memory, until exit); --no-pin-gguf copies through pinned buffers and locks none")
+
+
 def _fail(message: str, code: int = 1, who: str = "strata generate") -> typer.Exit:
     typer.echo(f"{who}: error: {message}", err=True)
     return typer.Exit(code)
@@ -154,21 +178,10 @@ def generate(
     expert_profile: Optional[Path] = expert_profile_option(),
     vram_budget_mib: Optional[int] = vram_budget_option(),
     vram_reserve_mib: int = vram_reserve_option(),
-    gpu_step: str = typer.Option("host", "--gpu-step", help="with the GPU tier, where the blocks compute: host (the "
-                                 "host drives every block, the device runs the products) or device (the whole forward "
-                                 "on the device, states included)"),
-    stream_min_tokens: str = typer.Option("auto", "--stream-min-tokens", help="with the GPU tier, a prompt chunk's "
-                                          "expert that no slot holds is copied to the device and computed there when "
-                                          "the chunk routes at least N of its tokens to it, else on the CPU: N, auto "
-                                          "(from a rough CPU-against-copy model) or off"),
-    stream_layer_tokens: str = typer.Option("auto", "--stream-layer-tokens", help="with --gpu-step device, a prompt "
-                                            "piece of at least N tokens copies each layer's experts that no slot holds "
-                                            "whole, the next layer's beside this one's work: N, auto (from the copy "
-                                            "rate measured at startup) or off"),
-    pin_gguf: bool = typer.Option(True, "--pin-gguf/--no-pin-gguf", help="with --gpu-step device, a streamed layer "
-                                  "is copied straight from the GGUF's pages, page-locked in RAM at their first copy "
-                                  "(up to half the host's memory, until exit); --no-pin-gguf copies through pinned "
-                                  "buffers and locks none"),
+    gpu_step: str = gpu_step_option(),
+    stream_min_tokens: str = stream_min_tokens_option(),
+    stream_layer_tokens: str = stream_layer_tokens_option(),
+    pin_gguf: bool = pin_gguf_option(),
     native: Optional[Path] = native_option(),
     ple_gguf: Optional[Path] = ple_gguf_option(),
     dump_logits: Optional[Path] = typer.Option(None, "--dump-logits", help="write float32 logits of every position to OUT.npy"),
@@ -307,11 +320,12 @@ def check_context(who: str, g, kv: str, ctx: int, flag: str, extra_bytes: int = 
 def start_tier(model, device: str, *, max_context: int, kv: str, chunk: int, expert_cache: str = "auto",
                expert_profile=None, vram_budget_mib=None, vram_reserve_mib: int = 700, who: str, step: str = "host",
                stream_min_tokens: int | None = None, spec: int = 0, stream_layer_tokens: int | None = None,
-               stream_register: bool = True, draft: bool = False):
+               stream_register: bool = True, draft: bool = False, batch: int = 1):
     """The GPU tier for --device gpu, or auto when CuPy sees a GPU (without one, auto is the CPU,
     not an error, and stderr says so and why); None on the CPU. Its startup lines (each stage's
     memory) go to stderr. `spec`: --spec N, whose verifier the device step places at startup;
-    `draft`: with it, the MTP head drafts on the device (the device step and a pack with the block)."""
+    `draft`: with it, the MTP head drafts on the device (the device step and a pack with the block).
+    `batch`: strata serve's --batch, the sessions the device step places."""
     from strata.engine.tier import GpuTier, TierOptions
     from strata.engine.kernels import gpu
 
@@ -338,11 +352,22 @@ def start_tier(model, device: str, *, max_context: int, kv: str, chunk: int, exp
                     expert_cache=gpu_options(device, expert_cache, vram_budget_mib, vram_reserve_mib), profile=profile,
                     vram_budget_mib=vram_budget_mib, vram_reserve_mib=vram_reserve_mib, step=step,
                     stream_min_tokens=stream_min_tokens, spec=spec if step == "device" else 0, draft=draft,
-                    stream_layer_tokens=stream_layer_tokens, stream_register=stream_register)
+                    stream_layer_tokens=stream_layer_tokens, stream_register=stream_register, batch=batch)
     tier = GpuTier.start(model, o, log=lambda line: typer.echo(f"{who}: {line}", err=True))
     if step == "device":  # its kernels compile at first use: in the load, not in the first tokens
         model.warm_up(prompt_path=chunk > 0)
     return tier
+
+
+def serve_sessions(model, tier):
+    """Where strata serve's requests get their sessions: with the device step the ones its tier placed
+    (lent, parked in host memory by a copy), else new ones (None: the scheduler's default)."""
+    if tier is None or not tier.sessions:
+        return None
+    from strata.engine.kernels import gpu
+    from strata.engine.tier.sessions import DeviceSessions
+
+    return DeviceSessions(gpu.runtime(), model, tier.sessions, tier.snapshot_sets)
 
 
 @contextlib.contextmanager
@@ -823,6 +848,10 @@ def serve(
     expert_profile: Optional[Path] = expert_profile_option(),
     vram_budget_mib: Optional[int] = vram_budget_option(),
     vram_reserve_mib: int = vram_reserve_option(),
+    gpu_step: str = gpu_step_option(),
+    stream_min_tokens: str = stream_min_tokens_option(),
+    stream_layer_tokens: str = stream_layer_tokens_option(),
+    pin_gguf: bool = pin_gguf_option(),
     native: Optional[Path] = native_option(),
     ple_gguf: Optional[Path] = ple_gguf_option(),
     spec: int = typer.Option(0, "--spec", help="speculative decoding: each request drafts up to N tokens with the "
@@ -840,11 +869,16 @@ def serve(
     if batch_mtp and not spec:
         raise _fail("--batch-mtp verifies the requests' drafts in one forward: give --spec N (N >= 1) too, or drop "
                     "--batch-mtp", 2, who)
+    if gpu_step not in ("host", "device"):
+        raise _fail(f"--gpu-step {gpu_step!r}: expected host or device", 2, who)
     try:
         pack = resolve_pack(pack_arg, pack)
         gpu_options(device, expert_cache, vram_budget_mib, vram_reserve_mib)
+        # (the device step: each request drafts and verifies on the card, in the sessions it placed)
         tier = dict(device=device, expert_cache=expert_cache, expert_profile=expert_profile,
-                    vram_budget_mib=vram_budget_mib, vram_reserve_mib=vram_reserve_mib)
+                    vram_budget_mib=vram_budget_mib, vram_reserve_mib=vram_reserve_mib, step=gpu_step,
+                    stream_min_tokens=stream_option(stream_min_tokens),
+                    stream_layer_tokens=layer_stream_option(stream_layer_tokens), stream_register=pin_gguf)
         _serve(pack, host, port, api_key, max_queue, batch, cache_slots, cache_mib, model_name, max_context, kv, prefill,
                pool_workers, native, ple_gguf, who, tier, spec, spec_min_p, batch_mtp)
     except KeyboardInterrupt:
@@ -896,10 +930,12 @@ def _serve(pack, host, port, api_key, max_queue, batch, cache_slots, cache_mib, 
     p, model, load_s = load_model(pack, native, ple_gguf, pool_workers, who, option)
     chunk = prefill_chunk(option, p.geometry, max_context, tier_flags["device"])
     # the tier is bound to the model, not to a session: every request and parked session runs on it
-    tier = start_tier(model, max_context=max_context, kv=kv, chunk=chunk, who=who, **tier_flags)
+    tier = start_tier(model, max_context=max_context, kv=kv, chunk=chunk, who=who, spec=spec, draft=bool(spec),
+                      batch=batch, **tier_flags)
     cache = ConversationCache(cache_slots, cache_mib << 20)
     scheduler = Scheduler(model, tok, max_context=max_context, kv=kv, chunk=chunk, max_queue=max_queue, cache=cache,
-                          check=p.check_unchanged, batch=batch, spec=spec, spec_min_p=spec_min_p, batch_mtp=batch_mtp)
+                          check=p.check_unchanged, batch=batch, spec=spec, spec_min_p=spec_min_p, batch_mtp=batch_mtp,
+                          sessions=serve_sessions(model, tier))
     name = model_name or Path(pack).resolve().name
     app_ = make_app(scheduler, tok, ServeConfig(model_name=name, max_context=max_context, api_key=api_key), tier)
     typer.echo(f"{who}: {name} loaded in {load_s:.1f} s; serving http://{host}:{port}/v1 (context {max_context}, "

@@ -186,6 +186,10 @@ class Run:
             if self.started is None:
                 self.started = self.ended
 
+    def close(self) -> None:
+        """Give back what the run holds beside its session (strata serve, once the request is over): a
+        plain run holds nothing."""
+
     def _end(self) -> bool:
         self.done, self.ended = True, time.perf_counter()
         return True

@@ -76,7 +76,10 @@ class MTPHead:
         self._out = self.backend.zeros((1, g.n_vocab), F32) if self._device else self.logits.reshape(1, -1)
         self.routing = np.zeros(g.n_expert, np.int64)  # routed expert counts of the head's MoE
         self.piece = 0  # rows one forward of the block takes at most (0: all; the GPU tier's: its prompt chunk)
-        self.spare = None  # a KV cache made at the GPU tier's startup, handed to the first `new_state` that fits
+        # KV caches made at the GPU tier's startup (one a --batch request), each handed to a `new_state`
+        # that fits and taken back by `give_back` when its drafter is done; `kept` of them at most
+        self.spares: list = []
+        self.kept = 0
 
     @classmethod
     def of(cls, model) -> "MTPHead":
@@ -85,11 +88,17 @@ class MTPHead:
         return model.draft_head if model.draft_head is not None else cls(model.pack)
 
     def new_state(self, max_context: int, kv: str = "f32") -> KVCache:
-        s = self.spare
-        if s is not None and s.max_context == max_context and s.kind == kv:
-            self.spare = None
-            return s
+        for i, s in enumerate(self.spares):
+            if s.max_context == max_context and s.kind == kv:
+                return self.spares.pop(i)
         return self.attn.new_state(self.backend, max_context, kv)
+
+    def give_back(self, state: KVCache) -> None:
+        """A finished drafter's KV cache, for the next `new_state` (strata serve's next request): the
+        ones the tier placed stay placed rather than freed and made again. Its old entries need no
+        clearing: a drafter writes each position's pair before any draft reads it."""
+        if len(self.spares) < self.kept and all(state is not s for s in self.spares):
+            self.spares.append(state)
 
     def step(self, state: KVCache, h: np.ndarray, token: int, pos: int) -> np.ndarray:
         """Draft logits for the token at position pos + 2, from h (the trunk's output-normed hidden

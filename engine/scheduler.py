@@ -84,13 +84,18 @@ class ConversationCache:
         self.tokens_saved += len(best)
         return session, len(best)
 
+    def keeps(self, tokens: Sequence[int], session: Session) -> bool:
+        """Whether `park` would keep `session` (so a copy of it is worth making): it holds exactly
+        `tokens`, and it is no larger than the whole cache (parking such a one would evict everything
+        for nothing)."""
+        return bool(self.slots) and session.pos == len(tokens) and len(tokens) > 0 and \
+            session_bytes(session) <= self.max_bytes
+
     def park(self, tokens: Sequence[int], session: Session) -> None:
         """Keep `session`, which holds exactly `tokens`, evicting the least recently used ones to fit."""
-        if self.slots == 0 or session.pos != len(tokens) or not len(tokens):
+        if not self.keeps(tokens, session):
             return
         nbytes = session_bytes(session)
-        if nbytes > self.max_bytes:
-            return  # one session larger than the whole cache: parking it would evict everything for nothing
         key = tuple(int(t) for t in tokens)
         if key in self._parked:
             self.bytes -= self._parked.pop(key)[1]
@@ -194,17 +199,46 @@ class _Slot:
     stop: StopText
 
 
+class HostSessions:
+    """Where the requests' sessions come from and where a finished one parks, on the CPU (and the
+    host-driven GPU step): a new session each, parked as it is. The device step's are the GPU tier's
+    placed sessions, lent and copied down to park (engine/tier/sessions.py DeviceSessions)."""
+
+    def __init__(self, model: Model):
+        self.model = model
+
+    def take(self, max_context: int, kv: str) -> Session:
+        return self.model.new_session(max_context, kv)
+
+    def snapshots(self, session: Session) -> list | None:
+        """--spec's snapshots made for the session already (None: SpecRun makes them)."""
+        return None
+
+    def give(self, session: Session) -> None:
+        """The session's request is over and it is not parked."""
+
+    def park(self, session: Session) -> Session:
+        """What the conversation cache keeps of a finished session."""
+        return session
+
+    def resume(self, parked: Session) -> Session:
+        """The session a request continues from a parked one."""
+        return parked
+
+
 class Scheduler:
     """The one worker thread that owns `model`; `submit(job)` queues a job (Busy when `batch` running +
     `max_queue` waiting already); `close()` cancels what is left and stops the thread."""
 
     def __init__(self, model: Model, tok: Tokenizer, *, max_context: int, kv: str, chunk: int, max_queue: int,
                  cache: ConversationCache, check: Callable[[], None] = lambda: None, batch: int = 1, spec: int = 0,
-                 spec_min_p: float = 0.75, batch_mtp: bool = False, drafter: Callable | None = None):
+                 spec_min_p: float = 0.75, batch_mtp: bool = False, drafter: Callable | None = None,
+                 sessions=None):
         """`batch_mtp`: with `spec`, every request's verify rows (and the other requests' feeds) in one
         forward per step; without it each drafting request runs its own. `drafter(job, sampler)`: the
         Drafter of a request (default: the pack's MTP block; the tests and benchmarks pass reference
-        drafters, engine/speculative.py)."""
+        drafters, engine/speculative.py). `sessions`: where the sessions come from and park (default:
+        HostSessions; the device step's DeviceSessions)."""
         if max_queue < 0:
             raise ValueError(f"max_queue {max_queue}: expected >= 0")
         if batch < 1:
@@ -216,6 +250,7 @@ class Scheduler:
         self.model, self.tok = model, tok
         self.max_context, self.kv, self.chunk, self.max_queue, self.batch = max_context, kv, chunk, max_queue, batch
         self.cache, self.check = cache, check
+        self.sessions = sessions if sessions is not None else HostSessions(model)
         # --spec N: each request drafts with the pack's MTP block (one head, a KV cache per request)
         self.spec, self.spec_min_p, self._head = spec, spec_min_p, None
         self.batch_mtp, self.drafter = batch_mtp, drafter
@@ -322,10 +357,14 @@ class Scheduler:
         if job.cancelled:
             self._end(job)
             return
+        session = None
         try:
             tok, n = self.tok, len(job.prompt)
             taken = self.cache.take(job.prompt, self.max_context, self.kv)
-            session, start = taken if taken is not None else (self.model.new_session(self.max_context, self.kv), 0)
+            if taken is not None:
+                session, start = self.sessions.resume(taken[0]), taken[1]
+            else:
+                session, start = self.sessions.take(self.max_context, self.kv), 0
             job.resumed = start
             self.counters.prompt_tokens += n
             self.counters.prompt_tokens_fed += n - start
@@ -350,6 +389,8 @@ class Scheduler:
                           prefill=self.chunk, start=start)
         except BaseException as e:  # noqa: BLE001 - no request may kill the worker
             job.error = e
+            if session is not None:
+                self.sessions.give(session)
             self._end(job)
             return
         with self._lock:
@@ -368,7 +409,8 @@ class Scheduler:
                 self._head = MTPHead.of(self.model)
             drafter = MTPDrafter(self._head, self.max_context, self.kv, sampler.fork(sampler.seed + 1), self.spec_min_p)
         return SpecRun(self.model, session, job.prompt, sampler, job.max_tokens, drafter=drafter, n_draft=self.spec,
-                       stats=self.spec_stats, stop_ids=stop_ids, on_token=on_token, prefill=self.chunk, start=start)
+                       stats=self.spec_stats, stop_ids=stop_ids, on_token=on_token, prefill=self.chunk, start=start,
+                       snapshots=self.sessions.snapshots(session))
 
     def _step(self) -> None:
         """One forward of every active request's next feed, then each takes its logits."""
@@ -422,8 +464,16 @@ class Scheduler:
             job.text, job.result = stop.text, result
             if not job.cancelled:
                 job.finish = "stop" if result.stop in ("eos", "stopped") else "length"
-            # the session holds exactly the fed tokens: park it under them for the next turn
-            self.cache.park(result.fed.tolist(), slot.session)
+            fed = result.fed.tolist()
+        slot.run.close()
+        try:
+            if job.error is None and self.cache.keeps(fed, slot.session):
+                # the session holds exactly the fed tokens: park it under them for the next turn
+                self.cache.park(fed, self.sessions.park(slot.session))
+            else:
+                self.sessions.give(slot.session)
+        except BaseException as e:  # noqa: BLE001 - a failed park loses the parked copy, not the worker
+            job.error = job.error or e
         self._end(job)
 
 

@@ -123,6 +123,9 @@ class Drafter:
     def observe(self, hidden: np.ndarray, pos0: int, history: np.ndarray) -> None:
         pass
 
+    def close(self) -> None:
+        """The run is over: give back what drafting held (the MTP head's KV cache)."""
+
 
 class ReferenceDrafter(Drafter):
     """Drafts from a known continuation (the tokens of a --spec 0 greedy run, prompt included): each
@@ -160,6 +163,9 @@ class MTPDrafter(Drafter):
         self.state = head.new_state(max_context, kv)
         self.pending = np.empty((1, head.E), F32)  # the last fed row's head input: its pair needs the next token
         self.pending_pos = -1  # its position; -1: none
+
+    def close(self) -> None:
+        self.head.give_back(self.state)
 
     def observe(self, hidden, pos0, history):
         rows = hidden if self.pending_pos < 0 else np.concatenate([self.pending, hidden])
@@ -275,6 +281,9 @@ class SpecRun(Run):
         tokens = np.array([self.history[self.fed], *drafts], np.int64)
         self.n_fed, self.drafts, self.qs = tokens.size, (drafts or None), qs
         return tokens, (tokens.size if drafts or self.on_logits is not None else 1)
+
+    def close(self) -> None:
+        self.drafter.close()
 
     def batch_args(self, tokens):
         """The head input of every fed row (the MTP drafter reads it) and, verifying, the snapshots."""

@@ -50,10 +50,11 @@ class DraftHits:
 
 
 def place_draft_head(rt, model, device: DeviceBackend, arena: Carver, slot_bytes: int, staging, max_context: int,
-                     kv: str, piece: int) -> MTPHead:
-    """Stage 7's part for the head: its experts into `arena` (n_expert slots), its backend, its first
-    KV cache (handed to the first drafter: MTPHead.new_state) and its rope table, all as planned.
-    `piece`: the most rows a forward of the head takes at once (the prompt chunk; 0: all)."""
+                     kv: str, piece: int, batch: int = 1) -> MTPHead:
+    """Stage 7's part for the head: its experts into `arena` (n_expert slots), its backend, its KV
+    caches (one a request of strata serve's --batch, handed to the drafters: MTPHead.new_state) and
+    its rope table, all as planned. `piece`: the most rows a forward of the head takes at once (the
+    prompt chunk; 0: all)."""
     g = model.geometry
     X = g.n_expert
     slots = ExpertSlots(rt, model, arena.array((X * slot_bytes,), np.uint8), X, slot_bytes, staging, n_layer=g.n_layer + 1)
@@ -63,6 +64,7 @@ def place_draft_head(rt, model, device: DeviceBackend, arena: Carver, slot_bytes
     be._ctx = max_context  # (its rope table holds the whole context from the start: made below, not at a draft)
     head = MTPHead(model.pack, be)
     head.piece = piece
-    head.spare = head.new_state(max_context, kv)
+    head.spares = [head.attn.new_state(be, max_context, kv) for _ in range(batch)]
+    head.kept = batch
     be._rope_table(head.attn.rope, max_context)
     return head

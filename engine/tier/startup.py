@@ -100,6 +100,9 @@ class TierOptions:
     # with spec and an MTP block: the head drafts on the device (its weights at stage 1, its experts,
     # KV cache and rope table at stage 7: engine/tier/draft.py; the device step only)
     draft: bool = False
+    # strata serve --batch B: the device step places B sessions (each with its --spec snapshots and
+    # draft KV cache), which the server lends to its requests (engine/tier/sessions.py)
+    batch: int = 1
 
 
 PROMPT_PIECES = (512, 1024, 2048, 4096)  # GpuTier.prompt_piece's candidates (llama.cpp's default batch is 2048)
@@ -116,6 +119,9 @@ class GpuTier:
     lines: list[str] = field(default_factory=list)
     session: Session | None = None  # the device step's first session, allocated at stage 1 as planned
     snapshots: list = field(default_factory=list)  # its verify snapshots, allocated at stage 7 (--spec N, device step)
+    # every session the device step placed (--batch B: B, the first one `session`) and each one's snapshots
+    sessions: list = field(default_factory=list)
+    snapshot_sets: list = field(default_factory=list)
     memory: DeviceMemory | None = None  # free device memory as the tier counts it (--vram-budget-mib included)
 
     def prompt_piece(self, chunk: int) -> int:
@@ -161,7 +167,8 @@ class GpuTier:
         s.cache_graphs()
         s.head_prompt()
         s.verifier()
-        return cls(model, s.plan, s.marks, s.slots, s.stats, s.hits, s.bind(), s.session, s.snapshots, memory=s.mem)
+        return cls(model, s.plan, s.marks, s.slots, s.stats, s.hits, s.bind(), s.session, s.snapshots, memory=s.mem,
+                   sessions=s.sessions, snapshot_sets=s.snapshot_sets)
 
     def stop(self) -> None:
         """Unbind from the model (it runs on the CPU again) and give the device memory back."""
@@ -201,7 +208,7 @@ class _Startup:
                               prefill_chunk=o.prefill_chunk, expert_cache=o.expert_cache,
                               profile_pairs=o.profile.pairs if o.profile is not None else None,
                               device_step=o.step == "device", stream_experts=o.stream_min_tokens != 0,
-                              stream_layers=o.stream_layer_tokens != 0, spec=o.spec, draft_device=o.draft,
+                              stream_layers=o.stream_layer_tokens != 0, spec=o.spec, draft_device=o.draft, batch=o.batch,
                               cublas_held=getattr(rt, "cublas_held", lambda: False)())
         # every kernel the run will launch, compiled now (not inside the first token's time) and
         # before the baseline: a module's code and tables are the context's memory, not the plan's
@@ -222,7 +229,7 @@ class _Startup:
                  + (f" (--vram-budget-mib {o.vram_budget_mib})" if o.vram_budget_mib is not None else ""))
         self.n_slots = 0
         self.device = DeviceBackend(rt, None) if o.step == "device" else None
-        self.session = None
+        self.session, self.sessions = None, []
 
     def say(self, text: str) -> None:
         self.lines.append(text)
@@ -249,8 +256,8 @@ class _Startup:
         if plan.device_bytes(B.WEIGHTS) > self.free0:
             raise GpuTierError(f"the dense weights need {plan.device_bytes(B.WEIGHTS) / MiB:.1f} MiB of device memory, "
                                f"{self.free0 / MiB:.1f} MiB are free: use --device cpu or a larger card")
-        # the device step's session is the model's own allocation (its states are device arrays), not the arena's
-        weights = self.arena([i for i in plan.items if i.stage == B.WEIGHTS and not i.key.startswith("session.")],
+        # the device step's sessions are the model's own allocations (their states are device arrays), not the arena's
+        weights = self.arena([i for i in plan.items if i.stage == B.WEIGHTS and not i.key.startswith(("session.", "serve."))],
                              "the dense weights")
         self.placed = []
         for w in self.mats + self.draft_mats:  # (the head's: weights.drafter, B.draft_on_device)
@@ -261,7 +268,9 @@ class _Startup:
         for note in self.plan.notes:  # (where the PLE table went, and so whether greedy decoding runs ahead)
             self.say(note)
         if self.device is not None:  # (after the PLE table: a session's PLE state asks whether it is placed)
-            self.session = Session(self.model, self.o.max_context, self.o.kv, backend=self.device)
+            self.sessions = [Session(self.model, self.o.max_context, self.o.kv, backend=self.device)
+                             for _ in range(self.o.batch)]  # (serve.batch: the --batch - 1 beside the first)
+            self.session = self.sessions[0]
         if self.device is not None:  # the rope tables' planned bytes (weights.rope: DeviceBackend._rope_table)
             n = self.plan.item("weights.rope").bytes
             self.device.rope_arena = self.rt.view(weights.arena, weights.take(n), (n,), np.uint8)
@@ -394,12 +403,13 @@ class _Startup:
         verify's logits (1 + N rows) and, with the device step, its N snapshots of the session's
         states (engine/speculative.py Snapshot), device arrays a verify copies into and a rollback
         copies from."""
-        self.snapshots = []
+        self.snapshots, self.snapshot_sets = [], []
         if self.o.spec and self.device is not None:
             from ..speculative import Snapshot
 
             self.device.verify_logits = self.rt.empty((self.o.spec + 1, self.model.geometry.n_vocab), np.float32)
-            self.snapshots = [Snapshot(self.session, self.device) for _ in range(self.o.spec)]
+            self.snapshot_sets = [[Snapshot(s, self.device) for _ in range(self.o.spec)] for s in self.sessions]
+            self.snapshots = self.snapshot_sets[0]
         self.draft_head = None
         if B.draft_on_device(self.g, self.plan.options):
             from .draft import place_draft_head
@@ -409,7 +419,7 @@ class _Startup:
             arena = self.arena([B.Item("draft.experts", "", g.n_expert * self.plan.slot_bytes, B.VERIFIER)],
                                "the draft head's experts")
             self.draft_head = place_draft_head(self.rt, self.model, self.device, arena, self.plan.slot_bytes,
-                                               self.slots.staging, o.max_context, o.kv, o.prefill_chunk)
+                                               self.slots.staging, o.max_context, o.kv, o.prefill_chunk, o.batch)
             self.say(f"draft head: the MTP block on the device ({g.n_expert} experts in slots of their own, "
                      f"{self.plan.options.draft_bind_bytes / MiB:.0f} MiB with its KV cache and rope table; "
                      f"its matrices {self.plan.options.drafter_bytes / MiB:.0f} MiB with the weights)")

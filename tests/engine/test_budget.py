@@ -421,6 +421,26 @@ def test_strata_serves_other_sessions_are_host_items(seed4l):
         plan(seed4l, batch=0)
 
 
+def test_the_device_steps_serve_sessions_are_on_the_card_and_parked_ones_on_the_host(seed4l):
+    """--gpu-step device --batch 3: the two sessions beside the first are device items (the same
+    arrays, less the host's decoded embedding rows), placed with it at stage 1; the parked ones are
+    host items as on the CPU (a finished session is copied down to park); with --spec 2, each of the
+    three requests has its two snapshots of the states on the device."""
+    _, _, g = seed4l
+    host_one = B.session_host_bytes(g, 32768, "f16")
+    one = B.session_device_bytes(g, 32768, "f16")
+    # the same arrays: KV, GDN, conv, indexer keys, pooled blocks, PLE, stream (by hand above)
+    assert one == 67108864 + 9437184 + 368640 + 16777216 + 264192 + 368640 + 40960 == host_one
+    b = plan(seed4l, batch=3, cache_slots=8, cache_mib=256, device_step=True, spec=2)
+    batch, parked = b.item("serve.batch"), b.item("serve.conversation_cache")
+    assert (batch.bytes, batch.where, batch.stage, batch.count) == (2 * one, B.DEVICE, B.WEIGHTS, 2)
+    assert (parked.bytes, parked.where) == (2 * host_one, B.HOST)
+    snaps = b.item("verify.snapshots")
+    assert (snaps.bytes, snaps.count) == (3 * 2 * B.snapshot_state_bytes(g), 6)
+    alone = plan(seed4l, device_step=True, spec=2)
+    assert b.device_bytes(B.WEIGHTS) - alone.device_bytes(B.WEIGHTS) == 2 * one
+
+
 def test_spec_snapshots_and_the_mtp_heads_kv_are_host_items_per_request(seed4l):
     """--spec N: N snapshots per request (what a rollback restores: 3 GDN layers' S [48, 128, 128] and
     conv [3, 10240], one PLE ring [9, 4 x 2560], f32, and the routing counts i64 [4, 512]); a pack

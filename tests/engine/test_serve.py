@@ -518,6 +518,11 @@ def test_serve_refuses_bad_flags_before_loading(pack_dir, capsys, args, message)
     assert message in capsys.readouterr().err
 
 
+def test_serve_refuses_an_unknown_gpu_step_before_loading(pack_dir, capsys):
+    assert main(["serve", str(pack_dir), "--gpu-step", "card"]) == 2
+    assert "--gpu-step 'card': expected host or device" in capsys.readouterr().err
+
+
 def test_sigterm_stops_the_server_cleanly(pack_dir):
     """A real `strata serve` process: a streaming request in flight, then SIGTERM: the process exits 0."""
     sock = socket.socket()
