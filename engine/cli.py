@@ -937,9 +937,10 @@ def _serve(pack, host, port, api_key, max_queue, batch, cache_slots, cache_mib, 
                           check=p.check_unchanged, batch=batch, spec=spec, spec_min_p=spec_min_p, batch_mtp=batch_mtp,
                           sessions=serve_sessions(model, tier))
     name = model_name or Path(pack).resolve().name
+    where = "the CPU" if tier is None else "the GPU tier" + (", --gpu-step device" if tier.sessions else "")
     app_ = make_app(scheduler, tok, ServeConfig(model_name=name, max_context=max_context, api_key=api_key), tier)
     typer.echo(f"{who}: {name} loaded in {load_s:.1f} s; serving http://{host}:{port}/v1 (context {max_context}, "
-               f"--kv {kv}, {'the GPU tier' if tier else 'the CPU'}, "
+               f"--kv {kv}, {where}, "
                f"{'one request at a time' if batch == 1 else f'up to {batch} requests together'}, {max_queue} queued at most)",
                err=True)
     server = QuietSignalServer(uvicorn.Config(app_, host=host, port=port, log_level="warning", access_log=False,

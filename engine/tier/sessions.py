@@ -11,8 +11,8 @@ The conversation cache parks a finished session in HOST memory, as on the CPU: `
 states down into a host session of the same shapes (a CPU Session: the budget's
 serve.conversation_cache, host memory) and gives the device one back; `resume` copies a parked one
 up into a borrowed device session. The card so holds --batch sessions whatever the cache keeps, and
-the expert cache keeps the rest of it. Each copy is of the whole arrays (the context's, not only the
-positions fed): a device array is copied whole by one call of the runtime on every card.
+the expert cache keeps the rest of it. A KV cache is copied for the positions fed only (a turn of a
+long context's conversation moves its tokens' keys, not the context's); the other states whole.
 """
 
 from __future__ import annotations
@@ -30,23 +30,25 @@ from ..qsa import QSACache
 _SCALARS = (int, float, bool, str, type(None), np.integer, np.floating)
 
 
-def _pairs(dst, src, out: list) -> None:
-    """(dst array, src array) for every array of one state object in two sessions of the same
-    shapes, and src's plain values set on dst (QSA's key count, PLE's token count). A state class
-    is walked by its attributes, so a state that gains an array is copied with no change here."""
+def _pairs(dst, src, out: list, fed: int | None) -> None:
+    """(dst array, src array, positions) for every array of one state object in two sessions of the
+    same shapes, and src's plain values set on dst (QSA's key count, PLE's token count). A state
+    class is walked by its attributes, so a state that gains an array is copied with no change here.
+    `positions`: a KV cache's arrays ([heads, context, ...]) hold `fed` positions that count, the
+    rest are written before any step reads them; None: the whole array counts."""
     if isinstance(src, dict):  # a Gated DeltaNet layer's {"S", "conv"}
         if dst.keys() != src.keys():
             raise ValueError(f"session copy: states with keys {sorted(dst)} and {sorted(src)}")
-        out += [(dst[k], src[k]) for k in src]
+        out += [(dst[k], src[k], None) for k in src]
         return
     if not isinstance(src, (KVCache, QSACache, PLEState)):
         raise TypeError(f"session copy: a state of type {type(src).__name__}, expected a KV cache, a QSA cache, a "
                         "PLE state or a Gated DeltaNet layer's dict")
     for name, v in vars(src).items():
         if isinstance(v, (KVCache, QSACache, PLEState)):
-            _pairs(getattr(dst, name), v, out)
+            _pairs(getattr(dst, name), v, out, fed)
         elif hasattr(v, "shape") and hasattr(v, "dtype") and not isinstance(v, ModuleType):  # a host or device array
-            out.append((getattr(dst, name), v))
+            out.append((getattr(dst, name), v, fed if isinstance(src, KVCache) else None))
         elif isinstance(v, _SCALARS):
             setattr(dst, name, v)
         # (anything else is the class's own: the array module a device state computes with, which
@@ -54,18 +56,18 @@ def _pairs(dst, src, out: list) -> None:
 
 
 def session_pairs(dst: Session, src: Session) -> list:
-    """Every (dst array, src array) of two sessions of the same context and KV kind, after setting
-    dst's position and plain values to src's."""
+    """Every (dst array, src array, positions: `_pairs`) of two sessions of the same context and KV
+    kind, after setting dst's position and plain values to src's."""
     if (dst.max_context, dst.kv) != (src.max_context, src.kv):
         raise ValueError(f"session copy: context {src.max_context} --kv {src.kv} into context {dst.max_context} "
                          f"--kv {dst.kv}")
     dst.pos, dst.spent = src.pos, src.spent
-    out = [(dst.stream, src.stream), (dst.routing, src.routing)]
+    out = [(dst.stream, src.stream, None), (dst.routing, src.routing, None)]
     for a, b in zip(dst.states, src.states, strict=True):
-        _pairs(a, b, out)
+        _pairs(a, b, out, src.pos)
     for l, st in src.ple_states.items():
-        _pairs(dst.ple_states[l], st, out)
-    for a, b in out:
+        _pairs(dst.ple_states[l], st, out, src.pos)
+    for a, b, _ in out:
         if a.shape != b.shape or a.dtype != b.dtype:
             raise ValueError(f"session copy: {b.dtype}{list(b.shape)} into {a.dtype}{list(a.shape)}")
     return out
@@ -104,12 +106,12 @@ class DeviceSessions:
         s = self._borrow(max_context, kv)
         if self._blank is None or (self._blank.max_context, self._blank.kv) != (max_context, kv):
             self._blank = Session(self.model, max_context, kv, backend=CpuBackend())
-            self._zero = [not np.any(b) for _, b in session_pairs(self._blank, self._blank)]
-        for (d, b), zero in zip(session_pairs(s, self._blank), self._zero, strict=True):
-            if zero:  # (on the device: a fill there, nothing copied up)
+            self._zero = [not np.any(b) for _, b, _ in session_pairs(self._blank, self._blank)]
+        for (d, b, _), zero in zip(session_pairs(s, self._blank), self._zero, strict=True):
+            if zero:  # (on the device: a fill there, nothing copied up; every position, whoever wrote it)
                 d.fill(0)
             else:
-                self._up(d, b)
+                self._up(d, b, None)
         return s
 
     def snapshots(self, session: Session) -> list | None:
@@ -127,11 +129,13 @@ class DeviceSessions:
         """A host copy of the lent session for the conversation cache; the device one is given back."""
         host = Session(self.model, session.max_context, session.kv, backend=CpuBackend())
         try:
-            for h, d in session_pairs(host, session):
-                if self.rt.is_array(d):
-                    self.rt.copy_out(h, d)
-                else:
+            for h, d, n in session_pairs(host, session):
+                if not self.rt.is_array(d):
                     np.copyto(h, d)
+                elif n is None:
+                    self.rt.copy_out(h, d)
+                elif n:  # (the fed positions only: a strided view, so through a contiguous copy)
+                    h[:, :n] = self.rt.to_host(d[:, :n])
         finally:  # (a failed copy loses the parked copy, never the placed session)
             self.give(session)
         return host
@@ -139,12 +143,16 @@ class DeviceSessions:
     def resume(self, parked: Session) -> Session:
         """A placed session holding a parked one's states."""
         s = self._borrow(parked.max_context, parked.kv)
-        for d, h in session_pairs(s, parked):
-            self._up(d, h)
+        for d, h, n in session_pairs(s, parked):
+            self._up(d, h, n)
         return s
 
-    def _up(self, d, h) -> None:
-        if self.rt.is_array(d):
-            self.rt.copy_in(d, np.ascontiguousarray(h))
-        else:
+    def _up(self, d, h, n: int | None) -> None:
+        if not self.rt.is_array(d):
             np.copyto(d, h)
+        elif n is None:
+            self.rt.copy_in(d, np.ascontiguousarray(h))
+        elif n:  # the fed positions: up into a contiguous buffer, then into the strided view on the device
+            tmp = self.rt.empty((d.shape[0], n, *d.shape[2:]), d.dtype)
+            self.rt.copy_in(tmp, np.ascontiguousarray(h[:, :n]))
+            d[:, :n] = tmp

@@ -157,14 +157,68 @@ def test_a_session_copy_takes_every_array_its_memory_counts(model, qwen4exp, rt,
     m = model if arch == "qwen35moe" else qwen4exp
     dev = Session(m, 32, "int8", backend=DeviceBackend(rt, None))
     host = Session(m, 32, "int8", backend=CpuBackend())
+    dev.pos = 5
     pairs = session_pairs(host, dev)
+    assert host.pos == 5
     for s in (dev, host):
         counted = sum(s.memory().values()) + s.routing.nbytes
-        assert sum(b.nbytes for _, b in pairs) == counted
-    assert all(a is not b for a, b in pairs)
-    walked = {id(b) for _, b in pairs}
+        assert sum(b.nbytes for _, b, _ in pairs) == counted
+    assert all(a is not b for a, b, _ in pairs)
+    # a KV cache's keys and values (and int8's scales) count for the 5 positions fed; the rest whole
+    kv = [st.kv if isinstance(st, QSACache) else st for st in dev.states if isinstance(st, (KVCache, QSACache))]
+    kv_ids = {id(getattr(c, a)) for c in kv for a in ("k", "v", "k_scale", "v_scale")}
+    assert len(kv_ids) == 4 * len(kv) > 0
+    assert {id(b) for _, b, n in pairs if n is not None} == kv_ids and {n for _, _, n in pairs} == {None, 5}
+    walked = {id(b) for _, b, _ in pairs}
     if arch == "qwen4exp":  # (QSA's stores and PLE's ring and window among them)
         qsa = [st for st in dev.states if isinstance(st, QSACache)]
         assert qsa and m.ple
         assert all(id(a) in walked for st in qsa for a in (st.kv.k, st.kv.k_scale, st.idx_keys, st.idx_blocks))
         assert all(id(p.ring) in walked and id(p.window) in walked for p in dev.ple_states.values())
+
+
+def test_strata_serve_gpu_step_device_answers_as_it_does_alone(model, pack_dir, rt, capsys, monkeypatch):
+    """The command: `strata serve --device gpu --gpu-step device --spec 2 --batch 2 --batch-mtp` starts
+    the tier with two placed sessions and its head on the device, and its answers (through the HTTP
+    app, uvicorn's loop replaced by a client of the app) are the device step's alone."""
+    from fastapi.testclient import TestClient
+
+    from strata.engine import cli
+    from strata.engine.kernels import gpu
+
+    monkeypatch.setattr(gpu, "available", lambda: (True, "the test's runtime"))  # (the emulation has no CuPy device)
+    rng = np.random.default_rng(9)
+    prompts = [rng.integers(3, model.geometry.n_vocab, 7).tolist(), rng.integers(3, model.geometry.n_vocab, 5).tolist()]
+    got = {}
+
+    class Server:  # uvicorn.Server's part that _serve uses: run() until stopped
+        def __init__(self, config):
+            self.app = config.app
+
+        def run(self):
+            with TestClient(self.app) as client:
+                got["texts"] = [client.post("/v1/completions", json={
+                    "prompt": p, "max_tokens": N_NEW, "temperature": 0, "ignore_eos": True}).json() for p in prompts]
+            sessions, served = got["sessions"]
+            got["placed"] = sessions.free, len(served.draft_head.spares), served.draft_head.kept
+
+    def sessions_of(served, tier):
+        got["sessions"] = cli_sessions(served, tier), served
+        return got["sessions"][0]
+
+    cli_sessions = cli.serve_sessions
+    monkeypatch.setattr(cli, "serve_sessions", sessions_of)
+    monkeypatch.setattr(cli, "QuietSignalServer", Server)
+    rc = cli.main(["serve", str(pack_dir), "--device", "gpu", "--gpu-step", "device", "--spec", "2", "--spec-min-p", "0",
+                   "--batch", "2", "--batch-mtp", "--kv", "f32", "--prefill", "8", "-c", str(CTX), "-t", "1"])
+    err = capsys.readouterr().err
+    assert rc == 0, err
+    assert "draft head: the MTP block on the device" in err and "the GPU tier, --gpu-step device" in err, err
+    assert isinstance(got["sessions"][0], DeviceSessions) and got["placed"] == (2, 2, 2)
+    tok = Tokenizer.load(pack_dir / "tokenizer.txt")
+    tier = tier_of(model, batch=1)
+    try:
+        want = [tok.decode(alone(model, p)) for p in prompts]
+    finally:
+        tier.stop()
+    assert [r["choices"][0]["text"] for r in got["texts"]] == want
