@@ -2,7 +2,7 @@
 streams through `strata serve`'s scheduler (`--batch N` = the number of streams), on one pack.
 
     python benchmarks/serve_streams.py PACK [--streams 1,2,4,8] [--prompt 64] [--tokens 32] [--chunk 1024]
-                                       [--threads N] [--device cpu|gpu] [--rounds 2]
+                                       [--threads N] [--device cpu|gpu [--gpu-step host|device]] [--rounds 2]
                                        [--spec N [--drafters oracle,right:0.7,right:0.43] [--verify batch,slot]]
 
 Each configuration submits N requests at once (distinct random prompts of --prompt token ids, --tokens
@@ -17,10 +17,14 @@ the configurations interleaved round by round). Every request's tokens must equa
 N = 1 (the benchmark fails otherwise). The scheduler is the server's without HTTP: the figures are
 the engine's and the worker's, not the network's.
 
-With --spec N (CPU) each stream count runs with --spec 0 and then with each drafter (the --spec 0
-run's tokens named right with probability P: engine/speculative.py ReferenceDrafter) verified with
+With --spec N each stream count runs with --spec 0 and then with each drafter (the --spec 0 run's
+tokens named right with probability P: engine/speculative.py ReferenceDrafter) verified with
 --batch-mtp ("batch": every request's verify rows in one forward) and per request ("slot"); the
 table gives each against --spec 0 at the same stream count.
+
+--device gpu --gpu-step device serves as `strata serve --gpu-step device` does: the tier places
+as many sessions as the most streams (with --spec, their snapshots), and the requests run in them
+(engine/tier/sessions.py).
 """
 
 from __future__ import annotations
@@ -37,13 +41,13 @@ CLOCK = time.perf_counter  # --clock cpu: time.process_time
 
 
 def run_streams(model, tok, n: int, prompts, tokens: int, chunk: int, ctx: int, spec: int = 0, batch_mtp: bool = False,
-                drafter=None):
+                drafter=None, sessions=None):
     from strata.engine.sampling import SamplerParams
     from strata.engine.scheduler import ConversationCache, Job, Scheduler, run_and_wait
 
     stamps: list[list[float]] = [[] for _ in range(n)]  # each request's token times (worker thread)
     sch = Scheduler(model, tok, max_context=ctx, kv="f16", chunk=chunk, max_queue=n, cache=ConversationCache(0, 0),
-                    batch=n, spec=spec, batch_mtp=batch_mtp, drafter=drafter)
+                    batch=n, spec=spec, batch_mtp=batch_mtp, drafter=drafter, sessions=sessions)
     jobs = [Job(prompt=prompts[i], max_tokens=tokens, params=SamplerParams(temperature=0), ignore_eos=True,
                 on_token=lambda _t, k=i: stamps[k].append(CLOCK())) for i in range(n)]
     t0 = CLOCK()
@@ -69,6 +73,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--chunk", type=int, default=1024, help="the prompt path's chunk")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--device", default="cpu", choices=("cpu", "gpu"))
+    ap.add_argument("--gpu-step", default="host", choices=("host", "device"), help="with --device gpu: strata serve's "
+                    "--gpu-step")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--clock", default="wall", choices=("wall", "cpu"),
                     help="cpu: the process's CPU time instead of wall time, for a machine other work keeps busy "
@@ -93,9 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     p, model, load_s = load_model(a.pack, None, None, a.threads, "serve_streams", a.chunk if a.chunk > 1 else 0)
     tok, g = Tokenizer.load(a.pack / "tokenizer.txt"), p.geometry
     ctx = a.prompt + a.tokens + 1
-    tier = None
-    if a.device == "gpu":
-        tier = start_tier(model, "gpu", max_context=ctx, kv="f16", chunk=a.chunk, who="serve_streams")
+    tier, sessions = start(model, a, ctx, max(streams))
     rng = np.random.default_rng(0)
     prompts = [rng.integers(300, g.n_vocab, a.prompt).tolist() for _ in range(max(streams))]
     best: dict[int, float] = {}
@@ -103,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     alone: dict[int, list[int]] = {}  # request i's tokens the first time it ran
     for r in range(a.rounds):
         for n in streams:
-            tps, first, toks = run_streams(model, tok, n, prompts, a.tokens, a.chunk, ctx)
+            tps, first, toks = run_streams(model, tok, n, prompts, a.tokens, a.chunk, ctx, sessions=sessions)
             for i, t in enumerate(toks):
                 if alone.setdefault(i, t) != t:
                     print(f"serve_streams: request {i}'s tokens at {n} streams differ from its tokens before",
@@ -116,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
         tier.stop()
     base = best[streams[0]]
     print(f"{a.pack.name}: {g.arch}, {g.n_layer} layers, {g.n_expert} experts top-{g.n_expert_used}; "
-          f"{a.device}{'' if a.threads is None else f', {a.threads} threads'}; prompt {a.prompt}, {a.tokens} tokens "
+          f"{where(a)}{'' if a.threads is None else f', {a.threads} threads'}; prompt {a.prompt}, {a.tokens} tokens "
           f"per stream, chunk {a.chunk}, --kv f16, best of {a.rounds}, {a.clock} clock")
     print()
     print("| streams | aggregate decode tok/s | vs 1 stream | time to first token (median, max) |")
@@ -125,6 +129,22 @@ def main(argv: list[str] | None = None) -> int:
         f = sorted(ttft[n])
         print(f"| {n} | {best[n]:.2f} | {best[n] / base:.2f}x | {f[len(f) // 2]:.2f} s, {f[-1]:.2f} s |")
     return 0
+
+
+def start(model, a, ctx: int, most: int, spec: int = 0):
+    """--device gpu: the GPU tier (the device step's: `most` sessions placed, each with `spec`
+    snapshots) and where the requests' sessions come from (None: new ones); else (None, None)."""
+    if a.device != "gpu":
+        return None, None
+    from strata.engine.cli import serve_sessions, start_tier
+
+    tier = start_tier(model, "gpu", max_context=ctx, kv="f16", chunk=a.chunk, who="serve_streams", step=a.gpu_step,
+                      spec=spec, batch=most)
+    return tier, serve_sessions(model, tier)
+
+
+def where(a) -> str:
+    return a.device + (", --gpu-step device" if a.device == "gpu" and a.gpu_step == "device" else "")
 
 
 def spec_main(a) -> int:
@@ -147,6 +167,7 @@ def spec_main(a) -> int:
     p, model, _ = load_model(a.pack, None, None, a.threads, "serve_streams", a.chunk if a.chunk > 1 else 0)
     tok, g = Tokenizer.load(a.pack / "tokenizer.txt"), p.geometry
     ctx = a.prompt + a.tokens + 1
+    tier, sessions = start(model, a, ctx, max(streams), a.spec)
     rng = np.random.default_rng(0)
     prompts = [rng.integers(300, g.n_vocab, a.prompt).tolist() for _ in range(max(streams))]
     ref: dict[tuple, np.ndarray] = {}
@@ -159,7 +180,7 @@ def spec_main(a) -> int:
                     (lambda job, sampler, pr=pr: ReferenceDrafter(ref[tuple(job.prompt)], g.n_vocab, pr,
                                                                     seed=int(job.prompt[0])))
                 t, _, toks = run_streams(model, tok, n, prompts, a.tokens, a.chunk, ctx, 0 if pr is None else a.spec,
-                                         mode == "batch", drafter)
+                                         mode == "batch", drafter, sessions)
                 for i, x in enumerate(toks):
                     key = tuple(prompts[i])
                     if pr is None and key not in ref:
@@ -170,7 +191,9 @@ def spec_main(a) -> int:
                         return 1
                 tps.setdefault((name, n), []).append(t)
                 print(f"round {r + 1}: {n} streams, {name}: {t:.2f} tok/s aggregate", file=sys.stderr)
-    print(f"{a.pack.name}: {g.arch}, {g.n_layer} layers; cpu{'' if a.threads is None else f', {a.threads} threads'}; "
+    if tier is not None:
+        tier.stop()
+    print(f"{a.pack.name}: {g.arch}, {g.n_layer} layers; {where(a)}{'' if a.threads is None else f', {a.threads} threads'}; "
           f"prompt {a.prompt}, {a.tokens} tokens per stream, --spec {a.spec}, chunk {a.chunk}, --kv f16, "
           f"{a.rounds} rounds (interleaved), {a.clock} clock; aggregate decode tok/s, best (median), and the best "
           "against --spec 0's best at the same stream count")
