@@ -288,6 +288,15 @@ def gpu_options(device: str, expert_cache: str, vram_budget_mib: int | None, vra
     return int(expert_cache)
 
 
+def tier_options(device, expert_cache, expert_profile, vram_budget_mib, vram_reserve_mib, gpu_step, stream_min_tokens,
+                 stream_layer_tokens, pin_gguf) -> dict:
+    """strata serve's and chat's GPU tier flags, checked, as start_tier's keywords."""
+    gpu_options(device, expert_cache, vram_budget_mib, vram_reserve_mib)
+    return dict(device=device, expert_cache=expert_cache, expert_profile=expert_profile, vram_budget_mib=vram_budget_mib,
+                vram_reserve_mib=vram_reserve_mib, step=gpu_step, stream_min_tokens=stream_option(stream_min_tokens),
+                stream_layer_tokens=layer_stream_option(stream_layer_tokens), stream_register=pin_gguf)
+
+
 def stream_option(value: str) -> int | None:
     from strata.engine.arguments import parse_stream_min_tokens
 
@@ -873,12 +882,9 @@ def serve(
         raise _fail(f"--gpu-step {gpu_step!r}: expected host or device", 2, who)
     try:
         pack = resolve_pack(pack_arg, pack)
-        gpu_options(device, expert_cache, vram_budget_mib, vram_reserve_mib)
         # (the device step: each request drafts and verifies on the card, in the sessions it placed)
-        tier = dict(device=device, expert_cache=expert_cache, expert_profile=expert_profile,
-                    vram_budget_mib=vram_budget_mib, vram_reserve_mib=vram_reserve_mib, step=gpu_step,
-                    stream_min_tokens=stream_option(stream_min_tokens),
-                    stream_layer_tokens=layer_stream_option(stream_layer_tokens), stream_register=pin_gguf)
+        tier = tier_options(device, expert_cache, expert_profile, vram_budget_mib, vram_reserve_mib, gpu_step,
+                            stream_min_tokens, stream_layer_tokens, pin_gguf)
         _serve(pack, host, port, api_key, max_queue, batch, cache_slots, cache_mib, model_name, max_context, kv, prefill,
                pool_workers, native, ple_gguf, who, tier, spec, spec_min_p, batch_mtp)
     except KeyboardInterrupt:
@@ -1000,37 +1006,82 @@ def chat(
     kv: str = typer.Option("f16", "--kv", help="KV cache type: f16, int8 or f32 (exact)"),
     prefill: str = typer.Option("auto", "--prefill", help="the prompt in chunks of CHUNK tokens, auto or off"),
     pool_workers: Optional[int] = threads_option(),
+    device: str = device_option(),
+    expert_cache: str = expert_cache_option(),
+    expert_profile: Optional[Path] = expert_profile_option(),
+    vram_budget_mib: Optional[int] = vram_budget_option(),
+    vram_reserve_mib: int = vram_reserve_option(),
+    gpu_step: str = gpu_step_option(),
+    stream_min_tokens: str = stream_min_tokens_option(),
+    stream_layer_tokens: str = stream_layer_tokens_option(),
+    pin_gguf: bool = pin_gguf_option(),
+    native: Optional[Path] = native_option(),
+    ple_gguf: Optional[Path] = ple_gguf_option(),
+    spec: int = typer.Option(0, "--spec", help="speculative decoding: each reply drafts up to N tokens per step with "
+                             "the pack's MTP block and verifies them in one forward (the reply is the same); 0 is plain "
+                             "decoding"),
+    spec_min_p: float = typer.Option(0.75, "--spec-min-p", help="with --spec: stop drafting when the draft's top "
+                                     "probability is below P"),
     stats: bool = typer.Option(False, "--stats", help="after each reply, print to stderr the prompt tokens fed, "
-                               "those taken from the conversation cache, and the reply's speed"),
+                               "those taken from the conversation cache, and the reply's speed; with --spec also "
+                               "the drafts kept and tokens per verification so far"),
 ) -> None:
     """Chat in the terminal: each line you type is a user turn; Ctrl-C stops a reply, Ctrl-D exits."""
     who = "strata chat"
     if n < 1:
         raise _fail(f"-n {n}: expected >= 1", 2, who)
+    spec_options(spec, spec_min_p, "mtp", who)
+    if gpu_step not in ("host", "device"):
+        raise _fail(f"--gpu-step {gpu_step!r}: expected host or device", 2, who)
     try:
         pack = resolve_pack(pack_arg, pack)
         params = sampler_options(temp, top_k, top_p, min_p, repeat_penalty, seed)
-        _chat(pack, system, think, n, ignore_eos, params, max_context, kv, prefill, pool_workers, stats, who)
+        tier = tier_options(device, expert_cache, expert_profile, vram_budget_mib, vram_reserve_mib, gpu_step,
+                            stream_min_tokens, stream_layer_tokens, pin_gguf)
+        _chat(pack, system, think, n, ignore_eos, params, max_context, kv, prefill, pool_workers, stats, who,
+              native, ple_gguf, tier, spec, spec_min_p)
     except KeyboardInterrupt:
         typer.echo("", err=True)  # Ctrl-C at the prompt: leave as Ctrl-D does
     except _INPUT_ERRORS as e:
         raise _fail(str(e), 1, who) from None
 
 
-def _chat(pack, system, think, n, ignore_eos, params, max_context, kv, prefill, pool_workers, stats, who) -> None:
+def _chat(pack, system, think, n, ignore_eos, params, max_context, kv, prefill, pool_workers, stats, who, native=None,
+          ple_gguf=None, tier_flags=None, spec=0, spec_min_p=0.75) -> None:
+    from strata.engine.budget import PREFILL_AUTO_CHUNK_CPU, session_host_bytes, spec_host_bytes
     from strata.engine.pack_reader import read_pack_geometry
-    from strata.engine.scheduler import ConversationCache, Job, Scheduler
     from strata.engine.tokenizer import Tokenizer
 
+    tier_flags = tier_flags or dict(device="cpu")
     option = engine_options(kv, prefill)
     g = read_pack_geometry(pack)
     tok = Tokenizer.load(Path(pack) / "tokenizer.txt")
-    check_context(who, g, kv, max_context, "--ctx-size")
-    p, model, _ = load_model(pack, None, None, pool_workers, who, option)
-    chunk = prefill_chunk(option, p.geometry, max_context, "cpu")
+    if spec and not g.n_mtp_layer:
+        raise ValueError(f"--spec {spec} drafts with the pack's MTP block and {pack} has none (convert the GGUF with "
+                         "its MTP block, or the MTP-only GGUF with strata-pack convert --mtp PATH)")
+    # with --spec, its snapshots and head; with the device step, the parked turn is a host copy beside it
+    chunk = option if option is not None else PREFILL_AUTO_CHUNK_CPU  # auto: at most the CPU's start
+    extra = spec_host_bytes(g, max_context, kv, spec, True, chunk) if spec else 0
+    if tier_flags["device"] != "cpu" and tier_flags.get("step") == "device":
+        extra += session_host_bytes(g, max_context, kv)
+    check_context(who, g, kv, max_context, "--ctx-size", extra_bytes=extra, extra_what=" and --spec's state" if spec else "")
+    p, model, _ = load_model(pack, native, ple_gguf, pool_workers, who, option)
+    chunk = prefill_chunk(option, p.geometry, max_context, tier_flags["device"])
+    tier = start_tier(model, max_context=max_context, kv=kv, chunk=chunk, who=who, spec=spec, draft=bool(spec),
+                      **tier_flags)
+    with stopping(tier):
+        _converse(model, tok, p, tier, system, think, n, ignore_eos, params, max_context, kv, chunk, stats, who, spec,
+                  spec_min_p)
+
+
+def _converse(model, tok, p, tier, system, think, n, ignore_eos, params, max_context, kv, chunk, stats, who, spec,
+              spec_min_p) -> None:
+    from strata.engine.scheduler import ConversationCache, Job, Scheduler
+
     # one parked session: turn n+1 extends turn n, so it feeds only its own new tokens
     scheduler = Scheduler(model, tok, max_context=max_context, kv=kv, chunk=chunk, max_queue=0,
-                          cache=ConversationCache(1, 1 << 62), check=p.check_unchanged)
+                          cache=ConversationCache(1, 1 << 62), check=p.check_unchanged, spec=spec,
+                          spec_min_p=spec_min_p, sessions=serve_sessions(model, tier))
     messages = [{"role": "system", "content": system}] if system is not None else []
     extra = {} if think is None else {"enable_thinking": think}
     typer.echo(f"{who}: type a message and Enter; Ctrl-C stops a reply, Ctrl-D exits", err=True)
@@ -1057,9 +1108,13 @@ def _chat(pack, system, think, n, ignore_eos, params, max_context, kv, prefill, 
             messages = turn + [{"role": "assistant", "content": job.text}]
             if stats and done.result is not None:
                 r = done.result
+                st = scheduler.spec_stats  # (--spec: the conversation's drafting so far)
+                drafting = "" if st is None else (
+                    f"; --spec {spec}: {int(st.accepted.sum())} of {int(st.drafted.sum())} drafts kept, "
+                    f"{st.verifications} verifications, {st.tokens_per_verification():.2f} tokens each")
                 typer.echo(f"{who}: prompt {len(ids)} tokens, {job.resumed} from the conversation cache, "
                            f"{len(ids) - job.resumed} fed; reply {len(r.tokens)} tokens in "
-                           f"{time.perf_counter() - t0:.2f} s", err=True)
+                           f"{time.perf_counter() - t0:.2f} s{drafting}", err=True)
     finally:
         scheduler.close()
 

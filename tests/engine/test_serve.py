@@ -608,6 +608,29 @@ def test_chat_keeps_the_conversation(pack_dir, engine, capsys, monkeypatch):
     assert err.count("strata chat: prompt ") == 2 and f"prompt {len(ids)} tokens" in err
 
 
+def test_chat_with_spec_replies_as_without(tmp_path_factory, pack_dir, capsys, monkeypatch):
+    """strata chat --spec 2 (the pack's MTP block drafting, every draft kept to try: --spec-min-p 0):
+    two greedy turns reply as --spec 0's; a pack without the block is refused before the load."""
+    mtp = F.make_pack(tmp_path_factory.mktemp("chat-mtp"), n_mtp_layer=1, mtp_shared_head_norm=1)
+    replies = []
+    for spec in ("0", "2"):
+        monkeypatch.setattr("sys.stdin", io.StringIO("hi\nmore\n"))
+        assert main(["chat", str(mtp), "-t", "1", "--temp", "0", *EXACT, "-n", "6", "--ignore-eos", "--spec", spec,
+                     "--spec-min-p", "0", "--stats"]) == 0
+        out, err = capsys.readouterr()
+        replies.append(out)
+        assert err.count("reply 6 tokens") == 2, err
+        drafting = re.findall(r"--spec 2: (\d+) of (\d+) drafts kept, (\d+) verifications", err)
+        if spec == "2":  # (six tokens a turn: the first from the prompt, five from verifications of 1 + 2 rows)
+            assert len(drafting) == 2 and int(drafting[-1][1]) > 0 and int(drafting[-1][2]) >= 4, err
+        else:
+            assert drafting == [], err
+    assert replies[0] == replies[1] and len(replies[0].split("\n")) >= 3
+    monkeypatch.setattr("sys.stdin", io.StringIO("hi\n"))
+    assert main(["chat", str(pack_dir), "-t", "1", *EXACT, "--spec", "2"]) == 1
+    assert "--spec 2 drafts with the pack's MTP block" in capsys.readouterr().err
+
+
 def test_chat_refuses_a_conversation_past_the_context(pack_dir, capsys, monkeypatch):
     monkeypatch.setattr("sys.stdin", io.StringIO("x" * 300 + "\n"))
     assert main(["chat", str(pack_dir), "-t", "1", *EXACT]) == 1

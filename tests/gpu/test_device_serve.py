@@ -13,6 +13,8 @@ What must hold, with --gpu-step device:
 
 from __future__ import annotations
 
+import io
+import re
 import threading
 
 import engine_fixture as F
@@ -222,3 +224,26 @@ def test_strata_serve_gpu_step_device_answers_as_it_does_alone(model, pack_dir, 
     finally:
         tier.stop()
     assert [r["choices"][0]["text"] for r in got["texts"]] == want
+
+
+def test_strata_chat_on_the_device_step_drafts_there_and_replies_as_without(pack_dir, rt, capsys, monkeypatch):
+    """strata chat --device gpu --gpu-step device: two greedy turns with --spec 2 (the device head
+    drafting, the turn parked in host memory between them) reply as --spec 0's on the same step."""
+
+    from strata.engine import cli
+    from strata.engine.kernels import gpu
+
+    monkeypatch.setattr(gpu, "available", lambda: (True, "the test's runtime"))  # (the emulation has no CuPy device)
+    replies = []
+    for spec in ("0", "2"):
+        monkeypatch.setattr("sys.stdin", io.StringIO("hi\nmore\n"))
+        rc = cli.main(["chat", str(pack_dir), "--device", "gpu", "--gpu-step", "device", "-t", "1", "--temp", "0",
+                       "--kv", "f32", "--prefill", "8", "-c", "96", "-n", "5", "--ignore-eos", "--spec", spec,
+                       "--spec-min-p", "0", "--stats"])
+        out, err = capsys.readouterr()
+        assert rc == 0, err
+        assert ("draft head: the MTP block on the device" in err) == (spec == "2"), err
+        assert err.count("reply 5 tokens") == 2, err
+        assert bool(re.search(r"--spec 2: \d+ of [1-9]\d* drafts kept", err)) == (spec == "2"), err
+        replies.append(out)
+    assert replies[0] == replies[1] and len(replies[0].split("\n")) >= 3
