@@ -17,6 +17,7 @@ long context's conversation moves its tokens' keys, not the context's); the othe
 
 from __future__ import annotations
 
+import contextlib
 from types import ModuleType
 
 import numpy as np
@@ -104,14 +105,15 @@ class DeviceSessions:
     def take(self, max_context: int, kv: str) -> Session:
         """A placed session, cleared to a new session's states."""
         s = self._borrow(max_context, kv)
-        if self._blank is None or (self._blank.max_context, self._blank.kv) != (max_context, kv):
-            self._blank = Session(self.model, max_context, kv, backend=CpuBackend())
-            self._zero = [not np.any(b) for _, b, _ in session_pairs(self._blank, self._blank)]
-        for (d, b, _), zero in zip(session_pairs(s, self._blank), self._zero, strict=True):
-            if zero:  # (on the device: a fill there, nothing copied up; every position, whoever wrote it)
-                d.fill(0)
-            else:
-                self._up(d, b, None)
+        with self._given_back_on_failure(s):
+            if self._blank is None or (self._blank.max_context, self._blank.kv) != (max_context, kv):
+                self._blank = Session(self.model, max_context, kv, backend=CpuBackend())
+                self._zero = [not np.any(b) for _, b, _ in session_pairs(self._blank, self._blank)]
+            for (d, b, _), zero in zip(session_pairs(s, self._blank), self._zero, strict=True):
+                if zero:  # (on the device: a fill there, nothing copied up; every position, whoever wrote it)
+                    d.fill(0)
+                else:
+                    self._up(d, b, None)
         return s
 
     def snapshots(self, session: Session) -> list | None:
@@ -143,9 +145,20 @@ class DeviceSessions:
     def resume(self, parked: Session) -> Session:
         """A placed session holding a parked one's states."""
         s = self._borrow(parked.max_context, parked.kv)
-        for d, h, n in session_pairs(s, parked):
-            self._up(d, h, n)
+        with self._given_back_on_failure(s):
+            for d, h, n in session_pairs(s, parked):
+                self._up(d, h, n)
         return s
+
+    @contextlib.contextmanager
+    def _given_back_on_failure(self, session: Session):
+        """A borrowed session whose clearing or copy failed goes back (the request fails, the server
+        keeps its --batch sessions)."""
+        try:
+            yield
+        except BaseException:
+            self.give(session)
+            raise
 
     def _up(self, d, h, n: int | None) -> None:
         if not self.rt.is_array(d):

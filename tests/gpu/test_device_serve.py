@@ -247,3 +247,25 @@ def test_strata_chat_on_the_device_step_drafts_there_and_replies_as_without(pack
         assert bool(re.search(r"--spec 2: \d+ of [1-9]\d* drafts kept", err)) == (spec == "2"), err
         replies.append(out)
     assert replies[0] == replies[1] and len(replies[0].split("\n")) >= 3
+
+
+def test_a_failed_clear_or_copy_gives_the_session_back(model, rt):
+    """A borrowed session whose copy up fails (a parked state of the wrong shape) or whose clearing
+    fails goes back to the pool: the request fails, the server keeps its sessions."""
+    placed = Session(model, 16, "f32", backend=DeviceBackend(rt, None))
+    sessions = DeviceSessions(rt, model, [placed])
+    bad = Session(model, 16, "f32", backend=CpuBackend())
+    bad.stream = np.zeros((1, bad.stream.shape[1] + 1), np.float32)
+    with pytest.raises(ValueError, match="session copy"):
+        sessions.resume(bad)
+    assert sessions.free == 1
+    s = sessions.take(16, "f32")
+    assert s is placed and sessions.free == 0
+    sessions.park(s)
+    assert sessions.free == 1
+    sessions._blank = bad  # (a blank of other shapes: the clearing fails)
+    with pytest.raises(ValueError, match="session copy"):
+        sessions.take(16, "f32")
+    assert sessions.free == 1
+    with pytest.raises(ValueError, match="not lent"):
+        sessions.give(placed)
