@@ -18,7 +18,8 @@ N = 1 (the benchmark fails otherwise). The scheduler is the server's without HTT
 the engine's and the worker's, not the network's.
 
 With --spec N each stream count runs with --spec 0 and then with each drafter (the --spec 0 run's
-tokens named right with probability P: engine/speculative.py ReferenceDrafter) verified with
+tokens named right with probability P: engine/speculative.py ReferenceDrafter; or the pack's MTP
+block, its requests' chains drafted together or apart: mtp, mtp-apart) verified with
 --batch-mtp ("batch": every request's verify rows in one forward) and per request ("slot"); the
 table gives each against --spec 0 at the same stream count.
 
@@ -82,7 +83,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--spec", type=int, default=0, help="also run each stream count with --spec N (table: against "
                     "--spec 0 at the same count)")
     ap.add_argument("--drafters", default="oracle,right:0.7,right:0.43",
-                    help="with --spec: drafters from the --spec 0 tokens (oracle, wrong, right:P), comma-separated")
+                    help="with --spec: drafters from the --spec 0 tokens (oracle, wrong, right:P), or the pack's MTP "
+                    "block: mtp (the requests' chains through the head together), mtp-apart (each on its own); "
+                    "comma-separated")
     ap.add_argument("--verify", default="batch,slot", help="with --spec: batch (--batch-mtp: every request's verify "
                     "rows in one forward) and/or slot (each request's own forward)")
     a = ap.parse_args(argv)
@@ -155,11 +158,14 @@ def spec_main(a) -> int:
     if a.clock == "cpu":
         CLOCK = time.process_time
     from strata.engine.cli import load_model
+    from strata.engine import speculative
     from strata.engine.speculative import ReferenceDrafter, parse_drafter
     from strata.engine.tokenizer import Tokenizer
 
     streams = [int(x) for x in a.streams.split(",")]
-    drafters = [(d, parse_drafter(d)[1]) for d in a.drafters.split(",")]
+    # mtp: the pack's MTP block (the requests' chains through the head together); mtp-apart: each chain
+    # on its own (STRATA_DRAFT_TOGETHER=0's path); else a ReferenceDrafter right with probability P
+    drafters = [(d, d if d in ("mtp", "mtp-apart") else parse_drafter(d)[1]) for d in a.drafters.split(",")]
     modes = a.verify.split(",")
     if not set(modes) <= {"batch", "slot"}:
         print(f"serve_streams: --verify {a.verify!r}: expected batch and/or slot", file=sys.stderr)
@@ -176,11 +182,13 @@ def spec_main(a) -> int:
     for r in range(a.rounds):
         for n in streams:
             for name, pr, mode in configs:
-                drafter = None if pr is None else \
+                drafter = None if pr is None or isinstance(pr, str) else \
                     (lambda job, sampler, pr=pr: ReferenceDrafter(ref[tuple(job.prompt)], g.n_vocab, pr,
                                                                     seed=int(job.prompt[0])))
+                speculative.DRAFT_TOGETHER = pr != "mtp-apart"
                 t, _, toks = run_streams(model, tok, n, prompts, a.tokens, a.chunk, ctx, 0 if pr is None else a.spec,
                                          mode == "batch", drafter, sessions)
+                speculative.DRAFT_TOGETHER = True
                 for i, x in enumerate(toks):
                     key = tuple(prompts[i])
                     if pr is None and key not in ref:

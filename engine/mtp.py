@@ -134,12 +134,34 @@ class MTPHead:
         be = self.backend
         if T == 1 and hasattr(be, "verify_step"):  # the device's draft step: one replayed graph
             return self._device_step(state, h, tokens, pos, logits)
-        self._block(state, self._on(self._embed(tokens)), self._on(h), T, pos, logits)
+        self._block([Seq(state, 0, T, pos)], self._on(self._embed(tokens)), self._on(h), T, self.y,
+                    self._out if logits else None)
         return self._finish(logits)
 
-    def _block(self, state: KVCache, e, h, T: int, pos: int, logits: bool) -> None:
-        """The block on T pairs whose embedding rows e and head inputs h are the backend's: y into
-        `self.y`, and with `logits` the draft logits into `self._out`."""
+    def forward_rows(self, states: list, h: np.ndarray, tokens, poses) -> tuple[np.ndarray, np.ndarray]:
+        """One pair each of B chains (strata serve's requests drafting together), pair i at head position
+        poses[i] of states[i], in one pass over the block's and the head's weights -> (the draft logits
+        f32 [B, n_vocab], y f32 [B, E]: each chain's next h), arrays of their own. Each row's numbers
+        are the ones `forward` gives its pair alone: a product keeps a row's bits whatever its batch,
+        the attention reads each row's own cache and the MoE sums each row apart (as the trunk's
+        forward_batch). The head on the host only (on the device step each draft is a replayed graph)."""
+        if self._device:
+            raise ValueError("MTPHead.forward_rows: the head on the device drafts chain by chain (its captured steps)")
+        B = len(states)
+        bad = [int(t) for t in tokens if not 0 <= t < self.n_vocab]
+        if bad:
+            raise ValueError(f"token id {bad[0]} outside the vocabulary 0..{self.n_vocab - 1}")
+        y, out = Input(np.empty((B, self.E), F32)), np.empty((B, self.n_vocab), F32)
+        seqs = [Seq(st, i, i + 1, int(p)) for i, (st, p) in enumerate(zip(states, poses, strict=True))]
+        self._block(seqs, self._embed(tokens), np.ascontiguousarray(h, F32).reshape(B, self.E), B, y, out)
+        if self.backend.experts is not None:
+            self.backend.experts.settle()
+        return out, y.x
+
+    def _block(self, seqs: list, e, h, T: int, y: Input, out) -> None:
+        """The block on T pairs of the sequences `seqs` (Seq: rows, head KV cache, position) whose
+        embedding rows e and head inputs h are the backend's: the last rows' y into `y` (as many as it
+        has rows), and with `out` their draft logits there."""
         be, E, eps, sc = self.backend, self.E, self.eps, self.backend.scratch
         en, hn = sc("mtp.e", (T, E)), sc("mtp.h", (T, E))
         be.rmsnorm(e, self.enorm, eps, en)
@@ -150,12 +172,12 @@ class MTPHead:
         x = be.linear(self.eh_proj, Input(cat), sc("mtp.x", (T, E)))
         xin = sc("mtp.xin", (T, E))
         be.rmsnorm(x, self.attn_norm, eps, xin)
-        x += self.attn.forward(be, [Seq(state, 0, T, pos)], Input(xin))
+        x += self.attn.forward(be, seqs, Input(xin))
         be.rmsnorm(x, self.ffn_norm, eps, xin)
         x += self.moe.forward(be, Input(xin), self.routing)
-        be.rmsnorm(x[T - 1 :], self.head_norm, eps, self.y.x)
-        if logits:
-            be.linear(self.head, self.y.changed(), self._out)
+        be.rmsnorm(x[T - y.x.shape[0] :], self.head_norm, eps, y.x)
+        if out is not None:
+            be.linear(self.head, y.changed(), out)
 
     def _finish(self, logits: bool):
         """After the block: the draft logits on the host (or None), the head's routing counts settled."""
@@ -205,7 +227,7 @@ class MTPHead:
             hb[...] = h.reshape(1, E)
 
         def run():
-            self._block(state, e, hb, 1, pos, logits)
+            self._block([Seq(state, 0, 1, pos)], e, hb, 1, self.y, self._out if logits else None)
             if pick is not None:
                 be.queue_pick_rows(self._out, pick)
                 be.queue_top_prob(self._out[0])

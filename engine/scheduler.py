@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -420,6 +421,10 @@ class Scheduler:
         slots = list(self._active)
         if not slots:
             return
+        if self.spec:
+            slots = self._draft_together(slots)
+            if not slots:
+                return
         feeds = [s.run.feed() for s in slots]
         try:
             if self.spec and (not self.batch_mtp or len(slots) == 1):
@@ -449,6 +454,30 @@ class Scheduler:
                 s.job.error, done = e, True
             if done:
                 self._finish(s)
+
+    def _draft_together(self, slots: list) -> list:
+        """The requests whose drafters share the MTP head on the host draft their next chains together
+        (engine/speculative.py draft_together: one forward of the head a chain position for all of
+        them, where each alone would read its weights again); the drafts wait in each run for its feed.
+        -> the slots still running (a drafting failure fails the requests it was drafting for)."""
+        from .speculative import draft_together
+
+        jobs = [(s, s.run.draft_job()) for s in slots]
+        jobs = [(s, j) for s, j in jobs if j is not None]
+        if len(jobs) < 2:
+            return slots
+        t0 = time.perf_counter()
+        try:
+            got = draft_together([j for _, j in jobs])
+        except BaseException as e:  # noqa: BLE001 - the requests it drafted for fail, not the worker
+            for s, _ in jobs:
+                s.job.error = e
+                self._finish(s)
+            return [s for s in slots if any(s is a for a in self._active)]
+        self.spec_stats.draft_s += time.perf_counter() - t0
+        for (s, _), drafted in zip(jobs, got):
+            s.run.ready = drafted
+        return slots
 
     def _finish(self, slot: _Slot) -> None:
         job, stop = slot.job, slot.stop

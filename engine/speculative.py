@@ -43,6 +43,7 @@ and the benchmark holds the acceptance where it wants it (benchmarks/spec.py).
 from __future__ import annotations
 
 import copy
+import os
 import time
 from collections.abc import Sequence
 
@@ -107,6 +108,10 @@ def roll_back(session: Session, snap: Snapshot | None, pos: int) -> None:
 
 
 # --- drafters -------------------------------------------------------------------------------------
+
+# strata serve's requests drafting with the MTP head on the host draft their chains together
+# (draft_together); STRATA_DRAFT_TOGETHER=0 drafts each request's chain on its own, to time the two
+DRAFT_TOGETHER = os.environ.get("STRATA_DRAFT_TOGETHER", "1") != "0"
 
 
 class Drafter:
@@ -175,31 +180,50 @@ class MTPDrafter(Drafter):
         self.pending[0] = rows[-1]
         self.pending_pos = first + rows.shape[0] - 1
 
+    @property
+    def together(self) -> bool:
+        """Whether its chains may be drafted beside other drafters' (`draft_together`): the head on the
+        host. On the device each draft is a captured step of its own (MTPHead._device_step)."""
+        return DRAFT_TOGETHER and not self.head._device
+
     def draft(self, history, n_known, n):
-        P = n_known - 1  # the last known token's position (not fed); the pending row is P - 1
-        if self.pending_pos != P - 1:
-            raise ValueError(f"MTP drafter: its last trunk row is at {self.pending_pos}, expected {P - 1}")
-        tokens, qs = [], []
+        self._check_pending(n_known)
         banned = self.sampler.pick if self.sampler.params.greedy else None
         if banned is not None and getattr(self.head, "picks", False):  # greedy on the device: only the picks come down
-            return self._draft_on_device(history, P, n, banned)
+            return self._draft_on_device(history, n_known - 1, n, banned)
+        if self.together:
+            return draft_together([(self, history, n_known, n)])[0]
+        P = n_known - 1  # the last known token's position (not fed); the pending row is P - 1
+        tokens, qs = [], []
         logits = self.head.forward(self.state, self.pending, history[P : P + 1], P - 1)
         self.pending_pos = -1  # its pair is in the head's KV now
         hist = np.empty(n_known + n, np.int64)
         hist[:n_known] = history[:n_known]
         for i in range(n):
-            top = float(logits.max())
-            if 1.0 / float(np.exp(logits.astype(np.float64) - top).sum()) < self.min_p:
+            got = self._pick(logits, hist, n_known, i)
+            if got is None:
                 break
-            # q: what the draw is made from (the acceptance rule needs it); greedy, the argmax outright
-            q = None if self.sampler.params.greedy else self.sampler.distribution(logits, hist[: n_known + i]).copy()
-            d = int(self.sampler.sample(logits, hist[: n_known + i]))
-            tokens.append(d)
-            qs.append(q)
-            hist[n_known + i] = d
+            tokens.append(got[0])
+            qs.append(got[1])
             if i + 1 < n:
-                logits = self.head.forward(self.state, self.head.y.x, np.array([d]), P + i)
+                logits = self.head.forward(self.state, self.head.y.x, np.array([got[0]]), P + i)
         return tokens, qs
+
+    def _check_pending(self, n_known: int) -> None:
+        if self.pending_pos != n_known - 2:  # (the last known token is at n_known - 1, not fed; its row before it)
+            raise ValueError(f"MTP drafter: its last trunk row is at {self.pending_pos}, expected {n_known - 2}")
+
+    def _pick(self, logits, hist: np.ndarray, n_known: int, i: int):
+        """The chain's draft i from its logits -> (token, q), written into hist[n_known + i]; None where
+        drafting stops: the logits' top probability (softmax, temperature 1) below --spec-min-p."""
+        top = float(logits.max())
+        if 1.0 / float(np.exp(logits.astype(np.float64) - top).sum()) < self.min_p:
+            return None
+        # q: what the draw is made from (the acceptance rule needs it); greedy, the argmax outright
+        q = None if self.sampler.params.greedy else self.sampler.distribution(logits, hist[: n_known + i]).copy()
+        d = int(self.sampler.sample(logits, hist[: n_known + i]))
+        hist[n_known + i] = d
+        return d, q
 
     def _draft_on_device(self, history, P: int, n: int, banned: np.ndarray) -> tuple[list[int], list]:
         """`draft` greedy with the head on the device step: each draft's argmax (the banned ids never)
@@ -214,6 +238,46 @@ class MTPDrafter(Drafter):
             if i + 1 < n:
                 d, top = self.head.pick(self.state, self.head.y.x, d, P + i, banned)
         return tokens, [None] * len(tokens)
+
+
+def draft_together(jobs: list) -> list[tuple[list[int], list]]:
+    """Each job's `MTPDrafter.draft(history, n_known, n)` (jobs: (drafter, history, n_known, n); the
+    drafters share one head on the host), the chains advanced side by side: at each chain position ONE
+    forward of the head (MTPHead.forward_rows) for every chain still drafting. strata serve's B
+    requests so read the head's weights (its LM head: every vocabulary row) once a position, not B
+    times. Each chain's drafts and its head KV are the ones it makes alone (forward_rows' rows are
+    `forward`'s), and each stops on its own (--spec-min-p, its n)."""
+    out: list[tuple[list[int], list]] = [([], []) for _ in jobs]
+    hists, rows = {}, []  # rows: (job, h, token, head position) of each live chain's next pair
+    for k, (d, history, n_known, n) in enumerate(jobs):
+        if n <= 0:
+            continue
+        d._check_pending(n_known)
+        P = n_known - 1
+        hists[k] = np.empty(n_known + n, np.int64)
+        hists[k][:n_known] = history[:n_known]
+        rows.append((k, d.pending[0], int(history[P]), P - 1))
+        d.pending_pos = -1  # its pair goes into the head's KV now
+    heads = {id(jobs[k][0].head) for k, *_ in rows}
+    if len(heads) > 1:
+        raise ValueError(f"draft_together: the drafters use {len(heads)} heads, expected one")
+    while rows:
+        head = jobs[rows[0][0]][0].head
+        logits, y = head.forward_rows([jobs[k][0].state for k, *_ in rows], np.stack([r[1] for r in rows]),
+                                      [r[2] for r in rows], [r[3] for r in rows])
+        live = []
+        for r, (k, _, _, pos) in enumerate(rows):
+            d, _, n_known, n = jobs[k]
+            i = len(out[k][0])
+            got = d._pick(logits[r], hists[k], n_known, i)
+            if got is None:
+                continue
+            out[k][0].append(got[0])
+            out[k][1].append(got[1])
+            if i + 1 < n:
+                live.append((k, y[r], got[0], pos + 1))
+        rows = live
+    return out
 
 
 # --- the statistics ----------------------------------------------------------------------------
@@ -262,6 +326,7 @@ class SpecRun(Run):
         rows = max(self.chunk, n_draft + 1)
         self.hidden = np.empty((rows, model.geometry.n_embd), F32) if drafter.needs_hidden else None
         self.drafts: list[int] | None = None  # the drafts being verified
+        self.ready: tuple | None = None  # the next feed's drafts, made beside other runs' (draft_job)
         self.qs: list = []
         self.n_fed = 0  # rows of the last feed
         if stats is not None and stats.drafted.size != n_draft:
@@ -273,17 +338,32 @@ class SpecRun(Run):
             tokens, n_logits = super().feed()
             self.n_fed, self.drafts = tokens.size, None
             return tokens, n_logits
-        n = min(self.n_draft, self.max_new - (self.n_tokens - self.n_prompt) - 1,
-                self.session.max_context - self.fed - 1)  # no draft past -n or the context
-        t0 = time.perf_counter()
-        drafts, qs = self.drafter.draft(self.history, self.n_tokens, n) if n > 0 else ([], [])
-        self.stats.draft_s += time.perf_counter() - t0
+        n = self._n_next()
+        if self.ready is not None:  # drafted beside other runs' (draft_job)
+            drafts, qs = self.ready
+            self.ready = None
+        else:
+            t0 = time.perf_counter()
+            drafts, qs = self.drafter.draft(self.history, self.n_tokens, n) if n > 0 else ([], [])
+            self.stats.draft_s += time.perf_counter() - t0
         tokens = np.array([self.history[self.fed], *drafts], np.int64)
         self.n_fed, self.drafts, self.qs = tokens.size, (drafts or None), qs
         return tokens, (tokens.size if drafts or self.on_logits is not None else 1)
 
     def close(self) -> None:
         self.drafter.close()
+
+    def _n_next(self) -> int:
+        return min(self.n_draft, self.max_new - (self.n_tokens - self.n_prompt) - 1,
+                   self.session.max_context - self.fed - 1)  # no draft past -n or the context
+
+    def draft_job(self):
+        """What this run's next feed drafts, where its drafter can draft beside others' (strata serve:
+        draft_together): (drafter, history, n_known, n); else None. Give the drafts to `ready`."""
+        if self.prefilled is None or self.done or not getattr(self.drafter, "together", False):
+            return None
+        n = self._n_next()
+        return (self.drafter, self.history, self.n_tokens, n) if n > 0 else None
 
     def batch_args(self, tokens):
         """The head input of every fed row (the MTP drafter reads it) and, verifying, the snapshots."""

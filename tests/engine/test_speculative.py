@@ -121,6 +121,94 @@ def test_the_mtp_head_takes_several_pairs_at_once(models):
     assert np.abs(wrong - logits).max() > 1e-3 * np.abs(logits).max()
 
 
+def test_the_head_drafts_several_chains_in_one_forward_with_each_ones_bits(models):
+    """strata serve's requests drafting together: one pair each of three chains (each head KV cache
+    caught up on its own rows, at its own position) in one forward give each chain the draft logits,
+    the y and the KV entries it gets alone, bit for bit."""
+    m = models["qwen35moe"]
+    head, E, V = MTPHead(m.pack), m.geometry.n_embd, m.geometry.n_vocab
+    rng = np.random.default_rng(6)
+    lengths = [5, 2, 9]
+    hs = [rng.standard_normal((n + 1, E)).astype(np.float32) * 3 for n in lengths]
+    toks = [rng.integers(0, V, n + 1) for n in lengths]
+
+    def caught_up():
+        states = []
+        for n, h, t in zip(lengths, hs, toks):
+            st = head.new_state(16)
+            head.forward(st, h[:n], t[:n], 0, logits=False)
+            states.append(st)
+        return states
+
+    alone, together = caught_up(), caught_up()
+    want = [(head.forward(st, h[n:], t[n:], n).copy(), head.hidden.copy()) for st, n, h, t in zip(alone, lengths, hs, toks)]
+    logits, y = head.forward_rows(together, np.stack([h[n] for n, h in zip(lengths, hs)]),
+                                  [int(t[n]) for n, t in zip(lengths, toks)], lengths)
+    assert logits.shape == (3, V) and y.shape == (3, E)
+    for i, (wl, wy) in enumerate(want):
+        assert np.array_equal(logits[i], wl) and np.array_equal(y[i], wy), f"chain {i}"
+        n = lengths[i] + 1
+        assert all(np.array_equal(a, b) for a, b in zip(alone[i].read(slice(0, n)), together[i].read(slice(0, n))))
+
+
+def three_requests(model, tok, plan, drafter, **spec):
+    """The (prompt, tokens) of `plan` as greedy requests through a --batch 3 scheduler at once, its
+    drafters made by `drafter(job, sampler)` -> (the jobs, none failed; the scheduler, closed)."""
+    from strata.engine.scheduler import ConversationCache, Job, Scheduler, run_and_wait
+
+    sch = Scheduler(model, tok, max_context=96, kv="f32", chunk=8, max_queue=8, cache=ConversationCache(0, 0),
+                    batch=3, drafter=drafter, **spec)
+    try:
+        jobs = [Job(p, k, GREEDY, ignore_eos=True) for p, k in plan]
+        with concurrent.futures.ThreadPoolExecutor(3) as pool:
+            list(pool.map(lambda j: run_and_wait(sch, j, 60), jobs))
+    finally:
+        sch.close()
+    assert all(j.error is None for j in jobs)
+    return jobs, sch
+
+
+def test_requests_drafting_together_draft_what_they_draft_alone(models):
+    """strata serve --spec 2 --batch 3 with the MTP drafter on the host: the requests' chains go
+    through the head together (one forward a chain position for every request still drafting), and
+    each request's drafts are the ones it drafts alone, its tokens --spec 0's."""
+    from strata.engine.tokenizer import Tokenizer
+
+    m = models["qwen35moe"]
+    tok = Tokenizer.load(m.pack.dir / "tokenizer.txt")
+    rng = np.random.default_rng(8)
+    plan = [(rng.integers(3, 256, n).tolist(), k) for n, k in ((9, 12), (30, 10), (4, 14))]
+
+    def serve(spec, together):
+        head, logs, rows = MTPHead(m.pack), {}, []
+        forward_rows = head.forward_rows
+        head.forward_rows = lambda states, *a: (rows.append(len(states)), forward_rows(states, *a))[1]
+
+        class Logged(MTPDrafter):
+            def _pick(self, logits, hist, n_known, i):
+                got = super()._pick(logits, hist, n_known, i)
+                self.log.append((n_known, i, None if got is None else got[0]))
+                return got
+
+        Logged.together = together
+
+        def drafter(job, sampler):
+            d = Logged(head, 96, "f32", sampler.fork(sampler.seed + 1), 0.0)
+            d.log = logs.setdefault(tuple(job.prompt), [])
+            return d
+
+        jobs, _ = three_requests(m, tok, plan, drafter, spec=spec, spec_min_p=0.0, batch_mtp=spec > 0)
+        return [j.result.tokens.tolist() for j in jobs], logs, rows
+
+    plain_tokens, _, _ = serve(0, True)
+    alone_tokens, alone, alone_rows = serve(2, False)
+    tokens, together, rows = serve(2, True)
+    assert tokens == alone_tokens == plain_tokens
+    assert len(together) == 3 and all(len(v) > 6 for v in together.values()) and together == alone
+    assert max(rows) >= 2 and alone_rows == []  # (alone: each chain through MTPHead.forward, a pair a call)
+    assert len(rows) < sum(len(v) for v in together.values())  # fewer forwards than drafts
+
+
 # --- greedy: --spec N is --spec 0 ---------------------------------------------------------------------
 
 
@@ -394,7 +482,6 @@ def test_batch_mtp_gives_the_mtp_head_the_inputs_it_gets_per_request(models):
     """The drafts do not change the output, so the text alone cannot show a head input taken from the
     wrong rows of the one forward: every request's drafts (the random head's, which depend on its
     input bits) must be the ones it makes with per-request verification."""
-    from strata.engine.scheduler import ConversationCache, Job, Scheduler, run_and_wait
     from strata.engine.speculative import Drafter
     from strata.engine.tokenizer import Tokenizer
 
@@ -424,15 +511,7 @@ def test_batch_mtp_gives_the_mtp_head_the_inputs_it_gets_per_request(models):
             inner = MTPDrafter(head, 96, "f32", sampler.fork(sampler.seed + 1), 0.0)
             return Recording(inner, logs.setdefault(tuple(job.prompt), []))
 
-        sch = Scheduler(m, tok, max_context=96, kv="f32", chunk=8, max_queue=8, cache=ConversationCache(0, 0),
-                        batch=3, spec=2, batch_mtp=batch_mtp, drafter=drafter)
-        try:
-            jobs = [Job(p, k, GREEDY, ignore_eos=True) for p, k in plan]
-            with concurrent.futures.ThreadPoolExecutor(3) as pool:
-                list(pool.map(lambda j: run_and_wait(sch, j, 60), jobs))
-        finally:
-            sch.close()
-        assert all(j.error is None for j in jobs)
+        _, sch = three_requests(m, tok, plan, drafter, spec=2, batch_mtp=batch_mtp)
         return logs, sch
 
     (per_slot, _), (batched, sch) = drafts(False), drafts(True)
