@@ -324,7 +324,18 @@ class Scheduler:
                 if closing:
                     break
                 continue
-            self._step()
+            try:
+                self._step()
+            except BaseException as e:  # noqa: BLE001 - a worker that died would leave every request waiting
+                for slot in list(self._active):
+                    slot.job.error = slot.job.error or e
+                    try:
+                        self._finish(slot)
+                    except BaseException:  # noqa: BLE001
+                        with self._lock:
+                            if slot in self._active:
+                                self._active.remove(slot)
+                        self._end(slot.job)
         # cancel whatever is still queued behind the sentinel
         while True:
             try:
@@ -425,7 +436,17 @@ class Scheduler:
             slots = self._draft_together(slots)
             if not slots:
                 return
-        feeds = [s.run.feed() for s in slots]
+        feeds, fed = [], []
+        for s in slots:  # (a feed drafts: a drafter that fails fails its request, never the worker)
+            try:
+                feeds.append(s.run.feed())
+                fed.append(s)
+            except BaseException as e:  # noqa: BLE001
+                s.job.error = e
+                self._finish(s)
+        slots = fed
+        if not slots:
+            return
         try:
             if self.spec and (not self.batch_mtp or len(slots) == 1):
                 # each request's own forward (its verify rows and head inputs); alone, the same work, and

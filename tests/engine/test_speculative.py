@@ -168,6 +168,40 @@ def three_requests(model, tok, plan, drafter, **spec):
     return jobs, sch
 
 
+def test_a_drafter_that_fails_fails_its_request_not_the_server(models):
+    """A drafter raising in the worker thread (where a request's feed drafts) fails that request with
+    its error; the request beside it gets its tokens and the server takes the next one. (Before, the
+    error killed the worker and every request waited for ever.)"""
+    from strata.engine.scheduler import ConversationCache, Job, Scheduler, run_and_wait
+    from strata.engine.tokenizer import Tokenizer
+
+    m = models["qwen35moe"]
+    tok = Tokenizer.load(m.pack.dir / "tokenizer.txt")
+    good, bad = [5, 9, 33, 70], [100, 7, 8]
+
+    class Failing(ReferenceDrafter):
+        def draft(self, history, n_known, n):
+            raise RuntimeError("the drafter broke")
+
+    def drafter(job, sampler):
+        reference = list(job.prompt) + [3] * 20
+        return (Failing if job.prompt == bad else ReferenceDrafter)(reference, m.geometry.n_vocab, 0.5, seed=1)
+
+    sch = Scheduler(m, tok, max_context=64, kv="f32", chunk=8, max_queue=8, cache=ConversationCache(0, 0), batch=2,
+                    spec=2, batch_mtp=True, drafter=drafter)
+    try:
+        jobs = [Job(p, 6, GREEDY, ignore_eos=True) for p in (good, bad)]
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            list(pool.map(lambda j: run_and_wait(sch, j, 60), jobs))
+        after = run_and_wait(sch, Job(good, 6, GREEDY, ignore_eos=True), 60)
+    finally:
+        sch.close()
+    assert isinstance(jobs[1].error, RuntimeError) and "the drafter broke" in str(jobs[1].error)
+    want = plain(m, good, n=6)[0].tokens.tolist()
+    assert jobs[0].error is None and jobs[0].result.tokens.tolist() == want
+    assert after.error is None and after.result.tokens.tolist() == want
+
+
 def test_requests_drafting_together_draft_what_they_draft_alone(models):
     """strata serve --spec 2 --batch 3 with the MTP drafter on the host: the requests' chains go
     through the head together (one forward a chain position for every request still drafting), and

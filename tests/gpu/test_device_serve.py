@@ -9,6 +9,9 @@ What must hold, with --gpu-step device:
     - a finished session parks in host memory (a CPU session's arrays, a copy), and a next turn
       resumed from it gives the tokens a cold run of the whole conversation gives;
     - the copy walks every array of a session that its memory() counts (qwen35moe and qwen4exp).
+The --spec 2 case did not end on a card (2026-12-06, an H100; its emulation passes): it is marked
+xfail there, strictly, and `strata serve` and `strata chat` refuse --spec with --gpu-step device
+until it ends.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from gpu_emu import EmuRuntime
 from strata.engine import budget as B
 from strata.engine.backend import CpuBackend
 from strata.engine.generate import generate
+from strata.engine.kernels import gpu
 from strata.engine.kvcache import KVCache
 from strata.engine.model import Model, Session
 from strata.engine.pack_reader import Pack
@@ -67,7 +71,8 @@ def run_jobs(scheduler, prompts) -> list[Job]:
     for j in jobs:
         j.on_done = lambda j: (done.append(j), len(done) == len(jobs) and ended.set())
         scheduler.submit(j)
-    assert ended.wait(1200), "the jobs did not end in 20 minutes"
+    # (the emulation takes ~40 s; on a card a wait past this is the hang seen there, not a slow run)
+    assert ended.wait(600 if isinstance(gpu.runtime(), EmuRuntime) else 120), "the jobs did not end"
     for j in jobs:
         assert j.error is None, repr(j.error)
     return jobs
@@ -106,11 +111,17 @@ def test_the_tier_places_batch_sessions_as_planned(model, rt):
 
 
 @pytest.mark.parametrize("spec", [0, 2])
-def test_serve_on_the_device_step_gives_each_request_its_tokens_alone(model, pack_dir, rt, spec, monkeypatch):
+def test_serve_on_the_device_step_gives_each_request_its_tokens_alone(model, pack_dir, rt, spec, monkeypatch, request):
     """Two requests together (--batch 2; with --spec 2, drafting on the device head and --batch-mtp),
     then each one's next turn, resumed from its session parked in host memory, and a new one in a
     session the others used: every request's tokens are the device step's alone (the next turns: a
     cold run of the whole conversation), and no session is made while serving."""
+    if spec and not isinstance(rt, EmuRuntime):
+        # 2026-12-06, an H100: this case did not end in 150 s (its emulation: ~40 s; --spec 0 passed there).
+        # The CLI refuses --spec with --gpu-step device until it does (cli.tier_options); strict, so a
+        # pass says to lift both
+        request.applymarker(pytest.mark.xfail(strict=True, reason="serve's drafting on the device head did not "
+                                              "run through on a card"))
     V = model.geometry.n_vocab
     rng = np.random.default_rng(5)
     prompts = [rng.integers(3, V, 9).tolist(), rng.integers(3, V, 4).tolist()]
@@ -179,76 +190,6 @@ def test_a_session_copy_takes_every_array_its_memory_counts(model, qwen4exp, rt,
         assert all(id(p.ring) in walked and id(p.window) in walked for p in dev.ple_states.values())
 
 
-def test_strata_serve_gpu_step_device_answers_as_it_does_alone(model, pack_dir, rt, capsys, monkeypatch):
-    """The command: `strata serve --device gpu --gpu-step device --spec 2 --batch 2 --batch-mtp` starts
-    the tier with two placed sessions and its head on the device, and its answers (through the HTTP
-    app, uvicorn's loop replaced by a client of the app) are the device step's alone."""
-    from fastapi.testclient import TestClient
-
-    from strata.engine import cli
-    from strata.engine.kernels import gpu
-
-    monkeypatch.setattr(gpu, "available", lambda: (True, "the test's runtime"))  # (the emulation has no CuPy device)
-    rng = np.random.default_rng(9)
-    prompts = [rng.integers(3, model.geometry.n_vocab, 7).tolist(), rng.integers(3, model.geometry.n_vocab, 5).tolist()]
-    got = {}
-
-    class Server:  # uvicorn.Server's part that _serve uses: run() until stopped
-        def __init__(self, config):
-            self.app = config.app
-
-        def run(self):
-            with TestClient(self.app) as client:
-                got["texts"] = [client.post("/v1/completions", json={
-                    "prompt": p, "max_tokens": N_NEW, "temperature": 0, "ignore_eos": True}).json() for p in prompts]
-            sessions, served = got["sessions"]
-            got["placed"] = sessions.free, len(served.draft_head.spares), served.draft_head.kept
-
-    def sessions_of(served, tier):
-        got["sessions"] = cli_sessions(served, tier), served
-        return got["sessions"][0]
-
-    cli_sessions = cli.serve_sessions
-    monkeypatch.setattr(cli, "serve_sessions", sessions_of)
-    monkeypatch.setattr(cli, "QuietSignalServer", Server)
-    rc = cli.main(["serve", str(pack_dir), "--device", "gpu", "--gpu-step", "device", "--spec", "2", "--spec-min-p", "0",
-                   "--batch", "2", "--batch-mtp", "--kv", "f32", "--prefill", "8", "-c", str(CTX), "-t", "1"])
-    err = capsys.readouterr().err
-    assert rc == 0, err
-    assert "draft head: the MTP block on the device" in err and "the GPU tier, --gpu-step device" in err, err
-    assert isinstance(got["sessions"][0], DeviceSessions) and got["placed"] == (2, 2, 2)
-    tok = Tokenizer.load(pack_dir / "tokenizer.txt")
-    tier = tier_of(model, batch=1)
-    try:
-        want = [tok.decode(alone(model, p)) for p in prompts]
-    finally:
-        tier.stop()
-    assert [r["choices"][0]["text"] for r in got["texts"]] == want
-
-
-def test_strata_chat_on_the_device_step_drafts_there_and_replies_as_without(pack_dir, rt, capsys, monkeypatch):
-    """strata chat --device gpu --gpu-step device: two greedy turns with --spec 2 (the device head
-    drafting, the turn parked in host memory between them) reply as --spec 0's on the same step."""
-
-    from strata.engine import cli
-    from strata.engine.kernels import gpu
-
-    monkeypatch.setattr(gpu, "available", lambda: (True, "the test's runtime"))  # (the emulation has no CuPy device)
-    replies = []
-    for spec in ("0", "2"):
-        monkeypatch.setattr("sys.stdin", io.StringIO("hi\nmore\n"))
-        rc = cli.main(["chat", str(pack_dir), "--device", "gpu", "--gpu-step", "device", "-t", "1", "--temp", "0",
-                       "--kv", "f32", "--prefill", "8", "-c", "96", "-n", "5", "--ignore-eos", "--spec", spec,
-                       "--spec-min-p", "0", "--stats"])
-        out, err = capsys.readouterr()
-        assert rc == 0, err
-        assert ("draft head: the MTP block on the device" in err) == (spec == "2"), err
-        assert err.count("reply 5 tokens") == 2, err
-        assert bool(re.search(r"--spec 2: \d+ of [1-9]\d* drafts kept", err)) == (spec == "2"), err
-        replies.append(out)
-    assert replies[0] == replies[1] and len(replies[0].split("\n")) >= 3
-
-
 def test_a_failed_clear_or_copy_gives_the_session_back(model, rt):
     """A borrowed session whose copy up fails (a parked state of the wrong shape) or whose clearing
     fails goes back to the pool: the request fails, the server keeps its sessions."""
@@ -269,3 +210,72 @@ def test_a_failed_clear_or_copy_gives_the_session_back(model, rt):
     assert sessions.free == 1
     with pytest.raises(ValueError, match="not lent"):
         sessions.give(placed)
+
+
+def test_strata_serve_gpu_step_device_answers_as_it_does_alone(model, pack_dir, rt, capsys, monkeypatch):
+    """The command: `strata serve --device gpu --gpu-step device --batch 2` starts the tier with two
+    placed sessions, and its answers (through the HTTP app, uvicorn's loop replaced by a client of the
+    app) are the device step's alone. With --spec it is refused before the load, for now."""
+    from fastapi.testclient import TestClient
+
+    from strata.engine import cli
+
+    monkeypatch.setattr(gpu, "available", lambda: (True, "the test's runtime"))  # (the emulation has no CuPy device)
+    rng = np.random.default_rng(9)
+    prompts = [rng.integers(3, model.geometry.n_vocab, 7).tolist(), rng.integers(3, model.geometry.n_vocab, 5).tolist()]
+    got = {}
+
+    class Server:  # uvicorn.Server's part that _serve uses: run() until stopped
+        def __init__(self, config):
+            self.app = config.app
+
+        def run(self):
+            with TestClient(self.app) as client:
+                got["texts"] = [client.post("/v1/completions", json={
+                    "prompt": p, "max_tokens": N_NEW, "temperature": 0, "ignore_eos": True}).json() for p in prompts]
+            got["free"] = got["sessions"].free
+
+    def sessions_of(served, tier):
+        got["sessions"] = cli_sessions(served, tier)
+        return got["sessions"]
+
+    cli_sessions = cli.serve_sessions
+    monkeypatch.setattr(cli, "serve_sessions", sessions_of)
+    monkeypatch.setattr(cli, "QuietSignalServer", Server)
+    common = ["serve", str(pack_dir), "--device", "gpu", "--gpu-step", "device", "--batch", "2", "--kv", "f32",
+              "--prefill", "8", "-c", str(CTX), "-t", "1"]
+    assert cli.main([*common, "--spec", "2"]) == 1
+    assert "--spec 2 with --gpu-step device: not available yet" in capsys.readouterr().err
+    rc = cli.main(common)
+    err = capsys.readouterr().err
+    assert rc == 0, err
+    assert "the GPU tier, --gpu-step device" in err, err
+    assert isinstance(got["sessions"], DeviceSessions) and got["free"] == 2
+    tok = Tokenizer.load(pack_dir / "tokenizer.txt")
+    tier = tier_of(model, batch=1)
+    try:
+        want = [tok.decode(alone(model, p)) for p in prompts]
+    finally:
+        tier.stop()
+    assert [r["choices"][0]["text"] for r in got["texts"]] == want
+
+
+def test_strata_chat_on_the_device_step_replies_as_generate_does(pack_dir, rt, capsys, monkeypatch):
+    """strata chat --device gpu --gpu-step device: its first reply is `strata generate --chat`'s on the
+    same step, and the next turn runs (the first parked in host memory between them). With --spec it
+    is refused before the load, for now."""
+    from strata.engine import cli
+
+    monkeypatch.setattr(gpu, "available", lambda: (True, "the test's runtime"))  # (the emulation has no CuPy device)
+    common = ["--device", "gpu", "--gpu-step", "device", "-t", "1", "--temp", "0", "--kv", "f32", "--prefill", "8",
+              "-c", "96", "-n", "5", "--ignore-eos"]
+    assert cli.main(["generate", str(pack_dir), *common, "--chat", "-p", "hi"]) == 0
+    want = capsys.readouterr().out.removesuffix("\n")
+    monkeypatch.setattr("sys.stdin", io.StringIO("hi\nmore\n"))
+    rc = cli.main(["chat", str(pack_dir), *common, "--stats"])
+    out, err = capsys.readouterr()
+    assert rc == 0, err
+    assert out.split("\n")[0] == want and err.count("reply 5 tokens") == 2, err
+    monkeypatch.setattr("sys.stdin", io.StringIO("hi\n"))
+    assert cli.main(["chat", str(pack_dir), *common, "--spec", "2"]) == 1
+    assert "--spec 2 with --gpu-step device: not available yet" in capsys.readouterr().err
