@@ -889,7 +889,7 @@ def serve(
         raise _fail(f"--gpu-step {gpu_step!r}: expected host or device", 2, who)
     try:
         pack = resolve_pack(pack_arg, pack)
-        # (the device step: each request drafts and verifies on the card, in the sessions it placed)
+        # (the device step: each request in a session its tier placed; --spec refused there for now)
         tier = tier_options(device, expert_cache, expert_profile, vram_budget_mib, vram_reserve_mib, gpu_step,
                             stream_min_tokens, stream_layer_tokens, pin_gguf, spec)
         _serve(pack, host, port, api_key, max_queue, batch, cache_slots, cache_mib, model_name, max_context, kv, prefill,
