@@ -690,7 +690,7 @@ class Model:
             return None
         if pick is not None:
             be.rt.synchronize()
-            return be.picked_rows(n_logits)
+            return be.picked_rows(n_logits, pick)
         out[...] = be.host(vl)
         return None
 

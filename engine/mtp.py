@@ -208,7 +208,7 @@ class MTPHead:
         be.top_prob_ready()
         self._device_step(state, h, np.array([token]), pos, True, banned)
         be.rt.synchronize()
-        return int(be.picked_rows(1)[0]), be.top_prob()
+        return int(be.picked_rows(1, banned)[0]), be.top_prob()
 
     def _device_step(self, state: KVCache, h, tokens, pos: int, logits: bool, pick: np.ndarray | None = None):
         """One pair on the device step's backend as a verify of one row (DeviceBackend.verify_step):

@@ -910,7 +910,7 @@ class DeviceBackend(CpuBackend):
         self._copy_graphs = ByIdentity(COPY_GRAPHS)  # `copy_arrays`: arrays -> [their copies' graph, or None before the capture]
         self.verify_graphs = VERIFY_GRAPHS  # verify_step may capture and replay (VERIFY_GRAPHS)
         self.stream_retaken = 0  # steps that found another stream current (CupyRuntime.retake_stream)
-        self._rows_pick = None  # pick_rows' (rows, banned ids, device picks [rows, 3], their pinned mirror, ids on the device)
+        self._rows_picks = {}  # pick_rows' sets by banned ids: (rows, device picks [rows, 3], their pinned mirror, ids on the device)
         self._top_prob = None  # queue_top_prob's (parts, counter, result, its pinned mirror)
         # a norm that feeds products makes their ActQ in the same launch (norm_input, rmsnorm_q,
         # gated_norm_input), as does a token's expert hidden activation (DeviceExperts.token); tests
@@ -2340,30 +2340,45 @@ class DeviceBackend(CpuBackend):
         self.pick_rows_ready(logits.shape[0], banned)
         self.queue_pick_rows(logits, banned)
         self.rt.synchronize()
-        return self.picked_rows(logits.shape[0])
+        return self.picked_rows(logits.shape[0], banned)
 
     def pick_rows_ready(self, n: int, banned: np.ndarray) -> None:
-        """pick_rows' buffers for n rows and these banned ids (made before a verify's capture)."""
-        rt, got = self.rt, self._rows_pick
-        if got is None or got[0] < n or got[1] is not banned:
-            ban = rt.to_device(np.ascontiguousarray(banned, np.int32)) if banned.size else rt.empty((1,), np.int32)
-            self._rows_pick = (max(n, 8), banned, rt.empty((max(n, 8), 3), np.int32),
-                               rt.pinned(12 * max(n, 8)).view(np.int32).reshape(-1, 3), ban)
+        """pick_rows' buffers for n rows and these banned ids (made before a verify's capture).
+
+        One set for each list of banned ids (by the ids), kept: a captured verify or draft keeps
+        the addresses of the set it was captured with. Once the set was made again whenever the
+        banned array was another object; serve's requests each have their own, so with two requests
+        taking turns (2026-12-06, an H100, --spec 2) a replayed draft wrote its picks into the
+        other set's freed buffers while its picks were read from buffers no launch had written:
+        "logits row 0 of 1 contain NaN", which killed serve's worker."""
+        rt, key = self.rt, self._ban_key(banned)
+        got = self._rows_picks.get(key)
+        if got is None or got[0] < n:
+            if got is not None:  # the graphs captured with the smaller set write into it: made again
+                self._vgraphs.clear()
+            rows = max(n, 8)
+            ban = rt.to_device(np.frombuffer(key, np.int32).copy()) if banned.size else rt.empty((1,), np.int32)
+            self._rows_picks[key] = (rows, rt.empty((rows, 3), np.int32), rt.pinned(12 * rows).view(np.int32).reshape(-1, 3), ban)
         self._argmax_work(1)  # (its parts and counter, made once)
+
+    @staticmethod
+    def _ban_key(banned: np.ndarray) -> bytes:
+        return np.ascontiguousarray(banned, np.int32).tobytes()
 
     def queue_pick_rows(self, logits, banned: np.ndarray) -> None:
         """pick_rows' launches and its copy down, queued (`picked_rows` reads them after a wait)."""
         rt = self.rt
         n, V = logits.shape
-        _, _, dev, host, ban = self._rows_pick
+        _, dev, host, ban = self._rows_picks[self._ban_key(banned)]
         grid, block, part, count = self._argmax_work(V)
         for i in range(n):
             rt.launch(self._mod, "dev_argmax", grid, block, (logits[i], np.int32(V), ban, np.int32(banned.size), part,
                                                                   count, dev[i]), smem=4 * (3 * 32 + 1))
         rt.copy_out_async(host[:n], dev[:n])
 
-    def picked_rows(self, n: int) -> np.ndarray:
-        host = self._rows_pick[3]
+    def picked_rows(self, n: int, banned: np.ndarray) -> np.ndarray:
+        """The picks of the last `queue_pick_rows` of n rows for these banned ids, after a wait."""
+        host = self._rows_picks[self._ban_key(banned)][2]
         for i in range(n):
             top = float(host[i, 2:3].view(F32)[0])
             if host[i, 1] or not np.isfinite(top):

@@ -140,12 +140,12 @@ def test_the_verify_rows_have_the_bits_of_the_device_token_step(model, rt, cache
         assert np.array_equal(rows, steps), f"max |diff| {np.abs(rows - steps).max()}"
         for x, y in zip(host_states(be, b), host_states(be, a)):
             assert np.array_equal(x, y)
-        mvf = [n for n in products if n.startswith("mvf")]
-        assert bool(mvf) == (few > 1), products  # (which kernel took the rows' dense products)
+        few_row = [n for n in products if n.startswith(("mvf", "mvt"))]
+        assert bool(few_row) == (few > 1), products  # (which kernel took the rows' dense products)
         # one launch each: a Gated DeltaNet layer's z, beta and alpha (Q8_0 here; its qkv reads the
         # wide form, actq.WIDE_ROLES, as attention's q/k/v do: a launch each, as in the token step),
         # the shared expert's up and gate, the router and the shared gate's logit (F32)
-        grouped = sum(n.startswith(("mvfm", "fmvm")) for n in products)
+        grouped = sum(n.startswith(("mvfm", "mvtm", "fmvm")) for n in products)
         assert grouped == (n_gdn + 2 * L if few > 1 else 0), " ".join(products)
     gpu._plans.clear()
 
@@ -292,7 +292,7 @@ def test_greedy_spec_on_the_device_step_is_plain_decoding(model, rt, kind, n_dra
         assert run.snaps == tier.snapshots
         # each verification picks its rows' tokens on the device: ids come down, not logits rows
         picks, picked_rows, to_host, down, forward, verifying = [], be.picked_rows, rt.to_host, [], model.forward, [False]
-        be.picked_rows = lambda n: (picks.append(n), picked_rows(n))[1]
+        be.picked_rows = lambda n, banned: (picks.append(n), picked_rows(n, banned))[1]
         rt.to_host = lambda x: (verifying[0] and down.append(x.shape), to_host(x))[1]
 
         rows = []  # each verification's row count (its kind, with a drafter that asks the same of the head)
@@ -749,6 +749,75 @@ def test_the_device_heads_draft_steps_are_captured_once_and_replayed(model):
             assert not trunk._vgraphs
             assert head.routing.sum() == 5 * model.geometry.n_expert_used  # (replays counted too)
             assert V == head.logits.size
+    finally:
+        gpu.use_runtime(before)
+
+
+class _RecordingGraphs(EmuRuntime):
+    """The emulation with a recording stand-in for stream capture: a capture's launches and copies
+    down are recorded with the arrays they were given (not run), and a replay runs them again on
+    those arrays, as a CUDA graph keeps the addresses it was captured with. Only for work queued
+    through launches and copies (a numpy assignment under capture is not recorded)."""
+
+    def __init__(self):
+        super().__init__()
+        self._rec = None
+
+    def begin_capture(self):
+        self._rec = []
+
+    def end_capture(self):
+        rec, self._rec = self._rec, None
+        return rec
+
+    def launch(self, mod, name, grid, block, args, smem=0):
+        if self._rec is not None:
+            self._rec.append(lambda: EmuRuntime.launch(self, mod, name, grid, block, args, smem))
+        else:
+            super().launch(mod, name, grid, block, args, smem)
+
+    def copy_out_async(self, host, dev):
+        if self._rec is not None:
+            self._rec.append(lambda: self.copy_out(host, dev))
+        else:
+            self.copy_out(host, dev)
+
+    def replay(self, graph):
+        for op in graph:
+            op()
+
+
+def test_a_replayed_pick_reads_the_buffers_of_its_own_banned_ids(model):
+    """A verify's or a draft's greedy picks (DeviceBackend.queue_pick_rows), captured for one list of
+    banned ids, still read right after another list's picks ran between capture and replay: serve's
+    requests each have their own list and take turns. (2026-12-06, an H100: the pick buffers were
+    made again for each other list, so a replayed draft wrote into the freed set while the picks were
+    read from one no launch had written: "logits row 0 of 1 contain NaN", and serve's worker died.)"""
+    from strata.engine.kernels import gpu
+
+    rt = _RecordingGraphs()
+    before = gpu.use_runtime(rt)
+    try:
+        with device_tier(model, spec=2):
+            be, V = model.backend, model.geometry.n_vocab
+            rows = np.random.default_rng(4).standard_normal((3, V)).astype(np.float32)
+            logits = rt.to_device(rows)
+            top = rows.argmax(1)
+            a = np.array(sorted(set(top.tolist())), np.int32)  # each row's largest banned: another pick
+            b = np.zeros(0, np.int32)
+            masked = rows.copy()
+            masked[:, a] = -np.inf
+            want_a = masked.argmax(1)
+            assert not np.array_equal(want_a, top)
+            be.pick_rows_ready(3, a)
+            rt.begin_capture()
+            be.queue_pick_rows(logits, a)
+            graph = rt.end_capture()
+            assert list(be.pick_rows(logits, b)) == list(top)  # another request's picks between
+            for _ in range(2):
+                rt.replay(graph)
+                assert list(be.picked_rows(3, a)) == list(want_a)
+                assert list(be.pick_rows(logits, b.copy())) == list(top)  # (equal ids, another array)
     finally:
         gpu.use_runtime(before)
 
