@@ -683,6 +683,8 @@ class Model:
         key = (T, n_logits, n_h, tuple(id(x) for x in snaps), None if pick is None else id(pick), *at)
         capturable = not self.ple and not any(isinstance(m, QSAAttention) for m in self.mixers)
         be.verify_step(s, s.pos, T, run, key, hold, capturable)
+        if (n_h or n_logits) and hasattr(be.experts, "queue_rows_settle"):
+            be.experts.queue_rows_settle()  # (read by the settle after this forward, past the wait below)
         s.pos += T
         if n_h:
             hidden[...] = be.host(hbuf)
