@@ -289,16 +289,9 @@ def gpu_options(device: str, expert_cache: str, vram_budget_mib: int | None, vra
 
 
 def tier_options(device, expert_cache, expert_profile, vram_budget_mib, vram_reserve_mib, gpu_step, stream_min_tokens,
-                 stream_layer_tokens, pin_gguf, spec: int = 0) -> dict:
+                 stream_layer_tokens, pin_gguf) -> dict:
     """strata serve's and chat's GPU tier flags, checked, as start_tier's keywords."""
     gpu_options(device, expert_cache, vram_budget_mib, vram_reserve_mib)
-    if spec and gpu_step == "device" and device != "cpu":
-        # the requests' drafting on the device head, in the server's worker thread, did not finish a
-        # run on a card (2026-12-06, an H100: tests/gpu/test_device_serve.py's --spec 2 case waited
-        # past 150 s where its emulation takes seconds; without --spec the same case passed)
-        raise ValueError(f"--spec {spec} with --gpu-step device: not available yet in strata serve and chat (their "
-                         "requests' drafting on the device has not run through on a GPU); use --gpu-step host (the "
-                         "MTP head drafts on the CPU) or --spec 0")
     return dict(device=device, expert_cache=expert_cache, expert_profile=expert_profile, vram_budget_mib=vram_budget_mib,
                 vram_reserve_mib=vram_reserve_mib, step=gpu_step, stream_min_tokens=stream_option(stream_min_tokens),
                 stream_layer_tokens=layer_stream_option(stream_layer_tokens), stream_register=pin_gguf)
@@ -889,9 +882,9 @@ def serve(
         raise _fail(f"--gpu-step {gpu_step!r}: expected host or device", 2, who)
     try:
         pack = resolve_pack(pack_arg, pack)
-        # (the device step: each request in a session its tier placed; --spec refused there for now)
+        # (the device step: each request in a session its tier placed)
         tier = tier_options(device, expert_cache, expert_profile, vram_budget_mib, vram_reserve_mib, gpu_step,
-                            stream_min_tokens, stream_layer_tokens, pin_gguf, spec)
+                            stream_min_tokens, stream_layer_tokens, pin_gguf)
         _serve(pack, host, port, api_key, max_queue, batch, cache_slots, cache_mib, model_name, max_context, kv, prefill,
                pool_workers, native, ple_gguf, who, tier, spec, spec_min_p, batch_mtp)
     except KeyboardInterrupt:
@@ -1044,7 +1037,7 @@ def chat(
         pack = resolve_pack(pack_arg, pack)
         params = sampler_options(temp, top_k, top_p, min_p, repeat_penalty, seed)
         tier = tier_options(device, expert_cache, expert_profile, vram_budget_mib, vram_reserve_mib, gpu_step,
-                            stream_min_tokens, stream_layer_tokens, pin_gguf, spec)
+                            stream_min_tokens, stream_layer_tokens, pin_gguf)
         _chat(pack, system, think, n, ignore_eos, params, max_context, kv, prefill, pool_workers, stats, who,
               native, ple_gguf, tier, spec, spec_min_p)
     except KeyboardInterrupt:

@@ -9,9 +9,10 @@ What must hold, with --gpu-step device:
     - a finished session parks in host memory (a CPU session's arrays, a copy), and a next turn
       resumed from it gives the tokens a cold run of the whole conversation gives;
     - the copy walks every array of a session that its memory() counts (qwen35moe and qwen4exp).
-The --spec 2 case did not end on a card (2026-12-06, an H100; its emulation passes): it is marked
-xfail there, strictly, and `strata serve` and `strata chat` refuse --spec with --gpu-step device
-until it ends.
+The --spec 2 case once died on a card (2026-12-06, an H100) where its emulation passed: the two
+requests' pick buffers were made again at each turn under their captured drafts
+(DeviceBackend.pick_rows_ready, now a set per banned list; test_device_spec.py's replayed-pick test
+shows it in the emulation with a recording stand-in for the graphs).
 """
 
 from __future__ import annotations
@@ -111,17 +112,11 @@ def test_the_tier_places_batch_sessions_as_planned(model, rt):
 
 
 @pytest.mark.parametrize("spec", [0, 2])
-def test_serve_on_the_device_step_gives_each_request_its_tokens_alone(model, pack_dir, rt, spec, monkeypatch, request):
+def test_serve_on_the_device_step_gives_each_request_its_tokens_alone(model, pack_dir, rt, spec, monkeypatch):
     """Two requests together (--batch 2; with --spec 2, drafting on the device head and --batch-mtp),
     then each one's next turn, resumed from its session parked in host memory, and a new one in a
     session the others used: every request's tokens are the device step's alone (the next turns: a
     cold run of the whole conversation), and no session is made while serving."""
-    if spec and not isinstance(rt, EmuRuntime):
-        # 2026-12-06, an H100: this case did not end in 150 s (its emulation: ~40 s; --spec 0 passed there).
-        # The CLI refuses --spec with --gpu-step device until it does (cli.tier_options); strict, so a
-        # pass says to lift both
-        request.applymarker(pytest.mark.xfail(strict=True, reason="serve's drafting on the device head did not "
-                                              "run through on a card"))
     V = model.geometry.n_vocab
     rng = np.random.default_rng(5)
     prompts = [rng.integers(3, V, 9).tolist(), rng.integers(3, V, 4).tolist()]
@@ -215,7 +210,7 @@ def test_a_failed_clear_or_copy_gives_the_session_back(model, rt):
 def test_strata_serve_gpu_step_device_answers_as_it_does_alone(model, pack_dir, rt, capsys, monkeypatch):
     """The command: `strata serve --device gpu --gpu-step device --batch 2` starts the tier with two
     placed sessions, and its answers (through the HTTP app, uvicorn's loop replaced by a client of the
-    app) are the device step's alone. With --spec it is refused before the load, for now."""
+    app) are the device step's alone, with --spec 2 --batch-mtp too (the pack's MTP head drafting)."""
     from fastapi.testclient import TestClient
 
     from strata.engine import cli
@@ -244,26 +239,25 @@ def test_strata_serve_gpu_step_device_answers_as_it_does_alone(model, pack_dir, 
     monkeypatch.setattr(cli, "QuietSignalServer", Server)
     common = ["serve", str(pack_dir), "--device", "gpu", "--gpu-step", "device", "--batch", "2", "--kv", "f32",
               "--prefill", "8", "-c", str(CTX), "-t", "1"]
-    assert cli.main([*common, "--spec", "2"]) == 1
-    assert "--spec 2 with --gpu-step device: not available yet" in capsys.readouterr().err
-    rc = cli.main(common)
-    err = capsys.readouterr().err
-    assert rc == 0, err
-    assert "the GPU tier, --gpu-step device" in err, err
-    assert isinstance(got["sessions"], DeviceSessions) and got["free"] == 2
     tok = Tokenizer.load(pack_dir / "tokenizer.txt")
     tier = tier_of(model, batch=1)
     try:
         want = [tok.decode(alone(model, p)) for p in prompts]
     finally:
         tier.stop()
-    assert [r["choices"][0]["text"] for r in got["texts"]] == want
+    for spec in ([], ["--spec", "2", "--batch-mtp"]):  # (greedy: the drafts change no token)
+        rc = cli.main(common + spec)
+        err = capsys.readouterr().err
+        assert rc == 0, err
+        assert "the GPU tier, --gpu-step device" in err, err
+        assert isinstance(got["sessions"], DeviceSessions) and got["free"] == 2
+        assert [r["choices"][0]["text"] for r in got["texts"]] == want, spec
 
 
 def test_strata_chat_on_the_device_step_replies_as_generate_does(pack_dir, rt, capsys, monkeypatch):
     """strata chat --device gpu --gpu-step device: its first reply is `strata generate --chat`'s on the
-    same step, and the next turn runs (the first parked in host memory between them). With --spec it
-    is refused before the load, for now."""
+    same step, and the next turn runs (the first parked in host memory between them); with --spec 2
+    its replies are the same."""
     from strata.engine import cli
 
     monkeypatch.setattr(gpu, "available", lambda: (True, "the test's runtime"))  # (the emulation has no CuPy device)
@@ -276,6 +270,8 @@ def test_strata_chat_on_the_device_step_replies_as_generate_does(pack_dir, rt, c
     out, err = capsys.readouterr()
     assert rc == 0, err
     assert out.split("\n")[0] == want and err.count("reply 5 tokens") == 2, err
-    monkeypatch.setattr("sys.stdin", io.StringIO("hi\n"))
-    assert cli.main(["chat", str(pack_dir), *common, "--spec", "2"]) == 1
-    assert "--spec 2 with --gpu-step device: not available yet" in capsys.readouterr().err
+    monkeypatch.setattr("sys.stdin", io.StringIO("hi\nmore\n"))
+    rc = cli.main(["chat", str(pack_dir), *common, "--spec", "2", "--stats"])
+    spec_out, err = capsys.readouterr()
+    assert rc == 0, err
+    assert spec_out == out and "verifications" in err, err  # (greedy: the drafts change no token)
