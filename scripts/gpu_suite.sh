@@ -69,11 +69,12 @@ if [ -z "${SKIP_SERVE_BENCH:-}" ]; then
     echo "== GPU benchmark: benchmarks/serve_streams.py (the demo pack, --device gpu)"
     timeout ${SERVE_BENCH_TIMEOUT:-240} bash -c 'python3 -c "import sys; from strata.tools.pack_cli import main; sys.exit(main())" demo -o /tmp/demo-pack --no-generate >/dev/null &&
         python3 benchmarks/serve_streams.py /tmp/demo-pack --device gpu --streams 1,2,4,8 --prompt 32 --tokens 32 --rounds 2 --threads 8' 2>&1 | tee "$LOG/bench_serve.log"
-    # ... and strata serve --gpu-step device: each stream in a session the tier placed (without --spec:
-    # on 2026-12-06 an H100's serve test with --spec 2 on the device step did not end; the CLI refuses it)
-    echo "== GPU benchmark: benchmarks/serve_streams.py (the demo pack, --gpu-step device)"
-    timeout ${SERVE_DEVICE_BENCH_TIMEOUT:-150} python3 benchmarks/serve_streams.py /tmp/demo-pack --device gpu --gpu-step device \
-        --streams 1,2,4,8 --prompt 32 --tokens 32 --rounds 2 --threads 8 2>&1 | tee "$LOG/bench_serve_device.log"
+    # ... and strata serve --gpu-step device --spec 2: each stream in a session the tier placed, the
+    # drafts (right with probability 0.43, always) verified per request and with --batch-mtp
+    echo "== GPU benchmark: benchmarks/serve_streams.py (the demo pack, --gpu-step device --spec 2)"
+    timeout ${SERVE_SPEC_BENCH_TIMEOUT:-150} python3 benchmarks/serve_streams.py /tmp/demo-pack --device gpu --gpu-step device \
+        --streams 1,2,4 --prompt 32 --tokens 32 --rounds 2 --threads 8 --spec 2 --drafters right:0.43,oracle \
+        --verify batch,slot 2>&1 | tee "$LOG/bench_serve_spec.log"
 fi
 
 echo "== GPU benchmark: benchmarks/gpu_tier.py (seed-4l: synthesized and packed on first use)"

@@ -120,9 +120,8 @@ def main(argv: list[str] | None = None) -> int:
     rows += tier + bench_rows(log, 0) + serve_rows(log)
     rows += line_rows(log, "bench_device_sample.log", "sample bench", lambda l: "ms/token" in l)
     rows += line_rows(log, "bench_spec.log", "spec bench", lambda l: l.startswith(("target", "--spec 0")) or "verify" in l)
-    # serve_streams --gpu-step device: its header row and one row per stream count
-    rows += line_rows(log, "bench_serve_device.log", "serve device-step bench",
-                      lambda l: l.startswith("| ") and "---" not in l)
+    # serve_streams --gpu-step device --spec 2: its header row and one row per stream count
+    rows += line_rows(log, "bench_serve_spec.log", "serve spec bench", lambda l: l.startswith("| ") and "---" not in l)
     rows += [("logs", str(log)), ("result", "PASS" if ok else "FAIL")]
     width = max(len(k) for k, _ in rows)
     print("\n== gpu_suite summary")
