@@ -145,6 +145,12 @@ def _fail(message: str, code: int = 1, who: str = "strata generate") -> typer.Ex
     return typer.Exit(code)
 
 
+def check_gpu_step(gpu_step: str, who: str = "strata generate") -> None:
+    """--gpu-step's values (generate, serve, chat), refused before the load."""
+    if gpu_step not in ("host", "device"):
+        raise _fail(f"--gpu-step {gpu_step!r}: expected host or device", 2, who)
+
+
 @app.command()
 def generate(
     pack_arg: Optional[Path] = model_argument(),
@@ -206,8 +212,7 @@ def generate(
     if (system is not None or think is not None) and not chat:
         raise _fail("--system and --think/--no-think shape the chat template's turns: give --chat too", 2)
     spec_options(spec, spec_min_p, spec_drafter)
-    if gpu_step not in ("host", "device"):
-        raise _fail(f"--gpu-step {gpu_step!r}: expected host or device", 2)
+    check_gpu_step(gpu_step)
     try:
         pack = resolve_pack(pack_arg, pack)
         del pack_arg
@@ -878,8 +883,7 @@ def serve(
     if batch_mtp and not spec:
         raise _fail("--batch-mtp verifies the requests' drafts in one forward: give --spec N (N >= 1) too, or drop "
                     "--batch-mtp", 2, who)
-    if gpu_step not in ("host", "device"):
-        raise _fail(f"--gpu-step {gpu_step!r}: expected host or device", 2, who)
+    check_gpu_step(gpu_step, who)
     try:
         pack = resolve_pack(pack_arg, pack)
         # (the device step: each request in a session its tier placed)
@@ -1031,8 +1035,7 @@ def chat(
     if n < 1:
         raise _fail(f"-n {n}: expected >= 1", 2, who)
     spec_options(spec, spec_min_p, "mtp", who)
-    if gpu_step not in ("host", "device"):
-        raise _fail(f"--gpu-step {gpu_step!r}: expected host or device", 2, who)
+    check_gpu_step(gpu_step, who)
     try:
         pack = resolve_pack(pack_arg, pack)
         params = sampler_options(temp, top_k, top_p, min_p, repeat_penalty, seed)
