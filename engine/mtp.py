@@ -179,14 +179,15 @@ class MTPHead:
         if out is not None:
             be.linear(self.head, y.changed(), out)
 
-    def _finish(self, logits: bool):
-        """After the block: the draft logits on the host (or None), the head's routing counts settled."""
+    def _finish(self, logits: bool, settle: bool = True):
+        """After the block: the draft logits on the host (or None), the head's routing counts settled
+        (`settle` False: the caller settles them after its own wait)."""
         be, out = self.backend, None
         if logits:
             if self._device:
                 self.logits[...] = be.host(self._out)[0]
             out = self.logits
-        if be.experts is not None:  # what the expert server owes the head's counts
+        if settle and be.experts is not None:  # what the expert server owes the head's counts
             be.experts.settle()
         return out
 
@@ -206,11 +207,18 @@ class MTPHead:
         be = self.backend
         be.pick_rows_ready(1, banned)  # (their buffers made before a capture)
         be.top_prob_ready()
-        self._device_step(state, h, np.array([token]), pos, True, banned)
+        self._device_step(state, h, np.array([token]), pos, True, banned, settle=False)
+        ex = be.experts
+        for queue in ("queue_settle", "queue_rows_settle"):  # the routing ids' copy queued before the wait,
+            if hasattr(ex, queue):  # read after it by settle, which made a copy and wait of its own a draft
+                getattr(ex, queue)()
         be.rt.synchronize()
+        if ex is not None:
+            ex.settle()
         return int(be.picked_rows(1, banned)[0]), be.top_prob()
 
-    def _device_step(self, state: KVCache, h, tokens, pos: int, logits: bool, pick: np.ndarray | None = None):
+    def _device_step(self, state: KVCache, h, tokens, pos: int, logits: bool, pick: np.ndarray | None = None,
+                     settle: bool = True):
         """One pair on the device step's backend as a verify of one row (DeviceBackend.verify_step):
         its inputs staged into fixed buffers and its position read from the position buffer, so the
         step is captured once and replayed (where the backend's verify_graphs allow), not launched
@@ -234,7 +242,7 @@ class MTPHead:
 
         key = ("mtp", logits) if pick is None else ("mtp", logits, "pick", id(pick))
         be.verify_step(state, pos, 1, run, key, hold=(e, hb) if pick is None else (e, hb, pick))
-        return self._finish(logits and pick is None)
+        return self._finish(logits and pick is None, settle)
 
     def _on(self, a):
         """A host array as the backend's (uploaded to the device; the CPU's as it is)."""

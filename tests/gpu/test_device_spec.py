@@ -155,7 +155,9 @@ def test_a_verify_queues_its_rows_with_nothing_crossing_to_the_host(model, rt, k
     """Everything a verify's rows do is queued on the device, nothing copied or waited for until the
     head's rows are made (a captured verify cannot wait mid-way; before, each row waited in each
     layer for its routing counts): the counts each row's snapshot keeps are settled after the
-    forward, each row's position is read from the device. Its rows and snapshots are still exact."""
+    forward, each row's position is read from the device. Its rows and snapshots are still exact.
+    After it only the logits come down by a copy of their own (the rows' routing ids by one queued
+    before that copy's wait)."""
     prompt = prompt_for(model, seed=5)
     with device_tier(model):
         be = model.backend
@@ -163,10 +165,12 @@ def test_a_verify_queues_its_rows_with_nothing_crossing_to_the_host(model, rt, k
         a, b, steps, snaps = stepped_and_verifying(model, prompt, toks, kv)  # (int8: the cache's scales too)
         # (an asynchronous copy queues, and is captured; the emulation's makes its copy through copy_in)
         names = ("to_host", "to_device", "copy_out", "copy_in", "synchronize", "copy_in_async")
-        crossed, inside, kept = [], [False], {n: getattr(rt, n) for n in names}
+        crossed, inside, kept, downs = [], [False], {n: getattr(rt, n) for n in names}, []
 
         def watching(n):
             def call(*x, **kw):
+                if n == "to_host":
+                    downs.append(tuple(x[0].shape))
                 if n == "copy_in_async":
                     was, inside[0] = inside[0], False
                     try:
@@ -199,6 +203,9 @@ def test_a_verify_queues_its_rows_with_nothing_crossing_to_the_host(model, rt, k
             for n in names:
                 delattr(rt, n)
         assert crossed == [], f"the verify's rows crossed to the host: {crossed}"
+        # after it only the logits rows come down by a copy of their own: the rows' routing ids by
+        # one queued before that copy's wait (settle read them by a copy and wait of their own)
+        assert downs == [(3, model.geometry.n_vocab)], downs
         assert np.array_equal(rows, steps)
         # the rollback to the first row's snapshot: the session fed the first token alone
         roll_back(b, snaps[0], N_PROMPT + 1)
@@ -423,8 +430,9 @@ def test_the_device_heads_draft_pick_is_the_hosts_rule_on_its_logits(model, rt, 
     """MTPHead.pick (a greedy draft on the device step): the token MTPDrafter's host rule takes from
     the head's logits (their argmax, the banned ids never) and their top probability at temperature
     1 (its float64 softmax, within 1e-12: another order of the same sum), over a chain of three
-    drafts; the head's y (the next draft's input) has the logits step's bits. Only the pick and the
-    probability come down."""
+    drafts; the head's y (the next draft's input) has the logits step's bits, and its routing counts
+    are the logits step's. Only the pick, the probability and the routing ids come down, each by a
+    copy queued before the one wait."""
     g = model.geometry
     V, E = g.n_vocab, g.n_embd
     rng = np.random.default_rng(12)
@@ -441,17 +449,23 @@ def test_the_device_heads_draft_pick_is_the_hosts_rule_on_its_logits(model, rt, 
         x, banned = h[-1:], None
         for i in range(3):
             pos, tok = N_PROMPT - 1 + i, int(toks[N_PROMPT - 1 + i])
+            before = head.routing.copy()
             logits = head.forward(a, x, np.array([tok]), pos).copy()
+            routed = head.routing - before
             y = be.host(head.y.x).copy()
             if banned is None:  # the first draft's own argmax banned: the pick must take the next best
                 banned = np.array([int(logits.argmax())], np.int32)
             down, to_host = [], rt.to_host
             rt.to_host = lambda d: (down.append(d.shape), to_host(d))[1]
+            before = head.routing.copy()
             try:
                 d, top = head.pick(b, x, tok, pos, banned)
             finally:
                 del rt.to_host
-            assert not [s for s in down if s[-1] == V], down  # (the logits stayed on the device)
+            # nothing comes down by a copy of its own: the picks, the probability and the routing ids
+            # each by a copy queued before the one wait (the logits stay on the device)
+            assert not down, down
+            assert np.array_equal(head.routing - before, routed) and routed.sum() == g.n_expert_used
             ref = logits.copy()
             ref[banned] = -np.inf
             assert d == int(ref.argmax()), (i, d, int(ref.argmax()))
