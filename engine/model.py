@@ -683,18 +683,25 @@ class Model:
         key = (T, n_logits, n_h, tuple(id(x) for x in snaps), None if pick is None else id(pick), *at)
         capturable = not self.ple and not any(isinstance(m, QSAAttention) for m in self.mixers)
         be.verify_step(s, s.pos, T, run, key, hold, capturable)
-        if (n_h or n_logits) and hasattr(be.experts, "queue_rows_settle"):
-            be.experts.queue_rows_settle()  # (read by the settle after this forward, past the wait below)
         s.pos += T
-        if n_h:
-            hidden[...] = be.host(hbuf)
-        if not n_logits:
+        if not (n_h or n_logits):
             return None
-        if pick is not None:
+        # what comes down is queued before one wait: the rows' routing ids (read by the settle after
+        # this forward), the hidden rows, then the picks or the logits
+        if hasattr(be.experts, "queue_rows_settle"):
+            be.experts.queue_rows_settle()
+        down = be.queue_down("hidden", hbuf) if n_h else None
+        picked = None
+        if pick is not None and n_logits:
             be.rt.synchronize()
-            return be.picked_rows(n_logits, pick)
-        out[...] = be.host(vl)
-        return None
+            picked = be.picked_rows(n_logits, pick)
+        elif n_logits:
+            out[...] = be.host(vl)  # (its wait is the forward's)
+        else:
+            be.rt.synchronize()
+        if n_h:
+            hidden[...] = down
+        return picked
 
     def _stage_ple(self, s: Session, token: int) -> dict:
         """The device token step's PLE rows, one fixed device buffer per PLE layer, made and staged

@@ -1960,6 +1960,17 @@ class DeviceBackend(CpuBackend):
             got = self._verify_bufs[key] = self.rt.empty(shape, F32)
         return got
 
+    def queue_down(self, name: str, dev) -> np.ndarray:
+        """verify_buf `name`'s rows copied into their pinned mirror (made once a buffer), queued ->
+        the mirror, to be read after the forward's next wait (a copy and wait of its own, CuPy's get,
+        cost ~46 us of the host's time a verify on an H200)."""
+        key = ("down", name, dev.shape)
+        got = self._verify_bufs.get(key)
+        if got is None:
+            got = self._verify_bufs[key] = self.rt.pinned(dev.nbytes).view(dev.dtype).reshape(dev.shape)
+        self.rt.copy_out_async(got, dev)
+        return got
+
     def stage_in(self, name: str, a: np.ndarray):
         """Host rows `a` in the fixed device buffer `name` (verify_buf's), copied up asynchronously
         -> that buffer (a captured step reads them there: the draft head's inputs)."""

@@ -319,7 +319,9 @@ def test_greedy_spec_on_the_device_step_is_plain_decoding(model, rt, kind, n_dra
         finally:
             del be.picked_rows, rt.to_host, model.forward
         st = run.stats
-        assert len(picks) == st.verifications and not [d for d in down if d[-1] == V], down
+        # (nothing comes down by a copy and wait of its own: the picks, the hidden rows the MTP head
+        # reads and the rows' routing ids by copies queued before the verify's one wait)
+        assert len(picks) == st.verifications and not down, down
         assert out.tokens.tolist() == ref.tokens.tolist()
         assert st.verifications > 0 and st.drafted[0] > 0
         if kind == "oracle":
