@@ -65,12 +65,6 @@ if MMQ_LAUNCH_TOKENS < 1:
 MVF_TOKENS = int(os.environ.get("STRATA_MVF_TOKENS", "8"))
 if not 0 <= MVF_TOKENS <= 8:
     raise ValueError(f"STRATA_MVF_TOKENS={MVF_TOKENS}: expected 0 to 8 (the few-row kernel's registers)")
-# Of those few rows, the ones mv's staged rows take with every activation row in registers (mvt,
-# gpu_kernels.cu): at most MVT_ROWS[kpl] rows for rows of 32 kpl act-blocks (its MvtRows), where mvf
-# read a verify's Q6_K products at 1.9x the token step's mv (2026-12-06, an H200). The same bits.
-# STRATA_MVT=0: mvf as before (a benchmark's switch).
-MVT = os.environ.get("STRATA_MVT", "1") != "0"
-MVT_ROWS = {1: 4, 2: 4, 3: 4, 4: 4, 6: 3, 8: 2}
 SMEM_LIMIT = 48 * 1024  # dynamic shared memory a block may take without an opt-in
 SHARED_TABLE_ROWS = 64  # rows per thread block from which an IQ grid is copied to shared memory
 NO_BAD = np.uint64(0xFFFFFFFFFFFFFFFF)
@@ -479,7 +473,6 @@ def _names(t: GGMLType) -> list[str]:
     if t.quantized:
         wide = [f"mv<{t.id}, {k}, 1>" for k in KPLS] if is_wide(t) else []
         grouped = [f"mvx<{t.id}, {k}>" for k in KPLS] + [f"mvm<{t.id}, {k}>" for k in KPLS]
-        grouped += [f"mvt<{t.id}, {k}>" for k in KPLS] + [f"mvtm<{t.id}, {k}>" for k in KPLS]
         batched = [f"deq_h<{t.id}>", f"mvf<{t.id}>", f"mvfm<{t.id}>", f"mm<{t.id}>", f"mmx<{t.id}>", f"mmq<{t.id}>", f"mmqx<{t.id}>", f"mmqw<{t.id}>", f"mmqk<{t.id}>", f"mmt<{t.id}>"]
         return [f"mv<{t.id}, {k}>" for k in KPLS] + wide + grouped + batched + [f"traits<{t.id}>"]
     kind = _FLOAT_KIND[t.name]
@@ -890,11 +883,6 @@ def _quant_launch(type_id: int, n_in: int, n_out: int, n_tok: int, mma: bool, ti
             rows -= 1
         grid = _grid(rt, n_out, nw * rows, per_sm)
         return m.mod, f"mv<{type_id}, {kpl}>", grid, 32 * nw, tab + nw * per_warp, (np.int32(rows), np.int32(tab > 0))
-    if MVT and 1 < n_tok <= MVF_TOKENS and nb <= 32 * KPLS[-1]:
-        kpl = next(k for k in KPLS if 32 * k >= nb)
-        if n_tok <= MVT_ROWS[kpl]:  # mv's launch, every activation row in registers
-            mod, name, grid, block, smem, extra = _quant_launch(type_id, n_in, n_out, 1, mma, tiled)
-            return mod, f"mvt<{type_id}, {kpl}>", grid, block, smem, extra + (np.int32(n_tok),)
     if 0 < n_tok <= MVF_TOKENS and (n_tok > 1 or nb > 32 * KPLS[-1]):  # few rows, or one mv cannot hold: a warp a row
         nw = _warps(0, n_out, rt.n_sm, fixed_smem=tab)
         return m.mod, f"mvf<{type_id}>", _grid(rt, n_out, nw, per_sm), 32 * nw, tab, (np.int32(n_tok), np.int32(tab > 0))
@@ -1039,25 +1027,18 @@ def matvec_many(ws: list, act, outs: list) -> bool:
     matvec would not take mv (the wide form, rows longer than mv holds): the caller launches each."""
     if not _groupable(ws, act):
         return False
-    t = ws[0].type
+    rt, t = runtime(), ws[0].type
     if not t.quantized:
         _fmvm(ws, act, outs, 1)
         return True
     plans = [_quant_plan(w.type_id, w.n_in, w.n_out, 1) for w in ws]
     if not all(p[1].startswith("mv<") for p in plans):
         return False
-    _grouped_mv(ws, act, outs, plans, "mvm" + plans[0][1][2:], ())
-    return True
-
-
-def _grouped_mv(ws: list, act, outs: list, plans: list, kernel: str, tail: tuple) -> None:
-    """One launch of mvm or mvtm (`kernel`) for products of ONE input whose plans are mv's or mvt's
-    of one KPL: each matrix its own share of the grid and its plan's rows a warp step. `tail`: the
-    arguments after the grid copy's flag (mvtm: the rows)."""
-    rt, m = runtime(), _module(ws[0].type.name)
+    mod, name = plans[0][0], plans[0][1]
     # one block shape for all: the widest plan's warps; the grid copy in shared memory only where
     # every plan takes it (else each reads it from global memory: the same table, the same bits)
-    block, tab = max(p[3] for p in plans), min(int(p[5][1]) for p in plans)
+    m, block = _module(t.name), max(p[3] for p in plans)
+    tab = min(int(p[5][1]) for p in plans)
     per_warp = (plans[0][4] - (m.tab if plans[0][5][1] else 0)) // (plans[0][3] // 32)
     smem = (m.tab if tab else 0) + block // 32 * per_warp
     per_sm = 8 if tab else 32
@@ -1069,8 +1050,9 @@ def _grouped_mv(ws: list, act, outs: list, plans: list, kernel: str, tail: tuple
     grid = sum(int(g) for g in table[4::6])
     w0 = ws[0]
     table += (w0.rest, w0.scales if w0.scales is not None else w0.rest, outs[0], np.int32(0), np.int32(0), np.int32(1)) * (MANY - len(ws))
-    args = (act.q, act.d, act.s16, np.int32(w0.n_in // QA), np.int32(tab)) + tail
-    rt.launch(plans[0][0], kernel, grid, block, args + table, smem)
+    args = (act.q, act.d, act.s16, np.int32(w0.n_in // QA), np.int32(tab))
+    rt.launch(mod, "mvm" + name[2:], grid, block, args + table, smem)
+    return True
 
 
 def slot_products_fit(type_id: int, n_in: int, n_out: int) -> bool:
@@ -1156,9 +1138,6 @@ def matmul_many(ws: list, act, outs: list) -> bool:
         _fmvm(ws, act, outs, n_tok)
         return True
     plans = [_quant_plan(w.type_id, w.n_in, w.n_out, n_tok) for w in ws]
-    if all(p[1] == plans[0][1] and p[1].startswith("mvt<") for p in plans):
-        _grouped_mv(ws, act, outs, plans, "mvtm" + plans[0][1][3:], (np.int32(n_tok),))
-        return True
     if not all(p[1].startswith("mvf<") for p in plans):
         return False
     # one block shape for all: the widest plan's warps; the grid copy in shared memory only where

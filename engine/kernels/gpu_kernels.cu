@@ -725,21 +725,16 @@ struct MvRows {
 // hi plane then its lo plane): each row's dot with both, out = 256 dot(hi) + dot(lo)
 // (actq.combine16), the row's blocks decoded once for both.
 
-// MT > 1 (mvt, mvtm: a verify's few rows): up to MT activation rows (ntok of them: xq [ntok, nb *
-// 32], xd [ntok, nb], xs [ntok, 2 nb], out [ntok, n_out]), all held in registers, each weight row
-// decoded once for all of them. Each row's sum is its own, in mv's order: mv's bits.
-
 // (mv_body: the kernel's work for thread block bx of gx; mv runs it as blockIdx.x of gridDim.x, mvx
 // as one of the blocks given to one expert)
-template <int T, int KPL, int WIDE, int MT = 1>
+template <int T, int KPL, int WIDE>
 __device__ __forceinline__ void mv_body(const u8* __restrict__ rest, const float* __restrict__ scales,
                                         const i8* __restrict__ xq, const float* __restrict__ xd,
                                         const i32* __restrict__ xs, float* __restrict__ out, int n_out, int nb,
-                                        int nrows, int shared_tab, int bx, int gx, int ntok = 1) {
+                                        int nrows, int shared_tab, int bx, int gx) {
     typedef Ty<T> L;
     typedef Buf<T> F;
-    static_assert(!WIDE || MT == 1, "the wide form is one token's");
-    constexpr int RM = MvRows<T, KPL>::N, BLOCKS = RM * MvRows<T, KPL>::BLOCKS, NP = WIDE ? 2 : MT;
+    constexpr int RM = MvRows<T, KPL>::N, BLOCKS = RM * MvRows<T, KPL>::BLOCKS, NP = WIDE ? 2 : 1;
     constexpr bool S16 = L::HAS_MIN || L::OFF != 0;
     STRATA_SMEM(smem);
     const typename L::Tab* tab = load_tab<T>(smem, shared_tab);
@@ -750,24 +745,24 @@ __device__ __forceinline__ void mv_body(const u8* __restrict__ rest, const float
     const u8* sc_plane = reinterpret_cast<const u8*>(scales);
 
     u32 x[NP][KPL][8];
-    float ad[NP][KPL];
+    float ad[KPL];
     int xs0[NP][KPL], xs1[NP][KPL];
 #pragma unroll
     for (int r = 0; r < KPL; r++) {
         const int k = lane + 32 * r;
+        ad[r] = 0.0f;
 #pragma unroll
         for (int p = 0; p < NP; p++) {
             xs0[p][r] = xs1[p][r] = 0;
-            ad[p][r] = 0.0f;
-            if (k < nb && (WIDE || p < ntok)) {
+            if (k < nb) {
                 load_act(xq, 32 * ((i64)p * nb + k), x[p][r]);
                 if (S16) {
                     xs0[p][r] = __ldg(xs + 2 * ((i64)p * nb + k));
                     xs1[p][r] = __ldg(xs + 2 * ((i64)p * nb + k) + 1);
                 }
-                ad[p][r] = __ldg(xd + (WIDE ? k : (i64)p * nb + k));  // (the wide form's planes' d are the same)
             }
         }
+        if (k < nb) ad[r] = __ldg(xd + k);  // the planes' d are the same
     }
     auto issue = [&](u8* buf, i64 o) {  // rows o .. o + nrows - 1 (those that exist)
         const i64 n = min((i64)nrows, n_out - o);
@@ -799,23 +794,12 @@ __device__ __forceinline__ void mv_body(const u8* __restrict__ rest, const float
                         const int blk = i * nblk + k / L::APB;
                         const Blk b = L::dec(Rb + blk * L::REST, k % L::APB, Sb + blk * L::NS, tab);
 #pragma unroll
-                        for (int p = 0; p < NP; p++) {
-                            if (WIDE || p < ntok) acc[p] = f32_add(acc[p], term<T>(b, x[p][r], ad[p][r], xs0[p][r], xs1[p][r]));
-                        }
+                        for (int p = 0; p < NP; p++) acc[p] = f32_add(acc[p], term<T>(b, x[p][r], ad[r], xs0[p][r], xs1[p][r]));
                     }
                 }
-                if (WIDE) {
-                    const float v = f32_add(f32_mul(256.0f, fold(acc[0])), fold(acc[NP - 1]));
-                    if (lane == 0) out[o + i] = v;
-                } else {
-#pragma unroll
-                    for (int p = 0; p < NP; p++) {
-                        if (p < ntok) {  // the same for every lane
-                            const float v = fold(acc[p]);
-                            if (lane == 0) out[(i64)p * n_out + o + i] = v;
-                        }
-                    }
-                }
+                float v = fold(acc[0]);
+                if (WIDE) v = f32_add(f32_mul(256.0f, v), fold(acc[NP - 1]));
+                if (lane == 0) out[o + i] = v;
             }
         }
         __syncwarp();  // every lane is done with this buffer before the next step refills it
@@ -877,45 +861,6 @@ __global__ void __launch_bounds__(256) mvm(const i8* __restrict__ xq, const floa
     if (b < g2) return mv_body<T, KPL, 0>(r2, s2, xq, xd, xs, o2, n2, nb, nr2, shared_tab, b, g2);
     b -= g2;
     if (b < g3) mv_body<T, KPL, 0>(r3, s3, xq, xd, xs, o3, n3, nb, nr3, shared_tab, b, g3);
-}
-
-// A verify's few rows (2 .. MVT_ROWS<KPL>) through mv's staged rows, every row of the activation
-// in registers: mv's launch shape and smem, mv_body with MT rows. mvf, which reads each block
-// straight from global memory and each activation row from memory again at every block, ran a
-// verify of 1 + 2 rows' Q6_K products (seed-4l qwen35moe's head and outputs) at 1.9x the token
-// step's mv (2026-12-06, an H200: 520 us against 277, verify_profile.py). (MT: the rows' registers
-// x[MT][KPL][8] kept under ~150 a thread.)
-template <int KPL>
-struct MvtRows {
-    static constexpr int N = KPL <= 4 ? 4 : (KPL == 6 ? 3 : 2);
-};
-
-template <int T, int KPL>
-__global__ void __launch_bounds__(256) mvt(const u8* __restrict__ rest, const float* __restrict__ scales,
-                                           const i8* __restrict__ xq, const float* __restrict__ xd,
-                                           const i32* __restrict__ xs, float* __restrict__ out, int n_out, int nb,
-                                           int nrows, int shared_tab, int ntok) {
-    mv_body<T, KPL, 0, MvtRows<KPL>::N>(rest, scales, xq, xd, xs, out, n_out, nb, nrows, shared_tab, blockIdx.x, gridDim.x, ntok);
-}
-
-// mvm's grouping for mvt's rows: up to 4 products of ONE input of ntok rows, each mvt's on its
-// weight alone (mv_body's bits).
-template <int T, int KPL>
-__global__ void __launch_bounds__(256) mvtm(const i8* __restrict__ xq, const float* __restrict__ xd,
-                                            const i32* __restrict__ xs, int nb, int shared_tab, int ntok,
-                                            const u8* r0, const float* s0, float* o0, int n0, int g0, int nr0,
-                                            const u8* r1, const float* s1, float* o1, int n1, int g1, int nr1,
-                                            const u8* r2, const float* s2, float* o2, int n2, int g2, int nr2,
-                                            const u8* r3, const float* s3, float* o3, int n3, int g3, int nr3) {
-    constexpr int MT = MvtRows<KPL>::N;
-    int b = blockIdx.x;
-    if (b < g0) return mv_body<T, KPL, 0, MT>(r0, s0, xq, xd, xs, o0, n0, nb, nr0, shared_tab, b, g0, ntok);
-    b -= g0;
-    if (b < g1) return mv_body<T, KPL, 0, MT>(r1, s1, xq, xd, xs, o1, n1, nb, nr1, shared_tab, b, g1, ntok);
-    b -= g1;
-    if (b < g2) return mv_body<T, KPL, 0, MT>(r2, s2, xq, xd, xs, o2, n2, nb, nr2, shared_tab, b, g2, ntok);
-    b -= g2;
-    if (b < g3) mv_body<T, KPL, 0, MT>(r3, s3, xq, xd, xs, o3, n3, nb, nr3, shared_tab, b, g3, ntok);
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -390,49 +390,14 @@ def test_few_row_products_take_mvf_with_mm_bits(rt, name, monkeypatch):
     monkeypatch.setattr(gpu, "MVF_TOKENS", 8)
     monkeypatch.setattr(gpu, "_plans", {})
     long_in = -(-(8192 + 2048 + 32) // t.block_size) * t.block_size
-    monkeypatch.setattr(gpu, "MVT", False)  # (short rows' first few take mvt: the test below)
     for n_in, n_out in ((long_in, 7), (_small_shape(t)[0], 9)):
         assert gpu._quant_plan(t.id, n_in, n_out, 1)[1].startswith(f"mvf<{t.id}>" if n_in > 8192 else f"mv<{t.id}, ")
         assert all(gpu._quant_plan(t.id, n_in, n_out, n)[1] == f"mvf<{t.id}>" for n in range(2, 9))
         assert gpu._quant_plan(t.id, n_in, n_out, 9)[1] != f"mvf<{t.id}>"
         _check_products(rt, t, n_in, n_out, (1, 2, 3, 8), seed=t.id * 7 + n_in)
-    monkeypatch.setattr(gpu, "MVT", True)
-    monkeypatch.setattr(gpu, "_plans", {})
-    assert all(gpu._quant_plan(t.id, long_in, 7, n)[1] == f"mvf<{t.id}>" for n in range(2, 9))  # (rows mv cannot hold)
     monkeypatch.setattr(gpu, "MVF_TOKENS", 0)  # (a benchmark's switch: the batched kernel as before)
     monkeypatch.setattr(gpu, "_plans", {})
     assert gpu._quant_plan(t.id, long_in, 7, 1)[1] in (f"mmt<{t.id}>", f"mmq<{t.id}>", f"mm<{t.id}>")
-
-
-@pytest.mark.parametrize("name", ["Q6_K", "Q4_K", "Q8_0", "IQ2_XS"])
-def test_a_verifys_few_rows_take_mvt_with_mv_bits(rt, name, monkeypatch):
-    # mvt (mv's staged rows, every activation row in registers) for 2 .. MVT_ROWS[kpl] rows, in each
-    # register variant (rows of up to 32 kpl act-blocks, lanes ragged), mvf beyond them; the
-    # reference's bits row by row, alone and grouped (mvtm); STRATA_MVT=0 puts mvf back
-    t = BY_NAME[name]
-    monkeypatch.setattr(gpu, "MVF_TOKENS", 8)
-    monkeypatch.setattr(gpu, "_plans", {})
-    for kpl in gpu.KPLS:
-        n_in = (32 * kpl - 1) * 32 // t.block_size * t.block_size
-        most = gpu.MVT_ROWS[kpl]
-        assert all(gpu._quant_plan(t.id, n_in, 7, n)[1] == f"mvt<{t.id}, {kpl}>" for n in range(2, most + 1)), kpl
-        assert gpu._quant_plan(t.id, n_in, 7, most + 1)[1] == f"mvf<{t.id}>"
-        _check_products(rt, t, n_in, 7, (2, most), seed=t.id * 5 + kpl)
-    n_in, n_outs = 96 * 32, (33, 1, 9)
-    rng = np.random.default_rng(t.id)
-    raws = [random_weights(t, n_in * n, rng) for n in n_outs]
-    ws = [gpu.upload(raw, t.id, n_in, n) for raw, n in zip(raws, n_outs)]
-    x = _acts(n_in, 3, 2)
-    outs = [rt.to_device(np.full((3, n), np.nan, np.float32)) for n in n_outs]
-    launched, launch = [], rt.launch
-    monkeypatch.setattr(rt, "launch", lambda mod, name, *a, **k: (launched.append(name), launch(mod, name, *a, **k))[1])
-    assert gpu.matmul_many(ws, gpu.quantize_act_gpu(rt.to_device(x)), outs)
-    assert [n for n in launched if n.startswith("mv")] == [f"mvtm<{t.id}, 3>"]
-    for raw, n, out in zip(raws, n_outs, outs):
-        _assert_same(rt.to_host(out), R.dot_reference(raw, t.id, n_in, n, quantize_act(x)), f"{name} mvtm [{n_in} x {n}]")
-    monkeypatch.setattr(gpu, "MVT", False)
-    monkeypatch.setattr(gpu, "_plans", {})
-    assert gpu._quant_plan(t.id, n_in, 7, 2)[1] == f"mvf<{t.id}>"
 
 
 def test_out_buffer_is_filled_in_place(rt):
