@@ -1,6 +1,7 @@
 """scripts/gpu_suite.sh's helpers, which run only on the device: how the GPU test files are dealt
 to its shards (gpu_shards.py), and that the summary names a shard its time limit cut
-(gpu_suite_summary.py): such a shard leaves its log and no JUnit file."""
+(gpu_suite_summary.py): such a shard leaves its log and no JUnit file; and that the compile
+before them (gpu_warm_kernels.py) takes every module the engine has."""
 
 from __future__ import annotations
 
@@ -68,3 +69,22 @@ def test_the_summary_names_a_shard_cut_by_its_time_limit(tmp_path):
     rows, ok = m.test_rows(tmp_path, 124)
     assert not ok
     assert ("  NO RESULT", "shard 1 left no result file (cut at its time limit?): tests/gpu/test_kernels_gpu.py") in rows
+
+
+def test_the_warm_up_compiles_every_module_the_engine_has_once():
+    # gpu_warm_kernels.py fills CuPy's disk cache before the shards: a module it leaves out is
+    # compiled again inside a shard (the kernel tests' shard was cut by that, 2026-12-06)
+    from strata.index_format.ggml_types import TYPES
+
+    keys = _load("gpu_warm_kernels").module_keys()
+    assert sorted(keys) == sorted([t.name for t in TYPES] + ["device step", "actq"])
+    quantized = {t.name for t in TYPES if t.quantized}
+    assert set(keys[:len(quantized)]) == quantized  # the slowest start first
+
+
+def test_the_warm_up_without_a_gpu_says_why_and_fails(capsys, monkeypatch):
+    from strata.engine.kernels import gpu
+
+    monkeypatch.setattr(gpu, "available", lambda: (False, "CuPy is not importable (the test)"))
+    assert _load("gpu_warm_kernels").main([]) == 1
+    assert "no GPU (CuPy is not importable (the test))" in capsys.readouterr().err
