@@ -4,7 +4,7 @@
 #
 #     bash scripts/gpu_suite.sh
 #
-# Logs go to $OUT when set (else ./gpu_suite_logs): gpu_env.log, gpu_tests.log, gpu_tests_K.xml/.log and gpu_shard_K.txt (a shard each),
+# Logs go to $OUT when set (else ./gpu_suite_logs): gpu_env.log, gpu_warm.log (the modules compiled first), gpu_tests.log, gpu_tests_K.xml/.log and gpu_shard_K.txt (a shard each),
 # bench_kernels_gpu.log/.md, bench_gpu_tier.log/.md, bench_serve.log. The last thing printed is the summary table.
 # Exit status: 0 when the GPU tests ran (not all skipped) and passed, else 1; the benchmarks never fail it.
 # SKIP_KERNEL_BENCH=1 leaves out the kernel benchmark (its table is in docs/performance.md already);
@@ -46,7 +46,8 @@ SHARDS=${GPU_TEST_SHARDS:-4}
 # Every module compiled first, side by side, into CuPy's disk cache, which the shards' processes then
 # load (scripts/gpu_warm_kernels.py says why: the kernel tests' shard compiled ~25 modules one by one)
 echo "== GPU kernel modules compiled into the disk cache"
-timeout ${WARM_TIMEOUT:-240} python3 scripts/gpu_warm_kernels.py 2>&1 | tail -4 | tee "$LOG/gpu_warm.log"
+timeout ${WARM_TIMEOUT:-240} python3 scripts/gpu_warm_kernels.py > "$LOG/gpu_warm.log" 2>&1 || echo "the warm-up failed or was cut (rc $?): the shards compile what it left out"
+grep -E "FAILED|modules in|no GPU" "$LOG/gpu_warm.log"
 rm -f "$LOG"/gpu_tests*.xml "$LOG"/gpu_tests_*.log "$LOG"/gpu_shard_*.txt
 python3 -m pytest -m gpu -q -p no:cacheprovider --collect-only $FILES 2>/dev/null | grep "::" | cut -d: -f1 | sort | uniq -c > "$LOG/gpu_collected.txt"
 python3 scripts/gpu_shards.py "$SHARDS" "$LOG" $FILES || exit 2
