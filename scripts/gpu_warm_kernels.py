@@ -3,14 +3,14 @@
     python3 scripts/gpu_warm_kernels.py [PROCESSES]    # default: the machine's cores, at most 16
 
 scripts/gpu_suite.sh runs it before its test shards. NVRTC compiles a module on one core, 12-16 s a
-block type's on the H100's host, and the shard holding tests/gpu/test_kernels_gpu.py compiled every
+block type's on the H100's host (7 at once), and the shard holding tests/gpu/test_kernels_gpu.py compiled every
 block type's module itself, one after another: on a fresh H100 (2026-12-06) it was cut at its 520 s
 limit after 239 of its 271 tests while the other three shards finished in 215-274 s. CuPy 14 keeps a
 module asked for by name expressions on disk, keyed by its source, options and names, and a later
 process loads it (measured there: the device step's module 7.44 s compiled, 0.13 s loaded; Q4_K's
 14.80 s and 0.01 s), so the shards then load what this compiled. On that H100 all 25 modules took
 45 s at 16 processes (435 s of compiling, 15-28 s a block type's), and the kernel tests' products
-of every type (few_row, matmul_many: 21 tests) then ran in 8 s.
+of 9 block types (few_row, matmul_many: 21 tests) then ran in 8 s.
 Prints a table: module, seconds, result. Exit status 1 when a module failed to compile.
 """
 
