@@ -65,6 +65,21 @@ if MMQ_LAUNCH_TOKENS < 1:
 MVF_TOKENS = int(os.environ.get("STRATA_MVF_TOKENS", "8"))
 if not 0 <= MVF_TOKENS <= 8:
     raise ValueError(f"STRATA_MVF_TOKENS={MVF_TOKENS}: expected 0 to 8 (the few-row kernel's registers)")
+# Weight rows an mvf warp takes at once (mvf<T, R>, gpu_kernels.cu): the most that still leaves
+# MVF_TASKS_PER_SM warps' worth of rows a multiprocessor, at most MVF_ROWS_MOST of the type (_mvf_rows).
+# On an H200 (benchmarks/mvf_rows.py, 2026-12-06), 3-row products, us against the 1-row mv's:
+#   Q6_K 248320 x 2560 (a head)  R = 1 380, 2 275, 3 247, 4 237 (mv 176)
+#   Q6_K  12288 x 2560           R = 1 25.2, 2 18.5, 3 16.8, 4 19.0 (mv 15.0)
+#   Q6_K   1024 x 2560           R = 1 5.4, 2 6.1, 3 6.7, 4 8.3 (mv 3.1)
+#   Q8_0 248320 x 2560           R = 1 207, 2 182, 3 212, 4 199 (mv 170)
+# (Q4_K as Q6_K.) So a warp's share is about 24 tasks a multiprocessor at the best R, and Q8_0, whose
+# blocks decode cheaply, gains from 2 rows only. STRATA_MVF_ROWS=N takes N rows always (the benchmark's).
+MVF_ROWS_ALL = (1, 2, 3, 4)
+MVF_TASKS_PER_SM = 24
+MVF_ROWS_MOST = {"Q8_0": 2}  # else 4
+MVF_ROWS = int(os.environ.get("STRATA_MVF_ROWS", "0"))
+if MVF_ROWS and MVF_ROWS not in MVF_ROWS_ALL:
+    raise ValueError(f"STRATA_MVF_ROWS={MVF_ROWS}: expected one of {MVF_ROWS_ALL} (unset: chosen by the shape)")
 SMEM_LIMIT = 48 * 1024  # dynamic shared memory a block may take without an opt-in
 SHARED_TABLE_ROWS = 64  # rows per thread block from which an IQ grid is copied to shared memory
 NO_BAD = np.uint64(0xFFFFFFFFFFFFFFFF)
@@ -473,10 +488,18 @@ def _names(t: GGMLType) -> list[str]:
     if t.quantized:
         wide = [f"mv<{t.id}, {k}, 1>" for k in KPLS] if is_wide(t) else []
         grouped = [f"mvx<{t.id}, {k}>" for k in KPLS] + [f"mvm<{t.id}, {k}>" for k in KPLS]
-        batched = [f"deq_h<{t.id}>", f"mvf<{t.id}>", f"mvfm<{t.id}>", f"mm<{t.id}>", f"mmx<{t.id}>", f"mmq<{t.id}>", f"mmqx<{t.id}>", f"mmqw<{t.id}>", f"mmqk<{t.id}>", f"mmt<{t.id}>"]
+        few = [f"mvf<{t.id}, {r}>" for r in MVF_ROWS_ALL] + [f"mvfm<{t.id}, {r}>" for r in MVF_ROWS_ALL]
+        batched = few + [f"deq_h<{t.id}>", f"mm<{t.id}>", f"mmx<{t.id}>", f"mmq<{t.id}>", f"mmqx<{t.id}>", f"mmqw<{t.id}>", f"mmqk<{t.id}>", f"mmt<{t.id}>"]
         return [f"mv<{t.id}, {k}>" for k in KPLS] + wide + grouped + batched + [f"traits<{t.id}>"]
     kind = _FLOAT_KIND[t.name]
     return [f"fmv<{kind}>", f"fmvm<{kind}>", f"fmm<{kind}>"] + [f"fmt<{kind}, {r}, {c}>" for r in FMT_SIDES for c in FMT_SIDES]
+
+
+def module_names(key: str) -> list[str]:
+    """The kernels (name expressions) of the module of a type name, or of "actq", in SOURCE."""
+    if key == "actq":
+        return ["actq", "actq16", "combine16", "to_h"]
+    return _names(ggml_type(key, where="gpu kernels"))
 
 
 def compile_module(key: str) -> None:
@@ -489,11 +512,9 @@ def _module(key: str) -> _Module:
     if key in _modules:
         return _modules[key]
     rt = runtime()
-    if key == "actq":
-        m = _Module(rt.compile(["actq", "actq16", "combine16", "to_h"]))
-    else:
+    m = _Module(rt.compile(module_names(key)))
+    if key != "actq":
         t = ggml_type(key, where="gpu kernels")
-        m = _Module(rt.compile(_names(t)))
         if t.quantized:
             _check_tables()
             for sym, table in _TABLES.items():
@@ -774,6 +795,16 @@ def quantize_act_gpu(x, out: GpuActQ | None = None, check: bool = True) -> GpuAc
 # the products
 
 
+def _mvf_rows(name: str, n_out: int, n_sm: int) -> int:
+    """The weight rows an mvf warp takes at once for n_out rows of type `name` (MVF_ROWS_ALL says why)."""
+    if MVF_ROWS:
+        return MVF_ROWS
+    for r in range(MVF_ROWS_MOST.get(name, MVF_ROWS_ALL[-1]), 1, -1):
+        if -(-n_out // r) >= MVF_TASKS_PER_SM * n_sm:
+            return r
+    return 1
+
+
 def _grid(rt, n_items: int, per_block: int, per_sm: int = 32) -> int:
     # Warps take rows grid-stride; a few blocks per multiprocessor is enough to fill it (a block
     # that first copies an IQ grid to shared memory should be reused: fewer per multiprocessor).
@@ -884,8 +915,9 @@ def _quant_launch(type_id: int, n_in: int, n_out: int, n_tok: int, mma: bool, ti
         grid = _grid(rt, n_out, nw * rows, per_sm)
         return m.mod, f"mv<{type_id}, {kpl}>", grid, 32 * nw, tab + nw * per_warp, (np.int32(rows), np.int32(tab > 0))
     if 0 < n_tok <= MVF_TOKENS and (n_tok > 1 or nb > 32 * KPLS[-1]):  # few rows, or one mv cannot hold: a warp a row
-        nw = _warps(0, n_out, rt.n_sm, fixed_smem=tab)
-        return m.mod, f"mvf<{type_id}>", _grid(rt, n_out, nw, per_sm), 32 * nw, tab, (np.int32(n_tok), np.int32(tab > 0))
+        r = _mvf_rows(t.name, n_out, rt.n_sm)
+        nw = _warps(0, -(-n_out // r), rt.n_sm, fixed_smem=tab)
+        return m.mod, f"mvf<{type_id}, {r}>", _grid(rt, -(-n_out // r), nw, per_sm), 32 * nw, tab, (np.int32(n_tok), np.int32(tab > 0))
     tiles = -(-n_out // MT_ROWS) * -(-n_tok // MT_TOKS)
     if mma and tiled and tiles >= MMT_MIN_TILES * rt.n_sm and nb >= MMT_MIN_BLOCKS:  # the int8 tensor cores in block tiles of MT_ROWS x MT_TOKS
         tab = tab if tab + m.mt_smem <= SMEM_LIMIT else 0  # (the grid copy left out if both would not fit)
@@ -1145,15 +1177,17 @@ def matmul_many(ws: list, act, outs: list) -> bool:
     m, block = _module(t.name), max(p[3] for p in plans)
     tab = min(int(p[5][1]) for p in plans)
     per_sm = 8 if tab else 32
+    # the rows a warp takes: one R for the launch, by all its matrices' rows (they share the card)
+    r = _mvf_rows(t.name, sum(w.n_out for w in ws), rt.n_sm)
     table = ()
     for w, out in zip(ws, outs):
         scales = w.scales if w.scales is not None else w.rest
-        table += (w.rest, scales, out, np.int32(w.n_out), np.int32(_grid(rt, w.n_out, block // 32, per_sm)))
+        table += (w.rest, scales, out, np.int32(w.n_out), np.int32(_grid(rt, -(-w.n_out // r), block // 32, per_sm)))
     grid = sum(int(g) for g in table[4::5])
     w0 = ws[0]
     table += (w0.rest, w0.scales if w0.scales is not None else w0.rest, outs[0], np.int32(0), np.int32(0)) * (MANY - len(ws))
     args = (act.q, act.d, act.s16, np.int32(w0.n_in // QA), np.int32(n_tok), np.int32(tab))
-    rt.launch(plans[0][0], "mvfm" + plans[0][1][3:], grid, block, args + table, m.tab if tab else 0)
+    rt.launch(plans[0][0], f"mvfm<{t.id}, {r}>", grid, block, args + table, m.tab if tab else 0)
     return True
 
 

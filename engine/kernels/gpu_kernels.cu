@@ -873,9 +873,15 @@ __global__ void __launch_bounds__(256) mvm(const i8* __restrict__ xq, const floa
 //   xq i8 [ntok, nb * 32]; xd f32 [ntok, nb]; xs i32 [ntok, 2 nb]; out f32 [ntok, n_out]
 #define MVF_TOKENS 8
 
+// R weight rows a warp at once (1..4; gpu.py's _mvf_rows picks R by the rows there are to share
+// out): a lane loads an act-block of each activation row once for all R, and has R rows' weight
+// blocks in flight. On an H200 (benchmarks/mvf_rows.py, 2026-12-06) a 3-row product of a Q6_K LM
+// head (248320 x 2560) took 380 us with R = 1, 236 with R = 4, against the 1-row mv's 176; a
+// 1024-row one is fastest with R = 1 (fewer warps would share the card). A row's arithmetic is
+// the same for any R: lane l adds its act-blocks in order, then the fold.
 // (mvf_body: the kernel's work for thread block bx of gx, the grid copy `tab` loaded; mvf runs it as
 // blockIdx.x of gridDim.x, mvfm as one of the blocks given to one matrix)
-template <int T>
+template <int T, int R>
 __device__ __forceinline__ void mvf_body(const u8* __restrict__ rest, const float* __restrict__ scales,
                                          const i8* __restrict__ xq, const float* __restrict__ xd,
                                          const i32* __restrict__ xs, float* __restrict__ out, int n_out, int nb,
@@ -885,15 +891,25 @@ __device__ __forceinline__ void mvf_body(const u8* __restrict__ rest, const floa
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
     const int nblk = nb / L::APB;
     // (a plane starts 16-byte aligned, so a block's address has the alignment mv's staged copy gives it)
-    for (i64 o = (i64)bx * nw + warp; o < n_out; o += (i64)gx * nw) {
-        const u8* Rb = rest + o * nblk * L::REST;
-        const float* Sb = scales + o * nblk * L::NS;
-        float acc[MVF_TOKENS];
+    for (i64 o0 = ((i64)bx * nw + warp) * R; o0 < n_out; o0 += (i64)gx * nw * R) {
+        const u8* Rb[R];
+        const float* Sb[R];
 #pragma unroll
-        for (int t = 0; t < MVF_TOKENS; t++) acc[t] = 0.0f;
+        for (int r = 0; r < R; r++) {  // a row past the end reads the last row again, its sums unused
+            const i64 o = o0 + r < n_out ? o0 + r : n_out - 1;
+            Rb[r] = rest + o * nblk * L::REST;
+            Sb[r] = scales + o * nblk * L::NS;
+        }
+        float acc[R][MVF_TOKENS];
+#pragma unroll
+        for (int r = 0; r < R; r++)
+#pragma unroll
+            for (int t = 0; t < MVF_TOKENS; t++) acc[r][t] = 0.0f;
         for (int k = lane; k < nb; k += 32) {
             const int blk = k / L::APB;
-            const Blk b = L::dec(Rb + blk * L::REST, k % L::APB, Sb + blk * L::NS, tab);
+            Blk b[R];
+#pragma unroll
+            for (int r = 0; r < R; r++) b[r] = L::dec(Rb[r] + blk * L::REST, k % L::APB, Sb[r] + blk * L::NS, tab);
 #pragma unroll
             for (int t = 0; t < MVF_TOKENS; t++) {
                 if (t < ntok) {  // the same for every lane
@@ -901,28 +917,33 @@ __device__ __forceinline__ void mvf_body(const u8* __restrict__ rest, const floa
                     u32 x[8];
                     load_act(xq, 32 * at, x);
                     const int xs0 = S16 ? __ldg(xs + 2 * at) : 0, xs1 = S16 ? __ldg(xs + 2 * at + 1) : 0;
-                    acc[t] = f32_add(acc[t], term<T>(b, x, __ldg(xd + at), xs0, xs1));
+                    const float d = __ldg(xd + at);
+#pragma unroll
+                    for (int r = 0; r < R; r++) acc[r][t] = f32_add(acc[r][t], term<T>(b[r], x, d, xs0, xs1));
                 }
             }
         }
 #pragma unroll
-        for (int t = 0; t < MVF_TOKENS; t++) {
-            if (t < ntok) {
-                const float v = fold(acc[t]);
-                if (lane == 0) out[(i64)t * n_out + o] = v;
+        for (int r = 0; r < R; r++) {
+#pragma unroll
+            for (int t = 0; t < MVF_TOKENS; t++) {
+                if (t < ntok) {
+                    const float v = fold(acc[r][t]);
+                    if (lane == 0 && o0 + r < n_out) out[(i64)t * n_out + o0 + r] = v;
+                }
             }
         }
     }
 }
 
-template <int T>
+template <int T, int R>
 __global__ void __launch_bounds__(256) mvf(const u8* __restrict__ rest, const float* __restrict__ scales,
                                            const i8* __restrict__ xq, const float* __restrict__ xd,
                                            const i32* __restrict__ xs, float* __restrict__ out, int n_out, int nb,
                                            int ntok, int shared_tab) {
     STRATA_SMEM(smem);
     const typename Ty<T>::Tab* tab = load_tab<T>(smem, shared_tab);
-    mvf_body<T>(rest, scales, xq, xd, xs, out, n_out, nb, ntok, tab, blockIdx.x, gridDim.x);
+    mvf_body<T, R>(rest, scales, xq, xd, xs, out, n_out, nb, ntok, tab, blockIdx.x, gridDim.x);
 }
 
 // Up to 4 few-row products of ONE input in one launch (a verify's rows, as mvm is for one token:
@@ -931,7 +952,7 @@ __global__ void __launch_bounds__(256) mvf(const u8* __restrict__ rest, const fl
 // before it. Each is mvf_body on that weight alone, whose rows' arithmetic does not depend on the
 // grid: mvf's bits. (A verify of 1 + 2 rows of the demo made 34 + 17 mvf launches where the token
 // step grouped its products, ~2.5 us a graph node each, 2026-12-05.) Unused entries have gj = 0.
-template <int T>
+template <int T, int R>
 __global__ void __launch_bounds__(256) mvfm(const i8* __restrict__ xq, const float* __restrict__ xd,
                                             const i32* __restrict__ xs, int nb, int ntok, int shared_tab,
                                             const u8* r0, const float* s0, float* o0, int n0, int g0,
@@ -941,13 +962,13 @@ __global__ void __launch_bounds__(256) mvfm(const i8* __restrict__ xq, const flo
     STRATA_SMEM(smem);
     const typename Ty<T>::Tab* tab = load_tab<T>(smem, shared_tab);
     int b = blockIdx.x;
-    if (b < g0) return mvf_body<T>(r0, s0, xq, xd, xs, o0, n0, nb, ntok, tab, b, g0);
+    if (b < g0) return mvf_body<T, R>(r0, s0, xq, xd, xs, o0, n0, nb, ntok, tab, b, g0);
     b -= g0;
-    if (b < g1) return mvf_body<T>(r1, s1, xq, xd, xs, o1, n1, nb, ntok, tab, b, g1);
+    if (b < g1) return mvf_body<T, R>(r1, s1, xq, xd, xs, o1, n1, nb, ntok, tab, b, g1);
     b -= g1;
-    if (b < g2) return mvf_body<T>(r2, s2, xq, xd, xs, o2, n2, nb, ntok, tab, b, g2);
+    if (b < g2) return mvf_body<T, R>(r2, s2, xq, xd, xs, o2, n2, nb, ntok, tab, b, g2);
     b -= g2;
-    if (b < g3) mvf_body<T>(r3, s3, xq, xd, xs, o3, n3, nb, ntok, tab, b, g3);
+    if (b < g3) mvf_body<T, R>(r3, s3, xq, xd, xs, o3, n3, nb, ntok, tab, b, g3);
 }
 
 // ---------------------------------------------------------------------------------------------

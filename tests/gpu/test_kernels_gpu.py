@@ -391,13 +391,47 @@ def test_few_row_products_take_mvf_with_mm_bits(rt, name, monkeypatch):
     monkeypatch.setattr(gpu, "_plans", {})
     long_in = -(-(8192 + 2048 + 32) // t.block_size) * t.block_size
     for n_in, n_out in ((long_in, 7), (_small_shape(t)[0], 9)):
-        assert gpu._quant_plan(t.id, n_in, n_out, 1)[1].startswith(f"mvf<{t.id}>" if n_in > 8192 else f"mv<{t.id}, ")
-        assert all(gpu._quant_plan(t.id, n_in, n_out, n)[1] == f"mvf<{t.id}>" for n in range(2, 9))
-        assert gpu._quant_plan(t.id, n_in, n_out, 9)[1] != f"mvf<{t.id}>"
+        assert gpu._quant_plan(t.id, n_in, n_out, 1)[1].startswith(f"mvf<{t.id}, " if n_in > 8192 else f"mv<{t.id}, ")
+        assert all(gpu._quant_plan(t.id, n_in, n_out, n)[1] == f"mvf<{t.id}, 1>" for n in range(2, 9))  # (few rows: 1 a warp)
+        assert not gpu._quant_plan(t.id, n_in, n_out, 9)[1].startswith("mvf")
         _check_products(rt, t, n_in, n_out, (1, 2, 3, 8), seed=t.id * 7 + n_in)
     monkeypatch.setattr(gpu, "MVF_TOKENS", 0)  # (a benchmark's switch: the batched kernel as before)
     monkeypatch.setattr(gpu, "_plans", {})
     assert gpu._quant_plan(t.id, long_in, 7, 1)[1] in (f"mmt<{t.id}>", f"mmq<{t.id}>", f"mm<{t.id}>")
+
+
+@pytest.mark.parametrize("rows", [2, 3, 4])
+def test_few_row_products_keep_their_bits_with_several_rows_a_warp(rt, rows, monkeypatch):
+    # mvf<T, R>: a warp takes R weight rows at once (its lanes load each act-block of the activations
+    # once for all R); the row counts here leave the last warp's group short (a row past the end
+    # is read again, its sums dropped), and mvfm shares one R among matrices of 1 to 96 rows
+    monkeypatch.setattr(gpu, "MVF_ROWS", rows)
+    monkeypatch.setattr(gpu, "_plans", {})
+    for name in ("Q6_K", "Q4_K", "IQ3_XXS", "Q8_0"):
+        t = BY_NAME[name]
+        assert gpu._quant_plan(t.id, 2560, 13, 3)[1] == f"mvf<{t.id}, {rows}>"
+        _check_products(rt, t, 2560, 13, (2, 3), seed=t.id * 5 + rows)
+    t = BY_NAME["Q6_K"]
+    n_in, n_outs = 2560, (33, 1, 96, 7)
+    rng = np.random.default_rng(rows)
+    raws = [random_weights(t, n_in * n, rng) for n in n_outs]
+    ws = [gpu.upload(raw, t.id, n_in, n) for raw, n in zip(raws, n_outs)]
+    x = _acts(n_in, 3, 12)
+    outs = [rt.to_device(np.full((3, n), np.nan, np.float32)) for n in n_outs]
+    assert gpu.matmul_many(ws, gpu.quantize_act_gpu(rt.to_device(x)), outs)
+    for j, (raw, n, out) in enumerate(zip(raws, n_outs, outs)):
+        _assert_same(rt.to_host(out), R.dot_reference(raw, t.id, n_in, n, quantize_act(x)), f"mvfm<{t.id}, {rows}> matrix {j}")
+
+
+def test_the_rows_a_few_row_warp_takes_follow_the_rows_there_are():
+    # the most rows a warp (at most the type's cap) that leave MVF_TASKS_PER_SM warps' worth a
+    # multiprocessor: a head takes 4 (Q8_0 2), a 12288-row product 3, a 1024-row one 1
+    n_sm = 132
+    assert gpu._mvf_rows("Q6_K", 248320, n_sm) == 4 and gpu._mvf_rows("Q8_0", 248320, n_sm) == 2
+    assert gpu._mvf_rows("Q4_K", 12288, n_sm) == 3
+    assert gpu._mvf_rows("Q4_K", 2 * gpu.MVF_TASKS_PER_SM * n_sm, n_sm) == 2
+    assert gpu._mvf_rows("Q4_K", 2 * gpu.MVF_TASKS_PER_SM * n_sm - 2, n_sm) == 1  # (-(-n // 2) warps a row pair)
+    assert gpu._mvf_rows("IQ2_XXS", 1024, n_sm) == 1
 
 
 def test_out_buffer_is_filled_in_place(rt):
