@@ -11,31 +11,15 @@ process loads it (measured there: the device step's module 7.44 s compiled, 0.13
 14.80 s and 0.01 s), so the shards then load what this compiled. On that H100 all 25 modules took
 45 s at 16 processes (435 s of compiling, 15-28 s a block type's), and the kernel tests' products
 of 9 block types (few_row, matmul_many: 21 tests) then ran in 8 s.
-Prints a table: module, seconds, result. Exit status 1 when a module failed to compile.
+It takes the GPU tier's own first-start path (engine/tier/compile_ahead.py), which skips what is
+marked compiled for this card already. Prints a table: module, seconds, result. Exit status 1 when
+a module failed to compile.
 """
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import sys
-import time
-
-
-def _compile(key: str) -> tuple[str, float, str]:
-    from strata.engine.kernels import gpu
-
-    t0 = time.perf_counter()
-    try:
-        if key == "device step":  # engine/tier/device.py's fused row operations
-            from strata.engine.tier import device
-
-            gpu.runtime().compile(device._NAMES, source=device.KERNELS)
-        else:
-            gpu.compile_module(key)
-    except Exception as e:  # noqa: BLE001 (reported in the table; the shards then show it too)
-        return key, time.perf_counter() - t0, f"FAILED {type(e).__name__}: {e}".splitlines()[0][:200]
-    return key, time.perf_counter() - t0, "ok"
 
 
 def module_keys() -> list[str]:
@@ -43,7 +27,9 @@ def module_keys() -> list[str]:
     types' first (the slowest), so that no long compile starts last."""
     from strata.index_format.ggml_types import TYPES
 
-    return [t.name for t in TYPES if t.quantized] + ["device step"] + [t.name for t in TYPES if not t.quantized] + ["actq"]
+    from strata.engine.tier.compile_ahead import DEVICE_STEP
+
+    return [t.name for t in TYPES if t.quantized] + [DEVICE_STEP] + [t.name for t in TYPES if not t.quantized] + ["actq"]
 
 
 def main(argv: list[str]) -> int:
@@ -53,17 +39,21 @@ def main(argv: list[str]) -> int:
     if not ok:
         print(f"gpu_warm_kernels: no GPU ({why})", file=sys.stderr)
         return 1
-    procs = int(argv[0]) if argv else min(16, os.cpu_count() or 1)
+    from strata.engine.tier import compile_ahead
+
+    procs = int(argv[0]) if argv else min(compile_ahead.MOST_PROCESSES, os.cpu_count() or 1)
     keys = module_keys()
-    t0 = time.perf_counter()
-    # spawn: each process its own CUDA context (a forked one cannot use the parent's)
-    with mp.get_context("spawn").Pool(procs) as pool:
-        rows = pool.map(_compile, keys, chunksize=1)
+    # the engine's own first-start path (the GPU tier's startup takes it too): the modules not yet
+    # marked compiled for this card, in `procs` spawned processes, each marked once compiled
+    a = compile_ahead.ahead(keys, compile_ahead.card_of(gpu.runtime()), print, processes=procs)
     print(f"{'module':>11} {'s':>6}  result")
-    for key, s, result in rows:
-        print(f"{key:>11} {s:6.1f}  {result}")
-    print(f"{len(keys)} modules in {time.perf_counter() - t0:.1f} s, {procs} processes")
-    return 0 if all(r == "ok" for _, _, r in rows) else 1
+    for key, s, why in a.rows:
+        print(f"{key:>11} {s:6.1f}  {'FAILED ' + why if why else 'ok'}")
+    for key in a.cached:
+        print(f"{key:>11} {'':>6}  compiled before")
+    print(f"{len(keys)} modules in {a.seconds:.1f} s, {len(a.compiled)} compiled in {a.processes} processes, "
+          f"{len(a.cached)} compiled before{'; ' + a.why_not if a.why_not else ''}")
+    return 1 if a.failed else 0
 
 
 if __name__ == "__main__":

@@ -58,6 +58,7 @@ from ..expert_plan import MiB, check_profile, fill_policy_line, plan_fill, prefi
 from ..kernels import cpu, gpu
 from ..kernels.engine_form import placed_bytes
 from ..model import Model, Session
+from . import compile_ahead
 from .backend import TierBackend
 from .device import DEVICE_ATTN_TILE_BYTES, DeviceBackend, DeviceExperts
 from .dense import Dense
@@ -217,8 +218,14 @@ class _Startup:
         self.draft_mats = [pack.weight(n) for n in B.draft_matrices(g)] if B.draft_on_device(g, bopts) else []
         types = {w.type.name for w in self.mats + self.draft_mats} | \
             {t.name for l in range(g.n_layer + (1 if self.draft_mats else 0)) for t in pack.expert_types(l)}
-        for name in sorted(types | {"actq"}):
+        # a first start compiles them side by side in processes of their own (compile_ahead.py says why)
+        keys = sorted(types | {"actq"})
+        card = compile_ahead.card_of_runtime(rt)
+        compile_ahead.ahead(keys + ([compile_ahead.DEVICE_STEP] if o.step == "device" else []), card,
+                            lambda text: self.say(f"gpu tier: {text}"))
+        for name in keys:
             gpu.compile_module(name)
+        compile_ahead.mark_loaded(keys, card)
         self.mem = DeviceMemory(rt, o.vram_budget_mib)
         self.free0 = self.mem.free()
         ple = pack.ple if g.ple_layers else None
@@ -229,6 +236,8 @@ class _Startup:
                  + (f" (--vram-budget-mib {o.vram_budget_mib})" if o.vram_budget_mib is not None else ""))
         self.n_slots = 0
         self.device = DeviceBackend(rt, None) if o.step == "device" else None
+        if self.device is not None:
+            compile_ahead.mark_loaded([compile_ahead.DEVICE_STEP], card)
         self.session, self.sessions = None, []
 
     def say(self, text: str) -> None:
