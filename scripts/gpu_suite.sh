@@ -49,7 +49,8 @@ echo "== GPU kernel modules compiled into the disk cache"
 timeout ${WARM_TIMEOUT:-240} python3 scripts/gpu_warm_kernels.py > "$LOG/gpu_warm.log" 2>&1 || echo "the warm-up failed or was cut (rc $?): the shards compile what it left out"
 grep -E "FAILED|modules in|no GPU" "$LOG/gpu_warm.log"
 rm -f "$LOG"/gpu_tests*.xml "$LOG"/gpu_tests_*.log "$LOG"/gpu_shard_*.txt
-python3 -m pytest -m gpu -q -p no:cacheprovider --collect-only $FILES 2>/dev/null | grep "::" | cut -d: -f1 | sort | uniq -c > "$LOG/gpu_collected.txt"
+# (counted by test function: a node id cut at its parameters; gpu_shards.py deals the functions)
+python3 -m pytest -m gpu -q -p no:cacheprovider --collect-only $FILES 2>/dev/null | grep "::" | sed -E 's/\[.*$//' | sort | uniq -c > "$LOG/gpu_collected.txt"
 python3 scripts/gpu_shards.py "$SHARDS" "$LOG" $FILES || exit 2
 # a shard's time limit: what is left of 450 s with the benchmarks after them, of 570 s (most of a
 # 600 s call) alone, after the install, the environment lines, the modules' compile and the collection
@@ -58,7 +59,7 @@ PIDS=""
 for k in $(seq 0 $((SHARDS - 1))); do
     files=$(cat "$LOG/gpu_shard_$k.txt" 2>/dev/null)
     [ -n "$files" ] || continue
-    echo "shard $k: $files"
+    echo "shard $k: $(echo $files | wc -w) test functions of $(echo $files | tr ' ' '\n' | cut -d: -f1 | sort -u | tr '\n' ' ')"
     timeout $TEST_LIMIT python3 -m pytest -m gpu -q -p no:cacheprovider --durations=5 \
         --junitxml="$LOG/gpu_tests_$k.xml" $files > "$LOG/gpu_tests_$k.log" 2>&1 &
     PIDS="$PIDS $!"

@@ -18,39 +18,46 @@ def _load(name: str):
     return module
 
 
-# the counts `pytest --collect-only -m gpu` gave on 2026-12-05, as `uniq -c` prints them
-COLLECTED = """    255 tests/gpu/test_kernels_gpu.py
-    183 tests/gpu/test_device_prompt.py
-    103 tests/gpu/test_device_step.py
-     28 tests/gpu/test_device_ahead.py
-     20 tests/gpu/test_gpu_tier.py
-     18 tests/gpu/test_device_sample.py
-     12 tests/gpu/test_actq16_gpu.py
-      9 tests/gpu/test_device_spec.py
-      1 tests/engine/test_serve.py
+# counts as gpu_suite.sh writes them (`pytest --collect-only -m gpu`, node ids cut at their
+# parameters, `uniq -c`): a few functions of the files of 2026-12-06
+COLLECTED = """     62 tests/gpu/test_kernels_gpu.py::test_every_type_matches_the_reference
+     60 tests/gpu/test_device_prompt.py::test_grouped_kernels_every_type_on_ragged_tiles
+     48 tests/gpu/test_kernels_gpu.py::test_batched_kernels_every_type
+     24 tests/gpu/test_kernels_gpu.py::test_deq_h_splits_each_weight_into_two_f16
+     30 tests/gpu/test_device_step.py::test_the_device_step_gives_the_cpu_logits
+      6 tests/gpu/test_kernels_gpu.py::test_gemm_products_are_the_int8_product_within_float32_rounding
+      3 tests/gpu/test_kernels_gpu.py::test_mmt_keeps_mm_bits_on_long_rows_and_many_tiles
+      9 tests/gpu/test_device_spec.py::test_the_verify_rows_have_the_bits_of_the_device_token_step
+      1 tests/engine/test_serve.py::test_on_the_gpu_tier_the_replies_are_the_cpus_and_metrics_count_hits
 """
 
 
-def test_the_largest_files_get_shards_of_their_own_and_every_file_runs_once():
+def test_a_large_files_functions_go_to_several_shards_and_every_test_runs_once():
     m = _load("gpu_shards")
     counts = m.read_counts(COLLECTED)
-    files = sorted(counts) + ["tests/gpu/test_new.py"]  # one the collection did not list (an error in it)
+    files = sorted({k.split("::")[0] for k in counts}) + ["tests/gpu/test_new.py"]  # one the collection did not list (an error in it)
     dealt = m.deal(counts, files, 4)
-    assert dealt[0] == ["tests/gpu/test_kernels_gpu.py"]
-    assert dealt[1] == ["tests/gpu/test_device_prompt.py"]
-    assert dealt[2] == ["tests/gpu/test_device_step.py"]
-    assert sorted(f for shard in dealt for f in shard) == sorted(files)
-    # more shards than files: the extra ones are empty, none is dealt twice
-    assert [len(s) for s in m.deal({"a": 3, "b": 2}, ["a", "b"], 4)] == [1, 1, 0, 0]
+    units = [u for shard in dealt for u in shard]
+    assert sorted(units) == sorted(list(counts) + ["tests/gpu/test_new.py"])  # each function once, the unlisted file whole
+    kernels = [k for k, shard in enumerate(dealt) if any(u.startswith("tests/gpu/test_kernels_gpu.py::") for u in shard)]
+    assert len(kernels) >= 3  # the kernel tests (~500 s in one process on an H100) spread out
+    loads = [sum(counts.get(u, 1) for u in shard) for shard in dealt]
+    assert max(loads) - min(loads) <= max(counts.values())  # the largest first, each to the least loaded
+    # more shards than tests: the extra ones are empty, none is dealt twice
+    assert [len(s) for s in m.deal({"a::x": 3, "b": 2}, ["a", "b"], 4)] == [1, 1, 0, 0]
 
 
 def test_the_shard_lists_are_written_for_the_suite(tmp_path):
     m = _load("gpu_shards")
     (tmp_path / "gpu_collected.txt").write_text(COLLECTED)
-    assert m.main(["2", str(tmp_path), "tests/gpu/test_kernels_gpu.py", "tests/gpu/test_device_spec.py",
-                   "tests/gpu/test_device_step.py"]) == 0
-    assert (tmp_path / "gpu_shard_0.txt").read_text() == "tests/gpu/test_kernels_gpu.py"
-    assert (tmp_path / "gpu_shard_1.txt").read_text() == "tests/gpu/test_device_step.py tests/gpu/test_device_spec.py"
+    assert m.main(["2", str(tmp_path), "tests/gpu/test_kernels_gpu.py", "tests/gpu/test_device_spec.py"]) == 0
+    # 62 -> shard 0, 48 -> 1, 24 -> 1 (72), 9 -> 0 (71), 6 -> 0 (77), 3 -> 1 (75)
+    assert (tmp_path / "gpu_shard_0.txt").read_text() == "tests/gpu/test_kernels_gpu.py::test_every_type_matches_the_reference " \
+        "tests/gpu/test_device_spec.py::test_the_verify_rows_have_the_bits_of_the_device_token_step " \
+        "tests/gpu/test_kernels_gpu.py::test_gemm_products_are_the_int8_product_within_float32_rounding"
+    assert (tmp_path / "gpu_shard_1.txt").read_text() == "tests/gpu/test_kernels_gpu.py::test_batched_kernels_every_type " \
+        "tests/gpu/test_kernels_gpu.py::test_deq_h_splits_each_weight_into_two_f16 " \
+        "tests/gpu/test_kernels_gpu.py::test_mmt_keeps_mm_bits_on_long_rows_and_many_tiles"
     assert m.main(["0", str(tmp_path), "x"]) == 2
 
 
