@@ -20,18 +20,40 @@ import sys
 from pathlib import Path
 
 
+# Test functions that take far longer than their count says, in seconds on a card (summed over their
+# parameters; 2026-12-06, `--durations` of an H100 and an H200 run), weighed as SECONDS / PER_TEST
+# tests: a shard dealt by count alone took two of them and was cut at 330 s while another finished
+# in 48 s. scripts/gpu_suite_summary.py prints a run's slowest functions to update this from.
+SECONDS = {
+    "tests/gpu/test_device_step.py::test_the_device_step_gives_the_cpu_logits_for_qwen4exp": 47,
+    "tests/gpu/test_device_ahead.py::test_qwen4exp_runs_ahead_with_the_plain_loops_tokens_and_states": 34,
+    "tests/gpu/test_gpu_tier.py::test_logits_are_bit_identical_whatever_the_split_qwen4exp": 32,
+    "tests/gpu/test_device_step.py::test_the_device_step_gives_the_cpu_logits": 30,
+    "tests/gpu/test_device_prompt.py::test_the_qwen4exp_chunk_path_has_the_host_paths_bits": 30,
+    "tests/gpu/test_device_step.py::test_the_prompts_dense_products_through_cublas_keep_the_cpu_logits": 13,
+    "tests/gpu/test_kernels_gpu.py::test_mmt_keeps_mm_bits_on_long_rows_and_many_tiles": 60,
+    "tests/gpu/test_device_step.py::test_qwen4exp_blocks_on_the_device_are_the_cpus": 8,
+}
+PER_TEST = 0.35  # seconds a test on average (2026-12-06: 169 tests in 48-71 s a shard without those)
+
+
+def weight(counts: dict[str, int], unit: str) -> int:
+    """A unit's share of a shard, in tests: its count, or its SECONDS' worth where that is more."""
+    return max(counts.get(unit, 0), 1, round(SECONDS.get(unit, 0) / PER_TEST))
+
+
 def deal(counts: dict[str, int], files: list[str], shards: int) -> list[list[str]]:
     """The files' tests -> `shards` lists of node ids (some empty where there are fewer): each
     counted key of a file (a test function's "file::name", or the file itself), else the file
-    whole, by count, the largest first, to the least loaded shard."""
+    whole, by weight (its count, or its SECONDS), the largest first, to the least loaded shard."""
     units = []
     for f in dict.fromkeys(files):
         mine = [k for k in counts if k == f or k.startswith(f + "::")]
         units += mine or [f]
     load, dealt = [0] * shards, [[] for _ in range(shards)]
-    for u in sorted(units, key=lambda u: (-counts.get(u, 0), u)):
+    for u in sorted(units, key=lambda u: (-weight(counts, u), u)):
         k = load.index(min(load))
-        load[k] += max(counts.get(u, 0), 1)
+        load[k] += weight(counts, u)
         dealt[k].append(u)
     return dealt
 

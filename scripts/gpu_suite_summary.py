@@ -45,12 +45,24 @@ def test_rows(log: Path, test_rc: int) -> tuple[list[tuple[str, str]], bool]:
         for bad in case.findall("failure") + case.findall("error"):
             first = (bad.get("message") or "").strip().splitlines()[:1]
             rows.append(("  FAILED", f"{case.get('name')}: {first[0][:200] if first else '(no message)'}"))
+    for secs, fn in slowest(cases):  # (gpu_shards.py's SECONDS are taken from these)
+        rows.append(("  slowest", f"{secs:6.1f} s  {fn}"))
     skips = [(c.get("name"), s.get("message") or "") for c in cases for s in c.findall("skipped")]
     for name, why in skips[:3]:
         rows.append(("  skipped", f"{name}: {why[:200]}"))
     if len(skips) > 3:
         rows.append(("  skipped", f"... and {len(skips) - 3} more"))
     return rows, test_rc == 0 and passed > 0 and not missing
+
+
+def slowest(cases, n: int = 8) -> list[tuple[float, str]]:
+    """The n test functions that took longest, each its parameters' seconds summed: (seconds,
+    "tests/x.py::test_y"), from JUnit testcases (classname "tests.x", name "test_y[param]")."""
+    total: dict[str, float] = {}
+    for c in cases:
+        fn = c.get("classname", "").replace(".", "/") + ".py::" + (c.get("name") or "").split("[")[0]
+        total[fn] = total.get(fn, 0.0) + float(c.get("time") or 0.0)
+    return sorted(((v, k) for k, v in total.items()), reverse=True)[:n]
 
 
 def tier_rows(log: Path, bench_rc: int) -> tuple[list[tuple[str, str]], bool]:

@@ -41,8 +41,8 @@ def test_a_large_files_functions_go_to_several_shards_and_every_test_runs_once()
     assert sorted(units) == sorted(list(counts) + ["tests/gpu/test_new.py"])  # each function once, the unlisted file whole
     kernels = [k for k, shard in enumerate(dealt) if any(u.startswith("tests/gpu/test_kernels_gpu.py::") for u in shard)]
     assert len(kernels) >= 3  # the kernel tests (~500 s in one process on an H100) spread out
-    loads = [sum(counts.get(u, 1) for u in shard) for shard in dealt]
-    assert max(loads) - min(loads) <= max(counts.values())  # the largest first, each to the least loaded
+    loads = [sum(m.weight(counts, u) for u in shard) for shard in dealt]
+    assert max(loads) - min(loads) <= max(m.weight(counts, u) for u in units)  # the largest first, each to the least loaded
     # more shards than tests: the extra ones are empty, none is dealt twice
     assert [len(s) for s in m.deal({"a::x": 3, "b": 2}, ["a", "b"], 4)] == [1, 1, 0, 0]
 
@@ -51,18 +51,31 @@ def test_the_shard_lists_are_written_for_the_suite(tmp_path):
     m = _load("gpu_shards")
     (tmp_path / "gpu_collected.txt").write_text(COLLECTED)
     assert m.main(["2", str(tmp_path), "tests/gpu/test_kernels_gpu.py", "tests/gpu/test_device_spec.py"]) == 0
-    # 62 -> shard 0, 48 -> 1, 24 -> 1 (72), 9 -> 0 (71), 6 -> 0 (77), 3 -> 1 (75)
-    assert (tmp_path / "gpu_shard_0.txt").read_text() == "tests/gpu/test_kernels_gpu.py::test_every_type_matches_the_reference " \
+    # the mmt test weighs its measured seconds (60 s: 171 tests' worth), not its 3 tests: a shard of
+    # its own; then 62, 48, 24, 9 and 6 to the other
+    mmt = "tests/gpu/test_kernels_gpu.py::test_mmt_keeps_mm_bits_on_long_rows_and_many_tiles"
+    assert m.weight(m.read_counts(COLLECTED), mmt) == round(m.SECONDS[mmt] / m.PER_TEST) > 3
+    assert (tmp_path / "gpu_shard_0.txt").read_text() == mmt
+    assert (tmp_path / "gpu_shard_1.txt").read_text() == "tests/gpu/test_kernels_gpu.py::test_every_type_matches_the_reference " \
+        "tests/gpu/test_kernels_gpu.py::test_batched_kernels_every_type " \
+        "tests/gpu/test_kernels_gpu.py::test_deq_h_splits_each_weight_into_two_f16 " \
         "tests/gpu/test_device_spec.py::test_the_verify_rows_have_the_bits_of_the_device_token_step " \
         "tests/gpu/test_kernels_gpu.py::test_gemm_products_are_the_int8_product_within_float32_rounding"
-    assert (tmp_path / "gpu_shard_1.txt").read_text() == "tests/gpu/test_kernels_gpu.py::test_batched_kernels_every_type " \
-        "tests/gpu/test_kernels_gpu.py::test_deq_h_splits_each_weight_into_two_f16 " \
-        "tests/gpu/test_kernels_gpu.py::test_mmt_keeps_mm_bits_on_long_rows_and_many_tiles"
     assert m.main(["0", str(tmp_path), "x"]) == 2
 
 
 JUNIT = """<?xml version="1.0" encoding="utf-8"?><testsuites><testsuite name="pytest" errors="0" failures="0"
  skipped="0" tests="2"><testcase classname="t" name="a"/><testcase classname="t" name="b"/></testsuite></testsuites>"""
+
+
+def test_the_summary_names_the_slowest_test_functions():
+    m = _load("gpu_suite_summary")
+    import xml.etree.ElementTree as ET
+
+    root = ET.fromstring('<testsuite><testcase classname="tests.gpu.test_a" name="test_x[1]" time="2.5"/>'
+                         '<testcase classname="tests.gpu.test_a" name="test_x[2]" time="3.0"/>'
+                         '<testcase classname="tests.gpu.test_b" name="test_y" time="4.0"/></testsuite>')
+    assert m.slowest(list(root.iter("testcase"))) == [(5.5, "tests/gpu/test_a.py::test_x"), (4.0, "tests/gpu/test_b.py::test_y")]
 
 
 def test_the_summary_names_a_shard_cut_by_its_time_limit(tmp_path):

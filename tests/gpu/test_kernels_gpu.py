@@ -596,7 +596,13 @@ def test_mmt_keeps_mm_bits_on_long_rows_and_many_tiles(rt, name, monkeypatch):
     t = BY_NAME[name]
     _take_batched(monkeypatch, "mmt", {name})
     monkeypatch.setattr(gpu, "MVF_TOKENS", 1)  # (3 tokens would take the few-row kernel, mvf: 2-8 rows by default)
-    for n_in, n_out, tokens in ((2560, 16 * rt.n_sm * gpu.MT_ROWS + 3, (17, 2 * gpu.MT_TOKS + 5)), (10240, 9, (3,))):
+    # more block tiles than the grid's 16 a multiprocessor, and no more: the host reference of
+    # 16 x n_sm x MT_ROWS rows (135171 x 2560 on a card, 69 tokens) took ~4 minutes of the suite's shard
+    most = 2 * gpu.MT_TOKS + 5
+    token_tiles = -(-most // gpu.MT_TOKS)
+    rows = (16 * rt.n_sm // token_tiles + 1) * gpu.MT_ROWS + 3
+    assert -(-rows // gpu.MT_ROWS) * token_tiles > gpu._grid(rt, 10**9, 1, 16)
+    for n_in, n_out, tokens in ((2560, rows, (17, most)), (10240, 9, (3,))):
         assert gpu._quant_plan(t.id, n_in, n_out, max(tokens))[1] == f"mmt<{t.id}>"
         _check_products(rt, t, n_in, n_out, tokens, seed=t.id * 13 + n_in)
 
