@@ -43,7 +43,8 @@ def main(argv=None) -> int:
     from strata.engine.tier import compile_ahead
     from strata.index_format.ggml_types import ggml_type
 
-    types, tokens = a.types.split(","), [int(v) for v in a.tokens.split(",")]
+    types = a.types.split(",")
+    tokens = sorted({1} | {int(v) for v in a.tokens.split(",")})  # (1: the mv baseline each row is against)
     t0 = time.perf_counter()
     compile_ahead.ahead(types, compile_ahead.card_of_runtime(gpu.runtime()), print)
     for name in types:
