@@ -40,8 +40,8 @@ FILES=$(grep -lE "pytest.mark.gpu|def test_[a-z0-9_]+\([^)]*\brt\b" $(find tests
 echo "== GPU tests: $(echo $FILES)"
 # In GPU_TEST_SHARDS pytest processes at once (default 4): one process no longer fits a 10-minute
 # call (2026-12-02: the module compiles -- every block type builds mm, mmq, mmx and mmqx -- took
-# most of 420 s and the selection was cut), and NVRTC compiles on one core a process. The files go
-# to the shards by their count of GPU tests (scripts/gpu_shards.py says why).
+# most of 420 s and the selection was cut), and NVRTC compiles on one core a process. The tests go
+# to the shards a test function at a time, by count, the heaviest by their seconds (scripts/gpu_shards.py says why).
 SHARDS=${GPU_TEST_SHARDS:-4}
 # Every module compiled first, side by side, into CuPy's disk cache, which the shards' processes then
 # load (scripts/gpu_warm_kernels.py says why: the kernel tests' shard compiled ~25 modules one by one)
