@@ -85,18 +85,18 @@ class ConversationCache:
         self.tokens_saved += len(best)
         return session, len(best)
 
-    def keeps(self, tokens: Sequence[int], session: Session) -> bool:
+    def keeps(self, tokens: Sequence[int], session: Session, nbytes: int | None = None) -> bool:
         """Whether `park` would keep `session` (so a copy of it is worth making): it holds exactly
         `tokens`, and it is no larger than the whole cache (parking such a one would evict everything
-        for nothing)."""
+        for nothing). `nbytes`: its session_bytes, where the caller has them."""
         return bool(self.slots) and session.pos == len(tokens) and len(tokens) > 0 and \
-            session_bytes(session) <= self.max_bytes
+            (session_bytes(session) if nbytes is None else nbytes) <= self.max_bytes
 
     def park(self, tokens: Sequence[int], session: Session) -> None:
         """Keep `session`, which holds exactly `tokens`, evicting the least recently used ones to fit."""
-        if not self.keeps(tokens, session):
-            return
         nbytes = session_bytes(session)
+        if not self.keeps(tokens, session, nbytes):
+            return
         key = tuple(int(t) for t in tokens)
         if key in self._parked:
             self.bytes -= self._parked.pop(key)[1]
