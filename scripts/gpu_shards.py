@@ -5,8 +5,8 @@
 
 gpu_collected.txt is `pytest --collect-only -q` of the files, its node ids cut at their parameters
 and counted (`uniq -c`): a count per test function ("tests/gpu/test_x.py::test_y"). Each function
-goes, the largest count first, to the shard with the fewest tests so far, and a shard runs its
-functions' node ids. Dealt by line count, test_kernels_gpu.py (255 tests, the module compiles of
+goes, the heaviest first (its count, or the measured seconds of SECONDS' few), to the shard with
+the least so far, and a shard runs its functions' node ids. Dealt by line count, test_kernels_gpu.py (255 tests, the module compiles of
 every block type) shared its shard with another file and was cut at 430 s after 223 tests while two
 shards had finished in 30 and 170 s (2026-12-05); dealt by file, it had a shard of its own and was
 still cut at ~500 s (2026-12-06, an H100, every module compiled before: its own tests take that
@@ -28,9 +28,11 @@ SECONDS = {
     "tests/gpu/test_device_step.py::test_the_device_step_gives_the_cpu_logits_for_qwen4exp": 47,
     "tests/gpu/test_device_ahead.py::test_qwen4exp_runs_ahead_with_the_plain_loops_tokens_and_states": 34,
     "tests/gpu/test_gpu_tier.py::test_logits_are_bit_identical_whatever_the_split_qwen4exp": 32,
-    "tests/gpu/test_device_step.py::test_the_device_step_gives_the_cpu_logits": 30,
-    "tests/gpu/test_device_prompt.py::test_the_qwen4exp_chunk_path_has_the_host_paths_bits": 30,
+    "tests/gpu/test_device_step.py::test_the_device_step_gives_the_cpu_logits": 30,  # (two of its cases: 25)
+    "tests/gpu/test_device_prompt.py::test_the_qwen4exp_chunk_path_has_the_host_paths_bits": 30,  # (one case: 26)
     "tests/gpu/test_device_step.py::test_the_prompts_dense_products_through_cublas_keep_the_cpu_logits": 13,
+    # estimated, not timed alone: its shard was cut inside it twice, and 4 tests with it took 260 s
+    # (before its rows were cut to a third)
     "tests/gpu/test_kernels_gpu.py::test_mmt_keeps_mm_bits_on_long_rows_and_many_tiles": 60,
     "tests/gpu/test_device_step.py::test_qwen4exp_blocks_on_the_device_are_the_cpus": 8,
 }
