@@ -23,6 +23,7 @@ compiler, in whichever process.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import multiprocessing as mp
 import os
@@ -35,6 +36,7 @@ from ..kernels import gpu
 
 DEVICE_STEP = "device step"  # the key of engine/tier/device.py's module (device_kernels.cu)
 MOST_PROCESSES = 16
+FLOAT_KEYS = frozenset(t.name for t in gpu.TYPES if not t.quantized)
 
 
 def module_source(key: str) -> tuple[Path, list[str]]:
@@ -67,10 +69,16 @@ def marker(key: str, folder: Path, card: str) -> Path:
     """The marker of `key`'s module compiled for `card` (its versions and architecture) in `folder`."""
     path, names = module_source(key)
     h = hashlib.sha256()
-    for part in (key, path.read_text(), "\0".join(gpu.OPTIONS), "\0".join(names), card):
+    for part in (key, _source_digest(path), "\0".join(gpu.OPTIONS), "\0".join(names), card):
         h.update(part.encode())
         h.update(b"\1")
     return folder / f"strata-module-{h.hexdigest()[:32]}.ok"
+
+
+@functools.lru_cache(maxsize=None)
+def _source_digest(path: Path) -> str:
+    """A source file's hash, read once a process (every block type's marker hashes the same file)."""
+    return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
 def card_of(rt) -> str:
@@ -154,12 +162,12 @@ def ahead(keys: Sequence[str], card: str | None, log: Callable[[str], None] = la
     if folder is None:
         a.why_not = "CuPy keeps no disk cache (CUPY_CACHE_IN_MEMORY)"
         return a
-    missing = []
-    for key in dict.fromkeys(keys):
-        (a.cached if marker(key, folder, card).exists() else missing).append(key)
     if n_most <= 1:
         a.why_not = "STRATA_COMPILE_AHEAD=0" if n_most == 0 else "one process"
         return a
+    missing = []
+    for key in dict.fromkeys(keys):
+        (a.cached if marker(key, folder, card).exists() else missing).append(key)
     if len(missing) < 2:  # one module compiles as fast in the startup itself
         return a
     folder.mkdir(parents=True, exist_ok=True)
@@ -201,5 +209,3 @@ def mark_loaded(keys: Sequence[str], card: str | None) -> None:
         if not m.exists():
             write_marker(m)
 
-
-FLOAT_KEYS = frozenset(t.name for t in gpu.TYPES if not t.quantized)
