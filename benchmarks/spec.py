@@ -229,10 +229,13 @@ def split(gen, times: list) -> tuple:
     return (len(fw), statistics.median(fw) * 1e3, sum(fw[:2]) * 1e3, (gen.decode_s - sum(fw)) / max(len(fw), 1) * 1e3)
 
 
-def decode_runs(model, prompt, n_tokens: int, rounds: int, configs) -> tuple[list, dict, dict]:
+def decode_runs(model, prompt, n_tokens: int, rounds: int, configs, ahead: bool = False) -> tuple[list, dict, dict]:
     """Interleaved greedy runs: per round --spec 0, then each (N, p) config. -> (the --spec 0 runs'
     Generations, {(N, p): [(speed-up against the round's --spec 0, acceptance, tokens/verification)]},
-    {0 or (N, p): [`split` of each round's run]})."""
+    {0 or (N, p): [`split` of each round's run]}). `ahead` (the device step): every run as strata
+    generate makes it, its session discarded, so its steps or verifies run ahead of the host where
+    they can (drive's `ahead`: Run.take_ahead, SpecRun.take_ahead); no `split` then (the forwards
+    run inside the run-ahead, not through run.forward)."""
     from strata.engine.generate import Run, drive
     from strata.engine.sampling import Sampler, SamplerParams
     from strata.engine.speculative import ReferenceDrafter, SpecRun
@@ -244,22 +247,24 @@ def decode_runs(model, prompt, n_tokens: int, rounds: int, configs) -> tuple[lis
     for r in range(rounds):
         run = Run(model.new_session(ctx), prompt, Sampler(V, greedy), n_tokens, prefill=64)
         times = timed(run)
-        plain = drive(model, run)
+        plain = drive(model, run, ahead)
         plains.append(plain)
-        parts[0].append(split(plain, times))
+        if not ahead:
+            parts[0].append(split(plain, times))
         if reference is None:
             reference = np.concatenate([plain.prompt, plain.tokens])
         for n, p in configs:
             run = SpecRun(model, model.new_session(ctx), prompt, Sampler(V, greedy), n_tokens,
                           drafter=ReferenceDrafter(reference, V, p, seed=r), n_draft=n, prefill=64)
             times = timed(run)
-            out = drive(model, run)
+            out = drive(model, run, ahead)
             if out.tokens.tolist() != plain.tokens.tolist():
                 raise SystemExit(f"--spec {n} (right with p {p}) gave other tokens than --spec 0: a bug")
             st = run.stats
             res[(n, p)].append((out.decode_tps / plain.decode_tps, st.accepted.sum() / max(st.judged.sum(), 1),
                                 st.tokens_per_verification()))
-            parts[(n, p)].append(split(out, times))
+            if not ahead:
+                parts[(n, p)].append(split(out, times))
     return plains, res, parts
 
 
@@ -447,12 +452,15 @@ def _measure(a, model, tier) -> int:
     plains, res, parts = decode_runs(model, prompt, a.tokens, a.rounds, configs)
     print(f"--spec 0: {statistics.median([p.decode_tps for p in plains]):.2f} tok/s median over {a.rounds} rounds "
           f"({a.tokens} tokens after a {a.prompt}-token prompt)")
-    print(f"{'N':>2} {'right p':>8} {'kept/judged':>11} {'tok/verify':>10} {'expected':>8} {'speed-up median':>15} {'best':>6}")
-    for (n, p), rows in res.items():
-        sp = [r[0] for r in rows]
-        print(f"{n:>2} {p:>8.2f} {statistics.median([r[1] for r in rows]):>11.3f} "
-              f"{statistics.median([r[2] for r in rows]):>10.2f} {expected_tokens(p, n):>8.2f} "
-              f"{statistics.median(sp):>14.2f}x {max(sp):>5.2f}x")
+    _speedups(res)
+    if tier is not None:
+        # as strata generate runs: --spec 0's token steps one ahead of the host, --spec N's verifies
+        # ahead (model.verify_ahead: judged, rolled back and drafted on the device), each against
+        # the round's --spec 0 run ahead
+        plains_ahead, res_ahead, _ = decode_runs(model, prompt, a.tokens, a.rounds, configs, ahead=True)
+        print(f"run ahead of the host, as strata generate runs (--spec 0's steps, --spec N's verifies): --spec 0 "
+              f"{statistics.median([p.decode_tps for p in plains_ahead]):.2f} tok/s median")
+        _speedups(res_ahead)
     print("where a run's decode time went (medians over the rounds): its forwards after the prompt, their "
           "median, the first two together, the rest a forward (the host between them); ms")
     print(f"{'run':>14} {'forwards':>8} {'median':>7} {'first two':>9} {'rest':>6}")
@@ -462,7 +470,20 @@ def _measure(a, model, tier) -> int:
                                        for i, w, d in ((0, 8, 0), (1, 7, 3), (2, 9, 2), (3, 6, 3))))
     at = statistics.median([r[0] for r in res[(2, 0.43)]])
     print(f"target >= {TARGET}x at acceptance 0.43, N = 2: {'MET' if at >= TARGET else 'MISSED'} ({at:.2f}x median)")
+    if tier is not None:
+        at = statistics.median([r[0] for r in res_ahead[(2, 0.43)]])
+        print(f"run ahead: target >= {TARGET}x at acceptance 0.43, N = 2: {'MET' if at >= TARGET else 'MISSED'} "
+              f"({at:.2f}x median against --spec 0 run ahead)")
     return 0
+
+
+def _speedups(res: dict) -> None:
+    print(f"{'N':>2} {'right p':>8} {'kept/judged':>11} {'tok/verify':>10} {'expected':>8} {'speed-up median':>15} {'best':>6}")
+    for (n, p), rows in res.items():
+        sp = [r[0] for r in rows]
+        print(f"{n:>2} {p:>8.2f} {statistics.median([r[1] for r in rows]):>11.3f} "
+              f"{statistics.median([r[2] for r in rows]):>10.2f} {expected_tokens(p, n):>8.2f} "
+              f"{statistics.median(sp):>14.2f}x {max(sp):>5.2f}x")
 
 
 if __name__ == "__main__":

@@ -643,10 +643,9 @@ class Model:
         capture it and replay it): the rows' embeddings staged up, the layers, the final rows into
         fixed device buffers (the hidden rows the drafter reads, the logits, the picks), read here
         after the step. The values are `_forward_rows`' eager ones."""
-        g, r, be = self.geometry, self.residual, self.backend
+        g, be = self.geometry, self.backend
         T = len(flat)
         n_h = 0 if hidden is None else hidden.shape[0]
-        need = max(n_h, n_logits)
         # the rows gathered on the device from the staged ids where the table is there, in the forward
         got = be.verify_embed(ids, g.n_embd) if hasattr(be, "verify_embed") else None
         if got is None:
@@ -658,23 +657,7 @@ class Model:
         hbuf = be.verify_buf("hidden", hidden.shape) if n_h else None
         if pick is not None and n_logits:
             be.pick_rows_ready(n_logits, pick)
-
-        def run():
-            if gather is not None:
-                gather()
-            H = r.embed(rows, None)
-            self._layers(be, H, ids, parts)
-            be.boundary("head")
-            if not need:
-                return
-            fin = r.final(be, H[T - need :])
-            if n_h:
-                hbuf[...] = fin[need - n_h :]
-            if n_logits:
-                be.linear(self.head, Input(fin[need - n_logits :]), vl)
-                if pick is not None:
-                    be.queue_pick_rows(vl, pick)
-
+        run = self._verify_run(rows, gather, ids, parts, n_logits, n_h, vl, hbuf, pick)
         snaps = tuple(p[4] for p in parts)
         hold = (snaps, pick, vl, hbuf, rows)
         # the buffers by their device addresses: `vl` is a new view of the planned rows at every call
@@ -702,6 +685,99 @@ class Model:
         if n_h:
             hidden[...] = down
         return picked
+
+    def _verify_run(self, rows, gather, ids: np.ndarray, parts: list, n_logits: int, n_h: int, vl, hbuf,
+                    pick: np.ndarray | None, tail=None):
+        """A verify's work on the device step (`_verify_rows`, `verify_ahead`), as DeviceBackend.
+        verify_step's `run`: the rows' embeddings (gathered from their ids where `gather`), the layers,
+        the final rows' head input into `hbuf` (n_h rows), the last n_logits rows' logits into `vl`
+        and with `pick` their picks; `tail` (a verify run ahead): its judge and rollback after them,
+        the picks then not copied down (the judge's record brings them)."""
+        r, be, T = self.residual, self.backend, ids.size
+        need = max(n_h, n_logits)
+
+        def run():
+            if gather is not None:
+                gather()
+            H = r.embed(rows, None)
+            self._layers(be, H, ids, parts)
+            be.boundary("head")
+            if not need:
+                return
+            fin = r.final(be, H[T - need :])
+            if n_h:
+                hbuf[...] = fin[need - n_h :]
+            if n_logits:
+                be.linear(self.head, Input(fin[need - n_logits :]), vl)
+                if pick is not None:
+                    be.queue_pick_rows(vl, pick, down=tail is None)
+            if tail is not None:
+                tail()
+
+        return run
+
+    def verifies_ahead(self, s: Session) -> bool:
+        """Whether `verify_ahead` can take `s`: a verify the device step captures (no PLE, no QSA) on a
+        backend that can run it ahead (DeviceBackend.can_verify_ahead)."""
+        can = getattr(self.backend, "can_verify_ahead", None)
+        return can is not None and not self.ple and not any(isinstance(m, QSAAttention) for m in self.mixers) and can(s)
+
+    def verify_ahead(self, s: Session, tokens: np.ndarray, banned: np.ndarray, drafter, snaps: list, n: int):
+        """Greedy speculative decoding on the device step with each verify queued before the last one's
+        picks are read (engine/tier/verify_ahead.py says how): `tokens` [1 + N] are the first verify's
+        (the last known token, not fed, at s.pos, then N drafts, drafter's own rule), `snaps` its N
+        Snapshots. Yields, a verify at a time, (k, the k + 1 tokens it gave: the k drafts kept, then
+        the pick after them); the verify after it is on the device by then. Stops queuing where the
+        n-th token may be among those read (n: tokens wanted) or where a verify could reach past the
+        context; then returns with nothing queued and s.pos where the last verify read leaves it, so
+        the plain loop can go on. A caller that closes it earlier leaves one verify queued past its
+        last token, which moved the states: the session is SPENT (as decode_ahead's)."""
+        be, g = self.backend, self.geometry
+        if not self.verifies_ahead(s):
+            raise ValueError("verify_ahead: this session's verify cannot run ahead on this backend (verifies_ahead)")
+        T, N = tokens.size, tokens.size - 1
+        if N < 1 or len(snaps) != N:
+            raise ValueError(f"verify_ahead: {T} ids and {len(snaps)} snapshots, expected 1 + N ids and N snapshots (N >= 1)")
+        self._check(s, tokens)
+        ids = np.asarray(tokens, np.int64)
+        va = be.ahead_verify
+        vl = be.verify_logits
+        vl = vl[:T] if vl is not None and vl.shape[0] >= T else be.verify_buf("logits", (T, g.n_vocab))
+        be.pick_rows_ready(T, banned)
+        last = s.max_context - T  # the last first row a verify may have
+
+        def queue(guess: int, first: bool) -> tuple:
+            rows, gather = be.verify_embed(ids, g.n_embd, stage=first)
+            tok = be.verify_ids(T)
+            parts = [(s, j, j + 1, guess + j, snaps[j] if j < N else None) for j in range(T)]
+            picks = be.picks_dev(banned)
+            run = self._verify_run(rows, gather, ids, parts, T, 0, vl, None, banned,
+                                   tail=lambda: va.judge(T, picks, tok, drafter, s, snaps, last))
+            key = ("ahead", T, tuple(id(x) for x in snaps), id(banned), id(drafter), *[be.rt.ptr(a) for a in (vl, rows)])
+            # (held with its graphs: the addresses it reads, the drafter's and the rollback's tables among them)
+            hold = (tuple(snaps), banned, vl, rows, drafter, va.chain(drafter), va.restore(s, snaps))
+            be.verify_step(s, guess, T, run, key, hold, True, stage_pos=first)
+            return va.queue(T)
+
+        start = s.pos  # the pending verify's first position, known once the verify before it is read
+        pending = queue(start, True)
+        got = 0
+        try:
+            while pending is not None:
+                # the next verify starts at start + 1 .. start + N + 1: queued where a token may still
+                # be wanted after the pending one's (it gives one at least) and its rows fit
+                ahead = queue(start + 1, False) if got + 1 < n and start + 2 * N + 1 <= s.max_context - 1 else None
+                k, P, picked = va.wait(pending)
+                if P != start:
+                    raise RuntimeError(f"verify_ahead: a verify read at position {P}, expected {start}")
+                pending, start = ahead, P + k + 1
+                s.pos = start
+                got += k + 1
+                yield k, picked
+        finally:
+            if pending is not None:  # closed early: the queued verify is past the last token read
+                va.drop(pending)
+                s.spent = "its verify ran ahead (Model.verify_ahead) past its last token"
 
     def _stage_ple(self, s: Session, token: int) -> dict:
         """The device token step's PLE rows, one fixed device buffer per PLE layer, made and staged

@@ -133,22 +133,29 @@ class Drafter:
 
 
 class ReferenceDrafter(Drafter):
-    """Drafts from a known continuation (the tokens of a --spec 0 greedy run, prompt included): each
-    drafted token is the reference's with probability `p_right` (1: the oracle, 0: always wrong),
-    else the reference's + 1 mod V (wrong whenever the run follows the reference)."""
+    """Drafts from a known continuation (the tokens of a --spec 0 greedy run, prompt included): the
+    token drafted for position j is the reference's where right[j], else the reference's + 1 mod V
+    (wrong whenever the run follows the reference); right[j] is drawn once a position, true with
+    probability `p_right` (1: the oracle, 0: always wrong). A position's draft is judged once at
+    most (the first refused is followed by the target's token), so each judged draft is right with
+    probability p_right, independently; by position, not drawn a draft, so that the device can
+    draft the same chain (chain_table: a verify run ahead, engine/tier/verify_ahead.py)."""
 
     def __init__(self, reference: Sequence[int], n_vocab: int, p_right: float, seed: int = 0):
         if not 0 <= p_right <= 1:
             raise ValueError(f"drafter: probability of a right token {p_right}, expected 0..1")
         self.ref, self.V, self.p = np.asarray(reference, np.int64), n_vocab, p_right
-        self.rng = np.random.default_rng(seed)
+        self.right = np.random.default_rng(seed).random(self.ref.size) < p_right if 0 < p_right < 1 else \
+            np.full(self.ref.size, p_right == 1)
 
     def draft(self, history, n_known, n):
-        out = []
-        for j in range(n_known, min(n_known + n, len(self.ref))):
-            right = self.p == 1 or (self.p > 0 and self.rng.random() < self.p)
-            out.append(int(self.ref[j]) if right else int(self.ref[j] + 1) % self.V)
+        j = np.arange(n_known, min(n_known + n, len(self.ref)))
+        out = np.where(self.right[j], self.ref[j], (self.ref[j] + 1) % self.V).tolist()
         return out, [None] * len(out)
+
+    def chain_table(self) -> tuple[np.ndarray, np.ndarray, int]:
+        """The rule `draft` follows, as tables by position: (reference, right, V)."""
+        return self.ref, self.right, self.V
 
 
 class MTPDrafter(Drafter):
@@ -365,6 +372,41 @@ class SpecRun(Run):
         n = self._n_next()
         return (self.drafter, self.history, self.n_tokens, n) if n > 0 else None
 
+    def take_ahead(self, model: Model, tokens: np.ndarray) -> bool:
+        """The rest of the run with each verify queued on the device step before the last one is read
+        (Model.verify_ahead), where it applies: greedy, no logits asked, a drafter whose chain the
+        device can draft (chain_table), a full chain of drafts fed now and a session that can.
+        Else False, having fed nothing. Where the verify ahead stops (the context's end near) the
+        run goes on in the plain loop here; -> whether the run is done (True unless it did not apply).
+        Only for a session discarded afterwards: a stop token leaves it spent (Run.take_ahead)."""
+        banned = self.sampler.pick
+        if self.drafts is None or len(self.drafts) != self.n_draft or self.on_logits is not None or banned is None \
+                or not model.picks or not hasattr(self.drafter, "chain_table") or self.hidden is not None \
+                or self.fed != self.session.pos or not model.verifies_ahead(self.session):
+            return False
+        st, n = self.stats, self.n_draft
+        left = self.max_new - (self.n_tokens - self.n_prompt)
+        t0 = time.perf_counter()
+        verifies = model.verify_ahead(self.session, tokens, banned, self.drafter, self.snaps, left)
+        try:
+            for k, picked in verifies:
+                st.verifications += 1
+                st.drafted += 1
+                st.judged[: min(k + 1, n)] += 1
+                st.accepted[:k] += 1
+                for token in picked:
+                    self.fed += 1
+                    st.produced += 1
+                    if self._add(int(token)):
+                        return True
+        finally:
+            verifies.close()
+            st.verify_s += time.perf_counter() - t0
+        while not self.done:  # (the context's end: the plain loop)
+            tokens, n_logits = self.feed()
+            self.take(self.forward(model, tokens, n_logits))
+        return True
+
     def batch_args(self, tokens):
         """The head input of every fed row (the MTP drafter reads it) and, verifying, the snapshots."""
         return (None if self.hidden is None else self.hidden[: tokens.size]), \
@@ -448,13 +490,15 @@ def parse_drafter(text: str) -> tuple[str, float]:
 
 def speculative_generate(model: Model, session: Session, prompt, sampler, max_new_tokens: int, *, n_draft: int,
                          drafter: str = "mtp", min_p: float = 0.75, kv: str = "f32", measure: bool = False,
-                         snapshots: list | None = None, **kw):
+                         snapshots: list | None = None, ahead: bool = False, **kw):
     """`generate` (engine/generate.py, whose keyword arguments `kw` are) with --spec n_draft.
     -> (the Generation, SpecStats, the --spec 0 Generation or None). `snapshots`: SpecRun's.
 
     A --spec 0 run of the same prompt and sampler settings (its own session, the same seed, silent)
     comes first when the drafter needs its continuation (oracle, wrong, right:P) or `measure` asks
-    for the speed-up measured in the same process."""
+    for the speed-up measured in the same process (its session discarded: it runs ahead where it
+    can, as strata generate's). `ahead`: `session` is discarded afterwards, so its verifies may run
+    ahead of the host (SpecRun.take_ahead)."""
     from .generate import generate
     from .mtp import MTPHead
 
@@ -463,10 +507,10 @@ def speculative_generate(model: Model, session: Session, prompt, sampler, max_ne
     if kind != "mtp" or measure:
         quiet = {k: v for k, v in kw.items() if k in ("stop_ids", "prefill")}
         plain = generate(model, model.new_session(session.max_context, kv), prompt, sampler.fork(sampler.seed),
-                         max_new_tokens, **quiet)
+                         max_new_tokens, ahead=True, **quiet)
     if kind == "mtp":
         d = MTPDrafter(MTPHead.of(model), session.max_context, kv, sampler.fork(sampler.seed + 1), min_p)
     else:
         d = ReferenceDrafter(np.concatenate([plain.prompt, plain.tokens]), model.geometry.n_vocab, p, seed=sampler.seed)
     run = SpecRun(model, session, prompt, sampler, max_new_tokens, drafter=d, n_draft=n_draft, snapshots=snapshots, **kw)
-    return drive(model, run), run.stats, plain
+    return drive(model, run, ahead), run.stats, plain

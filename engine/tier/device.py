@@ -66,7 +66,7 @@ _NAMES = ["dev_rmsnorm", "dev_delta", "dev_conv", "dev_combine", "dev_sigmoid", 
           "dev_hc_gates_q", "dev_rope_at", "dev_pick_next", "dev_ple_rows", "dev_embd_rows", "dev_ple_gather",
           "dev_ple_conv_rows", "dev_qsa_scores_rows", "dev_qsa_select_rows", "dev_widen", "dev_route_n", "dev_combine_n",
           "dev_conv_rows", "dev_l2_qk_rows", "dev_kv_write_rows", "dev_attn_split_rows", "dev_attn_merge_rows",
-          "dev_top_prob"]
+          "dev_top_prob", "dev_spec_judge", "dev_spec_restore"]
 # the embedding's GGML types dev_embd_row decodes (F32 F16 Q4_0 Q4_1 Q5_0 Q5_1 Q8_0 Q4_K Q5_K Q6_K BF16)
 EMBD_ROW_TYPES = frozenset({0, 1, 2, 3, 6, 7, 8, 12, 13, 14, 30})
 # the PLE table's types dev_ple_rows decodes: those and IQ4_NL (budget.PLE_TABLE_DEVICE_TYPES, the same)
@@ -681,6 +681,21 @@ class DeviceExperts:
         log, self._log = self._log, []
         return (log, host[:n].reshape(b["ids"].shape)), host[n:]
 
+    def settle_rows_kept(self, log: list, rows: list, ids, k: int) -> None:
+        """A verify run ahead (engine/tier/verify_ahead.py), read: the routing counts of its rows 0..k
+        (the rows kept), from its rows' chosen ids `ids` as they came down beside its record; `log`,
+        `rows`: its entries, taken aside when it was queued (its hits were counted then). The same
+        counts as `settle` then the rollback's copy of the snapshot after row k give."""
+        plan = self._rows_plan(rows) if rows else []
+        if plan is None:
+            for layer, row, r in rows:
+                if row <= k:
+                    r.state[ids[row, layer]] += 1  # (a row's k ids are distinct)
+            return
+        for row, counts, layers, _ in plan:
+            if row <= k:
+                counts[layers[:, None], ids[row, layers]] += 1
+
     def settle_detached(self, owed: tuple) -> None:
         log, ids = owed
         if log:
@@ -819,6 +834,11 @@ class DeviceExperts:
         m = self.hits.slots.map
         return m.frozen or m.used == m.slots
 
+    def all_resident(self) -> bool:
+        """Every layer's every expert in a slot: a verify's rows route, compute and combine on the
+        device with no host part (`_rows_resident`)."""
+        return bool((self.hits.slots.map.table >= 0).all())
+
     def mark(self) -> int:
         return len(self._log)
 
@@ -926,6 +946,7 @@ class DeviceBackend(CpuBackend):
         self.stream_retaken = 0  # steps that found another stream current (CupyRuntime.retake_stream)
         self._rows_picks = {}  # pick_rows' sets by banned ids: (rows, device picks [rows, 3], their pinned mirror, ids on the device)
         self._top_prob = None  # queue_top_prob's (parts, counter, result, its pinned mirror)
+        self._verify_ahead = None  # `ahead_verify`: the buffers of verifies run ahead (engine/tier/verify_ahead.py)
         # a norm that feeds products makes their ActQ in the same launch (norm_input, rmsnorm_q,
         # gated_norm_input), as does a token's expert hidden activation (DeviceExperts.token); tests
         # turn it off to compare. One token's norms' ActQ buffers: (output's address, shape) -> GpuActQ
@@ -1978,7 +1999,8 @@ class DeviceBackend(CpuBackend):
         self._stage(dev, np.ascontiguousarray(a, F32))
         return dev
 
-    def verify_step(self, session, pos: int, T: int, run, key: tuple, hold: tuple = (), capturable: bool = True) -> None:
+    def verify_step(self, session, pos: int, T: int, run, key: tuple, hold: tuple = (), capturable: bool = True,
+                    stage_pos: bool = True) -> None:
         """A verify's T rows of `session` at pos.. (speculative decoding, Model._verify_rows): run()
         queues the layers and the head into fixed buffers, which the caller reads after a wait.
 
@@ -1992,14 +2014,20 @@ class DeviceBackend(CpuBackend):
         row by row and a wait per row and layer for the routing counts (now settled after the
         forward: DeviceExperts.settle). `capturable` False (a model whose rows need the host
         mid-way: QSA's block selection, PLE's hashes): eagerly always. `session`: whose graphs these
-        are (a Session; the draft head's one-pair steps pass its KV cache, engine/mtp.py)."""
+        are (a Session; the draft head's one-pair steps pass its KV cache, engine/mtp.py).
+        `stage_pos` False (a verify run ahead, engine/tier/verify_ahead.py): the positions are the
+        ones the last verify's judge left in `_posv` on the device; `pos` is then the host's guess,
+        which only the checks read (a row within the context)."""
         ex, rt = self.experts, self.rt
         self.stream_retaken += rt.retake_stream()  # (the tier's stream, where a verify is captured)
         self._ctx = max(self._ctx, session.max_context)
         if self._posv is None or self._posv.shape[0] < T:
+            if not stage_pos:
+                raise ValueError(f"verify_step: {T} rows with their positions on the device, which holds none for them")
             self._posv = rt.empty((max(T, 16),), np.int32)
             self._vgraphs.clear()
-        self._stage(self._posv, pos + np.arange(self._posv.shape[0]))
+        if stage_pos:
+            self._stage(self._posv, pos + np.arange(self._posv.shape[0]))
         self._verify_at = (pos, T)
         try:
             full = (id(session),) + key
@@ -2219,22 +2247,30 @@ class DeviceBackend(CpuBackend):
         self._launch_embd(*t, self.rt.to_device(np.ascontiguousarray(ids, np.int32)), ids.size, n, out)
         return out
 
-    def verify_embed(self, ids: np.ndarray, n: int):
+    def verify_ids(self, T: int):
+        """A verify's ids [T] int32 at their fixed device address (`verify_embed` gathers its rows from
+        there; a verify run ahead's judge writes the next verify's there)."""
+        key = ("ids", T)
+        tok = self._verify_bufs.get(key)
+        if tok is None:
+            tok = self._verify_bufs[key] = self.rt.empty((T,), np.int32)
+        return tok
+
+    def verify_embed(self, ids: np.ndarray, n: int, stage: bool = True):
         """A verify's embedding rows gathered on the device inside its forward: the ids staged up to a
         fixed buffer now, and -> (the rows' fixed buffer [T, n], the launch that gathers them there),
         or None where the table is not on the device (the host decodes them: `stage_rows`). A
         captured verify replays the gather, reading the ids staged before it. Decoded on the host the
         rows of a verify of 3 cost ~0.2 ms of the host's time each verify on an H100 (demo
-        qwen35moe, 2026-12-05, cProfile)."""
+        qwen35moe, 2026-12-05, cProfile). `stage` False: the ids are on the device already (a verify
+        run ahead: the last one's judge wrote them), `ids` only says how many."""
         t = self._embd_gather(ids)
         if t is None:
             return None
         T = ids.size
-        key = ("ids", T)
-        tok = self._verify_bufs.get(key)
-        if tok is None:
-            tok = self._verify_bufs[key] = self.rt.empty((T,), np.int32)
-        self._stage(tok, ids)
+        tok = self.verify_ids(T)
+        if stage:
+            self._stage(tok, ids)
         out = self._row_buf((T, n))
         return out, lambda: self._launch_embd(*t, tok, T, n, out)
 
@@ -2390,8 +2426,9 @@ class DeviceBackend(CpuBackend):
     def _ban_key(banned: np.ndarray) -> bytes:
         return np.ascontiguousarray(banned, np.int32).tobytes()
 
-    def queue_pick_rows(self, logits, banned: np.ndarray) -> None:
-        """pick_rows' launches and its copy down, queued (`picked_rows` reads them after a wait)."""
+    def queue_pick_rows(self, logits, banned: np.ndarray, down: bool = True) -> None:
+        """pick_rows' launches and its copy down, queued (`picked_rows` reads them after a wait);
+        `down` False: no copy down (a verify run ahead: its judge's record brings the picks)."""
         rt = self.rt
         n, V = logits.shape
         _, dev, host, ban = self._rows_picks[self._ban_key(banned)]
@@ -2399,7 +2436,30 @@ class DeviceBackend(CpuBackend):
         for i in range(n):
             rt.launch(self._mod, "dev_argmax", grid, block, (logits[i], np.int32(V), ban, np.int32(banned.size), part,
                                                                   count, dev[i]), smem=4 * (3 * 32 + 1))
-        rt.copy_out_async(host[:n], dev[:n])
+        if down:
+            rt.copy_out_async(host[:n], dev[:n])
+
+    def picks_dev(self, banned: np.ndarray):
+        """pick_rows' device picks [rows, 3] for these banned ids (pick_rows_ready made them)."""
+        return self._rows_picks[self._ban_key(banned)][1]
+
+    # --- a verify run ahead of the host (engine/tier/verify_ahead.py)
+
+    @property
+    def ahead_verify(self):
+        if self._verify_ahead is None:
+            from .verify_ahead import VerifyAhead
+
+            self._verify_ahead = VerifyAhead(self)
+        return self._verify_ahead
+
+    def can_verify_ahead(self, session) -> bool:
+        """Whether a greedy verify of `session` can run ahead of the host (Model.verify_ahead): the
+        embedding table on the device in a type dev_embd_rows decodes (the next verify's rows are
+        gathered from the ids its judge wrote), every expert resident (the rows route with no host
+        part) and a slot map no token changes."""
+        t = self.embd_table
+        return t is not None and t[1] in EMBD_ROW_TYPES and self.experts.static() and self.experts.all_resident()
 
     def picked_rows(self, n: int, banned: np.ndarray) -> np.ndarray:
         """The picks of the last `queue_pick_rows` of n rows for these banned ids, after a wait."""

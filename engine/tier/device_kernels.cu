@@ -2253,3 +2253,50 @@ extern "C" __global__ void dev_widen(const unsigned char* raw, int n_exp, i64 nb
         }
     }
 }
+
+// ---------------------------------------------------------------------------------------------
+// speculative decoding's verify run ahead of the host (engine/tier/verify_ahead.py): the judge, the
+// rollback and the next chain made on the device, so that the next verify is queued before the
+// host reads this one's picks (as the token step's run-ahead queues its next step: dev_pick_next)
+
+// After a verify of T = 1 + N rows at posv[0].. whose picks are picks [T, 3] (dev_argmax's
+// [token, NaN seen, max bits] a row) and whose ids are tok [T] (the last known token, then the N
+// drafts): k, the drafts kept, is the longest prefix of them equal to the picks (greedy judging:
+// engine/speculative.py's rule); rec gets [k, the verify's first position, picks]; the rows 0..k
+// stay fed, so the next verify starts at P' = posv[0] + k + 1 (`last` at most: a replay past the
+// context writes no key past it), its first id the pick of row k and its drafts the reference
+// drafter's at P' + 1.. (ReferenceDrafter's rule: the reference's token where right[j], else that
+// token + 1 mod V; 0 past the reference, which the host never reads). posv[0..T) <- P' + i.
+// One thread: a few dozen ints (the verify's T <= 9).
+extern "C" __global__ void dev_spec_judge(const int* picks, int* tok, int T, int* posv, int last, const int* ref,
+                                          const unsigned char* right, int L, int V, int* rec) {
+    if (blockIdx.x != 0 || threadIdx.x != 0) return;
+    const int N = T - 1, P = posv[0];
+    int k = 0;
+    while (k < N && picks[3 * k] == tok[k + 1]) k++;
+    rec[0] = k;
+    rec[1] = P;
+    for (int i = 0; i < 3 * T; i++) rec[2 + i] = picks[i];
+    int np = P + k + 1;
+    if (np > last) np = last;
+    for (int i = 0; i < T; i++) posv[i] = np + i;
+    tok[0] = picks[3 * k];
+    for (int i = 1; i < T; i++) {
+        const int j = np + i;
+        tok[i] = j < L ? (right[j] ? ref[j] : (ref[j] + 1) % V) : 0;
+    }
+}
+
+// The rollback of dev_spec_judge's verify, chosen on the device: where k < N (a draft refused)
+// every state array j (a Gated DeltaNet layer's conv and S: 4-byte words) takes its copy after row
+// k, src[k J + j] (the verify wrote it: Snapshot); with every draft kept the state is already the
+// one after row N. src, dst: device addresses; words[j]: array j's length.
+extern "C" __global__ void dev_spec_restore(const int* rec, int N, const i64* src, const i64* dst, const i64* words, int J) {
+    const int k = rec[0];
+    if (k >= N) return;
+    for (int j = 0; j < J; j++) {
+        const float* s = reinterpret_cast<const float*>(src[(i64)k * J + j]);
+        float* d = reinterpret_cast<float*>(dst[j]);
+        for (i64 i = blockIdx.x * (i64)blockDim.x + threadIdx.x; i < words[j]; i += (i64)gridDim.x * blockDim.x) d[i] = s[i];
+    }
+}

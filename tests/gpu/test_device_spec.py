@@ -344,6 +344,56 @@ def test_greedy_spec_on_the_device_step_is_plain_decoding(model, rt, kind, n_dra
                 assert sum(g.get("replays", 0) for g in be._vgraphs.values()) == sum(max(0, n - 2) for n in kinds.values()), kinds
 
 
+@pytest.mark.parametrize("kind, n_draft", [("oracle", 2), ("wrong", 1), ("right", 2)])
+def test_greedy_spec_with_each_verify_run_ahead_is_plain_decoding(model, rt, kind, n_draft):
+    """A greedy run whose verifies run ahead of the host (SpecRun.take_ahead, Model.verify_ahead: the
+    judge, the rollback and the next chain on the device, each verify queued before the last one is
+    read) gives --spec 0's tokens; near the context's end it stops queuing and the plain loop ends
+    the run, so the session ends where --spec 0's does with its every state, bit for bit. The
+    acceptance counts are the host's rule on the same drafts: the reference drafter right with
+    probability 0.5 by position drafts the same chain on the device and on the host."""
+    prompt = prompt_for(model)
+    V = model.geometry.n_vocab
+    with device_tier(model, spec=n_draft) as tier:
+        be = model.backend
+        if type(rt) not in REFERENCE:
+            ref_session = tier.take_session(CTX, "f32")
+            ref = generate(model, ref_session, prompt, Sampler(V, GREEDY), N_NEW, prefill=8)
+            REFERENCE[type(rt)] = ref, ref_session.pos, host_states(be, ref_session)
+        ref, ref_pos, ref_states = REFERENCE[type(rt)]
+        reference = np.concatenate([ref.prompt, ref.tokens])
+        p = {"oracle": 1.0, "wrong": 0.0, "right": 0.5}[kind]
+        stats = []
+        for ahead in (False, True):  # the plain loop's verifies, then the same run with them ahead
+            s = tier.take_session(CTX, "f32")
+            run = SpecRun(model, s, prompt, Sampler(V, GREEDY), N_NEW, drafter=ReferenceDrafter(reference, V, p, seed=3),
+                          n_draft=n_draft, prefill=8, snapshots=tier.snapshots)
+            queued, queue = [], be.ahead_verify.queue
+            be.ahead_verify.queue = lambda T: (queued.append(T), queue(T))[1]
+            try:
+                out = drive(model, run, ahead)
+            finally:
+                del be.ahead_verify.queue
+            assert out.tokens.tolist() == ref.tokens.tolist()
+            assert s.spent is None and s.pos == ref_pos
+            for x, y in zip(host_states(be, s), ref_states):
+                assert np.array_equal(x, y)
+            st = run.stats
+            stats.append((st.verifications, st.accepted.tolist(), st.drafted.tolist()))
+            if ahead:  # (CTX leaves room for two or three verifies ahead, then the plain loop's)
+                assert len(queued) >= 2 and set(queued) == {n_draft + 1}, queued
+            else:
+                assert not queued
+        _, accepted, drafted = stats[1]
+        if kind == "oracle":
+            assert accepted == drafted and sum(accepted) > 0
+        elif kind == "wrong":
+            assert sum(accepted) == 0 < sum(drafted)
+        else:
+            assert 0 < sum(accepted) < sum(drafted)
+        assert stats[0] == stats[1], stats
+
+
 def test_the_verifier_is_planned_and_placed_at_startup(model, rt):
     """--spec 2 on the device step: stage 7 places the verify's logits rows and its two snapshots of
     the states on the device, as the plan says (the routing counts' part on the host)."""
@@ -865,3 +915,52 @@ def test_each_device_step_first_makes_the_tiers_stream_current(model):
             assert be.stream_retaken == rt.asked // 2
     finally:
         gpu.use_runtime(before)
+
+
+@pytest.mark.parametrize("case", ["all kept", "first refused", "second refused", "past the reference", "at the context's end"])
+def test_the_judge_on_the_device_is_the_hosts_greedy_rule(rt, case):
+    """dev_spec_judge (a verify run ahead, engine/tier/verify_ahead.py) against the rule written here:
+    k is the longest prefix of drafts equal to the picks; the record is [k, P, picks]; the next verify
+    starts at P + k + 1 (`last` at most), its first id the pick of row k, its drafts the reference
+    drafter's by position. Then dev_spec_restore copies the snapshot after row k into the states
+    where k < N, and nothing where every draft was kept."""
+    from strata.engine.tier.device import KERNELS, _NAMES
+
+    mod = rt.compile(_NAMES, KERNELS)
+    N, V, P = 3, 1000, 20
+    T = N + 1
+    rng = np.random.default_rng(len(case))
+    ref = rng.integers(0, V, 40).astype(np.int32)
+    right = (rng.random(40) < 0.5).astype(np.uint8)
+    L = {"past the reference": 25}.get(case, 40)
+    last = {"at the context's end": P + 1}.get(case, 100)
+    drafts = rng.integers(0, V, N).astype(np.int32)
+    picks = np.zeros((T, 3), np.int32)
+    picks[:, 0] = rng.integers(0, V, T)
+    kept = {"all kept": N, "first refused": 0, "second refused": 1}.get(case, 2)
+    picks[:kept, 0] = drafts[:kept]
+    if kept < N:
+        picks[kept, 0] = (drafts[kept] + 1) % V
+    picks[:, 2] = rng.integers(0, 1 << 20, T)  # (the max's bits: carried to the record as they are)
+    tok = rt.to_device(np.concatenate([[7], drafts]).astype(np.int32))
+    posv = rt.to_device((P + np.arange(16)).astype(np.int32))
+    rec = rt.to_device(np.full(2 + 3 * T, -9, np.int32))
+    rt.launch(mod, "dev_spec_judge", 1, 32, (rt.to_device(picks), tok, np.int32(T), posv, np.int32(last),
+                                             rt.to_device(ref[:L].copy()), rt.to_device(right[:L].copy()), np.int32(L),
+                                             np.int32(V), rec))
+    got = rt.to_host(rec)
+    assert got[0] == kept and got[1] == P and np.array_equal(got[2:].reshape(T, 3), picks)
+    start = min(P + kept + 1, last)
+    assert np.array_equal(rt.to_host(posv)[:T], start + np.arange(T))
+    want = [picks[kept, 0]] + [(ref[j] if right[j] else (ref[j] + 1) % V) if j < L else 0 for j in range(start + 1, start + T)]
+    assert rt.to_host(tok).tolist() == want
+    # the rollback: two states of other lengths, each snapshot's values its own
+    sizes = (37, 300)
+    states = [rt.to_device(np.full(n, -1.0, np.float32)) for n in sizes]
+    snaps = [[rt.to_device(np.full(n, float(10 * i + j), np.float32)) for j, n in enumerate(sizes)] for i in range(N)]
+    src = rt.to_device(np.array([[rt.ptr(a) for a in row] for row in snaps], np.int64).reshape(-1))
+    dst = rt.to_device(np.array([rt.ptr(a) for a in states], np.int64))
+    rt.launch(mod, "dev_spec_restore", 2, 128, (rec, np.int32(N), src, dst, rt.to_device(np.array(sizes, np.int64)),
+                                                 np.int32(len(sizes))))
+    for j, a in enumerate(states):
+        assert (rt.to_host(a) == (-1.0 if kept == N else float(10 * kept + j))).all()
