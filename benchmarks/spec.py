@@ -2,20 +2,22 @@
 token step, and the decode speed-up of --spec N against --spec 0 in the same process.
 
     python benchmarks/spec.py [--pack DIR] [--threads 1] [--prompt 32] [--tokens 48] [--rounds 3]
-                              [--mtp-preset demo | --no-mtp] [--work DIR] [--cost-only]
+                              [--mtp-preset demo | --no-mtp] [--work DIR] [--cost-only] [--drafts 1,2,3]
                               [--device-step [--emulate]]
 
 1. The trunk (default: the seed-4l qwen4exp pack of benchmarks/decode.py, made under .cache/bench/
    unless --pack names one): after a prompt, per round, one token step and one verify forward of
    T = 1 + N rows (N = 1, 2, 3; random draft tokens), interleaved; the median and best of each, and
-   verify / step. Then greedy decoding of --tokens tokens: --spec 0, and --spec N with drafters that
-   are right with probability 0.43 (the published MTP acceptance on this model), 0.7 and 1 (the
-   oracle), interleaved round by round; the speed-up of each run is its decode tok/s over the same
-   round's --spec 0 run, reported as median and best over the rounds, with the acceptance the run
-   actually had. Every spec run's tokens are checked equal to --spec 0's. A second table splits
-   each run's decode time: its forwards' median (a verify in the run, against --spec 0's token
-   step), its first two forwards (eager, then captured on the device step: a session's warm-up) and
-   the host's work between forwards. On the CPU a third table splits the token step and a verify
+   verify / step. Then greedy decoding of --tokens tokens: --spec 0, and --spec N (--drafts; 2 always)
+   with drafters that are right with probability 0.43 (the published MTP acceptance on this model),
+   0.7 and 1 (the oracle), interleaved round by round; the speed-up of each run is its decode tok/s
+   over the same round's --spec 0 run, reported as median and best over the rounds, with the
+   acceptance the run actually had. Every spec run's tokens are checked equal to --spec 0's. A
+   second table splits each run's decode time: its forwards' median (a verify in the run, against
+   --spec 0's token step), its first two forwards (eager, then captured on the device step: a
+   session's warm-up) and the host's work between forwards. On the device step the runs are made
+   again as strata generate makes them, run ahead of the host (--spec 0's token steps, --spec N's
+   verifies: Model.verify_ahead), each against the round's --spec 0 run ahead. On the CPU a third table splits the token step and a verify
    of 1 + 2 rows into parts (the MoE blocks, the LM head, the other dense products, the rest).
 2. The real MTP head (qwen4exp has no MTP layout in llama.cpp's converter): a qwen35moe synth of
    --mtp-preset carrying the block (strata-pack synth --mtp, under --work): a draft step's cost
@@ -375,6 +377,7 @@ def main(argv=None) -> int:
     ap.add_argument("--mtp-preset", default="demo")
     ap.add_argument("--no-mtp", action="store_true")
     ap.add_argument("--cost-only", action="store_true", help="the forward costs only (part 1's first table)")
+    ap.add_argument("--drafts", default="1,2,3", help="the N of the decode runs, comma-separated (default 1,2,3)")
     ap.add_argument("--work", type=Path, default=REPO / ".cache" / "bench")
     ap.add_argument("--device-step", action="store_true", help="on the GPU tier's device step, every expert resident "
                     "(default pack: seed-4l qwen35moe)")
@@ -448,7 +451,7 @@ def _measure(a, model, tier) -> int:
     if a.cost_only:
         return 0
     prompt = rng.integers(3, g.n_vocab, a.prompt).tolist()
-    configs = [(n, p) for p in HELD for n in (1, 2, 3)]
+    configs = [(n, p) for p in HELD for n in sorted({int(x) for x in a.drafts.split(",")} | {2})]
     plains, res, parts = decode_runs(model, prompt, a.tokens, a.rounds, configs)
     print(f"--spec 0: {statistics.median([p.decode_tps for p in plains]):.2f} tok/s median over {a.rounds} rounds "
           f"({a.tokens} tokens after a {a.prompt}-token prompt)")

@@ -536,7 +536,7 @@ def _run(pack, prompt, prompt_file, prompt_ids, n, ignore_eos, temp, top_k, top_
                 result, spec_stats, plain = speculative_generate(
                     model, session, ids, sampler, n_new, n_draft=spec, drafter=spec_drafter, min_p=spec_min_p, kv=kv,
                     measure=stats, stop_ids=tok.stop_ids, on_token=emit, on_logits=logits.record if logits else None,
-                    prefill=chunk, snapshots=tier.snapshots if tier is not None else None)
+                    prefill=chunk, snapshots=tier.snapshots if tier is not None else None, ahead=True)
             else:
                 result = run_generation(model, session, ids, sampler, n_new, stop_ids=tok.stop_ids, on_token=emit,
                                         on_logits=logits.record if logits else None, prefill=chunk, ahead=True)
@@ -561,7 +561,8 @@ def format_spec_stats(st, n_draft: int, drafter: str, min_p: float, result, plai
              (f", --spec-min-p {min_p}" if drafter == "mtp" else ""),
              tabulate(rows, headers=["draft position", "drafted", "judged", "accepted", "acceptance"], tablefmt="simple",
                       disable_numparse=True),
-             f"verifications {st.verifications}, {st.tokens_per_verification():.2f} tokens per verification "
+             f"verifications {st.verifications}" + (f" ({st.ahead} run ahead of the host)" if st.ahead else "") +
+             f", {st.tokens_per_verification():.2f} tokens per verification "
              f"(accepted / drafted {st.acceptance():.3f}); {st.steps} token steps without a draft; "
              f"drafting {st.draft_s:.3f} s, verifying {st.verify_s:.3f} s"]
     if plain is not None:

@@ -298,6 +298,7 @@ class SpecStats:
         self.judged = np.zeros(n_draft, np.int64)  # ... that were judged (every earlier one was kept)
         self.accepted = np.zeros(n_draft, np.int64)
         self.verifications = 0
+        self.ahead = 0  # of them, run ahead of the host (SpecRun.take_ahead: the time is in verify_s)
         self.produced = 0  # tokens the verifications produced (kept drafts + the trunk's own)
         self.steps = 0  # plain token steps in the decode phase (no draft made)
         self.draft_s = self.verify_s = 0.0
@@ -391,6 +392,7 @@ class SpecRun(Run):
         try:
             for k, picked in verifies:
                 st.verifications += 1
+                st.ahead += 1
                 st.drafted += 1
                 st.judged[: min(k + 1, n)] += 1
                 st.accepted[:k] += 1

@@ -384,6 +384,7 @@ def test_greedy_spec_with_each_verify_run_ahead_is_plain_decoding(model, rt, kin
                 assert len(queued) >= 2 and set(queued) == {n_draft + 1}, queued
             else:
                 assert not queued
+            assert st.ahead == len(queued) <= st.verifications
         _, accepted, drafted = stats[1]
         if kind == "oracle":
             assert accepted == drafted and sum(accepted) > 0
@@ -529,7 +530,8 @@ def test_the_device_heads_draft_pick_is_the_hosts_rule_on_its_logits(model, rt, 
 
 def test_generate_drafts_with_the_device_head(model, rt, capsys, monkeypatch):
     """strata generate --spec 2 --gpu-step device: the startup places the MTP head (its line says so)
-    and the greedy output is --spec 0's; with --spec-drafter oracle no head is placed."""
+    and the greedy output is --spec 0's; with --spec-drafter oracle no head is placed and the verifies
+    run ahead of the host (--stats says how many; the MTP head's chain is drafted between them)."""
     from strata.engine.cli import main
     from strata.engine.kernels import gpu
 
@@ -538,7 +540,8 @@ def test_generate_drafts_with_the_device_head(model, rt, capsys, monkeypatch):
     common = ["generate", "--pack", str(model.pack.dir), "--prompt-ids", ids, "-n", "5", "--temp", "0", "--kv", "f32",
               "--device", "gpu", "--gpu-step", "device", "--prefill", "8", "--ctx-size", str(CTX)]
     out = {}
-    for spec in (["--spec", "0"], ["--spec", "2", "--spec-min-p", "0", "--stats"], ["--spec", "2", "--spec-drafter", "oracle"]):
+    oracle = "--spec 2 --spec-drafter oracle --stats"
+    for spec in (["--spec", "0"], ["--spec", "2", "--spec-min-p", "0", "--stats"], oracle.split()):
         rc = main(common + spec)
         o = capsys.readouterr()
         assert rc == 0, o.err
@@ -546,8 +549,10 @@ def test_generate_drafts_with_the_device_head(model, rt, capsys, monkeypatch):
     drafted = out["--spec 2 --spec-min-p 0 --stats"]
     assert "draft head: the MTP block on the device" in drafted.err, drafted.err
     assert "drafter mtp" in drafted.err and re.search(r"verifications [1-9]", drafted.err), drafted.err
-    assert drafted.out == out["--spec 0"].out == out["--spec 2 --spec-drafter oracle"].out
-    assert "draft head: the MTP block" not in out["--spec 2 --spec-drafter oracle"].err
+    assert drafted.out == out["--spec 0"].out == out[oracle].out
+    assert "draft head: the MTP block" not in out[oracle].err
+    assert re.search(r"verifications [1-9]\d* \([1-9]\d* run ahead of the host\)", out[oracle].err), out[oracle].err
+    assert "run ahead" not in drafted.err
 
 
 @pytest.fixture(scope="module")
