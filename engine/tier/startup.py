@@ -33,6 +33,8 @@ The rooms, one job each:
     backend.py   the CPU backend with those plugged in (the host-driven step, --gpu-step host)
     device.py    the device step (--gpu-step device): the blocks on device arrays, its kernels in device_kernels.cu
     draft.py     the MTP draft head on the device step (--spec N): its experts in slots of their own
+    verify_ahead.py  a greedy verify run ahead of the host (--spec N): judged and rolled back on the device
+    compile_ahead.py a first start's kernel modules compiled side by side, into CuPy's disk cache
     startup.py   the seven stages, one method each (this module)
 
 S12: nothing is allocated on the device or in pinned memory once started; every buffer of the
