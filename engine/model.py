@@ -759,24 +759,26 @@ class Model:
             be.verify_step(s, guess, T, run, key, hold, True, stage_pos=first)
             return va.queue(T)
 
-        start = s.pos  # the pending verify's first position, known once the verify before it is read
-        pending = queue(start, True)
+        start = s.pos  # the first queued verify's first position, known once the verify before it is read
+        queued = [queue(start, True)]  # the verifies on the device not read yet, oldest first
         got = 0
         try:
-            while pending is not None:
+            while queued:
                 # the next verify starts at start + 1 .. start + N + 1: queued where a token may still
-                # be wanted after the pending one's (it gives one at least) and its rows fit
-                ahead = queue(start + 1, False) if got + 1 < n and start + 2 * N + 1 <= s.max_context - 1 else None
-                k, P, picked = va.wait(pending)
+                # be wanted after the oldest one's (it gives one at least) and its rows fit
+                if got + 1 < n and start + 2 * N + 1 <= s.max_context - 1:
+                    queued.append(queue(start + 1, False))
+                k, P, picked = va.wait(queued[0])
+                queued.pop(0)
                 if P != start:
                     raise RuntimeError(f"verify_ahead: a verify read at position {P}, expected {start}")
-                pending, start = ahead, P + k + 1
-                s.pos = start
+                start = s.pos = P + k + 1
                 got += k + 1
                 yield k, picked
         finally:
-            if pending is not None:  # closed early: the queued verify is past the last token read
-                va.drop(pending)
+            if queued:  # closed early (or an error): a queued verify is past the last token read
+                for pending in queued:
+                    va.drop(pending)
                 s.spent = "its verify ran ahead (Model.verify_ahead) past its last token"
 
     def _stage_ple(self, s: Session, token: int) -> dict:

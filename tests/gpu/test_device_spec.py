@@ -395,6 +395,44 @@ def test_greedy_spec_with_each_verify_run_ahead_is_plain_decoding(model, rt, kin
         assert stats[0] == stats[1], stats
 
 
+def test_a_stop_inside_a_verify_run_ahead_leaves_the_session_spent(model, rt):
+    """A stop token read from a verify's record while the next verify is queued: the run ends there
+    with the plain loop's tokens, the queued verify is dropped (waited for, its hits taken back, its
+    routing never counted) and the session is spent (its states moved past the stop), as a token
+    step's run-ahead leaves it (Model.decode_ahead)."""
+    prompt = prompt_for(model)
+    V = model.geometry.n_vocab
+    with device_tier(model, spec=2) as tier:
+        be = model.backend
+        plain_session = tier.take_session(CTX, "f32")
+        ref = generate(model, plain_session, prompt, Sampler(V, GREEDY), N_NEW, prefill=8)
+        toks = ref.tokens.tolist()
+        # a token first met in the first verify's record (tokens 1..3; token 0 comes from the prompt)
+        at = next(i for i in (1, 2, 3) if toks[i] not in toks[:i])
+        stopped = generate(model, tier.take_session(CTX, "f32"), prompt, Sampler(V, GREEDY), N_NEW, prefill=8,
+                           stop_ids={toks[at]})
+        reference = np.concatenate([ref.prompt, ref.tokens])
+        counted = []  # the hits each run added: the plain loop's, then the one run ahead
+        for ahead in (False, True):
+            hits = tier.stats.hits.sum()
+            s = tier.take_session(CTX, "f32")
+            run = SpecRun(model, s, prompt, Sampler(V, GREEDY), N_NEW, drafter=ReferenceDrafter(reference, V, 1.0),
+                          n_draft=2, prefill=8, snapshots=tier.snapshots, stop_ids={toks[at]})
+            dropped, drop = [], be.ahead_verify.drop
+            be.ahead_verify.drop = lambda pending: (dropped.append(pending[5]), drop(pending))[1]
+            try:
+                out = drive(model, run, ahead)
+            finally:
+                del be.ahead_verify.drop
+            counted.append(tier.stats.hits.sum() - hits)
+            assert out.tokens.tolist() == stopped.tokens.tolist() and out.stop == stopped.stop
+        assert dropped == [3] and run.stats.ahead == 1
+        assert s.spent and "ahead" in s.spent
+        with pytest.raises(ValueError, match="cannot take more tokens"):
+            model.step(s, 1)
+        assert counted[0] == counted[1] > 0, counted  # (the dropped verify's hits taken back)
+
+
 def test_the_verifier_is_planned_and_placed_at_startup(model, rt):
     """--spec 2 on the device step: stage 7 places the verify's logits rows and its two snapshots of
     the states on the device, as the plan says (the routing counts' part on the host)."""
