@@ -664,7 +664,7 @@ class Model:
         # (keyed by the view's id, no verify was ever the same kind twice, so none was captured)
         at = [None if a is None else be.rt.ptr(a) for a in (vl, hbuf, rows)]
         key = (T, n_logits, n_h, tuple(id(x) for x in snaps), None if pick is None else id(pick), *at)
-        capturable = not self.ple and not any(isinstance(m, QSAAttention) for m in self.mixers)
+        capturable = self._verify_captured()
         be.verify_step(s, s.pos, T, run, key, hold, capturable)
         s.pos += T
         if not (n_h or n_logits):
@@ -720,7 +720,12 @@ class Model:
         """Whether `verify_ahead` can take `s`: a verify the device step captures (no PLE, no QSA) on a
         backend that can run it ahead (DeviceBackend.can_verify_ahead)."""
         can = getattr(self.backend, "can_verify_ahead", None)
-        return can is not None and not self.ple and not any(isinstance(m, QSAAttention) for m in self.mixers) and can(s)
+        return can is not None and self._verify_captured() and can(s)
+
+    def _verify_captured(self) -> bool:
+        """Whether the device step may capture a verify: no row needs the host mid-way (QSA's block
+        selection and PLE's hashes do)."""
+        return not self.ple and not any(isinstance(m, QSAAttention) for m in self.mixers)
 
     def verify_ahead(self, s: Session, tokens: np.ndarray, banned: np.ndarray, drafter, snaps: list, n: int):
         """Greedy speculative decoding on the device step with each verify queued before the last one's

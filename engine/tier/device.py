@@ -686,15 +686,26 @@ class DeviceExperts:
         (the rows kept), from its rows' chosen ids `ids` as they came down beside its record; `log`,
         `rows`: its entries, taken aside when it was queued (its hits were counted then). The same
         counts as `settle` then the rollback's copy of the snapshot after row k give."""
-        plan = self._rows_plan(rows) if rows else []
+        if rows:
+            self._count_rows(rows, ids, k)
+
+    def _count_rows(self, log: list, ids, upto: int | None = None) -> None:
+        """A verify's rows' routing counts from their chosen ids (`_rows_log` entries, in row order):
+        every row, each row's snapshot then keeping the counts after it (`settle`); or with `upto`
+        rows 0..upto only, no snapshot written (`settle_rows_kept`)."""
+        plan = self._rows_plan(log)
         if plan is None:
-            for layer, row, r in rows:
-                if row <= k:
+            for layer, row, r in log:
+                if upto is None or row <= upto:
                     r.state[ids[row, layer]] += 1  # (a row's k ids are distinct)
+                    if upto is None:
+                        keep(r)
             return
-        for row, counts, layers, _ in plan:
-            if row <= k:
+        for row, counts, layers, saved in plan:
+            if upto is None or row <= upto:
                 counts[layers[:, None], ids[row, layers]] += 1
+                if saved is not None and upto is None:
+                    saved[layers] = counts[layers]
 
     def settle_detached(self, owed: tuple) -> None:
         log, ids = owed
@@ -731,16 +742,7 @@ class DeviceExperts:
             # a verify's rows, in the order they ran: each row's counts, then its snapshot's copy
             ids_rows = self._rows_host if self._rows_queued else self.rt.to_host(self._ids_rows)
             self._rows_queued = False
-            plan = self._rows_plan(self._rows_log)
-            if plan is None:
-                for layer, row, r in self._rows_log:
-                    r.state[ids_rows[row, layer]] += 1  # (a row's k ids are distinct)
-                    keep(r)
-            else:
-                for row, counts, layers, saved in plan:
-                    counts[layers[:, None], ids_rows[row, layers]] += 1
-                    if saved is not None:
-                        saved[layers] = counts[layers]
+            self._count_rows(self._rows_log, ids_rows)
             self._rows_log.clear()
         if not any(states for _, states, *_ in self._log):  # (a verify row's entries count its hits only)
             self._log.clear()
@@ -2464,12 +2466,18 @@ class DeviceBackend(CpuBackend):
     def picked_rows(self, n: int, banned: np.ndarray) -> np.ndarray:
         """The picks of the last `queue_pick_rows` of n rows for these banned ids, after a wait."""
         host = self._rows_picks[self._ban_key(banned)][2]
-        for i in range(n):
-            top = float(host[i, 2:3].view(F32)[0])
-            if host[i, 1] or not np.isfinite(top):
-                raise NonFiniteActivation(f"sampler: logits row {i} of {n} contain {'NaN' if host[i, 1] else top} (max "
-                                          "over the vocabulary); refusing to sample")
+        self.refuse_rows(host, n, n)
         return host[:n, 0].astype(np.int64)
+
+    @staticmethod
+    def refuse_rows(picks, upto: int, n: int) -> None:
+        """`_refuse`'s rule on rows 0..upto-1 of n rows' picks [n, 3] (dev_argmax's [token, NaN seen,
+        max bits] a row): a NaN or an infinite largest logit is refused as the sampler refuses it."""
+        for i in range(upto):
+            top = float(picks[i, 2:3].view(F32)[0])
+            if picks[i, 1] or not np.isfinite(top):
+                raise NonFiniteActivation(f"sampler: logits row {i} of {n} contain {'NaN' if picks[i, 1] else top} (max "
+                                          "over the vocabulary); refusing to sample")
 
     def top_prob_ready(self) -> None:
         """dev_top_prob's buffers, made once (before a capture): its parts, counter, result and the

@@ -30,9 +30,6 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..kernels.actq import NonFiniteActivation
-
-F32 = np.float32
 KEPT = 4  # drafters' and sessions' tables kept (a captured verify holds its own: Model.verify_ahead's `hold`)
 
 
@@ -141,11 +138,7 @@ class VerifyAhead:
             done.synchronize()
         k, P = int(rec[0]), int(rec[1])
         picks = rec[2:].reshape(T, 3)
-        for i in range(k + 1):
-            top = float(picks[i, 2:3].view(F32)[0])
-            if picks[i, 1] or not np.isfinite(top):
-                raise NonFiniteActivation(f"sampler: logits row {i} of {T} contain {'NaN' if picks[i, 1] else top} (max "
-                                          "over the vocabulary); refusing to sample")
+        self.be.refuse_rows(picks, k + 1, T)
         self.be.experts.settle_rows_kept(log, rows, host_ids, k)
         return k, P, picks[: k + 1, 0].astype(np.int64)
 
