@@ -23,13 +23,16 @@ import sys
 
 
 def module_keys() -> list[str]:
-    """Every module the engine compiles: each block type's, the device step's, actq's; the block
-    types' first (the slowest), so that no long compile starts last."""
+    """Every module the engine compiles: each block type's, the device step's, actq's, each block
+    type's few-row products' (gpu.ROWS); the block types' first (the slowest), so that no long
+    compile starts last."""
     from strata.index_format.ggml_types import TYPES
 
+    from strata.engine.kernels import gpu
     from strata.engine.tier.compile_ahead import DEVICE_STEP
 
-    return [t.name for t in TYPES if t.quantized] + [DEVICE_STEP] + [t.name for t in TYPES if not t.quantized] + ["actq"]
+    return ([t.name for t in TYPES if t.quantized] + [DEVICE_STEP] + [t.name for t in TYPES if not t.quantized] + ["actq"]
+            + [t.name + gpu.ROWS for t in TYPES if t.quantized])
 
 
 def main(argv: list[str]) -> int:

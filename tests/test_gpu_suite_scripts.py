@@ -96,8 +96,10 @@ def test_the_warm_up_compiles_every_module_the_engine_has_once():
     # compiled again inside a shard (the kernel tests' shard was cut by that, 2026-12-06)
     from strata.index_format.ggml_types import TYPES
 
+    from strata.engine.kernels import gpu
+
     keys = _load("gpu_warm_kernels").module_keys()
-    assert sorted(keys) == sorted([t.name for t in TYPES] + ["device step", "actq"])
+    assert sorted(keys) == sorted([t.name for t in TYPES] + ["device step", "actq"] + [t.name + gpu.ROWS for t in TYPES if t.quantized])
     quantized = {t.name for t in TYPES if t.quantized}
     assert set(keys[:len(quantized)]) == quantized  # the slowest start first
 

@@ -65,6 +65,21 @@ if MMQ_LAUNCH_TOKENS < 1:
 MVF_TOKENS = int(os.environ.get("STRATA_MVF_TOKENS", "8"))
 if not 0 <= MVF_TOKENS <= 8:
     raise ValueError(f"STRATA_MVF_TOKENS={MVF_TOKENS}: expected 0 to 8 (the few-row kernel's registers)")
+# The most activation rows the one-row kernel takes at once (mv<T, KPL, WIDE, NT>, gpu_kernels.cu:
+# its weight rows staged and decoded once for all NT rows, each row's activation in registers), for
+# a product of few weight rows: those mvf would give a warp one row (_mvf_rows; their warps too few
+# to fill the card with more), and while planes x NT x KPL <= MVT_ACT (the registers of 16
+# act-blocks a lane, what the wide form's mv<T, 8, 1> holds, and 2 more: seed-4l's wide 3-row
+# products, 2 planes x 3 rows x 3 act-blocks); else mvf. On an H100 (benchmarks/mvf_rows.py,
+# 2026-12-06), us for 3 rows of 1024 x 2560, against mvf (the one-row mv 3.2-3.3):
+#   Q6_K 4.4 (mvf 5.6), Q8_0 3.4 (5.0), Q8_0's wide form 3.8 (8.6: both planes as 6 rows)
+# and on many rows slower (12288 x 2560: Q6_K 33.8 against 18.1; a Q6_K head 331 against 260: 156
+# registers a thread, the occupancy lost). The same bits as mv's and mvf's.
+# STRATA_MVT_TOKENS=1: never (mvf as before, the benchmarks' baseline).
+MVT_TOKENS = int(os.environ.get("STRATA_MVT_TOKENS", "4"))
+MVT_MOST, MVT_ACT = 4, 18
+if not 1 <= MVT_TOKENS <= MVT_MOST:
+    raise ValueError(f"STRATA_MVT_TOKENS={MVT_TOKENS}: expected 1 to {MVT_MOST} (the one-row kernel's registers)")
 # Weight rows an mvf warp takes at once (mvf<T, R>, gpu_kernels.cu): the most that still leaves
 # MVF_TASKS_PER_SM warps' worth of rows a multiprocessor, at most MVF_ROWS_MOST of the type (_mvf_rows).
 # On an H200 (benchmarks/mvf_rows.py, 2026-12-06), 3-row products, us against the 1-row mv's:
@@ -495,31 +510,53 @@ def _names(t: GGMLType) -> list[str]:
     return [f"fmv<{kind}>", f"fmvm<{kind}>", f"fmm<{kind}>"] + [f"fmt<{kind}, {r}, {c}>" for r in FMT_SIDES for c in FMT_SIDES]
 
 
+# The module of a block type's few-row products on the one-row kernel (mv<T, KPL, WIDE, NT> and
+# mvm<T, KPL, NT>, MVT_TOKENS), key "<type>" + ROWS: apart from the type's own module, so that only
+# a run that verifies drafts compiles its ~40 kernels (the tier's startup with --spec; a first
+# launch elsewhere).
+ROWS = "+rows"
+
+
+def _rows_names(t: GGMLType) -> list[str]:
+    rows = [(k, n) for n in range(2, MVT_MOST + 1) for k in KPLS if k * n <= MVT_ACT]
+    wide = [(k, n) for n in range(2, MVT_MOST + 1) for k in KPLS if 2 * k * n <= MVT_ACT] if is_wide(t) else []
+    return ([f"mv<{t.id}, {k}, 0, {n}>" for k, n in rows] + [f"mvm<{t.id}, {k}, {n}>" for k, n in rows]
+            + [f"mv<{t.id}, {k}, 1, {n}>" for k, n in wide])
+
+
 def module_names(key: str) -> list[str]:
-    """The kernels (name expressions) of the module of a type name, or of "actq", in SOURCE."""
+    """The kernels (name expressions) of the module of a type name, of a block type's name + ROWS,
+    or of "actq", in SOURCE."""
     if key == "actq":
         return ["actq", "actq16", "combine16", "to_h"]
+    if key.endswith(ROWS):
+        t = ggml_type(key[: -len(ROWS)], where="gpu kernels")
+        if not t.quantized:
+            raise ValueError(f"gpu kernels: {key}: only a block type has the one-row kernel's few-row module")
+        return _rows_names(t)
     return _names(ggml_type(key, where="gpu kernels"))
 
 
 def compile_module(key: str) -> None:
-    """Compile (or load) the kernels of a type name, or "actq", ahead of their first launch."""
+    """Compile (or load) the kernels of a type name (+ ROWS), or "actq", ahead of their first launch."""
     _module(key)
 
 
 def _module(key: str) -> _Module:
-    """The compiled module of a type name, or of "actq"; compiled and checked on first use."""
+    """The compiled module of a type name (+ ROWS: its traits are the type's own module's), or of
+    "actq"; compiled and checked on first use."""
     if key in _modules:
         return _modules[key]
     rt = runtime()
     m = _Module(rt.compile(module_names(key)))
     if key != "actq":
-        t = ggml_type(key, where="gpu kernels")
+        t = ggml_type(key.removesuffix(ROWS), where="gpu kernels")
         if t.quantized:
             _check_tables()
             for sym, table in _TABLES.items():
                 rt.set_global(m.mod, sym, table)
-            m.apb, m.tab, m.mm_buf, m.mv_rows, m.mv_buf, m.mq_smem, m.mq_warps, m.mqw_warps, m.mqk_smem, m.mt_smem = _traits(rt, m.mod, t)
+            if not key.endswith(ROWS):
+                m.apb, m.tab, m.mm_buf, m.mv_rows, m.mv_buf, m.mq_smem, m.mq_warps, m.mqw_warps, m.mqk_smem, m.mt_smem = _traits(rt, m.mod, t)
     _modules[key] = m
     return m
 
@@ -795,6 +832,12 @@ def quantize_act_gpu(x, out: GpuActQ | None = None, check: bool = True) -> GpuAc
 # the products
 
 
+def _few_weight_rows(name: str, n_out: int, n_sm: int) -> bool:
+    """Whether mvf would give each warp one weight row of n_out (the rule of _mvf_rows, unforced):
+    where a few activation rows take the one-row kernel (MVT_TOKENS)."""
+    return all(-(-n_out // r) < MVF_TASKS_PER_SM * n_sm for r in range(2, MVF_ROWS_MOST.get(name, MVF_ROWS_ALL[-1]) + 1))
+
+
 def _mvf_rows(name: str, n_out: int, n_sm: int) -> int:
     """The weight rows an mvf warp takes at once for n_out rows of type `name` (MVF_ROWS_ALL says why)."""
     if MVF_ROWS:
@@ -898,6 +941,42 @@ def _grouped_make(type_id: int, n_in: int, n_out: int, n_tok: int, kind: str) ->
     return mod, f"mmx<{type_id}>", grid, block, smem, extra
 
 
+def _mv_launch(type_id: int, n_in: int, n_out: int, n_tok: int = 1, wide: bool = False, share: int = 0) -> tuple | None:
+    """The one-row kernel's launch (mv) for n_tok activation rows (a row's two planes, wide), or None
+    where it does not take them: rows longer than 32 x KPLS[-1] act-blocks; more than one row
+    (mv<T, KPL, WIDE, NT>) on more weight rows than mvf gives a warp one (MVT_TOKENS says why:
+    n_out's, or `share`'s, the rows of the matrices one launch shares the card among), more than
+    MVT_TOKENS rows, or planes x KPL past MVT_ACT."""
+    t = ggml_type(type_id)
+    rt, m = runtime(), _module(t.name)
+    nb = n_in // QA
+    kpl = next((k for k in KPLS if 32 * k >= nb), 0)
+    if not kpl or n_tok > 1 and (n_tok > MVT_TOKENS or kpl * n_tok * (1 + wide) > MVT_ACT
+                                 or not _few_weight_rows(t.name, share or n_out, rt.n_sm)):
+        return None
+    # An IQ grid goes to shared memory only when every block has enough rows to repay the copy.
+    tab = m.tab if m.tab and n_out >= SHARED_TABLE_ROWS * 8 * rt.n_sm else 0
+    per_warp = 2 * m.mv_buf[kpl - 1]  # two staging buffers: this step's rows and the next's
+    rows = m.mv_rows[kpl - 1]
+    nw = _warps(per_warp, -(-n_out // rows), rt.n_sm, fixed_smem=tab)
+    while rows > 1 and -(-n_out // (nw * rows)) < 2 * rt.n_sm:  # few rows: spread them out
+        rows -= 1
+    grid = _grid(rt, n_out, nw * rows, 8 if tab else 32)
+    params = (type_id, kpl) + ((int(wide),) if wide or n_tok > 1 else ()) + ((n_tok,) if n_tok > 1 else ())
+    mod = _module(t.name + ROWS).mod if n_tok > 1 else m.mod
+    return mod, f"mv<{', '.join(str(v) for v in params)}>", grid, 32 * nw, tab + nw * per_warp, (np.int32(rows), np.int32(tab > 0))
+
+
+def _mvf_launch(type_id: int, n_out: int, n_tok: int) -> tuple:
+    """The few-row kernel's launch (mvf<T, R>): a warp R weight rows (_mvf_rows), grid-stride."""
+    t = ggml_type(type_id)
+    rt, m = runtime(), _module(t.name)
+    tab = m.tab if m.tab and n_out >= SHARED_TABLE_ROWS * 8 * rt.n_sm else 0
+    r = _mvf_rows(t.name, n_out, rt.n_sm)
+    nw = _warps(0, -(-n_out // r), rt.n_sm, fixed_smem=tab)
+    return m.mod, f"mvf<{type_id}, {r}>", _grid(rt, -(-n_out // r), nw, 8 if tab else 32), 32 * nw, tab, (np.int32(n_tok), np.int32(tab > 0))
+
+
 def _quant_launch(type_id: int, n_in: int, n_out: int, n_tok: int, mma: bool, tiled: bool = False) -> tuple:
     t = ggml_type(type_id)
     rt, m = runtime(), _module(t.name)
@@ -905,19 +984,11 @@ def _quant_launch(type_id: int, n_in: int, n_out: int, n_tok: int, mma: bool, ti
     # An IQ grid goes to shared memory only when every block has enough rows to repay the copy.
     tab = m.tab if m.tab and n_out >= SHARED_TABLE_ROWS * 8 * rt.n_sm else 0
     per_sm = 8 if tab else 32
-    if n_tok == 1 and nb <= 32 * KPLS[-1]:
-        kpl = next(k for k in KPLS if 32 * k >= nb)
-        per_warp = 2 * m.mv_buf[kpl - 1]  # two staging buffers: this step's rows and the next's
-        rows = m.mv_rows[kpl - 1]
-        nw = _warps(per_warp, -(-n_out // rows), rt.n_sm, fixed_smem=tab)
-        while rows > 1 and -(-n_out // (nw * rows)) < 2 * rt.n_sm:  # few rows: spread them out
-            rows -= 1
-        grid = _grid(rt, n_out, nw * rows, per_sm)
-        return m.mod, f"mv<{type_id}, {kpl}>", grid, 32 * nw, tab + nw * per_warp, (np.int32(rows), np.int32(tab > 0))
+    mv = _mv_launch(type_id, n_in, n_out, n_tok)
+    if mv is not None:
+        return mv
     if 0 < n_tok <= MVF_TOKENS and (n_tok > 1 or nb > 32 * KPLS[-1]):  # few rows, or one mv cannot hold: a warp a row
-        r = _mvf_rows(t.name, n_out, rt.n_sm)
-        nw = _warps(0, -(-n_out // r), rt.n_sm, fixed_smem=tab)
-        return m.mod, f"mvf<{type_id}, {r}>", _grid(rt, -(-n_out // r), nw, per_sm), 32 * nw, tab, (np.int32(n_tok), np.int32(tab > 0))
+        return _mvf_launch(type_id, n_out, n_tok)
     tiles = -(-n_out // MT_ROWS) * -(-n_tok // MT_TOKS)
     if mma and tiled and tiles >= MMT_MIN_TILES * rt.n_sm and nb >= MMT_MIN_BLOCKS:  # the int8 tensor cores in block tiles of MT_ROWS x MT_TOKS
         tab = tab if tab + m.mt_smem <= SMEM_LIMIT else 0  # (the grid copy left out if both would not fit)
@@ -932,21 +1003,22 @@ def _quant_launch(type_id: int, n_in: int, n_out: int, n_tok: int, mma: bool, ti
     return m.mod, f"mm<{type_id}>", grid, 32 * nw, tab + nw * per_warp, (np.int32(n_tok), np.int32(tab > 0))
 
 
-def _wide_mv_plan(type_id: int, n_in: int, n_out: int) -> tuple | None:
-    """The one-token launch of the wide form: matvec's, with the kernel that reads both planes
-    (mv<T, KPL, 1>); None where matvec takes the batched kernel (rows longer than mv holds)."""
-    mod, name, grid, block, smem, extra = _quant_plan(type_id, n_in, n_out, 1)
-    if not name.startswith("mv<"):
-        return None
-    return mod, name[:-1] + ", 1>", grid, block, smem, extra
+def _wide_mv_plan(type_id: int, n_in: int, n_out: int, n_tok: int = 1) -> tuple | None:
+    """The launch of the wide form for n_tok rows: matvec's, with the kernel that reads both planes
+    (mv<T, KPL, 1>, or mv<T, KPL, 1, NT> for NT rows, MVT_TOKENS); None where matvec takes the
+    batched kernel (rows longer than mv holds) or the rows' planes are more than mv holds."""
+    key = (_wide_mv_plan, type_id, n_in, n_out, n_tok)
+    if key not in _plans:
+        _plans[key] = _mv_launch(type_id, n_in, n_out, n_tok, wide=True)
+    return _plans[key]
 
 
 def _quant16(w: GpuWeight, act: GpuActQ16, out, planes_out=None) -> None:
-    """out [T, n_out] = the product of the wide form: one token through mv<T, KPL, 1> (no buffer),
-    else both planes as 2T tokens of the batched kernel into planes_out (device f32 [2T, n_out];
-    made if None), then combine16."""
+    """out [T, n_out] = the product of the wide form: through mv<T, KPL, 1> (one row; no buffer) or
+    mv<T, KPL, 1, T> (a few: _wide_mv_plan), else both planes as 2T tokens of the batched kernel into
+    planes_out (device f32 [2T, n_out]; made if None), then combine16."""
     p = act.planes
-    plan = _wide_mv_plan(w.type_id, w.n_in, w.n_out) if act.rows == 1 else None
+    plan = _wide_mv_plan(w.type_id, w.n_in, w.n_out, act.rows)
     if plan is not None:
         mod, name, grid, block, smem, extra = plan
         scales = w.scales if w.scales is not None else w.rest
@@ -1059,20 +1131,29 @@ def matvec_many(ws: list, act, outs: list) -> bool:
     matvec would not take mv (the wide form, rows longer than mv holds): the caller launches each."""
     if not _groupable(ws, act):
         return False
-    rt, t = runtime(), ws[0].type
-    if not t.quantized:
+    if not ws[0].type.quantized:
         _fmvm(ws, act, outs, 1)
         return True
     plans = [_quant_plan(w.type_id, w.n_in, w.n_out, 1) for w in ws]
     if not all(p[1].startswith("mv<") for p in plans):
         return False
+    _mvm(ws, act, outs, plans)
+    return True
+
+
+def _mvm(ws: list, act: "GpuActQ", outs: list, plans: list) -> None:
+    """mvm of ws (one block type) on act's rows, plans each weight's mv launch for that many rows
+    (mv<T, KPL> or mv<T, KPL, 0, NT>, the same KPL: the same n_in): each matrix keeps its own
+    launch's rows a warp step, so every row has that launch's bits."""
+    rt, t, w0 = runtime(), ws[0].type, ws[0]
     mod, name = plans[0][0], plans[0][1]
+    kpl, *more = (int(v) for v in name[name.index("<") + 1 : -1].split(", ")[1:])  # ([WIDE, NT])
+    n_tok = more[1] if more else 1
     # one block shape for all: the widest plan's warps; the grid copy in shared memory only where
     # every plan takes it (else each reads it from global memory: the same table, the same bits)
     m, block = _module(t.name), max(p[3] for p in plans)
     tab = min(int(p[5][1]) for p in plans)
-    per_warp = (plans[0][4] - (m.tab if plans[0][5][1] else 0)) // (plans[0][3] // 32)
-    smem = (m.tab if tab else 0) + block // 32 * per_warp
+    smem = (m.tab if tab else 0) + block // 32 * 2 * m.mv_buf[kpl - 1]  # (a warp's two staging buffers)
     per_sm = 8 if tab else 32
     table = ()
     for w, out, p in zip(ws, outs, plans):
@@ -1080,11 +1161,9 @@ def matvec_many(ws: list, act, outs: list) -> bool:
         scales = w.scales if w.scales is not None else w.rest
         table += (w.rest, scales, out, np.int32(w.n_out), np.int32(_grid(rt, w.n_out, block // 32 * rows, per_sm)), np.int32(rows))
     grid = sum(int(g) for g in table[4::6])
-    w0 = ws[0]
     table += (w0.rest, w0.scales if w0.scales is not None else w0.rest, outs[0], np.int32(0), np.int32(0), np.int32(1)) * (MANY - len(ws))
     args = (act.q, act.d, act.s16, np.int32(w0.n_in // QA), np.int32(tab))
-    rt.launch(mod, "mvm" + name[2:], grid, block, args + table, smem)
-    return True
+    rt.launch(mod, f"mvm<{t.id}, {kpl}" + (f", {n_tok}>" if n_tok > 1 else ">"), grid, block, args + table, smem)
 
 
 def slot_products_fit(type_id: int, n_in: int, n_out: int) -> bool:
@@ -1155,23 +1234,31 @@ def _fmvm(ws: list, act, outs: list, n_tok: int) -> None:
 
 def matmul_many(ws: list, act, outs: list) -> bool:
     """`matmul` of several weights of ONE type on the same input of 2 to MVF_TOKENS rows (a
-    verify's), in one launch, as matvec_many is for one token: mvfm (each matrix mvf's launch of it,
-    so mvf's bits) or, for the float types, fmvm over the rows (fmv's bits, which fmt's and fmm's
-    are). ws (GpuWeights, at most MANY), act (a GpuActQ [T, n_in], or device f32 [T, n_in]), outs
-    (device f32 [T, n_out] each). False (nothing launched) where matmul would not take mvf (the
-    wide form, more rows): the caller launches each."""
+    verify's), in one launch, as matvec_many is for one token: mvm of NT rows (mv<T, KPL, 0, NT>'s)
+    where the matrices' rows together are few (MVT_TOKENS), else mvfm (mvf's), each matrix its own
+    launch's rows, so its bits; or,
+    for the float types, fmvm over the rows (fmv's bits, which fmt's and fmm's are). ws
+    (GpuWeights, at most MANY), act (a GpuActQ [T, n_in], or device f32 [T, n_in]), outs (device
+    f32 [T, n_out] each). False (nothing launched) where matmul would take neither (the wide form,
+    more rows): the caller launches each."""
     if not _groupable(ws, act):
         return False
     rt, t = runtime(), ws[0].type
     n_tok = act.q.shape[0] if t.quantized else act.shape[0]
-    if not 1 < n_tok <= MVF_TOKENS:
+    if not 1 < n_tok <= max(MVF_TOKENS, MVT_TOKENS):
         return False
     if not t.quantized:
         _fmvm(ws, act, outs, n_tok)
         return True
-    plans = [_quant_plan(w.type_id, w.n_in, w.n_out, n_tok) for w in ws]
-    if not all(p[1].startswith("mvf<") for p in plans):
+    # the one-row kernel's NT rows where the matrices' rows together are few (MVT_TOKENS), else mvf
+    share = sum(w.n_out for w in ws)
+    plans = [_mv_launch(w.type_id, w.n_in, w.n_out, n_tok, share=share) for w in ws]
+    if all(plans):
+        _mvm(ws, act, outs, plans)
+        return True
+    if n_tok > MVF_TOKENS:
         return False
+    plans = [_mvf_launch(w.type_id, w.n_out, n_tok) for w in ws]
     # one block shape for all: the widest plan's warps; the grid copy in shared memory only where
     # every plan takes it (else each reads it from global memory: the same table, the same bits)
     m, block = _module(t.name), max(p[3] for p in plans)

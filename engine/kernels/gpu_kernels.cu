@@ -724,17 +724,28 @@ struct MvRows {
 // WIDE = 1: one row of the wide ActQ (actq.ActQ16: xq [2, nb * 32], xd [2, nb], xs [2, 2 nb], its
 // hi plane then its lo plane): each row's dot with both, out = 256 dot(hi) + dot(lo)
 // (actq.combine16), the row's blocks decoded once for both.
+// NT > 1: NT activation rows at once (a speculative verify's 1 + N: xq [NT, nb * 32], xd [NT, nb],
+// xs [NT, 2 nb], out [NT, n_out]; WIDE: row t's planes are rows 2t and 2t + 1 of [2 NT, ...]), each
+// held in registers as the one row is, every weight row staged and decoded once for all NT. Row t's
+// sums are the one-row kernel's on row t alone (lane l adds its act-blocks in order, then the fold;
+// WIDE, the combine): mv's bits, and mvf's (with combine16's, WIDE). gpu.py gives it the products
+// of few weight rows only (_mv_launch): there it beats mvf, whose warps read their blocks straight
+// from global memory (an H100, 2026-12-06, 3 rows of 1024 x 2560: Q6_K 4.4 us against mvf's 5.6,
+// Q8_0 3.4 against 5.0, Q8_0's wide form 3.8 against 8.6; the one-row mv 3.2-3.3). On many rows
+// the registers cost it occupancy (a Q6_K head: 156 registers a thread, 331 us against mvf's 260),
+// as session 38's first form of it found; the rows in shared memory instead (64-80 registers) did
+// no better than mvf on the head and worse elsewhere, and were dropped.
 
 // (mv_body: the kernel's work for thread block bx of gx; mv runs it as blockIdx.x of gridDim.x, mvx
 // as one of the blocks given to one expert)
-template <int T, int KPL, int WIDE>
+template <int T, int KPL, int WIDE, int NT = 1>
 __device__ __forceinline__ void mv_body(const u8* __restrict__ rest, const float* __restrict__ scales,
                                         const i8* __restrict__ xq, const float* __restrict__ xd,
                                         const i32* __restrict__ xs, float* __restrict__ out, int n_out, int nb,
                                         int nrows, int shared_tab, int bx, int gx) {
     typedef Ty<T> L;
     typedef Buf<T> F;
-    constexpr int RM = MvRows<T, KPL>::N, BLOCKS = RM * MvRows<T, KPL>::BLOCKS, NP = WIDE ? 2 : 1;
+    constexpr int RM = MvRows<T, KPL>::N, BLOCKS = RM * MvRows<T, KPL>::BLOCKS, NP = (WIDE ? 2 : 1) * NT;
     constexpr bool S16 = L::HAS_MIN || L::OFF != 0;
     STRATA_SMEM(smem);
     const typename L::Tab* tab = load_tab<T>(smem, shared_tab);
@@ -745,24 +756,24 @@ __device__ __forceinline__ void mv_body(const u8* __restrict__ rest, const float
     const u8* sc_plane = reinterpret_cast<const u8*>(scales);
 
     u32 x[NP][KPL][8];
-    float ad[KPL];
+    float ad[NP][KPL];
     int xs0[NP][KPL], xs1[NP][KPL];
 #pragma unroll
     for (int r = 0; r < KPL; r++) {
         const int k = lane + 32 * r;
-        ad[r] = 0.0f;
 #pragma unroll
         for (int p = 0; p < NP; p++) {
             xs0[p][r] = xs1[p][r] = 0;
+            ad[p][r] = 0.0f;
             if (k < nb) {
                 load_act(xq, 32 * ((i64)p * nb + k), x[p][r]);
                 if (S16) {
                     xs0[p][r] = __ldg(xs + 2 * ((i64)p * nb + k));
                     xs1[p][r] = __ldg(xs + 2 * ((i64)p * nb + k) + 1);
                 }
+                ad[p][r] = __ldg(xd + (i64)(WIDE ? p & ~1 : p) * nb + k);  // (a row's wide planes have the same d)
             }
         }
-        if (k < nb) ad[r] = __ldg(xd + k);  // the planes' d are the same
     }
     auto issue = [&](u8* buf, i64 o) {  // rows o .. o + nrows - 1 (those that exist)
         const i64 n = min((i64)nrows, n_out - o);
@@ -794,12 +805,15 @@ __device__ __forceinline__ void mv_body(const u8* __restrict__ rest, const float
                         const int blk = i * nblk + k / L::APB;
                         const Blk b = L::dec(Rb + blk * L::REST, k % L::APB, Sb + blk * L::NS, tab);
 #pragma unroll
-                        for (int p = 0; p < NP; p++) acc[p] = f32_add(acc[p], term<T>(b, x[p][r], ad[r], xs0[p][r], xs1[p][r]));
+                        for (int p = 0; p < NP; p++) acc[p] = f32_add(acc[p], term<T>(b, x[p][r], ad[p][r], xs0[p][r], xs1[p][r]));
                     }
                 }
-                float v = fold(acc[0]);
-                if (WIDE) v = f32_add(f32_mul(256.0f, v), fold(acc[NP - 1]));
-                if (lane == 0) out[o + i] = v;
+#pragma unroll
+                for (int t = 0; t < NT; t++) {
+                    float v = fold(acc[WIDE ? 2 * t : t]);
+                    if (WIDE) v = f32_add(f32_mul(256.0f, v), fold(acc[2 * t + 1]));
+                    if (lane == 0) out[(i64)t * n_out + o + i] = v;
+                }
             }
         }
         __syncwarp();  // every lane is done with this buffer before the next step refills it
@@ -807,12 +821,12 @@ __device__ __forceinline__ void mv_body(const u8* __restrict__ rest, const float
     cp_async_wait<0>();
 }
 
-template <int T, int KPL, int WIDE = 0>
+template <int T, int KPL, int WIDE = 0, int NT = 1>
 __global__ void __launch_bounds__(256) mv(const u8* __restrict__ rest, const float* __restrict__ scales,
                                           const i8* __restrict__ xq, const float* __restrict__ xd,
                                           const i32* __restrict__ xs, float* __restrict__ out, int n_out, int nb,
                                           int nrows, int shared_tab) {
-    mv_body<T, KPL, WIDE>(rest, scales, xq, xd, xs, out, n_out, nb, nrows, shared_tab, blockIdx.x, gridDim.x);
+    mv_body<T, KPL, WIDE, NT>(rest, scales, xq, xd, xs, out, n_out, nb, nrows, shared_tab, blockIdx.x, gridDim.x);
 }
 
 // The routed experts of one token in one launch (the device step, engine/tier/device.py): R
@@ -845,8 +859,9 @@ __global__ void __launch_bounds__(256) mvx(const u8* __restrict__ arena, i64 slo
 // scales sj -> oj [nj]) takes gj of the grid's blocks, after those of the matrices before it, with
 // nrj rows a warp step. Each is mv_body on that weight alone, whose rows' arithmetic does not
 // depend on the grid: mv's bits. (One launch a matrix cost a graph node each, ~2.5 us on the H200
-// beside a product of ~3 us, 2026-12-02.) Unused entries have gj = 0.
-template <int T, int KPL>
+// beside a product of ~3 us, 2026-12-02.) Unused entries have gj = 0. NT > 1: NT input rows (a
+// verify's), oj [NT, nj], as mv<T, KPL, 0, NT>.
+template <int T, int KPL, int NT = 1>
 __global__ void __launch_bounds__(256) mvm(const i8* __restrict__ xq, const float* __restrict__ xd,
                                            const i32* __restrict__ xs, int nb, int shared_tab,
                                            const u8* r0, const float* s0, float* o0, int n0, int g0, int nr0,
@@ -854,13 +869,13 @@ __global__ void __launch_bounds__(256) mvm(const i8* __restrict__ xq, const floa
                                            const u8* r2, const float* s2, float* o2, int n2, int g2, int nr2,
                                            const u8* r3, const float* s3, float* o3, int n3, int g3, int nr3) {
     int b = blockIdx.x;
-    if (b < g0) return mv_body<T, KPL, 0>(r0, s0, xq, xd, xs, o0, n0, nb, nr0, shared_tab, b, g0);
+    if (b < g0) return mv_body<T, KPL, 0, NT>(r0, s0, xq, xd, xs, o0, n0, nb, nr0, shared_tab, b, g0);
     b -= g0;
-    if (b < g1) return mv_body<T, KPL, 0>(r1, s1, xq, xd, xs, o1, n1, nb, nr1, shared_tab, b, g1);
+    if (b < g1) return mv_body<T, KPL, 0, NT>(r1, s1, xq, xd, xs, o1, n1, nb, nr1, shared_tab, b, g1);
     b -= g1;
-    if (b < g2) return mv_body<T, KPL, 0>(r2, s2, xq, xd, xs, o2, n2, nb, nr2, shared_tab, b, g2);
+    if (b < g2) return mv_body<T, KPL, 0, NT>(r2, s2, xq, xd, xs, o2, n2, nb, nr2, shared_tab, b, g2);
     b -= g2;
-    if (b < g3) mv_body<T, KPL, 0>(r3, s3, xq, xd, xs, o3, n3, nb, nr3, shared_tab, b, g3);
+    if (b < g3) mv_body<T, KPL, 0, NT>(r3, s3, xq, xd, xs, o3, n3, nb, nr3, shared_tab, b, g3);
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -70,6 +70,26 @@ def test_wide_products_are_bit_identical_to_the_reference(rt, name):
         _same(rt.to_host(out), ref[b], f"{name} matvec_into token {b}")
 
 
+@pytest.mark.parametrize("name", sorted(WIDE))
+def test_a_few_wide_rows_of_a_small_matrix_take_the_one_row_kernel(rt, name, monkeypatch):
+    # mv<T, KPL, 1, NT>: a verify's 2-4 rows of the wide form in one launch, both planes of each row
+    # (rows 2t, 2t + 1 of the planes) in registers, on a matrix of few weight rows, while 2 x NT x
+    # KPL <= MVT_ACT; past that both planes as 2 NT rows and combine16. The reference's bits either way.
+    t = BY_NAME[name]
+    monkeypatch.setattr(gpu, "_plans", {})
+    for n_in in (64 * 5, 2560):
+        kpl = next(k for k in gpu.KPLS if 32 * k >= n_in // 32)
+        raw = random_weights(t, n_in * 9, np.random.default_rng(t.id + n_in))
+        w = gpu.upload(raw, t.id, n_in, 9)
+        x = _acts(n_in, 4, n_in)
+        for n in (2, 3, 4):
+            plan = gpu._wide_mv_plan(t.id, n_in, 9, n)
+            assert (plan is not None and plan[1] == f"mv<{t.id}, {kpl}, 1, {n}>") == (2 * n * kpl <= gpu.MVT_ACT), (n_in, n, plan)
+            ref = R.dot_reference(raw, t.id, n_in, 9, quantize_act16(x[:n]))
+            _same(rt.to_host(gpu.matmul(w, gpu.quantize_act16_gpu(rt.to_device(x[:n])))), ref, f"{name} [{n_in} x 9], {n} rows")
+    assert gpu._wide_mv_plan(t.id, 320, 2 * gpu.MVF_TASKS_PER_SM * rt.n_sm * 4, 2) is None  # (many weight rows: the planes on mvf)
+
+
 @pytest.mark.parametrize("name", ["Q8_0", "Q2_0"])
 def test_wide_rows_longer_than_matvec_holds_and_the_combine(rt, name):
     # 9216 elements: past mv's 8192, the one-token product takes the batched kernel on both planes

@@ -93,17 +93,22 @@ def stepped_and_verifying(model, prompt, toks, kv="f32"):
     return a, b, steps, [Snapshot(b, model.backend) for _ in toks[:-1]]
 
 
-@pytest.mark.parametrize("few", [1, 8])
+@pytest.mark.parametrize("few", ["mv", "mvf", "mmq"])
 @pytest.mark.parametrize("cache", ["all", "a third"])
 def test_the_verify_rows_have_the_bits_of_the_device_token_step(model, rt, cache, few, monkeypatch):
     """Every expert resident: each layer's rows in one set of launches (DeviceExperts._rows_resident);
-    a third: row by row, each row's misses on the CPU (DeviceExperts.token). `few`: gpu.MVF_TOKENS,
-    the most rows a dense product gives the few-row kernel (mvf) in place of the batched one (mmq):
-    at 8 (the default) one input's products of one type go in one launch (mvfm, fmvm over the rows:
-    DeviceBackend.linears), with the bits of a launch each."""
+    a third: row by row, each row's misses on the CPU (DeviceExperts.token). `few`: the kernel of
+    the rows' dense products: "mv", the default (the one-row kernel's NT rows, mv<T, KPL, 0, NT>, on
+    matrices of few rows, gpu.MVT_TOKENS; mvf on the others), "mvf" (the few-row kernel, gpu.MVF_TOKENS) or "mmq" (the batched one, neither).
+    With either of the first two one input's products of one type go in one launch (mvm or mvfm,
+    fmvm over the rows: DeviceBackend.linears), with the bits of a launch each."""
     from strata.engine.kernels import gpu
 
-    monkeypatch.setattr(gpu, "MVF_TOKENS", few)
+    monkeypatch.setattr(gpu, "MVF_TOKENS", 1 if few == "mmq" else 8)
+    monkeypatch.setattr(gpu, "MVT_TOKENS", 4 if few == "mv" else 1)
+    # (a card's multiprocessors at least: the emulation's one would make this model's matrices ones
+    # of many rows, which mvf takes: gpu._few_weight_rows)
+    monkeypatch.setattr(rt, "n_sm", max(rt.n_sm, 132))
     gpu._plans.clear()  # (launch plans are kept per shape: made again under this setting)
     prompt = prompt_for(model)
     toks = [5, 77, 140]
@@ -140,13 +145,20 @@ def test_the_verify_rows_have_the_bits_of_the_device_token_step(model, rt, cache
         assert np.array_equal(rows, steps), f"max |diff| {np.abs(rows - steps).max()}"
         for x, y in zip(host_states(be, b), host_states(be, a)):
             assert np.array_equal(x, y)
-        few_row = [n for n in products if n.startswith("mvf")]
-        assert bool(few_row) == (few > 1), products  # (which kernel took the rows' dense products)
+        # which kernel took the rows' dense products (3 rows: mv<T, KPL, 0, 3>, the wide form's
+        # mv<T, KPL, 1, 3>, grouped mvm<T, KPL, 3> on matrices of few rows, mvf on the others;
+        # the rows' experts stay mvx's one-row products)
+        params = {n: n[n.index("<") + 1 : -1].split(", ") for n in products if n.startswith(("mv<", "mvm<"))}
+        three = {n for n, v in params.items() if v[3 if n.startswith("mv<") else 2 :][:1] == ["3"]}
+        assert bool(three) == (few == "mv"), products
+        if few != "mv":  # (with "mv", mvf takes the matrices of many rows: the head, in the emulation most)
+            assert bool([n for n in products if n.startswith("mvf")]) == (few == "mvf"), products
+        assert ("mmq" in " ".join(products)) == (few == "mmq"), products
         # one launch each: a Gated DeltaNet layer's z, beta and alpha (Q8_0 here; its qkv reads the
         # wide form, actq.WIDE_ROLES, as attention's q/k/v do: a launch each, as in the token step),
         # the shared expert's up and gate, the router and the shared gate's logit (F32)
-        grouped = sum(n.startswith(("mvfm", "fmvm")) for n in products)
-        assert grouped == (n_gdn + 2 * L if few > 1 else 0), " ".join(products)
+        grouped = sum(n.startswith(("mvfm", "fmvm")) or n.startswith("mvm<") and n in three for n in products)
+        assert grouped == (n_gdn + 2 * L if few != "mmq" else 0), " ".join(products)
     gpu._plans.clear()
 
 

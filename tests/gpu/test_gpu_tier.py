@@ -161,11 +161,13 @@ def test_every_stage_uses_what_the_budget_predicts(models, rt):
         + tier.slots.slots * tier.plan.slot_bytes
 
 
-@pytest.mark.parametrize("step", ["host", "device"])
-def test_the_startup_asks_for_every_module_it_compiles_ahead_and_marks_them(models, rt, step, monkeypatch):
+@pytest.mark.parametrize("step, spec", [("host", 0), ("device", 0), ("device", 2)])
+def test_the_startup_asks_for_every_module_it_compiles_ahead_and_marks_them(models, rt, step, spec, monkeypatch):
     # compile_ahead (a card's first start): the startup hands it every block type of the dense
-    # weights and of the experts, actq's module and, on the device step, the device step's, then
-    # marks what it compiled itself; the processes' log lines are the startup's own lines
+    # weights and of the experts, actq's module, where drafts are verified (--spec) the dense block
+    # types' few-row modules (gpu.ROWS) and, on the device step, the device step's, then marks what
+    # it compiled itself; the processes' log lines are the startup's own lines
+    from strata.engine.kernels import gpu
     from strata.engine.tier import compile_ahead as ca
 
     asked, marked = [], []
@@ -178,10 +180,11 @@ def test_the_startup_asks_for_every_module_it_compiles_ahead_and_marks_them(mode
     monkeypatch.setattr(ca, "card_of_runtime", lambda rt: "the test's card")
     monkeypatch.setattr(ca, "ahead", ahead)
     monkeypatch.setattr(ca, "mark_loaded", lambda keys, card: marked.append((list(keys), card)))
-    with tier_of(models["qwen35moe"], step=step, expert_cache=0) as tier:
+    with tier_of(models["qwen35moe"], step=step, expert_cache=0, spec=spec) as tier:
         assert "gpu tier: compiling (the test)" in tier.lines
     (keys, card), = asked
     expected = ["F32", "Q8_0", "actq"]  # the fixture's pack: experts and dense matrices Q8_0, the router and gates F32
+    expected += ["Q8_0" + gpu.ROWS] if spec else []
     assert card == "the test's card" and keys == expected + ([ca.DEVICE_STEP] if step == "device" else [])
     assert marked[0] == (expected, "the test's card")
     assert (marked[1:] == [([ca.DEVICE_STEP], "the test's card")]) == (step == "device")

@@ -258,7 +258,8 @@ def test_matmul_many_refuses_what_one_launch_cannot_hold(rt, monkeypatch):
     for n_tok in (1, gpu.MVF_TOKENS + 1):  # one row: matvec_many's; more than mvf takes: matmul's own launches
         act = gpu.quantize_act_gpu(rt.to_device(_acts(256, n_tok, 1)))
         assert not gpu.matmul_many([a, b], act, [rt.empty((n_tok, 4), np.float32) for _ in range(2)])
-    monkeypatch.setattr(gpu, "MVF_TOKENS", 1)  # STRATA_MVF_TOKENS=1: the rows take mmq, one launch each
+    monkeypatch.setattr(gpu, "MVF_TOKENS", 1)  # STRATA_MVF_TOKENS=1 and STRATA_MVT_TOKENS=1: the rows take mmq, one launch each
+    monkeypatch.setattr(gpu, "MVT_TOKENS", 1)
     gpu._plans.clear()
     act = gpu.quantize_act_gpu(rt.to_device(_acts(256, 3, 1)))
     try:
@@ -388,6 +389,7 @@ def test_few_row_products_take_mvf_with_mm_bits(rt, name, monkeypatch):
     # a ragged lane count (nb not a multiple of 32) and an odd row count; the reference's bits
     t = BY_NAME[name]
     monkeypatch.setattr(gpu, "MVF_TOKENS", 8)
+    monkeypatch.setattr(gpu, "MVT_TOKENS", 1)  # (2-4 rows a row mv holds take mv<T, KPL, 0, NT> by default)
     monkeypatch.setattr(gpu, "_plans", {})
     long_in = -(-(8192 + 2048 + 32) // t.block_size) * t.block_size
     for n_in, n_out in ((long_in, 7), (_small_shape(t)[0], 9)):
@@ -400,12 +402,58 @@ def test_few_row_products_take_mvf_with_mm_bits(rt, name, monkeypatch):
     assert gpu._quant_plan(t.id, long_in, 7, 1)[1] in (f"mmt<{t.id}>", f"mmq<{t.id}>", f"mm<{t.id}>")
 
 
+@pytest.mark.parametrize("name", ["Q4_K", "Q6_K", "Q8_0", "IQ2_XXS", "Q5_1"])
+def test_a_few_rows_of_a_small_matrix_take_the_one_row_kernel_with_its_bits(rt, name, monkeypatch):
+    # mv<T, KPL, 0, NT>: 2-4 activation rows (a verify's 1 + N) through the one-row kernel, each
+    # weight row staged and decoded once for all of them, each row's activation in registers, on a
+    # matrix of few weight rows (where mvf gives a warp one): every KPL a row length takes (ragged:
+    # nb one block of the type past a multiple of 32), up to NT x KPL = MVT_ACT; past that, and on
+    # many weight rows, mvf. The reference's bits, and matmul_many's (mvm of NT rows, by the
+    # matrices' rows together).
+    t = BY_NAME[name]
+    monkeypatch.setattr(gpu, "_plans", {})
+    if t.name == "IQ2_XXS":
+        monkeypatch.setattr(gpu, "SHARED_TABLE_ROWS", 0)  # (the grid's shared copy in every block)
+    apb, before = t.block_size // 32, 0
+    for kpl in gpu.KPLS:
+        n_in = 32 * (32 * before + apb)  # (nb = 32 before + one block: KPL's shortest row)
+        before = kpl
+        for n in range(2, 5):
+            kernel = gpu._quant_plan(t.id, n_in, 13, n)[1]
+            assert kernel == (f"mv<{t.id}, {kpl}, 0, {n}>" if kpl * n <= gpu.MVT_ACT else f"mvf<{t.id}, 1>"), (n_in, n)
+        _check_products(rt, t, n_in, 13, (2, 3, 4), seed=t.id * 11 + kpl)
+    many = 2 * gpu.MVF_TASKS_PER_SM * rt.n_sm * 4  # (rows for 4 a warp: mvf's R > 1)
+    assert gpu._quant_plan(t.id, 2560, many, 3)[1].startswith(f"mvf<{t.id}, ")
+    monkeypatch.setattr(gpu, "MVT_TOKENS", 1)  # (STRATA_MVT_TOKENS=1: mvf as before)
+    monkeypatch.setattr(gpu, "_plans", {})
+    assert gpu._quant_plan(t.id, 2560, 13, 3)[1] == f"mvf<{t.id}, 1>"
+    monkeypatch.setattr(gpu, "MVT_TOKENS", gpu.MVT_MOST)
+    monkeypatch.setattr(gpu, "_plans", {})
+    n_in, n_outs = 2560, (33, 1, 7, 5)
+    rng = np.random.default_rng(t.id)
+    raws = [random_weights(t, n_in * n, rng) for n in n_outs]
+    ws = [gpu.upload(raw, t.id, n_in, n) for raw, n in zip(raws, n_outs)]
+    x = _acts(n_in, 4, 13)
+    for n in (2, 4):
+        launched, launch = [], rt.launch
+        rt.launch = lambda mod, kernel, *a, **k: (launched.append(kernel), launch(mod, kernel, *a, **k))[1]
+        try:
+            outs = [rt.to_device(np.full((n, m), np.nan, np.float32)) for m in n_outs]
+            assert gpu.matmul_many(ws, gpu.quantize_act_gpu(rt.to_device(x[:n])), outs)
+        finally:
+            del rt.launch
+        assert launched[-1] == f"mvm<{t.id}, 3, {n}>", launched
+        for j, (raw, m, out) in enumerate(zip(raws, n_outs, outs)):
+            _assert_same(rt.to_host(out), R.dot_reference(raw, t.id, n_in, m, quantize_act(x[:n])), f"mvm<{t.id}, 3, {n}> matrix {j}")
+
+
 @pytest.mark.parametrize("rows", [2, 3, 4])
 def test_few_row_products_keep_their_bits_with_several_rows_a_warp(rt, rows, monkeypatch):
     # mvf<T, R>: a warp takes R weight rows at once (its lanes load each act-block of the activations
     # once for all R); the row counts here leave the last warp's group short (a row past the end
     # is read again, its sums dropped), and mvfm shares one R among matrices of 1 to 96 rows
     monkeypatch.setattr(gpu, "MVF_ROWS", rows)
+    monkeypatch.setattr(gpu, "MVT_TOKENS", 1)  # (else these rows take mv<T, KPL, 0, NT>)
     monkeypatch.setattr(gpu, "_plans", {})
     for name in ("Q6_K", "Q4_K", "IQ3_XXS", "Q8_0"):
         t = BY_NAME[name]
