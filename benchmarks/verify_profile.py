@@ -252,7 +252,7 @@ def main(argv=None) -> int:
             got = [v for k, v in be._vgraphs.items() if v and k[1] == T and "segments" in v]
             rows.append((f"verify 1+{T - 1}", wall, graph_ms(got[0]["segments"]) if got else float("nan")))
         print(f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; {a.pack or a.preset}: {g.n_layer} layers, "
-              f"{g.n_expert} experts, vocab {V}; STRATA_MVF_TOKENS={gpu.MVF_TOKENS}")
+              f"{g.n_expert} experts, vocab {V}; STRATA_MVF_TOKENS={gpu.MVF_TOKENS}, STRATA_MVT_TOKENS={gpu.MVT_TOKENS}")
         print(f"{'forward':>14} {'wall ms':>8} {'graph ms':>9} {'wall/step':>9}")
         for name, wall, dev in rows:
             print(f"{name:>14} {wall:8.3f} {dev:9.3f} {wall / rows[0][1]:8.2f}x")
