@@ -1,5 +1,6 @@
 """A verify's few-row products on a card: the one-row kernel's NT rows (mv<T, KPL, 0, NT>, the
-default for 2-4 rows) against the few-row kernel (mvf) with 1-4 weight rows a warp.
+engine's for 2-4 rows of a matrix of few weight rows) against the few-row kernel (mvf) with 1-4
+weight rows a warp.
 
     python3 benchmarks/mvf_rows.py [--types Q6_K,Q4_K,Q8_0,...] [--tokens 1,2,3,4]
 
@@ -14,7 +15,8 @@ Then mvf still took 1.34x the one-row mv's time for 3 rows of a Q6_K head and 1.
 small products (an H200, 2026-12-06): its weight blocks come straight from global memory, a warp's
 loads one row group at a time. mv<T, KPL, 0, NT> is the token step's kernel given NT activation rows:
 each weight row staged (the next step's copy in flight while this one computes) and decoded once
-for all NT, each row's activation in registers.
+for all NT, each row's activation in registers. It won on few weight rows and lost on many
+(session 41, docs/performance.md), so the engine takes it where mvf would give a warp one row.
 
 For each block type and shape (a head, a dense projection, a small one) and token count: microseconds
 per product (CUDA events around a captured graph of the products, weights cycled past 3x the L2 so
