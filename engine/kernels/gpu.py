@@ -951,7 +951,7 @@ def _mv_launch(type_id: int, n_in: int, n_out: int, n_tok: int = 1, wide: bool =
     rt, m = runtime(), _module(t.name)
     nb = n_in // QA
     kpl = next((k for k in KPLS if 32 * k >= nb), 0)
-    if not kpl or n_tok > 1 and (n_tok > MVT_TOKENS or kpl * n_tok * (1 + wide) > MVT_ACT
+    if not kpl or n_tok < 1 or n_tok > 1 and (n_tok > MVT_TOKENS or kpl * n_tok * (1 + wide) > MVT_ACT
                                  or not _few_weight_rows(t.name, share or n_out, rt.n_sm)):
         return None
     # An IQ grid goes to shared memory only when every block has enough rows to repay the copy.
