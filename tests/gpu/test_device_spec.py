@@ -99,9 +99,10 @@ def test_the_verify_rows_have_the_bits_of_the_device_token_step(model, rt, cache
     """Every expert resident: each layer's rows in one set of launches (DeviceExperts._rows_resident);
     a third: row by row, each row's misses on the CPU (DeviceExperts.token). `few`: the kernel of
     the rows' dense products: "mv", the default (the one-row kernel's NT rows, mv<T, KPL, 0, NT>, on
-    matrices of few rows, gpu.MVT_TOKENS; mvf on the others), "mvf" (the few-row kernel, gpu.MVF_TOKENS) or "mmq" (the batched one, neither).
-    With either of the first two one input's products of one type go in one launch (mvm or mvfm,
-    fmvm over the rows: DeviceBackend.linears), with the bits of a launch each."""
+    matrices of few rows, gpu.MVT_TOKENS; mvf on the others), "mvf" (the few-row kernel alone,
+    gpu.MVF_TOKENS) or "mmq" (the batched one, neither). With either of the first two one input's
+    products of one type go in one launch (mvm or mvfm, fmvm over the rows: DeviceBackend.linears),
+    with the bits of a launch each."""
     from strata.engine.kernels import gpu
 
     monkeypatch.setattr(gpu, "MVF_TOKENS", 1 if few == "mmq" else 8)

@@ -389,7 +389,7 @@ def test_few_row_products_take_mvf_with_mm_bits(rt, name, monkeypatch):
     # a ragged lane count (nb not a multiple of 32) and an odd row count; the reference's bits
     t = BY_NAME[name]
     monkeypatch.setattr(gpu, "MVF_TOKENS", 8)
-    monkeypatch.setattr(gpu, "MVT_TOKENS", 1)  # (2-4 rows a row mv holds take mv<T, KPL, 0, NT> by default)
+    monkeypatch.setattr(gpu, "MVT_TOKENS", 1)  # (2-4 rows of a matrix of few rows take mv<T, KPL, 0, NT> by default)
     monkeypatch.setattr(gpu, "_plans", {})
     long_in = -(-(8192 + 2048 + 32) // t.block_size) * t.block_size
     for n_in, n_out in ((long_in, 7), (_small_shape(t)[0], 9)):
