@@ -512,8 +512,8 @@ def _names(t: GGMLType) -> list[str]:
 
 # The module of a block type's few-row products on the one-row kernel (mv<T, KPL, WIDE, NT> and
 # mvm<T, KPL, NT>, MVT_TOKENS), key "<type>" + ROWS: apart from the type's own module, so that only
-# a run that verifies drafts compiles its ~40 kernels (the tier's startup with --spec; a first
-# launch elsewhere).
+# a run that verifies drafts compiles its 30 kernels, 39 for a wide type (the tier's startup with
+# --spec; a first launch elsewhere).
 ROWS = "+rows"
 
 
