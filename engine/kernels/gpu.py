@@ -833,14 +833,15 @@ def quantize_act_gpu(x, out: GpuActQ | None = None, check: bool = True) -> GpuAc
 
 
 def _few_weight_rows(name: str, n_out: int, n_sm: int) -> bool:
-    """Whether mvf would give each warp one weight row of n_out (the rule of _mvf_rows, unforced):
-    where a few activation rows take the one-row kernel (MVT_TOKENS)."""
-    return all(-(-n_out // r) < MVF_TASKS_PER_SM * n_sm for r in range(2, MVF_ROWS_MOST.get(name, MVF_ROWS_ALL[-1]) + 1))
+    """Whether mvf would give each warp one weight row of n_out (its rule, unforced): where a few
+    activation rows take the one-row kernel (MVT_TOKENS)."""
+    return _mvf_rows(name, n_out, n_sm, forced=False) == 1
 
 
-def _mvf_rows(name: str, n_out: int, n_sm: int) -> int:
-    """The weight rows an mvf warp takes at once for n_out rows of type `name` (MVF_ROWS_ALL says why)."""
-    if MVF_ROWS:
+def _mvf_rows(name: str, n_out: int, n_sm: int, forced: bool = True) -> int:
+    """The weight rows an mvf warp takes at once for n_out rows of type `name` (MVF_ROWS_ALL says
+    why; `forced`: STRATA_MVF_ROWS's, where set)."""
+    if MVF_ROWS and forced:
         return MVF_ROWS
     for r in range(MVF_ROWS_MOST.get(name, MVF_ROWS_ALL[-1]), 1, -1):
         if -(-n_out // r) >= MVF_TASKS_PER_SM * n_sm:
@@ -941,6 +942,17 @@ def _grouped_make(type_id: int, n_in: int, n_out: int, n_tok: int, kind: str) ->
     return mod, f"mmx<{type_id}>", grid, block, smem, extra
 
 
+def _kpl(nb: int) -> int:
+    """The act-blocks a lane of the one-row kernel holds for rows of nb act-blocks (0: longer than
+    it holds)."""
+    return next((k for k in KPLS if 32 * k >= nb), 0)
+
+
+def _grid_copy(m: "_Module", rt, n_out: int) -> int:
+    # An IQ grid goes to shared memory only when every block has enough rows to repay the copy.
+    return m.tab if m.tab and n_out >= SHARED_TABLE_ROWS * 8 * rt.n_sm else 0
+
+
 def _mv_launch(type_id: int, n_in: int, n_out: int, n_tok: int = 1, wide: bool = False, share: int = 0) -> tuple | None:
     """The one-row kernel's launch (mv) for n_tok activation rows (a row's two planes, wide), or None
     where it does not take them: rows longer than 32 x KPLS[-1] act-blocks; more than one row
@@ -950,12 +962,11 @@ def _mv_launch(type_id: int, n_in: int, n_out: int, n_tok: int = 1, wide: bool =
     t = ggml_type(type_id)
     rt, m = runtime(), _module(t.name)
     nb = n_in // QA
-    kpl = next((k for k in KPLS if 32 * k >= nb), 0)
+    kpl = _kpl(nb)
     if not kpl or n_tok < 1 or n_tok > 1 and (n_tok > MVT_TOKENS or kpl * n_tok * (1 + wide) > MVT_ACT
                                  or not _few_weight_rows(t.name, share or n_out, rt.n_sm)):
         return None
-    # An IQ grid goes to shared memory only when every block has enough rows to repay the copy.
-    tab = m.tab if m.tab and n_out >= SHARED_TABLE_ROWS * 8 * rt.n_sm else 0
+    tab = _grid_copy(m, rt, n_out)
     per_warp = 2 * m.mv_buf[kpl - 1]  # two staging buffers: this step's rows and the next's
     rows = m.mv_rows[kpl - 1]
     nw = _warps(per_warp, -(-n_out // rows), rt.n_sm, fixed_smem=tab)
@@ -971,7 +982,7 @@ def _mvf_launch(type_id: int, n_out: int, n_tok: int) -> tuple:
     """The few-row kernel's launch (mvf<T, R>): a warp R weight rows (_mvf_rows), grid-stride."""
     t = ggml_type(type_id)
     rt, m = runtime(), _module(t.name)
-    tab = m.tab if m.tab and n_out >= SHARED_TABLE_ROWS * 8 * rt.n_sm else 0
+    tab = _grid_copy(m, rt, n_out)
     r = _mvf_rows(t.name, n_out, rt.n_sm)
     nw = _warps(0, -(-n_out // r), rt.n_sm, fixed_smem=tab)
     return m.mod, f"mvf<{type_id}, {r}>", _grid(rt, -(-n_out // r), nw, 8 if tab else 32), 32 * nw, tab, (np.int32(n_tok), np.int32(tab > 0))
@@ -981,8 +992,7 @@ def _quant_launch(type_id: int, n_in: int, n_out: int, n_tok: int, mma: bool, ti
     t = ggml_type(type_id)
     rt, m = runtime(), _module(t.name)
     nb = n_in // QA
-    # An IQ grid goes to shared memory only when every block has enough rows to repay the copy.
-    tab = m.tab if m.tab and n_out >= SHARED_TABLE_ROWS * 8 * rt.n_sm else 0
+    tab = _grid_copy(m, rt, n_out)
     per_sm = 8 if tab else 32
     mv = _mv_launch(type_id, n_in, n_out, n_tok)
     if mv is not None:
@@ -1137,18 +1147,16 @@ def matvec_many(ws: list, act, outs: list) -> bool:
     plans = [_quant_plan(w.type_id, w.n_in, w.n_out, 1) for w in ws]
     if not all(p[1].startswith("mv<") for p in plans):
         return False
-    _mvm(ws, act, outs, plans)
+    _mvm(ws, act, outs, plans, 1)
     return True
 
 
-def _mvm(ws: list, act: "GpuActQ", outs: list, plans: list) -> None:
-    """mvm of ws (one block type) on act's rows, plans each weight's mv launch for that many rows
-    (mv<T, KPL> or mv<T, KPL, 0, NT>, the same KPL: the same n_in): each matrix keeps its own
-    launch's rows a warp step, so every row has that launch's bits."""
+def _mvm(ws: list, act: "GpuActQ", outs: list, plans: list, n_tok: int) -> None:
+    """mvm of ws (one block type, one n_in) on act's n_tok rows, plans each weight's mv launch for
+    them (_mv_launch): each matrix keeps its own launch's rows a warp step, so every row has that
+    launch's bits."""
     rt, t, w0 = runtime(), ws[0].type, ws[0]
-    mod, name = plans[0][0], plans[0][1]
-    kpl, *more = (int(v) for v in name[name.index("<") + 1 : -1].split(", ")[1:])  # ([WIDE, NT])
-    n_tok = more[1] if more else 1
+    mod, kpl = plans[0][0], _kpl(w0.n_in // QA)
     # one block shape for all: the widest plan's warps; the grid copy in shared memory only where
     # every plan takes it (else each reads it from global memory: the same table, the same bits)
     m, block = _module(t.name), max(p[3] for p in plans)
@@ -1254,7 +1262,7 @@ def matmul_many(ws: list, act, outs: list) -> bool:
     share = sum(w.n_out for w in ws)
     plans = [_mv_launch(w.type_id, w.n_in, w.n_out, n_tok, share=share) for w in ws]
     if all(plans):
-        _mvm(ws, act, outs, plans)
+        _mvm(ws, act, outs, plans, n_tok)
         return True
     if n_tok > MVF_TOKENS:
         return False
