@@ -11,7 +11,9 @@ says where the wall beyond the graph's device time goes (before the graph, after
 table which functions make it (cProfile over many forwards: a token step, a verify of 1 + 2 rows,
 and one followed by the rollback of a rejected draft): on the H100 the verify's routing counts
 settled entry by entry, its rows decoded on the host and a rollback's copies one call each, all
-cut since. Needs a CUDA GPU. Ratios only against this run.
+cut since. Its last table runs verifies ahead of the host as strata generate does (Model.verify_ahead), with
+a drafter always right and one always wrong: the wall a verify there against that graph's device
+time (its judge and rollback inside it). Needs a CUDA GPU. Ratios only against this run.
 """
 
 from __future__ import annotations
@@ -188,6 +190,45 @@ def kernel_table(be, rt, cp, step, verify, top: int) -> str:
     return "\n".join(lines)
 
 
+def ahead_table(model, ctx: int, rng, n_tokens: int, graph_ms, n_prompt: int = 32) -> str:
+    """Verifies of 1 + 2 rows run ahead of the host as strata generate runs them (Model.verify_ahead:
+    each queued before the last one's record is read; its judge, rollback and next ids on the device)
+    with a drafter always right (the greedy continuation made first) and one always wrong (every
+    verify rolls back): the wall a verify in that loop against its captured graph replayed back to
+    back. Where the wall is above the graph, the device waited (for the host, or between graphs)."""
+    from strata.engine.speculative import ReferenceDrafter, Snapshot
+
+    be, V = model.backend, model.geometry.n_vocab
+    ban = np.zeros(0, np.int32)
+    prompt = rng.integers(3, V, n_prompt)
+    s0 = model.new_session(ctx)
+    model.forward(s0, prompt[:-1], n_logits=1)
+    tok, ref = int(prompt[-1]), [int(t) for t in prompt]
+    for _ in range(n_tokens + 4):
+        tok = model.step_pick(s0, tok, ban)
+        ref.append(tok)
+    lines = ["", f"verifies of 1 + 2 rows run ahead ({n_tokens} tokens after a {n_prompt}-token prompt; ms)",
+             f"{'drafter':>14} {'verifies':>8} {'tok/verify':>10} {'wall/verify':>11} {'ahead graph':>11}"]
+    for name, p in (("always right", 1.0), ("always wrong", 0.0)):
+        s = model.new_session(ctx)
+        model.forward(s, prompt[:-1], n_logits=1)
+        drafter = ReferenceDrafter(ref, V, p)
+        drafts, _ = drafter.draft(ref, n_prompt, 2)
+        snaps = [Snapshot(s, be) for _ in range(2)]
+        tokens = np.array([ref[n_prompt - 1], *drafts], np.int64)
+        got, n, t0 = [], 0, time.perf_counter()
+        for k, picked in model.verify_ahead(s, tokens, ban, drafter, snaps, n_tokens):
+            got.extend(int(t) for t in picked)
+            n += 1
+        wall = (time.perf_counter() - t0) * 1e3
+        if got[:n_tokens] != ref[n_prompt: n_prompt + n_tokens]:
+            raise SystemExit(f"verify_profile: the run ahead ({name}) gave other tokens than the greedy steps: a bug")
+        g = [v for key, v in be._vgraphs.items() if v and key[0] == id(s) and key[1] == "ahead" and "segments" in v]
+        dev = graph_ms(g[0]["segments"]) if g else float("nan")
+        lines.append(f"{name:>14} {n:8d} {len(got) / n:10.2f} {wall / n:11.3f} {dev:11.3f}")
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--pack", type=Path)
@@ -197,6 +238,7 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=8)
     ap.add_argument("--kernels", type=int, default=14, help="the per-kernel table's rows (0: none)")
     ap.add_argument("--host", type=int, default=24, help="the host-time table's rows (0: none)")
+    ap.add_argument("--ahead", type=int, default=120, help="tokens of the run-ahead table's runs (0: none)")
     a = ap.parse_args(argv)
 
     from strata.engine.kernels import cpu, gpu
@@ -267,6 +309,8 @@ def main(argv=None) -> int:
                              max(a.rounds, 50), a.host))
         if cp is not None and a.kernels:
             print(kernel_table(be, rt, cp, step, verify, a.kernels))
+        if a.ahead and model.verifies_ahead(s):  # (last: its sessions take the device step's graphs)
+            print(ahead_table(model, ctx, rng, a.ahead, graph_ms))
         if model.draft_head is not None:
             E = g.n_embd
             model.draft_head.backend.verify_graphs = True
