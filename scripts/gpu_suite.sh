@@ -104,12 +104,13 @@ if [ -z "${SKIP_SPEC_BENCH:-}" ]; then
     echo "== GPU benchmark: benchmarks/spec.py --device-step"
     timeout ${SPEC_BENCH_TIMEOUT:-240} python3 benchmarks/spec.py --device-step --no-mtp --rounds 3 --tokens 160 --prompt 32 2>&1 | tee "$LOG/bench_spec.log"
     # where a verify's time goes (its graph's device time against the token step's, each kernel's),
-    # and the device head's draft step against the CPU's: as the engine runs (the few-row matrices'
-    # products on the one-row kernel's NT rows, the others on mvf), then mvf alone
-    # (STRATA_MVT_TOKENS=1), then mmq as before mvf (2026-12-05, an H100: a verify of 1+2 rows
-    # 1.57 ms of device time on mmq, 0.86 on mvf). The demo qwen35moe with an MTP block.
-    for kind in default mvf mmq; do
-        case $kind in default) E="STRATA_MVT_TOKENS=4";; mvf) E="STRATA_MVT_TOKENS=1";; mmq) E="STRATA_MVT_TOKENS=1 STRATA_MVF_TOKENS=1";; esac
+    # and the device head's draft step against the CPU's: as the engine runs (mvf), then with the
+    # few-row matrices' products on the one-row kernel's NT rows (STRATA_MVT_TOKENS=4; 2026-12-06,
+    # an H100: a verify of 1+2 rows 1.111 ms of device time with them, 1.087 without), then mmq as
+    # before mvf (2026-12-05, an H100: 1.57 ms on mmq, 0.86 on mvf). The demo qwen35moe with an MTP
+    # block; each with its run-ahead table (verifies queued as strata generate queues them).
+    for kind in default nt mmq; do
+        case $kind in default) E="STRATA_MVT_TOKENS=1";; nt) E="STRATA_MVT_TOKENS=4";; mmq) E="STRATA_MVT_TOKENS=1 STRATA_MVF_TOKENS=1";; esac
         echo "== GPU benchmark: benchmarks/verify_profile.py, $E"
         env $E timeout 150 python3 benchmarks/verify_profile.py 2>&1 | tee "$LOG/bench_verify_$kind.log"
     done

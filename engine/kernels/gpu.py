@@ -74,9 +74,13 @@ if not 0 <= MVF_TOKENS <= 8:
 # 2026-12-06), us for 3 rows of 1024 x 2560, against mvf (the one-row mv 3.2-3.3):
 #   Q6_K 4.4 (mvf 5.6), Q8_0 3.4 (5.0), Q8_0's wide form 3.8 (8.6: both planes as 6 rows)
 # and on many rows slower (12288 x 2560: Q6_K 33.8 against 18.1; a Q6_K head 331 against 260: 156
-# registers a thread, the occupancy lost). The same bits as mv's and mvf's.
-# STRATA_MVT_TOKENS=1: never (mvf as before, the benchmarks' baseline).
-MVT_TOKENS = int(os.environ.get("STRATA_MVT_TOKENS", "4"))
+# registers a thread, the occupancy lost). The same bits as mv's and mvf's. But a whole captured
+# verify was not faster for it: seed-4l qwen35moe, an H100, one call (2026-12-06 19:59 UTC,
+# benchmarks/verify_profile.py), graph ms with STRATA_MVT_TOKENS=4 against =1: token step 0.757 /
+# 0.754, verify 1+1 0.973 / 0.949, verify 1+2 1.111 / 1.087 (and 1.108 / 1.096 on two other H100s
+# the same day). So the default is 1 (never: mvf, as before it); 2 to MVT_MOST takes the NT rows
+# (and the tier's startup then compiles their modules, gpu.ROWS, with --spec).
+MVT_TOKENS = int(os.environ.get("STRATA_MVT_TOKENS", "1"))
 MVT_MOST, MVT_ACT = 4, 18
 if not 1 <= MVT_TOKENS <= MVT_MOST:
     raise ValueError(f"STRATA_MVT_TOKENS={MVT_TOKENS}: expected 1 to {MVT_MOST} (the one-row kernel's registers)")

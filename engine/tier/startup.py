@@ -222,8 +222,10 @@ class _Startup:
             {t.name for l in range(g.n_layer + (1 if self.draft_mats else 0)) for t in pack.expert_types(l)}
         # a first start compiles them side by side in processes of their own (compile_ahead.py says why)
         keys = sorted(types | {"actq"})
-        # (and where drafts are verified, the dense block types' few-row products: gpu.ROWS)
-        keys += sorted({w.type.name + gpu.ROWS for w in self.mats + self.draft_mats if w.type.quantized}) if o.spec else []
+        # (and where drafts are verified on the one-row kernel's NT rows, gpu.MVT_TOKENS, the dense
+        # block types' few-row products: gpu.ROWS)
+        rows = o.spec and gpu.MVT_TOKENS > 1
+        keys += sorted({w.type.name + gpu.ROWS for w in self.mats + self.draft_mats if w.type.quantized}) if rows else []
         card = compile_ahead.card_of_runtime(rt)
         compile_ahead.ahead(keys + ([compile_ahead.DEVICE_STEP] if o.step == "device" else []), card,
                             lambda text: self.say(f"gpu tier: {text}"))

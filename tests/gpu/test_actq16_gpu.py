@@ -74,9 +74,11 @@ def test_wide_products_are_bit_identical_to_the_reference(rt, name):
 def test_a_few_wide_rows_of_a_small_matrix_take_the_one_row_kernel(rt, name, monkeypatch):
     # mv<T, KPL, 1, NT>: a verify's 2-4 rows of the wide form in one launch, both planes of each row
     # (rows 2t, 2t + 1 of the planes) in registers, on a matrix of few weight rows, while 2 x NT x
-    # KPL <= MVT_ACT; past that both planes as 2 NT rows and combine16. The reference's bits either way.
+    # KPL <= MVT_ACT (STRATA_MVT_TOKENS > 1); past that both planes as 2 NT rows and combine16. The
+    # reference's bits either way.
     t = BY_NAME[name]
     monkeypatch.setattr(gpu, "_plans", {})
+    monkeypatch.setattr(gpu, "MVT_TOKENS", gpu.MVT_MOST)
     for n_in in (64 * 5, 2560):
         kpl = next(k for k in gpu.KPLS if 32 * k >= n_in // 32)
         raw = random_weights(t, n_in * 9, np.random.default_rng(t.id + n_in))

@@ -161,15 +161,17 @@ def test_every_stage_uses_what_the_budget_predicts(models, rt):
         + tier.slots.slots * tier.plan.slot_bytes
 
 
-@pytest.mark.parametrize("step, spec", [("host", 0), ("device", 0), ("device", 2)])
-def test_the_startup_asks_for_every_module_it_compiles_ahead_and_marks_them(models, rt, step, spec, monkeypatch):
+@pytest.mark.parametrize("step, spec, nt", [("host", 0, 4), ("device", 0, 4), ("device", 2, 1), ("device", 2, 4)])
+def test_the_startup_asks_for_every_module_it_compiles_ahead_and_marks_them(models, rt, step, spec, nt, monkeypatch):
     # compile_ahead (a card's first start): the startup hands it every block type of the dense
-    # weights and of the experts, actq's module, where drafts are verified (--spec) the dense block
-    # types' few-row modules (gpu.ROWS) and, on the device step, the device step's, then marks what
-    # it compiled itself; the processes' log lines are the startup's own lines
+    # weights and of the experts, actq's module, where drafts are verified (--spec) on the one-row
+    # kernel's NT rows (STRATA_MVT_TOKENS > 1) the dense block types' few-row modules (gpu.ROWS) and,
+    # on the device step, the device step's, then marks what it compiled itself; the processes' log
+    # lines are the startup's own lines
     from strata.engine.kernels import gpu
     from strata.engine.tier import compile_ahead as ca
 
+    monkeypatch.setattr(gpu, "MVT_TOKENS", nt)
     asked, marked = [], []
 
     def ahead(keys, card, log, **kw):
@@ -184,7 +186,7 @@ def test_the_startup_asks_for_every_module_it_compiles_ahead_and_marks_them(mode
         assert "gpu tier: compiling (the test)" in tier.lines
     (keys, card), = asked
     expected = ["F32", "Q8_0", "actq"]  # the fixture's pack: experts and dense matrices Q8_0, the router and gates F32
-    expected += ["Q8_0" + gpu.ROWS] if spec else []
+    expected += ["Q8_0" + gpu.ROWS] if spec and nt > 1 else []
     assert card == "the test's card" and keys == expected + ([ca.DEVICE_STEP] if step == "device" else [])
     assert marked[0] == (expected, "the test's card")
     assert (marked[1:] == [([ca.DEVICE_STEP], "the test's card")]) == (step == "device")

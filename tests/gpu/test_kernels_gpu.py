@@ -389,7 +389,7 @@ def test_few_row_products_take_mvf_with_mm_bits(rt, name, monkeypatch):
     # a ragged lane count (nb not a multiple of 32) and an odd row count; the reference's bits
     t = BY_NAME[name]
     monkeypatch.setattr(gpu, "MVF_TOKENS", 8)
-    monkeypatch.setattr(gpu, "MVT_TOKENS", 1)  # (2-4 rows of a matrix of few rows take mv<T, KPL, 0, NT> by default)
+    monkeypatch.setattr(gpu, "MVT_TOKENS", 1)  # (with STRATA_MVT_TOKENS > 1, 2-4 rows of a matrix of few rows take mv<T, KPL, 0, NT>)
     monkeypatch.setattr(gpu, "_plans", {})
     long_in = -(-(8192 + 2048 + 32) // t.block_size) * t.block_size
     for n_in, n_out in ((long_in, 7), (_small_shape(t)[0], 9)):
@@ -412,6 +412,7 @@ def test_a_few_rows_of_a_small_matrix_take_the_one_row_kernel_with_its_bits(rt, 
     # matrices' rows together).
     t = BY_NAME[name]
     monkeypatch.setattr(gpu, "_plans", {})
+    monkeypatch.setattr(gpu, "MVT_TOKENS", gpu.MVT_MOST)  # (STRATA_MVT_TOKENS=4; the default, 1, is mvf's)
     if t.name == "IQ2_XXS":
         monkeypatch.setattr(gpu, "SHARED_TABLE_ROWS", 0)  # (the grid's shared copy in every block)
     apb, before = t.block_size // 32, 0
@@ -424,7 +425,7 @@ def test_a_few_rows_of_a_small_matrix_take_the_one_row_kernel_with_its_bits(rt, 
         _check_products(rt, t, n_in, 13, (2, 3, 4), seed=t.id * 11 + kpl)
     many = 2 * gpu.MVF_TASKS_PER_SM * rt.n_sm * 4  # (rows for 4 a warp: mvf's R > 1)
     assert gpu._quant_plan(t.id, 2560, many, 3)[1].startswith(f"mvf<{t.id}, ")
-    monkeypatch.setattr(gpu, "MVT_TOKENS", 1)  # (STRATA_MVT_TOKENS=1: mvf as before)
+    monkeypatch.setattr(gpu, "MVT_TOKENS", 1)  # (STRATA_MVT_TOKENS=1, the default: mvf)
     monkeypatch.setattr(gpu, "_plans", {})
     assert gpu._quant_plan(t.id, 2560, 13, 3)[1] == f"mvf<{t.id}, 1>"
     monkeypatch.setattr(gpu, "MVT_TOKENS", gpu.MVT_MOST)
