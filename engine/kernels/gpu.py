@@ -65,6 +65,13 @@ if MMQ_LAUNCH_TOKENS < 1:
 MVF_TOKENS = int(os.environ.get("STRATA_MVF_TOKENS", "8"))
 if not 0 <= MVF_TOKENS <= 8:
     raise ValueError(f"STRATA_MVF_TOKENS={MVF_TOKENS}: expected 0 to 8 (the few-row kernel's registers)")
+# ... except on matrices of at least MMQ_ROWS_FROM weight rows (STRATA_MMQ_ROWS_FROM: a verify's LM
+# head, whose 3 rows on mvf cost 1.37x its one row on mv, an H100, 2026-12-06), which take the int8
+# tensor cores' mmq (mm's bits, as mvf's) where the type has them; 0, the default: never. Not yet
+# timed on a card: a benchmark's switch until it is.
+MMQ_ROWS_FROM = int(os.environ.get("STRATA_MMQ_ROWS_FROM", "0"))
+if MMQ_ROWS_FROM < 0:
+    raise ValueError(f"STRATA_MMQ_ROWS_FROM={MMQ_ROWS_FROM}: expected a count of weight rows (0: never)")
 # The most activation rows the one-row kernel takes at once (mv<T, KPL, WIDE, NT>, gpu_kernels.cu:
 # its weight rows staged and decoded once for all NT rows, each row's activation in registers), for
 # a product of few weight rows: those mvf would give a warp one row (_mvf_rows; their warps too few
@@ -99,6 +106,17 @@ MVF_ROWS_MOST = {"Q8_0": 2}  # else 4
 MVF_ROWS = int(os.environ.get("STRATA_MVF_ROWS", "0"))
 if MVF_ROWS and MVF_ROWS not in MVF_ROWS_ALL:
     raise ValueError(f"STRATA_MVF_ROWS={MVF_ROWS}: expected one of {MVF_ROWS_ALL} (unset: chosen by the shape)")
+# Warps a multiprocessor the routed experts' products of one launch (mvx: a token's 2k gate and up,
+# its k downs; a verify's T times as many) are given together, each product an equal share, each
+# warp the one-row kernel's most rows a step and the steps after it grid-stride (its next rows staged
+# while it computes these). 0: each product gets its own launch's grid (_mv_launch: rows spread so
+# that one product alone would fill the card, a warp one step of 1-2 rows), so a launch of R products
+# is R such grids in waves (a verify's 60 gate/up products of a seed-4l layer: 19200 one-warp blocks,
+# its IQ3_XXS gate/up read at ~0.8 TB/s, an H100, 2026-12-06). The grid does not touch a row's sums.
+# Not yet timed on a card: a benchmark's switch until it is.
+MVX_WARPS = int(os.environ.get("STRATA_MVX_WARPS", "0"))
+if MVX_WARPS < 0:
+    raise ValueError(f"STRATA_MVX_WARPS={MVX_WARPS}: expected warps a multiprocessor (0: each product's own grid)")
 SMEM_LIMIT = 48 * 1024  # dynamic shared memory a block may take without an opt-in
 SHARED_TABLE_ROWS = 64  # rows per thread block from which an IQ grid is copied to shared memory
 NO_BAD = np.uint64(0xFFFFFFFFFFFFFFFF)
@@ -1001,7 +1019,9 @@ def _quant_launch(type_id: int, n_in: int, n_out: int, n_tok: int, mma: bool, ti
     mv = _mv_launch(type_id, n_in, n_out, n_tok)
     if mv is not None:
         return mv
-    if 0 < n_tok <= MVF_TOKENS and (n_tok > 1 or nb > 32 * KPLS[-1]):  # few rows, or one mv cannot hold: a warp a row
+    if mma and 1 < n_tok <= MVF_TOKENS and MMQ_ROWS_FROM and n_out >= MMQ_ROWS_FROM:
+        tiled = False  # (a few rows of a large matrix on mmq's 16 x 8-token tiles: MMQ_ROWS_FROM)
+    elif 0 < n_tok <= MVF_TOKENS and (n_tok > 1 or nb > 32 * KPLS[-1]):  # few rows, or one mv cannot hold: a warp a row
         return _mvf_launch(type_id, n_out, n_tok)
     tiles = -(-n_out // MT_ROWS) * -(-n_tok // MT_TOKS)
     if mma and tiled and tiles >= MMT_MIN_TILES * rt.n_sm and nb >= MMT_MIN_BLOCKS:  # the int8 tensor cores in block tiles of MT_ROWS x MT_TOKS
@@ -1193,11 +1213,28 @@ def slot_products(type_id: int, n_in: int, n_out: int, arena, slot_bytes: int, a
     mod, name, grid, block, smem, extra = _quant_plan(type_id, n_in, n_out, 1)
     if not name.startswith("mv<"):
         return False
+    if MVX_WARPS:
+        grid, block, smem, extra = _mvx_plan(type_id, n_in, n_out, R)
     rest, _ = planes(type_id, n_in, n_out)
     args = (arena, np.int64(slot_bytes), np.int64(mat_bytes), np.int64(at), np.int64(at + align(rest)), slot, np.int32(k),
             np.int32(grid), act.q, act.d, act.s16, np.int32(x_div), out, np.int32(n_out), np.int32(n_in // QA))
     runtime().launch(mod, "mvx" + name[2:], grid * R, block, args + extra, smem)
     return True
+
+
+def _mvx_plan(type_id: int, n_in: int, n_out: int, R: int) -> tuple:
+    """mvx's launch for R products of n_out rows sharing the card (MVX_WARPS): -> (blocks a product,
+    threads a block, shared bytes, (rows a warp step, the grid copy))."""
+    key = (_mvx_plan, type_id, n_in, n_out, R, MVX_WARPS)
+    if key not in _plans:
+        t, rt = ggml_type(type_id), runtime()
+        m, kpl = _module(t.name), _kpl(n_in // QA)
+        rows, per_warp = m.mv_rows[kpl - 1], 2 * m.mv_buf[kpl - 1]
+        tab = _grid_copy(m, rt, n_out)
+        nw = _warps(per_warp, 1 << 30, rt.n_sm, most=4, fixed_smem=tab)
+        warps = min(-(-MVX_WARPS * rt.n_sm // R), -(-n_out // rows))  # a product's
+        _plans[key] = (-(-warps // nw), 32 * nw, tab + nw * per_warp, (np.int32(rows), np.int32(tab > 0)))
+    return _plans[key]
 
 
 def tile_rows(weights: list, firsts, counts, bases) -> np.ndarray:
