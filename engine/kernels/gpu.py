@@ -1222,19 +1222,17 @@ def slot_products(type_id: int, n_in: int, n_out: int, arena, slot_bytes: int, a
     return True
 
 
+@_planned
 def _mvx_plan(type_id: int, n_in: int, n_out: int, R: int) -> tuple:
     """mvx's launch for R products of n_out rows sharing the card (MVX_WARPS): -> (blocks a product,
     threads a block, shared bytes, (rows a warp step, the grid copy))."""
-    key = (_mvx_plan, type_id, n_in, n_out, R, MVX_WARPS)
-    if key not in _plans:
-        t, rt = ggml_type(type_id), runtime()
-        m, kpl = _module(t.name), _kpl(n_in // QA)
-        rows, per_warp = m.mv_rows[kpl - 1], 2 * m.mv_buf[kpl - 1]
-        tab = _grid_copy(m, rt, n_out)
-        nw = _warps(per_warp, 1 << 30, rt.n_sm, most=4, fixed_smem=tab)
-        warps = min(-(-MVX_WARPS * rt.n_sm // R), -(-n_out // rows))  # a product's
-        _plans[key] = (-(-warps // nw), 32 * nw, tab + nw * per_warp, (np.int32(rows), np.int32(tab > 0)))
-    return _plans[key]
+    t, rt = ggml_type(type_id), runtime()
+    m, kpl = _module(t.name), _kpl(n_in // QA)
+    rows, per_warp = m.mv_rows[kpl - 1], 2 * m.mv_buf[kpl - 1]
+    tab = _grid_copy(m, rt, n_out)
+    nw = _warps(per_warp, 1 << 30, rt.n_sm, most=4, fixed_smem=tab)  # (rows enough: shared memory alone limits it)
+    warps = min(-(-MVX_WARPS * rt.n_sm // R), -(-n_out // rows))  # a product's
+    return -(-warps // nw), 32 * nw, tab + nw * per_warp, (np.int32(rows), np.int32(tab > 0))
 
 
 def tile_rows(weights: list, firsts, counts, bases) -> np.ndarray:

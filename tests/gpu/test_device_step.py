@@ -839,6 +839,7 @@ def test_slot_products_are_each_experts_matvec(rt, types, warps, monkeypatch):
     from strata.index_format.ggml_types import ggml_type
 
     monkeypatch.setattr(gpu, "MVX_WARPS", warps)
+    monkeypatch.setattr(gpu, "_plans", {})  # (plans are made once a shape: MVX_WARPS is read then)
 
     rng = np.random.default_rng(8)
     gu, d = (ggml_type(t) for t in types)
