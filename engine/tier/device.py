@@ -59,6 +59,7 @@ CONV_T = 16  # device_kernels.cu: the tokens a thread of dev_conv takes
 DELTA_R = 4  # device_kernels.cu: value rows of one head a warp of dev_delta carries
 _NAMES = ["dev_rmsnorm", "dev_delta", "dev_conv", "dev_combine", "dev_sigmoid", "dev_gate", "dev_softplus", "dev_rope",
           "dev_hidden", "dev_route", "dev_combine_slots", "dev_combine_shared", "dev_kv_write", "dev_attn_one", "dev_argmax",
+          "dev_argmax_rows",
           "dev_gdn_gates", "dev_l2_qk", "dev_shared_add", "dev_attn_split", "dev_attn_merge", "dev_mix_tail", "dev_inject", "dev_ple_output",
           "dev_sample", "dev_route_rows", "dev_group", "dev_rmsnorm_q", "dev_hidden_q",
           "dev_gate_q", "dev_gates_conv", "dev_add_rmsnorm_q", "dev_embd_row", "dev_ple_conv", "dev_qsa_key",
@@ -946,7 +947,9 @@ class DeviceBackend(CpuBackend):
         self._copy_graphs = ByIdentity(COPY_GRAPHS)  # `copy_arrays`: arrays -> [their copies' graph, or None before the capture]
         self.verify_graphs = VERIFY_GRAPHS  # verify_step may capture and replay (VERIFY_GRAPHS)
         self.stream_retaken = 0  # steps that found another stream current (CupyRuntime.retake_stream)
-        self._rows_picks = {}  # pick_rows' sets by banned ids: (rows, device picks [rows, 3], their pinned mirror, ids on the device)
+        # pick_rows' sets by banned ids: (rows, device picks [rows, 3], their pinned mirror, ids on the device,
+        # dev_argmax_rows' parts [rows, 3 PICK_GRID] and ticket counters [rows])
+        self._rows_picks = {}
         self._top_prob = None  # queue_top_prob's (parts, counter, result, its pinned mirror)
         self._verify_ahead = None  # `ahead_verify`: the buffers of verifies run ahead (engine/tier/verify_ahead.py)
         # a norm that feeds products makes their ActQ in the same launch (norm_input, rmsnorm_q,
@@ -2421,7 +2424,8 @@ class DeviceBackend(CpuBackend):
                 self._vgraphs.clear()
             rows = max(n, 8)
             ban = rt.to_device(np.frombuffer(key, np.int32).copy()) if banned.size else rt.empty((1,), np.int32)
-            self._rows_picks[key] = (rows, rt.empty((rows, 3), np.int32), rt.pinned(12 * rows).view(np.int32).reshape(-1, 3), ban)
+            self._rows_picks[key] = (rows, rt.empty((rows, 3), np.int32), rt.pinned(12 * rows).view(np.int32).reshape(-1, 3), ban,
+                                     rt.empty((rows, 3 * PICK_GRID), np.int32), self.zeros((rows,), np.int32))
         self._argmax_work(1)  # (its parts and counter, made once)
 
     @staticmethod
@@ -2433,11 +2437,11 @@ class DeviceBackend(CpuBackend):
         `down` False: no copy down (a verify run ahead: its judge's record brings the picks)."""
         rt = self.rt
         n, V = logits.shape
-        _, dev, host, ban = self._rows_picks[self._ban_key(banned)]
-        grid, block, part, count = self._argmax_work(V)
-        for i in range(n):
-            rt.launch(self._mod, "dev_argmax", grid, block, (logits[i], np.int32(V), ban, np.int32(banned.size), part,
-                                                                  count, dev[i]), smem=4 * (3 * 32 + 1))
+        _, dev, host, ban, part, count = self._rows_picks[self._ban_key(banned)]
+        grid, block, _, _ = self._argmax_work(V)
+        # every row in one launch, each row dev_argmax's grid on its own parts and ticket (the same bits)
+        rt.launch(self._mod, "dev_argmax_rows", grid * n, block, (logits, np.int32(V), np.int32(grid), ban, np.int32(banned.size),
+                                                                   part, count, dev), smem=4 * (3 * 32 + 1))
         if down:
             rt.copy_out_async(host[:n], dev[:n])
 

@@ -1265,11 +1265,23 @@ __device__ __forceinline__ void warp_best(float& bv, int& bi) {
 }
 
 __device__ __forceinline__ bool argmax_grid(unsigned char* smem, const float* x, int n, const int* banned, int nb, int* part,
-                                            int* count, int* out);
+                                            int* count, int* out, int bx, int gx);
 
 extern "C" __global__ void dev_argmax(const float* x, int n, const int* banned, int nb, int* part, int* count, int* out) {
     STRATA_SMEM(smem);
-    argmax_grid(smem, x, n, banned, nb, part, count, out);
+    argmax_grid(smem, x, n, banned, nb, part, count, out, blockIdx.x, gridDim.x);
+}
+
+// dev_argmax over each of `rows` logits rows x [rows, n] in one launch (a verify's 1 + N picks):
+// row r takes blocks r gx .. r gx + gx - 1 of the grid, its own parts (part + 3 gx r), ticket
+// (count + r) and out + 3 r, so each row's pick is dev_argmax's on that row alone, the same bits.
+// (One launch a row cost a verify of 1 + 2 rows 27 us of device time against one pick's 10, the
+// rows' launches one after another, an H200 under ncu, 2026-12-06.)
+extern "C" __global__ void dev_argmax_rows(const float* x, int n, int gx, const int* banned, int nb, int* part, int* count,
+                                           int* out) {
+    STRATA_SMEM(smem);
+    const int r = blockIdx.x / gx;
+    argmax_grid(smem, x + (i64)r * n, n, banned, nb, part + 3 * gx * r, count + r, out + 3 * r, blockIdx.x % gx, gx);
 }
 
 // dev_argmax's pick (its grid and shared memory), then in the same launch, by the block that joins
@@ -1301,8 +1313,9 @@ __device__ __forceinline__ void block_best(float& bv, int& bi, int& nan, float* 
 }
 
 // -> true in every thread of the block that joined the parts (out written there)
+// (bx of gx: this block's place among the gx blocks that take x)
 __device__ __forceinline__ bool argmax_grid(unsigned char* smem, const float* x, int n, const int* banned, int nb, int* part,
-                                            int* count, int* out) {
+                                            int* count, int* out, int bx, int gx) {
     float* sv = reinterpret_cast<float*>(smem);
     int* si = reinterpret_cast<int*>(smem) + 32;
     int* sn = reinterpret_cast<int*>(smem) + 64;
@@ -1310,7 +1323,7 @@ __device__ __forceinline__ bool argmax_grid(unsigned char* smem, const float* x,
     const float inf = __uint_as_float(0x7f800000u);
     float bv = -inf;
     int bi = 0x7fffffff, nan = 0;
-    for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) {
+    for (int i = bx * blockDim.x + threadIdx.x; i < n; i += gx * blockDim.x) {
         bool ban = false;
         for (int j = 0; j < nb; j++) ban |= banned[j] == i;
         if (ban) continue;  // (a banned NaN too: the sampler sets banned logits to -inf first)
@@ -1322,16 +1335,16 @@ __device__ __forceinline__ bool argmax_grid(unsigned char* smem, const float* x,
     }
     block_best(bv, bi, nan, sv, si, sn);
     if (threadIdx.x == 0) {
-        volatile int* p = part + 3 * blockIdx.x;
+        volatile int* p = part + 3 * bx;
         p[0] = (int)__float_as_uint(bv), p[1] = bi, p[2] = nan;
         __threadfence();  // (this block's part is visible before its ticket is)
-        last[0] = atomicAdd(count, 1) == (int)gridDim.x - 1;
+        last[0] = atomicAdd(count, 1) == gx - 1;
     }
     __syncthreads();
     if (!last[0]) return false;
     __threadfence();
     bv = -inf, bi = 0x7fffffff, nan = 0;
-    for (int b = threadIdx.x; b < (int)gridDim.x; b += blockDim.x) {
+    for (int b = threadIdx.x; b < gx; b += blockDim.x) {
         const volatile int* p = part + 3 * b;
         best_of(bv, bi, __uint_as_float((unsigned)p[0]), p[1]);
         nan |= p[2];
@@ -1759,7 +1772,7 @@ extern "C" __global__ void dev_pick_next(const float* x, int n, const int* banne
                                          int* pos, int last, const unsigned char* table, i64 row_bytes, int rows, int type,
                                          int E, float* row) {
     STRATA_SMEM(smem);
-    if (!argmax_grid(smem, x, n, banned, nb, part, count, out)) return;
+    if (!argmax_grid(smem, x, n, banned, nb, part, count, out, blockIdx.x, gridDim.x)) return;
     int* tok = reinterpret_cast<int*>(smem) + 97;  // (past argmax_grid's 3 x 32 + 1)
     if (threadIdx.x == 0) {
         tok[0] = out[0];  // (the thread that wrote it)
