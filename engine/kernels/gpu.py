@@ -61,17 +61,12 @@ if MMQ_LAUNCH_TOKENS < 1:
 # an H100 (2026-12-05, the demo qwen35moe: a captured verify of 1 + 2 rows 1.57 ms of device time
 # with mmq, 0.86 with mvf, the token step 0.62; benchmarks/verify_profile.py). Its rows have the
 # token step's bits (tests/gpu/test_device_spec.py). STRATA_MVF_TOKENS=1: only a row mv cannot hold;
-# 0: never, the batched kernel as before.
+# 0: never, the batched kernel as before. A verify's LM head alone back on mmq (its 3 rows of a
+# Q6_K 248320 x 2048) was timed and removed: seed-4l qwen35moe's verify graph of 1 + 2 rows 1.56 ms
+# with it, 1.05 without, an H200, 2026-12-06.
 MVF_TOKENS = int(os.environ.get("STRATA_MVF_TOKENS", "8"))
 if not 0 <= MVF_TOKENS <= 8:
     raise ValueError(f"STRATA_MVF_TOKENS={MVF_TOKENS}: expected 0 to 8 (the few-row kernel's registers)")
-# ... except on matrices of at least MMQ_ROWS_FROM weight rows (STRATA_MMQ_ROWS_FROM: a verify's LM
-# head, whose 3 rows on mvf cost 1.37x its one row on mv, an H100, 2026-12-06), which take the int8
-# tensor cores' mmq (mm's bits, as mvf's) where the type has them; 0, the default: never. Not yet
-# timed on a card: a benchmark's switch until it is.
-MMQ_ROWS_FROM = int(os.environ.get("STRATA_MMQ_ROWS_FROM", "0"))
-if MMQ_ROWS_FROM < 0:
-    raise ValueError(f"STRATA_MMQ_ROWS_FROM={MMQ_ROWS_FROM}: expected a count of weight rows (0: never)")
 # The most activation rows the one-row kernel takes at once (mv<T, KPL, WIDE, NT>, gpu_kernels.cu:
 # its weight rows staged and decoded once for all NT rows, each row's activation in registers), for
 # a product of few weight rows: those mvf would give a warp one row (_mvf_rows; their warps too few
@@ -1019,9 +1014,7 @@ def _quant_launch(type_id: int, n_in: int, n_out: int, n_tok: int, mma: bool, ti
     mv = _mv_launch(type_id, n_in, n_out, n_tok)
     if mv is not None:
         return mv
-    if mma and 1 < n_tok <= MVF_TOKENS and MMQ_ROWS_FROM and n_out >= MMQ_ROWS_FROM:
-        tiled = False  # (a few rows of a large matrix on mmq's 16 x 8-token tiles: MMQ_ROWS_FROM)
-    elif 0 < n_tok <= MVF_TOKENS and (n_tok > 1 or nb > 32 * KPLS[-1]):  # few rows, or one mv cannot hold: a warp a row
+    if 0 < n_tok <= MVF_TOKENS and (n_tok > 1 or nb > 32 * KPLS[-1]):  # few rows, or one mv cannot hold: a warp a row
         return _mvf_launch(type_id, n_out, n_tok)
     tiles = -(-n_out // MT_ROWS) * -(-n_tok // MT_TOKS)
     if mma and tiled and tiles >= MMT_MIN_TILES * rt.n_sm and nb >= MMT_MIN_BLOCKS:  # the int8 tensor cores in block tiles of MT_ROWS x MT_TOKS

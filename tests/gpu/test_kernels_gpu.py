@@ -448,21 +448,6 @@ def test_a_few_rows_of_a_small_matrix_take_the_one_row_kernel_with_its_bits(rt, 
             _assert_same(rt.to_host(out), R.dot_reference(raw, t.id, n_in, m, quantize_act(x[:n])), f"mvm<{t.id}, 3, {n}> matrix {j}")
 
 
-@pytest.mark.parametrize("name", ["Q6_K", "Q8_0"])
-def test_a_few_rows_of_a_large_matrix_may_take_the_tensor_cores_with_their_bits(rt, name, monkeypatch):
-    # STRATA_MMQ_ROWS_FROM: 2 to MVF_TOKENS rows of a matrix of at least that many weight rows (a
-    # verify's LM head) take mmq in place of mvf, with the reference's bits; fewer weight rows and
-    # a single row keep their kernels.
-    t = BY_NAME[name]
-    monkeypatch.setattr(gpu, "_plans", {})
-    monkeypatch.setattr(gpu, "MMQ_ROWS_FROM", 40)
-    monkeypatch.setattr(gpu, "MVT_TOKENS", 1)  # (40 rows are few: the one-row kernel's NT rows first)
-    assert gpu._quant_plan(t.id, 2560, 40, 3)[1] == f"mmq<{t.id}>"
-    assert gpu._quant_plan(t.id, 2560, 39, 3)[1] != f"mmq<{t.id}>"
-    assert gpu._quant_plan(t.id, 2560, 40, 1)[1].startswith("mv<")
-    _check_products(rt, t, 2560, 40, (1, 2, 3), seed=t.id * 7)
-
-
 @pytest.mark.parametrize("rows", [2, 3, 4])
 def test_few_row_products_keep_their_bits_with_several_rows_a_warp(rt, rows, monkeypatch):
     # mvf<T, R>: a warp takes R weight rows at once (its lanes load each act-block of the activations
