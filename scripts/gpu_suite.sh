@@ -114,15 +114,10 @@ if [ -z "${SKIP_SPEC_BENCH:-}" ]; then
         echo "== GPU benchmark: benchmarks/verify_profile.py, $E"
         env $E timeout 150 python3 benchmarks/verify_profile.py 2>&1 | tee "$LOG/bench_verify_$kind.log"
     done
-    # seed-4l qwen35moe's verify (spec.py's pack), against the switch not on by default: the experts'
-    # products of a launch sharing the card's warps (2026-12-06, an H200: the experts were 135 us of a
-    # verify's 302 us of device time beyond a token step's; 16 warps a multiprocessor no faster)
+    # seed-4l qwen35moe's verify (spec.py's pack): its graph against the token step's, and run ahead
     P4=.cache/bench/seed-4l-qwen35moe-pack
-    for kind in base mvx base; do
-        case $kind in base) E="STRATA_MVX_WARPS=0";; mvx) E="STRATA_MVX_WARPS=16";; esac
-        [ -d $P4 ] && echo "== GPU benchmark: benchmarks/verify_profile.py --pack $P4, $E" && \
-            env $E timeout 90 python3 benchmarks/verify_profile.py --pack $P4 --host 0 --kernels 0 2>&1 | tee -a "$LOG/bench_verify4_$kind.log"
-    done
+    [ -d $P4 ] && echo "== GPU benchmark: benchmarks/verify_profile.py --pack $P4" && \
+        timeout 90 python3 benchmarks/verify_profile.py --pack $P4 --host 0 --kernels 0 2>&1 | tee "$LOG/bench_verify4.log"
 fi
 
 if [ -z "${SKIP_BUS_BENCH:-}" ]; then

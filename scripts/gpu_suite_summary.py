@@ -132,11 +132,8 @@ def main(argv: list[str] | None = None) -> int:
     rows += tier + bench_rows(log, 0) + serve_rows(log)
     rows += line_rows(log, "bench_device_sample.log", "sample bench", lambda l: "ms/token" in l)
     rows += line_rows(log, "bench_spec.log", "spec bench", lambda l: l.startswith(("target", "--spec 0")) or "verify" in l)
-    # seed-4l's verify of 1 + 2 rows (graph ms; run ahead, the wall a verify against its graph) with
-    # each switch not yet on by default, against the engine as it is (base, before and after them)
-    for kind in ("base", "mvx"):
-        rows += line_rows(log, f"bench_verify4_{kind}.log", f"verify4 {kind}",
-                          lambda l: l.strip().startswith(("verify 1+2", "always right", "always wrong")))
+    # seed-4l's verify of 1 + 2 rows (graph ms; run ahead, the wall a verify against its graph)
+    rows += line_rows(log, "bench_verify4.log", "verify4", lambda l: l.strip().startswith(("verify 1+2", "always right", "always wrong")))
     # serve_streams --gpu-step device --spec 2: its header row and one row per stream count
     rows += line_rows(log, "bench_serve_spec.log", "serve spec bench", lambda l: l.startswith("| ") and "---" not in l)
     rows += [("logs", str(log)), ("result", "PASS" if ok else "FAIL")]

@@ -101,17 +101,6 @@ MVF_ROWS_MOST = {"Q8_0": 2}  # else 4
 MVF_ROWS = int(os.environ.get("STRATA_MVF_ROWS", "0"))
 if MVF_ROWS and MVF_ROWS not in MVF_ROWS_ALL:
     raise ValueError(f"STRATA_MVF_ROWS={MVF_ROWS}: expected one of {MVF_ROWS_ALL} (unset: chosen by the shape)")
-# Warps a multiprocessor the routed experts' products of one launch (mvx: a token's 2k gate and up,
-# its k downs; a verify's T times as many) are given together, each product an equal share, each
-# warp the one-row kernel's most rows a step and the steps after it grid-stride (its next rows staged
-# while it computes these). 0: each product gets its own launch's grid (_mv_launch: rows spread so
-# that one product alone would fill the card, a warp one step of 1-2 rows), so a launch of R products
-# is R such grids in waves (a verify's 60 gate/up products of a seed-4l layer: 19200 one-warp blocks,
-# its IQ3_XXS gate/up read at ~0.8 TB/s, an H100, 2026-12-06). The grid does not touch a row's sums.
-# Not yet timed on a card: a benchmark's switch until it is.
-MVX_WARPS = int(os.environ.get("STRATA_MVX_WARPS", "0"))
-if MVX_WARPS < 0:
-    raise ValueError(f"STRATA_MVX_WARPS={MVX_WARPS}: expected warps a multiprocessor (0: each product's own grid)")
 SMEM_LIMIT = 48 * 1024  # dynamic shared memory a block may take without an opt-in
 SHARED_TABLE_ROWS = 64  # rows per thread block from which an IQ grid is copied to shared memory
 NO_BAD = np.uint64(0xFFFFFFFFFFFFFFFF)
@@ -1202,30 +1191,23 @@ def slot_products(type_id: int, n_in: int, n_out: int, arena, slot_bytes: int, a
     product j multiplies matrix j // k (at + j // k * mat_bytes within the slot) of the expert in slot
     slot[j % k] (device int32 [k]; -1: skipped, a miss) by act's row (j % k) // x_div (x_div 0: row
     0) into out[j] (device f32 [R, n_out]). Each product has matvec's bits on that weight. False (nothing launched) where
-    matvec would take the batched kernel (rows longer than mv holds): the caller keeps its own path."""
+    matvec would take the batched kernel (rows longer than mv holds): the caller keeps its own path.
+
+    Each product gets the grid it would get alone (expert-shaped: one-warp blocks, a row a warp), so
+    a launch of R products is R such grids in waves. Two other grids were timed on seed-4l
+    qwen35moe's captured verify of 1 + 2 rows (2026-12-06, graph ms) and were no faster: the
+    products sharing N warps a multiprocessor, each warp several staged steps (an H200, against 1.054
+    and 1.058: N = 4, 8, 16, 32 gave 1.238, 1.113, 1.064, 1.044; an H100, against 1.069 and 1.071:
+    N = 64 gave 1.058), and smaller staging buffers, so that more warps fit a multiprocessor (the
+    H100: STRATA_MV_STEP=1024 1.129 and 1.132, 2048 1.099)."""
     mod, name, grid, block, smem, extra = _quant_plan(type_id, n_in, n_out, 1)
     if not name.startswith("mv<"):
         return False
-    if MVX_WARPS:
-        grid, block, smem, extra = _mvx_plan(type_id, n_in, n_out, R)
     rest, _ = planes(type_id, n_in, n_out)
     args = (arena, np.int64(slot_bytes), np.int64(mat_bytes), np.int64(at), np.int64(at + align(rest)), slot, np.int32(k),
             np.int32(grid), act.q, act.d, act.s16, np.int32(x_div), out, np.int32(n_out), np.int32(n_in // QA))
     runtime().launch(mod, "mvx" + name[2:], grid * R, block, args + extra, smem)
     return True
-
-
-@_planned
-def _mvx_plan(type_id: int, n_in: int, n_out: int, R: int) -> tuple:
-    """mvx's launch for R products of n_out rows sharing the card (MVX_WARPS): -> (blocks a product,
-    threads a block, shared bytes, (rows a warp step, the grid copy))."""
-    t, rt = ggml_type(type_id), runtime()
-    m, kpl = _module(t.name), _kpl(n_in // QA)
-    rows, per_warp = m.mv_rows[kpl - 1], 2 * m.mv_buf[kpl - 1]
-    tab = _grid_copy(m, rt, n_out)
-    nw = _warps(per_warp, 1 << 30, rt.n_sm, most=4, fixed_smem=tab)  # (rows enough: shared memory alone limits it)
-    warps = min(-(-MVX_WARPS * rt.n_sm // R), -(-n_out // rows))  # a product's
-    return -(-warps // nw), 32 * nw, tab + nw * per_warp, (np.int32(rows), np.int32(tab > 0))
 
 
 def tile_rows(weights: list, firsts, counts, bases) -> np.ndarray:
