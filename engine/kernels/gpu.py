@@ -62,7 +62,7 @@ if MMQ_LAUNCH_TOKENS < 1:
 # with mmq, 0.86 with mvf, the token step 0.62; benchmarks/verify_profile.py). Its rows have the
 # token step's bits (tests/gpu/test_device_spec.py). STRATA_MVF_TOKENS=1: only a row mv cannot hold;
 # 0: never, the batched kernel as before. A verify's LM head alone back on mmq (its 3 rows of a
-# Q6_K 248320 x 2048) was timed and removed: seed-4l qwen35moe's verify graph of 1 + 2 rows 1.56 ms
+# Q6_K 248320 x 2560) was timed and removed: seed-4l qwen35moe's verify graph of 1 + 2 rows 1.56 ms
 # with it, 1.05 without, an H200, 2026-12-06.
 MVF_TOKENS = int(os.environ.get("STRATA_MVF_TOKENS", "8"))
 if not 0 <= MVF_TOKENS <= 8:

@@ -2400,9 +2400,10 @@ class DeviceBackend(CpuBackend):
         return token
 
     def pick_rows(self, logits, banned: np.ndarray) -> np.ndarray:
-        """The greedy token of each row of the device logits [n, n_vocab] (a verify's): dev_argmax per
-        row, `_greedy`'s rule, the banned ids never -> int64 [n]; only the picks come down, in one copy
-        after one wait. A NaN or an infinite largest logit is refused as the sampler refuses it."""
+        """The greedy token of each row of the device logits [n, n_vocab] (a verify's): dev_argmax's on
+        each row (dev_argmax_rows), `_greedy`'s rule, the banned ids never -> int64 [n]; only the
+        picks come down, in one copy after one wait. A NaN or an infinite largest logit is refused as
+        the sampler refuses it."""
         self.pick_rows_ready(logits.shape[0], banned)
         self.queue_pick_rows(logits, banned)
         self.rt.synchronize()
@@ -2437,6 +2438,8 @@ class DeviceBackend(CpuBackend):
         `down` False: no copy down (a verify run ahead: its judge's record brings the picks)."""
         rt = self.rt
         n, V = logits.shape
+        if not logits.flags.c_contiguous:  # (the launch reads row r at r V)
+            raise ValueError(f"queue_pick_rows: logits {list(logits.shape)} are not contiguous rows")
         _, dev, host, ban, part, count = self._rows_picks[self._ban_key(banned)]
         grid, block, _, _ = self._argmax_work(V)
         # every row in one launch, each row dev_argmax's grid on its own parts and ticket (the same bits)
