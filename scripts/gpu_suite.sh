@@ -118,6 +118,10 @@ if [ -z "${SKIP_SPEC_BENCH:-}" ]; then
     P4=.cache/bench/seed-4l-qwen35moe-pack
     [ -d $P4 ] && echo "== GPU benchmark: benchmarks/verify_profile.py --pack $P4" && \
         timeout 90 python3 benchmarks/verify_profile.py --pack $P4 --host 0 --kernels 0 2>&1 | tee "$LOG/bench_verify4.log"
+    # and each kernel's own device time in both (ncu), the verify's extra time by part
+    NCU=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
+    [ -d $P4 ] && [ -x "$NCU" ] && echo "== GPU benchmark: benchmarks/ncu_forward.py --pack $P4" && \
+        timeout 120 python3 benchmarks/ncu_forward.py --pack $P4 --ncu "$NCU" 2>&1 | tee "$LOG/bench_ncu_forward.log"
 fi
 
 if [ -z "${SKIP_BUS_BENCH:-}" ]; then

@@ -134,6 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     rows += line_rows(log, "bench_spec.log", "spec bench", lambda l: l.startswith(("target", "--spec 0")) or "verify" in l)
     # seed-4l's verify of 1 + 2 rows (graph ms; run ahead, the wall a verify against its graph)
     rows += line_rows(log, "bench_verify4.log", "verify4", lambda l: l.strip().startswith(("verify 1+2", "always right", "always wrong")))
+    rows += line_rows(log, "bench_ncu_forward.log", "ncu verify4", lambda l: l.strip().startswith(("routed experts", "LM head", "all ")))
     # serve_streams --gpu-step device --spec 2: its header row and one row per stream count
     rows += line_rows(log, "bench_serve_spec.log", "serve spec bench", lambda l: l.startswith("| ") and "---" not in l)
     rows += [("logs", str(log)), ("result", "PASS" if ok else "FAIL")]
