@@ -2427,7 +2427,7 @@ class DeviceBackend(CpuBackend):
             ban = rt.to_device(np.frombuffer(key, np.int32).copy()) if banned.size else rt.empty((1,), np.int32)
             self._rows_picks[key] = (rows, rt.empty((rows, 3), np.int32), rt.pinned(12 * rows).view(np.int32).reshape(-1, 3), ban,
                                      rt.empty((rows, 3 * PICK_GRID), np.int32), self.zeros((rows,), np.int32))
-        self._argmax_work(1)  # (its parts and counter, made once)
+        self._argmax_work(1)  # (the one-row pick's parts and counter, made here, before any capture: queue_pick_rows asks it for the grid)
 
     @staticmethod
     def _ban_key(banned: np.ndarray) -> bytes:
