@@ -638,13 +638,15 @@ _K_SUPER = frozenset(KTYPES)  # the types _k_superblock computes (KTYPES gains t
 
 def _tag(*names) -> str:
     """The cache-tag suffix of a kernel that reads rows of `names`: the settings of the switches
-    that change its code (K_HADD, Q2_SHUFFLE, ROW_PREFETCH, ROW_PREFETCH_CACHE) where they are not
-    the default."""
+    that change its code (K_HADD, Q2_SHUFFLE, ROW_PREFETCH, ROW_PREFETCH_CACHE, IQ_CODES) where they
+    are not the default."""
     off = AVX2 and not K_HADD and _K_SUPER.intersection(names)
     reads = (_K_SUPER | set(TYPES)).intersection(names)  # (the kernels that prefetch)
     pf = "" if ROW_PREFETCH == _ROW_PREFETCH or not reads else f"-pf{ROW_PREFETCH}"
     pf += "" if ROW_PREFETCH_CACHE == "l2" or not reads else f"-{ROW_PREFETCH_CACHE}"
-    return ("-kreduce" if off else "") + ("-q2interleave" if AVX2 and not Q2_SHUFFLE and "Q2_0" in names else "") + pf
+    flip = sorted(n for n in IQTYPES if n in names and (n in IQ_CODES) != (n in _IQ_CODES_DEFAULT)) if IQ_VBMI else []
+    codes = "".join(f"-{n.lower()}{'codes' if n in IQ_CODES else 'loads'}" for n in flip)
+    return ("-kreduce" if off else "") + ("-q2interleave" if AVX2 and not Q2_SHUFFLE and "Q2_0" in names else "") + pf + codes
 
 
 
@@ -793,6 +795,17 @@ PERMUTE_IQ3 = True  # IQ3_XXS's grid entries by register permutes (_lookup_perm)
 PREFETCH = (512, 576)  # bytes ahead of a super-block whose cache lines are asked for (5-8 super-blocks)
 IQTYPES = {"IQ2_XXS": 66, "IQ2_XS": 74, "IQ3_XXS": 98}  # name: super-block bytes
 _GRIDS = {"IQ2_XXS": (T.IQ2XXS_GRID, 64), "IQ2_XS": (T.IQ2XS_GRID, 64), "IQ3_XXS": (T.IQ3XXS_GRID, 32)}
+# The grid types whose entries come as codes through byte permutes (_grid_codes), not by loads or
+# _lookup_perm: one thread, a 640 x 2560 matrix in L2, Zen 4, super-blocks a second against the
+# loads: IQ3_XXS 79 M against 45 (1.75x, _lookup_perm's permutes and selects gone), IQ2_XXS 77
+# against 70 (1.08x), IQ2_XS 63 against 65 (0.95x: its 512 entries take twice the permutes, so it
+# keeps the loads). STRATA_ROWDOT_IQ_CODES: the types, comma-separated ("0": none), to time one
+# form against the other (benchmarks/switch_ab.py).
+_IQ_CODES_DEFAULT = frozenset({"IQ2_XXS", "IQ3_XXS"})
+_IQ_CODES = os.environ.get("STRATA_ROWDOT_IQ_CODES", ",".join(sorted(_IQ_CODES_DEFAULT)))
+IQ_CODES = frozenset() if _IQ_CODES.strip() in ("", "0") else frozenset(n.strip() for n in _IQ_CODES.split(","))
+if not IQ_CODES <= set(IQTYPES):
+    raise ValueError(f"STRATA_ROWDOT_IQ_CODES={_IQ_CODES!r}: expected grid types of {sorted(IQTYPES)}, comma-separated, or 0")
 
 
 def _grid_table(builder, name):
@@ -843,6 +856,75 @@ def _lookup_perm(builder, name, idx16):
         on = builder.icmp_unsigned("!=", builder.and_(idx, simd._splat(builder, ir.Constant(I32, 1 << bit), i16v)), ir.Constant(i16v, None))
         parts = [builder.select(on, parts[2 * k + 1], parts[2 * k]) for k in range(len(parts) // 2)]
     return builder.bitcast(parts[0], ir.VectorType(I8, 64))
+
+
+def _code_planes(name: str) -> tuple[list[int], list[int], list[int], int]:
+    """The grid of `name` as codes: every entry's bytes take few values (IQ2's 8 bytes 3, IQ3_XXS's
+    4 bytes 8), so an entry is its bytes' level numbers, `width` bits each (IQ2 2 x 8 = 16 bits,
+    IQ3_XXS 3 x 4 = 12), byte j at bit width * j. -> (the codes' low bytes, their high bytes, the
+    levels (the byte values, ascending), width)."""
+    table, bits = _GRIDS[name]
+    n = bits // 8
+    entries = np.asarray(table).astype(np.uint64 if n == 8 else np.uint32).view(np.uint8).reshape(-1, n)
+    levels = sorted(set(entries.ravel().tolist()))
+    width = (len(levels) - 1).bit_length()
+    codes = [sum(levels.index(int(v)) << (width * j) for j, v in enumerate(e)) for e in entries]
+    return [c & 255 for c in codes], [c >> 8 for c in codes], levels, width
+
+
+def _const64(vals) -> ir.Constant:
+    return ir.Constant(ir.VectorType(I8, 64), [ir.Constant(I8, int(v) - 256 * (int(v) > 127)) for v in vals])
+
+
+def _grid_codes(builder, name, src):
+    """The four <64 x i8> grid vectors of a super-block (vector m: the entries of act-blocks 2m,
+    2m + 1, in element order) from `src`, the super-block's 64 bytes after d (the index bytes of
+    IQ2_XXS's words and of IQ3_XXS, IQ2_XS's u16s), by byte permutes where the scalar form
+    (_lookup) took a load of each index, a load of each entry and their inserts, and _lookup_perm
+    (IQ3_XXS) 32 permutes, 28 selects and 32 copies of a table. The loop's instructions a
+    super-block (LLVM's code, counted): IQ2_XXS 156 -> 90, IQ2_XS 189 -> 111, IQ3_XXS 177 -> 88;
+    what a second gains is less (IQ_CODES: 512-bit permutes are what Zen 4 runs fewest of):
+
+    1. every lane's index is looked up in the low and in the high bytes of the codes
+       (_code_planes), 128 entries per vpermi2b, a select on index bit 7 (IQ2_XS: and 8);
+    2. one vpermi2b per vector puts each entry's code bytes at the start of its own qword (IQ3_XXS:
+       of its dword; two entries a qword);
+    3. vpmultishiftqb takes byte j's level number from bit width * j of the code (the bits above
+       it are the next fields' or other bytes': the table below ignores them);
+    4. one vpermi2b of a 64-entry table maps each byte's low bits to its level's value.
+
+    The bytes are the grid's, so the sums and the bits are the scalar form's."""
+    v64 = ir.VectorType(I8, 64)
+    perm = simd._fn(builder, "llvm.x86.avx512.vpermi2var.qi.512", v64, [v64] * 3)
+    lo, hi, levels, width = _code_planes(name)
+    zero = ir.Constant(v64, None)
+    bit7 = builder.icmp_signed("<", src, zero)
+    if name == "IQ2_XS":  # lane 2i: u16 i's low byte; its bit 8 (the index's ninth) is the next lane's bit 0
+        up = builder.bitcast(builder.lshr(builder.bitcast(src, ir.VectorType(I16, 32)), simd._splat(builder, ir.Constant(I16, 8), ir.VectorType(I16, 32))), v64)
+        bit8 = builder.icmp_unsigned("!=", builder.and_(up, _const64([1] * 64)), zero)
+
+    def lookup(plane):
+        parts = [builder.call(perm, [_const64(plane[k : k + 64]), src, _const64(plane[k + 64 : k + 128])]) for k in range(0, len(plane), 128)]
+        parts = [builder.select(bit7, parts[k + 1], parts[k]) for k in range(0, len(parts), 2)]
+        return parts[0] if len(parts) == 1 else builder.select(bit8, parts[1], parts[0])
+
+    lov, hiv = lookup(lo), lookup(hi)
+    if name == "IQ2_XXS":  # entry i: byte i % 4 of word i // 4 (8 bytes a word: 4 indices, then signs and scale)
+        lane, per, offsets = (lambda i: 8 * (i // 4) + i % 4), 8, [2 * j for j in range(8)]
+    elif name == "IQ2_XS":
+        lane, per, offsets = (lambda i: 2 * i), 8, [2 * j for j in range(8)]
+    else:  # IQ3_XXS: entry i at lane i; two entries a qword (dwords)
+        lane, per, offsets = (lambda i: i), 16, [0, 3, 6, 9, 32, 35, 38, 41]
+    value = _const64([levels[t % (1 << width)] if t % (1 << width) < len(levels) else 0 for t in range(64)])
+    out = []
+    for m in range(4):
+        at = [0] * 64
+        for k in range(per):  # entry per * m + k: its code's bytes at the start of its qword (dword)
+            b = 8 * k if per == 8 else 4 * k
+            at[b], at[b + 1] = lane(per * m + k), 64 + lane(per * m + k)
+        codes = builder.call(perm, [lov, _const64(at), hiv])
+        out.append(builder.call(perm, [value, _fields(builder, codes, offsets), value]))
+    return out
 
 
 # ksigns: a 7-bit sign index -> the 8 sign bits (the 8th makes the parity even), as the two
@@ -953,9 +1035,13 @@ def _iq_superblock(builder, name, ptr, p, sb, zero, xptrs=None):
         ws = builder.add(builder.shl(builder.lshr(aux, c32(28)), c32(1)), c32(1))
     _, bits = _GRIDS[name]
     sword = builder.bitcast(signs, ir.VectorType(I64, 4))  # word m: the 64 sign bits of act-blocks 2m, 2m + 1
-    grid, negs = [], []
+    codes = name in IQ_CODES
+    grid = _grid_codes(builder, name, raw(2, v64, vec=True)) if codes else []
+    negs = []
     for m in range(4):
-        if bits == 64:
+        if codes:
+            pass  # (grid made above, all four at once)
+        elif bits == 64:
             grid.append(_lookup(builder, table, [gidx(i) for i in range(8 * m, 8 * m + 8)]))
         elif PERMUTE_IQ3:  # IQ3_XXS: the 16 index bytes of act-blocks 2m, 2m + 1 in one load
             grid.append(_lookup_perm(builder, name, raw(2 + 16 * m, ir.VectorType(I8, 16), vec=True)))
@@ -1452,7 +1538,7 @@ def _grouped_one_kernel(name: str, parallel: bool, few: bool = False):
             # as below, groups of 1 .. FEW_MAX tokens: each row read once for all of them
             simd.run_queue(n_workers, bounds.size - 1, chunk, (raw, offsets, row_bytes, starts, items, bounds, xq, xd, s16, out, xd.shape[1]))
 
-        return cached(njit(parallel=parallel, **JIT)(kernel), f"{name}-rowdot-grouped-few-{'par' if parallel else 'serial'}")
+        return cached(njit(parallel=parallel, **JIT)(kernel), f"{name}-rowdot-grouped-few-{'par' if parallel else 'serial'}{_tag(name)}")
     if name in KTYPES:
         row = KROW[name]
 

@@ -662,6 +662,55 @@ def test_the_prefetch_cache_setting_compiles_its_own_code_on_every_rowdot_host(t
     assert bad.returncode != 0 and "STRATA_ROWDOT_PREFETCH_CACHE='L3': expected one of l1, l2, nta" in bad.stderr, bad.stderr[-2000:]
 
 
+_GRID_FORMS_CHECK = """
+import numpy as np, sys
+sys.path.insert(0, {tests!r})
+from kernel_blocks import random_weights
+from strata.engine.kernels import cpu, rowdot
+from strata.engine.kernels import reference as R
+from strata.engine.kernels.actq import ActQ, quantize_act
+from strata.index_format.ggml_types import BY_NAME
+cpu.set_threads(1)
+rng = np.random.default_rng(5)
+n_in, n_out = 1280, 37
+act = quantize_act(rng.standard_normal((3, n_in)).astype(np.float32))
+for name in ("IQ2_XXS", "IQ2_XS", "IQ3_XXS"):
+    t = BY_NAME[name]
+    raw = random_weights(t, n_in * n_out, np.random.default_rng(t.id))
+    one = ActQ(act.q[0], act.d[0], act.s16[0])
+    assert np.array_equal(cpu.matvec(raw, t.id, n_in, n_out, one), R.dot_reference(raw, t.id, n_in, n_out, one)), name
+    size = t.nbytes((n_in, n_out))
+    got = cpu.matmul_grouped(np.concatenate([raw, raw]), t.id, n_in, n_out, np.array([0, size]), act, np.array([0, 1, 3]))
+    assert np.array_equal(got, R.dot_reference(raw, t.id, n_in, n_out, act)), name + " (1 and 2 tokens an expert)"
+print(sorted(rowdot.IQ_CODES))
+"""
+
+
+def test_the_grid_kernels_two_forms_give_the_same_bits_and_their_own_machine_code(tmp_path):
+    # STRATA_ROWDOT_IQ_CODES picks, per grid type, the entries by byte permutes of their codes or
+    # by loads (rowdot._grid_codes): each type's other form must give the reference's bits too (one
+    # token, and 1 and 2 tokens an expert: the few-token kernel), compile its own code rather than
+    # load the default's from the disk cache, and a type that is not a grid type is refused
+    rowdot = _need_iq("IQ2_XXS")
+    if not rowdot.IQ_VBMI:
+        pytest.skip("the two forms are the AVX512-VBMI kernels' (the AVX2 form has one)")
+    env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path))
+    code = _GRID_FORMS_CHECK.format(tests=str(Path(__file__).resolve().parents[1]))
+    for setting, want in ((None, ["IQ2_XXS", "IQ3_XXS"]), ("IQ2_XS", ["IQ2_XS"]), ("0", [])):
+        e = {k: v for k, v in env.items() if k != "STRATA_ROWDOT_IQ_CODES"}
+        if setting is not None:
+            e["STRATA_ROWDOT_IQ_CODES"] = setting
+        res = subprocess.run([sys.executable, "-P", "-c", code], env=e, capture_output=True, text=True, timeout=900)
+        assert res.returncode == 0, res.stderr[-3000:]
+        assert res.stdout.split("\n")[-2] == str(want), res.stdout
+    names = " ".join(p.name for p in tmp_path.rglob("*.nbi"))
+    for tag in ("iq2_xxsloads", "iq3_xxsloads", "iq2_xscodes"):
+        assert tag in names, f"no kernel compiled for the non-default form {tag}: {names}"
+    bad = subprocess.run([sys.executable, "-P", "-c", "import strata.engine.kernels.rowdot"], capture_output=True, text=True,
+                         env=dict(env, STRATA_ROWDOT_IQ_CODES="IQ4_NL"), timeout=600)
+    assert bad.returncode != 0 and "STRATA_ROWDOT_IQ_CODES='IQ4_NL': expected grid types of" in bad.stderr, bad.stderr[-2000:]
+
+
 def test_kernels_load_from_the_disk_cache_in_a_new_process(tmp_path):
     # Compiling took 20-30 s at every start of the demo model; a second process must load the
     # machine code. A narrowed feature set compiles other code for the same CPU: it must not
