@@ -873,6 +873,7 @@ def _code_planes(name: str) -> tuple[list[int], list[int], list[int], int]:
 
 
 def _const64(vals) -> ir.Constant:
+    """<64 x i8> of the byte values `vals` (0..255)."""
     return ir.Constant(ir.VectorType(I8, 64), [ir.Constant(I8, int(v) - 256 * (int(v) > 127)) for v in vals])
 
 
@@ -929,14 +930,14 @@ def _grid_codes(builder, name, src):
 
 # ksigns: a 7-bit sign index -> the 8 sign bits (the 8th makes the parity even), as the two
 # 64-byte halves vpermi2b looks the 128 entries up in
-_KSIGNS = [[ir.Constant(I8, int(v) - 256 * (int(v) > 127)) for v in T.KSIGNS_IQ2XS[h * 64 : h * 64 + 64]] for h in range(2)]
+_KSIGNS = [_const64(T.KSIGNS_IQ2XS[h * 64 : h * 64 + 64]) for h in range(2)]
 
 
 def _ksigns(builder, idx):
     """<64 x i8> of 7-bit sign indices (bit 7 ignored) -> their sign bytes: one vpermi2b."""
     v64 = ir.VectorType(I8, 64)
     fn = simd._fn(builder, "llvm.x86.avx512.vpermi2var.qi.512", v64, [v64] * 3)
-    return builder.call(fn, [ir.Constant(v64, _KSIGNS[0]), idx, ir.Constant(v64, _KSIGNS[1])])
+    return builder.call(fn, [_KSIGNS[0], idx, _KSIGNS[1]])
 
 
 def _fields(builder, data, offsets):
@@ -1035,19 +1036,15 @@ def _iq_superblock(builder, name, ptr, p, sb, zero, xptrs=None):
         ws = builder.add(builder.shl(builder.lshr(aux, c32(28)), c32(1)), c32(1))
     _, bits = _GRIDS[name]
     sword = builder.bitcast(signs, ir.VectorType(I64, 4))  # word m: the 64 sign bits of act-blocks 2m, 2m + 1
-    codes = name in IQ_CODES
-    grid = _grid_codes(builder, name, raw(2, v64, vec=True)) if codes else []
-    negs = []
-    for m in range(4):
-        if codes:
-            pass  # (grid made above, all four at once)
-        elif bits == 64:
-            grid.append(_lookup(builder, table, [gidx(i) for i in range(8 * m, 8 * m + 8)]))
-        elif PERMUTE_IQ3:  # IQ3_XXS: the 16 index bytes of act-blocks 2m, 2m + 1 in one load
-            grid.append(_lookup_perm(builder, name, raw(2 + 16 * m, ir.VectorType(I8, 16), vec=True)))
-        else:  # IQ3_XXS: two 4-byte entries to a word, so the vector is built as IQ2's
-            grid.append(_lookup(builder, table, [(gidx(i), gidx(i + 1)) for i in range(16 * m, 16 * m + 16, 2)]))
-        negs.append(builder.bitcast(builder.extract_element(sword, ir.Constant(I32, m)), ir.VectorType(ir.IntType(1), 64)))
+    if name in IQ_CODES:  # all four vectors at once
+        grid = _grid_codes(builder, name, raw(2, v64, vec=True))
+    elif bits == 64:
+        grid = [_lookup(builder, table, [gidx(i) for i in range(8 * m, 8 * m + 8)]) for m in range(4)]
+    elif PERMUTE_IQ3:  # IQ3_XXS: the 16 index bytes of act-blocks 2m, 2m + 1 in one load
+        grid = [_lookup_perm(builder, name, raw(2 + 16 * m, ir.VectorType(I8, 16), vec=True)) for m in range(4)]
+    else:  # IQ3_XXS: two 4-byte entries to a word, so the vector is built as IQ2's
+        grid = [_lookup(builder, table, [(gidx(i), gidx(i + 1)) for i in range(16 * m, 16 * m + 16, 2)]) for m in range(4)]
+    negs = [builder.bitcast(builder.extract_element(sword, ir.Constant(I32, m)), ir.VectorType(ir.IntType(1), 64)) for m in range(4)]
     d = _iq_d(builder, name, raw)
     terms = []
     for xptr in xptrs or [ptr]:
